@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv, install nereus with a CPU build of torch (unless torch is
+# already importable in the venv), then run the demo or the whole suite.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.nereus-installed
+# torch==2.13.0 is a CPU build that lies on disk on the project's machines; a bare
+# "torch" would pull a multi-GB CUDA build. On a GPU machine torch comes from PyPI.
+TORCH_CPU_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "torch already present: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet torch; \
+	else \
+		$(PY) -m pip install --quiet "$(TORCH_CPU_SPEC)"; \
+	fi
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m examples.demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+
+lint: setup
+	$(VENV)/bin/ruff check nereus tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""nereus.actors (see DESIGN.md)."""

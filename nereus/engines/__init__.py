@@ -1,0 +1,1 @@
+"""nereus.engines (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""nereus.models (see DESIGN.md)."""

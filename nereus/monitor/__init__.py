@@ -1,0 +1,1 @@
+"""nereus.monitor (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""nereus.planner (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""nereus.rl (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""nereus.state (see DESIGN.md)."""

