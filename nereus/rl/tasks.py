@@ -124,7 +124,7 @@ class ArithmeticTask(Task):
 
     @property
     def alphabet(self) -> str:
-        return "0123456789-" + "".join(sorted(set(self.ops) | {"="}))
+        return "0123456789" + "".join(sorted(set(self.ops) | {"=", "-"}))
 
     def sample(self, index: int, seed: int) -> Sample:
         r = _rng(seed, index)

@@ -1,0 +1,267 @@
+"""The configuration of an RL job, one-to-one with its TOML file.
+
+``JobConfig`` is a tree of dataclasses validated in ``__post_init__``; build it with
+``nereus.config.load_toml(JobConfig, path)`` or ``from_dict``. An unknown key, a value
+of the wrong type or out of range raises ``ConfigError`` naming the dotted field, the
+value and the rule (``algorithm.samples_per_prompt=1 must be >= 2 for grpo``).
+
+Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]``,
+``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[sampling]``,
+``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
+explicit, static placement of each model-stage as EMUs on devices) and ``[run]``
+(steps, seed, output directory, checkpoints).
+
+Model-stages: ``policy_generation``, ``reference_inference``, ``critic_inference``,
+``reward_inference``, ``policy_training``, ``critic_training``. Which ones a job needs
+follows from the algorithm (``required_stages``); a plan entry for a model-stage the
+job does not use is refused, and so is a missing one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nereus.config import parse_size, require
+
+__all__ = [
+    "MODEL_STAGES",
+    "ModelConfigSection",
+    "TaskConfig",
+    "AlgorithmConfig",
+    "SamplingConfig",
+    "OptimConfig",
+    "ClusterConfig",
+    "Placement",
+    "RunConfig",
+    "JobConfig",
+    "required_stages",
+]
+
+MODEL_STAGES = (
+    "policy_generation",
+    "reference_inference",
+    "critic_inference",
+    "reward_inference",
+    "policy_training",
+    "critic_training",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfigSection:
+    """The policy model: ``tiny`` (random init, character vocabulary) or ``hf`` (a folder
+    with config.json, *.safetensors and tokenizer.json)."""
+
+    kind: Literal["tiny", "hf"] = "tiny"
+    path: str = ""
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_seq_len: int = 64
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        require(self.kind in ("tiny", "hf"), "model.kind", self.kind, "must be 'tiny' or 'hf'")
+        require(self.kind != "hf" or bool(self.path), "model.path", self.path, "must name a Hugging Face folder when kind='hf'")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
+            require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        require(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads, f"must divide hidden_size={self.hidden_size}")
+        require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """A shipped task (``nereus.rl.tasks``) by name, its options and the dataset size."""
+
+    name: str = "reverse"
+    options: dict[str, Any] = field(default_factory=dict)
+    dataset_size: int = 4096
+
+    def __post_init__(self) -> None:
+        from nereus.rl.tasks import TASKS
+
+        require(self.name in TASKS, "task.name", self.name, f"must be one of {sorted(TASKS)}")
+        require(self.dataset_size >= 1, "task.dataset_size", self.dataset_size, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The RL algorithm and its coefficients.
+
+    ``kl_mode``: ``loss`` adds ``kl_coef * KL`` to the policy loss (GRPO's way),
+    ``penalty`` subtracts it from the per-token rewards (PPO's way)."""
+
+    name: Literal["grpo", "ppo", "remax"] = "grpo"
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "penalty"] = "loss"
+    scale_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    whiten_advantages: bool = True
+    epochs: int = 1
+    aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+
+    def __post_init__(self) -> None:
+        require(self.name in ("grpo", "ppo", "remax"), "algorithm.name", self.name, "must be 'grpo', 'ppo' or 'remax'")
+        require(self.prompts_per_step >= 1, "algorithm.prompts_per_step", self.prompts_per_step, "must be >= 1")
+        if self.name == "grpo":
+            require(self.samples_per_prompt >= 2, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 2 for grpo")
+        else:
+            require(self.samples_per_prompt >= 1, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
+        require(0 <= self.clip_eps < 1, "algorithm.clip_eps", self.clip_eps, "must be in [0, 1)")
+        require(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0")
+        require(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]")
+        require(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
+        require(self.value_clip >= 0, "algorithm.value_clip", self.value_clip, "must be >= 0")
+        require(self.epochs >= 1, "algorithm.epochs", self.epochs, "must be >= 1")
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.max_new_tokens >= 1, "sampling.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        require(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")
+        require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW for the policy (and the critic, at ``critic_lr``)."""
+
+    lr: float = 3e-3
+    critic_lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        require(self.critic_lr > 0, "optim.critic_lr", self.critic_lr, "must be > 0")
+        require(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "must be in [0, 1)")
+        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
+        require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``local``: an embedded cluster of ``devices`` CPU worker processes, each with
+    ``memory_per_device``; ``in_process``: every model-stage in the driver (for tests)."""
+
+    mode: Literal["local", "in_process"] = "local"
+    devices: int = 4
+    memory_per_device: str = "1GiB"
+
+    def __post_init__(self) -> None:
+        require(self.mode in ("local", "in_process"), "cluster.mode", self.mode, "must be 'local' or 'in_process'")
+        require(self.devices >= 1, "cluster.devices", self.devices, "must be >= 1")
+        parse_size(self.memory_per_device, "cluster.memory_per_device")
+
+    @property
+    def memory_bytes(self) -> int:
+        return parse_size(self.memory_per_device, "cluster.memory_per_device")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One model-stage's EMUs: ``dp`` replicas of layout ``tp x pp``; ``devices`` lists
+    the ``dp * tp * pp`` devices, replica after replica."""
+
+    devices: list[int] = field(default_factory=lambda: [0])
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            require(getattr(self, name) >= 1, f"plan.{name}", getattr(self, name), "must be >= 1")
+        require(len(self.devices) == self.tp * self.pp * self.dp, "plan.devices", self.devices, f"must list tp*pp*dp={self.tp * self.pp * self.dp} devices")
+        require(len(set(self.devices)) == len(self.devices), "plan.devices", self.devices, "must not repeat a device")
+
+    def emu_devices(self) -> list[list[int]]:
+        """The devices of each EMU (one list per DP replica)."""
+        n = self.tp * self.pp
+        return [self.devices[i * n:(i + 1) * n] for i in range(self.dp)]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 40
+    seed: int = 0
+    out_dir: str = "runs/job"
+    checkpoint_every: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "run.steps", self.steps, "must be >= 1")
+        require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
+        require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "must be >= 0 (0 = only at the end)")
+
+
+def required_stages(algorithm: str) -> tuple[str, ...]:
+    """The model-stages an algorithm needs (rule rewards need no reward model)."""
+    if algorithm == "ppo":
+        return ("policy_generation", "reference_inference", "critic_inference", "policy_training", "critic_training")
+    return ("policy_generation", "reference_inference", "policy_training")
+
+
+def _default_plan() -> dict[str, Placement]:
+    return {
+        "policy_generation": Placement(devices=[0, 1, 2, 3], dp=4),
+        "reference_inference": Placement(devices=[2]),
+        "policy_training": Placement(devices=[0]),
+    }
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfigSection = field(default_factory=ModelConfigSection)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: dict[str, Placement] = field(default_factory=_default_plan)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        needed = required_stages(self.algorithm.name)
+        for name in self.plan:
+            require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} does not use (it uses {list(needed)})")
+        for name in needed:
+            if name == "reference_inference" and self.algorithm.kl_coef == 0:
+                continue  # no KL term: the reference is never asked
+            require(name in self.plan, "plan", sorted(self.plan), f"must place model-stage {name!r}")
+        for name, p in self.plan.items():
+            bad = [d for d in p.devices if not 0 <= d < self.cluster.devices]
+            require(not bad, f"plan.{name}.devices", p.devices, f"must be in [0, cluster.devices={self.cluster.devices})")
+            heads = self.model.num_heads
+            if self.model.kind == "tiny":
+                require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
+                require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
+        gen = self.plan["policy_generation"]
+        require(self.algorithm.prompts_per_step % gen.dp == 0, "plan.policy_generation.dp", gen.dp, f"must divide algorithm.prompts_per_step={self.algorithm.prompts_per_step}")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algorithm.kl_coef > 0

@@ -1,0 +1,172 @@
+"""What an RL job shows and writes: metrics JSONL, a rich progress bar, a summary, a plot.
+
+- ``MetricsWriter`` appends one JSON object per step to ``metrics.jsonl`` (flushed
+  each step, so a crash loses nothing already written); on resume it keeps the lines
+  of steps before the resume point and drops later ones, so the file always tells one
+  history.
+- ``StepProgress`` is a rich progress bar over steps whose description shows the
+  step's stage times, mean reward and mean response length; it is a no-op when
+  disabled (tests, non-interactive runs log instead).
+- ``summary_table`` renders the per-step records as a rich table; ``plot_metrics``
+  writes a PNG of reward, response length and stage times per step (matplotlib, Agg
+  backend: no display is ever needed).
+
+A step record is a flat dict: ``step``, ``reward_mean``, ``reward_std``,
+``response_len_mean``, ``policy_version``, ``step_seconds``, ``<stage>_seconds`` for
+each stage timed, and the losses' metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "plot_metrics"]
+
+log = logging.getLogger("nereus.rl")
+
+STAGE_KEYS = ("generate_seconds", "score_seconds", "train_seconds", "sync_seconds")
+
+
+class MetricsWriter:
+    """Appends step records to ``path`` as JSON lines."""
+
+    def __init__(self, path: str | Path, resume_from_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from_step is None:
+            self.path.write_text("")
+        else:
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) < resume_from_step] if self.path.exists() else []
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._fh = self.path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    with Path(path).open() as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+class StepProgress:
+    """A rich progress bar over the job's steps (or nothing when ``enabled`` is False)."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, title: str = "GRPO") -> None:
+        self.enabled = enabled
+        self._progress = None
+        if not enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.fields[title]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+        )
+        self._task = self._progress.add_task("", total=total, completed=start, title=title)
+        self._progress.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self._progress is None:
+            log.info("step %s: %s", record.get("step"), describe(record))
+            return
+        self._progress.update(self._task, advance=1, description=describe(record))
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One line: reward, length and stage times of a step record."""
+    parts = [
+        f"reward {record.get('reward_mean', float('nan')):.3f}",
+        f"len {record.get('response_len_mean', float('nan')):.1f}",
+    ]
+    for key in STAGE_KEYS:
+        if key in record:
+            parts.append(f"{key.removesuffix('_seconds')} {record[key]:.2f}s")
+    return " | ".join(parts)
+
+
+def summary_table(records: Sequence[dict[str, Any]], title: str = "RL job summary") -> Any:
+    """A rich Table with one row per step (at most ~20 rows: evenly spaced steps)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    cols = ["step", "reward_mean", "response_len_mean", *STAGE_KEYS, "step_seconds"]
+    present = [c for c in cols if any(c in r for r in records)]
+    for c in present:
+        table.add_column(c.removesuffix("_seconds") + (" s" if c.endswith("_seconds") else ""), justify="right")
+    stride = max(1, len(records) // 20)
+    shown = list(records[::stride])
+    if records and shown[-1] is not records[-1]:
+        shown.append(records[-1])
+    for r in shown:
+        table.add_row(*[_fmt(r.get(c)) for c in present])
+    return table
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """PNG with three panels over steps: reward (mean and spread), response length,
+    stage times. Returns the path written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    mean = [r.get("reward_mean", float("nan")) for r in records]
+    std = [r.get("reward_std", 0.0) for r in records]
+    axes[0].plot(steps, mean, color="tab:blue", label="reward mean")
+    axes[0].fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, color="tab:blue")
+    axes[0].set_ylabel("reward")
+    axes[0].legend(loc="lower right")
+    axes[1].plot(steps, [r.get("response_len_mean", float("nan")) for r in records], color="tab:orange")
+    axes[1].set_ylabel("response length (tokens)")
+    for key in STAGE_KEYS:
+        if any(key in r for r in records):
+            axes[2].plot(steps, [r.get(key, float("nan")) for r in records], label=key.removesuffix("_seconds"))
+    axes[2].set_ylabel("stage time (s)")
+    axes[2].set_xlabel("step")
+    axes[2].legend(loc="upper right", fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,103 @@
+"""Tokenizers for RL jobs: a character vocabulary for the shipped tasks, or a model's own.
+
+``char_tokenizer(alphabet)`` builds a Hugging Face ``tokenizers`` tokenizer with one token
+per character plus ``<pad>`` (0), ``<bos>`` (1) and ``<eos>`` (2), and ``save`` writes it as
+``tokenizer.json`` so the folder of a tiny model is a normal Hugging Face folder.
+``Codec`` is what the step loop uses: ``encode`` a prompt (with BOS when the tokenizer has
+one), ``decode`` a response (stopping at EOS, special tokens dropped), and the ids of the
+special tokens. It wraps either kind, so the loop never asks which one it has.
+
+Refuses (``ConfigError``): an empty alphabet, characters that repeat, a folder without a
+``tokenizer.json``, a tokenizer without an end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from nereus.config import require
+from nereus.errors import ConfigError
+
+__all__ = ["SPECIAL_TOKENS", "char_tokenizer", "Codec"]
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+
+
+def char_tokenizer(alphabet: str) -> Tokenizer:
+    """One token per character of ``alphabet`` (ids 3..), after the three special tokens."""
+    require(len(alphabet) >= 1, "alphabet", alphabet, "must not be empty")
+    require(len(set(alphabet)) == len(alphabet), "alphabet", alphabet, "must not repeat a character")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+class Codec:
+    """Encode prompts and decode responses with one tokenizer (character or HF)."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int | None = None, bos_id: int | None = None, pad_id: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id if eos_id is not None else tokenizer.token_to_id("<eos>")
+        if self.eos_id is None:
+            raise ConfigError("tokenizer has no end-of-sequence token: pass eos_id (e.g. from config.json)")
+        self.bos_id = bos_id if bos_id is not None else tokenizer.token_to_id("<bos>")
+        pad = pad_id if pad_id is not None else tokenizer.token_to_id("<pad>")
+        self.pad_id = pad if pad is not None else self.eos_id
+
+    @classmethod
+    def for_alphabet(cls, alphabet: str) -> Codec:
+        return cls(char_tokenizer(alphabet))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Codec:
+        """The tokenizer.json of a model folder; special ids from its config files."""
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise ConfigError(f"model.path={str(folder)!r} has no tokenizer.json")
+        tok = Tokenizer.from_file(str(file))
+        eos = bos = pad = None
+        for name in ("generation_config.json", "config.json"):
+            cfg_path = folder / name
+            if cfg_path.is_file():
+                cfg = json.loads(cfg_path.read_text())
+                eos = eos if eos is not None else _first(cfg.get("eos_token_id"))
+                bos = bos if bos is not None else _first(cfg.get("bos_token_id"))
+                pad = pad if pad is not None else _first(cfg.get("pad_token_id"))
+        return cls(tok, eos_id=eos, bos_id=bos, pad_id=pad)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def save(self, folder: str | Path) -> Path:
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(str(out / "tokenizer.json"))
+        return out / "tokenizer.json"
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` up to (not including) the first EOS."""
+        ids = list(ids)
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _first(value: object) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return int(value) if isinstance(value, int) else None

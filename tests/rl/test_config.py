@@ -1,0 +1,58 @@
+"""JobConfig: TOML one-to-one, errors naming field, value and rule."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nereus.config import from_dict, load_toml
+from nereus.errors import ConfigError
+from nereus.rl.config import JobConfig, Placement
+
+
+def test_defaults_are_a_valid_grpo_job():
+    cfg = JobConfig()
+    assert cfg.algorithm.name == "grpo"
+    assert cfg.plan["policy_generation"].emu_devices() == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"algorithm": {"samples_per_prompt": 1}}, "algorithm.samples_per_prompt=1 must be >= 2 for grpo"),
+        ({"algorithm": {"name": "a2c"}}, "algorithm.name='a2c' must be one of"),
+        ({"sampling": {"temperature": 0}}, "sampling.temperature=0.0 must be > 0"),
+        ({"sampling": {"max_new_tokens": "8"}}, "sampling.max_new_tokens='8' must be an integer"),
+        ({"optim": {"lr": -1}}, "optim.lr=-1.0 must be > 0"),
+        ({"cluster": {"memory_per_device": "lots"}}, "cluster.memory_per_device='lots'"),
+        ({"run": {"stepz": 3}}, "unknown key"),
+        ({"task": {"name": "chess"}}, "task.name='chess'"),
+        ({"plan": {"policy_generation": {"devices": [0, 1], "tp": 1}}}, "plan.devices=[0, 1] must list tp*pp*dp=1 devices"),
+        ({"plan": {"policy_generation": {"devices": [9]}, "policy_training": {"devices": [0]}}}, "plan.policy_generation.devices=[9] must be in [0, cluster.devices=4)"),
+        ({"plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}, "critic_training": {"devices": [1]}}}, "does not use"),
+        ({"plan": {"policy_generation": {"devices": [0]}}}, "must place model-stage 'policy_training'"),
+        ({"plan": {"policy_generation": {"devices": [0, 1, 2], "tp": 3}, "policy_training": {"devices": [0]}}}, "plan.policy_generation.tp=3 must divide model.num_heads=4"),
+        ({"algorithm": {"prompts_per_step": 6}}, "plan.policy_generation.dp=4 must divide algorithm.prompts_per_step=6"),
+    ],
+)
+def test_bad_fields_are_named(data, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        from_dict(JobConfig, data)
+
+
+def test_ppo_needs_the_critic_stages_and_reference_only_with_kl(tmp_path):
+    with pytest.raises(ConfigError, match="critic_inference"):
+        from_dict(JobConfig, {"algorithm": {"name": "ppo"}, "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}}})
+    plan = {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}}
+    assert "reference_inference" not in from_dict(JobConfig, {"plan": plan}).plan
+    with pytest.raises(ConfigError, match="reference_inference"):
+        from_dict(JobConfig, {"plan": plan, "algorithm": {"kl_coef": 0.1}})
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        '[algorithm]\nname = "ppo"\nsamples_per_prompt = 2\n[plan.policy_generation]\ndevices = [0, 1]\ndp = 2\n'
+        '[plan.policy_training]\ndevices = [0]\n[plan.critic_inference]\ndevices = [1]\n[plan.critic_training]\ndevices = [1]\n'
+    )
+    cfg = load_toml(JobConfig, toml)
+    assert cfg.plan["policy_generation"] == Placement(devices=[0, 1], dp=2)
+    assert cfg.algorithm.rollouts_per_step == 16
