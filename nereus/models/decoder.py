@@ -1,0 +1,298 @@
+"""The Llama/Qwen2-style decoder, built one pipeline stage at a time.
+
+``build_stage(config, pc, dtype, device)`` builds the part of the model that pipeline
+rank ``pc.pp_rank`` holds, sharded for TP rank ``pc.tp_rank``: the embedding on the first
+stage, its layers, and the final norm + LM head on the last. With tied embeddings and
+``pp > 1`` the last stage holds its own copy of the embedding (as
+``model.embed_tokens.weight``, used only as the LM head's weight); the two copies start
+equal (loaded from the same tensor) and the *engines* keep them equal by all-reducing
+their gradients between the first and last stage before each optimizer step.
+
+Parameter names (Hugging Face's, with q/k/v and gate/up fused):
+``model.embed_tokens.weight``, ``model.layers.{i}.input_layernorm.weight``,
+``model.layers.{i}.self_attn.qkv_proj.{weight,bias}`` (rows: q, k, v),
+``model.layers.{i}.self_attn.o_proj.{weight,bias}``,
+``model.layers.{i}.post_attention_layernorm.weight``,
+``model.layers.{i}.mlp.gate_up_proj.weight`` (rows: gate, up),
+``model.layers.{i}.mlp.down_proj.weight``, ``model.norm.weight``, ``lm_head.weight``
+(absent when tied). ``i`` is always the global layer index.
+
+Positions and padding (one rule for prefill, decode and training): ``positions[b, t]`` is
+the position of token ``t`` in its own sequence ``b``; a negative position marks padding.
+So a ragged batch may be left- or right-padded, and each row may be at a different length.
+A token attends to the tokens of its row at positions ``<=`` its own. Padding tokens are
+never attended to and never written to a KV cache; their outputs are unspecified (finite).
+
+KV cache: ``stage.new_kv_cache(batch, max_len)`` preallocates, per local layer, ``k`` and
+``v`` of shape ``[batch, kv_heads_local, max_len, head_dim]``. A forward with the cache
+writes each real token's k/v at slot ``positions[b, t]`` and attends over slots
+``0 .. positions[b, t]`` of its row, so a sequence must be written from position 0 without
+gaps (prefill, then one token per decode step). The cache is for inference (no_grad).
+
+Refuses (``ConfigError``): TP sizes that do not divide heads, intermediate size or vocab;
+more pipeline stages than layers; positions beyond the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nereus.config import require
+from nereus.models.config import ModelConfig
+from nereus.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from nereus.models.parallel import ParallelContext, gather_from_tp
+from nereus.state.spec import Component
+
+__all__ = ["KVCache", "DecoderStage", "build_stage", "check_layout", "torch_dtype"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``torch.float32`` from ``"float32"`` (or a torch dtype, unchanged)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    require(dtype in _TORCH_DTYPES, "dtype", dtype, f"must be one of {sorted(_TORCH_DTYPES)}")
+    return _TORCH_DTYPES[dtype]
+
+
+def check_layout(config: ModelConfig, tp_size: int, pp_size: int) -> None:
+    """Raise ``ConfigError`` unless the model can be cut into ``tp_size`` x ``pp_size``."""
+    c = config
+    require(c.num_attention_heads % tp_size == 0, "tp_size", tp_size, f"must divide num_attention_heads={c.num_attention_heads}")
+    kv = c.num_key_value_heads
+    require(kv % tp_size == 0 or tp_size % kv == 0, "tp_size", tp_size, f"must divide num_key_value_heads={kv} or be a multiple of it")
+    require(c.intermediate_size % tp_size == 0, "tp_size", tp_size, f"must divide intermediate_size={c.intermediate_size}")
+    require(c.vocab_size % tp_size == 0, "tp_size", tp_size, f"must divide vocab_size={c.vocab_size}")
+    require(pp_size <= c.num_hidden_layers, "pp_size", pp_size, f"must be <= num_hidden_layers={c.num_hidden_layers}")
+
+
+@dataclass
+class KVCache:
+    """Per-layer preallocated keys and values, keyed by global layer index."""
+
+    keys: dict[int, torch.Tensor]
+    values: dict[int, torch.Tensor]
+    max_len: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions, computed in float32 (Hugging Face's "default" RoPE)."""
+
+    def __init__(self, head_dim: int, theta: float, device: str | torch.device) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.clamp(min=0).float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, D]; cos/sin: [B, T, D]
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with fused, column-parallel q/k/v and a row-parallel output."""
+
+    def __init__(self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.heads_local = c.num_attention_heads // pc.tp_size
+        self.kv_heads_local = max(1, c.num_key_value_heads // pc.tp_size)
+        comps = (
+            Component("q", c.q_size, c.num_attention_heads),
+            Component("k", c.kv_size, c.num_key_value_heads),
+            Component("v", c.kv_size, c.num_key_value_heads),
+        )
+        self.qkv_proj = ColumnParallelLinear(c.hidden_size, comps, pc, bias=c.has_qkv_bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(c.q_size, c.hidden_size, pc, bias=c.has_o_bias, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj.split_output(self.qkv_proj(x))
+        q = q.view(b, t, self.heads_local, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads_local, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads_local, self.head_dim).transpose(1, 2)
+        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        valid = positions >= 0
+        if cache is None:
+            # Key j is visible to query i of the same row when it is real and not later.
+            mask = valid.unsqueeze(1) & (positions.unsqueeze(1) <= positions.unsqueeze(2))
+            # A padding query sees itself, so no row is fully masked (SDPA would give NaN).
+            mask |= torch.eye(t, dtype=torch.bool, device=x.device)
+        else:
+            k_cache, v_cache = cache
+            rows, cols = valid.nonzero(as_tuple=True)
+            slots = positions[rows, cols]
+            k_cache[rows, :, slots] = k.transpose(1, 2)[rows, cols].to(k_cache.dtype)
+            v_cache[rows, :, slots] = v.transpose(1, 2)[rows, cols].to(v_cache.dtype)
+            kv_len = int(positions.max().item()) + 1 if positions.numel() else 1
+            k, v = k_cache[:, :, :kv_len].to(q.dtype), v_cache[:, :, :kv_len].to(q.dtype)
+            slot_ids = torch.arange(kv_len, device=x.device)
+            mask = slot_ids.view(1, 1, kv_len) <= positions.unsqueeze(-1)
+            mask[..., 0] |= ~valid  # padding queries look at slot 0 (finite, ignored)
+        rep = self.heads_local // self.kv_heads_local
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads_local * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with fused, column-parallel gate/up."""
+
+    def __init__(self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        i = c.intermediate_size
+        comps = (Component("gate", i, i), Component("up", i, i))
+        self.gate_up_proj = ColumnParallelLinear(c.hidden_size, comps, pc, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(i, c.hidden_size, pc, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split_output(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(c, pc, dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = MLP(c, pc, dtype, device)
+
+    def forward(self, x, positions, rope, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """Holds ``embed_tokens``, ``layers`` and ``norm`` so names read ``model.*`` as in HF."""
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of the decoder on one TP rank (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.pc = pc
+        self.dtype = dtype
+        self.layer_ids = list(pc.layer_range(config.num_hidden_layers))
+        c = config
+        self.model = _Body()
+        needs_embed = pc.is_first_stage or (pc.is_last_stage and c.tie_word_embeddings)
+        if needs_embed:
+            self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, pc, dtype, device)
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(c, pc, dtype, device) for i in self.layer_ids})
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, device)
+        if pc.is_last_stage:
+            self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+            tied = self.model.embed_tokens if c.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(c.hidden_size, c.vocab_size, pc, tied=tied, dtype=dtype, device=device)
+
+    @property
+    def kv_heads_local(self) -> int:
+        return max(1, self.config.num_key_value_heads // self.pc.tp_size)
+
+    def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> KVCache:
+        """Zeroed k/v of ``[batch, kv_heads_local, max_len, head_dim]`` per local layer."""
+        require(batch >= 1, "batch", batch, "must be >= 1")
+        require(1 <= max_len <= self.config.max_position_embeddings, "max_len", max_len,
+                f"must be in [1, max_position_embeddings={self.config.max_position_embeddings}]")
+        dtype = dtype or self.dtype
+        device = device or self.rotary.inv_freq.device
+        shape = (batch, self.kv_heads_local, max_len, self.config.head_dim)
+        keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layer_ids}
+        values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layer_ids}
+        return KVCache(keys, values, max_len)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        logits_index: torch.Tensor | None = None,
+        output: str = "logits",
+        gather_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run this stage.
+
+        ``x``: token ids ``[B, T]`` on the first stage, hidden states ``[B, T, H]``
+        elsewhere. ``positions``: ``[B, T]`` (negative = padding). On the last stage the
+        result is vocab-parallel logits ``[B, T, V/tp]`` (full ``[B, T, V]`` with
+        ``gather_logits``), or the final-normed hidden states with ``output="hidden"``
+        (for a value head); ``logits_index`` (``[B]``) keeps one position per row, giving
+        ``[B, V/tp]``. Other stages return hidden states ``[B, T, H]``."""
+        require(output in ("logits", "hidden"), "output", output, "must be 'logits' or 'hidden'")
+        require(positions.shape == x.shape[:2], "positions.shape", tuple(positions.shape), f"must equal the batch shape {tuple(x.shape[:2])}")
+        if kv_cache is not None and positions.numel():
+            top = int(positions.max().item())
+            require(top < kv_cache.max_len, "positions", top, f"must be < the KV cache's max_len={kv_cache.max_len}")
+        h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
+        rope = self.rotary(positions, h.dtype)
+        for i in self.layer_ids:
+            cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
+            h = self.model.layers[str(i)](h, positions, rope, cache)
+        if not self.pc.is_last_stage:
+            return h
+        if logits_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_index]
+        h = self.model.norm(h)
+        if output == "hidden":
+            return h
+        logits = self.lm_head(h)
+        return gather_from_tp(logits, self.pc) if gather_logits else logits
+
+    def reduce_replicated_grads(self) -> None:
+        """After backward at ``tp > num_key_value_heads``: sum the partial gradients of
+        replicated k/v rows (see ``ColumnParallelLinear.reduce_replicated_grads``).
+        Every TP rank must call it (it is a collective)."""
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear):
+                module.reduce_replicated_grads()
+
+
+def build_stage(
+    config: ModelConfig,
+    parallel_ctx: ParallelContext | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> DecoderStage:
+    """Build the stage ``parallel_ctx`` holds (the whole model by default).
+
+    Weights start random (normal, std 0.02; norms 1, biases 0), except on the meta device
+    where nothing is allocated; load real ones with ``load_stage_weights``."""
+    pc = parallel_ctx or ParallelContext()
+    check_layout(config, pc.tp_size, pc.pp_size)
+    return DecoderStage(config, pc, torch_dtype(dtype), device)
