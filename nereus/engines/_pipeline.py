@@ -1,0 +1,132 @@
+"""Running a decoder stage over a batch inside an EMU: positions, heads, pipeline schedules.
+
+Shared by the inference and training engines (generation has its own KV-cache loop).
+
+- ``right_padded_positions``: positions of a right-padded batch (padding = -1).
+- ``ValueHead``: a replicated ``Linear(hidden, 1)`` on the last stage (critic, reward
+  model), named ``value_head.weight`` / ``value_head.bias``.
+- ``forward_only``: every micro-batch through the pipeline without autograd; the last
+  stage applies a head and the per-token result reaches every stage (so every rank of an
+  EMU returns the same tensor).
+- ``forward_backward_gpipe``: the GPipe schedule -- all micro-batch forwards (activations
+  sent stage to stage), then all backwards in reverse order (activation gradients sent
+  back) -- with the loss evaluated on the last stage. Each stage keeps the autograd graph
+  of its in-flight micro-batches, so activation memory grows with the number of
+  micro-batches (the engine accounts for it).
+
+Every rank of an EMU must call these with the same batch (same shapes): no shape header
+travels between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nereus.engines.context import EmuContext
+from nereus.models.decoder import DecoderStage
+
+__all__ = [
+    "right_padded_positions",
+    "ValueHead",
+    "Head",
+    "forward_only",
+    "forward_backward_gpipe",
+]
+
+# head(last-stage output, micro-batch) -> per-token [b, T] float32 tensor
+Head = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def right_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``positions[b, t] = t`` on real tokens, ``-1`` on (right) padding."""
+    t = attention_mask.shape[1]
+    pos = torch.arange(t, dtype=torch.long).unsqueeze(0).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), pos, torch.full_like(pos, -1))
+
+
+class ValueHead(nn.Module):
+    """Scalar head on the final-normed hidden state (replicated on every TP rank)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias).squeeze(-1).float()
+
+
+def _stage_input(ctx: EmuContext, stage: DecoderStage, mb: dict[str, torch.Tensor], requires_grad: bool) -> torch.Tensor:
+    ids = mb["input_ids"]
+    if ctx.is_first_stage:
+        return ids
+    shape = (ids.shape[0], ids.shape[1], stage.config.hidden_size)
+    x = ctx.recv_prev(shape, stage.dtype)
+    if requires_grad:
+        x.requires_grad_(True)
+    return x
+
+
+def forward_only(
+    stage: DecoderStage,
+    ctx: EmuContext,
+    micro_batches: list[dict[str, torch.Tensor]],
+    head: Head,
+    output: str = "logits",
+) -> torch.Tensor:
+    """Concatenated ``[B, T]`` head results over all micro-batches, on every rank."""
+    results: list[torch.Tensor] = []
+    with torch.inference_mode():
+        for mb in micro_batches:
+            x = _stage_input(ctx, stage, mb, requires_grad=False)
+            positions = right_padded_positions(mb["attention_mask"])
+            out = stage(x, positions, output=output)
+            if not ctx.is_last_stage:
+                ctx.send_next(out)
+                res = torch.empty(mb["input_ids"].shape, dtype=torch.float32)
+            else:
+                res = head(out, mb).float().contiguous()
+            ctx.broadcast_from_last(res)
+            results.append(res)
+    return torch.cat(results, dim=0)
+
+
+def forward_backward_gpipe(
+    stage: DecoderStage,
+    ctx: EmuContext,
+    micro_batches: list[dict[str, torch.Tensor]],
+    loss_of: Callable[[torch.Tensor, dict[str, torch.Tensor], int], torch.Tensor],
+    output: str = "logits",
+) -> None:
+    """Forward every micro-batch, then backward in reverse (GPipe).
+
+    ``loss_of(last-stage output, micro-batch, index)`` runs on the last stage and returns
+    the (already weighted) scalar loss of that micro-batch; gradients accumulate in the
+    stage's parameters."""
+    inputs: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []
+    for i, mb in enumerate(micro_batches):
+        x = _stage_input(ctx, stage, mb, requires_grad=True)
+        positions = right_padded_positions(mb["attention_mask"])
+        out = stage(x, positions, output=output)
+        if ctx.is_last_stage:
+            out = loss_of(out, mb, i)
+        else:
+            ctx.send_next(out.detach())
+        inputs.append(x)
+        outputs.append(out)
+    for i in reversed(range(len(micro_batches))):
+        out = outputs[i]
+        if ctx.is_last_stage:
+            out.backward()
+        else:
+            grad = ctx.recv_next(tuple(out.shape), out.dtype)
+            out.backward(grad)
+        if not ctx.is_first_stage:
+            x = inputs[i]
+            ctx.send_prev(x.grad if x.grad is not None else torch.zeros_like(x))
+        # Free the graph of this micro-batch as soon as it is done.
+        outputs[i] = inputs[i] = None  # type: ignore[call-overload]

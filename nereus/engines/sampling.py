@@ -1,0 +1,135 @@
+"""Sampling parameters and the vectorized sampler every generation engine shares.
+
+``SamplingParams`` is the request side (validated, msgpack-able through ``to_dict`` /
+``from_dict``). ``sample_next`` turns one step's logits ``[B, V]`` into the next token and
+its log-probability for every row at once: no Python loop over rows.
+
+Semantics (the same in the built-in engine and the vLLM adapter):
+- ``temperature == 0`` is greedy (argmax); top-k/top-p are then irrelevant.
+- Otherwise logits are divided by ``temperature``, then top-k keeps the ``top_k`` largest
+  (0 = all), then top-p keeps the smallest set of most likely tokens whose probability
+  reaches ``top_p`` (always at least one), and a token is drawn from what is left.
+- The log-probability returned for a token is under the temperature-scaled distribution
+  *before* top-k/top-p filtering (``log_softmax(logits / T)``, ``T = 1`` when greedy): the
+  distribution the training engine recomputes with the same temperature, so PPO/GRPO
+  ratios start at 1.
+- Draws use the exponential-race form (``argmax(p / E)``, ``E ~ Exp(1)``) from one
+  ``torch.Generator`` seeded with ``seed``: one seed gives the same tokens on every run,
+  whatever the batch's layout (TP, PP), because only the rank that samples draws.
+
+Refuses (``ConfigError``): negative temperature, ``top_p`` outside (0, 1], negative
+``top_k``, ``max_tokens < 1``, negative stop token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nereus.config import require
+
+__all__ = ["SamplingParams", "sample_next", "make_generator"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate for every prompt of a request."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    # Rows that hit a stop token keep it as their last token (as vLLM does for EOS).
+    include_stop_token: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.max_tokens >= 1, "SamplingParams.max_tokens", self.max_tokens, "must be >= 1")
+        require(self.temperature >= 0.0, "SamplingParams.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        require(0.0 < self.top_p <= 1.0, "SamplingParams.top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k >= 0, "SamplingParams.top_k", self.top_k, "must be >= 0 (0 = off)")
+        stops = tuple(int(t) for t in self.stop_token_ids)
+        require(all(t >= 0 for t in stops), "SamplingParams.stop_token_ids", stops, "must be token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop_token_ids": list(self.stop_token_ids),
+            "seed": self.seed,
+            "include_stop_token": self.include_stop_token,
+        }
+
+    @classmethod
+    def from_any(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """Accept params as the dataclass, a plain dict (after the wire) or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        require(isinstance(value, dict), "SamplingParams", type(value).__name__, "must be SamplingParams or a dict")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        require(not unknown, "SamplingParams", unknown, f"unknown keys; known: {sorted(known)}")
+        data = dict(value)
+        if "stop_token_ids" in data:
+            data["stop_token_ids"] = tuple(data["stop_token_ids"])
+        return cls(**data)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (a random seed when None)."""
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed))
+    return g
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside top-k and outside the top-p nucleus (row-wise)."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens strictly more likely than it already reach top_p;
+        # the most likely token is always kept.
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token ``[B]`` (int64) and its log-probability ``[B]`` (float32) for each row of
+    ``logits`` ``[B, V]``. See the module docstring for the semantics."""
+    logits = logits.float()
+    if params.is_greedy:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        scaled = logits / params.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        kept = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
+        probs = torch.softmax(kept, dim=-1)
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+        tokens = torch.argmax(probs / race, dim=-1)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, chosen

@@ -1,0 +1,311 @@
+"""The training engine: one optimizer step over a batch at any TP x PP x DP.
+
+One ``TrainingEngine`` per rank of a training EMU (policy-training or critic-training);
+every rank of the EMU gets the same batch; DP replicas (EMUs of the same model-stage)
+each get their own slice of the global batch.
+
+``train_step(batch, loss="module:function", loss_kwargs={}, micro_batch_size=None)``:
+
+1. cuts the batch into micro-batches (gradient accumulation);
+2. runs them through the pipeline with the GPipe schedule (all forwards, then all
+   backwards; activations and their gradients move over the pipeline group);
+3. the loss, resolved by import path in this process, is called on the last stage per
+   micro-batch as ``loss_fn(outputs, micro_batch, **loss_kwargs) -> (loss, metrics)`` with
+   ``outputs["logprobs"]`` (policy) or ``outputs["values"]`` (critic), both ``[b, T]``
+   (see ``nereus.engines.losses``). Each micro-batch's loss is weighted by its share of
+   the response tokens of the *global* batch (summed over DP), so accumulation and DP
+   give the gradient of one token-mean loss over the whole batch;
+4. reduces gradients: replicated k/v rows over TP (``tp > kv heads``), the tied embedding
+   between the first and last stage, everything over DP (one flat all-reduce);
+5. clips by the global gradient norm (over TP, PP, each element counted once);
+6. steps AdamW.
+
+Returns metrics (floats): ``loss`` and the loss function's metrics (token-weighted means
+over the global batch; complete on the last pipeline stage, the other stages return only
+``grad_norm``, ``lr``, ``step``), ``grad_norm`` (before clipping), ``lr``, ``step``.
+
+State for the state layer (moves with the parameter shards): ``named_state()`` gives
+this rank's ``"<param>"``, ``"<param>.exp_avg"``, ``"<param>.exp_avg_sq"`` tensors (names
+from the ModelSpec) and ``step`` is the update counter; ``load_named_state`` writes them
+back in place. Optimizer moments are created with the parameters (not lazily), so their
+memory is accounted up front: parameters + gradients + two moments.
+
+Refuses (``ConfigError``): a bad optimizer config, an unknown loss path, a batch that
+breaks the batch format.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus.config import require
+from nereus.engines._base import EngineBase, stage_param_bytes
+from nereus.engines._pipeline import forward_backward_gpipe
+from nereus.engines.context import EmuContext
+from nereus.engines.inference import activation_bytes, token_logprobs
+from nereus.engines.losses import normalize_batch, resolve_callable, split_batch
+from nereus.engines.memory import MemoryLedger
+from nereus.errors import StateError
+from nereus.models.config import ModelConfig
+from nereus.models.layers import ColumnParallelLinear, ShardedModule
+
+__all__ = ["OptimConfig", "TrainingEngine", "MOMENTS"]
+
+log = logging.getLogger("nereus.engines")
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and clipping settings of a training engine."""
+
+    lr: float = 1e-5
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 = no clipping
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "OptimConfig.lr", self.lr, "must be > 0")
+        require(0 <= self.beta1 < 1, "OptimConfig.beta1", self.beta1, "must be in [0, 1)")
+        require(0 <= self.beta2 < 1, "OptimConfig.beta2", self.beta2, "must be in [0, 1)")
+        require(self.eps > 0, "OptimConfig.eps", self.eps, "must be > 0")
+        require(self.weight_decay >= 0, "OptimConfig.weight_decay", self.weight_decay, "must be >= 0")
+        require(self.max_grad_norm >= 0, "OptimConfig.max_grad_norm", self.max_grad_norm, "must be >= 0 (0 = off)")
+
+    @classmethod
+    def from_any(cls, value: OptimConfig | dict[str, Any] | None) -> OptimConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        from nereus.config import from_dict
+
+        return from_dict(cls, dict(value), "optim")
+
+
+class TrainingEngine(EngineBase):
+    """One rank of a training EMU (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: EmuContext | None = None,
+        *,
+        model_dir: str | Path | None = None,
+        dtype: str | torch.dtype = "float32",
+        optim: OptimConfig | dict[str, Any] | None = None,
+        critic: bool = False,
+        seed: int = 0,
+        ledger: MemoryLedger | None = None,
+        name: str = "training",
+    ) -> None:
+        self.optim_config = OptimConfig.from_any(optim)
+        super().__init__(config, ctx, model_dir=model_dir, dtype=dtype, value_head=critic, seed=seed, ledger=ledger, name=name)
+        try:
+            self.critic = critic
+            params = self.named_parameters()
+            # Gradients and two float32 moments per parameter, reserved before allocating.
+            weights = stage_param_bytes(config, self.ctx, self.dtype, critic)
+            numel = sum(p.numel() for p in params.values())
+            self.ledger.reserve(f"{name}/grads", weights)
+            self.ledger.reserve(f"{name}/optimizer", 2 * numel * 4)
+            oc = self.optim_config
+            self.optimizer = torch.optim.AdamW(
+                list(params.values()), lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps,
+                weight_decay=oc.weight_decay, foreach=False,
+            )
+            for p in params.values():
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format),
+                }
+            self._norm_weights = self._grad_norm_weights()
+            self.step = 0
+            self.stage.train()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- gradient norm bookkeeping ------------------------------------------------
+
+    def _grad_norm_weights(self) -> dict[str, torch.Tensor | float]:
+        """Per parameter, how much of its squared norm this rank contributes so that the
+        all-reduced sum counts every global element once: 1 for split tensors, 1/tp for
+        replicated ones, per-row 1/replicas for replicated k/v rows, 0 for the last
+        stage's copy of a tied embedding."""
+        tp = self.ctx.tp_size
+        weights: dict[str, torch.Tensor | float] = {}
+        for mod_name, module in self.stage.named_modules():
+            if not isinstance(module, ShardedModule):
+                continue
+            for local, (rule, _) in module.shard_rules.items():
+                full = f"{mod_name}.{local}" if mod_name else local
+                if rule == "replicated":
+                    weights[full] = 1.0 / tp
+                elif isinstance(module, ColumnParallelLinear) and any(tp > c.units for c in module.components):
+                    rows = torch.cat([
+                        torch.full((size,), 1.0 / (tp // c.units) if tp > c.units else 1.0)
+                        for c, size in zip(module.components, module.local_sizes, strict=True)
+                    ])
+                    weights[full] = rows
+                else:
+                    weights[full] = 1.0
+        tied = self.config.tie_word_embeddings and self.ctx.pp_size > 1
+        if tied and self.ctx.is_last_stage and not self.ctx.is_first_stage:
+            weights["model.embed_tokens.weight"] = 0.0
+        if self.value_head is not None:
+            for k, _ in self.value_head.named_parameters():
+                weights[f"value_head.{k}"] = 1.0 / tp
+        return weights
+
+    def _global_grad_norm(self, params: dict[str, torch.nn.Parameter]) -> float:
+        total = torch.zeros(1, dtype=torch.float64)
+        for name, p in params.items():
+            if p.grad is None:
+                continue
+            w = self._norm_weights.get(name, 1.0)
+            sq = p.grad.double().pow(2)
+            if isinstance(w, torch.Tensor):
+                total += (sq.sum(dim=tuple(range(1, sq.dim()))) * w.double()).sum() if sq.dim() > 1 else (sq * w.double()).sum()
+            else:
+                total += sq.sum() * w
+        self.ctx.tp_all_reduce(total)
+        self.ctx.pp_all_reduce(total)
+        return math.sqrt(float(total))
+
+    # --- the step -----------------------------------------------------------------
+
+    def _reduce_grads(self, params: dict[str, torch.nn.Parameter]) -> None:
+        ctx = self.ctx
+        self.stage.reduce_replicated_grads()
+        if self.config.tie_word_embeddings and ctx.pp_size > 1 and (ctx.is_first_stage or ctx.is_last_stage):
+            emb = params["model.embed_tokens.weight"]
+            if emb.grad is None:
+                emb.grad = torch.zeros_like(emb)
+            ctx.exchange_first_last(emb.grad)
+        if ctx.dp_size > 1:
+            grads = []
+            for p in params.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            ctx.dp_all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def train_step(
+        self,
+        batch: dict[str, Any],
+        loss: str = "nereus.engines.losses:nll_loss",
+        loss_kwargs: dict[str, Any] | None = None,
+        micro_batch_size: int | None = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """One optimizer step over ``batch`` (see the module docstring)."""
+        require(temperature > 0, "temperature", temperature, "must be > 0")
+        loss_fn = resolve_callable(loss, "loss")
+        kwargs = dict(loss_kwargs or {})
+        data = normalize_batch(batch)
+        rows, length = data["input_ids"].shape
+        mbs = split_batch(data, micro_batch_size or rows)
+        ctx = self.ctx
+        # Token weights over the global batch (all DP replicas).
+        counts = torch.tensor([float(mb["response_mask"].sum()) for mb in mbs], dtype=torch.float64)
+        total = counts.sum().reshape(1)
+        ctx.dp_all_reduce(total)
+        scale = (counts / total.clamp(min=1.0)).tolist()
+        sums: dict[str, float] = {}
+
+        def loss_of(out: torch.Tensor, mb: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+            if self.critic:
+                assert self.value_head is not None
+                outputs = {"values": self.value_head(out)}
+            else:
+                outputs = {"logprobs": token_logprobs(out, mb["input_ids"], ctx, temperature)}
+            value, metrics = loss_fn(outputs, mb, **kwargs)
+            require(isinstance(value, torch.Tensor) and value.dim() == 0, f"loss {loss}", type(value).__name__, "must return a scalar tensor first")
+            sums["loss"] = sums.get("loss", 0.0) + float(value.detach()) * scale[i]
+            for key, v in (metrics or {}).items():
+                sums[key] = sums.get(key, 0.0) + float(v) * scale[i]
+            return value * scale[i]
+
+        params = self.named_parameters()
+        self.optimizer.zero_grad(set_to_none=True)
+        need = activation_bytes(self.config, ctx, mbs[0]["input_ids"].shape[0], length, self.dtype, training=True) * len(mbs)
+        self.ledger.reserve(f"{self.name}/activations", need)
+        try:
+            forward_backward_gpipe(self.stage, ctx, mbs, loss_of, output="hidden" if self.critic else "logits")
+        finally:
+            self.ledger.release(f"{self.name}/activations")
+        self._reduce_grads(params)
+        grad_norm = self._global_grad_norm(params)
+        max_norm = self.optim_config.max_grad_norm
+        if not math.isfinite(grad_norm):
+            raise StateError(f"{self.name}: gradient norm is {grad_norm} at step {self.step}; the step was not applied")
+        if max_norm > 0 and grad_norm > max_norm:
+            coef = max_norm / (grad_norm + 1e-6)
+            for p in params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        self.step += 1
+        result = {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"]), "step": float(self.step)}
+        if ctx.is_last_stage:
+            keys = sorted(sums)
+            packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+            ctx.dp_all_reduce(packed)
+            result.update(dict(zip(keys, packed.tolist(), strict=True)))
+        return result
+
+    # --- state for the state layer ---------------------------------------------------
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and AdamW moments by name (views, not copies)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters().items():
+            out[name] = p.detach()
+            state = self.optimizer.state[p]
+            for m in MOMENTS:
+                out[f"{name}.{m}"] = state[m]
+        return out
+
+    def load_named_state(self, tensors: dict[str, torch.Tensor], step: int | None = None) -> int:
+        """Write parameters and/or moments in place (shapes checked); returns bytes written."""
+        params = self.named_parameters()
+        plain = {k: v for k, v in tensors.items() if k in params}
+        written = self.load_named(plain)
+        with torch.no_grad():
+            for key, src in tensors.items():
+                if key in params:
+                    continue
+                base, _, moment = key.rpartition(".")
+                if moment not in MOMENTS or base not in params:
+                    raise StateError(f"{self.name}: no state named {key!r} on this rank")
+                dst = self.optimizer.state[params[base]][moment]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise StateError(f"{self.name}: state {key!r} has shape {tuple(src.shape)}, this rank holds {tuple(dst.shape)}")
+                dst.copy_(src)
+                written += src.numel() * src.element_size()
+        if step is not None:
+            self.set_step(step)
+        return written
+
+    def set_step(self, step: int) -> None:
+        """Set the update counter (AdamW's bias correction follows it)."""
+        require(step >= 0, "step", step, "must be >= 0")
+        self.step = int(step)
+        for p in self.named_parameters().values():
+            self.optimizer.state[p]["step"].fill_(float(step))
