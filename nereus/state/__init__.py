@@ -1,1 +1,68 @@
-"""nereus.state (see DESIGN.md)."""
+"""nereus.state: layouts, shard specs, EMUs, reshard plans, the four primitives, logical
+state and checkpoints (DESIGN §4).
+
+The planning modules (spec, layout, emu, plan, memory, primitives, transition) are pure:
+descriptions in, plans out. ``apply`` runs a plan over tensors in one process or in one
+worker's part; ``checkpoint`` is the save/load fallback.
+"""
+
+from nereus.state.apply import apply_plan, apply_step, plan_part, run_part
+from nereus.state.emu import (
+    EMU,
+    OPTIMIZER_SLOTS,
+    SLOTS,
+    DeviceSet,
+    LogicalState,
+    split_key,
+    tensor_key,
+)
+from nereus.state.layout import Box, Layout, Piece, Shard, check_layout, layer_bounds, param_shard
+from nereus.state.memory import DEFAULT_BUCKET_BYTES, MemoryEffect, check_fits, memory_effect
+from nereus.state.plan import Keep, Move, Plan, bytes_minimum, plan_reshard
+from nereus.state.primitives import Step, destroy, extend, merge, split, sub_layout, sub_placements
+from nereus.state.spec import DTYPE_BYTES, Component, ModelSpec, ParamSpec, ShardRule
+from nereus.state.transition import StagePlan, plan_stage_transition
+
+__all__ = [
+    "Box",
+    "Component",
+    "DEFAULT_BUCKET_BYTES",
+    "DTYPE_BYTES",
+    "DeviceSet",
+    "EMU",
+    "Keep",
+    "Layout",
+    "LogicalState",
+    "MemoryEffect",
+    "ModelSpec",
+    "Move",
+    "OPTIMIZER_SLOTS",
+    "ParamSpec",
+    "Piece",
+    "Plan",
+    "SLOTS",
+    "Shard",
+    "ShardRule",
+    "StagePlan",
+    "Step",
+    "apply_plan",
+    "apply_step",
+    "bytes_minimum",
+    "check_fits",
+    "check_layout",
+    "destroy",
+    "extend",
+    "layer_bounds",
+    "memory_effect",
+    "merge",
+    "param_shard",
+    "plan_part",
+    "plan_reshard",
+    "plan_stage_transition",
+    "run_part",
+    "split",
+    "split_key",
+    "sub_layout",
+    "sub_placements",
+    "tensor_key",
+]

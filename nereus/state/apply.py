@@ -1,0 +1,151 @@
+"""Running a plan on tensors: the part one device executes, and an in-memory executor.
+
+``plan_part(plan, device)`` is the plain-data piece of a ``Plan`` that one device
+executes (msgpack-ready: lists, ints, strings): the target tensors to allocate, the
+shards to adopt, the local copies, and the ordered sends and receives per peer device.
+
+``run_part(part, sources, exchange)`` executes it over ``dict[str, Tensor]`` stores, so
+engines can call it on their own tensors: it allocates the target shards, adopts kept
+shards (no copy), does local copies, then calls ``exchange(sends, recvs)`` once with
+``{peer_device: [tensor views]}`` in plan order (the i-th send from A to B is the
+i-th receive of B from A), and returns ``{key: tensor}`` of the target. It never
+modifies or frees a source tensor: freeing is the caller's, after every device is done.
+
+``apply_plan(plan, stores)`` runs every device's part in one process, matching sends
+with receives by direct copy: the reference executor for tests and the simulator.
+
+Refuses (``StateError``): a source tensor the part names that is missing or has the
+wrong shape or dtype, sends and receives that do not pair up.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from nereus.errors import StateError
+from nereus.state.plan import Plan
+
+__all__ = ["TORCH_DTYPES", "plan_part", "run_part", "apply_plan", "apply_step", "box_slices", "Exchange"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+Exchange = Callable[[dict[int, list[torch.Tensor]], dict[int, list[torch.Tensor]]], Any]
+Stores = Mapping[str, Mapping[str, torch.Tensor]]
+
+
+def box_slices(box) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+def plan_part(plan: Plan, device: int) -> dict[str, Any]:
+    """The plain-data part of ``plan`` that ``device`` runs (see module docstring)."""
+    target = plan.target
+    tensors: dict[str, list] = {}
+    if device in target.devices:
+        for key, (shard, dtype) in target.shards_on(device).items():
+            tensors[key] = [list(shard.shape), dtype]
+    box = lambda b: [list(r) for r in b]  # noqa: E731
+    keeps = [[k.src_emu, k.key] for k in plan.keeps if k.device == device]
+    copies, sends, recvs = [], [], []
+    for m in plan.moves:
+        if m.is_local and m.dst_device == device:
+            copies.append([m.src_emu, m.key, box(m.src_box), box(m.dst_box)])
+        elif not m.is_local and m.src_device == device:
+            sends.append([m.dst_device, m.src_emu, m.key, box(m.src_box)])
+        elif not m.is_local and m.dst_device == device:
+            recvs.append([m.src_device, m.key, box(m.dst_box)])
+    return {"target": target.name, "device": device, "tensors": tensors, "keeps": keeps,
+            "copies": copies, "sends": sends, "recvs": recvs}
+
+
+def _source(sources: Stores, emu: str, key: str, device: int) -> torch.Tensor:
+    try:
+        return sources[emu][key]
+    except KeyError:
+        raise StateError(f"device {device} has no tensor {key!r} of source EMU {emu!r}") from None
+
+
+def _view(t: torch.Tensor, box, what: str) -> torch.Tensor:
+    if len(box) != t.dim() or any(hi > n for (_, hi), n in zip(box, t.shape, strict=False)):
+        raise StateError(f"{what}: box {box} does not fit a tensor of shape {tuple(t.shape)}")
+    return t[box_slices(box)]
+
+
+def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None) -> dict[str, torch.Tensor]:
+    """Build this device's target tensors from ``sources`` (emu name -> key -> tensor).
+
+    Effects: allocates the target shards not kept; copies; one ``exchange`` call when
+    the part sends or receives anything. Sources are read, never changed or freed."""
+    device = part["device"]
+    out: dict[str, torch.Tensor] = {}
+    for src_emu, key in part["keeps"]:
+        out[key] = _source(sources, src_emu, key, device)
+    for key, (shape, dtype) in part["tensors"].items():
+        if key in out:
+            if list(out[key].shape) != list(shape) or out[key].dtype != TORCH_DTYPES[dtype]:
+                raise StateError(f"kept {key!r} on device {device} has shape {tuple(out[key].shape)} "
+                                 f"{out[key].dtype}, the target needs {tuple(shape)} {dtype}")
+            continue
+        out[key] = torch.empty(shape, dtype=TORCH_DTYPES[dtype])
+    for src_emu, key, src_box, dst_box in part["copies"]:
+        src = _view(_source(sources, src_emu, key, device), src_box, f"copy {key} from {src_emu}")
+        _view(out[key], dst_box, f"copy {key} into {part['target']}").copy_(src)
+    sends: dict[int, list[torch.Tensor]] = defaultdict(list)
+    recvs: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for peer, src_emu, key, src_box in part["sends"]:
+        sends[peer].append(_view(_source(sources, src_emu, key, device), src_box, f"send {key} from {src_emu}"))
+    for peer, key, dst_box in part["recvs"]:
+        recvs[peer].append(_view(out[key], dst_box, f"receive {key} into {part['target']}"))
+    if sends or recvs:
+        if exchange is None:
+            raise StateError(f"device {device} must exchange tensors but was given no exchange")
+        exchange(dict(sends), dict(recvs))
+    return out
+
+
+def apply_plan(plan: Plan, stores: Mapping[int, Stores]) -> dict[int, dict[str, torch.Tensor]]:
+    """Run ``plan`` on in-memory stores (device -> emu name -> key -> tensor); returns
+    device -> key -> tensor of the target. Sources are left as they were."""
+    pending: dict[int, tuple[dict, dict]] = {}
+
+    def exchange_of(device: int) -> Exchange:
+        def record(sends, recvs):
+            pending[device] = (sends, recvs)
+        return record
+
+    out = {}
+    for device in plan.devices():
+        out[device] = run_part(plan_part(plan, device), stores.get(device, {}), exchange_of(device))
+    for a, (sends, _) in pending.items():
+        for b, tensors in sends.items():
+            theirs = pending.get(b, ({}, {}))[1].get(a, [])
+            if len(theirs) != len(tensors):
+                raise StateError(f"device {a} sends {len(tensors)} tensors to {b}, which receives {len(theirs)}")
+            for src, dst in zip(tensors, theirs, strict=False):
+                dst.copy_(src)
+    return {d: t for d, t in out.items() if d in plan.target.devices}
+
+
+def apply_step(step, stores: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
+    """Run a primitive ``Step`` on in-memory stores (device -> emu -> key -> tensor):
+    adds the EMUs it creates, then drops the EMUs it frees (only after every plan ran)."""
+    for plan in step.plans:
+        for device, tensors in apply_plan(plan, stores).items():
+            stores.setdefault(device, {})[plan.target.name] = tensors
+    for emu in step.freed:
+        for device in emu.devices:
+            stores.get(device, {}).pop(emu.name, None)
