@@ -90,11 +90,13 @@ class Codec:
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids`` up to (not including) the first EOS."""
+        """The text of ``ids`` up to (not including) the first EOS. Other special tokens
+        stay in the text (``<pad>``): a policy must not hide junk behind tokens a
+        decoder would drop."""
         ids = list(ids)
         if self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _first(value: object) -> int | None:

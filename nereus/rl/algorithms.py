@@ -1,0 +1,232 @@
+"""One RL step of GRPO, PPO and ReMax over model-stages.
+
+Each algorithm is a short async function over a ``ModelStages`` (``nereus.rl.stages``):
+generate -> score (rule reward, reference logprobs, critic values) -> advantages ->
+train -> weight sync. The three differ only in how they sample and how they turn
+scores into advantages:
+
+- GRPO: ``k`` samples per prompt; advantage = score normalised within its group;
+  KL to the reference as a loss term (``kl_mode = "loss"``) or a reward penalty.
+- ReMax: ``k`` samples plus one greedy response per prompt; advantage = score minus
+  the greedy response's score.
+- PPO: a critic; per-token rewards (score on the last token, minus the KL penalty when
+  ``kl_mode = "penalty"``), GAE over the critic's values, whitened advantages; the
+  critic is trained with the clipped value loss.
+
+A critic's ``values[b, t]`` is the value head on the hidden state after token ``t``; the
+value of the state in which response token ``t`` is chosen is therefore
+``values[b, t - 1]`` (``action_values``). The loss ``critic_loss`` applies the same shift,
+so the critic is trained on exactly what GAE reads.
+
+Every step returns a flat record (``nereus.rl.report``): stage times, reward and length
+statistics, the policy version of the rollouts, and the losses' metrics. Sampling is
+seeded from ``(run.seed, step)``, so a step's rollouts depend only on the weights and the
+step number: what makes resume exact.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nereus.rl.advantages import (
+    broadcast_to_tokens,
+    gae,
+    grpo_advantages,
+    kl_estimate,
+    masked_whiten,
+    remax_advantages,
+    token_rewards,
+)
+from nereus.rl.config import JobConfig
+from nereus.rl.losses import value_loss
+from nereus.rl.rollout import Rollouts, to_batch
+from nereus.rl.tasks import Sample, Task
+from nereus.rl.vocab import Codec
+
+__all__ = ["StepContext", "ALGORITHMS", "grpo_step", "ppo_step", "remax_step", "action_values", "critic_loss", "sampling_seed"]
+
+POLICY_LOSS = "nereus.rl.losses:policy_loss"
+CRITIC_LOSS = "nereus.rl.algorithms:critic_loss"
+
+
+@dataclass
+class StepContext:
+    """What a step needs besides its samples."""
+
+    config: JobConfig
+    task: Task
+    codec: Codec
+    stages: Any  # nereus.rl.stages.ModelStages (typed loosely: the two backends share it)
+    step: int
+
+
+def sampling_seed(run_seed: int, step: int) -> int:
+    return (run_seed * 1_000_003 + step * 7_919) % (2**31 - 1)
+
+
+def action_values(values: torch.Tensor) -> torch.Tensor:
+    """``values`` shifted right by one token: the value of the state before each token."""
+    return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
+
+
+def critic_loss(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss on action-aligned values (see the module docstring)."""
+    return value_loss({"values": action_values(outputs["values"])}, batch, **kwargs)
+
+
+@contextmanager
+def _timed(record: dict[str, Any], key: str) -> Iterator[None]:
+    """Adds the seconds spent in the block to ``record[key]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        record[key] = record.get(key, 0.0) + time.perf_counter() - t0
+
+
+async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: bool = False) -> Rollouts:
+    sampling = ctx.config.sampling
+    prompts: list[list[int]] = []
+    index: list[int] = []
+    for s in samples:
+        ids = ctx.codec.encode(s.prompt)
+        prompts += [ids] * k
+        index += [s.index] * k
+    params = {
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": 0.0 if greedy else sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "stop_token_ids": [ctx.codec.eos_id],
+        "seed": sampling_seed(ctx.config.run.seed, ctx.step),
+    }
+    out = await ctx.stages.generate(prompts, params)
+    rollouts = Rollouts(prompts, out["token_ids"], out["logprobs"], index, out["policy_version"])
+    rollouts.texts = [ctx.codec.decode(r) for r in rollouts.response_ids]
+    by_index = {s.index: s for s in samples}
+    rollouts.scores = [ctx.task.reward(by_index[i], t) for i, t in zip(index, rollouts.texts, strict=True)]
+    return rollouts
+
+
+def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
+    scores = rollouts.scores
+    lengths = rollouts.response_lengths
+    return {
+        "step": ctx.step,
+        "reward_mean": statistics.fmean(scores),
+        "reward_std": statistics.pstdev(scores),
+        "reward_max": max(scores),
+        "response_len_mean": statistics.fmean(lengths),
+        "response_len_max": max(lengths),
+        "policy_version": min(rollouts.policy_version),
+        "rollouts": len(rollouts),
+        "tokens_generated": sum(lengths),
+    }
+
+
+def _policy_loss_kwargs(ctx: StepContext) -> dict[str, Any]:
+    a = ctx.config.algorithm
+    in_loss = a.kl_mode == "loss" and a.kl_coef > 0
+    return {
+        "clip_eps": a.clip_eps,
+        "kl_coef": a.kl_coef if in_loss else 0.0,
+        "kl_kind": a.kl_kind,
+        "aggregation": a.aggregation,
+    }
+
+
+async def _train_and_sync(ctx: StepContext, batch: dict[str, torch.Tensor], record: dict[str, Any], critic: bool = False) -> None:
+    a = ctx.config.algorithm
+    metrics: dict[str, float] = {}
+    for _ in range(a.epochs):
+        with _timed(record, "train_seconds"):
+            metrics = await ctx.stages.train_policy(batch, POLICY_LOSS, _policy_loss_kwargs(ctx))
+        if critic:
+            kw = {"value_clip": a.value_clip, "aggregation": a.aggregation}
+            with _timed(record, "train_seconds"):
+                metrics.update(await ctx.stages.train_critic(batch, CRITIC_LOSS, kw))
+    # The engine's own update counter is "updates" here: "step" is the RL step.
+    record.update({("updates" if k == "step" else k): v for k, v in metrics.items() if isinstance(v, (int, float))})
+    with _timed(record, "sync_seconds"):
+        sync = await ctx.stages.sync_policy()
+    record["sync_bytes"] = sync.get("bytes", 0)
+    record["sync_gbps"] = sync.get("gbps", 0.0)
+
+
+async def _reference(ctx: StepContext, record: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
+    if ctx.config.algorithm.kl_coef > 0:
+        with _timed(record, "score_seconds"):
+            batch["ref_logprobs"] = await ctx.stages.reference_logprobs(batch)
+
+
+async def grpo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
+    a = ctx.config.algorithm
+    record: dict[str, Any] = {}
+    with _timed(record, "generate_seconds"):
+        rollouts = await _generate(ctx, samples, a.samples_per_prompt)
+    batch = to_batch(rollouts, ctx.codec.pad_id)
+    await _reference(ctx, record, batch)
+    scores = torch.tensor(rollouts.scores, dtype=torch.float32)
+    if a.kl_mode == "penalty" and a.kl_coef > 0:
+        # KL as a penalty: in the sequence's reward, before the group normalisation.
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind) * batch["response_mask"]
+        scores = scores - a.kl_coef * kl.sum(dim=1)
+    adv = grpo_advantages(scores, a.samples_per_prompt, a.scale_by_std)
+    batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
+    await _train_and_sync(ctx, batch, record)
+    return {**_base_record(ctx, rollouts), **record}
+
+
+async def remax_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
+    a = ctx.config.algorithm
+    record: dict[str, Any] = {}
+    with _timed(record, "generate_seconds"):
+        rollouts = await _generate(ctx, samples, a.samples_per_prompt)
+    with _timed(record, "generate_seconds"):
+        greedy = await _generate(ctx, samples, 1, greedy=True)
+    batch = to_batch(rollouts, ctx.codec.pad_id)
+    await _reference(ctx, record, batch)
+    baseline = torch.tensor(greedy.scores, dtype=torch.float32).repeat_interleave(a.samples_per_prompt)
+    adv = remax_advantages(torch.tensor(rollouts.scores, dtype=torch.float32), baseline)
+    batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
+    record["greedy_reward_mean"] = statistics.fmean(greedy.scores)
+    await _train_and_sync(ctx, batch, record)
+    return {**_base_record(ctx, rollouts), **record}
+
+
+async def ppo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
+    a = ctx.config.algorithm
+    record: dict[str, Any] = {}
+    with _timed(record, "generate_seconds"):
+        rollouts = await _generate(ctx, samples, a.samples_per_prompt)
+    batch = to_batch(rollouts, ctx.codec.pad_id)
+    mask = batch["response_mask"]
+    await _reference(ctx, record, batch)
+    with _timed(record, "score_seconds"):
+        values = await ctx.stages.critic_values(batch)
+    old_values = action_values(values.float()) * mask
+    kl = None
+    if a.kl_mode == "penalty" and a.kl_coef > 0:
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind)
+    rewards = token_rewards(torch.tensor(rollouts.scores, dtype=torch.float32), mask, kl, a.kl_coef)
+    adv, returns = gae(rewards, old_values, mask, a.gamma, a.lam)
+    if a.whiten_advantages:
+        adv = masked_whiten(adv, mask)
+    batch.update({"advantages": adv, "returns": returns, "old_values": old_values})
+    record["value_mean"] = float((old_values * mask).sum() / mask.sum().clamp(min=1))
+    await _train_and_sync(ctx, batch, record, critic=True)
+    return {**_base_record(ctx, rollouts), **record}
+
+
+ALGORITHMS: dict[str, Callable[[StepContext, list[Sample]], Awaitable[dict[str, Any]]]] = {
+    "grpo": grpo_step,
+    "ppo": ppo_step,
+    "remax": remax_step,
+}

@@ -1,0 +1,157 @@
+"""The RL job: the step loop the controller drives, with metrics, checkpoints and resume.
+
+``run_job(cfg)`` (or ``await RLJob(cfg).run()``) builds the task, its dataset (one global
+sample order), the tokenizer, the initial model and the model-stages the plan places,
+then runs ``run.steps`` steps of the configured algorithm. Each step takes the next
+``prompts_per_step`` samples of the global order, runs the algorithm's step
+(``nereus.rl.algorithms``) and writes one record to ``metrics.jsonl``; the progress bar
+shows stage times, reward and lengths; the end prints a summary table and writes
+``plot.png``.
+
+Checkpoints (``run.checkpoint_every`` steps, and after the last step) hold all logical
+state: policy and critic parameters, AdamW moments and update counters, the policy
+version, the dataset position and the step number. Sampling seeds derive from
+``(run.seed, step)``, so no RNG state needs saving. With ``run.resume`` the job starts
+from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the steps the
+uninterrupted job would have taken (same samples, same rollouts, same updates).
+
+Output folder: ``metrics.jsonl``, ``plot.png``, ``config.json`` (the resolved config),
+``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from nereus.config import to_dict
+from nereus.errors import StateError
+from nereus.rl.algorithms import ALGORITHMS, StepContext
+from nereus.rl.config import JobConfig
+from nereus.rl.data import PromptDataset
+from nereus.rl.report import MetricsWriter, StepProgress, plot_metrics, read_metrics, summary_table
+from nereus.rl.stages import InProcessStages, ModelStages, prepare_model
+from nereus.rl.tasks import make_task
+from nereus.rl.vocab import Codec
+
+__all__ = ["RLJob", "run_job", "latest_checkpoint"]
+
+log = logging.getLogger("nereus.rl")
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest ``checkpoints/step_N`` folder that is complete, or None."""
+    root = Path(out_dir) / "checkpoints"
+    done = [p for p in root.glob("step_*") if (p / "job.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+class RLJob:
+    """One RL job (see the module docstring)."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(cfg.run.out_dir)
+        self.task = make_task(cfg.task.name, **cfg.task.options)
+        self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
+        self.codec: Codec | None = Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
+        self.stages: ModelStages | None = None
+        self.cluster: Any = None
+        self.step = 0
+        self.records: list[dict[str, Any]] = []
+
+    async def start(self) -> None:
+        """Prepare the model, start the model-stages, resume if asked."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+        self.model_config, self.model_dir, self.codec = prepare_model(self.cfg, self.codec, self.out_dir)
+        if self.cfg.cluster.mode == "in_process":
+            self.stages = InProcessStages(self.cfg, self.model_config, self.model_dir)
+        else:
+            from nereus.rl.cluster import ClusterStages
+
+            self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir)
+        if self.cfg.run.resume:
+            ckpt = latest_checkpoint(self.out_dir)
+            if ckpt is not None:
+                await self.load_checkpoint(ckpt)
+
+    async def save_checkpoint(self) -> Path:
+        assert self.stages is not None
+        folder = self.out_dir / "checkpoints" / f"step_{self.step}"
+        await self.stages.save(folder)
+        job = {"step": self.step, "dataset": self.dataset.state_dict(), "policy_version": self.stages.policy_version}
+        # job.json last: a folder without it is an interrupted save and is never resumed.
+        (folder / "job.json").write_text(json.dumps(job))
+        return folder
+
+    async def load_checkpoint(self, folder: str | Path) -> None:
+        assert self.stages is not None
+        job_file = Path(folder) / "job.json"
+        if not job_file.is_file():
+            raise StateError(f"checkpoint {str(folder)!r} is incomplete (no job.json)")
+        job = json.loads(job_file.read_text())
+        await self.stages.load(folder)
+        self.dataset.load_state_dict(job["dataset"])
+        self.step = int(job["step"])
+        log.info("resumed from %s at step %d (policy version %d)", folder, self.step, self.stages.policy_version)
+
+    async def run_step(self) -> dict[str, Any]:
+        """One step of the algorithm over the next samples of the global order."""
+        assert self.stages is not None and self.codec is not None
+        a = self.cfg.algorithm
+        t0 = time.perf_counter()
+        samples = self.dataset.take(a.prompts_per_step)
+        ctx = StepContext(self.cfg, self.task, self.codec, self.stages, self.step)
+        record = await ALGORITHMS[a.name](ctx, samples)
+        record["step_seconds"] = time.perf_counter() - t0
+        record["dataset_position"] = self.dataset.position
+        self.step += 1
+        return record
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Run the remaining steps; returns the records of this run's steps."""
+        await self.start()
+        try:
+            return await self._loop()
+        finally:
+            await self.close()
+
+    async def _loop(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        resumed = self.step > 0
+        writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_from_step=self.step if resumed else None)
+        progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
+        try:
+            while self.step < cfg.run.steps:
+                record = await self.run_step()
+                self.records.append(record)
+                writer.write(record)
+                progress.update(record)
+                every = cfg.run.checkpoint_every
+                if (every and self.step % every == 0) or self.step == cfg.run.steps:
+                    await self.save_checkpoint()
+        finally:
+            progress.close()
+            writer.close()
+        history = read_metrics(self.out_dir / "metrics.jsonl")
+        if history:
+            plot_metrics(history, self.out_dir / "plot.png", title=f"{cfg.algorithm.name.upper()} on {cfg.task.name}")
+            if cfg.run.progress:
+                from rich.console import Console
+
+                Console().print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {cfg.task.name}: {self.out_dir}"))
+        return self.records
+
+    async def close(self) -> None:
+        if self.stages is not None:
+            await self.stages.close()
+            self.stages = None
+
+
+async def run_job(cfg: JobConfig) -> list[dict[str, Any]]:
+    """Run ``cfg`` to the end (see ``RLJob``)."""
+    return await RLJob(cfg).run()

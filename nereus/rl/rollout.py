@@ -1,0 +1,75 @@
+"""Rollouts: generated responses, their scores, and the training batch built from them.
+
+A ``Rollouts`` holds, for every generated response, the prompt and response token ids,
+the per-token log-probabilities the generation engine sampled them with, the rule
+reward, the index of the prompt's sample in the global order and the *policy version*
+that generated it (the number of weight syncs the generation EMU had received), so a
+rollout can always be traced to the weights that produced it.
+
+``to_batch`` lays the rollouts out in the training engine's batch format
+(``nereus.engines.losses``): ``input_ids`` ``[B, T]`` = prompt then response, right-padded;
+``attention_mask``; ``response_mask`` (1 on response tokens); ``old_logprobs`` at the
+response positions (``logprobs[b, t]`` is the log-probability of ``input_ids[b, t]``).
+Per-token tensors the algorithms add later (advantages, returns, reference logprobs)
+use the same ``[B, T]`` alignment.
+
+Refuses (``ConfigError``): responses whose logprobs and token counts disagree, rows
+whose lengths disagree across fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nereus.config import require
+
+__all__ = ["Rollouts", "to_batch"]
+
+
+@dataclass
+class Rollouts:
+    """Responses of one step, row-aligned (group after group for k samples per prompt)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sample_index: list[int]
+    policy_version: list[int]
+    texts: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_ids)
+        for name in ("response_ids", "logprobs", "sample_index", "policy_version"):
+            require(len(getattr(self, name)) == n, f"Rollouts.{name}", len(getattr(self, name)), f"must have {n} rows")
+        for i, (r, lp) in enumerate(zip(self.response_ids, self.logprobs, strict=True)):
+            require(len(r) == len(lp), f"Rollouts.logprobs[{i}]", len(lp), f"must have one logprob per response token ({len(r)})")
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [len(r) for r in self.response_ids]
+
+
+def to_batch(rollouts: Rollouts, pad_id: int) -> dict[str, torch.Tensor]:
+    """The training batch of ``rollouts`` (see the module docstring)."""
+    rows = len(rollouts)
+    require(rows >= 1, "rollouts", rows, "must hold at least one response")
+    lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
+    width = max(lengths)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    response = torch.zeros(rows, width, dtype=torch.float32)
+    old = torch.zeros(rows, width, dtype=torch.float32)
+    for b, (p, r, lp) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.logprobs, strict=True)):
+        n = len(p) + len(r)
+        input_ids[b, :n] = torch.tensor(p + r, dtype=torch.long)
+        attention[b, :n] = 1
+        response[b, len(p):n] = 1.0
+        if r:
+            old[b, len(p):n] = torch.tensor(lp, dtype=torch.float32)
+    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response, "old_logprobs": old}

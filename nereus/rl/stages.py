@@ -1,0 +1,232 @@
+"""Model-stages as the RL step sees them, and the in-process backend.
+
+``ModelStages`` is the async interface every algorithm step calls: ``generate``,
+``reference_logprobs``, ``critic_values``, ``train_policy``, ``train_critic``,
+``sync_policy``, ``save``/``load`` (the job checkpoint), ``close``. Two backends
+implement it:
+
+- ``InProcessStages`` (here): one engine per model-stage inside the driver process
+  (TP 1, PP 1, DP 1), each accounted on the ledger of the device its placement names,
+  so model-stages that share a device share its memory budget. For tests and for
+  custom pipelines that do not need workers.
+- ``ClusterStages`` (``nereus.rl.cluster``): each model-stage's EMUs as actor meshes
+  on an embedded local cluster, placed by the job's plan.
+
+Promises (both backends):
+- ``generate`` returns ``token_ids``, ``logprobs`` and, per row, the ``policy_version``
+  of the weights that generated it (the number of weight syncs applied so far).
+- ``sync_policy`` copies policy-training's weights into policy-generation and bumps
+  the policy version; it returns ``bytes``, ``seconds`` and ``gbps``.
+- ``save(dir)`` writes every piece of logical state the stages hold (policy and critic
+  parameters, AdamW moments, update counters, policy version) as safetensors plus a
+  JSON manifest; ``load(dir)`` restores it in place and re-syncs generation, so the
+  next step is the one the saved job would have taken.
+
+``prepare_model`` makes the initial weights every model-stage loads: a seeded tiny
+random model (with the task's character tokenizer) or a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nereus.config import require
+from nereus.errors import StateError
+from nereus.rl.config import JobConfig
+from nereus.rl.vocab import Codec
+
+__all__ = ["ModelStages", "InProcessStages", "prepare_model", "engine_optim"]
+
+log = logging.getLogger("nereus.rl")
+
+
+def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> tuple[Any, Path, Codec]:
+    """(ModelConfig, model folder, codec) of the job's initial policy.
+
+    ``tiny``: a seeded random model sized by ``[model]`` whose vocabulary is ``codec``'s,
+    written with the tokenizer to ``out_dir/model``. ``hf``: ``model.path`` as is."""
+    from nereus.models import ModelConfig, save_tiny_model
+
+    m = cfg.model
+    if m.kind == "hf":
+        path = Path(m.path)
+        require((path / "config.json").is_file(), "model.path", m.path, "must be a folder with config.json")
+        return ModelConfig.from_hf(path), path, codec or Codec.from_dir(path)
+    require(codec is not None, "codec", None, "is required for a tiny model (its vocabulary sizes the model)")
+    assert codec is not None
+    config = ModelConfig(
+        vocab_size=codec.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.max_seq_len,
+        tie_word_embeddings=False,
+        torch_dtype=m.dtype,
+        bos_token_id=codec.bos_id,
+        eos_token_id=codec.eos_id,
+    )
+    folder = Path(out_dir) / "model"
+    save_tiny_model(folder, config, seed=cfg.run.seed)
+    codec.save(folder)
+    return config, folder, codec
+
+
+def engine_optim(cfg: JobConfig, critic: bool = False) -> dict[str, Any]:
+    o = cfg.optim
+    return {
+        "lr": o.critic_lr if critic else o.lr,
+        "beta1": o.betas[0],
+        "beta2": o.betas[1],
+        "weight_decay": o.weight_decay,
+        "max_grad_norm": o.grad_clip,
+    }
+
+
+class ModelStages(abc.ABC):
+    """The model-stages of one job (see the module docstring)."""
+
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]: ...
+
+    @abc.abstractmethod
+    async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]: ...
+
+    @abc.abstractmethod
+    async def sync_policy(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    async def save(self, folder: str | Path) -> None: ...
+
+    @abc.abstractmethod
+    async def load(self, folder: str | Path) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+def write_state(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """``name.safetensors`` (contiguous copies) and ``name.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(meta))
+
+
+def read_state(folder: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    file = folder / f"{name}.safetensors"
+    if not file.is_file():
+        raise StateError(f"checkpoint {str(folder)!r} has no {file.name}")
+    return load_file(str(file)), json.loads((folder / f"{name}.json").read_text())
+
+
+class InProcessStages(ModelStages):
+    """Every model-stage as one engine in this process (see the module docstring)."""
+
+    def __init__(self, cfg: JobConfig, model_config: Any, model_dir: str | Path) -> None:
+        from nereus.engines.generation import GenerationEngine
+        from nereus.engines.inference import InferenceEngine
+        from nereus.engines.memory import MemoryLedger
+        from nereus.engines.training import TrainingEngine
+
+        for name, p in cfg.plan.items():
+            require(p.tp == p.pp == p.dp == 1, f"plan.{name}", f"tp={p.tp} pp={p.pp} dp={p.dp}", "must be 1 x 1 x 1 with cluster.mode='in_process'")
+        self.cfg = cfg
+        budget = cfg.cluster.memory_bytes
+        ledgers: dict[int, MemoryLedger] = {}
+
+        def ledger(stage: str) -> MemoryLedger:
+            device = cfg.plan[stage].devices[0]
+            if device not in ledgers:
+                ledgers[device] = MemoryLedger(device, budget)
+            return ledgers[device]
+
+        self.ledgers = ledgers
+        common = {"model_dir": model_dir, "dtype": cfg.model.dtype}
+        mbs = cfg.optim.micro_batch_size
+        self.generation = GenerationEngine(model_config, ledger=ledger("policy_generation"), name="policy_generation", **common)
+        self.policy = TrainingEngine(model_config, optim=engine_optim(cfg), ledger=ledger("policy_training"), name="policy_training", **common)
+        self.reference = None
+        if "reference_inference" in cfg.plan:
+            self.reference = InferenceEngine(model_config, micro_batch_size=mbs, ledger=ledger("reference_inference"), name="reference_inference", **common)
+        self.critic = self.critic_inference = None
+        if "critic_training" in cfg.plan:
+            self.critic = TrainingEngine(model_config, optim=engine_optim(cfg, critic=True), critic=True, ledger=ledger("critic_training"), name="critic_training", **common)
+            self.critic_inference = InferenceEngine(model_config, value_head=True, micro_batch_size=mbs, ledger=ledger("critic_inference"), name="critic_inference", **common)
+            self._sync_critic()
+        self.policy_version = 0
+
+    def _sync_critic(self) -> None:
+        assert self.critic is not None and self.critic_inference is not None
+        self.critic_inference.load_named(self.critic.named_weights())
+
+    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
+        out = self.generation.generate(prompts, params)
+        return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": [self.policy_version] * len(prompts)}
+
+    async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        require(self.reference is not None, "plan", sorted(self.cfg.plan), "must place reference_inference to compute KL")
+        assert self.reference is not None
+        return self.reference.logprobs(batch, temperature=self.cfg.sampling.temperature)
+
+    async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        require(self.critic_inference is not None, "plan", sorted(self.cfg.plan), "must place critic_inference for values")
+        assert self.critic_inference is not None
+        return self.critic_inference.values(batch)
+
+    async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        return self.policy.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size, temperature=self.cfg.sampling.temperature)
+
+    async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        assert self.critic is not None
+        metrics = self.critic.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size)
+        self._sync_critic()
+        return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in metrics.items()}
+
+    async def sync_policy(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        nbytes = self.generation.load_named(self.policy.named_weights())
+        seconds = time.perf_counter() - t0
+        self.policy_version += 1
+        return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+    async def save(self, folder: str | Path) -> None:
+        out = Path(folder)
+        write_state(out, "policy_training", self.policy.named_state(), {"step": self.policy.step, "policy_version": self.policy_version})
+        if self.critic is not None:
+            write_state(out, "critic_training", self.critic.named_state(), {"step": self.critic.step})
+
+    async def load(self, folder: str | Path) -> None:
+        src = Path(folder)
+        tensors, meta = read_state(src, "policy_training")
+        self.policy.load_named_state(tensors, step=int(meta["step"]))
+        if self.critic is not None:
+            tensors, cmeta = read_state(src, "critic_training")
+            self.critic.load_named_state(tensors, step=int(cmeta["step"]))
+            self._sync_critic()
+        self.generation.load_named(self.policy.named_weights())
+        self.policy_version = int(meta["policy_version"])
+
+    async def close(self) -> None:
+        for engine in (self.generation, self.policy, self.reference, self.critic, self.critic_inference):
+            if engine is not None:
+                engine.close()
