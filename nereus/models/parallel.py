@@ -213,7 +213,10 @@ def vocab_parallel_entropy(local_logits: torch.Tensor, pc: ParallelContext) -> t
     """Entropy of ``softmax(logits)`` per position (float32, replicated, differentiable):
     ``logsumexp(z) - sum_i p_i z_i``."""
     logits = local_logits.float()
-    _, lse = _logsumexp(logits, pc)
-    probs = torch.exp(logits - lse.unsqueeze(-1))
-    expected = reduce_from_tp((probs * logits).sum(dim=-1), pc, "sum")
-    return lse - expected
+    top, lse = _logsumexp(logits, pc)
+    # Shifted by the (constant) max, both terms stay small: no cancellation of large values.
+    shifted = logits - top.unsqueeze(-1)
+    lse_shifted = (lse - top).unsqueeze(-1)
+    probs = torch.exp(shifted - lse_shifted)
+    expected = reduce_from_tp((probs * shifted).sum(dim=-1), pc, "sum")
+    return lse_shifted.squeeze(-1) - expected
