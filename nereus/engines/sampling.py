@@ -15,7 +15,8 @@ Semantics (the same in the built-in engine and the vLLM adapter):
   ratios start at 1.
 - Draws use the exponential-race form (``argmax(p / E)``, ``E ~ Exp(1)``) from one
   ``torch.Generator`` seeded with ``seed``: one seed gives the same tokens on every run,
-  whatever the batch's layout (TP, PP), because only the rank that samples draws.
+  whatever the layout (TP, PP), because only the rank that samples draws. The draws
+  depend on the seed and on the rows in order (and the engine's ``max_batch`` chunks).
 
 Refuses (``ConfigError``): negative temperature, ``top_p`` outside (0, 1], negative
 ``top_k``, ``max_tokens < 1``, negative stop token ids.

@@ -1,0 +1,182 @@
+"""Inference and training engines in one process, against transformers and torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nereus.engines import InferenceEngine, TrainingEngine
+from nereus.engines.memory import MemoryLedger
+from nereus.errors import ConfigError, OutOfMemory, StateError
+from nereus.models import save_tiny_model, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    config = tiny_config("qwen2", num_hidden_layers=2, tie_word_embeddings=True)
+    path = save_tiny_model(tmp_path_factory.mktemp("it") / "m", config, seed=2, init_std=0.1)
+    return config, path
+
+
+def _batch(rows=5, length=10, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[3, 3:] = 0
+    resp = mask.clone()
+    resp[:, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask, "response_mask": resp}
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def _hf_logprobs(hf, batch, temperature=1.0):
+    logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+def test_logprobs_match_transformers(model):
+    config, path = model
+    batch = _batch()
+    eng = InferenceEngine(config, model_dir=path, micro_batch_size=2, ledger=MemoryLedger("i", None))
+    with torch.no_grad():
+        for temperature in (1.0, 0.7):
+            ref = _hf_logprobs(_hf(path).eval(), batch, temperature)
+            got = eng.logprobs(batch, temperature=temperature)
+            mask = batch["attention_mask"].bool()
+            torch.testing.assert_close(got[mask], ref[mask], atol=1e-4, rtol=1e-4)
+
+
+def _hf_nll(hf, batch):
+    lp = _hf_logprobs(hf, batch)
+    m = batch["response_mask"].float()
+    return -(lp * m).sum() / m.sum()
+
+
+def test_train_step_matches_torch_adamw_with_clipping_and_accumulation(model):
+    config, path = model
+    batch = _batch()
+    optim = {"lr": 1e-3, "weight_decay": 0.01, "max_grad_norm": 0.3}
+    eng = TrainingEngine(config, model_dir=path, optim=optim, ledger=MemoryLedger("t", None))
+    metrics = eng.train_step(batch, micro_batch_size=2)
+
+    hf = _hf(path).train()
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.01)
+    loss = _hf_nll(hf, batch)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 0.3)
+    opt.step()
+    assert abs(metrics["loss"] - float(loss.detach())) < 1e-5
+    assert abs(metrics["grad_norm"] - float(norm)) < 1e-4 * max(1.0, float(norm))
+    assert metrics["step"] == 1.0 and eng.step == 1
+    ref = dict(hf.named_parameters())
+    got = eng.named_weights()
+    # fused nereus parameters are the concatenation of Hugging Face's
+    for name, tensor in got.items():
+        if "qkv_proj" in name:
+            parts = [ref[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+        elif "gate_up_proj" in name:
+            parts = [ref[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")]
+        else:
+            parts = [ref[name]]
+        expect = torch.cat([p.detach() for p in parts], 0)
+        torch.testing.assert_close(tensor, expect, atol=2e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_micro_batches_accumulate_to_one_batch(model):
+    config, path = model
+    batch = _batch(rows=6)
+    a = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, ledger=MemoryLedger("a", None))
+    b = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, ledger=MemoryLedger("b", None))
+    ma = a.train_step(batch)
+    mb = b.train_step(batch, micro_batch_size=4)  # 4 + 2 rows, unequal token counts
+    assert abs(ma["loss"] - mb["loss"]) < 1e-6
+    assert abs(ma["grad_norm"] - mb["grad_norm"]) < 1e-5
+    sa, sb = a.named_state(), b.named_state()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], atol=1e-6, rtol=1e-4)
+
+
+def test_loss_by_import_path_and_state_roundtrip(model):
+    config, path = model
+    batch = _batch()
+    batch["returns"] = torch.linspace(-1, 1, 10).expand(5, 10).contiguous()
+    critic = TrainingEngine(config, model_dir=path, critic=True, optim={"lr": 1e-2}, ledger=MemoryLedger("c", None))
+    first = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
+    for _ in range(4):
+        last = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
+    assert last["value_mse"] < first["value_mse"]
+    state = critic.named_state()
+    assert {"value_head.weight", "value_head.weight.exp_avg", "value_head.weight.exp_avg_sq"} <= set(state)
+    # the state moves into a fresh engine in place, and both continue identically
+    twin = TrainingEngine(config, critic=True, optim={"lr": 1e-2}, ledger=MemoryLedger("c2", None), seed=9)
+    twin.load_named_state({k: v.clone() for k, v in state.items()}, step=critic.step)
+    ma = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
+    mb = twin.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
+    assert ma == mb
+    with pytest.raises(StateError, match="shape"):
+        twin.load_named_state({"value_head.weight": torch.zeros(3)})
+    with pytest.raises(StateError, match="no state"):
+        twin.load_named_state({"value_head.weight.momentum": torch.zeros(1, 64)})
+    with pytest.raises(ConfigError, match="loss"):
+        critic.train_step(batch, loss="nereus.engines.losses:no_such_loss")
+    with pytest.raises(ConfigError, match="loss"):
+        critic.train_step(batch, loss="not_a_path")
+
+
+def test_values_rewards_and_rule_rewards(model):
+    config, path = model
+    batch = _batch()
+    eng = InferenceEngine(config, model_dir=path, value_head=True, ledger=MemoryLedger("v", None))
+    with torch.no_grad():
+        eng.value_head.weight.normal_()
+        eng.value_head.bias.fill_(0.5)
+    values = eng.values(batch)
+    rewards = eng.rewards(batch)
+    assert values.shape == (5, 10) and rewards.shape == (5,)
+    last = batch["attention_mask"].sum(1) - 1
+    torch.testing.assert_close(rewards, values[torch.arange(5), last])
+    scores = eng.rule_rewards(batch, "tests.engines.test_inference_training:count_rule", token=3)
+    expect = ((batch["input_ids"] == 3) & batch["response_mask"].bool()).sum(1).float()
+    torch.testing.assert_close(scores, expect)
+    plain = InferenceEngine(config, model_dir=path, ledger=MemoryLedger("p", None))
+    with pytest.raises(ConfigError, match="value_head"):
+        plain.values(batch)
+
+
+def count_rule(input_ids, attention_mask, response_mask, token):
+    return ((input_ids == token) & response_mask.bool()).sum(1).float()
+
+
+def test_bad_batches_are_refused(model):
+    config, path = model
+    eng = InferenceEngine(config, model_dir=path, ledger=MemoryLedger("b", None))
+    with pytest.raises(ConfigError, match="input_ids"):
+        eng.logprobs({"tokens": torch.zeros(2, 3, dtype=torch.long)})
+    with pytest.raises(ConfigError, match="right padding"):
+        eng.logprobs({"input_ids": torch.zeros(1, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1]])})
+    with pytest.raises(ConfigError, match="first dim"):
+        eng.logprobs({"input_ids": torch.zeros(2, 3, dtype=torch.long), "advantages": torch.zeros(3, 3)})
+
+
+def test_training_memory_is_accounted_and_refused_past_the_budget(model):
+    config, path = model
+    ledger = MemoryLedger(4, None)
+    eng = TrainingEngine(config, model_dir=path, ledger=ledger)
+    held = eng.memory()
+    weights = held["training/weights"]
+    assert held["training/grads"] == weights and held["training/optimizer"] == 2 * weights
+    with pytest.raises(OutOfMemory) as info:
+        TrainingEngine(config, model_dir=path, ledger=MemoryLedger(5, 3 * weights))
+    assert info.value.device == 5 and "training/optimizer" in str(info.value)
+    small = MemoryLedger(6, 4 * weights + 1024)
+    tight = TrainingEngine(config, model_dir=path, ledger=small)
+    with pytest.raises(OutOfMemory, match="activations"):
+        tight.train_step(_batch())
+    assert small.used_bytes == 4 * weights  # the failed step gave its reservation back
