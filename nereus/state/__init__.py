@@ -7,12 +7,21 @@ worker's part; ``checkpoint`` is the save/load fallback.
 """
 
 from nereus.state.apply import apply_plan, apply_step, plan_part, run_part
+from nereus.state.checkpoint import (
+    load_checkpoint,
+    load_shards,
+    save_checkpoint,
+    save_shards,
+    write_manifest,
+)
 from nereus.state.emu import (
     EMU,
     OPTIMIZER_SLOTS,
     SLOTS,
     DeviceSet,
     LogicalState,
+    emu_from_plain,
+    emu_to_plain,
     split_key,
     tensor_key,
 )
@@ -51,8 +60,12 @@ __all__ = [
     "check_fits",
     "check_layout",
     "destroy",
+    "emu_from_plain",
+    "emu_to_plain",
     "extend",
     "layer_bounds",
+    "load_checkpoint",
+    "load_shards",
     "memory_effect",
     "merge",
     "param_shard",
@@ -60,9 +73,12 @@ __all__ = [
     "plan_reshard",
     "plan_stage_transition",
     "run_part",
+    "save_checkpoint",
+    "save_shards",
     "split",
     "split_key",
     "sub_layout",
     "sub_placements",
     "tensor_key",
+    "write_manifest",
 ]

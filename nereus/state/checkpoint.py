@@ -66,8 +66,20 @@ def _written_keys(emu: EMU, device: int) -> list[str]:
     return out
 
 
-def save_shards(directory: str | Path, emu: EMU, device: int, tensors: Mapping[str, torch.Tensor]) -> Path:
-    """Write the shards ``device`` holds in ``emu`` that no earlier position holds."""
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_shards(directory: str | Path, emu: EMU, device: int, tensors: Mapping[str, torch.Tensor],
+                *, durable: bool = True) -> Path:
+    """Write the shards ``device`` holds in ``emu`` that no earlier position holds.
+
+    ``durable``: fsync the file before it takes its name (a fallback checkpoint must
+    survive the machine, not only the process)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     pp_rank, tp_rank = emu.position(device)
@@ -83,11 +95,13 @@ def save_shards(directory: str | Path, emu: EMU, device: int, tensors: Mapping[s
     path = directory / _file_name(pp_rank, tp_rank)
     tmp = path.with_suffix(".tmp")
     save_file(out, str(tmp))
+    if durable:
+        _fsync(tmp)
     os.replace(tmp, path)
     return path
 
 
-def write_manifest(directory: str | Path, emu: EMU) -> Path:
+def write_manifest(directory: str | Path, emu: EMU, *, durable: bool = True) -> Path:
     """Complete a checkpoint of ``emu`` whose shard files are written."""
     directory = Path(directory)
     files = []
@@ -111,7 +125,11 @@ def write_manifest(directory: str | Path, emu: EMU) -> Path:
     path = directory / MANIFEST
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
+    if durable:
+        _fsync(tmp)
     os.replace(tmp, path)
+    if durable:
+        _fsync(directory)
     return path
 
 

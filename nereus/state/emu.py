@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
-from nereus.config import require
+from nereus.config import from_dict, require, to_dict
 from nereus.errors import ConfigError
 from nereus.state.layout import Layout, Shard, check_layout, holds_param, param_shard
 from nereus.state.spec import DTYPE_BYTES, ModelSpec, ParamSpec
@@ -36,6 +37,8 @@ __all__ = [
     "EMU",
     "tensor_key",
     "split_key",
+    "emu_to_plain",
+    "emu_from_plain",
 ]
 
 OPTIMIZER_SLOTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "master")
@@ -180,3 +183,33 @@ class EMU:
     def nbytes(self) -> int:
         """Bytes of every shard of this replica (replicated pieces counted per device)."""
         return sum(self.bytes_on(d) for d in self.devices)
+
+
+def emu_to_plain(emu: EMU) -> dict[str, Any]:
+    """An EMU as plain data (msgpack/JSON), spec included."""
+    return {
+        "name": emu.name,
+        "model_stage": emu.model_stage,
+        "spec": to_dict(emu.spec),
+        "layout": {"tp": emu.layout.tp, "pp": emu.layout.pp, "cuts": list(emu.layout.cuts)},
+        "devices": list(emu.devices),
+        "slots": list(emu.slots),
+        "state": to_dict(emu.state),
+    }
+
+
+def emu_from_plain(plain: dict[str, Any]) -> EMU:
+    """The EMU ``emu_to_plain`` described; every field is validated again."""
+    try:
+        lay = plain["layout"]
+        return EMU(
+            name=plain["name"],
+            model_stage=plain["model_stage"],
+            spec=from_dict(ModelSpec, plain["spec"]),
+            layout=Layout(lay["tp"], lay["pp"], tuple(lay["cuts"])),
+            devices=tuple(plain["devices"]),
+            slots=tuple(plain["slots"]),
+            state=from_dict(LogicalState, plain["state"]),
+        )
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"EMU description is malformed: {e!r}") from None
