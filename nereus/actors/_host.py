@@ -1,0 +1,442 @@
+"""The callee side: the actors living in one worker process and their mailboxes.
+
+``ActorHost`` owns a ROUTER channel and a table of actors. For every verified
+message it checks, in order: the message shape, the actor name, the incarnation,
+the method, the arguments against the endpoint's signature (and simple
+annotations: int, float, str, bytes, bool, list, dict, tuple), and the actor's cap
+on pending calls. Any failure is answered to the (authenticated) sender with an ERR
+naming what was wrong, and counted; nothing a caller sends can raise out of it.
+
+Ordering: sequential endpoints of one actor run one at a time in arrival order
+(one mailbox consumer per actor, no task per call); concurrent endpoints start a
+task per call. A call whose deadline passed before it started is not run (answered
+with ``deadline``); a running call is never interrupted by its deadline.
+
+Back-pressure: ``pending`` counts queued and running calls of an actor; a call that
+would exceed ``max_pending`` is refused with ``Backpressure`` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+import traceback
+import typing
+from collections import deque
+from typing import Any
+
+import zmq
+
+from nereus.actors import _protocol as P
+from nereus.actors._channel import Channel, Counters
+from nereus.actors.actor import Actor, DeviceInfo, Failure, endpoint_spec, endpoints_of
+from nereus.errors import ProtocolError
+
+__all__ = ["ActorHost", "import_actor_class", "DEFAULT_MAX_PENDING"]
+
+log = logging.getLogger("nereus.actors")
+
+DEFAULT_MAX_PENDING = 10_000
+_SIMPLE_TYPES: dict[Any, tuple[type, ...]] = {
+    int: (int,), float: (int, float), str: (str,), bytes: (bytes,), bool: (bool,),
+    list: (list,), dict: (dict,), tuple: (tuple,),
+}
+_EP_CORO, _EP_AGEN, _EP_SYNC = 0, 1, 2
+
+
+def import_actor_class(path: str) -> type:
+    """The Actor subclass named by ``"module:QualName"`` (or ``"file:/x.py:QualName"``)."""
+    module_name, sep, qual = path.rpartition(":")
+    if not sep or not module_name or not qual:
+        raise ProtocolError(f"actor class path {path!r} must look like 'module:QualName'")
+    if module_name.startswith("file:"):
+        file = module_name[len("file:"):]
+        name = "__nereus_main__"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, file)
+            if spec is None or spec.loader is None:
+                raise ProtocolError(f"cannot import actor module from file {file!r}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in qual.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ProtocolError(f"module {module_name!r} has no attribute {qual!r}")
+    if not (isinstance(obj, type) and issubclass(obj, Actor)):
+        raise ProtocolError(f"{path!r} is not a subclass of nereus.actors.Actor")
+    return obj
+
+
+class _Endpoint:
+    __slots__ = ("fn", "concurrent", "kind", "sig", "nmin", "nmax", "checks", "qualname")
+
+    def __init__(self, fn: Any, concurrent: bool, qualname: str) -> None:
+        self.fn = fn
+        self.concurrent = concurrent
+        self.qualname = qualname
+        if inspect.isasyncgenfunction(fn):
+            self.kind = _EP_AGEN
+        elif inspect.iscoroutinefunction(fn):
+            self.kind = _EP_CORO
+        else:
+            self.kind = _EP_SYNC
+        self.sig = inspect.signature(fn)
+        params = list(self.sig.parameters.values())
+        positional = [p for p in params
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.nmin = sum(1 for p in positional if p.default is p.empty)
+        has_var = any(p.kind == p.VAR_POSITIONAL for p in params)
+        self.nmax = None if has_var else len(positional)
+        try:
+            hints = typing.get_type_hints(fn)
+        except (NameError, TypeError, AttributeError):
+            hints = {}  # unresolvable annotations are documentation only
+        self.checks: list[tuple[int, str, tuple[type, ...]]] = []
+        for i, p in enumerate(positional):
+            tp = hints.get(p.name)
+            types = _SIMPLE_TYPES.get(typing.get_origin(tp) or tp)
+            if types is not None:
+                self.checks.append((i, p.name, types))
+
+    def check(self, args: list, kwargs: dict) -> str | None:
+        """None if ``args``/``kwargs`` fit; else what is wrong, for the caller."""
+        if kwargs or len(args) < self.nmin or (self.nmax is not None and len(args) > self.nmax):
+            try:
+                bound = self.sig.bind(*args, **kwargs)
+            except TypeError as e:
+                return f"wrong arguments for {self.qualname}{self.sig}: {e}"
+            values = bound.arguments
+            for _, name, types in self.checks:
+                if name in values and not _fits(values[name], types):
+                    return self._type_msg(name, values[name], types)
+            return None
+        for i, name, types in self.checks:
+            if i < len(args) and not _fits(args[i], types):
+                return self._type_msg(name, args[i], types)
+        return None
+
+    def _type_msg(self, name: str, value: Any, types: tuple[type, ...]) -> str:
+        want = " or ".join(t.__name__ for t in types)
+        return (f"wrong argument type for {self.qualname}: {name}={_short(value)} is a "
+                f"{type(value).__name__}, expected {want}")
+
+
+def _fits(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and bool not in types and int in types and float not in types:
+        return False  # True is not an int argument here
+    return isinstance(value, types)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Slot:
+    __slots__ = ("name", "instance", "incarnation", "endpoints", "mailbox", "wake", "pending",
+                 "max_pending", "consumer", "tasks", "cls")
+
+    def __init__(self, name: str, instance: Actor, incarnation: int, max_pending: int) -> None:
+        self.name = name
+        self.instance = instance
+        self.cls = type(instance)
+        self.incarnation = incarnation
+        self.endpoints: dict[str, _Endpoint] = {}
+        for ep_name, fn in endpoints_of(type(instance)).items():
+            spec = endpoint_spec(fn)
+            self.endpoints[ep_name] = _Endpoint(getattr(instance, ep_name), spec.concurrent,
+                                                f"{type(instance).__qualname__}.{ep_name}")
+        self.mailbox: deque = deque()
+        self.wake: asyncio.Future | None = None
+        self.pending = 0
+        self.max_pending = max_pending
+        self.consumer: asyncio.Task | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+
+class ActorHost:
+    """See the module docstring. ``on_control(op, body, ident, cid)`` handles control ops
+    this class does not know (the worker's shutdown, stats)."""
+
+    def __init__(self, sock: zmq.Socket, key: bytes, device: DeviceInfo, counters: Counters,
+                 emit: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.device = device
+        self.counters = counters
+        self.emit = emit or (lambda event: None)
+        self.actors: dict[str, _Slot] = {}
+        self.incarnations: dict[str, int] = {}
+        self.extra_control: dict[str, Any] = {}
+        self.channel = Channel(sock, key, self._on_message, counters, loop=self.loop)
+
+    # -- dispatch --------------------------------------------------------------------
+
+    def _on_message(self, ident: bytes | None, msg: Any) -> None:
+        if type(msg) is not list or not msg:
+            self.counters.reject("header", f"message is a {type(msg).__name__}, not a list")
+            return
+        kind = msg[0]
+        if kind == P.CALL:
+            if len(msg) != 9 or type(msg[1]) is not int:
+                self._bad_shape(ident, msg, "CALL needs 9 fields")
+                return
+            self._on_call(ident, msg)
+        elif kind == P.CTRL:
+            if len(msg) != 4 or type(msg[1]) is not int or type(msg[2]) is not str:
+                self._bad_shape(ident, msg, "CTRL needs [10, call_id, op, body]")
+                return
+            self._on_control(ident, msg[1], msg[2], msg[3])
+        else:
+            self._bad_shape(ident, msg, f"unknown message kind {kind!r}")
+
+    def _bad_shape(self, ident: bytes, msg: list, what: str) -> None:
+        self.counters.reject("header", what)
+        cid = msg[1] if len(msg) > 1 and type(msg[1]) is int else None
+        if cid is not None:
+            self._reply_err(ident, cid, 0, P.ERR_PROTOCOL, "ProtocolError", what, "")
+
+    def _on_call(self, ident: bytes, msg: list) -> None:
+        _, cid, name, inc, method, timeout_s, args, kwargs, mode = msg
+        slot = self.actors.get(name) if type(name) is str else None
+        if slot is None:
+            self.counters.reject("unknown_actor", f"{name!r}")
+            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
+                            f"no actor {name!r} on device {self.device.index}", "")
+            return
+        if inc != slot.incarnation:
+            self.counters.add("stale_calls")
+            self._reply_err(ident, cid, inc, P.ERR_DIED, "ActorDied",
+                            f"incarnation {inc!r} of {name!r} is gone "
+                            f"(now {slot.incarnation})", "")
+            return
+        ep = slot.endpoints.get(method) if type(method) is str else None
+        if ep is None:
+            self.counters.reject("unknown_method", f"{name}.{method!r}")
+            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
+                            f"actor {name!r} ({slot.cls.__qualname__}) has no endpoint "
+                            f"{method!r}; endpoints: {sorted(slot.endpoints)}", "")
+            return
+        if type(args) is not list or type(kwargs) is not dict or mode not in (0, 1, 2) or not (
+                timeout_s is None or type(timeout_s) in (int, float)):
+            self.counters.reject("header", "CALL args/kwargs/mode/timeout of the wrong type")
+            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
+                            "CALL needs args as a list, kwargs as a map, mode 0-2, "
+                            "timeout_s a number or nil", "")
+            return
+        if kwargs and not all(type(k) is str for k in kwargs):
+            self.counters.reject("arguments", "non-string keyword")
+            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
+                            "keyword argument names must be strings", "")
+            return
+        problem = ep.check(args, kwargs)
+        if problem is not None:
+            self.counters.reject("arguments", problem)
+            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError", problem, "")
+            return
+        if (mode == P.STREAM) != (ep.kind == _EP_AGEN):
+            what = ("is not a stream: use call" if ep.kind != _EP_AGEN
+                    else "is a stream (async generator): use .stream(...)")
+            self.counters.reject("arguments", f"{ep.qualname} {what}")
+            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
+                            f"{ep.qualname} {what}", "")
+            return
+        if slot.pending >= slot.max_pending:
+            self.counters.add("backpressure")
+            self._reply_err(ident, cid, inc, P.ERR_BACKPRESSURE, "Backpressure",
+                            f"actor {name!r} has {slot.pending} pending calls "
+                            f"(cap {slot.max_pending})", "")
+            return
+        slot.pending += 1
+        deadline = None if timeout_s is None else self.loop.time() + timeout_s
+        item = (slot, ep, ident, cid, args, kwargs, deadline, mode)
+        if ep.concurrent:
+            task = self.loop.create_task(self._run(*item))
+            slot.tasks.add(task)
+            task.add_done_callback(slot.tasks.discard)
+        else:
+            slot.mailbox.append(item)
+            w = slot.wake
+            if w is not None and not w.done():
+                w.set_result(None)
+
+    async def _consume(self, slot: _Slot) -> None:
+        mailbox = slot.mailbox
+        while True:
+            if not mailbox:
+                slot.wake = self.loop.create_future()
+                await slot.wake
+                continue
+            await self._run(*mailbox.popleft())
+
+    async def _run(self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, args: list,
+                   kwargs: dict, deadline: float | None, mode: int) -> None:
+        inc = slot.incarnation
+        try:
+            if deadline is not None and self.loop.time() > deadline:
+                self.counters.add("expired_calls")
+                if mode != P.NO_REPLY:
+                    self._reply_err(ident, cid, inc, P.ERR_DEADLINE, "DeadlineExceeded",
+                                    f"{ep.qualname} was not started before its deadline", "")
+                return
+            if ep.kind == _EP_CORO:
+                value = await ep.fn(*args, **kwargs)
+            elif ep.kind == _EP_AGEN:
+                async for item in ep.fn(*args, **kwargs):
+                    self._send(ident, [P.ITEM, cid, inc, item], ep)
+                self._send(ident, [P.END, cid, inc], ep)
+                return
+            else:
+                value = ep.fn(*args, **kwargs)
+        except asyncio.CancelledError:
+            if mode != P.NO_REPLY:
+                self._reply_err(ident, cid, inc, P.ERR_DIED, "ActorDied",
+                                f"actor {slot.name!r} was stopped", "")
+            raise
+        except Exception as e:
+            self._remote_error(slot, ep, ident, cid, inc, mode, e)
+            return
+        finally:
+            slot.pending -= 1
+        if mode == P.REPLY:
+            self._send(ident, [P.OK, cid, inc, value], ep)
+
+    def _remote_error(self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, inc: int,
+                      mode: int, e: Exception) -> None:
+        tb = traceback.format_exc()
+        rtype = type(e).__qualname__
+        if mode == P.NO_REPLY:
+            log.error("broadcast call %s on %r failed:\n%s", ep.qualname, slot.name, tb)
+            self.emit({"type": "error", "actor": slot.name, "method": ep.qualname,
+                       "device": self.device.index, "remote_type": rtype,
+                       "message": str(e), "traceback": tb})
+            return
+        self._reply_err(ident, cid, inc, P.ERR_REMOTE, rtype, str(e), tb)
+
+    def _send(self, ident: bytes, msg: list, ep: _Endpoint) -> None:
+        try:
+            self.channel.send(msg, ident)
+        except ProtocolError as e:  # the value cannot cross the wire
+            self._reply_err(ident, msg[1], msg[2], P.ERR_PROTOCOL, "ProtocolError",
+                            f"result of {ep.qualname} cannot be sent: {e}", "")
+        except zmq.ZMQError as e:
+            self.counters.add("reply_send_failed")
+            log.warning("could not send a reply of %s: %s", ep.qualname, e)
+
+    def _reply_err(self, ident: bytes, cid: int, inc: Any, kind: str, rtype: str, message: str,
+                   tb: str) -> None:
+        try:
+            self.channel.send([P.ERR, cid, inc, kind, rtype, message, tb], ident)
+        except (zmq.ZMQError, ProtocolError) as e:
+            self.counters.add("reply_send_failed")
+            log.warning("could not send an error reply (%s): %s", message[:100], e)
+
+    # -- control ---------------------------------------------------------------------
+
+    def _on_control(self, ident: bytes, cid: int, op: str, body: Any) -> None:
+        handler = {"spawn": self._spawn, "stop": self._stop, "supervise": self._supervise,
+                   "stats": self._stats}.get(op) or self.extra_control.get(op)
+        if handler is None:
+            self.counters.reject("unknown_method", f"control op {op!r}")
+            self._reply_err(ident, cid, 0, P.ERR_PROTOCOL, "ProtocolError",
+                            f"unknown control op {op!r}", "")
+            return
+        try:
+            value = handler(body)
+        except ProtocolError as e:
+            self.counters.reject("arguments", str(e))
+            self._reply_err(ident, cid, 0, P.ERR_PROTOCOL, "ProtocolError", str(e), "")
+            return
+        except Exception as e:
+            self._reply_err(ident, cid, 0, P.ERR_REMOTE, type(e).__qualname__, str(e),
+                            traceback.format_exc())
+            return
+        try:
+            self.channel.send([P.OK, cid, 0, value], ident)
+        except zmq.ZMQError as e:
+            self.counters.add("reply_send_failed")
+            log.warning("could not answer control op %s: %s", op, e)
+
+    def _spawn(self, body: Any) -> dict:
+        if type(body) is not dict:
+            raise ProtocolError("spawn needs a map body")
+        name = body.get("name")
+        if type(name) is not str or not name:
+            raise ProtocolError(f"spawn: name={name!r} must be a non-empty string")
+        if name in self.actors:
+            raise ProtocolError(f"spawn: an actor named {name!r} already lives on device "
+                                f"{self.device.index}; stop it first")
+        cls = import_actor_class(body.get("cls", ""))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(body.get("torch_threads", 1))
+        args = body.get("args") or []
+        kwargs = body.get("kwargs") or {}
+        max_pending = body.get("max_pending", DEFAULT_MAX_PENDING)
+        if type(max_pending) is not int or max_pending < 1:
+            raise ProtocolError(f"spawn: max_pending={max_pending!r} must be an int >= 1")
+        instance = cls.__new__(cls)
+        instance.device = self.device
+        instance.name = name
+        instance.mesh_name = body.get("mesh", name)
+        instance.rank = body.get("rank", 0)
+        instance.coords = body.get("coords", {})
+        instance.__init__(*args, **kwargs)
+        inc = self.incarnations.get(name, 0) + 1
+        self.incarnations[name] = inc
+        slot = _Slot(name, instance, inc, max_pending)
+        slot.consumer = self.loop.create_task(self._consume(slot))
+        self.actors[name] = slot
+        self.emit({"type": "actor_spawn", "actor": name, "device": self.device.index,
+                   "incarnation": inc, "class": body.get("cls", "")})
+        return {"incarnation": inc, "endpoints": sorted(slot.endpoints)}
+
+    def _stop(self, body: Any) -> dict:
+        name = body.get("name") if type(body) is dict else None
+        slot = self.actors.pop(name, None) if type(name) is str else None
+        if slot is None:
+            raise ProtocolError(f"stop: no actor {name!r} on device {self.device.index}")
+        self.stop_slot(slot, "stopped")
+        return {"stopped": name}
+
+    def stop_slot(self, slot: _Slot, reason: str) -> None:
+        if slot.consumer is not None:
+            slot.consumer.cancel()
+        for t in list(slot.tasks):
+            t.cancel()
+        while slot.mailbox:
+            _, ep, ident, cid, _, _, _, mode = slot.mailbox.popleft()
+            slot.pending -= 1
+            if mode != P.NO_REPLY:
+                self._reply_err(ident, cid, slot.incarnation, P.ERR_DIED, "ActorDied",
+                                f"actor {slot.name!r} was {reason}", "")
+
+    def _supervise(self, body: Any) -> dict:
+        name = body.get("name") if type(body) is dict else None
+        slot = self.actors.get(name) if type(name) is str else None
+        if slot is None:
+            raise ProtocolError(f"supervise: no actor {name!r} on device {self.device.index}")
+        failure = Failure(**body.get("failure", {}))
+        hook = getattr(slot.instance, "__supervise__", None)
+        if hook is None or slot.cls.__supervise__ is Actor.__supervise__:
+            return {"handled": False}
+        hook(failure)
+        return {"handled": True}
+
+    def _stats(self, body: Any) -> dict:
+        return {"counters": self.counters.snapshot(),
+                "actors": {n: {"incarnation": s.incarnation, "pending": s.pending}
+                           for n, s in self.actors.items()}}
+
+    def close(self) -> None:
+        for slot in list(self.actors.values()):
+            self.stop_slot(slot, "shut down")
+        self.actors.clear()
+        self.channel.close()

@@ -1,0 +1,51 @@
+"""Cluster keys: where they come from and how they are checked.
+
+A cluster key is a shared secret of at least 16 bytes used to sign every message
+(HMAC-SHA256). It comes from, in order: an explicit value, ``--key-file FILE`` (the
+file's contents, surrounding whitespace stripped), or the environment variable
+``NEREUS_CLUSTER_KEY``. ``Cluster.local`` generates a random one. Workers receive the
+key through their environment, never on the command line (visible in ``ps``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from nereus.errors import ConfigError
+
+__all__ = ["KEY_ENV", "MIN_KEY_BYTES", "load_key", "generate_key"]
+
+KEY_ENV = "NEREUS_CLUSTER_KEY"
+MIN_KEY_BYTES = 16
+
+
+def generate_key() -> bytes:
+    return secrets.token_hex(32).encode()
+
+
+def load_key(key: str | bytes | None = None, key_file: str | None = None) -> bytes:
+    """The cluster key from ``key``, else ``key_file``, else ``$NEREUS_CLUSTER_KEY``."""
+    if key is not None:
+        value = key.encode() if isinstance(key, str) else bytes(key)
+        where = "key"
+    elif key_file is not None:
+        try:
+            value = Path(key_file).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"key_file={key_file!r} cannot be read: {e.strerror}") from None
+        where = f"key_file={key_file!r}"
+    elif os.environ.get(KEY_ENV):
+        value = os.environ[KEY_ENV].strip().encode()
+        where = f"${KEY_ENV}"
+    else:
+        raise ConfigError(
+            f"no cluster key: pass --key-file FILE or set ${KEY_ENV} "
+            f"(at least {MIN_KEY_BYTES} bytes, e.g. `python -c 'import secrets; "
+            "print(secrets.token_hex(32))'`)"
+        )
+    if len(value) < MIN_KEY_BYTES:
+        raise ConfigError(f"{where} holds a key of {len(value)} bytes; it must have at least "
+                          f"{MIN_KEY_BYTES}")
+    return value

@@ -1,0 +1,32 @@
+"""Message kinds of the actor protocol (the first element of every header).
+
+Hot-path messages are msgpack arrays, not maps, to keep headers short:
+
+    CALL  [1, call_id, actor, incarnation, method, timeout_s|None, args, kwargs, mode]
+    OK    [2, call_id, incarnation, value]
+    ERR   [3, call_id, incarnation, kind, remote_type, message, traceback_text]
+    ITEM  [4, call_id, incarnation, value]          one item of a stream
+    END   [5, call_id, incarnation]                 end of a stream
+    CTRL  [10, call_id, op, body]                   control request (spawn, stop, ...)
+    NOTE  [11, op, body]                            controller notice (no reply)
+
+``mode`` is NO_REPLY (broadcast), REPLY or STREAM. ``kind`` in ERR says which nereus
+error the caller raises: remote -> RemoteError, protocol -> ProtocolError,
+backpressure -> Backpressure, deadline -> DeadlineExceeded, died -> ActorDied.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CALL", "OK", "ERR", "ITEM", "END", "CTRL", "NOTE",
+    "NO_REPLY", "REPLY", "STREAM",
+    "ERR_REMOTE", "ERR_PROTOCOL", "ERR_BACKPRESSURE", "ERR_DEADLINE", "ERR_DIED",
+]
+
+CALL, OK, ERR, ITEM, END, CTRL, NOTE = 1, 2, 3, 4, 5, 10, 11
+NO_REPLY, REPLY, STREAM = 0, 1, 2
+ERR_REMOTE = "remote"
+ERR_PROTOCOL = "protocol"
+ERR_BACKPRESSURE = "backpressure"
+ERR_DEADLINE = "deadline"
+ERR_DIED = "died"

@@ -1,0 +1,237 @@
+"""The wire format: one msgpack header frame, zero-copy buffer frames, an HMAC.
+
+A message on the wire is the multipart ZeroMQ message ``[signature, header, *buffers]``:
+
+- ``header`` is msgpack. Plain data (None, bool, int, float, str, list, dict, and
+  bytes-like objects, which msgpack packs natively: one copy each side, fine for
+  small blobs) is packed inline. Tuples, actor refs, and every numpy array and CPU
+  torch tensor become msgpack *ext* values; a buffer ext carries ``[kind, dtype,
+  shape, frame_index, nbytes]`` and its bytes travel in ``buffers[frame_index]``
+  without a copy on the send side. Send large binary data as a uint8 array or
+  tensor to get a zero-copy frame.
+- ``signature`` is HMAC-SHA256 with the cluster key over ``header`` and every buffer
+  in order (as Jupyter signs its messages), so a frame that was altered, added,
+  dropped or reordered fails verification.
+
+Promises: ``decode(encode(x))`` equals ``x`` for every supported value (tensors of any
+dtype incl. bfloat16 and bool, any shape incl. 0-size; non-contiguous ones are made
+contiguous). Received tensors and arrays are writable views of the received frame
+(no copy). ``verify`` and ``decode`` raise ``AuthenticationError`` / ``ProtocolError``
+for every bad input and never anything else.
+
+Refuses: pickle in any form, CUDA tensors (they go through the data plane), objects
+of other types (``ProtocolError`` naming the type), a buffer whose declared size does
+not match its frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from nereus.errors import AuthenticationError, ProtocolError
+
+__all__ = [
+    "SIGNATURE_BYTES",
+    "encode",
+    "decode",
+    "sign",
+    "verify",
+    "register_ext",
+]
+
+SIGNATURE_BYTES = 32
+
+_EXT_BUF = 1
+_EXT_TUPLE = 2
+_KIND_BYTES, _KIND_NUMPY, _KIND_TORCH = 0, 1, 2
+
+# ext code -> (type, to_plain, from_plain); used for ActorRef so this module stays below it.
+_EXT_TYPES: dict[int, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
+_EXT_BY_TYPE: dict[type, int] = {}
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def register_ext(code: int, cls: type, to_plain: Callable[[Any], Any],
+                 from_plain: Callable[[Any], Any]) -> None:
+    """Let instances of ``cls`` cross the wire as ``to_plain(obj)`` (plain data)."""
+    if code in (_EXT_BUF, _EXT_TUPLE) or not 0 <= code < 128:
+        raise ValueError(f"ext code {code} is reserved or out of range 0..127")
+    _EXT_TYPES[code] = (cls, to_plain, from_plain)
+    _EXT_BY_TYPE[cls] = code
+
+
+def _torch_dtype(name: str) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch  # noqa: PLC0415 - only when a tensor arrives
+    dt = _TORCH_DTYPES.get(name)
+    if dt is None:
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            raise ProtocolError(f"unknown torch dtype {name!r} in header")
+        _TORCH_DTYPES[name] = dt
+    return dt
+
+
+def encode(obj: Any) -> tuple[bytes, list[Any]]:
+    """``(header, buffers)`` for ``obj``; buffers are zero-copy views (bytes/memoryview)."""
+    buffers: list[Any] = []
+    torch = sys.modules.get("torch")
+
+    def default(o: Any) -> Any:
+        t = type(o)
+        if t is tuple:
+            return msgpack.ExtType(_EXT_TUPLE, packb(list(o)))
+        if t is np.ndarray:
+            return _array_ext(o)
+        if torch is not None and isinstance(o, torch.Tensor):
+            return _tensor_ext(o)
+        code = _EXT_BY_TYPE.get(t)
+        if code is not None:
+            return msgpack.ExtType(code, packb(_EXT_TYPES[code][1](o)))
+        if isinstance(o, np.generic):
+            return o.item()
+        raise ProtocolError(
+            f"cannot send a value of type {t.__module__}.{t.__qualname__}: only None, bool, "
+            "int, float, str, bytes, list, tuple, dict, numpy arrays, CPU torch tensors and "
+            "actor refs cross the wire"
+        )
+
+    def _array_ext(a: np.ndarray) -> msgpack.ExtType:
+        if a.dtype.hasobject or a.dtype.fields is not None:
+            raise ProtocolError(f"cannot send a numpy array of dtype {a.dtype} (object/struct)")
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # (ascontiguousarray would turn 0-d into 1-d)
+        buffers.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+        meta = [_KIND_NUMPY, a.dtype.str, list(a.shape), len(buffers) - 1, a.nbytes]
+        return msgpack.ExtType(_EXT_BUF, msgpack.packb(meta))
+
+    def _tensor_ext(x: Any) -> msgpack.ExtType:
+        if x.device.type != "cpu":
+            raise ProtocolError(
+                f"cannot send a {x.device.type} tensor through the actor wire; "
+                "move it with the data plane (nereus.transfer) or .cpu() it"
+            )
+        x = x.detach()
+        if x.is_sparse or x.layout != torch.strided:
+            raise ProtocolError(f"cannot send a tensor with layout {x.layout}")
+        x = x.contiguous()
+        nbytes = x.numel() * x.element_size()
+        if nbytes:
+            buffers.append(memoryview(x.reshape(-1).view(torch.uint8).numpy()))
+        else:
+            buffers.append(b"")
+        dtype = str(x.dtype).removeprefix("torch.")
+        meta = [_KIND_TORCH, dtype, list(x.shape), len(buffers) - 1, nbytes]
+        return msgpack.ExtType(_EXT_BUF, msgpack.packb(meta))
+
+    def packb(o: Any) -> bytes:
+        return msgpack.packb(o, default=default, use_bin_type=True, strict_types=True)
+
+    return packb(obj), buffers
+
+
+def decode(header: bytes, buffers: Sequence[Any] = ()) -> Any:
+    """The value of a header and its buffer frames (zmq Frames, bytes or memoryviews).
+
+    Raises ``ProtocolError`` for malformed msgpack, unknown ext codes, bad buffer
+    indices, or a declared size that does not match the frame."""
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == _EXT_TUPLE:
+            return tuple(unpackb(data))
+        if code == _EXT_BUF:
+            return _buffer(msgpack.unpackb(data, raw=False))
+        entry = _EXT_TYPES.get(code)
+        if entry is None:
+            raise ProtocolError(f"unknown ext code {code} in header")
+        return entry[2](unpackb(data))
+
+    def _buffer(meta: Any) -> Any:
+        if not (isinstance(meta, list) and len(meta) == 5):
+            raise ProtocolError(f"buffer descriptor {meta!r} must be [kind, dtype, shape, index, nbytes]")
+        kind, dtype, shape, index, nbytes = meta
+        if not isinstance(index, int) or not 0 <= index < len(buffers):
+            raise ProtocolError(f"buffer index {index!r} out of range 0..{len(buffers) - 1}")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ProtocolError(f"buffer shape {shape!r} must be a list of ints >= 0")
+        frame = buffers[index]
+        mv = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if mv.readonly and kind != _KIND_BYTES:
+            mv = memoryview(bytearray(mv))  # received tensors are always writable
+        if not isinstance(nbytes, int) or mv.nbytes != nbytes:
+            raise ProtocolError(
+                f"buffer {index} declares {nbytes!r} bytes but its frame holds {mv.nbytes}"
+            )
+        if kind == _KIND_BYTES:
+            return bytes(mv)
+        count = 1
+        for s in shape:
+            count *= s
+        if kind == _KIND_NUMPY:
+            try:
+                dt = np.dtype(dtype)
+            except TypeError as e:
+                raise ProtocolError(f"unknown numpy dtype {dtype!r}: {e}") from None
+            if dt.hasobject or count * dt.itemsize != nbytes:
+                raise ProtocolError(f"array {dtype}{shape} does not match {nbytes} bytes")
+            return (np.frombuffer(mv, dtype=np.uint8).view(dt).reshape(tuple(shape)) if count
+                    else np.empty(tuple(shape), dt))
+        if kind == _KIND_TORCH:
+            if not isinstance(dtype, str):
+                raise ProtocolError(f"torch dtype {dtype!r} must be a string")
+            dt = _torch_dtype(dtype)
+            torch = sys.modules["torch"]
+            itemsize = torch.empty((), dtype=dt).element_size()
+            if count * itemsize != nbytes:
+                raise ProtocolError(f"tensor {dtype}{shape} does not match {nbytes} bytes")
+            if not count:
+                return torch.empty(shape, dtype=dt)
+            flat = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8))
+            return flat.view(dt).reshape(shape)
+        raise ProtocolError(f"unknown buffer kind {kind!r}")
+
+    def unpackb(data: bytes) -> Any:
+        return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False,
+                               use_list=True)
+
+    try:
+        return unpackb(header)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
+            msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(f"malformed header: {type(e).__name__}: {e}") from None
+
+
+def sign(key: bytes, header: bytes, buffers: Sequence[Any] = ()) -> bytes:
+    """HMAC-SHA256 over the header and every buffer, in order."""
+    if not buffers:
+        return hmac.digest(key, header, "sha256")
+    mac = hmac.new(key, header, hashlib.sha256)
+    for b in buffers:
+        mac.update(b)
+    return mac.digest()
+
+
+def verify(key: bytes, frames: Sequence[Any]) -> None:
+    """Check ``frames = [signature, header, *buffers]``; raise AuthenticationError if bad."""
+    if len(frames) < 2:
+        raise ProtocolError(f"a message needs a signature and a header frame, got {len(frames)} frame(s)")
+    sig = frames[0]
+    sig = sig.bytes if hasattr(sig, "bytes") else bytes(sig)
+    if len(sig) != SIGNATURE_BYTES:
+        raise AuthenticationError(f"signature frame has {len(sig)} bytes, expected {SIGNATURE_BYTES}")
+    bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[2:]]
+    header = frames[1]
+    header = header.buffer if hasattr(header, "buffer") else header
+    if not hmac.compare_digest(sig, sign(key, header, bufs)):
+        raise AuthenticationError("signature does not match the cluster key")

@@ -1,0 +1,312 @@
+"""``Cluster``: the driver's handle on a controller, its devices, and spawning.
+
+    async with Cluster.local(devices=4, memory_per_device="1GiB") as cluster:
+        mesh = await cluster.spawn("trainer", Trainer, devices=[0, 1, 2, 3],
+                                   args=(1e-3,), axes={"dp": 2, "tp": 2})
+
+- ``Cluster.local(devices=4, nodes=1)`` embeds a controller and ``nodes`` node daemons
+  in the driver's event loop (workers are real processes) with a fresh random key;
+  ``devices`` may be a list of per-node counts (``[2, 3]``).
+- ``Cluster.connect(address, key=...)`` attaches to a running controller (key from
+  the argument, ``key_file``, or ``$NEREUS_CLUSTER_KEY``).
+- Supervision: when a device dies, the owner (this driver) learns it within
+  milliseconds of the node noticing (a SIGKILLed worker is noticed at once, a silent
+  node after the heartbeat timeout). In-flight calls to it fail with ``ActorDied``;
+  every callback given to ``on_failure`` is called with one ``Failure`` per actor this
+  driver spawned on that device (or one with ``actor=""`` if it had none); every
+  surviving actor of an affected mesh gets ``__supervise__(failure)`` (see
+  ``nereus.actors.actor``); a ``failure`` event goes on the tap.
+
+Refuses: two live meshes with the same name, devices that are not in the cluster,
+axes whose product is not the number of devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nereus.actors import _client
+from nereus.actors._host import DEFAULT_MAX_PENDING
+from nereus.actors._keys import generate_key, load_key
+from nereus.actors.actor import Actor, DeviceInfo, Failure, class_path
+from nereus.actors.mesh import ActorMesh, ActorRef
+from nereus.errors import ActorDied, ConfigError, DeadlineExceeded, RemoteError
+
+__all__ = ["Cluster"]
+
+log = logging.getLogger("nereus.actors")
+
+
+class Cluster:
+    """See the module docstring. Build with ``Cluster.local`` or ``Cluster.connect``."""
+
+    def __init__(self, *, key: bytes, address: str | None = None,
+                 local_devices: Sequence[int] = (), memory_per_device: int | str = "1GiB",
+                 min_devices: int = 1, timeout_s: float = 60.0,
+                 heartbeat_timeout_s: float = 3.0, transport: str = "ipc",
+                 span_sample_every: int = 100) -> None:
+        self.key = key
+        self.address = address or ""
+        self._local_devices = list(local_devices)
+        self._memory_per_device = memory_per_device
+        self._min_devices = min_devices
+        self._timeout_s = timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._transport = transport
+        self._span_sample_every = span_sample_every
+        self.controller: Any = None
+        self.nodes: list[Any] = []
+        self.devices: list[DeviceInfo] = []
+        self.tap_address = ""
+        self._addresses: dict[int, str] = {}
+        self._client: _client.Client | None = None
+        self._previous_client: _client.Client | None = None
+        self._callbacks: list[Callable[[Failure], Any]] = []
+        self._meshes: dict[str, tuple[ActorMesh, str]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._started = False
+
+    # -- construction ----------------------------------------------------------------
+
+    @classmethod
+    def local(cls, devices: int | Sequence[int] = 4, memory_per_device: int | str = "1GiB", *,
+              nodes: int = 1, key: str | bytes | None = None, timeout_s: float = 60.0,
+              heartbeat_timeout_s: float = 3.0, transport: str = "ipc",
+              span_sample_every: int = 100) -> Cluster:
+        """A controller and node daemon(s) in this event loop, ``devices`` workers in all."""
+        if isinstance(devices, int):
+            if devices < 1 or nodes < 1 or devices < nodes:
+                raise ConfigError(f"devices={devices}, nodes={nodes}: need 1 <= nodes <= devices")
+            per_node = [devices // nodes + (1 if i < devices % nodes else 0) for i in range(nodes)]
+        else:
+            per_node = list(devices)
+            if not per_node or any(not isinstance(n, int) or n < 1 for n in per_node):
+                raise ConfigError(f"devices={devices!r} must be an int or a list of ints >= 1")
+        if transport not in ("ipc", "tcp"):
+            raise ConfigError(f"transport={transport!r} must be 'ipc' or 'tcp'")
+        return cls(key=load_key(key) if key is not None else generate_key(),
+                   local_devices=per_node, memory_per_device=memory_per_device,
+                   min_devices=sum(per_node), timeout_s=timeout_s,
+                   heartbeat_timeout_s=heartbeat_timeout_s, transport=transport,
+                   span_sample_every=span_sample_every)
+
+    @classmethod
+    def connect(cls, address: str, key: str | bytes | None = None, *,
+                key_file: str | None = None, min_devices: int = 1,
+                timeout_s: float = 30.0, span_sample_every: int = 100) -> Cluster:
+        """Attach to the controller at ``address``; waits for ``min_devices`` devices."""
+        if not isinstance(address, str) or "://" not in address:
+            raise ConfigError(f"address={address!r} must look like 'tcp://HOST:PORT'")
+        return cls(key=load_key(key, key_file), address=address, min_devices=min_devices,
+                   timeout_s=timeout_s, span_sample_every=span_sample_every)
+
+    async def __aenter__(self) -> Cluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> Cluster:
+        if self._started:
+            return self
+        self._started = True
+        try:
+            if self._local_devices:
+                await self._start_local()
+            client = _client.Client(self.key, source="driver",
+                                    span_sample_every=self._span_sample_every)
+            self._client = client
+            client.connect_controller(self.address)
+            client.notice_listeners.append(self._on_notice)
+            self._previous_client = _client._CLIENT
+            _client.set_current_client(client)
+            view = await client.request(None, "hello", {"source": "driver"},
+                                        timeout_s=self._timeout_s)
+            deadline = time.monotonic() + self._timeout_s
+            while len(view["devices"]) < self._min_devices:
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"the controller at {self.address} has {len(view['devices'])} ready "
+                        f"devices; waited {self._timeout_s} s for {self._min_devices}")
+                await asyncio.sleep(0.05)  # a remote controller: poll until the nodes joined
+                view = await client.request(None, "devices", {}, timeout_s=self._timeout_s)
+            self._set_view(view)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def _start_local(self) -> None:
+        from nereus.controller import Controller
+        from nereus.node import NodeDaemon
+
+        self.controller = await Controller(
+            self.key, heartbeat_timeout_s=self._heartbeat_timeout_s).start()
+        self.address = self.controller.address
+        for i, n in enumerate(self._local_devices):
+            node = NodeDaemon(self.address, self.key, devices=n,
+                              memory_per_device=self._memory_per_device,
+                              transport=self._transport, node_id=f"local{i}",
+                              start_timeout_s=self._timeout_s)
+            self.nodes.append(node)
+        await asyncio.gather(*(node.start() for node in self.nodes))
+        await self.controller.wait_devices(sum(self._local_devices), self._timeout_s)
+
+    def _set_view(self, view: dict) -> None:
+        self.tap_address = view["tap_address"]
+        devs = sorted(view["devices"], key=lambda d: d["index"])
+        self.devices = [DeviceInfo(d["index"], d["host"], d["kind"], d["memory_bytes"],
+                                   d["node_id"], d["local_index"]) for d in devs]
+        self._addresses = {d["index"]: d["address"] for d in devs}
+
+    async def refresh_devices(self) -> list[DeviceInfo]:
+        """Ask the controller for the devices that are alive and ready now."""
+        self._set_view(await self._need_client().request(None, "devices", {}))
+        return self.devices
+
+    def _need_client(self) -> _client.Client:
+        if self._client is None or self._client.closed:
+            raise ConfigError("the cluster is not started (use `async with Cluster.local(...)`)")
+        return self._client
+
+    # -- spawning --------------------------------------------------------------------
+
+    async def spawn(self, name: str, actor_class: type[Actor],
+                    devices: Sequence[int | DeviceInfo] | None = None, *, args: Sequence = (),
+                    kwargs: dict[str, Any] | None = None, axes: dict[str, int] | None = None,
+                    max_pending: int = DEFAULT_MAX_PENDING) -> ActorMesh:
+        """One actor of ``actor_class`` per entry of ``devices`` (default: every device),
+        constructed in its worker with ``args``/``kwargs``. A device may repeat (several
+        actors in one worker). Raises RemoteError if a constructor raised (the actors
+        already made are stopped)."""
+        client = self._need_client()
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"name={name!r} must be a non-empty string without '/'")
+        if name in self._meshes:
+            raise ConfigError(f"name={name!r} is already a live mesh; stop it or pick another")
+        path = class_path(actor_class)
+        indices = [d.index if isinstance(d, DeviceInfo) else d
+                   for d in (devices if devices is not None else self.devices)]
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int) or i not in self._addresses:
+                raise ConfigError(f"devices contains {i!r}, which is not a live device of the "
+                                  f"cluster {sorted(self._addresses)}")
+        if not indices:
+            raise ConfigError("devices=[] must name at least one device")
+        axes = dict(axes) if axes is not None else {"dp": len(indices)}
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ConfigError(f"max_pending={max_pending!r} must be an int >= 1")
+        shape = ActorMesh(name, [None] * len(indices), axes)  # validates axes
+        bodies = []
+        for rank in range(len(indices)):
+            bodies.append({"name": f"{name}/{rank}", "cls": path, "args": list(args),
+                           "kwargs": dict(kwargs or {}), "mesh": name, "rank": rank,
+                           "coords": shape.coords(rank), "max_pending": max_pending})
+        results = await asyncio.gather(
+            *(client.request(self._addresses[i], "spawn", b, timeout_s=self._timeout_s)
+              for i, b in zip(indices, bodies, strict=True)), return_exceptions=True)
+        refs = []
+        for index, body, res in zip(indices, bodies, results, strict=True):
+            if isinstance(res, BaseException):
+                continue
+            refs.append(ActorRef(self._addresses[index], body["name"], res["incarnation"],
+                                 index, name, body["rank"], path))
+        failed = [(i, r) for i, r in zip(indices, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            if refs:
+                await ActorMesh(name, refs, {"dp": len(refs)}).stop()
+            index, err = failed[0]
+            if isinstance(err, RemoteError):
+                err.actor = f"{name} (device {index})"
+            raise err
+        mesh = ActorMesh(name, refs, axes)
+        self._meshes[name] = (mesh, path)
+        return mesh
+
+    async def stop_mesh(self, mesh: ActorMesh) -> None:
+        await mesh.stop()
+        self._meshes.pop(mesh.name, None)
+
+    # -- supervision -----------------------------------------------------------------
+
+    def on_failure(self, callback: Callable[[Failure], Any]) -> None:
+        """Call ``callback(failure)`` (sync, or async: then run as a task) on each failure."""
+        if not callable(callback):
+            raise ConfigError(f"on_failure callback {callback!r} is not callable")
+        self._callbacks.append(callback)
+
+    def _on_notice(self, op: str, body: dict) -> None:
+        if op != "worker_died":
+            return
+        index = body.get("device")
+        self._addresses.pop(index, None)
+        self.devices = [d for d in self.devices if d.index != index]
+        failures = []
+        for mesh, _path in self._meshes.values():
+            for ref in mesh.refs:
+                if ref.device == index:
+                    failures.append((mesh, Failure(index, ref.name, ref.incarnation,
+                                                   body.get("reason", ""), body.get("node_id", ""),
+                                                   body.get("pid", 0), mesh.name, ref.rank)))
+        if not failures:
+            failures.append((None, Failure(index, "", 0, body.get("reason", ""),
+                                           body.get("node_id", ""), body.get("pid", 0))))
+        client = self._client
+        for mesh, failure in failures:
+            event = {"type": "failure", **dataclasses.asdict(failure)}
+            client.emit_event(event)
+            for cb in list(self._callbacks):
+                try:
+                    result = cb(failure)
+                except Exception:
+                    log.exception("on_failure callback %r failed", cb)
+                    continue
+                if inspect.isawaitable(result):
+                    self._track(asyncio.ensure_future(result))
+            if mesh is not None:
+                for ref in mesh.refs:
+                    if ref.address not in client.dead:
+                        self._track(asyncio.ensure_future(self._supervise(ref, failure)))
+
+    async def _supervise(self, ref: ActorRef, failure: Failure) -> None:
+        try:
+            await self._client.request(ref.address, "supervise",
+                                       {"name": ref.name, "failure": dataclasses.asdict(failure)},
+                                       timeout_s=self._timeout_s)
+        except (RemoteError, ActorDied, DeadlineExceeded) as e:
+            log.error("__supervise__ of %s failed: %s", ref.name, e)
+            self._client.emit_event({"type": "error", "actor": ref.name,
+                                     "method": "__supervise__", "device": ref.device,
+                                     "remote_type": type(e).__name__, "message": str(e)})
+
+    def _track(self, task: asyncio.Future) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- teardown --------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Disconnect; for a local cluster also stop the workers and the controller."""
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client is not None and not self._client.closed:
+            try:
+                self._client.tell("bye", {})
+            except Exception as e:  # best effort: the controller may be gone
+                log.debug("bye: %s", e)
+            self._client.close()
+            if _client._CLIENT is self._client:
+                _client.set_current_client(self._previous_client)
+        for node in self.nodes:
+            await node.stop()
+        if self.controller is not None:
+            await self.controller.close()

@@ -1,0 +1,91 @@
+"""The monitoring tap's event schema (version 1).
+
+Every event is a msgpack map published by the controller on its PUB socket as the
+two frames ``[signature, body]`` (HMAC-SHA256 of ``body`` with the cluster key, like
+every other nereus message). Common fields, present on every event:
+
+    type                    str    one of EVENT_TYPES below
+    v                       int    schema version (SCHEMA_VERSION)
+    seq                     int    per-controller sequence number (gaps = events lost)
+    time_monotonic_seconds  float  CLOCK_MONOTONIC of the emitting host at emission
+    epoch                   int    layout epoch at the controller when published
+    source                  str    "controller", "driver", "worker:<device>", ...
+    pid                     int    emitting process (absent for controller-made events)
+
+Fields use SI units with the unit in the name (``_bytes``, ``_seconds``, ``_gbps``).
+Types not listed are published as they are (other layers may add their own) but a
+layer that owns a type should add it here with its fields. The list is versioned:
+a change that removes or renames a field bumps SCHEMA_VERSION.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SCHEMA_VERSION", "COMMON_FIELDS", "EVENT_TYPES", "describe", "check_event"]
+
+SCHEMA_VERSION = 1
+
+COMMON_FIELDS: dict[str, str] = {
+    "type": "event type (see EVENT_TYPES)",
+    "v": "schema version",
+    "seq": "controller sequence number",
+    "time_monotonic_seconds": "monotonic clock of the emitting host, seconds",
+    "epoch": "layout epoch at the controller",
+    "source": "who emitted it: controller, driver, worker:<device>",
+}
+
+# type -> {field: meaning}; fields beyond these are allowed.
+EVENT_TYPES: dict[str, dict[str, str]] = {
+    "controller_start": {"address": "controller ROUTER address", "tap_address": "this PUB socket"},
+    "node_join": {"node_id": "node id", "host": "host name", "devices": "global device indices"},
+    "node_leave": {"node_id": "node id", "reason": "why (e.g. 'shutdown')"},
+    "node_lost": {"node_id": "node id", "silence_seconds": "time since its last heartbeat"},
+    "worker_join": {"device": "global device index", "node_id": "node id", "pid": "process id",
+                    "address": "worker ROUTER address", "kind": "cpu or cuda",
+                    "memory_bytes": "device memory or CPU budget"},
+    "worker_leave": {"device": "global device index", "node_id": "node id", "pid": "process id"},
+    "worker_death": {"device": "global device index", "node_id": "node id", "pid": "process id",
+                     "reason": "SIGKILL, exit code N, node lost", "returncode": "exit status"},
+    "actor_spawn": {"actor": "actor name", "device": "device index", "incarnation": "int",
+                    "class": "module:QualName"},
+    "failure": {"device": "device index", "actor": "actor name", "incarnation": "int",
+                "reason": "why", "mesh": "mesh name", "rank": "rank in the mesh"},
+    "call_span": {"actor": "actor name", "method": "endpoint", "device": "device index",
+                  "latency_seconds": "caller-side round trip", "ok": "bool"},
+    "error": {"actor": "actor name", "method": "endpoint", "device": "device index",
+              "remote_type": "exception type", "message": "text", "traceback": "text"},
+    "counters": {"device": "device index (absent on the controller)",
+                 "counters": "map reason -> count (rejected_*, late_replies, ...)"},
+    "transfer_bucket": {"bytes": "bucket size", "seconds": "wall time", "gbps": "GB/s",
+                        "src": "source device", "dst": "destination device"},
+    "step": {"step": "RL step", "stage_seconds": "map stage -> seconds", "tokens": "count",
+             "reward": "mean reward", "response_length_tokens": "mean length"},
+    "plan": {"plan": "per model-stage tp/pp/dp/devices", "predicted_step_seconds": "float"},
+    "transition": {"primitives": "list with bytes and seconds",
+                   "predicted_seconds": "float", "measured_seconds": "float"},
+    "memory": {"device": "device index", "used_bytes": "int", "budget_bytes": "int"},
+    "stuck_collective": {"group": "group id", "op": "collective", "missing_ranks": "list",
+                         "seconds": "stuck for"},
+}
+
+
+def check_event(event: Any) -> list[str]:
+    """Problems with ``event`` against the schema (empty list: it conforms)."""
+    if not isinstance(event, dict):
+        return [f"event is a {type(event).__name__}, not a map"]
+    problems = [f"missing common field {f!r}" for f in COMMON_FIELDS if f not in event]
+    etype = event.get("type")
+    if not isinstance(etype, str):
+        problems.append(f"type={etype!r} must be a string")
+    return problems
+
+
+def describe() -> str:
+    """The schema as readable text (``nereus tap --schema``)."""
+    lines = [f"nereus tap event schema v{SCHEMA_VERSION}", "", "common fields:"]
+    lines += [f"  {k:<24} {v}" for k, v in COMMON_FIELDS.items()]
+    for etype, fields in EVENT_TYPES.items():
+        lines += ["", f"{etype}:"]
+        lines += [f"  {k:<24} {v}" for k, v in fields.items()]
+    return "\n".join(lines)

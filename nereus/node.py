@@ -1,0 +1,340 @@
+"""``python -m nereus.node``: the per-host daemon, one worker process per device.
+
+    python -m nereus.node --controller tcp://HOST:PORT --devices 4 \\
+        --memory-per-device 2GiB --key-file KEY
+    python -m nereus.node --controller tcp://HOST:PORT --gpus all --key-file KEY
+
+``NodeDaemon`` registers its devices with the controller (which assigns global
+indices), spawns one worker (``python -m nereus.actors._worker``, via subprocess:
+nothing is pickled) per device, tells the controller their addresses, heartbeats
+every ``heartbeat_s``, and reports each worker that exits with how it died (e.g.
+``SIGKILL``, ``exit code 1``). It restarts nothing: a dead device stays dead until
+someone decides otherwise. On stop it tells the controller it leaves, terminates
+its workers (SIGTERM, then SIGKILL after ``stop_grace_s``) and reaps them. Workers
+die with the daemon (Linux parent-death signal).
+
+On CPU, ``--devices N`` starts N workers each standing for one device with the
+``--memory-per-device`` budget (default 1GiB) that engines must respect. With
+``--gpus all|0,1,..`` each worker sees one GPU (``CUDA_VISIBLE_DEVICES``) and its
+budget is that GPU's memory unless ``--memory-per-device`` says otherwise.
+
+The key comes from ``--key-file`` or ``$NEREUS_CLUSTER_KEY``; workers get it through
+their environment. Workers get the daemon's ``sys.path`` as ``PYTHONPATH`` and its
+working directory, so they import the same actor modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import uuid
+from typing import Any
+
+from nereus.actors import _client
+from nereus.actors._keys import KEY_ENV, load_key
+from nereus.actors._worker import READY_PREFIX as WORKER_READY
+from nereus.config import parse_size
+from nereus.errors import ConfigError, DeadlineExceeded
+
+__all__ = ["NodeDaemon", "main", "READY_PREFIX"]
+
+log = logging.getLogger("nereus.node")
+
+READY_PREFIX = "NEREUS_NODE_READY "
+
+
+def death_reason(returncode: int) -> str:
+    """``"SIGKILL"`` for -9, ``"exit code 1"`` for 1, ..."""
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def _gpu_ids(spec: str) -> list[int]:
+    if spec == "all":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError("gpus='all' but torch sees no CUDA device")
+        return list(range(count))
+    try:
+        ids = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"gpus={spec!r} must be 'all' or a list like '0,1,3'") from None
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ConfigError(f"gpus={spec!r} must list distinct GPU ids >= 0")
+    return ids
+
+
+class _Worker:
+    __slots__ = ("index", "local_index", "proc", "address", "watch", "reader")
+
+    def __init__(self, index: int, local_index: int) -> None:
+        self.index = index
+        self.local_index = local_index
+        self.proc: asyncio.subprocess.Process | None = None
+        self.address = ""
+        self.watch: asyncio.Task | None = None
+        self.reader: asyncio.Task | None = None
+
+
+class NodeDaemon:
+    """See the module docstring."""
+
+    def __init__(self, controller: str, key: bytes, *, devices: int | None = None,
+                 gpus: str | None = None, memory_per_device: int | str | None = None,
+                 transport: str = "tcp", bind_host: str = "127.0.0.1",
+                 node_id: str | None = None, heartbeat_s: float = 0.5,
+                 start_timeout_s: float = 60.0, stop_grace_s: float = 3.0,
+                 log_level: str = "WARNING") -> None:
+        if (devices is None) == (gpus is None):
+            raise ConfigError(f"devices={devices!r}, gpus={gpus!r}: give exactly one of them")
+        if devices is not None and (not isinstance(devices, int) or devices < 1):
+            raise ConfigError(f"devices={devices!r} must be an int >= 1")
+        if transport not in ("tcp", "ipc"):
+            raise ConfigError(f"transport={transport!r} must be 'tcp' or 'ipc'")
+        if heartbeat_s <= 0:
+            raise ConfigError(f"heartbeat_s={heartbeat_s!r} must be > 0")
+        self.controller = controller
+        self.key = key
+        self.kind = "cpu" if devices is not None else "cuda"
+        self.gpu_ids = _gpu_ids(gpus) if gpus is not None else []
+        count = devices if devices is not None else len(self.gpu_ids)
+        if memory_per_device is None:
+            self.memory_bytes = [self._gpu_memory(i) for i in self.gpu_ids] or [2**30] * count
+        else:
+            self.memory_bytes = [parse_size(memory_per_device, "memory_per_device")] * count
+        self.count = count
+        self.transport = transport
+        self.bind_host = bind_host
+        self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.host = socket.gethostname()
+        self.heartbeat_s = heartbeat_s
+        self.start_timeout_s = start_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.log_level = log_level
+        self.workers: list[_Worker] = []
+        self.stopping = False
+        self._client: _client.Client | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._tmpdir: str | None = None
+
+    @staticmethod
+    def _gpu_memory(gpu: int) -> int:
+        import torch
+
+        return int(torch.cuda.get_device_properties(gpu).total_memory)
+
+    @property
+    def indices(self) -> list[int]:
+        return [w.index for w in self.workers]
+
+    async def start(self) -> NodeDaemon:
+        """Register, spawn and announce the workers; heartbeat from then on."""
+        self._client = _client.Client(self.key, source=f"node:{self.node_id}",
+                                      span_sample_every=0)
+        self._client.connect_controller(self.controller)
+        devices = [{"local_index": i, "kind": self.kind, "memory_bytes": self.memory_bytes[i]}
+                   for i in range(self.count)]
+        reply = await self._client.request(None, "node_register", {
+            "node_id": self.node_id, "host": self.host, "devices": devices},
+            timeout_s=self.start_timeout_s)
+        self.workers = [_Worker(g, i) for i, g in enumerate(reply["indices"])]
+        if self.transport == "ipc":
+            self._tmpdir = tempfile.mkdtemp(prefix="nereus-")
+        try:
+            await asyncio.wait_for(asyncio.gather(*(self._spawn(w) for w in self.workers)),
+                                   self.start_timeout_s)
+        except asyncio.TimeoutError:
+            await self.stop()
+            raise DeadlineExceeded(f"node {self.node_id}: workers not ready within "
+                                   f"{self.start_timeout_s} s") from None
+        except BaseException:
+            await self.stop()
+            raise
+        await self._client.request(None, "workers_ready", {
+            "node_id": self.node_id,
+            "workers": [{"index": w.index, "address": w.address, "pid": w.proc.pid}
+                        for w in self.workers]})
+        for w in self.workers:
+            w.watch = asyncio.get_running_loop().create_task(self._watch(w))
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        return self
+
+    def _env(self, w: _Worker) -> dict[str, str]:
+        env = dict(os.environ)
+        env[KEY_ENV] = self.key.decode("latin-1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        paths = [p if p else os.getcwd() for p in sys.path]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
+        if self.kind == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_ids[w.local_index])
+        return env
+
+    async def _spawn(self, w: _Worker) -> None:
+        if self.transport == "ipc":
+            bind = f"ipc://{self._tmpdir}/w{w.index}"
+        else:
+            bind = f"tcp://{self.bind_host}:0"
+        cmd = [sys.executable, "-m", "nereus.actors._worker", "--controller", self.controller,
+               "--bind", bind, "--device-index", str(w.index), "--local-index", str(w.local_index),
+               "--host", self.host, "--kind", self.kind,
+               "--memory-bytes", str(self.memory_bytes[w.local_index]),
+               "--node-id", self.node_id, "--parent-pid", str(os.getpid()),
+               "--log-level", self.log_level]
+        w.proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, env=self._env(w), cwd=os.getcwd())
+        while True:
+            line = await w.proc.stdout.readline()
+            if not line:
+                rc = await w.proc.wait()
+                raise ConfigError(f"worker for device {w.index} exited before it was ready "
+                                  f"({death_reason(rc)}); see its stderr above")
+            text = line.decode(errors="replace").rstrip()
+            if text.startswith(WORKER_READY):
+                w.address = text[len(WORKER_READY):]
+                break
+            sys.stdout.write(f"[device {w.index}] {text}\n")
+        w.reader = asyncio.get_running_loop().create_task(self._forward(w))
+
+    async def _forward(self, w: _Worker) -> None:
+        """Copy the worker's stdout (user prints) to ours, prefixed with its device."""
+        while True:
+            line = await w.proc.stdout.readline()
+            if not line:
+                return
+            sys.stdout.write(f"[device {w.index}] {line.decode(errors='replace')}")
+
+    async def _watch(self, w: _Worker) -> None:
+        rc = await w.proc.wait()
+        if self.stopping:
+            return
+        reason = death_reason(rc)
+        log.warning("worker of device %d (pid %d) died: %s", w.index, w.proc.pid, reason)
+        try:
+            self._client.tell("worker_died", {"node_id": self.node_id, "index": w.index,
+                                              "pid": w.proc.pid, "reason": reason,
+                                              "returncode": rc})
+        except Exception:
+            log.exception("could not report the death of device %d", w.index)
+            raise
+
+    async def _beat(self) -> None:
+        while True:
+            self._client.tell("heartbeat", {"node_id": self.node_id})
+            await asyncio.sleep(self.heartbeat_s)
+
+    def kill_heartbeat(self) -> None:
+        """Stop heartbeating (tests use it to make the controller declare this node lost)."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+
+    async def stop(self) -> None:
+        """Leave the cluster: terminate and reap every worker, close sockets, clean files."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._client is not None and not self._client.closed:
+            try:
+                self._client.tell("node_leave", {"node_id": self.node_id, "reason": "shutdown"})
+            except Exception as e:  # the controller may already be gone; leaving anyway
+                log.info("could not tell the controller we leave: %s", e)
+        procs = [w.proc for w in self.workers if w.proc is not None]
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), self.stop_grace_s)
+            except asyncio.TimeoutError:
+                log.warning("worker pid %d ignored SIGTERM; killing it", p.pid)
+                p.kill()
+                await p.wait()
+        for w in self.workers:
+            for t in (w.watch, w.reader):
+                if t is not None:
+                    t.cancel()
+        tasks = [t for w in self.workers for t in (w.watch, w.reader) if t is not None]
+        if self._heartbeat is not None:
+            tasks.append(self._heartbeat)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for p in procs:
+            if p.stdout is not None and p._transport is not None:
+                p._transport.close()
+        if self._client is not None:
+            self._client.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="nereus node", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--controller", required=True, help="tcp://HOST:PORT of the controller")
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--devices", type=int, help="CPU worker processes, one per device")
+    group.add_argument("--gpus", help="'all' or GPU ids like 0,1")
+    ap.add_argument("--memory-per-device", default=None,
+                    help="budget per device, e.g. 2GiB (CPU default 1GiB; GPU: its memory)")
+    ap.add_argument("--key-file", default=None, help="cluster key file (else $NEREUS_CLUSTER_KEY)")
+    ap.add_argument("--bind-host", default="127.0.0.1",
+                    help="address workers listen on (drivers must reach it)")
+    ap.add_argument("--node-id", default=None)
+    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    key = load_key(key_file=args.key_file)
+    node = NodeDaemon(args.controller, key, devices=args.devices, gpus=args.gpus,
+                      memory_per_device=args.memory_per_device, bind_host=args.bind_host,
+                      node_id=args.node_id, heartbeat_s=args.heartbeat_s,
+                      log_level="WARNING" if args.log_level.upper() == "INFO" else args.log_level)
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    await node.start()
+    print(f"{READY_PREFIX}{node.node_id} {','.join(map(str, node.indices))}", flush=True)
+    try:
+        await stop
+    finally:
+        await node.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s node %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # optional
+        asyncio.run(_serve(args))
+    else:
+        uvloop.run(_serve(args))
+    return 0
+
+
+def _entry() -> Any:
+    try:
+        return main()
+    except ConfigError as e:
+        print(f"nereus node: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_entry())

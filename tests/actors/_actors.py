@@ -1,0 +1,114 @@
+"""Actor classes the tests spawn (workers import this module by path)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from nereus.actors import Actor, current_device, emit, endpoint
+
+
+class Echo(Actor):
+    def __init__(self, tag: str = "", *, scale: int = 1) -> None:
+        self.tag = tag
+        self.scale = scale
+        self.seen: list[int] = []
+        self.failures: list[dict] = []
+
+    @endpoint
+    async def ping(self, x=None):
+        return x
+
+    @endpoint
+    async def add(self, a: int, b: int = 0) -> int:
+        return (a + b) * self.scale
+
+    @endpoint
+    async def where(self) -> dict:
+        d = current_device()
+        return {"index": d.index, "kind": d.kind, "memory_bytes": d.memory_bytes,
+                "same": d == self.device, "rank": self.rank, "coords": self.coords,
+                "tag": self.tag, "pid": os.getpid(), "name": self.name}
+
+    @endpoint
+    async def fail(self, message: str):
+        raise KeyError(message)
+
+    @endpoint
+    def sync_double(self, x: float) -> float:
+        return 2 * x
+
+    @endpoint
+    async def record(self, i: int) -> None:
+        self.seen.append(i)
+
+    @endpoint
+    async def seen_list(self) -> list:
+        return list(self.seen)
+
+    @endpoint
+    async def sleep(self, seconds: float) -> float:
+        await asyncio.sleep(seconds)
+        return seconds
+
+    @endpoint(concurrent=True)
+    async def sleep_concurrent(self, seconds: float) -> float:
+        await asyncio.sleep(seconds)
+        return seconds
+
+    @endpoint
+    async def tokens(self, n: int):
+        for i in range(n):
+            yield i
+
+    @endpoint
+    async def tokens_then_fail(self, n: int):
+        for i in range(n):
+            yield i
+        raise ValueError("stream broke")
+
+    @endpoint
+    async def emit_event(self, value: int) -> None:
+        emit("test_event", value=value, device=self.device.index)
+
+    @endpoint
+    async def relay(self, ref, method: str, *args):
+        """Call another actor through a ref received as an argument."""
+        return await getattr(ref, method).call_one(*args)
+
+    @endpoint
+    async def unsendable(self):
+        return object()
+
+    @endpoint
+    async def failures_seen(self) -> list:
+        return list(self.failures)
+
+    def __supervise__(self, failure) -> None:
+        self.failures.append({"device": failure.device, "actor": failure.actor,
+                              "reason": failure.reason, "rank": failure.rank})
+
+
+class Tensors(Actor):
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+
+    @endpoint
+    async def echo(self, x):
+        return x
+
+    @endpoint
+    async def add_one_inplace(self, t):
+        t += 1  # received tensors are writable
+        return t
+
+    @endpoint
+    async def checksum(self, t) -> float:
+        return float(t.double().sum())
+
+
+class BadInit(Actor):
+    def __init__(self) -> None:
+        raise RuntimeError("constructor refused")

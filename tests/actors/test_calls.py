@@ -1,0 +1,204 @@
+"""Call styles, remote errors, devices and events against real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from nereus.actors import ActorMesh, ActorRef, Cluster, DeviceInfo
+from nereus.errors import ConfigError, ProtocolError, RemoteError
+from nereus.monitor import Subscriber
+from tests.actors._actors import BadInit, Echo, Tensors
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+
+
+async def test_devices_and_current_device(cluster: Cluster):
+    assert [d.index for d in cluster.devices] == [0, 1, 2]
+    assert all(isinstance(d, DeviceInfo) and d.kind == "cpu" for d in cluster.devices)
+    assert all(d.memory_bytes == 256 * 2**20 for d in cluster.devices)
+    mesh = await cluster.spawn("where", Echo, devices=[2, 0], args=("t",))
+    try:
+        got = await mesh.where.call()
+        assert [g["index"] for g in got] == [2, 0]
+        assert [g["rank"] for g in got] == [0, 1]
+        assert all(g["same"] and g["tag"] == "t" and g["memory_bytes"] == 256 * 2**20
+                   for g in got)
+        assert got[0]["pid"] != got[1]["pid"]
+    finally:
+        await cluster.stop_mesh(mesh)
+
+
+async def test_call_styles(cluster: Cluster):
+    mesh = await cluster.spawn("styles", Echo, devices=[0, 1, 2], kwargs={"scale": 10})
+    try:
+        assert isinstance(mesh, ActorMesh) and len(mesh) == 3 and mesh.axes == {"dp": 3}
+        assert await mesh.add.call(1, 2) == [30, 30, 30]
+        assert await mesh.add.call(a=4) == [40, 40, 40]  # kwargs
+        one = mesh.slice(dp=1)
+        assert one.size == 1 and one.axes == {}
+        assert await one.add.call_one(5, b=1) == 60
+        with pytest.raises(ConfigError, match="must be 1"):
+            mesh.add.call_one(1)
+        assert await one.sync_double.call_one(2.5) == 5.0
+        # choose: load-balanced; with 6 slow calls in flight each actor gets 2
+        futs = [mesh.where.choose() for _ in range(3)]
+        ranks = sorted(r["rank"] for r in await asyncio.gather(*futs))
+        assert ranks == [0, 1, 2]
+        # broadcast returns None at once; sequential order is kept per actor
+        for i in range(20):
+            assert mesh.record.broadcast(i) is None
+        assert await mesh.seen_list.call() == [list(range(20))] * 3
+        assert [x async for x in one.tokens.stream(5)] == [0, 1, 2, 3, 4]
+        assert [x async for x in one.tokens.stream(0)] == []
+        with pytest.raises(ConfigError):
+            async for _ in mesh.tokens.stream(2):
+                pass
+    finally:
+        await cluster.stop_mesh(mesh)
+
+
+async def test_axes_and_slices(cluster: Cluster):
+    mesh = await cluster.spawn("grid", Echo, devices=[0, 1, 2, 0, 1, 2],
+                               axes={"dp": 3, "tp": 2})
+    try:
+        coords = [r["coords"] for r in await mesh.where.call()]
+        assert coords == [{"dp": d, "tp": t} for d in range(3) for t in range(2)]
+        tp0 = mesh.slice(tp=0)
+        assert tp0.axes == {"dp": 3} and [r.rank for r in tp0.refs] == [0, 2, 4]
+        sub = mesh.slice(dp=slice(1, 3))
+        assert sub.axes == {"dp": 2, "tp": 2} and [r.rank for r in sub.refs] == [2, 3, 4, 5]
+        assert [r["name"] for r in await tp0.where.call()] == ["grid/0", "grid/2", "grid/4"]
+        with pytest.raises(ConfigError, match="not one of the mesh axes"):
+            mesh.slice(pp=0)
+        with pytest.raises(ConfigError, match="must be in 0..2"):
+            mesh.slice(dp=3)
+    finally:
+        await cluster.stop_mesh(mesh)
+    with pytest.raises(ConfigError, match="hold 4 positions"):
+        await cluster.spawn("bad", Echo, devices=[0, 1], axes={"dp": 2, "tp": 2})
+
+
+async def test_remote_error_carries_type_message_traceback(cluster: Cluster):
+    both = await cluster.spawn("errs", Echo, devices=[1, 2])
+    mesh = both.slice(dp=0)
+    try:
+        with pytest.raises(RemoteError) as info:
+            await mesh.fail.call_one("the reason")
+        err = info.value
+        assert err.remote_type == "KeyError"
+        assert "the reason" in err.remote_message
+        assert 'raise KeyError(message)' in err.traceback_text
+        assert err.actor == "errs/0" and err.device == 1
+        # the actor survives its endpoint's error
+        assert await mesh.add.call_one(1, 1) == 2
+        with pytest.raises(RemoteError) as info:
+            # an actor calling another one (a sequential actor calling itself would wait
+            # on its own mailbox: that is the documented sequential model)
+            await mesh.relay.call_one(both.refs[1], "fail", "nested")
+        assert info.value.remote_type == "RemoteError" and "nested" in str(info.value)
+    finally:
+        await cluster.stop_mesh(both)
+
+
+async def test_bad_calls_are_rejected_clearly(cluster: Cluster):
+    mesh = await cluster.spawn("bad_calls", Echo, devices=[0])
+    try:
+        with pytest.raises(ProtocolError, match="no endpoint 'nope'"):
+            await mesh.nope.call_one()
+        with pytest.raises(ProtocolError, match="wrong argument type .* a=.x. is a str"):
+            await mesh.add.call_one("x")
+        with pytest.raises(ProtocolError, match="wrong arguments"):
+            await mesh.add.call_one(1, 2, 3)
+        with pytest.raises(ProtocolError, match="wrong arguments"):
+            await mesh.add.call_one(1, c=2)
+        with pytest.raises(ProtocolError, match="is a stream"):
+            await mesh.tokens.call_one(3)
+        with pytest.raises(ProtocolError, match="cannot be sent"):
+            await mesh.unsendable.call_one()
+        with pytest.raises(ProtocolError, match="cannot send a value of type"):
+            mesh.ping.call_one(object())
+        assert await mesh.add.call_one(2) == 2
+    finally:
+        await cluster.stop_mesh(mesh)
+
+
+async def test_spawn_errors(cluster: Cluster):
+    with pytest.raises(RemoteError, match="constructor refused"):
+        await cluster.spawn("badinit", BadInit, devices=[0])
+    with pytest.raises(ConfigError, match="not a live device"):
+        await cluster.spawn("nodev", Echo, devices=[7])
+    mesh = await cluster.spawn("dup", Echo, devices=[0])
+    with pytest.raises(ConfigError, match="already a live mesh"):
+        await cluster.spawn("dup", Echo, devices=[1])
+    await cluster.stop_mesh(mesh)
+
+
+async def test_tensors_and_arrays_round_trip(cluster: Cluster):
+    mesh = await cluster.spawn("tensors", Tensors, devices=[2])
+    try:
+        values = {
+            "bf16": torch.randn(3, 5).to(torch.bfloat16),
+            "bool": torch.tensor([[True, False], [False, True]]),
+            "empty": torch.empty(0, 4, dtype=torch.int64),
+            "scalar": torch.tensor(3.25),
+            "strided": torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2],
+            "np": np.arange(10, dtype=np.int16).reshape(2, 5),
+            "big": torch.arange(1 << 20, dtype=torch.float32),
+            "nested": [(torch.ones(2), b"x" * 10000), {"k": np.zeros(3)}],
+        }
+        back = await mesh.echo.call_one(values)
+        for k in ("bf16", "bool", "empty", "scalar", "strided", "big"):
+            assert back[k].dtype == values[k].dtype and torch.equal(back[k], values[k]), k
+        assert np.array_equal(back["np"], values["np"]) and back["np"].dtype == np.int16
+        assert isinstance(back["nested"][0], tuple) and back["nested"][0][1] == b"x" * 10000
+        t = torch.zeros(4, dtype=torch.int32)
+        assert torch.equal(await mesh.add_one_inplace.call_one(t), torch.ones(4, dtype=torch.int32))
+        assert await mesh.checksum.call_one(torch.ones(1000)) == 1000.0
+    finally:
+        await cluster.stop_mesh(mesh)
+
+
+async def test_refs_cross_the_wire(cluster: Cluster):
+    a = await cluster.spawn("ref_a", Echo, devices=[0])
+    b = await cluster.spawn("ref_b", Echo, devices=[1], kwargs={"scale": 3})
+    try:
+        ref = b.refs[0]
+        assert isinstance(ref, ActorRef)
+        assert await a.relay.call_one(ref, "add", 2, 3) == 15
+        assert await a.ping.call_one(ref) == ref
+    finally:
+        await cluster.stop_mesh(a)
+        await cluster.stop_mesh(b)
+
+
+async def test_emit_reaches_the_tap(cluster: Cluster):
+    mesh = await cluster.spawn("emitter", Echo, devices=[0, 1])
+    sub = Subscriber(cluster.tap_address, cluster.key, {"test_event", "driver_event"})
+    try:
+        # PUB/SUB joins asynchronously: emit until the subscription is live
+        async def first_event():
+            while True:
+                mesh.emit_event.broadcast(7)
+                from nereus.actors import emit
+
+                emit("driver_event", value=1)
+                try:
+                    return await sub.next(0.2)
+                except asyncio.TimeoutError:
+                    continue
+
+        ev = await asyncio.wait_for(first_event(), 10)
+        assert ev["type"] in ("test_event", "driver_event")
+        ev = await sub.wait_for(lambda e: e["type"] == "test_event", 10)
+        assert ev["value"] == 7 and ev["device"] in (0, 1)
+        assert ev["v"] == 1 and "epoch" in ev and "time_monotonic_seconds" in ev
+        assert ev["source"].startswith("worker:")
+        ev = await sub.wait_for(lambda e: e["type"] == "driver_event", 10)
+        assert ev["source"] == "driver"
+    finally:
+        sub.close()
+        await cluster.stop_mesh(mesh)
