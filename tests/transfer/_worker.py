@@ -1,0 +1,266 @@
+"""A worker process for the transfer tests: ``python -m tests.transfer._worker SCENARIO ARGS``.
+
+ARGS is one JSON object with at least rank, size, port (of the test's TCPStore).
+Each scenario builds real communicators, checks every result against a torch
+reference computed locally (every rank can rebuild every rank's input from the
+seed), and prints one JSON line of facts on success; any failure exits non-zero
+with the traceback on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from nereus.errors import NereusError, StuckCollective, TransferError
+from nereus.transfer._shm import _RECORD
+from nereus.transfer.communicator import P2POp
+from nereus.transfer.cpu import CpuCommunicator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64, "bool": torch.bool}
+
+
+def make(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype == torch.int64:
+        return torch.randint(-1000, 1000, shape, generator=g)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """A non-contiguous view holding a copy of ``t`` (every other column of a wider base)."""
+    flat = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+    base = torch.zeros((flat.shape[0], 2 * flat.shape[1]), dtype=t.dtype)
+    view = base[:, ::2]
+    view.copy_(flat)
+    assert not view.is_contiguous() or view.numel() <= 1
+    return view
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+    if a.dtype in (torch.bfloat16, torch.float16):
+        ok = torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    elif a.dtype.is_floating_point:
+        ok = torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        ok = torch.equal(a, b)
+    assert ok, f"{what}: got {a.flatten()[:6]} expected {b.flatten()[:6]}"
+
+
+def comm_from(a: dict, group: str, **kw) -> CpuCommunicator:
+    kw.setdefault("timeout_s", a.get("timeout_s", 30.0))
+    return CpuCommunicator(group, a["rank"], a["size"], "127.0.0.1", a["port"], **kw)
+
+
+def reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
+    if xs[0].dtype == torch.bool:
+        stack = torch.stack(xs)
+        return {"sum": stack.any(0), "max": stack.any(0), "min": stack.all(0)}[op]
+    stack = torch.stack([x.double() if x.dtype.is_floating_point else x for x in xs])
+    out = {"sum": stack.sum(0), "max": stack.amax(0), "min": stack.amin(0),
+           "avg": stack.mean(0) if stack.dtype.is_floating_point else None}[op]
+    return out.to(xs[0].dtype)
+
+
+def scenario_collectives(a: dict) -> dict:
+    r, n = a["rank"], a["size"]
+    comm = comm_from(a, a["group"])
+    checked = 0
+    for name, dtype in DTYPES.items():
+        for shape in [(6, 5), (0, 3), (3, 1)]:
+            for noncontig in (False, True):
+                wrap = strided if noncontig else (lambda t: t.clone())
+                xs = [make(shape, dtype, 100 * p + len(name)) for p in range(n)]
+                ops = ["sum", "max", "min"] + (["avg"] if dtype.is_floating_point else [])
+                for op in ops:
+                    t = wrap(xs[r])
+                    comm.all_reduce(t, op)
+                    close(t.reshape(shape), reference(op, xs), f"all_reduce {op} {name} {shape}")
+                    checked += 1
+                for src in range(n):
+                    t = wrap(xs[r])
+                    comm.broadcast(t, src)
+                    close(t.reshape(shape), xs[src], f"broadcast {src} {name}")
+                    checked += 1
+                out = torch.empty((n, *shape), dtype=dtype)
+                comm.all_gather(out, wrap(xs[r]))
+                close(out, torch.stack(xs), f"all_gather {name} {shape}")
+                rows = [make((n * 2, 3), dtype, 7 * p + 1) for p in range(n)]
+                out = wrap(torch.zeros((2, 3), dtype=dtype))
+                rs_op = "max" if dtype == torch.bool else "sum"
+                comm.reduce_scatter(out, wrap(rows[r]) if not noncontig else rows[r].t().t(), rs_op)
+                close(out.reshape(2, 3), reference(rs_op, rows)[2 * r : 2 * r + 2],
+                      f"reduce_scatter {name}")
+                checked += 2
+    comm.barrier()
+    comm.destroy()
+    return {"checked": checked}
+
+
+def scenario_p2p(a: dict) -> dict:
+    """Every rank sends several tensors to every other rank in one batch, listing its
+    ops in an order that would deadlock with blocking sends."""
+    r, n = a["rank"], a["size"]
+    comm = comm_from(a, a["group"], use_shm=a["shm"], slot_bytes=a.get("slot_bytes", 1 << 16),
+                     slots=a.get("slots", 2))
+    checked = 0
+    for rnd in range(a.get("rounds", 2)):
+        ops, expect = [], []
+        for peer in range(n):
+            if peer == r:
+                continue
+            for k, (name, dtype) in enumerate(DTYPES.items()):
+                # sizes from empty to several slots of the ring
+                shape = [(0,), (3, 7), (257, 129), (1,), (40000,)][(k + rnd + r + peer) % 5]
+                noncontig = (k + rnd) % 2 == 1 and len(shape) == 2
+                out_t = make(shape, dtype, 1000 * r + 10 * peer + k + rnd)
+                in_ref = make(shape, dtype, 1000 * peer + 10 * r + k + rnd)
+                send = strided(out_t) if noncontig else out_t
+                recv = strided(torch.zeros_like(in_ref)) if noncontig else torch.zeros_like(in_ref)
+                ops.append(P2POp("send", send, peer))
+                ops.append(P2POp("recv", recv, peer))
+                expect.append((recv, in_ref, f"{name} from {peer}"))
+        # Even ranks list receives first, odd ranks sends first; peers in reverse order.
+        ops.sort(key=lambda o: (o.kind == ("send" if r % 2 == 0 else "recv"), -o.peer))
+        comm.batch_p2p(ops)
+        for got, ref, what in expect:
+            close(got.reshape(ref.shape), ref, what)
+            checked += 1
+    comm.destroy()
+    return {"checked": checked}
+
+
+def scenario_mismatch(a: dict) -> dict:
+    r = a["rank"]
+    comm = comm_from(a, a["group"], use_shm=a["shm"], timeout_s=5.0)
+    try:
+        if r == 0:
+            comm.send(torch.ones(10), 1)
+            return {"raised": None}
+        comm.recv(torch.ones(12), 0)
+    except NereusError as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    finally:
+        comm.destroy()
+    return {"raised": None}
+
+
+def scenario_stuck(a: dict) -> dict:
+    """Rank ``missing`` never enters the operation; the others must report it."""
+    r = a["rank"]
+    comm = comm_from(a, a["group"], timeout_s=30.0)
+    comm.barrier()
+    if r == a["missing"]:
+        # Stay alive (so this is a stuck rank, not a dead one) until the others reported.
+        comm._kv.wait([f"reported/{p}" for p in range(a["size"]) if p != r])
+        comm.destroy()
+        return {"role": "missing"}
+    t0 = time.monotonic()
+    try:
+        if a["op"] == "p2p":
+            comm.recv(torch.empty(1000), a["missing"], timeout_s=a["deadline_s"])
+        else:
+            comm.all_reduce(torch.ones(1000), timeout_s=a["deadline_s"])
+    except StuckCollective as e:
+        took = time.monotonic() - t0
+        after = None
+        try:
+            comm.barrier()
+        except TransferError as e2:
+            after = type(e2).__name__
+        comm._kv.set(f"reported/{r}", "1")
+        comm.destroy()
+        return {"role": "waiter", "missing_ranks": e.missing_ranks, "seconds": took,
+                "op": e.op, "after": after}
+    raise AssertionError("the operation did not fail")
+
+
+def scenario_die(a: dict) -> dict:
+    """Rank ``victim`` exits abruptly inside the operation; survivors must fail fast."""
+    r = a["rank"]
+    comm = comm_from(a, a["group"], timeout_s=a["deadline_s"], use_shm=a.get("shm", True),
+                     slot_bytes=1 << 16, slots=2)
+    comm.barrier()
+    big = torch.ones(4 << 20)
+    if r == a["victim"]:
+        if a["op"] == "p2p":
+            # Deliver the first chunk of a transfer, then die with it half done.
+            ch = comm._shm._out[0]
+            ch.slot(ch.slot_bytes).fill_(1)
+            os.write(ch.full_fd, _RECORD.pack(big.numel() * 4, ch.slot_bytes))
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        if a["op"] == "p2p":
+            comm.recv(big, a["victim"]) if r == 0 else comm.barrier()
+        else:
+            comm.all_reduce(big)
+    except NereusError as e:
+        took = time.monotonic() - t0
+        comm.destroy()
+        return {"raised": type(e).__name__, "seconds": took, "message": str(e)[:300]}
+    raise AssertionError("survivor did not fail")
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def scenario_churn(a: dict) -> dict:
+    """Groups over several device subsets, created and destroyed repeatedly."""
+    r = a["rank"]
+    subsets = a["subsets"]
+    before = None
+    counts = []
+    for it in range(a["iterations"]):
+        for si, members in enumerate(subsets):
+            if r not in members:
+                continue
+            me = members.index(r)
+            comm = CpuCommunicator(f"churn-{it}-{si}", me, len(members), "127.0.0.1", a["port"],
+                                   epoch=it, timeout_s=30.0, slot_bytes=1 << 16)
+            t = torch.full((5,), float(r))
+            comm.all_reduce(t)
+            assert t[0].item() == float(sum(members)), (t, members)
+            if len(members) > 1:
+                peer = members[(me + 1) % len(members)]
+                src = members[(me - 1) % len(members)]
+                got = torch.empty(3)
+                comm.batch_p2p([P2POp("send", torch.full((3,), float(r)), members.index(peer)),
+                                P2POp("recv", got, members.index(src))])
+                assert got[0].item() == float(src)
+            comm.destroy()
+        counts.append((_fd_count(), _thread_count()))
+        if it == 0:
+            before = counts[0]
+    return {"first": before, "last": counts[-1], "counts": counts}
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    args = json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    try:
+        result = globals()[f"scenario_{scenario}"](args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    print(json.dumps({"rank": args["rank"], **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

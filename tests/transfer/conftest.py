@@ -1,0 +1,71 @@
+"""Harness for the transfer tests: a TCPStore in the test process and real worker
+processes (``python -m tests.transfer._worker``), always reaped, with leak checks."""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def shm_names() -> set[str]:
+    return set(glob.glob("/dev/shm/nereus-*"))
+
+
+class Workers:
+    """Starts ``size`` workers for one scenario and collects their JSON lines."""
+
+    def __init__(self) -> None:
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        self.procs: list[subprocess.Popen] = []
+
+    def run(self, scenario: str, size: int, timeout_s: float = 90.0, expect_rc=None,
+            **args) -> list[dict]:
+        group = args.pop("group", f"t-{uuid.uuid4().hex[:8]}")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        procs = []
+        for rank in range(size):
+            a = {"rank": rank, "size": size, "port": self.store.port, "group": group, **args}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.transfer._worker", scenario, json.dumps(a)],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        self.procs.extend(procs)
+        results = []
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout_s)
+            want = 0 if expect_rc is None else expect_rc.get(rank, 0)
+            assert p.returncode == want, (
+                f"rank {rank} exited {p.returncode} (wanted {want})\n{err[-4000:]}")
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            results.append(json.loads(lines[-1]) if lines else {"rank": rank, "rc": p.returncode})
+        return results
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        self.store = None
+
+
+@pytest.fixture
+def workers():
+    before = shm_names()
+    w = Workers()
+    try:
+        yield w
+    finally:
+        w.close()
+    leaked = shm_names() - before
+    assert not leaked, f"shared-memory names leaked: {sorted(leaked)}"
