@@ -211,6 +211,41 @@ def scenario_die(a: dict) -> dict:
     raise AssertionError("survivor did not fail")
 
 
+def scenario_exchange(a: dict) -> dict:
+    """Every rank exchanges a mixed list of views with every other rank in small buckets."""
+    from nereus.transfer import _tap
+    from nereus.transfer.bucket import exchange
+
+    r, n = a["rank"], a["size"]
+    events = []
+    _tap.add_listener(events.append)
+    comm = comm_from(a, a["group"], slot_bytes=1 << 16, slots=2)
+
+    def views_between(src: int, dst: int, fill: bool) -> list[torch.Tensor]:
+        out = []
+        for k, dtype in enumerate(DTYPES.values()):
+            for j, shape in enumerate([(0, 4), (33, 17), (5000,), (2, 3)]):
+                seed = 10000 * src + 100 * dst + 10 * k + j
+                t = make(shape, dtype, seed) if fill else torch.zeros(shape, dtype=dtype)
+                out.append(strided(t) if (k + j) % 2 and len(shape) == 2 else t)
+        return out
+
+    sends = {p: views_between(r, p, True) for p in range(n) if p != r}
+    recvs = {p: views_between(p, r, False) for p in range(n) if p != r}
+    stats = exchange(comm, sends, recvs, bucket_bytes=a["bucket_bytes"])
+    checked = 0
+    for p, views in recvs.items():
+        for got, ref in zip(views, views_between(p, r, True), strict=True):
+            close(got.reshape(ref.shape), ref, f"view from {p}")
+            checked += 1
+    comm.destroy()
+    buckets = [e for e in events if e["type"] == "transfer_bucket"]
+    assert len(buckets) == stats.buckets, (len(buckets), stats.buckets)
+    assert sum(e["bytes"] for e in buckets) == stats.bytes_sent + stats.bytes_received
+    assert all(e["gbps"] >= 0 and e["seconds"] > 0 for e in buckets)
+    return {"checked": checked, "rounds": stats.rounds, "buckets": stats.buckets}
+
+
 def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

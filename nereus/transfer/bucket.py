@@ -1,0 +1,239 @@
+"""Bucketed transfers: many tensor views to and from peers in a few large messages.
+
+``exchange(comm, sends, recvs)`` is what the state layer (reshard execution) and the
+RL weight sync call. ``sends[peer]`` and ``recvs[peer]`` are lists of tensor views
+(non-contiguous allowed, any dtype, zero-size allowed); the i-th view this rank sends
+to a peer lands in the i-th view that peer receives from this rank, so both sides
+must list the same byte sizes in the same order (the state layer derives both lists
+from the same box intersection). The transfer layer works on views only; turning
+boxes into views is the state layer's job.
+
+How: per peer, the views are laid out back to back (16-byte aligned) in a sequence of
+contiguous buckets of ``bucket_bytes`` (default 64 MiB on CPU, 256 MiB on GPU); a
+view larger than a bucket is cut across several. Both sides compute the same layout
+from the sizes alone. Round k moves bucket k of every peer in ONE ``batch_p2p`` (one
+group of operations, never one call per tensor), while a helper thread unpacks round
+k-1 and packs round k+1 into the other of two buffer sets (double buffering).
+
+Promises: every received view holds the sender's bytes when ``exchange`` returns; one
+``transfer_bucket`` tap event per bucket with bytes, seconds, gbps, src, dst; a
+``TransferStats`` summary. Errors of the communicator (``TransferError``,
+``StuckCollective``) propagate unchanged; on error, received views are unspecified.
+Refuses: mismatched dtypes/devices within one call, a peer equal to this rank
+(``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nereus.config import require
+from nereus.errors import ConfigError
+from nereus.transfer import _tap
+from nereus.transfer.communicator import Communicator, P2POp
+
+__all__ = ["exchange", "TransferStats", "bucket_layout", "DEFAULT_BUCKET_BYTES_CPU",
+           "DEFAULT_BUCKET_BYTES_GPU"]
+
+DEFAULT_BUCKET_BYTES_CPU = 64 * 2**20
+DEFAULT_BUCKET_BYTES_GPU = 256 * 2**20
+_ALIGN = 16
+
+
+@dataclass
+class TransferStats:
+    """What one ``exchange`` moved (this rank's view)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    buckets: int = 0
+    rounds: int = 0
+    seconds: float = 0.0
+    per_peer_bytes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        moved = self.bytes_sent + self.bytes_received
+        return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Bytes [start, stop) of view ``index`` live at ``offset`` in bucket ``bucket``."""
+
+    index: int
+    start: int
+    stop: int
+    bucket: int
+    offset: int
+
+
+def bucket_layout(sizes: Sequence[int], bucket_bytes: int) -> tuple[list[_Piece], list[int]]:
+    """Place views of ``sizes`` bytes into buckets; returns the pieces and each bucket's
+    used bytes. Deterministic in ``sizes`` alone, so sender and receiver agree."""
+    require(bucket_bytes >= _ALIGN, "bucket_bytes", bucket_bytes, f"must be >= {_ALIGN}")
+    pieces: list[_Piece] = []
+    used: list[int] = []
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        start = 0
+        while start < n:
+            if not used or used[-1] >= bucket_bytes:
+                used.append(0)
+            b = len(used) - 1
+            room = bucket_bytes - used[-1]
+            # A whole view that would fit in an empty bucket is not cut at a bucket's end.
+            if start == 0 and n <= bucket_bytes and n > room:
+                used.append(0)
+                b, room = len(used) - 1, bucket_bytes
+            take = min(room, n - start)
+            pieces.append(_Piece(i, start, start + take, b, used[-1]))
+            used[-1] = min(bucket_bytes, (used[-1] + take + _ALIGN - 1) // _ALIGN * _ALIGN)
+            start += take
+    return pieces, used
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Side:
+    """One direction with one peer: views, their layout and contiguous staging."""
+
+    def __init__(self, views: list[torch.Tensor], bucket_bytes: int) -> None:
+        self.views = views
+        self.pieces, self.used = bucket_layout([_nbytes(v) for v in views], bucket_bytes)
+        # A view cut across buckets is handled as flat bytes of a contiguous copy.
+        cut = {p.index for p in self.pieces if p.stop - p.start != _nbytes(views[p.index])}
+        self.flat: dict[int, torch.Tensor] = {}
+        for i in cut:
+            v = views[i]
+            self.flat[i] = v if v.is_contiguous() else torch.empty_like(v, memory_format=torch.contiguous_format)
+        self.by_bucket: dict[int, list[_Piece]] = {}
+        for p in self.pieces:
+            self.by_bucket.setdefault(p.bucket, []).append(p)
+
+    def pack(self, k: int, buf: torch.Tensor) -> None:
+        for p in self.by_bucket.get(k, []):
+            v = self.views[p.index]
+            if p.index in self.flat:
+                if p.start == 0 and self.flat[p.index] is not v:
+                    self.flat[p.index].copy_(v)
+                src = self.flat[p.index].reshape(-1).view(torch.uint8)[p.start : p.stop]
+                buf[p.offset : p.offset + p.stop - p.start].copy_(src)
+            else:
+                region = buf[p.offset : p.offset + p.stop].view(v.dtype).view(v.shape)
+                region.copy_(v)
+
+    def unpack(self, k: int, buf: torch.Tensor) -> None:
+        for p in self.by_bucket.get(k, []):
+            v = self.views[p.index]
+            if p.index in self.flat:
+                dst = self.flat[p.index].reshape(-1).view(torch.uint8)[p.start : p.stop]
+                dst.copy_(buf[p.offset : p.offset + p.stop - p.start])
+                if p.stop == _nbytes(v) and self.flat[p.index] is not v:
+                    v.copy_(self.flat[p.index])
+            else:
+                v.copy_(buf[p.offset : p.offset + p.stop].view(v.dtype).view(v.shape))
+
+
+def exchange(
+    comm: Communicator,
+    sends: dict[int, list[torch.Tensor]],
+    recvs: dict[int, list[torch.Tensor]],
+    bucket_bytes: int | None = None,
+    timeout_s: float | None = None,
+) -> TransferStats:
+    """Send ``sends[peer]`` views to each peer and receive ``recvs[peer]`` views from
+    each, in contiguous double-buffered buckets (see the module docstring)."""
+    views = [v for vs in [*sends.values(), *recvs.values()] for v in vs]
+    devices = {v.device for v in views}
+    if len(devices) > 1:
+        raise ConfigError(f"exchange views are on several devices {sorted(map(str, devices))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    if bucket_bytes is None:
+        bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if device.type == "cuda" else DEFAULT_BUCKET_BYTES_CPU
+    require(isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN, "bucket_bytes",
+            bucket_bytes, f"must be an int >= {_ALIGN}")
+    for peer in [*sends, *recvs]:
+        if peer == comm.rank or not 0 <= peer < comm.size:
+            raise ConfigError(f"exchange peer={peer} must be another rank in [0, {comm.size})")
+    out = {p: _Side(list(vs), bucket_bytes) for p, vs in sends.items() if vs}
+    inn = {p: _Side(list(vs), bucket_bytes) for p, vs in recvs.items() if vs}
+    rounds = max([len(s.used) for s in [*out.values(), *inn.values()]] or [0])
+    stats = TransferStats(rounds=rounds)
+    t_start = time.perf_counter()
+
+    def alloc() -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        return ({p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in out},
+                {p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in inn})
+
+    bufs = [alloc(), alloc()] if rounds > 1 else [alloc()]
+
+    def pack(k: int) -> None:
+        send_bufs = bufs[k % len(bufs)][0]
+        for p, side in out.items():
+            side.pack(k, send_bufs[p])
+
+    def unpack(k: int) -> None:
+        recv_bufs = bufs[k % len(bufs)][1]
+        for p, side in inn.items():
+            side.unpack(k, recv_bufs[p])
+
+    if rounds:
+        pack(0)
+    for k in range(rounds):
+        helper = None
+        error: list[BaseException] = []
+        if k + 1 < rounds or k > 0:
+            def work(k: int = k, error: list[BaseException] = error) -> None:
+                try:
+                    if k > 0:
+                        unpack(k - 1)
+                    if k + 1 < rounds:
+                        pack(k + 1)
+                except BaseException as e:  # delivered to the caller below
+                    error.append(e)
+
+            helper = threading.Thread(target=work, name="nereus-bucket-pack", daemon=True)
+            helper.start()
+        send_bufs, recv_bufs = bufs[k % len(bufs)]
+        ops, events = [], []
+        for p, side in out.items():
+            if k < len(side.used):
+                n = side.used[k]
+                ops.append(P2POp("send", send_bufs[p][:n], p))
+                events.append((comm.rank, p, n))
+                stats.bytes_sent += n
+        for p, side in inn.items():
+            if k < len(side.used):
+                n = side.used[k]
+                ops.append(P2POp("recv", recv_bufs[p][:n], p))
+                events.append((p, comm.rank, n))
+                stats.bytes_received += n
+        t0 = time.perf_counter()
+        try:
+            comm.batch_p2p(ops, timeout_s)
+        finally:
+            if helper is not None:
+                helper.join()
+        seconds = time.perf_counter() - t0
+        if error:
+            raise error[0]
+        for src, dst, n in events:
+            stats.buckets += 1
+            peer = dst if src == comm.rank else src
+            stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + n
+            _tap.emit("transfer_bucket", bytes=n, seconds=seconds,
+                      gbps=n / seconds / 1e9 if seconds > 0 else 0.0, src=src, dst=dst,
+                      group=comm.group_id, epoch=comm.epoch, round=k)
+    if rounds:
+        unpack(rounds - 1)
+    stats.seconds = time.perf_counter() - t_start
+    return stats
