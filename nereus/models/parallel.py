@@ -209,14 +209,30 @@ def vocab_parallel_logprobs(
     return picked - lse
 
 
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy with an explicit backward: ``dH/dz_j = -p_j (z_j - E_p[z])``.
+
+    Autograd through the pieces would be wrong at TP > 1: the global logsumexp feeds each
+    rank's local probabilities, so its gradient would be only a partial sum. The formula
+    needs only local probabilities and the (replicated) expectation."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+        top, lse = _logsumexp(logits, pc)
+        # Shifted by the max, both terms stay small: no cancellation of large values.
+        shifted = logits - top.unsqueeze(-1)
+        lse_shifted = lse - top
+        probs = torch.exp(shifted - lse_shifted.unsqueeze(-1))
+        expected = reduce_from_tp((probs * shifted).sum(dim=-1), pc, "sum")
+        ctx.save_for_backward(probs, shifted, expected)
+        return lse_shifted - expected
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, shifted, expected = ctx.saved_tensors
+        return -grad.unsqueeze(-1) * probs * (shifted - expected.unsqueeze(-1)), None
+
+
 def vocab_parallel_entropy(local_logits: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` per position (float32, replicated, differentiable):
-    ``logsumexp(z) - sum_i p_i z_i``."""
-    logits = local_logits.float()
-    top, lse = _logsumexp(logits, pc)
-    # Shifted by the (constant) max, both terms stay small: no cancellation of large values.
-    shifted = logits - top.unsqueeze(-1)
-    lse_shifted = (lse - top).unsqueeze(-1)
-    probs = torch.exp(shifted - lse_shifted)
-    expected = reduce_from_tp((probs * shifted).sum(dim=-1), pc, "sum")
-    return lse_shifted.squeeze(-1) - expected
+    """Entropy of ``softmax(logits)`` per position (float32, replicated, differentiable)."""
+    return _VocabParallelEntropy.apply(local_logits.float(), pc)

@@ -42,7 +42,7 @@ def loss_of(local_logits, targets, positions, pc):
     mask = (positions >= 0).float()
     lp = vocab_parallel_logprobs(local_logits, targets, pc)
     ent = vocab_parallel_entropy(local_logits, pc)
-    loss = -(lp * mask).sum() / mask.sum() - 0.01 * (ent * mask).sum() / mask.sum()
+    loss = -(lp * mask).sum() / mask.sum() - 0.5 * (ent * mask).sum() / mask.sum()
     return loss, lp, ent
 
 
