@@ -1,12 +1,40 @@
-"""nereus.transfer: the tensor data plane (see DESIGN.md section 2 and 7).
+"""nereus.transfer: the tensor data plane (see DESIGN.md sections 2 and 7).
 
 Public API:
 - ``Communicator``, ``P2POp``, ``ReduceOp``: the contract every backend implements.
 - ``CpuCommunicator``: gloo collectives + shared-memory p2p for CPU tensors, built
   directly from a store address (no actor runtime needed).
+- ``NcclCommunicator`` (``nereus.transfer.nccl``, imported on use: needs cupy).
+- ``exchange``, ``TransferStats``: bucketed, double-buffered transfers of tensor views.
+- ``make_group``, ``release_groups``, ``GroupHandle`` (controller side) and
+  ``get_communicator``, ``release_epoch``, ``local_groups`` (worker side).
+
+Importing nereus.transfer never imports cupy.
 """
 
+from nereus.transfer.bucket import TransferStats, exchange
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 from nereus.transfer.cpu import CpuCommunicator
+from nereus.transfer.group import (
+    GroupHandle,
+    get_communicator,
+    local_groups,
+    make_group,
+    release_epoch,
+    release_groups,
+)
 
-__all__ = ["Communicator", "CpuCommunicator", "P2POp", "ReduceOp"]
+__all__ = [
+    "Communicator",
+    "CpuCommunicator",
+    "GroupHandle",
+    "P2POp",
+    "ReduceOp",
+    "TransferStats",
+    "exchange",
+    "get_communicator",
+    "local_groups",
+    "make_group",
+    "release_epoch",
+    "release_groups",
+]

@@ -1,0 +1,291 @@
+"""Groups made on demand: the controller side (``make_group``) and the worker side
+(``get_communicator``, ``release_epoch``).
+
+Controller side::
+
+    group = await make_group(cluster, devices=[0, 2, 3], backend="auto", epoch=4)
+    await mesh.step.call(group.group_id)   # actors look the communicator up by id
+    await group.destroy()                  # or: await release_groups(cluster, epoch=4)
+
+``make_group`` spawns (once per cluster, lazily) one ``GroupAgent`` system actor per
+device, creates the rendezvous data (a TCPStore served by this process for gloo, an
+NCCL unique id made by the first member for nccl), and sends each member exactly ONE
+msgpack message: group id, rank, size, epoch, backend, rendezvous data, timeout. The
+members build their communicators concurrently (construction is the rendezvous: a
+blocking wait with a deadline, never a polling loop, run off the worker's event
+loop). Ranks follow the order of ``devices``.
+
+Groups are cached by (devices, backend, epoch): asking again for the same group
+returns the same live handle. ``GroupHandle.destroy`` and ``release_groups(cluster,
+epoch)`` tear them down on every member (sockets, threads, shared memory, the store).
+
+Worker side: ``get_communicator(group_id)`` returns this process's communicator of a
+live group (``TransferError`` if unknown or destroyed); ``release_epoch(epoch)``
+destroys every communicator of that epoch in this process.
+
+Refuses: repeated devices, unknown devices, ``backend="nccl"`` on non-CUDA devices
+(``ConfigError``). A member that cannot join (dead, rendezvous timeout) makes
+``make_group`` raise after telling the others to drop the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import socket
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from nereus.actors import Actor, ActorMesh, ActorRef, Cluster, DeviceInfo, endpoint
+from nereus.errors import ConfigError, TransferError
+from nereus.transfer.communicator import Communicator
+
+__all__ = ["make_group", "release_groups", "GroupHandle", "GroupAgent", "get_communicator",
+           "release_epoch", "local_groups"]
+
+log = logging.getLogger("nereus.transfer")
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+# ------------------------------------------------------------------ worker side
+
+_registry: dict[str, Communicator] = {}
+_registry_lock = threading.Lock()
+
+
+def get_communicator(group_id: str) -> Communicator:
+    """This process's communicator of live group ``group_id``."""
+    with _registry_lock:
+        comm = _registry.get(group_id)
+    if comm is None:
+        raise TransferError(f"group {group_id!r} is not live in this process (pid {os.getpid()}); "
+                            f"live groups: {sorted(_registry)}")
+    return comm
+
+
+def local_groups() -> list[tuple[str, int, int, int]]:
+    """(group id, epoch, rank, size) of every live group in this process."""
+    with _registry_lock:
+        return sorted((g, c.epoch, c.rank, c.size) for g, c in _registry.items())
+
+
+def _drop(group_id: str) -> bool:
+    with _registry_lock:
+        comm = _registry.pop(group_id, None)
+    if comm is None:
+        return False
+    comm.destroy()
+    return True
+
+
+def release_epoch(epoch: int) -> int:
+    """Destroy every communicator of ``epoch`` in this process; returns how many."""
+    with _registry_lock:
+        ids = [g for g, c in _registry.items() if c.epoch == epoch]
+    return sum(_drop(g) for g in ids)
+
+
+def _build(spec: dict[str, Any]) -> Communicator:
+    """A communicator from the one message ``make_group`` sends (runs in a thread)."""
+    common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"])
+    if spec["backend"] == "nccl":
+        from nereus.transfer.nccl import NcclCommunicator  # cupy only where it is used
+
+        return NcclCommunicator(spec["group_id"], spec["rank"], spec["size"],
+                                bytes(spec["nccl_id"]), **common)
+    from nereus.transfer.cpu import CpuCommunicator
+
+    return CpuCommunicator(spec["group_id"], spec["rank"], spec["size"], spec["store_host"],
+                           spec["store_port"], **common, **spec.get("options", {}))
+
+
+class GroupAgent(Actor):
+    """System actor, one per worker: builds and drops this process's communicators."""
+
+    @endpoint(concurrent=True)
+    async def join(self, spec: dict) -> dict:
+        comm = await asyncio.to_thread(_build, spec)
+        with _registry_lock:
+            old = _registry.pop(comm.group_id, None)
+            _registry[comm.group_id] = comm
+        if old is not None:  # a retried make_group: the new incarnation wins
+            await asyncio.to_thread(old.destroy)
+        return {"group_id": comm.group_id, "rank": comm.rank, "pid": os.getpid()}
+
+    @endpoint(concurrent=True)
+    async def leave(self, group_id: str) -> bool:
+        return await asyncio.to_thread(_drop, group_id)
+
+    @endpoint(concurrent=True)
+    async def release_epoch(self, epoch: int) -> int:
+        return await asyncio.to_thread(release_epoch, epoch)
+
+    @endpoint(concurrent=True)
+    async def nccl_unique_id(self) -> bytes:
+        from nereus.transfer.nccl import unique_id
+
+        return unique_id()
+
+    @endpoint
+    async def groups(self) -> list:
+        return [list(g) for g in local_groups()]
+
+
+# ------------------------------------------------------------------ controller side
+
+
+@dataclass
+class GroupHandle:
+    """The controller's handle on one group (ranks follow ``devices``)."""
+
+    group_id: str
+    devices: tuple[int, ...]
+    backend: str
+    epoch: int
+    _agents: list[ActorRef] = field(repr=False, default_factory=list)
+    _owner: _Groups | None = field(repr=False, default=None)
+    _store: Any = field(repr=False, default=None)
+    destroyed: bool = False
+
+    def rank_of(self, device: int) -> int:
+        return self.devices.index(device)
+
+    async def destroy(self) -> None:
+        """Drop the group on every member (idempotent). Dead members are skipped."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        if self._owner is not None:
+            self._owner.forget(self)
+        results = await asyncio.gather(*(a.leave.call_one(self.group_id) for a in self._agents),
+                                       return_exceptions=True)
+        self._store = None
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for e in errors:
+            log.warning("group %s: a member could not drop it: %s", self.group_id, e)
+
+
+class _Groups:
+    """Per-cluster state on the controller: agents per device and the group cache."""
+
+    def __init__(self) -> None:
+        self.agents: dict[int, ActorRef] = {}
+        self.cache: dict[tuple, GroupHandle] = {}
+        self.lock = asyncio.Lock()
+        self.spawned = 0
+
+    def forget(self, handle: GroupHandle) -> None:
+        for key, h in list(self.cache.items()):
+            if h is handle:
+                del self.cache[key]
+
+    async def agents_for(self, cluster: Cluster, devices: list[int]) -> list[ActorRef]:
+        missing = [d for d in devices if d not in self.agents]
+        if missing:
+            self.spawned += 1
+            mesh = await cluster.spawn(f"nereus-transfer-{uuid.uuid4().hex[:8]}", GroupAgent,
+                                       devices=missing)
+            for d, ref in zip(missing, mesh.refs, strict=True):
+                self.agents[d] = ref
+        return [self.agents[d] for d in devices]
+
+
+_state: weakref.WeakKeyDictionary[Cluster, _Groups] = weakref.WeakKeyDictionary()
+
+
+def _device_list(cluster: Cluster, devices: Any) -> list[DeviceInfo]:
+    if isinstance(devices, ActorMesh):
+        devices = [r.device for r in devices.refs]
+    if devices is None:
+        raise ConfigError("make_group needs devices=[...] (device indices, DeviceInfo or a mesh)")
+    by_index = {d.index: d for d in cluster.devices}
+    out = []
+    for d in devices:
+        i = d.index if isinstance(d, DeviceInfo) else d
+        if isinstance(i, bool) or not isinstance(i, int) or i not in by_index:
+            raise ConfigError(f"devices contains {d!r}, which is not a device of the cluster "
+                              f"{sorted(by_index)}")
+        out.append(by_index[i])
+    if not out:
+        raise ConfigError("devices=[] must name at least one device")
+    idx = [d.index for d in out]
+    if len(set(idx)) != len(idx):
+        raise ConfigError(f"devices={idx} repeats a device; a group has one rank per device")
+    return out
+
+
+def _store_host(devices: list[DeviceInfo]) -> str:
+    me = socket.gethostname()
+    if all(d.host in (me, "localhost", "127.0.0.1") for d in devices):
+        return "127.0.0.1"
+    return socket.gethostbyname(me)
+
+
+async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "auto",
+                     epoch: int = 0, timeout_s: float = 60.0,
+                     options: dict[str, Any] | None = None) -> GroupHandle:
+    """A live group over ``devices`` (indices, DeviceInfo or an ActorMesh, in rank
+    order); see the module docstring. ``options`` go to the backend's constructor (e.g.
+    ``{"use_shm": False}`` for CpuCommunicator)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend!r} must be one of {list(BACKENDS)}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ConfigError(f"epoch={epoch!r} must be an int >= 0")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ConfigError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+    infos = _device_list(cluster, devices)
+    kinds = {d.kind for d in infos}
+    if backend == "auto":
+        backend = "nccl" if kinds == {"cuda"} else "gloo"
+    if backend == "nccl" and kinds != {"cuda"}:
+        raise ConfigError(f"backend='nccl' needs CUDA devices; devices are of kinds {sorted(kinds)}")
+    state = _state.setdefault(cluster, _Groups())
+    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())))
+    async with state.lock:
+        cached = state.cache.get(key)
+        if cached is not None and not cached.destroyed:
+            return cached
+        agents = await state.agents_for(cluster, [d.index for d in infos])
+    group_id = f"e{epoch}-{uuid.uuid4().hex[:12]}"
+    spec: dict[str, Any] = {"group_id": group_id, "size": len(infos), "epoch": epoch,
+                            "backend": backend, "timeout_s": float(timeout_s)}
+    store = None
+    if backend == "gloo":
+        from torch.distributed import TCPStore
+
+        host = _store_host(infos)
+        store = TCPStore("0.0.0.0" if host != "127.0.0.1" else host, 0, is_master=True,
+                         wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+        spec.update(store_host=host, store_port=store.port, options=dict(options or {}))
+    else:
+        spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
+    handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
+                         store)
+    calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
+             for r, a in enumerate(agents)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    failed = [(infos[r].index, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
+    if failed:
+        handle.destroyed = False
+        await handle.destroy()
+        device, err = failed[0]
+        raise TransferError(f"make_group over devices {list(handle.devices)}: device {device} "
+                            f"could not join: {err}") from err
+    state.cache[key] = handle
+    return handle
+
+
+async def release_groups(cluster: Cluster, epoch: int) -> int:
+    """Destroy every cached group of ``epoch`` made through ``cluster``; returns how many."""
+    state = _state.get(cluster)
+    if state is None:
+        return 0
+    handles = [h for h in list(state.cache.values()) if h.epoch == epoch]
+    for h in handles:
+        await h.destroy()
+    return len(handles)

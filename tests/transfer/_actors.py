@@ -1,0 +1,54 @@
+"""Actor classes the group tests spawn (workers import this module by path)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from nereus.actors import Actor, current_device, endpoint
+from nereus.transfer import P2POp, exchange, get_communicator, local_groups
+
+
+class Member(Actor):
+    """Uses whatever group the controller names, from a worker thread."""
+
+    @endpoint
+    async def all_reduce(self, group_id: str, value: float) -> list:
+        def run() -> list:
+            comm = get_communicator(group_id)
+            t = torch.full((4,), value)
+            comm.all_reduce(t)
+            return [comm.rank, comm.size, t[0].item()]
+
+        return await asyncio.to_thread(run)
+
+    @endpoint
+    async def ring(self, group_id: str) -> list:
+        """Send this device's index to the next rank, receive from the previous."""
+        def run() -> list:
+            comm = get_communicator(group_id)
+            got = torch.empty(3, dtype=torch.int64)
+            nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+            me = torch.full((3,), current_device().index, dtype=torch.int64)
+            comm.batch_p2p([P2POp("recv", got, prv), P2POp("send", me, nxt)])
+            return got.tolist()
+
+        return await asyncio.to_thread(run)
+
+    @endpoint
+    async def swap_weights(self, group_id: str) -> float:
+        """Exchange a few views with rank 0 <-> 1 through the bucketed path."""
+        def run() -> float:
+            comm = get_communicator(group_id)
+            peer = 1 - comm.rank
+            mine = [torch.full((100, 10), float(comm.rank)), torch.arange(7.0) + comm.rank]
+            theirs = [torch.empty(100, 10), torch.empty(7)]
+            exchange(comm, {peer: mine}, {peer: theirs}, bucket_bytes=1024)
+            return theirs[0][0, 0].item() + theirs[1][0].item()
+
+        return await asyncio.to_thread(run)
+
+    @endpoint
+    async def groups(self) -> list:
+        return [list(g) for g in local_groups()]

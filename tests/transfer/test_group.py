@@ -1,0 +1,69 @@
+"""make_group through the actor runtime: one message per member, cache, teardown."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import pytest_asyncio
+
+from nereus.actors import Cluster
+from nereus.errors import ConfigError, RemoteError
+from nereus.transfer import make_group, release_groups
+from tests.transfer._actors import Member
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster():
+    async with Cluster.local(devices=3, memory_per_device="256MiB") as c:
+        yield c
+    assert not glob.glob("/dev/shm/nereus-*")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def members(cluster):
+    mesh = await cluster.spawn("members", Member, devices=[0, 1, 2])
+    yield mesh
+    await cluster.stop_mesh(mesh)
+
+
+async def test_groups_over_subsets(cluster, members):
+    whole = await make_group(cluster, devices=[0, 1, 2], epoch=1)
+    pair = await make_group(cluster, devices=[2, 0], epoch=1)
+    assert whole.backend == "gloo" and pair.devices == (2, 0)
+    got = await members.all_reduce.call(whole.group_id, 1.5)
+    assert got == [[0, 3, 4.5], [1, 3, 4.5], [2, 3, 4.5]]
+    sub = members.slice(dp=slice(0, 3, 2))  # devices 0 and 2
+    got = await sub.all_reduce.call(pair.group_id, 2.0)
+    # rank order follows devices=[2, 0]: device 0 is rank 1
+    assert got == [[1, 2, 4.0], [0, 2, 4.0]]
+    assert await members.ring.call(whole.group_id) == [[2] * 3, [0] * 3, [1] * 3]
+    # the same group asked for again is the cached one
+    assert await make_group(cluster, devices=[0, 1, 2], epoch=1) is whole
+    assert await release_groups(cluster, epoch=1) == 2
+    assert await members.groups.call() == [[], [], []]
+    with pytest.raises(RemoteError, match="not live"):
+        await members.all_reduce.call(whole.group_id, 1.0)
+
+
+async def test_create_and_destroy_repeatedly(cluster, members):
+    for epoch in range(3):
+        g = await make_group(cluster, devices=[0, 1], epoch=10 + epoch)
+        pair = members.slice(dp=slice(0, 2))
+        assert await pair.swap_weights.call(g.group_id) == [1.0 + 1.0, 0.0 + 0.0]
+        await g.destroy()
+        await g.destroy()  # idempotent
+    assert await members.groups.call() == [[], [], []]
+
+
+async def test_bad_requests_name_the_field(cluster):
+    with pytest.raises(ConfigError, match="repeats a device"):
+        await make_group(cluster, devices=[0, 0])
+    with pytest.raises(ConfigError, match="not a device"):
+        await make_group(cluster, devices=[0, 7])
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        await make_group(cluster, devices=[0, 1], backend="nccl")
+    with pytest.raises(ConfigError, match="backend="):
+        await make_group(cluster, devices=[0, 1], backend="mpi")
