@@ -1,6 +1,7 @@
 """One (pp_rank, tp_rank) worker of the multi-process TP x PP model tests.
 
-Started by tests/models/test_tp_pp.py as ``python -m tests.models._worker ...``. For each
+Started by tests/models/test_tp_pp.py as ``python -m tests.models._worker ...``; its
+communicators are ``nereus.transfer.CpuCommunicator`` (gloo + shared memory). For each
 model directory it builds its pipeline stage at its TP rank, loads its slices of the
 checkpoint, and runs the same three things as the in-process TP=1/PP=1 reference:
 
@@ -18,12 +19,10 @@ reference.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from nereus.models import (
@@ -34,7 +33,7 @@ from nereus.models import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from tests.models._gloo import GlooCommunicator
+from nereus.transfer import CpuCommunicator
 
 
 def loss_of(local_logits, targets, positions, pc):
@@ -119,9 +118,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     world_size = args.tp * args.pp
     pp_rank, tp_rank = divmod(args.rank, args.tp)
-    store = dist.TCPStore("127.0.0.1", args.port, world_size + 1, False, timeout=datetime.timedelta(seconds=60))
-    world = GlooCommunicator(store, "world", args.rank, world_size)
-    tp_comm = GlooCommunicator(store, f"tp{pp_rank}", tp_rank, args.tp) if args.tp > 1 else None
+    # Hidden states between stages travel over the world group (shared memory between
+    # these same-host processes); TP collectives over one gloo group per pipeline stage.
+    world = CpuCommunicator("world", args.rank, world_size, "127.0.0.1", args.port,
+                            slot_bytes=1 << 20, slots=2)
+    tp_comm = (CpuCommunicator(f"tp{pp_rank}", tp_rank, args.tp, "127.0.0.1", args.port, use_shm=False)
+               if args.tp > 1 else None)
     pc = ParallelContext(tp_rank=tp_rank, tp_size=args.tp, pp_rank=pp_rank, pp_size=args.pp, tp_comm=tp_comm)
     inputs = load_file(args.inputs)
     out: dict[str, torch.Tensor] = {}

@@ -4,12 +4,14 @@ For TP in {1, 2, 4} and PP in {1, 2}, every (pp_rank, tp_rank) is its own proces
 (``python -m tests.models._worker``); its logits, logprobs, entropy, gradients and
 KV-cached decode logits must match the TP=1/PP=1 model run in this process. Two models:
 a Llama with untied embeddings and a Qwen2 (q/k/v biases) with tied embeddings, both with
-2 kv heads, so TP 4 replicates kv heads.
+2 kv heads, so TP 4 replicates kv heads. The workers talk through
+``nereus.transfer.CpuCommunicator`` (gloo collectives, shared-memory p2p).
 """
 
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import subprocess
 import sys
@@ -75,7 +77,7 @@ def _reference(model_dir: Path, data: dict[str, torch.Tensor]) -> dict[str, torc
 
 def _run_workers(tp: int, pp: int, models: list[Path], inputs_path: Path, out: Path) -> None:
     world = tp * pp
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     procs = [
         subprocess.Popen(
@@ -109,7 +111,10 @@ def _run_workers(tp: int, pp: int, models: list[Path], inputs_path: Path, out: P
 @pytest.mark.parametrize(("tp", "pp"), LAYOUTS, ids=[f"tp{t}-pp{p}" for t, p in LAYOUTS])
 def test_layout_matches_tp1_pp1(tp, pp, models, inputs, tmp_path):
     inputs_path, data = inputs
+    shm_before = set(glob.glob("/dev/shm/nereus-*"))
     _run_workers(tp, pp, models, inputs_path, tmp_path)
+    leaked = set(glob.glob("/dev/shm/nereus-*")) - shm_before
+    assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
     results = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(tp * pp)]
     valid = data["positions"] >= 0
     close = dict(rtol=1e-4, atol=2e-5)
