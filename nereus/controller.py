@@ -298,13 +298,17 @@ class Controller:
 
     async def wait_devices(self, count: int, timeout_s: float) -> list[dict[str, Any]]:
         """The ready devices once at least ``count`` are ready (else DeadlineExceeded)."""
-        from nereus.errors import DeadlineExceeded
+        from nereus.errors import DeadlineExceeded, NereusError
 
         deadline = time.monotonic() + timeout_s
         while True:
             devices = self._view()["devices"]
             if len(devices) >= count:
                 return devices
+            alive = sum(1 for d in self.devices.values() if d["alive"])
+            if alive < count:
+                raise NereusError(f"only {alive} devices are alive; {count} were expected "
+                                  "(see the worker_death / node_lost events)")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeadlineExceeded(f"only {len(devices)} of {count} devices became ready "

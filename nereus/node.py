@@ -151,6 +151,8 @@ class NodeDaemon:
             "node_id": self.node_id, "host": self.host, "devices": devices},
             timeout_s=self.start_timeout_s)
         self.workers = [_Worker(g, i) for i, g in enumerate(reply["indices"])]
+        # Heartbeat from registration on: starting workers may take longer than the timeout.
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
         if self.transport == "ipc":
             self._tmpdir = tempfile.mkdtemp(prefix="nereus-")
         try:
@@ -169,7 +171,6 @@ class NodeDaemon:
                         for w in self.workers]})
         for w in self.workers:
             w.watch = asyncio.get_running_loop().create_task(self._watch(w))
-        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
         return self
 
     def _env(self, w: _Worker) -> dict[str, str]:

@@ -333,6 +333,8 @@ class ActorHost:
 
     def _reply_err(self, ident: bytes, cid: int, inc: Any, kind: str, rtype: str, message: str,
                    tb: str) -> None:
+        if self.channel.closed:  # shutting down: the callers learn from the controller
+            return
         try:
             self.channel.send([P.ERR, cid, inc, kind, rtype, message, tb], ident)
         except (zmq.ZMQError, ProtocolError) as e:

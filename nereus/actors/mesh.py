@@ -7,8 +7,8 @@ incarnation, device); it crosses the wire, so actors can call actors. An
 
 Call styles on ``mesh.<endpoint>`` (every one sends before it returns):
 
-- ``call(*a, **kw)`` -> awaitable of the list of results in rank order; the first
-  failure (in rank order) is raised after all ranks answered or failed.
+- ``call(*a, **kw)`` -> awaitable of the list of results in rank order; it fails as
+  soon as one rank fails (e.g. ``ActorDied`` at once when a rank's worker dies).
 - ``call_one(...)`` -> awaitable of the result; the mesh must hold exactly one actor.
 - ``choose(...)`` -> awaitable of one actor's result, the actor with the fewest calls
   in flight from this process (ties rotate).
@@ -91,30 +91,24 @@ _wire.register_ext(_REF_EXT, ActorRef, ActorRef._plain, ActorRef._from_plain)
 
 
 def _gather(loop: asyncio.AbstractEventLoop, futs: list[asyncio.Future]) -> asyncio.Future:
-    """One future of all results in order; fails with the first failure in rank order,
-    once every future is done (so no failure goes unretrieved)."""
+    """One future of all results in rank order. It fails as soon as any call fails (a
+    dead rank must not wait for the others); later failures are consumed silently."""
     outer = loop.create_future()
     left = len(futs)
     if not left:
         outer.set_result([])
         return outer
 
-    def done(_f: asyncio.Future) -> None:
+    def done(f: asyncio.Future) -> None:
         nonlocal left
         left -= 1
-        if left:
-            return
-        first = None
-        for f in futs:
-            exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
-            if exc is not None and first is None:
-                first = exc
+        exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
         if outer.done():
             return
-        if first is not None:
-            outer.set_exception(first)
-        else:
-            outer.set_result([f.result() for f in futs])
+        if exc is not None:
+            outer.set_exception(exc)
+        elif not left:
+            outer.set_result([g.result() for g in futs])
 
     for f in futs:
         f.add_done_callback(done)

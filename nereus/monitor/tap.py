@@ -47,7 +47,7 @@ class Subscriber:
         self.key = key
         self.types = set(types) if types else None
         self.rejected = 0
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = zmq.asyncio.Context.shadow(zmq.Context.instance())
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)

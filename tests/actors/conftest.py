@@ -5,16 +5,28 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import time
 
 import psutil
 import pytest
 import pytest_asyncio
+import zmq
 
 from nereus.actors import Cluster
 
 
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed while listing
+            pass
+    return out
 
 
 def _ipc_dirs() -> set[str]:
@@ -24,8 +36,9 @@ def _ipc_dirs() -> set[str]:
 @pytest.fixture
 def no_leaks():
     """Fails the test if it leaves child processes, ipc directories or fds behind."""
+    zmq.Context.instance().socket(zmq.PAIR).close()  # start the shared context: not a leak
     before_children, before_dirs = _children(), _ipc_dirs()
-    before_fds = psutil.Process().num_fds()
+    before_fds = _fds()
     yield
     left = _children() - before_children
     for pid in left:
@@ -38,8 +51,12 @@ def no_leaks():
     alive = [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not alive, f"leaked child processes {alive}"
     assert _ipc_dirs() <= before_dirs, f"leaked ipc dirs {_ipc_dirs() - before_dirs}"
-    # zmq keeps a few fds in its context (shared, created once); allow that slack
-    assert psutil.Process().num_fds() <= before_fds + 8, "leaked file descriptors"
+    # libzmq closes sockets asynchronously (its reaper thread): wait for it, with a deadline
+    deadline = time.monotonic() + 5
+    while set(_fds()) - set(before_fds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    new = {fd: target for fd, target in _fds().items() if fd not in before_fds}
+    assert not new, f"leaked file descriptors {new}"
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
