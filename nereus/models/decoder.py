@@ -55,6 +55,8 @@ from nereus.state.spec import Component
 
 __all__ = ["KVCache", "DecoderStage", "build_stage", "check_layout", "torch_dtype"]
 
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5.
+_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -114,6 +116,44 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
+@dataclass
+class _AttentionPlan:
+    """What every layer's attention of one forward shares: the boolean mask
+    ``[B, 1, T, S]`` and, with a KV cache, where each real token is written."""
+
+    mask: torch.Tensor
+    rows: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    kv_len: int = 0
+
+
+def _attention_plan(positions: torch.Tensor, cached: bool) -> _AttentionPlan:
+    valid = positions >= 0
+    if not cached:
+        # Key j is visible to query i of the same row when it is real and not later.
+        mask = valid.unsqueeze(1) & (positions.unsqueeze(1) <= positions.unsqueeze(2))
+        # A padding query sees itself, so no row is fully masked (SDPA would give NaN).
+        mask |= torch.eye(positions.shape[1], dtype=torch.bool, device=positions.device)
+        return _AttentionPlan(mask.unsqueeze(1))
+    rows, cols = valid.nonzero(as_tuple=True)
+    kv_len = max(int(positions.max().item()) + 1, 1) if positions.numel() else 1
+    slot_ids = torch.arange(kv_len, device=positions.device)
+    mask = slot_ids.view(1, 1, kv_len) <= positions.unsqueeze(-1)
+    mask[..., 0] |= ~valid  # padding queries look at slot 0 (finite, ignored)
+    return _AttentionPlan(mask.unsqueeze(1), rows, cols, positions[rows, cols], kv_len)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and not _HAS_GQA:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    elif rep > 1:
+        # Grouped-query attention without copying k/v per query head.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attention(nn.Module):
     """GQA self-attention with fused, column-parallel q/k/v and a row-parallel output."""
 
@@ -133,8 +173,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        plan: _AttentionPlan,
         cache: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -143,28 +183,14 @@ class Attention(nn.Module):
         k = k.view(b, t, self.kv_heads_local, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads_local, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
-        valid = positions >= 0
-        if cache is None:
-            # Key j is visible to query i of the same row when it is real and not later.
-            mask = valid.unsqueeze(1) & (positions.unsqueeze(1) <= positions.unsqueeze(2))
-            # A padding query sees itself, so no row is fully masked (SDPA would give NaN).
-            mask |= torch.eye(t, dtype=torch.bool, device=x.device)
-        else:
+        if cache is not None:
             k_cache, v_cache = cache
-            rows, cols = valid.nonzero(as_tuple=True)
-            slots = positions[rows, cols]
+            rows, cols, slots = plan.rows, plan.cols, plan.slots
             k_cache[rows, :, slots] = k.transpose(1, 2)[rows, cols].to(k_cache.dtype)
             v_cache[rows, :, slots] = v.transpose(1, 2)[rows, cols].to(v_cache.dtype)
-            kv_len = int(positions.max().item()) + 1 if positions.numel() else 1
-            k, v = k_cache[:, :, :kv_len].to(q.dtype), v_cache[:, :, :kv_len].to(q.dtype)
-            slot_ids = torch.arange(kv_len, device=x.device)
-            mask = slot_ids.view(1, 1, kv_len) <= positions.unsqueeze(-1)
-            mask[..., 0] |= ~valid  # padding queries look at slot 0 (finite, ignored)
-        rep = self.heads_local // self.kv_heads_local
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+            k = k_cache[:, :, : plan.kv_len].to(q.dtype)
+            v = v_cache[:, :, : plan.kv_len].to(q.dtype)
+        out = _sdpa(q, k, v, plan.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads_local * self.head_dim))
 
 
@@ -191,8 +217,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = MLP(c, pc, dtype, device)
 
-    def forward(self, x, positions, rope, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache)
+    def forward(self, x, rope, plan, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, plan, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -261,9 +287,10 @@ class DecoderStage(nn.Module):
             require(top < kv_cache.max_len, "positions", top, f"must be < the KV cache's max_len={kv_cache.max_len}")
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
         rope = self.rotary(positions, h.dtype)
+        plan = _attention_plan(positions, kv_cache is not None)
         for i in self.layer_ids:
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
-            h = self.model.layers[str(i)](h, positions, rope, cache)
+            h = self.model.layers[str(i)](h, rope, plan, cache)
         if not self.pc.is_last_stage:
             return h
         if logits_index is not None:
