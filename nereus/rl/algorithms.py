@@ -104,7 +104,7 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
         "temperature": 0.0 if greedy else sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
-        "stop_token_ids": [ctx.codec.eos_id],
+        "stop_token_ids": [] if sampling.ignore_eos else [ctx.codec.eos_id],
         "seed": sampling_seed(ctx.config.run.seed, ctx.step),
     }
     out = await ctx.stages.generate(prompts, params)

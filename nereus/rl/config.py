@@ -130,10 +130,14 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """Sampling of policy-generation. ``ignore_eos`` generates exactly ``max_new_tokens``
+    (benchmarks: a fixed amount of work per step)."""
+
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         require(self.max_new_tokens >= 1, "sampling.max_new_tokens", self.max_new_tokens, "must be >= 1")

@@ -1,0 +1,70 @@
+"""``nereus run CONFIG.toml``: run an RL job from its TOML config.
+
+Options override the file (``--steps``, ``--out``, ``--seed``, ``--resume``,
+``--in-process``, ``--no-progress``). A config error is printed as one line naming the
+field, the value and the rule, and the command exits with status 2; nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+
+from nereus.config import load_toml
+from nereus.errors import ConfigError
+from nereus.rl.config import JobConfig
+
+__all__ = ["main", "parse_job"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nereus run", description="Run an RL job (GRPO, PPO, ReMax) from a TOML config.")
+    p.add_argument("config", help="the job's TOML file, e.g. examples/grpo_tiny.toml")
+    p.add_argument("--steps", type=int, help="override run.steps")
+    p.add_argument("--out", help="override run.out_dir")
+    p.add_argument("--seed", type=int, help="override run.seed")
+    p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in the output folder")
+    p.add_argument("--in-process", action="store_true", help="run every model-stage in this process (no workers)")
+    p.add_argument("--no-progress", action="store_true", help="log steps instead of drawing a progress bar")
+    return p
+
+
+def parse_job(argv: list[str]) -> JobConfig:
+    """The JobConfig of ``argv`` (file plus overrides); raises ConfigError."""
+    args = _parser().parse_args(argv)
+    cfg = load_toml(JobConfig, args.config)
+    run = cfg.run
+    run = dataclasses.replace(
+        run,
+        steps=args.steps if args.steps is not None else run.steps,
+        out_dir=args.out or run.out_dir,
+        seed=args.seed if args.seed is not None else run.seed,
+        resume=run.resume or args.resume,
+        progress=run.progress and not args.no_progress,
+    )
+    cluster = cfg.cluster
+    if args.in_process:
+        cluster = dataclasses.replace(cluster, mode="in_process")
+        # One engine per model-stage in-process: keep each stage's first device only.
+        plan = {k: dataclasses.replace(p, devices=p.devices[:1], tp=1, pp=1, dp=1) for k, p in cfg.plan.items()}
+        return dataclasses.replace(cfg, run=run, cluster=cluster, plan=plan)
+    return dataclasses.replace(cfg, run=run)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = parse_job(argv)
+    except ConfigError as e:
+        print(f"nereus run: config error: {e}", file=sys.stderr)
+        return 2
+    from nereus.rl.job import run_job
+
+    records = asyncio.run(run_job(cfg))
+    if records:
+        last = records[-1]
+        print(f"done: {len(records)} steps, last reward {last['reward_mean']:.3f}; metrics in {cfg.run.out_dir}/metrics.jsonl, plot in {cfg.run.out_dir}/plot.png")
+    return 0

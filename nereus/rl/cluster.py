@@ -1,0 +1,291 @@
+"""Model-stages as EMUs on an embedded local cluster, placed by the job's static plan.
+
+``ClusterStages.start(cfg, model_config, model_dir)`` starts ``Cluster.local`` with
+``cluster.devices`` CPU worker processes of ``cluster.memory_per_device`` each, and for
+every model-stage of the plan spawns one ``StageActor`` mesh per EMU (DP replica) on
+the devices the plan lists. Model-stages that share a device run in the same worker
+process: their calls are serialized there and their memory is accounted on the same
+ledger (weights of idle stages stay co-resident; the generation KV cache is reserved
+only while it is large enough for the request).
+
+Work distribution (all ``ModelStages`` calls, ``nereus.rl.stages``):
+- generation: prompts cut into ``dp`` contiguous chunks, one per EMU, all concurrently;
+  EMU ``i`` samples with seed ``seed + i`` so replicas never repeat each other;
+- reference and critic inference: the batch's rows cut the same way;
+- training: rows cut across the DP replicas; the engines weight each micro-batch by its
+  share of the global token count and all-reduce gradients over the DP group, so DP
+  gives the gradient of one token-mean loss over the whole batch.
+
+Weight sync (``sync_policy``): policy-training's EMUs are the sources and each
+policy-generation EMU a target of a ``nereus.state.plan_reshard`` plan (bytes already
+resident are not moved, sources load-balanced across replicas); every device taking
+part gets its parts of every plan in one call, and moves its bytes in one bucketed
+exchange over a sync group made once (``nereus.transfer.make_group``). A ``weight_sync``
+event with bytes, seconds and GB/s goes on the tap, and the policy version advances;
+every rollout records the version that generated it.
+
+Refuses (``ConfigError``): a plan with ``tp`` or ``pp`` above 1 (an EMU here is one
+device: TP and PP inside an EMU need the engines' multi-rank actors), a model-stage
+whose DP does not divide the rows it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus.config import require, to_dict
+from nereus.rl.config import JobConfig
+from nereus.rl.stages import ModelStages, engine_optim, read_state, write_state
+
+__all__ = ["ClusterStages"]
+
+log = logging.getLogger("nereus.rl")
+
+_KINDS = {
+    "policy_generation": "generation",
+    "reference_inference": "inference",
+    "critic_inference": "inference",
+    "reward_inference": "inference",
+    "policy_training": "training",
+    "critic_training": "training",
+}
+
+
+def _chunks(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices covering ``range(n)`` as evenly as possible."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(slice(start, start + size))
+        start += size
+    return out
+
+
+def _rows(batch: dict[str, torch.Tensor], s: slice) -> dict[str, torch.Tensor]:
+    return {k: v[s] for k, v in batch.items()}
+
+
+class ClusterStages(ModelStages):
+    """See the module docstring. Build with ``await ClusterStages.start(...)``."""
+
+    def __init__(self, cfg: JobConfig, cluster: Any, model_config: Any, model_dir: Path) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.model_config = model_config
+        self.model_dir = Path(model_dir)
+        self.emus: dict[str, list[Any]] = {}  # model-stage -> one ActorMesh per EMU
+        self.policy_version = 0
+        self._sync_group: Any = None
+        self._groups: list[Any] = []
+
+    @classmethod
+    async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path, cluster: Any = None) -> ClusterStages:
+        """Start (or use) a local cluster and spawn every model-stage of the plan."""
+        for name, p in cfg.plan.items():
+            require(p.tp == 1 and p.pp == 1, f"plan.{name}", f"tp={p.tp} pp={p.pp}", "must be tp=1 pp=1 (one device per EMU; scale with dp)")
+        owns = cluster is None
+        if cluster is None:
+            from nereus.actors import Cluster
+
+            # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host can
+            # miss the default 3 s, and a lost node ends the job.
+            cluster = Cluster.local(devices=cfg.cluster.devices, memory_per_device=cfg.cluster.memory_per_device, heartbeat_timeout_s=30.0)
+            await cluster.start()
+        self = cls(cfg, cluster, model_config, Path(model_dir))
+        self._owns_cluster = owns
+        try:
+            await self._spawn_all()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    def _options(self, stage: str) -> dict[str, Any]:
+        cfg = self.cfg
+        common = {"dtype": cfg.model.dtype, "seed": cfg.run.seed}
+        if stage == "policy_generation":
+            return common
+        if stage in ("reference_inference", "reward_inference"):
+            return {**common, "micro_batch_size": cfg.optim.micro_batch_size}
+        if stage == "critic_inference":
+            return {**common, "micro_batch_size": cfg.optim.micro_batch_size, "value_head": True}
+        critic = stage == "critic_training"
+        return {**common, "optim": engine_optim(cfg, critic=critic), "critic": critic}
+
+    async def _spawn_all(self) -> None:
+        from nereus.rl._stage_actor import StageActor
+        from nereus.transfer.group import make_group
+
+        config = to_dict(self.model_config)
+        # Training first: its DP groups must exist before the engines are built.
+        order = sorted(self.cfg.plan, key=lambda s: 0 if _KINDS[s] == "training" else 1)
+        for stage in order:
+            p = self.cfg.plan[stage]
+            dp_group = None
+            if _KINDS[stage] == "training" and p.dp > 1:
+                group = await make_group(self.cluster, devices=p.devices)
+                self._groups.append(group)
+                dp_group = group.group_id
+            meshes = await asyncio.gather(*(
+                self.cluster.spawn(
+                    f"{stage}-{i}", StageActor, devices=devs,
+                    args=(stage, _KINDS[stage], config, str(self.model_dir), self._options(stage)),
+                    kwargs={"dp_group": dp_group, "dp_rank": i, "dp_size": p.dp} if dp_group else {},
+                )
+                for i, devs in enumerate(p.emu_devices())
+            ))
+            self.emus[stage] = list(meshes)
+        if "critic_inference" in self.emus:
+            await self._copy_critic()
+        train, gen = self.cfg.plan["policy_training"], self.cfg.plan["policy_generation"]
+        devices = sorted(set(train.devices) | set(gen.devices))
+        if len(devices) > 1:
+            self._sync_group = await make_group(self.cluster, devices=devices)
+            self._groups.append(self._sync_group)
+        self._rank_of = {d: r for r, d in enumerate(devices)}
+        self._sync_parts = self._plan_sync()
+
+    # --- weight sync ----------------------------------------------------------------
+
+    def _plan_sync(self) -> dict[int, list[dict[str, Any]]]:
+        """Parts of the policy-training -> policy-generation plans, per device."""
+        from nereus.models import model_spec
+        from nereus.state import EMU, Layout, plan_part, plan_reshard
+
+        spec = model_spec(self.model_config, dtype=self.cfg.model.dtype)
+        train, gen = self.cfg.plan["policy_training"], self.cfg.plan["policy_generation"]
+        sources = [EMU(f"policy_training/{i}", "policy_training", spec, Layout(), tuple(d)) for i, d in enumerate(train.emu_devices())]
+        parts: dict[int, list[dict[str, Any]]] = {}
+        self._sync_bytes = 0
+        for j, devs in enumerate(gen.emu_devices()):
+            plan = plan_reshard(sources, EMU(f"policy_generation/{j}", "policy_generation", spec, Layout(), tuple(devs)))
+            self._sync_bytes += plan.bytes_moved + plan.bytes_local
+            for device in plan.devices():
+                parts.setdefault(device, []).append(plan_part(plan, device))
+        return parts
+
+    def _actor_on(self, device: int) -> Any:
+        for stage in ("policy_generation", "policy_training"):
+            for mesh in self.emus[stage]:
+                for ref in mesh.refs:
+                    if ref.device == device:
+                        return ref
+        raise AssertionError(f"no policy actor on device {device}")
+
+    async def sync_policy(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        sources = {f"policy_training/{i}": "policy_training" for i in range(self.cfg.plan["policy_training"].dp)}
+        group_id = self._sync_group.group_id if self._sync_group is not None else ""
+        results = await asyncio.gather(*(
+            self._actor_on(device).sync.call_one(parts, group_id, self._rank_of, sources, "policy_generation")
+            for device, parts in self._sync_parts.items()
+        ))
+        seconds = time.perf_counter() - t0
+        self.policy_version += 1
+        moved = sum(r["bytes_moved"] for r in results) // 2
+        event = {"bytes": self._sync_bytes, "bytes_between_devices": moved, "seconds": seconds,
+                 "gbps": self._sync_bytes / max(seconds, 1e-9) / 1e9, "policy_version": self.policy_version}
+        _emit("weight_sync", **event)
+        return event
+
+    async def _copy_critic(self) -> None:
+        """critic-inference gets critic-training's weights (value head included)."""
+        state = await self.emus["critic_training"][0].state.call_one()
+        weights = {k: v for k, v in state["tensors"].items() if not k.endswith(("exp_avg", "exp_avg_sq"))}
+        await asyncio.gather(*(m.load_state.call_one(weights) for m in self.emus["critic_inference"]))
+
+    # --- the ModelStages calls ------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
+        meshes = self.emus["policy_generation"]
+        slices = _chunks(len(prompts), len(meshes))
+        seed = params.get("seed") or 0
+        outs = await asyncio.gather(*(
+            m.generate.call_one(prompts[s], {**params, "seed": seed + i})
+            for i, (m, s) in enumerate(zip(meshes, slices, strict=True)) if s.stop > s.start
+        ))
+        token_ids = [t for o in outs for t in o["token_ids"]]
+        logprobs = [lp for o in outs for lp in o["logprobs"]]
+        return {"token_ids": token_ids, "logprobs": logprobs, "policy_version": [self.policy_version] * len(prompts)}
+
+    async def _rows_call(self, stage: str, method: str, batch: dict[str, torch.Tensor], *args: Any) -> list[Any]:
+        require(stage in self.emus, "plan", sorted(self.emus), f"must place model-stage {stage!r}")
+        meshes = self.emus[stage]
+        rows = batch["input_ids"].shape[0]
+        require(rows >= len(meshes), f"plan.{stage}.dp", len(meshes), f"must be <= the batch's {rows} rows")
+        slices = _chunks(rows, len(meshes))
+        return await asyncio.gather(*(m.endpoint(method).call_one(_rows(batch, s), *args) for m, s in zip(meshes, slices, strict=True)))
+
+    async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat(await self._rows_call("reference_inference", "logprobs", batch, self.cfg.sampling.temperature))
+
+    async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat(await self._rows_call("critic_inference", "values", batch))
+
+    async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        out = await self._rows_call("policy_training", "train", batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size, self.cfg.sampling.temperature)
+        return out[0]
+
+    async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        out = await self._rows_call("critic_training", "train", batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size)
+        await self._copy_critic()
+        return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in out[0].items()}
+
+    # --- checkpoint -----------------------------------------------------------------
+
+    async def save(self, folder: str | Path) -> None:
+        out = Path(folder)
+        state = await self.emus["policy_training"][0].state.call_one()
+        write_state(out, "policy_training", state["tensors"], {"step": state["step"], "policy_version": self.policy_version})
+        if "critic_training" in self.emus:
+            cstate = await self.emus["critic_training"][0].state.call_one()
+            write_state(out, "critic_training", cstate["tensors"], {"step": cstate["step"]})
+
+    async def load(self, folder: str | Path) -> None:
+        src = Path(folder)
+        tensors, meta = read_state(src, "policy_training")
+        # Every DP replica holds the whole state (optimizer state is not sharded over DP).
+        await asyncio.gather(*(m.load_state.call_one(tensors, int(meta["step"])) for m in self.emus["policy_training"]))
+        if "critic_training" in self.emus:
+            ctensors, cmeta = read_state(src, "critic_training")
+            await asyncio.gather(*(m.load_state.call_one(ctensors, int(cmeta["step"])) for m in self.emus["critic_training"]))
+            await self._copy_critic()
+        await self.sync_policy()
+        self.policy_version = int(meta["policy_version"])
+
+    async def memory(self) -> dict[int, dict[str, int]]:
+        """Reservations per device, by model-stage (for the tap and the summary)."""
+        out: dict[int, dict[str, int]] = {}
+        for meshes in self.emus.values():
+            for m in meshes:
+                for ref, mem in zip(m.refs, await m.memory.call(), strict=True):
+                    out.setdefault(ref.device, {}).update(mem)
+        return out
+
+    async def close(self) -> None:
+        for group in self._groups:
+            try:
+                await group.destroy()
+            except Exception as e:  # a dead member must not keep the cluster alive
+                log.warning("destroying group %s failed: %s", getattr(group, "group_id", "?"), e)
+        self._groups = []
+        for meshes in self.emus.values():
+            for m in meshes:
+                await self.cluster.stop_mesh(m)
+        self.emus = {}
+        if getattr(self, "_owns_cluster", False):
+            await self.cluster.close()
+            self._owns_cluster = False
+
+
+def _emit(type_: str, **fields: Any) -> None:
+    from nereus.actors import emit
+
+    emit(type_, **fields)
