@@ -367,9 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # optional
-        asyncio.run(_serve(args))
+        run = asyncio.run
     else:
-        uvloop.run(_serve(args))
+        run = uvloop.run
+    try:
+        run(_serve(args))
+    except ConfigError as e:
+        print(f"nereus controller: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -35,9 +35,9 @@ import socket
 import sys
 import tempfile
 import uuid
-from typing import Any
 
 from nereus.actors import _client
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
 from nereus.actors._keys import KEY_ENV, load_key
 from nereus.actors._worker import READY_PREFIX as WORKER_READY
 from nereus.config import parse_size
@@ -97,7 +97,8 @@ class NodeDaemon:
                  transport: str = "tcp", bind_host: str = "127.0.0.1",
                  node_id: str | None = None, heartbeat_s: float = 0.5,
                  start_timeout_s: float = 60.0, stop_grace_s: float = 3.0,
-                 log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING",
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         if (devices is None) == (gpus is None):
             raise ConfigError(f"devices={devices!r}, gpus={gpus!r}: give exactly one of them")
         if devices is not None and (not isinstance(devices, int) or devices < 1):
@@ -124,6 +125,9 @@ class NodeDaemon:
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.log_level = log_level
+        if max_message_bytes < 1024:
+            raise ConfigError(f"max_message_bytes={max_message_bytes!r} must be >= 1024")
+        self.max_message_bytes = int(max_message_bytes)
         self.workers: list[_Worker] = []
         self.stopping = False
         self._client: _client.Client | None = None
@@ -193,7 +197,8 @@ class NodeDaemon:
                "--host", self.host, "--kind", self.kind,
                "--memory-bytes", str(self.memory_bytes[w.local_index]),
                "--node-id", self.node_id, "--parent-pid", str(os.getpid()),
-               "--log-level", self.log_level]
+               "--log-level", self.log_level,
+               "--max-message-bytes", str(self.max_message_bytes)]
         w.proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, env=self._env(w), cwd=os.getcwd())
         while True:
@@ -294,6 +299,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                     help="address workers listen on (drivers must reach it)")
     ap.add_argument("--node-id", default=None)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--max-message-bytes", default="4GiB",
+                    help="workers reject (and count) larger messages")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -303,6 +310,7 @@ async def _serve(args: argparse.Namespace) -> None:
     node = NodeDaemon(args.controller, key, devices=args.devices, gpus=args.gpus,
                       memory_per_device=args.memory_per_device, bind_host=args.bind_host,
                       node_id=args.node_id, heartbeat_s=args.heartbeat_s,
+                      max_message_bytes=parse_size(args.max_message_bytes, "max_message_bytes"),
                       log_level="WARNING" if args.log_level.upper() == "INFO" else args.log_level)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
@@ -323,19 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # optional
-        asyncio.run(_serve(args))
+        run = asyncio.run
     else:
-        uvloop.run(_serve(args))
-    return 0
-
-
-def _entry() -> Any:
+        run = uvloop.run
     try:
-        return main()
+        run(_serve(args))
     except ConfigError as e:
         print(f"nereus node: {e}", file=sys.stderr)
         return 2
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_entry())
+    sys.exit(main())

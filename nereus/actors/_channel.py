@@ -139,6 +139,8 @@ class Channel:
             self._receive(frames)
 
     def _receive(self, frames: list[Any]) -> None:
+        values = self.counters.values
+        values["messages"] = values.get("messages", 0) + 1
         ident = None
         if self.is_router:
             ident = frames[0].bytes

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from nereus.actors import _protocol as P
-from nereus.actors._channel import Channel, Counters
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters
 from nereus.actors.actor import Actor, DeviceInfo, Failure, endpoint_spec, endpoints_of
 from nereus.errors import ProtocolError
 
@@ -168,7 +168,7 @@ class ActorHost:
     this class does not know (the worker's shutdown, stats)."""
 
     def __init__(self, sock: zmq.Socket, key: bytes, device: DeviceInfo, counters: Counters,
-                 emit: Any = None) -> None:
+                 emit: Any = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.loop = asyncio.get_running_loop()
         self.device = device
         self.counters = counters
@@ -176,7 +176,8 @@ class ActorHost:
         self.actors: dict[str, _Slot] = {}
         self.incarnations: dict[str, int] = {}
         self.extra_control: dict[str, Any] = {}
-        self.channel = Channel(sock, key, self._on_message, counters, loop=self.loop)
+        self.channel = Channel(sock, key, self._on_message, counters, loop=self.loop,
+                               max_message_bytes=max_message_bytes)
 
     # -- dispatch --------------------------------------------------------------------
 

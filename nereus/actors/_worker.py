@@ -22,6 +22,7 @@ import sys
 import zmq
 
 from nereus.actors import _client
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
 from nereus.actors._host import ActorHost
 from nereus.actors._keys import load_key
 from nereus.actors.actor import DeviceInfo, _set_current_device
@@ -57,6 +58,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--memory-bytes", type=int, required=True)
     ap.add_argument("--node-id", default="")
     ap.add_argument("--parent-pid", type=int, default=0)
+    ap.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     ap.add_argument("--log-level", default="WARNING")
     return ap.parse_args(argv)
 
@@ -79,7 +81,8 @@ async def _serve(args: argparse.Namespace) -> None:
     client = _client.Client(key, source=f"worker:{device.index}")
     client.connect_controller(args.controller)
     _client.set_current_client(client)
-    host = ActorHost(sock, key, device, client.counters, emit=client.emit_event)
+    host = ActorHost(sock, key, device, client.counters, emit=client.emit_event,
+                     max_message_bytes=args.max_message_bytes)
     stop = loop.create_future()
 
     def shutdown(_body: object = None) -> dict:

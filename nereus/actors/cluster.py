@@ -32,10 +32,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nereus.actors import _client
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
 from nereus.actors._host import DEFAULT_MAX_PENDING
 from nereus.actors._keys import generate_key, load_key
 from nereus.actors.actor import Actor, DeviceInfo, Failure, class_path
 from nereus.actors.mesh import ActorMesh, ActorRef
+from nereus.config import parse_size
 from nereus.errors import ActorDied, ConfigError, DeadlineExceeded, RemoteError
 
 __all__ = ["Cluster"]
@@ -50,8 +52,10 @@ class Cluster:
                  local_devices: Sequence[int] = (), memory_per_device: int | str = "1GiB",
                  min_devices: int = 1, timeout_s: float = 60.0,
                  heartbeat_timeout_s: float = 3.0, transport: str = "ipc",
-                 span_sample_every: int = 100) -> None:
+                 span_sample_every: int = 100,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.key = key
+        self._max_message_bytes = max_message_bytes
         self.address = address or ""
         self._local_devices = list(local_devices)
         self._memory_per_device = memory_per_device
@@ -78,7 +82,8 @@ class Cluster:
     def local(cls, devices: int | Sequence[int] = 4, memory_per_device: int | str = "1GiB", *,
               nodes: int = 1, key: str | bytes | None = None, timeout_s: float = 60.0,
               heartbeat_timeout_s: float = 3.0, transport: str = "ipc",
-              span_sample_every: int = 100) -> Cluster:
+              span_sample_every: int = 100,
+              max_message_bytes: int | str = DEFAULT_MAX_MESSAGE_BYTES) -> Cluster:
         """A controller and node daemon(s) in this event loop, ``devices`` workers in all."""
         if isinstance(devices, int):
             if devices < 1 or nodes < 1 or devices < nodes:
@@ -94,7 +99,8 @@ class Cluster:
                    local_devices=per_node, memory_per_device=memory_per_device,
                    min_devices=sum(per_node), timeout_s=timeout_s,
                    heartbeat_timeout_s=heartbeat_timeout_s, transport=transport,
-                   span_sample_every=span_sample_every)
+                   span_sample_every=span_sample_every,
+                   max_message_bytes=parse_size(max_message_bytes, "max_message_bytes"))
 
     @classmethod
     def connect(cls, address: str, key: str | bytes | None = None, *,
@@ -154,7 +160,8 @@ class Cluster:
             node = NodeDaemon(self.address, self.key, devices=n,
                               memory_per_device=self._memory_per_device,
                               transport=self._transport, node_id=f"local{i}",
-                              start_timeout_s=self._timeout_s)
+                              start_timeout_s=self._timeout_s,
+                              max_message_bytes=self._max_message_bytes)
             self.nodes.append(node)
         await asyncio.gather(*(node.start() for node in self.nodes))
         await self.controller.wait_devices(sum(self._local_devices), self._timeout_s)
