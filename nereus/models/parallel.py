@@ -195,7 +195,8 @@ def vocab_parallel_logprobs(
 
     ``local_logits`` is ``[..., vocab / tp]`` (this rank holds vocabulary rows
     ``[tp_rank * V/tp, (tp_rank + 1) * V/tp)``), ``targets`` is ``[...]`` of global token
-    ids. The result is replicated on every TP rank and differentiable."""
+    ids. The result is replicated on every TP rank and differentiable. A target outside
+    ``[0, V)`` (an ignore index such as -100) gives ``-logsumexp``: mask it out."""
     logits = local_logits.float()
     if temperature != 1.0:
         logits = logits / temperature

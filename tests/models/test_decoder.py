@@ -181,3 +181,39 @@ def test_stage_layer_ranges_partition_the_layers(layers, data):
         custom = [stage_layer_range(layers, pp, r, cuts) for r in range(pp)]
         assert [i for r in custom for i in r] == list(range(layers))
         assert [r.start for r in custom[1:]] == cuts
+
+
+def test_bfloat16_stage_tracks_float32():
+    stage = _model()
+    half = build_stage(stage.config, dtype="bfloat16")
+    with torch.no_grad():
+        for p, q in zip(stage.parameters(), half.parameters(), strict=True):
+            q.copy_(p.to(torch.bfloat16))
+    ids = torch.randint(0, 256, (2, 6))
+    pos = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        ref = stage(ids, pos)
+        out = half(ids, pos)
+        cache = half.new_kv_cache(2, 8)
+        cached = torch.cat([half(ids[:, :4], pos[:, :4], kv_cache=cache), half(ids[:, 4:5], pos[:, 4:5], kv_cache=cache),
+                            half(ids[:, 5:], pos[:, 5:], kv_cache=cache)], dim=1)
+    assert out.dtype == torch.bfloat16 and cache.keys[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(cached.float(), out.float(), rtol=0.05, atol=0.02)
+
+
+def test_a_few_adamw_steps_fit_a_batch():
+    stage = _model().train()
+    ids = torch.randint(0, 256, (4, 12))
+    pos = torch.arange(11).expand(4, 11)
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        logits = stage(ids[:, :-1], pos)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(p.grad is not None for p in stage.parameters())
+    assert losses[-1] < 0.5 * losses[0], losses
