@@ -1,1 +1,55 @@
-"""nereus.planner (see DESIGN.md)."""
+"""nereus.planner: cluster and workload descriptions, the cost and memory model, plan
+search, calibration, triggers and admission (DESIGN §6).
+
+Pure Python with no I/O (``_probe`` is the one thin shell that measures this CPU
+machine); never imports torch, so the same code runs in the controller and in the
+simulator at 1,024 devices.
+"""
+
+from nereus.planner.admission import DEFAULT_GAMMA, Decision, Target, admit, choose
+from nereus.planner.calibrate import Calibrator
+from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset, local_cpu_cluster
+from nereus.planner.cost import (
+    CONSERVATIVE,
+    HEADROOM,
+    OP_CLASSES,
+    Efficiency,
+    StageCost,
+    StageMemory,
+    Term,
+    stage_cost,
+    stage_memory,
+    usable_bytes,
+)
+from nereus.planner.explain import DeviceMemory, Explanation, PhaseTime, StageExplanation, explain
+from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.search import (
+    Alternative,
+    Candidate,
+    SearchResult,
+    pool_sizes,
+    search,
+    stage_candidates,
+)
+from nereus.planner.triggers import DriftSignal, Trigger, TriggerMonitor
+from nereus.planner.workload import (
+    ALGORITHMS,
+    MODEL_PRESETS,
+    LengthStats,
+    ModelShape,
+    ModelStage,
+    Workload,
+    algorithm_stages,
+    model_preset,
+    phases,
+)
+
+__all__ = [
+    "ALGORITHMS", "Alternative", "Calibrator", "Candidate", "ClusterSpec", "CONSERVATIVE", "DEFAULT_GAMMA",
+    "Decision", "DeviceMemory", "DriftSignal", "Efficiency", "Explanation", "HEADROOM", "LengthStats",
+    "MODEL_PRESETS", "ModelShape", "ModelStage", "OP_CLASSES", "PhaseTime", "Plan", "PRESETS", "SearchResult",
+    "StageCost", "StageExplanation", "StageMemory", "StagePlan", "Target", "Term", "Trigger", "TriggerMonitor",
+    "Workload", "admit", "algorithm_stages", "choose", "cluster_preset", "explain", "local_cpu_cluster",
+    "model_preset", "phases", "pool_sizes", "search", "stage_candidates", "stage_cost", "stage_memory",
+    "usable_bytes",
+]

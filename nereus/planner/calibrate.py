@@ -1,0 +1,116 @@
+"""Calibration: efficiency factors per operation class from measured timings (DESIGN §6).
+
+The cost model says a model-stage takes Σ_c ideal_c / eff_c seconds (``StageCost``), so
+with x_c = 1 / eff_c every measurement is one linear equation:
+
+- a model-stage timing: Σ_c ideal_c · x_c = measured seconds;
+- an operation-class timing (one GEMM, one all-reduce...): ideal · x_c = measured.
+
+``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
+relative error (each equation divided by its measured time, so a 2 s and a 20 ms
+measurement weigh alike), with a weak pull toward the prior factors so that a class
+the data barely touches stays near its prior. A class no equation has touched keeps
+its prior, which for an unseen class is conservative (``CONSERVATIVE``).
+
+Promises: pure arithmetic, no clock; factors clamped to [0.01, 1.5].
+Refuses (``ConfigError``): unknown classes, non-positive measured times, negative
+ideal times.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+from nereus.config import require
+from nereus.planner.cost import CONSERVATIVE, OP_CLASSES, Efficiency, StageCost
+
+__all__ = ["Calibrator"]
+
+_MIN_EFF, _MAX_EFF = 0.01, 1.5
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting on a small dense system."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        if abs(m[col][col]) < 1e-300:
+            continue
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                f = m[r][col] / m[col][col]
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-300 else 0.0 for i in range(n)]
+
+
+class Calibrator:
+    """Accumulates timing equations and fits an ``Efficiency``.
+
+    ``prior_weight`` is the weight of the pull toward the prior, relative to one
+    equation with relative error: small, so data wins as soon as it exists."""
+
+    def __init__(self, prior: Efficiency = CONSERVATIVE, window: int = 256, prior_weight: float = 1e-3) -> None:
+        require(window >= 1, "Calibrator.window", window, "must be >= 1")
+        require(prior_weight > 0, "Calibrator.prior_weight", prior_weight, "must be > 0")
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self._rows: deque[tuple[dict[str, float], float]] = deque(maxlen=window)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def observe(self, ideal_by_class: Mapping[str, float], measured_seconds: float) -> None:
+        """One timing: ideal seconds per op class (at efficiency 1) and what it took."""
+        require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
+        row: dict[str, float] = {}
+        for c, t in ideal_by_class.items():
+            require(c in OP_CLASSES, "op class", c, f"must be one of {list(OP_CLASSES)}")
+            require(t >= 0, f"ideal seconds of {c}", t, "must be >= 0")
+            if t > 0:
+                row[c] = float(t)
+        require(bool(row), "ideal_by_class", dict(ideal_by_class), "must have some positive ideal time")
+        self._rows.append((row, float(measured_seconds)))
+
+    def observe_stage(self, cost: StageCost, measured_seconds: float) -> None:
+        """A model-stage's measured time against the terms the cost model predicted."""
+        self.observe(cost.ideal_by_class(), measured_seconds)
+
+    def observe_op(self, op_class: str, ideal_seconds: float, measured_seconds: float) -> None:
+        """One operation of one class (a timed GEMM, all-reduce, p2p send, decode step)."""
+        self.observe({op_class: ideal_seconds}, measured_seconds)
+
+    def seen(self) -> set[str]:
+        """The classes some equation in the window touches."""
+        return {c for row, _ in self._rows for c in row}
+
+    def fit(self) -> Efficiency:
+        """The efficiency factors that best explain the window (prior for unseen classes)."""
+        seen = sorted(self.seen(), key=OP_CLASSES.index)
+        if not seen:
+            return self.prior
+        idx = {c: i for i, c in enumerate(seen)}
+        n = len(seen)
+        ata = [[0.0] * n for _ in range(n)]
+        atb = [0.0] * n
+        for row, measured in self._rows:
+            coeffs = [(idx[c], t / measured) for c, t in row.items()]
+            for i, ai in coeffs:
+                atb[i] += ai  # right-hand side is measured / measured = 1
+                for j, aj in coeffs:
+                    ata[i][j] += ai * aj
+        # Pull toward the prior: w · (x_c - 1/eff_c)^2, scaled to the equations' size.
+        for c, i in idx.items():
+            scale = max(ata[i][i], 1e-12)
+            w = self.prior_weight * scale
+            ata[i][i] += w
+            atb[i] += w / self.prior[c]
+        x = _solve(ata, atb)
+        factors = {}
+        for c, i in idx.items():
+            eff = 1.0 / x[i] if x[i] > 0 else _MAX_EFF
+            factors[c] = min(_MAX_EFF, max(_MIN_EFF, eff))
+        return self.prior.replace(**factors)

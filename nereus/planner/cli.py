@@ -1,0 +1,183 @@
+"""``nereus plan``: search a plan and explain it so it can be checked by hand.
+
+    nereus plan --cluster a100-256 --model llama-8b --algo ppo --length 4096
+
+prints the cluster and workload as the planner sees them, the chosen plan, the step
+time as phases of overlapping groups, every model-stage's terms with their formulas
+(ideal seconds / efficiency = seconds), memory per device by kind against the usable
+memory, and the next-best placements with why each lost. ``--json`` prints the plan and
+its predicted times as one JSON object instead.
+
+Exit status: 0 with a plan, 1 when no plan fits (the reason is printed), 2 on bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from nereus.config import parse_size
+from nereus.errors import ConfigError, InfeasiblePlan
+from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset
+from nereus.planner.cost import CONSERVATIVE, Efficiency
+from nereus.planner.explain import Explanation, explain
+from nereus.planner.search import SearchResult, search
+from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS, LengthStats, Workload, model_preset
+
+__all__ = ["main"]
+
+GiB = 2**30
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nereus plan", description="Search and explain a plan for an RL job.")
+    p.add_argument("--cluster", default="a100-256", help=f"one of {sorted(PRESETS)} or local-cpu")
+    p.add_argument("--nodes", type=int, help="override the preset's node count")
+    p.add_argument("--devices", type=int, help="device budget (default: every device of the cluster)")
+    p.add_argument("--local-devices", type=int, default=4, help="local-cpu: worker processes")
+    p.add_argument("--memory", default="2GiB", help="local-cpu: memory budget per worker")
+    p.add_argument("--model", default="llama-8b", help=f"policy and reference: one of {sorted(MODEL_PRESETS)}")
+    p.add_argument("--value-model", help="critic and reward trunk (default: the policy's)")
+    p.add_argument("--algo", default="ppo", choices=ALGORITHMS)
+    p.add_argument("--no-reward-model", action="store_true", help="rule-based reward (no reward-inference)")
+    p.add_argument("--length", type=int, default=4096, help="maximum response length (tokens)")
+    p.add_argument("--mean-length", type=float, help="mean response length (default 0.5 x length)")
+    p.add_argument("--p95-length", type=float, help="95th percentile (default 0.9 x length)")
+    p.add_argument("--prompt-length", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=256, help="prompts per step")
+    p.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: all)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward pass")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return p
+
+
+def _cluster(args: argparse.Namespace) -> ClusterSpec:
+    if args.cluster == "local-cpu":
+        from nereus.planner._probe import local_cpu_cluster_probed
+
+        return local_cpu_cluster_probed(args.local_devices, parse_size(args.memory, "--memory"))
+    return cluster_preset(args.cluster, args.nodes)
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    policy = model_preset(args.model)
+    value = model_preset(args.value_model).as_value_model() if args.value_model else None
+    mean = args.mean_length if args.mean_length is not None else 0.5 * args.length
+    p95 = args.p95_length if args.p95_length is not None else max(mean, 0.9 * args.length)
+    return Workload.for_models(
+        args.algo, policy, prompts_per_step=args.prompts, samples_per_prompt=args.samples,
+        prompt_length=args.prompt_length, lengths=LengthStats(mean, p95, args.length), value=value,
+        reward_model=not args.no_reward_model, global_batch=args.global_batch, micro_batch=args.micro_batch,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _print_tables(console: Console, result: SearchResult, ex: Explanation, work: Workload, cluster: ClusterSpec,
+                  eff: Efficiency) -> None:
+    c = cluster
+    console.print(f"[bold]cluster[/] {c.name}: {c.nodes} nodes x {c.devices_per_node} devices, "
+                  f"{_gib(c.device_memory_bytes)} GiB/device (usable {_gib(ex.memory[0].usable)} after 10% headroom), "
+                  f"peak {c.peak_flops:.3g} FLOP/s, memory {c.memory_bandwidth:.3g} B/s, intra-node {c.intra_node_bandwidth:.3g} B/s, "
+                  f"inter-node {c.inter_node_bandwidth:.3g} B/s per node ({c.device_share_of_inter_node():.3g} per device)")
+    models = ", ".join(f"{role}={m.name} ({m.num_params / 1e9:.2f}B params)" for role, m in sorted(work.models.items()))
+    console.print(f"[bold]workload[/] {work.algorithm}: {models}; {work.prompts_per_step} prompts x {work.samples_per_prompt} "
+                  f"samples = {work.sequences} sequences, prompt {work.prompt_length} tok, response mean {work.lengths.mean:.0f} / "
+                  f"p95 {work.lengths.p95:.0f} / max {work.lengths.max} tok, optimizer batch {work.batch}, micro-batch {work.micro_batch}")
+    console.print("[bold]efficiency[/] " + ", ".join(f"{k}={v:.2f}" for k, v in eff.as_dict().items()))
+
+    t = Table(title=f"plan: {result.step_seconds:.3f} s/step predicted")
+    for col in ("model-stage", "phase", "layout", "devices", "links (pp, dp)", "seconds"):
+        t.add_column(col)
+    for s in ex.stages:
+        devs = sorted(s.plan.device_set)
+        t.add_row(s.name, str(s.phase), s.plan.layout(), f"{devs[0]}-{devs[-1]} ({len(devs)})",
+                  f"{'inter' if s.pp_inter else 'intra'}, {'inter' if s.dp_inter else 'intra'}", f"{s.cost.seconds:.3f}")
+    console.print(t)
+
+    lines = []
+    for ph in ex.phases:
+        parts = [" + ".join(g) + f" = {sec:.3f}" for g, sec in zip(ph.groups, ph.group_seconds, strict=True)]
+        lines.append(f"phase {ph.phase}: max( {' | '.join(parts)} ) = {ph.seconds:.3f} s")
+    lines.append(f"step = {' + '.join(f'{p.seconds:.3f}' for p in ex.phases)} = {ex.step_seconds:.3f} s "
+                 "(phases run one after another; groups sharing devices serialize, '|' overlap)")
+    console.print("\n".join(lines))
+
+    t = Table(title="terms: seconds = Σ ideal_c / efficiency_c")
+    for col in ("model-stage", "term", "ideal s by op class", "seconds", "formula"):
+        t.add_column(col, overflow="fold")
+    for s in ex.stages:
+        for term in s.cost.terms:
+            ideal = ", ".join(f"{cl} {v:.4g}/{eff[cl]:.2f}" for cl, v in term.ideal)
+            t.add_row(s.name, term.name, ideal, f"{term.seconds(eff):.4f}", term.formula)
+    console.print(t)
+
+    t = Table(title="memory per device (GiB): workspace + Σ resident + largest transient <= usable")
+    for col in ("devices", "resident (params+grads+optimizer) per model-stage", "transient (largest)",
+                "workspace", "total", "usable", "fits"):
+        t.add_column(col, overflow="fold")
+    groups: dict[tuple, list[int]] = {}
+    for m in ex.memory:
+        groups.setdefault((m.resident, m.transient_of, m.transient), []).append(m.device)
+    by_name = {s.name: s for s in ex.stages}
+    for (resident, peak_of, _transient), devs in groups.items():
+        m = next(x for x in ex.memory if x.device == devs[0])
+        res = "; ".join(f"{n} {_gib(by_name[n].memory.params)}+{_gib(by_name[n].memory.grads)}+"
+                        f"{_gib(by_name[n].memory.optimizer)}" for n, _ in resident)
+        pm = by_name[peak_of].memory
+        tr = f"{peak_of}: act {_gib(pm.activations)} + KV {_gib(pm.kv_cache)} + logits {_gib(pm.logits)}"
+        t.add_row(f"{devs[0]}-{devs[-1]} ({len(devs)})", res, tr, _gib(m.workspace), _gib(m.total), _gib(m.usable),
+                  "yes" if m.fits else "[red]NO[/]")
+    console.print(t)
+
+    if result.alternatives:
+        t = Table(title="next-best placements and why each lost")
+        for col in ("placement", "s/step", "vs chosen", "why it lost", "plan"):
+            t.add_column(col, overflow="fold")
+        for alt in result.alternatives:
+            aex = explain(alt.plan, work, cluster, eff)
+            worst = max(zip(aex.phases, ex.phases, strict=True), key=lambda pair: pair[0].seconds - pair[1].seconds)
+            a_ph, c_ph = worst
+            slow = max((s for s in aex.stages if s.phase == a_ph.phase), key=lambda s: s.cost.seconds)
+            why = (f"phase {a_ph.phase} {a_ph.seconds:.3f} s vs {c_ph.seconds:.3f} s; its slowest model-stage "
+                   f"{slow.name} runs {slow.plan.layout()} in {slow.cost.seconds:.3f} s "
+                   f"(chosen: {ex.stage(slow.name).plan.layout()} in {ex.stage(slow.name).cost.seconds:.3f} s)")
+            t.add_row(alt.label, f"{alt.step_seconds:.3f}", f"+{alt.step_seconds - result.step_seconds:.3f} s", why,
+                      alt.plan.describe().replace("\n", "; "))
+        console.print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cluster = _cluster(args)
+        work = _workload(args)
+        eff = CONSERVATIVE
+        result = search(work, cluster, eff, budget=args.devices)
+    except InfeasiblePlan as e:
+        print(f"nereus plan: {e}", file=sys.stderr)
+        return 1
+    except ConfigError as e:
+        print(f"nereus plan: {e}", file=sys.stderr)
+        return 2
+    ex = explain(result.plan, work, cluster, eff)
+    if args.json:
+        out = {"plan": result.plan.to_dict(), "step_seconds": result.step_seconds, "explain": ex.to_dict(eff),
+               "alternatives": [{"label": a.label, "step_seconds": a.step_seconds, "plan": a.plan.to_dict()}
+                                for a in result.alternatives]}
+        print(json.dumps(out))
+        return 0
+    _print_tables(Console(width=200), result, ex, work, cluster, eff)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Cluster descriptions the planner plans for: how many devices, how fast, how connected.
+
+A ``ClusterSpec`` is a frozen description: nodes x devices per node, each device's
+memory, peak dense FLOP/s and memory bandwidth, and the two link types (intra-node,
+per device; inter-node, per node and shared by its devices). Device indices are global
+and node-major: device ``d`` lives on node ``d // devices_per_node``.
+
+Promises:
+- ``cluster_preset(name)`` returns the project's reference clusters (the paper's three,
+  an 8xH100 node) by name; ``PRESETS`` lists them.
+- ``local_cpu_cluster(devices, memory_bytes, probe)`` describes this machine's worker
+  processes from probe figures (``nereus.planner._probe`` measures and caches them; this
+  module never measures anything).
+- ``with_nodes(n)`` is the same hardware with another node count (a device-pool change
+  of whole nodes).
+
+Refuses (``ConfigError``): non-positive counts, sizes or rates, and unknown preset names
+(the message lists the known ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from nereus.config import require
+from nereus.errors import ConfigError
+
+__all__ = ["ClusterSpec", "PRESETS", "cluster_preset", "local_cpu_cluster"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Homogeneous devices on homogeneous nodes.
+
+    Bandwidths are bytes per second in one direction: ``intra_node_bandwidth`` is what
+    one device can push to a peer in its node; ``inter_node_bandwidth`` is what one
+    node's NICs carry together, so a device's share is that divided by
+    ``devices_per_node`` when every device of the node talks at once (ring collectives).
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device_memory_bytes: int
+    peak_flops: float
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 15e-6
+    # Bytes every device keeps for the framework, CUDA context, allocator slack.
+    workspace_bytes: int = 2 * 2**30
+
+    def __post_init__(self) -> None:
+        require(bool(self.name), "ClusterSpec.name", self.name, "must be non-empty")
+        for f in ("nodes", "devices_per_node", "device_memory_bytes"):
+            v = getattr(self, f)
+            require(isinstance(v, int) and v >= 1, f"ClusterSpec.{f}", v, "must be an integer >= 1")
+        for f in ("peak_flops", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            v = getattr(self, f)
+            require(v > 0, f"ClusterSpec.{f}", v, "must be > 0 (bytes or FLOP per second)")
+        for f in ("intra_node_latency_s", "inter_node_latency_s"):
+            v = getattr(self, f)
+            require(v >= 0, f"ClusterSpec.{f}", v, "must be >= 0 seconds")
+        require(
+            0 <= self.workspace_bytes < self.device_memory_bytes,
+            "ClusterSpec.workspace_bytes",
+            self.workspace_bytes,
+            f"must be >= 0 and below device_memory_bytes={self.device_memory_bytes}",
+        )
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, device: int) -> int:
+        """The node holding global device index ``device``."""
+        require(0 <= device < self.num_devices, "device", device, f"must be in [0, {self.num_devices})")
+        return device // self.devices_per_node
+
+    def device_share_of_inter_node(self) -> float:
+        """Bytes/s one device gets across nodes when all devices of its node send at once."""
+        return self.inter_node_bandwidth / self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> ClusterSpec:
+        """The same hardware with ``nodes`` nodes (whole nodes joined or lost)."""
+        return dataclasses.replace(self, nodes=nodes)
+
+
+def _preset_table() -> dict[str, ClusterSpec]:
+    return {
+        # Frontier-class: 4 MI250X per node = 8 GCDs of 64 GB; Infinity Fabric 400 GB/s
+        # between GCDs; 4x Slingshot-11 (25 GB/s each) per node.
+        "mi250x-1024": ClusterSpec(
+            name="mi250x-1024", nodes=128, devices_per_node=8,
+            device_memory_bytes=64 * 2**30, peak_flops=191.5e12, memory_bandwidth=1.6e12,
+            intra_node_bandwidth=400 * GB, inter_node_bandwidth=4 * 25 * GB,
+        ),
+        # 4 A100 64 GB per node, NVLink3 600 GB/s, 4x HDR100 (12.5 GB/s each).
+        "a100-256": ClusterSpec(
+            name="a100-256", nodes=64, devices_per_node=4,
+            device_memory_bytes=64 * 2**30, peak_flops=312e12, memory_bandwidth=2.0e12,
+            intra_node_bandwidth=600 * GB, inter_node_bandwidth=4 * 12.5 * GB,
+        ),
+        # 8 H200 141 GB per node, NVLink4 900 GB/s, a single HDR link (25 GB/s) per node.
+        "h200-64": ClusterSpec(
+            name="h200-64", nodes=8, devices_per_node=8,
+            device_memory_bytes=141 * 10**9, peak_flops=989e12, memory_bandwidth=4.8e12,
+            intra_node_bandwidth=900 * GB, inter_node_bandwidth=25 * GB,
+        ),
+        # One DGX-class 8xH100 80 GB node (NDR 400 Gb/s NIC if it ever gets a neighbour).
+        "h100-8": ClusterSpec(
+            name="h100-8", nodes=1, devices_per_node=8,
+            device_memory_bytes=80 * 2**30, peak_flops=989e12, memory_bandwidth=3.35e12,
+            intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB,
+        ),
+    }
+
+
+PRESETS: dict[str, ClusterSpec] = _preset_table()
+
+
+def cluster_preset(name: str, nodes: int | None = None) -> ClusterSpec:
+    """A reference cluster by name, optionally with another node count.
+
+    ``local-cpu`` is not here: it needs a probe (see ``local_cpu_cluster``)."""
+    if name not in PRESETS:
+        raise ConfigError(f"cluster={name!r} is not a known preset; expected one of {sorted(PRESETS)}")
+    spec = PRESETS[name]
+    return spec if nodes is None else spec.with_nodes(nodes)
+
+
+def local_cpu_cluster(
+    devices: int,
+    memory_bytes: int,
+    *,
+    flops_per_device: float,
+    memory_bandwidth: float,
+    exchange_bandwidth: float,
+    workspace_bytes: int = 0,
+) -> ClusterSpec:
+    """This machine as ``devices`` worker processes, each with a ``memory_bytes`` budget.
+
+    The rates come from a probe (one thread's matmul FLOP/s, one thread's memcpy bytes/s,
+    the shared-memory hand-off bytes/s between processes); the caller passes them in so
+    this stays pure. One node: every collective takes the intra-node path."""
+    require(isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1")
+    require(memory_bytes > workspace_bytes, "memory_bytes", memory_bytes, f"must exceed workspace_bytes={workspace_bytes}")
+    return ClusterSpec(
+        name=f"local-cpu-{devices}",
+        nodes=1,
+        devices_per_node=devices,
+        device_memory_bytes=int(memory_bytes),
+        peak_flops=float(flops_per_device),
+        memory_bandwidth=float(memory_bandwidth),
+        intra_node_bandwidth=float(exchange_bandwidth),
+        inter_node_bandwidth=float(exchange_bandwidth),
+        intra_node_latency_s=200e-6,
+        inter_node_latency_s=200e-6,
+        workspace_bytes=int(workspace_bytes),
+    )

@@ -1,0 +1,308 @@
+"""Cost and memory model of one model-stage under one layout (DESIGN §6).
+
+Time: every model-stage's time is a sum of terms; each term is an *ideal* time per
+operation class (bytes or FLOPs over the hardware's peak rate) divided by that class's
+efficiency factor, so calibration is linear in 1/efficiency. Operation classes
+(``OP_CLASSES``): ``gemm`` and ``attention`` (FLOPs / peak), ``decode`` (memory-bound
+streaming of weights, KV cache and optimizer state / memory bandwidth),
+``allreduce_intra``/``allreduce_inter`` (ring all-reduce bytes / link bandwidth plus
+a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
+
+- generation: prefill FLOPs (2·N per prompt token, attention 2·L·h·s² per sequence);
+  decode is the larger of its streaming bound (weights once per decode step, the KV
+  cache once per generated token) and its compute bound; the replica decodes until its
+  longest sequence ends, so decode steps = the maximum length. Pipeline stages run one
+  after another for every token: pp buys memory, not speed.
+- inference / training: 2·N (training 6·N) FLOPs per token split over tp·pp devices;
+  TP all-reduces (2 per layer forward, 4 with backward); pipeline sends between
+  stages; a 1F1B bubble of (pp-1)/M of the stage time for M micro-batches per
+  optimizer step; per optimizer step the DP gradient all-reduce and the AdamW update.
+- Links: TP never leaves a node. PP sends and DP all-reduces take the inter-node path
+  when their group spans nodes, with one device's share of the node's NICs.
+
+Memory per device (bytes): parameters of the heaviest pipeline stage, fp32 gradients
+and AdamW state (12 bytes/param, not sharded across DP) for training; transient bytes:
+activations (per layer s·b·h·(10 + 24/tp) with flash attention, for the micro-batches
+1F1B keeps in flight), fp32 logits, and for generation the KV cache of every sequence
+of the replica at prompt + maximum length. Resident bytes stay on a device while the
+model-stage is idle; transient bytes exist only while it runs.
+
+Refuses nothing at run time: callers (the search, ``explain``) check validity; this
+module only computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from nereus.planner.cluster import ClusterSpec
+from nereus.planner.workload import ModelShape, ModelStage, Workload
+
+__all__ = [
+    "OP_CLASSES",
+    "Efficiency",
+    "Term",
+    "StageCost",
+    "StageMemory",
+    "stage_cost",
+    "stage_memory",
+    "HEADROOM",
+    "CONSERVATIVE",
+    "usable_bytes",
+]
+
+OP_CLASSES = ("gemm", "attention", "decode", "allreduce_intra", "allreduce_inter", "p2p_intra", "p2p_inter")
+HEADROOM = 0.10
+GRAD_BYTES = 4  # fp32 gradient buffers
+OPTIM_BYTES = 12  # fp32 master weights + AdamW m and v
+UPDATE_BYTES = 16  # bytes streamed per parameter by an AdamW step (read+write)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fraction of peak per operation class. Defaults are conservative: what
+    an unseen class is assumed to reach before calibration has measured it."""
+
+    gemm: float = 0.40
+    attention: float = 0.30
+    decode: float = 0.50
+    allreduce_intra: float = 0.50
+    allreduce_inter: float = 0.40
+    p2p_intra: float = 0.50
+    p2p_inter: float = 0.40
+
+    def __post_init__(self) -> None:
+        for c in OP_CLASSES:
+            v = getattr(self, c)
+            if not 0 < v <= 1.5:
+                from nereus.errors import ConfigError
+
+                raise ConfigError(f"Efficiency.{c}={v!r} must be in (0, 1.5]")
+
+    def __getitem__(self, op_class: str) -> float:
+        return getattr(self, op_class)
+
+    def as_dict(self) -> dict[str, float]:
+        return {c: getattr(self, c) for c in OP_CLASSES}
+
+    def replace(self, **factors: float) -> Efficiency:
+        return dataclasses.replace(self, **factors)
+
+
+CONSERVATIVE = Efficiency()
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of a model-stage's time: ideal seconds per op class and the formula."""
+
+    name: str
+    ideal: tuple[tuple[str, float], ...]
+    formula: str = ""
+
+    def seconds(self, eff: Efficiency) -> float:
+        return sum(t / eff[c] for c, t in self.ideal)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """The time of one replica of a model-stage (all replicas are equal), by term."""
+
+    stage: str
+    tp: int
+    pp: int
+    dp: int
+    terms: tuple[Term, ...]
+    seconds: float
+
+    def ideal_by_class(self) -> dict[str, float]:
+        out = dict.fromkeys(OP_CLASSES, 0.0)
+        for term in self.terms:
+            for c, t in term.ideal:
+                out[c] += t
+        return out
+
+    def term_seconds(self, eff: Efficiency) -> dict[str, float]:
+        return {t.name: t.seconds(eff) for t in self.terms}
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes per device of one model-stage under one layout, by kind."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    kv_cache: int
+    logits: int
+
+    @property
+    def resident(self) -> int:
+        """Held while the model-stage is idle too."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def transient(self) -> int:
+        """Held only while the model-stage runs."""
+        return self.activations + self.kv_cache + self.logits
+
+
+def usable_bytes(cluster: ClusterSpec) -> int:
+    """What plans may fill on one device: its memory less the 10% headroom."""
+    return int(cluster.device_memory_bytes * (1.0 - HEADROOM))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _stage_params(model: ModelShape, pp: int, *, for_memory: bool) -> int:
+    """Parameters held (or multiplied, for compute) by the heaviest pipeline stage."""
+    layers = _ceil_div(model.num_layers, pp) * model.layer_params
+    head_compute = model.hidden_size * model.output_width
+    if for_memory:
+        ends = model.embed_params + model.head_params if pp == 1 else max(model.embed_params, model.head_params)
+    else:
+        ends = head_compute  # the embedding is a lookup; the head is a GEMM
+    return layers + ends
+
+
+def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, pp: int, dp: int) -> StageMemory:
+    """Bytes per device of ``stage`` at layout tp x pp with dp replicas (max over pp ranks)."""
+    b = model.bytes_per_param
+    p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
+    n_r = _ceil_div(work.sequences, dp)
+    seq = work.prompt_length + work.lengths.mean
+    layers = _ceil_div(model.num_layers, pp)
+    logit_width = _ceil_div(model.output_width, tp)
+    if stage.kind == "generation":
+        kv_shards = min(tp, model.num_kv_heads)
+        kv = n_r * (work.prompt_length + work.lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
+        return StageMemory(p_dev * b, 0, 0, 0, int(kv), n_r * logit_width * 4)
+    t_mb = min(work.micro_batch, n_r) * seq
+    per_layer = t_mb * model.hidden_size * (10 + 24 / tp)
+    logits = int(t_mb * logit_width * 4)
+    if stage.kind == "inference":
+        return StageMemory(p_dev * b, 0, 0, int(per_layer), 0, logits)
+    micro = _ceil_div(_ceil_div(work.batch, dp), work.micro_batch)
+    in_flight = min(pp, micro)
+    return StageMemory(p_dev * b, p_dev * GRAD_BYTES, p_dev * OPTIM_BYTES, int(per_layer * layers * in_flight), 0, 2 * logits)
+
+
+def _ring(n: int, nbytes: float, bw: float) -> float:
+    return 2.0 * (n - 1) / n * nbytes / bw
+
+
+def _hops(n: int) -> int:
+    """Latency steps of one small all-reduce among n ranks (recursive doubling: 2·log2 n)."""
+    return 2 * max(1, (n - 1).bit_length())
+
+
+def stage_cost(
+    stage: ModelStage,
+    model: ModelShape,
+    work: Workload,
+    cluster: ClusterSpec,
+    eff: Efficiency,
+    tp: int,
+    pp: int,
+    dp: int,
+    *,
+    pp_inter: bool,
+    dp_inter: bool,
+    formulas: bool = False,
+) -> StageCost:
+    """Time of one replica of ``stage`` at layout tp x pp with dp replicas.
+
+    ``pp_inter``/``dp_inter`` say whether pipeline sends / DP all-reduces cross nodes.
+    ``formulas`` fills each term's formula text (for ``explain``; the search skips it)."""
+    peak, mem_bw = cluster.peak_flops, cluster.memory_bandwidth
+    bw_tp, a_tp = cluster.intra_node_bandwidth, cluster.intra_node_latency_s
+    share = cluster.device_share_of_inter_node()
+    bw_pp, a_pp, pp_cls = (share, cluster.inter_node_latency_s, "p2p_inter") if pp_inter else (bw_tp, a_tp, "p2p_intra")
+    bw_dp, a_dp, dp_cls = (share, cluster.inter_node_latency_s, "allreduce_inter") if dp_inter else (bw_tp, a_tp, "allreduce_intra")
+    h, L, b = model.hidden_size, model.num_layers, model.bytes_per_param
+    n_r = _ceil_div(work.sequences, dp)
+    terms: list[Term] = []
+
+    def add(name: str, ideal: tuple[tuple[str, float], ...], formula: str = "") -> None:
+        if any(t > 0 for _, t in ideal):
+            terms.append(Term(name, ideal, formula if formulas else ""))
+
+    if stage.kind == "generation":
+        n = model.num_params
+        prompt, mean, steps = work.prompt_length, work.lengths.mean, work.lengths.max
+        t_prompt, t_gen = n_r * prompt, n_r * mean
+        add("prefill", (("gemm", 2 * n * t_prompt / (tp * peak)), ("attention", 2 * L * h * prompt**2 * n_r / (tp * peak))),
+            f"2·N·{t_prompt:.3g} tok/(tp·peak) + 2·L·h·s²·{n_r} seq/(tp·peak), N={n:.3g}, s={prompt}")
+        kv_shards = min(tp, model.num_kv_heads)
+        ctx = prompt + mean / 2
+        stream = steps * n * b / tp / mem_bw + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
+        compute = 2 * n * t_gen / (tp * peak)
+        attn = 4 * L * h * ctx * t_gen / (tp * peak)
+        if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
+            add("decode", (("decode", stream),),
+                f"memory-bound: ({steps} steps·{n * b / tp:.3g} B weights + {t_gen:.3g} tok·{ctx:.0f} ctx·"
+                f"{model.kv_bytes_per_token / kv_shards:.3g} B KV)/{mem_bw:.3g} B/s")
+        else:
+            add("decode", (("gemm", compute), ("attention", attn)),
+                f"compute-bound: 2·N·{t_gen:.3g} tok/(tp·peak) + 4·L·h·{ctx:.0f}·{t_gen:.3g}/(tp·peak)")
+        if tp > 1:
+            nbytes = 2 * L * (t_prompt + t_gen) * h * b
+            add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * (1 + steps) * _hops(tp) * a_tp),),
+                f"ring 2(tp-1)/tp·{nbytes:.3g} B/{bw_tp:.3g} B/s + {2 * L * (1 + steps)} all-reduces·2·log2(tp)·{a_tp:.1e} s")
+        if pp > 1:
+            nbytes = (pp - 1) * (t_prompt + t_gen) * h * b
+            add("pp p2p", ((pp_cls, nbytes / bw_pp + (pp - 1) * (1 + steps) * a_pp),),
+                f"(pp-1)·{t_prompt + t_gen:.3g} tok·h·b/{bw_pp:.3g} B/s + {(pp - 1) * (1 + steps)} sends·{a_pp:.1e} s")
+        return StageCost(stage.name, tp, pp, dp, tuple(terms), sum(t.seconds(eff) for t in terms))
+
+    training = stage.kind == "training"
+    seq = work.prompt_length + work.lengths.mean
+    passes = work.epochs if training else 1
+    tokens = n_r * seq * passes
+    mult = 3 if training else 1
+    layers = _ceil_div(L, pp)
+    p_compute = _stage_params(model, pp, for_memory=False)
+    opt_steps = work.optimizer_steps if training else 1
+    micro = _ceil_div(_ceil_div(work.batch if training else work.sequences, dp), work.micro_batch)
+    micro_total = micro * opt_steps
+    body: list[Term] = []
+
+    def add_body(name: str, ideal: tuple[tuple[str, float], ...], formula: str) -> None:
+        before = len(terms)
+        add(name, ideal, formula)
+        if len(terms) > before:
+            body.append(terms[-1])
+
+    kind = "6" if training else "2"
+    add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
+                         ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
+             f"{kind}·{p_compute:.3g} params/stage·{tokens:.3g} tok/(tp·peak) + attention {mult}·2·{layers}·h·s²·{n_r} seq/(tp·peak), s={seq:.0f}")
+    if tp > 1:
+        per_layer = 4 if training else 2
+        nbytes = per_layer * layers * tokens * h * b
+        add_body("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + per_layer * layers * micro_total * _hops(tp) * a_tp),),
+                 f"ring 2(tp-1)/tp·{per_layer}·{layers} layers·{tokens:.3g} tok·h·b/{bw_tp:.3g} B/s")
+    if pp > 1:
+        dirs = 2 if training else 1
+        nbytes = dirs * tokens * h * b
+        add_body("pp p2p", ((pp_cls, nbytes / bw_pp + dirs * micro_total * a_pp),),
+                 f"{dirs}·{tokens:.3g} tok·h·b/{bw_pp:.3g} B/s + {dirs * micro_total} sends·{a_pp:.1e} s")
+        frac = (pp - 1) / micro
+        bubble: dict[str, float] = {}
+        for term in body:
+            for c, t in term.ideal:
+                bubble[c] = bubble.get(c, 0.0) + t * frac
+        add("pipeline bubble", tuple(bubble.items()), f"(pp-1)/M = {pp - 1}/{micro} of the stage time above")
+    if training:
+        p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
+        if dp > 1:
+            nbytes = p_dev * GRAD_BYTES
+            add("dp sync", ((dp_cls, opt_steps * (_ring(dp, nbytes, bw_dp) + _hops(dp) * a_dp)),),
+                f"{opt_steps} updates·ring 2(dp-1)/dp·{nbytes:.3g} B grads/{bw_dp:.3g} B/s")
+        add("optimizer", (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),
+            f"{opt_steps} updates·{p_dev:.3g} params·{UPDATE_BYTES} B/{mem_bw:.3g} B/s")
+    return StageCost(stage.name, tp, pp, dp, tuple(terms), sum(t.seconds(eff) for t in terms))

@@ -1,0 +1,126 @@
+"""The plan: what the runtime executes and the simulator replays.
+
+A ``Plan`` gives every model-stage a ``StagePlan``: tp, pp, dp and the device set of
+each of its dp EMUs. Device indices are global indices of the ``ClusterSpec``
+(node-major). Inside one EMU the devices are ordered pp-major: position
+``pp_rank * tp + tp_rank``, so one pipeline stage's TP group is contiguous.
+
+Promises: plain frozen dataclasses with ``to_dict``/``from_dict`` round trips through
+plain data (msgpack, JSON); validation of the shape of every StagePlan.
+
+Refuses (``ConfigError``): an EMU whose device count is not tp*pp, a dp that does not
+match the number of EMUs, a device listed twice within one model-stage, negative
+indices, non-power-of-two tp or pp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from nereus.config import require
+from nereus.errors import ConfigError
+
+__all__ = ["StagePlan", "Plan", "is_power_of_two"]
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One model-stage's layout (tp x pp), its dp EMUs and their devices."""
+
+    tp: int
+    pp: int
+    dp: int
+    devices: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        require(is_power_of_two(self.tp), "StagePlan.tp", self.tp, "must be a power of two")
+        require(is_power_of_two(self.pp), "StagePlan.pp", self.pp, "must be a power of two")
+        require(isinstance(self.dp, int) and self.dp >= 1, "StagePlan.dp", self.dp, "must be an integer >= 1")
+        require(len(self.devices) == self.dp, "StagePlan.devices", self.devices, f"must list dp={self.dp} EMUs")
+        seen: set[int] = set()
+        for emu in self.devices:
+            require(len(emu) == self.tp * self.pp, "StagePlan.devices", emu, f"each EMU needs tp*pp={self.tp * self.pp} devices")
+            for d in emu:
+                require(isinstance(d, int) and d >= 0, "StagePlan.devices", d, "must be a device index >= 0")
+                require(d not in seen, "StagePlan.devices", d, "is listed twice")
+                seen.add(d)
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def device_set(self) -> frozenset[int]:
+        return frozenset(d for emu in self.devices for d in emu)
+
+    def layout(self) -> str:
+        return f"tp{self.tp}·pp{self.pp}·dp{self.dp}"
+
+    @staticmethod
+    def on_range(tp: int, pp: int, dp: int, start: int) -> StagePlan:
+        """EMUs laid out back to back on devices ``start .. start + tp*pp*dp - 1``."""
+        size = tp * pp
+        emus = tuple(tuple(range(start + r * size, start + (r + 1) * size)) for r in range(dp))
+        return StagePlan(tp, pp, dp, emus)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every model-stage's StagePlan, in the algorithm's model-stage order."""
+
+    stages: tuple[tuple[str, StagePlan], ...]
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.stages]
+        require(len(set(names)) == len(names), "Plan.stages", names, "must name each model-stage once")
+
+    def __getitem__(self, name: str) -> StagePlan:
+        for n, sp in self.stages:
+            if n == name:
+                return sp
+        raise ConfigError(f"model-stage {name!r} is not in the plan; it has {self.names}")
+
+    def __iter__(self) -> Iterator[tuple[str, StagePlan]]:
+        return iter(self.stages)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.stages]
+
+    @property
+    def devices(self) -> frozenset[int]:
+        """Every device any model-stage uses."""
+        out: set[int] = set()
+        for _, sp in self.stages:
+            out |= sp.device_set
+        return frozenset(out)
+
+    def describe(self) -> str:
+        """One line per model-stage: its layout and device range(s)."""
+        lines = []
+        for n, sp in self.stages:
+            devs = sorted(sp.device_set)
+            span = f"{devs[0]}-{devs[-1]}" if devs == list(range(devs[0], devs[-1] + 1)) else str(devs)
+            lines.append(f"{n}: {sp.layout()} on devices {span}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {n: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "devices": [list(e) for e in s.devices]} for n, s in self.stages}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise ConfigError(f"plan={data!r} must be a table of model-stage -> {{tp, pp, dp, devices}}")
+        out = []
+        for name, sp in data.items():
+            if not isinstance(sp, dict) or set(sp) != {"tp", "pp", "dp", "devices"}:
+                raise ConfigError(f"plan.{name}={sp!r} must have exactly the keys tp, pp, dp, devices")
+            emus = tuple(tuple(int(d) for d in e) for e in sp["devices"])
+            out.append((name, StagePlan(sp["tp"], sp["pp"], sp["dp"], emus)))
+        return Plan(tuple(out))

@@ -1,0 +1,423 @@
+"""Plan search: the fastest feasible plan of a workload on a device budget (DESIGN §6).
+
+The space (the brute-force test enumerates exactly this):
+
+- Model-stages are grouped into *pools* (any set partition of the model-stages). A
+  pool owns a contiguous range of devices; every model-stage of the pool spans the whole
+  range (tp·pp·dp = pool size). One pool holding everything is the colocated placement;
+  one pool per model-stage is the separated one; everything in between is in the space.
+- Pool sizes are powers of two that divide the node, or multiples of the node; pools
+  are laid out from device 0 in decreasing size, so no pool and no EMU straddles a node
+  boundary it should not. The pools' sizes add up to at most the device budget.
+- A model-stage's candidates at pool size n: power-of-two tp and pp, tp within a node
+  and dividing the attention heads, pp at most the layer count, dp = n/(tp·pp) dividing
+  the optimizer batch, and tp·pp either dividing the node or a multiple of it.
+- A pool is feasible when on each of its devices workspace + the resident bytes of all
+  its model-stages + the largest transient bytes of one of them fit in memory less
+  10% headroom (co-resident idle model-stages count).
+- Step time: phases (dependency levels) run one after another; within a phase, pools
+  overlap and the model-stages of one pool serialize. Step = Σ_phase max_pool Σ_stage.
+
+The search: per (model-stage, size) candidates, dropping the infeasible and the
+dominated (slower and no smaller); per (pool, size) the Pareto set of per-phase time
+vectors over candidate combinations that fit; then dynamic programming over subsets of
+model-stages: F(S) = Pareto over (devices, per-phase vector) of pool(G) ⊕ F(S \\ G),
+G the pool holding S's first model-stage, ⊕ adding devices and taking per-phase maxima.
+Every step keeps exactly the non-dominated entries of a monotone objective, so the
+result is the optimum of the space.
+
+Raises ``InfeasiblePlan`` when no plan fits (names the budget and the smallest memory
+need it found).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from operator import le
+
+from nereus.config import require
+from nereus.errors import InfeasiblePlan
+from nereus.planner.cluster import ClusterSpec
+from nereus.planner.cost import CONSERVATIVE, Efficiency, stage_cost, stage_memory, usable_bytes
+from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.workload import Workload, phases
+
+__all__ = ["Candidate", "SearchResult", "Alternative", "pool_sizes", "stage_candidates", "search", "NAMED_PLACEMENTS"]
+
+log = logging.getLogger("nereus.planner")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One valid layout of one model-stage at one pool size, with its time and bytes."""
+
+    tp: int
+    pp: int
+    dp: int
+    seconds: float
+    resident: int
+    transient: int
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A runner-up plan and how it was chosen (``label`` names its placement)."""
+
+    label: str
+    plan: Plan
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plan: Plan
+    step_seconds: float
+    pools: tuple[tuple[str, ...], ...]
+    alternatives: tuple[Alternative, ...]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def pool_sizes(cluster: ClusterSpec, budget: int) -> list[int]:
+    """Every pool size of the space up to ``budget`` devices, ascending."""
+    per = cluster.devices_per_node
+    small = [s for s in _powers_of_two(per) if per % s == 0 and s < per and s <= budget]
+    return small + [k * per for k in range(1, budget // per + 1)]
+
+
+def _is_valid_layout(work: Workload, model_heads: int, layers: int, per_node: int, tp: int, pp: int, n: int) -> bool:
+    if n % (tp * pp):
+        return False
+    dp = n // (tp * pp)
+    emu = tp * pp
+    return (
+        tp <= per_node
+        and model_heads % tp == 0
+        and pp <= layers
+        and work.batch % dp == 0
+        and (per_node % emu == 0 or emu % per_node == 0)
+    )
+
+
+def _admits_layout(n: int, batch: int) -> bool:
+    """Whether n = (power of two) x dp with dp dividing the batch, for some split."""
+    e = 1
+    while e <= n:
+        if n % e == 0 and batch % (n // e) == 0:
+            return True
+        e *= 2
+    return False
+
+
+def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stage_index: int, n: int, *, prune: bool = True) -> list[Candidate]:
+    """Valid layouts of model-stage ``stage_index`` on a pool of ``n`` devices.
+
+    With ``prune``, drops layouts that do not fit alone and those dominated in
+    (seconds, resident, transient)."""
+    stage = work.stages[stage_index]
+    model = work.models[stage.model]
+    per = cluster.devices_per_node
+    cap = usable_bytes(cluster) - cluster.workspace_bytes
+    out: list[Candidate] = []
+    for tp in _powers_of_two(min(per, n)):
+        for pp in _powers_of_two(n // tp):
+            if not _is_valid_layout(work, model.num_heads, model.num_layers, per, tp, pp, n):
+                continue
+            dp = n // (tp * pp)
+            mem = stage_memory(stage, model, work, tp, pp, dp)
+            if prune and mem.resident + mem.transient > cap:
+                continue
+            cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per, dp_inter=n > per)
+            out.append(Candidate(tp, pp, dp, cost.seconds, mem.resident, mem.transient))
+    if not prune:
+        return out
+    out.sort(key=lambda c: (c.seconds, c.resident, c.transient))
+    kept: list[Candidate] = []
+    for c in out:
+        if not any(k.seconds <= c.seconds and k.resident <= c.resident and k.transient <= c.transient for k in kept):
+            kept.append(c)
+    return kept
+
+
+def _pareto(entries: list[tuple]) -> list[tuple]:
+    """Entries (key, payload) whose key no other entry's key is <= in every component.
+
+    Sorting by the sum of the key puts every dominating key before what it dominates
+    (a <= b componentwise implies sum(a) <= sum(b), whatever the units), so one pass
+    against the kept keys suffices."""
+    entries.sort(key=lambda e: sum(e[0]))
+    kept_keys: list[tuple] = []
+    kept: list[tuple] = []
+    for e in entries:
+        k = e[0]
+        for q in kept_keys:
+            if all(map(le, q, k)):
+                break
+        else:
+            kept_keys.append(k)
+            kept.append(e)
+    return kept
+
+
+class _Searcher:
+    """One search: caches per (model-stage, size), per pool and per subset.
+
+    ``keep`` truncates each candidate list to its fastest layouts (a quick search whose
+    result is a valid plan, used as the incumbent); ``bound`` drops every partial
+    choice whose optimistic completion is slower than that incumbent.
+
+    Entries are (pareto key, per-phase seconds, payload). The Pareto key sums the
+    phases whose model-stages are all inside the pool (or subset) at hand: no other
+    pool has time there, so the objective adds those phases as they are."""
+
+    def __init__(self, work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: int,
+                 keep: int | None = None, bound: float = float("inf"),
+                 cands: dict[tuple[int, int], list[Candidate]] | None = None) -> None:
+        self.work, self.cluster, self.eff, self.budget = work, cluster, eff, budget
+        self.keep, self.bound = keep, bound
+        self.stages = work.stages
+        self.phase = phases(work.stages)
+        self.num_phases = max(self.phase) + 1
+        self.phase_masks = [sum(1 << i for i, p in enumerate(self.phase) if p == q) for q in range(self.num_phases)]
+        self.cap = usable_bytes(cluster) - cluster.workspace_bytes
+        self.sizes = [n for n in pool_sizes(cluster, budget) if _admits_layout(n, work.batch)]
+        self.cands = cands if cands is not None else {}
+        self.pool_cache: dict[int, list[tuple]] = {}
+        self.subset_cache: dict[int, list[tuple]] = {}
+        # Per phase, the fastest any of its model-stages can be on any pool: no plan's
+        # phase is shorter, which makes Σ_p max(partial[p], floor[p]) a lower bound.
+        self.floor = [0.0] * self.num_phases
+        for i, p in enumerate(self.phase):
+            times = [cs[0].seconds for n in self.sizes if (cs := self.candidates(i, n))]
+            self.floor[p] = max(self.floor[p], min(times, default=0.0))
+
+    def candidates(self, s: int, n: int) -> list[Candidate]:
+        key = (s, n)
+        if key not in self.cands:
+            self.cands[key] = stage_candidates(self.work, self.cluster, self.eff, s, n)
+        found = self.cands[key]
+        return found[: self.keep] if self.keep else found
+
+    def _hopeless(self, vec) -> bool:
+        """True when every completion of per-phase seconds ``vec`` is slower than the bound."""
+        return sum(max(v, f) for v, f in zip(vec, self.floor, strict=False)) > self.bound * (1 + 1e-9)
+
+    def _key(self, mask: int, head: tuple, vec) -> tuple:
+        owned = 0.0
+        rest = []
+        for p, v in enumerate(vec):
+            if self.phase_masks[p] & ~mask:
+                rest.append(v)
+            else:
+                owned += v
+        return (*head, owned, *rest)
+
+    def pool_options(self, mask: int) -> list[tuple]:
+        """[(key, per-phase seconds, (n, choice))] Pareto-optimal for pool ``mask``."""
+        if mask in self.pool_cache:
+            return self.pool_cache[mask]
+        members = [i for i in range(len(self.stages)) if mask >> i & 1]
+        entries: list[tuple] = []
+        for n in self.sizes:
+            lists = [self.candidates(i, n) for i in members]
+            if any(not c for c in lists):
+                continue
+            if sum(min(c.resident for c in cs) for cs in lists) + max(min(c.transient for c in cs) for cs in lists) > self.cap:
+                continue
+            fastest = [cs[0] for cs in lists]
+            if sum(c.resident for c in fastest) + max(c.transient for c in fastest) <= self.cap:
+                combos = [tuple(fastest)]  # each member at its fastest: dominates every other combination
+            else:
+                combos = self._fitting_combos(mask, members, lists)
+            for combo in combos:
+                vec = [0.0] * self.num_phases
+                for i, c in zip(members, combo, strict=False):
+                    vec[self.phase[i]] += c.seconds
+                if self._hopeless(vec):
+                    continue
+                entries.append((self._key(mask, (n,), vec), tuple(vec), (n, tuple(zip(members, combo, strict=False)))))
+        self.pool_cache[mask] = _pareto(entries)
+        return self.pool_cache[mask]
+
+    def _fitting_combos(self, mask: int, members: list[int], lists: list[list[Candidate]]) -> list[tuple[Candidate, ...]]:
+        """Combinations that fit, Pareto-pruned member by member on (Σ resident, max
+        transient, per-phase seconds): all only grow as members are added and the
+        objective and the memory test are monotone in them, so pruning early is exact."""
+        states: list[tuple] = [((), (0.0,) * self.num_phases, (0, 0, ()))]
+        # What the members not yet chosen add at least (fastest; least memory) and at
+        # most (most memory), to drop hopeless states and to forget the memory of
+        # states that fit whatever comes next (then only their seconds matter).
+        rest = [0.0] * self.num_phases
+        for i, cands in zip(members, lists, strict=False):
+            rest[self.phase[i]] += cands[0].seconds
+        suffix = []
+        r_min = r_max = t_min = t_max = 0
+        for cands in reversed(lists):
+            suffix.append((r_min, r_max, t_min, t_max))
+            r_min += min(c.resident for c in cands)
+            r_max += max(c.resident for c in cands)
+            t_min = max(t_min, min(c.transient for c in cands))
+            t_max = max(t_max, max(c.transient for c in cands))
+        suffix.reverse()
+        cap = self.cap
+        for k, (i, cands) in enumerate(zip(members, lists, strict=False)):
+            p = self.phase[i]
+            rest[p] -= cands[0].seconds
+            r_min, r_max, t_min, t_max = suffix[k]
+            grown = []
+            for _, vec, (res0, tr0, combo) in states:
+                for c in cands:
+                    res, trans = res0 + c.resident, max(tr0, c.transient)
+                    if res + r_min + max(trans, t_min) > cap:
+                        continue
+                    if res + r_max + max(trans, t_max) <= cap:
+                        res, trans = -1, -1  # fits whatever comes next
+                    new = list(vec)
+                    new[p] += c.seconds
+                    if self._hopeless([v + r for v, r in zip(new, rest, strict=False)]):
+                        continue
+                    grown.append((self._key(mask, (res, trans), new), tuple(new), (res, trans, (*combo, c))))
+            states = _pareto(grown)
+        return [combo for _, _, (_, _, combo) in states]
+
+    def _join(self, mask: int, left: list[tuple], right: list[tuple]) -> list[tuple]:
+        entries = []
+        for lk, lv, lp in left:
+            for rk, rv, rp in right:
+                dev = lk[0] + rk[0]
+                if dev > self.budget:
+                    continue
+                vec = tuple(map(max, lv, rv))
+                if self._hopeless(vec):
+                    continue
+                entries.append((self._key(mask, (dev,), vec), vec, (*lp, *rp)))
+        return _pareto(entries)
+
+    def cover(self, remaining: int) -> list[tuple]:
+        """Pareto set of (devices, phase maxima) covering the model-stages in ``remaining``."""
+        if remaining == 0:
+            return [((0,), (0.0,) * self.num_phases, ())]
+        if remaining in self.subset_cache:
+            return self.subset_cache[remaining]
+        low = remaining & -remaining
+        rest = remaining ^ low
+        entries: list[tuple] = []
+        sub = rest
+        while True:
+            group = sub | low
+            pool = self.pool_options(group)
+            if pool:
+                tail = self.cover(remaining ^ group)
+                entries += self._join(remaining, [(k, v, (p,)) for k, v, p in pool], tail)
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        self.subset_cache[remaining] = _pareto(entries)
+        return self.subset_cache[remaining]
+
+    def best(self, partition: list[int] | None = None) -> tuple[float, tuple] | None:
+        """Best (step seconds, pools) over all partitions, or over one given partition."""
+        every = (1 << len(self.stages)) - 1
+        if partition is None:
+            front = self.cover(every)
+        else:
+            front = [((0,), (0.0,) * self.num_phases, ())]
+            covered = 0
+            for group in partition:
+                covered |= group
+                pool = [(k, v, (p,)) for k, v, p in self.pool_options(group)]
+                front = self._join(covered, front, pool)
+        if not front:
+            return None
+        _, vec, pools = min(front, key=lambda e: (sum(e[1]), e[0][0]))
+        return sum(vec), pools
+
+    def to_plan(self, pools: tuple) -> tuple[Plan, tuple[tuple[str, ...], ...]]:
+        ordered = sorted(pools, key=lambda p: (-p[0], min(i for i, _ in p[1])))
+        start = 0
+        by_stage: dict[int, StagePlan] = {}
+        names: list[tuple[str, ...]] = []
+        for n, choice in ordered:
+            for i, c in choice:
+                by_stage[i] = StagePlan.on_range(c.tp, c.pp, c.dp, start)
+            names.append(tuple(self.stages[i].name for i, _ in sorted(choice)))
+            start += n
+        plan = Plan(tuple((self.stages[i].name, by_stage[i]) for i in range(len(self.stages))))
+        return plan, tuple(names)
+
+
+def _named_partitions(work: Workload) -> dict[str, list[int]]:
+    n = len(work.stages)
+    every = (1 << n) - 1
+    by_model: dict[str, int] = {}
+    for i, s in enumerate(work.stages):
+        by_model[s.model] = by_model.get(s.model, 0) | 1 << i
+    gen = next(i for i, s in enumerate(work.stages) if s.kind == "generation")
+    return {
+        "colocated": [every],
+        "separated": [1 << i for i in range(n)],
+        "per-model": list(by_model.values()),
+        "generation apart": [1 << gen, every ^ (1 << gen)],
+    }
+
+
+NAMED_PLACEMENTS = ("colocated", "separated", "per-model", "generation apart")
+
+
+def search(
+    work: Workload,
+    cluster: ClusterSpec,
+    eff: Efficiency = CONSERVATIVE,
+    *,
+    budget: int | None = None,
+    alternatives: bool = True,
+) -> SearchResult:
+    """The fastest feasible plan of ``work`` on the first ``budget`` devices of ``cluster``.
+
+    ``alternatives`` adds, fastest first, the best plan of each named placement
+    (colocated, separated, per-model, generation apart) that differs from the chosen
+    one, searched over each model-stage's two fastest layouts per pool size.
+    Raises InfeasiblePlan when nothing fits."""
+    budget = cluster.num_devices if budget is None else budget
+    require(1 <= budget <= cluster.num_devices, "budget", budget, f"must be in [1, {cluster.num_devices}] devices")
+    # The named placements with each model-stage's two fastest layouts give valid plans
+    # quickly; the best of them bounds the exact search, which skips what cannot beat it.
+    quick = _Searcher(work, cluster, eff, budget, keep=2)
+    named = {label: quick.best(partition) for label, partition in _named_partitions(work).items()}
+    incumbent = min((g for g in named.values() if g is not None), key=lambda g: g[0], default=None)
+    named_plans = {label: quick.to_plan(g[1])[0] for label, g in named.items() if g is not None}
+    inf = float("inf")
+    quick_all = _Searcher(work, cluster, eff, budget, keep=2, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
+    got = quick_all.best()
+    if got is not None and (incumbent is None or got[0] < incumbent[0]):
+        incumbent, quick = got, quick_all
+    s = _Searcher(work, cluster, eff, budget, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
+    found = s.best()
+    if found is None or (incumbent is not None and incumbent[0] < found[0]):
+        found, s = incumbent, quick
+    if found is None:
+        raise InfeasiblePlan(
+            f"no plan of {work.algorithm} with {sorted(work.models)} fits {budget} devices of {cluster.name} "
+            f"({usable_bytes(cluster) / 2**30:.1f} GiB usable per device after 10% headroom)"
+        )
+    step, pools = found
+    plan, groups = s.to_plan(pools)
+    alts: list[Alternative] = []
+    if alternatives:
+        chosen = sorted(sorted(g) for g in groups)
+        for label, got in named.items():
+            same_placement = sorted(sorted(work.stages[i].name for i in range(len(work.stages)) if m >> i & 1)
+                                    for m in _named_partitions(work)[label]) == chosen
+            if got is None or same_placement or any(a.plan == named_plans[label] for a in alts):
+                continue
+            alts.append(Alternative(label, named_plans[label], got[0]))
+        alts.sort(key=lambda a: a.step_seconds)
+    log.debug("search %s on %d devices: %.3f s/step, pools %s", work.algorithm, budget, step, groups)
+    return SearchResult(plan, step, groups, tuple(alts))
