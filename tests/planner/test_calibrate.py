@@ -1,0 +1,105 @@
+"""Calibration recovers hidden efficiency factors from noisy synthetic timings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nereus.errors import ConfigError
+from nereus.planner import (
+    CONSERVATIVE,
+    OP_CLASSES,
+    Calibrator,
+    Efficiency,
+    LengthStats,
+    Workload,
+    cluster_preset,
+    model_preset,
+    stage_cost,
+)
+
+HIDDEN = Efficiency(gemm=0.62, attention=0.41, decode=0.78, allreduce_intra=0.71, allreduce_inter=0.33,
+                    p2p_intra=0.66, p2p_inter=0.52)
+
+
+def _stage_costs(rng: random.Random, n: int = 60):
+    """Real stage costs of random layouts and lengths (their ideal terms by class)."""
+    cluster = cluster_preset("a100-256")
+    out = []
+    for _ in range(n):
+        length = rng.choice([512, 1024, 2048, 4096])
+        work = Workload.for_models("ppo", model_preset(rng.choice(["llama-1b", "llama-8b"])), prompts_per_step=64,
+                                   samples_per_prompt=4, prompt_length=rng.choice([256, 1024]),
+                                   lengths=LengthStats(length / 2, length * 0.9, length))
+        stage = rng.choice(work.stages)
+        tp, pp = rng.choice([1, 2, 4]), rng.choice([1, 2, 4])
+        dp = rng.choice([1, 2, 4, 8, 16])
+        out.append(stage_cost(stage, work.models[stage.model], work, cluster, CONSERVATIVE, tp, pp, dp,
+                              pp_inter=rng.random() < 0.5, dp_inter=rng.random() < 0.5))
+    return out
+
+
+def _truth(ideal: dict[str, float]) -> float:
+    return sum(t / HIDDEN[c] for c, t in ideal.items())
+
+
+def test_recovers_hidden_factors_within_5_percent_from_5_percent_noise():
+    rng = random.Random(7)
+    cal = Calibrator()
+    for cost in _stage_costs(rng):
+        ideal = cost.ideal_by_class()
+        cal.observe(ideal, _truth(ideal) * (1 + rng.uniform(-0.05, 0.05)))
+    # and timed single operations, as the runtime's per-op timers report them
+    for _ in range(40):
+        c = rng.choice(OP_CLASSES)
+        ideal = rng.uniform(1e-4, 1e-1)
+        cal.observe_op(c, ideal, ideal / HIDDEN[c] * (1 + rng.uniform(-0.05, 0.05)))
+    fitted = cal.fit()
+    for c in OP_CLASSES:
+        assert fitted[c] == pytest.approx(HIDDEN[c], rel=0.05), c
+
+
+def test_stage_timings_alone_recover_the_classes_they_exercise():
+    rng = random.Random(3)
+    cal = Calibrator()
+    for cost in _stage_costs(rng, 200):
+        cal.observe_stage(cost, _truth(cost.ideal_by_class()) * (1 + rng.uniform(-0.05, 0.05)))
+    fitted = cal.fit()
+    # the classes that dominate stage times; minor ones need per-operation timings
+    for c in ("gemm", "decode"):
+        assert fitted[c] == pytest.approx(HIDDEN[c], rel=0.05), c
+
+
+def test_unseen_classes_keep_the_conservative_prior():
+    cal = Calibrator()
+    assert cal.fit() == CONSERVATIVE
+    cal.observe_op("gemm", 1.0, 1.0 / 0.8)
+    fitted = cal.fit()
+    assert fitted.gemm == pytest.approx(0.8, rel=1e-2)
+    for c in OP_CLASSES:
+        if c != "gemm":
+            assert fitted[c] == CONSERVATIVE[c]
+    assert cal.seen() == {"gemm"}
+
+
+def test_window_forgets_old_timings():
+    cal = Calibrator(window=10)
+    for _ in range(10):
+        cal.observe_op("decode", 1.0, 1.0 / 0.2)
+    for _ in range(10):
+        cal.observe_op("decode", 1.0, 1.0 / 0.9)
+    assert len(cal) == 10
+    assert cal.fit().decode == pytest.approx(0.9, rel=1e-2)
+
+
+def test_bad_observations_are_refused_with_the_field():
+    cal = Calibrator()
+    with pytest.raises(ConfigError, match="measured_seconds"):
+        cal.observe_op("gemm", 1.0, 0.0)
+    with pytest.raises(ConfigError, match="op class"):
+        cal.observe({"matmul": 1.0}, 1.0)
+    with pytest.raises(ConfigError, match="ideal seconds of gemm"):
+        cal.observe({"gemm": -1.0}, 1.0)
+    with pytest.raises(ConfigError, match="Efficiency.gemm"):
+        Efficiency(gemm=0.0)
