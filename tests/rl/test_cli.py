@@ -1,0 +1,39 @@
+"""`nereus run`: config errors are one line naming the field; overrides apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nereus.cli import main as nereus_main
+from nereus.rl.cli import parse_job
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "grpo_tiny.toml"
+
+
+def test_bad_field_is_reported_by_name(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEMO.read_text().replace("samples_per_prompt = 8", "samples_per_prompt = 1"))
+    assert nereus_main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.samples_per_prompt=1 must be >= 2 for grpo" in err
+    wrong_type = tmp_path / "type.toml"
+    wrong_type.write_text(DEMO.read_text().replace("lr = 3e-3", 'lr = "fast"'))
+    assert nereus_main(["run", str(wrong_type)]) == 2
+    assert "optim.lr='fast' must be a number" in capsys.readouterr().err
+    assert nereus_main(["run", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_overrides_and_in_process(tmp_path):
+    cfg = parse_job([str(DEMO), "--steps", "3", "--out", str(tmp_path), "--in-process", "--no-progress", "--seed", "5"])
+    assert cfg.run.steps == 3 and cfg.run.out_dir == str(tmp_path) and cfg.run.seed == 5 and not cfg.run.progress
+    assert cfg.cluster.mode == "in_process"
+    assert all(p.dp == 1 and len(p.devices) == 1 for p in cfg.plan.values())
+
+
+@pytest.mark.timeout(120)
+def test_run_in_process_end_to_end(tmp_path, capsys):
+    assert nereus_main(["run", str(DEMO), "--steps", "4", "--out", str(tmp_path), "--in-process", "--no-progress"]) == 0
+    assert "done: 4 steps" in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 4
