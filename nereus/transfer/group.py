@@ -41,7 +41,15 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from nereus.actors import Actor, ActorMesh, ActorRef, Cluster, DeviceInfo, endpoint
+from nereus.actors import (
+    Actor,
+    ActorMesh,
+    ActorRef,
+    Cluster,
+    DeviceInfo,
+    current_device,
+    endpoint,
+)
 from nereus.errors import ConfigError, TransferError
 from nereus.transfer.communicator import Communicator
 
@@ -92,16 +100,18 @@ def release_epoch(epoch: int) -> int:
 
 def _build(spec: dict[str, Any]) -> Communicator:
     """A communicator from the one message ``make_group`` sends (runs in a thread)."""
-    common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"])
+    common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], **spec.get("options", {}))
     if spec["backend"] == "nccl":
         from nereus.transfer.nccl import NcclCommunicator  # cupy only where it is used
 
         return NcclCommunicator(spec["group_id"], spec["rank"], spec["size"],
-                                bytes(spec["nccl_id"]), **common)
+                                bytes(spec["nccl_id"]), device=spec.get("local_device"),
+                                store_host=spec["store_host"], store_port=spec["store_port"],
+                                **common)
     from nereus.transfer.cpu import CpuCommunicator
 
     return CpuCommunicator(spec["group_id"], spec["rank"], spec["size"], spec["store_host"],
-                           spec["store_port"], **common, **spec.get("options", {}))
+                           spec["store_port"], **common)
 
 
 class GroupAgent(Actor):
@@ -109,6 +119,8 @@ class GroupAgent(Actor):
 
     @endpoint(concurrent=True)
     async def join(self, spec: dict) -> dict:
+        if spec["backend"] == "nccl":
+            spec = {**spec, "local_device": current_device().local_index}
         comm = await asyncio.to_thread(_build, spec)
         with _registry_lock:
             old = _registry.pop(comm.group_id, None)
@@ -254,15 +266,15 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     group_id = f"e{epoch}-{uuid.uuid4().hex[:12]}"
     spec: dict[str, Any] = {"group_id": group_id, "size": len(infos), "epoch": epoch,
                             "backend": backend, "timeout_s": float(timeout_s)}
-    store = None
-    if backend == "gloo":
-        from torch.distributed import TCPStore
+    # The store is gloo's rendezvous, and for both backends the watchdog's record of
+    # which ranks entered each operation. It lives as long as the handle.
+    from torch.distributed import TCPStore
 
-        host = _store_host(infos)
-        store = TCPStore("0.0.0.0" if host != "127.0.0.1" else host, 0, is_master=True,
-                         wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-        spec.update(store_host=host, store_port=store.port, options=dict(options or {}))
-    else:
+    host = _store_host(infos)
+    store = TCPStore("0.0.0.0" if host != "127.0.0.1" else host, 0, is_master=True,
+                     wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    spec.update(store_host=host, store_port=store.port, options=dict(options or {}))
+    if backend == "nccl":
         spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
     handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
                          store)

@@ -38,7 +38,7 @@ def make(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
 def strided(t: torch.Tensor) -> torch.Tensor:
     """A non-contiguous view holding a copy of ``t`` (every other column of a wider base)."""
     flat = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
-    base = torch.zeros((flat.shape[0], 2 * flat.shape[1]), dtype=t.dtype)
+    base = torch.zeros((flat.shape[0], 2 * flat.shape[1]), dtype=t.dtype, device=t.device)
     view = base[:, ::2]
     view.copy_(flat)
     assert not view.is_contiguous() or view.numel() <= 1
@@ -46,6 +46,7 @@ def strided(t: torch.Tensor) -> torch.Tensor:
 
 
 def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    a, b = a.cpu(), b.cpu()
     assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
     if a.dtype in (torch.bfloat16, torch.float16):
         ok = torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -56,8 +57,15 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert ok, f"{what}: got {a.flatten()[:6]} expected {b.flatten()[:6]}"
 
 
-def comm_from(a: dict, group: str, **kw) -> CpuCommunicator:
+def comm_from(a: dict, group: str, **kw):
     kw.setdefault("timeout_s", a.get("timeout_s", 30.0))
+    if a.get("backend") == "nccl":
+        from nereus.transfer.nccl import NcclCommunicator
+
+        torch.cuda.set_device(a["rank"])
+        return NcclCommunicator(group, a["rank"], a["size"], bytes.fromhex(a["nccl_id"]),
+                                device=a["rank"], timeout_s=kw["timeout_s"],
+                                store_host="127.0.0.1", store_port=a["port"])
     return CpuCommunicator(group, a["rank"], a["size"], "127.0.0.1", a["port"], **kw)
 
 
@@ -74,11 +82,15 @@ def reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
 def scenario_collectives(a: dict) -> dict:
     r, n = a["rank"], a["size"]
     comm = comm_from(a, a["group"])
+    dev = torch.device(f"cuda:{r}") if a.get("backend") == "nccl" else torch.device("cpu")
     checked = 0
     for name, dtype in DTYPES.items():
         for shape in [(6, 5), (0, 3), (3, 1)]:
             for noncontig in (False, True):
-                wrap = strided if noncontig else (lambda t: t.clone())
+                def wrap(t: torch.Tensor, noncontig: bool = noncontig) -> torch.Tensor:
+                    t = t.to(dev)
+                    return strided(t) if noncontig else t.clone()
+
                 xs = [make(shape, dtype, 100 * p + len(name)) for p in range(n)]
                 ops = ["sum", "max", "min"] + (["avg"] if dtype.is_floating_point else [])
                 for op in ops:
@@ -91,13 +103,13 @@ def scenario_collectives(a: dict) -> dict:
                     comm.broadcast(t, src)
                     close(t.reshape(shape), xs[src], f"broadcast {src} {name}")
                     checked += 1
-                out = torch.empty((n, *shape), dtype=dtype)
+                out = torch.empty((n, *shape), dtype=dtype, device=dev)
                 comm.all_gather(out, wrap(xs[r]))
                 close(out, torch.stack(xs), f"all_gather {name} {shape}")
                 rows = [make((n * 2, 3), dtype, 7 * p + 1) for p in range(n)]
                 out = wrap(torch.zeros((2, 3), dtype=dtype))
                 rs_op = "max" if dtype == torch.bool else "sum"
-                comm.reduce_scatter(out, wrap(rows[r]) if not noncontig else rows[r].t().t(), rs_op)
+                comm.reduce_scatter(out, wrap(rows[r]), rs_op)
                 close(out.reshape(2, 3), reference(rs_op, rows)[2 * r : 2 * r + 2],
                       f"reduce_scatter {name}")
                 checked += 2
@@ -110,8 +122,13 @@ def scenario_p2p(a: dict) -> dict:
     """Every rank sends several tensors to every other rank in one batch, listing its
     ops in an order that would deadlock with blocking sends."""
     r, n = a["rank"], a["size"]
-    comm = comm_from(a, a["group"], use_shm=a["shm"], slot_bytes=a.get("slot_bytes", 1 << 16),
-                     slots=a.get("slots", 2))
+    if a.get("backend") == "nccl":
+        comm = comm_from(a, a["group"])
+        dev = torch.device(f"cuda:{r}")
+    else:
+        comm = comm_from(a, a["group"], use_shm=a["shm"],
+                         slot_bytes=a.get("slot_bytes", 1 << 16), slots=a.get("slots", 2))
+        dev = torch.device("cpu")
     checked = 0
     for rnd in range(a.get("rounds", 2)):
         ops, expect = [], []
@@ -122,8 +139,8 @@ def scenario_p2p(a: dict) -> dict:
                 # sizes from empty to several slots of the ring
                 shape = [(0,), (3, 7), (257, 129), (1,), (40000,)][(k + rnd + r + peer) % 5]
                 noncontig = (k + rnd) % 2 == 1 and len(shape) == 2
-                out_t = make(shape, dtype, 1000 * r + 10 * peer + k + rnd)
-                in_ref = make(shape, dtype, 1000 * peer + 10 * r + k + rnd)
+                out_t = make(shape, dtype, 1000 * r + 10 * peer + k + rnd).to(dev)
+                in_ref = make(shape, dtype, 1000 * peer + 10 * r + k + rnd).to(dev)
                 send = strided(out_t) if noncontig else out_t
                 recv = strided(torch.zeros_like(in_ref)) if noncontig else torch.zeros_like(in_ref)
                 ops.append(P2POp("send", send, peer))

@@ -1,0 +1,222 @@
+"""Intra-host tensor hand-off between two processes: nereus p2p vs memcpy, gloo and Ray.
+
+    .venv/bin/python -m benchmarks.transfer [--reps 7] [--sizes-mib 1,16,64,256] [--no-ray]
+
+For each payload size (MiB):
+- nereus p2p: two worker processes with a CpuCommunicator (shared-memory rings);
+  ping-pong, rank 0 sends N bytes, rank 1 receives into a ready tensor and sends
+  them back; GB/s = 2N / round trip.
+- gloo p2p: the same with ``use_shm=False`` (torch ProcessGroupGloo send/recv).
+- memcpy: ``dst.copy_(src)`` into a ready tensor in one process: the physical limit.
+- Ray (object store) fastest path: ``ray.put(numpy array)`` then an actor reads it
+  (zero-copy on the reading side, the actor touches one element); GB/s = N / time.
+- Ray with a plain torch tensor: Ray's default path (pickled; copied).
+
+Every side gets one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1; Ray:
+num_cpus=2, one actor). Warm-up first, then ``--reps`` repetitions; median and
+[min, max] are printed. The machine is shared: figures are noisy. The LAST line is
+one JSON object with p2p_256MiB_GBps, memcpy_GBps, fraction_of_memcpy, ray_GBps,
+ratio_vs_ray, ray_torch_GBps, ratio_vs_ray_torch (all at the largest size) and the
+per-size medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+MiB = 2**20
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+# ------------------------------------------------------------------ worker side
+
+
+def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int) -> None:
+    from nereus.transfer import CpuCommunicator
+
+    torch.set_num_threads(1)
+    slot = int(os.environ.get("NEREUS_BENCH_SLOT_MIB", "32")) * MiB
+    slots = int(os.environ.get("NEREUS_BENCH_SLOTS", "4"))
+    comm = CpuCommunicator(f"bench-{mode}", rank, 2, "127.0.0.1", port, timeout_s=120.0,
+                           use_shm=(mode == "shm"), slot_bytes=slot, slots=slots)
+    out = {}
+    for n in sizes:
+        a = torch.ones(n, dtype=torch.uint8)
+        b = torch.empty(n, dtype=torch.uint8)
+        times = []
+        for i in range(reps + 2):  # two warm-up round trips
+            comm.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.send(a, 1)
+                comm.recv(b, 1)
+            else:
+                comm.recv(b, 0)
+                comm.send(b, 0)
+            dt = time.perf_counter() - t0
+            if i >= 2:
+                times.append(2 * n / dt / 1e9)
+        if rank == 0:
+            assert torch.equal(a, b), "payload corrupted"
+        out[n] = times
+    comm.destroy()
+    if rank == 0:
+        print(json.dumps({str(k): v for k, v in out.items()}), flush=True)
+
+
+def run_p2p(mode: str, sizes: list[int], reps: int) -> dict[int, list[float]]:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=120))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "benchmarks.transfer", "--worker", mode, str(store.port),
+           ",".join(map(str, sizes)), str(reps)]
+    procs = [subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, text=True, env=env)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{mode} workers failed: {[p.returncode for p in procs]}")
+    data = json.loads(outs[0].strip().splitlines()[-1])
+    return {int(k): v for k, v in data.items()}
+
+
+# ------------------------------------------------------------------ memcpy
+
+
+def run_memcpy(sizes: list[int], reps: int) -> dict[int, list[float]]:
+    torch.set_num_threads(1)
+    out = {}
+    for n in sizes:
+        src = torch.ones(n, dtype=torch.uint8)
+        dst = torch.empty(n, dtype=torch.uint8)
+        dst.copy_(src)
+        dst.copy_(src)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(n / (time.perf_counter() - t0) / 1e9)
+        out[n] = times
+    return out
+
+
+# ------------------------------------------------------------------ Ray
+
+
+def run_ray(sizes: list[int], reps: int) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    import numpy as np
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=2 * 2**30, logging_level="ERROR")
+    try:
+        @ray.remote(num_cpus=1)
+        class Reader:
+            def __init__(self) -> None:
+                torch.set_num_threads(1)
+
+            def touch(self, arr) -> int:
+                # numpy from the object store is a zero-copy read-only view
+                return int(arr[0]) + int(arr[-1])
+
+        reader = Reader.remote()
+        ray.get(reader.touch.remote(np.ones(8, dtype=np.uint8)))
+        fast, slow = {}, {}
+        for n in sizes:
+            arr = np.ones(n, dtype=np.uint8)
+            times = []
+            for i in range(reps + 1):
+                t0 = time.perf_counter()
+                ref = ray.put(arr)
+                assert ray.get(reader.touch.remote(ref)) == 2
+                dt = time.perf_counter() - t0
+                del ref
+                if i:
+                    times.append(n / dt / 1e9)
+            fast[n] = times
+            ten = torch.ones(n, dtype=torch.uint8)
+            times = []
+            torch_reps = max(2, reps // 2) if n >= 64 * MiB else reps
+            for i in range(torch_reps + 1):
+                t0 = time.perf_counter()
+                assert ray.get(reader.touch.remote(ten)) == 2
+                dt = time.perf_counter() - t0
+                if i:
+                    times.append(n / dt / 1e9)
+            slow[n] = times
+        return fast, slow
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------ driver
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        mode, port, sizes, reps, rank = sys.argv[2:7]
+        _worker(int(rank), int(port), mode, [int(s) for s in sizes.split(",")], int(reps))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--sizes-mib", default="1,16,64,256")
+    ap.add_argument("--no-ray", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
+    print(f"transfer benchmark: {os.cpu_count()} cores, reps={args.reps}, one thread per side; "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
+    results = {"memcpy": run_memcpy(sizes, args.reps)}
+    results["nereus_p2p"] = run_p2p("shm", sizes, args.reps)
+    results["gloo_p2p"] = run_p2p("gloo", sizes, args.reps)
+    if not args.no_ray:
+        results["ray_numpy"], results["ray_torch"] = run_ray(sizes, args.reps)
+    print(f"{'GB/s median [min, max]':<24}" + "".join(f"{n // MiB:>8} MiB{'':13}" for n in sizes))
+    for name, per in results.items():
+        cells = []
+        for n in sizes:
+            s = _summary(per[n])
+            cells.append(f"{s['median']:7.2f} [{s['min']:5.2f},{s['max']:6.2f}]")
+        print(f"{name:<24}" + "  ".join(cells), flush=True)
+    top = sizes[-1]
+    med = {name: {n // MiB: statistics.median(per[n]) for n in sizes}
+           for name, per in results.items()}
+    top_mib = top // MiB
+    summary = {
+        f"p2p_{top_mib}MiB_GBps": med["nereus_p2p"][top_mib],
+        "memcpy_GBps": med["memcpy"][top_mib],
+        "fraction_of_memcpy": med["nereus_p2p"][top_mib] / med["memcpy"][top_mib],
+        "gloo_p2p_GBps": med["gloo_p2p"][top_mib],
+    }
+    if not args.no_ray:
+        summary.update({
+            "ray_GBps": med["ray_numpy"][top_mib],
+            "ratio_vs_ray": med["nereus_p2p"][top_mib] / med["ray_numpy"][top_mib],
+            "ray_torch_GBps": med["ray_torch"][top_mib],
+            "ratio_vs_ray_torch": med["nereus_p2p"][top_mib] / med["ray_torch"][top_mib],
+        })
+    summary["median_GBps_by_size_MiB"] = med
+    summary["threads_per_side"] = 1
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""NcclCommunicator: NCCL through cupy on torch CUDA tensors.
+
+Imported only where used (``make_group`` with CUDA devices, GPU tests): importing
+nereus never imports cupy. Built from the group id, rank, size and the NCCL unique id
+as 128 raw bytes (made by ``unique_id()`` on one member and sent in msgpack), plus
+optionally a TCPStore address used only for the watchdog's entry records.
+
+Promises (beyond the Communicator contract):
+- Operations enqueue on torch's current CUDA stream of the communicator's device
+  (``torch.cuda.current_stream(device).cuda_stream``), on the tensors' data pointers.
+- Any dtype travels: data-only operations (send/recv, broadcast, all_gather) move
+  uint8 views (cupy has no bfloat16); reductions use NCCL's dtype codes, bfloat16
+  included (code 9), bool as uint8 with max (or) / min (and).
+- ``batch_p2p`` wraps its sends and receives in ``groupStart``/``groupEnd``.
+- Each operation returns once its work on the stream has completed: a watcher thread
+  synchronizes a CUDA event recorded after it; if that does not happen by the
+  deadline, the communicator is aborted (``ncclCommAbort`` frees the stuck kernels),
+  ``StuckCollective`` names the ranks that never entered (from the store records, if
+  a store was given) and a ``stuck_collective`` tap event is emitted.
+- Callers run operations from worker threads (``asyncio.to_thread``), never on an
+  event loop thread: NCCL calls block.
+
+Refuses: tensors not on this communicator's CUDA device, mismatched sizes
+(``TransferError``); ``avg`` on non-floating dtypes (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from nereus.config import require
+from nereus.errors import ConfigError, StuckCollective, TransferError
+from nereus.transfer import _tap
+from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
+
+__all__ = ["NcclCommunicator", "unique_id", "nccl_available"]
+
+log = logging.getLogger("nereus.transfer")
+
+_NCCL_BFLOAT16 = 9  # ncclBfloat16 in nccl.h; older cupy releases lack the constant
+
+
+def _nccl() -> Any:
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise TransferError("the nccl backend needs cupy (pip install nereus[gpu])") from e
+    if not getattr(nccl, "available", True):
+        raise TransferError("cupy was built without NCCL (install nvidia-nccl-cu12)")
+    return nccl
+
+
+def nccl_available() -> bool:
+    """Whether cupy with NCCL and a CUDA device are usable in this process."""
+    try:
+        _nccl()
+    except TransferError:
+        return False
+    return torch.cuda.is_available()
+
+
+def unique_id() -> bytes:
+    """A fresh NCCL unique id as 128 raw bytes (msgpack-friendly)."""
+    return bytes(x & 0xFF for x in _nccl().get_unique_id())
+
+
+def _id_tuple(raw: bytes) -> tuple[int, ...]:
+    # cupy takes the id as the tuple of C chars it returned: signed values.
+    return tuple(b - 256 if b > 127 else b for b in raw)
+
+
+def _dtype_code(nccl: Any, dtype: torch.dtype) -> int:
+    table = {
+        torch.uint8: nccl.NCCL_UINT8, torch.bool: nccl.NCCL_UINT8, torch.int8: nccl.NCCL_INT8,
+        torch.int32: nccl.NCCL_INT32, torch.int64: nccl.NCCL_INT64,
+        torch.float16: nccl.NCCL_FLOAT16, torch.float32: nccl.NCCL_FLOAT32,
+        torch.float64: nccl.NCCL_FLOAT64,
+        torch.bfloat16: getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16),
+    }
+    if dtype not in table:
+        raise TransferError(f"dtype {dtype} cannot be reduced by NCCL")
+    return table[dtype]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Watcher:
+    """One thread that waits for CUDA events, so a caller can wait with a deadline."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="nereus-nccl-watch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            event, done = item
+            event.synchronize()
+            done.set()
+
+    def wait(self, event: Any, timeout: float) -> bool:
+        done = threading.Event()
+        self._q.put((event, done))
+        return done.wait(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+
+class NcclCommunicator(Communicator):
+    """NCCL communicator for CUDA tensors (see the module docstring)."""
+
+    backend = "nccl"
+
+    def __init__(self, group_id: str, rank: int, size: int, nccl_id: bytes, *,
+                 epoch: int = 0, timeout_s: float = 60.0, device: int | None = None,
+                 store_host: str | None = None, store_port: int | None = None) -> None:
+        require(isinstance(size, int) and size >= 1, "size", size, "must be an int >= 1")
+        require(isinstance(rank, int) and 0 <= rank < size, "rank", rank, f"must be in [0, {size})")
+        require(isinstance(nccl_id, (bytes, bytearray)) and len(nccl_id) == 128, "nccl_id",
+                f"<{len(nccl_id)} bytes>" if isinstance(nccl_id, (bytes, bytearray)) else nccl_id,
+                "must be the 128 bytes of an NCCL unique id")
+        require(timeout_s > 0, "timeout_s", timeout_s, "must be > 0 seconds")
+        if not torch.cuda.is_available():
+            raise TransferError("the nccl backend needs a CUDA device; torch sees none")
+        nccl = _nccl()
+        self._nccl = nccl
+        self.group_id = group_id
+        self.rank = rank
+        self.size = size
+        self.epoch = epoch
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._destroyed = False
+        self._seq = 0
+        self._kv = None
+        if store_host is not None and store_port is not None:
+            from torch.distributed import PrefixStore, TCPStore
+
+            store = TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._kv = PrefixStore(f"nereus/{group_id}/{epoch}", store)
+            self._kv.set(f"c/{rank}", "0")
+        with torch.cuda.device(self.device):
+            # Blocks until every rank has joined (NCCL's own rendezvous on the unique id).
+            self._comm = nccl.NcclCommunicator(size, _id_tuple(bytes(nccl_id)), rank)
+        self._watch = _Watcher()
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _check(self, *tensors: torch.Tensor) -> None:
+        if self._destroyed:
+            raise TransferError(f"group {self.group_id!r}: used after destroy()")
+        if self._aborted:
+            raise TransferError(f"group {self.group_id!r}: the group was aborted")
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device != self.device:
+                where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TransferError(f"group {self.group_id!r} works on {self.device}; got {where}")
+
+    def _run(self, op: str, timeout_s: float | None, enqueue: Callable[[int], None],
+             group: bool = False) -> None:
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        require(timeout > 0, "timeout_s", timeout_s, "must be > 0 seconds")
+        self._seq += 1
+        if self._kv is not None:
+            self._kv.set(f"c/{self.rank}", str(self._seq))
+        stream = torch.cuda.current_stream(self.device)
+        t0 = time.monotonic()
+        if group:
+            self._nccl.groupStart()
+            try:
+                enqueue(stream.cuda_stream)
+            finally:
+                self._nccl.groupEnd()
+        else:
+            enqueue(stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        if self._watch.wait(event, timeout):
+            return
+        seconds = time.monotonic() - t0
+        missing = self._missing(self._seq)
+        self.abort()
+        if missing:
+            _tap.emit("stuck_collective", group=self.group_id, op=op, missing_ranks=missing,
+                      seconds=seconds, rank=self.rank, epoch=self.epoch)
+            raise StuckCollective(self.group_id, op, missing, seconds)
+        raise TransferError(f"group {self.group_id!r} rank {self.rank}: {op} did not complete "
+                            f"in {seconds:.2f} s (no store records: ranks unknown, or a peer died)")
+
+    def _missing(self, seq: int) -> list[int]:
+        if self._kv is None:
+            return []
+        vals = self._kv.multi_get([f"c/{r}" for r in range(self.size)])
+        return [r for r, v in enumerate(vals) if int(v) < seq]
+
+    @staticmethod
+    def _contig(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_contiguous() else t.contiguous()
+
+    def _reduce(self, op: str, dtype: torch.dtype) -> int:
+        nccl = self._nccl
+        if op == "avg" and not dtype.is_floating_point:
+            raise ConfigError(f"op='avg' needs a floating dtype; the tensor is {dtype}")
+        if dtype == torch.bool:
+            return nccl.NCCL_MIN if op == "min" else nccl.NCCL_MAX
+        table = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX,
+                 "min": nccl.NCCL_MIN}
+        if op not in table:
+            raise ConfigError(f"op={op!r} must be one of {sorted(table)}")
+        return table[op]
+
+    # ---------------------------------------------------------------- operations
+
+    def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
+        with self._lock:
+            self._check(*(o.tensor for o in ops))
+            for o in ops:
+                if o.kind not in ("send", "recv"):
+                    raise ConfigError(f"P2POp.kind={o.kind!r} must be 'send' or 'recv'")
+                if not (isinstance(o.peer, int) and 0 <= o.peer < self.size and o.peer != self.rank):
+                    raise ConfigError(f"P2POp.peer={o.peer!r} must be another rank in "
+                                      f"[0, {self.size})")
+            if not ops:
+                return
+            staged = [(o, self._contig(o.tensor)) for o in ops]
+            u8 = self._nccl.NCCL_UINT8
+
+            def enqueue(stream: int) -> None:
+                for o, buf in staged:
+                    data = _as_bytes(buf)
+                    if o.kind == "send":
+                        self._comm.send(data.data_ptr(), data.numel(), u8, o.peer, stream)
+                    else:
+                        self._comm.recv(data.data_ptr(), data.numel(), u8, o.peer, stream)
+
+            self._run("batch_p2p", timeout_s, enqueue, group=True)
+            for o, buf in staged:
+                if o.kind == "recv" and buf is not o.tensor:
+                    o.tensor.copy_(buf)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
+        require(isinstance(src, int) and 0 <= src < self.size, "src", src,
+                f"must be a rank in [0, {self.size})")
+        with self._lock:
+            self._check(tensor)
+            buf = self._contig(tensor)
+            data = _as_bytes(buf)
+            self._run("broadcast", timeout_s, lambda s: self._comm.broadcast(
+                data.data_ptr(), data.data_ptr(), data.numel(), self._nccl.NCCL_UINT8, src, s))
+            if buf is not tensor and self.rank != src:
+                tensor.copy_(buf)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum",
+                   timeout_s: float | None = None) -> None:
+        code = self._reduce(op, tensor.dtype)
+        with self._lock:
+            self._check(tensor)
+            buf = self._contig(tensor)
+            flat = buf.reshape(-1).view(torch.uint8) if buf.dtype == torch.bool else buf.reshape(-1)
+            dt = _dtype_code(self._nccl, buf.dtype)
+            self._run("all_reduce", timeout_s, lambda s: self._comm.allReduce(
+                flat.data_ptr(), flat.data_ptr(), flat.numel(), dt, code, s))
+            if op == "avg":
+                buf.div_(self.size)
+            if buf is not tensor:
+                tensor.copy_(buf)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                   timeout_s: float | None = None) -> None:
+        with self._lock:
+            self._check(output, input)
+            if output.dtype != input.dtype or output.numel() != self.size * input.numel():
+                raise TransferError(
+                    f"all_gather output ({output.dtype}, {output.numel()} elements) must be "
+                    f"{input.dtype} with size*input.numel() = {self.size * input.numel()} elements")
+            src = _as_bytes(self._contig(input))
+            out = self._contig(output)
+            dst = _as_bytes(out)
+            self._run("all_gather", timeout_s, lambda s: self._comm.allGather(
+                src.data_ptr(), dst.data_ptr(), src.numel(), self._nccl.NCCL_UINT8, s))
+            if out is not output:
+                output.copy_(out)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = "sum",
+                       timeout_s: float | None = None) -> None:
+        code = self._reduce(op, input.dtype)
+        with self._lock:
+            self._check(output, input)
+            if output.dtype != input.dtype or input.numel() != self.size * output.numel():
+                raise TransferError(
+                    f"reduce_scatter input ({input.dtype}, {input.numel()} elements) must be "
+                    f"{output.dtype} with size*output.numel() = {self.size * output.numel()} "
+                    "elements")
+            src = self._contig(input)
+            out = self._contig(output)
+            fsrc, fout = ((src.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8))
+                          if src.dtype == torch.bool else (src.reshape(-1), out.reshape(-1)))
+            dt = _dtype_code(self._nccl, src.dtype)
+            self._run("reduce_scatter", timeout_s, lambda s: self._comm.reduceScatter(
+                fsrc.data_ptr(), fout.data_ptr(), fout.numel(), dt, code, s))
+            if op == "avg":
+                out.div_(self.size)
+            if out is not output:
+                output.copy_(out)
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        # NCCL has no barrier: a one-element all-reduce is the usual stand-in.
+        with self._lock:
+            self._check()
+            one = torch.zeros(1, dtype=torch.float32, device=self.device)
+            self._run("barrier", timeout_s, lambda s: self._comm.allReduce(
+                one.data_ptr(), one.data_ptr(), 1, self._nccl.NCCL_FLOAT32,
+                self._nccl.NCCL_SUM, s))
+
+    # ---------------------------------------------------------------- teardown
+
+    def abort(self) -> None:
+        if self._aborted or self._destroyed:
+            return
+        self._aborted = True
+        self._comm.abort()  # frees kernels stuck waiting for peers
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        with self._lock:
+            if not self._aborted:
+                torch.cuda.current_stream(self.device).synchronize()
+                self._comm.destroy()
+            self._destroyed = True
+            self._watch.stop()
+            self._kv = None
