@@ -72,6 +72,19 @@ def test_kv_cache_prefill_and_decode_match_full_forward():
     torch.testing.assert_close(cached[valid], full[valid], rtol=1e-5, atol=1e-5)
 
 
+def test_dense_batch_cached_decode_matches_full_forward():
+    # No padding: prefill takes the causal kernel and decode steps need no mask at all.
+    stage = _model("llama", attention_bias=True)
+    ids = torch.randint(0, 256, (3, 8))
+    pos = torch.arange(8).expand(3, 8)
+    with torch.no_grad():
+        full = stage(ids, pos)
+        cache = stage.new_kv_cache(3, max_len=8)
+        steps = [stage(ids[:, :3], pos[:, :3], kv_cache=cache)]
+        steps += [stage(ids[:, t : t + 1], pos[:, t : t + 1], kv_cache=cache) for t in range(3, 8)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_rows_at_different_lengths_and_finished_rows():
     stage = _model()
     a, b = torch.randint(0, 256, (1, 6)), torch.randint(0, 256, (1, 3))
