@@ -158,7 +158,7 @@ class NodeDaemon:
         # Heartbeat from registration on: starting workers may take longer than the timeout.
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
         if self.transport == "ipc":
-            self._tmpdir = tempfile.mkdtemp(prefix="nereus-")
+            self._tmpdir = tempfile.mkdtemp(prefix=f"nereus-{os.getpid()}-")
         try:
             await asyncio.wait_for(asyncio.gather(*(self._spawn(w) for w in self.workers)),
                                    self.start_timeout_s)

@@ -9,6 +9,7 @@ Hot-path messages are msgpack arrays, not maps, to keep headers short:
     END   [5, call_id, incarnation]                 end of a stream
     CTRL  [10, call_id, op, body]                   control request (spawn, stop, ...)
     NOTE  [11, op, body]                            controller notice (no reply)
+    BATCH [6, [header, ...], [buffer_count, ...]]   several messages in one (see _channel)
 
 ``mode`` is NO_REPLY (broadcast), REPLY or STREAM. ``kind`` in ERR says which nereus
 error the caller raises: remote -> RemoteError, protocol -> ProtocolError,
@@ -18,12 +19,12 @@ backpressure -> Backpressure, deadline -> DeadlineExceeded, died -> ActorDied.
 from __future__ import annotations
 
 __all__ = [
-    "CALL", "OK", "ERR", "ITEM", "END", "CTRL", "NOTE",
+    "CALL", "OK", "ERR", "ITEM", "END", "CTRL", "NOTE", "BATCH",
     "NO_REPLY", "REPLY", "STREAM",
     "ERR_REMOTE", "ERR_PROTOCOL", "ERR_BACKPRESSURE", "ERR_DEADLINE", "ERR_DIED",
 ]
 
-CALL, OK, ERR, ITEM, END, CTRL, NOTE = 1, 2, 3, 4, 5, 10, 11
+CALL, OK, ERR, ITEM, END, CTRL, NOTE, BATCH = 1, 2, 3, 4, 5, 10, 11, 6
 NO_REPLY, REPLY, STREAM = 0, 1, 2
 ERR_REMOTE = "remote"
 ERR_PROTOCOL = "protocol"

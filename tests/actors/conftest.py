@@ -30,7 +30,8 @@ def _fds() -> dict[int, str]:
 
 
 def _ipc_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "nereus-*")))
+    # only this process's node daemons (other test runs may share /tmp)
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"nereus-{os.getpid()}-*")))
 
 
 @pytest.fixture

@@ -26,9 +26,9 @@ plain = st.recursive(
 
 def round_trip(value):
     header, buffers = _wire.encode(value)
-    frames = [_wire.sign(KEY, header, buffers), header, *[bytes(b) for b in buffers]]
-    _wire.verify(KEY, frames)
-    return _wire.decode(frames[1], frames[2:])
+    frames = _wire.message(KEY, header, [bytes(b) for b in buffers])
+    assert _wire.verify(KEY, frames) == header
+    return _wire.decode(_wire.verify(KEY, frames), frames[1:])
 
 
 @settings(max_examples=150, deadline=None)
@@ -87,20 +87,27 @@ def test_refuses_unsupported_and_cuda_values():
 
 def test_signature_covers_every_frame():
     header, buffers = _wire.encode({"t": torch.ones(10000)})
-    good = [_wire.sign(KEY, header, buffers), header, bytes(buffers[0])]
+    good = _wire.message(KEY, header, [bytes(buffers[0])])
+    assert len(good) == 2 and good[0][32:] == header  # signature + header share a frame
     _wire.verify(KEY, good)
     with pytest.raises(AuthenticationError):
         _wire.verify(b"other-key-0123456789", good)
-    tampered = bytearray(good[2])
+    tampered = bytearray(good[1])
     tampered[7] ^= 1
     with pytest.raises(AuthenticationError):
-        _wire.verify(KEY, [good[0], good[1], bytes(tampered)])
+        _wire.verify(KEY, [good[0], bytes(tampered)])
     with pytest.raises(AuthenticationError):
-        _wire.verify(KEY, [good[0], good[1]])  # a dropped frame
-    with pytest.raises(AuthenticationError, match="expected 32"):
-        _wire.verify(KEY, [b"short", header])
+        _wire.verify(KEY, [good[0]])  # a dropped frame
+    with pytest.raises(AuthenticationError):
+        _wire.verify(KEY, [good[0], good[1], b"extra"])  # an added frame
+    flipped = bytearray(good[0])
+    flipped[40] ^= 1
+    with pytest.raises(AuthenticationError):
+        _wire.verify(KEY, [bytes(flipped), good[1]])  # the header itself
+    with pytest.raises(ProtocolError, match="must hold a 32-byte signature"):
+        _wire.verify(KEY, [good[0][:32]])
     with pytest.raises(ProtocolError):
-        _wire.verify(KEY, [good[0]])
+        _wire.verify(KEY, [])
 
 
 @pytest.mark.parametrize("header, buffers, match", [
