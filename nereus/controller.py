@@ -291,9 +291,9 @@ class Controller:
         last: dict[str, int] = {}
         while True:
             await asyncio.sleep(2.0)
-            now = self.counters.snapshot()
+            now = self.counters.problems()
             if now != last:
-                self.publish({"type": "counters", "counters": now})
+                self.publish({"type": "counters", "counters": self.counters.snapshot()})
                 last = now
 
     async def wait_devices(self, count: int, timeout_s: float) -> list[dict[str, Any]]:

@@ -58,6 +58,9 @@ _raw_recv = _RawSocket.recv
 _raw_get = _RawSocket.get
 
 
+_TRAFFIC = frozenset({"messages", "batches"})
+
+
 class Counters:
     """Counts of rejected frames by reason, plus totals; plain dict underneath."""
 
@@ -84,6 +87,10 @@ class Counters:
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.values)
+
+    def problems(self) -> dict[str, int]:
+        """The counters that are not plain traffic (what is worth an event when it moves)."""
+        return {k: v for k, v in self.values.items() if k not in _TRAFFIC}
 
 
 class Channel:

@@ -1,0 +1,118 @@
+"""The tap's schema, formatting, subscriber verification and CLI (no cluster needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import zmq
+
+from nereus.actors import _wire
+from nereus.monitor import (
+    EVENT_TYPES,
+    SCHEMA_VERSION,
+    Subscriber,
+    check_event,
+    describe,
+    format_event,
+    to_json,
+)
+
+KEY = b"tap-test-key-0123456789"
+
+
+def _event(**fields):
+    base = {"type": "worker_death", "v": SCHEMA_VERSION, "seq": 3,
+            "time_monotonic_seconds": 12.5, "epoch": 2, "source": "controller"}
+    return base | fields
+
+
+def test_schema_lists_types_with_si_fields():
+    assert {"worker_death", "call_span", "counters", "failure", "transfer_bucket"} <= set(EVENT_TYPES)
+    assert "latency_seconds" in EVENT_TYPES["call_span"]
+    assert check_event(_event(device=1)) == []
+    assert check_event({"type": 3}) and check_event([1])
+    assert "call_span" in describe()
+
+
+def test_format_and_json():
+    ev = _event(device=1, reason="SIGKILL", blob=b"\x01\x02", latency_seconds=0.000123456)
+    line = format_event(ev)
+    assert "worker_death" in line and "device=1" in line and "reason=SIGKILL" in line
+    assert "e2" in line and "controller" in line
+    back = json.loads(to_json(ev))
+    assert back["blob"] == "0102" and back["device"] == 1
+
+
+async def test_subscriber_drops_forged_events():
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", KEY, {"worker_death"})
+    try:
+        good = msgpack.packb(_event(device=1))
+        forged = msgpack.packb(_event(device=666))
+
+        async def first():
+            while True:  # PUB/SUB joins asynchronously: publish until one arrives
+                pub.send_multipart([_wire.sign(b"wrong-key-wrong-key", forged), forged])
+                pub.send_multipart([b"garbage"])
+                pub.send_multipart([_wire.sign(KEY, good), good])
+                try:
+                    return await sub.next(0.1)
+                except asyncio.TimeoutError:
+                    continue
+
+        ev = await asyncio.wait_for(first(), 10)
+        assert ev["device"] == 1
+        assert sub.rejected >= 2
+    finally:
+        sub.close()
+        pub.close(linger=0)
+
+
+def test_cli_schema_and_usage():
+    out = subprocess.run([sys.executable, "-m", "nereus.tap", "--schema"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "worker_death" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "nereus.cli", "tap"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "tap address" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_cli_prints_live_events(tmp_path):
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    key_file = tmp_path / "key"
+    key_file.write_bytes(KEY)
+    jsonl = tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "nereus.tap", f"tcp://127.0.0.1:{port}",
+                             "--key-file", str(key_file), "--count", "3", "--jsonl", str(jsonl)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        body = msgpack.packb(_event(device=4, reason="SIGKILL"))
+        while proc.poll() is None:  # until the tap has seen 3 events and exited
+            pub.send_multipart([_wire.sign(KEY, body), body])
+            try:
+                proc.wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        out = proc.stdout.read()
+        assert proc.returncode == 0
+        assert out.count("worker_death") == 3 and "reason=SIGKILL" in out
+        lines = [json.loads(x) for x in jsonl.read_text().splitlines()]
+        assert len(lines) == 3 and lines[0]["device"] == 4
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        pub.close(linger=0)
