@@ -152,7 +152,8 @@ class OptimConfig:
 
     lr: float = 3e-3
     critic_lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 0.99)
+    beta1: float = 0.9
+    beta2: float = 0.99
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 64
@@ -160,7 +161,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         require(self.critic_lr > 0, "optim.critic_lr", self.critic_lr, "must be > 0")
-        require(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "must be in [0, 1)")
+        require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "must be in [0, 1)")
+        require(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "must be in [0, 1)")
         require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
         require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1")

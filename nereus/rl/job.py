@@ -110,6 +110,18 @@ class RLJob:
         record["step_seconds"] = time.perf_counter() - t0
         record["dataset_position"] = self.dataset.position
         self.step += 1
+        if self.cfg.cluster.mode == "local":
+            from nereus.actors import emit
+
+            emit(
+                "step",
+                step=record["step"],
+                stage_seconds={k.removesuffix("_seconds"): v for k, v in record.items() if k.endswith("_seconds")},
+                tokens=record["tokens_generated"],
+                reward=record["reward_mean"],
+                response_length_tokens=record["response_len_mean"],
+                policy_version=record["policy_version"],
+            )
         return record
 
     async def run(self) -> list[dict[str, Any]]:

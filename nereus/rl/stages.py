@@ -85,8 +85,8 @@ def engine_optim(cfg: JobConfig, critic: bool = False) -> dict[str, Any]:
     o = cfg.optim
     return {
         "lr": o.critic_lr if critic else o.lr,
-        "beta1": o.betas[0],
-        "beta2": o.betas[1],
+        "beta1": o.beta1,
+        "beta2": o.beta2,
         "weight_decay": o.weight_decay,
         "max_grad_norm": o.grad_clip,
     }

@@ -1,0 +1,282 @@
+"""End-to-end GRPO: nereus against TRL's GRPOTrainer, same configuration, same machine.
+
+    python -m benchmarks.e2e_trl [--steps 4] [--warmup 1] [--cores 2]
+
+Both sides run the same GRPO step: a 3.4M-parameter Llama-style decoder (hidden 256, 4
+layers, 4 heads, SwiGLU 768), the shipped reverse task with its character vocabulary,
+8 prompts x 8 samples x 128 new tokens (EOS ignored, so every step does the same work),
+AdamW (lr 1e-3, betas 0.9/0.99, no weight decay, clip 1.0), one optimizer step per
+generation, clip epsilon 0.2, no reference model (KL coefficient 0), float32.
+
+Each side runs in its own process and gets the same ``--cores`` CPU cores:
+- nereus: an embedded local cluster of ``--cores`` devices (one worker process each, one
+  torch thread each); policy-generation and policy-training both DP ``--cores`` on them
+  (co-resident), weight sync through the state layer's plans every step;
+- TRL 1.16: one process at its fastest on CPU: run with ``--cores`` threads and with 1
+  thread (on a busy machine extra intra-op threads can make small ops much slower) and
+  keep the faster; float32, gradient checkpointing off, no gradient accumulation so old logprobs are not
+  recomputed, plain ``generate`` with its KV cache; ``min_new_tokens`` = 128.
+
+A warm-up step first, then ``--steps`` measured steps; per side the median step time,
+its spread (min-max), the median generation time and generated tokens per second.
+The last line is one JSON object: nereus_step_s, trl_step_s, speedup, nereus_gen_tok_s,
+trl_gen_tok_s (plus spreads and the thread counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4, "max_seq_len": 256}
+TASK = {"name": "reverse", "options": {}}
+
+
+def bench_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "cores": args.cores,
+        "steps": args.steps,
+        "warmup_steps": args.warmup,
+        "seed": 0,
+        "prompts_per_step": 8,
+        "samples_per_prompt": 8,
+        "max_new_tokens": 128,
+        "lr": 1e-3,
+        "betas": [0.9, 0.99],
+        "grad_clip": 1.0,
+        "clip_eps": 0.2,
+    }
+
+
+# --------------------------------------------------------------------------- nereus
+
+
+def run_nereus(b: dict[str, Any]) -> dict[str, Any]:
+    import asyncio
+
+    import torch
+
+    torch.set_num_threads(1)
+    from nereus.config import from_dict
+    from nereus.rl.config import JobConfig
+    from nereus.rl.job import RLJob
+
+    devices = list(range(b["cores"]))
+    with tempfile.TemporaryDirectory() as out:
+        cfg = from_dict(JobConfig, {
+            "model": MODEL,
+            "task": TASK,
+            "algorithm": {"name": "grpo", "prompts_per_step": b["prompts_per_step"], "samples_per_prompt": b["samples_per_prompt"], "clip_eps": b["clip_eps"]},
+            "sampling": {"max_new_tokens": b["max_new_tokens"], "ignore_eos": True},
+            "optim": {"lr": b["lr"], "beta1": b["betas"][0], "beta2": b["betas"][1], "grad_clip": b["grad_clip"], "micro_batch_size": 64},
+            "cluster": {"mode": "local", "devices": b["cores"], "memory_per_device": "4GiB"},
+            "plan": {
+                "policy_generation": {"devices": devices, "dp": len(devices)},
+                "policy_training": {"devices": devices, "dp": len(devices)},
+            },
+            "run": {"steps": b["warmup_steps"] + b["steps"], "seed": b["seed"], "out_dir": out, "progress": False},
+        })
+
+        async def main() -> list[dict[str, Any]]:
+            job = RLJob(cfg)
+            await job.start()
+            try:
+                return [await job.run_step() for _ in range(cfg.run.steps)]
+            finally:
+                await job.close()
+
+        records = asyncio.run(main())[b["warmup_steps"]:]
+    return {
+        "step_s": [r["step_seconds"] for r in records],
+        "gen_s": [r["generate_seconds"] for r in records],
+        "gen_tokens": [r["tokens_generated"] for r in records],
+        "train_s": [r["train_seconds"] for r in records],
+        "sync_s": [r["sync_seconds"] for r in records],
+        "reward": [r["reward_mean"] for r in records],
+        "threads": f"{b['cores']} worker processes x 1 thread",
+    }
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def run_trl(b: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(b["threads"])
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from nereus.rl.tasks import make_task
+    from nereus.rl.vocab import Codec
+
+    task = make_task(TASK["name"], **TASK["options"])
+    codec = Codec.for_alphabet(task.alphabet)
+    tok = PreTrainedTokenizerFast(tokenizer_object=codec.tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    torch.manual_seed(b["seed"])
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=codec.vocab_size,
+        hidden_size=MODEL["hidden_size"],
+        intermediate_size=MODEL["intermediate_size"],
+        num_hidden_layers=MODEL["num_layers"],
+        num_attention_heads=MODEL["num_heads"],
+        num_key_value_heads=MODEL["num_kv_heads"],
+        max_position_embeddings=MODEL["max_seq_len"],
+        tie_word_embeddings=False,
+        bos_token_id=codec.bos_id,
+        eos_token_id=codec.eos_id,
+        pad_token_id=codec.pad_id,
+    )).float()
+    steps = b["warmup_steps"] + b["steps"]
+    samples = [task.sample(i, b["seed"]) for i in range(b["prompts_per_step"] * steps)]
+    by_prompt = {"<bos>" + s.prompt: s for s in samples}
+    data = Dataset.from_list([{"prompt": "<bos>" + s.prompt} for s in samples])
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [task.reward(by_prompt[p], c.split("<eos>")[0]) for p, c in zip(prompts, completions, strict=True)]
+
+    gen_s: list[float] = []
+    gen_tokens: list[int] = []
+    original = model.generate
+
+    def timed_generate(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        gen_s.append(time.perf_counter() - t0)
+        prompt_len = (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[1]
+        gen_tokens.append(int(out.shape[0] * (out.shape[1] - prompt_len)))
+        return out
+
+    model.generate = timed_generate  # type: ignore[method-assign]
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - TRL's signature
+            step_ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        config = GRPOConfig(
+            output_dir=out_dir,
+            per_device_train_batch_size=b["prompts_per_step"] * b["samples_per_prompt"],
+            gradient_accumulation_steps=1,
+            num_generations=b["samples_per_prompt"],
+            max_completion_length=b["max_new_tokens"],
+            generation_kwargs={"min_new_tokens": b["max_new_tokens"]},
+            learning_rate=b["lr"],
+            adam_beta1=b["betas"][0],
+            adam_beta2=b["betas"][1],
+            weight_decay=0.0,
+            max_grad_norm=b["grad_clip"],
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            beta=0.0,
+            epsilon=b["clip_eps"],
+            temperature=1.0,
+            gradient_checkpointing=False,
+            bf16=False,
+            fp16=False,
+            use_cpu=True,
+            max_steps=steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=b["seed"],
+            shuffle_dataset=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok, callbacks=[StepClock()])
+        t_start = time.perf_counter()
+        trainer.train()
+    ends = [t_start, *step_ends]
+    warm = b["warmup_steps"]
+    return {
+        "step_s": [y - x for x, y in zip(ends[:-1], ends[1:], strict=True)][warm:],
+        "gen_s": gen_s[warm:],
+        "gen_tokens": gen_tokens[warm:],
+        "reward": [h["reward"] for h in trainer.state.log_history if "reward" in h][warm:],
+        "params": sum(p.numel() for p in model.parameters()),
+        "threads": f"1 process x {torch.get_num_threads()} threads",
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _side(name: str, b: dict[str, Any]) -> dict[str, Any]:
+    """Run one side in a fresh process pinned to the first ``cores`` CPUs."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(b.get("threads", 1)))
+    cmd = [sys.executable, "-m", "benchmarks.e2e_trl", "--side", name, "--config", json.dumps(b)]
+    if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) > b["cores"]:
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: b["cores"]])
+        cmd = ["taskset", "-c", cpus, *cmd]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"{name} side failed with exit code {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _summary(res: dict[str, Any]) -> dict[str, float]:
+    step = res["step_s"]
+    gen_rate = [t / s for t, s in zip(res["gen_tokens"], res["gen_s"], strict=True)]
+    return {
+        "step_s": statistics.median(step),
+        "step_min_s": min(step),
+        "step_max_s": max(step),
+        "gen_s": statistics.median(res["gen_s"]),
+        "gen_tok_s": statistics.median(gen_rate),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e_trl", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=4, help="measured steps per side")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per side (not measured)")
+    p.add_argument("--cores", type=int, default=2, help="CPU cores given to each side")
+    p.add_argument("--side", choices=["nereus", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.side:
+        b = json.loads(args.config)
+        print(json.dumps(run_nereus(b) if args.side == "nereus" else run_trl(b)))
+        return 0
+    b = bench_config(args)
+    print(f"GRPO end to end: 3.4M-param decoder, {b['prompts_per_step']} prompts x {b['samples_per_prompt']} samples x "
+          f"{b['max_new_tokens']} new tokens, {args.warmup} warm-up + {args.steps} measured steps, {args.cores} cores per side")
+    results = {"nereus": _side("nereus", b)}
+    trl_runs = [_side("trl", {**b, "threads": t}) for t in sorted({args.cores, 1}, reverse=True)]
+    for run in trl_runs:
+        print(f"   trl with {run['threads']}: median step {statistics.median(run['step_s']):.2f} s")
+    results["trl"] = min(trl_runs, key=lambda r: statistics.median(r["step_s"]))
+    sums = {k: _summary(v) for k, v in results.items()}
+    for name, s in sums.items():
+        extra = f", train {statistics.median(results[name]['train_s']):.2f} s, sync {statistics.median(results[name]['sync_s']):.3f} s" if name == "nereus" else ""
+        print(f"{name:>6}: step {s['step_s']:.2f} s (min {s['step_min_s']:.2f}, max {s['step_max_s']:.2f}), "
+              f"generate {s['gen_s']:.2f} s = {s['gen_tok_s']:.0f} tok/s{extra}; threads: {results[name]['threads']}")
+    out = {
+        "nereus_step_s": round(sums["nereus"]["step_s"], 4),
+        "trl_step_s": round(sums["trl"]["step_s"], 4),
+        "speedup": round(sums["trl"]["step_s"] / sums["nereus"]["step_s"], 3),
+        "nereus_gen_tok_s": round(sums["nereus"]["gen_tok_s"], 1),
+        "trl_gen_tok_s": round(sums["trl"]["gen_tok_s"], 1),
+        "nereus_step_spread_s": [round(sums["nereus"]["step_min_s"], 4), round(sums["nereus"]["step_max_s"], 4)],
+        "trl_step_spread_s": [round(sums["trl"]["step_min_s"], 4), round(sums["trl"]["step_max_s"], 4)],
+        "cores_per_side": args.cores,
+        "nereus_threads": results["nereus"]["threads"],
+        "trl_threads": results["trl"]["threads"],
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
