@@ -169,8 +169,13 @@ def _stage_params(model: ModelShape, pp: int, *, for_memory: bool) -> int:
     return layers + ends
 
 
-def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, pp: int, dp: int) -> StageMemory:
-    """Bytes per device of ``stage`` at layout tp x pp with dp replicas (max over pp ranks)."""
+def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, pp: int, dp: int,
+                 *, recompute: bool = False, waves: int = 1) -> StageMemory:
+    """Bytes per device of ``stage`` at layout tp x pp with dp replicas (max over pp ranks).
+
+    ``waves`` (generation): the replica decodes its sequences in that many successive
+    batches, so its KV cache holds one batch. ``recompute`` (training): only each
+    layer's input is kept per micro-batch in flight, plus one layer's activations."""
     b = model.bytes_per_param
     p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
     n_r = _ceil_div(work.sequences, dp)
@@ -179,8 +184,9 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
     logit_width = _ceil_div(model.output_width, tp)
     if stage.kind == "generation":
         kv_shards = min(tp, model.num_kv_heads)
-        kv = n_r * (work.prompt_length + work.lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
-        return StageMemory(p_dev * b, 0, 0, 0, int(kv), n_r * logit_width * 4)
+        batch = _ceil_div(n_r, waves)
+        kv = batch * (work.prompt_length + work.lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
+        return StageMemory(p_dev * b, 0, 0, 0, int(kv), batch * logit_width * 4)
     t_mb = min(work.micro_batch, n_r) * seq
     per_layer = t_mb * model.hidden_size * (10 + 24 / tp)
     logits = int(t_mb * logit_width * 4)
@@ -188,7 +194,11 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
         return StageMemory(p_dev * b, 0, 0, int(per_layer), 0, logits)
     micro = _ceil_div(_ceil_div(work.batch, dp), work.micro_batch)
     in_flight = min(pp, micro)
-    return StageMemory(p_dev * b, p_dev * GRAD_BYTES, p_dev * OPTIM_BYTES, int(per_layer * layers * in_flight), 0, 2 * logits)
+    if recompute:
+        act = t_mb * model.hidden_size * 2 * layers * in_flight + per_layer
+    else:
+        act = per_layer * layers * in_flight
+    return StageMemory(p_dev * b, p_dev * GRAD_BYTES, p_dev * OPTIM_BYTES, int(act), 0, 2 * logits)
 
 
 def _ring(n: int, nbytes: float, bw: float) -> float:
@@ -212,11 +222,16 @@ def stage_cost(
     *,
     pp_inter: bool,
     dp_inter: bool,
+    recompute: bool = False,
+    waves: int = 1,
     formulas: bool = False,
 ) -> StageCost:
     """Time of one replica of ``stage`` at layout tp x pp with dp replicas.
 
     ``pp_inter``/``dp_inter`` say whether pipeline sends / DP all-reduces cross nodes.
+    ``waves`` (generation) streams the weights once per decode step of every wave;
+    ``recompute`` (training) adds a second forward: 8·N instead of 6·N FLOPs per token
+    and 6 TP all-reduces per layer instead of 4.
     ``formulas`` fills each term's formula text (for ``explain``; the search skips it)."""
     peak, mem_bw = cluster.peak_flops, cluster.memory_bandwidth
     bw_tp, a_tp = cluster.intra_node_bandwidth, cluster.intra_node_latency_s
@@ -226,44 +241,51 @@ def stage_cost(
     h, L, b = model.hidden_size, model.num_layers, model.bytes_per_param
     n_r = _ceil_div(work.sequences, dp)
     terms: list[Term] = []
+    effd = eff.as_dict()
+    total = [0.0]
 
-    def add(name: str, ideal: tuple[tuple[str, float], ...], formula: str = "") -> None:
-        if any(t > 0 for _, t in ideal):
-            terms.append(Term(name, ideal, formula if formulas else ""))
+    def add(name: str, ideal: tuple[tuple[str, float], ...], formula=None) -> None:
+        # ``formula`` is a callable so the search never pays for formatting text
+        secs = 0.0
+        for c, t in ideal:
+            secs += t / effd[c]
+        if secs > 0:
+            terms.append(Term(name, ideal, formula() if formulas and formula else ""))
+            total[0] += secs
 
     if stage.kind == "generation":
         n = model.num_params
         prompt, mean, steps = work.prompt_length, work.lengths.mean, work.lengths.max
         t_prompt, t_gen = n_r * prompt, n_r * mean
         add("prefill", (("gemm", 2 * n * t_prompt / (tp * peak)), ("attention", 2 * L * h * prompt**2 * n_r / (tp * peak))),
-            f"2·N·{t_prompt:.3g} tok/(tp·peak) + 2·L·h·s²·{n_r} seq/(tp·peak), N={n:.3g}, s={prompt}")
+            lambda: f"2·N·{t_prompt:.3g} tok/(tp·peak) + 2·L·h·s²·{n_r} seq/(tp·peak), N={n:.3g}, s={prompt}")
         kv_shards = min(tp, model.num_kv_heads)
         ctx = prompt + mean / 2
-        stream = steps * n * b / tp / mem_bw + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
+        stream = waves * steps * n * b / tp / mem_bw + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
         compute = 2 * n * t_gen / (tp * peak)
         attn = 4 * L * h * ctx * t_gen / (tp * peak)
         if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
             add("decode", (("decode", stream),),
-                f"memory-bound: ({steps} steps·{n * b / tp:.3g} B weights + {t_gen:.3g} tok·{ctx:.0f} ctx·"
+                lambda: f"memory-bound: ({waves} waves·{steps} steps·{n * b / tp:.3g} B weights + {t_gen:.3g} tok·{ctx:.0f} ctx·"
                 f"{model.kv_bytes_per_token / kv_shards:.3g} B KV)/{mem_bw:.3g} B/s")
         else:
             add("decode", (("gemm", compute), ("attention", attn)),
-                f"compute-bound: 2·N·{t_gen:.3g} tok/(tp·peak) + 4·L·h·{ctx:.0f}·{t_gen:.3g}/(tp·peak)")
+                lambda: f"compute-bound: 2·N·{t_gen:.3g} tok/(tp·peak) + 4·L·h·{ctx:.0f}·{t_gen:.3g}/(tp·peak)")
         if tp > 1:
             nbytes = 2 * L * (t_prompt + t_gen) * h * b
-            add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * (1 + steps) * _hops(tp) * a_tp),),
-                f"ring 2(tp-1)/tp·{nbytes:.3g} B/{bw_tp:.3g} B/s + {2 * L * (1 + steps)} all-reduces·2·log2(tp)·{a_tp:.1e} s")
+            add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * _hops(tp) * a_tp),),
+                lambda: f"ring 2(tp-1)/tp·{nbytes:.3g} B/{bw_tp:.3g} B/s + {2 * L * waves * (1 + steps)} all-reduces·2·log2(tp)·{a_tp:.1e} s")
         if pp > 1:
             nbytes = (pp - 1) * (t_prompt + t_gen) * h * b
-            add("pp p2p", ((pp_cls, nbytes / bw_pp + (pp - 1) * (1 + steps) * a_pp),),
-                f"(pp-1)·{t_prompt + t_gen:.3g} tok·h·b/{bw_pp:.3g} B/s + {(pp - 1) * (1 + steps)} sends·{a_pp:.1e} s")
-        return StageCost(stage.name, tp, pp, dp, tuple(terms), sum(t.seconds(eff) for t in terms))
+            add("pp p2p", ((pp_cls, nbytes / bw_pp + (pp - 1) * waves * (1 + steps) * a_pp),),
+                lambda: f"(pp-1)·{t_prompt + t_gen:.3g} tok·h·b/{bw_pp:.3g} B/s + {(pp - 1) * waves * (1 + steps)} sends·{a_pp:.1e} s")
+        return StageCost(stage.name, tp, pp, dp, tuple(terms), total[0])
 
     training = stage.kind == "training"
     seq = work.prompt_length + work.lengths.mean
     passes = work.epochs if training else 1
     tokens = n_r * seq * passes
-    mult = 3 if training else 1
+    mult = (4 if recompute else 3) if training else 1
     layers = _ceil_div(L, pp)
     p_compute = _stage_params(model, pp, for_memory=False)
     opt_steps = work.optimizer_steps if training else 1
@@ -271,38 +293,38 @@ def stage_cost(
     micro_total = micro * opt_steps
     body: list[Term] = []
 
-    def add_body(name: str, ideal: tuple[tuple[str, float], ...], formula: str) -> None:
+    def add_body(name: str, ideal: tuple[tuple[str, float], ...], formula) -> None:
         before = len(terms)
         add(name, ideal, formula)
         if len(terms) > before:
             body.append(terms[-1])
 
-    kind = "6" if training else "2"
+    kind = str(2 * mult)
     add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
                          ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
-             f"{kind}·{p_compute:.3g} params/stage·{tokens:.3g} tok/(tp·peak) + attention {mult}·2·{layers}·h·s²·{n_r} seq/(tp·peak), s={seq:.0f}")
+             lambda: f"{kind}·{p_compute:.3g} params/stage·{tokens:.3g} tok/(tp·peak) + attention {mult}·2·{layers}·h·s²·{n_r} seq/(tp·peak), s={seq:.0f}")
     if tp > 1:
-        per_layer = 4 if training else 2
+        per_layer = (6 if recompute else 4) if training else 2
         nbytes = per_layer * layers * tokens * h * b
         add_body("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + per_layer * layers * micro_total * _hops(tp) * a_tp),),
-                 f"ring 2(tp-1)/tp·{per_layer}·{layers} layers·{tokens:.3g} tok·h·b/{bw_tp:.3g} B/s")
+                 lambda: f"ring 2(tp-1)/tp·{per_layer}·{layers} layers·{tokens:.3g} tok·h·b/{bw_tp:.3g} B/s")
     if pp > 1:
         dirs = 2 if training else 1
         nbytes = dirs * tokens * h * b
         add_body("pp p2p", ((pp_cls, nbytes / bw_pp + dirs * micro_total * a_pp),),
-                 f"{dirs}·{tokens:.3g} tok·h·b/{bw_pp:.3g} B/s + {dirs * micro_total} sends·{a_pp:.1e} s")
+                 lambda: f"{dirs}·{tokens:.3g} tok·h·b/{bw_pp:.3g} B/s + {dirs * micro_total} sends·{a_pp:.1e} s")
         frac = (pp - 1) / micro
         bubble: dict[str, float] = {}
         for term in body:
             for c, t in term.ideal:
                 bubble[c] = bubble.get(c, 0.0) + t * frac
-        add("pipeline bubble", tuple(bubble.items()), f"(pp-1)/M = {pp - 1}/{micro} of the stage time above")
+        add("pipeline bubble", tuple(bubble.items()), lambda: f"(pp-1)/M = {pp - 1}/{micro} of the stage time above")
     if training:
         p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
         if dp > 1:
             nbytes = p_dev * GRAD_BYTES
             add("dp sync", ((dp_cls, opt_steps * (_ring(dp, nbytes, bw_dp) + _hops(dp) * a_dp)),),
-                f"{opt_steps} updates·ring 2(dp-1)/dp·{nbytes:.3g} B grads/{bw_dp:.3g} B/s")
+                lambda: f"{opt_steps} updates·ring 2(dp-1)/dp·{nbytes:.3g} B grads/{bw_dp:.3g} B/s")
         add("optimizer", (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),
-            f"{opt_steps} updates·{p_dev:.3g} params·{UPDATE_BYTES} B/{mem_bw:.3g} B/s")
-    return StageCost(stage.name, tp, pp, dp, tuple(terms), sum(t.seconds(eff) for t in terms))
+            lambda: f"{opt_steps} updates·{p_dev:.3g} params·{UPDATE_BYTES} B/{mem_bw:.3g} B/s")
+    return StageCost(stage.name, tp, pp, dp, tuple(terms), total[0])

@@ -150,9 +150,9 @@ def explain(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency = 
         sp = plan[stage.name]
         model = work.models[stage.model]
         pp_inter, dp_inter = links_of(sp, cluster, stage.name)
-        cost = stage_cost(stage, model, work, cluster, eff, sp.tp, sp.pp, sp.dp,
-                          pp_inter=pp_inter, dp_inter=dp_inter, formulas=True)
-        mem = stage_memory(stage, model, work, sp.tp, sp.pp, sp.dp)
+        cost = stage_cost(stage, model, work, cluster, eff, sp.tp, sp.pp, sp.dp, pp_inter=pp_inter,
+                          dp_inter=dp_inter, recompute=sp.recompute, waves=sp.waves, formulas=True)
+        mem = stage_memory(stage, model, work, sp.tp, sp.pp, sp.dp, recompute=sp.recompute, waves=sp.waves)
         out.append(StageExplanation(stage.name, level, sp, cost, mem, pp_inter, dp_inter))
     return Explanation(tuple(out), _phase_times(out), _device_memory(out, cluster))
 

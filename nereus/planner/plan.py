@@ -37,8 +37,14 @@ class StagePlan:
     pp: int
     dp: int
     devices: tuple[tuple[int, ...], ...]
+    # training: recompute activations in the backward pass (keep only layer inputs)
+    recompute: bool = False
+    # generation: decode each replica's sequences in this many successive batches
+    # (at most ceil(sequences / dp / waves) at once: the engine's max concurrent sequences)
+    waves: int = 1
 
     def __post_init__(self) -> None:
+        require(isinstance(self.waves, int) and self.waves >= 1, "StagePlan.waves", self.waves, "must be an integer >= 1")
         require(is_power_of_two(self.tp), "StagePlan.tp", self.tp, "must be a power of two")
         require(is_power_of_two(self.pp), "StagePlan.pp", self.pp, "must be a power of two")
         require(isinstance(self.dp, int) and self.dp >= 1, "StagePlan.dp", self.dp, "must be an integer >= 1")
@@ -60,14 +66,15 @@ class StagePlan:
         return frozenset(d for emu in self.devices for d in emu)
 
     def layout(self) -> str:
-        return f"tp{self.tp}·pp{self.pp}·dp{self.dp}"
+        extra = ("·recompute" if self.recompute else "") + (f"·{self.waves} waves" if self.waves > 1 else "")
+        return f"tp{self.tp}·pp{self.pp}·dp{self.dp}{extra}"
 
     @staticmethod
-    def on_range(tp: int, pp: int, dp: int, start: int) -> StagePlan:
+    def on_range(tp: int, pp: int, dp: int, start: int, *, recompute: bool = False, waves: int = 1) -> StagePlan:
         """EMUs laid out back to back on devices ``start .. start + tp*pp*dp - 1``."""
         size = tp * pp
         emus = tuple(tuple(range(start + r * size, start + (r + 1) * size)) for r in range(dp))
-        return StagePlan(tp, pp, dp, emus)
+        return StagePlan(tp, pp, dp, emus, recompute, waves)
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,8 @@ class Plan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {n: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "devices": [list(e) for e in s.devices]} for n, s in self.stages}
+        return {n: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "devices": [list(e) for e in s.devices],
+                    "recompute": s.recompute, "waves": s.waves} for n, s in self.stages}
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Plan:
@@ -119,8 +127,11 @@ class Plan:
             raise ConfigError(f"plan={data!r} must be a table of model-stage -> {{tp, pp, dp, devices}}")
         out = []
         for name, sp in data.items():
-            if not isinstance(sp, dict) or set(sp) != {"tp", "pp", "dp", "devices"}:
-                raise ConfigError(f"plan.{name}={sp!r} must have exactly the keys tp, pp, dp, devices")
+            keys = set(sp) if isinstance(sp, dict) else set()
+            if not {"tp", "pp", "dp", "devices"} <= keys <= {"tp", "pp", "dp", "devices", "recompute", "waves"}:
+                raise ConfigError(f"plan.{name}={sp!r} must have the keys tp, pp, dp, devices "
+                                  "(and optionally recompute, waves)")
             emus = tuple(tuple(int(d) for d in e) for e in sp["devices"])
-            out.append((name, StagePlan(sp["tp"], sp["pp"], sp["dp"], emus)))
+            out.append((name, StagePlan(sp["tp"], sp["pp"], sp["dp"], emus, bool(sp.get("recompute", False)),
+                                        sp.get("waves", 1))))
         return Plan(tuple(out))

@@ -11,7 +11,9 @@ The space (the brute-force test enumerates exactly this):
   boundary it should not. The pools' sizes add up to at most the device budget.
 - A model-stage's candidates at pool size n: power-of-two tp and pp, tp within a node
   and dividing the attention heads, pp at most the layer count, dp = n/(tp·pp) dividing
-  the optimizer batch, and tp·pp either dividing the node or a multiple of it.
+  the optimizer batch, and tp·pp either dividing the node or a multiple of it; training
+  with or without activation recomputation; generation in 1, 2, 4 or 8 waves (no more
+  than its sequences per replica).
 - A pool is feasible when on each of its devices workspace + the resident bytes of all
   its model-stages + the largest transient bytes of one of them fit in memory less
   10% headroom (co-resident idle model-stages count).
@@ -33,6 +35,8 @@ need it found).
 from __future__ import annotations
 
 import logging
+import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from operator import le
 
@@ -58,6 +62,8 @@ class Candidate:
     seconds: float
     resident: int
     transient: int
+    recompute: bool = False
+    waves: int = 1
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,23 @@ def _admits_layout(n: int, batch: int) -> bool:
     return False
 
 
+MAX_WAVES = 8
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _variants(kind: str, sequences_per_replica: int) -> list[tuple[bool, int]]:
+    """(recompute, waves) options of a model-stage kind: training may recompute its
+    activations; generation may decode in 1, 2, 4 ... MAX_WAVES successive batches."""
+    if kind == "training":
+        return [(False, 1), (True, 1)]
+    if kind == "generation":
+        return [(False, w) for w in _powers_of_two(min(MAX_WAVES, sequences_per_replica))]
+    return [(False, 1)]
+
+
 def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stage_index: int, n: int, *, prune: bool = True) -> list[Candidate]:
     """Valid layouts of model-stage ``stage_index`` on a pool of ``n`` devices.
 
@@ -131,11 +154,13 @@ def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stag
             if not _is_valid_layout(work, model.num_heads, model.num_layers, per, tp, pp, n):
                 continue
             dp = n // (tp * pp)
-            mem = stage_memory(stage, model, work, tp, pp, dp)
-            if prune and mem.resident + mem.transient > cap:
-                continue
-            cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per, dp_inter=n > per)
-            out.append(Candidate(tp, pp, dp, cost.seconds, mem.resident, mem.transient))
+            for recompute, waves in _variants(stage.kind, _ceil_div(work.sequences, dp)):
+                mem = stage_memory(stage, model, work, tp, pp, dp, recompute=recompute, waves=waves)
+                if prune and mem.resident + mem.transient > cap:
+                    continue
+                cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per,
+                                  dp_inter=n > per, recompute=recompute, waves=waves)
+                out.append(Candidate(tp, pp, dp, cost.seconds, mem.resident, mem.transient, recompute, waves))
     if not prune:
         return out
     out.sort(key=lambda c: (c.seconds, c.resident, c.transient))
@@ -169,8 +194,8 @@ def _pareto(entries: list[tuple]) -> list[tuple]:
 class _Searcher:
     """One search: caches per (model-stage, size), per pool and per subset.
 
-    ``keep`` truncates each candidate list to its fastest layouts (a quick search whose
-    result is a valid plan, used as the incumbent); ``bound`` drops every partial
+    ``keep`` truncates each candidate list to its keep-1 fastest layouts plus its
+    smallest one (a quick search whose result is a valid plan, used as the incumbent); ``bound`` drops every partial
     choice whose optimistic completion is slower than that incumbent.
 
     Entries are (pareto key, per-phase seconds, payload). The Pareto key sums the
@@ -191,23 +216,50 @@ class _Searcher:
         self.cands = cands if cands is not None else {}
         self.pool_cache: dict[int, list[tuple]] = {}
         self.subset_cache: dict[int, list[tuple]] = {}
-        # Per phase, the fastest any of its model-stages can be on any pool: no plan's
-        # phase is shorter, which makes Σ_p max(partial[p], floor[p]) a lower bound.
-        self.floor = [0.0] * self.num_phases
-        for i, p in enumerate(self.phase):
-            times = [cs[0].seconds for n in self.sizes if (cs := self.candidates(i, n))]
-            self.floor[p] = max(self.floor[p], min(times, default=0.0))
+        # The fastest each model-stage can be on at most sizes[k] devices (a running
+        # minimum): the model-stages outside a partial plan get at most the devices it
+        # leaves, so per phase the slowest of their fastest times bounds that phase
+        # from below; Σ_p max(partial[p], floor[p]) bounds every completion.
+        self._fastest: list[list[float]] = []
+        for i in range(len(self.stages)):
+            best, run = math.inf, []
+            for n in self.sizes:
+                cs = self.candidates(i, n)
+                if cs:
+                    best = min(best, cs[0].seconds)
+                run.append(best)
+            self._fastest.append(run)
+        self._floor_cache: dict[tuple[int, int], list[float]] = {}
+
+    def floor_for(self, inside: int, used: int) -> list[float]:
+        """Per-phase lower bounds for the model-stages outside ``inside`` on the devices
+        left after ``used`` (inf when one of them cannot run on what is left)."""
+        key = (inside, used)
+        found = self._floor_cache.get(key)
+        if found is None:
+            k = bisect_right(self.sizes, self.budget - used)
+            found = [0.0] * self.num_phases
+            for i, p in enumerate(self.phase):
+                if not inside >> i & 1:
+                    found[p] = max(found[p], self._fastest[i][k - 1] if k else math.inf)
+            self._floor_cache[key] = found
+        return found
 
     def candidates(self, s: int, n: int) -> list[Candidate]:
         key = (s, n)
         if key not in self.cands:
             self.cands[key] = stage_candidates(self.work, self.cluster, self.eff, s, n)
         found = self.cands[key]
-        return found[: self.keep] if self.keep else found
+        if not self.keep or len(found) <= self.keep:
+            return found
+        # the fastest layouts, and the smallest one, so a quick search still fits
+        smallest = min(found, key=lambda c: (c.resident + c.transient, c.seconds))
+        head = found[: self.keep - 1]
+        return head if smallest in head else [*head, smallest]
 
-    def _hopeless(self, vec) -> bool:
+    def _hopeless(self, vec, floor: list[float]) -> bool:
         """True when every completion of per-phase seconds ``vec`` is slower than the bound."""
-        return sum(max(v, f) for v, f in zip(vec, self.floor, strict=False)) > self.bound * (1 + 1e-9)
+        return sum(max(v, f) for v, f in zip(vec, floor, strict=True)) > self.bound * (1 + 1e-9)
 
     def _key(self, mask: int, head: tuple, vec) -> tuple:
         owned = 0.0
@@ -232,21 +284,28 @@ class _Searcher:
             if sum(min(c.resident for c in cs) for cs in lists) + max(min(c.transient for c in cs) for cs in lists) > self.cap:
                 continue
             fastest = [cs[0] for cs in lists]
+            low = [0.0] * self.num_phases
+            for i, c in zip(members, fastest, strict=True):
+                low[self.phase[i]] += c.seconds
+            floor = self.floor_for(mask, n)
+            if self._hopeless(low, floor):
+                continue  # even each member at its fastest cannot beat the incumbent
             if sum(c.resident for c in fastest) + max(c.transient for c in fastest) <= self.cap:
                 combos = [tuple(fastest)]  # each member at its fastest: dominates every other combination
             else:
-                combos = self._fitting_combos(mask, members, lists)
+                combos = self._fitting_combos(mask, members, lists, floor)
             for combo in combos:
                 vec = [0.0] * self.num_phases
                 for i, c in zip(members, combo, strict=False):
                     vec[self.phase[i]] += c.seconds
-                if self._hopeless(vec):
+                if self._hopeless(vec, floor):
                     continue
                 entries.append((self._key(mask, (n,), vec), tuple(vec), (n, tuple(zip(members, combo, strict=False)))))
         self.pool_cache[mask] = _pareto(entries)
         return self.pool_cache[mask]
 
-    def _fitting_combos(self, mask: int, members: list[int], lists: list[list[Candidate]]) -> list[tuple[Candidate, ...]]:
+    def _fitting_combos(self, mask: int, members: list[int], lists: list[list[Candidate]],
+                        floor: list[float]) -> list[tuple[Candidate, ...]]:
         """Combinations that fit, Pareto-pruned member by member on (Σ resident, max
         transient, per-phase seconds): all only grow as members are added and the
         objective and the memory test are monotone in them, so pruning early is exact."""
@@ -272,8 +331,15 @@ class _Searcher:
             rest[p] -= cands[0].seconds
             r_min, r_max, t_min, t_max = suffix[k]
             grown = []
+            limit = self.bound * (1 + 1e-9)
             for _, vec, (res0, tr0, combo) in states:
+                # lower bound of the step with this state, all but phase p's term fixed
+                base = [max(v + r, f) for v, r, f in zip(vec, rest, floor, strict=True)]
+                others = sum(base) - base[p]
+                start = vec[p] + rest[p]
                 for c in cands:
+                    if others + max(start + c.seconds, floor[p]) > limit:
+                        continue
                     res, trans = res0 + c.resident, max(tr0, c.transient)
                     if res + r_min + max(trans, t_min) > cap:
                         continue
@@ -281,8 +347,6 @@ class _Searcher:
                         res, trans = -1, -1  # fits whatever comes next
                     new = list(vec)
                     new[p] += c.seconds
-                    if self._hopeless([v + r for v, r in zip(new, rest, strict=False)]):
-                        continue
                     grown.append((self._key(mask, (res, trans), new), tuple(new), (res, trans, (*combo, c))))
             states = _pareto(grown)
         return [combo for _, _, (_, _, combo) in states]
@@ -295,7 +359,7 @@ class _Searcher:
                 if dev > self.budget:
                     continue
                 vec = tuple(map(max, lv, rv))
-                if self._hopeless(vec):
+                if self._hopeless(vec, self.floor_for(mask, dev)):
                     continue
                 entries.append((self._key(mask, (dev,), vec), vec, (*lp, *rp)))
         return _pareto(entries)
@@ -346,7 +410,7 @@ class _Searcher:
         names: list[tuple[str, ...]] = []
         for n, choice in ordered:
             for i, c in choice:
-                by_stage[i] = StagePlan.on_range(c.tp, c.pp, c.dp, start)
+                by_stage[i] = StagePlan.on_range(c.tp, c.pp, c.dp, start, recompute=c.recompute, waves=c.waves)
             names.append(tuple(self.stages[i].name for i, _ in sorted(choice)))
             start += n
         plan = Plan(tuple((self.stages[i].name, by_stage[i]) for i in range(len(self.stages))))
@@ -389,17 +453,38 @@ def search(
     require(1 <= budget <= cluster.num_devices, "budget", budget, f"must be in [1, {cluster.num_devices}] devices")
     # The named placements with each model-stage's two fastest layouts give valid plans
     # quickly; the best of them bounds the exact search, which skips what cannot beat it.
+    # Without alternatives, each named placement is searched under the best so far.
     quick = _Searcher(work, cluster, eff, budget, keep=2)
-    named = {label: quick.best(partition) for label, partition in _named_partitions(work).items()}
-    incumbent = min((g for g in named.values() if g is not None), key=lambda g: g[0], default=None)
+    named: dict[str, tuple[float, tuple] | None] = {}
+    incumbent = None
+    for label, partition in _named_partitions(work).items():
+        if not alternatives and incumbent is not None:
+            quick.bound = incumbent[0]
+            quick.pool_cache.clear()
+        named[label] = got = quick.best(partition)
+        if got is not None and (incumbent is None or got[0] < incumbent[0]):
+            incumbent = got
+    quick.bound = float("inf")
     named_plans = {label: quick.to_plan(g[1])[0] for label, g in named.items() if g is not None}
     inf = float("inf")
     quick_all = _Searcher(work, cluster, eff, budget, keep=2, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
     got = quick_all.best()
     if got is not None and (incumbent is None or got[0] < incumbent[0]):
         incumbent, quick = got, quick_all
-    s = _Searcher(work, cluster, eff, budget, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
-    found = s.best()
+    # The exact search under a guessed bound between the lower bound and the incumbent:
+    # a plan found at or under the guess is optimal (nothing better was pruned); if
+    # none is found, the search reruns under the incumbent itself.
+    found = None
+    if incumbent is not None:
+        low = sum(quick.floor_for(0, 0))
+        for bound in ((low + incumbent[0]) / 2, incumbent[0]):
+            s = _Searcher(work, cluster, eff, budget, bound=bound, cands=quick.cands)
+            found = s.best()
+            if found is not None:
+                break
+    else:
+        s = _Searcher(work, cluster, eff, budget, cands=quick.cands)
+        found = s.best()
     if found is None or (incumbent is not None and incumbent[0] < found[0]):
         found, s = incumbent, quick
     if found is None:

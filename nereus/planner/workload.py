@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from nereus.config import require
@@ -73,17 +74,17 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         """Attention (q, k, v, o) + SwiGLU MLP (gate, up, down) + two norms."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
 
-    @property
+    @cached_property
     def embed_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    @property
+    @cached_property
     def head_params(self) -> int:
         """Final norm + LM head (or the scalar value head of a critic/reward model)."""
         if self.value_head:
@@ -95,11 +96,11 @@ class ModelShape:
         """Logits per token: the vocabulary, or 1 for a value head."""
         return 1 if self.value_head else self.vocab_size
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         return self.num_layers * self.layer_params + self.embed_params + self.head_params
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer for one token."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
@@ -229,18 +230,18 @@ class Workload:
         if gb is not None:
             require(gb >= 1 and self.sequences % gb == 0, "Workload.global_batch", gb, f"must divide the step's sequences={self.sequences}")
 
-    @property
+    @cached_property
     def sequences(self) -> int:
         """Sequences generated per step (ReMax adds one greedy baseline per prompt)."""
         extra = self.prompts_per_step if self.algorithm == "remax" else 0
         return self.prompts_per_step * self.samples_per_prompt + extra
 
-    @property
+    @cached_property
     def batch(self) -> int:
         """Sequences per optimizer step: the batch every DP degree must divide."""
         return self.global_batch if self.global_batch is not None else self.sequences
 
-    @property
+    @cached_property
     def optimizer_steps(self) -> int:
         return self.epochs * (self.sequences // self.batch)
 

@@ -54,7 +54,14 @@ def _layouts(work: Workload, cluster: ClusterSpec, stage_index: int, n: int) -> 
                 continue
             if per % emu and emu % per:
                 continue
-            out.append((tp, pp, dp))
+            kind = work.stages[stage_index].kind
+            per_replica = -(-work.sequences // dp)
+            if kind == "training":
+                out += [(tp, pp, dp, False, 1), (tp, pp, dp, True, 1)]
+            elif kind == "generation":
+                out += [(tp, pp, dp, False, w) for w in (1, 2, 4, 8) if w <= per_replica]
+            else:
+                out.append((tp, pp, dp, False, 1))
     return out
 
 
@@ -69,16 +76,17 @@ def brute_force(work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: i
     cost_cache: dict = {}
     best, best_plan, count = float("inf"), None, 0
 
-    def cost(i: int, tp: int, pp: int, dp: int, start: int):
+    def cost(i: int, tp: int, pp: int, dp: int, recompute: bool, waves: int, start: int):
         emus = [list(range(start + r * tp * pp, start + (r + 1) * tp * pp)) for r in range(dp)]
         pp_inter = any(len({node(d) for d in e}) > 1 for e in emus)
         dp_inter = any(len({node(e[k]) for e in emus}) > 1 for k in range(tp * pp))
-        key = (i, tp, pp, dp, pp_inter, dp_inter)
+        key = (i, tp, pp, dp, recompute, waves, pp_inter, dp_inter)
         if key not in cost_cache:
             st = stages[i]
             m = work.models[st.model]
-            c = stage_cost(st, m, work, cluster, eff, tp, pp, dp, pp_inter=pp_inter, dp_inter=dp_inter)
-            mem = stage_memory(st, m, work, tp, pp, dp)
+            c = stage_cost(st, m, work, cluster, eff, tp, pp, dp, pp_inter=pp_inter, dp_inter=dp_inter,
+                           recompute=recompute, waves=waves)
+            mem = stage_memory(st, m, work, tp, pp, dp, recompute=recompute, waves=waves)
             cost_cache[key] = (c.seconds, mem.resident, mem.transient)
         return cost_cache[key]
 
@@ -152,6 +160,8 @@ def brute_force(work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: i
                     best = step
                     layout = {i: lay for _, ch in picks for i, lay in ch.items()}
                     best_plan = Plan(tuple(
-                        (stages[i].name, StagePlan.on_range(*layout[i], span[i][0])) for i in range(len(stages))
+                        (stages[i].name, StagePlan.on_range(*layout[i][:3], span[i][0], recompute=layout[i][3],
+                                                            waves=layout[i][4]))
+                        for i in range(len(stages))
                     ))
     return best, best_plan, count

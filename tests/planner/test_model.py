@@ -170,5 +170,5 @@ def test_stage_plan_validation_names_the_field():
         StagePlan(1, 1, 2, ((0,), (0,)))
     with pytest.raises(ConfigError, match="dp=2"):
         StagePlan(1, 1, 2, ((0,),))
-    with pytest.raises(ConfigError, match="exactly the keys"):
+    with pytest.raises(ConfigError, match="must have the keys"):
         Plan.from_dict({"policy-generation": {"tp": 1}})
