@@ -19,6 +19,7 @@ would exceed ``max_pending`` is refused with ``Backpressure`` at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -397,6 +398,9 @@ class ActorHost:
         slot = _Slot(name, instance, inc, max_pending)
         slot.consumer = self.loop.create_task(self._consume(slot))
         self.actors[name] = slot
+        # The actor's imports (torch: ~150k objects) would otherwise be rescanned by every
+        # full cyclic collection, which costs more than the call path itself.
+        gc.freeze()
         self.emit({"type": "actor_spawn", "actor": name, "device": self.device.index,
                    "incarnation": inc, "class": body.get("cls", "")})
         return {"incarnation": inc, "endpoints": sorted(slot.endpoints)}
