@@ -115,12 +115,12 @@ class Controller:
             return
         try:
             header, buffers = _wire.encode(event)
+            if buffers:
+                raise ProtocolError("events carry plain data only (no arrays or tensors)")
         except ProtocolError as e:
             self.counters.add("events_unencodable")
             log.warning("cannot publish a %r event: %s", event.get("type"), e)
             return
-        if buffers:  # bytes/tensors in an event become part of the map as plain bytes
-            header, buffers = _wire.encode(_wire.decode(header, buffers))
         try:
             self._pub.send_multipart([_wire.sign(self.key, header), header], zmq.NOBLOCK)
         except zmq.Again:

@@ -138,8 +138,14 @@ class Cluster:
             client.notice_listeners.append(self._on_notice)
             self._previous_client = _client._CLIENT
             _client.set_current_client(client)
-            view = await client.request(None, "hello", {"source": "driver"},
-                                        timeout_s=self._timeout_s)
+            try:
+                view = await client.request(None, "hello", {"source": "driver"},
+                                            timeout_s=self._timeout_s)
+            except DeadlineExceeded:
+                raise DeadlineExceeded(
+                    f"no answer from the controller at {self.address} within "
+                    f"{self._timeout_s} s: is it running, and is this the cluster's key? "
+                    "(frames signed with another key are dropped unanswered)") from None
             deadline = time.monotonic() + self._timeout_s
             while len(view["devices"]) < self._min_devices:
                 if time.monotonic() > deadline:

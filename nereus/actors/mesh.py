@@ -15,7 +15,9 @@ Call styles on ``mesh.<endpoint>`` (every one sends before it returns):
 - ``broadcast(...)`` -> None, fire and forget; remote failures are logged by the worker
   and published as ``error`` events on the tap.
 - ``stream(...)`` -> async iterator over the items of an async-generator endpoint; the
-  mesh must hold exactly one actor (slice first, or use ``mesh.refs[i]``).
+  mesh must hold exactly one actor (slice first, or use ``mesh.refs[i]``). There is
+  no flow control: the generator runs ahead and items queue at the caller. Leaving
+  the loop early drops the items still coming.
 - ``options(timeout_s=2.0)`` -> the same endpoint with a per-call deadline
   (``DeadlineExceeded`` at the caller when it passes).
 

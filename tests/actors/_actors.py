@@ -72,6 +72,11 @@ class Echo(Actor):
         emit("test_event", value=value, device=self.device.index)
 
     @endpoint
+    async def emit_from_thread(self, value: int) -> None:
+        """emit is thread-safe: engines call it from collective threads."""
+        await asyncio.to_thread(emit, "thread_event", value=value)
+
+    @endpoint
     async def relay(self, ref, method: str, *args):
         """Call another actor through a ref received as an argument."""
         return await getattr(ref, method).call_one(*args)

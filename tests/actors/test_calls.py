@@ -177,7 +177,8 @@ async def test_refs_cross_the_wire(cluster: Cluster):
 
 async def test_emit_reaches_the_tap(cluster: Cluster):
     mesh = await cluster.spawn("emitter", Echo, devices=[0, 1])
-    sub = Subscriber(cluster.tap_address, cluster.key, {"test_event", "driver_event"})
+    sub = Subscriber(cluster.tap_address, cluster.key,
+                     {"test_event", "driver_event", "thread_event"})
     try:
         # PUB/SUB joins asynchronously: emit until both kinds of events came through
         from nereus.actors import emit
@@ -185,8 +186,9 @@ async def test_emit_reaches_the_tap(cluster: Cluster):
         seen: dict[str, dict] = {}
 
         async def collect():
-            while len(seen) < 2:
+            while len(seen) < 3:
                 mesh.emit_event.broadcast(7)
+                mesh.emit_from_thread.broadcast(8)
                 emit("driver_event", value=1)
                 try:
                     ev = await sub.next(0.2)
@@ -200,6 +202,7 @@ async def test_emit_reaches_the_tap(cluster: Cluster):
         assert ev["v"] == 1 and "epoch" in ev and "time_monotonic_seconds" in ev
         assert ev["source"].startswith("worker:")
         assert seen["driver_event"]["source"] == "driver"
+        assert seen["thread_event"]["value"] == 8
     finally:
         sub.close()
         await cluster.stop_mesh(mesh)
