@@ -23,6 +23,7 @@ from nereus.planner.cost import (
 )
 from nereus.planner.explain import DeviceMemory, Explanation, PhaseTime, StageExplanation, explain
 from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.search import (
     Alternative,
     Candidate,
@@ -45,7 +46,7 @@ from nereus.planner.workload import (
 )
 
 __all__ = [
-    "ALGORITHMS", "Alternative", "Calibrator", "Candidate", "ClusterSpec", "CONSERVATIVE", "DEFAULT_GAMMA",
+    "ALGORITHMS", "Alternative", "BoundaryOutcome", "Replanner", "Calibrator", "Candidate", "ClusterSpec", "CONSERVATIVE", "DEFAULT_GAMMA",
     "Decision", "DeviceMemory", "DriftSignal", "Efficiency", "Explanation", "HEADROOM", "LengthStats",
     "MODEL_PRESETS", "ModelShape", "ModelStage", "OP_CLASSES", "PhaseTime", "Plan", "PRESETS", "SearchResult",
     "StageCost", "StageExplanation", "StageMemory", "StagePlan", "Target", "Term", "Trigger", "TriggerMonitor",

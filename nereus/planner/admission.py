@@ -114,6 +114,7 @@ def choose(
                         f"on the fastest target ({ranked[0].step_seconds:.4g} s/step)")
     best = ranked[0].step_seconds
     tried = []
+    first: Decision | None = None  # the fastest target's verdict, reported when keeping
     for t in ranked:
         if t.step_seconds > best * (1 + slack):
             break
@@ -123,5 +124,9 @@ def choose(
         d = admit(current_step_seconds, t.step_seconds, t.transition_seconds, horizon_steps, gamma)
         if d.admitted:
             return Decision("transition", t, d.reason, d.saving_seconds, d.payback_steps, d.limit_steps)
+        first = first or d
         tried.append(f"{t.label or 'target'}: {d.reason}")
-    return Decision("keep", None, "kept the current plan; " + "; ".join(tried))
+    reason = "kept the current plan; " + "; ".join(tried)
+    if first is None:
+        return Decision("keep", None, reason)
+    return Decision("keep", None, reason, first.saving_seconds, first.payback_steps, first.limit_steps)
