@@ -13,6 +13,7 @@ Memory on a device is accounted in a ``MemoryLedger`` against its budget; exceed
 raises ``nereus.errors.OutOfMemory``.
 """
 
+from nereus.engines._pipeline import critic_spec
 from nereus.engines.actors import (
     EmuHandle,
     EngineActor,
@@ -48,6 +49,7 @@ __all__ = [
     "SamplingParams",
     "TrainingEngine",
     "VllmGenerationEngine",
+    "critic_spec",
     "device_ledger",
     "kv_cache_bytes",
     "nll_loss",

@@ -4,7 +4,8 @@ Shared by the inference and training engines (generation has its own KV-cache lo
 
 - ``right_padded_positions``: positions of a right-padded batch (padding = -1).
 - ``ValueHead``: a replicated ``Linear(hidden, 1)`` on the last stage (critic, reward
-  model), named ``value_head.weight`` / ``value_head.bias``.
+  model), named ``value_head.weight`` / ``value_head.bias``; ``critic_spec`` is the
+  ``ModelSpec`` of a model with it (what the state layer shards a critic by).
 - ``forward_only``: every micro-batch through the pipeline without autograd; the last
   stage applies a head and the per-token result reaches every stage (so every rank of an
   EMU returns the same tensor).
@@ -31,6 +32,7 @@ from nereus.models.decoder import DecoderStage
 __all__ = [
     "right_padded_positions",
     "ValueHead",
+    "critic_spec",
     "Head",
     "forward_only",
     "forward_backward_gpipe",
@@ -57,6 +59,21 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.weight, self.bias).squeeze(-1).float()
+
+
+def critic_spec(config, dtype: str = "float32"):
+    """The model's ``ModelSpec`` plus the value head (replicated, on the head stage)."""
+    from dataclasses import replace
+
+    from nereus.models.spec import model_spec
+    from nereus.state.spec import ParamSpec
+
+    spec = model_spec(config, dtype)
+    head = (
+        ParamSpec("value_head.weight", (1, config.hidden_size), dtype, "replicated", "head"),
+        ParamSpec("value_head.bias", (1,), dtype, "replicated", "head"),
+    )
+    return replace(spec, params=(*spec.params, *head))
 
 
 def _stage_input(ctx: EmuContext, stage: DecoderStage, mb: dict[str, torch.Tensor], requires_grad: bool) -> torch.Tensor:

@@ -180,3 +180,16 @@ def test_training_memory_is_accounted_and_refused_past_the_budget(model):
     with pytest.raises(OutOfMemory, match="activations"):
         tight.train_step(_batch())
     assert small.used_bytes == 4 * weights  # the failed step gave its reservation back
+
+
+def test_critic_spec_names_every_critic_parameter(model):
+    from nereus.engines import critic_spec
+
+    config, path = model
+    critic = TrainingEngine(config, model_dir=path, critic=True, ledger=MemoryLedger("cs", None))
+    spec = critic_spec(config)
+    params = critic.named_weights()
+    assert {p.name for p in spec} == set(params)
+    for p in spec:
+        assert tuple(params[p.name].shape) == p.shape
+    assert spec["value_head.weight"].rule == "replicated" and spec["value_head.weight"].stage == "head"
