@@ -7,7 +7,8 @@ callers talk to workers directly. It promises:
 - Node daemons register their devices and get cluster-global device indices in
   join order; ``workers_ready`` makes those devices visible to drivers.
 - A worker death reported by its node, or every worker of a node whose heartbeats
-  stopped for ``heartbeat_timeout_s`` ("node lost"), is published on the tap and
+  stopped for ``heartbeat_timeout_s`` ("node lost"; a lost node that beats again is
+  told so and stops its workers: it is never silently readmitted), is published and
   sent at once as a ``worker_died`` notice to every connected driver and worker,
   which fail their in-flight calls to it and run supervision.
 - Every event a process ``emit``s is stamped (schema version, sequence number, layout
@@ -231,6 +232,10 @@ class Controller:
         node = self.nodes.get(body["node_id"])
         if node is not None and node["alive"]:
             node["last_heartbeat"] = time.monotonic()
+        elif node is not None:
+            # Declared lost, yet still beating (a stall or a partition): its devices are
+            # already reported dead to every owner, so tell it to stop its workers.
+            self._send(ident, [P.NOTE, "node_lost", {"node_id": body["node_id"]}])
         return {}
 
     def _op_worker_died(self, ident: bytes, body: dict) -> dict:

@@ -9,7 +9,9 @@ indices), spawns one worker (``python -m nereus.actors._worker``, via subprocess
 nothing is pickled) per device, tells the controller their addresses, heartbeats
 every ``heartbeat_s``, and reports each worker that exits with how it died (e.g.
 ``SIGKILL``, ``exit code 1``). It restarts nothing: a dead device stays dead until
-someone decides otherwise. On stop it tells the controller it leaves, terminates
+someone decides otherwise. A node the controller declared lost (its heartbeats
+stopped for too long) that comes back is told so and stops its workers (the
+command exits with status 3). On stop it tells the controller it leaves, terminates
 its workers (SIGTERM, then SIGKILL after ``stop_grace_s``) and reaps them. Workers
 die with the daemon (Linux parent-death signal).
 
@@ -130,6 +132,7 @@ class NodeDaemon:
         self.max_message_bytes = int(max_message_bytes)
         self.workers: list[_Worker] = []
         self.stopping = False
+        self.fenced = asyncio.Event()  # set when the controller declared this node lost
         self._client: _client.Client | None = None
         self._heartbeat: asyncio.Task | None = None
         self._tmpdir: str | None = None
@@ -149,6 +152,7 @@ class NodeDaemon:
         self._client = _client.Client(self.key, source=f"node:{self.node_id}",
                                       span_sample_every=0)
         self._client.connect_controller(self.controller)
+        self._client.notice_listeners.append(self._on_notice)
         devices = [{"local_index": i, "kind": self.kind, "memory_bytes": self.memory_bytes[i]}
                    for i in range(self.count)]
         reply = await self._client.request(None, "node_register", {
@@ -241,6 +245,13 @@ class NodeDaemon:
             self._client.tell("heartbeat", {"node_id": self.node_id})
             await asyncio.sleep(self.heartbeat_s)
 
+    def _on_notice(self, op: str, body: dict) -> None:
+        if op == "node_lost" and body.get("node_id") == self.node_id and not self.stopping:
+            log.error("the controller declared node %s lost (heartbeats came too late); "
+                      "stopping its workers", self.node_id)
+            self.fenced.set()
+            asyncio.get_running_loop().create_task(self.stop())
+
     def kill_heartbeat(self) -> None:
         """Stop heartbeating (tests use it to make the controller declare this node lost)."""
         if self._heartbeat is not None:
@@ -318,10 +329,14 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
     await node.start()
     print(f"{READY_PREFIX}{node.node_id} {','.join(map(str, node.indices))}", flush=True)
+    fenced = loop.create_task(node.fenced.wait())
     try:
-        await stop
+        await asyncio.wait([stop, fenced], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        fenced.cancel()
         await node.stop()
+    if node.fenced.is_set():
+        raise SystemExit(3)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,3 +84,8 @@ async def test_silent_node_is_declared_lost(no_leaks):
         with pytest.raises(ActorDied, match="node lost"):
             await asyncio.wait_for(pending, 0.5)
         assert await mesh.slice(dp=0).add.call_one(3) == 3
+        # the lost node beats again: the controller fences it, it stops its workers
+        node._heartbeat = asyncio.get_running_loop().create_task(node._beat())
+        await asyncio.wait_for(node.fenced.wait(), 5.0)
+        for w in node.workers:
+            assert await asyncio.wait_for(w.proc.wait(), 10) is not None
