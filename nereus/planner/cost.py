@@ -17,6 +17,9 @@ a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
   TP all-reduces (2 per layer forward, 4 with backward); pipeline sends between
   stages; a 1F1B bubble of (pp-1)/M of the stage time for M micro-batches per
   optimizer step; per optimizer step the DP gradient all-reduce and the AdamW update.
+- Generation may decode in ``waves`` successive batches (the weights are streamed once
+  per decode step of every wave; the KV cache holds one wave); training may recompute
+  activations (8·N FLOPs per token, 6 TP all-reduces per layer, only layer inputs kept).
 - Links: TP never leaves a node. PP sends and DP all-reduces take the inter-node path
   when their group spans nodes, with one device's share of the node's NICs.
 
@@ -225,6 +228,7 @@ def stage_cost(
     recompute: bool = False,
     waves: int = 1,
     formulas: bool = False,
+    keep_terms: bool = True,
 ) -> StageCost:
     """Time of one replica of ``stage`` at layout tp x pp with dp replicas.
 
@@ -232,7 +236,8 @@ def stage_cost(
     ``waves`` (generation) streams the weights once per decode step of every wave;
     ``recompute`` (training) adds a second forward: 8·N instead of 6·N FLOPs per token
     and 6 TP all-reduces per layer instead of 4.
-    ``formulas`` fills each term's formula text (for ``explain``; the search skips it)."""
+    ``formulas`` fills each term's formula text (for ``explain``; the search skips it);
+    ``keep_terms=False`` returns only the total seconds (terms empty), for the search."""
     peak, mem_bw = cluster.peak_flops, cluster.memory_bandwidth
     bw_tp, a_tp = cluster.intra_node_bandwidth, cluster.intra_node_latency_s
     share = cluster.device_share_of_inter_node()
@@ -244,21 +249,24 @@ def stage_cost(
     effd = eff.as_dict()
     total = [0.0]
 
-    def add(name: str, ideal: tuple[tuple[str, float], ...], formula=None) -> None:
-        # ``formula`` is a callable so the search never pays for formatting text
+    def add(name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple] | None = None) -> bool:
+        # ``formula`` is (template, values): the search never pays for formatting text
         secs = 0.0
         for c, t in ideal:
             secs += t / effd[c]
-        if secs > 0:
-            terms.append(Term(name, ideal, formula() if formulas and formula else ""))
-            total[0] += secs
+        if secs <= 0:
+            return False
+        if keep_terms:
+            terms.append(Term(name, ideal, formula[0].format(*formula[1]) if formulas and formula else ""))
+        total[0] += secs
+        return True
 
     if stage.kind == "generation":
         n = model.num_params
         prompt, mean, steps = work.prompt_length, work.lengths.mean, work.lengths.max
         t_prompt, t_gen = n_r * prompt, n_r * mean
         add("prefill", (("gemm", 2 * n * t_prompt / (tp * peak)), ("attention", 2 * L * h * prompt**2 * n_r / (tp * peak))),
-            lambda: f"2·N·{t_prompt:.3g} tok/(tp·peak) + 2·L·h·s²·{n_r} seq/(tp·peak), N={n:.3g}, s={prompt}")
+            ("2·N·{:.3g} tok/(tp·peak) + 2·L·h·s²·{} seq/(tp·peak), N={:.3g}, s={}", (t_prompt, n_r, n, prompt)))
         kv_shards = min(tp, model.num_kv_heads)
         ctx = prompt + mean / 2
         stream = waves * steps * n * b / tp / mem_bw + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
@@ -266,19 +274,18 @@ def stage_cost(
         attn = 4 * L * h * ctx * t_gen / (tp * peak)
         if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
             add("decode", (("decode", stream),),
-                lambda: f"memory-bound: ({waves} waves·{steps} steps·{n * b / tp:.3g} B weights + {t_gen:.3g} tok·{ctx:.0f} ctx·"
-                f"{model.kv_bytes_per_token / kv_shards:.3g} B KV)/{mem_bw:.3g} B/s")
+                ("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} ctx·{:.3g} B KV)/{:.3g} B/s", (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
         else:
             add("decode", (("gemm", compute), ("attention", attn)),
-                lambda: f"compute-bound: 2·N·{t_gen:.3g} tok/(tp·peak) + 4·L·h·{ctx:.0f}·{t_gen:.3g}/(tp·peak)")
+                ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))
         if tp > 1:
             nbytes = 2 * L * (t_prompt + t_gen) * h * b
             add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * _hops(tp) * a_tp),),
-                lambda: f"ring 2(tp-1)/tp·{nbytes:.3g} B/{bw_tp:.3g} B/s + {2 * L * waves * (1 + steps)} all-reduces·2·log2(tp)·{a_tp:.1e} s")
+                ("ring 2(tp-1)/tp·{:.3g} B/{:.3g} B/s + {} all-reduces·2·log2(tp)·{:.1e} s", (nbytes, bw_tp, 2 * L * waves * (1 + steps), a_tp)))
         if pp > 1:
             nbytes = (pp - 1) * (t_prompt + t_gen) * h * b
             add("pp p2p", ((pp_cls, nbytes / bw_pp + (pp - 1) * waves * (1 + steps) * a_pp),),
-                lambda: f"(pp-1)·{t_prompt + t_gen:.3g} tok·h·b/{bw_pp:.3g} B/s + {(pp - 1) * waves * (1 + steps)} sends·{a_pp:.1e} s")
+                ("(pp-1)·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s", (t_prompt + t_gen, bw_pp, (pp - 1) * waves * (1 + steps), a_pp)))
         return StageCost(stage.name, tp, pp, dp, tuple(terms), total[0])
 
     training = stage.kind == "training"
@@ -291,40 +298,38 @@ def stage_cost(
     opt_steps = work.optimizer_steps if training else 1
     micro = _ceil_div(_ceil_div(work.batch if training else work.sequences, dp), work.micro_batch)
     micro_total = micro * opt_steps
-    body: list[Term] = []
+    body: list[tuple[tuple[str, float], ...]] = []
 
-    def add_body(name: str, ideal: tuple[tuple[str, float], ...], formula) -> None:
-        before = len(terms)
-        add(name, ideal, formula)
-        if len(terms) > before:
-            body.append(terms[-1])
+    def add_body(name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple]) -> None:
+        if add(name, ideal, formula):
+            body.append(ideal)
 
     kind = str(2 * mult)
     add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
                          ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
-             lambda: f"{kind}·{p_compute:.3g} params/stage·{tokens:.3g} tok/(tp·peak) + attention {mult}·2·{layers}·h·s²·{n_r} seq/(tp·peak), s={seq:.0f}")
+             ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2
         nbytes = per_layer * layers * tokens * h * b
         add_body("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + per_layer * layers * micro_total * _hops(tp) * a_tp),),
-                 lambda: f"ring 2(tp-1)/tp·{per_layer}·{layers} layers·{tokens:.3g} tok·h·b/{bw_tp:.3g} B/s")
+                 ("ring 2(tp-1)/tp·{}·{} layers·{:.3g} tok·h·b/{:.3g} B/s", (per_layer, layers, tokens, bw_tp)))
     if pp > 1:
         dirs = 2 if training else 1
         nbytes = dirs * tokens * h * b
         add_body("pp p2p", ((pp_cls, nbytes / bw_pp + dirs * micro_total * a_pp),),
-                 lambda: f"{dirs}·{tokens:.3g} tok·h·b/{bw_pp:.3g} B/s + {dirs * micro_total} sends·{a_pp:.1e} s")
+                 ("{}·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s", (dirs, tokens, bw_pp, dirs * micro_total, a_pp)))
         frac = (pp - 1) / micro
         bubble: dict[str, float] = {}
-        for term in body:
-            for c, t in term.ideal:
+        for ideal in body:
+            for c, t in ideal:
                 bubble[c] = bubble.get(c, 0.0) + t * frac
-        add("pipeline bubble", tuple(bubble.items()), lambda: f"(pp-1)/M = {pp - 1}/{micro} of the stage time above")
+        add("pipeline bubble", tuple(bubble.items()), ("(pp-1)/M = {}/{} of the stage time above", (pp - 1, micro)))
     if training:
         p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
         if dp > 1:
             nbytes = p_dev * GRAD_BYTES
             add("dp sync", ((dp_cls, opt_steps * (_ring(dp, nbytes, bw_dp) + _hops(dp) * a_dp)),),
-                lambda: f"{opt_steps} updates·ring 2(dp-1)/dp·{nbytes:.3g} B grads/{bw_dp:.3g} B/s")
+                ("{} updates·ring 2(dp-1)/dp·{:.3g} B grads/{:.3g} B/s", (opt_steps, nbytes, bw_dp)))
         add("optimizer", (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),
-            lambda: f"{opt_steps} updates·{p_dev:.3g} params·{UPDATE_BYTES} B/{mem_bw:.3g} B/s")
+            ("{} updates·{:.3g} params·{} B/{:.3g} B/s", (opt_steps, p_dev, UPDATE_BYTES, mem_bw)))
     return StageCost(stage.name, tp, pp, dp, tuple(terms), total[0])

@@ -159,7 +159,7 @@ def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stag
                 if prune and mem.resident + mem.transient > cap:
                     continue
                 cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per,
-                                  dp_inter=n > per, recompute=recompute, waves=waves)
+                                  dp_inter=n > per, recompute=recompute, waves=waves, keep_terms=False)
                 out.append(Candidate(tp, pp, dp, cost.seconds, mem.resident, mem.transient, recompute, waves))
     if not prune:
         return out
