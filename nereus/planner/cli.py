@@ -77,6 +77,10 @@ def _workload(args: argparse.Namespace) -> Workload:
     )
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
@@ -88,7 +92,7 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
                   f"{_gib(c.device_memory_bytes)} GiB/device (usable {_gib(ex.memory[0].usable)} after 10% headroom), "
                   f"peak {c.peak_flops:.3g} FLOP/s, memory {c.memory_bandwidth:.3g} B/s, intra-node {c.intra_node_bandwidth:.3g} B/s, "
                   f"inter-node {c.inter_node_bandwidth:.3g} B/s per node ({c.device_share_of_inter_node():.3g} per device)")
-    models = ", ".join(f"{role}={m.name} ({m.num_params / 1e9:.2f}B params)" for role, m in sorted(work.models.items()))
+    models = ", ".join(f"{role}={m.name} ({_count(m.num_params)} params)" for role, m in sorted(work.models.items()))
     console.print(f"[bold]workload[/] {work.algorithm}: {models}; {work.prompts_per_step} prompts x {work.samples_per_prompt} "
                   f"samples = {work.sequences} sequences, prompt {work.prompt_length} tok, response mean {work.lengths.mean:.0f} / "
                   f"p95 {work.lengths.p95:.0f} / max {work.lengths.max} tok, optimizer batch {work.batch}, micro-batch {work.micro_batch}")

@@ -123,6 +123,25 @@ def test_decode_grows_with_length_and_kv_cache_with_max_length():
     assert stage_memory(gen, m, long, 2, 1, 4).kv_cache == pytest.approx(kv, rel=1e-6)  # 2x seqs / 2 shards
 
 
+def test_recompute_and_waves_trade_time_for_memory():
+    w = _ppo("llama-8b", length=4096)
+    cluster = cluster_preset("h100-8")
+    gen, train = w.stages[0], w.stages[4]
+    m = w.models["policy"]
+    one = stage_memory(gen, m, w, 1, 1, 8)
+    four = stage_memory(gen, m, w, 1, 1, 8, waves=4)
+    assert four.kv_cache == pytest.approx(one.kv_cache / 4, rel=1e-6) and four.params == one.params
+    t1 = stage_cost(gen, m, w, cluster, CONSERVATIVE, 1, 1, 8, pp_inter=False, dp_inter=False)
+    t4 = stage_cost(gen, m, w, cluster, CONSERVATIVE, 1, 1, 8, pp_inter=False, dp_inter=False, waves=4)
+    assert t4.seconds > t1.seconds
+    keep = stage_memory(train, m, w, 1, 1, 8)
+    rec = stage_memory(train, m, w, 1, 1, 8, recompute=True)
+    assert rec.activations < keep.activations / 4 and rec.resident == keep.resident
+    c_keep = stage_cost(train, m, w, cluster, CONSERVATIVE, 1, 1, 8, pp_inter=False, dp_inter=False)
+    c_rec = stage_cost(train, m, w, cluster, CONSERVATIVE, 1, 1, 8, pp_inter=False, dp_inter=False, recompute=True)
+    assert c_rec.ideal_by_class()["gemm"] == pytest.approx(c_keep.ideal_by_class()["gemm"] * 4 / 3, rel=1e-9)
+
+
 def test_memory_kinds_of_training():
     w = _ppo("llama-8b")
     m = w.models["policy"]
@@ -156,8 +175,8 @@ def test_explain_serializes_shared_devices_and_overlaps_the_rest():
 @settings(max_examples=40, deadline=None)
 @given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 4), start=st.integers(0, 64))
 def test_stage_plans_round_trip_through_plain_data(tp, pp, dp, start):
-    plan = Plan((("policy-generation", StagePlan.on_range(tp, pp, dp, start)),
-                 ("policy-training", StagePlan.on_range(1, 1, 1, start + tp * pp * dp))))
+    plan = Plan((("policy-generation", StagePlan.on_range(tp, pp, dp, start, waves=tp)),
+                 ("policy-training", StagePlan.on_range(1, 1, 1, start + tp * pp * dp, recompute=pp > 1))))
     assert Plan.from_dict(plan.to_dict()) == plan
     sp = plan["policy-generation"]
     assert sp.num_devices == len(sp.device_set) == tp * pp * dp
