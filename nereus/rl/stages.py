@@ -52,10 +52,16 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
     """(ModelConfig, model folder, codec) of the job's initial policy.
 
     ``tiny``: a seeded random model sized by ``[model]`` whose vocabulary is ``codec``'s,
-    written with the tokenizer to ``out_dir/model``. ``hf``: ``model.path`` as is."""
+    written with the tokenizer to ``out_dir/model``. ``hf``: ``model.path`` as is.
+    ``smollm2``: the converted SmolLM2-135M-Instruct folder (converted on first use)."""
     from nereus.models import ModelConfig, save_tiny_model
 
     m = cfg.model
+    if m.kind == "smollm2":
+        from nereus.rl.pretrained import convert_smollm2
+
+        path = convert_smollm2(m.path or "runs/smollm2-135m-instruct")
+        return ModelConfig.from_hf(path), path, codec or Codec.from_dir(path)
     if m.kind == "hf":
         path = Path(m.path)
         require((path / "config.json").is_file(), "model.path", m.path, "must be a folder with config.json")

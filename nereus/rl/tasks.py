@@ -9,8 +9,8 @@ Two prompt styles:
 - ``compact`` (tiny models with a character vocabulary): ``"12+7="`` -> ``"19"``;
   the response is scored verbatim (after stripping spaces).
 - ``natural`` (pretrained instruction models): ``"What is 12+7? Answer with only the
-  number."``; the answer is extracted from the response (the first number, the first
-  word) before scoring.
+  number."``; the answer is extracted from the response (the last number, as in
+  "12 + 7 = 19"; the first word for reversal) before scoring.
 
 Rewards (every task): 1.0 for an exact answer. With ``partial_credit`` (the default)
 a wrong answer earns the positional character match ``matches / max(len(answer),
@@ -140,8 +140,8 @@ class ArithmeticTask(Task):
     def extract(self, response: str) -> str:
         if self.style == "compact":
             return response.strip()
-        m = _NUMBER.search(response)
-        return m.group(0) if m else ""
+        numbers = _NUMBER.findall(response)
+        return numbers[-1] if numbers else ""
 
 
 @dataclass
@@ -216,8 +216,8 @@ class CountTask(Task):
     def extract(self, response: str) -> str:
         if self.style == "compact":
             return response.strip()
-        m = _NUMBER.search(response)
-        return m.group(0) if m else ""
+        numbers = _NUMBER.findall(response)
+        return numbers[-1] if numbers else ""
 
     def score(self, guess: str, sample: Sample) -> float:
         if guess == sample.answer:

@@ -4,8 +4,9 @@
 per character plus ``<pad>`` (0), ``<bos>`` (1) and ``<eos>`` (2), and ``save`` writes it as
 ``tokenizer.json`` so the folder of a tiny model is a normal Hugging Face folder.
 ``Codec`` is what the step loop uses: ``encode`` a prompt (with BOS when the tokenizer has
-one), ``decode`` a response (stopping at EOS, special tokens dropped), and the ids of the
-special tokens. It wraps either kind, so the loop never asks which one it has.
+one; wrapped as a ChatML user turn when the tokenizer is a ChatML chat model's, i.e. has
+``<|im_start|>``), ``decode`` a response (stopping at EOS), and the ids of the special
+tokens. It wraps either kind, so the loop never asks which one it has.
 
 Refuses (``ConfigError``): an empty alphabet, characters that repeat, a folder without a
 ``tokenizer.json``, a tokenizer without an end-of-sequence token.
@@ -52,6 +53,7 @@ class Codec:
         self.bos_id = bos_id if bos_id is not None else tokenizer.token_to_id("<bos>")
         pad = pad_id if pad_id is not None else tokenizer.token_to_id("<pad>")
         self.pad_id = pad if pad is not None else self.eos_id
+        self.chat = tokenizer.token_to_id("<|im_start|>") is not None
 
     @classmethod
     def for_alphabet(cls, alphabet: str) -> Codec:
@@ -86,6 +88,11 @@ class Codec:
         return out / "tokenizer.json"
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of a prompt; a chat model's prompt becomes one user turn followed by
+        the start of the assistant's turn."""
+        if self.chat:
+            text = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 

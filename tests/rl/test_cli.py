@@ -37,3 +37,9 @@ def test_run_in_process_end_to_end(tmp_path, capsys):
     assert nereus_main(["run", str(DEMO), "--steps", "4", "--out", str(tmp_path), "--in-process", "--no-progress"]) == 0
     assert "done: 4 steps" in capsys.readouterr().out
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 4
+
+
+def test_smollm2_example_config_is_valid():
+    cfg = parse_job([str(DEMO.with_name("grpo_smollm2.toml"))])
+    assert cfg.model.kind == "smollm2" and cfg.task.options["style"] == "natural"
+    assert set(cfg.plan) == {"policy_generation", "reference_inference", "policy_training"}
