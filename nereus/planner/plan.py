@@ -49,13 +49,17 @@ class StagePlan:
         require(is_power_of_two(self.pp), "StagePlan.pp", self.pp, "must be a power of two")
         require(isinstance(self.dp, int) and self.dp >= 1, "StagePlan.dp", self.dp, "must be an integer >= 1")
         require(len(self.devices) == self.dp, "StagePlan.devices", self.devices, f"must list dp={self.dp} EMUs")
-        seen: set[int] = set()
+        size = self.tp * self.pp
         for emu in self.devices:
-            require(len(emu) == self.tp * self.pp, "StagePlan.devices", emu, f"each EMU needs tp*pp={self.tp * self.pp} devices")
-            for d in emu:
-                require(isinstance(d, int) and d >= 0, "StagePlan.devices", d, "must be a device index >= 0")
-                require(d not in seen, "StagePlan.devices", d, "is listed twice")
-                seen.add(d)
+            require(len(emu) == size, "StagePlan.devices", emu, f"each EMU needs tp*pp={size} devices")
+        flat = [d for emu in self.devices for d in emu]
+        if not all(isinstance(d, int) and d >= 0 for d in flat):
+            bad = next(d for d in flat if not (isinstance(d, int) and d >= 0))
+            require(False, "StagePlan.devices", bad, "must be a device index >= 0")
+        if len(set(flat)) != len(flat):
+            seen: set[int] = set()
+            twice = next(d for d in flat if d in seen or seen.add(d))
+            require(False, "StagePlan.devices", twice, "is listed twice")
 
     @property
     def num_devices(self) -> int:

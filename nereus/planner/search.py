@@ -214,6 +214,8 @@ class _Searcher:
         self.cap = usable_bytes(cluster) - cluster.workspace_bytes
         self.sizes = [n for n in pool_sizes(cluster, budget) if _admits_layout(n, work.batch)]
         self.cands = cands if cands is not None else {}
+        self._mine: dict[tuple[int, int], list[Candidate]] = {}
+        self._least: dict[tuple[int, int], tuple[int, int]] = {}  # (min resident, min transient)
         self.pool_cache: dict[int, list[tuple]] = {}
         self.subset_cache: dict[int, list[tuple]] = {}
         # The fastest each model-stage can be on at most sizes[k] devices (a running
@@ -247,15 +249,21 @@ class _Searcher:
 
     def candidates(self, s: int, n: int) -> list[Candidate]:
         key = (s, n)
+        mine = self._mine.get(key)
+        if mine is not None:
+            return mine
         if key not in self.cands:
             self.cands[key] = stage_candidates(self.work, self.cluster, self.eff, s, n)
-        found = self.cands[key]
-        if not self.keep or len(found) <= self.keep:
-            return found
-        # the fastest layouts, and the smallest one, so a quick search still fits
-        smallest = min(found, key=lambda c: (c.resident + c.transient, c.seconds))
-        head = found[: self.keep - 1]
-        return head if smallest in head else [*head, smallest]
+        mine = found = self.cands[key]
+        if self.keep and len(found) > self.keep:
+            # the fastest layouts, and the smallest one, so a quick search still fits
+            smallest = min(found, key=lambda c: (c.resident + c.transient, c.seconds))
+            head = found[: self.keep - 1]
+            mine = head if smallest in head else [*head, smallest]
+        self._mine[key] = mine
+        if mine:
+            self._least[key] = (min(c.resident for c in mine), min(c.transient for c in mine))
+        return mine
 
     def _hopeless(self, vec, floor: list[float]) -> bool:
         """True when every completion of per-phase seconds ``vec`` is slower than the bound."""
@@ -281,7 +289,8 @@ class _Searcher:
             lists = [self.candidates(i, n) for i in members]
             if any(not c for c in lists):
                 continue
-            if sum(min(c.resident for c in cs) for cs in lists) + max(min(c.transient for c in cs) for cs in lists) > self.cap:
+            least = [self._least[(i, n)] for i in members]
+            if sum(r for r, _ in least) + max(t for _, t in least) > self.cap:
                 continue
             fastest = [cs[0] for cs in lists]
             low = [0.0] * self.num_phases
@@ -454,7 +463,7 @@ def search(
     # The named placements with each model-stage's two fastest layouts give valid plans
     # quickly; the best of them bounds the exact search, which skips what cannot beat it.
     # Without alternatives, each named placement is searched under the best so far.
-    quick = _Searcher(work, cluster, eff, budget, keep=2)
+    quick = quick_named = _Searcher(work, cluster, eff, budget, keep=2)
     named: dict[str, tuple[float, tuple] | None] = {}
     incumbent = None
     for label, partition in _named_partitions(work).items():
@@ -465,7 +474,6 @@ def search(
         if got is not None and (incumbent is None or got[0] < incumbent[0]):
             incumbent = got
     quick.bound = float("inf")
-    named_plans = {label: quick.to_plan(g[1])[0] for label, g in named.items() if g is not None}
     inf = float("inf")
     quick_all = _Searcher(work, cluster, eff, budget, keep=2, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
     got = quick_all.best()
@@ -497,6 +505,7 @@ def search(
     alts: list[Alternative] = []
     if alternatives:
         chosen = sorted(sorted(g) for g in groups)
+        named_plans = {label: quick_named.to_plan(g[1])[0] for label, g in named.items() if g is not None}
         for label, got in named.items():
             same_placement = sorted(sorted(work.stages[i].name for i in range(len(work.stages)) if m >> i & 1)
                                     for m in _named_partitions(work)[label]) == chosen
