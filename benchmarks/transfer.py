@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from nereus.transfer.cpu import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
+
 MiB = 2**20
 
 
@@ -43,12 +45,11 @@ def _summary(xs: list[float]) -> dict:
 # ------------------------------------------------------------------ worker side
 
 
-def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int) -> None:
+def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int, slot: int,
+            slots: int) -> None:
     from nereus.transfer import CpuCommunicator
 
     torch.set_num_threads(1)
-    slot = int(os.environ.get("NEREUS_BENCH_SLOT_MIB", "32")) * MiB
-    slots = int(os.environ.get("NEREUS_BENCH_SLOTS", "4"))
     comm = CpuCommunicator(f"bench-{mode}", rank, 2, "127.0.0.1", port, timeout_s=120.0,
                            use_shm=(mode == "shm"), slot_bytes=slot, slots=slots)
     out = {}
@@ -76,14 +77,15 @@ def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int) -> Non
         print(json.dumps({str(k): v for k, v in out.items()}), flush=True)
 
 
-def run_p2p(mode: str, sizes: list[int], reps: int) -> dict[int, list[float]]:
+def run_p2p(mode: str, sizes: list[int], reps: int, slot: int = DEFAULT_SLOT_BYTES,
+            slots: int = DEFAULT_SLOTS) -> dict[int, list[float]]:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=120))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "benchmarks.transfer", "--worker", mode, str(store.port),
-           ",".join(map(str, sizes)), str(reps)]
+           ",".join(map(str, sizes)), str(reps), str(slot), str(slots)]
     procs = [subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, text=True, env=env)
              for r in range(2)]
     try:
@@ -173,19 +175,23 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict[int, list[float]], dict[i
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        mode, port, sizes, reps, rank = sys.argv[2:7]
-        _worker(int(rank), int(port), mode, [int(s) for s in sizes.split(",")], int(reps))
+        mode, port, sizes, reps, slot, slots, rank = sys.argv[2:9]
+        _worker(int(rank), int(port), mode, [int(s) for s in sizes.split(",")], int(reps),
+                int(slot), int(slots))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sizes-mib", default="1,16,64,256")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--slot-kib", type=int, default=DEFAULT_SLOT_BYTES // 1024,
+                    help="shared-memory ring slot size (CpuCommunicator slot_bytes)")
+    ap.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="slots per ring")
     args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     print(f"transfer benchmark: {os.cpu_count()} cores, reps={args.reps}, one thread per side; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
     results = {"memcpy": run_memcpy(sizes, args.reps)}
-    results["nereus_p2p"] = run_p2p("shm", sizes, args.reps)
+    results["nereus_p2p"] = run_p2p("shm", sizes, args.reps, args.slot_kib * 1024, args.slots)
     results["gloo_p2p"] = run_p2p("gloo", sizes, args.reps)
     if not args.no_ray:
         results["ray_numpy"], results["ray_torch"] = run_ray(sizes, args.reps)

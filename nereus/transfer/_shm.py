@@ -1,13 +1,23 @@
-"""Intra-host point-to-point through shared memory: one ring of slots per directed pair.
+"""Intra-host point-to-point through shared memory: a ring of slots per directed pair,
+plus hand-off segments the receiver adopts.
 
 A ``ShmP2P`` belongs to one rank of one group. For every peer on the same host it
-holds two channels (to the peer, from the peer). A channel is a shared-memory
-segment of ``slots * slot_bytes`` bytes plus two FIFOs: ``full`` carries 16-byte
-records (total bytes of the tensor, bytes in this chunk) from sender to receiver,
-``free`` carries one byte per slot the receiver has drained. The sender copies a
-chunk into the next slot when it has a credit; the receiver copies it out into the
-destination and returns the credit. Sender and receiver copy in different
-processes at the same time, so a large tensor costs about one memcpy, not two.
+holds two channels (to the peer, from the peer). A channel is a ring segment of
+``slots * slot_bytes`` bytes plus two FIFOs: ``full`` carries fixed-size records
+from sender to receiver (total bytes, bytes in this chunk, hand-off segment or -1,
+its capacity), ``back`` carries fixed-size messages from receiver to sender (a slot
+credit, the mode of the next large transfer, the release of a hand-off segment).
+
+Two ways to receive:
+- into a tensor (``recv``): the sender copies chunks into free slots while the
+  receiver copies earlier chunks out, in two processes at once;
+- into a fresh tensor (``recv_new``): for a large transfer the sender copies the
+  whole tensor ONCE into a hand-off segment and the receiver wraps that memory as
+  its tensor (zero copy). When the receiver's tensor (and every view of it) is
+  freed, the segment goes back to the sender's pool, so later hand-offs reuse
+  memory whose pages are already mapped.
+A transfer larger than one slot starts with the receiver telling the sender which
+of the two it wants (one small message); smaller ones go through the ring eagerly.
 
 Promises:
 - ``run(sends, recvs, deadline)`` progresses every send and receive of one batch in
@@ -16,12 +26,14 @@ Promises:
   between one ordered pair happen in list order on both sides.
 - Waiting is ``select`` on the FIFOs, an abort pipe and the peers' pidfds: no polling;
   a peer that exits wakes the waiter at once, an abort wakes it at once.
-- Names exist only while the group is being built: ``open_all`` creates or opens
-  every channel, the caller rendezvouses (gloo's group construction), then
-  ``unlink_names`` removes the names, so a killed process leaks nothing.
+- Ring names exist only while the group is being built (``unlink_names`` after the
+  rendezvous); a hand-off segment's name exists from its creation until the
+  receiver maps it, and ``close`` removes any left. A killed process leaks at most
+  a segment it had just created.
 
 Refuses: a record whose total size differs from the receiver's tensor
-(``TransferError``); use after ``close``.
+(``TransferError``); use after ``close``. Sizes that disagree about being larger
+than one slot are only detected at the deadline.
 """
 
 from __future__ import annotations
@@ -33,7 +45,9 @@ import mmap
 import os
 import select
 import struct
+import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -41,12 +55,16 @@ import torch
 
 from nereus.errors import TransferError
 
-__all__ = ["ShmP2P", "ShmTimeout", "shm_name_prefix"]
+__all__ = ["ShmP2P", "ShmTimeout", "ShmPeerExited", "RecvNew", "shm_name_prefix"]
 
 log = logging.getLogger("nereus.transfer")
 
 SHM_DIR = "/dev/shm"
-_RECORD = struct.Struct("<QQ")
+_RECORD = struct.Struct("<QQqQ")  # total, chunk bytes, hand-off segment (-1: ring), capacity
+_BACK = struct.Struct("<II")  # kind, value
+_CREDIT, _MODE, _RELEASE = 1, 2, 3
+_RING, _ADOPT = 0, 1
+_SEGMENT_ROUND = 2**20
 
 
 def shm_name_prefix(*parts: object) -> str:
@@ -71,14 +89,22 @@ class ShmPeerExited(Exception):
         self.peer = peer
 
 
+class RecvNew:
+    """A receive into a fresh tensor of ``nbytes``; ``result`` is set by ``run``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.result: torch.Tensor | None = None
+
+
 class _Channel:
-    """One directed pair: a ring of slots in a segment plus the two FIFOs."""
+    """One directed pair: the ring, the two FIFOs, and hand-off segments."""
 
     def __init__(self, base: str, slot_bytes: int, slots: int) -> None:
         self.base = base
         self.slot_bytes = slot_bytes
         self.slots = slots
-        self.paths = [base + ".seg", base + ".full", base + ".free"]
+        self.paths = [base + ".seg", base + ".full", base + ".back"]
         size = slot_bytes * slots
         fd = os.open(self.paths[0], os.O_CREAT | os.O_RDWR, 0o600)
         try:
@@ -95,28 +121,103 @@ class _Channel:
                 pass
         # O_RDWR keeps a FIFO open without waiting for the other end (Linux).
         self.full_fd = os.open(self.paths[1], os.O_RDWR | os.O_NONBLOCK)
-        self.free_fd = os.open(self.paths[2], os.O_RDWR | os.O_NONBLOCK)
+        self.back_fd = os.open(self.paths[2], os.O_RDWR | os.O_NONBLOCK)
         self.seg = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.next_slot = 0  # the slot the next record uses (both ends advance alike)
-        self.credits = slots  # sender side: slots it may fill
-        self.inbox = bytearray()  # receiver side: record bytes read but not parsed
+        self.next_slot = 0  # the slot the next ring record uses (both ends advance alike)
+        self.inbox = bytearray()  # bytes read from a FIFO but not parsed yet
+        # sender side
+        self.credits = slots
+        self.modes: deque[int] = deque()
+        self.free_segments: dict[int, int] = {}  # id -> capacity, released by the receiver
+        self.own_segments: dict[int, tuple[mmap.mmap, int, str]] = {}
+        # receiver side
+        self.adopted: dict[int, mmap.mmap] = {}
+        # Guards back_fd against finalizers after close; re-entrant because a finalizer
+        # can run (garbage collection) inside a send_back of the same thread.
+        self.lock = threading.RLock()
+        self.closed = False
 
     def slot(self, nbytes: int) -> torch.Tensor:
         start = self.next_slot * self.slot_bytes
         return self.seg[start : start + nbytes]
 
+    def send_back(self, kind: int, value: int = 0) -> None:
+        with self.lock:
+            if not self.closed:
+                os.write(self.back_fd, _BACK.pack(kind, value))
+
+    def read_back(self) -> bool:
+        """Sender side: apply the receiver's messages; True if any arrived."""
+        try:
+            self.inbox += os.read(self.back_fd, 65536)
+        except BlockingIOError:
+            return False
+        while len(self.inbox) >= _BACK.size:
+            kind, value = _BACK.unpack_from(self.inbox)
+            del self.inbox[: _BACK.size]
+            if kind == _CREDIT:
+                self.credits += 1
+            elif kind == _MODE:
+                self.modes.append(value)
+            elif kind == _RELEASE:
+                self.free_segments[value] = self.own_segments[value][1]
+        return True
+
+    def take_segment(self, nbytes: int) -> tuple[int, mmap.mmap, int]:
+        """Sender side: a hand-off segment of at least ``nbytes`` (best fit, else new)."""
+        fits = [(cap, i) for i, cap in self.free_segments.items() if cap >= nbytes]
+        if fits:
+            cap, i = min(fits)
+            del self.free_segments[i]
+            return i, self.own_segments[i][0], cap
+        i = len(self.own_segments)
+        cap = max(_SEGMENT_ROUND, -(-nbytes // _SEGMENT_ROUND) * _SEGMENT_ROUND)
+        path = f"{self.base}.h{i}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, cap)
+            mm = mmap.mmap(fd, cap)
+        finally:
+            os.close(fd)
+        self.own_segments[i] = (mm, cap, path)
+        return i, mm, cap
+
+    def adopt(self, seg: int, cap: int, nbytes: int) -> torch.Tensor:
+        """Receiver side: the hand-off segment as a tensor; released when it is freed."""
+        mm = self.adopted.get(seg)
+        if mm is None:
+            path = f"{self.base}.h{seg}"
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, cap)
+            finally:
+                os.close(fd)
+            os.unlink(path)  # mapped on both ends now: the name is no longer needed
+            self.adopted[seg] = mm
+        view = memoryview(mm)[:nbytes]
+        weakref.finalize(view, self.send_back, _RELEASE, seg)
+        return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
     def unlink(self) -> None:
-        for path in self.paths:
+        for path in self.paths + [p for _, _, p in self.own_segments.values()]:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
 
     def close(self) -> None:
-        for fd in (self.full_fd, self.free_fd):
-            os.close(fd)
+        with self.lock:
+            self.closed = True
+            for fd in (self.full_fd, self.back_fd):
+                os.close(fd)
+        self.unlink()
         del self.seg
         self._mm.close()
+        for mm, _, _ in self.own_segments.values():
+            mm.close()
+        self.own_segments.clear()
+        # Adopted mappings stay alive as long as the tensors made from them.
+        self.adopted.clear()
 
 
 @dataclass
@@ -125,9 +226,14 @@ class _Stream:
 
     peer: int
     channel: _Channel
-    queue: deque  # of uint8 tensors (contiguous views)
+    queue: deque  # sends: uint8 tensors; receives: uint8 tensors or RecvNew
     offset: int = 0  # bytes done of queue[0]
-    started: bool = False  # a record for queue[0] has been sent or received
+    mode: int = -1  # queue[0]'s mode once agreed (-1: not yet)
+    target: torch.Tensor | None = None  # receiver: where queue[0]'s ring chunks land
+
+
+def _nbytes(item: torch.Tensor | RecvNew) -> int:
+    return item.nbytes if isinstance(item, RecvNew) else item.numel()
 
 
 class ShmP2P:
@@ -146,6 +252,7 @@ class ShmP2P:
         self._pidfds: dict[int, int] = {}
         self._abort_r, self._abort_w = os.pipe()
         os.set_blocking(self._abort_r, False)
+        os.set_blocking(self._abort_w, False)
         self._closed = False
         try:
             for peer, pid in sorted(peers.items()):
@@ -175,9 +282,13 @@ class ShmP2P:
             return -1
 
     def unlink_names(self) -> None:
-        """Remove every name of this rank's channels (mappings and fds stay valid)."""
+        """Remove the ring names of this rank's channels (mappings and fds stay valid)."""
         for ch in [*self._out.values(), *self._in.values()]:
-            ch.unlink()
+            for path in ch.paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
     def abort(self) -> None:
         """Wake any ``run`` in progress; it raises ``TransferError``."""
@@ -204,11 +315,12 @@ class ShmP2P:
     def run(
         self,
         sends: list[tuple[int, torch.Tensor]],
-        recvs: list[tuple[int, torch.Tensor]],
+        recvs: list[tuple[int, torch.Tensor | RecvNew]],
         deadline: float,
     ) -> None:
-        """Move every (peer, contiguous uint8 tensor) pair; returns when this rank's part
-        is done (its sends are in the peers' slots, its receives are copied out).
+        """Move every (peer, contiguous uint8 tensor or RecvNew) pair; returns when this
+        rank's part is done (its sends are in the peers' slots or segments, its
+        receives are copied out or adopted).
 
         Raises ``ShmTimeout`` at ``deadline``, ``ShmPeerExited`` if a pending peer's
         process exits, ``TransferError`` on abort or a size mismatch."""
@@ -218,8 +330,8 @@ class ShmP2P:
         inn: dict[int, _Stream] = {}
         for peer, t in sends:
             out.setdefault(peer, _Stream(peer, self._out[peer], deque())).queue.append(t)
-        for peer, t in recvs:
-            inn.setdefault(peer, _Stream(peer, self._in[peer], deque())).queue.append(t)
+        for peer, r in recvs:
+            inn.setdefault(peer, _Stream(peer, self._in[peer], deque())).queue.append(r)
         while out or inn:
             moved = False
             for peer in list(out):
@@ -234,64 +346,100 @@ class ShmP2P:
                 continue
             self._wait(out, inn, deadline)
 
+    # ------------------------------------------------------------ sender
+
     def _pump_send(self, s: _Stream) -> bool:
         ch = s.channel
-        self._take_credits(ch)
-        moved = False
-        while s.queue and ch.credits > 0:
+        moved = ch.read_back()
+        while s.queue:
             t = s.queue[0]
             total = t.numel()
-            n = min(ch.slot_bytes, total - s.offset)
-            if n:
-                ch.slot(n).copy_(t[s.offset : s.offset + n])
-            os.write(ch.full_fd, _RECORD.pack(total, n))
-            ch.credits -= 1
-            ch.next_slot = (ch.next_slot + 1) % ch.slots
-            s.offset += n
+            if s.mode < 0:
+                if total <= ch.slot_bytes:
+                    s.mode = _RING
+                elif ch.modes:
+                    s.mode = ch.modes.popleft()
+                else:
+                    return moved  # waiting for the receiver to choose
+            if s.mode == _ADOPT:
+                seg, mm, cap = ch.take_segment(total)
+                dst = torch.frombuffer(mm, dtype=torch.uint8, count=total)
+                dst.copy_(t)
+                del dst  # no export may outlive the copy (close() unmaps)
+                os.write(ch.full_fd, _RECORD.pack(total, total, seg, cap))
+            else:
+                while s.offset < total or (total == 0 and s.offset == 0):
+                    if ch.credits <= 0:
+                        return moved
+                    n = min(ch.slot_bytes, total - s.offset)
+                    if n:
+                        ch.slot(n).copy_(t[s.offset : s.offset + n])
+                    os.write(ch.full_fd, _RECORD.pack(total, n, -1, 0))
+                    ch.credits -= 1
+                    ch.next_slot = (ch.next_slot + 1) % ch.slots
+                    s.offset += n
+                    if total == 0:
+                        break
+            s.queue.popleft()
+            s.offset, s.mode = 0, -1
             moved = True
-            if s.offset >= total:
-                s.queue.popleft()
-                s.offset = 0
         return moved
 
-    @staticmethod
-    def _take_credits(ch: _Channel) -> None:
-        try:
-            ch.credits += len(os.read(ch.free_fd, 4096))
-        except BlockingIOError:
-            pass
+    # ------------------------------------------------------------ receiver
 
     def _pump_recv(self, s: _Stream) -> bool:
         ch = s.channel
+        moved = False
         try:
-            ch.inbox += os.read(ch.full_fd, 4096)
+            ch.inbox += os.read(ch.full_fd, 65536)
         except BlockingIOError:
             pass
-        moved = False
-        while s.queue and len(ch.inbox) >= _RECORD.size:
-            total, n = _RECORD.unpack_from(ch.inbox)
+        while s.queue:
+            item = s.queue[0]
+            expected = _nbytes(item)
+            if s.mode < 0:
+                # Announce the mode of a large transfer before its data can arrive.
+                want = _RING if isinstance(item, torch.Tensor) else _ADOPT
+                if expected > ch.slot_bytes:
+                    ch.send_back(_MODE, want)
+                s.mode = want
+                s.target = item if isinstance(item, torch.Tensor) else None
+            if len(ch.inbox) < _RECORD.size:
+                break
+            total, n, seg, cap = _RECORD.unpack_from(ch.inbox)
             del ch.inbox[: _RECORD.size]
-            t = s.queue[0]
-            if total != t.numel() or s.offset + n > total:
+            if total != expected or s.offset + n > total:
                 raise TransferError(
-                    f"rank {self.rank} expected {t.numel()} bytes from rank {s.peer} "
-                    f"but the sender's tensor has {total} bytes"
-                )
-            if n:
-                t[s.offset : s.offset + n].copy_(ch.slot(n))
-            ch.next_slot = (ch.next_slot + 1) % ch.slots
-            os.write(ch.free_fd, b"\1")
-            s.offset += n
+                    f"rank {self.rank} expected {expected} bytes from rank {s.peer} "
+                    f"but the sender's tensor has {total} bytes")
             moved = True
+            if seg >= 0:
+                if not isinstance(item, RecvNew):
+                    raise TransferError(f"rank {self.rank}: rank {s.peer} handed off a "
+                                        "segment for a receive into a tensor")
+                item.result = ch.adopt(seg, cap, total)
+                s.offset = total
+            else:
+                if s.target is None:
+                    s.target = torch.empty(total, dtype=torch.uint8)
+                if n:
+                    s.target[s.offset : s.offset + n].copy_(ch.slot(n))
+                ch.next_slot = (ch.next_slot + 1) % ch.slots
+                ch.send_back(_CREDIT)
+                s.offset += n
             if s.offset >= total:
+                if isinstance(item, RecvNew) and item.result is None:
+                    item.result = s.target
                 s.queue.popleft()
-                s.offset = 0
+                s.offset, s.mode, s.target = 0, -1, None
         return moved
+
+    # ------------------------------------------------------------ waiting
 
     def _wait(self, out: dict[int, _Stream], inn: dict[int, _Stream], deadline: float) -> None:
         watch = {self._abort_r: ("abort", -1)}
         for peer in out:
-            watch[self._out[peer].free_fd] = ("io", peer)
+            watch[self._out[peer].back_fd] = ("io", peer)
         for peer in inn:
             watch[self._in[peer].full_fd] = ("io", peer)
         for peer in {*out, *inn}:

@@ -61,6 +61,17 @@ class Communicator(abc.ABC):
     def recv(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
         self.batch_p2p([P2POp("recv", tensor, src)], timeout_s)
 
+    def recv_new(self, shape: Sequence[int], dtype: torch.dtype, src: int,
+                 timeout_s: float | None = None) -> torch.Tensor:
+        """Receive from ``src`` into a fresh tensor of ``shape`` and ``dtype``.
+
+        Backends that can hand memory over (shared memory within a host) return a
+        tensor backed by the sender's copy, with no copy on this side; the default
+        allocates one and receives into it."""
+        out = torch.empty(tuple(shape), dtype=dtype)
+        self.recv(out, src, timeout_s)
+        return out
+
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank."""

@@ -53,7 +53,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 from nereus.config import require
 from nereus.errors import ConfigError, StuckCollective, TransferError
 from nereus.transfer import _tap
-from nereus.transfer._shm import ShmP2P, ShmPeerExited, ShmTimeout, shm_name_prefix
+from nereus.transfer._shm import RecvNew, ShmP2P, ShmPeerExited, ShmTimeout, shm_name_prefix
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 
 __all__ = ["CpuCommunicator", "host_key", "DEFAULT_SLOT_BYTES", "DEFAULT_SLOTS"]
@@ -385,15 +385,36 @@ class CpuCommunicator(Communicator):
                 return
             self._run_p2p(list(ops), timeout)
 
-    def _run_p2p(self, ops: list[P2POp], timeout: float) -> None:
-        peers = sorted({o.peer for o in ops})
+    def recv_new(self, shape: Sequence[int], dtype: torch.dtype, src: int,
+                 timeout_s: float | None = None) -> torch.Tensor:
+        """Receive from ``src`` into a fresh tensor. From a same-host peer, a transfer
+        larger than one slot is handed off: the tensor IS the sender's copy in shared
+        memory (no copy here); its segment returns to the sender's pool once the
+        tensor and all its views are freed. Other peers: a plain receive."""
+        shape = tuple(int(d) for d in shape)
+        if self._shm is None or src not in self._shm.peers:
+            return super().recv_new(shape, dtype, src, timeout_s)
+        timeout = self._deadline(timeout_s)
+        require(isinstance(src, int) and 0 <= src < self.size and src != self.rank, "src", src,
+                f"must be another rank in [0, {self.size})")
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            self._check()
+            want = RecvNew(nbytes)
+            self._run_p2p([], timeout, new=[(src, want)])
+            assert want.result is not None
+            return want.result.view(dtype).view(shape)
+
+    def _run_p2p(self, ops: list[P2POp], timeout: float,
+                 new: list[tuple[int, RecvNew]] = ()) -> None:
+        peers = sorted({o.peer for o in ops} | {p for p, _ in new})
         for p in peers:
             self._p2p_seq[p] = self._p2p_seq.get(p, 0) + 1
         self._kv.multi_set([f"p/{self.rank}/{p}" for p in peers],
                            [str(self._p2p_seq[p]) for p in peers])
         shm_peers = set(self._shm.peers) if self._shm is not None else set()
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (user tensor, contiguous buf)
-        shm_sends, shm_recvs, gloo = [], [], []
+        shm_sends, shm_recvs, gloo = [], list(new), []
         for o in ops:
             buf = o.tensor if o.tensor.is_contiguous() else o.tensor.contiguous()
             if o.kind == "recv" and buf is not o.tensor:

@@ -156,49 +156,88 @@ def scenario_p2p(a: dict) -> dict:
     return {"checked": checked}
 
 
-def scenario_mismatch(a: dict) -> dict:
+def scenario_handoff(a: dict) -> dict:
+    """recv_new: large transfers are adopted (zero copy), segments come back to the pool."""
+    import gc
+
     r = a["rank"]
-    comm = comm_from(a, a["group"], use_shm=a["shm"], timeout_s=5.0)
-    try:
+    comm = comm_from(a, a["group"], slot_bytes=1 << 16, slots=2)
+    shapes = [(10,), (300, 1000), (0,), (2, 70000), (300, 1000)]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16]
+    segments = []
+    for rnd in range(3):
+        for k, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
+            ref = make(shape, dtype, 50 * rnd + k)
+            if r == 0:
+                # a non-contiguous source is fine too
+                comm.send(strided(ref) if len(shape) == 2 else ref, 1)
+            else:
+                got = comm.recv_new(shape, dtype, 0)
+                close(got, ref, f"recv_new {shape} {dtype}")
+                got.add_(0) if dtype.is_floating_point else None  # ours to use
+                del got
+                gc.collect()
+        comm.barrier()  # the releases of this round are in flight before the next one
         if r == 0:
-            comm.send(torch.ones(10), 1)
-            return {"raised": None}
-        comm.recv(torch.ones(12), 0)
-    except NereusError as e:
-        return {"raised": type(e).__name__, "message": str(e)}
-    finally:
-        comm.destroy()
-    return {"raised": None}
+            segments.append(len(comm._shm._out[1].own_segments))
+    comm.destroy()
+    return {"segments": segments}
+
+
+def scenario_mismatch(a: dict) -> dict:
+    """Sizes that disagree are an error, over shared memory and over gloo."""
+    r = a["rank"]
+    out = {}
+    for shm in (True, False):
+        comm = comm_from(a, f"{a['group']}-{shm}", use_shm=shm)
+        raised, message = None, ""
+        try:
+            if r == 0:
+                comm.send(torch.ones(10), 1, timeout_s=10.0)
+            else:
+                comm.recv(torch.ones(12), 0, timeout_s=10.0)
+        except NereusError as e:
+            raised, message = type(e).__name__, str(e)
+        finally:
+            comm.destroy()
+        out["shm" if shm else "gloo"] = {"raised": raised, "message": message}
+    return out
 
 
 def scenario_stuck(a: dict) -> dict:
-    """Rank ``missing`` never enters the operation; the others must report it."""
+    """Rank ``missing`` never enters the operations; the others must report it.
+
+    One group per operation kind, one after the other in the same processes."""
     r = a["rank"]
-    comm = comm_from(a, a["group"], timeout_s=30.0)
-    comm.barrier()
-    if r == a["missing"]:
-        # Stay alive (so this is a stuck rank, not a dead one) until the others reported.
-        comm._kv.wait([f"reported/{p}" for p in range(a["size"]) if p != r])
-        comm.destroy()
-        return {"role": "missing"}
-    t0 = time.monotonic()
-    try:
-        if a["op"] == "p2p":
-            comm.recv(torch.empty(1000), a["missing"], timeout_s=a["deadline_s"])
-        else:
-            comm.all_reduce(torch.ones(1000), timeout_s=a["deadline_s"])
-    except StuckCollective as e:
-        took = time.monotonic() - t0
-        after = None
+    out = {}
+    for op in a["ops"]:
+        comm = comm_from(a, f"{a['group']}-{op}", timeout_s=30.0)
+        comm.barrier()
+        if r == a["missing"]:
+            # Stay alive (a stuck rank, not a dead one) until the others reported.
+            comm._kv.wait([f"reported/{p}" for p in range(a["size"]) if p != r])
+            comm.destroy()
+            out[op] = {"role": "missing"}
+            continue
+        t0 = time.monotonic()
         try:
-            comm.barrier()
-        except TransferError as e2:
-            after = type(e2).__name__
-        comm._kv.set(f"reported/{r}", "1")
-        comm.destroy()
-        return {"role": "waiter", "missing_ranks": e.missing_ranks, "seconds": took,
-                "op": e.op, "after": after}
-    raise AssertionError("the operation did not fail")
+            if op == "p2p":
+                comm.recv(torch.empty(1000), a["missing"], timeout_s=a["deadline_s"])
+            else:
+                comm.all_reduce(torch.ones(1000), timeout_s=a["deadline_s"])
+            raise AssertionError(f"{op} did not fail")
+        except StuckCollective as e:
+            took = time.monotonic() - t0
+            after = None
+            try:
+                comm.barrier()
+            except TransferError as e2:
+                after = type(e2).__name__
+            comm._kv.set(f"reported/{r}", "1")
+            comm.destroy()
+            out[op] = {"role": "waiter", "missing_ranks": e.missing_ranks, "seconds": took,
+                       "op": e.op, "after": after}
+    return out
 
 
 def scenario_die(a: dict) -> dict:
@@ -213,7 +252,7 @@ def scenario_die(a: dict) -> dict:
             # Deliver the first chunk of a transfer, then die with it half done.
             ch = comm._shm._out[0]
             ch.slot(ch.slot_bytes).fill_(1)
-            os.write(ch.full_fd, _RECORD.pack(big.numel() * 4, ch.slot_bytes))
+            os.write(ch.full_fd, _RECORD.pack(big.numel() * 4, ch.slot_bytes, -1, 0))
         os._exit(3)
     t0 = time.monotonic()
     try:

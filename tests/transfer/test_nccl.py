@@ -74,7 +74,7 @@ def test_stuck_nccl_collective_names_missing_rank(workers):
         pytest.skip(f"needs 3 GPUs (one per rank), this machine has {_gpus()}")
     from nereus.transfer.nccl import unique_id
 
-    results = workers.run("stuck", 3, missing=2, op="all_reduce", deadline_s=3.0,
+    results = workers.run("stuck", 3, missing=2, ops=["all_reduce"], deadline_s=3.0,
                           backend="nccl", nccl_id=unique_id().hex())
     for r in results[:2]:
-        assert r["missing_ranks"] == [2], r
+        assert r["all_reduce"]["missing_ranks"] == [2], r
