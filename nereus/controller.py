@@ -186,6 +186,14 @@ class Controller:
         self.clients.pop(ident, None)
         return {}
 
+    def _op_set_epoch(self, ident: bytes, body: dict) -> dict:
+        epoch = body["epoch"]
+        if type(epoch) is not int or epoch < self.epoch:
+            raise ValueError(f"epoch={epoch!r} must be an int >= the current {self.epoch}")
+        self.epoch = epoch
+        self.publish({"type": "epoch", "epoch": epoch})
+        return {"epoch": epoch}
+
     def _op_devices(self, ident: bytes, body: dict) -> dict:
         return self._view()
 

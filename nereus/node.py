@@ -185,6 +185,7 @@ class NodeDaemon:
         env = dict(os.environ)
         env[KEY_ENV] = self.key.decode("latin-1")
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")  # actors' prints show up as they happen
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
         if self.kind == "cuda":

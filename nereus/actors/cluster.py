@@ -8,7 +8,8 @@
   in the driver's event loop (workers are real processes) with a fresh random key;
   ``devices`` may be a list of per-node counts (``[2, 3]``).
 - ``Cluster.connect(address, key=...)`` attaches to a running controller (key from
-  the argument, ``key_file``, or ``$NEREUS_CLUSTER_KEY``).
+  the argument, ``key_file``, or ``$NEREUS_CLUSTER_KEY``); ``close`` then stops the
+  meshes this driver spawned (the workers belong to the node daemons).
 - Supervision: when a device dies, the owner (this driver) learns it within
   milliseconds of the node noticing (a SIGKILLed worker is noticed at once, a silent
   node after the heartbeat timeout). In-flight calls to it fail with ``ActorDied``;
@@ -43,7 +44,7 @@ from nereus.actors._keys import generate_key, load_key
 from nereus.actors.actor import Actor, DeviceInfo, Failure, class_path
 from nereus.actors.mesh import ActorMesh, ActorRef
 from nereus.config import parse_size
-from nereus.errors import ActorDied, ConfigError, DeadlineExceeded, RemoteError
+from nereus.errors import ActorDied, ConfigError, DeadlineExceeded, NereusError, RemoteError
 
 __all__ = ["Cluster"]
 
@@ -198,6 +199,13 @@ class Cluster:
             raise ConfigError("the cluster is not started (use `async with Cluster.local(...)`)")
         return self._client
 
+    async def set_epoch(self, epoch: int) -> None:
+        """Set the layout epoch the controller stamps on every tap event from now on
+        (the transition layer bumps it when a new plan takes effect)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"epoch={epoch!r} must be an int >= 0")
+        await self._need_client().request(None, "set_epoch", {"epoch": epoch})
+
     # -- spawning --------------------------------------------------------------------
 
     async def spawn(self, name: str, actor_class: type[Actor],
@@ -320,6 +328,14 @@ class Cluster:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.controller is None and self._client is not None and not self._client.closed:
+            # Attached to a shared cluster: its workers outlive us, our actors must not.
+            for mesh, _path in list(self._meshes.values()):
+                try:
+                    await asyncio.wait_for(mesh.stop(), 5.0)
+                except (asyncio.TimeoutError, NereusError) as e:
+                    log.warning("could not stop mesh %r on close: %s", mesh.name, e)
+            self._meshes.clear()
         if self._client is not None and not self._client.closed:
             try:
                 self._client.tell("bye", {})

@@ -37,6 +37,7 @@ COMMON_FIELDS: dict[str, str] = {
 
 # type -> {field: meaning}; fields beyond these are allowed.
 EVENT_TYPES: dict[str, dict[str, str]] = {
+    "epoch": {"epoch": "the new layout epoch (Cluster.set_epoch); later events carry it"},
     "controller_start": {"address": "controller ROUTER address", "tap_address": "this PUB socket"},
     "node_join": {"node_id": "node id", "host": "host name", "devices": "global device indices"},
     "node_leave": {"node_id": "node id", "reason": "why (e.g. 'shutdown')"},

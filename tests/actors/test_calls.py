@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nereus.actors import ActorMesh, ActorRef, Cluster, DeviceInfo
+from nereus.actors._client import current_client
 from nereus.errors import ConfigError, ProtocolError, RemoteError
 from nereus.monitor import Subscriber
 from tests.actors._actors import BadInit, Echo, Tensors
@@ -197,6 +198,13 @@ async def test_emit_reaches_the_tap(cluster: Cluster):
                 seen.setdefault(ev["type"], ev)
 
         await asyncio.wait_for(collect(), 10)
+        await cluster.set_epoch(3)
+        await cluster.set_epoch(3)  # idempotent
+        with pytest.raises(ProtocolError, match="epoch"):
+            await current_client().request(None, "set_epoch", {"epoch": 2})  # backwards
+        emit("driver_event", value=2)
+        ev = await sub.wait_for(lambda e: e["type"] == "driver_event" and e["value"] == 2, 10)
+        assert ev["epoch"] == 3
         ev = seen["test_event"]
         assert ev["value"] == 7 and ev["device"] in (0, 1)
         assert ev["v"] == 1 and "epoch" in ev and "time_monotonic_seconds" in ev

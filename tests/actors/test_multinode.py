@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nereus.actors import Cluster
+from nereus.actors import Cluster, emit
 from nereus.actors._client import Client, current_client
 from nereus.controller import READY_PREFIX as CONTROLLER_READY
 from nereus.errors import ConfigError, DeadlineExceeded
@@ -59,6 +59,15 @@ async def test_two_nodes_on_loopback(tmp_path, no_leaks):
         tap, _ = await _start("-m", "nereus.tap", tap_address, "--jsonl", str(jsonl), "--quiet",
                               "--key-file", str(key_file), ready=None)
         procs.append(tap)
+
+        # PUB/SUB joins asynchronously: probe until the tap records, so it sees every join
+        async def tap_is_live():
+            async with Cluster.connect(address, key=KEY, min_devices=0):
+                while not (jsonl.exists() and "tap_probe" in jsonl.read_text()):
+                    emit("tap_probe")
+                    await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(tap_is_live(), 30)
         env = os.environ | {"NEREUS_CLUSTER_KEY": KEY}  # the other way to give the key
         node_a, ready_a = await _start(
             "-m", "nereus.node", "--controller", address, "--devices", "2",
@@ -97,7 +106,14 @@ async def test_two_nodes_on_loopback(tmp_path, no_leaks):
             stats = await real.request(ref.address, "stats", {})
             assert stats["counters"]["rejected_signature"] >= 1
             assert await mesh.slice(dp=0).add.call_one(5) == 5
+            kept = await cluster.spawn("kept", Echo, devices=[cluster.devices[0]])
             await cluster.stop_mesh(mesh)
+
+        # closing a connected driver stops the meshes it spawned, not the workers
+        async with Cluster.connect(address, key=KEY, min_devices=5) as again:
+            stats = await current_client().request(kept.refs[0].address, "stats", {})
+            assert stats["actors"] == {}
+            assert len(again.devices) == 5
 
         with pytest.raises((DeadlineExceeded, ConfigError)):
             async with Cluster.connect(address, key="not-the-cluster-key-at-all", timeout_s=1):
