@@ -123,6 +123,7 @@ def _admits_layout(n: int, batch: int) -> bool:
 
 
 MAX_WAVES = 8
+QUICK_KEEP = 2
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -475,7 +476,7 @@ def search(
             incumbent = got
     quick.bound = float("inf")
     inf = float("inf")
-    quick_all = _Searcher(work, cluster, eff, budget, keep=2, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
+    quick_all = _Searcher(work, cluster, eff, budget, keep=QUICK_KEEP, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
     got = quick_all.best()
     if got is not None and (incumbent is None or got[0] < incumbent[0]):
         incumbent, quick = got, quick_all
