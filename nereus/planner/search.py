@@ -26,10 +26,13 @@ vectors over candidate combinations that fit; then dynamic programming over subs
 model-stages: F(S) = Pareto over (devices, per-phase vector) of pool(G) ⊕ F(S \\ G),
 G the pool holding S's first model-stage, ⊕ adding devices and taking per-phase maxima.
 Every step keeps exactly the non-dominated entries of a monotone objective, so the
-result is the optimum of the space.
+result is the optimum of the space. To keep it fast, a quick search (each model-stage's
+fastest and smallest layout) first finds a valid plan; every partial choice whose
+optimistic completion (the fastest the remaining model-stages can be on the devices
+left) is slower than a bound is dropped; the bound is first halfway between that floor
+and the quick plan (exact whenever a plan is found under it), else the quick plan.
 
-Raises ``InfeasiblePlan`` when no plan fits (names the budget and the smallest memory
-need it found).
+Raises ``InfeasiblePlan`` when no plan fits (names the budget and the usable memory).
 """
 
 from __future__ import annotations
@@ -457,12 +460,12 @@ def search(
 
     ``alternatives`` adds, fastest first, the best plan of each named placement
     (colocated, separated, per-model, generation apart) that differs from the chosen
-    one, searched over each model-stage's two fastest layouts per pool size.
+    one, searched over each model-stage's fastest and smallest layout per pool size.
     Raises InfeasiblePlan when nothing fits."""
     budget = cluster.num_devices if budget is None else budget
     require(1 <= budget <= cluster.num_devices, "budget", budget, f"must be in [1, {cluster.num_devices}] devices")
-    # The named placements with each model-stage's two fastest layouts give valid plans
-    # quickly; the best of them bounds the exact search, which skips what cannot beat it.
+    # The named placements with each model-stage's fastest and smallest layouts give
+    # valid plans quickly; the best of them bounds the exact search, which skips what cannot beat it.
     # Without alternatives, each named placement is searched under the best so far.
     quick = quick_named = _Searcher(work, cluster, eff, budget, keep=2)
     named: dict[str, tuple[float, tuple] | None] = {}
