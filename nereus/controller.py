@@ -33,8 +33,8 @@ from typing import Any
 
 import zmq
 
+from nereus.actors import _client, _wire
 from nereus.actors import _protocol as P
-from nereus.actors import _wire
 from nereus.actors._channel import Channel, Counters
 from nereus.actors._keys import load_key
 from nereus.errors import ConfigError, ProtocolError
@@ -366,6 +366,7 @@ async def _serve(args: argparse.Namespace) -> None:
     stop = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    _client.set_local_publisher(controller.publish)  # emit() in this process
     print(f"{READY_PREFIX}{controller.address} {controller.tap_address}", flush=True)
     try:
         await stop

@@ -115,9 +115,9 @@ class Client:
     # -- connections -----------------------------------------------------------------
 
     def connect_controller(self, address: str) -> None:
-        self._controller = self._open(address, "controller")
+        self._controller = self._open(address)
 
-    def _open(self, address: str, label: str) -> Channel:
+    def _open(self, address: str) -> Channel:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -131,7 +131,7 @@ class Client:
         if ch is None:
             if self.closed:
                 raise ProtocolError("the cluster connection is closed")
-            ch = self._conns[address] = self._open(address, address)
+            ch = self._conns[address] = self._open(address)
         return ch
 
     # -- calls -----------------------------------------------------------------------
@@ -206,6 +206,8 @@ class Client:
         self._finish(p.cid)
         if not p.fut.done():
             p.fut.cancel()
+        elif not p.fut.cancelled():
+            p.fut.exception()  # seen by next_item or moot: do not warn "never retrieved"
 
     async def request(self, address: str | None, op: str, body: Any,
                       timeout_s: float | None = 30.0) -> Any:
@@ -215,14 +217,18 @@ class Client:
         target = address or "controller"
         if address is not None and address in self.dead:
             raise ActorDied(f"worker {address}", None, self.dead[address])
+        ch = self._controller if address is None else self.conn(address)
+        if ch is None:
+            raise ProtocolError("this client has no controller connection")
         p = _Pending(fut, target, "", 0, op, None)
         if timeout_s is not None:
             p.timer = self.loop.call_later(timeout_s, self._expire, cid, timeout_s)
         self.pending[cid] = p
-        ch = self._controller if address is None else self.conn(address)
-        if ch is None:
-            raise ProtocolError("this client has no controller connection")
-        ch.send([P.CTRL, cid, op, body])
+        try:
+            ch.send([P.CTRL, cid, op, body])
+        except BaseException:
+            self._finish(cid)
+            raise
         return await fut
 
     def tell(self, op: str, body: Any) -> None:
@@ -402,8 +408,19 @@ def emit(type: str, **fields: Any) -> None:  # noqa: A002 - the tap's field is c
     data with SI units in their names (``bytes``, ``seconds``, ``gbps``)."""
     if not isinstance(type, str) or not type:
         raise ValueError(f"emit(type={type!r}) needs a non-empty event type string")
-    if _CLIENT is None:
-        log.debug("emit(%r) outside a cluster: dropped", type)
-        return
     fields["type"] = type
-    _CLIENT.emit_event(fields)
+    if _CLIENT is not None:
+        _CLIENT.emit_event(fields)
+    elif _LOCAL_PUBLISH is not None:  # a standalone controller process
+        _LOCAL_PUBLISH(fields)
+    else:
+        log.debug("emit(%r) outside a cluster: dropped", type)
+
+
+_LOCAL_PUBLISH: Callable[[dict], None] | None = None
+
+
+def set_local_publisher(publish: Callable[[dict], None] | None) -> None:
+    """Where ``emit`` goes in a process with no client (the controller's own)."""
+    global _LOCAL_PUBLISH
+    _LOCAL_PUBLISH = publish

@@ -21,6 +21,9 @@ Call styles on ``mesh.<endpoint>`` (every one sends before it returns):
 - ``options(timeout_s=2.0)`` -> the same endpoint with a per-call deadline
   (``DeadlineExceeded`` at the caller when it passes).
 
+Arrays and tensors in arguments are sent without a copy: do not modify one until
+its call has answered (or, for ``broadcast``, until the next call to that actor).
+
 An endpoint whose name clashes with a mesh attribute (``name``, ``size``, ...) is
 reached with ``mesh.endpoint("name")``.
 """
