@@ -93,6 +93,7 @@ def _run_layout(base: Path, model_dir: Path, tp: int, pp: int, dp: int = 1) -> l
                 p.kill()
                 p.wait()
         del store
+    assert all(p.returncode is not None for p in procs)  # every worker reaped
     return [load_file(str(out / f"rank{r}.safetensors")) for r in range(world)]
 
 
