@@ -12,6 +12,11 @@ measurement weigh alike), with a weak pull toward the prior factors so that a cl
 the data barely touches stays near its prior. A class no equation has touched keeps
 its prior, which for an unseen class is conservative (``CONSERVATIVE``).
 
+Memory: ``observe_memory`` compares a measured peak with the memory model; the fitted
+``Efficiency.memory_scale`` is the largest measured/modelled ratio of transient bytes
+in the window (conservative: a plan must not break memory), which the search and
+``explain`` apply to activations, KV cache and logits.
+
 Promises: pure arithmetic, no clock; factors clamped to [0.01, 1.5].
 Refuses (``ConfigError``): unknown classes, non-positive measured times, negative
 ideal times.
@@ -23,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from nereus.config import require
-from nereus.planner.cost import CONSERVATIVE, OP_CLASSES, Efficiency, StageCost
+from nereus.planner.cost import CONSERVATIVE, OP_CLASSES, Efficiency, StageCost, StageMemory
 
 __all__ = ["Calibrator"]
 
@@ -59,6 +64,7 @@ class Calibrator:
         self.prior = prior
         self.prior_weight = prior_weight
         self._rows: deque[tuple[dict[str, float], float]] = deque(maxlen=window)
+        self._memory: deque[float] = deque(maxlen=window)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -83,6 +89,21 @@ class Calibrator:
         """One operation of one class (a timed GEMM, all-reduce, p2p send, decode step)."""
         self.observe({op_class: ideal_seconds}, measured_seconds)
 
+    def observe_memory(self, modelled: StageMemory, measured_peak_bytes: int) -> None:
+        """A measured peak of one model-stage on one device against the memory model.
+
+        The resident bytes (parameters, gradients, optimizer) are exact; what the peak
+        holds beyond them, over the modelled transient bytes, is one ratio."""
+        require(measured_peak_bytes > 0, "measured_peak_bytes", measured_peak_bytes, "must be > 0")
+        require(modelled.transient > 0, "modelled.transient", modelled.transient, "must be > 0 to calibrate against")
+        self._memory.append(max(0.0, measured_peak_bytes - modelled.resident) / modelled.transient)
+
+    def memory_scale(self) -> float:
+        """The largest ratio in the window (plans must not break memory), or the prior's."""
+        if not self._memory:
+            return self.prior.memory_scale
+        return min(8.0, max(0.25, max(self._memory)))
+
     def seen(self) -> set[str]:
         """The classes some equation in the window touches."""
         return {c for row, _ in self._rows for c in row}
@@ -91,7 +112,7 @@ class Calibrator:
         """The efficiency factors that best explain the window (prior for unseen classes)."""
         seen = sorted(self.seen(), key=OP_CLASSES.index)
         if not seen:
-            return self.prior
+            return self.prior.replace(memory_scale=self.memory_scale())
         idx = {c: i for i, c in enumerate(seen)}
         n = len(seen)
         ata = [[0.0] * n for _ in range(n)]
@@ -113,4 +134,4 @@ class Calibrator:
         for c, i in idx.items():
             eff = 1.0 / x[i] if x[i] > 0 else _MAX_EFF
             factors[c] = min(_MAX_EFF, max(_MIN_EFF, eff))
-        return self.prior.replace(**factors)
+        return self.prior.replace(memory_scale=self.memory_scale(), **factors)

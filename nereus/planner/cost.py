@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from nereus.config import require
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.workload import ModelShape, ModelStage, Workload
 
@@ -74,19 +75,20 @@ class Efficiency:
     allreduce_inter: float = 0.40
     p2p_intra: float = 0.50
     p2p_inter: float = 0.40
+    # Measured over modelled transient bytes (activations, KV cache, logits): the
+    # memory model's calibration against measured peaks; 1.0 until measured.
+    memory_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for c in OP_CLASSES:
-            v = getattr(self, c)
-            if not 0 < v <= 1.5:
-                from nereus.errors import ConfigError
-
-                raise ConfigError(f"Efficiency.{c}={v!r} must be in (0, 1.5]")
+            require(0 < getattr(self, c) <= 1.5, f"Efficiency.{c}", getattr(self, c), "must be in (0, 1.5]")
+        require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
 
     def __getitem__(self, op_class: str) -> float:
         return getattr(self, op_class)
 
     def as_dict(self) -> dict[str, float]:
+        """The time efficiency per operation class (``memory_scale`` is not one)."""
         return {c: getattr(self, c) for c in OP_CLASSES}
 
     def replace(self, **factors: float) -> Efficiency:
@@ -173,12 +175,13 @@ def _stage_params(model: ModelShape, pp: int, *, for_memory: bool) -> int:
 
 
 def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, pp: int, dp: int,
-                 *, recompute: bool = False, waves: int = 1) -> StageMemory:
+                 *, recompute: bool = False, waves: int = 1, scale: float = 1.0) -> StageMemory:
     """Bytes per device of ``stage`` at layout tp x pp with dp replicas (max over pp ranks).
 
     ``waves`` (generation): the replica decodes its sequences in that many successive
     batches, so its KV cache holds one batch. ``recompute`` (training): only each
-    layer's input is kept per micro-batch in flight, plus one layer's activations."""
+    layer's input is kept per micro-batch in flight, plus one layer's activations.
+    ``scale`` multiplies the transient bytes (``Efficiency.memory_scale``)."""
     b = model.bytes_per_param
     p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
     n_r = _ceil_div(work.sequences, dp)
@@ -189,19 +192,19 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
         kv_shards = min(tp, model.num_kv_heads)
         batch = _ceil_div(n_r, waves)
         kv = batch * (work.prompt_length + work.lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
-        return StageMemory(p_dev * b, 0, 0, 0, int(kv), batch * logit_width * 4)
+        return StageMemory(p_dev * b, 0, 0, 0, int(kv * scale), int(batch * logit_width * 4 * scale))
     t_mb = min(work.micro_batch, n_r) * seq
     per_layer = t_mb * model.hidden_size * (10 + 24 / tp)
-    logits = int(t_mb * logit_width * 4)
+    logits = int(t_mb * logit_width * 4 * scale)
     if stage.kind == "inference":
-        return StageMemory(p_dev * b, 0, 0, int(per_layer), 0, logits)
+        return StageMemory(p_dev * b, 0, 0, int(per_layer * scale), 0, logits)
     micro = _ceil_div(_ceil_div(work.batch, dp), work.micro_batch)
     in_flight = min(pp, micro)
     if recompute:
         act = t_mb * model.hidden_size * 2 * layers * in_flight + per_layer
     else:
         act = per_layer * layers * in_flight
-    return StageMemory(p_dev * b, p_dev * GRAD_BYTES, p_dev * OPTIM_BYTES, int(act), 0, 2 * logits)
+    return StageMemory(p_dev * b, p_dev * GRAD_BYTES, p_dev * OPTIM_BYTES, int(act * scale), 0, 2 * logits)
 
 
 def _ring(n: int, nbytes: float, bw: float) -> float:

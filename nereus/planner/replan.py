@@ -14,8 +14,9 @@ step (synchronous mode) or at a weight sync (asynchronous mode):
    or the current plan can no longer run.
 3. Whatever was decided, the drift references are reset to the current values.
 
-``observe_stage_seconds`` feeds measured model-stage times to the ``Calibrator``, and the
-refitted efficiency factors are used from the next boundary on.
+``observe_stage_seconds`` and ``observe_memory_peaks`` feed measured model-stage times
+and memory peaks to the ``Calibrator``; the refitted factors are used from the next
+boundary on (a plan that no longer fits under them is a memory trigger).
 
 Raises ``InfeasiblePlan`` when the current plan can no longer run and no plan fits.
 Pure: the caller supplies steps, lengths, clusters and transition estimates; nothing
@@ -89,6 +90,15 @@ class Replanner:
         ex = self.explain_current()
         for name, seconds in measured.items():
             self.calibrator.observe_stage(ex.stage(name).cost, seconds)
+        self.eff = self.calibrator.fit()
+        return self.eff
+
+    def observe_memory_peaks(self, measured: dict[str, int]) -> Efficiency:
+        """Measured peak bytes per model-stage (on one of its devices); recalibrates the
+        memory model's transient bytes (``Efficiency.memory_scale``)."""
+        ex = self.explain_current()
+        for name, peak in measured.items():
+            self.calibrator.observe_memory(ex.stage(name).memory, peak)
         self.eff = self.calibrator.fit()
         return self.eff
 

@@ -159,7 +159,8 @@ def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stag
                 continue
             dp = n // (tp * pp)
             for recompute, waves in _variants(stage.kind, _ceil_div(work.sequences, dp)):
-                mem = stage_memory(stage, model, work, tp, pp, dp, recompute=recompute, waves=waves)
+                mem = stage_memory(stage, model, work, tp, pp, dp, recompute=recompute, waves=waves,
+                                   scale=eff.memory_scale)
                 if prune and mem.resident + mem.transient > cap:
                     continue
                 cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per,

@@ -17,6 +17,7 @@ from nereus.planner import (
     cluster_preset,
     model_preset,
     stage_cost,
+    stage_memory,
 )
 
 HIDDEN = Efficiency(gemm=0.62, attention=0.41, decode=0.78, allreduce_intra=0.71, allreduce_inter=0.33,
@@ -81,6 +82,27 @@ def test_unseen_classes_keep_the_conservative_prior():
         if c != "gemm":
             assert fitted[c] == CONSERVATIVE[c]
     assert cal.seen() == {"gemm"}
+
+
+def test_memory_scale_from_measured_peaks_is_conservative():
+    work = Workload.for_models("grpo", model_preset("llama-1b"), prompts_per_step=8, samples_per_prompt=4,
+                               prompt_length=256, lengths=LengthStats(512, 900, 1024), reward_model=False)
+    gen = work.stages[0]
+    modelled = stage_memory(gen, work.models["policy"], work, 1, 1, 2)
+    cal = Calibrator()
+    assert cal.fit().memory_scale == 1.0
+    for ratio in (1.1, 1.4, 1.2):
+        cal.observe_memory(modelled, int(modelled.resident + ratio * modelled.transient))
+    assert cal.memory_scale() == pytest.approx(1.4, rel=1e-6)
+    fitted = cal.fit()
+    assert fitted.memory_scale == pytest.approx(1.4, rel=1e-6)
+    scaled = stage_memory(gen, work.models["policy"], work, 1, 1, 2, scale=fitted.memory_scale)
+    assert scaled.resident == modelled.resident
+    assert scaled.transient == pytest.approx(1.4 * modelled.transient, rel=1e-6)
+    with pytest.raises(ConfigError, match="measured_peak_bytes"):
+        cal.observe_memory(modelled, 0)
+    with pytest.raises(ConfigError, match="memory_scale"):
+        Efficiency(memory_scale=100.0)
 
 
 def test_window_forgets_old_timings():

@@ -96,3 +96,14 @@ def test_measured_stage_times_recalibrate_the_prediction():
     for _ in range(3):
         r.observe_stage_seconds(slower)
     assert r.explain_current().step_seconds == pytest.approx(2.0 * ex.step_seconds, rel=0.02)
+
+
+def test_measured_memory_peaks_recalibrate_and_trigger_a_memory_replan():
+    r = Replanner(*_setup(memory_gib=3, mean=1000))
+    ex = r.explain_current()
+    peaks = {s.name: int(s.memory.resident + 3 * s.memory.transient) for s in ex.stages}
+    assert r.observe_memory_peaks(peaks).memory_scale == pytest.approx(3.0, rel=1e-6)
+    out = r.on_boundary(1, transition_seconds=never)
+    assert [t.kind for t in out.triggers] == ["memory"]
+    assert out.decision.action == "transition" and out.decision.reason.startswith("urgent")
+    assert explain(r.plan, r.work, r.cluster, r.eff).fits

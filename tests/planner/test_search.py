@@ -44,16 +44,16 @@ def _work(algo: str, model: ModelShape, *, prompts: int = 8, samples: int = 4, l
                                micro_batch=micro)
 
 
-def _check_optimal(work: Workload, cluster: ClusterSpec) -> None:
-    want, want_plan, count = brute_force(work, cluster, CONSERVATIVE)
+def _check_optimal(work: Workload, cluster: ClusterSpec, eff=CONSERVATIVE) -> None:
+    want, want_plan, count = brute_force(work, cluster, eff)
     assert count > 0
     if math.isinf(want):
         with pytest.raises(InfeasiblePlan):
-            search(work, cluster)
+            search(work, cluster, eff)
         return
-    got = search(work, cluster)
+    got = search(work, cluster, eff)
     assert got.step_seconds == pytest.approx(want, rel=1e-9), (got.plan.describe(), want_plan.describe())
-    ex = explain(got.plan, work, cluster)
+    ex = explain(got.plan, work, cluster, eff)
     assert ex.fits, [m.device for m in ex.violations]
     assert ex.step_seconds == pytest.approx(got.step_seconds, rel=1e-9)
     assert got.plan.devices <= set(range(cluster.num_devices))
@@ -79,6 +79,15 @@ def test_ppo_six_model_stages_on_eight_devices_matches_brute_force():
 @pytest.mark.parametrize("memory_gib", [2, 8])
 def test_grpo_on_thirty_two_devices_matches_brute_force(memory_gib):
     _check_optimal(_work("grpo", _big(2), prompts=8, samples=4, reward=False), _cluster(4, 8, memory_gib))
+
+
+@pytest.mark.timeout(120)
+def test_calibrated_memory_scale_is_part_of_the_same_optimum():
+    # transient bytes measured at 3x the model: the optimum moves, brute force agrees
+    eff = CONSERVATIVE.replace(memory_scale=3.0)
+    work = _work("grpo", _big(2), prompts=8, samples=4, reward=False)
+    _check_optimal(work, _cluster(4, 8, 3), eff)
+    assert search(work, _cluster(4, 8, 3), eff).step_seconds > search(work, _cluster(4, 8, 3)).step_seconds
 
 
 @pytest.mark.timeout(120)
