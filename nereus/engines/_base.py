@@ -89,6 +89,8 @@ class EngineBase:
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters by ModelSpec name (value head: ``value_head.*``)."""
+        if self.stage is None:
+            raise StateError(f"{self.name}: the engine is asleep and holds no weights (wake_up first)")
         params = dict(self.stage.named_parameters())
         if self.value_head is not None:
             params.update({f"value_head.{k}": v for k, v in self.value_head.named_parameters()})

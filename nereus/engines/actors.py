@@ -154,6 +154,22 @@ class EngineActor(Actor):
         return 0
 
     @endpoint
+    async def sleep(self) -> int:
+        """Free weights and KV cache of a generation engine; returns the bytes freed."""
+        require(self.kind in ("generation", "vllm"), "sleep", self.kind, "is only for generation engines")
+        return await asyncio.to_thread(self.engine.sleep)
+
+    @endpoint
+    async def wake_up(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        require(self.kind in ("generation", "vllm"), "wake_up", self.kind, "is only for generation engines")
+        if self.kind == "vllm":
+            await asyncio.to_thread(self.engine.wake_up)
+            if weights:
+                await asyncio.to_thread(self.engine.load_named, weights)
+            return
+        await asyncio.to_thread(self.engine.wake_up, weights)
+
+    @endpoint
     async def close(self) -> None:
         self.engine.close()
 

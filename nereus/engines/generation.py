@@ -16,7 +16,9 @@ Promises:
   is reserved in the device's ledger before it is allocated, and reused across calls
   while it is large enough; a request whose cache does not fit raises ``OutOfMemory``
   naming the device, the bytes it needs and the budget, with nothing allocated.
-  ``free_cache()`` gives the cache back (before a co-resident stage runs).
+  ``free_cache()`` gives the cache back; ``sleep()`` also frees the weights and
+  ``wake_up(weights)`` rebuilds them (from the given shards or the model directory), so
+  a co-resident model-stage can use the memory in between.
 
 Refuses (``ConfigError``): empty prompts, token ids outside the vocabulary, prompts plus
 ``max_tokens`` longer than ``max_position_embeddings``.
@@ -90,6 +92,9 @@ class GenerationEngine(EngineBase):
         require(max_batch >= 1, "GenerationEngine.max_batch", max_batch, "must be >= 1")
         super().__init__(config, ctx, model_dir=model_dir, dtype=dtype, seed=seed, ledger=ledger, name=name)
         self.max_batch = max_batch
+        self.model_dir = model_dir
+        self.is_sleeping = False
+        self._weight_bytes = self.ledger.held(f"{name}/weights")
         self._cache: KVCache | None = None
         self._cache_batch = 0
         self.stage.eval()
@@ -117,11 +122,49 @@ class GenerationEngine(EngineBase):
         self._cache_batch = 0
         return self.ledger.release(f"{self.name}/kv_cache")
 
+    def sleep(self) -> int:
+        """Free the weights and the KV cache (a co-resident model-stage needs the memory);
+        returns the bytes given back to the device's budget. ``generate`` is refused until
+        ``wake_up``."""
+        if self.is_sleeping:
+            return 0
+        freed = self.free_cache()
+        self.stage = None  # type: ignore[assignment]
+        freed += self.ledger.release(f"{self.name}/weights")
+        self.is_sleeping = True
+        return freed
+
+    def wake_up(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Re-reserve and rebuild the weights: from ``weights`` (this rank's shards by
+        name, e.g. the latest policy) or else from the engine's ``model_dir``."""
+        if not self.is_sleeping:
+            if weights:
+                self.load_named(weights)
+            return
+        from nereus.models.checkpoint import load_stage_weights
+        from nereus.models.decoder import build_stage
+
+        require(weights is not None or self.model_dir is not None, f"{self.name}.wake_up", None,
+                "needs weights when the engine was not built from a model_dir")
+        self.ledger.reserve(f"{self.name}/weights", self._weight_bytes)
+        try:
+            self.stage = build_stage(self.config, self.ctx.parallel, self.dtype)
+            self.stage.eval()
+            if weights is not None:
+                self.load_named(weights, strict=True)
+            else:
+                load_stage_weights(self.stage, self.model_dir, self.ctx.parallel)
+        except BaseException:
+            self.ledger.release(f"{self.name}/weights")
+            raise
+        self.is_sleeping = False
+
     # --- generation -------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None) -> GenerationOutput:
         """Sample a continuation of every prompt. See the module docstring."""
         params = SamplingParams.from_any(params)
+        require(not self.is_sleeping, f"{self.name}.generate", "sleeping", "call wake_up() first")
         require(len(prompts) >= 1, "prompts", len(prompts), "must hold at least one prompt")
         vocab = self.config.vocab_size
         for i, p in enumerate(prompts):

@@ -161,3 +161,24 @@ def test_matches_transformers_greedy_generate(model):
 def test_model_config_is_what_the_engine_uses(model):
     config, _ = model
     assert isinstance(config, ModelConfig)
+
+
+def test_sleep_frees_weights_and_cache_and_wake_up_restores_them(model):
+    from nereus.errors import StateError
+
+    eng = _engine(model, name="sleepy")
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    before = eng.generate(PROMPTS, params)
+    held = eng.ledger.used_bytes
+    assert eng.sleep() == held and eng.ledger.used_bytes == 0
+    with pytest.raises(ConfigError, match="wake_up"):
+        eng.generate(PROMPTS, params)
+    with pytest.raises(StateError, match="asleep"):
+        eng.named_weights()
+    eng.wake_up()  # from the model directory
+    assert eng.generate(PROMPTS, params).token_ids == before.token_ids
+    # waking with other weights (a weight sync) gives their tokens
+    other = GenerationEngine(model[0], ledger=MemoryLedger("other", None), seed=5, name="other")
+    eng.sleep()
+    eng.wake_up(other.named_weights())
+    assert eng.generate(PROMPTS, params).token_ids == other.generate(PROMPTS, params).token_ids
