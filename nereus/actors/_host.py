@@ -165,8 +165,9 @@ class _Slot:
 
 
 class ActorHost:
-    """See the module docstring. ``on_control(op, body, ident, cid)`` handles control ops
-    this class does not know (the worker's shutdown, stats)."""
+    """See the module docstring. Control ops: spawn, stop, supervise, stats, plus those
+    the owner adds to ``extra_control`` (op -> ``handler(body) -> reply``; the worker
+    adds shutdown)."""
 
     def __init__(self, sock: zmq.Socket, key: bytes, device: DeviceInfo, counters: Counters,
                  emit: Any = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
