@@ -24,9 +24,9 @@ from rich.table import Table
 from nereus.config import parse_size
 from nereus.errors import ConfigError, InfeasiblePlan
 from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset
-from nereus.planner.cost import CONSERVATIVE, Efficiency
+from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.explain import Explanation, explain
-from nereus.planner.search import SearchResult, search
+from nereus.planner.search import SearchResult, search, stage_candidates
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS, LengthStats, Workload, model_preset
 
 __all__ = ["main"]
@@ -142,6 +142,8 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
                   "yes" if m.fits else "[red]NO[/]")
     console.print(t)
 
+    _print_layouts(console, ex, work, cluster, eff)
+
     if result.alternatives:
         t = Table(title="next-best placements and why each lost")
         for col in ("placement", "s/step", "vs chosen", "why it lost", "plan"):
@@ -157,6 +159,36 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
             t.add_row(alt.label, f"{alt.step_seconds:.3f}", f"+{alt.step_seconds - result.step_seconds:.3f} s", why,
                       alt.plan.describe().replace("\n", "; "))
         console.print(t)
+
+
+def _print_layouts(console: Console, ex: Explanation, work: Workload, cluster: ClusterSpec, eff: Efficiency) -> None:
+    """For each model-stage, the next layouts on the same devices and why each lost."""
+    t = Table(title="other layouts on the same devices (the three fastest) and why each lost")
+    for col in ("model-stage", "layout", "seconds", "resident+transient GiB", "why it lost"):
+        t.add_column(col, overflow="fold")
+    usable = usable_bytes(cluster)
+    index = {s.name: i for i, s in enumerate(work.stages)}
+    for s in ex.stages:
+        n = s.plan.num_devices
+        # what the other model-stages on these devices keep resident, and their largest transient
+        others = [o for o in ex.stages if o.name != s.name and o.plan.device_set & s.plan.device_set]
+        other_res = sum(o.memory.resident for o in others)
+        other_tr = max((o.memory.transient for o in others), default=0)
+        chosen = (s.plan.tp, s.plan.pp, s.plan.dp, s.plan.recompute, s.plan.waves)
+        cands = [c for c in stage_candidates(work, cluster, eff, index[s.name], n, prune=False)
+                 if (c.tp, c.pp, c.dp, c.recompute, c.waves) != chosen]
+        for c in sorted(cands, key=lambda c: c.seconds)[:3]:
+            need = cluster.workspace_bytes + other_res + c.resident + max(other_tr, c.transient)
+            if need > usable:
+                why = f"does not fit: {_gib(need)} GiB with workspace and co-residents > {_gib(usable)} usable"
+            elif c.seconds > s.cost.seconds:
+                why = f"slower by {c.seconds - s.cost.seconds:.3f} s"
+            else:
+                why = "as fast or faster alone, but the plan as a whole is not (memory or the other phases)"
+            extra = ("·recompute" if c.recompute else "") + (f"·{c.waves} waves" if c.waves > 1 else "")
+            t.add_row(s.name, f"tp{c.tp}·pp{c.pp}·dp{c.dp}{extra}", f"{c.seconds:.3f}",
+                      _gib(c.resident + c.transient), why)
+    console.print(t)
 
 
 def main(argv: list[str] | None = None) -> int:

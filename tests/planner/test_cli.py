@@ -17,7 +17,7 @@ def test_plan_prints_tables_a_systems_engineer_can_check(capsys):
     out = capsys.readouterr().out
     for text in ("plan:", "policy-generation", "critic-training", "phase 0: max(", "step =", "terms:",
                  "ideal_c / efficiency_c", "memory per device", "usable", "next-best placements", "why it lost",
-                 "tp collectives", "dp sync"):
+                 "tp collectives", "dp sync", "other layouts on the same devices", "slower by", "does not fit"):
         assert text in out, text
 
 
