@@ -25,6 +25,7 @@ from nereus.state.emu import (
     split_key,
     tensor_key,
 )
+from nereus.state.holder import ExecuteStats, ShardHolder, execute, load_from_disk, save_to_disk
 from nereus.state.layout import Box, Layout, Piece, Shard, check_layout, layer_bounds, param_shard
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, MemoryEffect, check_fits, memory_effect
 from nereus.state.plan import Keep, Move, Plan, bytes_minimum, plan_reshard
@@ -33,6 +34,11 @@ from nereus.state.spec import DTYPE_BYTES, Component, ModelSpec, ParamSpec, Shar
 from nereus.state.transition import StagePlan, plan_stage_transition
 
 __all__ = [
+    "save_to_disk",
+    "load_from_disk",
+    "execute",
+    "ShardHolder",
+    "ExecuteStats",
     "Box",
     "Component",
     "DEFAULT_BUCKET_BYTES",

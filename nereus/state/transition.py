@@ -116,8 +116,12 @@ def plan_stage_transition(
         if emu.layout == sub:
             continue
         fits = _pick_disjoint(flat_desired, set(emu.devices))
-        covered = sorted(d for p in fits for d in p) == sorted(emu.devices)
-        run(split(emu, sub, devices, placements=fits if covered else None,
+        if fits:
+            # where a target wants T_sub replicas inside this EMU, put them there; cut
+            # the devices left over in order
+            rest = [d for d in emu.devices if all(d not in p for p in fits)]
+            fits += [tuple(rest[i:i + sub.size]) for i in range(0, len(rest), sub.size)]
+        run(split(emu, sub, devices, placements=fits or None,
                   used=others_used([emu]), bucket_bytes=bucket_bytes))
     # 2. Which T_sub replica goes into which target; the rest is extended.
     assigned: dict[str, int] = {}
