@@ -155,9 +155,15 @@ class NodeDaemon:
         self._client.notice_listeners.append(self._on_notice)
         devices = [{"local_index": i, "kind": self.kind, "memory_bytes": self.memory_bytes[i]}
                    for i in range(self.count)]
-        reply = await self._client.request(None, "node_register", {
-            "node_id": self.node_id, "host": self.host, "devices": devices},
-            timeout_s=self.start_timeout_s)
+        try:
+            reply = await self._client.request(None, "node_register", {
+                "node_id": self.node_id, "host": self.host, "devices": devices},
+                timeout_s=self.start_timeout_s)
+        except DeadlineExceeded:
+            self._client.close()
+            raise DeadlineExceeded(
+                f"the controller at {self.controller} did not answer within "
+                f"{self.start_timeout_s} s: is it running, and does it hold this key?") from None
         self.workers = [_Worker(g, i) for i, g in enumerate(reply["indices"])]
         # Heartbeat from registration on: starting workers may take longer than the timeout.
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
@@ -311,6 +317,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                     help="address workers listen on (drivers must reach it)")
     ap.add_argument("--node-id", default=None)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--start-timeout-s", type=float, default=60.0,
+                    help="how long to wait for the controller and the workers")
     ap.add_argument("--max-message-bytes", default="4GiB",
                     help="workers reject (and count) larger messages")
     ap.add_argument("--log-level", default="INFO")
@@ -322,6 +330,7 @@ async def _serve(args: argparse.Namespace) -> None:
     node = NodeDaemon(args.controller, key, devices=args.devices, gpus=args.gpus,
                       memory_per_device=args.memory_per_device, bind_host=args.bind_host,
                       node_id=args.node_id, heartbeat_s=args.heartbeat_s,
+                      start_timeout_s=args.start_timeout_s,
                       max_message_bytes=parse_size(args.max_message_bytes, "max_message_bytes"),
                       log_level="WARNING" if args.log_level.upper() == "INFO" else args.log_level)
     loop = asyncio.get_running_loop()
@@ -352,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         run = uvloop.run
     try:
         run(_serve(args))
-    except ConfigError as e:
+    except (ConfigError, DeadlineExceeded) as e:
         print(f"nereus node: {e}", file=sys.stderr)
         return 2
     return 0

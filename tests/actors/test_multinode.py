@@ -140,3 +140,11 @@ async def test_node_refuses_bad_arguments(tmp_path):
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"at least 16" in err
+    # a controller that never answers (nothing listens there)
+    key_file.write_text(KEY)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nereus.node", "--controller", "tcp://127.0.0.1:9", "--devices",
+        "1", "--key-file", str(key_file), "--start-timeout-s", "0.5",
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2 and b"did not answer" in err
