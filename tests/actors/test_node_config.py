@@ -1,0 +1,58 @@
+"""Node daemon and key configuration checks (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.actors._keys import KEY_ENV, MIN_KEY_BYTES, generate_key, load_key
+from nereus.errors import ConfigError
+from nereus.node import NodeDaemon, _gpu_ids, death_reason
+
+KEY = b"k" * 32
+
+
+def test_devices_or_gpus_exactly_one():
+    with pytest.raises(ConfigError, match="exactly one"):
+        NodeDaemon("tcp://x:1", KEY)
+    with pytest.raises(ConfigError, match="exactly one"):
+        NodeDaemon("tcp://x:1", KEY, devices=2, gpus="0")
+    with pytest.raises(ConfigError, match="devices=0"):
+        NodeDaemon("tcp://x:1", KEY, devices=0)
+    with pytest.raises(ConfigError, match="transport"):
+        NodeDaemon("tcp://x:1", KEY, devices=1, transport="udp")
+    with pytest.raises(ConfigError, match="memory_per_device"):
+        NodeDaemon("tcp://x:1", KEY, devices=1, memory_per_device="lots")
+    node = NodeDaemon("tcp://x:1", KEY, devices=3, memory_per_device="1.5GiB")
+    assert node.count == 3 and node.kind == "cpu"
+    assert node.memory_bytes == [int(1.5 * 2**30)] * 3
+
+
+def test_gpu_lists():
+    assert _gpu_ids("0,2, 3") == [0, 2, 3]
+    for bad in ("", "0,0", "-1", "a,b"):
+        with pytest.raises(ConfigError, match="gpus="):
+            _gpu_ids(bad)
+
+
+def test_death_reasons():
+    assert death_reason(-9) == "SIGKILL"
+    assert death_reason(-15) == "SIGTERM"
+    assert death_reason(1) == "exit code 1"
+    assert death_reason(0) == "exit code 0"
+
+
+def test_keys(tmp_path, monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with pytest.raises(ConfigError, match="no cluster key"):
+        load_key()
+    monkeypatch.setenv(KEY_ENV, "e" * 20)
+    assert load_key() == b"e" * 20
+    f = tmp_path / "key"
+    f.write_text("  " + "f" * 24 + "\n")
+    assert load_key(key_file=str(f)) == b"f" * 24  # the file wins over the environment
+    assert load_key("g" * 16) == b"g" * 16  # an explicit key wins over both
+    with pytest.raises(ConfigError, match=f"at least {MIN_KEY_BYTES}"):
+        load_key("short")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_key(key_file=str(tmp_path / "missing"))
+    assert len(generate_key()) == 64 and generate_key() != generate_key()
