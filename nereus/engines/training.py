@@ -194,11 +194,9 @@ class TrainingEngine(EngineBase):
                 emb.grad = torch.zeros_like(emb)
             ctx.exchange_first_last(emb.grad)
         if ctx.dp_size > 1:
-            grads = []
-            for p in params.values():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
+            # Parameters without a gradient (a critic's unused LM head) have none on every
+            # replica alike: leave them out rather than decay them with a zero gradient.
+            grads = [p.grad for p in params.values() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             ctx.dp_all_reduce(flat)
             offset = 0
