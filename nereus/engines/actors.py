@@ -325,6 +325,7 @@ class ModelStageHandle:
         """Rows split across the DP replicas; gradients meet in the DP all-reduce, so the
         step equals one over the whole batch. Returns replica 0's (global) metrics."""
         rows = next(iter(batch.values())).shape[0]
+        require(rows >= len(self.emus), "batch rows", rows, f"must be >= the number of DP replicas ({len(self.emus)})")
         parts = self._chunks(rows, len(self.emus))
         outs = await asyncio.gather(*(
             emu.train_step({k: v[s] for k, v in batch.items()}, loss, loss_kwargs, micro_batch_size, temperature)

@@ -218,6 +218,7 @@ class TrainingEngine(EngineBase):
         kwargs = dict(loss_kwargs or {})
         data = normalize_batch(batch)
         rows, length = data["input_ids"].shape
+        require(rows >= 1, "batch.input_ids", tuple(data["input_ids"].shape), "must hold at least one row")
         mbs = split_batch(data, micro_batch_size or rows)
         ctx = self.ctx
         # Token weights over the global batch (all DP replicas).
