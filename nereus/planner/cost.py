@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from nereus.config import require
 from nereus.planner.cluster import ClusterSpec
@@ -110,8 +111,7 @@ class Term:
         return sum(t / eff[c] for c, t in self.ideal)
 
 
-@dataclass(frozen=True)
-class StageCost:
+class StageCost(NamedTuple):
     """The time of one replica of a model-stage (all replicas are equal), by term."""
 
     stage: str
@@ -132,8 +132,7 @@ class StageCost:
         return {t.name: t.seconds(eff) for t in self.terms}
 
 
-@dataclass(frozen=True)
-class StageMemory:
+class StageMemory(NamedTuple):
     """Bytes per device of one model-stage under one layout, by kind."""
 
     params: int

@@ -42,6 +42,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from operator import le
+from typing import NamedTuple
 
 from nereus.config import require
 from nereus.errors import InfeasiblePlan
@@ -55,8 +56,7 @@ __all__ = ["Candidate", "SearchResult", "Alternative", "pool_sizes", "stage_cand
 log = logging.getLogger("nereus.planner")
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One valid layout of one model-stage at one pool size, with its time and bytes."""
 
     tp: int
