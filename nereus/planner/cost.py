@@ -27,11 +27,12 @@ Memory per device (bytes): parameters of the heaviest pipeline stage, fp32 gradi
 and AdamW state (12 bytes/param, not sharded across DP) for training; transient bytes:
 activations (per layer s·b·h·(10 + 24/tp) with flash attention, for the micro-batches
 1F1B keeps in flight), fp32 logits, and for generation the KV cache of every sequence
-of the replica at prompt + maximum length. Resident bytes stay on a device while the
-model-stage is idle; transient bytes exist only while it runs.
+of the replica (of one wave) at prompt + maximum length; transient bytes are multiplied
+by ``Efficiency.memory_scale`` (calibrated against measured peaks). Resident bytes stay
+on a device while the model-stage is idle; transient bytes exist only while it runs.
 
-Refuses nothing at run time: callers (the search, ``explain``) check validity; this
-module only computes.
+Refuses (``ConfigError``): efficiency factors outside (0, 1.5], a memory scale outside
+[0.25, 8]. Layouts are not checked here: the search and ``explain`` do that.
 """
 
 from __future__ import annotations
