@@ -54,23 +54,31 @@ class StageActor(Actor):
         model_config: dict[str, Any],
         model_dir: str,
         options: dict[str, Any] | None = None,
-        dp_group: str | None = None,
-        dp_rank: int = 0,
-        dp_size: int = 1,
+        groups: dict[str, Any] | None = None,
     ) -> None:
+        """``groups`` (from the driver): ``tp``/``pp``/``dp`` group ids indexed by this
+        rank's pp rank, tp rank and position in the EMU, with ``tp_size``, ``pp_size``,
+        ``dp_rank`` and ``dp_size``; this rank's place comes from its mesh coordinates."""
         from nereus.engines.context import EmuContext
         from nereus.models import ModelConfig
         from nereus.models.parallel import ParallelContext
+        from nereus.transfer.group import get_communicator
 
         require(kind in ("generation", "inference", "training"), "StageActor.kind", kind, "must be generation, inference or training")
         torch.set_num_threads(1)
         opts = dict(options or {})
-        dp_comm = None
-        if dp_group is not None:
-            from nereus.transfer.group import get_communicator
+        g = dict(groups or {})
+        tp_size, pp_size, dp_size = g.get("tp_size", 1), g.get("pp_size", 1), g.get("dp_size", 1)
+        coords = getattr(self, "coords", {}) or {}
+        tp_rank, pp_rank = coords.get("tp", 0), coords.get("pp", 0)
+        position = pp_rank * tp_size + tp_rank
 
-            dp_comm = get_communicator(dp_group)
-        ctx = EmuContext(ParallelContext(), dp_rank=dp_rank, dp_size=dp_size, dp_comm=dp_comm)
+        def comm(axis: str, index: int) -> Any:
+            ids = g.get(axis)
+            return get_communicator(ids[index]) if ids else None
+
+        parallel = ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, tp_comm=comm("tp", pp_rank))
+        ctx = EmuContext(parallel, pp_comm=comm("pp", tp_rank), dp_rank=g.get("dp_rank", 0), dp_size=dp_size, dp_comm=comm("dp", position))
         config = ModelConfig(**model_config)
         self.stage = stage
         self.kind = kind
@@ -107,7 +115,8 @@ class StageActor(Actor):
 
     @endpoint
     async def state(self) -> dict[str, Any]:
-        """Parameters and AdamW moments (training) or weights, plus the update counter."""
+        """This rank's parameters and AdamW moments (training) or weights, plus the
+        update counter."""
         if self.kind == "training":
             tensors = {k: v.clone() for k, v in self.engine.named_state().items()}
             return {"tensors": tensors, "step": self.engine.step}

@@ -24,9 +24,20 @@ exchange over a sync group made once (``nereus.transfer.make_group``). A ``weigh
 event with bytes, seconds and GB/s goes on the tap, and the policy version advances;
 every rollout records the version that generated it.
 
-Refuses (``ConfigError``): a plan with ``tp`` or ``pp`` above 1 (an EMU here is one
-device: TP and PP inside an EMU need the engines' multi-rank actors), a model-stage
-whose DP does not divide the rows it is given.
+TP and PP live inside an EMU: its mesh has axes ``pp`` x ``tp`` (row-major, TP
+innermost, the state layer's device order); every rank gets the same request, and the
+engines talk over TP and PP groups made per EMU (and DP groups per position across a
+training model-stage's EMUs), each model-stage in its own group epoch so co-resident
+model-stages never share a communicator. Results come from the last rank (the last
+pipeline stage holds the complete training metrics).
+
+Checkpoints hold one file per rank of the first EMU of each training model-stage, so a
+job resumes on the same layouts (a changed layout goes through the state layer's
+checkpoint reshard, not here).
+
+Refuses (``ConfigError``): critic-inference and critic-training with different layouts
+(the critic's weights are copied rank to rank), a model-stage with more DP replicas than
+the rows it is given.
 """
 
 from __future__ import annotations
@@ -88,8 +99,9 @@ class ClusterStages(ModelStages):
     @classmethod
     async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path, cluster: Any = None) -> ClusterStages:
         """Start (or use) a local cluster and spawn every model-stage of the plan."""
-        for name, p in cfg.plan.items():
-            require(p.tp == 1 and p.pp == 1, f"plan.{name}", f"tp={p.tp} pp={p.pp}", "must be tp=1 pp=1 (one device per EMU; scale with dp)")
+        if "critic_training" in cfg.plan:
+            a, b = cfg.plan["critic_training"], cfg.plan.get("critic_inference", cfg.plan["critic_training"])
+            require((a.tp, a.pp) == (b.tp, b.pp), "plan.critic_inference", f"tp={b.tp} pp={b.pp}", f"must equal critic_training's tp={a.tp} pp={a.pp}")
         owns = cluster is None
         if cluster is None:
             from nereus.actors import Cluster
@@ -119,25 +131,42 @@ class ClusterStages(ModelStages):
         critic = stage == "critic_training"
         return {**common, "optim": engine_optim(cfg, critic=critic), "critic": critic}
 
-    async def _spawn_all(self) -> None:
-        from nereus.rl._stage_actor import StageActor
+    async def _group(self, devices: list[int], epoch: int) -> str | None:
         from nereus.transfer.group import make_group
 
+        if len(devices) < 2:
+            return None
+        group = await make_group(self.cluster, devices=devices, epoch=epoch)
+        self._groups.append(group)
+        return group.group_id
+
+    async def _stage_groups(self, stage: str, epoch: int) -> list[dict[str, Any]]:
+        """Per EMU: the TP, PP (and for training DP) group ids its ranks need."""
+        p = self.cfg.plan[stage]
+        emus = p.emu_devices()
+        dp_ids: list[Any] = []
+        if _KINDS[stage] == "training" and p.dp > 1:
+            dp_ids = [await self._group([e[pos] for e in emus], epoch) for pos in range(p.tp * p.pp)]
+        out = []
+        for i, devs in enumerate(emus):
+            tp_ids = [await self._group(devs[pp * p.tp:(pp + 1) * p.tp], epoch) for pp in range(p.pp)] if p.tp > 1 else []
+            pp_ids = [await self._group(devs[t::p.tp], epoch) for t in range(p.tp)] if p.pp > 1 else []
+            # Only training replicas talk to each other (gradients); other EMUs are independent.
+            dp_rank, dp_size = (i, p.dp) if dp_ids else (0, 1)
+            out.append({"tp": tp_ids, "pp": pp_ids, "dp": dp_ids, "tp_size": p.tp, "pp_size": p.pp, "dp_rank": dp_rank, "dp_size": dp_size})
+        return out
+
+    async def _spawn_all(self) -> None:
+        from nereus.rl._stage_actor import StageActor
+
         config = to_dict(self.model_config)
-        # Training first: its DP groups must exist before the engines are built.
-        order = sorted(self.cfg.plan, key=lambda s: 0 if _KINDS[s] == "training" else 1)
-        for stage in order:
+        for epoch, stage in enumerate(sorted(self.cfg.plan, key=_KINDS.__getitem__), start=1):
             p = self.cfg.plan[stage]
-            dp_group = None
-            if _KINDS[stage] == "training" and p.dp > 1:
-                group = await make_group(self.cluster, devices=p.devices)
-                self._groups.append(group)
-                dp_group = group.group_id
+            groups = await self._stage_groups(stage, epoch)
             meshes = await asyncio.gather(*(
                 self.cluster.spawn(
-                    f"{stage}-{i}", StageActor, devices=devs,
-                    args=(stage, _KINDS[stage], config, str(self.model_dir), self._options(stage)),
-                    kwargs={"dp_group": dp_group, "dp_rank": i, "dp_size": p.dp} if dp_group else {},
+                    f"{stage}-{i}", StageActor, devices=devs, axes={"pp": p.pp, "tp": p.tp},
+                    args=(stage, _KINDS[stage], config, str(self.model_dir), self._options(stage), groups[i]),
                 )
                 for i, devs in enumerate(p.emu_devices())
             ))
@@ -147,6 +176,8 @@ class ClusterStages(ModelStages):
         train, gen = self.cfg.plan["policy_training"], self.cfg.plan["policy_generation"]
         devices = sorted(set(train.devices) | set(gen.devices))
         if len(devices) > 1:
+            from nereus.transfer.group import make_group
+
             self._sync_group = await make_group(self.cluster, devices=devices)
             self._groups.append(self._sync_group)
         self._rank_of = {d: r for r, d in enumerate(devices)}
@@ -161,11 +192,11 @@ class ClusterStages(ModelStages):
 
         spec = model_spec(self.model_config, dtype=self.cfg.model.dtype)
         train, gen = self.cfg.plan["policy_training"], self.cfg.plan["policy_generation"]
-        sources = [EMU(f"policy_training/{i}", "policy_training", spec, Layout(), tuple(d)) for i, d in enumerate(train.emu_devices())]
+        sources = [EMU(f"policy_training/{i}", "policy_training", spec, Layout(train.tp, train.pp), tuple(d)) for i, d in enumerate(train.emu_devices())]
         parts: dict[int, list[dict[str, Any]]] = {}
         self._sync_bytes = 0
         for j, devs in enumerate(gen.emu_devices()):
-            plan = plan_reshard(sources, EMU(f"policy_generation/{j}", "policy_generation", spec, Layout(), tuple(devs)))
+            plan = plan_reshard(sources, EMU(f"policy_generation/{j}", "policy_generation", spec, Layout(gen.tp, gen.pp), tuple(devs)))
             self._sync_bytes += plan.bytes_moved + plan.bytes_local
             for device in plan.devices():
                 parts.setdefault(device, []).append(plan_part(plan, device))
@@ -196,10 +227,13 @@ class ClusterStages(ModelStages):
         return event
 
     async def _copy_critic(self) -> None:
-        """critic-inference gets critic-training's weights (value head included)."""
-        state = await self.emus["critic_training"][0].state.call_one()
-        weights = {k: v for k, v in state["tensors"].items() if not k.endswith(("exp_avg", "exp_avg_sq"))}
-        await asyncio.gather(*(m.load_state.call_one(weights) for m in self.emus["critic_inference"]))
+        """critic-inference gets critic-training's weights (value head included), rank to
+        rank (both have the same layout)."""
+        states = await self.emus["critic_training"][0].state.call()
+        weights = [{k: v for k, v in st["tensors"].items() if not k.endswith(("exp_avg", "exp_avg_sq"))} for st in states]
+        await asyncio.gather(*(
+            ref.load_state.call_one(w) for m in self.emus["critic_inference"] for ref, w in zip(m.refs, weights, strict=True)
+        ))
 
     # --- the ModelStages calls ------------------------------------------------------
 
@@ -208,11 +242,11 @@ class ClusterStages(ModelStages):
         slices = _chunks(len(prompts), len(meshes))
         seed = params.get("seed") or 0
         outs = await asyncio.gather(*(
-            m.generate.call_one(prompts[s], {**params, "seed": seed + i})
+            m.generate.call(prompts[s], {**params, "seed": seed + i})
             for i, (m, s) in enumerate(zip(meshes, slices, strict=True)) if s.stop > s.start
         ))
-        token_ids = [t for o in outs for t in o["token_ids"]]
-        logprobs = [lp for o in outs for lp in o["logprobs"]]
+        token_ids = [t for o in outs for t in o[-1]["token_ids"]]
+        logprobs = [lp for o in outs for lp in o[-1]["logprobs"]]
         return {"token_ids": token_ids, "logprobs": logprobs, "policy_version": [self.policy_version] * len(prompts)}
 
     async def _rows_call(self, stage: str, method: str, batch: dict[str, torch.Tensor], *args: Any) -> list[Any]:
@@ -221,7 +255,8 @@ class ClusterStages(ModelStages):
         rows = batch["input_ids"].shape[0]
         require(rows >= len(meshes), f"plan.{stage}.dp", len(meshes), f"must be <= the batch's {rows} rows")
         slices = _chunks(rows, len(meshes))
-        return await asyncio.gather(*(m.endpoint(method).call_one(_rows(batch, s), *args) for m, s in zip(meshes, slices, strict=True)))
+        per_emu = await asyncio.gather(*(m.endpoint(method).call(_rows(batch, s), *args) for m, s in zip(meshes, slices, strict=True)))
+        return [ranks[-1] for ranks in per_emu]  # every rank agrees; the last holds full metrics
 
     async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat(await self._rows_call("reference_inference", "logprobs", batch, self.cfg.sampling.temperature))
@@ -242,20 +277,29 @@ class ClusterStages(ModelStages):
 
     async def save(self, folder: str | Path) -> None:
         out = Path(folder)
-        state = await self.emus["policy_training"][0].state.call_one()
-        write_state(out, "policy_training", state["tensors"], {"step": state["step"], "policy_version": self.policy_version})
-        if "critic_training" in self.emus:
-            cstate = await self.emus["critic_training"][0].state.call_one()
-            write_state(out, "critic_training", cstate["tensors"], {"step": cstate["step"]})
+        for stage in ("policy_training", "critic_training"):
+            if stage not in self.emus:
+                continue
+            states = await self.emus[stage][0].state.call()
+            for rank, st in enumerate(states):
+                meta = {"step": st["step"], "policy_version": self.policy_version}
+                write_state(out, f"{stage}.rank{rank}", st["tensors"], meta)
 
     async def load(self, folder: str | Path) -> None:
         src = Path(folder)
-        tensors, meta = read_state(src, "policy_training")
-        # Every DP replica holds the whole state (optimizer state is not sharded over DP).
-        await asyncio.gather(*(m.load_state.call_one(tensors, int(meta["step"])) for m in self.emus["policy_training"]))
-        if "critic_training" in self.emus:
-            ctensors, cmeta = read_state(src, "critic_training")
-            await asyncio.gather(*(m.load_state.call_one(ctensors, int(cmeta["step"])) for m in self.emus["critic_training"]))
+        meta: dict[str, Any] = {}
+        for stage in ("policy_training", "critic_training"):
+            if stage not in self.emus:
+                continue
+            calls = []
+            for mesh in self.emus[stage]:  # every DP replica holds the whole state
+                for rank, ref in enumerate(mesh.refs):
+                    tensors, meta_r = read_state(src, f"{stage}.rank{rank}")
+                    calls.append(ref.load_state.call_one(tensors, int(meta_r["step"])))
+                    if stage == "policy_training":
+                        meta = meta_r
+            await asyncio.gather(*calls)
+        if "critic_inference" in self.emus:
             await self._copy_critic()
         await self.sync_policy()
         self.policy_version = int(meta["policy_version"])

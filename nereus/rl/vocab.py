@@ -26,6 +26,7 @@ from nereus.errors import ConfigError
 __all__ = ["SPECIAL_TOKENS", "char_tokenizer", "Codec"]
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+_FILLERS = "~^_|&%$@!?;,.'`" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def char_tokenizer(alphabet: str) -> Tokenizer:
@@ -56,8 +57,14 @@ class Codec:
         self.chat = tokenizer.token_to_id("<|im_start|>") is not None
 
     @classmethod
-    def for_alphabet(cls, alphabet: str) -> Codec:
-        return cls(char_tokenizer(alphabet))
+    def for_alphabet(cls, alphabet: str, multiple_of: int = 8) -> Codec:
+        """A character codec whose vocabulary size is a multiple of ``multiple_of`` (so any
+        TP degree up to it divides the vocab-parallel embedding): the alphabet is padded
+        with filler characters the task never uses, which a policy must learn not to
+        emit (they decode as themselves and earn no credit)."""
+        size = len(SPECIAL_TOKENS) + len(alphabet)
+        fill = [c for c in _FILLERS if c not in alphabet][: (-size) % multiple_of]
+        return cls(char_tokenizer(alphabet + "".join(fill)))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Codec:

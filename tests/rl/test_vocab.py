@@ -23,7 +23,7 @@ def test_char_codec_roundtrip_and_eos(tmp_path):
 
 
 def test_refusals(tmp_path):
-    with pytest.raises(ConfigError, match="alphabet='aa'"):
+    with pytest.raises(ConfigError, match="alphabet='aa.*must not repeat a character"):
         Codec.for_alphabet("aa")
     with pytest.raises(ConfigError, match="has no tokenizer.json"):
         Codec.from_dir(tmp_path)
