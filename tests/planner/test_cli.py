@@ -54,3 +54,13 @@ def test_local_cpu_probe_is_measured_once_and_cached(tmp_path):
     assert local_cpu_probe(cache=cache) == first  # read back, not re-measured
     cache.write_text("{not json")
     assert local_cpu_probe(cache=cache)["memory_bandwidth"] > 0  # unreadable cache: measured again
+
+
+@pytest.mark.timeout(60)
+def test_the_planner_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, nereus.planner as p; p.search; "
+            "assert 'torch' not in sys.modules, 'torch'; assert 'numpy' not in sys.modules, 'numpy'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
