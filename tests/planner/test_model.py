@@ -191,3 +191,21 @@ def test_stage_plan_validation_names_the_field():
         StagePlan(1, 1, 2, ((0,),))
     with pytest.raises(ConfigError, match="must have the keys"):
         Plan.from_dict({"policy-generation": {"tp": 1}})
+
+
+def test_cluster_and_workload_load_from_plain_data_like_toml():
+    from nereus.config import from_dict
+
+    cluster = from_dict(ClusterSpec, {"name": "lab", "nodes": 2, "devices_per_node": 4,
+                                      "device_memory_bytes": 24 * 2**30, "peak_flops": 1e14,
+                                      "memory_bandwidth": 1e12, "intra_node_bandwidth": 1e11,
+                                      "inter_node_bandwidth": 1e10})
+    assert cluster.num_devices == 8
+    shape = {"name": "m", "hidden_size": 1024, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+             "vocab_size": 32000, "intermediate_size": 2816}
+    work = from_dict(Workload, {"algorithm": "grpo", "models": {"policy": shape, "reference": shape},
+                                "prompts_per_step": 8, "samples_per_prompt": 4, "prompt_length": 128,
+                                "lengths": {"mean": 100, "p95": 180, "max": 200}})
+    assert [s.name for s in work.stages] == ["policy-generation", "reference-inference", "policy-training"]
+    with pytest.raises(ConfigError, match="unknown key"):
+        from_dict(Workload, {"algorithm": "grpo", "modles": {}})
