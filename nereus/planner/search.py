@@ -200,8 +200,8 @@ class _Searcher:
     """One search: caches per (model-stage, size), per pool and per subset.
 
     ``keep`` truncates each candidate list to its keep-1 fastest layouts plus its
-    smallest one (a quick search whose result is a valid plan, used as the incumbent); ``bound`` drops every partial
-    choice whose optimistic completion is slower than that incumbent.
+    smallest one (a quick search whose result is a valid plan, used as the incumbent);
+    ``bound`` drops every partial choice whose optimistic completion is slower.
 
     Entries are (pareto key, per-phase seconds, payload). The Pareto key sums the
     phases whose model-stages are all inside the pool (or subset) at hand: no other
