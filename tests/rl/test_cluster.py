@@ -54,3 +54,33 @@ async def test_demo_config_learns_on_a_local_cluster(tmp_path):
     assert (tmp_path / "plot.png").is_file()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_120", "step_40", "step_80"]
     assert _children() <= before, "worker processes outlived the job"
+
+
+@pytest.mark.timeout(240)
+async def test_weight_sync_reshards_pp_training_into_tp_generation(tmp_path):
+    import torch
+
+    from nereus.models import model_spec, shard_tensor
+    from tests.rl._jobs import job
+
+    plan = {
+        "policy_generation": {"devices": [0, 1, 2, 3], "tp": 2, "dp": 2},
+        "policy_training": {"devices": [2, 3], "pp": 2},
+    }
+    cfg = job(str(tmp_path), 2, cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"}, plan=plan)
+    rl = RLJob(cfg)
+    await rl.start()
+    try:
+        records = [await rl.run_step() for _ in range(2)]
+        assert [r["policy_version"] for r in records] == [0, 1] and rl.stages.policy_version == 2
+        full = {}
+        for st in await rl.stages.emus["policy_training"][0].state.call():  # one pp stage each
+            full.update({k: v for k, v in st["tensors"].items() if not k.endswith((".exp_avg", ".exp_avg_sq"))})
+        spec = model_spec(rl.model_config)
+        assert set(full) == {p.name for p in spec}
+        for mesh in rl.stages.emus["policy_generation"]:
+            for tp_rank, st in enumerate(await mesh.state.call()):
+                for p in spec:
+                    assert torch.equal(st["tensors"][p.name], shard_tensor(p, full[p.name], tp_rank, 2)), p.name
+    finally:
+        await rl.close()
