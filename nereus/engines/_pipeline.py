@@ -9,11 +9,14 @@ Shared by the inference and training engines (generation has its own KV-cache lo
 - ``forward_only``: every micro-batch through the pipeline without autograd; the last
   stage applies a head and the per-token result reaches every stage (so every rank of an
   EMU returns the same tensor).
+- ``forward_backward_1f1b``: the one-forward-one-backward schedule (as Megatron's
+  non-interleaved pipeline): stage ``s`` runs ``pp - s - 1`` warm-up forwards, then
+  alternates one forward and one backward, then drains the backwards. An activation
+  going forward and a gradient coming back travel as one batch of p2p ops, so no pair
+  of stages can deadlock. A stage holds at most ``pp - s`` micro-batches' activations.
 - ``forward_backward_gpipe``: the GPipe schedule -- all micro-batch forwards (activations
-  sent stage to stage), then all backwards in reverse order (activation gradients sent
-  back) -- with the loss evaluated on the last stage. Each stage keeps the autograd graph
-  of its in-flight micro-batches, so activation memory grows with the number of
-  micro-batches (the engine accounts for it).
+  sent stage to stage), then all backwards in reverse order -- holding every
+  micro-batch's activations at once. Both evaluate the loss on the last stage.
 
 Every rank of an EMU must call these with the same batch (same shapes): no shape header
 travels between stages.
@@ -36,6 +39,8 @@ __all__ = [
     "Head",
     "forward_only",
     "forward_backward_gpipe",
+    "forward_backward_1f1b",
+    "in_flight_micro_batches",
 ]
 
 # head(last-stage output, micro-batch) -> per-token [b, T] float32 tensor
@@ -147,3 +152,84 @@ def forward_backward_gpipe(
             ctx.send_prev(x.grad if x.grad is not None else torch.zeros_like(x))
         # Free the graph of this micro-batch as soon as it is done.
         outputs[i] = inputs[i] = None  # type: ignore[call-overload]
+
+
+def in_flight_micro_batches(ctx: EmuContext, count: int, schedule: str) -> int:
+    """How many micro-batches' activations a stage holds at once under ``schedule``."""
+    if schedule == "gpipe":
+        return count
+    return min(count, ctx.pp_size - ctx.pp_rank)
+
+
+def forward_backward_1f1b(
+    stage: DecoderStage,
+    ctx: EmuContext,
+    micro_batches: list[dict[str, torch.Tensor]],
+    loss_of: Callable[[torch.Tensor, dict[str, torch.Tensor], int], torch.Tensor],
+    output: str = "logits",
+) -> None:
+    """One forward, one backward (see the module docstring); same contract as
+    ``forward_backward_gpipe``."""
+    n = len(micro_batches)
+    first, last = ctx.is_first_stage, ctx.is_last_stage
+    hidden, dtype = stage.config.hidden_size, stage.dtype
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+
+    def shape(i: int) -> tuple[int, int, int]:
+        rows, length = micro_batches[i]["input_ids"].shape
+        return (rows, length, hidden)
+
+    def forward(i: int, x: torch.Tensor) -> torch.Tensor:
+        mb = micro_batches[i]
+        out = stage(x, right_padded_positions(mb["attention_mask"]), output=output)
+        if last:
+            out = loss_of(out, mb, i)
+        inputs[i], outputs[i] = x, out
+        return out
+
+    def backward(i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        out, x = outputs.pop(i), inputs.pop(i)
+        if last:
+            out.backward()
+        else:
+            out.backward(grad)
+        if first:
+            return None
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def as_input(x: torch.Tensor) -> torch.Tensor:
+        return x.requires_grad_(True)
+
+    def first_input(i: int) -> torch.Tensor:
+        if first:
+            return micro_batches[i]["input_ids"]
+        return as_input(ctx.recv_prev(shape(i), dtype))
+
+    warmup = min(ctx.pp_size - ctx.pp_rank - 1, n)
+    for i in range(warmup):
+        out = forward(i, first_input(i))
+        if not last:
+            ctx.send_next(out.detach())
+    fwd, bwd = warmup, 0
+    x = first_input(fwd) if fwd < n else None
+    while fwd < n:
+        assert x is not None
+        out = forward(fwd, x)
+        grad = None if last else ctx.send_next_recv_next(out.detach(), shape(bwd), dtype)
+        dx = backward(bwd, grad)
+        fwd, bwd = fwd + 1, bwd + 1
+        if fwd < n:
+            if first:
+                x = micro_batches[fwd]["input_ids"]
+            else:
+                assert dx is not None
+                x = as_input(ctx.send_prev_recv_prev(dx, shape(fwd), dtype))
+        elif dx is not None:
+            ctx.send_prev(dx)
+    while bwd < n:
+        grad = None if last else ctx.recv_next(shape(bwd), dtype)
+        dx = backward(bwd, grad)
+        if dx is not None:
+            ctx.send_prev(dx)
+        bwd += 1

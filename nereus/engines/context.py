@@ -114,6 +114,21 @@ class EmuContext:
         self._pp().recv(out, self.pp_rank + 1, self.timeout_s)
         return out
 
+    def send_next_recv_next(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Send ``tensor`` to the next stage and receive one from it, as one batch (the
+        1F1B steady state: an activation goes forward while a gradient comes back)."""
+        out = torch.empty(shape, dtype=dtype)
+        peer = self.pp_rank + 1
+        self._pp().batch_p2p([P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s)
+        return out
+
+    def send_prev_recv_prev(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Send ``tensor`` to the previous stage and receive one from it, as one batch."""
+        out = torch.empty(shape, dtype=dtype)
+        peer = self.pp_rank - 1
+        self._pp().batch_p2p([P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s)
+        return out
+
     def broadcast_from_last(self, tensor: torch.Tensor) -> None:
         """Copy the last stage's ``tensor`` into ``tensor`` on every stage (in place)."""
         if self.pp_size > 1:

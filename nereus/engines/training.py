@@ -7,8 +7,9 @@ each get their own slice of the global batch.
 ``train_step(batch, loss="module:function", loss_kwargs={}, micro_batch_size=None)``:
 
 1. cuts the batch into micro-batches (gradient accumulation);
-2. runs them through the pipeline with the GPipe schedule (all forwards, then all
-   backwards; activations and their gradients move over the pipeline group);
+2. runs them through the pipeline with the 1F1B schedule (default; or ``"gpipe"``: all
+   forwards, then all backwards); activations and their gradients move over the
+   pipeline group;
 3. the loss, resolved by import path in this process, is called on the last stage per
    micro-batch as ``loss_fn(outputs, micro_batch, **loss_kwargs) -> (loss, metrics)`` with
    ``outputs["logprobs"]`` (policy) or ``outputs["values"]`` (critic), both ``[b, T]``
@@ -46,7 +47,11 @@ import torch
 
 from nereus.config import require
 from nereus.engines._base import EngineBase, stage_param_bytes
-from nereus.engines._pipeline import forward_backward_gpipe
+from nereus.engines._pipeline import (
+    forward_backward_1f1b,
+    forward_backward_gpipe,
+    in_flight_micro_batches,
+)
 from nereus.engines.context import EmuContext
 from nereus.engines.inference import activation_bytes, token_logprobs
 from nereus.engines.losses import normalize_batch, resolve_callable, split_batch
@@ -104,11 +109,14 @@ class TrainingEngine(EngineBase):
         dtype: str | torch.dtype = "float32",
         optim: OptimConfig | dict[str, Any] | None = None,
         critic: bool = False,
+        schedule: str = "1f1b",
         seed: int = 0,
         ledger: MemoryLedger | None = None,
         name: str = "training",
     ) -> None:
         self.optim_config = OptimConfig.from_any(optim)
+        require(schedule in ("1f1b", "gpipe"), "TrainingEngine.schedule", schedule, "must be '1f1b' or 'gpipe'")
+        self.schedule = schedule
         super().__init__(config, ctx, model_dir=model_dir, dtype=dtype, value_head=critic, seed=seed, ledger=ledger, name=name)
         try:
             self.critic = critic
@@ -243,10 +251,12 @@ class TrainingEngine(EngineBase):
 
         params = self.named_parameters()
         self.optimizer.zero_grad(set_to_none=True)
-        need = activation_bytes(self.config, ctx, mbs[0]["input_ids"].shape[0], length, self.dtype, training=True) * len(mbs)
+        held = in_flight_micro_batches(ctx, len(mbs), self.schedule)
+        need = activation_bytes(self.config, ctx, mbs[0]["input_ids"].shape[0], length, self.dtype, training=True) * held
         self.ledger.reserve(f"{self.name}/activations", need)
+        run = forward_backward_1f1b if self.schedule == "1f1b" else forward_backward_gpipe
         try:
-            forward_backward_gpipe(self.stage, ctx, mbs, loss_of, output="hidden" if self.critic else "logits")
+            run(self.stage, ctx, mbs, loss_of, output="hidden" if self.critic else "logits")
         finally:
             self.ledger.release(f"{self.name}/activations")
         self._reduce_grads(params)

@@ -9,8 +9,9 @@ got to ``OUT/rank{R}.safetensors`` (no pickle):
 
 - greedy generation (tokens, logprobs) and seeded sampled generation (tokens);
 - inference log-probabilities of a fixed batch;
-- its parameter shards after one training step (micro-batches + accumulation), or, with
-  DP, after a step on its half of the batch.
+- its parameter shards after one training step (micro-batches + accumulation; with PP
+  under both the 1F1B and the GPipe schedule), or, with DP, after a step on its half of
+  the batch.
 """
 
 from __future__ import annotations
@@ -90,6 +91,12 @@ def main(argv: list[str]) -> int:
     metrics = train.train_step(batch, micro_batch_size=settings["micro_batch_size"])
     for name, tensor in train.named_state().items():
         out[f"state.{name}"] = tensor.contiguous()
+    if pp > 1:  # the other pipeline schedule must land on the same parameters
+        gpipe = TrainingEngine(config, ctx, model_dir=args.model_dir, optim=settings["optim"], ledger=ledger,
+                               schedule="gpipe", name="training-gpipe")
+        gpipe.train_step(batch, micro_batch_size=settings["micro_batch_size"])
+        for name, tensor in gpipe.named_state().items():
+            out[f"gpipe.{name}"] = tensor.contiguous()
     out["train.grad_norm"] = torch.tensor([metrics["grad_norm"]], dtype=torch.float64)
     if "loss" in metrics:
         out["train.loss"] = torch.tensor([metrics["loss"]], dtype=torch.float64)

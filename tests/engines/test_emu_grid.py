@@ -3,7 +3,8 @@
 For each layout the test starts one process per rank (``python -m tests.engines._worker``)
 and compares what the EMU computed with the in-process TP=1/PP=1 engines on the same
 checkpoint: greedy tokens and their logprobs, seeded sampled tokens, inference logprobs,
-and every parameter shard and AdamW moment after one training step (with micro-batches).
+and every parameter shard and AdamW moment after one training step (with micro-batches,
+under both pipeline schedules at PP 2).
 The grid covers TP in {1, 2, 4} and PP in {1, 2} (TP 4 replicates GQA kv heads; the model
 has tied embeddings, so PP 2 exercises the first/last-stage gradient exchange), plus DP 2.
 """
@@ -97,15 +98,15 @@ def _run_layout(base: Path, model_dir: Path, tp: int, pp: int, dp: int = 1) -> l
     return [load_file(str(out / f"rank{r}.safetensors")) for r in range(world)]
 
 
-def _check_state(config, ref_state, results, tp, pp, dp):
+def _check_state(config, ref_state, results, tp, pp, dp, prefix="state."):
     spec = {p.name: p for p in model_spec(config)}
     seen = set()
     for rank, res in enumerate(results):
         tp_rank = rank % tp
         for key, got in res.items():
-            if not key.startswith("state."):
+            if not key.startswith(prefix):
                 continue
-            name = key[len("state."):]
+            name = key[len(prefix):]
             base = name.rsplit(".", 1)[0] if name.endswith(("exp_avg", "exp_avg_sq")) else name
             expect = shard_tensor(spec[base], ref_state[name], tp_rank, tp)
             # Moments hold the gradient itself: tight. A parameter moved by Adam's first
@@ -135,6 +136,8 @@ def test_layout_matches_tp1_pp1(setup, tp, pp):
     last = results[-1]
     torch.testing.assert_close(float(last["train.loss"]), ref["metrics"]["loss"], atol=1e-5, rtol=1e-5)
     _check_state(config, ref["state"], results, tp, pp, 1)
+    if pp > 1:
+        _check_state(config, ref["state"], results, tp, pp, 1, prefix="gpipe.")
 
 
 @pytest.mark.timeout(240)
