@@ -11,6 +11,9 @@ Concurrency, explicitly:
   with everything else on that actor, in the worker's single event-loop thread.
 - An endpoint that is an async generator streams its items (use ``.stream``).
 - Plain ``def`` endpoints are allowed; they run on the event loop (keep them short).
+- Re-entrancy: a sequential endpoint that calls (directly, or through other actors)
+  a sequential endpoint of its own actor waits on its own mailbox forever. Make such
+  endpoints ``concurrent=True`` or give the inner call a deadline.
 
 Supervision (``__supervise__``): when an actor of a mesh dies, the owner (the driver
 that spawned the mesh) is told through ``Cluster.on_failure`` callbacks, and every

@@ -176,6 +176,7 @@ class Cluster:
             node = NodeDaemon(self.address, self.key, devices=n,
                               memory_per_device=self._memory_per_device,
                               transport=self._transport, node_id=f"local{i}",
+                              heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
                               start_timeout_s=self._timeout_s,
                               max_message_bytes=self._max_message_bytes)
             self.nodes.append(node)

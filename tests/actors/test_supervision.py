@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -68,6 +69,18 @@ async def test_sigkilled_worker_is_reported_and_calls_fail(no_leaks):
             assert ev["device"] == 1 and ev["reason"] == "SIGKILL"
         finally:
             sub.close()
+
+
+async def test_a_blocked_driver_loop_does_not_lose_embedded_nodes(no_leaks):
+    async with Cluster.local(devices=1, heartbeat_timeout_s=0.4) as cluster:
+        failures: list[Failure] = []
+        cluster.on_failure(failures.append)
+        mesh = await cluster.spawn("blocked", Echo, devices=[0])
+        time.sleep(1.5)  # the driver's loop (controller and node included) is stuck
+        assert await mesh.add.call_one(1) == 1
+        await mesh.add.call_one(2)  # a few more loop turns for the watcher to run
+        assert failures == []
+        assert [d.index for d in await cluster.refresh_devices()] == [0]
 
 
 async def test_silent_node_is_declared_lost(no_leaks):
