@@ -3,11 +3,17 @@
     .venv/bin/python -m benchmarks.transfer [--reps 7] [--sizes-mib 1,16,64,256] [--no-ray]
 
 For each payload size (MiB):
-- nereus p2p: two worker processes with a CpuCommunicator (shared-memory rings);
-  ping-pong, rank 0 sends N bytes, rank 1 receives into a ready tensor and sends
-  them back; GB/s = 2N / round trip.
+- nereus p2p (hand-off): two worker processes with a CpuCommunicator; rank 0 sends
+  N bytes, rank 1 ``recv_new``s them (the sender copies once into a pooled
+  shared-memory segment that becomes the receiver's tensor: zero copy on the reading
+  side, like Ray's numpy path). Time: from just before the send on rank 0 to the
+  tensor in hand on rank 1 (both read CLOCK_MONOTONIC); GB/s = N / time.
+- nereus p2p into a tensor: the same with ``recv`` into a ready tensor (pipelined
+  ring: the sender copies into slots while the receiver copies out).
 - gloo p2p: the same with ``use_shm=False`` (torch ProcessGroupGloo send/recv).
-- memcpy: ``dst.copy_(src)`` into a ready tensor in one process: the physical limit.
+- memcpy: ``dst.copy_(src)`` into a ready tensor in one process, the physical limit,
+  sampled right after each transfer in the receiving process (and in the driver
+  between Ray transfers), so limit and transfer see the same machine load.
 - Ray (object store) fastest path: ``ray.put(numpy array)`` then an actor reads it
   (zero-copy on the reading side, the actor touches one element); GB/s = N / time.
 - Ray with a plain torch tensor: Ray's default path (pickled; copied).
@@ -51,34 +57,50 @@ def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int, slot: 
 
     torch.set_num_threads(1)
     comm = CpuCommunicator(f"bench-{mode}", rank, 2, "127.0.0.1", port, timeout_s=120.0,
-                           use_shm=(mode == "shm"), slot_bytes=slot, slots=slots)
+                           use_shm=(mode != "gloo"), slot_bytes=slot, slots=slots)
+    into_tensor = mode != "handoff"
     out = {}
+    stamp = torch.zeros(1, dtype=torch.float64)
     for n in sizes:
-        a = torch.ones(n, dtype=torch.uint8)
+        a = torch.arange(n, dtype=torch.int64).to(torch.uint8)
         b = torch.empty(n, dtype=torch.uint8)
-        times = []
-        for i in range(reps + 2):  # two warm-up round trips
+        # memcpy into a ready tensor, sampled right after each transfer in the same
+        # process, so the limit and the transfer see the same machine load
+        c = torch.ones(n, dtype=torch.uint8)
+        d = torch.empty(n, dtype=torch.uint8)
+        d.copy_(c)
+        times, copies = [], []
+        for i in range(reps + 2):  # two warm-up transfers
             comm.barrier()
-            t0 = time.perf_counter()
             if rank == 0:
+                # perf_counter is CLOCK_MONOTONIC: one clock for every process of the host
+                t0 = time.perf_counter()
                 comm.send(a, 1)
-                comm.recv(b, 1)
+                comm.send(torch.tensor([t0], dtype=torch.float64), 1)
             else:
-                comm.recv(b, 0)
-                comm.send(b, 0)
-            dt = time.perf_counter() - t0
-            if i >= 2:
-                times.append(2 * n / dt / 1e9)
-        if rank == 0:
-            assert torch.equal(a, b), "payload corrupted"
-        out[n] = times
+                if into_tensor:
+                    comm.recv(b, 0)
+                    got = b
+                else:
+                    got = comm.recv_new((n,), torch.uint8, 0)
+                t1 = time.perf_counter()
+                comm.recv(stamp, 0)
+                if i >= 2:
+                    times.append(n / (t1 - stamp.item()) / 1e9)
+                    t2 = time.perf_counter()
+                    d.copy_(c)
+                    copies.append(n / (time.perf_counter() - t2) / 1e9)
+                if i == reps + 1:
+                    assert torch.equal(got, torch.arange(n, dtype=torch.int64).to(torch.uint8))
+                del got  # a handed-off segment goes back to the sender's pool
+        out[n] = {"p2p": times, "memcpy": copies}
     comm.destroy()
-    if rank == 0:
+    if rank == 1:
         print(json.dumps({str(k): v for k, v in out.items()}), flush=True)
 
 
 def run_p2p(mode: str, sizes: list[int], reps: int, slot: int = DEFAULT_SLOT_BYTES,
-            slots: int = DEFAULT_SLOTS) -> dict[int, list[float]]:
+            slots: int = DEFAULT_SLOTS) -> dict[int, dict[str, list[float]]]:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -97,34 +119,14 @@ def run_p2p(mode: str, sizes: list[int], reps: int, slot: int = DEFAULT_SLOT_BYT
                 p.wait()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{mode} workers failed: {[p.returncode for p in procs]}")
-    data = json.loads(outs[0].strip().splitlines()[-1])
+    data = json.loads(outs[1].strip().splitlines()[-1])
     return {int(k): v for k, v in data.items()}
-
-
-# ------------------------------------------------------------------ memcpy
-
-
-def run_memcpy(sizes: list[int], reps: int) -> dict[int, list[float]]:
-    torch.set_num_threads(1)
-    out = {}
-    for n in sizes:
-        src = torch.ones(n, dtype=torch.uint8)
-        dst = torch.empty(n, dtype=torch.uint8)
-        dst.copy_(src)
-        dst.copy_(src)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(n / (time.perf_counter() - t0) / 1e9)
-        out[n] = times
-    return out
 
 
 # ------------------------------------------------------------------ Ray
 
 
-def run_ray(sizes: list[int], reps: int) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+def run_ray(sizes: list[int], reps: int) -> tuple[dict, dict, dict]:
     import numpy as np
     import ray
 
@@ -142,9 +144,13 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict[int, list[float]], dict[i
 
         reader = Reader.remote()
         ray.get(reader.touch.remote(np.ones(8, dtype=np.uint8)))
-        fast, slow = {}, {}
+        fast, slow, copies = {}, {}, {}
         for n in sizes:
             arr = np.ones(n, dtype=np.uint8)
+            src = torch.ones(n, dtype=torch.uint8)
+            dst = torch.empty(n, dtype=torch.uint8)
+            dst.copy_(src)
+            copies[n] = []
             times = []
             for i in range(reps + 1):
                 t0 = time.perf_counter()
@@ -154,6 +160,9 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict[int, list[float]], dict[i
                 del ref
                 if i:
                     times.append(n / dt / 1e9)
+                    t0 = time.perf_counter()
+                    dst.copy_(src)
+                    copies[n].append(n / (time.perf_counter() - t0) / 1e9)
             fast[n] = times
             ten = torch.ones(n, dtype=torch.uint8)
             times = []
@@ -165,7 +174,7 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict[int, list[float]], dict[i
                 if i:
                     times.append(n / dt / 1e9)
             slow[n] = times
-        return fast, slow
+        return fast, slow, copies
     finally:
         ray.shutdown()
 
@@ -190,11 +199,19 @@ def main() -> None:
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     print(f"transfer benchmark: {os.cpu_count()} cores, reps={args.reps}, one thread per side; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
-    results = {"memcpy": run_memcpy(sizes, args.reps)}
-    results["nereus_p2p"] = run_p2p("shm", sizes, args.reps, args.slot_kib * 1024, args.slots)
-    results["gloo_p2p"] = run_p2p("gloo", sizes, args.reps)
+    handoff = run_p2p("handoff", sizes, args.reps, args.slot_kib * 1024, args.slots)
+    ring = run_p2p("ring", sizes, args.reps, args.slot_kib * 1024, args.slots)
+    gloo = run_p2p("gloo", sizes, args.reps)
+    results = {
+        "memcpy": {n: handoff[n]["memcpy"] for n in sizes},
+        "nereus_p2p": {n: handoff[n]["p2p"] for n in sizes},
+        "memcpy_during_ring": {n: ring[n]["memcpy"] for n in sizes},
+        "nereus_p2p_into_tensor": {n: ring[n]["p2p"] for n in sizes},
+        "gloo_p2p": {n: gloo[n]["p2p"] for n in sizes},
+    }
     if not args.no_ray:
-        results["ray_numpy"], results["ray_torch"] = run_ray(sizes, args.reps)
+        results["ray_numpy"], results["ray_torch"], results["memcpy_during_ray"] = run_ray(
+            sizes, args.reps)
     print(f"{'GB/s median [min, max]':<24}" + "".join(f"{n // MiB:>8} MiB{'':13}" for n in sizes))
     for name, per in results.items():
         cells = []
@@ -210,6 +227,7 @@ def main() -> None:
         f"p2p_{top_mib}MiB_GBps": med["nereus_p2p"][top_mib],
         "memcpy_GBps": med["memcpy"][top_mib],
         "fraction_of_memcpy": med["nereus_p2p"][top_mib] / med["memcpy"][top_mib],
+        "p2p_into_tensor_GBps": med["nereus_p2p_into_tensor"][top_mib],
         "gloo_p2p_GBps": med["gloo_p2p"][top_mib],
     }
     if not args.no_ray:
