@@ -49,8 +49,8 @@ class ClusterSpec:
     memory_bandwidth: float
     intra_node_bandwidth: float
     inter_node_bandwidth: float
-    intra_node_latency_s: float = 5e-6
-    inter_node_latency_s: float = 15e-6
+    intra_node_latency_s: float = 2e-6
+    inter_node_latency_s: float = 8e-6
     # Bytes every device keeps for the framework, CUDA context, allocator slack.
     workspace_bytes: int = 2 * 2**30
 

@@ -86,8 +86,8 @@ def test_calibrated_memory_scale_is_part_of_the_same_optimum():
     # transient bytes measured at 3x the model: the optimum moves, brute force agrees
     eff = CONSERVATIVE.replace(memory_scale=3.0)
     work = _work("grpo", _big(2), prompts=8, samples=4, reward=False)
-    _check_optimal(work, _cluster(4, 8, 3), eff)
-    assert search(work, _cluster(4, 8, 3), eff).step_seconds > search(work, _cluster(4, 8, 3)).step_seconds
+    _check_optimal(work, _cluster(4, 8, 2), eff)
+    assert search(work, _cluster(4, 8, 2), eff).step_seconds > search(work, _cluster(4, 8, 2)).step_seconds
 
 
 @pytest.mark.timeout(120)
