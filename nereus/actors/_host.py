@@ -278,7 +278,19 @@ class ActorHost:
                 slot.wake = self.loop.create_future()
                 await slot.wake
                 continue
-            await self._run(*mailbox.popleft())
+            item = mailbox.popleft()
+            try:
+                await self._run(*item)
+            except Exception:
+                # Never let one call kill the mailbox: user errors are answered inside
+                # _run, so this is a runtime bug; log it, answer, and keep serving.
+                self.counters.add("handler_error")
+                log.exception("actor %r: failure outside the endpoint", slot.name)
+                _, ep, ident, cid, _, _, _, mode = item
+                if mode != P.NO_REPLY:
+                    self._reply_err(ident, cid, slot.incarnation, P.ERR_PROTOCOL,
+                                    "ProtocolError", "internal error while serving the call "
+                                    "(see the worker's log)", "")
 
     async def _run(self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, args: list,
                    kwargs: dict, deadline: float | None, mode: int) -> None:
@@ -293,8 +305,13 @@ class ActorHost:
             if ep.kind == _EP_CORO:
                 value = await ep.fn(*args, **kwargs)
             elif ep.kind == _EP_AGEN:
-                async for item in ep.fn(*args, **kwargs):
-                    self._send(ident, [P.ITEM, cid, inc, item], ep)
+                gen = ep.fn(*args, **kwargs)
+                try:
+                    async for item in gen:
+                        if not self._send(ident, [P.ITEM, cid, inc, item], ep):
+                            return  # the caller got an ERR; stop producing
+                finally:
+                    await gen.aclose()
                 self._send(ident, [P.END, cid, inc], ep)
                 return
             else:
@@ -324,15 +341,18 @@ class ActorHost:
             return
         self._reply_err(ident, cid, inc, P.ERR_REMOTE, rtype, str(e), tb)
 
-    def _send(self, ident: bytes, msg: list, ep: _Endpoint) -> None:
+    def _send(self, ident: bytes, msg: list, ep: _Endpoint) -> bool:
+        """Send a reply; False if it could not go (the caller was told why, if possible)."""
         try:
             self.channel.send(msg, ident)
+            return True
         except ProtocolError as e:  # the value cannot cross the wire
             self._reply_err(ident, msg[1], msg[2], P.ERR_PROTOCOL, "ProtocolError",
                             f"result of {ep.qualname} cannot be sent: {e}", "")
         except zmq.ZMQError as e:
             self.counters.add("reply_send_failed")
             log.warning("could not send a reply of %s: %s", ep.qualname, e)
+        return False
 
     def _reply_err(self, ident: bytes, cid: int, inc: Any, kind: str, rtype: str, message: str,
                    tb: str) -> None:

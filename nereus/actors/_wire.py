@@ -102,6 +102,8 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
             return msgpack.ExtType(code, packb(_EXT_TYPES[code][1](o)))
         if isinstance(o, np.generic):
             return o.item()
+        if t is int:
+            raise ProtocolError(f"cannot send the int {o}: outside the 64-bit range of msgpack")
         raise ProtocolError(
             f"cannot send a value of type {t.__module__}.{t.__qualname__}: only None, bool, "
             "int, float, str, bytes, list, tuple, dict, numpy arrays, CPU torch tensors and "
@@ -139,7 +141,13 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     def packb(o: Any) -> bytes:
         return msgpack.packb(o, default=default, use_bin_type=True, strict_types=True)
 
-    return packb(obj), buffers
+    try:
+        return packb(obj), buffers
+    except ProtocolError:
+        raise
+    except (OverflowError, ValueError, TypeError, RecursionError) as e:
+        # msgpack's own refusals: an int beyond 64 bits, a cycle or too deep a nesting
+        raise ProtocolError(f"cannot encode the value: {type(e).__name__}: {e}") from None
 
 
 def decode(header: bytes, buffers: Sequence[Any] = ()) -> Any:

@@ -82,8 +82,20 @@ class Echo(Actor):
         return await getattr(ref, method).call_one(*args)
 
     @endpoint
-    async def unsendable(self):
+    async def unsendable(self, kind: str = "object"):
+        if kind == "bigint":
+            return 2**70
+        if kind == "cycle":
+            x: list = []
+            x.append(x)
+            return x
         return object()
+
+    @endpoint
+    async def unsendable_stream(self):
+        yield 1
+        yield object()
+        yield 3
 
     @endpoint
     async def failures_seen(self) -> list:

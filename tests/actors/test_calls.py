@@ -118,8 +118,20 @@ async def test_bad_calls_are_rejected_clearly(cluster: Cluster):
             await mesh.add.call_one(1, c=2)
         with pytest.raises(ProtocolError, match="is a stream"):
             await mesh.tokens.call_one(3)
+        for kind in ("object", "bigint", "cycle"):
+            with pytest.raises(ProtocolError, match="cannot be sent"):
+                await mesh.unsendable.call_one(kind)
+        got = []
         with pytest.raises(ProtocolError, match="cannot be sent"):
-            await mesh.unsendable.call_one()
+            async for x in mesh.unsendable_stream.stream():
+                got.append(x)
+        assert got == [1]
+        with pytest.raises(ProtocolError, match="64-bit"):
+            mesh.ping.call_one(2**70)
+        cyclic: list = []
+        cyclic.append(cyclic)
+        with pytest.raises(ProtocolError, match="cannot encode"):
+            mesh.ping.call_one(cyclic)
         with pytest.raises(ProtocolError, match="cannot send a value of type"):
             mesh.ping.call_one(object())
         assert await mesh.add.call_one(2) == 2
