@@ -84,3 +84,31 @@ async def test_weight_sync_reshards_pp_training_into_tp_generation(tmp_path):
                     assert torch.equal(st["tensors"][p.name], shard_tensor(p, full[p.name], tp_rank, 2)), p.name
     finally:
         await rl.close()
+
+
+@pytest.mark.timeout(240)
+async def test_ppo_with_tp_critic_resumes_exactly_on_a_cluster(tmp_path):
+    from tests.rl._jobs import job
+
+    plan = {
+        "policy_generation": {"devices": [0, 1], "dp": 2},
+        "policy_training": {"devices": [0]},
+        "reference_inference": {"devices": [1]},
+        "critic_inference": {"devices": [2, 3], "tp": 2},
+        "critic_training": {"devices": [2, 3], "tp": 2},
+    }
+    cfg = job(str(tmp_path), 4, algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01, "kl_mode": "penalty"},
+              cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"}, plan=plan)
+    rl = RLJob(cfg)
+    await rl.start()
+    try:
+        first = [await rl.run_step() for _ in range(2)]
+        folder = await rl.save_checkpoint()
+        after = [await rl.run_step() for _ in range(2)]
+        await rl.load_checkpoint(folder)
+        again = [await rl.run_step() for _ in range(2)]
+    finally:
+        await rl.close()
+    assert all("value_loss" in r and "kl_ref" not in r for r in first)  # KL as a reward penalty
+    keys = ("step", "reward_mean", "response_len_mean", "policy_loss", "value_loss", "policy_version", "dataset_position")
+    assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in after]
