@@ -30,7 +30,8 @@ result is the optimum of the space. To keep it fast, a quick search (each model-
 fastest and smallest layout) first finds a valid plan; every partial choice whose
 optimistic completion (the fastest the remaining model-stages can be on the devices
 left) is slower than a bound is dropped; the bound is first halfway between that floor
-and the quick plan (exact whenever a plan is found under it), else the quick plan.
+and the quick plan, then 80% of the way (exact whenever a plan is found under it),
+else the quick plan.
 
 Raises ``InfeasiblePlan`` when no plan fits (names the budget and the usable memory).
 """
@@ -127,6 +128,8 @@ def _admits_layout(n: int, batch: int) -> bool:
 
 MAX_WAVES = 8
 QUICK_KEEP = 2
+# Guessed bounds, as fractions of the way from the lower bound to the incumbent.
+GUESS: tuple[float, ...] = (0.5, 0.8)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -484,13 +487,13 @@ def search(
     got = quick_all.best()
     if got is not None and (incumbent is None or got[0] < incumbent[0]):
         incumbent, quick = got, quick_all
-    # The exact search under a guessed bound between the lower bound and the incumbent:
-    # a plan found at or under the guess is optimal (nothing better was pruned); if
-    # none is found, the search reruns under the incumbent itself.
+    # The exact search under guessed bounds between the lower bound and the incumbent:
+    # a plan found at or under a guess is optimal (nothing better was pruned); if none
+    # is found, the next guess, and last the incumbent itself.
     found = None
     if incumbent is not None:
         low = sum(quick.floor_for(0, 0))
-        for bound in ((low + incumbent[0]) / 2, incumbent[0]):
+        for bound in [low + g * (incumbent[0] - low) for g in GUESS] + [incumbent[0]]:
             s = _Searcher(work, cluster, eff, budget, bound=bound, cands=quick.cands)
             found = s.best()
             if found is not None:
