@@ -99,7 +99,10 @@ def forward_only(
     head: Head,
     output: str = "logits",
 ) -> torch.Tensor:
-    """Concatenated ``[B, T]`` head results over all micro-batches, on every rank."""
+    """Concatenated ``[B, T]`` head results over all micro-batches, on every rank.
+
+    Stages do not wait for each other between micro-batches (one broadcast at the end),
+    so stage ``s`` computes micro-batch ``i + 1`` while stage ``s + 1`` computes ``i``."""
     results: list[torch.Tensor] = []
     with torch.inference_mode():
         for mb in micro_batches:
@@ -108,12 +111,13 @@ def forward_only(
             out = stage(x, positions, output=output)
             if not ctx.is_last_stage:
                 ctx.send_next(out)
-                res = torch.empty(mb["input_ids"].shape, dtype=torch.float32)
             else:
-                res = head(out, mb).float().contiguous()
-            ctx.broadcast_from_last(res)
-            results.append(res)
-    return torch.cat(results, dim=0)
+                results.append(head(out, mb).float())
+        rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
+        length = micro_batches[0]["input_ids"].shape[1]
+        result = torch.cat(results, dim=0).contiguous() if results else torch.empty(rows, length, dtype=torch.float32)
+        ctx.broadcast_from_last(result)
+    return result
 
 
 def forward_backward_gpipe(
