@@ -18,8 +18,14 @@ Promises (beyond the Communicator contract):
   gloo's, with gloo's per-operation timeout set to the deadline. Any dtype travels
   (float32, bfloat16, float16, int64, bool, ...); data-only operations move raw bytes.
   Non-contiguous tensors are staged through a contiguous copy.
-- ``batch_p2p`` moves same-host pairs through shared memory (about one memcpy of
-  cost) and other pairs through gloo send/recv, all progressed together.
+- ``batch_p2p`` moves same-host pairs through shared memory (a ring of slots per
+  directed pair: the sender copies in while the receiver copies out) and other
+  pairs through gloo send/recv (with a size header), all progressed together.
+- ``recv_new`` receives into a fresh tensor; from a same-host peer, a transfer
+  larger than one slot is handed off: one copy by the sender into a pooled segment
+  that the receiver adopts as its tensor (zero copy on the reading side). The
+  segment returns to the sender's pool when that tensor is freed; pools live until
+  ``destroy``.
 - Watchdog: before each operation a rank records its entry in the store (one
   fire-and-forget ``set``). When an operation outlives its deadline, the caller
   reads those entries and raises ``StuckCollective`` naming the ranks that have not
@@ -60,7 +66,9 @@ __all__ = ["CpuCommunicator", "host_key", "DEFAULT_SLOT_BYTES", "DEFAULT_SLOTS"]
 
 log = logging.getLogger("nereus.transfer")
 
-DEFAULT_SLOT_BYTES = 32 * 2**20
+# A ring of 4 x 16 MiB per directed same-host pair: pages are touched only when used,
+# so a group costs at most 64 MiB of /dev/shm per pair that actually exchanges data.
+DEFAULT_SLOT_BYTES = 16 * 2**20
 DEFAULT_SLOTS = 4
 # Extra time granted to gloo to report its own timeout before the watchdog fires.
 _GRACE_S = 1.0
@@ -264,7 +272,12 @@ class CpuCommunicator(Communicator):
         seq = self._seq
         self._kv.set(f"c/{self.rank}", str(seq))
         assert self._pg is not None
-        work = issue(datetime.timedelta(seconds=timeout))
+        try:
+            work = issue(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:  # gloo refused the arguments: the peers would wait on us
+            self.abort()
+            raise TransferError(f"group {self.group_id!r} rank {self.rank}: {op} refused by "
+                                f"gloo: {str(e).splitlines()[0]}") from e
         self._wait_work(work, op, timeout, lambda: self._missing_collective(seq))
 
     # ---------------------------------------------------------------- collectives

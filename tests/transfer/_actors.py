@@ -7,7 +7,7 @@ import asyncio
 import torch
 
 from nereus.actors import Actor, current_device, endpoint
-from nereus.transfer import P2POp, exchange, get_communicator, local_groups
+from nereus.transfer import P2POp, exchange, get_communicator, local_groups, release_epoch
 
 
 class Member(Actor):
@@ -52,3 +52,7 @@ class Member(Actor):
     @endpoint
     async def groups(self) -> list:
         return [list(g) for g in local_groups()]
+
+    @endpoint
+    async def release(self, epoch: int) -> int:
+        return await asyncio.to_thread(release_epoch, epoch)

@@ -211,7 +211,8 @@ def scenario_stuck(a: dict) -> dict:
     r = a["rank"]
     out = {}
     for op in a["ops"]:
-        comm = comm_from(a, f"{a['group']}-{op}", timeout_s=30.0)
+        kw = {"use_shm": False} if op == "p2p_gloo" else {}
+        comm = comm_from(a, f"{a['group']}-{op}", timeout_s=30.0, **kw)
         comm.barrier()
         if r == a["missing"]:
             # Stay alive (a stuck rank, not a dead one) until the others reported.
@@ -221,7 +222,7 @@ def scenario_stuck(a: dict) -> dict:
             continue
         t0 = time.monotonic()
         try:
-            if op == "p2p":
+            if op.startswith("p2p"):
                 comm.recv(torch.empty(1000), a["missing"], timeout_s=a["deadline_s"])
             else:
                 comm.all_reduce(torch.ones(1000), timeout_s=a["deadline_s"])

@@ -30,7 +30,7 @@ def test_p2p_size_mismatch_is_an_error(workers):
 @pytest.mark.timeout(120)
 def test_stuck_operation_names_missing_rank(workers):
     deadline = 2.0
-    ops = ["all_reduce", "p2p"]
+    ops = ["all_reduce", "p2p", "p2p_gloo"]
     results = workers.run("stuck", 3, missing=2, ops=ops, deadline_s=deadline)
     assert all(results[2][op]["role"] == "missing" for op in ops)
     for r in results[:2]:
@@ -38,7 +38,7 @@ def test_stuck_operation_names_missing_rank(workers):
             got = r[op]
             assert got["role"] == "waiter" and got["missing_ranks"] == [2], got
             assert deadline <= got["seconds"] < deadline + 5, got
-            assert got["op"] == ("batch_p2p" if op == "p2p" else op)
+            assert got["op"] == ("batch_p2p" if op.startswith("p2p") else op)
             assert got["after"] == "TransferError"  # the group is aborted once stuck
 
 

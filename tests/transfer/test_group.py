@@ -58,6 +58,19 @@ async def test_create_and_destroy_repeatedly(cluster, members):
     assert await members.groups.call() == [[], [], []]
 
 
+async def test_worker_side_release_of_an_epoch(cluster, members):
+    a = await make_group(cluster, devices=[0, 1, 2], epoch=20)
+    b = await make_group(cluster, devices=[1, 2], epoch=20)
+    c = await make_group(cluster, devices=[0, 2], epoch=21)
+    assert await members.release.call(20) == [1, 2, 2]
+    assert [[g[1] for g in gs] for gs in await members.groups.call()] == [[21], [], [21]]
+    sub = members.slice(dp=slice(0, 3, 2))
+    assert await sub.all_reduce.call(c.group_id, 1.0) == [[0, 2, 2.0], [1, 2, 2.0]]
+    for g in (a, b, c):
+        await g.destroy()
+    assert await members.groups.call() == [[], [], []]
+
+
 async def test_bad_requests_name_the_field(cluster):
     with pytest.raises(ConfigError, match="repeats a device"):
         await make_group(cluster, devices=[0, 0])
