@@ -3,7 +3,8 @@ state and checkpoints (DESIGN §4).
 
 The planning modules (spec, layout, emu, plan, memory, primitives, transition) are pure:
 descriptions in, plans out. ``apply`` runs a plan over tensors in one process or in one
-worker's part; ``checkpoint`` is the save/load fallback.
+worker's part; ``holder`` runs plans and steps on worker processes (``ShardHolder``,
+``execute``); ``checkpoint`` is the save/load fallback.
 """
 
 from nereus.state.apply import apply_plan, apply_step, plan_part, run_part
@@ -25,7 +26,14 @@ from nereus.state.emu import (
     split_key,
     tensor_key,
 )
-from nereus.state.holder import ExecuteStats, ShardHolder, execute, load_from_disk, save_to_disk
+from nereus.state.holder import (
+    ExecuteStats,
+    ShardHolder,
+    execute,
+    execute_step,
+    load_from_disk,
+    save_to_disk,
+)
 from nereus.state.layout import Box, Layout, Piece, Shard, check_layout, layer_bounds, param_shard
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, MemoryEffect, check_fits, memory_effect
 from nereus.state.plan import Keep, Move, Plan, bytes_minimum, plan_reshard
@@ -37,6 +45,7 @@ __all__ = [
     "save_to_disk",
     "load_from_disk",
     "execute",
+    "execute_step",
     "ShardHolder",
     "ExecuteStats",
     "Box",

@@ -17,7 +17,8 @@ nothing is allocated, moved or freed. Sources are freed only after the exchange
 returned, so a failed transfer loses nothing.
 
 ``await execute(plan, holders, cluster)`` on the driver sends each worker of the plan
-ONE message (its part) and makes the group the parts exchange over.
+ONE message (its part) and makes the group the parts exchange over;
+``execute_step`` runs a primitive ``Step`` (its plans, then its frees).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from nereus.state.apply import TORCH_DTYPES, plan_part, run_part
 from nereus.state.emu import EMU, DeviceSet, LogicalState, emu_from_plain, emu_to_plain
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, check_fits, memory_effect
 from nereus.state.plan import Plan
+from nereus.state.primitives import Step
 from nereus.transfer import exchange, get_communicator, make_group
 
-__all__ = ["ShardHolder", "ExecuteStats", "execute", "save_to_disk", "load_from_disk"]
+__all__ = ["ShardHolder", "ExecuteStats", "execute", "execute_step", "save_to_disk", "load_from_disk"]
 
 log = logging.getLogger("nereus.state")
 
@@ -218,6 +220,33 @@ async def execute(
         log.warning("plan building %s failed on %d of %d workers", plan.target.name, len(errors), len(tasks))
         raise (root or errors)[0]
     return ExecuteStats(plan.bytes_moved, plan.bytes_local, tuple(sorted(involved)))
+
+
+async def execute_step(
+    step: Step,
+    holders: Mapping[int, ActorRef],
+    cluster: Any,
+    *,
+    epoch: int = 0,
+    devices: DeviceSet | None = None,
+    used: Mapping[int, int] | None = None,
+) -> int:
+    """Run a primitive ``Step`` on the workers: its plans (one message per worker each;
+    a one-plan step frees its inputs in the same message), then free what it frees.
+    A Destroy only drops shards. Returns the bytes moved between devices."""
+    moved = 0
+    if len(step.plans) == 1:
+        stats = await execute(step.plans[0], holders, cluster, free=step.freed, epoch=epoch,
+                              devices=devices, used=used)
+        return stats.bytes_moved
+    for plan in step.plans:
+        moved += (await execute(plan, holders, cluster, epoch=epoch, devices=devices, used=used)).bytes_moved
+    frees: dict[int, list[str]] = {}
+    for emu in step.freed:
+        for d in emu.devices:
+            frees.setdefault(d, []).append(emu.name)
+    await asyncio.gather(*(holders[d].drop_shards.call_one(names) for d, names in frees.items()))
+    return moved
 
 
 async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef]) -> None:

@@ -13,8 +13,16 @@ import torch
 
 from nereus.actors import Cluster
 from nereus.errors import OutOfMemory, RemoteError, StateError
-from nereus.state import EMU, OPTIMIZER_SLOTS, DeviceSet, Layout, LogicalState, plan_reshard
-from nereus.state.holder import ShardHolder, execute, load_from_disk, save_to_disk
+from nereus.state import (
+    EMU,
+    OPTIMIZER_SLOTS,
+    DeviceSet,
+    Layout,
+    LogicalState,
+    plan_reshard,
+    plan_stage_transition,
+)
+from nereus.state.holder import ShardHolder, execute, execute_step, load_from_disk, save_to_disk
 from tests.state.helpers import global_tensors, shard_store, spec_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -152,5 +160,34 @@ async def test_checkpoint_written_and_read_by_the_workers(holders, tmp_path):
         loaded = await load_from_disk(str(tmp_path), b, refs)
         assert loaded.state == LogicalState(3, 2, 1000)
         await _assert_holds(refs, loaded, full)
+    finally:
+        await _drop_all(refs)
+
+
+@pytest.mark.parametrize("current,target", [
+    ([(Layout(4, 1), (0, 1, 2, 3))], [(Layout(2, 1), (0, 1)), (Layout(2, 1), (2, 3))]),  # Split
+    ([(Layout(2, 1), (0, 1))], [(Layout(2, 2), (0, 1, 2, 3))]),  # Extend + Merge
+    ([(Layout(1, 2), (0, 1)), (Layout(1, 2), (2, 3))], [(Layout(2, 1), (3, 1))]),  # Destroy + Merge
+], ids=["split", "extend-merge", "destroy-merge"])
+async def test_stage_transition_steps_on_workers(holders, current, target):
+    cluster, refs = holders
+    spec = spec_for(kv_heads=2, tied=True)
+    cur = [EMU(f"c{i}", "policy-training", spec, lay, devs, SLOTS, LogicalState(1, 1, 64))
+           for i, (lay, devs) in enumerate(current)]
+    tgt = [EMU(f"t{i}", "policy-training", spec, lay, devs, SLOTS) for i, (lay, devs) in enumerate(target)]
+    full = global_tensors(cur[0], seed=8)
+    try:
+        for e in cur:
+            await _put(refs, e, full)
+        plan = plan_stage_transition(cur, tgt)
+        moved = 0
+        for step in plan.steps:
+            moved += await execute_step(step, refs, cluster)
+        assert moved == plan.bytes_moved
+        names = {e.name for e in plan.result}
+        for e in plan.result:
+            await _assert_holds(refs, e, full)
+        for d, ref in refs.items():
+            assert set(await ref.held.call_one()) <= names, d  # everything else was freed
     finally:
         await _drop_all(refs)
