@@ -50,7 +50,7 @@ from nereus.actors import (
     current_device,
     endpoint,
 )
-from nereus.errors import ConfigError, TransferError
+from nereus.errors import ActorDied, ConfigError, TransferError
 from nereus.transfer.communicator import Communicator
 
 __all__ = ["make_group", "release_groups", "GroupHandle", "GroupAgent", "get_communicator",
@@ -282,6 +282,9 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
              for r, a in enumerate(agents)]
     results = await asyncio.gather(*calls, return_exceptions=True)
     failed = [(infos[r].index, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
+    for device, err in failed:
+        if isinstance(err, ActorDied):  # a later make_group spawns a fresh agent there
+            state.agents.pop(device, None)
     if failed:
         handle.destroyed = False
         await handle.destroy()

@@ -107,14 +107,22 @@ class _Watcher:
             item = self._q.get()
             if item is None:
                 return
-            event, done = item
-            event.synchronize()
+            event, done, errors = item
+            try:
+                event.synchronize()
+            except RuntimeError as e:  # a CUDA error: delivered to the waiting caller
+                errors.append(e)
             done.set()
 
     def wait(self, event: Any, timeout: float) -> bool:
+        """True once ``event`` completed, False at ``timeout``; raises a CUDA error."""
         done = threading.Event()
-        self._q.put((event, done))
-        return done.wait(timeout)
+        errors: list[BaseException] = []
+        self._q.put((event, done, errors))
+        finished = done.wait(timeout)
+        if errors:
+            raise TransferError(f"CUDA error while waiting for an NCCL operation: {errors[0]}")
+        return finished
 
     def stop(self, timeout: float = 5.0) -> None:
         self._q.put(None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import torch
 
@@ -56,3 +57,7 @@ class Member(Actor):
     @endpoint
     async def release(self, epoch: int) -> int:
         return await asyncio.to_thread(release_epoch, epoch)
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()

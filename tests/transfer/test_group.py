@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import glob
+import os
+import signal
+import time
 
 import pytest
 import pytest_asyncio
 
 from nereus.actors import Cluster
-from nereus.errors import ConfigError, RemoteError
+from nereus.errors import ConfigError, NereusError, RemoteError
 from nereus.transfer import make_group, release_groups
 from tests.transfer._actors import Member
 
@@ -80,3 +84,27 @@ async def test_bad_requests_name_the_field(cluster):
         await make_group(cluster, devices=[0, 1], backend="nccl")
     with pytest.raises(ConfigError, match="backend="):
         await make_group(cluster, devices=[0, 1], backend="mpi")
+
+
+async def test_a_killed_member_fails_survivors_fast_and_groups_go_on():
+    async with Cluster.local(devices=3, memory_per_device="128MiB") as c:
+        mesh = await c.spawn("m", Member, devices=[0, 1, 2])
+        g = await make_group(c, devices=[0, 1, 2], epoch=1, timeout_s=30)
+        assert [r[2] for r in await mesh.all_reduce.call(g.group_id, 1.0)] == [3.0] * 3
+        pids = await mesh.pid.call()
+        died = asyncio.Event()
+        c.on_failure(lambda f: died.set())
+        os.kill(pids[2], signal.SIGKILL)
+        await asyncio.wait_for(died.wait(), 10)
+        survivors = mesh.slice(dp=slice(0, 2))
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            await survivors.all_reduce.call(g.group_id, 1.0)
+        assert err.value.remote_type in ("TransferError", "StuckCollective")
+        assert time.monotonic() - t0 < 15  # well inside the 30 s deadline
+        with pytest.raises(NereusError):
+            await make_group(c, devices=[0, 2], epoch=2, timeout_s=10)
+        g2 = await make_group(c, devices=[0, 1], epoch=2)
+        assert await survivors.all_reduce.call(g2.group_id, 1.0) == [[0, 2, 2.0], [1, 2, 2.0]]
+        await g.destroy()  # the dead member is skipped
+        await g2.destroy()
