@@ -4,11 +4,13 @@
 
 Cases (each a source EMU already resident on the workers and a target EMU to build):
 TP 4->2 (tp4 on devices 0-3 -> tp2 on 0,1), TP 2->4 (tp2 on 0,1 -> tp4 on 0-3),
-PP 2->1 (tp2 pp2 on 0-3 -> tp2 pp1 on 0,1) and Extend from 2 to 4 devices (tp2 on 0,1
--> a second tp2 replica on 2,3). Each is built by:
+PP 2->1 (tp2 pp2 on 0-3 -> tp2 pp1 on 0,1), each freeing the source once the target is
+built, and Extend from 2 to 4 devices (tp2 on 0,1 -> a second tp2 replica on 2,3),
+which keeps it. Each is built by:
 
 - nereus: ``plan_reshard`` (box intersection, minimal bytes; planning is timed) and
-  ``execute``: one message per worker, local copies + one bucketed ``exchange``;
+  ``execute``: one message per worker, local copies + one bucketed ``exchange``; a
+  shard that does not change stays in place when the source is freed (``reuse``);
 - gather-scatter: per tensor, every distinct source shard is sent to rank 0, which
   assembles the full tensor and sends each target rank its shard (the per-tensor
   pattern many RL frameworks use), over the same communicator (gloo + shared memory);
@@ -148,15 +150,16 @@ class BenchHolder(ShardHolder):
         return self.held_bytes()
 
 
-def _cases(spec) -> list[tuple[str, EMU, EMU]]:
+def _cases(spec) -> list[tuple[str, EMU, EMU, bool]]:
+    """(name, source, target, whether the source is freed once the target is built)."""
     def emu(name, tp, pp, devices):
         return EMU(name, "policy-training", spec, Layout(tp, pp), tuple(devices))
 
     return [
-        ("tp4->tp2", emu("src", 4, 1, [0, 1, 2, 3]), emu("dst", 2, 1, [0, 1])),
-        ("tp2->tp4", emu("src", 2, 1, [0, 1]), emu("dst", 4, 1, [0, 1, 2, 3])),
-        ("pp2->pp1", emu("src", 2, 2, [0, 1, 2, 3]), emu("dst", 2, 1, [0, 1])),
-        ("extend 2->4", emu("src", 2, 1, [0, 1]), emu("dst", 2, 1, [2, 3])),
+        ("tp4->tp2", emu("src", 4, 1, [0, 1, 2, 3]), emu("dst", 2, 1, [0, 1]), True),
+        ("tp2->tp4", emu("src", 2, 1, [0, 1]), emu("dst", 4, 1, [0, 1, 2, 3]), True),
+        ("pp2->pp1", emu("src", 2, 2, [0, 1, 2, 3]), emu("dst", 2, 1, [0, 1]), True),
+        ("extend 2->4", emu("src", 2, 1, [0, 1]), emu("dst", 2, 1, [2, 3]), False),
     ]
 
 
@@ -181,9 +184,17 @@ async def _run(args) -> dict:
                                        kwargs={"bucket_bytes": args.bucket_mib << 20})
             refs = {r.device: r for r in mesh.refs}
             everyone = sorted(refs)
-            for name, src, dst in _cases(spec):
+            for name, src, dst, frees in _cases(spec):
                 src_plain, dst_plain = emu_to_plain(src), emu_to_plain(dst)
-                await asyncio.gather(*(refs[d].fill.call_one(src_plain) for d in src.devices))
+
+                async def fill(src=src, src_plain=src_plain):
+                    await asyncio.gather(*(refs[d].fill.call_one(src_plain) for d in src.devices))
+
+                async def drop_src(src=src, frees=frees):
+                    if frees:
+                        await asyncio.gather(*(refs[d].drop_shards.call_one([src.name]) for d in src.devices))
+
+                await fill()
                 group_devices = sorted(set(src.devices) | set(dst.devices))
 
                 async def drop_dst(dst=dst):
@@ -194,9 +205,10 @@ async def _run(args) -> dict:
                     if bad:
                         raise SystemExit(f"{name}: {method} produced {bad} wrong elements")
 
-                async def ours(src=src, dst=dst) -> int:
-                    plan = plan_reshard([src], dst)
-                    await execute(plan, refs, cluster, epoch=1)
+                async def ours(src=src, dst=dst, frees=frees) -> int:
+                    # a source that is freed afterwards lends the target its unchanged shards
+                    plan = plan_reshard([src], dst, reuse=frees)
+                    await execute(plan, refs, cluster, epoch=1, free=[src] if frees else [])
                     return plan.bytes_moved
 
                 async def gather(src_plain=src_plain, dst_plain=dst_plain, group_devices=group_devices):
@@ -204,11 +216,13 @@ async def _run(args) -> dict:
                     await asyncio.gather(*(refs[d].gather_scatter.call_one(src_plain, dst_plain, group_devices[0],
                                                                            group.group_id, group_devices)
                                            for d in group_devices))
+                    await drop_src()
 
                 async def checkpoint(src=src, dst=dst):
                     directory = tempfile.mkdtemp(dir=ckpt_root)
                     try:
                         await save_to_disk(directory, src, refs)
+                        await drop_src()
                         await load_from_disk(directory, dst, refs)
                     finally:
                         shutil.rmtree(directory)
@@ -218,6 +232,8 @@ async def _run(args) -> dict:
                 moved = 0
                 for rep in range(args.reps + 1):
                     for method, fn in methods.items():
+                        if frees:
+                            await fill()  # untimed: every method starts from the same resident source
                         t0 = time.perf_counter()
                         got = await fn()
                         dt = time.perf_counter() - t0
@@ -228,6 +244,7 @@ async def _run(args) -> dict:
                         else:
                             times[method].append(dt)
                         await drop_dst()
+                        await drop_src()
                 await asyncio.gather(*(refs[d].drop_shards.call_one([src.name]) for d in everyone))
                 r = {m: _summary(ts) for m, ts in times.items()}
                 case = {
