@@ -1,4 +1,6 @@
-"""Fixtures for the actor tests: clusters of real worker processes, leak checks."""
+"""Fixtures for the actor tests: clusters of real worker processes, leak checks.
+
+Process checks read /proc (Linux), so the tests need no extra package."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import os
 import tempfile
 import time
 
-import psutil
 import pytest
 import pytest_asyncio
 import zmq
@@ -15,8 +16,43 @@ import zmq
 from nereus.actors import Cluster
 
 
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) for every process we can see."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # it exited while we looked
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        out[int(entry)] = (int(fields[1]), fields[0])
+    return out
+
+
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """Live (not zombie) descendants of this process."""
+    procs = _processes()
+    found, frontier = set(), [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _state) in procs.items():
+            if ppid == parent and pid not in found:
+                found.add(pid)
+                frontier.append(pid)
+    return {pid for pid in found if procs[pid][1] != "Z"}
+
+
+def _wait_gone(pids: set[int], timeout_s: float = 5.0) -> set[int]:
+    """The pids still alive after waiting up to ``timeout_s`` for them to exit."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = pids & _children()
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def _fds() -> dict[int, str]:
@@ -41,15 +77,7 @@ def no_leaks():
     before_children, before_dirs = _children(), _ipc_dirs()
     before_fds = _fds()
     yield
-    left = _children() - before_children
-    for pid in left:
-        try:
-            psutil.Process(pid).wait(timeout=5)
-        except psutil.NoSuchProcess:
-            pass
-        except psutil.TimeoutExpired:
-            pass
-    alive = [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    alive = _wait_gone(_children() - before_children)
     assert not alive, f"leaked child processes {alive}"
     assert _ipc_dirs() <= before_dirs, f"leaked ipc dirs {_ipc_dirs() - before_dirs}"
     # libzmq closes sockets asynchronously (its reaper thread): wait for it, with a deadline
@@ -66,11 +94,4 @@ async def cluster():
     before = _children()
     async with Cluster.local(devices=3, memory_per_device="256MiB") as c:
         yield c
-    left = _children() - before
-    for pid in left:
-        try:
-            psutil.Process(pid).wait(timeout=5)
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-            pass
-    assert not [p for p in left if psutil.pid_exists(p)
-                and psutil.Process(p).status() != "zombie"], "cluster leaked workers"
+    assert not _wait_gone(_children() - before), "cluster leaked workers"
