@@ -109,7 +109,9 @@ class Actor:
 
     Inside the worker each instance has ``self.device`` (``DeviceInfo``), ``self.name``
     (unique in its worker), ``self.mesh_name``, ``self.rank`` and ``self.coords``
-    (its position on the mesh axes), all set before ``__init__`` runs."""
+    (its position on the mesh axes), all set before ``__init__`` runs. They are for the
+    actor's own use: the runtime never reads them back, so an ``__init__`` that assigns
+    ``self.name`` (a common keyword) changes nothing for the runtime."""
 
     device: DeviceInfo
     name: str
