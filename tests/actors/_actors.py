@@ -126,6 +126,17 @@ class Tensors(Actor):
         return float(t.double().sum())
 
 
+class BadSupervisor(Actor):
+    """Its __supervise__ raises: the failure must be logged and published, not lost."""
+
+    @endpoint
+    async def ping(self) -> int:
+        return 1
+
+    def __supervise__(self, failure) -> None:
+        raise RuntimeError(f"cannot handle the loss of {failure.actor}")
+
+
 class BadInit(Actor):
     def __init__(self) -> None:
         raise RuntimeError("constructor refused")

@@ -14,8 +14,9 @@ from nereus.actors import Cluster, emit
 from nereus.actors._client import Client, current_client
 from nereus.controller import READY_PREFIX as CONTROLLER_READY
 from nereus.errors import ConfigError, DeadlineExceeded
+from nereus.monitor import Subscriber
 from nereus.node import READY_PREFIX as NODE_READY
-from tests.actors._actors import Echo
+from tests.actors._actors import BadSupervisor, Echo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,3 +149,22 @@ async def test_node_refuses_bad_arguments(tmp_path):
         stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2 and b"did not answer" in err
+
+
+async def test_local_cluster_over_tcp_with_two_nodes(no_leaks):
+    async with Cluster.local(devices=[1, 2], nodes=2, transport="tcp") as cluster:
+        assert [d.node_id for d in cluster.devices] == ["local0", "local1", "local1"]
+        sub = Subscriber(cluster.tap_address, cluster.key, {"error"})
+        try:
+            mesh = await cluster.spawn("tcp", BadSupervisor)
+            assert all(r.address.startswith("tcp://127.0.0.1:") for r in mesh.refs)
+            assert sorted(await mesh.ping.call()) == [1, 1, 1]
+            stats = await current_client().request(mesh.refs[2].address, "stats", {})
+            assert stats["actors"] == {"tcp/2": {"incarnation": 1, "pending": 0}}
+            # a __supervise__ that raises is reported on the tap, not swallowed
+            victim = cluster.nodes[1].workers[1].proc.pid
+            os.kill(victim, signal.SIGKILL)
+            ev = await sub.wait_for(lambda e: e.get("method") == "__supervise__", 10)
+            assert ev["remote_type"] == "RemoteError" and "cannot handle the loss" in ev["message"]
+        finally:
+            sub.close()
