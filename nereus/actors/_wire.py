@@ -13,7 +13,8 @@ message on the hot path):
   tensor to get a zero-copy frame.
 - ``signature`` is HMAC-SHA256 with the cluster key over ``header`` and every buffer
   in order (as Jupyter signs its messages), so a frame that was altered, added,
-  dropped or reordered fails verification.
+  dropped or reordered fails verification (and bytes moved between frames fail the
+  buffer sizes declared in the signed header).
 
 Promises: ``decode(encode(x))`` equals ``x`` for every supported value (tensors of any
 dtype incl. bfloat16 and bool, any shape incl. 0-size; non-contiguous ones are made
