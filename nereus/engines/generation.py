@@ -9,9 +9,13 @@ Promises:
   the prompts are left-padded, prefilled in one forward, then decoded one token per
   forward for every row at once. Sampling is vectorized (``nereus.engines.sampling``):
   temperature, top-k, top-p, stop tokens, ``max_tokens``, per-token log-probabilities.
-- Deterministic under ``params.seed``: the last stage's TP rank 0 draws every token from
-  one generator; the tokens reach its TP group by broadcast and the other stages by the
-  pipeline group, so every rank agrees and the tokens do not depend on TP or PP.
+- With PP, a batch of at least ``pp`` prompts is cut into ``pp`` groups of rows that
+  move through the stages as a wavefront (every stage works on a different group at
+  once); a smaller batch goes stage after stage.
+- Deterministic under ``params.seed``: the last stage's TP rank 0 draws every token with
+  noise that depends only on the seed, the step and the row (``step_noise``); the tokens
+  reach its TP group by broadcast and the other stages by the pipeline group, so every
+  rank agrees and the tokens do not depend on TP, PP or the wavefront's groups.
 - Memory: the KV cache (``2 x local layers x batch x kv_heads_local x max_len x head_dim``)
   is reserved in the device's ledger before it is allocated, and reused across calls
   while it is large enough; a request whose cache does not fit raises ``OutOfMemory``
@@ -29,6 +33,7 @@ Never: calls Python per row per token (one forward and a few tensor ops per step
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,9 +44,10 @@ from nereus.config import require
 from nereus.engines._base import EngineBase
 from nereus.engines.context import EmuContext
 from nereus.engines.memory import MemoryLedger
-from nereus.engines.sampling import SamplingParams, make_generator, sample_next
+from nereus.engines.sampling import SamplingParams, sample_next, step_noise
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import KVCache
+from nereus.transfer.communicator import P2POp
 
 __all__ = ["GenerationEngine", "GenerationOutput", "kv_cache_bytes"]
 
@@ -170,40 +176,24 @@ class GenerationEngine(EngineBase):
         for i, p in enumerate(prompts):
             require(len(p) >= 1, f"prompts[{i}]", list(p), "must not be empty")
             require(all(0 <= int(t) < vocab for t in p), f"prompts[{i}]", list(p)[:16], f"token ids must be in [0, vocab_size={vocab})")
-        generator = make_generator(params.seed)
+        # Only the sampling rank uses the seed, so an unseeded request may pick its own.
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
         out = GenerationOutput([], [], [])
-        for start in range(0, len(prompts), self.max_batch):
-            chunk = [list(map(int, p)) for p in prompts[start : start + self.max_batch]]
-            part = self._generate_batch(chunk, params, generator)
+        for chunk, start in enumerate(range(0, len(prompts), self.max_batch)):
+            rows = [list(map(int, p)) for p in prompts[start : start + self.max_batch]]
+            if self.ctx.pp_size > 1 and len(rows) >= self.ctx.pp_size:
+                part = self._generate_pipelined(rows, params, seed, chunk)
+            else:
+                part = self._generate_batch(rows, params, seed, chunk)
             out.token_ids += part.token_ids
             out.logprobs += part.logprobs
             out.finish_reasons += part.finish_reasons
         return out
 
-    def _step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, last: torch.Tensor,
-              params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward through the pipeline and one sampling step: (tokens, logprobs) [B]."""
-        ctx = self.ctx
-        batch = ids.shape[0]
-        if ctx.is_first_stage:
-            x = ids
-        else:
-            x = ctx.recv_prev((batch, ids.shape[1], self.config.hidden_size), self.dtype)
-        if not ctx.is_last_stage:
-            ctx.send_next(self.stage(x, positions, kv_cache=cache))
-            packed = torch.empty(2, batch, dtype=torch.float64)
-        else:
-            logits = self.stage(x, positions, kv_cache=cache, logits_index=last, gather_logits=True)
-            packed = torch.empty(2, batch, dtype=torch.float64)
-            if ctx.tp_rank == 0:
-                tokens, logprobs = sample_next(logits, params, generator)
-                packed[0] = tokens.to(torch.float64)
-                packed[1] = logprobs.to(torch.float64)
-            ctx.tp_broadcast(packed, src=0)
-        ctx.broadcast_from_last(packed)
-        return packed[0].to(torch.long), packed[1].to(torch.float32)
+    # --- shared pieces ------------------------------------------------------------------
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> GenerationOutput:
+    def _prepare(self, prompts: list[list[int]], params: SamplingParams) -> _Batch:
+        """Left-padded ids and positions, the KV cache and the output buffers."""
         batch = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(lengths.max())
@@ -211,46 +201,216 @@ class GenerationEngine(EngineBase):
         require(max_len <= self.config.max_position_embeddings, "prompt length + max_tokens", max_len,
                 f"must be <= max_position_embeddings={self.config.max_position_embeddings}")
         cache = self._kv_cache(batch, max_len)
+        if self._cache_batch > batch:
+            # Rows beyond this batch exist in a reused cache; use only the first ``batch``.
+            cache = _rows_of(cache, slice(0, batch))
         pad = width - lengths
         ids = torch.zeros(batch, width, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
         cols = torch.arange(width).unsqueeze(0)
         positions = torch.where(cols >= pad.unsqueeze(1), cols - pad.unsqueeze(1), torch.full_like(cols, -1))
-        if self._cache_batch > batch:
-            # Rows beyond this batch exist in a reused cache; use only the first ``batch``.
-            cache = KVCache({i: k[:batch] for i, k in cache.keys.items()},
-                            {i: v[:batch] for i, v in cache.values.items()}, cache.max_len)
-        stops = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
-        out_tokens = torch.zeros(batch, params.max_tokens, dtype=torch.long)
-        out_logprobs = torch.zeros(batch, params.max_tokens, dtype=torch.float32)
-        done = torch.zeros(batch, dtype=torch.bool)
-        stopped = torch.zeros(batch, dtype=torch.bool)
-        n_out = torch.zeros(batch, dtype=torch.long)
-        last = torch.full((batch,), width - 1, dtype=torch.long)
+        return _Batch(
+            ids=ids, positions=positions, lengths=lengths, width=width, cache=cache,
+            stops=torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long),
+            tokens=torch.zeros(batch, params.max_tokens, dtype=torch.long),
+            logprobs=torch.zeros(batch, params.max_tokens, dtype=torch.float32),
+            done=torch.zeros(batch, dtype=torch.bool),
+            stopped=torch.zeros(batch, dtype=torch.bool),
+            n_out=torch.zeros(batch, dtype=torch.long),
+        )
+
+    def _sample_and_share(self, logits: torch.Tensor | None, rows: slice, batch: int, params: SamplingParams,
+                          noise: _Noise, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample on the last stage's TP rank 0, then hand the tokens to every rank of the
+        EMU (TP broadcast, then pipeline broadcast): (tokens, logprobs) of ``rows``."""
+        ctx = self.ctx
+        count = rows.stop - rows.start
+        packed = torch.empty(2, count, dtype=torch.float64)
+        if ctx.is_last_stage:
+            if ctx.tp_rank == 0:
+                assert logits is not None
+                uniform = None if params.is_greedy else noise.rows(step, batch, rows)
+                tokens, logprobs = sample_next(logits, params, uniform=uniform)
+                packed[0] = tokens.to(torch.float64)
+                packed[1] = logprobs.to(torch.float64)
+            ctx.tp_broadcast(packed, src=0)
+        ctx.broadcast_from_last(packed)
+        return packed[0].to(torch.long), packed[1].to(torch.float32)
+
+    @staticmethod
+    def _record(b: _Batch, rows: slice, step: int, tokens: torch.Tensor, logprobs: torch.Tensor,
+                params: SamplingParams) -> bool:
+        """Store step ``step`` of ``rows``; returns whether all of them are now finished."""
+        live = ~b.done[rows]
+        b.tokens[rows, step] = tokens
+        b.logprobs[rows, step] = logprobs
+        is_stop = torch.isin(tokens, b.stops) & live if b.stops.numel() else torch.zeros_like(live)
+        b.n_out[rows] += (live & (params.include_stop_token | ~is_stop)).long()
+        b.stopped[rows] |= is_stop
+        b.done[rows] |= is_stop
+        return step == params.max_tokens - 1 or bool(b.done[rows].all())
+
+    @staticmethod
+    def _output(b: _Batch) -> GenerationOutput:
+        counts = b.n_out.tolist()
+        return GenerationOutput(
+            token_ids=[row[:n] for row, n in zip(b.tokens.tolist(), counts, strict=True)],
+            logprobs=[row[:n] for row, n in zip(b.logprobs.tolist(), counts, strict=True)],
+            finish_reasons=["stop" if s else "length" for s in b.stopped.tolist()],
+        )
+
+    @staticmethod
+    def _decode_inputs(b: _Batch, rows: slice, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids ``[r, 1]`` and positions of the forward that samples ``step`` (> 0): the
+        tokens of ``step - 1``; finished rows ride along as padding (position -1)."""
+        pos = b.lengths[rows] + (step - 1)
+        pos = torch.where(b.done[rows], torch.full_like(pos, -1), pos)
+        return b.tokens[rows, step - 1].unsqueeze(1), pos.unsqueeze(1)
+
+    # --- one batch, stage after stage ---------------------------------------------------
+
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, index: torch.Tensor) -> torch.Tensor | None:
+        """This stage's part of one forward (receiving from / sending to its neighbours);
+        the full logits on the last stage, None elsewhere."""
+        ctx = self.ctx
+        if not ctx.is_first_stage:
+            x = ctx.recv_prev((positions.shape[0], positions.shape[1], self.config.hidden_size), self.dtype)
+        if not ctx.is_last_stage:
+            ctx.send_next(self.stage(x, positions, kv_cache=cache))
+            return None
+        return self.stage(x, positions, kv_cache=cache, logits_index=index, gather_logits=True)
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int) -> GenerationOutput:
+        b = self._prepare(prompts, params)
+        batch = len(prompts)
+        every = slice(0, batch)
+        noise = _Noise(seed, chunk, self.config.vocab_size)
+        last_col = torch.full((batch,), b.width - 1, dtype=torch.long)
         first_col = torch.zeros(batch, dtype=torch.long)
         with torch.inference_mode():
-            tokens, logprobs = self._step(ids, positions, cache, last, params, generator)
-            cur = lengths.clone()  # position of the next token of each row
+            logits = self._forward(b.ids, b.positions, b.cache, last_col)
             for step in range(params.max_tokens):
-                live = ~done
-                out_tokens[:, step] = tokens
-                out_logprobs[:, step] = logprobs
-                is_stop = torch.isin(tokens, stops) & live if stops.numel() else torch.zeros_like(live)
-                n_out += (live & (params.include_stop_token | ~is_stop)).long()
-                stopped |= is_stop
-                done |= is_stop
-                if step == params.max_tokens - 1 or bool(done.all()):
+                if step > 0:
+                    ids, pos = self._decode_inputs(b, every, step)
+                    logits = self._forward(ids, pos, b.cache, first_col)
+                tokens, logprobs = self._sample_and_share(logits, every, batch, params, noise, step)
+                if self._record(b, every, step, tokens, logprobs, params):
                     break
-                # Finished rows ride along as padding (position -1: never written or read).
-                pos = torch.where(done, torch.full_like(cur, -1), cur).unsqueeze(1)
-                tokens, logprobs = self._step(tokens.unsqueeze(1), pos, cache, first_col, params, generator)
-                cur += 1
-        counts = n_out.tolist()
-        token_rows = out_tokens.tolist()
-        lp_rows = out_logprobs.tolist()
-        return GenerationOutput(
-            token_ids=[row[:n] for row, n in zip(token_rows, counts, strict=True)],
-            logprobs=[row[:n] for row, n in zip(lp_rows, counts, strict=True)],
-            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
-        )
+        return self._output(b)
+
+    # --- one batch, pipelined over the stages -----------------------------------------
+
+    def _generate_pipelined(self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int) -> GenerationOutput:
+        """The batch cut into ``pp`` groups of rows that move through the pipeline as a
+        wavefront: at tick ``t`` stage ``s`` runs the forward of group ``g`` for step ``k``
+        where ``t - s = k * pp + g``, so every stage works on a different group at once.
+        After each tick, activations move one stage on (one batch of p2p ops) and the
+        group the last stage just sampled is broadcast to every stage, one tick before
+        the first stage needs it. Every rank derives the same schedule from the same
+        broadcasts, so no control message travels."""
+        ctx = self.ctx
+        pp, me = ctx.pp_size, ctx.pp_rank
+        b = self._prepare(prompts, params)
+        batch = len(prompts)
+        base, extra = divmod(batch, pp)
+        groups, start = [], 0
+        for g in range(pp):
+            size = base + (1 if g < extra else 0)
+            groups.append(slice(start, start + size))
+            start += size
+        caches = [_rows_of(b.cache, rows) for rows in groups]
+        final: list[int | None] = [None] * pp  # the step after which a group is finished
+        noise = _Noise(seed, chunk, self.config.vocab_size)
+        hidden = self.config.hidden_size
+
+        def work(stage: int, tick: int) -> tuple[int, int] | None:
+            u = tick - stage
+            if u < 0:
+                return None
+            step, g = divmod(u, pp)
+            if step >= params.max_tokens or (final[g] is not None and step > final[g]):
+                return None
+            return g, step
+
+        inbox: torch.Tensor | None = None
+        tick = 0
+        with torch.inference_mode():
+            while any(f is None for f in final):
+                mine = work(me, tick)
+                out = None
+                if mine is not None:
+                    g, step = mine
+                    rows = groups[g]
+                    count = rows.stop - rows.start
+                    if step == 0:
+                        ids, pos = b.ids[rows], b.positions[rows]
+                        index = torch.full((count,), b.width - 1, dtype=torch.long)
+                    else:
+                        ids, pos = self._decode_inputs(b, rows, step)
+                        index = torch.zeros(count, dtype=torch.long)
+                    x = ids if ctx.is_first_stage else inbox
+                    assert x is not None
+                    if ctx.is_last_stage:
+                        out = self.stage(x, pos, kv_cache=caches[g], logits_index=index, gather_logits=True)
+                    else:
+                        out = self.stage(x, pos, kv_cache=caches[g])
+                ops = []
+                if not ctx.is_last_stage and mine is not None:
+                    assert out is not None
+                    ops.append(P2POp("send", out.contiguous(), me + 1))
+                prev = work(me - 1, tick) if not ctx.is_first_stage else None
+                inbox = None
+                if prev is not None:
+                    g, step = prev
+                    rows = groups[g]
+                    inbox = torch.empty(rows.stop - rows.start, b.width if step == 0 else 1, hidden, dtype=self.dtype)
+                    ops.append(P2POp("recv", inbox, me - 1))
+                if ops:
+                    assert ctx.pp_comm is not None
+                    ctx.pp_comm.batch_p2p(ops, ctx.timeout_s)
+                sampled = work(pp - 1, tick)
+                if sampled is not None:
+                    g, step = sampled
+                    logits = out if ctx.is_last_stage else None
+                    tokens, logprobs = self._sample_and_share(logits, groups[g], batch, params, noise, step)
+                    if self._record(b, groups[g], step, tokens, logprobs, params):
+                        final[g] = step
+                tick += 1
+        return self._output(b)
+
+
+@dataclass
+class _Batch:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    width: int
+    cache: KVCache
+    stops: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    done: torch.Tensor
+    stopped: torch.Tensor
+    n_out: torch.Tensor
+
+
+class _Noise:
+    """Step noise of one chunk, made once per step and sliced by rows."""
+
+    def __init__(self, seed: int, chunk: int, vocab: int) -> None:
+        self.seed, self.chunk, self.vocab = seed, chunk, vocab
+        self._step = -1
+        self._noise: torch.Tensor | None = None
+
+    def rows(self, step: int, batch: int, rows: slice) -> torch.Tensor:
+        if step != self._step:
+            self._noise = step_noise(self.seed, self.chunk, step, batch, self.vocab)
+            self._step = step
+        assert self._noise is not None
+        return self._noise[rows]
+
+
+def _rows_of(cache: KVCache, rows: slice) -> KVCache:
+    """A view of some rows of a KV cache."""
+    return KVCache({i: k[rows] for i, k in cache.keys.items()}, {i: v[rows] for i, v in cache.values.items()}, cache.max_len)

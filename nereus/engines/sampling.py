@@ -13,10 +13,11 @@ Semantics (the same in the built-in engine and the vLLM adapter):
   *before* top-k/top-p filtering (``log_softmax(logits / T)``, ``T = 1`` when greedy): the
   distribution the training engine recomputes with the same temperature, so PPO/GRPO
   ratios start at 1.
-- Draws use the exponential-race form (``argmax(p / E)``, ``E = -log U ~ Exp(1)``) from one
-  ``torch.Generator`` seeded with ``seed``: one seed gives the same tokens on every run,
-  whatever the layout (TP, PP), because only the rank that samples draws. The draws
-  depend on the seed and on the rows in order (and the engine's ``max_batch`` chunks).
+- Draws use the exponential-race form (``argmax(p / E)``, ``E = -log U ~ Exp(1)``). The
+  generation engine takes ``U`` from ``step_noise(seed, chunk, step)``: one seed gives the
+  same tokens on every run whatever the layout (TP, PP, pipeline micro-batches), because
+  the noise of a row depends only on the seed, its chunk of ``max_batch`` rows, its row
+  in the chunk and the step, and only one rank samples.
 
 Refuses (``ConfigError``): negative temperature, ``top_p`` outside (0, 1], negative
 ``top_k``, ``max_tokens < 1``, negative stop token ids.
@@ -31,7 +32,7 @@ import torch
 
 from nereus.config import require
 
-__all__ = ["SamplingParams", "sample_next", "make_generator"]
+__all__ = ["SamplingParams", "sample_next", "make_generator", "step_noise"]
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,23 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def step_noise(seed: int, chunk: int, step: int, rows: int, vocab: int) -> torch.Tensor:
+    """The uniform noise ``[rows, vocab]`` of one decode step of one chunk of a request:
+    a function of (seed, chunk, step) only, so any grouping of the rows (pipeline
+    micro-batches) draws the same tokens."""
+    mixed = (int(seed) * 0x9E3779B97F4A7C15 + chunk * 1_000_003 + step) % (2**63 - 1)
+    return torch.rand((rows, vocab), generator=make_generator(mixed), dtype=torch.float32)
+
+
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token ``[B]`` (int64) and its log-probability ``[B]`` (float32) for each row of
-    ``logits`` ``[B, V]``. See the module docstring for the semantics."""
+    ``logits`` ``[B, V]``. The draw uses ``uniform`` (``[B, V]`` in [0, 1)) when given,
+    else fresh noise from ``generator``. See the module docstring for the semantics."""
     logits = logits.float()
     if params.is_greedy:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -131,8 +144,9 @@ def sample_next(
         kept = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
         probs = torch.softmax(kept, dim=-1)
         # E = -log(U) ~ Exp(1); drawing U is several times faster than exponential_.
-        uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float32)
-        race = -torch.log(uniform.clamp_(min=1e-20))
+        if uniform is None:
+            uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float32)
+        race = -torch.log(uniform.clamp(min=1e-20))
         tokens = torch.argmax(probs / race, dim=-1)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, chosen

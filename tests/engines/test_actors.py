@@ -36,7 +36,14 @@ def _batch():
 async def test_emus_at_tp_pp_and_dp_match_one_process(model_dir):
     ledger = MemoryLedger("actors-ref", None)
     params = SamplingParams(max_tokens=5, temperature=0.0)
-    ref_tokens = GenerationEngine(CONFIG, model_dir=model_dir, ledger=ledger, name="g").generate(PROMPTS, params).token_ids
+    ref_gen = GenerationEngine(CONFIG, model_dir=model_dir, ledger=ledger, name="g")
+    ref_tokens = ref_gen.generate(PROMPTS, params).token_ids
+    stop = ref_tokens[1][1]  # row 1 stops after two tokens; the others run on
+    stop_params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(stop,))
+    ref_stop = ref_gen.generate(PROMPTS * 2, stop_params)
+    sampled_params = SamplingParams(max_tokens=5, temperature=0.9, top_p=0.9, seed=21)
+    ref_sampled = ref_gen.generate(PROMPTS * 2, sampled_params)
+    ref_single = ref_gen.generate(PROMPTS[:1], params).token_ids
     ref_lp = InferenceEngine(CONFIG, model_dir=model_dir, ledger=ledger, name="i").logprobs(_batch())
     ref_train = TrainingEngine(CONFIG, model_dir=model_dir, ledger=ledger, name="t", optim={"lr": 1e-3})
     ref_metrics = ref_train.train_step(_batch(), micro_batch_size=1)
@@ -49,6 +56,14 @@ async def test_emus_at_tp_pp_and_dp_match_one_process(model_dir):
         try:
             out = await gen.generate(PROMPTS, params)
             assert out.token_ids == ref_tokens
+            # the pipelined (wavefront) path: groups finish at different steps
+            got = await gen.generate(PROMPTS * 2, stop_params)
+            assert got.token_ids == ref_stop.token_ids and got.finish_reasons == ref_stop.finish_reasons
+            assert "stop" in got.finish_reasons and "length" in got.finish_reasons
+            got = await gen.generate(PROMPTS * 2, sampled_params)
+            assert got.token_ids == ref_sampled.token_ids
+            # fewer prompts than stages: stage after stage
+            assert (await gen.generate(PROMPTS[:1], params)).token_ids == ref_single
             lp = await inf.logprobs(_batch())
             torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
             held = await gen.memory()
