@@ -1,9 +1,9 @@
 """End-to-end GRPO: nereus against TRL's GRPOTrainer, same configuration, same machine.
 
-    python -m benchmarks.e2e_trl [--steps 4] [--warmup 1] [--cores 2]
+    python -m benchmarks.e2e_trl [--steps 4] [--warmup 1] [--cores 2] [--hidden 256 --layers 4 --intermediate 768]
 
-Both sides run the same GRPO step: a 3.4M-parameter Llama-style decoder (hidden 256, 4
-layers, 4 heads, SwiGLU 768), the shipped reverse task with its character vocabulary,
+Both sides run the same GRPO step: a Llama-style decoder (by default 3.4M parameters:
+hidden 256, 4 layers, 4 heads, SwiGLU 768), the shipped reverse task with its character vocabulary,
 8 prompts x 8 samples x 128 new tokens (EOS ignored, so every step does the same work),
 AdamW (lr 1e-3, betas 0.9/0.99, no weight decay, clip 1.0), one optimizer step per
 generation, clip epsilon 0.2, no reference model (KL coefficient 0), float32.
@@ -41,6 +41,7 @@ TASK = {"name": "reverse", "options": {}}
 
 def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
+        "model": {**MODEL, "hidden_size": args.hidden, "num_layers": args.layers, "intermediate_size": args.intermediate},
         "cores": args.cores,
         "steps": args.steps,
         "warmup_steps": args.warmup,
@@ -71,7 +72,7 @@ def run_nereus(b: dict[str, Any]) -> dict[str, Any]:
     devices = list(range(b["cores"]))
     with tempfile.TemporaryDirectory() as out:
         cfg = from_dict(JobConfig, {
-            "model": MODEL,
+            "model": b["model"],
             "task": TASK,
             "algorithm": {"name": "grpo", "prompts_per_step": b["prompts_per_step"], "samples_per_prompt": b["samples_per_prompt"], "clip_eps": b["clip_eps"]},
             "sampling": {"max_new_tokens": b["max_new_tokens"], "ignore_eos": True},
@@ -122,14 +123,15 @@ def run_trl(b: dict[str, Any]) -> dict[str, Any]:
     codec = Codec.for_alphabet(task.alphabet)
     tok = PreTrainedTokenizerFast(tokenizer_object=codec.tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
     torch.manual_seed(b["seed"])
+    m = b["model"]
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=codec.vocab_size,
-        hidden_size=MODEL["hidden_size"],
-        intermediate_size=MODEL["intermediate_size"],
-        num_hidden_layers=MODEL["num_layers"],
-        num_attention_heads=MODEL["num_heads"],
-        num_key_value_heads=MODEL["num_kv_heads"],
-        max_position_embeddings=MODEL["max_seq_len"],
+        hidden_size=m["hidden_size"],
+        intermediate_size=m["intermediate_size"],
+        num_hidden_layers=m["num_layers"],
+        num_attention_heads=m["num_heads"],
+        num_key_value_heads=m["num_kv_heads"],
+        max_position_embeddings=m["max_seq_len"],
         tie_word_embeddings=False,
         bos_token_id=codec.bos_id,
         eos_token_id=codec.eos_id,
@@ -242,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="measured steps per side")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per side (not measured)")
     p.add_argument("--cores", type=int, default=2, help="CPU cores given to each side")
+    p.add_argument("--hidden", type=int, default=MODEL["hidden_size"], help="model hidden size")
+    p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="decoder layers")
+    p.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"], help="SwiGLU width")
     p.add_argument("--side", choices=["nereus", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_nereus(b) if args.side == "nereus" else run_trl(b)))
         return 0
     b = bench_config(args)
-    print(f"GRPO end to end: 3.4M-param decoder, {b['prompts_per_step']} prompts x {b['samples_per_prompt']} samples x "
+    print(f"GRPO end to end: decoder hidden {args.hidden} x {args.layers} layers (SwiGLU {args.intermediate}), {b['prompts_per_step']} prompts x {b['samples_per_prompt']} samples x "
           f"{b['max_new_tokens']} new tokens, {args.warmup} warm-up + {args.steps} measured steps, {args.cores} cores per side")
     results = {"nereus": _side("nereus", b)}
     trl_runs = [_side("trl", {**b, "threads": t}) for t in sorted({args.cores, 1}, reverse=True)]
@@ -271,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "nereus_step_spread_s": [round(sums["nereus"]["step_min_s"], 4), round(sums["nereus"]["step_max_s"], 4)],
         "trl_step_spread_s": [round(sums["trl"]["step_min_s"], 4), round(sums["trl"]["step_max_s"], 4)],
         "cores_per_side": args.cores,
+        "params": results["trl"]["params"],
         "nereus_threads": results["nereus"]["threads"],
         "trl_threads": results["trl"]["threads"],
     }
