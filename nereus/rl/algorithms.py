@@ -47,6 +47,7 @@ from nereus.rl.advantages import (
 from nereus.rl.config import JobConfig
 from nereus.rl.losses import value_loss
 from nereus.rl.rollout import Rollouts, to_batch
+from nereus.rl.stages import ModelStages
 from nereus.rl.tasks import Sample, Task
 from nereus.rl.vocab import Codec
 
@@ -63,7 +64,7 @@ class StepContext:
     config: JobConfig
     task: Task
     codec: Codec
-    stages: Any  # nereus.rl.stages.ModelStages (typed loosely: the two backends share it)
+    stages: ModelStages
     step: int
 
 

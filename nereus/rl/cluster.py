@@ -283,7 +283,8 @@ class ClusterStages(ModelStages):
             states = await self.emus[stage][0].state.call()
             for rank, st in enumerate(states):
                 meta = {"step": st["step"], "policy_version": self.policy_version}
-                write_state(out, f"{stage}.rank{rank}", st["tensors"], meta)
+                # Off the event loop: the embedded controller and node heartbeat on it.
+                await asyncio.to_thread(write_state, out, f"{stage}.rank{rank}", st["tensors"], meta)
 
     async def load(self, folder: str | Path) -> None:
         src = Path(folder)
@@ -294,7 +295,7 @@ class ClusterStages(ModelStages):
             calls = []
             for mesh in self.emus[stage]:  # every DP replica holds the whole state
                 for rank, ref in enumerate(mesh.refs):
-                    tensors, meta_r = read_state(src, f"{stage}.rank{rank}")
+                    tensors, meta_r = await asyncio.to_thread(read_state, src, f"{stage}.rank{rank}")
                     calls.append(ref.load_state.call_one(tensors, int(meta_r["step"])))
                     if stage == "policy_training":
                         meta = meta_r

@@ -59,7 +59,6 @@ class RLJob:
         self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
         self.codec: Codec | None = Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
         self.stages: ModelStages | None = None
-        self.cluster: Any = None
         self.step = 0
         self.records: list[dict[str, Any]] = []
 
