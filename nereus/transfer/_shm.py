@@ -28,8 +28,9 @@ Promises:
   a peer that exits wakes the waiter at once, an abort wakes it at once.
 - Ring names exist only while the group is being built (``unlink_names`` after the
   rendezvous); a hand-off segment's name exists from its creation until the
-  receiver maps it, and ``close`` removes any left. A killed process leaks at most
-  a segment it had just created.
+  receiver maps it (a sender may close first: the receiver still finds it), and
+  whichever end closes last removes any left. Only two ends killed mid-hand-off
+  leak a segment.
 
 Refuses: a record whose total size differs from the receiver's tensor
 (``TransferError``); use after ``close``. Sizes that disagree about being larger
@@ -39,6 +40,7 @@ than one slot are only detected at the deadline.
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import logging
 import mmap
@@ -130,6 +132,7 @@ class _Channel:
         self.modes: deque[int] = deque()
         self.free_segments: dict[int, int] = {}  # id -> capacity, released by the receiver
         self.own_segments: dict[int, tuple[mmap.mmap, int, str]] = {}
+        self.in_flight: set[int] = set()  # handed off, not yet released by the receiver
         # receiver side
         self.adopted: dict[int, mmap.mmap] = {}
         # Guards back_fd against finalizers after close; re-entrant because a finalizer
@@ -161,6 +164,7 @@ class _Channel:
                 self.modes.append(value)
             elif kind == _RELEASE:
                 self.free_segments[value] = self.own_segments[value][1]
+                self.in_flight.discard(value)
         return True
 
     def take_segment(self, nbytes: int) -> tuple[int, mmap.mmap, int]:
@@ -169,6 +173,7 @@ class _Channel:
         if fits:
             cap, i = min(fits)
             del self.free_segments[i]
+            self.in_flight.add(i)
             return i, self.own_segments[i][0], cap
         i = len(self.own_segments)
         cap = max(_SEGMENT_ROUND, -(-nbytes // _SEGMENT_ROUND) * _SEGMENT_ROUND)
@@ -180,6 +185,7 @@ class _Channel:
         finally:
             os.close(fd)
         self.own_segments[i] = (mm, cap, path)
+        self.in_flight.add(i)
         return i, mm, cap
 
     def adopt(self, seg: int, cap: int, nbytes: int) -> torch.Tensor:
@@ -198,19 +204,36 @@ class _Channel:
         weakref.finalize(view, self.send_back, _RELEASE, seg)
         return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
-    def unlink(self) -> None:
-        for path in self.paths + [p for _, _, p in self.own_segments.values()]:
+    def unlink(self, peer_alive: bool) -> None:
+        """Remove this channel's names. A hand-off segment the receiver has not mapped
+        yet keeps its name while the receiver lives: it unlinks it when it maps it, or
+        at its own close (``unlink_unclaimed``)."""
+        paths = list(self.paths)
+        for i, (_, _, path) in self.own_segments.items():
+            if i not in self.in_flight or not peer_alive:
+                paths.append(path)
+        for path in paths:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
 
-    def close(self) -> None:
+    def unlink_unclaimed(self) -> None:
+        """Receiver side: remove names of hand-off segments this rank never mapped."""
+        for path in glob.glob(glob.escape(self.base) + ".h*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def close(self, peer_alive: bool, receiver: bool) -> None:
         with self.lock:
             self.closed = True
             for fd in (self.full_fd, self.back_fd):
                 os.close(fd)
-        self.unlink()
+        self.unlink(peer_alive)
+        if receiver:
+            self.unlink_unclaimed()
         del self.seg
         self._mm.close()
         for mm, _, _ in self.own_segments.values():
@@ -281,6 +304,10 @@ class ShmP2P:
             log.warning("pidfd_open(%d) for rank %d failed (%s); exit watch off", pid, peer, e)
             return -1
 
+    def _is_alive(self, peer: int) -> bool:
+        fd = self._pidfds.get(peer, -1)
+        return fd < 0 or not select.select([fd], [], [], 0)[0]
+
     def unlink_names(self) -> None:
         """Remove the ring names of this rank's channels (mappings and fds stay valid)."""
         for ch in [*self._out.values(), *self._in.values()]:
@@ -302,8 +329,10 @@ class ShmP2P:
         if self._closed:
             return
         self._closed = True
-        for ch in [*self._out.values(), *self._in.values()]:
-            ch.close()
+        for peer, ch in self._out.items():
+            ch.close(self._is_alive(peer), receiver=False)
+        for peer, ch in self._in.items():
+            ch.close(self._is_alive(peer), receiver=True)
         for fd in self._pidfds.values():
             if fd >= 0:
                 os.close(fd)

@@ -11,9 +11,12 @@ boxes into views is the state layer's job.
 How: per peer, the views are laid out back to back (16-byte aligned) in a sequence of
 contiguous buckets of ``bucket_bytes`` (default 64 MiB on CPU, 256 MiB on GPU); a
 view larger than a bucket is cut across several. Both sides compute the same layout
-from the sizes alone. Round k moves bucket k of every peer in ONE ``batch_p2p`` (one
-group of operations, never one call per tensor), while a helper thread unpacks round
-k-1 and packs round k+1 into the other of two buffer sets (double buffering).
+from the sizes alone. Round k moves bucket k of every peer in ONE ``batch_p2p_new``
+(one group of operations, never one call per tensor), while a helper thread unpacks
+round k-1 and packs round k+1 into the other of two send buffers (double
+buffering). Received buckets are fresh tensors: between processes of one host they
+are the sender's hand-off segments, adopted without a copy and returned to its pool
+once unpacked.
 
 Promises: every received view holds the sender's bytes when ``exchange`` returns; one
 ``transfer_bucket`` tap event per bucket with bytes, seconds, gbps, src, dst; a
@@ -170,21 +173,24 @@ def exchange(
     stats = TransferStats(rounds=rounds)
     t_start = time.perf_counter()
 
-    def alloc() -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        return ({p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in out},
-                {p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in inn})
+    def alloc() -> dict[int, torch.Tensor]:
+        return {p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in out}
 
-    bufs = [alloc(), alloc()] if rounds > 1 else [alloc()]
+    send_sets = [alloc(), alloc()] if rounds > 1 else [alloc()]
+    # Received buckets are fresh tensors from batch_p2p_new (on one host: the sender's
+    # hand-off segments, adopted without a copy), kept until unpacked, then freed.
+    received: dict[int, dict[int, torch.Tensor]] = {}
 
     def pack(k: int) -> None:
-        send_bufs = bufs[k % len(bufs)][0]
+        send_bufs = send_sets[k % len(send_sets)]
         for p, side in out.items():
             side.pack(k, send_bufs[p])
 
     def unpack(k: int) -> None:
-        recv_bufs = bufs[k % len(bufs)][1]
+        got = received.pop(k, {})
         for p, side in inn.items():
-            side.unpack(k, recv_bufs[p])
+            if p in got:
+                side.unpack(k, got[p])
 
     if rounds:
         pack(0)
@@ -203,8 +209,8 @@ def exchange(
 
             helper = threading.Thread(target=work, name="nereus-bucket-pack", daemon=True)
             helper.start()
-        send_bufs, recv_bufs = bufs[k % len(bufs)]
-        ops, events = [], []
+        send_bufs = send_sets[k % len(send_sets)]
+        ops, new, events = [], [], []
         for p, side in out.items():
             if k < len(side.used):
                 n = side.used[k]
@@ -214,12 +220,13 @@ def exchange(
         for p, side in inn.items():
             if k < len(side.used):
                 n = side.used[k]
-                ops.append(P2POp("recv", recv_bufs[p][:n], p))
+                new.append((p, n))
                 events.append((p, comm.rank, n))
                 stats.bytes_received += n
         t0 = time.perf_counter()
         try:
-            comm.batch_p2p(ops, timeout_s)
+            fresh = comm.batch_p2p_new(ops, new, timeout_s)
+            received[k] = {p: t for (p, _), t in zip(new, fresh, strict=True)}
         finally:
             if helper is not None:
                 helper.join()

@@ -55,6 +55,17 @@ class Communicator(abc.ABC):
     def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
         """Run all sends and receives of this rank as one group (no deadlock)."""
 
+    def batch_p2p_new(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]],
+                      timeout_s: float | None = None) -> list[torch.Tensor]:
+        """``batch_p2p(ops)`` plus, in the same group, receives into fresh uint8 tensors:
+        ``new`` lists (peer, bytes); returns those tensors in that order. Backends that
+        can hand memory over return the sender's copy itself (see ``recv_new``)."""
+        device = getattr(self, "device", torch.device("cpu"))
+        fresh = [torch.empty(n, dtype=torch.uint8, device=device) for _, n in new]
+        self.batch_p2p([*ops, *(P2POp("recv", t, p) for (p, _), t in zip(new, fresh, strict=True))],
+                       timeout_s)
+        return fresh
+
     def send(self, tensor: torch.Tensor, dst: int, timeout_s: float | None = None) -> None:
         self.batch_p2p([P2POp("send", tensor, dst)], timeout_s)
 

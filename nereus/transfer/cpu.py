@@ -388,15 +388,18 @@ class CpuCommunicator(Communicator):
         timeout = self._deadline(timeout_s)
         with self._lock:
             self._check(*(o.tensor for o in ops))
-            for o in ops:
-                if o.kind not in ("send", "recv"):
-                    raise ConfigError(f"P2POp.kind={o.kind!r} must be 'send' or 'recv'")
-                if not (isinstance(o.peer, int) and 0 <= o.peer < self.size and o.peer != self.rank):
-                    raise ConfigError(
-                        f"P2POp.peer={o.peer!r} must be another rank in [0, {self.size})")
+            self._validate_ops(ops)
             if not ops:
                 return
             self._run_p2p(list(ops), timeout)
+
+    def _validate_ops(self, ops: Sequence[P2POp]) -> None:
+        for o in ops:
+            if o.kind not in ("send", "recv"):
+                raise ConfigError(f"P2POp.kind={o.kind!r} must be 'send' or 'recv'")
+            if not (isinstance(o.peer, int) and 0 <= o.peer < self.size and o.peer != self.rank):
+                raise ConfigError(
+                    f"P2POp.peer={o.peer!r} must be another rank in [0, {self.size})")
 
     def recv_new(self, shape: Sequence[int], dtype: torch.dtype, src: int,
                  timeout_s: float | None = None) -> torch.Tensor:
@@ -417,6 +420,26 @@ class CpuCommunicator(Communicator):
             self._run_p2p([], timeout, new=[(src, want)])
             assert want.result is not None
             return want.result.view(dtype).view(shape)
+
+    def batch_p2p_new(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]],
+                      timeout_s: float | None = None) -> list[torch.Tensor]:
+        """``batch_p2p`` plus receives into fresh tensors; from same-host peers, those
+        larger than one slot are hand-offs (see ``recv_new``)."""
+        shm_peers = set(self._shm.peers) if self._shm is not None else set()
+        if any(p not in shm_peers for p, _ in new):
+            return super().batch_p2p_new(ops, new, timeout_s)
+        timeout = self._deadline(timeout_s)
+        with self._lock:
+            self._check(*(o.tensor for o in ops))
+            self._validate_ops(ops)
+            for p, n in new:
+                require(isinstance(n, int) and n >= 0, "bytes", n, "must be an int >= 0")
+                require(isinstance(p, int) and 0 <= p < self.size and p != self.rank, "peer", p,
+                        f"must be another rank in [0, {self.size})")
+            wants = [(p, RecvNew(n)) for p, n in new]
+            if ops or wants:
+                self._run_p2p(list(ops), timeout, new=wants)
+            return [w.result for _, w in wants]
 
     def _run_p2p(self, ops: list[P2POp], timeout: float,
                  new: list[tuple[int, RecvNew]] = ()) -> None:

@@ -287,20 +287,26 @@ def scenario_exchange(a: dict) -> dict:
                 out.append(strided(t) if (k + j) % 2 and len(shape) == 2 else t)
         return out
 
-    sends = {p: views_between(r, p, True) for p in range(n) if p != r}
-    recvs = {p: views_between(p, r, False) for p in range(n) if p != r}
-    stats = exchange(comm, sends, recvs, bucket_bytes=a["bucket_bytes"])
-    checked = 0
-    for p, views in recvs.items():
-        for got, ref in zip(views, views_between(p, r, True), strict=True):
-            close(got.reshape(ref.shape), ref, f"view from {p}")
-            checked += 1
+    out = {}
+    for bucket_bytes in a["bucket_bytes"]:
+        events.clear()
+        sends = {p: views_between(r, p, True) for p in range(n) if p != r}
+        recvs = {p: views_between(p, r, False) for p in range(n) if p != r}
+        stats = exchange(comm, sends, recvs, bucket_bytes=bucket_bytes)
+        checked = 0
+        for p, views in recvs.items():
+            for got, ref in zip(views, views_between(p, r, True), strict=True):
+                close(got.reshape(ref.shape), ref, f"view from {p}")
+                checked += 1
+        buckets = [e for e in events if e["type"] == "transfer_bucket"]
+        assert len(buckets) == stats.buckets, (len(buckets), stats.buckets)
+        assert sum(e["bytes"] for e in buckets) == stats.bytes_sent + stats.bytes_received
+        assert all(e["gbps"] >= 0 and e["seconds"] > 0 for e in buckets)
+        out[str(bucket_bytes)] = {"checked": checked, "rounds": stats.rounds,
+                                  "buckets": stats.buckets}
+    segments = sum(len(ch.own_segments) for ch in comm._shm._out.values())
     comm.destroy()
-    buckets = [e for e in events if e["type"] == "transfer_bucket"]
-    assert len(buckets) == stats.buckets, (len(buckets), stats.buckets)
-    assert sum(e["bytes"] for e in buckets) == stats.bytes_sent + stats.bytes_received
-    assert all(e["gbps"] >= 0 and e["seconds"] > 0 for e in buckets)
-    return {"checked": checked, "rounds": stats.rounds, "buckets": stats.buckets}
+    return {"by_bucket": out, "handoff_segments": segments}
 
 
 def _fd_count() -> int:

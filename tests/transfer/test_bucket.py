@@ -44,7 +44,10 @@ def test_layout_refuses_tiny_buckets():
 
 @pytest.mark.timeout(120)
 def test_exchange_many_views_in_small_buckets(workers):
-    results = workers.run("exchange", 3, bucket_bytes=8192)
+    # 8 KiB buckets pass the 64 KiB ring slots; 256 KiB buckets are handed off
+    results = workers.run("exchange", 3, bucket_bytes=[8192, 262144])
     for r in results:
-        assert r["checked"] == 2 * 5 * 4
-        assert r["rounds"] > 3  # the views did not fit one bucket: double buffering ran
+        small, large = r["by_bucket"]["8192"], r["by_bucket"]["262144"]
+        assert small["checked"] == large["checked"] == 2 * 5 * 4
+        assert small["rounds"] > 3  # the views did not fit one bucket: double buffering ran
+        assert r["handoff_segments"] >= 1
