@@ -266,12 +266,23 @@ class Channel:
             log.exception("message handler failed on a message of kind %r",
                           msg[0] if isinstance(msg, list) and msg else type(msg).__name__)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket. With ``linger_ms`` > 0, what was sent or queued still goes
+        out (for up to that long, in libzmq's background; this never blocks)."""
         if self.closed:
             return
+        if linger_ms > 0 and self._outbox:
+            self._flush_scheduled = False
+            out, self._outbox = self._outbox, []
+            for ident, header, buffers in out:
+                try:
+                    self._send_now(ident, header, buffers)
+                except zmq.ZMQError as e:
+                    self.counters.add("send_failed")
+                    log.debug("dropped a queued message on close: %s", e)
         self.closed = True
         try:
             self.loop.remove_reader(self._fd)
         except (ValueError, OSError, RuntimeError) as e:  # loop already closed
             log.debug("remove_reader on close: %s", e)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)

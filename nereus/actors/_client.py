@@ -387,7 +387,7 @@ class Client:
             ch.close()
         self._conns.clear()
         if self._controller is not None:
-            self._controller.close()
+            self._controller.close(linger_ms=200)  # let a last "bye" or "node_leave" out
 
 
 def _end_stream(p: _Pending) -> None:

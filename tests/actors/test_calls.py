@@ -244,3 +244,23 @@ async def test_emit_reaches_the_tap(cluster: Cluster):
     finally:
         sub.close()
         await cluster.stop_mesh(mesh)
+
+
+async def test_a_second_driver_connects_and_says_goodbye(cluster: Cluster):
+    before = len(cluster.controller.clients)
+    mesh = await cluster.spawn("shared", Echo, devices=[0])
+    other = Cluster.connect(cluster.address, key=cluster.key, min_devices=3)
+    await other.start()
+    try:
+        assert len(cluster.controller.clients) == before + 1
+        assert [d.index for d in other.devices] == [0, 1, 2]
+    finally:
+        await other.close()
+        # the other driver became this process's client while it lived; ours is back
+        assert await mesh.add.call_one(4) == 4
+        await cluster.stop_mesh(mesh)
+    for _ in range(200):  # its "bye" left before its socket closed
+        if len(cluster.controller.clients) == before:
+            break
+        await asyncio.sleep(0.01)
+    assert len(cluster.controller.clients) == before
