@@ -14,6 +14,8 @@ Promises:
 - ``batch_p2p`` runs a list of sends and receives as one group, so any set of pairwise
   transfers completes without deadlock whatever the order the ranks list them in.
 - Reductions and gathers come from the backend (NCCL or gloo): never home-made.
+- ``recv_new`` / ``batch_p2p_new`` receive into fresh tensors; a backend that can hand
+  memory over (shared memory within a host) returns the sender's copy itself.
 
 Refuses: tensors of mismatched size across ranks (``TransferError``), operations after
 ``destroy``/``abort`` (``TransferError``).
