@@ -19,6 +19,8 @@ from nereus.state import (
     DeviceSet,
     Layout,
     LogicalState,
+    destroy,
+    extend,
     plan_reshard,
     plan_stage_transition,
 )
@@ -189,5 +191,23 @@ async def test_stage_transition_steps_on_workers(holders, current, target):
             await _assert_holds(refs, e, full)
         for d, ref in refs.items():
             assert set(await ref.held.call_one()) <= names, d  # everything else was freed
+    finally:
+        await _drop_all(refs)
+
+
+async def test_refused_primitives_leave_the_workers_untouched(holders):
+    cluster, refs = holders
+    spec = spec_for(kv_heads=2)
+    a = EMU("a", "policy-training", spec, Layout(2, 1), (0, 1), SLOTS, LogicalState(2, 2, 2))
+    full = global_tensors(a, seed=9)
+    try:
+        await _put(refs, a, full)
+        with pytest.raises(StateError, match="tp=3 must divide num_attention_heads=8"):
+            plan_stage_transition([a], [EMU("t", "policy-training", spec, Layout(3, 1), (0, 1, 2))])
+        with pytest.raises(StateError, match="Extend needs disjoint devices"):
+            extend(a, (1, 2))
+        with pytest.raises(StateError, match="last copy"):
+            destroy(a, [])
+        await _assert_holds(refs, a, full)
     finally:
         await _drop_all(refs)
