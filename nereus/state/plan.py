@@ -128,12 +128,21 @@ def _source_index(sources: Sequence[EMU], keys: Iterable[str]) -> dict[str, list
     wanted = set(keys)
     index: dict[str, list[tuple[EMU, int, Piece, str, tuple]]] = defaultdict(list)
     for emu in sources:
-        for device in emu.devices:
+        for i, device in enumerate(emu.devices):
+            pos = emu.layout.position(i)
             for key, (shard, dtype) in emu.shards_on(device).items():
                 if key in wanted:
                     for piece in shard.pieces:
-                        index[key].append((emu, device, piece, dtype, shard))
+                        index[key].append((emu, device, piece, dtype, (shard, pos)))
     return index
+
+
+def _by_box(cands: list) -> list[tuple[Box, list]]:
+    """Source pieces grouped by their global box: replicas are intersected once."""
+    groups: dict[Box, list] = {}
+    for c in cands:
+        groups.setdefault(c[2].box, []).append(c)
+    return list(groups.items())
 
 
 def plan_reshard(
@@ -156,6 +165,10 @@ def plan_reshard(
     if target.name in names or len(set(names)) != len(names):
         raise StateError(f"EMU names must be distinct: target {target.name!r}, sources {names}")
     index = _source_index(sources, target.keys())
+    on_device: dict[tuple[str, int], list] = defaultdict(list)
+    for key, cands in index.items():
+        for c in cands:
+            on_device[key, c[1]].append(c)
     load: dict[int, int] = defaultdict(int)
     moves: list[Move] = []
     keeps: list[Keep] = []
@@ -165,20 +178,20 @@ def plan_reshard(
         for key, (shard, dtype) in target.shards_on(device).items():
             cands = index.get(key, [])
             itemsize = DTYPE_BYTES[dtype]
+            local = on_device.get((key, device), [])
             if reuse:
-                same = [c for c in cands if c[1] == device and c[4] == shard and c[3] == dtype]
+                same = [c for c in local if c[4][0] == shard and c[3] == dtype]
                 if same:
                     keeps.append(Keep(same[0][0].name, device, key, shard.numel * itemsize))
                     continue
+            groups = None
             for c in cands:
                 if c[3] != dtype:
                     raise StateError(f"{key}: source {c[0].name} holds dtype {c[3]}, target {target.name} needs {dtype}")
             for piece in shard.pieces:
                 need = [piece.box]
                 # 1. whatever the target device already holds
-                for emu, src_dev, sp, _, _ in cands:
-                    if src_dev != device:
-                        continue
+                for emu, _, sp, _, _ in local:
                     still: list[Box] = []
                     for box in need:
                         inter = box_intersect(box, sp.box)
@@ -190,19 +203,22 @@ def plan_reshard(
                         still.extend(box_subtract(box, inter))
                     need = still
                 # 2. the rest from the best remote source
+                if need and groups is None:
+                    groups = _by_box(cands)
                 while need:
                     box = need.pop()
                     best = None
-                    for emu, src_dev, sp, _, _ in cands:
-                        if src_dev == device:
-                            continue
-                        inter = box_intersect(box, sp.box)
+                    for gbox, members in groups or ():
+                        inter = box_intersect(box, gbox)
                         if inter is None:
                             continue
-                        aligned = emu.layout == target.layout and emu.layout.position(emu.devices.index(src_dev)) == t_pos
-                        rank = (0 if host_of(src_dev) == host else 1, 0 if aligned else 1, load[src_dev], src_dev)
-                        if best is None or rank < best[0]:
-                            best = (rank, emu, src_dev, sp, inter)
+                        for emu, src_dev, sp, _, (_, s_pos) in members:
+                            if src_dev == device:
+                                continue
+                            aligned = s_pos == t_pos and emu.layout == target.layout
+                            rank = (0 if host_of(src_dev) == host else 1, 0 if aligned else 1, load[src_dev], src_dev)
+                            if best is None or rank < best[0]:
+                                best = (rank, emu, src_dev, sp, inter)
                     if best is None:
                         raise StateError(
                             f"no source EMU ({', '.join(names)}) holds {key} box {list(box)} "
