@@ -218,14 +218,21 @@ class EmuHandle:
     async def memory(self) -> list[dict[str, int]]:
         return await self.mesh.memory.call()
 
-    async def stop(self) -> None:
-        """Close the engines (their reservations), stop the actors, drop the groups."""
+    async def stop(self, drop_groups: bool = False) -> None:
+        """Close the engines (their reservations) and stop the actors.
+
+        The TP/PP groups belong to the layout epoch, not to this EMU: the data plane hands
+        the same group to every EMU of that epoch over the same devices (two model-stages
+        on the same devices share it, their calls being serialized by the driver). So they
+        are dropped only with ``drop_groups`` (when no other EMU of the epoch uses them) or
+        by ``nereus.transfer.release_groups(cluster, epoch)`` at the end of a transition."""
         try:
             await self.mesh.close.call()
         finally:
             await self.mesh.stop()
-            for g in self.groups:
-                await g.destroy()
+            if drop_groups:
+                for g in self.groups:
+                    await g.destroy()
 
 
 async def spawn_emu(
@@ -339,11 +346,13 @@ class ModelStageHandle:
                                       for emu, s in zip(self.emus, parts, strict=True)))
         return torch.cat(outs, dim=0)
 
-    async def stop(self) -> None:
+    async def stop(self, drop_groups: bool = False) -> None:
+        """Stop every EMU (see ``EmuHandle.stop`` about groups)."""
         for emu in self.emus:
-            await emu.stop()
-        for g in self.dp_groups:
-            await g.destroy()
+            await emu.stop(drop_groups)
+        if drop_groups:
+            for g in self.dp_groups:
+                await g.destroy()
 
 
 async def spawn_model_stage(
@@ -380,6 +389,6 @@ async def spawn_model_stage(
                 cluster, f"{name}-dp{i}", kind, devs, model_config=model_config, model_dir=model_dir, tp=tp, pp=pp,
                 options=options, dp_rank=i, dp_size=dp, dp_groups=ids, epoch=epoch, timeout_s=timeout_s))
     except BaseException:
-        await handle.stop()
+        await handle.stop(drop_groups=True)
         raise
     return handle

@@ -69,8 +69,8 @@ async def test_emus_at_tp_pp_and_dp_match_one_process(model_dir):
             held = await gen.memory()
             assert all("policy-generation/kv_cache" in h for h in held)
         finally:
-            await gen.stop()
-            await inf.stop()
+            await gen.stop(drop_groups=True)
+            await inf.stop(drop_groups=True)
 
         stage = await spawn_model_stage(cluster, "policy-training", "training", [[0, 1], [2, 3]],
                                         model_config=CONFIG, model_dir=model_dir, pp=2,
@@ -86,7 +86,19 @@ async def test_emus_at_tp_pp_and_dp_match_one_process(model_dir):
                 for name, tensor in rank_state["tensors"].items():
                     torch.testing.assert_close(tensor, ref_state[name], atol=2e-4, rtol=1e-3)
         finally:
-            await stage.stop()
+            await stage.stop(drop_groups=True)
+
+        # Two model-stages on the same devices share the epoch's TP group; stopping one
+        # leaves the other working.
+        gen2 = await spawn_emu(cluster, "policy-generation-2", "generation", [0, 1],
+                               model_config=CONFIG, model_dir=model_dir, tp=2)
+        inf2 = await spawn_emu(cluster, "reference-inference-2", "inference", [0, 1],
+                               model_config=CONFIG, model_dir=model_dir, tp=2)
+        assert gen2.groups[0].group_id == inf2.groups[0].group_id
+        assert (await gen2.generate(PROMPTS, params)).token_ids == ref_tokens
+        await gen2.stop()
+        torch.testing.assert_close(await inf2.logprobs(_batch()), ref_lp, atol=1e-4, rtol=1e-4)
+        await inf2.stop(drop_groups=True)
 
 
 @pytest.mark.timeout(120)
