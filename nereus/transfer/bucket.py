@@ -19,10 +19,11 @@ are the sender's hand-off segments, adopted without a copy and returned to its p
 once unpacked.
 
 Promises: every received view holds the sender's bytes when ``exchange`` returns; one
-``transfer_bucket`` tap event per bucket with bytes, seconds, gbps, src, dst; a
+``transfer_bucket`` tap event per bucket with bytes, seconds, gbps, src and dst (cluster
+devices when the group was made for devices, else ranks), src_rank, dst_rank; a
 ``TransferStats`` summary. Errors of the communicator (``TransferError``,
 ``StuckCollective``) propagate unchanged; on error, received views are unspecified.
-Refuses: mismatched dtypes/devices within one call, a peer equal to this rank
+Refuses: views on different devices within one call, a peer equal to this rank
 (``ConfigError``).
 """
 
@@ -237,9 +238,13 @@ def exchange(
             stats.buckets += 1
             peer = dst if src == comm.rank else src
             stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + n
+            devices = comm.devices
             _tap.emit("transfer_bucket", bytes=n, seconds=seconds,
-                      gbps=n / seconds / 1e9 if seconds > 0 else 0.0, src=src, dst=dst,
-                      group=comm.group_id, epoch=comm.epoch, round=k)
+                      gbps=n / seconds / 1e9 if seconds > 0 else 0.0,
+                      src=devices[src] if devices else src,
+                      dst=devices[dst] if devices else dst,
+                      src_rank=src, dst_rank=dst, group=comm.group_id, epoch=comm.epoch,
+                      round=k)
     if rounds:
         unpack(rounds - 1)
     stats.seconds = time.perf_counter() - t_start

@@ -52,6 +52,9 @@ class Communicator(abc.ABC):
     size: int
     epoch: int
     backend: str
+    # Cluster device index of each rank, when the group was made for devices
+    # (make_group); None for groups built by hand. Used to label tap events.
+    devices: tuple[int, ...] | None = None
 
     @abc.abstractmethod
     def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:

@@ -110,6 +110,7 @@ class CpuCommunicator(Communicator):
         use_shm: bool = True,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         slots: int = DEFAULT_SLOTS,
+        devices: tuple[int, ...] | list[int] | None = None,
     ) -> None:
         require(isinstance(group_id, str) and group_id != "" and "/" not in group_id,
                 "group_id", group_id, "must be a non-empty string without '/'")
@@ -126,6 +127,9 @@ class CpuCommunicator(Communicator):
         self.rank = rank
         self.size = size
         self.epoch = epoch
+        require(devices is None or len(devices) == size, "devices", devices,
+                f"must list one device per rank ({size})")
+        self.devices = tuple(devices) if devices is not None else None
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._pending: set[threading.Event] = set()

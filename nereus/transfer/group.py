@@ -100,7 +100,8 @@ def release_epoch(epoch: int) -> int:
 
 def _build(spec: dict[str, Any]) -> Communicator:
     """A communicator from the one message ``make_group`` sends (runs in a thread)."""
-    common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], **spec.get("options", {}))
+    common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], devices=spec["devices"],
+                  **spec.get("options", {}))
     if spec["backend"] == "nccl":
         from nereus.transfer.nccl import NcclCommunicator  # cupy only where it is used
 
@@ -265,7 +266,8 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
         agents = await state.agents_for(cluster, [d.index for d in infos])
     group_id = f"e{epoch}-{uuid.uuid4().hex[:12]}"
     spec: dict[str, Any] = {"group_id": group_id, "size": len(infos), "epoch": epoch,
-                            "backend": backend, "timeout_s": float(timeout_s)}
+                            "backend": backend, "timeout_s": float(timeout_s),
+                            "devices": [d.index for d in infos]}
     # The store is gloo's rendezvous, and for both backends the watchdog's record of
     # which ranks entered each operation. It lives as long as the handle.
     from torch.distributed import TCPStore

@@ -136,7 +136,8 @@ class NcclCommunicator(Communicator):
 
     def __init__(self, group_id: str, rank: int, size: int, nccl_id: bytes, *,
                  epoch: int = 0, timeout_s: float = 60.0, device: int | None = None,
-                 store_host: str | None = None, store_port: int | None = None) -> None:
+                 store_host: str | None = None, store_port: int | None = None,
+                 devices: tuple[int, ...] | list[int] | None = None) -> None:
         require(isinstance(size, int) and size >= 1, "size", size, "must be an int >= 1")
         require(isinstance(rank, int) and 0 <= rank < size, "rank", rank, f"must be in [0, {size})")
         require(isinstance(nccl_id, (bytes, bytearray)) and len(nccl_id) == 128, "nccl_id",
@@ -151,6 +152,9 @@ class NcclCommunicator(Communicator):
         self.rank = rank
         self.size = size
         self.epoch = epoch
+        require(devices is None or len(devices) == size, "devices", devices,
+                f"must list one device per rank ({size})")
+        self.devices = tuple(devices) if devices is not None else None
         self.timeout_s = float(timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         self._lock = threading.Lock()

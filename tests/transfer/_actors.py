@@ -8,7 +8,7 @@ import os
 import torch
 
 from nereus.actors import Actor, current_device, endpoint
-from nereus.transfer import P2POp, exchange, get_communicator, local_groups, release_epoch
+from nereus.transfer import P2POp, _tap, exchange, get_communicator, local_groups, release_epoch
 
 
 class Member(Actor):
@@ -38,15 +38,22 @@ class Member(Actor):
         return await asyncio.to_thread(run)
 
     @endpoint
-    async def swap_weights(self, group_id: str) -> float:
-        """Exchange a few views with rank 0 <-> 1 through the bucketed path."""
-        def run() -> float:
+    async def swap_weights(self, group_id: str) -> list:
+        """Exchange a few views with rank 0 <-> 1 through the bucketed path; returns the
+        received values and the (src, dst) device labels of the bucket tap events."""
+        def run() -> list:
             comm = get_communicator(group_id)
             peer = 1 - comm.rank
             mine = [torch.full((100, 10), float(comm.rank)), torch.arange(7.0) + comm.rank]
             theirs = [torch.empty(100, 10), torch.empty(7)]
-            exchange(comm, {peer: mine}, {peer: theirs}, bucket_bytes=1024)
-            return theirs[0][0, 0].item() + theirs[1][0].item()
+            events: list = []
+            _tap.add_listener(events.append)
+            try:
+                exchange(comm, {peer: mine}, {peer: theirs}, bucket_bytes=1024)
+            finally:
+                _tap.remove_listener(events.append)
+            pairs = sorted({(e["src"], e["dst"]) for e in events if e["type"] == "transfer_bucket"})
+            return [theirs[0][0, 0].item() + theirs[1][0].item(), [list(p) for p in pairs]]
 
         return await asyncio.to_thread(run)
 

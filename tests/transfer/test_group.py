@@ -54,9 +54,11 @@ async def test_groups_over_subsets(cluster, members):
 
 async def test_create_and_destroy_repeatedly(cluster, members):
     for epoch in range(3):
-        g = await make_group(cluster, devices=[0, 1], epoch=10 + epoch)
-        pair = members.slice(dp=slice(0, 2))
-        assert await pair.swap_weights.call(g.group_id) == [1.0 + 1.0, 0.0 + 0.0]
+        g = await make_group(cluster, devices=[1, 2], epoch=10 + epoch)
+        pair = members.slice(dp=slice(1, 3))
+        # bucket events name cluster devices, not ranks
+        assert await pair.swap_weights.call(g.group_id) == [[1.0 + 1.0, [[1, 2], [2, 1]]],
+                                                            [0.0 + 0.0, [[1, 2], [2, 1]]]]
         await g.destroy()
         await g.destroy()  # idempotent
     assert await members.groups.call() == [[], [], []]
