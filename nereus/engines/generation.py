@@ -9,9 +9,11 @@ Promises:
   the prompts are left-padded, prefilled in one forward, then decoded one token per
   forward for every row at once. Sampling is vectorized (``nereus.engines.sampling``):
   temperature, top-k, top-p, stop tokens, ``max_tokens``, per-token log-probabilities.
-- With PP, a batch of at least ``pp`` prompts is cut into ``pp`` groups of rows that
-  move through the stages as a wavefront (every stage works on a different group at
-  once); a smaller batch goes stage after stage.
+- With PP the whole batch goes stage after stage by default. With ``wavefront=True`` a
+  batch of at least ``pp`` prompts is cut into ``pp`` groups of rows that move through
+  the stages as a wavefront (every stage works on a different group at once); it needs
+  a free core per stage to pay for its extra synchronisation (on the shared 2-core test
+  machine it measured slower, so it is off by default).
 - Deterministic under ``params.seed``: the last stage's TP rank 0 draws every token with
   noise that depends only on the seed, the step and the row (``step_noise``); the tokens
   reach its TP group by broadcast and the other stages by the pipeline group, so every
@@ -91,6 +93,7 @@ class GenerationEngine(EngineBase):
         model_dir: str | Path | None = None,
         dtype: str | torch.dtype = "float32",
         max_batch: int = 256,
+        wavefront: bool = False,
         seed: int = 0,
         ledger: MemoryLedger | None = None,
         name: str = "generation",
@@ -98,6 +101,7 @@ class GenerationEngine(EngineBase):
         require(max_batch >= 1, "GenerationEngine.max_batch", max_batch, "must be >= 1")
         super().__init__(config, ctx, model_dir=model_dir, dtype=dtype, seed=seed, ledger=ledger, name=name)
         self.max_batch = max_batch
+        self.wavefront = wavefront
         self.model_dir = model_dir
         self.is_sleeping = False
         self._weight_bytes = self.ledger.held(f"{name}/weights")
@@ -181,7 +185,7 @@ class GenerationEngine(EngineBase):
         out = GenerationOutput([], [], [])
         for chunk, start in enumerate(range(0, len(prompts), self.max_batch)):
             rows = [list(map(int, p)) for p in prompts[start : start + self.max_batch]]
-            if self.ctx.pp_size > 1 and len(rows) >= self.ctx.pp_size:
+            if self.wavefront and self.ctx.pp_size > 1 and len(rows) >= self.ctx.pp_size:
                 part = self._generate_pipelined(rows, params, seed, chunk)
             else:
                 part = self._generate_batch(rows, params, seed, chunk)

@@ -50,13 +50,14 @@ async def test_emus_at_tp_pp_and_dp_match_one_process(model_dir):
 
     async with Cluster.local(devices=4, memory_per_device="256MiB") as cluster:
         gen = await spawn_emu(cluster, "policy-generation", "generation", [0, 1, 2, 3],
-                              model_config=CONFIG, model_dir=model_dir, tp=2, pp=2)
+                              model_config=CONFIG, model_dir=model_dir, tp=2, pp=2,
+                              options={"wavefront": True})
         inf = await spawn_emu(cluster, "reference-inference", "inference", [3, 2],
                               model_config=CONFIG, model_dir=model_dir, tp=2)
         try:
             out = await gen.generate(PROMPTS, params)
             assert out.token_ids == ref_tokens
-            # the pipelined (wavefront) path: groups finish at different steps
+            # the wavefront path: groups of rows finish at different steps
             got = await gen.generate(PROMPTS * 2, stop_params)
             assert got.token_ids == ref_stop.token_ids and got.finish_reasons == ref_stop.finish_reasons
             assert "stop" in got.finish_reasons and "length" in got.finish_reasons
