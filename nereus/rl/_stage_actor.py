@@ -44,6 +44,19 @@ log = logging.getLogger("nereus.rl")
 _ENGINES: dict[str, Any] = {}
 
 
+def _one_thread(fn: Any, *args: Any) -> Any:
+    # OpenMP's thread count is per OS thread: a fresh executor thread would otherwise
+    # use every core, and two workers on two cores would thrash each other.
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    return fn(*args)
+
+
+async def _run(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a thread (the worker's event loop keeps answering), one torch thread."""
+    return await asyncio.to_thread(_one_thread, fn, *args)
+
+
 class StageActor(Actor):
     """One device of one EMU of one model-stage (see the module docstring)."""
 
@@ -98,20 +111,20 @@ class StageActor(Actor):
 
     @endpoint
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
-        out = await asyncio.to_thread(self.engine.generate, prompts, params)
+        out = await _run(self.engine.generate, prompts, params)
         return {"token_ids": out.token_ids, "logprobs": out.logprobs}
 
     @endpoint
     async def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-        return await asyncio.to_thread(self.engine.logprobs, batch, temperature)
+        return await _run(self.engine.logprobs, batch, temperature)
 
     @endpoint
     async def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return await asyncio.to_thread(self.engine.values, batch)
+        return await _run(self.engine.values, batch)
 
     @endpoint
     async def train(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any], micro_batch_size: int, temperature: float = 1.0) -> dict[str, float]:
-        return await asyncio.to_thread(self.engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature)
+        return await _run(self.engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature)
 
     @endpoint
     async def state(self) -> dict[str, Any]:
@@ -125,8 +138,8 @@ class StageActor(Actor):
     @endpoint
     async def load_state(self, tensors: dict[str, torch.Tensor], step: int | None = None) -> int:
         if self.kind == "training":
-            return await asyncio.to_thread(self.engine.load_named_state, tensors, step)
-        return await asyncio.to_thread(self.engine.load_named, tensors)
+            return await _run(self.engine.load_named_state, tensors, step)
+        return await _run(self.engine.load_named, tensors)
 
     @endpoint
     async def memory(self) -> dict[str, int]:
@@ -138,7 +151,7 @@ class StageActor(Actor):
 
         ``sources`` maps each source EMU name of the plan to the model-stage whose engine
         holds it in this process; ``rank_of`` maps devices to ranks of the sync group."""
-        return await asyncio.to_thread(_run_sync, parts, group_id, rank_of, sources, target_stage)
+        return await _run(_run_sync, parts, group_id, rank_of, sources, target_stage)
 
     def close(self) -> None:
         _ENGINES.pop(self.stage, None)
