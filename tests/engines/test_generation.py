@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nereus.engines import GenerationEngine, SamplingParams, kv_cache_bytes
 from nereus.engines._base import stage_param_bytes
@@ -182,3 +184,22 @@ def test_sleep_frees_weights_and_cache_and_wake_up_restores_them(model):
     eng.sleep()
     eng.wake_up(other.named_weights())
     assert eng.generate(PROMPTS, params).token_ids == other.generate(PROMPTS, params).token_ids
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    max_tokens=st.integers(1, 5),
+    seed=st.integers(0, 2**20),
+)
+def test_ragged_batches_match_rows_alone(model, lengths, max_tokens, seed):
+    eng = _engine(model, name=f"prop-{seed}")
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    together = eng.generate(prompts, params)
+    for prompt, toks, lps in zip(prompts, together.token_ids, together.logprobs, strict=True):
+        alone = eng.generate([prompt], params)
+        assert alone.token_ids[0] == toks
+        torch.testing.assert_close(torch.tensor(alone.logprobs[0]), torch.tensor(lps), atol=1e-4, rtol=1e-4)
+    eng.close()
