@@ -69,10 +69,11 @@ _RING, _ADOPT = 0, 1
 _SEGMENT_ROUND = 2**20
 
 
-def shm_name_prefix(*parts: object) -> str:
-    """A short, filesystem-safe prefix unique to one group incarnation."""
+def shm_name_prefix(store_port: int, *parts: object) -> str:
+    """A short, filesystem-safe prefix unique to one group incarnation. It starts with
+    the store's port so the owner of a store can find (and count) its groups' names."""
     digest = hashlib.sha1("\0".join(str(p) for p in parts).encode()).hexdigest()[:16]
-    return f"nereus-{digest}"
+    return f"nereus-{store_port}-{digest}"
 
 
 class ShmTimeout(Exception):

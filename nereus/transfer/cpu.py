@@ -176,7 +176,7 @@ class CpuCommunicator(Communicator):
         mine = hosts[self.rank][0]
         self.local_peers = [r for r, (h, _) in enumerate(hosts) if h == mine and r != self.rank]
         if use_shm and self.local_peers:
-            prefix = shm_name_prefix(store_host, store_port, self.group_id, self.epoch)
+            prefix = shm_name_prefix(store_port, store_host, self.group_id, self.epoch)
             peers = {r: int(hosts[r][1]) for r in self.local_peers}
             self._shm = ShmP2P(prefix, self.rank, peers, slot_bytes, slots)
         try:

@@ -18,8 +18,10 @@ from torch.distributed import TCPStore
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def shm_names() -> set[str]:
-    return set(glob.glob("/dev/shm/nereus-*"))
+def shm_names(port: int) -> set[str]:
+    """Shared-memory names of groups whose store listens on ``port`` (other processes
+    on this machine may be using nereus at the same time)."""
+    return set(glob.glob(f"/dev/shm/nereus-{port}-*"))
 
 
 class Workers:
@@ -61,11 +63,11 @@ class Workers:
 
 @pytest.fixture
 def workers():
-    before = shm_names()
     w = Workers()
+    port = w.store.port
     try:
         yield w
     finally:
         w.close()
-    leaked = shm_names() - before
+    leaked = shm_names(port)
     assert not leaked, f"shared-memory names leaked: {sorted(leaked)}"

@@ -18,12 +18,22 @@ from tests.transfer._actors import Member
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
+_PORTS: set[int] = set()
+
+
+async def _make(*args, **kwargs):
+    """make_group, recording the group's store port for the leak check."""
+    handle = await make_group(*args, **kwargs)
+    _PORTS.add(handle._store.port)
+    return handle
+
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster():
     async with Cluster.local(devices=3, memory_per_device="256MiB") as c:
         yield c
-    assert not glob.glob("/dev/shm/nereus-*")
+    # every group's store port was recorded by make_group's handles
+    assert not [p for port in _PORTS for p in glob.glob(f"/dev/shm/nereus-{port}-*")]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -34,8 +44,8 @@ async def members(cluster):
 
 
 async def test_groups_over_subsets(cluster, members):
-    whole = await make_group(cluster, devices=[0, 1, 2], epoch=1)
-    pair = await make_group(cluster, devices=[2, 0], epoch=1)
+    whole = await _make(cluster, devices=[0, 1, 2], epoch=1)
+    pair = await _make(cluster, devices=[2, 0], epoch=1)
     assert whole.backend == "gloo" and pair.devices == (2, 0)
     got = await members.all_reduce.call(whole.group_id, 1.5)
     assert got == [[0, 3, 4.5], [1, 3, 4.5], [2, 3, 4.5]]
@@ -45,7 +55,7 @@ async def test_groups_over_subsets(cluster, members):
     assert got == [[1, 2, 4.0], [0, 2, 4.0]]
     assert await members.ring.call(whole.group_id) == [[2] * 3, [0] * 3, [1] * 3]
     # the same group asked for again is the cached one
-    assert await make_group(cluster, devices=[0, 1, 2], epoch=1) is whole
+    assert await _make(cluster, devices=[0, 1, 2], epoch=1) is whole
     assert await release_groups(cluster, epoch=1) == 2
     assert await members.groups.call() == [[], [], []]
     with pytest.raises(RemoteError, match="not live"):
@@ -54,7 +64,7 @@ async def test_groups_over_subsets(cluster, members):
 
 async def test_create_and_destroy_repeatedly(cluster, members):
     for epoch in range(3):
-        g = await make_group(cluster, devices=[1, 2], epoch=10 + epoch)
+        g = await _make(cluster, devices=[1, 2], epoch=10 + epoch)
         pair = members.slice(dp=slice(1, 3))
         # bucket events name cluster devices, not ranks
         assert await pair.swap_weights.call(g.group_id) == [[1.0 + 1.0, [[1, 2], [2, 1]]],
@@ -65,9 +75,9 @@ async def test_create_and_destroy_repeatedly(cluster, members):
 
 
 async def test_worker_side_release_of_an_epoch(cluster, members):
-    a = await make_group(cluster, devices=[0, 1, 2], epoch=20)
-    b = await make_group(cluster, devices=[1, 2], epoch=20)
-    c = await make_group(cluster, devices=[0, 2], epoch=21)
+    a = await _make(cluster, devices=[0, 1, 2], epoch=20)
+    b = await _make(cluster, devices=[1, 2], epoch=20)
+    c = await _make(cluster, devices=[0, 2], epoch=21)
     assert await members.release.call(20) == [1, 2, 2]
     assert [[g[1] for g in gs] for gs in await members.groups.call()] == [[21], [], [21]]
     sub = members.slice(dp=slice(0, 3, 2))
@@ -91,7 +101,7 @@ async def test_bad_requests_name_the_field(cluster):
 async def test_a_killed_member_fails_survivors_fast_and_groups_go_on():
     async with Cluster.local(devices=3, memory_per_device="128MiB") as c:
         mesh = await c.spawn("m", Member, devices=[0, 1, 2])
-        g = await make_group(c, devices=[0, 1, 2], epoch=1, timeout_s=30)
+        g = await _make(c, devices=[0, 1, 2], epoch=1, timeout_s=30)
         assert [r[2] for r in await mesh.all_reduce.call(g.group_id, 1.0)] == [3.0] * 3
         pids = await mesh.pid.call()
         died = asyncio.Event()
@@ -106,7 +116,8 @@ async def test_a_killed_member_fails_survivors_fast_and_groups_go_on():
         assert time.monotonic() - t0 < 15  # well inside the 30 s deadline
         with pytest.raises(NereusError):
             await make_group(c, devices=[0, 2], epoch=2, timeout_s=10)
-        g2 = await make_group(c, devices=[0, 1], epoch=2)
+        g2 = await _make(c, devices=[0, 1], epoch=2)
         assert await survivors.all_reduce.call(g2.group_id, 1.0) == [[0, 2, 2.0], [1, 2, 2.0]]
         await g.destroy()  # the dead member is skipped
         await g2.destroy()
+    assert not [p for port in _PORTS for p in glob.glob(f"/dev/shm/nereus-{port}-*")]
