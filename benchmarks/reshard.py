@@ -289,7 +289,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--bucket-mib", type=int, default=8, help="exchange bucket size of the nereus reshard")
+    ap.add_argument("--bucket-mib", type=int, default=32, help="exchange bucket size of the nereus reshard")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
