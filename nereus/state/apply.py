@@ -28,6 +28,7 @@ import torch
 
 from nereus.errors import StateError
 from nereus.state.plan import Plan
+from nereus.state.primitives import Step
 
 __all__ = ["TORCH_DTYPES", "plan_part", "run_part", "apply_plan", "apply_step", "box_slices", "Exchange"]
 
@@ -140,7 +141,7 @@ def apply_plan(plan: Plan, stores: Mapping[int, Stores]) -> dict[int, dict[str, 
     return {d: t for d, t in out.items() if d in plan.target.devices}
 
 
-def apply_step(step, stores: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
+def apply_step(step: Step, stores: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
     """Run a primitive ``Step`` on in-memory stores (device -> emu -> key -> tensor):
     adds the EMUs it creates, then drops the EMUs it frees (only after every plan ran)."""
     for plan in step.plans:
