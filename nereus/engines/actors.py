@@ -339,12 +339,22 @@ class ModelStageHandle:
             for emu, s in zip(self.emus, parts, strict=True)))
         return outs[0]
 
-    async def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    async def _split(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
+        """Rows split across the EMUs (none left empty), results concatenated in order."""
         rows = next(iter(batch.values())).shape[0]
-        parts = self._chunks(rows, len(self.emus))
-        outs = await asyncio.gather(*(emu.logprobs({k: v[s] for k, v in batch.items()}, temperature)
-                                      for emu, s in zip(self.emus, parts, strict=True)))
+        parts = [s for s in self._chunks(rows, len(self.emus)) if s.stop > s.start]
+        outs = await asyncio.gather(*(getattr(emu, method)({k: v[s] for k, v in batch.items()}, *args)
+                                      for emu, s in zip(self.emus, parts, strict=False)))
         return torch.cat(outs, dim=0)
+
+    async def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        return await self._split("logprobs", batch, temperature)
+
+    async def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return await self._split("values", batch)
+
+    async def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return await self._split("rewards", batch)
 
     async def stop(self, drop_groups: bool = False) -> None:
         """Stop every EMU (see ``EmuHandle.stop`` about groups)."""

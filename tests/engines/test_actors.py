@@ -129,3 +129,26 @@ async def test_bad_layouts_are_refused_before_spawning(model_dir):
             await spawn_emu(cluster, "g", "decoding", [0], model_config=CONFIG, model_dir=model_dir)
         with pytest.raises(ConfigError, match="tp_size"):
             await spawn_emu(cluster, "g", "generation", [0, 1, 1], model_config=CONFIG, model_dir=None, tp=3)
+
+
+@pytest.mark.timeout(120)
+async def test_a_dp_critic_stage_splits_rows_and_concatenates_values(model_dir):
+    ref = InferenceEngine(CONFIG, model_dir=model_dir, value_head=True, ledger=MemoryLedger("v-ref", None), name="v")
+    batch = _batch()
+    async with Cluster.local(devices=2, memory_per_device="256MiB") as cluster:
+        stage = await spawn_model_stage(cluster, "critic-inference", "inference", [[0], [1]],
+                                        model_config=CONFIG, model_dir=model_dir, options={"value_head": True})
+        try:
+            # a non-zero head (a fresh one is zero), written in place on every rank
+            head = {"value_head.weight": torch.randn(1, CONFIG.hidden_size, generator=torch.Generator().manual_seed(3)),
+                    "value_head.bias": torch.tensor([0.25])}
+            ref.load_named(head)
+            for emu in stage.emus:
+                await emu.mesh.load_state.call(head)
+            values = await stage.values(batch)
+            assert float(values.abs().sum()) > 0
+            torch.testing.assert_close(values, ref.values(batch))
+            torch.testing.assert_close(await stage.rewards(batch), ref.rewards(batch))
+            torch.testing.assert_close(await stage.logprobs(batch), ref.logprobs(batch), atol=1e-5, rtol=1e-5)
+        finally:
+            await stage.stop(drop_groups=True)
