@@ -142,6 +142,11 @@ class StageActor(Actor):
         return await _run(self.engine.load_named, tensors)
 
     @endpoint
+    async def free_cache(self) -> int:
+        """Give the generation KV cache back to the device budget; returns the bytes."""
+        return self.engine.free_cache() if self.kind == "generation" else 0
+
+    @endpoint
     async def memory(self) -> dict[str, int]:
         return self.engine.memory()
 

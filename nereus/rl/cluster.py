@@ -5,8 +5,8 @@
 every model-stage of the plan spawns one ``StageActor`` mesh per EMU (DP replica) on
 the devices the plan lists. Model-stages that share a device run in the same worker
 process: their calls are serialized there and their memory is accounted on the same
-ledger (weights of idle stages stay co-resident; the generation KV cache is reserved
-only while it is large enough for the request).
+ledger: weights of idle model-stages stay co-resident; a generation EMU that shares a
+device with a training model-stage gives its KV cache back after each generation.
 
 Work distribution (all ``ModelStages`` calls, ``nereus.rl.stages``):
 - generation: prompts cut into ``dp`` contiguous chunks, one per EMU, all concurrently;
@@ -95,6 +95,7 @@ class ClusterStages(ModelStages):
         self.policy_version = 0
         self._sync_group: Any = None
         self._groups: list[Any] = []
+        self._cache_sharers: list[int] = []
 
     @classmethod
     async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path, cluster: Any = None) -> ClusterStages:
@@ -182,6 +183,8 @@ class ClusterStages(ModelStages):
             self._groups.append(self._sync_group)
         self._rank_of = {d: r for r, d in enumerate(devices)}
         self._sync_parts = self._plan_sync()
+        trainers = {d for s, p in self.cfg.plan.items() if _KINDS[s] == "training" for d in p.devices}
+        self._cache_sharers = [i for i, devs in enumerate(gen.emu_devices()) if trainers & set(devs)]
 
     # --- weight sync ----------------------------------------------------------------
 
@@ -245,6 +248,11 @@ class ClusterStages(ModelStages):
             m.generate.call(prompts[s], {**params, "seed": seed + i})
             for i, (m, s) in enumerate(zip(meshes, slices, strict=True)) if s.stop > s.start
         ))
+        # Idle generation EMUs that share a device with a training model-stage give their
+        # KV cache back, so training's activations are accounted against a device that
+        # holds only what is live.
+        if self._cache_sharers:
+            await asyncio.gather(*(meshes[i].free_cache.call() for i in self._cache_sharers))
         token_ids = [t for o in outs for t in o[-1]["token_ids"]]
         logprobs = [lp for o in outs for lp in o[-1]["logprobs"]]
         return {"token_ids": token_ids, "logprobs": logprobs, "policy_version": [self.policy_version] * len(prompts)}

@@ -44,8 +44,11 @@ async def test_demo_config_learns_on_a_local_cluster(tmp_path):
         assert {"policy_generation/weights", "policy_training/weights", "policy_training/optimizer"} <= set(memory[0])
         assert set(memory[3]) >= {"policy_generation/weights"} and "policy_training/weights" not in memory[3]
         records = await job._loop()
+        after = await job.stages.memory()
     finally:
         await job.close()
+    # Generation EMUs co-resident with training gave their KV cache back; the others keep it.
+    assert "policy_generation/kv_cache" not in after[0] and "policy_generation/kv_cache" in after[3]
     early, late = window_mean(records, "reward_mean", 0, 10), window_mean(records, "reward_mean", 100, 120)
     assert late > early + 0.2, (early, late)
     assert [r["policy_version"] for r in records] == list(range(120))
