@@ -8,6 +8,9 @@ Face directory (``model_dir``: each rank reads only its slices) or start random 
 overwritten in place by name (``load_named``), which is how the state layer and the
 weight sync deliver new shards.
 
+Device: the stage lives on ``ctx.device`` (CPU by default); batches are moved there and
+results come back as CPU tensors (what crosses the wire).
+
 Memory: the stage's parameter bytes are reserved in the device's ``MemoryLedger`` under
 ``"<name>/weights"`` *before* the stage is built, so an engine that does not fit raises
 ``OutOfMemory`` instead of allocating. ``close()`` releases every reservation of the engine.
@@ -72,10 +75,11 @@ class EngineBase:
         self.ledger.reserve(f"{name}/weights", stage_param_bytes(config, self.ctx, self.dtype, value_head))
         try:
             torch.manual_seed(seed)
-            self.stage: DecoderStage = build_stage(config, self.ctx.parallel, self.dtype)
+            self.device = torch.device(self.ctx.device)
+            self.stage: DecoderStage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device)
             self.value_head: ValueHead | None = None
             if value_head and self.ctx.is_last_stage:
-                self.value_head = ValueHead(config.hidden_size, self.dtype)
+                self.value_head = ValueHead(config.hidden_size, self.dtype).to(self.device)
             if model_dir is not None:
                 from nereus.models.checkpoint import load_stage_weights
 

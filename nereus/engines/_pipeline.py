@@ -50,7 +50,7 @@ Head = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 def right_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """``positions[b, t] = t`` on real tokens, ``-1`` on (right) padding."""
     t = attention_mask.shape[1]
-    pos = torch.arange(t, dtype=torch.long).unsqueeze(0).expand_as(attention_mask)
+    pos = torch.arange(t, dtype=torch.long, device=attention_mask.device).unsqueeze(0).expand_as(attention_mask)
     return torch.where(attention_mask.bool(), pos, torch.full_like(pos, -1))
 
 
@@ -115,7 +115,7 @@ def forward_only(
                 results.append(head(out, mb).float())
         rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
         length = micro_batches[0]["input_ids"].shape[1]
-        result = torch.cat(results, dim=0).contiguous() if results else torch.empty(rows, length, dtype=torch.float32)
+        result = torch.cat(results, dim=0).contiguous() if results else torch.empty(rows, length, dtype=torch.float32, device=ctx.device)
         ctx.broadcast_from_last(result)
     return result
 

@@ -80,7 +80,10 @@ class EngineActor(Actor):
         dp_comm = get_communicator(dp_groups[pp_rank * tp + tp_rank]) if dp_groups and dp_size > 1 else None
         pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, tp_comm=tp_comm,
                              layer_cuts=tuple(layer_cuts) if layer_cuts else None)
-        ctx = EmuContext(pc, pp_comm=pp_comm, dp_rank=dp_rank, dp_size=dp_size, dp_comm=dp_comm, timeout_s=timeout_s)
+        # A GPU worker sees its GPU as the current CUDA device; a CPU worker stands for one.
+        device = "cuda" if getattr(self.device, "kind", "cpu") == "cuda" and kind in ("inference", "training") else "cpu"
+        ctx = EmuContext(pc, pp_comm=pp_comm, dp_rank=dp_rank, dp_size=dp_size, dp_comm=dp_comm,
+                         timeout_s=timeout_s, device=device)
         config = ModelConfig(**model_config)
         opts = dict(options or {})
         name = engine_name or self.mesh_name

@@ -9,7 +9,9 @@ An EMU is a TP x PP mesh of ranks; DP is the number of EMUs of a model-stage.
   ``tp_rank``; rank in the group == ``pp_rank``): activations and their gradients move
   stage to stage over it, sampled tokens move from the last stage back to the first;
 - ``dp_comm``: the data-parallel group of this (pp, tp) position across the model-stage's
-  EMUs (rank == ``dp_rank``): gradients are reduced over it.
+  EMUs (rank == ``dp_rank``): gradients are reduced over it;
+- ``device``: where the rank's stage and buffers live (``"cpu"``, or ``"cuda:N"`` for the
+  inference and training engines on a GPU, whose communicators are then NCCL's).
 
 The pipeline helpers here (``send_next``, ``recv_prev``, ...) are the only way engines move
 activations between stages: blocking, in place, over ``pp_comm``. Both ends always know
@@ -42,6 +44,7 @@ class EmuContext:
     dp_size: int = 1
     dp_comm: Communicator | None = None
     timeout_s: float | None = None
+    device: str = "cpu"  # where the stage, its activations and its buffers live
 
     def __post_init__(self) -> None:
         pc = self.parallel
@@ -100,7 +103,7 @@ class EmuContext:
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Receive a tensor of ``shape``/``dtype`` from the previous pipeline stage."""
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         self._pp().recv(out, self.pp_rank - 1, self.timeout_s)
         return out
 
@@ -110,21 +113,21 @@ class EmuContext:
 
     def recv_next(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Receive a tensor of ``shape``/``dtype`` from the next pipeline stage."""
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         self._pp().recv(out, self.pp_rank + 1, self.timeout_s)
         return out
 
     def send_next_recv_next(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Send ``tensor`` to the next stage and receive one from it, as one batch (the
         1F1B steady state: an activation goes forward while a gradient comes back)."""
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         peer = self.pp_rank + 1
         self._pp().batch_p2p([P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s)
         return out
 
     def send_prev_recv_prev(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Send ``tensor`` to the previous stage and receive one from it, as one batch."""
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         peer = self.pp_rank - 1
         self._pp().batch_p2p([P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s)
         return out

@@ -99,6 +99,8 @@ class GenerationEngine(EngineBase):
         name: str = "generation",
     ) -> None:
         require(max_batch >= 1, "GenerationEngine.max_batch", max_batch, "must be >= 1")
+        require(ctx is None or torch.device(ctx.device).type == "cpu", "EmuContext.device", None if ctx is None else ctx.device,
+                "must be 'cpu' for the built-in generation engine (on GPUs generation is VllmGenerationEngine's)")
         super().__init__(config, ctx, model_dir=model_dir, dtype=dtype, seed=seed, ledger=ledger, name=name)
         self.max_batch = max_batch
         self.wavefront = wavefront

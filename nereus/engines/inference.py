@@ -92,13 +92,13 @@ class InferenceEngine(EngineBase):
         self.stage.eval()
 
     def _run(self, batch: dict[str, Any], head, output: str, micro_batch_size: int | None) -> torch.Tensor:
-        data = normalize_batch(batch)
+        data = {k: v.to(self.device) for k, v in normalize_batch(batch).items()}
         mbs = split_batch(data, micro_batch_size or self.micro_batch_size)
         rows = mbs[0]["input_ids"].shape[0]
         need = activation_bytes(self.config, self.ctx, rows, data["input_ids"].shape[1], self.dtype, training=False)
         self.ledger.reserve(f"{self.name}/activations", need)
         try:
-            return forward_only(self.stage, self.ctx, mbs, head, output=output)
+            return forward_only(self.stage, self.ctx, mbs, head, output=output).cpu()
         finally:
             self.ledger.release(f"{self.name}/activations")
 

@@ -121,11 +121,11 @@ class TrainingEngine(EngineBase):
         try:
             self.critic = critic
             params = self.named_parameters()
-            # Gradients and two float32 moments per parameter, reserved before allocating.
+            # Gradients and two moments per parameter (in its dtype, as torch's AdamW keeps
+            # them), reserved before allocating.
             weights = stage_param_bytes(config, self.ctx, self.dtype, critic)
-            numel = sum(p.numel() for p in params.values())
             self.ledger.reserve(f"{name}/grads", weights)
-            self.ledger.reserve(f"{name}/optimizer", 2 * numel * 4)
+            self.ledger.reserve(f"{name}/optimizer", 2 * weights)
             oc = self.optim_config
             self.optimizer = torch.optim.AdamW(
                 list(params.values()), lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps,
@@ -134,8 +134,8 @@ class TrainingEngine(EngineBase):
             for p in params.values():
                 self.optimizer.state[p] = {
                     "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
             self._norm_weights = self._grad_norm_weights()
             self.step = 0
@@ -162,7 +162,7 @@ class TrainingEngine(EngineBase):
                     weights[full] = 1.0 / tp
                 elif isinstance(module, ColumnParallelLinear) and any(tp > c.units for c in module.components):
                     rows = torch.cat([
-                        torch.full((size,), 1.0 / (tp // c.units) if tp > c.units else 1.0)
+                        torch.full((size,), 1.0 / (tp // c.units) if tp > c.units else 1.0, device=self.device)
                         for c, size in zip(module.components, module.local_sizes, strict=True)
                     ])
                     weights[full] = rows
@@ -177,7 +177,7 @@ class TrainingEngine(EngineBase):
         return weights
 
     def _global_grad_norm(self, params: dict[str, torch.nn.Parameter]) -> float:
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for name, p in params.items():
             if p.grad is None:
                 continue
@@ -224,16 +224,16 @@ class TrainingEngine(EngineBase):
         require(temperature > 0, "temperature", temperature, "must be > 0")
         loss_fn = resolve_callable(loss, "loss")
         kwargs = dict(loss_kwargs or {})
-        data = normalize_batch(batch)
+        data = {k: v.to(self.device) for k, v in normalize_batch(batch).items()}
         rows, length = data["input_ids"].shape
         require(rows >= 1, "batch.input_ids", tuple(data["input_ids"].shape), "must hold at least one row")
         mbs = split_batch(data, micro_batch_size or rows)
         ctx = self.ctx
         # Token weights over the global batch (all DP replicas).
         counts = torch.tensor([float(mb["response_mask"].sum()) for mb in mbs], dtype=torch.float64)
-        total = counts.sum().reshape(1)
+        total = counts.sum().reshape(1).to(self.device)
         ctx.dp_all_reduce(total)
-        scale = (counts / total.clamp(min=1.0)).tolist()
+        scale = (counts / total.cpu().clamp(min=1.0)).tolist()
         sums: dict[str, float] = {}
 
         def loss_of(out: torch.Tensor, mb: dict[str, torch.Tensor], i: int) -> torch.Tensor:
@@ -274,9 +274,9 @@ class TrainingEngine(EngineBase):
         result = {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"]), "step": float(self.step)}
         if ctx.is_last_stage:
             keys = sorted(sums)
-            packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+            packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
             ctx.dp_all_reduce(packed)
-            result.update(dict(zip(keys, packed.tolist(), strict=True)))
+            result.update(dict(zip(keys, packed.cpu().tolist(), strict=True)))
         return result
 
     # --- state for the state layer ---------------------------------------------------

@@ -193,3 +193,16 @@ def test_critic_spec_names_every_critic_parameter(model):
     for p in spec:
         assert tuple(params[p.name].shape) == p.shape
     assert spec["value_head.weight"].rule == "replicated" and spec["value_head.weight"].stage == "head"
+
+
+def test_bfloat16_training_keeps_moments_in_the_parameter_dtype(model):
+    config, path = model
+    eng = TrainingEngine(config, model_dir=path, dtype="bfloat16", optim={"lr": 1e-2}, ledger=MemoryLedger("bf", None))
+    batch = _batch()
+    first = eng.train_step(batch)
+    for _ in range(3):
+        last = eng.train_step(batch)
+    assert last["loss"] < first["loss"]
+    state = eng.named_state()
+    assert state["model.norm.weight.exp_avg"].dtype == torch.bfloat16
+    assert eng.memory()["training/optimizer"] == 2 * eng.memory()["training/weights"]
