@@ -45,8 +45,9 @@ _ENGINES: dict[str, Any] = {}
 
 
 def _one_thread(fn: Any, *args: Any) -> Any:
-    # OpenMP's thread count is per OS thread: a fresh executor thread would otherwise
-    # use every core, and two workers on two cores would thrash each other.
+    # Engine work runs on executor threads, not the thread that built the actor; make
+    # sure each of them stays at one torch thread (two workers sharing two cores thrash
+    # as soon as either spreads over both).
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
     return fn(*args)
