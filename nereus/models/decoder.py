@@ -93,69 +93,97 @@ class KVCache:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions, computed in float32 (Hugging Face's "default" RoPE)."""
+    """cos/sin of positions (Hugging Face's "default" RoPE, computed in float32).
+
+    The values come from a table ``[n, 2, head_dim]`` (cos; sin with its first half
+    negated, see ``_apply_rope``) built once per dtype and device and grown on demand, so
+    a forward costs one lookup instead of recomputing the trigonometry."""
 
     def __init__(self, head_dim: int, theta: float, device: str | torch.device) -> None:
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.clamp(min=0).float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def _table(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (dtype, self.inv_freq.device)
+        table = self._tables.get(key)
+        if table is None or table.shape[0] < length:
+            # Grow geometrically so a decode loop rebuilds it O(log n) times.
+            n = max(length, 64, 2 * (table.shape[0] if table is not None else 0))
+            pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+            freqs = pos.unsqueeze(-1) * self.inv_freq  # the same float32 products as per-position math
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin()
+            sin[:, : sin.shape[1] // 2].neg_()
+            table = torch.stack((emb.cos(), sin), dim=1).to(dtype)
+            self._tables[key] = table
+        return table
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[B, T, 1, head_dim]`` for ``positions`` ``[B, T]`` (padding
+        reads position 0); ``length`` bounds the positions (computed when None)."""
+        if length is None:
+            length = int(positions.max().item()) + 1 if positions.numel() else 1
+        rows = self._table(length, dtype)[positions.clamp(min=0)]  # [B, T, 2, D]
+        return rows[:, :, 0:1], rows[:, :, 1:2]
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, T, D]; cos/sin: [B, T, D]
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[B, T, heads, D]``.
+
+    ``rotate_half(x) = cat(-x2, x1)``: swapping the halves (one ``flip`` of a
+    ``[..., 2, D/2]`` view) and taking the minus sign from the pre-negated sin table
+    gives the same products with 3 ops instead of 7."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 @dataclass
 class _AttentionPlan:
     """What every layer's attention of one forward shares: the boolean mask
-    ``[B, 1, T, S]`` (or None with ``causal`` when the batch is dense: SDPA's causal
-    kernels are about twice as fast on CPU) and, with a KV cache, where each real token
-    is written."""
+    ``[B, 1, T, S]`` (or None: with ``causal`` when the batch is dense, since SDPA's
+    causal kernels are about twice as fast on CPU, or without when every slot is
+    visible) and, with a KV cache, where each real token is written: slots
+    ``start .. start + T - 1`` of every row when all rows are at the same positions (one
+    slice copy), else each real token ``(rows, cols)`` at its own slot."""
 
     mask: torch.Tensor | None
     causal: bool = False
+    start: int | None = None
     rows: torch.Tensor | None = None
     cols: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     kv_len: int = 0
 
 
-def _attention_plan(positions: torch.Tensor, kv_len: int | None) -> _AttentionPlan:
-    """``kv_len``: None without a cache, else the cache slots attended over."""
+def _attention_plan(positions: torch.Tensor, kv_len: int | None, low: int, high: int) -> _AttentionPlan:
+    """``kv_len``: None without a cache, else the cache slots attended over; ``low`` and
+    ``high``: the smallest and largest entry of ``positions``."""
     t = positions.shape[1]
-    # Every row at positions 0..T-1 (no padding) and, with a cache, nothing before them.
-    dense = bool((positions == torch.arange(t, device=positions.device)).all()) and kv_len in (None, t)
+    # Every row at the same positions start..start+T-1 (no padding). A single token per
+    # row needs no comparison: min == max says it.
+    uniform = low >= 0 and high - low == t - 1
+    if uniform and t > 1:
+        uniform = bool((positions == torch.arange(low, high + 1, device=positions.device)).all())
     valid = positions >= 0
     if kv_len is None:
-        if dense:
+        if uniform and low == 0:
             return _AttentionPlan(None, causal=True)
         # Key j is visible to query i of the same row when it is real and not later.
         mask = valid.unsqueeze(1) & (positions.unsqueeze(1) <= positions.unsqueeze(2))
         # A padding query sees itself, so no row is fully masked (SDPA would give NaN).
         mask |= torch.eye(t, dtype=torch.bool, device=positions.device)
         return _AttentionPlan(mask.unsqueeze(1))
+    if uniform and kv_len == high + 1:
+        # Prefill from slot 0 is causal; one decode step sees every written slot.
+        return _AttentionPlan(None, causal=low == 0 and t > 1, start=low, kv_len=kv_len)
     rows, cols = valid.nonzero(as_tuple=True)
     slots = positions[rows, cols]
-    if dense:
-        return _AttentionPlan(None, True, rows, cols, slots, kv_len)
-    if t == 1 and bool((positions == kv_len - 1).all()):
-        # One decode step with every row at the same length: every written slot is visible.
-        return _AttentionPlan(None, False, rows, cols, slots, kv_len)
     slot_ids = torch.arange(kv_len, device=positions.device)
     mask = slot_ids.view(1, 1, kv_len) <= positions.unsqueeze(-1)
     mask[..., 0] |= ~valid  # padding queries look at slot 0 (finite, ignored)
-    return _AttentionPlan(mask.unsqueeze(1), False, rows, cols, slots, kv_len)
+    return _AttentionPlan(mask.unsqueeze(1), False, None, rows, cols, slots, kv_len)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
@@ -167,6 +195,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttentionPla
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def _write_cache(cache: torch.Tensor, new: torch.Tensor, plan: _AttentionPlan) -> None:
+    """Write ``new`` (``[B, T, kv_heads, D]``) into ``cache`` (``[B, kv_heads, S, D]``)."""
+    if plan.start is not None:
+        cache[:, :, plan.start : plan.start + new.shape[1]] = new.transpose(1, 2)
+    else:
+        cache[plan.rows, :, plan.slots] = new[plan.rows, plan.cols].to(cache.dtype)
 
 
 class Attention(nn.Module):
@@ -193,20 +229,23 @@ class Attention(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj.split_output(self.qkv_proj(x))
-        q = q.view(b, t, self.heads_local, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.kv_heads_local, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.kv_heads_local, self.head_dim).transpose(1, 2)
-        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        h, kv, d = self.heads_local, self.kv_heads_local, self.head_dim
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in the fused output: rotate both with one set of ops.
+        qk = _apply_rope(qkv[..., : (h + kv) * d].view(b, t, h + kv, d), *rope)
+        q, k = qk[:, :, :h], qk[:, :, h:]
+        v = qkv[..., (h + kv) * d :].view(b, t, kv, d)
         if cache is not None:
             k_cache, v_cache = cache
-            rows, cols, slots = plan.rows, plan.cols, plan.slots
-            k_cache[rows, :, slots] = k.transpose(1, 2)[rows, cols].to(k_cache.dtype)
-            v_cache[rows, :, slots] = v.transpose(1, 2)[rows, cols].to(v_cache.dtype)
-            k = k_cache[:, :, : plan.kv_len].to(q.dtype)
-            v = v_cache[:, :, : plan.kv_len].to(q.dtype)
-        out = _sdpa(q, k, v, plan)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads_local * self.head_dim))
+            _write_cache(k_cache, k, plan)
+            _write_cache(v_cache, v, plan)
+            k, v = k_cache[:, :, : plan.kv_len], v_cache[:, :, : plan.kv_len]
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        out = _sdpa(q.transpose(1, 2), k, v, plan)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * d))
 
 
 class MLP(nn.Module):
@@ -297,21 +336,23 @@ class DecoderStage(nn.Module):
         ``[B, V/tp]``. Other stages return hidden states ``[B, T, H]``."""
         require(output in ("logits", "hidden"), "output", output, "must be 'logits' or 'hidden'")
         require(positions.shape == x.shape[:2], "positions.shape", tuple(positions.shape), f"must equal the batch shape {tuple(x.shape[:2])}")
+        # The plan and the RoPE table need both bounds (one reduction, read on the host).
+        low, high = (int(m) for m in torch.aminmax(positions)) if positions.numel() else (0, 0)
         kv_len = None
         if kv_cache is not None:
-            top = int(positions.max().item()) if positions.numel() else 0
-            require(top < kv_cache.max_len, "positions", top, f"must be < the KV cache's max_len={kv_cache.max_len}")
-            kv_len = max(top + 1, 1)
+            require(high < kv_cache.max_len, "positions", high, f"must be < the KV cache's max_len={kv_cache.max_len}")
+            kv_len = max(high + 1, 1)
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
-        rope = self.rotary(positions, h.dtype)
-        plan = _attention_plan(positions, kv_len)
+        rope = self.rotary(positions, h.dtype, max(high + 1, 1))
+        plan = _attention_plan(positions, kv_len, low, high)
         for i in self.layer_ids:
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
             h = self.model.layers[str(i)](h, rope, plan, cache)
         if not self.pc.is_last_stage:
             return h
         if logits_index is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), logits_index]
+            # With one token per row the only valid index is 0: a view, no gather.
+            h = h[:, 0] if h.shape[1] == 1 else h[torch.arange(h.shape[0], device=h.device), logits_index]
         h = self.model.norm(h)
         if output == "hidden":
             return h
