@@ -2,7 +2,8 @@
 
 Runs examples/grpo_tiny.toml: a progress bar per step (stage times, reward, lengths),
 a summary table at the end, metrics in runs/grpo_tiny/metrics.jsonl and a plot in
-runs/grpo_tiny/plot.png. The reward rises from ~0.1 to well above 0.4 in 120 steps.
+runs/grpo_tiny/plot.png. The mean reward rises from under 0.1 to about 0.6 in 120 steps
+(about 20 s on 2 cores).
 """
 
 from __future__ import annotations
