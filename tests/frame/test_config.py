@@ -81,3 +81,16 @@ def test_parse_size(text, value):
 def test_parse_size_refuses(text):
     with pytest.raises(ConfigError, match="memory"):
         parse_size(text, field="memory")
+
+
+@dataclass(frozen=True)
+class Betas:
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+def test_fixed_length_tuples():
+    assert from_dict(Betas, {"betas": [0.8, 1]}) == Betas((0.8, 1.0))
+    with pytest.raises(ConfigError, match="must have 2 items"):
+        from_dict(Betas, {"betas": [0.8]})
+    with pytest.raises(ConfigError, match=r"betas\[1\]='x'"):
+        from_dict(Betas, {"betas": [0.8, "x"]})
