@@ -139,14 +139,17 @@ def sample_next(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = torch.argmax(logits, dim=-1)
     else:
-        scaled = logits / params.temperature
+        scaled = logits / params.temperature if params.temperature != 1.0 else logits
         logprobs = torch.log_softmax(scaled, dim=-1)
-        kept = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
-        probs = torch.softmax(kept, dim=-1)
+        if params.top_k == 0 and params.top_p >= 1.0:
+            probs = logprobs.exp()  # nothing filtered: the softmax is already at hand
+        else:
+            probs = torch.softmax(_filter_top_k_top_p(scaled, params.top_k, params.top_p), dim=-1)
         # E = -log(U) ~ Exp(1); drawing U is several times faster than exponential_.
         if uniform is None:
             uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float32)
-        race = -torch.log(uniform.clamp(min=1e-20))
-        tokens = torch.argmax(probs / race, dim=-1)
+        # argmax(p / E) == argmin(p / log U), since log U = -E < 0: one op fewer.
+        log_u = uniform.clamp(min=1e-20).log_()
+        tokens = torch.argmin(probs / log_u, dim=-1)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, chosen

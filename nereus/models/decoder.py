@@ -29,6 +29,12 @@ writes each real token's k/v at slot ``positions[b, t]`` and attends over slots
 ``0 .. positions[b, t]`` of its row, so a sequence must be written from position 0 without
 gaps (prefill, then one token per decode step). The cache is for inference (no_grad).
 
+Speed: a decode step of a small model is dominated by per-op overhead, not arithmetic, so
+the forward keeps its op count low (fused q/k/v and gate/up, RoPE from a table, one plan
+per forward shared by every layer) and calls the submodules of a stage through
+``.forward``: module hooks on them are not supported (the stage itself is an ordinary
+module).
+
 Refuses (``ConfigError``): TP sizes that do not divide heads, intermediate size or vocab;
 more pipeline stages than layers; positions beyond the cache.
 """
@@ -200,7 +206,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttentionPla
 def _write_cache(cache: torch.Tensor, new: torch.Tensor, plan: _AttentionPlan) -> None:
     """Write ``new`` (``[B, T, kv_heads, D]``) into ``cache`` (``[B, kv_heads, S, D]``)."""
     if plan.start is not None:
-        cache[:, :, plan.start : plan.start + new.shape[1]] = new.transpose(1, 2)
+        cache.narrow(2, plan.start, new.shape[1]).copy_(new.transpose(1, 2))
     else:
         cache[plan.rows, :, plan.slots] = new[plan.rows, plan.cols].to(cache.dtype)
 
@@ -230,22 +236,22 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         h, kv, d = self.heads_local, self.kv_heads_local, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         # q and k sit side by side in the fused output: rotate both with one set of ops.
-        qk = _apply_rope(qkv[..., : (h + kv) * d].view(b, t, h + kv, d), *rope)
-        q, k = qk[:, :, :h], qk[:, :, h:]
-        v = qkv[..., (h + kv) * d :].view(b, t, kv, d)
+        qk = _apply_rope(qkv.narrow(-1, 0, (h + kv) * d).view(b, t, h + kv, d), *rope)
+        q, k = qk.narrow(2, 0, h), qk.narrow(2, h, kv)
+        v = qkv.narrow(-1, (h + kv) * d, kv * d).view(b, t, kv, d)
         if cache is not None:
             k_cache, v_cache = cache
             _write_cache(k_cache, k, plan)
             _write_cache(v_cache, v, plan)
-            k, v = k_cache[:, :, : plan.kv_len], v_cache[:, :, : plan.kv_len]
+            k, v = k_cache.narrow(2, 0, plan.kv_len), v_cache.narrow(2, 0, plan.kv_len)
             if k.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         out = _sdpa(q.transpose(1, 2), k, v, plan)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * d))
+        return self.o_proj.forward(out.transpose(1, 2).reshape(b, t, h * d))
 
 
 class MLP(nn.Module):
@@ -259,8 +265,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, c.hidden_size, pc, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split_output(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj.forward(x)
+        half = gate_up.shape[-1] // 2  # gate and up have the same local size
+        return self.down_proj.forward(F.silu(gate_up.narrow(-1, 0, half)) * gate_up.narrow(-1, half, half))
 
 
 class DecoderLayer(nn.Module):
@@ -272,8 +279,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c, pc, dtype, device)
 
     def forward(self, x, rope, plan, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, plan, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, plan, cache)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class _Body(nn.Module):
@@ -295,6 +302,8 @@ class DecoderStage(nn.Module):
         if needs_embed:
             self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, pc, dtype, device)
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(c, pc, dtype, device) for i in self.layer_ids})
+        # A plain list (not registered twice) spares the hot loop the ModuleDict lookups.
+        self._layers: list[DecoderLayer] = [self.model.layers[str(i)] for i in self.layer_ids]
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, device)
         if pc.is_last_stage:
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
@@ -345,9 +354,9 @@ class DecoderStage(nn.Module):
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
         rope = self.rotary(positions, h.dtype, max(high + 1, 1))
         plan = _attention_plan(positions, kv_len, low, high)
-        for i in self.layer_ids:
+        for i, layer in zip(self.layer_ids, self._layers, strict=True):
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
-            h = self.model.layers[str(i)](h, rope, plan, cache)
+            h = layer.forward(h, rope, plan, cache)
         if not self.pc.is_last_stage:
             return h
         if logits_index is not None:
