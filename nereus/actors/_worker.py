@@ -107,6 +107,17 @@ async def _serve(args: argparse.Namespace) -> None:
                 os.unlink(address[len("ipc://"):])
             except FileNotFoundError:
                 pass
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """Leave at once. The sockets and files are closed; threads still blocked in a
+    torch or gloo call (an endpoint's worker thread, gloo's own) must not keep a worker
+    alive past its shutdown, and the loop's exit would join them."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 async def _report_counters(client: _client.Client, device: int) -> None:
