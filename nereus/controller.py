@@ -58,7 +58,7 @@ class Controller:
     """See the module docstring."""
 
     def __init__(self, key: bytes, *, bind: str = "tcp://127.0.0.1:0",
-                 tap_bind: str = "tcp://127.0.0.1:0", heartbeat_timeout_s: float = 3.0) -> None:
+                 tap_bind: str = "tcp://127.0.0.1:0", heartbeat_timeout_s: float = 10.0) -> None:
         if heartbeat_timeout_s <= 0:
             raise ConfigError(f"heartbeat_timeout_s={heartbeat_timeout_s!r} must be > 0")
         self.key = key
@@ -362,7 +362,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                     help="PUB address of the monitoring tap (port 0: any free port)")
     ap.add_argument("--key-file", default=None,
                     help="file holding the cluster key (else $NEREUS_CLUSTER_KEY)")
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                    help="declare a node lost after this long without a heartbeat")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 

@@ -57,7 +57,7 @@ class Cluster:
     def __init__(self, *, key: bytes, address: str | None = None,
                  local_devices: Sequence[int] = (), memory_per_device: int | str = "1GiB",
                  min_devices: int = 1, timeout_s: float = 60.0,
-                 heartbeat_timeout_s: float = 3.0, transport: str = "ipc",
+                 heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
                  span_sample_every: int = 100,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.key = key
@@ -87,7 +87,7 @@ class Cluster:
     @classmethod
     def local(cls, devices: int | Sequence[int] = 4, memory_per_device: int | str = "1GiB", *,
               nodes: int = 1, key: str | bytes | None = None, timeout_s: float = 60.0,
-              heartbeat_timeout_s: float = 3.0, transport: str = "ipc",
+              heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
               span_sample_every: int = 100,
               max_message_bytes: int | str = DEFAULT_MAX_MESSAGE_BYTES) -> Cluster:
         """A controller and node daemon(s) in this event loop, ``devices`` workers in all."""
