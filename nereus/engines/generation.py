@@ -231,6 +231,11 @@ class GenerationEngine(EngineBase):
         """Sample on the last stage's TP rank 0, then hand the tokens to every rank of the
         EMU (TP broadcast, then pipeline broadcast): (tokens, logprobs) of ``rows``."""
         ctx = self.ctx
+        if ctx.tp_size == 1 and ctx.pp_size == 1:
+            # This rank is the whole EMU: nothing to share, no packing.
+            assert logits is not None
+            uniform = None if params.is_greedy else noise.rows(step, batch, rows)
+            return sample_next(logits, params, uniform=uniform)
         count = rows.stop - rows.start
         packed = torch.empty(2, count, dtype=torch.float64)
         if ctx.is_last_stage:
@@ -248,10 +253,14 @@ class GenerationEngine(EngineBase):
     def _record(b: _Batch, rows: slice, step: int, tokens: torch.Tensor, logprobs: torch.Tensor,
                 params: SamplingParams) -> bool:
         """Store step ``step`` of ``rows``; returns whether all of them are now finished."""
-        live = ~b.done[rows]
         b.tokens[rows, step] = tokens
         b.logprobs[rows, step] = logprobs
-        is_stop = torch.isin(tokens, b.stops) & live if b.stops.numel() else torch.zeros_like(live)
+        if not b.stops.numel():
+            # Without stop tokens every row is live until max_tokens: no masks, no sync.
+            b.n_out[rows] += 1
+            return step == params.max_tokens - 1
+        live = ~b.done[rows]
+        is_stop = torch.isin(tokens, b.stops) & live
         b.n_out[rows] += (live & (params.include_stop_token | ~is_stop)).long()
         b.stopped[rows] |= is_stop
         b.done[rows] |= is_stop
@@ -271,7 +280,8 @@ class GenerationEngine(EngineBase):
         """Ids ``[r, 1]`` and positions of the forward that samples ``step`` (> 0): the
         tokens of ``step - 1``; finished rows ride along as padding (position -1)."""
         pos = b.lengths[rows] + (step - 1)
-        pos = torch.where(b.done[rows], torch.full_like(pos, -1), pos)
+        if b.stops.numel():  # only a stop token finishes a row early
+            pos = torch.where(b.done[rows], torch.full_like(pos, -1), pos)
         return b.tokens[rows, step - 1].unsqueeze(1), pos.unsqueeze(1)
 
     # --- one batch, stage after stage ---------------------------------------------------
