@@ -1,10 +1,15 @@
 """nereus: RL post-training of LLMs that changes each model-stage's parallel layout
 while the job runs, built on a small, fast async actor framework.
 
-The public API is what ``__all__`` lists; everything else is private.
+The public API is what ``__all__`` lists; everything else is private. Names are
+resolved on first use, so ``import nereus`` stays cheap (no torch until a name that
+needs it is touched) and never imports cupy or vllm.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from nereus.errors import (
     ActorDied,
@@ -24,6 +29,45 @@ from nereus.errors import (
 
 __version__ = "0.1.0"
 
+# public name -> the subpackage that defines it (layers bottom to top, DESIGN §2)
+_LAZY: dict[str, str] = {}
+for _module, _names in {
+    "nereus.actors": [
+        "Actor", "ActorMesh", "ActorRef", "Cluster", "DeviceInfo", "Endpoint", "Failure",
+        "current_device", "emit", "endpoint",
+    ],
+    "nereus.transfer": [
+        "Communicator", "CpuCommunicator", "GroupHandle", "P2POp", "TransferStats", "exchange",
+        "get_communicator", "make_group", "release_epoch", "release_groups",
+    ],
+    "nereus.state": [
+        "DeviceSet", "EMU", "Layout", "LogicalState", "ModelSpec", "ParamSpec", "ShardHolder",
+        "bytes_minimum", "destroy", "execute", "execute_step", "extend", "load_from_disk", "merge",
+        "plan_reshard", "plan_stage_transition", "save_to_disk", "split",
+    ],
+    "nereus.models": [
+        "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage",
+        "load_stage_weights", "load_tokenizer", "model_spec", "save_tiny_model", "tiny_config",
+        "train_tiny_tokenizer",
+    ],
+    "nereus.engines": [
+        "EmuContext", "EngineActor", "GenerationEngine", "InferenceEngine", "MemoryLedger",
+        "SamplingParams", "TrainingEngine", "VllmGenerationEngine", "spawn_emu", "spawn_model_stage",
+    ],
+    "nereus.planner": [
+        "Calibrator", "ClusterSpec", "Plan", "Replanner", "StagePlan", "Workload", "cluster_preset",
+        "explain", "local_cpu_cluster", "model_preset", "search",
+    ],
+    "nereus.rl": [
+        "ClusterStages", "InProcessStages", "JobConfig", "ModelStages", "PromptDataset", "RLJob",
+        "Task", "make_task", "run_job",
+    ],
+    "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
+}.items():
+    for _name in _names:
+        _LAZY[_name] = _module
+del _module, _names, _name
+
 __all__ = [
     "__version__",
     "ActorDied",
@@ -39,4 +83,18 @@ __all__ = [
     "StateError",
     "StuckCollective",
     "TransferError",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nereus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
