@@ -103,7 +103,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{path}={value!r} must have {len(args)} items")
-            return tuple(_convert(v, a, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(_convert(v, a, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
         item = args[0] if args else Any
         out = [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
