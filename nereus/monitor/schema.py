@@ -59,15 +59,22 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
     "counters": {"device": "device index (absent on the controller)",
                  "counters": "map reason -> count (rejected_*, late_replies, ...)"},
     "transfer_bucket": {"bytes": "bucket size", "seconds": "wall time", "gbps": "GB/s",
-                        "src": "source device", "dst": "destination device"},
+                        "src": "source device", "dst": "destination device",
+                        "src_rank": "source rank in the group", "dst_rank": "destination rank",
+                        "group": "group id", "round": "bucket round of the exchange"},
     "step": {"step": "RL step", "stage_seconds": "map stage -> seconds", "tokens": "count",
-             "reward": "mean reward", "response_length_tokens": "mean length"},
+             "reward": "mean reward", "response_length_tokens": "mean length",
+             "policy_version": "version of the policy that generated the step's rollouts"},
+    "weight_sync": {"bytes": "bytes of the synced model", "bytes_between_devices":
+                    "bytes that crossed devices (the rest stayed resident)",
+                    "seconds": "wall time", "gbps": "bytes / seconds / 1e9",
+                    "policy_version": "the policy version generation now holds"},
     "plan": {"plan": "per model-stage tp/pp/dp/devices", "predicted_step_seconds": "float"},
     "transition": {"primitives": "list with bytes and seconds",
                    "predicted_seconds": "float", "measured_seconds": "float"},
     "memory": {"device": "device index", "used_bytes": "int", "budget_bytes": "int"},
     "stuck_collective": {"group": "group id", "op": "collective", "missing_ranks": "list",
-                         "seconds": "stuck for"},
+                         "seconds": "stuck for", "rank": "reporting rank"},
 }
 
 
