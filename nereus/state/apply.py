@@ -8,7 +8,9 @@ shards to adopt, the local copies, and the ordered sends and receives per peer d
 engines can call it on their own tensors: it allocates the target shards, adopts kept
 shards (no copy), does local copies, then calls ``exchange(sends, recvs)`` once with
 ``{peer_device: [tensor views]}`` in plan order (the i-th send from A to B is the
-i-th receive of B from A), and returns ``{key: tensor}`` of the target. It never
+i-th receive of B from A; a target tensor that one receive fills whole is passed as
+the tensor itself, not a view, so an adopting exchange may give it the received memory
+as storage), and returns ``{key: tensor}`` of the target. It never
 modifies or frees a source tensor: freeing is the caller's, after every device is done.
 
 ``apply_plan(plan, stores)`` runs every device's part in one process, matching sends
@@ -109,8 +111,18 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
     recvs: dict[int, list[torch.Tensor]] = defaultdict(list)
     for peer, src_emu, key, src_box in part["sends"]:
         sends[peer].append(_view(_source(sources, src_emu, key, device), src_box, f"send {key} from {src_emu}"))
+    # A target tensor that one receive fills whole is handed over as the tensor itself
+    # (not a view of it), so an adopting exchange can make the received memory its
+    # storage instead of copying into it.
+    written = defaultdict(int, {key: 1 for _, key in part["keeps"]})
+    for _, key, _, _ in part["copies"]:
+        written[key] += 1
+    for _, key, _ in part["recvs"]:
+        written[key] += 1
     for peer, key, dst_box in part["recvs"]:
-        recvs[peer].append(_view(out[key], dst_box, f"receive {key} into {part['target']}"))
+        view = _view(out[key], dst_box, f"receive {key} into {part['target']}")
+        whole = written[key] == 1 and list(view.shape) == list(out[key].shape)
+        recvs[peer].append(out[key] if whole else view)
     if sends or recvs:
         if exchange is None:
             raise StateError(f"device {device} must exchange tensors but was given no exchange")

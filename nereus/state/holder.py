@@ -7,7 +7,10 @@ and optimizer tensors) and ``self.states[emu]`` (logical state). Its endpoints:
 - ``put_shards`` / ``get_shards`` / ``drop_shards`` / ``held``: fill, read, free, list;
 - ``run_plan(part, group, free)``: this worker's part of a ``Plan`` in one call -- keeps
   and local copies, then one bucketed ``nereus.transfer.exchange`` over the group's
-  communicator -- stores the target's tensors and state, then frees the EMUs in ``free``;
+  communicator (adopting: a target shard received whole keeps the received bucket as
+  its memory, no unpack copy) -- stores the target's tensors and state, then frees the
+  EMUs in ``free``; returns stats (bytes, ``seconds``, ``exchange_s``, ``prepare_s``,
+  ``cpu_s``: this process's CPU time, readable on a loaded machine);
 - ``save_checkpoint`` / ``load_checkpoint``: the fallback, each worker writing or
   reading only its own files and slices.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +120,7 @@ class ShardHolder(Actor):
         """Run this device's ``part`` of a plan; store the target; then free ``free``.
 
         Raises ``OutOfMemory`` (nothing done) when the target does not fit the budget."""
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         self._check_budget(part)
         rank_of = {d: r for r, d in enumerate(group_devices)}
         stats: dict[str, Any] = {}
@@ -125,10 +130,12 @@ class ShardHolder(Actor):
                 raise StateError(f"part for {part['target']} moves tensors but no group was given")
             comm = get_communicator(group)
             result = exchange(comm, {rank_of[p]: ts for p, ts in sends.items()},
-                              {rank_of[p]: ts for p, ts in recvs.items()}, bucket_bytes=self.bucket_bytes)
+                              {rank_of[p]: ts for p, ts in recvs.items()}, bucket_bytes=self.bucket_bytes,
+                              adopt=True)
             stats["bytes_sent"] = result.bytes_sent
             stats["bytes_received"] = result.bytes_received
             stats["exchange_s"] = result.seconds
+            stats["prepare_s"] = time.perf_counter() - t_start - result.seconds
 
         sources = self.shards
         if part["sends"] or part["recvs"]:
@@ -143,6 +150,8 @@ class ShardHolder(Actor):
             self.shards.pop(name, None)
             self.states.pop(name, None)
         stats["held_bytes"] = self.held_bytes()
+        stats["seconds"] = time.perf_counter() - t_start
+        stats["cpu_s"] = time.process_time() - cpu_start
         return stats
 
     @endpoint

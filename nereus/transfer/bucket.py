@@ -14,9 +14,14 @@ view larger than a bucket is cut across several. Both sides compute the same lay
 from the sizes alone. Round k moves bucket k of every peer in ONE ``batch_p2p_new``
 (one group of operations, never one call per tensor), while a helper thread unpacks
 round k-1 and packs round k+1 into the other of two send buffers (double
-buffering). Received buckets are fresh tensors: between processes of one host they
-are the sender's hand-off segments, adopted without a copy and returned to its pool
-once unpacked.
+buffering). A bucket that is one piece of a contiguous view (a large view cut across
+buckets, or one as large as a bucket) is sent from the view's memory, not packed.
+Received buckets are fresh tensors: between processes of one host they are the
+sender's hand-off segments, adopted without a copy and returned to its pool once
+unpacked. With ``adopt=True`` a received view that is a whole tensor owning its
+storage, arriving in one piece, is not unpacked: the bucket becomes its storage
+(``Tensor.set_``), and the segment returns to the sender's pool only when every tensor
+on it is freed.
 
 Promises: every received view holds the sender's bytes when ``exchange`` returns; one
 ``transfer_bucket`` tap event per bucket with bytes, seconds, gbps, src and dst (cluster
@@ -122,8 +127,27 @@ class _Side:
         self.by_bucket: dict[int, list[_Piece]] = {}
         for p in self.pieces:
             self.by_bucket.setdefault(p.bucket, []).append(p)
+        # A bucket that is one piece of contiguous memory travels from that memory
+        # itself: packing it would be a copy for nothing (large views cut across
+        # buckets, or a view as large as a bucket).
+        self.direct: dict[int, torch.Tensor] = {}
+        for k, ps in self.by_bucket.items():
+            if len(ps) != 1 or ps[0].offset != 0:
+                continue
+            p, v = ps[0], views[ps[0].index]
+            if v.is_contiguous() and p.stop - p.start == self.used[k]:
+                self.direct[k] = v.reshape(-1).view(torch.uint8)[p.start : p.stop]
+
+    def adoptable(self, i: int) -> bool:
+        """Whether received view ``i`` may take a bucket's memory as its storage: a
+        whole tensor (no view of another) that owns all of its storage, in one piece."""
+        v = self.views[i]
+        return (v._base is None and v.is_contiguous() and v.storage_offset() == 0
+                and v.untyped_storage().nbytes() == _nbytes(v) and i not in self.flat)
 
     def pack(self, k: int, buf: torch.Tensor) -> None:
+        if k in self.direct:
+            return
         for p in self.by_bucket.get(k, []):
             v = self.views[p.index]
             if p.index in self.flat:
@@ -135,10 +159,16 @@ class _Side:
                 region = buf[p.offset : p.offset + p.stop].view(v.dtype).view(v.shape)
                 region.copy_(v)
 
-    def unpack(self, k: int, buf: torch.Tensor) -> None:
+    def unpack(self, k: int, buf: torch.Tensor, adopt: bool = False) -> None:
         for p in self.by_bucket.get(k, []):
             v = self.views[p.index]
-            if p.index in self.flat:
+            if adopt and self.adoptable(p.index) and (buf.storage_offset() + p.offset) % v.element_size() == 0:
+                # The received bucket becomes the tensor's storage: no copy, and the
+                # bucket (a hand-off segment within a host) lives while the tensor does.
+                with torch.no_grad():
+                    v.set_(buf.untyped_storage(), (buf.storage_offset() + p.offset) // v.element_size(),
+                           v.shape, v.stride())
+            elif p.index in self.flat:
                 dst = self.flat[p.index].reshape(-1).view(torch.uint8)[p.start : p.stop]
                 dst.copy_(buf[p.offset : p.offset + p.stop - p.start])
                 if p.stop == _nbytes(v) and self.flat[p.index] is not v:
@@ -153,9 +183,15 @@ def exchange(
     recvs: dict[int, list[torch.Tensor]],
     bucket_bytes: int | None = None,
     timeout_s: float | None = None,
+    adopt: bool = False,
 ) -> TransferStats:
     """Send ``sends[peer]`` views to each peer and receive ``recvs[peer]`` views from
-    each, in contiguous double-buffered buckets (see the module docstring)."""
+    each, in contiguous double-buffered buckets (see the module docstring).
+
+    With ``adopt``, a received view that is a whole tensor owning all of its storage
+    (not a view of another tensor) and travels in one piece is not copied into: its
+    storage is replaced by the received bucket's memory (``Tensor.set_``), so the
+    caller must hold no other view of it."""
     views = [v for vs in [*sends.values(), *recvs.values()] for v in vs]
     devices = {v.device for v in views}
     if len(devices) > 1:
@@ -191,7 +227,7 @@ def exchange(
         got = received.pop(k, {})
         for p, side in inn.items():
             if p in got:
-                side.unpack(k, got[p])
+                side.unpack(k, got[p], adopt)
 
     if rounds:
         pack(0)
@@ -215,7 +251,7 @@ def exchange(
         for p, side in out.items():
             if k < len(side.used):
                 n = side.used[k]
-                ops.append(P2POp("send", send_bufs[p][:n], p))
+                ops.append(P2POp("send", side.direct[k] if k in side.direct else send_bufs[p][:n], p))
                 events.append((comm.rank, p, n))
                 stats.bytes_sent += n
         for p, side in inn.items():
