@@ -301,7 +301,7 @@ class GenerationEngine(EngineBase):
         b = self._prepare(prompts, params)
         batch = len(prompts)
         every = slice(0, batch)
-        noise = _Noise(seed, chunk, self.config.vocab_size)
+        noise = _Noise(seed, chunk)
         last_col = torch.full((batch,), b.width - 1, dtype=torch.long)
         first_col = torch.zeros(batch, dtype=torch.long)
         with torch.inference_mode():
@@ -337,7 +337,7 @@ class GenerationEngine(EngineBase):
             start += size
         caches = [_rows_of(b.cache, rows) for rows in groups]
         final: list[int | None] = [None] * pp  # the step after which a group is finished
-        noise = _Noise(seed, chunk, self.config.vocab_size)
+        noise = _Noise(seed, chunk)
         hidden = self.config.hidden_size
 
         def work(stage: int, tick: int) -> tuple[int, int] | None:
@@ -414,14 +414,14 @@ class _Batch:
 class _Noise:
     """Step noise of one chunk, made once per step and sliced by rows."""
 
-    def __init__(self, seed: int, chunk: int, vocab: int) -> None:
-        self.seed, self.chunk, self.vocab = seed, chunk, vocab
+    def __init__(self, seed: int, chunk: int) -> None:
+        self.seed, self.chunk = seed, chunk
         self._step = -1
         self._noise: torch.Tensor | None = None
 
     def rows(self, step: int, batch: int, rows: slice) -> torch.Tensor:
         if step != self._step:
-            self._noise = step_noise(self.seed, self.chunk, step, batch, self.vocab)
+            self._noise = step_noise(self.seed, self.chunk, step, batch)
             self._step = step
         assert self._noise is not None
         return self._noise[rows]

@@ -13,7 +13,10 @@ Semantics (the same in the built-in engine and the vLLM adapter):
   *before* top-k/top-p filtering (``log_softmax(logits / T)``, ``T = 1`` when greedy): the
   distribution the training engine recomputes with the same temperature, so PPO/GRPO
   ratios start at 1.
-- Draws use the exponential-race form (``argmax(p / E)``, ``E = -log U ~ Exp(1)``). The
+- Draws invert the cumulative distribution: one uniform ``U`` per row picks the token
+  whose bucket of the (float64) cumulative probabilities holds ``U * total``, so a step
+  needs ``B`` random numbers, not ``B x V`` (drawing them was a tenth of a small model's
+  decode step); tokens of probability 0 (filtered) are never drawn. The
   generation engine takes ``U`` from ``step_noise(seed, chunk, step)``: one seed gives the
   same tokens on every run whatever the layout (TP, PP, pipeline micro-batches), because
   the noise of a row depends only on the seed, its chunk of ``max_batch`` rows, its row
@@ -117,12 +120,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def step_noise(seed: int, chunk: int, step: int, rows: int, vocab: int) -> torch.Tensor:
-    """The uniform noise ``[rows, vocab]`` of one decode step of one chunk of a request:
+def step_noise(seed: int, chunk: int, step: int, rows: int) -> torch.Tensor:
+    """The uniform noise ``[rows]`` of one decode step of one chunk of a request:
     a function of (seed, chunk, step) only, so any grouping of the rows (pipeline
     micro-batches) draws the same tokens."""
     mixed = (int(seed) * 0x9E3779B97F4A7C15 + chunk * 1_000_003 + step) % (2**63 - 1)
-    return torch.rand((rows, vocab), generator=make_generator(mixed), dtype=torch.float32)
+    return torch.rand((rows,), generator=make_generator(mixed), dtype=torch.float32)
 
 
 def sample_next(
@@ -132,7 +135,7 @@ def sample_next(
     uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token ``[B]`` (int64) and its log-probability ``[B]`` (float32) for each row of
-    ``logits`` ``[B, V]``. The draw uses ``uniform`` (``[B, V]`` in [0, 1)) when given,
+    ``logits`` ``[B, V]``. The draw uses ``uniform`` (``[B]`` in [0, 1)) when given,
     else fresh noise from ``generator``. See the module docstring for the semantics."""
     logits = logits.float()
     if params.is_greedy:
@@ -145,11 +148,12 @@ def sample_next(
             probs = logprobs.exp()  # nothing filtered: the softmax is already at hand
         else:
             probs = torch.softmax(_filter_top_k_top_p(scaled, params.top_k, params.top_p), dim=-1)
-        # E = -log(U) ~ Exp(1); drawing U is several times faster than exponential_.
         if uniform is None:
-            uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float32)
-        # argmax(p / E) == argmin(p / log U), since log U = -E < 0: one op fewer.
-        log_u = uniform.clamp(min=1e-20).log_()
-        tokens = torch.argmin(probs / log_u, dim=-1)
+            uniform = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float32)
+        # float64 sums keep every bucket's width (no token is lost to rounding); the first
+        # bucket ending above the target holds it, and an empty bucket never does.
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        target = cdf[:, -1:] * uniform.view(-1, 1)
+        tokens = torch.searchsorted(cdf, target, right=True).view(-1).clamp_(max=probs.shape[-1] - 1)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, chosen

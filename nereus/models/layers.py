@@ -254,7 +254,8 @@ class RMSNorm(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused kernel instead of six ops (the same formula).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            weight = self.weight
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
