@@ -302,10 +302,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c, pc, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = MLP(c, pc, dtype, device)
+        # Plain references (a tuple is not registered again): the hot path skips
+        # nn.Module.__getattr__ for its submodules.
+        self._parts = (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
 
     def forward(self, x, rope, plan, cache=None):
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, plan, cache)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        norm1, attn, norm2, mlp = self._parts
+        x = x + attn.forward(norm1.forward(x), rope, plan, cache)
+        return x + mlp.forward(norm2.forward(x))
 
 
 class _Body(nn.Module):
@@ -369,12 +373,14 @@ class DecoderStage(nn.Module):
         (for a value head); ``logits_index`` (``[B]``) keeps one position per row, giving
         ``[B, V/tp]``. Other stages return hidden states ``[B, T, H]``."""
         require(output in ("logits", "hidden"), "output", output, "must be 'logits' or 'hidden'")
-        require(positions.shape == x.shape[:2], "positions.shape", tuple(positions.shape), f"must equal the batch shape {tuple(x.shape[:2])}")
+        if positions.shape != x.shape[:2]:  # checked before formatting: this runs every token
+            require(False, "positions.shape", tuple(positions.shape), f"must equal the batch shape {tuple(x.shape[:2])}")
         # The plan and the RoPE table need both bounds (one reduction, read on the host).
         low, high = (int(m) for m in torch.aminmax(positions)) if positions.numel() else (0, 0)
         kv_len = None
         if kv_cache is not None:
-            require(high < kv_cache.max_len, "positions", high, f"must be < the KV cache's max_len={kv_cache.max_len}")
+            if high >= kv_cache.max_len:
+                require(False, "positions", high, f"must be < the KV cache's max_len={kv_cache.max_len}")
             kv_len = max(high + 1, 1)
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
         plan = _attention_plan(positions, kv_len, low, high)
