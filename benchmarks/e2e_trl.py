@@ -76,7 +76,7 @@ def run_nereus(b: dict[str, Any]) -> dict[str, Any]:
             "task": TASK,
             "algorithm": {"name": "grpo", "prompts_per_step": b["prompts_per_step"], "samples_per_prompt": b["samples_per_prompt"], "clip_eps": b["clip_eps"]},
             "sampling": {"max_new_tokens": b["max_new_tokens"], "ignore_eos": True},
-            "optim": {"lr": b["lr"], "beta1": b["betas"][0], "beta2": b["betas"][1], "grad_clip": b["grad_clip"], "micro_batch_size": 64},
+            "optim": {"lr": b["lr"], "beta1": b["betas"][0], "beta2": b["betas"][1], "grad_clip": b["grad_clip"], "micro_batch_size": 8},
             "cluster": {"mode": "local", "devices": b["cores"], "memory_per_device": "4GiB"},
             "plan": {
                 "policy_generation": {"devices": devices, "dp": len(devices)},
