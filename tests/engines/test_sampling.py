@@ -120,3 +120,15 @@ def test_sampled_token_always_survives_filtering(rows, vocab, top_k, top_p, temp
     mass_above = (probs * (probs > chosen)).sum(-1)
     if top_k == 0 or top_k >= vocab:
         assert bool((mass_above < top_p + 1e-6).all())
+
+
+def test_extreme_uniforms_never_draw_a_filtered_token():
+    # Tokens 0, 2 and 4 are filtered out by top-k (probability 0): the inverse CDF must
+    # skip their empty buckets at both ends of [0, 1).
+    logits = torch.tensor([[-9.0, 1.0, -9.0, 2.0, -9.0]]).expand(3, 5)
+    p = SamplingParams(top_k=2)
+    uniform = torch.tensor([0.0, 0.5, 1.0 - 2**-24])
+    tokens, lp = sample_next(logits, p, uniform=uniform)
+    assert tokens.tolist()[0] == 1 and tokens.tolist()[2] == 3
+    assert set(tokens.tolist()) <= {1, 3}
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
