@@ -36,10 +36,10 @@ from nereus.state.holder import (
 )
 from nereus.state.layout import Box, Layout, Piece, Shard, check_layout, layer_bounds, param_shard
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, MemoryEffect, check_fits, memory_effect
-from nereus.state.plan import Keep, Move, Plan, bytes_minimum, plan_reshard
+from nereus.state.plan import Keep, Move, ReshardPlan, bytes_minimum, plan_reshard
 from nereus.state.primitives import Step, destroy, extend, merge, split, sub_layout, sub_placements
 from nereus.state.spec import DTYPE_BYTES, Component, ModelSpec, ParamSpec, ShardRule
-from nereus.state.transition import StagePlan, plan_stage_transition
+from nereus.state.transition import StageTransition, plan_stage_transition
 
 __all__ = [
     "save_to_disk",
@@ -63,11 +63,11 @@ __all__ = [
     "OPTIMIZER_SLOTS",
     "ParamSpec",
     "Piece",
-    "Plan",
+    "ReshardPlan",
     "SLOTS",
     "Shard",
     "ShardRule",
-    "StagePlan",
+    "StageTransition",
     "Step",
     "apply_plan",
     "apply_step",

@@ -1,6 +1,6 @@
 """Running a plan on tensors: the part one device executes, and an in-memory executor.
 
-``plan_part(plan, device)`` is the plain-data piece of a ``Plan`` that one device
+``plan_part(plan, device)`` is the plain-data piece of a ``ReshardPlan`` that one device
 executes (msgpack-ready: lists, ints, strings): the target tensors to allocate, the
 shards to adopt, the local copies, and the ordered sends and receives per peer device.
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nereus.errors import StateError
-from nereus.state.plan import Plan
+from nereus.state.plan import ReshardPlan
 from nereus.state.primitives import Step
 
 __all__ = ["TORCH_DTYPES", "plan_part", "run_part", "apply_plan", "apply_step", "box_slices", "Exchange"]
@@ -54,7 +54,7 @@ def box_slices(box) -> tuple[slice, ...]:
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
-def plan_part(plan: Plan, device: int) -> dict[str, Any]:
+def plan_part(plan: ReshardPlan, device: int) -> dict[str, Any]:
     """The plain-data part of ``plan`` that ``device`` runs (see module docstring)."""
     target = plan.target
     tensors: dict[str, list] = {}
@@ -130,7 +130,7 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
     return out
 
 
-def apply_plan(plan: Plan, stores: Mapping[int, Stores]) -> dict[int, dict[str, torch.Tensor]]:
+def apply_plan(plan: ReshardPlan, stores: Mapping[int, Stores]) -> dict[int, dict[str, torch.Tensor]]:
     """Run ``plan`` on in-memory stores (device -> emu name -> key -> tensor); returns
     device -> key -> tensor of the target. Sources are left as they were."""
     pending: dict[int, tuple[dict, dict]] = {}

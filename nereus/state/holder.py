@@ -5,7 +5,7 @@ reshard reuse it) that keeps this worker's shards: ``self.shards[emu][key]`` (pa
 and optimizer tensors) and ``self.states[emu]`` (logical state). Its endpoints:
 
 - ``put_shards`` / ``get_shards`` / ``drop_shards`` / ``held``: fill, read, free, list;
-- ``run_plan(part, group, free)``: this worker's part of a ``Plan`` in one call -- keeps
+- ``run_plan(part, group, free)``: this worker's part of a ``ReshardPlan`` in one call -- keeps
   and local copies, then one bucketed ``nereus.transfer.exchange`` over the group's
   communicator (adopting: a target shard received whole keeps the received bucket as
   its memory, no unpack copy) -- stores the target's tensors and state, then frees the
@@ -41,7 +41,7 @@ from nereus.state import checkpoint as ckpt
 from nereus.state.apply import TORCH_DTYPES, plan_part, run_part
 from nereus.state.emu import EMU, DeviceSet, LogicalState, emu_from_plain, emu_to_plain
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, check_fits, memory_effect
-from nereus.state.plan import Plan
+from nereus.state.plan import ReshardPlan
 from nereus.state.primitives import Step
 from nereus.transfer import exchange, get_communicator, make_group
 
@@ -179,7 +179,7 @@ class ExecuteStats:
 
 
 async def execute(
-    plan: Plan,
+    plan: ReshardPlan,
     holders: Mapping[int, ActorRef],
     cluster: Any,
     *,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from nereus.errors import OutOfMemory
 from nereus.state.emu import EMU, DeviceSet
-from nereus.state.plan import Plan
+from nereus.state.plan import ReshardPlan
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "MemoryEffect", "memory_effect", "check_fits"]
 
@@ -53,7 +53,7 @@ class MemoryEffect:
 
 
 def memory_effect(
-    plans: Sequence[Plan],
+    plans: Sequence[ReshardPlan],
     present: Sequence[EMU],
     freed: Sequence[EMU],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,

@@ -34,7 +34,7 @@ from nereus.state.emu import EMU, DeviceSet, LogicalState
 from nereus.state.layout import Box, Piece, box_intersect, box_numel, box_subtract
 from nereus.state.spec import DTYPE_BYTES
 
-__all__ = ["Move", "Keep", "Plan", "plan_reshard", "bytes_minimum", "common_state", "host_lookup"]
+__all__ = ["Move", "Keep", "ReshardPlan", "plan_reshard", "bytes_minimum", "common_state", "host_lookup"]
 
 HostOf = Callable[[int], int]
 
@@ -78,7 +78,7 @@ class Keep:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class ReshardPlan:
     """Everything needed to build ``target`` from ``sources`` (see module docstring)."""
 
     sources: tuple[EMU, ...]
@@ -151,7 +151,7 @@ def plan_reshard(
     devices: DeviceSet | HostOf | None = None,
     *,
     reuse: bool = False,
-) -> Plan:
+) -> ReshardPlan:
     """Plan building ``target`` from ``sources`` with the fewest bytes between devices.
 
     ``devices`` gives each device's host (a DeviceSet or a function; None: one host).
@@ -230,7 +230,7 @@ def plan_reshard(
                     moves.append(Move(emu.name, src_dev, device, key, inter, sp.to_local(inter),
                                       piece.to_local(inter), nbytes))
                     need.extend(box_subtract(box, inter))
-    return Plan(tuple(sources), target, tuple(moves), tuple(keeps))
+    return ReshardPlan(tuple(sources), target, tuple(moves), tuple(keeps))
 
 
 def bytes_minimum(sources: Sequence[EMU], target: EMU) -> int:

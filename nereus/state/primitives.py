@@ -1,6 +1,6 @@
 """The four primitives as pure planners: Split, Merge, Extend, Destroy (DESIGN §4).
 
-Each returns a ``Step``: the EMUs it reads, creates and frees, one ``Plan`` per
+Each returns a ``Step``: the EMUs it reads, creates and frees, one ``ReshardPlan`` per
 created EMU (what moves where, by box intersection), and its ``MemoryEffect`` per
 device. Nothing runs here; the runtime executes steps, the simulator replays them.
 
@@ -34,7 +34,7 @@ from nereus.errors import StateError
 from nereus.state.emu import EMU, DeviceSet
 from nereus.state.layout import Box, Layout, box_subtract, check_layout
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, MemoryEffect, check_fits, memory_effect
-from nereus.state.plan import Plan, plan_reshard
+from nereus.state.plan import ReshardPlan, plan_reshard
 
 __all__ = ["Step", "split", "merge", "extend", "destroy", "sub_layout", "sub_placements"]
 
@@ -49,7 +49,7 @@ class Step:
     inputs: tuple[EMU, ...]
     created: tuple[EMU, ...]
     freed: tuple[EMU, ...]
-    plans: tuple[Plan, ...]
+    plans: tuple[ReshardPlan, ...]
     memory: MemoryEffect
 
     @property

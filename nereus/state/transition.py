@@ -34,11 +34,11 @@ from nereus.state.layout import Layout
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 from nereus.state.primitives import Step, destroy, extend, merge, split, sub_layout, sub_placements
 
-__all__ = ["StagePlan", "plan_stage_transition"]
+__all__ = ["StageTransition", "plan_stage_transition"]
 
 
 @dataclass(frozen=True, eq=False)
-class StagePlan:
+class StageTransition:
     """The ordered steps of one model-stage's transition and the EMUs alive after it
     (one per target, in target order; a target that needed no Merge is the T_sub EMU
     that already matched it, under that EMU's name)."""
@@ -83,7 +83,7 @@ def plan_stage_transition(
     *,
     used: Mapping[int, int] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> StagePlan:
+) -> StageTransition:
     """Plan the transition of one model-stage from ``current`` to ``target`` EMUs
     (targets give layout, devices, name; tensors and logical state come from current)."""
     a, b = _same(current, "current"), _same(target, "target")
@@ -178,4 +178,4 @@ def plan_stage_transition(
                      bucket_bytes=bucket_bytes)
         run(step)
         result.append(step.created[0])
-    return StagePlan(sub, tuple(steps), tuple(result))
+    return StageTransition(sub, tuple(steps), tuple(result))
