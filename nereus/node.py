@@ -196,6 +196,10 @@ class NodeDaemon:
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
         if self.kind == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_ids[w.local_index])
+        else:
+            # torch's CPU allocator on huge pages: filling a fresh 240 MB tensor (a
+            # received shard, a new KV cache) takes ~20 ms instead of ~90 ms.
+            env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         return env
 
     async def _spawn(self, w: _Worker) -> None:
