@@ -11,7 +11,8 @@ generation, clip epsilon 0.2, no reference model (KL coefficient 0), float32.
 Each side runs in its own process and gets the same ``--cores`` CPU cores:
 - nereus: an embedded local cluster of ``--cores`` devices (one worker process each, one
   torch thread each); policy-generation and policy-training both DP ``--cores`` on them
-  (co-resident), weight sync through the state layer's plans every step;
+  (co-resident), micro-batches of 8 rows per worker (cache-friendly on CPU: about 10%
+  less CPU per training step than 64), weight sync through the state layer's plans every step;
 - TRL 1.16: one process at its fastest on CPU: run with ``--cores`` threads and with 1
   thread (on a busy machine extra intra-op threads can make small ops much slower) and
   keep the faster; float32, gradient checkpointing off, no gradient accumulation so old logprobs are not
