@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from nereus.actors import Actor, Cluster, endpoint  # noqa: E402
+from nereus.actors import Actor, Cluster, endpoint, run  # noqa: E402
 
 TENSOR_BYTES = 64 * 2**20
 
@@ -188,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=500)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main_async(args))
-    return uvloop.run(main_async(args))
+    return run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from nereus.actors import Actor, Cluster, Failure, current_device, emit, endpoint
+from nereus.actors import Actor, Cluster, Failure, current_device, emit, endpoint, run
 from nereus.errors import ActorDied, DeadlineExceeded, RemoteError
 from nereus.monitor import Subscriber, format_event
 
@@ -118,9 +118,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        import uvloop
-
-        sys.exit(uvloop.run(main()))
-    except ImportError:
-        sys.exit(asyncio.run(main()))
+    sys.exit(run(main()))

@@ -34,7 +34,7 @@ _LAZY: dict[str, str] = {}
 for _module, _names in {
     "nereus.actors": [
         "Actor", "ActorMesh", "ActorRef", "Cluster", "DeviceInfo", "Endpoint", "Failure",
-        "current_device", "emit", "endpoint",
+        "current_device", "emit", "endpoint", "run",
     ],
     "nereus.transfer": [
         "Communicator", "CpuCommunicator", "GroupHandle", "P2POp", "TransferStats", "exchange",

@@ -37,6 +37,7 @@ from nereus.actors import _client, _wire
 from nereus.actors import _protocol as P
 from nereus.actors._channel import Channel, Counters
 from nereus.actors._keys import load_key
+from nereus.actors._loop import run
 from nereus.errors import ConfigError, ProtocolError
 from nereus.monitor.schema import SCHEMA_VERSION
 
@@ -388,12 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s controller %(name)s %(levelname)s %(message)s")
-    try:
-        import uvloop
-    except ImportError:  # optional
-        run = asyncio.run
-    else:
-        run = uvloop.run
     try:
         run(_serve(args))
     except ConfigError as e:

@@ -41,6 +41,7 @@ import uuid
 from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
 from nereus.actors._keys import KEY_ENV, load_key
+from nereus.actors._loop import run
 from nereus.actors._worker import READY_PREFIX as WORKER_READY
 from nereus.config import parse_size
 from nereus.errors import ConfigError, DeadlineExceeded
@@ -357,12 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s node %(name)s %(levelname)s %(message)s")
-    try:
-        import uvloop
-    except ImportError:  # optional
-        run = asyncio.run
-    else:
-        run = uvloop.run
     try:
         run(_serve(args))
     except (ConfigError, DeadlineExceeded) as e:

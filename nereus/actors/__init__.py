@@ -1,6 +1,6 @@
 """nereus.actors: a small, fast async actor runtime (DESIGN.md section 3).
 
-    from nereus.actors import Actor, Cluster, endpoint
+    from nereus.actors import Actor, Cluster, endpoint, run
 
     class Counter(Actor):
         def __init__(self, start: int) -> None:
@@ -16,7 +16,7 @@
             mesh = await cluster.spawn("counter", Counter, args=(0,), axes={"dp": 2, "tp": 2})
             print(await mesh.add.call(1))            # [1, 1, 1, 1]
 
-    uvloop.run(main())   # or asyncio.run(main()); scripts need `if __name__ == "__main__":`
+    run(main())   # uvloop where installed; scripts need `if __name__ == "__main__":`
 
 Processes: a controller (registry, failure fan-out, monitoring tap), one node daemon
 per host, one worker process per device. Callers talk to workers directly (ZeroMQ
@@ -30,6 +30,7 @@ Public API: ``Actor``, ``endpoint``, ``Cluster``, ``ActorMesh``, ``ActorRef``,
 """
 
 from nereus.actors._client import emit
+from nereus.actors._loop import run
 from nereus.actors.actor import Actor, DeviceInfo, Failure, current_device, endpoint
 from nereus.actors.cluster import Cluster
 from nereus.actors.mesh import ActorMesh, ActorRef, Endpoint
@@ -45,4 +46,5 @@ __all__ = [
     "current_device",
     "emit",
     "endpoint",
+    "run",
 ]

@@ -25,6 +25,7 @@ from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
 from nereus.actors._host import ActorHost
 from nereus.actors._keys import load_key
+from nereus.actors._loop import run
 from nereus.actors.actor import DeviceInfo, _set_current_device
 
 __all__ = ["main", "READY_PREFIX"]
@@ -139,12 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                "%(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _die_with_parent(args.parent_pid)
-    try:
-        import uvloop
-    except ImportError:  # uvloop is optional (Windows)
-        asyncio.run(_serve(args))
-    else:
-        uvloop.run(_serve(args))
+    run(_serve(args))
     return 0
 
 
