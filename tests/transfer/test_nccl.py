@@ -16,6 +16,10 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _needs_gpus(n: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(_gpus() < n, reason=f"GPU tier: needs {n} GPUs (one per rank), this machine has {_gpus()}")
+
+
 def test_importing_nereus_never_imports_cupy():
     import subprocess
 
@@ -55,11 +59,10 @@ def test_single_rank_group_runs_every_operation():
 
 
 @pytest.mark.gpu
+@_needs_gpus(2)
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("scenario", ["collectives", "p2p"])
 def test_multi_rank_scenarios_over_nccl(workers, scenario):
-    if _gpus() < 2:
-        pytest.skip(f"needs 2 GPUs (one per rank), this machine has {_gpus()}")
     from nereus.transfer.nccl import unique_id
 
     size = min(_gpus(), 4)
@@ -68,10 +71,9 @@ def test_multi_rank_scenarios_over_nccl(workers, scenario):
 
 
 @pytest.mark.gpu
+@_needs_gpus(3)
 @pytest.mark.timeout(120)
 def test_stuck_nccl_collective_names_missing_rank(workers):
-    if _gpus() < 3:
-        pytest.skip(f"needs 3 GPUs (one per rank), this machine has {_gpus()}")
     from nereus.transfer.nccl import unique_id
 
     results = workers.run("stuck", 3, missing=2, ops=["all_reduce"], deadline_s=3.0,
