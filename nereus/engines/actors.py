@@ -37,6 +37,7 @@ import torch
 from nereus.actors import Actor, Cluster, endpoint
 from nereus.config import require, to_dict
 from nereus.engines.generation import GenerationOutput
+from nereus.engines.losses import even_slices
 from nereus.engines.sampling import SamplingParams
 from nereus.models.config import ModelConfig
 
@@ -300,20 +301,10 @@ class ModelStageHandle:
     emus: list[EmuHandle]
     dp_groups: list[Any] = field(default_factory=list)
 
-    @staticmethod
-    def _chunks(rows: int, parts: int) -> list[slice]:
-        base, extra = divmod(rows, parts)
-        out, start = [], 0
-        for i in range(parts):
-            size = base + (1 if i < extra else 0)
-            out.append(slice(start, start + size))
-            start += size
-        return out
-
     async def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None) -> GenerationOutput:
         """Prompts split across the EMUs; EMU ``i`` samples with ``seed + i``."""
         p = SamplingParams.from_any(params)
-        parts = self._chunks(len(prompts), len(self.emus))
+        parts = even_slices(len(prompts), len(self.emus))
         calls = []
         for i, (emu, s) in enumerate(zip(self.emus, parts, strict=True)):
             d = p.to_dict()
@@ -336,7 +327,7 @@ class ModelStageHandle:
         step equals one over the whole batch. Returns replica 0's (global) metrics."""
         rows = next(iter(batch.values())).shape[0]
         require(rows >= len(self.emus), "batch rows", rows, f"must be >= the number of DP replicas ({len(self.emus)})")
-        parts = self._chunks(rows, len(self.emus))
+        parts = even_slices(rows, len(self.emus))
         outs = await asyncio.gather(*(
             emu.train_step({k: v[s] for k, v in batch.items()}, loss, loss_kwargs, micro_batch_size, temperature)
             for emu, s in zip(self.emus, parts, strict=True)))
@@ -345,7 +336,7 @@ class ModelStageHandle:
     async def _split(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
         """Rows split across the EMUs (none left empty), results concatenated in order."""
         rows = next(iter(batch.values())).shape[0]
-        parts = [s for s in self._chunks(rows, len(self.emus)) if s.stop > s.start]
+        parts = [s for s in even_slices(rows, len(self.emus)) if s.stop > s.start]
         outs = await asyncio.gather(*(getattr(emu, method)({k: v[s] for k, v in batch.items()}, *args)
                                       for emu, s in zip(self.emus, parts, strict=False)))
         return torch.cat(outs, dim=0)

@@ -38,6 +38,7 @@ from nereus.errors import ConfigError
 
 __all__ = [
     "LossFn",
+    "even_slices",
     "resolve_callable",
     "normalize_batch",
     "split_batch",
@@ -104,6 +105,19 @@ def split_batch(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[d
         {k: v[start : start + micro_batch_size] for k, v in batch.items()}
         for start in range(0, rows, micro_batch_size)
     ]
+
+
+def even_slices(rows: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices covering ``range(rows)`` as evenly as possible (the
+    first ``rows % parts`` get one row more): how rows are split across DP replicas."""
+    require(parts >= 1, "parts", parts, "must be >= 1")
+    base, extra = divmod(rows, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(slice(start, start + size))
+        start += size
+    return out
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from nereus.config import require, to_dict
+from nereus.engines.losses import even_slices
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, read_state, write_state
 
@@ -66,17 +67,6 @@ _KINDS = {
     "policy_training": "training",
     "critic_training": "training",
 }
-
-
-def _chunks(n: int, parts: int) -> list[slice]:
-    """``parts`` contiguous slices covering ``range(n)`` as evenly as possible."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(slice(start, start + size))
-        start += size
-    return out
 
 
 def _rows(batch: dict[str, torch.Tensor], s: slice) -> dict[str, torch.Tensor]:
@@ -242,7 +232,7 @@ class ClusterStages(ModelStages):
 
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
         meshes = self.emus["policy_generation"]
-        slices = _chunks(len(prompts), len(meshes))
+        slices = even_slices(len(prompts), len(meshes))
         seed = params.get("seed") or 0
         outs = await asyncio.gather(*(
             m.generate.call(prompts[s], {**params, "seed": seed + i})
@@ -262,7 +252,7 @@ class ClusterStages(ModelStages):
         meshes = self.emus[stage]
         rows = batch["input_ids"].shape[0]
         require(rows >= len(meshes), f"plan.{stage}.dp", len(meshes), f"must be <= the batch's {rows} rows")
-        slices = _chunks(rows, len(meshes))
+        slices = even_slices(rows, len(meshes))
         per_emu = await asyncio.gather(*(m.endpoint(method).call(_rows(batch, s), *args) for m, s in zip(meshes, slices, strict=True)))
         return [ranks[-1] for ranks in per_emu]  # every rank agrees; the last holds full metrics
 
