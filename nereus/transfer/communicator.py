@@ -30,6 +30,8 @@ from typing import Literal
 
 import torch
 
+from nereus.errors import TransferError
+
 __all__ = ["Communicator", "P2POp", "ReduceOp"]
 
 ReduceOp = Literal["sum", "max", "min", "avg"]
@@ -115,6 +117,18 @@ class Communicator(abc.ABC):
     ) -> None:
         """``input`` holds ``size`` equal chunks along dim 0; rank r gets the reduction of
         chunk r across ranks in ``output``."""
+
+    def _check_all_gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if output.dtype != input.dtype or output.numel() != self.size * input.numel():
+            raise TransferError(
+                f"all_gather output ({output.dtype}, {output.numel()} elements) must be "
+                f"{input.dtype} with size*input.numel() = {self.size * input.numel()} elements")
+
+    def _check_reduce_scatter_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if output.dtype != input.dtype or input.numel() != self.size * output.numel():
+            raise TransferError(
+                f"reduce_scatter input ({input.dtype}, {input.numel()} elements) must be "
+                f"{output.dtype} with size*output.numel() = {self.size * output.numel()} elements")
 
     @abc.abstractmethod
     def barrier(self, timeout_s: float | None = None) -> None:

@@ -324,10 +324,7 @@ class CpuCommunicator(Communicator):
                    timeout_s: float | None = None) -> None:
         with self._lock:
             self._check(output, input)
-            if output.dtype != input.dtype or output.numel() != self.size * input.numel():
-                raise TransferError(
-                    f"all_gather output ({output.dtype}, {output.numel()} elements) must be "
-                    f"{input.dtype} with size*input.numel() = {self.size * input.numel()} elements")
+            self._check_all_gather_sizes(output, input)
             src = input if input.is_contiguous() else input.contiguous()
             out = output if output.is_contiguous() else output.contiguous()
 
@@ -345,11 +342,7 @@ class CpuCommunicator(Communicator):
         self._check_op(op, input.dtype)
         with self._lock:
             self._check(output, input)
-            if output.dtype != input.dtype or input.numel() != self.size * output.numel():
-                raise TransferError(
-                    f"reduce_scatter input ({input.dtype}, {input.numel()} elements) must be "
-                    f"{output.dtype} with size*output.numel() = {self.size * output.numel()} "
-                    "elements")
+            self._check_reduce_scatter_sizes(output, input)
             src = input if input.is_contiguous() else input.contiguous()
             out = output if output.is_contiguous() else output.contiguous()
 

@@ -299,10 +299,7 @@ class NcclCommunicator(Communicator):
                    timeout_s: float | None = None) -> None:
         with self._lock:
             self._check(output, input)
-            if output.dtype != input.dtype or output.numel() != self.size * input.numel():
-                raise TransferError(
-                    f"all_gather output ({output.dtype}, {output.numel()} elements) must be "
-                    f"{input.dtype} with size*input.numel() = {self.size * input.numel()} elements")
+            self._check_all_gather_sizes(output, input)
             src = _as_bytes(self._contig(input))
             out = self._contig(output)
             dst = _as_bytes(out)
@@ -316,11 +313,7 @@ class NcclCommunicator(Communicator):
         code = self._reduce(op, input.dtype)
         with self._lock:
             self._check(output, input)
-            if output.dtype != input.dtype or input.numel() != self.size * output.numel():
-                raise TransferError(
-                    f"reduce_scatter input ({input.dtype}, {input.numel()} elements) must be "
-                    f"{output.dtype} with size*output.numel() = {self.size * output.numel()} "
-                    "elements")
+            self._check_reduce_scatter_sizes(output, input)
             src = self._contig(input)
             out = self._contig(output)
             fsrc, fout = ((src.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8))
