@@ -6,7 +6,7 @@ socket's file descriptor with the running loop (``add_reader``) instead of using
 ZeroMQ's descriptor is edge-triggered: every path that may consume the edge (a
 receive or a send) drains the socket until it reports no more input.
 
-Promises: every message sent is signed (``nereus.actors._wire.sign``); every message
+Promises: every message sent is signed (``nereus.actors._wire.Signer``); every message
 received is checked before anything else reads it. A message that is too large, has
 a bad signature or a malformed header is counted in ``Counters`` under its reason,
 logged (rate-limited) and dropped; the handler is never called with it and the loop
@@ -118,6 +118,8 @@ class Channel:
         self.closed = False
         self._outbox: list[tuple[bytes | None, bytes, Sequence[Any]]] = []
         self._flush_scheduled = False
+        self._encoder = _wire.Encoder()  # used on the loop's thread only
+        self._signer = _wire.Signer(key)
         self._fd = sock.getsockopt(zmq.FD)
         self.loop.add_reader(self._fd, self._drain)
         # Messages may already be waiting (edge already fired before add_reader).
@@ -127,7 +129,7 @@ class Channel:
 
     def send(self, obj: Any, ident: bytes | None = None) -> None:
         """Encode, sign and send ``obj``; ``ident`` routes it on a ROUTER socket."""
-        header, buffers = _wire.encode(obj)
+        header, buffers = self._encoder.encode(obj)
         self.send_encoded(header, buffers, ident)
 
     def send_encoded(self, header: bytes, buffers: Sequence[Any], ident: bytes | None = None) -> None:
@@ -141,7 +143,7 @@ class Channel:
         self._send_now(ident, header, buffers)
 
     def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any]) -> None:
-        first = _wire.sign(self.key, header, buffers) + header
+        first = self._signer.sign(header, buffers) + header
         sock = self.sock
         if ident is not None:
             _raw_send(sock, ident, _MORE_NOBLOCK, True, False)
@@ -216,7 +218,7 @@ class Channel:
             self.counters.reject("oversized", f"{size} bytes > limit {self.max_message_bytes}")
             return
         try:
-            header = _wire.verify(self.key, frames)
+            header = self._signer.verify(frames)
         except AuthenticationError as e:
             self.counters.reject("signature", str(e))
             return

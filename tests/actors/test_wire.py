@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import msgpack
 import numpy as np
 import pytest
@@ -108,6 +111,33 @@ def test_signature_covers_every_frame():
         _wire.verify(KEY, [good[0][:32]])
     with pytest.raises(ProtocolError):
         _wire.verify(KEY, [])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=16, max_size=150), st.binary(max_size=300),
+       st.lists(st.binary(max_size=200), max_size=3))
+def test_signer_is_standard_hmac_sha256(key, header, buffers):
+    expected = hmac.new(key, header + b"".join(buffers), hashlib.sha256).digest()
+    signer = _wire.Signer(key)
+    assert signer.sign(header, buffers) == expected
+    assert signer.sign(header, buffers) == expected  # the keyed states are not consumed
+    assert _wire.sign(key, header, buffers) == expected
+    frames = [expected + header, *buffers]
+    if header:
+        assert bytes(signer.verify(frames)) == header
+
+
+def test_encoder_is_reusable_after_a_refused_value():
+    enc = _wire.Encoder()
+    t = torch.arange(6, dtype=torch.int16)
+    with pytest.raises(ProtocolError):
+        enc.encode([t, {1, 2}])  # fails half-way, after a buffer was taken
+    header, buffers = enc.encode(("a", [t, (np.ones(3), t)]))
+    assert len(buffers) == 3  # only this value's buffers, indexed from 0
+    back = _wire.decode(header, [bytes(b) for b in buffers])
+    assert back[0] == "a" and torch.equal(back[1][0], t) and torch.equal(back[1][1][1], t)
+    assert np.array_equal(back[1][1][0], np.ones(3))
+    assert enc.encode([1, "x"]) == (msgpack.packb([1, "x"]), [])
 
 
 @pytest.mark.parametrize("header, buffers, match", [
