@@ -6,7 +6,9 @@ for a critic or reward model, a ``ValueHead`` on the last stage. Weights come fr
 Face directory (``model_dir``: each rank reads only its slices) or start random from
 ``seed`` (only meaningful at TP 1, PP 1, where the shard is the whole model), and can be
 overwritten in place by name (``load_named``), which is how the state layer and the
-weight sync deliver new shards.
+weight sync deliver new shards. A value-head engine also reads a sequence-classification
+checkpoint's ``score`` head into its value head (a reward model), and tolerates the folder
+having no ``lm_head.weight``.
 
 Device: the stage lives on ``ctx.device`` (CPU by default); batches are moved there and
 results come back as CPU tensors (what crosses the wire).
@@ -81,10 +83,19 @@ class EngineBase:
             if value_head and self.ctx.is_last_stage:
                 self.value_head = ValueHead(config.hidden_size, self.dtype).to(self.device)
             if model_dir is not None:
-                from nereus.models.checkpoint import load_stage_weights
+                from nereus.models.checkpoint import load_stage_weights, read_score_head
 
-                report = load_stage_weights(self.stage, model_dir, self.ctx.parallel)
+                # A value-head engine may load a reward model's folder, which has a score
+                # head instead of an LM head; the LM head it builds is then never used.
+                optional = ("lm_head.weight",) if value_head else ()
+                report = load_stage_weights(self.stage, model_dir, self.ctx.parallel, optional=optional)
                 log.info("%s: loaded weights from %s (%s)", name, model_dir, report)
+                if self.value_head is not None:
+                    head = read_score_head(model_dir, config.hidden_size)
+                    if head:
+                        with torch.no_grad():
+                            self.value_head.weight.copy_(head["weight"].to(self.dtype))
+                            self.value_head.bias.copy_(head["bias"].to(self.dtype))
         except BaseException:
             self.ledger.release_prefix(f"{name}/")
             raise

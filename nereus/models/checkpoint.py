@@ -17,8 +17,14 @@ Hugging Face stores them separately (``q_proj``, ``k_proj``, ``v_proj``, ``gate_
 - checks every tensor's global shape against the stage's config, converts dtype, and
   returns a ``LoadReport`` (bytes and tensors read).
 
-Refuses (``ConfigError``): a directory with no safetensors, a missing tensor, a tensor
-whose shape disagrees with the config -- naming the tensor, the file, the shapes.
+Refuses (``ConfigError``): a directory with no safetensors, a missing tensor (unless the
+caller lists it as ``optional``: a reward model's folder has no ``lm_head.weight``), a
+tensor whose shape disagrees with the config -- naming the tensor, the file, the shapes.
+
+``read_score_head(model_dir, hidden_size)`` reads the scalar head of a sequence-classification
+checkpoint (transformers' ``*ForSequenceClassification`` with ``num_labels = 1``:
+``score.weight`` ``[1, hidden]``, optional ``score.bias``), or returns ``{}`` when the folder
+has none.
 
 ``save_checkpoint(model, directory)`` writes a whole (TP 1, PP 1) model as Hugging Face
 safetensors (one file, or shards plus the index when ``max_shard_bytes`` is given) with
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +50,7 @@ from nereus.models.decoder import DecoderStage, torch_dtype
 from nereus.models.layers import ShardedModule, component_range
 from nereus.models.parallel import ParallelContext
 
-__all__ = ["LoadReport", "load_stage_weights", "save_checkpoint", "hf_state_dict", "hf_tensor_names", "INDEX_FILE", "SINGLE_FILE"]
+__all__ = ["LoadReport", "load_stage_weights", "read_score_head", "save_checkpoint", "hf_state_dict", "hf_tensor_names", "INDEX_FILE", "SINGLE_FILE"]
 
 log = logging.getLogger("nereus.models")
 
@@ -153,10 +160,16 @@ def _read_param(reader: _CheckpointReader, module: ShardedModule, local: str, na
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
-def load_stage_weights(stage: DecoderStage, model_dir: str | Path, parallel_ctx: ParallelContext | None = None) -> LoadReport:
+def load_stage_weights(
+    stage: DecoderStage,
+    model_dir: str | Path,
+    parallel_ctx: ParallelContext | None = None,
+    optional: Collection[str] = (),
+) -> LoadReport:
     """Fill every parameter of ``stage`` with its slice of the checkpoint in ``model_dir``.
 
-    ``parallel_ctx`` defaults to the one the stage was built with (and must agree with it)."""
+    ``parallel_ctx`` defaults to the one the stage was built with (and must agree with it).
+    Parameters named in ``optional`` that the checkpoint lacks keep their initial values."""
     pc = parallel_ctx or stage.pc
     if (pc.tp_rank, pc.tp_size, pc.pp_rank, pc.pp_size) != (stage.pc.tp_rank, stage.pc.tp_size, stage.pc.pp_rank, stage.pc.pp_size):
         raise ConfigError(f"parallel_ctx={pc!r} disagrees with the stage's {stage.pc!r}")
@@ -170,6 +183,8 @@ def load_stage_weights(stage: DecoderStage, model_dir: str | Path, parallel_ctx:
                 name = f"{module_name}.{local}" if module_name else local
                 if not isinstance(module, ShardedModule):
                     raise StateError(f"parameter {name!r} is owned by {type(module).__name__}, which declares no shard rule")
+                if name in optional and not all(reader.has(src) for src in hf_tensor_names(name)):
+                    continue
                 tensor = _read_param(reader, module, local, name, pc)
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise StateError(f"{name!r}: read a shard of shape {tuple(tensor.shape)} for a parameter of shape {tuple(param.shape)}")
@@ -181,6 +196,19 @@ def load_stage_weights(stage: DecoderStage, model_dir: str | Path, parallel_ctx:
         report.params, report.bytes_read / 2**20, pc.tp_rank, pc.tp_size, pc.pp_rank, pc.pp_size, model_dir,
     )
     return report
+
+
+def read_score_head(model_dir: str | Path, hidden_size: int) -> dict[str, torch.Tensor]:
+    """``{"weight": [1, hidden], "bias": [1]}`` of a sequence-classification checkpoint's
+    ``score`` head (a missing bias reads as zero), or ``{}`` when there is none."""
+    model_dir = Path(model_dir)
+    with ExitStack() as stack:
+        reader = _CheckpointReader(model_dir, stack)
+        if not reader.has("score.weight"):
+            return {}
+        weight = reader.read("score.weight", (1, hidden_size))
+        bias = reader.read("score.bias", (1,)) if reader.has("score.bias") else torch.zeros(1, dtype=weight.dtype)
+    return {"weight": weight, "bias": bias}
 
 
 def hf_state_dict(model: DecoderStage) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """One RL step of GRPO, PPO and ReMax over model-stages.
 
 Each algorithm is a short async function over a ``ModelStages`` (``nereus.rl.stages``):
-generate -> score (rule reward, reference logprobs, critic values) -> advantages ->
+generate -> score (rule reward or reward model, reference logprobs, critic values) -> advantages ->
 train -> weight sync. The three differ only in how they sample and how they turn
 scores into advantages:
 
@@ -12,6 +12,10 @@ scores into advantages:
 - PPO: a critic; per-token rewards (score on the last token, minus the KL penalty when
   ``kl_mode = "penalty"``), GAE over the critic's values, whitened advantages; the
   critic is trained with the clipped value loss.
+
+With ``reward.kind = "model"`` a rollout's score is the reward model's (``reward_inference``);
+the task's rule score is still computed and reported as ``task_reward_mean``, so a run
+shows whether the reward model agrees with the task.
 
 A critic's ``values[b, t]`` is the value head on the hidden state after token ``t``; the
 value of the state in which response token ``t`` is chosen is therefore
@@ -116,6 +120,18 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
     return rollouts
 
 
+async def _score(ctx: StepContext, record: dict[str, Any], *rollouts: Rollouts) -> None:
+    """Replace the rule scores with the reward model's when the job uses one."""
+    if ctx.config.reward.kind != "model":
+        return
+    with _timed(record, "score_seconds"):
+        for r in rollouts:
+            r.task_scores = r.scores
+            scores = await ctx.stages.reward_scores(to_batch(r, ctx.codec.pad_id))
+            r.scores = [float(x) for x in scores.tolist()]
+    record["task_reward_mean"] = statistics.fmean(rollouts[0].task_scores)
+
+
 def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
     scores = rollouts.scores
     lengths = rollouts.response_lengths
@@ -172,6 +188,7 @@ async def grpo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     record: dict[str, Any] = {}
     with _timed(record, "generate_seconds"):
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
+    await _score(ctx, record, rollouts)
     batch = to_batch(rollouts, ctx.codec.pad_id)
     await _reference(ctx, record, batch)
     scores = torch.tensor(rollouts.scores, dtype=torch.float32)
@@ -192,6 +209,7 @@ async def remax_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
     with _timed(record, "generate_seconds"):
         greedy = await _generate(ctx, samples, 1, greedy=True)
+    await _score(ctx, record, rollouts, greedy)
     batch = to_batch(rollouts, ctx.codec.pad_id)
     await _reference(ctx, record, batch)
     baseline = torch.tensor(greedy.scores, dtype=torch.float32).repeat_interleave(a.samples_per_prompt)
@@ -207,6 +225,7 @@ async def ppo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     record: dict[str, Any] = {}
     with _timed(record, "generate_seconds"):
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
+    await _score(ctx, record, rollouts)
     batch = to_batch(rollouts, ctx.codec.pad_id)
     mask = batch["response_mask"]
     await _reference(ctx, record, batch)

@@ -31,6 +31,10 @@ training model-stage's EMUs), each model-stage in its own group epoch so co-resi
 model-stages never share a communicator. Results come from the last rank (the last
 pipeline stage holds the complete training metrics).
 
+The reward model (``reward.kind = "model"``) runs as ``reward_inference`` EMUs built
+from its own folder and config (``nereus.rl.stages.reward_model``); its rows are cut
+across replicas like the reference's.
+
 Checkpoints hold one file per rank of the first EMU of each training model-stage, so a
 job resumes on the same layouts (a changed layout goes through the state layer's
 checkpoint reshard, not here).
@@ -53,7 +57,14 @@ import torch
 from nereus.config import require, to_dict
 from nereus.engines.losses import even_slices
 from nereus.rl.config import JobConfig
-from nereus.rl.stages import ModelStages, engine_optim, read_state, write_state
+from nereus.rl.stages import (
+    ModelStages,
+    engine_optim,
+    last_token_scores,
+    read_state,
+    reward_model,
+    write_state,
+)
 
 __all__ = ["ClusterStages"]
 
@@ -115,9 +126,9 @@ class ClusterStages(ModelStages):
         common = {"dtype": cfg.model.dtype, "seed": cfg.run.seed}
         if stage == "policy_generation":
             return common
-        if stage in ("reference_inference", "reward_inference"):
+        if stage == "reference_inference":
             return {**common, "micro_batch_size": cfg.optim.micro_batch_size}
-        if stage == "critic_inference":
+        if stage in ("critic_inference", "reward_inference"):
             return {**common, "micro_batch_size": cfg.optim.micro_batch_size, "value_head": True}
         critic = stage == "critic_training"
         return {**common, "optim": engine_optim(cfg, critic=critic), "critic": critic}
@@ -150,14 +161,18 @@ class ClusterStages(ModelStages):
     async def _spawn_all(self) -> None:
         from nereus.rl._stage_actor import StageActor
 
-        config = to_dict(self.model_config)
+        models = {"policy": (to_dict(self.model_config), str(self.model_dir))}
+        if "reward_inference" in self.cfg.plan:
+            rm_config, rm_dir = reward_model(self.cfg, self.model_config)
+            models["reward"] = (to_dict(rm_config), str(rm_dir))
         for epoch, stage in enumerate(sorted(self.cfg.plan, key=_KINDS.__getitem__), start=1):
             p = self.cfg.plan[stage]
             groups = await self._stage_groups(stage, epoch)
+            config, folder = models["reward" if stage == "reward_inference" else "policy"]
             meshes = await asyncio.gather(*(
                 self.cluster.spawn(
                     f"{stage}-{i}", StageActor, devices=devs, axes={"pp": p.pp, "tp": p.tp},
-                    args=(stage, _KINDS[stage], config, str(self.model_dir), self._options(stage), groups[i]),
+                    args=(stage, _KINDS[stage], config, folder, self._options(stage), groups[i]),
                 )
                 for i, devs in enumerate(p.emu_devices())
             ))
@@ -261,6 +276,10 @@ class ClusterStages(ModelStages):
 
     async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat(await self._rows_call("critic_inference", "values", batch))
+
+    async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        values = torch.cat(await self._rows_call("reward_inference", "values", batch))
+        return last_token_scores(values, batch["attention_mask"])
 
     async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
         out = await self._rows_call("policy_training", "train", batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size, self.cfg.sampling.temperature)

@@ -6,15 +6,16 @@ of the wrong type or out of range raises ``ConfigError`` naming the dotted field
 value and the rule (``algorithm.samples_per_prompt=1 must be >= 2 for grpo``).
 
 Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]``,
-``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[sampling]``,
+``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[reward]`` (the task's
+rule or a reward model), ``[sampling]``,
 ``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
 explicit, static placement of each model-stage as EMUs on devices) and ``[run]``
 (steps, seed, output directory, checkpoints).
 
 Model-stages: ``policy_generation``, ``reference_inference``, ``critic_inference``,
 ``reward_inference``, ``policy_training``, ``critic_training``. Which ones a job needs
-follows from the algorithm (``required_stages``); a plan entry for a model-stage the
-job does not use is refused, and so is a missing one.
+follows from the algorithm and the reward (``required_stages``); a plan entry for a
+model-stage the job does not use is refused, and so is a missing one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "ModelConfigSection",
     "TaskConfig",
     "AlgorithmConfig",
+    "RewardConfig",
     "SamplingConfig",
     "OptimConfig",
     "ClusterConfig",
@@ -131,6 +133,23 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    """Where a rollout's score comes from: ``rule`` (the task's reward function) or
+    ``model``: a reward model at ``path``, a Hugging Face sequence-classification folder
+    (``config.json``, ``*.safetensors`` with ``score.weight`` ``[1, hidden]``, as
+    transformers' ``LlamaForSequenceClassification`` with ``num_labels = 1`` saves it)
+    over the policy's vocabulary; the score is its head on the last token of the
+    prompt + response. The model-stage ``reward_inference`` runs it."""
+
+    kind: Literal["rule", "model"] = "rule"
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        require(self.kind in ("rule", "model"), "reward.kind", self.kind, "must be 'rule' or 'model'")
+        require(self.kind != "model" or bool(self.path), "reward.path", self.path, "must name a reward model folder when kind='model'")
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     """Sampling of policy-generation. ``ignore_eos`` generates exactly ``max_new_tokens``
     (benchmarks: a fixed amount of work per step)."""
@@ -226,11 +245,13 @@ class RunConfig:
         require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "must be >= 0 (0 = only at the end)")
 
 
-def required_stages(algorithm: str) -> tuple[str, ...]:
+def required_stages(algorithm: str, reward: str = "rule") -> tuple[str, ...]:
     """The model-stages an algorithm needs (rule rewards need no reward model)."""
     if algorithm == "ppo":
-        return ("policy_generation", "reference_inference", "critic_inference", "policy_training", "critic_training")
-    return ("policy_generation", "reference_inference", "policy_training")
+        stages = ("policy_generation", "reference_inference", "critic_inference", "policy_training", "critic_training")
+    else:
+        stages = ("policy_generation", "reference_inference", "policy_training")
+    return (*stages, "reward_inference") if reward == "model" else stages
 
 
 def _default_plan() -> dict[str, Placement]:
@@ -246,6 +267,7 @@ class JobConfig:
     model: ModelConfigSection = field(default_factory=ModelConfigSection)
     task: TaskConfig = field(default_factory=TaskConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -253,9 +275,9 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
-        needed = required_stages(self.algorithm.name)
+        needed = required_stages(self.algorithm.name, self.reward.kind)
         for name in self.plan:
-            require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} does not use (it uses {list(needed)})")
+            require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} with reward.kind={self.reward.kind!r} does not use (it uses {list(needed)})")
         for name in needed:
             if name == "reference_inference" and self.algorithm.kl_coef == 0:
                 continue  # no KL term: the reference is never asked
@@ -264,7 +286,7 @@ class JobConfig:
             bad = [d for d in p.devices if not 0 <= d < self.cluster.devices]
             require(not bad, f"plan.{name}.devices", p.devices, f"must be in [0, cluster.devices={self.cluster.devices})")
             heads = self.model.num_heads
-            if self.model.kind == "tiny":
+            if self.model.kind == "tiny" and name != "reward_inference":  # the reward model has its own shape
                 require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
                 require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
         gen = self.plan["policy_generation"]

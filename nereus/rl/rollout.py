@@ -1,8 +1,8 @@
 """Rollouts: generated responses, their scores, and the training batch built from them.
 
 A ``Rollouts`` holds, for every generated response, the prompt and response token ids,
-the per-token log-probabilities the generation engine sampled them with, the rule
-reward, the index of the prompt's sample in the global order and the *policy version*
+the per-token log-probabilities the generation engine sampled them with, the score
+(the rule reward, or the reward model's with the rule reward kept in ``task_scores``), the index of the prompt's sample in the global order and the *policy version*
 that generated it (the number of weight syncs the generation EMU had received), so a
 rollout can always be traced to the weights that produced it.
 
@@ -39,6 +39,7 @@ class Rollouts:
     policy_version: list[int]
     texts: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
+    task_scores: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)

@@ -1,7 +1,7 @@
 """Model-stages as the RL step sees them, and the in-process backend.
 
 ``ModelStages`` is the async interface every algorithm step calls: ``generate``,
-``reference_logprobs``, ``critic_values``, ``train_policy``, ``train_critic``,
+``reference_logprobs``, ``critic_values``, ``reward_scores``, ``train_policy``, ``train_critic``,
 ``sync_policy``, ``save``/``load`` (the job checkpoint), ``close``. Two backends
 implement it:
 
@@ -15,6 +15,8 @@ implement it:
 Promises (both backends):
 - ``generate`` returns ``token_ids``, ``logprobs`` and, per row, the ``policy_version``
   of the weights that generated it (the number of weight syncs applied so far).
+- ``reward_scores`` is the reward model's score of each row (its value head on the
+  row's last token, as transformers' sequence classifiers pool), ``[B]`` float32.
 - ``sync_policy`` copies policy-training's weights into policy-generation and bumps
   the policy version; it returns ``bytes``, ``seconds`` and ``gbps``.
 - ``save(dir)`` writes every piece of logical state the stages hold (policy and critic
@@ -24,6 +26,8 @@ Promises (both backends):
 
 ``prepare_model`` makes the initial weights every model-stage loads: a seeded tiny
 random model (with the task's character tokenizer) or a Hugging Face folder.
+``reward_model`` reads the reward model's config (``[reward] path``) and checks it
+speaks the policy's vocabulary.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from nereus.errors import StateError
 from nereus.rl.config import JobConfig
 from nereus.rl.vocab import Codec
 
-__all__ = ["ModelStages", "InProcessStages", "prepare_model", "engine_optim"]
+__all__ = ["ModelStages", "InProcessStages", "prepare_model", "reward_model", "last_token_scores", "engine_optim"]
 
 log = logging.getLogger("nereus.rl")
 
@@ -87,6 +91,24 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
     return config, folder, codec
 
 
+def reward_model(cfg: JobConfig, policy_config: Any) -> tuple[Any, Path]:
+    """(ModelConfig, folder) of the job's reward model (``reward.kind == "model"``)."""
+    from nereus.models import ModelConfig
+
+    path = Path(cfg.reward.path)
+    require((path / "config.json").is_file(), "reward.path", cfg.reward.path, "must be a folder with config.json")
+    config = ModelConfig.from_hf(path)
+    require(config.vocab_size == policy_config.vocab_size, "reward.path", cfg.reward.path,
+            f"must hold a model over the policy's vocabulary (vocab_size={policy_config.vocab_size}), not {config.vocab_size}")
+    return config, path
+
+
+def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's value at its last attended token (right padding)."""
+    last = attention_mask.long().sum(dim=1).clamp(min=1) - 1
+    return values.float().gather(1, last.unsqueeze(1)).squeeze(1)
+
+
 def engine_optim(cfg: JobConfig, critic: bool = False) -> dict[str, Any]:
     o = cfg.optim
     return {
@@ -111,6 +133,9 @@ class ModelStages(abc.ABC):
 
     @abc.abstractmethod
     async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
     @abc.abstractmethod
     async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]: ...
@@ -179,6 +204,11 @@ class InProcessStages(ModelStages):
             self.critic = TrainingEngine(model_config, optim=engine_optim(cfg, critic=True), critic=True, ledger=ledger("critic_training"), name="critic_training", **common)
             self.critic_inference = InferenceEngine(model_config, value_head=True, micro_batch_size=mbs, ledger=ledger("critic_inference"), name="critic_inference", **common)
             self._sync_critic()
+        self.reward = None
+        if "reward_inference" in cfg.plan:
+            rm_config, rm_dir = reward_model(cfg, model_config)
+            self.reward = InferenceEngine(rm_config, model_dir=rm_dir, dtype=cfg.model.dtype, value_head=True, micro_batch_size=mbs,
+                                          ledger=ledger("reward_inference"), name="reward_inference")
         self.policy_version = 0
 
     def _sync_critic(self) -> None:
@@ -198,6 +228,11 @@ class InProcessStages(ModelStages):
         require(self.critic_inference is not None, "plan", sorted(self.cfg.plan), "must place critic_inference for values")
         assert self.critic_inference is not None
         return self.critic_inference.values(batch)
+
+    async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        require(self.reward is not None, "plan", sorted(self.cfg.plan), "must place reward_inference for reward.kind='model'")
+        assert self.reward is not None
+        return last_token_scores(self.reward.values(batch), batch["attention_mask"])
 
     async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
         return self.policy.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size, temperature=self.cfg.sampling.temperature)
@@ -233,6 +268,6 @@ class InProcessStages(ModelStages):
         self.policy_version = int(meta["policy_version"])
 
     async def close(self) -> None:
-        for engine in (self.generation, self.policy, self.reference, self.critic, self.critic_inference):
+        for engine in (self.generation, self.policy, self.reference, self.critic, self.critic_inference, self.reward):
             if engine is not None:
                 engine.close()
