@@ -20,8 +20,14 @@ Each side runs in its own process and gets the same ``--cores`` CPU cores:
 
 A warm-up step first, then ``--steps`` measured steps; per side the median step time,
 its spread (min-max), the median generation time and generated tokens per second.
+A third process measures the compute floor: the step's FLOPs (linear layers and causal
+attention, training = 3x forward, generation = prefill + one forward per new token)
+divided by this machine's best single-core float32 matmul rate (measured for the step's
+shapes) times the cores. ``max_speedup`` = TRL's step / that floor: what no implementation
+on these cores, at this precision, can beat.
+
 The last line is one JSON object: nereus_step_s, trl_step_s, speedup, nereus_gen_tok_s,
-trl_gen_tok_s (plus spreads and the thread counts).
+trl_gen_tok_s, floor_step_s, max_speedup (plus spreads, the floor's parts and the thread counts).
 """
 
 from __future__ import annotations
@@ -211,6 +217,78 @@ def run_trl(b: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- compute floor
+
+
+def step_flops(b: dict[str, Any], prompt_len: float, vocab: int) -> dict[str, float]:
+    """FLOPs of one GRPO step of this configuration, any implementation: the linear layers
+    (2 per multiply-add) and causal attention, forward + backward (3x forward) over every
+    row for training, prompt forward plus one forward per new token for generation."""
+    m = b["model"]
+    h, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_layers"]
+    kv = h * m["num_kv_heads"] // m["num_heads"]
+    linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + h * vocab  # weights touched per token
+    rows = b["prompts_per_step"] * b["samples_per_prompt"]
+    new = b["max_new_tokens"]
+    length = prompt_len + new
+
+    def attention(ctx: float) -> float:  # QK^T and AV for one token over ``ctx`` keys
+        return 4.0 * ctx * h * layers
+
+    train = 3.0 * rows * length * (2.0 * linear + attention((length + 1) / 2))
+    prefill = rows * prompt_len * (2.0 * linear + attention((prompt_len + 1) / 2))
+    decode = rows * sum(2.0 * linear + attention(prompt_len + t) for t in range(1, new + 1))
+    return {"train": train, "generate": prefill + decode}
+
+
+def run_floor(b: dict[str, Any]) -> dict[str, Any]:
+    """This machine's best float32 matmul rate on one core for the step's shapes."""
+    import torch
+
+    torch.set_num_threads(1)
+    from nereus.rl.tasks import make_task
+    from nereus.rl.vocab import Codec
+
+    task = make_task(TASK["name"], **TASK["options"])
+    codec = Codec.for_alphabet(task.alphabet)
+    prompt_len = statistics.fmean(len(codec.encode(task.sample(i, b["seed"]).prompt)) for i in range(256))
+    m = b["model"]
+    h, inter = m["hidden_size"], m["intermediate_size"]
+
+    def rate(rows: int) -> float:
+        best = 0.0
+        for k, n in ((h, 3 * h), (h, 2 * inter), (inter, h)):
+            x, w = torch.randn(rows, k), torch.randn(k, n)
+            for _ in range(3):
+                x @ w
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    x @ w
+                best = max(best, 2.0 * rows * k * n * 5 / (time.perf_counter() - t0))
+        return best
+
+    length = int(prompt_len + b["max_new_tokens"])
+    rows_per_core = b["prompts_per_step"] * b["samples_per_prompt"] // b["cores"]
+    return {
+        "prompt_len": prompt_len,
+        "vocab": codec.vocab_size,
+        "train_flops_s": rate(8 * length),  # a micro-batch of 8 rows
+        "decode_flops_s": rate(rows_per_core),  # one decode step of a core's rows
+    }
+
+
+def floor_summary(b: dict[str, Any], floor: dict[str, Any]) -> dict[str, float]:
+    """The step time of an implementation whose every FLOP runs at the best single-core
+    matmul rate on each of the side's cores, with no other cost."""
+    flops = step_flops(b, floor["prompt_len"], floor["vocab"])
+    cores = b["cores"]
+    train_s = flops["train"] / (cores * floor["train_flops_s"])
+    gen_s = flops["generate"] / (cores * floor["decode_flops_s"])
+    return {"train_gflop": flops["train"] / 1e9, "gen_gflop": flops["generate"] / 1e9,
+            "floor_train_s": train_s, "floor_gen_s": gen_s, "floor_step_s": train_s + gen_s}
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -248,12 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=MODEL["hidden_size"], help="model hidden size")
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="decoder layers")
     p.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"], help="SwiGLU width")
-    p.add_argument("--side", choices=["nereus", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--side", choices=["nereus", "trl", "floor"], help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.side:
         b = json.loads(args.config)
-        print(json.dumps(run_nereus(b) if args.side == "nereus" else run_trl(b)))
+        run = {"nereus": run_nereus, "trl": run_trl, "floor": run_floor}[args.side]
+        print(json.dumps(run(b)))
         return 0
     b = bench_config(args)
     print(f"GRPO end to end: decoder hidden {args.hidden} x {args.layers} layers (SwiGLU {args.intermediate}), {b['prompts_per_step']} prompts x {b['samples_per_prompt']} samples x "
@@ -263,11 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     for run in trl_runs:
         print(f"   trl with {run['threads']}: median step {statistics.median(run['step_s']):.2f} s")
     results["trl"] = min(trl_runs, key=lambda r: statistics.median(r["step_s"]))
+    floor = floor_summary(b, _side("floor", b))
     sums = {k: _summary(v) for k, v in results.items()}
     for name, s in sums.items():
         extra = f", train {statistics.median(results[name]['train_s']):.2f} s, sync {statistics.median(results[name]['sync_s']):.3f} s" if name == "nereus" else ""
         print(f"{name:>6}: step {s['step_s']:.2f} s (min {s['step_min_s']:.2f}, max {s['step_max_s']:.2f}), "
               f"generate {s['gen_s']:.2f} s = {s['gen_tok_s']:.0f} tok/s{extra}; threads: {results[name]['threads']}")
+    print(f" floor: {floor['train_gflop']:.1f} GFLOP training + {floor['gen_gflop']:.1f} GFLOP generation a step; at this machine's "
+          f"best one-core matmul rate on every core: train {floor['floor_train_s']:.2f} s + generate {floor['floor_gen_s']:.2f} s "
+          f"= {floor['floor_step_s']:.2f} s, so no implementation beats TRL by more than {sums['trl']['step_s'] / floor['floor_step_s']:.2f}x here")
     out = {
         "nereus_step_s": round(sums["nereus"]["step_s"], 4),
         "trl_step_s": round(sums["trl"]["step_s"], 4),
@@ -276,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         "trl_gen_tok_s": round(sums["trl"]["gen_tok_s"], 1),
         "nereus_step_spread_s": [round(sums["nereus"]["step_min_s"], 4), round(sums["nereus"]["step_max_s"], 4)],
         "trl_step_spread_s": [round(sums["trl"]["step_min_s"], 4), round(sums["trl"]["step_max_s"], 4)],
+        "floor_step_s": round(floor["floor_step_s"], 4),
+        "max_speedup": round(sums["trl"]["step_s"] / floor["floor_step_s"], 3),
+        "nereus_train_s": round(statistics.median(results["nereus"]["train_s"]), 4),
+        "floor_train_s": round(floor["floor_train_s"], 4),
+        "floor_gen_s": round(floor["floor_gen_s"], 4),
         "cores_per_side": args.cores,
         "params": results["trl"]["params"],
         "nereus_threads": results["nereus"]["threads"],
