@@ -4,7 +4,10 @@
 socket's file descriptor with the running loop (``add_reader``) instead of using
 ``zmq.asyncio``, so a received message costs one callback and no future or task.
 ZeroMQ's descriptor is edge-triggered: every path that may consume the edge (a
-receive or a send) drains the socket until it reports no more input.
+receive or a send) drains the socket until it reports no more input. A send marks
+the socket unchecked; the end-of-iteration flush looks for input only if no drain
+has seen the socket empty since (a reply sent while handling a message is followed
+by that drain's own final check, so it costs no second one).
 
 Promises: every message sent is signed (``nereus.actors._wire.Signer``); every message
 received is checked before anything else reads it. A message that is too large, has
@@ -118,6 +121,7 @@ class Channel:
         self.closed = False
         self._outbox: list[tuple[bytes | None, bytes, Sequence[Any]]] = []
         self._flush_scheduled = False
+        self._unchecked = False  # a send happened since a drain last saw no input
         self._encoder = _wire.Encoder()  # used on the loop's thread only
         self._signer = _wire.Signer(key)
         self._fd = sock.getsockopt(zmq.FD)
@@ -145,6 +149,7 @@ class Channel:
     def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any]) -> None:
         first = self._signer.sign(header, buffers) + header
         sock = self.sock
+        self._unchecked = True
         if ident is not None:
             _raw_send(sock, ident, _MORE_NOBLOCK, True, False)
         if not buffers:
@@ -162,8 +167,10 @@ class Channel:
         out = self._outbox
         if not out or self.closed:
             out.clear()
-            # A send can swallow the descriptor's edge: look for input now.
-            self._drain()
+            # A send can swallow the descriptor's edge: look for input now, unless a
+            # drain already found the socket empty after the last send.
+            if self._unchecked:
+                self._drain()
             return
         self._outbox = []
         groups: dict[bytes | None, list] = {}
@@ -190,6 +197,7 @@ class Channel:
         while not self.closed:
             try:
                 if not _raw_get(sock, _EVENTS) & _POLLIN:
+                    self._unchecked = False
                     return
                 frame = _raw_recv(sock, _NOBLOCK, False, False)
                 frames = [frame]
