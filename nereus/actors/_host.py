@@ -8,9 +8,17 @@ on pending calls. Any failure is answered to the (authenticated) sender with an 
 naming what was wrong, and counted; nothing a caller sends can raise out of it.
 
 Ordering: sequential endpoints of one actor run one at a time in arrival order
-(one mailbox consumer per actor, no task per call); concurrent endpoints start a
-task per call. A call whose deadline passed before it started is not run (answered
-with ``deadline``); a running call is never interrupted by its deadline.
+(one mailbox consumer task per actor, no task per call); concurrent endpoints start
+a task per call. A call whose deadline passed before it started is not run
+(answered with ``deadline``); a running call is never interrupted by its deadline.
+
+Idle fast path (Python >= 3.11): a sequential call that arrives while its actor has
+nothing running or queued starts at once, inside the message callback, instead of
+one loop iteration later in the consumer task. It still runs *as* the consumer task
+(``asyncio.current_task()``, ``asyncio.timeout`` and cancellation by ``stop`` behave
+as in the consumer) and in the consumer's contextvars context; if it suspends, the
+consumer task drives the rest of it before anything queued behind it. A call that
+ends without suspending (a no-op, a cached value) is answered in the same callback.
 
 Back-pressure: ``pending`` counts queued and running calls of an actor; a call that
 would exceed ``max_pending`` is refused with ``Backpressure`` at once.
@@ -19,6 +27,7 @@ would exceed ``max_pending`` is refused with ``Backpressure`` at once.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import importlib
 import importlib.util
@@ -26,8 +35,10 @@ import inspect
 import logging
 import sys
 import traceback
+import types
 import typing
 from collections import deque
+from collections.abc import Coroutine, Generator
 from typing import Any
 
 import zmq
@@ -47,6 +58,11 @@ _SIMPLE_TYPES: dict[Any, tuple[type, ...]] = {
     list: (list,), dict: (dict,), tuple: (tuple,),
 }
 _EP_CORO, _EP_AGEN, _EP_SYNC = 0, 1, 2
+# The idle fast path needs create_task(context=...) to give the consumer a context
+# that a call started outside it can run in.
+_START_IDLE_CALLS_AT_ONCE = sys.version_info >= (3, 11)
+_enter_task = asyncio.tasks._enter_task
+_leave_task = asyncio.tasks._leave_task
 
 
 def import_actor_class(path: str) -> type:
@@ -144,7 +160,7 @@ def _short(value: Any) -> str:
 
 class _Slot:
     __slots__ = ("name", "instance", "incarnation", "endpoints", "mailbox", "wake", "pending",
-                 "max_pending", "consumer", "tasks", "cls")
+                 "max_pending", "consumer", "tasks", "cls", "context", "idle", "resume")
 
     def __init__(self, name: str, instance: Actor, incarnation: int, max_pending: int) -> None:
         self.name = name
@@ -162,6 +178,11 @@ class _Slot:
         self.max_pending = max_pending
         self.consumer: asyncio.Task | None = None
         self.tasks: set[asyncio.Task] = set()
+        self.context = contextvars.copy_context()  # the consumer task's context
+        # True while the consumer waits on an empty mailbox with nothing to resume
+        self.idle = False
+        # (call, its coroutine, what it yielded): a call started at once that suspended
+        self.resume: tuple[tuple, Coroutine, Any] | None = None
 
 
 class ActorHost:
@@ -265,32 +286,65 @@ class ActorHost:
             task = self.loop.create_task(self._run(*item))
             slot.tasks.add(task)
             task.add_done_callback(slot.tasks.discard)
+        elif slot.idle:
+            self._start_now(slot, item)
         else:
             slot.mailbox.append(item)
-            w = slot.wake
-            if w is not None and not w.done():
-                w.set_result(None)
+            self._wake(slot)
+
+    def _wake(self, slot: _Slot) -> None:
+        slot.idle = False
+        w = slot.wake
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _start_now(self, slot: _Slot, item: tuple) -> None:
+        """Run ``item`` as the idle consumer task up to its first suspension."""
+        coro = self._run(*item)
+        consumer = slot.consumer
+        _enter_task(self.loop, consumer)
+        try:
+            yielded = slot.context.run(coro.send, None)
+        except StopIteration:
+            return  # answered inside _run
+        except Exception:
+            self._runtime_bug(slot, item)
+            return
+        finally:
+            _leave_task(self.loop, consumer)
+        slot.resume = (item, coro, yielded)
+        self._wake(slot)
 
     async def _consume(self, slot: _Slot) -> None:
         mailbox = slot.mailbox
         while True:
-            if not mailbox:
+            if slot.resume is not None:
+                item, coro, yielded = slot.resume
+                slot.resume = None
+                call = _drive(coro, yielded)
+            elif mailbox:
+                item = mailbox.popleft()
+                call = self._run(*item)
+            else:
                 slot.wake = self.loop.create_future()
+                slot.idle = _START_IDLE_CALLS_AT_ONCE
                 await slot.wake
                 continue
-            item = mailbox.popleft()
             try:
-                await self._run(*item)
+                await call
             except Exception:
-                # Never let one call kill the mailbox: user errors are answered inside
-                # _run, so this is a runtime bug; log it, answer, and keep serving.
-                self.counters.add("handler_error")
-                log.exception("actor %r: failure outside the endpoint", slot.name)
-                _, ep, ident, cid, _, _, _, mode = item
-                if mode != P.NO_REPLY:
-                    self._reply_err(ident, cid, slot.incarnation, P.ERR_PROTOCOL,
-                                    "ProtocolError", "internal error while serving the call "
-                                    "(see the worker's log)", "")
+                self._runtime_bug(slot, item)
+
+    def _runtime_bug(self, slot: _Slot, item: tuple) -> None:
+        # Never let one call kill the mailbox: user errors are answered inside _run,
+        # so this is a runtime bug; log it, answer, and keep serving.
+        self.counters.add("handler_error")
+        log.exception("actor %r: failure outside the endpoint", slot.name)
+        _, ep, ident, cid, _, _, _, mode = item
+        if mode != P.NO_REPLY:
+            self._reply_err(ident, cid, slot.incarnation, P.ERR_PROTOCOL,
+                            "ProtocolError", "internal error while serving the call "
+                            "(see the worker's log)", "")
 
     async def _run(self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, args: list,
                    kwargs: dict, deadline: float | None, mode: int) -> None:
@@ -417,7 +471,10 @@ class ActorHost:
         inc = self.incarnations.get(name, 0) + 1
         self.incarnations[name] = inc
         slot = _Slot(name, instance, inc, max_pending)
-        slot.consumer = self.loop.create_task(self._consume(slot))
+        if _START_IDLE_CALLS_AT_ONCE:
+            slot.consumer = self.loop.create_task(self._consume(slot), context=slot.context)
+        else:
+            slot.consumer = self.loop.create_task(self._consume(slot))
         self.actors[name] = slot
         # The actor's imports (torch: ~150k objects) would otherwise be rescanned by every
         # full cyclic collection, which costs more than the call path itself.
@@ -435,10 +492,21 @@ class ActorHost:
         return {"stopped": name}
 
     def stop_slot(self, slot: _Slot, reason: str) -> None:
+        slot.idle = False
         if slot.consumer is not None:
             slot.consumer.cancel()
         for t in list(slot.tasks):
             t.cancel()
+        if slot.resume is not None:  # started at once, suspended, not yet taken over
+            coro = slot.resume[1]
+            slot.resume = None
+            try:
+                coro.throw(asyncio.CancelledError())  # _run answers ActorDied
+            except (asyncio.CancelledError, StopIteration):
+                pass
+            except Exception:
+                log.exception("actor %r: a suspended call failed while stopping", slot.name)
+            coro.close()
         while slot.mailbox:
             _, ep, ident, cid, _, _, _, mode = slot.mailbox.popleft()
             slot.pending -= 1
@@ -468,3 +536,23 @@ class ActorHost:
             self.stop_slot(slot, "shut down")
         self.actors.clear()
         self.channel.close()
+
+
+@types.coroutine
+def _drive(coro: Coroutine, yielded: Any) -> Generator[Any, Any, Any]:
+    """Go on running ``coro``, which was started outside this task and suspended on
+    ``yielded``: hand that to the task first, then relay every value and exception
+    (cancellation included) between the task and ``coro``, as ``await`` does."""
+    while True:
+        try:
+            sent = yield yielded
+        except BaseException as e:
+            try:
+                yielded = coro.throw(e)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as stop:
+                return stop.value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 
 from nereus.actors import Actor, current_device, emit, endpoint
@@ -140,3 +141,63 @@ class BadSupervisor(Actor):
 class BadInit(Actor):
     def __init__(self) -> None:
         raise RuntimeError("constructor refused")
+
+
+_TRACE: contextvars.ContextVar[str | None] = contextvars.ContextVar("nereus_test_trace",
+                                                                   default=None)
+
+
+class Sequential(Actor):
+    """Sequential endpoints that finish at once or suspend (the host's idle fast path)."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    @endpoint
+    async def quick(self, i: int) -> int:
+        self.log.append(i)
+        return i
+
+    @endpoint
+    def sync_quick(self, i: int) -> int:
+        self.log.append(i)
+        return i
+
+    @endpoint
+    async def slow(self, i: int, seconds: float) -> int:
+        self.log.append(("start", i))
+        await asyncio.sleep(seconds)
+        self.log.append(("end", i))
+        return i
+
+    @endpoint
+    async def fail(self, message: str):
+        raise ValueError(message)
+
+    @endpoint
+    async def task_ids(self) -> list:
+        before = id(asyncio.current_task())
+        await asyncio.sleep(0)
+        return [before, id(asyncio.current_task())]
+
+    @endpoint
+    async def with_timeout(self, seconds: float) -> str:
+        try:
+            async with asyncio.timeout(seconds):
+                await asyncio.sleep(30)
+        except TimeoutError:
+            return "timed out"
+        return "not timed out"
+
+    @endpoint
+    async def set_trace(self, value: str) -> None:
+        _TRACE.set(value)
+
+    @endpoint
+    async def get_trace(self):
+        await asyncio.sleep(0)
+        return _TRACE.get()
+
+    @endpoint
+    async def order(self) -> list:
+        return list(self.log)
