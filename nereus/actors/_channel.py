@@ -125,7 +125,7 @@ class Channel:
         self._encoder = _wire.Encoder()  # used on the loop's thread only
         self._signer = _wire.Signer(key)
         self._fd = sock.getsockopt(zmq.FD)
-        self.loop.add_reader(self._fd, self._drain)
+        self.loop.add_reader(self._fd, self._on_readable)
         # Messages may already be waiting (edge already fired before add_reader).
         self.loop.call_soon(self._drain)
 
@@ -192,33 +192,44 @@ class Channel:
 
     # -- receiving -----------------------------------------------------------------
 
-    def _drain(self) -> None:
+    def _on_readable(self) -> None:
+        # The descriptor fired, so a message is most likely waiting: receive first and
+        # ask ZMQ_EVENTS afterwards (through pyzmq each costs more than the receive).
+        self._drain(blind=True)
+
+    def _drain(self, blind: bool = False) -> None:
         sock = self.sock
+        router = self.is_router
         while not self.closed:
             try:
-                if not _raw_get(sock, _EVENTS) & _POLLIN:
+                if blind:
+                    blind = False
+                    tried_blind = True
+                elif not _raw_get(sock, _EVENTS) & _POLLIN:
                     self._unchecked = False
                     return
+                else:
+                    tried_blind = False
+                # A ROUTER always prepends the sender's identity, so more frames follow it.
+                ident = _raw_recv(sock, _NOBLOCK, True, False) if router else None
                 frame = _raw_recv(sock, _NOBLOCK, False, False)
                 frames = [frame]
                 while frame.more:
                     frame = _raw_recv(sock, _NOBLOCK, False, False)
                     frames.append(frame)
             except zmq.Again:
+                if tried_blind:  # the descriptor fired for a command, not a message
+                    continue
                 return
             except zmq.ZMQError as e:
                 if self.closed or e.errno == zmq.ENOTSOCK:
                     return
                 raise
-            self._receive(frames)
+            self._receive(ident, frames)
 
-    def _receive(self, frames: list[Any]) -> None:
+    def _receive(self, ident: bytes | None, frames: list[Any]) -> None:
         values = self.counters.values
         values["messages"] = values.get("messages", 0) + 1
-        ident = None
-        if self.is_router:
-            ident = frames[0].bytes
-            frames = frames[1:]
         size = 0
         for f in frames:
             size += len(f)
