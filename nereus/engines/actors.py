@@ -4,7 +4,8 @@ Worker side, ``EngineActor(kind, model_config, model_dir, options, ...)`` builds
 ``kind`` names -- ``"generation"`` (built-in), ``"vllm"``, ``"inference"``, ``"training"`` --
 at its place in the EMU, read from its mesh coordinates (``pp``, ``tp``), with the
 communicators of its TP, PP and DP groups looked up by id (``nereus.transfer``). Blocking
-engine work runs in a thread (``asyncio.to_thread``) so the worker's loop keeps answering;
+engine work runs in a thread (``asyncio.to_thread``, kept at one torch thread: two workers
+sharing cores thrash as soon as either spreads) so the worker's loop keeps answering;
 every endpoint is sequential per actor, and every rank of the EMU must be called together
 (the engines run collectives), which ``mesh.<endpoint>.call`` does.
 
@@ -41,11 +42,23 @@ from nereus.engines.losses import even_slices
 from nereus.engines.sampling import SamplingParams
 from nereus.models.config import ModelConfig
 
-__all__ = ["EngineActor", "EmuHandle", "ModelStageHandle", "spawn_emu", "spawn_model_stage", "KINDS"]
+__all__ = ["EngineActor", "run_engine_work", "EmuHandle", "ModelStageHandle", "spawn_emu", "spawn_model_stage", "KINDS"]
 
 log = logging.getLogger("nereus.engines")
 
 KINDS = ("generation", "vllm", "inference", "training")
+
+
+def _one_thread(fn: Any, *args: Any) -> Any:
+    # OpenMP's thread count is per calling thread: executor threads start at the default.
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    return fn(*args)
+
+
+async def run_engine_work(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a thread (the worker's event loop keeps answering), one torch thread."""
+    return await asyncio.to_thread(_one_thread, fn, *args)
 
 
 class EngineActor(Actor):
@@ -109,26 +122,26 @@ class EngineActor(Actor):
 
     @endpoint
     async def generate(self, prompts: list[list[int]], params: dict[str, Any] | None = None) -> dict[str, Any]:
-        out = await asyncio.to_thread(self.engine.generate, prompts, params)
+        out = await run_engine_work(self.engine.generate, prompts, params)
         return out.to_dict()
 
     @endpoint
     async def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-        return await asyncio.to_thread(self.engine.logprobs, batch, temperature)
+        return await run_engine_work(self.engine.logprobs, batch, temperature)
 
     @endpoint
     async def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return await asyncio.to_thread(self.engine.values, batch)
+        return await run_engine_work(self.engine.values, batch)
 
     @endpoint
     async def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return await asyncio.to_thread(self.engine.rewards, batch)
+        return await run_engine_work(self.engine.rewards, batch)
 
     @endpoint
     async def train_step(self, batch: dict[str, torch.Tensor], loss: str = "nereus.engines.losses:nll_loss",
                          loss_kwargs: dict[str, Any] | None = None, micro_batch_size: int | None = None,
                          temperature: float = 1.0) -> dict[str, float]:
-        return await asyncio.to_thread(self.engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature)
+        return await run_engine_work(self.engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature)
 
     @endpoint
     async def state(self) -> dict[str, Any]:
@@ -141,8 +154,8 @@ class EngineActor(Actor):
     @endpoint
     async def load_state(self, tensors: dict[str, torch.Tensor], step: int | None = None) -> int:
         if self.kind == "training":
-            return await asyncio.to_thread(self.engine.load_named_state, tensors, step)
-        return await asyncio.to_thread(self.engine.load_named, tensors)
+            return await run_engine_work(self.engine.load_named_state, tensors, step)
+        return await run_engine_work(self.engine.load_named, tensors)
 
     @endpoint
     async def memory(self) -> dict[str, int]:
@@ -154,24 +167,24 @@ class EngineActor(Actor):
         if self.kind == "generation":
             return self.engine.free_cache()
         if self.kind == "vllm":
-            return await asyncio.to_thread(self.engine.sleep)
+            return await run_engine_work(self.engine.sleep)
         return 0
 
     @endpoint
     async def sleep(self) -> int:
         """Free weights and KV cache of a generation engine; returns the bytes freed."""
         require(self.kind in ("generation", "vllm"), "sleep", self.kind, "is only for generation engines")
-        return await asyncio.to_thread(self.engine.sleep)
+        return await run_engine_work(self.engine.sleep)
 
     @endpoint
     async def wake_up(self, weights: dict[str, torch.Tensor] | None = None) -> None:
         require(self.kind in ("generation", "vllm"), "wake_up", self.kind, "is only for generation engines")
         if self.kind == "vllm":
-            await asyncio.to_thread(self.engine.wake_up)
+            await run_engine_work(self.engine.wake_up)
             if weights:
-                await asyncio.to_thread(self.engine.load_named, weights)
+                await run_engine_work(self.engine.load_named, weights)
             return
-        await asyncio.to_thread(self.engine.wake_up, weights)
+        await run_engine_work(self.engine.wake_up, weights)
 
     @endpoint
     async def close(self) -> None:

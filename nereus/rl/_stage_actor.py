@@ -1,16 +1,17 @@
 """The actor that hosts one model-stage's engine on one device (worker side).
 
-``StageActor`` is spawned once per device of each EMU of a model-stage (a mesh per
-model-stage, placed by the job's plan). It builds the engine its kind names
-(``generation``, ``inference``, ``training``) from the initial model folder, and serves
-the calls of ``nereus.rl.cluster.ClusterStages``. Blocking engine work runs in a thread
-(``asyncio.to_thread``) so the worker's event loop keeps answering.
+``StageActor`` is an ``nereus.engines.EngineActor`` (same endpoints: ``generate``,
+``logprobs``, ``values``, ``train_step``, ``state``, ``load_state``, ``free_cache``,
+``memory``, ``close``; same engines, CPU or GPU by the worker's device) spawned once per
+device of each EMU of a model-stage (a mesh per EMU, placed by the job's plan), with the
+job's group ids, and one more endpoint: ``sync``.
 
 Engines of every model-stage placed on a device live in the same worker process and
 share its memory ledger (``nereus.engines.memory.device_ledger``): co-resident
 model-stages are accounted together against the device budget. They are also listed in
 a per-process registry, so a weight sync can read the training engine's weights and
 write the generation engine's on the same device without a copy through the driver.
+``close`` releases the engine's reservations and leaves the registry.
 
 Weight sync (``sync``): every device taking part gets its parts of the state layer's
 reshard plans (``nereus.state.apply.plan_part``) in ONE call; it runs them over the
@@ -25,7 +26,6 @@ host.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import defaultdict
@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from nereus.actors import Actor, endpoint
+from nereus.actors import endpoint
 from nereus.config import require
+from nereus.engines.actors import EngineActor, run_engine_work
 
 __all__ = ["StageActor"]
 
@@ -44,21 +45,7 @@ log = logging.getLogger("nereus.rl")
 _ENGINES: dict[str, Any] = {}
 
 
-def _one_thread(fn: Any, *args: Any) -> Any:
-    # Engine work runs on executor threads, not the thread that built the actor; make
-    # sure each of them stays at one torch thread (two workers sharing two cores thrash
-    # as soon as either spreads over both).
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
-    return fn(*args)
-
-
-async def _run(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a thread (the worker's event loop keeps answering), one torch thread."""
-    return await asyncio.to_thread(_one_thread, fn, *args)
-
-
-class StageActor(Actor):
+class StageActor(EngineActor):
     """One device of one EMU of one model-stage (see the module docstring)."""
 
     def __init__(
@@ -73,83 +60,20 @@ class StageActor(Actor):
         """``groups`` (from the driver): ``tp``/``pp``/``dp`` group ids indexed by this
         rank's pp rank, tp rank and position in the EMU, with ``tp_size``, ``pp_size``,
         ``dp_rank`` and ``dp_size``; this rank's place comes from its mesh coordinates."""
-        from nereus.engines.context import EmuContext
-        from nereus.models import ModelConfig
-        from nereus.models.parallel import ParallelContext
-        from nereus.transfer.group import get_communicator
-
         require(kind in ("generation", "inference", "training"), "StageActor.kind", kind, "must be generation, inference or training")
-        torch.set_num_threads(1)
-        opts = dict(options or {})
         g = dict(groups or {})
-        tp_size, pp_size, dp_size = g.get("tp_size", 1), g.get("pp_size", 1), g.get("dp_size", 1)
-        coords = getattr(self, "coords", {}) or {}
-        tp_rank, pp_rank = coords.get("tp", 0), coords.get("pp", 0)
-        position = pp_rank * tp_size + tp_rank
-
-        def comm(axis: str, index: int) -> Any:
-            ids = g.get(axis)
-            return get_communicator(ids[index]) if ids else None
-
-        parallel = ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, tp_comm=comm("tp", pp_rank))
-        ctx = EmuContext(parallel, pp_comm=comm("pp", tp_rank), dp_rank=g.get("dp_rank", 0), dp_size=dp_size, dp_comm=comm("dp", position))
-        config = ModelConfig(**model_config)
+        tp_size, pp_size = g.get("tp_size", 1), g.get("pp_size", 1)
+        super().__init__(
+            kind, model_config, model_dir, options,
+            engine_name=stage,
+            tp_groups=g.get("tp") or [""] * pp_size,
+            pp_groups=g.get("pp") or [""] * tp_size,
+            dp_rank=g.get("dp_rank", 0),
+            dp_size=g.get("dp_size", 1),
+            dp_groups=g.get("dp") or None,
+        )
         self.stage = stage
-        self.kind = kind
-        if kind == "generation":
-            from nereus.engines.generation import GenerationEngine
-
-            self.engine = GenerationEngine(config, ctx, model_dir=model_dir, name=stage, **opts)
-        elif kind == "inference":
-            from nereus.engines.inference import InferenceEngine
-
-            self.engine = InferenceEngine(config, ctx, model_dir=model_dir, name=stage, **opts)
-        else:
-            from nereus.engines.training import TrainingEngine
-
-            self.engine = TrainingEngine(config, ctx, model_dir=model_dir, name=stage, **opts)
         _ENGINES[stage] = self.engine
-
-    @endpoint
-    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
-        out = await _run(self.engine.generate, prompts, params)
-        return {"token_ids": out.token_ids, "logprobs": out.logprobs}
-
-    @endpoint
-    async def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-        return await _run(self.engine.logprobs, batch, temperature)
-
-    @endpoint
-    async def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return await _run(self.engine.values, batch)
-
-    @endpoint
-    async def train(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any], micro_batch_size: int, temperature: float = 1.0) -> dict[str, float]:
-        return await _run(self.engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature)
-
-    @endpoint
-    async def state(self) -> dict[str, Any]:
-        """This rank's parameters and AdamW moments (training) or weights, plus the
-        update counter."""
-        if self.kind == "training":
-            tensors = {k: v.clone() for k, v in self.engine.named_state().items()}
-            return {"tensors": tensors, "step": self.engine.step}
-        return {"tensors": {k: v.clone() for k, v in self.engine.named_weights().items()}, "step": 0}
-
-    @endpoint
-    async def load_state(self, tensors: dict[str, torch.Tensor], step: int | None = None) -> int:
-        if self.kind == "training":
-            return await _run(self.engine.load_named_state, tensors, step)
-        return await _run(self.engine.load_named, tensors)
-
-    @endpoint
-    async def free_cache(self) -> int:
-        """Give the generation KV cache back to the device budget; returns the bytes."""
-        return self.engine.free_cache() if self.kind == "generation" else 0
-
-    @endpoint
-    async def memory(self) -> dict[str, int]:
-        return self.engine.memory()
 
     @endpoint
     async def sync(self, parts: list[dict[str, Any]], group_id: str, rank_of: dict[int, int], sources: dict[str, str], target_stage: str) -> dict[str, Any]:
@@ -157,10 +81,12 @@ class StageActor(Actor):
 
         ``sources`` maps each source EMU name of the plan to the model-stage whose engine
         holds it in this process; ``rank_of`` maps devices to ranks of the sync group."""
-        return await _run(_run_sync, parts, group_id, rank_of, sources, target_stage)
+        return await run_engine_work(_run_sync, parts, group_id, rank_of, sources, target_stage)
 
-    def close(self) -> None:
-        _ENGINES.pop(self.stage, None)
+    @endpoint
+    async def close(self) -> None:
+        if _ENGINES.get(self.stage) is self.engine:
+            del _ENGINES[self.stage]
         self.engine.close()
 
 

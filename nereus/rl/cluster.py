@@ -282,11 +282,11 @@ class ClusterStages(ModelStages):
         return last_token_scores(values, batch["attention_mask"])
 
     async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
-        out = await self._rows_call("policy_training", "train", batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size, self.cfg.sampling.temperature)
+        out = await self._rows_call("policy_training", "train_step", batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size, self.cfg.sampling.temperature)
         return out[0]
 
     async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
-        out = await self._rows_call("critic_training", "train", batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size)
+        out = await self._rows_call("critic_training", "train_step", batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size)
         await self._copy_critic()
         return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in out[0].items()}
 
@@ -340,6 +340,10 @@ class ClusterStages(ModelStages):
         self._groups = []
         for meshes in self.emus.values():
             for m in meshes:
+                try:  # the engines give their memory back to the device ledgers
+                    await m.close.options(timeout_s=30.0).call()
+                except Exception as e:  # a dead worker has nothing left to release
+                    log.warning("closing the engines of %s failed: %s", m.name, e)
                 await self.cluster.stop_mesh(m)
         self.emus = {}
         if getattr(self, "_owns_cluster", False):
