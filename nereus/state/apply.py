@@ -10,7 +10,11 @@ shards (no copy), does local copies, then calls ``exchange(sends, recvs)`` once 
 ``{peer_device: [tensor views]}`` in plan order (the i-th send from A to B is the
 i-th receive of B from A; a target tensor that one receive fills whole is passed as
 the tensor itself, not a view, so an adopting exchange may give it the received memory
-as storage), and returns ``{key: tensor}`` of the target. It never
+as storage), and returns ``{key: tensor}`` of the target. With ``alloc``, the new
+target shards are views of ONE buffer ``alloc(nbytes)`` returns (64-byte aligned
+each; e.g. an arena peers write into directly); with ``local_in_exchange`` the local
+copies are not done first but handed to the exchange as a third argument, a list of
+``(src view, dst view)`` pairs it must copy (so they overlap the peers' work). It never
 modifies or frees a source tensor: freeing is the caller's, after every device is done.
 
 ``apply_plan(plan, stores)`` runs every device's part in one process, matching sends
@@ -46,7 +50,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 
-Exchange = Callable[[dict[int, list[torch.Tensor]], dict[int, list[torch.Tensor]]], Any]
+Exchange = Callable[..., Any]  # (sends, recvs) or, with local_in_exchange, (sends, recvs, copies)
+_ALIGN = 64
 Stores = Mapping[str, Mapping[str, torch.Tensor]]
 
 
@@ -88,25 +93,52 @@ def _view(t: torch.Tensor, box, what: str) -> torch.Tensor:
     return t[box_slices(box)]
 
 
-def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None) -> dict[str, torch.Tensor]:
+def _allocate(new: list[tuple[str, list[int], torch.dtype]], alloc: Callable[[int], torch.Tensor] | None,
+              ) -> dict[str, torch.Tensor]:
+    if alloc is None:
+        return {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in new}
+    offsets, total = [], 0
+    for _, shape, dtype in new:
+        offsets.append(total)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    buf = alloc(total)
+    out = {}
+    for (key, shape, dtype), offset in zip(new, offsets, strict=True):
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out[key] = buf[offset : offset + nbytes].view(dtype).view(shape)
+    return out
+
+
+def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None, *,
+             alloc: Callable[[int], torch.Tensor] | None = None,
+             local_in_exchange: bool = False) -> dict[str, torch.Tensor]:
     """Build this device's target tensors from ``sources`` (emu name -> key -> tensor).
 
-    Effects: allocates the target shards not kept; copies; one ``exchange`` call when
-    the part sends or receives anything. Sources are read, never changed or freed."""
+    Effects: allocates the target shards not kept (in one ``alloc`` buffer if given);
+    copies; one ``exchange`` call when the part sends or receives anything. Sources
+    are read, never changed or freed."""
     device = part["device"]
     out: dict[str, torch.Tensor] = {}
     for src_emu, key in part["keeps"]:
         out[key] = _source(sources, src_emu, key, device)
+    new = []
     for key, (shape, dtype) in part["tensors"].items():
         if key in out:
             if list(out[key].shape) != list(shape) or out[key].dtype != TORCH_DTYPES[dtype]:
                 raise StateError(f"kept {key!r} on device {device} has shape {tuple(out[key].shape)} "
                                  f"{out[key].dtype}, the target needs {tuple(shape)} {dtype}")
             continue
-        out[key] = torch.empty(shape, dtype=TORCH_DTYPES[dtype])
+        new.append((key, shape, TORCH_DTYPES[dtype]))
+    out.update(_allocate(new, alloc))
+    copies = []
     for src_emu, key, src_box, dst_box in part["copies"]:
         src = _view(_source(sources, src_emu, key, device), src_box, f"copy {key} from {src_emu}")
-        _view(out[key], dst_box, f"copy {key} into {part['target']}").copy_(src)
+        copies.append((src, _view(out[key], dst_box, f"copy {key} into {part['target']}")))
+    moving = bool(part["sends"] or part["recvs"])
+    if not (moving and local_in_exchange):
+        for src, dst in copies:
+            dst.copy_(src)
     sends: dict[int, list[torch.Tensor]] = defaultdict(list)
     recvs: dict[int, list[torch.Tensor]] = defaultdict(list)
     for peer, src_emu, key, src_box in part["sends"]:
@@ -126,7 +158,10 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
     if sends or recvs:
         if exchange is None:
             raise StateError(f"device {device} must exchange tensors but was given no exchange")
-        exchange(dict(sends), dict(recvs))
+        if local_in_exchange:
+            exchange(dict(sends), dict(recvs), copies)
+        else:
+            exchange(dict(sends), dict(recvs))
     return out
 
 

@@ -5,11 +5,14 @@ reshard reuse it) that keeps this worker's shards: ``self.shards[emu][key]`` (pa
 and optimizer tensors) and ``self.states[emu]`` (logical state). Its endpoints:
 
 - ``put_shards`` / ``get_shards`` / ``drop_shards`` / ``held``: fill, read, free, list;
-- ``run_plan(part, group, free)``: this worker's part of a ``ReshardPlan`` in one call -- keeps
-  and local copies, then one bucketed ``nereus.transfer.exchange`` over the group's
-  communicator (adopting: a target shard received whole keeps the received bucket as
-  its memory, no unpack copy) -- stores the target's tensors and state, then frees the
-  EMUs in ``free``; returns stats (bytes, ``seconds``, ``exchange_s``, ``prepare_s``,
+- ``run_plan(part, group, free)``: this worker's part of a ``ReshardPlan`` in one call -- keeps,
+  local copies and one exchange over the group's communicator -- stores the target's
+  tensors and state, then frees the EMUs in ``free``. Between processes of one host
+  the new shards are views of one arena (``nereus.transfer.arena_empty``: pooled,
+  pre-faulted shared memory) that the senders copy into directly
+  (``exchange_direct``, one copy per moved byte, local copies overlapping the peers');
+  otherwise a bucketed ``exchange`` (adopting: a target shard received whole keeps the
+  received bucket as its memory, no unpack copy). Returns stats (bytes, ``seconds``, ``exchange_s``, ``prepare_s``,
   ``cpu_s``: this process's CPU time, readable on a loaded machine);
 - ``save_checkpoint`` / ``load_checkpoint``: the fallback, each worker writing or
   reading only its own files and slices.
@@ -43,7 +46,7 @@ from nereus.state.emu import EMU, DeviceSet, LogicalState, emu_from_plain, emu_t
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, check_fits, memory_effect
 from nereus.state.plan import ReshardPlan
 from nereus.state.primitives import Step
-from nereus.transfer import exchange, get_communicator, make_group
+from nereus.transfer import arena_empty, exchange, exchange_direct, get_communicator, make_group
 
 __all__ = ["ShardHolder", "ExecuteStats", "execute", "execute_step", "save_to_disk", "load_from_disk"]
 
@@ -60,11 +63,14 @@ class ShardHolder(Actor):
     shards: dict[str, dict[str, torch.Tensor]]
     states: dict[str, LogicalState]
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, direct: bool = True) -> None:
+        """``direct=False`` moves every plan through buckets, even between processes
+        that could write into each other's arenas (a baseline, and for comparison)."""
         torch.set_num_threads(1)
         self.shards = {}
         self.states = {}
         self.bucket_bytes = int(bucket_bytes)
+        self.direct = bool(direct)
 
     def held_bytes(self) -> int:
         # a tensor adopted by two EMUs (a kept shard) is counted once
@@ -125,13 +131,20 @@ class ShardHolder(Actor):
         rank_of = {d: r for r, d in enumerate(group_devices)}
         stats: dict[str, Any] = {}
 
-        def do_exchange(sends, recvs):
-            if group is None:
+        comm = get_communicator(group) if group is not None else None
+        # Same-host peers write straight into this worker's new shards (one copy per
+        # byte); otherwise buckets, with whole received tensors adopted.
+        direct = self.direct and bool(getattr(comm, "local_pids", None))
+
+        def do_exchange(sends, recvs, copies=()):
+            if comm is None:
                 raise StateError(f"part for {part['target']} moves tensors but no group was given")
-            comm = get_communicator(group)
-            result = exchange(comm, {rank_of[p]: ts for p, ts in sends.items()},
-                              {rank_of[p]: ts for p, ts in recvs.items()}, bucket_bytes=self.bucket_bytes,
-                              adopt=True)
+            sends = {rank_of[p]: ts for p, ts in sends.items()}
+            recvs = {rank_of[p]: ts for p, ts in recvs.items()}
+            if direct:
+                result = exchange_direct(comm, sends, recvs, copies, bucket_bytes=self.bucket_bytes)
+            else:
+                result = exchange(comm, sends, recvs, bucket_bytes=self.bucket_bytes, adopt=True)
             stats["bytes_sent"] = result.bytes_sent
             stats["bytes_received"] = result.bytes_received
             stats["exchange_s"] = result.seconds
@@ -140,7 +153,8 @@ class ShardHolder(Actor):
         sources = self.shards
         if part["sends"] or part["recvs"]:
             # the exchange blocks; run it off the event loop so the worker stays responsive
-            out = await asyncio.to_thread(run_part, part, sources, do_exchange)
+            out = await asyncio.to_thread(run_part, part, sources, do_exchange,
+                                          alloc=arena_empty if direct else None, local_in_exchange=direct)
         else:
             out = run_part(part, sources, None)
         if part["tensors"] or part["keeps"]:

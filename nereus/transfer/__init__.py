@@ -6,6 +6,8 @@ Public API:
   directly from a store address (no actor runtime needed).
 - ``NcclCommunicator`` (``nereus.transfer.nccl``, imported on use: needs cupy).
 - ``exchange``, ``TransferStats``: bucketed, double-buffered transfers of tensor views.
+- ``exchange_direct``, ``arena_empty``: senders copy straight into receivers' arenas
+  (pooled shared memory of the receiving process), one copy per moved byte.
 - ``make_group``, ``release_groups``, ``GroupHandle`` (controller side) and
   ``get_communicator``, ``release_epoch``, ``local_groups`` (worker side).
 
@@ -15,6 +17,7 @@ Importing nereus.transfer never imports cupy.
 from nereus.transfer.bucket import TransferStats, exchange
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 from nereus.transfer.cpu import CpuCommunicator
+from nereus.transfer.direct import arena_empty, exchange_direct
 from nereus.transfer.group import (
     GroupHandle,
     get_communicator,
@@ -31,7 +34,9 @@ __all__ = [
     "P2POp",
     "ReduceOp",
     "TransferStats",
+    "arena_empty",
     "exchange",
+    "exchange_direct",
     "get_communicator",
     "local_groups",
     "make_group",

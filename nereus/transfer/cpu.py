@@ -21,6 +21,8 @@ Promises (beyond the Communicator contract):
 - ``batch_p2p`` moves same-host pairs through shared memory (a ring of slots per
   directed pair: the sender copies in while the receiver copies out) and other
   pairs through gloo send/recv (with a size header), all progressed together.
+- ``local_pids`` maps each same-host peer (when shared memory is on) to its pid:
+  ``exchange_direct`` writes into those peers' arenas.
 - ``recv_new`` receives into a fresh tensor; from a same-host peer, a transfer
   larger than one slot is handed off: one copy by the sender into a pooled segment
   that the receiver adopts as its tensor (zero copy on the reading side). The
@@ -141,6 +143,7 @@ class CpuCommunicator(Communicator):
         self._p2p_seq: dict[int, int] = {}  # batches entered with each peer
         self._shm: ShmP2P | None = None
         self._pg: ProcessGroupGloo | None = None
+        self.local_pids: dict[int, int] = {}  # same-host peers with shared memory: rank -> pid
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             self._store = TCPStore(store_host, store_port, is_master=False, timeout=timeout,
@@ -179,6 +182,7 @@ class CpuCommunicator(Communicator):
             prefix = shm_name_prefix(store_port, store_host, self.group_id, self.epoch)
             peers = {r: int(hosts[r][1]) for r in self.local_peers}
             self._shm = ShmP2P(prefix, self.rank, peers, slot_bytes, slots)
+            self.local_pids = peers
         try:
             self._pg = ProcessGroupGloo(PrefixStore("gloo", self._kv), self.rank, self.size,
                                         timeout)

@@ -115,6 +115,26 @@ async def test_a_to_b_to_a_on_workers_is_bitwise(holders, case):
         await _drop_all(refs)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: f"{c[0]}->{c[2]}")
+async def test_holders_without_direct_transfers_move_through_buckets_alike(holders, case):
+    cluster, _ = holders
+    mesh = await cluster.spawn("buckets", ShardHolder, devices=[0, 1, 2, 3],
+                               kwargs={"bucket_bytes": 1 << 20, "direct": False})
+    refs = {ref.device: ref for ref in mesh.refs}
+    try:
+        la, da, lb, db, kv, tied, dtype = case
+        spec = spec_for(kv_heads=kv, tied=tied, dtype=dtype)
+        a = EMU("a", "policy-training", spec, la, da, SLOTS, LogicalState(2, 1, 7))
+        full = global_tensors(a, seed=11)
+        await _put(refs, a, full)
+        ab = plan_reshard([a], EMU("b", "policy-training", spec, lb, db, SLOTS))
+        await execute(ab, refs, cluster, free=[a], epoch=3)
+        await _assert_holds(refs, ab.target, full)
+    finally:
+        await _drop_all(refs)
+        await cluster.stop_mesh(mesh)
+
+
 async def test_a_target_over_budget_is_refused_and_nothing_is_freed(holders):
     cluster, refs = holders
     spec = spec_for(layers=4, heads=8, head_dim=64, intermediate=1024, vocab=4096)  # ~34 MiB fp32

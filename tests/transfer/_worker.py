@@ -309,6 +309,79 @@ def scenario_exchange(a: dict) -> dict:
     return {"by_bucket": out, "handoff_segments": segments}
 
 
+def scenario_direct(a: dict) -> dict:
+    """exchange_direct: receive views on arenas (whole, strided, reshaped, empty) are
+    written by the senders; views elsewhere, or from a rank that may not map arenas
+    (``deny_map``), come through buckets. Twice, so the second run reuses arenas."""
+    from nereus.transfer import _arena, _tap
+    from nereus.transfer.direct import arena_empty, exchange_direct
+
+    r, n = a["rank"], a["size"]
+    events = []
+    _tap.add_listener(events.append)
+    comm = comm_from(a, a["group"], slot_bytes=1 << 16, slots=2)
+    if r == a.get("deny_map", -1):
+        def deny(ref):
+            raise PermissionError(f"no access to pid {ref.pid}")
+        _arena.map_peer = deny
+    shapes = [(0, 4), (33, 17), (5000,), (64, 48), (7,)]
+
+    def sources(src: int, dst: int) -> list[torch.Tensor]:
+        out = []
+        for k, dtype in enumerate(DTYPES.values()):
+            for j, shape in enumerate(shapes):
+                t = make(shape, dtype, 10000 * src + 100 * dst + 10 * k + j)
+                out.append(strided(t) if (k + j) % 2 and len(shape) == 2 else t)
+        return out
+
+    def targets(src: int) -> list[torch.Tensor]:
+        """Views of one arena, except every 4th (plain memory); some strided, some of
+        another shape than the source (same bytes, contiguous)."""
+        sizes = [t.numel() * t.element_size() for t in sources(src, r)]
+        arena = arena_empty(sum(2 * x + 64 for x in sizes))
+        out, off = [], 0
+        for i, t in enumerate(sources(src, r)):
+            nbytes = t.numel() * t.element_size()
+            if i % 4 == 3:
+                out.append(torch.zeros(t.shape, dtype=t.dtype))
+                continue
+            region = arena[off : off + 2 * nbytes].view(t.dtype)
+            off += -(-2 * nbytes // 64) * 64
+            if i % 3 == 1 and t.dim() == 2:
+                out.append(region.view(t.shape[0], 2 * t.shape[1])[:, 1::2])  # strided
+            elif i % 3 == 2:
+                out.append(region[: t.numel()])  # flat: another shape, same bytes
+            else:
+                out.append(region[: t.numel()].view(t.shape))
+        return out
+
+    def one_run() -> dict:
+        events.clear()
+        sends = {p: sources(r, p) for p in range(n) if p != r}
+        recvs = {p: targets(p) for p in range(n) if p != r}
+        local_src = make((300, 40), torch.float32, 99 + r)
+        local_dst = arena_empty(300 * 40 * 4).view(torch.float32).view(300, 40)
+        stats = exchange_direct(comm, sends, recvs, [(local_src, local_dst)], bucket_bytes=4096)
+        close(local_dst, local_src, "local pair")
+        checked = 0
+        for p, views in recvs.items():
+            for got, ref in zip(views, sources(p, r), strict=True):
+                close(got.reshape(ref.shape), ref.contiguous(), f"view from {p}")
+                checked += 1
+        direct = [e for e in events if e["type"] == "transfer_bucket" and e["round"] == -1]
+        buckets = [e for e in events if e["type"] == "transfer_bucket" and e["round"] >= 0]
+        assert sum(e["bytes"] for e in events if e["type"] == "transfer_bucket") >= (
+            stats.bytes_sent + stats.bytes_received)
+        return {"checked": checked, "direct_sent": sum(e["bytes"] for e in direct if e["src_rank"] == r),
+                "direct_received": sum(e["bytes"] for e in direct if e["dst_rank"] == r),
+                "bucket_events": len(buckets), "bytes_received": stats.bytes_received}
+
+    runs = [one_run(), one_run()]  # the views die with each run: their arenas go back to the pool
+    pool = {**_arena.pool_stats(), "made": _arena._pool.serial}
+    comm.destroy()
+    return {"runs": runs, "pool": pool}
+
+
 def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
