@@ -15,12 +15,18 @@ Promises:
   call finished (deadline), is dropped and counted (``stale_replies``, ``late_replies``).
 - One call in ``span_sample_every`` emits a ``call_span`` event (actor, method, latency).
 
+Deadlines: one loop timer serves every call that has one. Deadlines wait in a heap
+and the timer is armed for the earliest; a call that finishes leaves its entry to be
+dropped lazily (the heap is rebuilt when dead entries outnumber live ones), so a timed
+call costs a heap push instead of a timer created and cancelled (~3 us on uvloop).
+
 Refuses: use from a thread other than the loop's (``emit`` alone is thread-safe).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import os
@@ -48,6 +54,9 @@ __all__ = ["Client", "current_client", "emit", "make_error"]
 log = logging.getLogger("nereus.actors")
 
 _CLIENT: Client | None = None
+# Deadlines due this close to now expire in the same timer run: loop timers have
+# millisecond resolution and may fire that much early.
+_DEADLINE_SLACK_S = 0.001
 
 
 def current_client() -> Client:
@@ -74,7 +83,7 @@ def make_error(kind: str, remote_type: str, message: str, tb: str, actor: str,
 
 
 class _Pending:
-    __slots__ = ("fut", "address", "actor", "inc", "method", "device", "timer", "t0", "stream",
+    __slots__ = ("fut", "address", "actor", "inc", "method", "device", "timed", "t0", "stream",
                  "waiter", "cid")
 
     def __init__(self, fut, address, actor, inc, method, device):
@@ -84,7 +93,7 @@ class _Pending:
         self.inc = inc
         self.method = method
         self.device = device
-        self.timer = None
+        self.timed = False  # has an entry in the client's deadline heap
         self.t0 = 0.0
         self.stream: deque | None = None  # items as 1-tuples; None marks the end
         self.waiter: asyncio.Future | None = None
@@ -111,6 +120,10 @@ class Client:
         self._controller: Channel | None = None
         self._thread = threading.get_ident()
         self.closed = False
+        self._deadlines: list[tuple[float, int, float]] = []  # (when, call id, timeout_s)
+        self._timed = 0  # pending calls with a deadline (live heap entries)
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_armed = 0.0
 
     # -- connections -----------------------------------------------------------------
 
@@ -146,7 +159,7 @@ class Client:
             return fut
         cid = next(self._ids)
         msg = [P.CALL, cid, actor, inc, method, timeout_s, args, kwargs, mode]
-        ch = self.conn(address)
+        ch = self._conns.get(address) or self.conn(address)
         if mode == P.NO_REPLY:
             ch.send(msg)
             fut.set_result(None)
@@ -156,7 +169,7 @@ class Client:
         if self.span_sample_every and self._ncalls % self.span_sample_every == 0:
             p.t0 = time.perf_counter()
         if timeout_s is not None:
-            p.timer = self.loop.call_later(timeout_s, self._expire, cid, timeout_s)
+            self._add_deadline(p, cid, timeout_s)
         key = (address, actor)
         self.pending[cid] = p
         self.inflight[key] = self.inflight.get(key, 0) + 1
@@ -178,7 +191,7 @@ class Client:
         p.cid = cid
         p.stream = deque()
         if timeout_s is not None:
-            p.timer = self.loop.call_later(timeout_s, self._expire, cid, timeout_s)
+            self._add_deadline(p, cid, timeout_s)
         self.pending[cid] = p
         try:
             self.conn(address).send([P.CALL, cid, actor, inc, method, timeout_s, args, kwargs,
@@ -222,7 +235,7 @@ class Client:
             raise ProtocolError("this client has no controller connection")
         p = _Pending(fut, target, "", 0, op, None)
         if timeout_s is not None:
-            p.timer = self.loop.call_later(timeout_s, self._expire, cid, timeout_s)
+            self._add_deadline(p, cid, timeout_s)
         self.pending[cid] = p
         try:
             ch.send([P.CTRL, cid, op, body])
@@ -241,8 +254,10 @@ class Client:
         p = self.pending.pop(cid, None)
         if p is None:
             return None
-        if p.timer is not None:
-            p.timer.cancel()
+        if p.timed:
+            self._timed -= 1
+            if len(self._deadlines) > 64 and len(self._deadlines) > 2 * self._timed:
+                self._compact_deadlines()
         key = (p.address, p.actor)
         n = self.inflight.get(key, 0) - 1
         if n > 0:
@@ -250,6 +265,41 @@ class Client:
         else:
             self.inflight.pop(key, None)
         return p
+
+    # -- deadlines -------------------------------------------------------------------
+
+    def _add_deadline(self, p: _Pending, cid: int, timeout_s: float) -> None:
+        when = self.loop.time() + timeout_s
+        heapq.heappush(self._deadlines, (when, cid, timeout_s))
+        p.timed = True
+        self._timed += 1
+        if self._deadline_timer is None or when < self._deadline_armed:
+            self._arm_deadline_timer(when)
+
+    def _arm_deadline_timer(self, when: float) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_timer = self.loop.call_at(when, self._expire_due)
+        self._deadline_armed = when
+
+    def _expire_due(self) -> None:
+        self._deadline_timer = None
+        heap = self._deadlines
+        now = self.loop.time() + _DEADLINE_SLACK_S
+        while heap and heap[0][0] <= now:
+            _, cid, timeout_s = heapq.heappop(heap)
+            self._expire(cid, timeout_s)  # a no-op for a call that already finished
+        pending = self.pending
+        while heap and heap[0][1] not in pending:
+            heapq.heappop(heap)  # finished: do not wake up for it
+        if heap:
+            self._arm_deadline_timer(heap[0][0])
+
+    def _compact_deadlines(self) -> None:
+        pending = self.pending
+        # in place: _expire_due may be iterating over this very list
+        self._deadlines[:] = [e for e in self._deadlines if e[1] in pending]
+        heapq.heapify(self._deadlines)
 
     def _expire(self, cid: int, timeout_s: float) -> None:
         p = self._finish(cid)
@@ -379,6 +429,9 @@ class Client:
 
     def close(self) -> None:
         self.closed = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         for cid, p in list(self.pending.items()):
             self._finish(cid)
             if not p.fut.done():

@@ -153,7 +153,10 @@ class Endpoint:
         return self.refs[0]
 
     def call_one(self, *args: Any, **kwargs: Any) -> asyncio.Future:
-        return self._send(self._one("call_one"), args, kwargs, P.REPLY)
+        refs = self.refs
+        r = refs[0] if len(refs) == 1 else self._one("call_one")  # _one raises
+        return current_client().call(r.address, r.name, r.incarnation, self.method,
+                                     list(args), kwargs, self.timeout_s, P.REPLY, r.device)
 
     def choose(self, *args: Any, **kwargs: Any) -> asyncio.Future:
         refs = self.refs

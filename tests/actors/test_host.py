@@ -1,12 +1,13 @@
-"""The callee's mailbox in one process (host and caller over inproc, no workers):
-ordering, the idle fast path, and that a call started at once behaves as if it ran in
-the actor's consumer task."""
+"""The callee's mailbox and the caller's deadlines in one process (host and caller
+over inproc, no workers): ordering, the idle fast path, that a call started at once
+behaves as if it ran in the actor's consumer task, and the deadline heap."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import sys
+import time
 
 import pytest
 import pytest_asyncio
@@ -17,7 +18,7 @@ from nereus.actors._channel import Counters
 from nereus.actors._client import Client
 from nereus.actors._host import _START_IDLE_CALLS_AT_ONCE, ActorHost
 from nereus.actors.actor import DeviceInfo
-from nereus.errors import ActorDied, RemoteError
+from nereus.errors import ActorDied, DeadlineExceeded, RemoteError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,9 +31,9 @@ class _Local:
         self.host, self.client, self.address, self.inc = host, client, address, inc
         self.slot = host.actors["seq"]
 
-    def call(self, method: str, *args) -> asyncio.Future:
-        return self.client.call(self.address, "seq", self.inc, method, list(args), {}, None,
-                                P.REPLY, 0)
+    def call(self, method: str, *args, timeout_s: float | None = None) -> asyncio.Future:
+        return self.client.call(self.address, "seq", self.inc, method, list(args), {},
+                                timeout_s, P.REPLY, 0)
 
 
 @pytest_asyncio.fixture
@@ -105,3 +106,30 @@ async def test_stop_fails_a_started_call_that_is_suspended(local):
         with pytest.raises(ActorDied, match="stopped"):
             await f
     assert local.slot.pending == 0
+
+
+async def test_each_call_fails_at_its_own_deadline(local):
+    t0 = time.monotonic()
+    done: dict[str, float] = {}
+
+    async def timed(label: str, fut: asyncio.Future) -> None:
+        with pytest.raises(DeadlineExceeded, match=label):
+            await fut
+        done[label] = time.monotonic() - t0
+
+    # the later deadlines are earlier than the one the timer is armed for first
+    await asyncio.gather(timed("1.5 s", local.call("slow", 1, 3.0, timeout_s=1.5)),
+                         timed("0.1 s", local.call("quick", 2, timeout_s=0.1)),
+                         timed("0.2 s", local.call("quick", 3, timeout_s=0.2)))
+    assert sorted(done, key=done.get) == ["0.1 s", "0.2 s", "1.5 s"]
+    assert 0.1 - 0.002 <= done["0.1 s"] < 1.0 and done["1.5 s"] >= 1.5 - 0.002
+    assert not local.client.pending and local.client._timed == 0
+
+
+async def test_finished_calls_do_not_pile_up_in_the_deadline_heap(local):
+    for i in range(400):
+        assert await local.call("quick", i, timeout_s=60.0) == i
+    assert len(local.client._deadlines) <= 65  # dead entries are dropped, not kept 60 s
+    fut = local.call("slow", 1, 1.0, timeout_s=0.05)  # a live deadline still fires
+    with pytest.raises(DeadlineExceeded):
+        await fut
