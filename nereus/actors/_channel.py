@@ -3,11 +3,13 @@
 ``Channel`` wraps one non-blocking zmq socket (ROUTER or DEALER). It registers the
 socket's file descriptor with the running loop (``add_reader``) instead of using
 ``zmq.asyncio``, so a received message costs one callback and no future or task.
-ZeroMQ's descriptor is edge-triggered: every path that may consume the edge (a
-receive or a send) drains the socket until it reports no more input. A send marks
-the socket unchecked; the end-of-iteration flush looks for input only if no drain
-has seen the socket empty since (a reply sent while handling a message is followed
-by that drain's own final check, so it costs no second one).
+ZeroMQ's descriptor is edge-triggered: any receive or send may consume the edge, so
+after one the socket counts as *unchecked* until a look at ``ZMQ_EVENTS`` finds no
+input. Looking costs about as much as a receive (pyzmq), so it happens once, at the
+end of the loop iteration (the same callback that flushes queued sends): when the
+descriptor fires, one message is received and handled at once, and the rest are
+drained at the end of the iteration, after the tasks that message woke have run
+and sent (a caller's next call, a worker's reply), so one look covers both.
 
 Promises: every message sent is signed (``nereus.actors._wire.Signer``); every message
 received is checked before anything else reads it. A message that is too large, has
@@ -120,8 +122,9 @@ class Channel:
         self.loop = loop or asyncio.get_running_loop()
         self.closed = False
         self._outbox: list[tuple[bytes | None, bytes, Sequence[Any]]] = []
-        self._flush_scheduled = False
-        self._unchecked = False  # a send happened since a drain last saw no input
+        self._flush_scheduled = False  # the end-of-iteration callback is scheduled
+        self._sent_at_once = False  # a message left directly since the last flush
+        self._unchecked = False  # a send or receive happened since a look saw no input
         self._encoder = _wire.Encoder()  # used on the loop's thread only
         self._signer = _wire.Signer(key)
         self._fd = sock.getsockopt(zmq.FD)
@@ -139,11 +142,13 @@ class Channel:
     def send_encoded(self, header: bytes, buffers: Sequence[Any], ident: bytes | None = None) -> None:
         if self.closed:
             raise ProtocolError("channel is closed")
-        if self._flush_scheduled:
+        if self._sent_at_once:
             self._outbox.append((ident, header, buffers))
             return
-        self._flush_scheduled = True
-        self.loop.call_soon(self._flush)
+        self._sent_at_once = True
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
         self._send_now(ident, header, buffers)
 
     def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any]) -> None:
@@ -162,13 +167,13 @@ class Channel:
             _raw_send(sock, b, _MORE_NOBLOCK if i < last else _NOBLOCK, not big, False)
 
     def _flush(self) -> None:
-        """Send what queued up during this loop iteration, one BATCH per destination."""
+        """End of a loop iteration: send what queued up, one BATCH per destination, then
+        drain the input if a send or receive may have consumed the descriptor's edge."""
         self._flush_scheduled = False
+        self._sent_at_once = False
         out = self._outbox
         if not out or self.closed:
             out.clear()
-            # A send can swallow the descriptor's edge: look for input now, unless a
-            # drain already found the socket empty after the last send.
             if self._unchecked:
                 self._drain()
             return
@@ -193,11 +198,16 @@ class Channel:
     # -- receiving -----------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        # The descriptor fired, so a message is most likely waiting: receive first and
-        # ask ZMQ_EVENTS afterwards (through pyzmq each costs more than the receive).
-        self._drain(blind=True)
+        # A message is most likely waiting: receive it without asking ZMQ_EVENTS first,
+        # handle it, and leave the rest to the end of the iteration (module docstring).
+        self._drain(blind=True, most=1)
+        if not self._flush_scheduled and not self.closed:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
 
-    def _drain(self, blind: bool = False) -> None:
+    def _drain(self, blind: bool = False, most: int = -1) -> None:
+        """Receive and handle messages until ZMQ_EVENTS shows no input, or ``most`` of
+        them (then the socket stays unchecked). ``blind``: try a receive first."""
         sock = self.sock
         router = self.is_router
         while not self.closed:
@@ -225,7 +235,11 @@ class Channel:
                 if self.closed or e.errno == zmq.ENOTSOCK:
                     return
                 raise
+            self._unchecked = True
             self._receive(ident, frames)
+            most -= 1
+            if not most:
+                return
 
     def _receive(self, ident: bytes | None, frames: list[Any]) -> None:
         values = self.counters.values
