@@ -61,6 +61,8 @@ _EP_CORO, _EP_AGEN, _EP_SYNC = 0, 1, 2
 # The idle fast path needs create_task(context=...) to give the consumer a context
 # that a call started outside it can run in.
 _START_IDLE_CALLS_AT_ONCE = sys.version_info >= (3, 11)
+# Private but stable since Python 3.7 (3.12's eager tasks rely on the same pair): they
+# make a task current while its coroutine is stepped outside the task's own callback.
 _enter_task = asyncio.tasks._enter_task
 _leave_task = asyncio.tasks._leave_task
 
@@ -300,12 +302,17 @@ class ActorHost:
 
     def _start_now(self, slot: _Slot, item: tuple) -> None:
         """Run ``item`` as the idle consumer task up to its first suspension."""
-        coro = self._run(*item)
         consumer = slot.consumer
-        _enter_task(self.loop, consumer)
         try:
+            _enter_task(self.loop, consumer)
+        except RuntimeError:  # called inside another task, not a message callback
+            slot.mailbox.append(item)
+            self._wake(slot)
+            return
+        try:
+            coro = self._run(*item)
             yielded = slot.context.run(coro.send, None)
-        except StopIteration:
+        except (StopIteration, asyncio.CancelledError):
             return  # answered inside _run
         except Exception:
             self._runtime_bug(slot, item)
@@ -317,23 +324,37 @@ class ActorHost:
 
     async def _consume(self, slot: _Slot) -> None:
         mailbox = slot.mailbox
-        while True:
+        try:
+            while True:
+                if slot.resume is not None:
+                    item, coro, yielded = slot.resume
+                    slot.resume = None
+                    call = _drive(coro, yielded)
+                elif mailbox:
+                    item = mailbox.popleft()
+                    call = self._run(*item)
+                else:
+                    slot.wake = self.loop.create_future()
+                    slot.idle = _START_IDLE_CALLS_AT_ONCE
+                    await slot.wake
+                    continue
+                try:
+                    await call
+                except Exception:
+                    self._runtime_bug(slot, item)
+        finally:
             if slot.resume is not None:
-                item, coro, yielded = slot.resume
+                # Stopped between a call's start and its hand-over: cancel it here, as
+                # if it had been running in this task (_run answers ActorDied).
+                coro = slot.resume[1]
                 slot.resume = None
-                call = _drive(coro, yielded)
-            elif mailbox:
-                item = mailbox.popleft()
-                call = self._run(*item)
-            else:
-                slot.wake = self.loop.create_future()
-                slot.idle = _START_IDLE_CALLS_AT_ONCE
-                await slot.wake
-                continue
-            try:
-                await call
-            except Exception:
-                self._runtime_bug(slot, item)
+                try:
+                    coro.throw(asyncio.CancelledError())
+                except (asyncio.CancelledError, StopIteration):
+                    pass
+                except Exception:
+                    log.exception("actor %r: a call failed while stopping", slot.name)
+                coro.close()
 
     def _runtime_bug(self, slot: _Slot, item: tuple) -> None:
         # Never let one call kill the mailbox: user errors are answered inside _run,
@@ -497,16 +518,6 @@ class ActorHost:
             slot.consumer.cancel()
         for t in list(slot.tasks):
             t.cancel()
-        if slot.resume is not None:  # started at once, suspended, not yet taken over
-            coro = slot.resume[1]
-            slot.resume = None
-            try:
-                coro.throw(asyncio.CancelledError())  # _run answers ActorDied
-            except (asyncio.CancelledError, StopIteration):
-                pass
-            except Exception:
-                log.exception("actor %r: a suspended call failed while stopping", slot.name)
-            coro.close()
         while slot.mailbox:
             _, ep, ident, cid, _, _, _, mode = slot.mailbox.popleft()
             slot.pending -= 1

@@ -171,6 +171,15 @@ class Sequential(Actor):
         return i
 
     @endpoint
+    async def guarded(self, i: int) -> int:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.log.append(("cancelled", i, id(asyncio.current_task())))
+            raise
+        return i
+
+    @endpoint
     async def fail(self, message: str):
         raise ValueError(message)
 

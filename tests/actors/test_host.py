@@ -108,6 +108,26 @@ async def test_stop_fails_a_started_call_that_is_suspended(local):
     assert local.slot.pending == 0
 
 
+@pytest.mark.skipif(not _START_IDLE_CALLS_AT_ONCE, reason="no idle fast path before 3.11")
+async def test_stop_cancels_a_started_call_before_the_consumer_takes_it_over(local):
+    assert await local.call("quick", 0) == 0  # the consumer waits: the actor is idle
+    slot = local.slot
+    slot.pending += 1  # as _on_call does
+    item = (slot, slot.endpoints["guarded"], b"", 0, [7], {}, None, P.NO_REPLY)
+    seen = []
+    loop = asyncio.get_running_loop()
+    # both in one loop iteration, as from message callbacks: the call suspends in
+    # asyncio.sleep and is stopped before the consumer task takes it over
+    loop.call_soon(local.host._start_now, slot, item)
+    loop.call_soon(lambda: (seen.append(slot.resume is not None),
+                            local.host._stop({"name": "seq"})))
+    deadline = time.monotonic() + 5
+    while slot.pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    assert seen == [True] and slot.pending == 0 and slot.resume is None
+    assert ("cancelled", 7, id(slot.consumer)) in slot.instance.log  # inside the consumer
+
+
 async def test_each_call_fails_at_its_own_deadline(local):
     t0 = time.monotonic()
     done: dict[str, float] = {}
