@@ -95,7 +95,7 @@ def _view(t: torch.Tensor, box, what: str) -> torch.Tensor:
 
 def _allocate(new: list[tuple[str, list[int], torch.dtype]], alloc: Callable[[int], torch.Tensor] | None,
               ) -> dict[str, torch.Tensor]:
-    if alloc is None:
+    if alloc is None or not new:
         return {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in new}
     offsets, total = [], 0
     for _, shape, dtype in new:

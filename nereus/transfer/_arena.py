@@ -20,7 +20,10 @@ most ``_MAPS_PER_PEER`` mappings per peer are kept, least recently used dropped.
 
 Promises: an arena is never handed out twice while a tensor on it lives; serials
 are unique within the process, so a cached mapping is never of the wrong arena.
-The pool keeps at most ``keep_free_bytes`` of free arenas (``set_keep_free_bytes``).
+The pool keeps at most ``keep_free_bytes`` of free arenas (1 GiB unless
+``set_keep_free_bytes`` says otherwise); that memory is the pool's, not counted in any
+holder's shards. A writer's kept mappings hold their arenas' memory alive after the
+owner dropped them, at most ``_MAPS_PER_PEER`` per peer.
 Refuses: nothing; ``map_peer`` raises ``OSError`` when the peer's arena cannot be
 opened (another user, a sandbox without ``/proc`` access): callers fall back.
 """
@@ -85,7 +88,7 @@ class _Pool:
         self.serial = 0
         self.free: dict[int, _Arena] = {}
         self.busy: dict[int, _Arena] = {}  # base address -> arena handed out
-        self.keep_free_bytes = 4 * 2**30
+        self.keep_free_bytes = 2**30
 
     def take(self, nbytes: int) -> torch.Tensor:
         want = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)

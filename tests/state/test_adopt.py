@@ -53,7 +53,9 @@ def _children() -> set[int]:
 async def holders():
     before, segments = _children(), set(glob.glob("/dev/shm/nereus-*"))
     async with Cluster.local(devices=2, memory_per_device="1GiB", heartbeat_timeout_s=30.0) as cluster:
-        mesh = await cluster.spawn("adopt", ProbeHolder, devices=[0, 1], kwargs={"bucket_bytes": BUCKET})
+        # buckets even between these same-host processes: adoption is what is tested
+        mesh = await cluster.spawn("adopt", ProbeHolder, devices=[0, 1],
+                                   kwargs={"bucket_bytes": BUCKET, "direct": False})
         yield cluster, {ref.device: ref for ref in mesh.refs}
         await cluster.stop_mesh(mesh)
     left = [p for p in _children() - before if psutil.pid_exists(p)]
@@ -133,3 +135,35 @@ def test_run_part_hands_whole_targets_over_and_views_otherwise():
     assert _check_handover(plan_part(extend, 2), {}) > 0
     merge = plan_reshard([src], EMU("h", "policy-training", spec, Layout(1, 1), (0,)))
     assert _check_handover(plan_part(merge, 0), {"s": stores[0]}) == 0  # local + remote pieces
+
+
+def test_run_part_allocates_new_targets_in_one_buffer_and_hands_local_copies_over():
+    spec = spec_for(layers=2)
+    src = EMU("s", "policy-training", spec, Layout(2, 1), (0, 1))
+    full = global_tensors(src)
+    stores = shard_store(src, full)
+    merge = plan_reshard([src], EMU("h", "policy-training", spec, Layout(1, 1), (0,)))
+    part = plan_part(merge, 0)
+    buffers, handed = [], []
+
+    def alloc(nbytes: int) -> torch.Tensor:
+        buffers.append(torch.full((nbytes,), 255, dtype=torch.uint8))
+        return buffers[-1]
+
+    def record(sends, recvs, copies):
+        handed.extend(copies)
+        for dst in recvs[1]:  # stand in for device 1: its shard, sliced as the plan says
+            dst.fill_(0)
+
+    out = run_part(part, {"s": stores[0]}, record, alloc=alloc, local_in_exchange=True)
+    assert len(buffers) == 1 and len(handed) == len(part["copies"]) > 0
+    base = buffers[0].data_ptr()
+    for key, t in out.items():
+        assert t.untyped_storage().data_ptr() == base, key
+        assert (t.data_ptr() - base) % 64 == 0, key
+    assert all(int(dst.view(torch.uint8).min()) == 255 for _, dst in handed)  # not copied yet
+    for src_view, dst in handed:
+        dst.copy_(src_view)
+    plain = run_part(part, {"s": stores[0]}, lambda sends, recvs: [d.fill_(0) for d in recvs[1]])
+    for key in out:
+        assert torch.equal(out[key], plain[key]), key

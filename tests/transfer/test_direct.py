@@ -68,7 +68,7 @@ def test_arena_pool_reuses_freed_arenas_and_trims_to_its_cap():
         assert _arena.pool_stats()["free_bytes"] <= 64 * 2**20
         assert not glob.glob("/dev/shm/nereus-arena-*")  # memfds have no names to leak
     finally:
-        _arena.set_keep_free_bytes(4 * 2**30)
+        _arena.set_keep_free_bytes(2**30)
 
 
 def test_own_arena_maps_like_a_peers():
