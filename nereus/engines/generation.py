@@ -209,7 +209,7 @@ class GenerationEngine(EngineBase):
         cache = self._kv_cache(batch, max_len)
         if self._cache_batch > batch:
             # Rows beyond this batch exist in a reused cache; use only the first ``batch``.
-            cache = _rows_of(cache, slice(0, batch))
+            cache = cache.rows(slice(0, batch))
         pad = width - lengths
         ids = torch.zeros(batch, width, dtype=torch.long)
         for b, p in enumerate(prompts):
@@ -223,7 +223,8 @@ class GenerationEngine(EngineBase):
             logprobs=torch.zeros(batch, params.max_tokens, dtype=torch.float32),
             done=torch.zeros(batch, dtype=torch.bool),
             stopped=torch.zeros(batch, dtype=torch.bool),
-            n_out=torch.zeros(batch, dtype=torch.long),
+            # Without stop tokens every row runs to max_tokens: counted up front, not per step.
+            n_out=torch.full((batch,), 0 if params.stop_token_ids else params.max_tokens, dtype=torch.long),
         )
 
     def _sample_and_share(self, logits: torch.Tensor | None, rows: slice, batch: int, params: SamplingParams,
@@ -257,7 +258,6 @@ class GenerationEngine(EngineBase):
         b.logprobs[rows, step] = logprobs
         if not b.stops.numel():
             # Without stop tokens every row is live until max_tokens: no masks, no sync.
-            b.n_out[rows] += 1
             return step == params.max_tokens - 1
         live = ~b.done[rows]
         is_stop = torch.isin(tokens, b.stops) & live
@@ -278,11 +278,10 @@ class GenerationEngine(EngineBase):
     @staticmethod
     def _decode_inputs(b: _Batch, rows: slice, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Ids ``[r, 1]`` and positions of the forward that samples ``step`` (> 0): the
-        tokens of ``step - 1``; finished rows ride along as padding (position -1)."""
-        pos = b.lengths[rows] + (step - 1)
-        if b.stops.numel():  # only a stop token finishes a row early
-            pos = torch.where(b.done[rows], torch.full_like(pos, -1), pos)
-        return b.tokens[rows, step - 1].unsqueeze(1), pos.unsqueeze(1)
+        tokens of ``step - 1``. Finished rows keep decoding at their next positions (their
+        tokens are past ``n_out`` and dropped): a step without padding takes the
+        decoder's few-op path, and computing a row costs the same as masking it."""
+        return b.tokens[rows, step - 1 : step], b.lengths[rows].unsqueeze(1) + (step - 1)
 
     # --- one batch, stage after stage ---------------------------------------------------
 
@@ -335,7 +334,7 @@ class GenerationEngine(EngineBase):
             size = base + (1 if g < extra else 0)
             groups.append(slice(start, start + size))
             start += size
-        caches = [_rows_of(b.cache, rows) for rows in groups]
+        caches = [b.cache.rows(rows) for rows in groups]
         final: list[int | None] = [None] * pp  # the step after which a group is finished
         noise = _Noise(seed, chunk)
         hidden = self.config.hidden_size
@@ -425,8 +424,3 @@ class _Noise:
             self._step = step
         assert self._noise is not None
         return self._noise[rows]
-
-
-def _rows_of(cache: KVCache, rows: slice) -> KVCache:
-    """A view of some rows of a KV cache."""
-    return KVCache({i: k[rows] for i, k in cache.keys.items()}, {i: v[rows] for i, v in cache.values.items()}, cache.max_len)

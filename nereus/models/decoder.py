@@ -24,7 +24,8 @@ A token attends to the tokens of its row at positions ``<=`` its own. Padding to
 never attended to and never written to a KV cache; their outputs are unspecified (finite).
 
 KV cache: ``stage.new_kv_cache(batch, max_len)`` preallocates, per local layer, ``k`` and
-``v`` of shape ``[batch, kv_heads_local, max_len, head_dim]``. A forward with the cache
+``v`` of shape ``[batch, kv_heads_local, max_len, head_dim]`` (the two halves of one pair
+buffer). A forward with the cache
 writes each real token's k/v at slot ``positions[b, t]`` and attends over slots
 ``0 .. positions[b, t]`` of its row, so a sequence must be written from position 0 without
 gaps (prefill, then one token per decode step). The cache is for inference (no_grad).
@@ -33,7 +34,10 @@ Speed: a decode step of a small model is dominated by per-op overhead, not arith
 the forward keeps its op count low (fused q/k/v and gate/up, RoPE from a table, one plan
 per forward shared by every layer) and calls the submodules of a stage through
 ``.forward``: module hooks on them are not supported (the stage itself is an ordinary
-module).
+module). A forward of one token per row with a ``new_kv_cache`` cache, no padding, in
+float32 and without autograd (every step of the generation engine) takes the decode path
+of ``nereus.models._decode``: the same results up to float rounding in about half the ops,
+rows at different positions included.
 
 Refuses (``ConfigError``): TP sizes that do not divide heads, intermediate size or vocab;
 more pipeline stages than layers; positions beyond the cache.
@@ -48,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nereus.config import require
+from nereus.models._decode import StepTables, decode_layer, decode_step_plan, rms_norm_rows
 from nereus.models.config import ModelConfig
 from nereus.models.layers import (
     ColumnParallelLinear,
@@ -87,11 +92,24 @@ def check_layout(config: ModelConfig, tp_size: int, pp_size: int) -> None:
 
 @dataclass
 class KVCache:
-    """Per-layer preallocated keys and values, keyed by global layer index."""
+    """Per-layer preallocated keys and values, keyed by global layer index.
+
+    ``pairs`` (optional) holds per layer one buffer ``[2, batch, kv_heads, max_len,
+    head_dim]`` whose halves *are* ``keys[i]`` and ``values[i]`` (views of it): the decode
+    path writes a step's k and v with one copy. ``new_kv_cache`` always makes them; a
+    cache without them takes the general path."""
 
     keys: dict[int, torch.Tensor]
     values: dict[int, torch.Tensor]
     max_len: int
+    pairs: dict[int, torch.Tensor] | None = None
+
+    def rows(self, rows: slice) -> KVCache:
+        """A view of some rows (a slice of the batch) of this cache."""
+        pairs = None if self.pairs is None else {i: p[:, rows] for i, p in self.pairs.items()}
+        keys = {i: k[rows] for i, k in self.keys.items()} if pairs is None else {i: p[0] for i, p in pairs.items()}
+        values = {i: v[rows] for i, v in self.values.items()} if pairs is None else {i: p[1] for i, p in pairs.items()}
+        return KVCache(keys, values, self.max_len, pairs)
 
     @property
     def nbytes(self) -> int:
@@ -334,26 +352,31 @@ class DecoderStage(nn.Module):
         # A plain list (not registered twice) spares the hot loop the ModuleDict lookups.
         self._layers: list[DecoderLayer] = [self.model.layers[str(i)] for i in self.layer_ids]
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, device)
+        self._step_tables: StepTables | None = None  # the decode path's constants, made on first use
         if pc.is_last_stage:
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
             tied = self.model.embed_tokens if c.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(c.hidden_size, c.vocab_size, pc, tied=tied, dtype=dtype, device=device)
 
     @property
+    def heads_local(self) -> int:
+        return self.config.num_attention_heads // self.pc.tp_size
+
+    @property
     def kv_heads_local(self) -> int:
         return max(1, self.config.num_key_value_heads // self.pc.tp_size)
 
     def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> KVCache:
-        """Zeroed k/v of ``[batch, kv_heads_local, max_len, head_dim]`` per local layer."""
+        """Zeroed k/v of ``[batch, kv_heads_local, max_len, head_dim]`` per local layer (the
+        two halves of one pair buffer, see ``KVCache``)."""
         require(batch >= 1, "batch", batch, "must be >= 1")
         require(1 <= max_len <= self.config.max_position_embeddings, "max_len", max_len,
                 f"must be in [1, max_position_embeddings={self.config.max_position_embeddings}]")
         dtype = dtype or self.dtype
         device = device or self.rotary.inv_freq.device
-        shape = (batch, self.kv_heads_local, max_len, self.config.head_dim)
-        keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layer_ids}
-        values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layer_ids}
-        return KVCache(keys, values, max_len)
+        shape = (2, batch, self.kv_heads_local, max_len, self.config.head_dim)
+        pairs = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layer_ids}
+        return KVCache({i: p[0] for i, p in pairs.items()}, {i: p[1] for i, p in pairs.items()}, max_len, pairs)
 
     def forward(
         self,
@@ -382,6 +405,10 @@ class DecoderStage(nn.Module):
             if high >= kv_cache.max_len:
                 require(False, "positions", high, f"must be < the KV cache's max_len={kv_cache.max_len}")
             kv_len = max(high + 1, 1)
+        if (kv_cache is not None and kv_cache.pairs is not None and positions.shape[1] == 1 and low >= 0
+                and self.dtype == torch.float32 and not torch.is_grad_enabled()
+                and kv_cache.pairs[self.layer_ids[0]].dtype == torch.float32):
+            return self._decode(x, positions.view(-1), kv_cache, low, high, logits_index, output, gather_logits)
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
         plan = _attention_plan(positions, kv_len, low, high)
         rope = self.rotary(positions, h.dtype, max(high + 1, 1), low if plan.uniform else None)
@@ -398,6 +425,42 @@ class DecoderStage(nn.Module):
             return h
         logits = self.lm_head(h)
         return gather_from_tp(logits, self.pc) if gather_logits else logits
+
+    def _decode(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        low: int,
+        high: int,
+        logits_index: torch.Tensor | None,
+        output: str,
+        gather_logits: bool,
+    ) -> torch.Tensor:
+        """``forward`` of one token per row at ``positions`` ``[B]`` (all ``>= 0``) with a
+        cache, in float32 without autograd: the few-op path of ``nereus.models._decode``."""
+        b = positions.shape[0]
+        h = self.model.embed_tokens.forward(x.view(b)) if self.pc.is_first_stage else x.reshape(b, -1)
+        if self._step_tables is None:
+            c = self.config
+            self._step_tables = StepTables(self.heads_local, self.kv_heads_local, c.head_dim, c.rms_norm_eps,
+                                            c.max_position_embeddings, self.rotary.inv_freq.device)
+        rope_table = self.rotary._table(high + 1, h.dtype)
+        pairs = kv_cache.pairs
+        assert pairs is not None
+        slots = pairs[self.layer_ids[0]].shape[3]
+        step = decode_step_plan(self._step_tables, rope_table, positions, self.kv_heads_local, slots, low, high)
+        for i, layer in zip(self.layer_ids, self._layers, strict=True):
+            h = decode_layer(layer, h, step, pairs[i])
+        if not self.pc.is_last_stage:
+            return h.view(b, 1, -1)
+        out = rms_norm_rows(h, self.model.norm, step.eps)
+        if output == "logits":
+            out = self.lm_head.forward(out)
+            if gather_logits:
+                out = gather_from_tp(out, self.pc)
+        # With one token per row the only valid index is 0: the rows are the answer.
+        return out if logits_index is not None else out.unsqueeze(1)
 
     def reduce_replicated_grads(self) -> None:
         """After backward at ``tp > num_key_value_heads``: sum the partial gradients of
