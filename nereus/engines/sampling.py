@@ -137,7 +137,8 @@ def sample_next(
     """Next token ``[B]`` (int64) and its log-probability ``[B]`` (float32) for each row of
     ``logits`` ``[B, V]``. The draw uses ``uniform`` (``[B]`` in [0, 1)) when given,
     else fresh noise from ``generator``. See the module docstring for the semantics."""
-    logits = logits.float()
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     if params.is_greedy:
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = torch.argmax(logits, dim=-1)
@@ -153,7 +154,8 @@ def sample_next(
         # float64 sums keep every bucket's width (no token is lost to rounding); the first
         # bucket ending above the target holds it, and an empty bucket never does.
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        target = cdf[:, -1:] * uniform.view(-1, 1)
-        tokens = torch.searchsorted(cdf, target, right=True).view(-1).clamp_(max=probs.shape[-1] - 1)
+        target = cdf.narrow(1, cdf.shape[1] - 1, 1) * uniform.view(-1, 1)
+        tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+        return tokens.view(-1), logprobs.gather(-1, tokens).view(-1)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, chosen
