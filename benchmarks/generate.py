@@ -2,10 +2,18 @@
 (and vLLM's CPU build when it is importable), same tiny model, batch and lengths.
 
 ``python -m benchmarks.generate [--batch 32] [--new-tokens 64] [--prompt-len 16]
-[--threads 1] [--reps 5]``
+[--threads 1] [--reps 5] [--hidden 64 --layers 4 --heads H --intermediate I --vocab 256]
+[--ragged MIN]``
+
+The RL benchmark's generation shape (``benchmarks.e2e_trl``: hidden 256, 4 layers, 4 heads,
+SwiGLU 768, a character vocabulary, 32 rows per worker, 128 new tokens, prompts of a few
+different lengths) is ``--hidden 256 --heads 4 --intermediate 768 --vocab 32
+--new-tokens 128 --prompt-len 14 --ragged 8``.
 
 Every side loads the same random Llama checkpoint (written once by
-``nereus.models.save_tiny_model`` into a temporary directory), gets the same prompts,
+``nereus.models.save_tiny_model`` into a temporary directory), gets the same prompts (all
+``--prompt-len`` tokens long, or with ``--ragged MIN`` of lengths drawn from MIN to
+``--prompt-len``: transformers gets them left-padded with their attention mask),
 samples with temperature 1 (no top-k/top-p) for exactly ``--new-tokens`` tokens per row
 (no stop token), in float32, with the same number of torch threads, in this one process.
 Each side runs one warm-up, then ``--reps`` rounds in which the sides run one after the
@@ -74,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 32)")
+    ap.add_argument("--intermediate", type=int, default=None, help="SwiGLU size (default: 2 x hidden)")
+    ap.add_argument("--ragged", type=int, default=None, metavar="MIN",
+                    help="prompt lengths drawn from MIN to --prompt-len instead of all --prompt-len")
     ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args(argv)
 
@@ -85,15 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     from nereus.models import save_tiny_model, tiny_config
 
     # vLLM's CPU attention needs head_dim >= 32: two heads of 32 at the default hidden 64.
-    heads = max(1, args.hidden // 32)
-    config = tiny_config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+    heads = args.heads or max(1, args.hidden // 32)
+    intermediate = args.intermediate or 2 * args.hidden
+    config = tiny_config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
                          max_position_embeddings=256)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    shown = f"prompts of {args.prompt_len}"
+    if args.ragged is not None:
+        lengths = torch.randint(args.ragged, args.prompt_len + 1, (args.batch,), generator=g).tolist()
+        prompts = [p[:n] for p, n in zip(prompts, lengths, strict=True)]
+        shown = f"prompts of {args.ragged}-{args.prompt_len}"
     print(f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, {heads} heads, "
           f"intermediate {config.intermediate_size}, vocab {config.vocab_size}; "
-          f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len}; "
+          f"batch {args.batch} x {args.new_tokens} new tokens, {shown}; "
           f"float32; torch threads per side: {args.threads}; reps {args.reps} after one warm-up")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(save_tiny_model(tmp, config, seed=0))
@@ -107,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        ids = torch.tensor(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
         def run_hf() -> int:
             with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                out = hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0,
                                   top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
                                   min_new_tokens=args.new_tokens, pad_token_id=0)
             return (out.shape[1] - ids.shape[1]) * out.shape[0]
@@ -137,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "new_tokens": args.new_tokens,
         "prompt_len": args.prompt_len,
+        "ragged_min": args.ragged,
+        "hidden": args.hidden,
         "threads_per_side": args.threads,
         "reps": args.reps,
     }
