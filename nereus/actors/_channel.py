@@ -5,8 +5,8 @@ socket's file descriptor with the running loop (``add_reader``) instead of using
 ``zmq.asyncio``, so a received message costs one callback and no future or task.
 ZeroMQ's descriptor is edge-triggered: any receive or send may consume the edge, so
 after one the socket counts as *unchecked* until a look at ``ZMQ_EVENTS`` finds no
-input. Looking costs about as much as a receive (pyzmq), so it happens once, at the
-end of the loop iteration (the same callback that flushes queued sends): when the
+input. A look costs more than a receive through pyzmq (~2 us), so it happens once, at
+the end of the loop iteration (the same callback that flushes queued sends): when the
 descriptor fires, one message is received and handled at once, and the rest are
 drained at the end of the iteration, after the tasks that message woke have run
 and sent (a caller's next call, a worker's reply), so one look covers both.

@@ -98,16 +98,20 @@ class Encoder:
     """``encode`` with one msgpack packer reused across calls (a few times cheaper for
     the small headers of the call path). Not thread-safe: one per thread or loop."""
 
-    __slots__ = ("_buffers", "_packer", "_torch")
+    __slots__ = ("_buffers", "_packer", "_torch", "_busy")
 
     def __init__(self) -> None:
         self._buffers: list[Any] = []
         self._torch: Any = None
+        self._busy = False
         self._packer = msgpack.Packer(default=self._default, use_bin_type=True,
                                       strict_types=True)
 
     def encode(self, obj: Any) -> tuple[bytes, list[Any]]:
         """``(header, buffers)`` for ``obj``; buffers are zero-copy views (bytes/memoryview)."""
+        if self._busy:  # called again from inside a pack (a registered type's to_plain)
+            return Encoder().encode(obj)
+        self._busy = True
         self._buffers = buffers = []
         self._torch = sys.modules.get("torch")
         try:
@@ -119,6 +123,7 @@ class Encoder:
             raise ProtocolError(f"cannot encode the value: {type(e).__name__}: {e}") from None
         finally:
             self._buffers = []
+            self._busy = False
 
     def _packb(self, o: Any) -> bytes:
         # Nested values (a tuple's items, a ref's fields) need their own packer: the

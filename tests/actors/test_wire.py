@@ -140,6 +140,20 @@ def test_encoder_is_reusable_after_a_refused_value():
     assert enc.encode([1, "x"]) == (msgpack.packb([1, "x"]), [])
 
 
+class _Nested:
+    pass
+
+
+def test_encode_is_reentrant_through_a_registered_type():
+    # a registered type whose to_plain encodes something itself (on the same thread)
+    _wire.register_ext(77, _Nested, lambda o: _wire.encode(("inner", 1))[0], lambda p: p)
+    header, buffers = _wire.encode(["outer", _Nested(), 2])
+    assert buffers == []
+    back = _wire.decode(header)
+    assert back[0] == "outer" and back[2] == 2
+    assert _wire.decode(back[1]) == ("inner", 1)
+
+
 @pytest.mark.parametrize("header, buffers, match", [
     (b"\xc1", [], "malformed"),
     (msgpack.packb([1, 2])[:-1], [], "malformed"),
