@@ -148,23 +148,12 @@ def exchange_direct(
         comm.batch_p2p(ops, timeout_s)
     # 2. copy into each receiver's memory, then tell it which views are done
     flags_out: dict[int, torch.Tensor] = {}
-    for p, vs in out.items():
-        writer = _Writer(p, pids[p])
-        flags = torch.zeros(len(vs), dtype=torch.uint8)
-        t0, moved = time.perf_counter(), 0
-        for i, (src, row) in enumerate(zip(vs, records[p].tolist(), strict=True)):
-            if row[1] == _EMPTY:
-                flags[i] = 1
-                continue
-            if row[1] == _OFF_ARENA:
-                continue
-            dst = writer.target(row, src)
-            if dst is not None:
-                dst.copy_(src)
-                flags[i] = 1
-                moved += _nbytes(src)
-        flags_out[p] = flags
-        _count(stats, comm, comm.rank, p, moved, time.perf_counter() - t0)
+    try:
+        for p, vs in out.items():
+            flags_out[p] = _write(comm, stats, p, pids[p], vs, records[p].tolist())
+    except BaseException:
+        comm.abort()  # the receivers wait for our flags: wake them instead of letting them time out
+        raise
     if flags_out:
         comm.batch_p2p([P2POp("send", f, p) for p, f in flags_out.items()], timeout_s)
     for src, dst in local:
@@ -192,6 +181,29 @@ def exchange_direct(
             stats.per_peer_bytes[p] = stats.per_peer_bytes.get(p, 0) + n
     stats.seconds = time.perf_counter() - t_start
     return stats
+
+
+def _write(comm: Communicator, stats: TransferStats, peer: int, pid: int, views: list[torch.Tensor],
+           rows: list[list[int]]) -> torch.Tensor:
+    """Copy what can go directly into ``peer``'s memory; returns one flag per view."""
+    writer = _Writer(peer, pid)
+    flags = torch.zeros(len(views), dtype=torch.uint8)
+    t0, moved = time.perf_counter(), 0
+    for i, (src, row) in enumerate(zip(views, rows, strict=True)):
+        if row[1] == _EMPTY:
+            if src.numel():
+                raise TransferError(f"rank {peer} receives 0 bytes where rank {comm.rank} sends {_nbytes(src)}")
+            flags[i] = 1
+            continue
+        if row[1] == _OFF_ARENA:
+            continue
+        dst = writer.target(row, src)
+        if dst is not None:
+            dst.copy_(src)
+            flags[i] = 1
+            moved += _nbytes(src)
+    _count(stats, comm, comm.rank, peer, moved, time.perf_counter() - t0)
+    return flags
 
 
 def _count(stats: TransferStats, comm: Communicator, src: int, dst: int, nbytes: int, seconds: float) -> None:

@@ -382,6 +382,25 @@ def scenario_direct(a: dict) -> dict:
     return {"runs": runs, "pool": pool}
 
 
+def scenario_direct_mismatch(a: dict) -> dict:
+    """Rank 0 sends 400 bytes into rank 1's 200-byte arena view: both raise, neither waits."""
+    from nereus.transfer.direct import arena_empty, exchange_direct
+
+    r = a["rank"]
+    comm = comm_from(a, a["group"], timeout_s=a["deadline_s"], slot_bytes=1 << 16, slots=2)
+    t0 = time.monotonic()
+    try:
+        if r == 0:
+            exchange_direct(comm, {1: [torch.ones(100)]}, {})
+        else:
+            exchange_direct(comm, {}, {0: [arena_empty(200).view(torch.float32)]})
+    except TransferError as e:
+        took = time.monotonic() - t0
+        comm.destroy()
+        return {"raised": type(e).__name__, "seconds": took, "message": str(e)[:300]}
+    raise AssertionError("a size mismatch went unnoticed")
+
+
 def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -40,6 +40,14 @@ def test_a_rank_that_cannot_map_arenas_falls_back_to_buckets(workers):
     assert all(run["direct_sent"] > 0 for run in results[0]["runs"])
 
 
+@pytest.mark.timeout(120)
+def test_sizes_that_disagree_fail_both_sides_before_the_deadline(workers):
+    results = workers.run("direct_mismatch", 2, deadline_s=60.0)
+    assert "400" in results[0]["message"] and "200" in results[0]["message"]
+    for r in results:
+        assert r["raised"] == "TransferError" and r["seconds"] < 30, r
+
+
 def test_arena_pool_reuses_freed_arenas_and_trims_to_its_cap():
     _arena.set_keep_free_bytes(64 * 2**20)
     try:
