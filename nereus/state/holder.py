@@ -11,9 +11,12 @@ and optimizer tensors) and ``self.states[emu]`` (logical state). Its endpoints:
   the new shards are views of one arena (``nereus.transfer.arena_empty``: pooled,
   pre-faulted shared memory) that the senders copy into directly
   (``exchange_direct``, one copy per moved byte, local copies overlapping the peers');
-  otherwise a bucketed ``exchange`` (adopting: a target shard received whole keeps the
-  received bucket as its memory, no unpack copy). Returns stats (bytes, ``seconds``, ``exchange_s``, ``prepare_s``,
-  ``cpu_s``: this process's CPU time, readable on a loaded machine);
+  otherwise (or with ``direct=False``) a bucketed ``exchange`` (adopting: a target
+  shard received whole keeps the received bucket as its memory, no unpack copy). The
+  arena returns to this process's pool when every shard on it is dropped; the pool's
+  free arenas are not counted as held. Returns stats (bytes, ``seconds``,
+  ``exchange_s``, ``prepare_s``, ``cpu_s``: this process's CPU time, readable on a
+  loaded machine);
 - ``save_checkpoint`` / ``load_checkpoint``: the fallback, each worker writing or
   reading only its own files and slices.
 
