@@ -198,9 +198,13 @@ class Channel:
     # -- receiving -----------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        # A message is most likely waiting: receive it without asking ZMQ_EVENTS first,
-        # handle it, and leave the rest to the end of the iteration (module docstring).
-        self._drain(blind=True, most=1)
+        # A message is most likely waiting: receive and handle it, and leave the rest to
+        # the end of the iteration (module docstring). A DEALER (one peer) receives
+        # without asking ZMQ_EVENTS first. A ROUTER asks first: that makes libzmq take
+        # in every pending peer before choosing whose message comes out, which keeps
+        # the order between peers that register at once (Cluster.local numbers its
+        # devices by the order its nodes register).
+        self._drain(blind=not self.is_router, most=1)
         if not self._flush_scheduled and not self.closed:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
