@@ -6,9 +6,9 @@
 [--ragged MIN]``
 
 The RL benchmark's generation shape (``benchmarks.e2e_trl``: hidden 256, 4 layers, 4 heads,
-SwiGLU 768, a character vocabulary, 32 rows per worker, 128 new tokens, prompts of a few
-different lengths) is ``--hidden 256 --heads 4 --intermediate 768 --vocab 32
---new-tokens 128 --prompt-len 14 --ragged 8``.
+SwiGLU 768, the reverse task's vocabulary of 8 characters, 32 rows per worker, 128 new
+tokens, prompts of 4 to 6 tokens) is ``--hidden 256 --heads 4 --intermediate 768 --vocab 8
+--new-tokens 128 --prompt-len 6 --ragged 4``.
 
 Every side loads the same random Llama checkpoint (written once by
 ``nereus.models.save_tiny_model`` into a temporary directory), gets the same prompts (all
