@@ -148,8 +148,12 @@ class NodeDaemon:
     def indices(self) -> list[int]:
         return [w.index for w in self.workers]
 
-    async def start(self) -> NodeDaemon:
-        """Register, spawn and announce the workers; heartbeat from then on."""
+    async def register(self) -> None:
+        """Register with the controller, which gives this node's devices their global
+        indices (in registration order). ``start`` registers first if this was not called;
+        calling it for several nodes one after the other fixes their order."""
+        if self._client is not None:
+            return
         self._client = _client.Client(self.key, source=f"node:{self.node_id}",
                                       span_sample_every=0)
         self._client.connect_controller(self.controller)
@@ -162,10 +166,15 @@ class NodeDaemon:
                 timeout_s=self.start_timeout_s)
         except DeadlineExceeded:
             self._client.close()
+            self._client = None
             raise DeadlineExceeded(
                 f"the controller at {self.controller} did not answer within "
                 f"{self.start_timeout_s} s: is it running, and does it hold this key?") from None
         self.workers = [_Worker(g, i) for i, g in enumerate(reply["indices"])]
+
+    async def start(self) -> NodeDaemon:
+        """Register, spawn and announce the workers; heartbeat from then on."""
+        await self.register()
         # Heartbeat from registration on: starting workers may take longer than the timeout.
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
         if self.transport == "ipc":

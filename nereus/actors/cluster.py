@@ -180,6 +180,8 @@ class Cluster:
                               start_timeout_s=self._timeout_s,
                               max_message_bytes=self._max_message_bytes)
             self.nodes.append(node)
+        for node in self.nodes:  # one after the other: node i's devices come before node i+1's
+            await node.register()
         await asyncio.gather(*(node.start() for node in self.nodes))
         await self.controller.wait_devices(sum(self._local_devices), self._timeout_s)
 
