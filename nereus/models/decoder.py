@@ -309,8 +309,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        half = gate_up.shape[-1] // 2  # gate and up have the same local size
-        return self.down_proj.forward(F.silu(gate_up.narrow(-1, 0, half)) * gate_up.narrow(-1, half, half))
+        # gate and up have the same local size; chunk's backward concatenates the two
+        # gradients, where two narrows would each zero-fill a full-size gradient first.
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
