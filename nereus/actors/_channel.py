@@ -25,6 +25,10 @@ one zmq send, one wake-up of the peer), which is what makes pipelined calls chea
 Order per destination is kept. The receiver unpacks a BATCH and handles its messages
 in order, exactly as if they had come one by one.
 
+Subclasses: ``nereus.actors._stream.StreamChannel`` carries the same messages over
+Unix stream connections; it replaces ``_send_now``, ``_drain`` and ``close`` and
+keeps the batching, signing and checks here.
+
 Refuses: blocking sends. A direct send that would block raises ``zmq.ZMQError`` to
 the caller; a queued one that fails is logged and counted (``send_failed``).
 """
@@ -63,7 +67,7 @@ _raw_recv = _RawSocket.recv
 _raw_get = _RawSocket.get
 
 
-_TRAFFIC = frozenset({"messages", "batches"})
+_TRAFFIC = frozenset({"messages", "batches", "stream_messages"})
 
 
 class Counters:
@@ -113,12 +117,22 @@ class Channel:
         loop: asyncio.AbstractEventLoop | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        self._init_common(key, handler, counters, loop, max_message_bytes)
         self.sock = sock
+        self.is_router = sock.type == zmq.ROUTER
+        self._fd = sock.getsockopt(zmq.FD)
+        self.loop.add_reader(self._fd, self._on_readable)
+        # Messages may already be waiting (edge already fired before add_reader).
+        self.loop.call_soon(self._drain)
+
+    def _init_common(self, key: bytes, handler: Callable[[bytes | None, Any], None],
+                     counters: Counters, loop: asyncio.AbstractEventLoop | None,
+                     max_message_bytes: int) -> None:
+        """The state every channel has, whatever carries its bytes (``_stream`` too)."""
         self.key = key
         self.handler = handler
         self.counters = counters
         self.max_message_bytes = max_message_bytes
-        self.is_router = sock.type == zmq.ROUTER
         self.loop = loop or asyncio.get_running_loop()
         self.closed = False
         self._outbox: list[tuple[bytes | None, bytes, Sequence[Any]]] = []
@@ -127,10 +141,6 @@ class Channel:
         self._unchecked = False  # a send or receive happened since a look saw no input
         self._encoder = _wire.Encoder()  # used on the loop's thread only
         self._signer = _wire.Signer(key)
-        self._fd = sock.getsockopt(zmq.FD)
-        self.loop.add_reader(self._fd, self._on_readable)
-        # Messages may already be waiting (edge already fired before add_reader).
-        self.loop.call_soon(self._drain)
 
     # -- sending -------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """The caller side of the actor protocol in one process: connections, pending calls.
 
 One ``Client`` per process (the driver, and every worker so actors can call actors).
-It holds one DEALER connection per worker address (the controller is not on the
-path of calls), the table of pending calls, their deadlines and streams, and a
-DEALER connection to the controller for control requests, ``emit`` and notices.
+It holds one connection per worker address (the controller is not on the path of
+calls): a Unix stream socket for a same-host ``ipc://`` worker (``_stream``, unless
+``NEREUS_STREAM=0``), a ZeroMQ DEALER otherwise; the table of pending calls, their
+deadlines and streams; and a DEALER connection to the controller for control
+requests, ``emit`` and notices.
 
 Promises:
 - A call is sent before ``call`` returns; the returned ``asyncio.Future`` resolves with
@@ -40,6 +42,7 @@ import zmq
 
 from nereus.actors import _protocol as P
 from nereus.actors._channel import Channel, Counters
+from nereus.actors._stream import StreamChannel, stream_enabled, stream_path
 from nereus.errors import (
     ActorDied,
     Backpressure,
@@ -144,8 +147,30 @@ class Client:
         if ch is None:
             if self.closed:
                 raise ProtocolError("the cluster connection is closed")
-            ch = self._conns[address] = self._open(address)
+            ch = self._open_stream(address) or self._open(address)
+            self._conns[address] = ch
         return ch
+
+    def _open_stream(self, address: str) -> StreamChannel | None:
+        """The worker's same-host stream socket (``nereus.actors._stream``), or None
+        when there is none to connect to (then ZeroMQ carries the calls)."""
+        path = stream_path(address)
+        if path is None or not stream_enabled():
+            return None
+        try:
+            return StreamChannel.connect(
+                path, self.key, lambda _ident, msg: self._on_message(address, msg),
+                self.counters, loop=self.loop,
+                on_lost=lambda ch: self._stream_lost(address, ch))
+        except OSError as e:
+            log.debug("no stream socket for %s (%s): using ZeroMQ", address, e)
+            return None
+
+    def _stream_lost(self, address: str, ch: Channel) -> None:
+        # Calls in flight wait for the controller's verdict (worker_died) or their
+        # deadline, as on ZeroMQ; the next call connects again.
+        if self._conns.get(address) is ch:
+            del self._conns[address]
 
     # -- calls -----------------------------------------------------------------------
 

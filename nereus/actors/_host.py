@@ -1,6 +1,8 @@
 """The callee side: the actors living in one worker process and their mailboxes.
 
-``ActorHost`` owns a ROUTER channel and a table of actors. For every verified
+``ActorHost`` owns a ROUTER channel (and, in a worker bound to ipc, a same-host
+stream channel, ``_stream``; replies leave on the channel their call came in on) and
+a table of actors. For every verified
 message it checks, in order: the message shape, the actor name, the incarnation,
 the method, the arguments against the endpoint's signature (and simple
 annotations: int, float, str, bytes, bool, list, dict, tuple), and the actor's cap
@@ -45,6 +47,7 @@ import zmq
 
 from nereus.actors import _protocol as P
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters
+from nereus.actors._stream import IDENT_PREFIX, StreamChannel
 from nereus.actors.actor import Actor, DeviceInfo, Failure, endpoint_spec, endpoints_of
 from nereus.errors import ProtocolError
 
@@ -203,6 +206,20 @@ class ActorHost:
         self.extra_control: dict[str, Any] = {}
         self.channel = Channel(sock, key, self._on_message, counters, loop=self.loop,
                                max_message_bytes=max_message_bytes)
+        self.stream: StreamChannel | None = None
+        self._key = key
+        self._max_message_bytes = max_message_bytes
+
+    async def listen_stream(self, path: str) -> None:
+        """Also take calls on a same-host stream socket at ``path`` (``_stream``)."""
+        self.stream = await StreamChannel.serve(path, self._key, self._on_message, self.counters,
+                                                max_message_bytes=self._max_message_bytes)
+
+    def _out(self, ident: bytes) -> Channel:
+        """The channel a reply to ``ident`` leaves on: the one its call came in on."""
+        if self.stream is not None and ident[:1] == IDENT_PREFIX:
+            return self.stream
+        return self.channel
 
     # -- dispatch --------------------------------------------------------------------
 
@@ -419,7 +436,7 @@ class ActorHost:
     def _send(self, ident: bytes, msg: list, ep: _Endpoint) -> bool:
         """Send a reply; False if it could not go (the caller was told why, if possible)."""
         try:
-            self.channel.send(msg, ident)
+            self._out(ident).send(msg, ident)
             return True
         except ProtocolError as e:  # the value cannot cross the wire
             self._reply_err(ident, msg[1], msg[2], P.ERR_PROTOCOL, "ProtocolError",
@@ -434,7 +451,7 @@ class ActorHost:
         if self.channel.closed:  # shutting down: the callers learn from the controller
             return
         try:
-            self.channel.send([P.ERR, cid, inc, kind, rtype, message, tb], ident)
+            self._out(ident).send([P.ERR, cid, inc, kind, rtype, message, tb], ident)
         except (zmq.ZMQError, ProtocolError) as e:
             self.counters.add("reply_send_failed")
             log.warning("could not send an error reply (%s): %s", message[:100], e)
@@ -460,7 +477,7 @@ class ActorHost:
                             traceback.format_exc())
             return
         try:
-            self.channel.send([P.OK, cid, 0, value], ident)
+            self._out(ident).send([P.OK, cid, 0, value], ident)
         except zmq.ZMQError as e:
             self.counters.add("reply_send_failed")
             log.warning("could not answer control op %s: %s", op, e)
@@ -547,6 +564,8 @@ class ActorHost:
             self.stop_slot(slot, "shut down")
         self.actors.clear()
         self.channel.close()
+        if self.stream is not None:
+            self.stream.close()
 
 
 @types.coroutine

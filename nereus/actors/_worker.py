@@ -1,7 +1,8 @@
 """``python -m nereus.actors._worker``: one worker process standing for one device.
 
 Started by the node daemon (never by multiprocessing: nothing is pickled). It binds
-one ROUTER socket (ipc or tcp), prints ``NEREUS_WORKER_READY <address>`` on stdout,
+one ROUTER socket (ipc or tcp; with ipc also a same-host stream socket at the ipc
+path + ".s", see ``_stream``), prints ``NEREUS_WORKER_READY <address>`` on stdout,
 connects to the controller for events and failure notices, and hosts actors
 (``ActorHost``) until it is told to shut down (control op ``shutdown``, SIGTERM or
 SIGINT) or its parent (the node daemon) dies. It sets ``OMP_NUM_THREADS=1`` and one
@@ -21,7 +22,7 @@ import sys
 
 import zmq
 
-from nereus.actors import _client
+from nereus.actors import _client, _stream
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
 from nereus.actors._host import ActorHost
 from nereus.actors._keys import load_key
@@ -84,6 +85,12 @@ async def _serve(args: argparse.Namespace) -> None:
     _client.set_current_client(client)
     host = ActorHost(sock, key, device, client.counters, emit=client.emit_event,
                      max_message_bytes=args.max_message_bytes)
+    stream = _stream.stream_path(address) if _stream.stream_enabled() else None
+    if stream is not None:
+        try:
+            await host.listen_stream(stream)
+        except OSError as e:  # e.g. a path too long for a Unix socket: callers use ZeroMQ
+            log.warning("no same-host stream socket at %s: %s", stream, e)
     stop = loop.create_future()
 
     def shutdown(_body: object = None) -> dict:

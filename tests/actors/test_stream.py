@@ -1,0 +1,171 @@
+"""The same-host stream transport: used by default, frames checked, ZeroMQ as fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+
+import pytest
+import torch
+
+from nereus.actors import Cluster, _wire
+from nereus.actors import _protocol as P
+from nereus.actors._client import current_client
+from nereus.actors._stream import StreamChannel, stream_path
+from tests.actors._actors import Echo, Tensors
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+
+
+def _framed(frames: list[bytes]) -> bytes:
+    return struct.pack(f"<I{len(frames)}Q", len(frames), *map(len, frames)) + b"".join(frames)
+
+
+def _call(key: bytes, name: str, inc: int, cid: int, method: str, *args) -> bytes:
+    header, buffers = _wire.encode([P.CALL, cid, name, inc, method, None, list(args), {},
+                                    P.REPLY])
+    return _framed(_wire.message(key, header, [bytes(b) for b in buffers]))
+
+
+async def _read_reply(key: bytes, reader: asyncio.StreamReader) -> list:
+    (n,) = struct.unpack("<I", await reader.readexactly(4))
+    lens = struct.unpack(f"<{n}Q", await reader.readexactly(8 * n))
+    frames = [await reader.readexactly(size) for size in lens]
+    return _wire.decode(_wire.verify(key, frames), frames[1:])
+
+
+async def _counters(address: str) -> dict[str, int]:
+    return (await current_client().request(address, "stats", {}))["counters"]
+
+
+async def _open(address: str):
+    return await asyncio.open_unix_connection(stream_path(address))
+
+
+async def test_calls_go_over_the_stream_by_default(cluster: Cluster):
+    mesh = await cluster.spawn("st_default", Echo, devices=[0, 1])
+    try:
+        assert await mesh.add.call(1, 2) == [3, 3]
+        client = current_client()
+        assert all(type(client.conn(r.address)) is StreamChannel for r in mesh.refs)
+        before = await _counters(mesh.refs[0].address)
+        results = await asyncio.gather(*[mesh.refs[0].add.call_one(i) for i in range(200)])
+        assert results == list(range(200))
+        after = await _counters(mesh.refs[0].address)
+        # 200 calls (some coalesced into batches) and the stats request itself
+        assert after["stream_messages"] > before["stream_messages"]
+        assert after["messages"] - before["messages"] >= 1
+        # an actor calling another actor uses the stream too
+        assert await mesh.refs[0].relay.call_one(mesh.refs[1], "add", 4, 5) == 9
+    finally:
+        await cluster.stop_mesh(mesh)
+
+
+async def test_tensors_and_large_messages_round_trip(cluster: Cluster):
+    mesh = await cluster.spawn("st_tensors", Tensors, devices=[2])
+    try:
+        ref = mesh.refs[0]
+        big = torch.randn(4 * 2**20)  # 16 MiB: received straight into its own buffer
+        got = await ref.echo.call_one(big)
+        assert torch.equal(got, big)
+        # small and large buffers interleaved in one batch keep their order and bytes
+        xs = [torch.arange(n, dtype=torch.int64) for n in (0, 1, 70_000, 3, 200_000, 17)]
+        outs = await asyncio.gather(*[ref.echo.call_one(x) for x in xs])
+        assert all(torch.equal(a, b) for a, b in zip(outs, xs, strict=True))
+        # received tensors are writable, small (copied) and large (own buffer) alike
+        for n in (10, 100_000):
+            assert torch.equal(await ref.add_one_inplace.call_one(torch.ones(n)),
+                               torch.full((n,), 2.0))
+        assert await ref.checksum.call_one(torch.ones(100_000)) == 100_000.0
+    finally:
+        await cluster.stop_mesh(mesh)
+
+
+async def test_bytes_split_anywhere_still_make_messages(cluster: Cluster):
+    mesh = await cluster.spawn("st_split", Echo, devices=[0])
+    ref = mesh.refs[0]
+    reader, writer = await _open(ref.address)
+    try:
+        data = _call(cluster.key, ref.name, ref.incarnation, 7, "add", 20, 22)
+        for i in range(len(data)):  # one byte per write
+            writer.write(data[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+        reply = await asyncio.wait_for(_read_reply(cluster.key, reader), 10)
+        assert reply == [P.OK, 7, ref.incarnation, 42]
+    finally:
+        writer.close()
+        await writer.wait_closed()
+        await cluster.stop_mesh(mesh)
+
+
+async def test_oversized_declared_length_is_dropped_before_allocation(cluster: Cluster):
+    mesh = await cluster.spawn("st_big", Echo, devices=[1])
+    ref = mesh.refs[0]
+    before = await _counters(ref.address)
+    reader, writer = await _open(ref.address)
+    try:
+        # 2**62 bytes could never be allocated: the worker must not try
+        writer.write(struct.pack("<IQQ", 2, 100, 2**62))
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # connection dropped
+    finally:
+        writer.close()
+    reader, writer = await _open(ref.address)
+    try:
+        writer.write(struct.pack("<I", 0))  # a message of no frames
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()
+    after = await _counters(ref.address)
+    assert after.get("rejected_oversized", 0) - before.get("rejected_oversized", 0) == 1
+    assert after.get("rejected_header", 0) - before.get("rejected_header", 0) == 1
+    assert await mesh.add.call_one(2, 3) == 5  # still serving
+    await cluster.stop_mesh(mesh)
+
+
+async def test_bad_signature_is_counted_and_the_connection_goes_on(cluster: Cluster):
+    mesh = await cluster.spawn("st_sig", Echo, devices=[2])
+    ref = mesh.refs[0]
+    before = await _counters(ref.address)
+    reader, writer = await _open(ref.address)
+    try:
+        header, _ = _wire.encode([P.CALL, 1, ref.name, ref.incarnation, "add", None, [1, 2], {},
+                                  P.REPLY])
+        writer.write(_framed([os.urandom(32) + header]))
+        writer.write(_framed([b"short"]))
+        writer.write(_call(cluster.key, ref.name, ref.incarnation, 2, "add", 1, 2))
+        await writer.drain()
+        # only the good call is answered, on the same connection
+        assert await asyncio.wait_for(_read_reply(cluster.key, reader), 10) == [
+            P.OK, 2, ref.incarnation, 3]
+    finally:
+        writer.close()
+    after = await _counters(ref.address)
+    assert after.get("rejected_signature", 0) - before.get("rejected_signature", 0) == 1
+    assert after.get("rejected_short", 0) - before.get("rejected_short", 0) == 1
+    await cluster.stop_mesh(mesh)
+
+
+async def test_a_reply_to_a_closed_connection_is_counted(cluster: Cluster):
+    mesh = await cluster.spawn("st_gone", Echo, devices=[0])
+    ref = mesh.refs[0]
+    before = await _counters(ref.address)
+    reader, writer = await _open(ref.address)
+    writer.write(_call(cluster.key, ref.name, ref.incarnation, 3, "sleep", 0.3))
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.sleep(0.6)
+    after = await _counters(ref.address)
+    assert after.get("send_failed", 0) - before.get("send_failed", 0) == 1
+    assert await mesh.add.call_one(1, 1) == 2
+    await cluster.stop_mesh(mesh)
+
+
+async def test_no_stream_socket_means_zeromq(cluster: Cluster):
+    client = current_client()
+    assert client._open_stream("ipc:///nonexistent/nereus-w0") is None
+    assert client._open_stream("tcp://127.0.0.1:1") is None
