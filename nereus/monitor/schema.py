@@ -61,7 +61,7 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
     "transfer_bucket": {"bytes": "bucket size", "seconds": "wall time", "gbps": "GB/s",
                         "src": "source device", "dst": "destination device",
                         "src_rank": "source rank in the group", "dst_rank": "destination rank",
-                        "group": "group id", "round": "bucket round of the exchange"},
+                        "group": "group id", "round": "bucket round of the exchange (-1: a direct write into the receiver's memory, one per peer)"},
     "step": {"step": "RL step", "stage_seconds": "map stage -> seconds", "tokens": "count",
              "reward": "mean reward", "response_length_tokens": "mean length",
              "policy_version": "version of the policy that generated the step's rollouts"},
