@@ -1,7 +1,9 @@
 """Model-stages as EMUs on an embedded local cluster, placed by the job's static plan.
 
 ``ClusterStages.start(cfg, model_config, model_dir)`` starts ``Cluster.local`` with
-``cluster.devices`` CPU worker processes of ``cluster.memory_per_device`` each, and for
+``cluster.devices`` CPU worker processes of ``cluster.memory_per_device`` each (or, with
+``cluster.mode = "connect"``, attaches to the running cluster at ``cluster.address``, whose
+workers outlive the job: closing stops only the job's actors), and for
 every model-stage of the plan spawns one ``StageActor`` mesh per EMU (DP replica) on
 the devices the plan lists. Model-stages that share a device run in the same worker
 process: their calls are serialized there and their memory is accounted on the same
@@ -108,9 +110,13 @@ class ClusterStages(ModelStages):
         if cluster is None:
             from nereus.actors import Cluster
 
-            # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host can
-            # miss the default 3 s, and a lost node ends the job.
-            cluster = Cluster.local(devices=cfg.cluster.devices, memory_per_device=cfg.cluster.memory_per_device, heartbeat_timeout_s=30.0)
+            c = cfg.cluster
+            if c.mode == "connect":
+                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices)
+            else:
+                # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
+                # can miss the default 3 s, and a lost node ends the job.
+                cluster = Cluster.local(devices=c.devices, memory_per_device=c.memory_per_device, heartbeat_timeout_s=30.0)
             await cluster.start()
         self = cls(cfg, cluster, model_config, Path(model_dir))
         self._owns_cluster = owns

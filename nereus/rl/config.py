@@ -192,14 +192,22 @@ class OptimConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     """``local``: an embedded cluster of ``devices`` CPU worker processes, each with
-    ``memory_per_device``; ``in_process``: every model-stage in the driver (for tests)."""
+    ``memory_per_device``; ``connect``: a running cluster (``nereus controller`` plus a
+    ``python -m nereus.node`` per host) at ``address``, keyed by ``key_file`` (or
+    ``$NEREUS_CLUSTER_KEY``), whose first ``devices`` devices the plan uses (their memory
+    is what the nodes were started with; ``model.path`` and ``run.out_dir`` must be paths
+    every host can read); ``in_process``: every model-stage in the driver (for tests)."""
 
-    mode: Literal["local", "in_process"] = "local"
+    mode: Literal["local", "connect", "in_process"] = "local"
     devices: int = 4
     memory_per_device: str = "1GiB"
+    address: str = ""
+    key_file: str = ""
 
     def __post_init__(self) -> None:
-        require(self.mode in ("local", "in_process"), "cluster.mode", self.mode, "must be 'local' or 'in_process'")
+        require(self.mode in ("local", "connect", "in_process"), "cluster.mode", self.mode, "must be 'local', 'connect' or 'in_process'")
+        require(self.mode != "connect" or "://" in self.address, "cluster.address", self.address,
+                "must be the controller's address ('tcp://HOST:PORT') when mode='connect'")
         require(self.devices >= 1, "cluster.devices", self.devices, "must be >= 1")
         parse_size(self.memory_per_device, "cluster.memory_per_device")
 

@@ -109,7 +109,7 @@ class RLJob:
         record["step_seconds"] = time.perf_counter() - t0
         record["dataset_position"] = self.dataset.position
         self.step += 1
-        if self.cfg.cluster.mode == "local":
+        if self.cfg.cluster.mode != "in_process":
             from nereus.actors import emit
 
             emit(
