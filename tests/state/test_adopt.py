@@ -6,10 +6,8 @@ and must be a tensor of its own (no aliasing with other targets)."""
 
 from __future__ import annotations
 
-import glob
 from collections import Counter
 
-import psutil
 import pytest
 import pytest_asyncio
 import torch
@@ -18,6 +16,7 @@ from nereus.actors import Cluster, endpoint
 from nereus.state import EMU, Layout, plan_reshard
 from nereus.state.apply import plan_part, run_part
 from nereus.state.holder import ShardHolder, execute
+from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store, spec_for
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -45,27 +44,18 @@ class ProbeHolder(ShardHolder):
                 for t in self.shards[emu].values() if t.numel()]
 
 
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def holders():
-    before, segments = _children(), set(glob.glob("/dev/shm/nereus-*"))
+    before, segments = children(), shm_segments()
     async with Cluster.local(devices=2, memory_per_device="1GiB", heartbeat_timeout_s=30.0) as cluster:
         # buckets even between these same-host processes: adoption is what is tested
         mesh = await cluster.spawn("adopt", ProbeHolder, devices=[0, 1],
                                    kwargs={"bucket_bytes": BUCKET, "direct": False})
         yield cluster, {ref.device: ref for ref in mesh.refs}
         await cluster.stop_mesh(mesh)
-    left = [p for p in _children() - before if psutil.pid_exists(p)]
-    for pid in left:
-        try:
-            psutil.Process(pid).wait(timeout=10)
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-            pass
-    assert not [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    assert set(glob.glob("/dev/shm/nereus-*")) <= segments
+    assert not wait_gone(children() - before, timeout_s=10), "leaked worker processes"
+    assert shm_segments() <= segments
 
 
 async def _holds(ref, emu: EMU, device: int, full) -> None:

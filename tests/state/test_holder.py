@@ -4,9 +4,6 @@ nothing, and the checkpoint fallback written and read by the workers themselves.
 
 from __future__ import annotations
 
-import glob
-
-import psutil
 import pytest
 import pytest_asyncio
 import torch
@@ -25,6 +22,7 @@ from nereus.state import (
     plan_stage_transition,
 )
 from nereus.state.holder import ShardHolder, execute, execute_step, load_from_disk, save_to_disk
+from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store, spec_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -33,30 +31,18 @@ SLOTS = ("param", *OPTIMIZER_SLOTS)
 BUDGET = 64 * 2**20
 
 
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _segments() -> set[str]:
-    return set(glob.glob("/dev/shm/nereus-*"))
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def holders():
-    before, segments = _children(), _segments()
+    before, segments = children(), shm_segments()
     # the node daemon shares this event loop with the test's own tensor work: be patient
     async with Cluster.local(devices=4, memory_per_device=BUDGET, heartbeat_timeout_s=30.0) as cluster:
         mesh = await cluster.spawn("shards", ShardHolder, devices=[0, 1, 2, 3], kwargs={"bucket_bytes": 1 << 20})
         yield cluster, {ref.device: ref for ref in mesh.refs}
         await cluster.stop_mesh(mesh)
-    left = [p for p in _children() - before if psutil.pid_exists(p)]
-    for pid in left:
-        try:
-            psutil.Process(pid).wait(timeout=10)
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-            pass
-    assert not [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    assert _segments() <= segments, f"leaked shared memory {_segments() - segments}"
+    assert not wait_gone(children() - before, timeout_s=10), "leaked worker processes"
+    assert shm_segments() <= segments, f"leaked shared memory {shm_segments() - segments}"
 
 
 async def _put(refs, emu: EMU, full) -> None:
