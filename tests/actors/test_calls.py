@@ -220,15 +220,6 @@ async def test_emit_reaches_the_tap(cluster: Cluster):
         assert err["remote_type"] == "KeyError" and "nobody waits" in err["message"]
         assert "raise KeyError" in err["traceback"]
         await cluster.set_epoch(3)
-        # sampled call spans (one call in 100 by default) and broadcast errors
-        await asyncio.gather(*[mesh.add.call(i) for i in range(60)])
-        span = await sub.wait_for(lambda e: e["type"] == "call_span", 10)
-        assert span["method"] == "add" and span["latency_seconds"] > 0 and span["ok"]
-        assert span["actor"].startswith("emitter/")
-        mesh.fail.broadcast("nobody waits for this")
-        err = await sub.wait_for(lambda e: e["type"] == "error", 10)
-        assert err["remote_type"] == "KeyError" and "nobody waits" in err["message"]
-        assert "raise KeyError" in err["traceback"]
         await cluster.set_epoch(3)  # idempotent
         with pytest.raises(ProtocolError, match="epoch"):
             await current_client().request(None, "set_epoch", {"epoch": 2})  # backwards
