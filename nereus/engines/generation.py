@@ -45,6 +45,7 @@ import torch
 from nereus.config import require
 from nereus.engines._base import EngineBase
 from nereus.engines.context import EmuContext
+from nereus.engines.losses import even_slices
 from nereus.engines.memory import MemoryLedger
 from nereus.engines.sampling import SamplingParams, sample_next, step_noise
 from nereus.models.config import ModelConfig
@@ -328,12 +329,7 @@ class GenerationEngine(EngineBase):
         pp, me = ctx.pp_size, ctx.pp_rank
         b = self._prepare(prompts, params)
         batch = len(prompts)
-        base, extra = divmod(batch, pp)
-        groups, start = [], 0
-        for g in range(pp):
-            size = base + (1 if g < extra else 0)
-            groups.append(slice(start, start + size))
-            start += size
+        groups = even_slices(batch, pp)
         caches = [b.cache.rows(rows) for rows in groups]
         final: list[int | None] = [None] * pp  # the step after which a group is finished
         noise = _Noise(seed, chunk)
