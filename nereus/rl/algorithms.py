@@ -120,22 +120,22 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
     return rollouts
 
 
-async def _score(ctx: StepContext, record: dict[str, Any], *rollouts: Rollouts) -> None:
-    """Replace the rule scores with the reward model's when the job uses one."""
+async def _score(ctx: StepContext, record: dict[str, Any], rollouts: Rollouts, batch: dict[str, torch.Tensor] | None = None) -> None:
+    """Replace the rule scores with the reward model's when the job uses one (``batch``:
+    the rollouts' training batch, when the step already built it)."""
     if ctx.config.reward.kind != "model":
         return
     with _timed(record, "score_seconds"):
-        for r in rollouts:
-            r.task_scores = r.scores
-            scores = await ctx.stages.reward_scores(to_batch(r, ctx.codec.pad_id))
-            r.scores = [float(x) for x in scores.tolist()]
-    record["task_reward_mean"] = statistics.fmean(rollouts[0].task_scores)
+        scores = await ctx.stages.reward_scores(batch if batch is not None else to_batch(rollouts, ctx.codec.pad_id))
+    rollouts.task_scores, rollouts.scores = rollouts.scores, [float(x) for x in scores.tolist()]
 
 
 def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
     scores = rollouts.scores
     lengths = rollouts.response_lengths
+    task = {"task_reward_mean": statistics.fmean(rollouts.task_scores)} if rollouts.task_scores else {}
     return {
+        **task,
         "step": ctx.step,
         "reward_mean": statistics.fmean(scores),
         "reward_std": statistics.pstdev(scores),
@@ -188,8 +188,8 @@ async def grpo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     record: dict[str, Any] = {}
     with _timed(record, "generate_seconds"):
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
-    await _score(ctx, record, rollouts)
     batch = to_batch(rollouts, ctx.codec.pad_id)
+    await _score(ctx, record, rollouts, batch)
     await _reference(ctx, record, batch)
     scores = torch.tensor(rollouts.scores, dtype=torch.float32)
     if a.kl_mode == "penalty" and a.kl_coef > 0:
@@ -209,8 +209,9 @@ async def remax_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
     with _timed(record, "generate_seconds"):
         greedy = await _generate(ctx, samples, 1, greedy=True)
-    await _score(ctx, record, rollouts, greedy)
     batch = to_batch(rollouts, ctx.codec.pad_id)
+    await _score(ctx, record, rollouts, batch)
+    await _score(ctx, record, greedy)
     await _reference(ctx, record, batch)
     baseline = torch.tensor(greedy.scores, dtype=torch.float32).repeat_interleave(a.samples_per_prompt)
     adv = remax_advantages(torch.tensor(rollouts.scores, dtype=torch.float32), baseline)
@@ -225,8 +226,8 @@ async def ppo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     record: dict[str, Any] = {}
     with _timed(record, "generate_seconds"):
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
-    await _score(ctx, record, rollouts)
     batch = to_batch(rollouts, ctx.codec.pad_id)
+    await _score(ctx, record, rollouts, batch)
     mask = batch["response_mask"]
     await _reference(ctx, record, batch)
     with _timed(record, "score_seconds"):
