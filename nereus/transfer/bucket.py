@@ -70,6 +70,32 @@ class TransferStats:
         moved = self.bytes_sent + self.bytes_received
         return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def add(self, other: TransferStats) -> None:
+        """Count ``other``'s bytes, buckets and rounds in these (not its seconds)."""
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.buckets += other.buckets
+        self.rounds += other.rounds
+        for p, n in other.per_peer_bytes.items():
+            self.per_peer_bytes[p] = self.per_peer_bytes.get(p, 0) + n
+
+
+def check_peers(comm: Communicator, *peer_maps: dict[int, list[torch.Tensor]]) -> None:
+    """Every peer of an exchange is another rank of ``comm``."""
+    for peers in peer_maps:
+        for peer in peers:
+            if peer == comm.rank or not 0 <= peer < comm.size:
+                raise ConfigError(f"exchange peer={peer} must be another rank in [0, {comm.size})")
+
+
+def emit_transfer(comm: Communicator, src: int, dst: int, nbytes: int, seconds: float, bucket_round: int) -> None:
+    """One ``transfer_bucket`` event on the tap (ranks of ``comm``; devices when known)."""
+    devices = comm.devices
+    _tap.emit("transfer_bucket", bytes=nbytes, seconds=seconds,
+              gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+              src=devices[src] if devices else src, dst=devices[dst] if devices else dst,
+              src_rank=src, dst_rank=dst, group=comm.group_id, epoch=comm.epoch, round=bucket_round)
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -201,9 +227,7 @@ def exchange(
         bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if device.type == "cuda" else DEFAULT_BUCKET_BYTES_CPU
     require(isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN, "bucket_bytes",
             bucket_bytes, f"must be an int >= {_ALIGN}")
-    for peer in [*sends, *recvs]:
-        if peer == comm.rank or not 0 <= peer < comm.size:
-            raise ConfigError(f"exchange peer={peer} must be another rank in [0, {comm.size})")
+    check_peers(comm, sends, recvs)
     out = {p: _Side(list(vs), bucket_bytes) for p, vs in sends.items() if vs}
     inn = {p: _Side(list(vs), bucket_bytes) for p, vs in recvs.items() if vs}
     rounds = max([len(s.used) for s in [*out.values(), *inn.values()]] or [0])
@@ -274,13 +298,7 @@ def exchange(
             stats.buckets += 1
             peer = dst if src == comm.rank else src
             stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + n
-            devices = comm.devices
-            _tap.emit("transfer_bucket", bytes=n, seconds=seconds,
-                      gbps=n / seconds / 1e9 if seconds > 0 else 0.0,
-                      src=devices[src] if devices else src,
-                      dst=devices[dst] if devices else dst,
-                      src_rank=src, dst_rank=dst, group=comm.group_id, epoch=comm.epoch,
-                      round=k)
+            emit_transfer(comm, src, dst, n, seconds, k)
     if rounds:
         unpack(rounds - 1)
     stats.seconds = time.perf_counter() - t_start

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 
 import torch
 
-from nereus.errors import ConfigError, TransferError
-from nereus.transfer import _arena, _tap
-from nereus.transfer.bucket import TransferStats, exchange
+from nereus.errors import TransferError
+from nereus.transfer import _arena
+from nereus.transfer.bucket import TransferStats, check_peers, emit_transfer, exchange
 from nereus.transfer.communicator import Communicator, P2POp
 
 __all__ = ["exchange_direct", "arena_empty"]
@@ -131,9 +131,7 @@ def exchange_direct(
     """Move ``sends``/``recvs`` (``exchange``'s contract) by direct copies into the
     receivers' arenas, copy each ``local`` (src, dst) pair here, and fall back to the
     bucketed ``exchange`` for what cannot go directly (see the module docstring)."""
-    for peer in [*sends, *recvs]:
-        if peer == comm.rank or not 0 <= peer < comm.size:
-            raise ConfigError(f"exchange peer={peer} must be another rank in [0, {comm.size})")
+    check_peers(comm, sends, recvs)
     t_start = time.perf_counter()
     pids: dict[int, int] = getattr(comm, "local_pids", {}) or {}
     out = {p: list(vs) for p, vs in sends.items() if vs and p in pids}
@@ -172,13 +170,7 @@ def exchange_direct(
     rest_out = {p: vs for p, vs in rest_out.items() if vs}
     rest_in = {p: vs for p, vs in rest_in.items() if vs}
     if rest_out or rest_in:
-        more = exchange(comm, rest_out, rest_in, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-        stats.bytes_sent += more.bytes_sent
-        stats.bytes_received += more.bytes_received
-        stats.buckets += more.buckets
-        stats.rounds += more.rounds
-        for p, n in more.per_peer_bytes.items():
-            stats.per_peer_bytes[p] = stats.per_peer_bytes.get(p, 0) + n
+        stats.add(exchange(comm, rest_out, rest_in, bucket_bytes=bucket_bytes, timeout_s=timeout_s))
     stats.seconds = time.perf_counter() - t_start
     return stats
 
@@ -216,8 +208,4 @@ def _count(stats: TransferStats, comm: Communicator, src: int, dst: int, nbytes:
         stats.bytes_received += nbytes
     peer = dst if mine else src
     stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + nbytes
-    devices = comm.devices
-    _tap.emit("transfer_bucket", bytes=nbytes, seconds=seconds,
-              gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-              src=devices[src] if devices else src, dst=devices[dst] if devices else dst,
-              src_rank=src, dst_rank=dst, group=comm.group_id, epoch=comm.epoch, round=-1)
+    emit_transfer(comm, src, dst, nbytes, seconds, -1)
