@@ -14,6 +14,12 @@ reshapes), and does once per step what every layer would otherwise redo:
   (``-inf`` past each row's own position) that ``baddbmm`` adds while computing the
   scores, and an index that writes each row's k/v at its own slot. Rows at one position
   need neither: one slice copy and no mask.
+- Views: the new k/v heads of a layer, and its cached ``k^T`` and ``v`` over the slots
+  attended, are one ``as_strided`` each (rather than chains of narrow/view/transpose),
+  the last two whenever a pair buffer's row and kv head dims merge (always but for a
+  strided row view of a cache). The layers' norms and residual adds are inlined, and
+  ``layer_parts`` gathers once what a layer reads (parameter dicts, not tensors, so
+  weights updated in place, re-pointed or replaced are seen at the next step).
 - Attention: one query per row against its cache slots, ``softmax(q k^T) v`` as two
   ``bmm`` over ``batch x kv_heads`` with the query heads of a kv head grouped (GQA without
   copies of k/v). SDPA's CPU kernel is slower for one query, several times so with a mask.
@@ -35,9 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nereus.models.layers import RMSNorm, RowParallelLinear
-
-__all__ = ["DecodeStep", "StepTables", "decode_step_plan", "decode_layer", "attend_one", "rms_norm_rows"]
+__all__ = ["DecodeStep", "StepTables", "decode_step_plan", "layer_parts", "decode_layer", "attend_one", "rms_norm_rows"]
 
 
 @dataclass
@@ -51,6 +55,10 @@ class DecodeStep:
     index: torch.Tensor | None  # [B * kv_heads]: each row's slot in a [2, B * kv_heads * S, D] view
     bias: torch.Tensor | None  # [B * kv_heads, 1, kv_len]: 0 or -inf per slot
     eps: torch.Tensor  # the norms' epsilon as a 0-dim tensor (an addcmul operand)
+    # k^T and v of every layer as one ``as_strided`` each: (the pair buffers' strides, k^T's
+    # size and stride, v's size and stride, the offset of v in a pair), or None when a
+    # pair's row and kv head dims do not merge (a strided row view of a cache).
+    views: tuple | None = None
 
 
 class StepTables:
@@ -70,12 +78,19 @@ class StepTables:
 
 
 def decode_step_plan(
-    tables: StepTables, rope_table: torch.Tensor, positions: torch.Tensor, kv_heads: int, slots: int, low: int, high: int
+    tables: StepTables, rope_table: torch.Tensor, positions: torch.Tensor, pair: torch.Tensor, low: int, high: int
 ) -> DecodeStep:
     """The shared part of a decode step for ``positions`` ``[B]`` (all ``>= 0``) whose
-    smallest and largest entries are ``low`` and ``high``, with caches of ``slots`` slots;
+    smallest and largest entries are ``low`` and ``high``, with pair buffers shaped and
+    strided like ``pair`` (``[2, B, kv_heads, slots, head_dim]``, one of them);
     ``rope_table`` is the stage's ``[n > high, 2, head_dim]`` cos / signed-sin table."""
     kv_len = high + 1
+    _, _, kv_heads, slots, d = pair.shape
+    st = pair.stride()
+    views = None
+    if st[1] == kv_heads * st[2]:
+        n = positions.shape[0] * kv_heads
+        views = (st, (n, d, kv_len), (st[2], st[4], st[3]), (n, kv_len, d), (st[2], st[3], st[4]), st[0])
     if low == high:
         rows = rope_table.narrow(0, low, 1)  # [1, 2, D]
         slot, index, bias = low, None, None
@@ -88,29 +103,21 @@ def decode_step_plan(
         beyond = tables.slot_ids.narrow(0, 0, kv_len) > positions.view(b, 1)
         bias = torch.where(beyond, float("-inf"), 0.0).repeat_interleave(kv_heads, dim=0).unsqueeze(1)
     cos, sin = torch.addcmul(tables.offset, rows.unsqueeze(1), tables.scale).unbind(2)
-    return DecodeStep(cos, sin, kv_len, slot, index, bias, tables.eps)
+    return DecodeStep(cos, sin, kv_len, slot, index, bias, tables.eps, views)
 
 
-def rms_norm_rows(x: torch.Tensor, norm: RMSNorm, eps: torch.Tensor) -> torch.Tensor:
-    """``RMSNorm`` of float32 rows ``[B, H]``: ``x * rsqrt(|x|^2 / H + eps) * w``."""
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``RMSNorm`` of float32 rows ``[B, H]``: ``x * rsqrt(|x|^2 / H + eps) * weight``."""
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    scale = torch.addcmul(eps, n, n, value=1.0 / x.shape[-1]).rsqrt_()
-    return torch.mul(x, scale).mul_(norm.weight)
+    return torch.mul(x, torch.addcmul(eps, n, n, value=1.0 / x.shape[-1]).rsqrt_()).mul_(weight)
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``softmax(q k^T + bias) v`` for ``q`` ``[B * kv_heads, rep, D]`` (already scaled) and
-    ``k``, ``v`` ``[B * kv_heads, S, D]``; ``bias`` ``[B * kv_heads, 1, S]`` or None."""
-    kt = k.transpose(1, 2)
+def attend_one(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(q k^T + bias) v`` for ``q`` ``[B * kv_heads, rep, D]`` (already scaled),
+    ``kt`` (``k^T``) ``[B * kv_heads, D, S]``, ``v`` ``[B * kv_heads, S, D]`` and ``bias``
+    ``[B * kv_heads, 1, S]`` or None."""
     scores = torch.bmm(q, kt) if bias is None else torch.baddbmm(bias, q, kt)
     return torch.bmm(torch.softmax(scores, dim=-1), v)
-
-
-def _add_row_parallel(h: torch.Tensor, x: torch.Tensor, lin: RowParallelLinear) -> torch.Tensor:
-    """``h + lin(x)``: one ``addmm`` when there is nothing to reduce or add after the GEMM."""
-    if lin.bias is None and lin.pc.tp_size == 1:
-        return torch.addmm(h, x, lin.weight.t())
-    return h + lin.forward(x)
 
 
 def _write(pair: torch.Tensor, new: torch.Tensor, step: DecodeStep) -> None:
@@ -127,18 +134,50 @@ def _write(pair: torch.Tensor, new: torch.Tensor, step: DecodeStep) -> None:
         pair.scatter_(3, rows, new.unsqueeze(3))
 
 
-def decode_layer(layer, h: torch.Tensor, step: DecodeStep, pair: torch.Tensor) -> torch.Tensor:
-    """One ``DecoderLayer`` on rows ``h`` ``[B, hidden]``: writes this step's k/v into the
-    layer's pair buffer and returns the layer's output ``[B, hidden]``."""
+def layer_parts(layer) -> tuple:
+    """What ``decode_layer`` reads of a ``DecoderLayer``, gathered once per stage: the
+    parameter dicts of its norms and linears (so a step finds each weight with a dict
+    lookup instead of ``nn.Module.__getattr__``; the dicts stay the modules' own, so
+    weights written in place, re-pointed with ``set_`` or even replaced stay current),
+    the head counts, and per row-parallel linear None when its residual add can be
+    fused into one ``addmm`` (no bias, TP 1), else the module to call."""
     norm1, attn, norm2, mlp = layer._parts
-    b = h.shape[0]
-    nq, nkv, d = attn.heads_local, attn.kv_heads_local, attn.head_dim
-    qkv_proj = attn.qkv_proj
-    qkv = F.linear(rms_norm_rows(h, norm1, step.eps), qkv_proj.weight, qkv_proj.bias).view(b, nq + 2 * nkv, d)
+    o, down = attn.o_proj, mlp.down_proj
+    return (
+        norm1._parameters, attn.qkv_proj._parameters, o._parameters,
+        norm2._parameters, mlp.gate_up_proj._parameters, down._parameters,
+        attn.heads_local, attn.kv_heads_local, attn.head_dim,
+        None if o.bias is None and o.pc.tp_size == 1 else o,
+        None if down.bias is None and down.pc.tp_size == 1 else down,
+    )
+
+
+def decode_layer(parts: tuple, h: torch.Tensor, step: DecodeStep, pair: torch.Tensor) -> torch.Tensor:
+    """One ``DecoderLayer`` (given as its ``layer_parts``) on rows ``h`` ``[B, hidden]``:
+    writes this step's k/v into the layer's pair buffer and returns the layer's output
+    ``[B, hidden]``. The norms and residual adds are inlined: at this size a Python call
+    per piece costs more than some of its ops."""
+    norm1, qkv_p, o_p, norm2, gate_up_p, down_p, nq, nkv, d, o_proj, down_proj = parts
+    b, hidden = h.shape
+    heads, eps, inv_h = nq + 2 * nkv, step.eps, 1.0 / hidden
+    n = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+    x = torch.mul(h, torch.addcmul(eps, n, n, value=inv_h).rsqrt_()).mul_(norm1["weight"])
+    qkv = F.linear(x, qkv_p["weight"], qkv_p.get("bias")).view(b, heads, d)
     qkv = torch.addcmul(qkv * step.cos, torch.roll(qkv, d // 2, 2), step.sin)
-    _write(pair, qkv.narrow(1, nq, 2 * nkv).view(b, 2, nkv, d).transpose(0, 1), step)
+    # The new k and v heads as [2, B, kv_heads, D]: one view of the fresh (contiguous) qkv.
+    _write(pair, qkv.as_strided((2, b, nkv, d), (nkv * d, heads * d, d, 1), qkv.storage_offset() + nq * d), step)
     q = qkv.narrow(1, 0, nq).reshape(b * nkv, nq // nkv, d)
-    k, v = pair.narrow(3, 0, step.kv_len).reshape(2, b * nkv, step.kv_len, d).unbind(0)
-    h = _add_row_parallel(h, attend_one(q, k, v, step.bias).view(b, nq * d), attn.o_proj)
-    gate, up = F.linear(rms_norm_rows(h, norm2, step.eps), mlp.gate_up_proj.weight).chunk(2, dim=-1)
-    return _add_row_parallel(h, torch.mul(F.silu(gate, inplace=True), up), mlp.down_proj)
+    views = step.views
+    if views is not None and pair.stride() == views[0]:
+        base = pair.storage_offset()
+        kt, v = pair.as_strided(views[1], views[2], base), pair.as_strided(views[3], views[4], base + views[5])
+    else:
+        k, v = pair.narrow(3, 0, step.kv_len).reshape(2, b * nkv, step.kv_len, d).unbind(0)
+        kt = k.transpose(1, 2)
+    a = attend_one(q, kt, v, step.bias).view(b, nq * d)
+    h = torch.addmm(h, a, o_p["weight"].t()) if o_proj is None else h + o_proj.forward(a)
+    n = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+    x = torch.mul(h, torch.addcmul(eps, n, n, value=inv_h).rsqrt_()).mul_(norm2["weight"])
+    gate, up = F.linear(x, gate_up_p["weight"]).chunk(2, dim=-1)
+    x = torch.mul(F.silu(gate, inplace=True), up)
+    return torch.addmm(h, x, down_p["weight"].t()) if down_proj is None else h + down_proj.forward(x)

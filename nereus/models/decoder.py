@@ -52,7 +52,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from nereus.config import require
-from nereus.models._decode import StepTables, decode_layer, decode_step_plan, rms_norm_rows
+from nereus.models._decode import (
+    StepTables,
+    decode_layer,
+    decode_step_plan,
+    layer_parts,
+    rms_norm_rows,
+)
 from nereus.models.config import ModelConfig
 from nereus.models.layers import (
     ColumnParallelLinear,
@@ -354,7 +360,7 @@ class DecoderStage(nn.Module):
         # A plain list (not registered twice) spares the hot loop the ModuleDict lookups.
         self._layers: list[DecoderLayer] = [self.model.layers[str(i)] for i in self.layer_ids]
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, device)
-        self._step_tables: StepTables | None = None  # the decode path's constants, made on first use
+        self._decode_setup: tuple | None = None  # the decode path's constants and parts, made on first use
         if pc.is_last_stage:
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
             tied = self.model.embed_tokens if c.tie_word_embeddings else None
@@ -441,28 +447,42 @@ class DecoderStage(nn.Module):
     ) -> torch.Tensor:
         """``forward`` of one token per row at ``positions`` ``[B]`` (all ``>= 0``) with a
         cache, in float32 without autograd: the few-op path of ``nereus.models._decode``."""
+        setup = self._decode_setup
+        if setup is None:
+            setup = self._decode_setup = self._make_decode_setup()
+        tables, rotary, layers, embed, norm, lm_head = setup
         b = positions.shape[0]
-        h = self.model.embed_tokens.forward(x.view(b)) if self.pc.is_first_stage else x.reshape(b, -1)
-        if self._step_tables is None:
-            c = self.config
-            self._step_tables = StepTables(self.heads_local, self.kv_heads_local, c.head_dim, c.rms_norm_eps,
-                                            c.max_position_embeddings, self.rotary.inv_freq.device)
-        rope_table = self.rotary._table(high + 1, h.dtype)
+        h = embed.forward(x.view(b)) if embed is not None else x.reshape(b, -1)
+        rope_table = rotary._table(high + 1, h.dtype)
         pairs = kv_cache.pairs
         assert pairs is not None
-        slots = pairs[self.layer_ids[0]].shape[3]
-        step = decode_step_plan(self._step_tables, rope_table, positions, self.kv_heads_local, slots, low, high)
-        for i, layer in zip(self.layer_ids, self._layers, strict=True):
-            h = decode_layer(layer, h, step, pairs[i])
-        if not self.pc.is_last_stage:
+        step = decode_step_plan(tables, rope_table, positions, pairs[layers[0][0]], low, high)
+        for i, parts in layers:
+            h = decode_layer(parts, h, step, pairs[i])
+        if norm is None:
             return h.view(b, 1, -1)
-        out = rms_norm_rows(h, self.model.norm, step.eps)
+        out = rms_norm_rows(h, norm["weight"], step.eps)
         if output == "logits":
-            out = self.lm_head.forward(out)
+            out = lm_head.forward(out)
             if gather_logits:
                 out = gather_from_tp(out, self.pc)
         # With one token per row the only valid index is 0: the rows are the answer.
         return out if logits_index is not None else out.unsqueeze(1)
+
+    def _make_decode_setup(self) -> tuple:
+        """What ``_decode`` needs besides its inputs, gathered once: the step tables, the
+        rotary module, ``(global index, layer_parts)`` per layer, the embedding (first
+        stage, else None), the final norm's parameter dict and the LM head (last stage,
+        else None). Modules and parameter dicts, never tensors derived from weights: a
+        weight update (in place or by ``set_``) is seen by the next step."""
+        c = self.config
+        tables = StepTables(self.heads_local, self.kv_heads_local, c.head_dim, c.rms_norm_eps,
+                            c.max_position_embeddings, self.rotary.inv_freq.device)
+        layers = [(i, layer_parts(layer)) for i, layer in zip(self.layer_ids, self._layers, strict=True)]
+        embed = self.model.embed_tokens if self.pc.is_first_stage else None
+        last = self.pc.is_last_stage
+        return (tables, self.rotary, layers, embed, self.model.norm._parameters if last else None,
+                self.lm_head if last else None)
 
     def reduce_replicated_grads(self) -> None:
         """After backward at ``tp > num_key_value_heads``: sum the partial gradients of

@@ -92,7 +92,7 @@ def test_masked_single_query_attention_matches_sdpa(batch, kv, rep, slots):
     last = torch.randint(0, slots, (batch,), generator=g)  # each row sees slots 0..last
     visible = torch.arange(slots) <= last.view(batch, 1)
     bias = torch.where(visible, 0.0, float("-inf")).repeat_interleave(kv, dim=0).unsqueeze(1)
-    got = attend_one((q * d**-0.5).reshape(batch * kv, rep, d), k.reshape(batch * kv, slots, d),
+    got = attend_one((q * d**-0.5).reshape(batch * kv, rep, d), k.reshape(batch * kv, slots, d).transpose(1, 2),
                      v.reshape(batch * kv, slots, d), bias).view(batch, heads, d)
     expect = F.scaled_dot_product_attention(
         q.reshape(batch, heads, 1, d), k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
@@ -159,3 +159,36 @@ def test_padding_or_a_cache_without_pairs_takes_the_general_path(monkeypatch):
         torch.testing.assert_close(torch.cat(steps, dim=1)[:2], full[:2, width:], rtol=1e-5, atol=1e-5)
         plain = KVCache(dict(cache.keys), dict(cache.values), cache.max_len)  # no pair buffers
         stage(ids[:2, :1], positions[:2, width - 1 : width], kv_cache=plain.rows(slice(0, 2)))
+
+
+def test_decode_path_sees_weights_written_repointed_or_replaced_after_its_first_step():
+    # The decode path gathers each layer's parameter dicts once; every way the engines
+    # update weights (copy_ in place, set_ onto a received buffer) and even replacing a
+    # parameter object must reach the next step. Reference: the general path (a cache
+    # without pair buffers) with the same weights.
+    torch.manual_seed(5)
+    stage = build_stage(tiny_config("qwen2")).eval()
+    ids = torch.randint(0, 256, (3, 5))
+    pos = torch.arange(5).expand(3, 5)
+    layer = stage._layers[0]
+
+    def step_both() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            fast_cache, plain_cache = stage.new_kv_cache(3, max_len=8), stage.new_kv_cache(3, max_len=8)
+            plain = KVCache(plain_cache.keys, plain_cache.values, plain_cache.max_len)
+            outs = []
+            for cache in (fast_cache, plain):
+                stage(ids[:, :4], pos[:, :4], kv_cache=cache)
+                outs.append(stage(ids[:, 4:], pos[:, 4:], kv_cache=cache))
+        return outs[0], outs[1]
+
+    before, _ = step_both()
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.mul_(3.0)  # in place, as load_named / load_stage_weights
+        qkv = layer.self_attn.qkv_proj.weight
+        qkv.set_(qkv.detach().clone().mul_(-1.0))  # re-pointed, as an adopted transfer bucket
+        stage.model.norm.weight.set_(torch.full_like(stage.model.norm.weight, 2.0))
+        layer.self_attn.qkv_proj.bias = torch.nn.Parameter(torch.randn_like(layer.self_attn.qkv_proj.bias))
+    fast, general = step_both()
+    assert not torch.allclose(fast, before)
+    torch.testing.assert_close(fast, general, rtol=1e-5, atol=1e-5)
