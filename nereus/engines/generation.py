@@ -413,10 +413,12 @@ class _Noise:
         self.seed, self.chunk = seed, chunk
         self._step = -1
         self._noise: torch.Tensor | None = None
+        self._generator = torch.Generator(device="cpu")  # reseeded every step by step_noise
 
     def rows(self, step: int, batch: int, rows: slice) -> torch.Tensor:
         if step != self._step:
-            self._noise = step_noise(self.seed, self.chunk, step, batch)
+            self._noise = step_noise(self.seed, self.chunk, step, batch, self._generator)
             self._step = step
         assert self._noise is not None
-        return self._noise[rows]
+        # The whole batch (every step without a wavefront) needs no slice.
+        return self._noise if rows.start == 0 and rows.stop == batch else self._noise[rows]

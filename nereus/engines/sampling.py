@@ -120,12 +120,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def step_noise(seed: int, chunk: int, step: int, rows: int) -> torch.Tensor:
+def step_noise(seed: int, chunk: int, step: int, rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """The uniform noise ``[rows]`` of one decode step of one chunk of a request:
     a function of (seed, chunk, step) only, so any grouping of the rows (pipeline
-    micro-batches) draws the same tokens."""
+    micro-batches) draws the same tokens. ``generator`` (a CPU generator) is reseeded
+    and used instead of a new one: reseeding resets its whole state, so the noise is
+    the same, and a step is spared building a generator."""
     mixed = (int(seed) * 0x9E3779B97F4A7C15 + chunk * 1_000_003 + step) % (2**63 - 1)
-    return torch.rand((rows,), generator=make_generator(mixed), dtype=torch.float32)
+    if generator is None:
+        generator = make_generator(mixed)
+    else:
+        generator.manual_seed(mixed)
+    return torch.rand((rows,), generator=generator, dtype=torch.float32)
 
 
 def sample_next(

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus.engines.sampling import SamplingParams, make_generator, sample_next
+from nereus.engines.sampling import SamplingParams, make_generator, sample_next, step_noise
 from nereus.errors import ConfigError
 
 
@@ -132,3 +132,11 @@ def test_extreme_uniforms_never_draw_a_filtered_token():
     assert tokens.tolist()[0] == 1 and tokens.tolist()[2] == 3
     assert set(tokens.tolist()) <= {1, 3}
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
+def test_step_noise_from_a_reused_generator_equals_a_fresh_one():
+    g = torch.Generator()
+    torch.rand(7, generator=g)  # a used generator: reseeding must reset all of its state
+    for seed, chunk, step in ((0, 0, 0), (3, 1, 5), (2**40, 2, 63)):
+        assert torch.equal(step_noise(seed, chunk, step, 9, g), step_noise(seed, chunk, step, 9))
+    assert not torch.equal(step_noise(3, 1, 5, 9), step_noise(3, 1, 6, 9))
