@@ -68,8 +68,10 @@ def box_numel(box: Box) -> int:
 def box_intersect(a: Box, b: Box) -> Box | None:
     """The common box of ``a`` and ``b``, or None when they share no element."""
     out = []
+    # conditional expressions, not max()/min(): this is the planners' innermost call
     for (alo, ahi), (blo, bhi) in zip(a, b, strict=False):
-        lo, hi = max(alo, blo), min(ahi, bhi)
+        lo = alo if alo > blo else blo
+        hi = ahi if ahi < bhi else bhi
         if lo >= hi:
             return None
         out.append((lo, hi))

@@ -14,7 +14,9 @@ sources on its own device hold; only the rest is fetched, each remaining box fro
 the source whose device is best by tier (same host, then another host), then
 rank-aligned (the same (pp, tp) position in the same layout: Extend's pairs), then
 least loaded so far (load-balanced across source replicas). So ``bytes_moved`` equals
-``bytes_minimum``: the bytes of every target box not already on its device.
+``bytes_minimum``: the bytes of every target box not already on its device. Target
+shards cut alike (every layer's ``q_proj``) are worked out once per call and replayed
+where the load allows: the plan is the one planning each shard afresh would give.
 
 The plan also carries the logical state (update counter, policy version, sample
 position), which all sources must agree on, to the target.
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 from nereus.errors import StateError
 from nereus.state.emu import EMU, DeviceSet, LogicalState
-from nereus.state.layout import Box, Piece, box_intersect, box_numel, box_subtract
+from nereus.state.layout import Box, Piece, Shard, box_intersect, box_numel, box_subtract
 from nereus.state.spec import DTYPE_BYTES
 
 __all__ = ["Move", "Keep", "ReshardPlan", "plan_reshard", "bytes_minimum", "common_state", "host_lookup"]
@@ -124,25 +126,174 @@ def common_state(sources: Sequence[EMU]) -> LogicalState:
     return sources[0].state
 
 
-def _source_index(sources: Sequence[EMU], keys: Iterable[str]) -> dict[str, list[tuple[EMU, int, Piece, str, tuple]]]:
+# One device of one source EMU: (emu, device, (pp_rank, tp_rank)).
+_Slot = tuple[EMU, int, tuple[int, int]]
+# What a source slot holds of one key: (slot index, shard, dtype).
+_Held = tuple[int, Shard, str]
+# One copy into a target shard: (index into the key's _Held list, global box, source
+# local box, target local box, elements, whether it crosses devices).
+_Step = tuple[int, Box, Box, Box, int, bool]
+# A load comparison a source choice rested on: (winner, its pending bytes, rival, its
+# pending bytes): the winner's (load + pending, device) was below the rival's.
+_Guard = tuple[int, int, int, int]
+
+
+def _source_index(sources: Sequence[EMU], keys: Iterable[str]) -> tuple[list[_Slot], dict[str, list[_Held]]]:
+    """Every source device as a slot, and per wanted key what each slot holds of it
+    (in source, then device order: the order sources are tried in)."""
     wanted = set(keys)
-    index: dict[str, list[tuple[EMU, int, Piece, str, tuple]]] = defaultdict(list)
+    slots: list[_Slot] = []
+    held: dict[str, list[_Held]] = defaultdict(list)
     for emu in sources:
         for i, device in enumerate(emu.devices):
-            pos = emu.layout.position(i)
+            slot = len(slots)
+            slots.append((emu, device, emu.layout.position(i)))
             for key, (shard, dtype) in emu.shards_on(device).items():
                 if key in wanted:
-                    for piece in shard.pieces:
-                        index[key].append((emu, device, piece, dtype, (shard, pos)))
-    return index
+                    held[key].append((slot, shard, dtype))
+    return slots, held
 
 
-def _by_box(cands: list) -> list[tuple[Box, list]]:
+def _by_box(cands: list[tuple[int, Piece]]) -> list[tuple[Box, list[tuple[int, Piece]]]]:
     """Source pieces grouped by their global box: replicas are intersected once."""
-    groups: dict[Box, list] = {}
+    groups: dict[Box, list[tuple[int, Piece]]] = {}
     for c in cands:
-        groups.setdefault(c[2].box, []).append(c)
+        groups.setdefault(c[1].box, []).append(c)
     return list(groups.items())
+
+
+class _Planner:
+    """The working state of one ``plan_reshard`` call.
+
+    Most target shards repeat a geometry: every layer's ``q_proj`` is cut the same way
+    and held by the same source devices. The steps of a shard (which source piece fills
+    which box) follow from that geometry and the target device, except where source
+    devices tie on tier and alignment: there the load so far picks one. So steps are
+    computed once per geometry together with the load comparisons that picked them
+    (guards), and replayed for every later shard of that geometry whose current load
+    passes the same comparisons; otherwise they are computed again (another variant)."""
+
+    def __init__(self, sources: Sequence[EMU], target: EMU, host_of: HostOf, reuse: bool):
+        self.target = target
+        self.host_of = host_of
+        self.reuse = reuse
+        self.names = [s.name for s in sources]
+        self.slots, self.held = _source_index(sources, target.keys())
+        self.load: dict[int, int] = defaultdict(int)
+        self.source_geometry: dict[str, int] = {}
+        self.geometry_ids: dict[tuple[tuple[int, Shard], ...], int] = {}
+        self.memo: dict[tuple, list[tuple[list[_Guard], list[_Step]]]] = {}
+        self.moves: list[Move] = []
+        self.keeps: list[Keep] = []
+
+    def plan_device(self, t_index: int, device: int) -> None:
+        for key, (shard, dtype) in self.target.shards_on(device).items():
+            self._plan_shard(t_index, device, key, shard, dtype)
+
+    def _plan_shard(self, t_index: int, device: int, key: str, shard: Shard, dtype: str) -> None:
+        held = self.held.get(key, [])
+        itemsize = DTYPE_BYTES[dtype]
+        if self.reuse:
+            for slot, src_shard, src_dtype in held:
+                if self.slots[slot][1] == device and src_shard == shard and src_dtype == dtype:
+                    self.keeps.append(Keep(self.slots[slot][0].name, device, key, shard.numel * itemsize))
+                    return
+        geometry = (t_index, itemsize, shard, self._source_geometry(key, dtype, held))
+        variants = self.memo.get(geometry)
+        if variants is None:
+            variants = self.memo[geometry] = []
+        steps = next((steps for guards, steps in variants if not guards or self._holds(guards)), None)
+        if steps is None:
+            guards, steps = self._steps(t_index, device, key, shard, held, itemsize)
+            variants.append((guards, steps))
+        for h, box, src_box, dst_box, numel, remote in steps:
+            emu, src_dev, _ = self.slots[held[h][0]]
+            nbytes = numel * itemsize
+            if remote:
+                self.load[src_dev] += nbytes
+            self.moves.append(Move(emu.name, src_dev, device, key, box, src_box, dst_box, nbytes))
+
+    def _source_geometry(self, key: str, dtype: str, held: list[_Held]) -> int:
+        """An id for how the sources hold ``key`` (the same for every key cut the same
+        way on the same devices); refuses a source that holds it in another dtype."""
+        gid = self.source_geometry.get(key)
+        if gid is None:
+            for slot, _, src_dtype in held:
+                if src_dtype != dtype:
+                    raise StateError(f"{key}: source {self.slots[slot][0].name} holds dtype {src_dtype}, "
+                                     f"target {self.target.name} needs {dtype}")
+            shards = tuple((slot, src_shard) for slot, src_shard, _ in held)
+            gid = self.source_geometry[key] = self.geometry_ids.setdefault(shards, len(self.geometry_ids))
+        return gid
+
+    def _holds(self, guards: list[_Guard]) -> bool:
+        """Whether the current load makes the same choices these guards recorded."""
+        load = self.load
+        return all((load[w] + w_pending, w) < (load[r] + r_pending, r) for w, w_pending, r, r_pending in guards)
+
+    def _steps(self, t_index: int, device: int, key: str, shard: Shard, held: list[_Held],
+               itemsize: int) -> tuple[list[_Guard], list[_Step]]:
+        """The steps filling ``shard`` on ``device``, and the load comparisons they rest on."""
+        target, slots = self.target, self.slots
+        t_pos = target.layout.position(t_index)
+        host = self.host_of(device)
+        cands = [(h, sp) for h, (_, src_shard, _) in enumerate(held) for sp in src_shard.pieces]
+        local = [c for c in cands if slots[held[c[0]][0]][1] == device]
+        groups = None
+        # this shard's own remote bytes so far: they count towards the load it is balanced on
+        pending: dict[int, int] = defaultdict(int)
+        guards: list[_Guard] = []
+        steps: list[_Step] = []
+        for piece in shard.pieces:
+            need = [piece.box]
+            # 1. whatever the target device already holds
+            for h, sp in local:
+                still: list[Box] = []
+                for box in need:
+                    inter = box_intersect(box, sp.box)
+                    if inter is None:
+                        still.append(box)
+                        continue
+                    steps.append((h, inter, sp.to_local(inter), piece.to_local(inter), box_numel(inter), False))
+                    still.extend(box_subtract(box, inter))
+                need = still
+            # 2. the rest from the best remote source
+            if need and groups is None:
+                groups = _by_box(cands)
+            while need:
+                box = need.pop()
+                best = None
+                ranked: list[tuple[tuple[int, int], int]] = []
+                for gbox, members in groups or ():
+                    inter = box_intersect(box, gbox)
+                    if inter is None:
+                        continue
+                    for h, sp in members:
+                        emu, src_dev, s_pos = slots[held[h][0]]
+                        if src_dev == device:
+                            continue
+                        aligned = s_pos == t_pos and emu.layout == target.layout
+                        tier = (0 if self.host_of(src_dev) == host else 1, 0 if aligned else 1)
+                        ranked.append((tier, src_dev))
+                        rank = (*tier, self.load[src_dev] + pending[src_dev], src_dev)
+                        if best is None or rank < best[0]:
+                            best = (rank, h, sp, inter)
+                if best is None:
+                    raise StateError(
+                        f"no source EMU ({', '.join(self.names)}) holds {key} box {list(box)} "
+                        f"needed by {target.name} on device {device}"
+                    )
+                _, h, sp, inter = best
+                winner = slots[held[h][0]][1]
+                # devices tied with the winner on tier and alignment lost on load
+                top = min(tier for tier, _ in ranked)
+                rivals = sorted({d for tier, d in ranked if tier == top and d != winner})
+                guards.extend((winner, pending[winner], r, pending[r]) for r in rivals)
+                numel = box_numel(inter)
+                pending[winner] += numel * itemsize
+                steps.append((h, inter, sp.to_local(inter), piece.to_local(inter), numel, True))
+                need.extend(box_subtract(box, inter))
+        return guards, steps
 
 
 def plan_reshard(
@@ -164,73 +315,10 @@ def plan_reshard(
     names = [s.name for s in sources]
     if target.name in names or len(set(names)) != len(names):
         raise StateError(f"EMU names must be distinct: target {target.name!r}, sources {names}")
-    index = _source_index(sources, target.keys())
-    on_device: dict[tuple[str, int], list] = defaultdict(list)
-    for key, cands in index.items():
-        for c in cands:
-            on_device[key, c[1]].append(c)
-    load: dict[int, int] = defaultdict(int)
-    moves: list[Move] = []
-    keeps: list[Keep] = []
+    planner = _Planner(sources, target, host_of, reuse)
     for t_index, device in enumerate(target.devices):
-        t_pos = target.layout.position(t_index)
-        host = host_of(device)
-        for key, (shard, dtype) in target.shards_on(device).items():
-            cands = index.get(key, [])
-            itemsize = DTYPE_BYTES[dtype]
-            local = on_device.get((key, device), [])
-            if reuse:
-                same = [c for c in local if c[4][0] == shard and c[3] == dtype]
-                if same:
-                    keeps.append(Keep(same[0][0].name, device, key, shard.numel * itemsize))
-                    continue
-            groups = None
-            for c in cands:
-                if c[3] != dtype:
-                    raise StateError(f"{key}: source {c[0].name} holds dtype {c[3]}, target {target.name} needs {dtype}")
-            for piece in shard.pieces:
-                need = [piece.box]
-                # 1. whatever the target device already holds
-                for emu, _, sp, _, _ in local:
-                    still: list[Box] = []
-                    for box in need:
-                        inter = box_intersect(box, sp.box)
-                        if inter is None:
-                            still.append(box)
-                            continue
-                        moves.append(Move(emu.name, device, device, key, inter, sp.to_local(inter),
-                                          piece.to_local(inter), box_numel(inter) * itemsize))
-                        still.extend(box_subtract(box, inter))
-                    need = still
-                # 2. the rest from the best remote source
-                if need and groups is None:
-                    groups = _by_box(cands)
-                while need:
-                    box = need.pop()
-                    best = None
-                    for gbox, members in groups or ():
-                        inter = box_intersect(box, gbox)
-                        if inter is None:
-                            continue
-                        for emu, src_dev, sp, _, (_, s_pos) in members:
-                            if src_dev == device:
-                                continue
-                            aligned = s_pos == t_pos and emu.layout == target.layout
-                            rank = (0 if host_of(src_dev) == host else 1, 0 if aligned else 1, load[src_dev], src_dev)
-                            if best is None or rank < best[0]:
-                                best = (rank, emu, src_dev, sp, inter)
-                    if best is None:
-                        raise StateError(
-                            f"no source EMU ({', '.join(names)}) holds {key} box {list(box)} "
-                            f"needed by {target.name} on device {device}"
-                        )
-                    _, emu, src_dev, sp, inter = best
-                    nbytes = box_numel(inter) * itemsize
-                    load[src_dev] += nbytes
-                    moves.append(Move(emu.name, src_dev, device, key, inter, sp.to_local(inter),
-                                      piece.to_local(inter), nbytes))
-                    need.extend(box_subtract(box, inter))
-    return ReshardPlan(tuple(sources), target, tuple(moves), tuple(keeps))
+        planner.plan_device(t_index, device)
+    return ReshardPlan(tuple(sources), target, tuple(planner.moves), tuple(planner.keeps))
 
 
 def bytes_minimum(sources: Sequence[EMU], target: EMU) -> int:
