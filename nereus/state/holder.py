@@ -35,9 +35,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,15 +49,34 @@ from nereus.state.emu import EMU, DeviceSet, LogicalState, emu_from_plain, emu_t
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, check_fits, memory_effect
 from nereus.state.plan import ReshardPlan
 from nereus.state.primitives import Step
-from nereus.transfer import arena_empty, exchange, exchange_direct, get_communicator, make_group
+from nereus.transfer import (
+    arena_empty,
+    arena_pool_stats,
+    exchange,
+    exchange_direct,
+    get_communicator,
+    make_group,
+)
 
 __all__ = ["ShardHolder", "ExecuteStats", "execute", "execute_step", "save_to_disk", "load_from_disk"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("nereus.state")
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a thread, its result handed over without staying on the
+    thread's future: the event loop may keep a finished future alive until later, and a
+    future holding new shards would keep their memory (a pooled arena) from returning to
+    the pool when the shards are dropped."""
+    box: list[T] = []
+    await asyncio.to_thread(lambda: box.append(fn(*args, **kwargs)))
+    return box.pop()
 
 
 class ShardHolder(Actor):
@@ -110,6 +129,13 @@ class ShardHolder(Actor):
         return self.held_bytes()
 
     @endpoint
+    async def arena_stats(self) -> dict[str, int]:
+        """This worker's pool of arenas (the memory peers write targets into): free and
+        busy arenas and bytes. Busy bytes are shards alive now; dropped shards return
+        their arena to the pool at once."""
+        return arena_pool_stats()
+
+    @endpoint
     async def held(self) -> dict[str, int]:
         return {name: sum(_nbytes(t) for t in ts.values()) for name, ts in self.shards.items()}
 
@@ -156,8 +182,8 @@ class ShardHolder(Actor):
         sources = self.shards
         if part["sends"] or part["recvs"]:
             # the exchange blocks; run it off the event loop so the worker stays responsive
-            out = await asyncio.to_thread(run_part, part, sources, do_exchange,
-                                          alloc=arena_empty if direct else None, local_in_exchange=direct)
+            out = await _in_thread(run_part, part, sources, do_exchange,
+                                   alloc=arena_empty if direct else None, local_in_exchange=direct)
         else:
             out = run_part(part, sources, None)
         if part["tensors"] or part["keeps"]:
@@ -182,7 +208,7 @@ class ShardHolder(Actor):
     async def load_checkpoint(self, directory: str, emu: dict) -> int:
         """Read this device's shards of ``emu`` from the checkpoint; returns bytes held."""
         desc = emu_from_plain(emu)
-        tensors = await asyncio.to_thread(ckpt.load_shards, directory, desc, self.device.index)
+        tensors = await _in_thread(ckpt.load_shards, directory, desc, self.device.index)
         self.shards[desc.name] = tensors
         self.states[desc.name] = LogicalState(**ckpt.read_manifest(directory)["state"])
         return self.held_bytes()

@@ -7,13 +7,15 @@ Public API:
 - ``NcclCommunicator`` (``nereus.transfer.nccl``, imported on use: needs cupy).
 - ``exchange``, ``TransferStats``: bucketed, double-buffered transfers of tensor views.
 - ``exchange_direct``, ``arena_empty``: senders copy straight into receivers' arenas
-  (pooled shared memory of the receiving process), one copy per moved byte.
+  (pooled shared memory of the receiving process), one copy per moved byte;
+  ``arena_pool_stats``: this process's pool of them (free and busy).
 - ``make_group``, ``release_groups``, ``GroupHandle`` (controller side) and
   ``get_communicator``, ``release_epoch``, ``local_groups`` (worker side).
 
 Importing nereus.transfer never imports cupy.
 """
 
+from nereus.transfer._arena import pool_stats as arena_pool_stats
 from nereus.transfer.bucket import TransferStats, exchange
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 from nereus.transfer.cpu import CpuCommunicator
@@ -35,6 +37,7 @@ __all__ = [
     "ReduceOp",
     "TransferStats",
     "arena_empty",
+    "arena_pool_stats",
     "exchange",
     "exchange_direct",
     "get_communicator",

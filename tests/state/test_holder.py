@@ -97,6 +97,9 @@ async def test_a_to_b_to_a_on_workers_is_bitwise(holders, case):
         await execute(ba, refs, cluster, free=[ab.target])
         await _assert_holds(refs, ba.target, full)
         assert ba.target.state == LogicalState(9, 4, 321)
+        await _drop_all(refs)
+        for d, ref in refs.items():  # dropped targets give their arenas back at once
+            assert (await ref.arena_stats.call_one())["busy_bytes"] == 0, d
     finally:
         await _drop_all(refs)
 
