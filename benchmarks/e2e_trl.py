@@ -20,14 +20,20 @@ Each side runs in its own process and gets the same ``--cores`` CPU cores:
 
 A warm-up step first, then ``--steps`` measured steps; per side the median step time,
 its spread (min-max), the median generation time and generated tokens per second.
-A third process measures the compute floor: the step's FLOPs (linear layers and causal
-attention, training = 3x forward, generation = prefill + one forward per new token)
-divided by this machine's best single-core float32 matmul rate (measured for the step's
-shapes) times the cores. ``max_speedup`` = TRL's step / that floor: what no implementation
-on these cores, at this precision, can beat.
+A third process measures the floor: training is the step's FLOPs (linear layers and
+causal attention, 3x forward) over this machine's best single-core float32 matmul rate
+(measured for the step's shapes) times the cores; generation is the larger of its FLOPs
+(prefill + one forward per new token) at that rate and its memory traffic (every decode
+step reads the weights and each row's cached keys and values once) at one core's best
+streaming read rate, per core. ``max_speedup`` = TRL's step / that floor: what no
+implementation on these cores, at this precision, can beat. The same process also times
+one core's share of the training phase (its rows, the same micro-batches, AdamW) in plain
+PyTorch (transformers' Llama, forward + backward, no framework around it):
+``plain_torch_train_s``, the reference the training phase is up against in practice.
 
 The last line is one JSON object: nereus_step_s, trl_step_s, speedup, nereus_gen_tok_s,
-trl_gen_tok_s, floor_step_s, max_speedup (plus spreads, the floor's parts and the thread counts).
+trl_gen_tok_s, floor_step_s, max_speedup (plus spreads, the floor's parts, plain_torch_train_s and
+the thread counts).
 """
 
 from __future__ import annotations
@@ -238,7 +244,11 @@ def step_flops(b: dict[str, Any], prompt_len: float, vocab: int) -> dict[str, fl
     train = 3.0 * rows * length * (2.0 * linear + attention((length + 1) / 2))
     prefill = rows * prompt_len * (2.0 * linear + attention((prompt_len + 1) / 2))
     decode = rows * sum(2.0 * linear + attention(prompt_len + t) for t in range(1, new + 1))
-    return {"train": train, "generate": prefill + decode}
+    # bytes one core reads over the decode steps: all weights (float32) once a step, and the
+    # cached k and v of each of its rows at every context length
+    per_core = rows / b["cores"]
+    kv_read = sum(2.0 * layers * per_core * (prompt_len + t) * kv * 4 for t in range(1, new + 1))
+    return {"train": train, "generate": prefill + decode, "decode_bytes_per_core": new * 4.0 * linear + kv_read}
 
 
 def run_floor(b: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +278,15 @@ def run_floor(b: dict[str, Any]) -> dict[str, Any]:
                 best = max(best, 2.0 * rows * k * n * 5 / (time.perf_counter() - t0))
         return best
 
+    def read_rate() -> float:  # one core streaming through memory far larger than the caches
+        big = torch.ones(64 << 20)
+        best = 0.0
+        for _ in range(5):
+            t0 = time.perf_counter()
+            big.sum()
+            best = max(best, big.numel() * 4 / (time.perf_counter() - t0))
+        return best
+
     length = int(prompt_len + b["max_new_tokens"])
     rows_per_core = b["prompts_per_step"] * b["samples_per_prompt"] // b["cores"]
     return {
@@ -275,7 +294,39 @@ def run_floor(b: dict[str, Any]) -> dict[str, Any]:
         "vocab": codec.vocab_size,
         "train_flops_s": rate(8 * length),  # a micro-batch of 8 rows
         "decode_flops_s": rate(rows_per_core),  # one decode step of a core's rows
+        "read_bytes_s": read_rate(),
+        "plain_torch_train_s": plain_torch_train(b, codec.vocab_size, rows_per_core, length),
     }
+
+
+def plain_torch_train(b: dict[str, Any], vocab: int, rows: int, length: int) -> float:
+    """Median seconds of one core's training phase in plain PyTorch: ``rows`` rows of
+    ``length`` tokens in micro-batches of 8, token log-probabilities, backward, clipping, AdamW."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = b["model"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],
+        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
+        max_position_embeddings=m["max_seq_len"], tie_word_embeddings=False)).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=b["lr"], betas=tuple(b["betas"]), weight_decay=0.0)
+    ids = torch.randint(0, vocab, (rows, length))
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        for mb in ids.split(8):
+            logits = model(mb).logits[:, :-1]
+            logprobs = torch.log_softmax(logits, -1).gather(-1, mb[:, 1:, None]).squeeze(-1)
+            (-logprobs.mean()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), b["grad_clip"])
+        opt.step()
+        return time.perf_counter() - t0
+
+    step()
+    return statistics.median(step() for _ in range(3))
 
 
 def floor_summary(b: dict[str, Any], floor: dict[str, Any]) -> dict[str, float]:
@@ -284,9 +335,13 @@ def floor_summary(b: dict[str, Any], floor: dict[str, Any]) -> dict[str, float]:
     flops = step_flops(b, floor["prompt_len"], floor["vocab"])
     cores = b["cores"]
     train_s = flops["train"] / (cores * floor["train_flops_s"])
-    gen_s = flops["generate"] / (cores * floor["decode_flops_s"])
+    gen_compute_s = flops["generate"] / (cores * floor["decode_flops_s"])
+    gen_memory_s = flops["decode_bytes_per_core"] / floor["read_bytes_s"]
+    gen_s = max(gen_compute_s, gen_memory_s)
     return {"train_gflop": flops["train"] / 1e9, "gen_gflop": flops["generate"] / 1e9,
-            "floor_train_s": train_s, "floor_gen_s": gen_s, "floor_step_s": train_s + gen_s}
+            "gen_gb_per_core": flops["decode_bytes_per_core"] / 1e9, "read_gb_s": floor["read_bytes_s"] / 1e9,
+            "floor_train_s": train_s, "floor_gen_compute_s": gen_compute_s, "floor_gen_memory_s": gen_memory_s,
+            "floor_gen_s": gen_s, "floor_step_s": train_s + gen_s, "plain_torch_train_s": floor["plain_torch_train_s"]}
 
 
 # --------------------------------------------------------------------------- driver
@@ -349,8 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>6}: step {s['step_s']:.2f} s (min {s['step_min_s']:.2f}, max {s['step_max_s']:.2f}), "
               f"generate {s['gen_s']:.2f} s = {s['gen_tok_s']:.0f} tok/s{extra}; threads: {results[name]['threads']}")
     print(f" floor: {floor['train_gflop']:.1f} GFLOP training + {floor['gen_gflop']:.1f} GFLOP generation a step; at this machine's "
-          f"best one-core matmul rate on every core: train {floor['floor_train_s']:.2f} s + generate {floor['floor_gen_s']:.2f} s "
-          f"= {floor['floor_step_s']:.2f} s, so no implementation beats TRL by more than {sums['trl']['step_s'] / floor['floor_step_s']:.2f}x here")
+          f"best one-core matmul rate on every core: train {floor['floor_train_s']:.2f} s; generation reads "
+          f"{floor['gen_gb_per_core']:.1f} GB per core at {floor['read_gb_s']:.1f} GB/s: {floor['floor_gen_memory_s']:.2f} s "
+          f"(compute {floor['floor_gen_compute_s']:.2f} s); floor {floor['floor_step_s']:.2f} s, so no implementation beats TRL "
+          f"by more than {sums['trl']['step_s'] / floor['floor_step_s']:.2f}x here")
+    print(f"        one core's training phase in plain PyTorch: {floor['plain_torch_train_s']:.2f} s "
+          f"(nereus's training phase: {statistics.median(results['nereus']['train_s']):.2f} s)")
     out = {
         "nereus_step_s": round(sums["nereus"]["step_s"], 4),
         "trl_step_s": round(sums["trl"]["step_s"], 4),
@@ -364,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         "nereus_train_s": round(statistics.median(results["nereus"]["train_s"]), 4),
         "floor_train_s": round(floor["floor_train_s"], 4),
         "floor_gen_s": round(floor["floor_gen_s"], 4),
+        "floor_gen_compute_s": round(floor["floor_gen_compute_s"], 4),
+        "floor_gen_memory_s": round(floor["floor_gen_memory_s"], 4),
+        "plain_torch_train_s": round(floor["plain_torch_train_s"], 4),
         "cores_per_side": args.cores,
         "params": results["trl"]["params"],
         "nereus_threads": results["nereus"]["threads"],
