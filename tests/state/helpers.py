@@ -7,11 +7,13 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 from nereus.models.config import ModelConfig
 from nereus.models.spec import model_spec, shard_tensor
 from nereus.state import DTYPE_BYTES, EMU, ModelSpec, split_key
 from nereus.state.apply import TORCH_DTYPES
+from nereus.state.layout import Layout
 
 
 @lru_cache(maxsize=64)
@@ -65,3 +67,16 @@ def brute_force_minimum(sources: list[EMU], target: EMU) -> int:
                         need[tuple(slice(*r) for r in piece.box)] = False
             total += int(need.sum()) * DTYPE_BYTES[dtype]
     return total
+
+
+POW2 = st.sampled_from([1, 2, 4, 8])
+
+
+@st.composite
+def layouts(draw, layers: int = 8) -> Layout:
+    """A power-of-two layout (tp, pp in 1..8), with random valid layer cuts half the time."""
+    tp, pp = draw(POW2), draw(POW2)
+    cuts = ()
+    if pp > 1 and draw(st.booleans()):
+        cuts = tuple(sorted(draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1))))
+    return Layout(tp, pp, cuts)

@@ -19,19 +19,16 @@ from nereus.state import (
     bytes_minimum,
     plan_reshard,
 )
-from tests.state.helpers import brute_force_minimum, global_tensors, shard_store, spec_for
+from tests.state.helpers import (
+    POW2,
+    brute_force_minimum,
+    global_tensors,
+    layouts,
+    shard_store,
+    spec_for,
+)
 
-POW2 = st.sampled_from([1, 2, 4, 8])
 SLOTS = ("param", *OPTIMIZER_SLOTS)
-
-
-@st.composite
-def layouts(draw, layers: int = 8):
-    tp, pp = draw(POW2), draw(POW2)
-    cuts = ()
-    if pp > 1 and draw(st.booleans()):
-        cuts = tuple(sorted(draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1))))
-    return Layout(tp, pp, cuts)
 
 
 @st.composite

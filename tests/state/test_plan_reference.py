@@ -13,9 +13,7 @@ from nereus.state import EMU, OPTIMIZER_SLOTS, DeviceSet, Layout, LogicalState, 
 from nereus.state.layout import box_intersect, box_numel, box_subtract
 from nereus.state.plan import Keep, Move, host_lookup
 from nereus.state.spec import DTYPE_BYTES
-from tests.state.helpers import spec_for
-
-POW2 = st.sampled_from([1, 2, 4, 8])
+from tests.state.helpers import POW2, layouts, spec_for
 
 
 def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tuple[list[Move], list[Keep]]:
@@ -74,15 +72,6 @@ def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tup
                                       piece.to_local(inter), nbytes))
                     need += box_subtract(box, inter)
     return moves, keeps
-
-
-@st.composite
-def layouts(draw, layers: int = 8):
-    tp, pp = draw(POW2), draw(POW2)
-    cuts = ()
-    if pp > 1 and draw(st.booleans()):
-        cuts = tuple(sorted(draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1))))
-    return Layout(tp, pp, cuts)
 
 
 @st.composite
