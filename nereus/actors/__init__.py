@@ -26,11 +26,12 @@ supervision), ``mesh`` (call styles, slicing), ``cluster`` (local/connect, spawn
 failures), ``_wire`` (the format), ``nereus.node`` and ``nereus.controller``.
 
 Public API: ``Actor``, ``endpoint``, ``Cluster``, ``ActorMesh``, ``ActorRef``,
-``Endpoint``, ``DeviceInfo``, ``Failure``, ``current_device``, ``emit``.
+``Endpoint``, ``DeviceInfo``, ``Failure``, ``current_device``, ``emit``, ``run``,
+``in_thread`` (blocking work off the loop).
 """
 
 from nereus.actors._client import emit
-from nereus.actors._loop import run
+from nereus.actors._loop import in_thread, run
 from nereus.actors.actor import Actor, DeviceInfo, Failure, current_device, endpoint
 from nereus.actors.cluster import Cluster
 from nereus.actors.mesh import ActorMesh, ActorRef, Endpoint
@@ -46,5 +47,6 @@ __all__ = [
     "current_device",
     "emit",
     "endpoint",
+    "in_thread",
     "run",
 ]

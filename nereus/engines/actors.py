@@ -4,7 +4,7 @@ Worker side, ``EngineActor(kind, model_config, model_dir, options, ...)`` builds
 ``kind`` names -- ``"generation"`` (built-in), ``"vllm"``, ``"inference"``, ``"training"`` --
 at its place in the EMU, read from its mesh coordinates (``pp``, ``tp``), with the
 communicators of its TP, PP and DP groups looked up by id (``nereus.transfer``). Blocking
-engine work runs in a thread (``asyncio.to_thread``, kept at one torch thread: two workers
+engine work runs in a thread (``nereus.actors.in_thread``, kept at one torch thread: two workers
 sharing cores thrash as soon as either spreads) so the worker's loop keeps answering;
 every endpoint is sequential per actor, and every rank of the EMU must be called together
 (the engines run collectives), which ``mesh.<endpoint>.call`` does.
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from nereus.actors import Actor, Cluster, endpoint
+from nereus.actors import Actor, Cluster, endpoint, in_thread
 from nereus.config import require, to_dict
 from nereus.engines.generation import GenerationOutput
 from nereus.engines.losses import even_slices
@@ -58,7 +58,7 @@ def _one_thread(fn: Any, *args: Any) -> Any:
 
 async def run_engine_work(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a thread (the worker's event loop keeps answering), one torch thread."""
-    return await asyncio.to_thread(_one_thread, fn, *args)
+    return await in_thread(_one_thread, fn, *args)
 
 
 class EngineActor(Actor):

@@ -35,13 +35,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from nereus.actors import Actor, ActorRef, endpoint
+from nereus.actors import Actor, ActorRef, endpoint, in_thread
 from nereus.errors import OutOfMemory, StateError
 from nereus.state import checkpoint as ckpt
 from nereus.state.apply import TORCH_DTYPES, plan_part, run_part
@@ -60,23 +60,11 @@ from nereus.transfer import (
 
 __all__ = ["ShardHolder", "ExecuteStats", "execute", "execute_step", "save_to_disk", "load_from_disk"]
 
-T = TypeVar("T")
-
 log = logging.getLogger("nereus.state")
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-async def _in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` in a thread, its result handed over without staying on the
-    thread's future: the event loop may keep a finished future alive until later, and a
-    future holding new shards would keep their memory (a pooled arena) from returning to
-    the pool when the shards are dropped."""
-    box: list[T] = []
-    await asyncio.to_thread(lambda: box.append(fn(*args, **kwargs)))
-    return box.pop()
 
 
 class ShardHolder(Actor):
@@ -182,7 +170,7 @@ class ShardHolder(Actor):
         sources = self.shards
         if part["sends"] or part["recvs"]:
             # the exchange blocks; run it off the event loop so the worker stays responsive
-            out = await _in_thread(run_part, part, sources, do_exchange,
+            out = await in_thread(run_part, part, sources, do_exchange,
                                    alloc=arena_empty if direct else None, local_in_exchange=direct)
         else:
             out = run_part(part, sources, None)
@@ -208,7 +196,7 @@ class ShardHolder(Actor):
     async def load_checkpoint(self, directory: str, emu: dict) -> int:
         """Read this device's shards of ``emu`` from the checkpoint; returns bytes held."""
         desc = emu_from_plain(emu)
-        tensors = await _in_thread(ckpt.load_shards, directory, desc, self.device.index)
+        tensors = await in_thread(ckpt.load_shards, directory, desc, self.device.index)
         self.shards[desc.name] = tensors
         self.states[desc.name] = LogicalState(**ckpt.read_manifest(directory)["state"])
         return self.held_bytes()
