@@ -110,12 +110,17 @@ class KVCache:
     max_len: int
     pairs: dict[int, torch.Tensor] | None = None
 
+    @classmethod
+    def of_pairs(cls, pairs: dict[int, torch.Tensor], max_len: int) -> KVCache:
+        """The cache whose keys and values are the two halves of each pair buffer."""
+        return cls({i: p[0] for i, p in pairs.items()}, {i: p[1] for i, p in pairs.items()}, max_len, pairs)
+
     def rows(self, rows: slice) -> KVCache:
         """A view of some rows (a slice of the batch) of this cache."""
-        pairs = None if self.pairs is None else {i: p[:, rows] for i, p in self.pairs.items()}
-        keys = {i: k[rows] for i, k in self.keys.items()} if pairs is None else {i: p[0] for i, p in pairs.items()}
-        values = {i: v[rows] for i, v in self.values.items()} if pairs is None else {i: p[1] for i, p in pairs.items()}
-        return KVCache(keys, values, self.max_len, pairs)
+        if self.pairs is None:
+            return KVCache({i: k[rows] for i, k in self.keys.items()}, {i: v[rows] for i, v in self.values.items()},
+                           self.max_len)
+        return KVCache.of_pairs({i: p[:, rows] for i, p in self.pairs.items()}, self.max_len)
 
     @property
     def nbytes(self) -> int:
@@ -384,7 +389,7 @@ class DecoderStage(nn.Module):
         device = device or self.rotary.inv_freq.device
         shape = (2, batch, self.kv_heads_local, max_len, self.config.head_dim)
         pairs = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layer_ids}
-        return KVCache({i: p[0] for i, p in pairs.items()}, {i: p[1] for i, p in pairs.items()}, max_len, pairs)
+        return KVCache.of_pairs(pairs, max_len)
 
     def forward(
         self,

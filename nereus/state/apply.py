@@ -108,17 +108,14 @@ def _allocate(new: list[tuple[str, list[int], torch.dtype]], alloc: Callable[[in
               ) -> dict[str, torch.Tensor]:
     if alloc is None or not new:
         return {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in new}
-    offsets, total = [], 0
+    spans, total = [], 0  # (offset, bytes) of each new shard in the one buffer
     for _, shape, dtype in new:
-        offsets.append(total)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        spans.append((total, nbytes))
         total += -(-nbytes // _ALIGN) * _ALIGN
     buf = alloc(total)
-    out = {}
-    for (key, shape, dtype), offset in zip(new, offsets, strict=True):
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        out[key] = buf[offset : offset + nbytes].view(dtype).view(shape)
-    return out
+    return {key: buf[offset : offset + nbytes].view(dtype).view(shape)
+            for (key, shape, dtype), (offset, nbytes) in zip(new, spans, strict=True)}
 
 
 def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None, *,

@@ -130,7 +130,7 @@ class ShardHolder(Actor):
     def _check_budget(self, part: Mapping[str, Any]) -> None:
         budget = self.device.memory_bytes
         kept = {key for _, key in part["keeps"]}
-        new = sum(torch.Size(shape).numel() * torch.empty((), dtype=TORCH_DTYPES[dt]).element_size()
+        new = sum(torch.Size(shape).numel() * TORCH_DTYPES[dt].itemsize
                   for key, (shape, dt) in part["tensors"].items() if key not in kept)
         moving = sum(1 for _ in part["sends"]) + sum(1 for _ in part["recvs"])
         need = self.held_bytes() + new + (self.bucket_bytes if moving else 0)

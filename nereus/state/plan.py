@@ -199,9 +199,7 @@ class _Planner:
                     self.keeps.append(Keep(self.slots[slot][0].name, device, key, shard.numel * itemsize))
                     return
         geometry = (t_index, itemsize, shard, self._source_geometry(key, dtype, held))
-        variants = self.memo.get(geometry)
-        if variants is None:
-            variants = self.memo[geometry] = []
+        variants = self.memo.setdefault(geometry, [])
         steps = next((steps for guards, steps in variants if not guards or self._holds(guards)), None)
         if steps is None:
             guards, steps = self._steps(t_index, device, key, shard, held, itemsize)
