@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 
@@ -39,8 +40,18 @@ async def _counters(address: str) -> dict[str, int]:
     return (await current_client().request(address, "stats", {}))["counters"]
 
 
-async def _open(address: str):
-    return await asyncio.open_unix_connection(stream_path(address))
+def _delta(before: dict[str, int], after: dict[str, int], counter: str) -> int:
+    return after.get(counter, 0) - before.get(counter, 0)
+
+
+@contextlib.asynccontextmanager
+async def _connection(address: str):
+    """A raw connection to a worker's stream socket, closed on exit."""
+    reader, writer = await asyncio.open_unix_connection(stream_path(address))
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
 
 
 async def test_calls_go_over_the_stream_by_default(cluster: Cluster):
@@ -85,18 +96,16 @@ async def test_tensors_and_large_messages_round_trip(cluster: Cluster):
 async def test_bytes_split_anywhere_still_make_messages(cluster: Cluster):
     mesh = await cluster.spawn("st_split", Echo, devices=[0])
     ref = mesh.refs[0]
-    reader, writer = await _open(ref.address)
     try:
-        data = _call(cluster.key, ref.name, ref.incarnation, 7, "add", 20, 22)
-        for i in range(len(data)):  # one byte per write
-            writer.write(data[i:i + 1])
-            await writer.drain()
-            await asyncio.sleep(0)
-        reply = await asyncio.wait_for(_read_reply(cluster.key, reader), 10)
-        assert reply == [P.OK, 7, ref.incarnation, 42]
+        async with _connection(ref.address) as (reader, writer):
+            data = _call(cluster.key, ref.name, ref.incarnation, 7, "add", 20, 22)
+            for i in range(len(data)):  # one byte per write
+                writer.write(data[i:i + 1])
+                await writer.drain()
+                await asyncio.sleep(0)
+            reply = await asyncio.wait_for(_read_reply(cluster.key, reader), 10)
+            assert reply == [P.OK, 7, ref.incarnation, 42]
     finally:
-        writer.close()
-        await writer.wait_closed()
         await cluster.stop_mesh(mesh)
 
 
@@ -104,24 +113,16 @@ async def test_oversized_declared_length_is_dropped_before_allocation(cluster: C
     mesh = await cluster.spawn("st_big", Echo, devices=[1])
     ref = mesh.refs[0]
     before = await _counters(ref.address)
-    reader, writer = await _open(ref.address)
-    try:
-        # 2**62 bytes could never be allocated: the worker must not try
-        writer.write(struct.pack("<IQQ", 2, 100, 2**62))
-        await writer.drain()
-        assert await asyncio.wait_for(reader.read(), 10) == b""  # connection dropped
-    finally:
-        writer.close()
-    reader, writer = await _open(ref.address)
-    try:
-        writer.write(struct.pack("<I", 0))  # a message of no frames
-        await writer.drain()
-        assert await asyncio.wait_for(reader.read(), 10) == b""
-    finally:
-        writer.close()
+    # 2**62 bytes could never be allocated: the worker must not try; then a message of
+    # no frames. Each connection is dropped.
+    for bad in (struct.pack("<IQQ", 2, 100, 2**62), struct.pack("<I", 0)):
+        async with _connection(ref.address) as (reader, writer):
+            writer.write(bad)
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(), 10) == b""
     after = await _counters(ref.address)
-    assert after.get("rejected_oversized", 0) - before.get("rejected_oversized", 0) == 1
-    assert after.get("rejected_header", 0) - before.get("rejected_header", 0) == 1
+    assert _delta(before, after, "rejected_oversized") == 1
+    assert _delta(before, after, "rejected_header") == 1
     assert await mesh.add.call_one(2, 3) == 5  # still serving
     await cluster.stop_mesh(mesh)
 
@@ -130,8 +131,7 @@ async def test_bad_signature_is_counted_and_the_connection_goes_on(cluster: Clus
     mesh = await cluster.spawn("st_sig", Echo, devices=[2])
     ref = mesh.refs[0]
     before = await _counters(ref.address)
-    reader, writer = await _open(ref.address)
-    try:
+    async with _connection(ref.address) as (reader, writer):
         header, _ = _wire.encode([P.CALL, 1, ref.name, ref.incarnation, "add", None, [1, 2], {},
                                   P.REPLY])
         writer.write(_framed([os.urandom(32) + header]))
@@ -141,11 +141,9 @@ async def test_bad_signature_is_counted_and_the_connection_goes_on(cluster: Clus
         # only the good call is answered, on the same connection
         assert await asyncio.wait_for(_read_reply(cluster.key, reader), 10) == [
             P.OK, 2, ref.incarnation, 3]
-    finally:
-        writer.close()
     after = await _counters(ref.address)
-    assert after.get("rejected_signature", 0) - before.get("rejected_signature", 0) == 1
-    assert after.get("rejected_short", 0) - before.get("rejected_short", 0) == 1
+    assert _delta(before, after, "rejected_signature") == 1
+    assert _delta(before, after, "rejected_short") == 1
     await cluster.stop_mesh(mesh)
 
 
@@ -153,14 +151,12 @@ async def test_a_reply_to_a_closed_connection_is_counted(cluster: Cluster):
     mesh = await cluster.spawn("st_gone", Echo, devices=[0])
     ref = mesh.refs[0]
     before = await _counters(ref.address)
-    reader, writer = await _open(ref.address)
-    writer.write(_call(cluster.key, ref.name, ref.incarnation, 3, "sleep", 0.3))
-    await writer.drain()
-    writer.close()
-    await writer.wait_closed()
+    async with _connection(ref.address) as (_, writer):
+        writer.write(_call(cluster.key, ref.name, ref.incarnation, 3, "sleep", 0.3))
+        await writer.drain()
     await asyncio.sleep(0.6)
     after = await _counters(ref.address)
-    assert after.get("send_failed", 0) - before.get("send_failed", 0) == 1
+    assert _delta(before, after, "send_failed") == 1
     assert await mesh.add.call_one(1, 1) == 2
     await cluster.stop_mesh(mesh)
 
