@@ -35,6 +35,7 @@ import torch
 from nereus.errors import StateError
 from nereus.state.plan import ReshardPlan
 from nereus.state.primitives import Step
+from nereus.transfer import copy_into
 
 __all__ = ["TORCH_DTYPES", "plan_part", "run_part", "apply_plan", "apply_step", "box_slices", "Exchange"]
 
@@ -146,7 +147,7 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
     moving = bool(part["sends"] or part["recvs"])
     if not (moving and local_in_exchange):
         for src, dst in copies:
-            dst.copy_(src)
+            copy_into(dst, src)
     sends: dict[int, list[torch.Tensor]] = defaultdict(list)
     recvs: dict[int, list[torch.Tensor]] = defaultdict(list)
     for peer, src_emu, key, src_box in part["sends"]:

@@ -9,6 +9,8 @@ Public API:
 - ``exchange_direct``, ``arena_empty``: senders copy straight into receivers' arenas
   (pooled shared memory of the receiving process), one copy per moved byte;
   ``arena_pool_stats``: this process's pool of them (free and busy).
+- ``copy_into``: ``dst.copy_(src)`` with large contiguous pieces copied by the C
+  library's memmove (non-temporal stores in node workers).
 - ``make_group``, ``release_groups``, ``GroupHandle`` (controller side) and
   ``get_communicator``, ``release_epoch``, ``local_groups`` (worker side).
 
@@ -16,6 +18,7 @@ Importing nereus.transfer never imports cupy.
 """
 
 from nereus.transfer._arena import pool_stats as arena_pool_stats
+from nereus.transfer._copy import copy_into
 from nereus.transfer.bucket import TransferStats, exchange
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 from nereus.transfer.cpu import CpuCommunicator
@@ -38,6 +41,7 @@ __all__ = [
     "TransferStats",
     "arena_empty",
     "arena_pool_stats",
+    "copy_into",
     "exchange",
     "exchange_direct",
     "get_communicator",

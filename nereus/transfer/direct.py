@@ -6,7 +6,8 @@ rank; same byte sizes on both sides) and moves the bytes differently: a receive 
 that lives on an arena (``arena_empty``: shared memory of the receiving process)
 is written by the sender itself, from its source view (strided on both sides if need
 be) into the receiver's memory, through a mapping the sender keeps for reuse. No
-bucket, no hand-off segment, no unpack: each moved byte is copied once.
+bucket, no hand-off segment, no unpack: each moved byte is copied once
+(``copy_into``: large contiguous pieces with stores that bypass the cache).
 
 How, in three small messages per pair of ranks:
 1. every receiver sends each of its senders one record per view: where the view lives
@@ -37,6 +38,7 @@ import torch
 
 from nereus.errors import TransferError
 from nereus.transfer import _arena
+from nereus.transfer._copy import copy_into
 from nereus.transfer.bucket import TransferStats, check_peers, emit_transfer, exchange
 from nereus.transfer.communicator import Communicator, P2POp
 
@@ -155,7 +157,7 @@ def exchange_direct(
     if flags_out:
         comm.batch_p2p([P2POp("send", f, p) for p, f in flags_out.items()], timeout_s)
     for src, dst in local:
-        dst.copy_(src)
+        copy_into(dst, src)
     flags_in = {p: torch.empty(len(vs), dtype=torch.uint8) for p, vs in inn.items()}
     if flags_in:
         comm.batch_p2p([P2POp("recv", f, p) for p, f in flags_in.items()], timeout_s)
@@ -191,7 +193,7 @@ def _write(comm: Communicator, stats: TransferStats, peer: int, pid: int, views:
             continue
         dst = writer.target(row, src)
         if dst is not None:
-            dst.copy_(src)
+            copy_into(dst, src)
             flags[i] = 1
             moved += _nbytes(src)
     _count(stats, comm, comm.rank, peer, moved, time.perf_counter() - t0)

@@ -29,7 +29,8 @@ class Echo(Actor):
         d = current_device()
         return {"index": d.index, "kind": d.kind, "memory_bytes": d.memory_bytes,
                 "same": d == self.device, "rank": self.rank, "coords": self.coords,
-                "tag": self.tag, "pid": os.getpid(), "name": self.name}
+                "tag": self.tag, "pid": os.getpid(), "name": self.name,
+                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
     @endpoint
     async def fail(self, message: str):

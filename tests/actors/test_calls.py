@@ -29,6 +29,8 @@ async def test_devices_and_current_device(cluster: Cluster):
         assert all(g["same"] and g["tag"] == "t" and g["memory_bytes"] == 256 * 2**20
                    for g in got)
         assert got[0]["pid"] != got[1]["pid"]
+        # CPU workers copy large pieces with stores that bypass the cache (nereus.node)
+        assert all("glibc.cpu.x86_non_temporal_threshold=0x40000" in g["glibc_tunables"] for g in got)
     finally:
         await cluster.stop_mesh(mesh)
 

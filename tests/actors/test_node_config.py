@@ -6,7 +6,7 @@ import pytest
 
 from nereus.actors._keys import KEY_ENV, MIN_KEY_BYTES, generate_key, load_key
 from nereus.errors import ConfigError
-from nereus.node import NodeDaemon, _gpu_ids, death_reason
+from nereus.node import NodeDaemon, _add_tunable, _gpu_ids, death_reason
 
 KEY = b"k" * 32
 
@@ -25,6 +25,18 @@ def test_devices_or_gpus_exactly_one():
     node = NodeDaemon("tcp://x:1", KEY, devices=3, memory_per_device="1.5GiB")
     assert node.count == 3 and node.kind == "cpu"
     assert node.memory_bytes == [int(1.5 * 2**30)] * 3
+
+
+def test_glibc_tunables_keep_what_the_user_set():
+    env: dict[str, str] = {}
+    _add_tunable(env, "glibc.cpu.x", 1 << 18)
+    assert env["GLIBC_TUNABLES"] == "glibc.cpu.x=0x40000"
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    _add_tunable(env, "glibc.cpu.x", 16)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.cpu.x=0x10"
+    env = {"GLIBC_TUNABLES": "glibc.cpu.x=0x100000"}
+    _add_tunable(env, "glibc.cpu.x", 16)
+    assert env["GLIBC_TUNABLES"] == "glibc.cpu.x=0x100000"
 
 
 def test_gpu_lists():
