@@ -23,6 +23,8 @@ Promises (beyond the Communicator contract):
   pairs through gloo send/recv (with a size header), all progressed together.
 - ``local_pids`` maps each same-host peer (when shared memory is on) to its pid:
   ``exchange_direct`` writes into those peers' arenas.
+- ``eager_bytes``: a send of at most this many bytes to a same-host peer completes
+  without that peer (it fits one ring slot); 0 without shared memory.
 - ``recv_new`` receives into a fresh tensor; from a same-host peer, a transfer
   larger than one slot is handed off: one copy by the sender into a pooled segment
   that the receiver adopts as its tensor (zero copy on the reading side). The
@@ -144,6 +146,7 @@ class CpuCommunicator(Communicator):
         self._shm: ShmP2P | None = None
         self._pg: ProcessGroupGloo | None = None
         self.local_pids: dict[int, int] = {}  # same-host peers with shared memory: rank -> pid
+        self.eager_bytes = 0
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             self._store = TCPStore(store_host, store_port, is_master=False, timeout=timeout,
@@ -183,6 +186,7 @@ class CpuCommunicator(Communicator):
             peers = {r: int(hosts[r][1]) for r in self.local_peers}
             self._shm = ShmP2P(prefix, self.rank, peers, slot_bytes, slots)
             self.local_pids = peers
+            self.eager_bytes = slot_bytes
         try:
             self._pg = ProcessGroupGloo(PrefixStore("gloo", self._kv), self.rank, self.size,
                                         timeout)

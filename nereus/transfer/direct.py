@@ -11,10 +11,13 @@ bucket, no hand-off segment, no unpack: each moved byte is copied once
 
 How, in three small messages per pair of ranks:
 1. every receiver sends each of its senders one record per view: where the view lives
-   (arena, byte offset, shape, strides; or "not on an arena");
+   (arena, byte offset, shape, strides; or "not on an arena"); then this rank copies
+   its ``local`` pairs ``(src, dst)`` while its own senders' records arrive, so its
+   copies overlap its peers' (when every record fits the communicator's
+   ``eager_bytes``, posting them never waits for a peer; otherwise records go both
+   ways in one batch first);
 2. every sender copies each view it can into the receiver's memory and sends one
-   flag per view (done, or left for the fallback); meanwhile ``local`` pairs
-   ``(src, dst)`` are copied by this rank, so its own copies overlap its peers';
+   flag per view (done, or left for the fallback);
 3. views left over (not on an arena, shapes that differ and are not both contiguous,
    a peer whose arena this process may not open, a peer on another host) go through
    the bucketed ``exchange`` (the same pairs, in the same order, on both sides).
@@ -139,13 +142,23 @@ def exchange_direct(
     out = {p: list(vs) for p, vs in sends.items() if vs and p in pids}
     inn = {p: list(vs) for p, vs in recvs.items() if vs and p in pids}
     stats = TransferStats()
-    # 1. where each receive view lives, to each sender
-    ops = [P2POp("send", torch.tensor([_record(v) for v in vs], dtype=torch.int64), p)
-           for p, vs in inn.items()]
+    # 1. where each receive view lives, to each sender; the local copies run while
+    # the senders' records are on their way when posting them does not wait for
+    # the peers (each fits a ring slot), else right after
+    mine = [P2POp("send", torch.tensor([_record(v) for v in vs], dtype=torch.int64), p)
+            for p, vs in inn.items()]
     records = {p: torch.empty((len(vs), _FIELDS), dtype=torch.int64) for p, vs in out.items()}
-    ops += [P2POp("recv", r, p) for p, r in records.items()]
-    if ops:
-        comm.batch_p2p(ops, timeout_s)
+    theirs = [P2POp("recv", r, p) for p, r in records.items()]
+    eager = getattr(comm, "eager_bytes", 0)
+    if all(_nbytes(op.tensor) <= eager for op in mine):
+        if mine:
+            comm.batch_p2p(mine, timeout_s)
+        _copy_local(local)
+        if theirs:
+            comm.batch_p2p(theirs, timeout_s)
+    else:
+        comm.batch_p2p(mine + theirs, timeout_s)
+        _copy_local(local)
     # 2. copy into each receiver's memory, then tell it which views are done
     flags_out: dict[int, torch.Tensor] = {}
     try:
@@ -156,8 +169,6 @@ def exchange_direct(
         raise
     if flags_out:
         comm.batch_p2p([P2POp("send", f, p) for p, f in flags_out.items()], timeout_s)
-    for src, dst in local:
-        copy_into(dst, src)
     flags_in = {p: torch.empty(len(vs), dtype=torch.uint8) for p, vs in inn.items()}
     if flags_in:
         comm.batch_p2p([P2POp("recv", f, p) for p, f in flags_in.items()], timeout_s)
@@ -175,6 +186,11 @@ def exchange_direct(
         stats.add(exchange(comm, rest_out, rest_in, bucket_bytes=bucket_bytes, timeout_s=timeout_s))
     stats.seconds = time.perf_counter() - t_start
     return stats
+
+
+def _copy_local(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for src, dst in pairs:
+        copy_into(dst, src)
 
 
 def _write(comm: Communicator, stats: TransferStats, peer: int, pid: int, views: list[torch.Tensor],

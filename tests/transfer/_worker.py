@@ -320,6 +320,8 @@ def scenario_direct(a: dict) -> dict:
     events = []
     _tap.add_listener(events.append)
     comm = comm_from(a, a["group"], slot_bytes=1 << 16, slots=2)
+    if "eager_bytes" in a:  # records larger than this go both ways in one batch
+        comm.eager_bytes = a["eager_bytes"]
     if r == a.get("deny_map", -1):
         def deny(ref):
             raise PermissionError(f"no access to pid {ref.pid}")

@@ -15,8 +15,9 @@ VIEWS_PER_PEER = 5 * 5  # dtypes x shapes in the worker scenario
 
 
 @pytest.mark.timeout(120)
-def test_senders_write_into_arenas_and_the_rest_goes_through_buckets(workers):
-    results = workers.run("direct", 3)
+@pytest.mark.parametrize("eager", [True, False], ids=["records-eager", "records-in-one-batch"])
+def test_senders_write_into_arenas_and_the_rest_goes_through_buckets(workers, eager):
+    results = workers.run("direct", 3, **({} if eager else {"eager_bytes": 0}))
     for r in results:
         for run in r["runs"]:
             assert run["checked"] == 2 * VIEWS_PER_PEER
