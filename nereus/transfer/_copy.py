@@ -9,11 +9,12 @@ Why: torch's CPU copy kernel stores through the cache, so every destination line
 read before it is written: a copy of memory larger than the cache moves three bytes
 for each byte copied. glibc's ``memmove`` uses non-temporal stores (no read of the
 destination) above its ``x86_non_temporal_threshold`` tunable, which the node daemon
-sets to 256 KiB for CPU workers unless the environment already sets it (``nereus.node``):
-the shards a reshard writes are far larger than the cache and are not read again soon. Measured with two workers copying at once
-(1-2 MiB pieces, 238 MiB each): ~7.8 GB/s per worker with ``copy_``, ~9.9 GB/s with
-non-temporal ``memmove`` (BENCHMARKS.md). Without the tunable (another C library, or
-a process not started by a node), ``memmove`` copies at about ``copy_``'s speed.
+sets to 256 KiB for CPU workers unless the environment already sets it
+(``nereus.node``): the shards a reshard writes are far larger than the cache and are
+not read again soon. Measured with two workers copying at once (1-2 MiB pieces,
+238 MiB each): ~7.8 GB/s per worker with ``copy_``, ~9.9 GB/s with non-temporal
+``memmove`` (BENCHMARKS.md). Without the tunable (another C library, or a process not
+started by a node), ``memmove`` copies at about ``copy_``'s speed.
 
 Promises: the bytes of ``src`` are in ``dst`` when it returns; ``src`` is not changed.
 Refuses what ``copy_`` refuses (shapes that do not broadcast); the memmove path is
@@ -44,4 +45,3 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         return dst
     return dst.copy_(src)
-
