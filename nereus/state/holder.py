@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -243,15 +244,15 @@ async def execute(
     group_devices = sorted(plan.devices()) if plan.remote_moves() else []
     group = await make_group(cluster, devices=group_devices, epoch=epoch) if group_devices else None
     state = vars(plan.state).copy()
-    parts = {d: plan_part(plan, d) for d in sorted(involved)}
-    # Devices with the least to prepare first: receivers publish where their views live
-    # before the senders are ready to write, so no sender waits for a late record.
-    order = sorted(parts, key=lambda d: (len(parts[d]["sends"]) + len(parts[d]["copies"]), d))
+    # Devices with the least to prepare (sends and local copies) first: receivers
+    # publish where their views live before the senders are ready to write, so no
+    # sender waits for a late record. Each part is built just before its message.
+    work = Counter(m.src_device for m in plan.moves)
     tasks = [
         asyncio.ensure_future(holders[d].run_plan.call_one(
-            parts[d], group.group_id if group and d in group_devices else None,
+            plan_part(plan, d), group.group_id if group and d in group_devices else None,
             group_devices, frees.get(d, []), state))
-        for d in order
+        for d in sorted(involved, key=lambda d: (work[d], d))
     ]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     if group is not None and any(t.exception() is not None for t in done):
