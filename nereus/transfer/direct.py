@@ -143,22 +143,20 @@ def exchange_direct(
     inn = {p: list(vs) for p, vs in recvs.items() if vs and p in pids}
     stats = TransferStats()
     # 1. where each receive view lives, to each sender; the local copies run while
-    # the senders' records are on their way when posting them does not wait for
-    # the peers (each fits a ring slot), else right after
+    # the senders' records are on their way when posting ours does not wait for the
+    # peers (each fits a ring slot), else records go both ways first
     mine = [P2POp("send", torch.tensor([_record(v) for v in vs], dtype=torch.int64), p)
             for p, vs in inn.items()]
     records = {p: torch.empty((len(vs), _FIELDS), dtype=torch.int64) for p, vs in out.items()}
     theirs = [P2POp("recv", r, p) for p, r in records.items()]
-    eager = getattr(comm, "eager_bytes", 0)
-    if all(_nbytes(op.tensor) <= eager for op in mine):
-        if mine:
-            comm.batch_p2p(mine, timeout_s)
-        _copy_local(local)
-        if theirs:
-            comm.batch_p2p(theirs, timeout_s)
-    else:
-        comm.batch_p2p(mine + theirs, timeout_s)
-        _copy_local(local)
+    eager = all(_nbytes(op.tensor) <= getattr(comm, "eager_bytes", 0) for op in mine)
+    first, after = (mine, theirs) if eager else (mine + theirs, [])
+    if first:
+        comm.batch_p2p(first, timeout_s)
+    for src, dst in local:
+        copy_into(dst, src)
+    if after:
+        comm.batch_p2p(after, timeout_s)
     # 2. copy into each receiver's memory, then tell it which views are done
     flags_out: dict[int, torch.Tensor] = {}
     try:
@@ -186,11 +184,6 @@ def exchange_direct(
         stats.add(exchange(comm, rest_out, rest_in, bucket_bytes=bucket_bytes, timeout_s=timeout_s))
     stats.seconds = time.perf_counter() - t_start
     return stats
-
-
-def _copy_local(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for src, dst in pairs:
-        copy_into(dst, src)
 
 
 def _write(comm: Communicator, stats: TransferStats, peer: int, pid: int, views: list[torch.Tensor],
