@@ -54,7 +54,7 @@ from nereus.models.config import ModelConfig
 from nereus.models.spec import model_spec
 from nereus.state import EMU, Layout, bytes_minimum, emu_from_plain, emu_to_plain, plan_reshard
 from nereus.state.apply import box_slices
-from nereus.state.holder import ShardHolder, execute, load_from_disk, save_to_disk
+from nereus.state.holder import ExecuteStats, ShardHolder, execute, load_from_disk, save_to_disk
 from nereus.transfer import P2POp, copy_into, get_communicator, make_group
 
 DEVICES = 4
@@ -230,11 +230,10 @@ async def _run(args) -> dict:
                     if bad:
                         raise SystemExit(f"{name}: {method} produced {bad} wrong elements")
 
-                async def ours(src=src, dst=dst, frees=frees) -> int:
+                async def ours(src=src, dst=dst, frees=frees) -> ExecuteStats:
                     # a source that is freed afterwards lends the target its unchanged shards
                     plan = plan_reshard([src], dst, reuse=frees)
-                    await execute(plan, refs, cluster, epoch=1, free=[src] if frees else [])
-                    return plan.bytes_moved
+                    return await execute(plan, refs, cluster, epoch=1, free=[src] if frees else [])
 
                 async def gather(src_plain=src_plain, dst_plain=dst_plain, group_devices=group_devices):
                     group = await make_group(cluster, devices=group_devices, epoch=1)
@@ -254,7 +253,7 @@ async def _run(args) -> dict:
 
                 methods = {"reshard": ours, "gather_scatter": gather, "checkpoint": checkpoint}
                 times: dict[str, list[float]] = {m: [] for m in methods}
-                moved = 0
+                moved = local = 0
                 for rep in range(args.reps + 1):
                     for method, fn in methods.items():
                         if frees:
@@ -263,7 +262,7 @@ async def _run(args) -> dict:
                         got = await fn()
                         dt = time.perf_counter() - t0
                         if method == "reshard":
-                            moved = got
+                            moved, local = got.bytes_moved, got.bytes_local
                         if rep == 0:
                             await check(method)
                         else:
@@ -273,7 +272,7 @@ async def _run(args) -> dict:
                 await asyncio.gather(*(refs[d].drop_shards.call_one([src.name]) for d in everyone))
                 # the floor: every byte the target writes (moved or copied locally) copied
                 # once, half by each of two workers
-                written = moved + plan_reshard([src], dst, reuse=frees).bytes_local
+                written = moved + local
                 floor = []
                 for rep in range(args.reps + 1):
                     half = [written // 2, written - written // 2]
@@ -289,7 +288,7 @@ async def _run(args) -> dict:
                     "spread_s": {m: [round(v["min"], 4), round(v["max"], 4)] for m, v in r.items()},
                     "bytes_moved": moved,
                     "bytes_minimum": bytes_minimum([src], dst),
-                    "bytes_local": written - moved,
+                    "bytes_local": local,
                     "floor_s": statistics.median(floor),
                 }
                 case["speedup_vs_checkpoint"] = case["checkpoint_s"] / case["reshard_s"]
