@@ -36,7 +36,7 @@ from nereus.state.holder import (
 )
 from nereus.state.layout import Box, Layout, Piece, Shard, check_layout, layer_bounds, param_shard
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, MemoryEffect, check_fits, memory_effect
-from nereus.state.plan import Keep, Move, ReshardPlan, bytes_minimum, plan_reshard
+from nereus.state.plan import PLAN_CACHE_SIZE, Keep, Move, ReshardPlan, bytes_minimum, plan_reshard
 from nereus.state.primitives import Step, destroy, extend, merge, split, sub_layout, sub_placements
 from nereus.state.spec import DTYPE_BYTES, Component, ModelSpec, ParamSpec, ShardRule
 from nereus.state.transition import StageTransition, plan_stage_transition
@@ -84,6 +84,7 @@ __all__ = [
     "memory_effect",
     "merge",
     "param_shard",
+    "PLAN_CACHE_SIZE",
     "plan_part",
     "plan_reshard",
     "plan_stage_transition",

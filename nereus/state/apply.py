@@ -61,7 +61,16 @@ def box_slices(box) -> tuple[slice, ...]:
 
 
 def plan_part(plan: ReshardPlan, device: int) -> dict[str, Any]:
-    """The plain-data part of ``plan`` that ``device`` runs (see module docstring)."""
+    """The plain-data part of ``plan`` that ``device`` runs (see module docstring).
+
+    Built once per plan geometry and device (kept in ``plan.parts``): read-only."""
+    part = plan.parts.get(device)
+    if part is None:
+        part = plan.parts[device] = _build_part(plan, device)
+    return part
+
+
+def _build_part(plan: ReshardPlan, device: int) -> dict[str, Any]:
     target = plan.target
     tensors: dict[str, list] = {}
     if device in target.devices:

@@ -21,6 +21,13 @@ where the load allows: the plan is the one planning each shard afresh would give
 The plan also carries the logical state (update counter, policy version, sample
 position), which all sources must agree on, to the target.
 
+Plans are memoized: the same sources and target (names, specs, layouts, devices,
+slots), hosts and ``reuse`` give the same moves and keeps, so a repeated transition
+(weight sync every step, a layout switched back and forth) is planned once; the
+``PLAN_CACHE_SIZE`` most recent geometries are kept. A plan from the memo carries the
+sources and target it was asked for (their logical state included) and shares the
+memo's moves, keeps and per-device parts (``nereus.state.apply.plan_part``): read-only.
+
 Pure: no I/O, no torch. Refuses (``StateError``): sources that disagree on logical
 state, a target tensor no source holds (or holds with another shape or dtype).
 """
@@ -29,16 +36,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from nereus.errors import StateError
 from nereus.state.emu import EMU, DeviceSet, LogicalState
 from nereus.state.layout import Box, Piece, Shard, box_intersect, box_numel, box_subtract
 from nereus.state.spec import DTYPE_BYTES
 
-__all__ = ["Move", "Keep", "ReshardPlan", "plan_reshard", "bytes_minimum", "common_state", "host_lookup"]
+__all__ = ["Move", "Keep", "ReshardPlan", "plan_reshard", "bytes_minimum", "common_state", "host_lookup",
+           "PLAN_CACHE_SIZE"]
 
 HostOf = Callable[[int], int]
+PLAN_CACHE_SIZE = 64
 
 
 def host_lookup(devices: DeviceSet | HostOf | None) -> HostOf:
@@ -87,6 +97,8 @@ class ReshardPlan:
     target: EMU
     moves: tuple[Move, ...]
     keeps: tuple[Keep, ...]
+    # device -> plain part, filled by plan_part; shared by every plan of one geometry
+    parts: dict[int, Any] = field(default_factory=dict, repr=False)
 
     @property
     def state(self) -> LogicalState:
@@ -313,10 +325,30 @@ def plan_reshard(
     names = [s.name for s in sources]
     if target.name in names or len(set(names)) != len(names):
         raise StateError(f"EMU names must be distinct: target {target.name!r}, sources {names}")
-    planner = _Planner(sources, target, host_of, reuse)
-    for t_index, device in enumerate(target.devices):
-        planner.plan_device(t_index, device)
-    return ReshardPlan(tuple(sources), target, tuple(planner.moves), tuple(planner.keeps))
+    key = _geometry_key(sources, target, host_of, reuse)
+    hit = _plans.pop(key, None)
+    if hit is None:
+        planner = _Planner(sources, target, host_of, reuse)
+        for t_index, device in enumerate(target.devices):
+            planner.plan_device(t_index, device)
+        hit = (tuple(planner.moves), tuple(planner.keeps), {})
+    _plans[key] = hit  # most recent last
+    while len(_plans) > PLAN_CACHE_SIZE:
+        _plans.pop(next(iter(_plans)))
+    moves, keeps, parts = hit
+    return ReshardPlan(tuple(sources), target, moves, keeps, parts)
+
+
+_plans: dict[tuple, tuple[tuple[Move, ...], tuple[Keep, ...], dict[int, Any]]] = {}
+
+
+def _geometry_key(sources: Sequence[EMU], target: EMU, host_of: HostOf, reuse: bool) -> tuple:
+    """Everything a plan depends on: the EMUs without their logical state, the host
+    of every device involved, and ``reuse``."""
+    emus = (*sources, target)
+    devices = sorted({d for e in emus for d in e.devices})
+    return (tuple((e.name, e.spec, e.layout, e.devices, e.slots) for e in emus),
+            tuple(host_of(d) for d in devices), reuse)
 
 
 def bytes_minimum(sources: Sequence[EMU], target: EMU) -> int:

@@ -12,11 +12,13 @@ from nereus.errors import StateError
 from nereus.state import (
     EMU,
     OPTIMIZER_SLOTS,
+    PLAN_CACHE_SIZE,
     DeviceSet,
     Layout,
     LogicalState,
     apply_plan,
     bytes_minimum,
+    plan_part,
     plan_reshard,
 )
 from tests.state.helpers import (
@@ -133,3 +135,28 @@ def test_a_tensor_no_source_holds_is_refused():
     # the other way round is a weight sync: only parameters move
     sync = plan_reshard([train], gen.with_(name="g2", devices=(2,)))
     assert sync.bytes_moved == spec.nbytes
+
+
+def test_a_repeated_transition_is_planned_once():
+    spec = spec_for()
+    a = EMU("a", "policy-training", spec, Layout(2, 1), (0, 1), state=LogicalState(1, 1, 10))
+    b = EMU("b", "policy-generation", spec, Layout(4, 1), (0, 1, 2, 3))
+    first = plan_reshard([a], b)
+    part = plan_part(first, 2)
+    # the same geometry later (the sources have moved on): the same moves and parts,
+    # the new logical state
+    again = plan_reshard([a.with_(state=LogicalState(2, 2, 20))], b)
+    assert again.moves is first.moves and again.keeps is first.keeps
+    assert plan_part(again, 2) is part
+    assert again.target.state == LogicalState(2, 2, 20)
+    # anything a plan depends on makes another plan: hosts, names, reuse, layout
+    assert plan_reshard([a], b, DeviceSet((0, 0, 1, 1))).moves is not first.moves
+    renamed = plan_reshard([a.with_(name="a2")], b)
+    assert renamed.moves is not first.moves and {m.src_emu for m in renamed.moves} == {"a2"}
+    assert plan_reshard([a], b, reuse=True).moves is not first.moves
+    assert plan_reshard([a], b.with_(layout=Layout(1, 1), devices=(3,))).moves is not first.moves
+    # the memo is bounded: after PLAN_CACHE_SIZE other geometries the first is planned afresh
+    for i in range(PLAN_CACHE_SIZE):
+        plan_reshard([a], b.with_(name=f"b{i}"))
+    fresh = plan_reshard([a], b)
+    assert fresh.moves is not first.moves and fresh.moves == first.moves
