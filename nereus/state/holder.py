@@ -25,6 +25,11 @@ the new shards + one bucket): a plan that does not fit raises ``OutOfMemory`` an
 nothing is allocated, moved or freed. Sources are freed only after the exchange
 returned, so a failed transfer loses nothing.
 
+Freeing (``drop_shards``, ``run_plan``'s ``free``) takes the shards out of the holder at
+once (``held`` and the budget stop counting them); their memory is released right
+after the reply has left, as the next thing the worker's event loop does, so the caller
+does not wait for hundreds of MiB to be unmapped and any later call finds it released.
+
 ``await execute(plan, holders, cluster)`` on the driver sends each worker of the plan
 ONE message (its part) and makes the group the parts exchange over;
 ``execute_step`` runs a primitive ``Step`` (its plans, then its frees).
@@ -109,12 +114,18 @@ class ShardHolder(Actor):
     async def get_state(self, emu: str) -> dict:
         return vars(self.states[emu]).copy() if emu in self.states else {}
 
+    def _free(self, emus: Sequence[str]) -> None:
+        """Take ``emus`` out of the holder now; release their memory after the reply."""
+        dropped = [self.shards.pop(name, None) for name in emus]
+        for name in emus:
+            self.states.pop(name, None)
+        # an endpoint's reply leaves in the same loop step as its return, so this runs after it
+        asyncio.get_running_loop().call_soon(dropped.clear)
+
     @endpoint
     async def drop_shards(self, emus: list[str]) -> int:
         """Free ``emus``' shards on this device; returns the bytes still held."""
-        for name in emus:
-            self.shards.pop(name, None)
-            self.states.pop(name, None)
+        self._free(emus)
         return self.held_bytes()
 
     @endpoint
@@ -178,9 +189,7 @@ class ShardHolder(Actor):
         if part["tensors"] or part["keeps"]:
             self.shards[part["target"]] = out
             self.states[part["target"]] = LogicalState(**state) if state else LogicalState()
-        for name in free:
-            self.shards.pop(name, None)
-            self.states.pop(name, None)
+        self._free(free)
         stats["held_bytes"] = self.held_bytes()
         stats["seconds"] = time.perf_counter() - t_start
         stats["cpu_s"] = time.process_time() - cpu_start
