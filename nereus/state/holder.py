@@ -26,9 +26,10 @@ nothing is allocated, moved or freed. Sources are freed only after the exchange
 returned, so a failed transfer loses nothing.
 
 Freeing (``drop_shards``, ``run_plan``'s ``free``) takes the shards out of the holder at
-once (``held`` and the budget stop counting them); their memory is released right
-after the reply has left, as the next thing the worker's event loop does, so the caller
-does not wait for hundreds of MiB to be unmapped and any later call finds it released.
+once (``held`` and the budget stop counting them); their memory is released by the
+worker's event loop right after the reply has left, so the caller does not wait for
+hundreds of MiB to be unmapped (a call already waiting in the actor's mailbox may run
+before the release; a message that arrives later never does).
 
 ``await execute(plan, holders, cluster)`` on the driver sends each worker of the plan
 ONE message (its part) and makes the group the parts exchange over;
