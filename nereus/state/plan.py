@@ -334,7 +334,7 @@ def plan_reshard(
         hit = (tuple(planner.moves), tuple(planner.keeps), {})
     _plans[key] = hit  # most recent last
     while len(_plans) > PLAN_CACHE_SIZE:
-        _plans.pop(next(iter(_plans)))
+        _plans.pop(next(iter(_plans)), None)
     moves, keeps, parts = hit
     return ReshardPlan(tuple(sources), target, moves, keeps, parts)
 
