@@ -17,7 +17,10 @@ How, in three small messages per pair of ranks:
    ``eager_bytes``, posting them never waits for a peer; otherwise records go both
    ways in one batch first);
 2. every sender copies each view it can into the receiver's memory and sends one
-   flag per view (done, or left for the fallback);
+   flag per view (done, or left for the fallback). The copies of all peers go in one
+   ``copy_pairs`` call: column blocks of the same source rows (a row-parallel weight
+   cut for two peers) in one pass over those rows, together with the local pairs that
+   read the same rows (held back from step 1 for that);
 3. views left over (not on an arena, shapes that differ and are not both contiguous,
    a peer whose arena this process may not open, a peer on another host) go through
    the bucketed ``exchange`` (the same pairs, in the same order, on both sides).
@@ -41,7 +44,7 @@ import torch
 
 from nereus.errors import TransferError
 from nereus.transfer import _arena
-from nereus.transfer._copy import copy_into
+from nereus.transfer._copy import copy_pairs, row_blocks_available, source_rows
 from nereus.transfer.bucket import TransferStats, check_peers, emit_transfer, exchange
 from nereus.transfer.communicator import Communicator, P2POp
 
@@ -151,20 +154,32 @@ def exchange_direct(
     theirs = [P2POp("recv", r, p) for p, r in records.items()]
     eager = all(_nbytes(op.tensor) <= getattr(comm, "eager_bytes", 0) for op in mine)
     first, after = (mine, theirs) if eager else (mine + theirs, [])
+    # a local pair that reads the same source rows as a view going out waits for the
+    # writes, so that one pass over those rows serves both (copy_pairs)
+    shared = ({source_rows(v) for vs in out.values() for v in vs} - {None}) if row_blocks_available() else set()
+    now: list[tuple[torch.Tensor, torch.Tensor]] = []
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for pair in local:
+        (later if shared and source_rows(pair[0]) in shared else now).append(pair)
     if first:
         comm.batch_p2p(first, timeout_s)
-    for src, dst in local:
-        copy_into(dst, src)
+    copy_pairs(now)
     if after:
         comm.batch_p2p(after, timeout_s)
     # 2. copy into each receiver's memory, then tell it which views are done
     flags_out: dict[int, torch.Tensor] = {}
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    moved: dict[int, int] = {}
     try:
         for p, vs in out.items():
-            flags_out[p] = _write(comm, stats, p, pids[p], vs, records[p].tolist())
+            flags_out[p], moved[p] = _targets(comm, p, pids[p], vs, records[p].tolist(), writes)
+        t0 = time.perf_counter()
+        copy_pairs(writes + later)
     except BaseException:
         comm.abort()  # the receivers wait for our flags: wake them instead of letting them time out
         raise
+    for p, nbytes in moved.items():
+        _count(stats, comm, comm.rank, p, nbytes, time.perf_counter() - t0)
     if flags_out:
         comm.batch_p2p([P2POp("send", f, p) for p, f in flags_out.items()], timeout_s)
     flags_in = {p: torch.empty(len(vs), dtype=torch.uint8) for p, vs in inn.items()}
@@ -186,12 +201,13 @@ def exchange_direct(
     return stats
 
 
-def _write(comm: Communicator, stats: TransferStats, peer: int, pid: int, views: list[torch.Tensor],
-           rows: list[list[int]]) -> torch.Tensor:
-    """Copy what can go directly into ``peer``'s memory; returns one flag per view."""
+def _targets(comm: Communicator, peer: int, pid: int, views: list[torch.Tensor], rows: list[list[int]],
+             writes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+    """Add to ``writes`` the (view, receiver memory) pairs that can go directly into
+    ``peer``'s memory; returns one flag per view (set: copied by ``writes``) and their bytes."""
     writer = _Writer(peer, pid)
     flags = torch.zeros(len(views), dtype=torch.uint8)
-    t0, moved = time.perf_counter(), 0
+    moved = 0
     for i, (src, row) in enumerate(zip(views, rows, strict=True)):
         if row[1] == _EMPTY:
             if src.numel():
@@ -202,11 +218,10 @@ def _write(comm: Communicator, stats: TransferStats, peer: int, pid: int, views:
             continue
         dst = writer.target(row, src)
         if dst is not None:
-            copy_into(dst, src)
+            writes.append((src, dst))
             flags[i] = 1
             moved += _nbytes(src)
-    _count(stats, comm, comm.rank, peer, moved, time.perf_counter() - t0)
-    return flags
+    return flags, moved
 
 
 def _count(stats: TransferStats, comm: Communicator, src: int, dst: int, nbytes: int, seconds: float) -> None:
