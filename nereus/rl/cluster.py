@@ -67,6 +67,7 @@ from nereus.errors import ActorDied
 from nereus.rl.change import plan_change, stage_emus
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
+from nereus.state.memory import DEFAULT_BUCKET_BYTES
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -232,8 +233,21 @@ class ClusterStages(ModelStages):
         event = await self._run_sync("policy_generation")
         self.policy_version += 1
         event["policy_version"] = self.policy_version
+        await self._stamp_trained()
         _emit("weight_sync", **event)
         return event
+
+    async def _stamp_trained(self) -> None:
+        """The training EMUs' logical state in the stores takes the job's policy version
+        and sample position (their update counters the engines keep)."""
+        names: dict[int, list[str]] = {}
+        for stage, emus in self.emus.items():
+            if STAGE_KINDS[stage] == "training":
+                for e in emus:
+                    for d in e.devices:
+                        names.setdefault(d, []).append(e.name)
+        fields = {"policy_version": self.policy_version, "sample_position": self.sample_position}
+        await asyncio.gather(*(self.hosts[d].stamp_states.call_one(ns, fields) for d, ns in names.items()))
 
     # --- the ModelStages calls ------------------------------------------------------
 
@@ -365,8 +379,10 @@ class ClusterStages(ModelStages):
             self._cache_slots = max((s[1] for s in shapes), default=0)
         new_epoch = self.epoch + 1
         resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus])
+        # between processes of one host peers write into each other's new shards: no bucket
+        one_host = len({self._host_of(d) for d in self.hosts}) == 1
         planned = plan_change(self.emus, target, self._device_set(), epoch=new_epoch, resident=resident,
-                              engine_bytes=self._engine_bytes)
+                              engine_bytes=self._engine_bytes, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES)
         t_plan = time.perf_counter()
         report.update(changed=[c.stage for c in planned.changes], bytes=planned.bytes_moved,
                       predicted_peak_bytes=planned.peak)
