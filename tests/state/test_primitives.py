@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereus.errors import InfeasiblePlan, OutOfMemory, StateError
+from nereus.errors import OutOfMemory, StateError
 from nereus.state import (
     EMU,
     OPTIMIZER_SLOTS,
