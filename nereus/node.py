@@ -301,15 +301,15 @@ class NodeDaemon:
         """Stop one worker the controller retired (a drained device): SIGTERM, then kill
         after the grace period. Its exit is not a death."""
         w.retired = True
-        if w.proc is None or w.proc.returncode is not None:
-            return
-        w.proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(w.proc.wait(), self.stop_grace_s)
-        except asyncio.TimeoutError:
-            log.warning("retired worker pid %d ignored SIGTERM; killing it", w.proc.pid)
-            w.proc.kill()
-            await w.proc.wait()
+        if w.proc is not None and w.proc.returncode is None:
+            w.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(w.proc.wait(), self.stop_grace_s)
+            except asyncio.TimeoutError:
+                log.warning("retired worker pid %d ignored SIGTERM; killing it", w.proc.pid)
+                w.proc.kill()
+                await w.proc.wait()
+        self._client.tell("worker_retired", {"node_id": self.node_id, "index": w.index})
 
     def kill_heartbeat(self) -> None:
         """Stop heartbeating (tests use it to make the controller declare this node lost)."""
