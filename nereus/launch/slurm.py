@@ -10,7 +10,8 @@ them (``cluster.mode = "connect"``). ``SbatchOptions`` are the batch script's
 
 Promises: ``SlurmCluster.argv()`` and ``parse_cluster_args`` are inverses (the script
 carries the cluster on ``nereus slurm run``'s command line, nothing else); the
-allocation the script asks for is what the cluster uses (nodes x tasks x GPUs).
+allocation the script asks for is what the cluster uses (nodes x tasks x GPUs); the
+script's second line is the ``nereus slurm script`` command that renders it again.
 Refuses (``ConfigError`` naming the field): neither or both of CPU devices and GPUs,
 counts below 1, a job file that does not exist, sbatch values with a newline.
 Renders text only; runs nothing (``nereus.launch._slurm_driver`` does).
@@ -177,16 +178,29 @@ class SbatchOptions:
             require(option.startswith("-") and "\n" not in option, "extra", option,
                     "must be one sbatch option per entry, like '--constraint=a100'")
 
+    def argv(self) -> list[str]:
+        """``nereus slurm script``'s flags for these options (defaults left out, but the
+        Python, whose default is the one rendering)."""
+        out: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra":
+                out += [f"--sbatch={option}" for option in value]
+            elif f.name == "python" or value != f.default:
+                out += ["--" + f.name.replace("_", "-"), str(value)]
+        return out
+
 
 def render_sbatch(cluster: SlurmCluster, options: SbatchOptions) -> str:
     """The batch script: ``#SBATCH`` lines, then ``nereus slurm run`` with ``cluster``."""
     lines = ["#!/bin/bash",
+             "# Rendered by: nereus slurm script " + shlex.join(cluster.argv() + options.argv()),
              "# A nereus cluster: the controller on the first node, "
              f"{cluster.tasks_per_node} node daemon(s) per node,",
              "# then " + (f"the RL job {cluster.job}." if cluster.job
                           else "held until the allocation ends (attach jobs with "
                                "`nereus run --connect`)."),
-             "# Rendered by `nereus slurm script`; submit with `sbatch THIS_FILE`.",
+             "# Relative paths start from the folder sbatch runs in: submit from there.",
              f"#SBATCH --job-name={options.job_name}",
              f"#SBATCH --nodes={options.nodes}",
              f"#SBATCH --ntasks-per-node={cluster.tasks_per_node}"]

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _script(args: argparse.Namespace) -> int:
-    cluster = cluster_from_args(args).with_absolute_paths()
+    cluster = cluster_from_args(args)
     options = SbatchOptions(nodes=args.nodes, job_name=args.job_name, partition=args.partition,
                             account=args.account, time=args.time,
                             cpus_per_task=args.cpus_per_task, output=args.output,

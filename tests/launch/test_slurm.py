@@ -199,3 +199,13 @@ async def test_a_node_task_becomes_a_node_daemon(tmp_path):
         await controller.close()
     assert not wait_gone(children() - before)
 
+
+
+def test_the_committed_example_is_what_the_renderer_writes(tmp_path, monkeypatch):
+    example = REPO / "examples" / "grpo_tiny.sbatch"
+    header = example.read_text().splitlines()[1]
+    assert header.startswith("# Rendered by: nereus slurm script ")
+    monkeypatch.chdir(REPO)  # its paths are relative to the repository, where sbatch runs
+    out = tmp_path / "again.sbatch"
+    assert nereus_main([*shlex.split(header.removeprefix("# Rendered by: nereus ")), "-o", str(out)]) == 0
+    assert out.read_text() == example.read_text(), f"re-render {example} with its second line"
