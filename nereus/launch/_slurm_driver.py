@@ -292,8 +292,9 @@ async def run_cluster(cluster: SlurmCluster, task: SlurmTask) -> int:
             t.cancel()
         why = watched[next(iter(done))]
         if why == "job":
-            log.info("the job ended with status %d", job.proc.returncode)
-            return job.proc.returncode
+            rc = job.proc.returncode
+            log.info("the job ended with status %d", rc)
+            return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
         if why == "controller":
             raise NereusError(f"the controller exited with status {controller.proc.returncode}"
                               " while the cluster ran; stopping everything")
