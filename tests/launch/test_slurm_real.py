@@ -140,7 +140,7 @@ def test_grpo_on_a_cluster_that_slurm_started(slurm, tmp_path):
 @pytest.mark.timeout(240)
 async def test_gpu_sets_a_lost_node_and_cancel(slurm, tmp_path):
     script = _script(tmp_path, "--tasks-per-node", "2", "--gpus-per-task", "2",
-                     "--memory-per-device", "64MiB", "--heartbeat-timeout-s", "2")
+                     "--memory-per-device", "64MiB", "--heartbeat-timeout-s", "4")
     assert "#SBATCH --gpus-per-node=4" in script.read_text()
     submitted = _Submitted(slurm, script)
     keys = tmp_path / "keys"
