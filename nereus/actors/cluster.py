@@ -81,6 +81,7 @@ class Cluster:
         self.nodes: list[Any] = []
         self.devices: list[DeviceInfo] = []
         self.tap_address = ""
+        self.epoch = 0  # the controller's layout epoch when the view was last read
         self._addresses: dict[int, str] = {}
         self._client: _client.Client | None = None
         self._previous_client: _client.Client | None = None
@@ -196,6 +197,7 @@ class Cluster:
 
     def _set_view(self, view: dict) -> None:
         self.tap_address = view["tap_address"]
+        self.epoch = int(view.get("epoch", 0))
         devs = sorted(view["devices"], key=lambda d: d["index"])
         self.devices = [DeviceInfo(d["index"], d["host"], d["kind"], d["memory_bytes"],
                                    d["node_id"], d["local_index"]) for d in devs]
@@ -217,6 +219,7 @@ class Cluster:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be an int >= 0")
         await self._need_client().request(None, "set_epoch", {"epoch": epoch})
+        self.epoch = epoch
 
     # -- the device pool -------------------------------------------------------------
 

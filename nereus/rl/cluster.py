@@ -182,7 +182,9 @@ class ClusterStages(ModelStages):
         if "reward_inference" in self._plan.names:
             rm_config, rm_dir = reward_model(self.cfg, self.model_config)
             self._models["reward"] = (rm_config, str(rm_dir))
-        self.epoch = 1
+        # layout epochs only grow on a cluster: a job attached to one that ran others goes on
+        await self.cluster.refresh_devices()
+        self.epoch = self.cluster.epoch + 1
         await self.cluster.set_epoch(self.epoch)
         await self._ensure_hosts(set(self._plan.devices))
         for stage, sp in self._plan:
@@ -379,7 +381,7 @@ class ClusterStages(ModelStages):
         if "policy_generation" in self.handles:
             shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus]
             self._cache_slots = max((s[1] for s in shapes), default=0)
-        new_epoch = self.epoch + 1
+        new_epoch = max(self.epoch, self.cluster.epoch) + 1
         resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus])
         # between processes of one host peers write into each other's new shards: no bucket
         one_host = len({self._host_of(d) for d in self.hosts}) == 1
@@ -432,7 +434,8 @@ class ClusterStages(ModelStages):
         for stage, emus in self.emus.items():  # the data plane caches them for start_model_stage
             await stage_groups(self.cluster, STAGE_KINDS[stage], emus, epoch=self.epoch)
         groups_s = time.perf_counter() - t0
-        for stage, emus in self.emus.items():
+
+        async def start(stage: str, emus: list[Any]) -> None:
             config, _ = self._models["reward" if stage == "reward_inference" else "policy"]
             caches = None
             if STAGE_KINDS[stage] == "generation" and self._cache_slots:
@@ -441,6 +444,9 @@ class ClusterStages(ModelStages):
             self.handles[stage] = await start_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config,
                 options=self._options(stage), epoch=self.epoch, caches=caches)
+
+        # every model-stage at once: a device's host builds its engines one after another
+        await asyncio.gather(*(start(stage, emus) for stage, emus in self.emus.items()))
         return {"groups_s": groups_s}
 
     async def _retire_drained(self) -> None:
