@@ -144,7 +144,7 @@ async def _live(cluster: Cluster, model_dir: str, out: str, args) -> dict[str, A
             for case, train in CASES.items():
                 target = _plan(train)
                 current = rl.stages.emus[TRAIN]
-                wanted = stage_emus(TRAIN, target[TRAIN], current[0].spec, current[0].slots, 0)
+                wanted = stage_emus(TRAIN, target[TRAIN], current[0].spec, current[0].slots, "probe")
                 minimum = sum(bytes_minimum(current, t) for t in wanted)
                 report = await rl.apply_plan(target)
                 if rep == 0:
@@ -184,12 +184,12 @@ async def _standalone(cluster: Cluster, spec, args) -> dict[str, dict[str, list[
     devices = DeviceSet.single_host(DEVICES)
     times: dict[str, dict[str, list[float]]] = {c: {} for c in TIMED}
     epoch = 100
-    current = stage_emus(TRAIN, _plan(A)[TRAIN], spec, slots, epoch, LogicalState())
+    current = stage_emus(TRAIN, _plan(A)[TRAIN], spec, slots, f"e{epoch}-", LogicalState())
     await asyncio.gather(*(holders[d].fill.call_one(emu_to_plain(e)) for e in current for d in e.devices))
     for rep in range(args.reps + 1):  # the first round warms up, as the live runs do
         for case, train in CASES.items():
             epoch += 1
-            target = stage_emus(TRAIN, _plan(train)[TRAIN], spec, slots, epoch, LogicalState())
+            target = stage_emus(TRAIN, _plan(train)[TRAIN], spec, slots, f"e{epoch}-", LogicalState())
             t0 = time.perf_counter()
             tr = plan_stage_transition(current, target, devices, bucket_bytes=0)
             t1 = time.perf_counter()

@@ -12,8 +12,11 @@ engines will add back on each device (gradients of training EMUs, KV caches of
 generation EMUs) must fit too. So a change that would break a budget is refused, with
 ``OutOfMemory`` naming the device, the need and the budget, before anything moves.
 
-Result EMUs are named ``<model-stage>.<epoch>.<replica>`` (``emu_name``); their logical
-state is the one every source carried.
+A model-stage's EMUs are named ``<model-stage>.<replica>`` (``emu_name``); the EMUs a
+transition builds are named ``<model-stage>.next<replica>`` while it runs and take the
+canonical names once it is done (``StageChange.renames``), so a transition that recurs
+(a layout switched back and forth, every weight sync) has the same names and the state
+layer plans it once. Their logical state is the one every source carried.
 
 Refuses: ``OutOfMemory`` (above), ``InfeasiblePlan`` (no source to Extend from, from the
 state layer), ``ConfigError`` (a target that names other model-stages than the job's).
@@ -41,15 +44,16 @@ __all__ = ["StageChange", "PlannedChange", "plan_change", "stage_emus", "emu_nam
 EngineBytes = Callable[[str, EMU, int], int]
 
 
-def emu_name(stage: str, epoch: int, replica: int) -> str:
-    return f"{stage}.{epoch}.{replica}"
+def emu_name(stage: str, replica: int, tag: str = "") -> str:
+    """``<model-stage>.<replica>``, or ``<model-stage>.<tag><replica>``."""
+    return f"{stage}.{tag}{replica}"
 
 
-def stage_emus(stage: str, sp: StagePlan, spec: ModelSpec, slots: Sequence[str], epoch: int,
+def stage_emus(stage: str, sp: StagePlan, spec: ModelSpec, slots: Sequence[str], tag: str = "",
                state: LogicalState | None = None) -> list[EMU]:
-    """The EMUs of ``stage`` under ``sp``, one per DP replica, named for ``epoch``."""
+    """The EMUs of ``stage`` under ``sp``, one per DP replica (names: ``emu_name``)."""
     layout = Layout(sp.tp, sp.pp)
-    return [EMU(emu_name(stage, epoch, i), stage, spec, layout, tuple(devs), tuple(slots), state or LogicalState())
+    return [EMU(emu_name(stage, i, tag), stage, spec, layout, tuple(devs), tuple(slots), state or LogicalState())
             for i, devs in enumerate(sp.devices)]
 
 
@@ -100,7 +104,6 @@ def plan_change(
     target: Plan,
     devices: DeviceSet,
     *,
-    epoch: int,
     resident: Mapping[int, int] | None = None,
     engine_bytes: EngineBytes | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -117,7 +120,7 @@ def plan_change(
         sp = target[stage]
         now = StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
         if stage_changed(now, sp):
-            wanted[stage] = stage_emus(stage, sp, emus[0].spec, emus[0].slots, epoch, emus[0].state)
+            wanted[stage] = stage_emus(stage, sp, emus[0].spec, emus[0].slots, "next", emus[0].state)
     result = {stage: list(emus) for stage, emus in current.items()}
     peak: dict[int, int] = defaultdict(int)
 
@@ -153,9 +156,11 @@ def plan_change(
             assert failure is not None
             raise failure
         order.remove(stage)
-        renames = tuple((got.name, want.name) for got, want in zip(tr.result, wanted[stage], strict=True))
+        final = [want.with_(name=emu_name(stage, i), state=got.state) for i, (got, want)
+                 in enumerate(zip(tr.result, wanted[stage], strict=True))]
+        renames = tuple((got.name, want.name) for got, want in zip(tr.result, final, strict=True))
         changes.append(StageChange(stage, tr, renames))
-        result[stage] = [want.with_(state=got.state) for got, want in zip(tr.result, wanted[stage], strict=True)]
+        result[stage] = final
         held[stage] = _bytes(result[stage])
     after = total()
     if engine_bytes is not None:

@@ -188,7 +188,7 @@ class ClusterStages(ModelStages):
         await self.cluster.set_epoch(self.epoch)
         await self._ensure_hosts(set(self._plan.devices))
         for stage, sp in self._plan:
-            emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage), self.epoch)
+            emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage))
             config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
             self.handles[stage] = await spawn_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
@@ -401,7 +401,7 @@ class ClusterStages(ModelStages):
         def engine_bytes(stage: str, emu: Any, device: int) -> int:
             return self._engine_bytes(stage, emu, device) if stage in moving else 0
 
-        planned = plan_change(self.emus, target, self._device_set(), epoch=new_epoch, resident=resident,
+        planned = plan_change(self.emus, target, self._device_set(), resident=resident,
                               engine_bytes=engine_bytes, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES)
         t_plan = time.perf_counter()
         report.update(changed=[c.stage for c in planned.changes], bytes=planned.bytes_moved,
