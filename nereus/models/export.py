@@ -16,7 +16,7 @@ model (TP 1, PP 1) under nereus's names and writes:
 global tensor from the TP shards of every rank (replicated units -- GQA kv heads at
 ``tp > kv heads`` -- are read from the first rank that holds them);
 ``gather_ranks(spec, ranks, tp, pp)`` applies it to a whole model saved as one tensor map
-per (pp_rank, tp_rank), rank ``pp_rank * tp + tp_rank``.
+per (pp_rank, tp_rank), rank ``pp_rank * tp + tp_rank``, whatever the layer cuts.
 
 Refuses (``StateError``): a missing parameter, a tensor whose shape disagrees with the
 model, names the model does not have.
@@ -36,7 +36,6 @@ from nereus.models.checkpoint import SINGLE_FILE, hf_tensor_names
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import torch_dtype
 from nereus.models.layers import component_range
-from nereus.models.parallel import stage_layer_range
 from nereus.models.spec import model_spec
 from nereus.state.spec import ModelSpec, ParamSpec
 
@@ -82,12 +81,11 @@ def gather_ranks(spec: ModelSpec, ranks: Sequence[Mapping[str, torch.Tensor]], t
         raise StateError(f"expected {tp * pp} rank maps for tp={tp} pp={pp}, got {len(ranks)}")
     out: dict[str, torch.Tensor] = {}
     for param in spec:
-        if param.stage == "embed":
-            pp_rank = 0
-        elif param.stage == "head":
-            pp_rank = pp - 1
-        else:
-            pp_rank = next(r for r in range(pp) if param.layer in stage_layer_range(spec.num_layers, pp, r))
+        # The first stage that holds it: any layer cut works, and a tied embedding's copy
+        # on the last stage is the same tensor as the first stage's.
+        pp_rank = next((r for r in range(pp) if param.name in ranks[r * tp]), None)
+        if pp_rank is None:
+            raise StateError(f"no rank holds {param.name!r}")
         shards = []
         for tp_rank in range(tp):
             tensors = ranks[pp_rank * tp + tp_rank]

@@ -10,25 +10,30 @@ writes ``out`` with ``nereus.models.export.export_hf``: config, ``model.safetens
 the tokenizer files of the job's model folder. transformers' ``from_pretrained`` and
 vLLM load the result.
 
-``nereus export RUN_DIR`` does the same from the command line, and ``[run] export_hf``
-at the end of a job. Reads only the files; never touches a running job.
+``nereus export RUN_DIR [--checkpoint DIR] [--out DIR]`` does the same from the command
+line (the run's ``config.json`` says the model and the plan; the newest complete
+checkpoint and ``RUN_DIR/hf`` by default), and ``[run] export_hf`` at the end of a job.
+Reads only the files; never touches a running job.
 
 Refuses (``StateError``): a checkpoint without the policy's files.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from nereus.errors import StateError
+from nereus.errors import ConfigError, StateError
 from nereus.models.export import export_hf, gather_ranks
 from nereus.models.spec import model_spec
 
-__all__ = ["export_checkpoint", "policy_tensors"]
+__all__ = ["export_checkpoint", "policy_tensors", "main"]
 
 _STAGE = "policy_training"
 
@@ -56,3 +61,40 @@ def export_checkpoint(checkpoint: str | Path, cfg: Any, model_config: Any, model
     """Write the policy of ``checkpoint`` to ``out`` as a Hugging Face folder; returns ``out``."""
     params = policy_tensors(checkpoint, cfg, model_config)
     return export_hf(out, model_config, params, tokenizer_dir=model_dir, dtype=cfg.model.dtype)
+
+
+def _model_folder(cfg: Any, run_dir: Path) -> Path:
+    if cfg.model.kind == "tiny":
+        return run_dir / "model"  # the job wrote the tiny model and its tokenizer there
+    if cfg.model.kind == "smollm2":
+        return Path(cfg.model.path or "runs/smollm2-135m-instruct")
+    return Path(cfg.model.path)
+
+
+def main(argv: list[str]) -> int:
+    from nereus.config import from_dict
+    from nereus.models.config import ModelConfig
+    from nereus.rl.config import JobConfig
+    from nereus.rl.job import latest_checkpoint
+
+    p = argparse.ArgumentParser(prog="nereus export", description="Write a job's trained policy as a Hugging Face folder.")
+    p.add_argument("run_dir", help="the job's output folder (run.out_dir)")
+    p.add_argument("--checkpoint", help="a checkpoints/step_N folder (default: the newest complete one)")
+    p.add_argument("--out", help="where to write the folder (default: RUN_DIR/hf)")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        config_file = run_dir / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"{str(run_dir)!r} has no config.json: is it a job's output folder?")
+        cfg = from_dict(JobConfig, json.loads(config_file.read_text()))
+        checkpoint = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise StateError(f"{str(run_dir)!r} has no complete checkpoint")
+        model_dir = _model_folder(cfg, run_dir)
+        out = export_checkpoint(checkpoint, cfg, ModelConfig.from_hf(model_dir), model_dir, args.out or run_dir / "hf")
+    except (ConfigError, StateError) as e:
+        print(f"nereus export: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} from {checkpoint}")
+    return 0
