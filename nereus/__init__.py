@@ -46,7 +46,7 @@ for _module, _names in {
         "plan_reshard", "plan_stage_transition", "save_to_disk", "split",
     ],
     "nereus.models": [
-        "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage",
+        "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage", "export_hf",
         "load_stage_weights", "load_tokenizer", "model_spec", "save_tiny_model", "tiny_config",
         "train_tiny_tokenizer",
     ],
@@ -59,8 +59,8 @@ for _module, _names in {
         "explain", "local_cpu_cluster", "model_preset", "search",
     ],
     "nereus.rl": [
-        "ClusterStages", "InProcessStages", "JobConfig", "ModelStages", "PromptDataset", "RLJob",
-        "Task", "make_task", "run_job",
+        "ClusterStages", "DataConfig", "FileTask", "InProcessStages", "JobConfig", "ModelStages",
+        "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
     ],
     "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
 }.items():

@@ -20,7 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nereus.models import ModelConfig, ParallelContext, build_stage, load_stage_weights, model_spec, shard_tensor
+from nereus.models import (
+    ModelConfig,
+    ParallelContext,
+    build_stage,
+    load_stage_weights,
+    model_spec,
+    shard_tensor,
+)
 from nereus.models.checkpoint import hf_tensor_names
 from tests.models._worker import loss_of
 from tests.models.test_tp_pp import _run_workers, inputs  # noqa: F401  (a fixture)
@@ -143,6 +150,6 @@ def test_layout_matches_transformers(tp, pp, hf_models, inputs, tmp_path):  # no
                 if spec[name].tied_head and pp > 1:
                     other = (pp - 1) * tp + tp_rank if pp_rank == 0 else tp_rank
                     grad = grad + results[other][key]
-                torch.testing.assert_close(grad, expected, **CLOSE, msg=lambda m, n=name, r=rank: f"{kind} {n} rank {r}: {m}")
+                torch.testing.assert_close(grad, expected, **CLOSE, msg=lambda m, n=name, r=rank, k=kind: f"{k} {n} rank {r}: {m}")
         assert seen == {p.name for p in spec}, sorted({p.name for p in spec} - seen)
         assert any("q_norm" in n for n in seen) == (kind == "qwen3")

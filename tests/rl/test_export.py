@@ -11,7 +11,14 @@ import torch
 from nereus.cli import main as nereus_main
 from nereus.config import from_dict, to_dict
 from nereus.errors import StateError
-from nereus.models import ModelConfig, ParallelContext, build_stage, load_stage_weights, save_tiny_model, tiny_config
+from nereus.models import (
+    ModelConfig,
+    ParallelContext,
+    build_stage,
+    load_stage_weights,
+    save_tiny_model,
+    tiny_config,
+)
 from nereus.rl.config import JobConfig
 from nereus.rl.export import policy_tensors
 from nereus.rl.stages import write_state
