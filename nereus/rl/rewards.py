@@ -11,7 +11,8 @@
 - ``"exact"``: 1.0 when the stripped response equals the stripped ground truth, else 0.0.
 - ``"module:function"``: a user function, imported once when the job starts (the module
   must be importable from the job's working directory or ``PYTHONPATH``). It is called
-  as ``function(prompt, response, ground_truth)`` with three strings, plus the keyword
+  as ``function(prompt, response, ground_truth)`` with three strings (the prompt's text:
+  a string prompt, or the content of its last user message), plus the keyword
   arguments ``data_source`` and ``extra_info`` when its signature names them (or takes
   ``**kwargs``), and must return a real number (``bool`` counts as 0 or 1).
 - ``"task"``: the synthetic task's own rule (``nereus.rl.tasks``); the default, and only
