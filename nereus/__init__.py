@@ -41,9 +41,10 @@ for _module, _names in {
         "get_communicator", "make_group", "release_epoch", "release_groups",
     ],
     "nereus.state": [
-        "DeviceSet", "EMU", "Layout", "LogicalState", "ModelSpec", "ParamSpec", "ShardHolder",
-        "bytes_minimum", "destroy", "execute", "execute_step", "extend", "load_from_disk", "merge",
-        "plan_reshard", "plan_stage_transition", "save_to_disk", "split",
+        "DeviceSet", "EMU", "Layout", "LogicalState", "MemoryLedger", "ModelSpec", "ParamSpec",
+        "ShardHolder", "bytes_minimum", "destroy", "device_ledger", "execute", "execute_into",
+        "execute_step", "extend", "load_from_disk", "merge", "plan_reshard", "plan_stage_transition",
+        "save_to_disk", "split", "training_slots",
     ],
     "nereus.models": [
         "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage", "export_hf",
@@ -51,8 +52,9 @@ for _module, _names in {
         "train_tiny_tokenizer",
     ],
     "nereus.engines": [
-        "EmuContext", "EngineActor", "GenerationEngine", "InferenceEngine", "MemoryLedger",
-        "SamplingParams", "TrainingEngine", "VllmGenerationEngine", "spawn_emu", "spawn_model_stage",
+        "EmuContext", "EngineHost", "GenerationEngine", "InferenceEngine", "ModelStageHandle",
+        "SamplingParams", "TrainingEngine", "VllmGenerationEngine", "spawn_hosts", "spawn_model_stage",
+        "start_model_stage",
     ],
     "nereus.planner": [
         "Calibrator", "ClusterSpec", "Plan", "Replanner", "StagePlan", "Workload", "cluster_preset",

@@ -98,11 +98,12 @@ def _gpu_ids(spec: str) -> list[int]:
 
 
 class _Worker:
-    __slots__ = ("index", "local_index", "proc", "address", "watch", "reader")
+    __slots__ = ("index", "local_index", "proc", "address", "watch", "reader", "retired")
 
     def __init__(self, index: int, local_index: int) -> None:
         self.index = index
         self.local_index = local_index
+        self.retired = False
         self.proc: asyncio.subprocess.Process | None = None
         self.address = ""
         self.watch: asyncio.Task | None = None
@@ -267,7 +268,7 @@ class NodeDaemon:
 
     async def _watch(self, w: _Worker) -> None:
         rc = await w.proc.wait()
-        if self.stopping:
+        if self.stopping or w.retired:
             return
         reason = death_reason(rc)
         log.warning("worker of device %d (pid %d) died: %s", w.index, w.proc.pid, reason)
@@ -285,11 +286,30 @@ class NodeDaemon:
             await asyncio.sleep(self.heartbeat_s)
 
     def _on_notice(self, op: str, body: dict) -> None:
+        if op == "stop_worker":
+            w = next((w for w in self.workers if w.index == body.get("index")), None)
+            if w is not None and not w.retired:
+                asyncio.get_running_loop().create_task(self._retire(w))
+            return
         if op == "node_lost" and body.get("node_id") == self.node_id and not self.stopping:
             log.error("the controller declared node %s lost (heartbeats came too late); "
                       "stopping its workers", self.node_id)
             self.fenced.set()
             asyncio.get_running_loop().create_task(self.stop())
+
+    async def _retire(self, w: _Worker) -> None:
+        """Stop one worker the controller retired (a drained device): SIGTERM, then kill
+        after the grace period. Its exit is not a death."""
+        w.retired = True
+        if w.proc is None or w.proc.returncode is not None:
+            return
+        w.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(w.proc.wait(), self.stop_grace_s)
+        except asyncio.TimeoutError:
+            log.warning("retired worker pid %d ignored SIGTERM; killing it", w.proc.pid)
+            w.proc.kill()
+            await w.proc.wait()
 
     def kill_heartbeat(self) -> None:
         """Stop heartbeating (tests use it to make the controller declare this node lost)."""

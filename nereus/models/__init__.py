@@ -12,7 +12,7 @@ from nereus.models.checkpoint import (
 )
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import DecoderStage, KVCache, build_stage, check_layout, torch_dtype
-from nereus.models.export import export_hf, gather_ranks, merge_shards
+from nereus.models.export import export_hf
 from nereus.models.layers import (
     ColumnParallelLinear,
     HeadRMSNorm,
@@ -20,6 +20,7 @@ from nereus.models.layers import (
     RMSNorm,
     RowParallelLinear,
     ShardedModule,
+    ValueHead,
     VocabParallelEmbedding,
     component_range,
 )
@@ -64,10 +65,9 @@ __all__ = [
     "ParallelLMHead",
     "RMSNorm",
     "HeadRMSNorm",
+    "ValueHead",
     "component_range",
     "export_hf",
-    "gather_ranks",
-    "merge_shards",
     "load_chat_template",
     "render_chat",
     "copy_to_tp",

@@ -2,20 +2,19 @@
 
 ``export_checkpoint(checkpoint, cfg, model_config, model_dir, out)`` reads the policy's
 parameters from ``checkpoint`` (a ``checkpoints/step_N`` folder the job wrote: one
-``policy_training.safetensors`` from an in-process job, or one
-``policy_training.rank{R}.safetensors`` per (pp_rank, tp_rank) of the first training EMU,
-in the layout ``[plan.policy_training]`` names), puts the TP shards and pipeline stages
-back together (``nereus.models.export.gather_ranks``), drops the AdamW moments, and
-writes ``out`` with ``nereus.models.export.export_hf``: config, ``model.safetensors`` and
-the tokenizer files of the job's model folder. transformers' ``from_pretrained`` and
-vLLM load the result.
+``policy_training.safetensors`` from an in-process job, or the state layer's checkpoint
+``policy_training/`` of a cluster job, saved in whatever layout trained it and read back
+whole through ``nereus.state.checkpoint.load_shards`` into a TP 1, PP 1 target), leaves
+the AdamW moments, and writes ``out`` with ``nereus.models.export.export_hf``: config,
+``model.safetensors`` and the tokenizer files of the job's model folder.
+transformers' ``from_pretrained`` and vLLM load the result.
 
 ``nereus export RUN_DIR [--checkpoint DIR] [--out DIR]`` does the same from the command
-line (the run's ``config.json`` says the model and the plan; the newest complete
-checkpoint and ``RUN_DIR/hf`` by default), and ``[run] export_hf`` at the end of a job.
-Reads only the files; never touches a running job.
+line (the run's ``config.json`` says the model; the newest complete checkpoint and
+``RUN_DIR/hf`` by default), and ``[run] export_hf`` at the end of a job. Reads only the
+files; never touches a running job.
 
-Refuses (``StateError``): a checkpoint without the policy's files.
+Refuses (``StateError``): a checkpoint without the policy's files, or one of another model.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from nereus.errors import ConfigError, StateError
-from nereus.models.export import export_hf, gather_ranks
+from nereus.models.export import export_hf
 from nereus.models.spec import model_spec
 
 __all__ = ["export_checkpoint", "policy_tensors", "main"]
@@ -40,21 +39,20 @@ _STAGE = "policy_training"
 
 def policy_tensors(checkpoint: str | Path, cfg: Any, model_config: Any) -> dict[str, torch.Tensor]:
     """The policy's whole parameters in ``checkpoint`` (nereus names)."""
+    from nereus.state import EMU, Layout
+    from nereus.state.checkpoint import MANIFEST, load_shards
+
     folder = Path(checkpoint)
-    spec = model_spec(model_config)
-    names = {p.name for p in spec}
+    spec = model_spec(model_config, dtype=cfg.model.dtype)
     single = folder / f"{_STAGE}.safetensors"
     if single.is_file():
-        tensors = load_file(str(single))
-        return {k: v for k, v in tensors.items() if k in names}
-    place = cfg.plan[_STAGE]
-    files = [folder / f"{_STAGE}.rank{r}.safetensors" for r in range(place.tp * place.pp)]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise StateError(f"checkpoint {str(folder)!r} has no {single.name} and lacks {missing} "
-                         f"(plan.policy_training is tp={place.tp} pp={place.pp})")
-    ranks = [{k: v for k, v in load_file(str(f)).items() if k in names} for f in files]
-    return gather_ranks(spec, ranks, place.tp, place.pp)
+        names = {p.name for p in spec}
+        return {k: v for k, v in load_file(str(single)).items() if k in names}
+    saved = folder / _STAGE
+    if not (saved / MANIFEST).is_file():
+        raise StateError(f"checkpoint {str(folder)!r} holds neither {single.name} nor a complete {_STAGE}/ checkpoint")
+    whole = EMU("export", _STAGE, spec, Layout(1, 1), (0,))
+    return load_shards(saved, whole, 0)
 
 
 def export_checkpoint(checkpoint: str | Path, cfg: Any, model_config: Any, model_dir: str | Path, out: str | Path) -> Path:

@@ -193,7 +193,7 @@ async def test_stage_transition_steps_on_workers(holders, current, target):
         plan = plan_stage_transition(cur, tgt)
         moved = 0
         for step in plan.steps:
-            moved += await execute_step(step, refs, cluster)
+            moved += (await execute_step(step, refs, cluster)).bytes_moved
         assert moved == plan.bytes_moved
         names = {e.name for e in plan.result}
         for e in plan.result:
