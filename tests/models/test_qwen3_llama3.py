@@ -4,7 +4,8 @@ and every parameter's gradient of a training loss (sharded per rank, summed wher
 engines sum: tied embeddings across the pipeline's ends).
 
 The models: Qwen3 (per-head q/k RMSNorm, attention biases on q/k/v/o, tied embeddings,
-head_dim unrelated to hidden_size) and Llama-3 (RoPE scaled by rope_type "llama3", with
+head_dim unrelated to hidden_size; and an untied one without biases, at TP 1 / PP 1 only)
+and Llama-3 (RoPE scaled by rope_type "llama3", with
 frequencies in all three of its bands; untied). Norms and biases are perturbed so a
 misplaced or missing one shows. Each (pp_rank, tp_rank) is its own process
 (``tests.models._worker``, gloo collectives), as in ``test_tp_pp``.
@@ -47,6 +48,8 @@ def _hf_model(kind: str):
     torch.manual_seed(21 if kind == "qwen3" else 22)
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=24, attention_bias=True, tie_word_embeddings=True, **common))
+    elif kind == "qwen3_untied":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=False, **common))
     else:
         model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, rope_scaling=dict(LLAMA3_ROPE), **common))
     with torch.no_grad():  # transformers starts norms at 1 and biases at 0: make them count
@@ -60,7 +63,7 @@ def _hf_model(kind: str):
 def hf_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     root = tmp_path_factory.mktemp("qwen3_llama3")
     out = {}
-    for kind in ("qwen3", "llama3"):
+    for kind in ("qwen3", "qwen3_untied", "llama3"):
         model = _hf_model(kind)
         model.save_pretrained(root / kind)
         out[kind] = (root / kind, model)
@@ -94,7 +97,7 @@ def test_configs_are_what_the_test_means(hf_models):
     assert (wavelen < old / 4).any() and (wavelen > old).any() and ((wavelen >= old / 4) & (wavelen <= old)).any()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama3"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_untied", "llama3"])
 def test_tp1_pp1_matches_transformers_and_scaling_matters(kind, hf_models, inputs):  # noqa: F811
     path, hf = hf_models[kind]
     _, data = inputs
