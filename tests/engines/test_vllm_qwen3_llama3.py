@@ -19,7 +19,7 @@ CONFIGS = {
                           rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                           rope_original_max_position_embeddings=16),
 }
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19, 20, 21, 22], [14]]
 
 
 def _builtin(config, path, name):
@@ -35,11 +35,16 @@ def test_exported_folder_serves_and_takes_shards_by_name(tmp_path, kind):
     model = build_stage(config)
     load_stage_weights(model, source)
     exported = export_hf(tmp_path / "hf", config, {n: p.detach() for n, p in model.named_parameters()})
-    params = SamplingParams(max_tokens=6, temperature=0.0)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
     engine = VllmGenerationEngine(config, exported, ledger=MemoryLedger(f"vllm-{kind}", None), max_model_len=64,
                                   kv_cache_bytes=32 << 20)
     try:
-        assert engine.generate(PROMPTS, params).token_ids == _builtin(config, source, "ref-a").generate(PROMPTS, params).token_ids
+        served = engine.generate(PROMPTS, params).token_ids
+        assert served == _builtin(config, source, "ref-a").generate(PROMPTS, params).token_ids
+        # The features under test decide the tokens: without them the built-in engine differs.
+        plain = config.replace(rope_type="default", rope_factor=1.0) if kind == "llama3" else None
+        if plain is not None:
+            assert served != _builtin(plain, source, "ref-plain").generate(PROMPTS, params).token_ids
         other = _builtin(config, save_tiny_model(tmp_path / "b", config, seed=2, init_std=0.3), "ref-b")
         weights = other.named_weights()
         assert any("q_norm" in n for n in weights) == (kind == "qwen3")
