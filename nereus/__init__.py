@@ -65,6 +65,9 @@ for _module, _names in {
         "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
     ],
     "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
+    "nereus.launch": [
+        "KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests", "render_sbatch",
+    ],
 }.items():
     for _name in _names:
         _LAZY[_name] = _module

@@ -271,7 +271,8 @@ class Controller:
         return {}
 
     def _op_retire(self, ident: bytes, body: dict) -> dict:
-        """A driver retires a drained device: its node stops the worker; no failure."""
+        """A driver retires a drained device: its node stops the worker (no failure) and
+        says so with ``worker_retired``, which every driver hears as ``device_retired``."""
         index = body.get("device")
         dev = self.devices.get(index) if type(index) is int else None
         if dev is None or not dev["alive"]:
@@ -280,9 +281,19 @@ class Controller:
         dev["alive"] = False
         if node is not None and node["alive"]:
             self._send(node["ident"], [P.NOTE, "stop_worker", {"index": index}])
-        self.publish({"type": "worker_retire", "device": index, "node_id": dev["node_id"], "pid": dev["pid"]})
+        else:  # nothing left to stop
+            self._op_worker_retired(ident, {"index": index})
         self._changed.set()
-        return {"retired": index}
+        return {"retiring": index}
+
+    def _op_worker_retired(self, ident: bytes, body: dict) -> dict:
+        dev = self.devices[int(body["index"])]
+        self.publish({"type": "worker_retire", "device": dev["index"], "node_id": dev["node_id"], "pid": dev["pid"]})
+        notice = [P.NOTE, "device_retired", {"device": dev["index"], "address": dev["address"],
+                                             "reason": "retired"}]
+        for client in list(self.clients):
+            self._send(client, notice)
+        return {}
 
     def _notify_death(self, dev: dict[str, Any], reason: str) -> None:
         notice = [P.NOTE, "worker_died", {"device": dev["index"], "address": dev["address"],

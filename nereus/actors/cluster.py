@@ -81,6 +81,7 @@ class Cluster:
         self.nodes: list[Any] = []
         self.devices: list[DeviceInfo] = []
         self.tap_address = ""
+        self.epoch = 0  # the controller's layout epoch when the view was last read
         self._addresses: dict[int, str] = {}
         self._client: _client.Client | None = None
         self._previous_client: _client.Client | None = None
@@ -89,6 +90,7 @@ class Cluster:
         self._tasks: set[asyncio.Task] = set()
         self._started = False
         self._draining: set[int] = set()
+        self._retiring: dict[int, asyncio.Future] = {}
 
     # -- construction ----------------------------------------------------------------
 
@@ -195,6 +197,7 @@ class Cluster:
 
     def _set_view(self, view: dict) -> None:
         self.tap_address = view["tap_address"]
+        self.epoch = int(view.get("epoch", 0))
         devs = sorted(view["devices"], key=lambda d: d["index"])
         self.devices = [DeviceInfo(d["index"], d["host"], d["kind"], d["memory_bytes"],
                                    d["node_id"], d["local_index"]) for d in devs]
@@ -216,6 +219,7 @@ class Cluster:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be an int >= 0")
         await self._need_client().request(None, "set_epoch", {"epoch": epoch})
+        self.epoch = epoch
 
     # -- the device pool -------------------------------------------------------------
 
@@ -234,15 +238,25 @@ class Cluster:
 
     async def retire_drained(self, devices: Sequence[int]) -> None:
         """Stop the workers of drained ``devices`` (their work must have left them): the
-        controller tells their nodes, and they leave the cluster's view without a failure."""
+        controller tells their nodes; this returns once every one of those workers has
+        exited, and they leave the cluster's view without a failure."""
         for d in devices:
             if d not in self._draining:
                 raise ConfigError(f"device={d!r} is not draining (draining: {sorted(self._draining)})")
         client = self._need_client()
+        loop = asyncio.get_running_loop()
+        waits = [self._retiring.setdefault(d, loop.create_future()) for d in devices]
         for d in devices:
             await client.request(None, "retire", {"device": d}, timeout_s=self._timeout_s)
             self._forget_device(d)
-            self._draining.discard(d)
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), self._timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"drained devices {list(devices)} did not stop within {self._timeout_s} s") from None
+        finally:
+            for d in devices:
+                self._retiring.pop(d, None)
+                self._draining.discard(d)
 
     async def add_node(self, devices: int, memory_per_device: int | str | None = None) -> list[int]:
         """Start one more node daemon with ``devices`` worker processes (a local cluster
@@ -335,6 +349,11 @@ class Cluster:
         self._callbacks.append(callback)
 
     def _on_notice(self, op: str, body: dict) -> None:
+        if op == "device_retired":
+            done = self._retiring.get(body.get("device"))
+            if done is not None and not done.done():
+                done.set_result(None)
+            return
         if op != "worker_died":
             return
         index = body.get("device")

@@ -171,15 +171,20 @@ class RotaryEmbedding(nn.Module):
         key = (dtype, self.inv_freq.device)
         table = self._tables.get(key)
         if table is None or table.shape[0] < length:
-            # Grow geometrically so a decode loop rebuilds it O(log n) times.
-            n = max(length, 64, 2 * (table.shape[0] if table is not None else 0))
-            pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
-            freqs = pos.unsqueeze(-1) * self.inv_freq  # the same float32 products as per-position math
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            sin[:, : sin.shape[1] // 2].neg_()
-            table = torch.stack((emb.cos(), sin), dim=1).to(dtype)
-            self._tables[key] = table
+            with torch.inference_mode(False):  # a cached table serves inference and training alike
+                table = self._build(key, length, table, dtype)
+        return table
+
+    def _build(self, key: tuple, length: int, table: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        # Grow geometrically so a decode loop rebuilds it O(log n) times.
+        n = max(length, 64, 2 * (table.shape[0] if table is not None else 0))
+        pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = pos.unsqueeze(-1) * self.inv_freq  # the same float32 products as per-position math
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
+        table = torch.stack((emb.cos(), sin), dim=1).to(dtype)
+        self._tables[key] = table
         return table
 
     def forward(

@@ -47,7 +47,7 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
                     "memory_bytes": "device memory or CPU budget"},
     "worker_leave": {"device": "global device index", "node_id": "node id", "pid": "process id"},
     "device_drain": {"device": "global device index marked to be emptied by the next change"},
-    "worker_retire": {"device": "global device index of a drained device whose worker stops",
+    "worker_retire": {"device": "global device index of a drained device whose worker stopped",
                       "node_id": "node id", "pid": "process id"},
     "worker_death": {"device": "global device index", "node_id": "node id", "pid": "process id",
                      "reason": "SIGKILL, exit code N, node lost", "returncode": "exit status"},

@@ -64,9 +64,10 @@ import torch
 
 from nereus.config import require
 from nereus.errors import ActorDied
-from nereus.rl.change import plan_change, stage_emus
+from nereus.rl.change import plan_change, stage_changed, stage_emus
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
+from nereus.state.memory import DEFAULT_BUCKET_BYTES
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -117,7 +118,9 @@ class ClusterStages(ModelStages):
 
             c = cfg.cluster
             if c.mode == "connect":
-                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices)
+                # The same deadline as a local cluster's: spawning a model-stage on a busy host
+                # takes longer than the 30 s an attach alone would allow.
+                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices, timeout_s=60.0)
             else:
                 # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
                 # can miss the default 3 s, and a lost node ends the job.
@@ -179,7 +182,9 @@ class ClusterStages(ModelStages):
         if "reward_inference" in self._plan.names:
             rm_config, rm_dir = reward_model(self.cfg, self.model_config)
             self._models["reward"] = (rm_config, str(rm_dir))
-        self.epoch = 1
+        # layout epochs only grow on a cluster: a job attached to one that ran others goes on
+        await self.cluster.refresh_devices()
+        self.epoch = self.cluster.epoch + 1
         await self.cluster.set_epoch(self.epoch)
         await self._ensure_hosts(set(self._plan.devices))
         for stage, sp in self._plan:
@@ -232,8 +237,21 @@ class ClusterStages(ModelStages):
         event = await self._run_sync("policy_generation")
         self.policy_version += 1
         event["policy_version"] = self.policy_version
+        await self._stamp_trained()
         _emit("weight_sync", **event)
         return event
+
+    async def _stamp_trained(self) -> None:
+        """The training EMUs' logical state in the stores takes the job's policy version
+        and sample position (their update counters the engines keep)."""
+        names: dict[int, list[str]] = {}
+        for stage, emus in self.emus.items():
+            if STAGE_KINDS[stage] == "training":
+                for e in emus:
+                    for d in e.devices:
+                        names.setdefault(d, []).append(e.name)
+        fields = {"policy_version": self.policy_version, "sample_position": self.sample_position}
+        await asyncio.gather(*(self.hosts[d].stamp_states.call_one(ns, fields) for d, ns in names.items()))
 
     # --- the ModelStages calls ------------------------------------------------------
 
@@ -325,18 +343,26 @@ class ClusterStages(ModelStages):
             return 2 * layers * rows * kv_local * self._cache_slots * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
         return 0
 
-    async def _stamp_states(self) -> None:
-        """Every EMU's logical state as the workers hold it, with the job's policy version
-        and sample position, written back to the stores and kept in the descriptions."""
+    async def _stamp_states(self, stages: list[str] | None = None) -> None:
+        """The logical state of ``stages``' EMUs (default: all) as the workers hold it,
+        with the job's policy version and sample position, written back to the stores
+        and kept in the descriptions."""
         from nereus.state import LogicalState
 
-        for stage, emus in self.emus.items():
+        for stage in stages if stages is not None else list(self.emus):
+            emus = self.emus[stage]
             states = await asyncio.gather(*(self.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus))
             counts = {s.get("update_count", 0) for s in states}
             require(len(counts) == 1, f"{stage} update counters", sorted(counts), "must agree across replicas")
             state = LogicalState(counts.pop(), self.policy_version, self.sample_position)
             await asyncio.gather(*(self.hosts[d].set_state.call_one(e.name, vars(state)) for e in emus for d in e.devices))
             self.emus[stage] = [e.with_(state=state) for e in emus]
+
+    def _current_plan(self, stage: str) -> Any:
+        from nereus.planner.plan import StagePlan
+
+        emus = self.emus[stage]
+        return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
 
     async def apply_plan(self, target: Any) -> dict[str, Any]:
         """Change the job's plan to ``target`` at a step boundary (see the module
@@ -358,22 +384,35 @@ class ClusterStages(ModelStages):
         bad = sorted(d for d in target.devices if d not in live or d in draining)
         require(not bad, "target plan devices", bad, f"must be live devices that are not draining (live: {sorted(live - draining)})")
         report: dict[str, Any] = {"from": self._plan.to_dict(), "to": target.to_dict(), "epoch_from": self.epoch}
-        # what the change moves, checked against every budget before anything moves
-        await self._stamp_states()
-        if "policy_generation" in self.handles:
+        moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
+        # what the change moves, checked against every budget before anything moves; the
+        # engines of model-stages that do not move stay as they are, with their groups
+        await self._stamp_states(moving)
+        self._cache_slots = 0
+        if "policy_generation" in moving:
             shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus]
             self._cache_slots = max((s[1] for s in shapes), default=0)
-        new_epoch = self.epoch + 1
-        resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus])
+        new_epoch = max(self.epoch, self.cluster.epoch) + 1
+        resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus],
+                             engines=[e.name for s in moving for e in self.emus[s]])
+        # between processes of one host peers write into each other's new shards: no bucket
+        one_host = len({self._host_of(d) for d in self.hosts}) == 1
+
+        def engine_bytes(stage: str, emu: Any, device: int) -> int:
+            return self._engine_bytes(stage, emu, device) if stage in moving else 0
+
         planned = plan_change(self.emus, target, self._device_set(), epoch=new_epoch, resident=resident,
-                              engine_bytes=self._engine_bytes)
+                              engine_bytes=engine_bytes, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES)
         t_plan = time.perf_counter()
         report.update(changed=[c.stage for c in planned.changes], bytes=planned.bytes_moved,
                       predicted_peak_bytes=planned.peak)
-        # the engines stop (gradients, KV caches and activations leave the ledgers)
-        for handle in self.handles.values():
+        # the moving model-stages' engines stop (gradients, KV caches and activations
+        # leave the ledgers); their groups go once nothing else uses them
+        retired = []
+        for stage in moving:
+            handle = self.handles.pop(stage)
             await handle.stop()
-        self.handles = {}
+            retired += handle.groups
         t_stop = time.perf_counter()
         await self._ensure_hosts(set(target.devices))
         measured = 0
@@ -388,14 +427,15 @@ class ClusterStages(ModelStages):
         # the transition's groups are its own
         await release_groups(self.cluster, new_epoch)
         t_moves = time.perf_counter()
-        old_epoch, self.epoch = self.epoch, new_epoch
+        self.epoch = new_epoch
         self.emus = planned.result
         self._plan = target
         await self.cluster.set_epoch(self.epoch)
-        timing = await self._start_engines()
-        await release_groups(self.cluster, old_epoch)
+        timing = await self._start_engines(moving)
         t_engines = time.perf_counter()
+        retired += [group for _, group in self._sync.values() if group is not None]
         await self._plan_syncs()
+        await self._release_unused(retired)
         await self._retire_drained()
         t_end = time.perf_counter()
         report.update(epoch=self.epoch, bytes_measured=measured, seconds=t_end - t0, plan_s=t_plan - t0,
@@ -405,16 +445,25 @@ class ClusterStages(ModelStages):
                  report["bytes"], report["seconds"])
         return report
 
-    async def _start_engines(self) -> dict[str, float]:
-        """Every model-stage's engines over the EMUs the stores hold now, in this epoch."""
+    async def _release_unused(self, groups: list[Any]) -> None:
+        """Destroy ``groups`` that no engine and no sync uses any more."""
+        used = {g.group_id for h in self.handles.values() for g in h.groups}
+        used |= {g.group_id for _, g in self._sync.values() if g is not None}
+        gone: dict[str, Any] = {g.group_id: g for g in groups if g.group_id not in used}
+        for group in gone.values():
+            await group.destroy()
+
+    async def _start_engines(self, stages: list[str]) -> dict[str, float]:
+        """``stages``' engines over the EMUs the stores hold now, in this epoch."""
         from nereus.engines import start_model_stage
         from nereus.engines.stage import stage_groups
 
         t0 = time.perf_counter()
-        for stage, emus in self.emus.items():  # the data plane caches them for start_model_stage
-            await stage_groups(self.cluster, STAGE_KINDS[stage], emus, epoch=self.epoch)
+        for stage in stages:  # made one after another; start_model_stage finds them made
+            await stage_groups(self.cluster, STAGE_KINDS[stage], self.emus[stage], epoch=self.epoch)
         groups_s = time.perf_counter() - t0
-        for stage, emus in self.emus.items():
+
+        async def start(stage: str, emus: list[Any]) -> None:
             config, _ = self._models["reward" if stage == "reward_inference" else "policy"]
             caches = None
             if STAGE_KINDS[stage] == "generation" and self._cache_slots:
@@ -423,6 +472,9 @@ class ClusterStages(ModelStages):
             self.handles[stage] = await start_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config,
                 options=self._options(stage), epoch=self.epoch, caches=caches)
+
+        # every model-stage at once: a device's host builds its engines one after another
+        await asyncio.gather(*(start(stage, self.emus[stage]) for stage in stages))
         return {"groups_s": groups_s}
 
     async def _retire_drained(self) -> None:
@@ -495,13 +547,17 @@ class ClusterStages(ModelStages):
         from nereus.transfer import release_groups
 
         errors: list[BaseException] = []
+        groups = [g for _, g in self._sync.values() if g is not None]
         for handle in self.handles.values():
+            groups += handle.groups
             try:
                 await handle.stop()
             except Exception as e:  # keep closing; the first error is raised at the end
                 errors.append(e)
-        self.handles = {}
+        self.handles, self._sync = {}, {}
         try:
+            for group in {g.group_id: g for g in groups}.values():
+                await group.destroy()
             if self.epoch:
                 await release_groups(self.cluster, self.epoch)
             for mesh in self._host_meshes:
@@ -516,10 +572,11 @@ class ClusterStages(ModelStages):
             raise real[0]
 
 
-def _resident(memory: dict[int, dict[str, Any]], names: list[str]) -> dict[int, int]:
-    """Per device, what its ledger holds besides the job's EMUs (``shards/<name>``), their
-    engines (``<name>/...``) and transfers in flight: what a change must work around."""
-    mine = tuple(f"shards/{n}" for n in names) + tuple(f"{n}/" for n in names) + ("transfer/",)
+def _resident(memory: dict[int, dict[str, Any]], names: list[str], engines: list[str]) -> dict[int, int]:
+    """Per device, what its ledger holds besides the job's EMUs (``shards/<name>``), the
+    engines that stop for the change (``<name>/...``) and transfers in flight: what a
+    change must work around."""
+    mine = tuple(f"shards/{n}" for n in names) + tuple(f"{n}/" for n in engines) + ("transfer/",)
     return {d: sum(v for k, v in m["breakdown"].items() if not k.startswith(mine)) for d, m in memory.items()}
 
 

@@ -79,8 +79,9 @@ class RLJob:
         self.step = 0
         self.records: list[dict[str, Any]] = []
 
-    async def start(self) -> None:
-        """Prepare the model, start the model-stages, resume if asked."""
+    async def start(self, cluster: Any = None) -> None:
+        """Prepare the model, start the model-stages (on ``cluster`` if given, a started
+        ``nereus.Cluster`` the job does not own; else as ``[cluster]`` says), resume if asked."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
         self.model_config, self.model_dir, self.codec = prepare_model(self.cfg, self.codec, self.out_dir)
@@ -89,7 +90,7 @@ class RLJob:
         else:
             from nereus.rl.cluster import ClusterStages
 
-            self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir)
+            self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
         if self.cfg.run.resume:
             ckpt = latest_checkpoint(self.out_dir)
             if ckpt is not None:

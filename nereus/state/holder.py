@@ -6,7 +6,8 @@
 ``ShardHolder``), so what a reshard writes is what they compute with. Its endpoints:
 
 - ``put_shards`` / ``get_shards`` / ``drop_shards`` / ``held`` / ``rename`` /
-  ``get_state`` / ``set_state``: fill, read, free, list, rename, stamp;
+  ``get_state`` / ``set_state`` / ``stamp_states``: fill, read, free, list, rename, and
+  read or write logical state;
 - ``run_plan(part, group, free)``: this worker's part of a ``ReshardPlan`` in one call --
   keeps, local copies and one exchange over the group's communicator -- stores the
   target's tensors and state, then frees the EMUs in ``free``. Between processes of one
@@ -25,8 +26,9 @@
 
 Memory: the store reserves every EMU's bytes in the device's ``MemoryLedger``
 (``nereus.state.ledger``; keys ``shards/<emu>``, a tensor two EMUs share counted once)
-*before* allocating them, and one transfer bucket (no larger than what the part moves)
-while it exchanges. A plan that does not fit raises ``OutOfMemory`` naming the device,
+*before* allocating them, and, while it exchanges through buckets, one bucket (no
+larger than what the part moves; peers of one host write straight into the new shards
+and need none). A plan that does not fit raises ``OutOfMemory`` naming the device,
 the need and the budget, and nothing is allocated, moved or freed. Sources are freed
 only after the exchange returned, so a failed transfer loses nothing.
 
@@ -178,6 +180,13 @@ class ShardHolder(Actor):
         self._held_of(emu)
         self.states[emu] = LogicalState(**state)
 
+    @endpoint
+    async def stamp_states(self, emus: list[str], fields: dict) -> None:
+        """Set some fields of several EMUs' logical state (the others stay)."""
+        for emu in emus:
+            self._held_of(emu)
+            self.states[emu] = LogicalState(**{**vars(self.states.get(emu, LogicalState())), **fields})
+
     def _free(self, emus: Sequence[str]) -> None:
         """Take ``emus`` out of the holder now; release their memory after the reply."""
         dropped = [self.shards.pop(name, None) for name in emus]
@@ -239,11 +248,19 @@ class ShardHolder(Actor):
                   for key, (shape, dt) in part["tensors"].items() if key not in kept)
         moving = bool(part["sends"] or part["recvs"])
         target, bucket_key = part["target"], f"transfer/{part['target']}"
+        comm = get_communicator(group) if group is not None else None
+        # Same-host peers write straight into this worker's new shards (one copy per
+        # byte); otherwise buckets, with whole received tensors adopted.
+        direct = self.direct and bool(getattr(comm, "local_pids", None))
         # the device's budget is checked (and the bytes reserved) before anything is
-        # allocated: the new shards and one bucket (no larger than what moves: the
-        # memory model's rule, nereus.state.memory)
-        traffic = _part_traffic(part, self.shards)
-        self.ledger.reserve(bucket_key, min(self.bucket_bytes, traffic) if moving else 0)
+        # allocated: the new shards and, unless peers write straight into them, one
+        # bucket (no larger than what moves: the memory model's rule, nereus.state.memory)
+        peers = {p for p, *_ in part["sends"]} | {p for p, *_ in part["recvs"]}
+        local = getattr(comm, "local_pids", None) or {}
+        all_direct = direct and all(rank_of_peer in local for rank_of_peer in
+                                    (list(group_devices).index(p) for p in peers if p in group_devices))
+        bucket = 0 if all_direct or not moving else min(self.bucket_bytes, _part_traffic(part, self.shards))
+        self.ledger.reserve(bucket_key, bucket)
         try:
             self._reserve_new(target, new)
         except BaseException:
@@ -251,11 +268,6 @@ class ShardHolder(Actor):
             raise
         rank_of = {d: r for r, d in enumerate(group_devices)}
         stats: dict[str, Any] = {}
-
-        comm = get_communicator(group) if group is not None else None
-        # Same-host peers write straight into this worker's new shards (one copy per
-        # byte); otherwise buckets, with whole received tensors adopted.
-        direct = self.direct and bool(getattr(comm, "local_pids", None))
 
         def do_exchange(sends, recvs, copies=()):
             if comm is None:
