@@ -16,7 +16,9 @@ blocking wait with a deadline, never a polling loop, run off the worker's event
 loop). Ranks follow the order of ``devices``.
 
 Groups are cached by (devices, backend, epoch): asking again for the same group
-returns the same live handle. ``GroupHandle.destroy`` and ``release_groups(cluster,
+returns the same live handle. Set-ups of groups that share a device never overlap in
+time (a lock per device, taken in device order): concurrent rendezvous over shared
+devices could stall for seconds; one after another each takes milliseconds. ``GroupHandle.destroy`` and ``release_groups(cluster,
 epoch)`` tear them down on every member (sockets, threads, shared memory, the store).
 
 Worker side: ``get_communicator(group_id)`` returns this process's communicator of a
@@ -36,6 +38,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -164,6 +167,8 @@ class GroupHandle:
     _owner: _Groups | None = field(repr=False, default=None)
     _store: Any = field(repr=False, default=None)
     destroyed: bool = False
+    # when its members were asked to join and when the last one had (driver's clock)
+    setup_span: tuple[float, float] = (0.0, 0.0)
 
     def rank_of(self, device: int) -> int:
         return self.devices.index(device)
@@ -191,6 +196,9 @@ class _Groups:
         self.cache: dict[tuple, GroupHandle] = {}
         self.lock = asyncio.Lock()
         self.spawned = 0
+        # one set-up at a time per device: rendezvous of groups over shared devices that
+        # overlap in time can stall for seconds
+        self.device_locks: dict[int, asyncio.Lock] = {}
 
     def forget(self, handle: GroupHandle) -> None:
         for key, h in list(self.cache.items()):
@@ -280,9 +288,20 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
         spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
     handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
                          store)
-    calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
-             for r, a in enumerate(agents)]
-    results = await asyncio.gather(*calls, return_exceptions=True)
+    # set-ups over a shared device go one after another (locks taken in device order,
+    # so two set-ups never wait on each other)
+    locks = [state.device_locks.setdefault(d.index, asyncio.Lock()) for d in sorted(infos, key=lambda d: d.index)]
+    for lock in locks:
+        await lock.acquire()
+    try:
+        t_setup = time.monotonic()
+        calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
+                 for r, a in enumerate(agents)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        handle.setup_span = (t_setup, time.monotonic())
+    finally:
+        for lock in locks:
+            lock.release()
     failed = [(infos[r].index, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
     for device, err in failed:
         if isinstance(err, ActorDied):  # a later make_group spawns a fresh agent there
