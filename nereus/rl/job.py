@@ -157,10 +157,13 @@ class RLJob:
             )
         return record
 
-    async def apply_plan(self, target: Any) -> dict[str, Any]:
-        """Change the job's plan at this step boundary (``ModelStages.apply_plan``)."""
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+        """Change the job's plan at this step boundary (``ModelStages.apply_plan``; with
+        ``overlap`` the next step's work on untouched devices starts while it runs)."""
         assert self.stages is not None
         self.stages.sample_position = self.dataset.position
+        if overlap:
+            return await self.stages.apply_plan(target, overlap=True)
         return await self.stages.apply_plan(target)
 
     async def run(self) -> list[dict[str, Any]]:

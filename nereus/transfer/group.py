@@ -167,6 +167,7 @@ class GroupHandle:
     _owner: _Groups | None = field(repr=False, default=None)
     _store: Any = field(repr=False, default=None)
     destroyed: bool = False
+    tag: str = ""
     # when its members were asked to join and when the last one had (driver's clock)
     setup_span: tuple[float, float] = (0.0, 0.0)
 
@@ -249,10 +250,12 @@ def _store_host(devices: list[DeviceInfo]) -> str:
 
 async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "auto",
                      epoch: int = 0, timeout_s: float = 60.0,
-                     options: dict[str, Any] | None = None) -> GroupHandle:
+                     options: dict[str, Any] | None = None, tag: str = "") -> GroupHandle:
     """A live group over ``devices`` (indices, DeviceInfo or an ActorMesh, in rank
     order); see the module docstring. ``options`` go to the backend's constructor (e.g.
-    ``{"use_shm": False}`` for CpuCommunicator)."""
+    ``{"use_shm": False}`` for CpuCommunicator); ``tag`` sets groups of one epoch apart
+    (a transition's own groups beside the engines'): it is part of the cache key and
+    ``release_groups`` can release one tag alone."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} must be one of {list(BACKENDS)}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -266,7 +269,7 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     if backend == "nccl" and kinds != {"cuda"}:
         raise ConfigError(f"backend='nccl' needs CUDA devices; devices are of kinds {sorted(kinds)}")
     state = _state.setdefault(cluster, _Groups())
-    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())))
+    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())), tag)
     async with state.lock:
         cached = state.cache.get(key)
         if cached is not None and not cached.destroyed:
@@ -287,7 +290,7 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     if backend == "nccl":
         spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
     handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
-                         store)
+                         store, tag=tag)
     # set-ups over a shared device go one after another (locks taken in device order,
     # so two set-ups never wait on each other)
     locks = [state.device_locks.setdefault(d.index, asyncio.Lock()) for d in sorted(infos, key=lambda d: d.index)]
@@ -316,12 +319,13 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     return handle
 
 
-async def release_groups(cluster: Cluster, epoch: int) -> int:
-    """Destroy every cached group of ``epoch`` made through ``cluster``; returns how many."""
+async def release_groups(cluster: Cluster, epoch: int, tag: str | None = None) -> int:
+    """Destroy every cached group of ``epoch`` (of ``tag`` alone, when given) made through
+    ``cluster``; returns how many."""
     state = _state.get(cluster)
     if state is None:
         return 0
-    handles = [h for h in list(state.cache.values()) if h.epoch == epoch]
+    handles = [h for h in list(state.cache.values()) if h.epoch == epoch and (tag is None or h.tag == tag)]
     for h in handles:
         await h.destroy()
     return len(handles)

@@ -214,3 +214,10 @@ class LinkModel:
         i = self.ideal(node)
         return (i["p2p_intra"] / self.intra_efficiency + i["p2p_inter"] / self.inter_efficiency
                 + i["groups"] * self.group_setup_s + i["calls"] * self.call_s)
+
+    @classmethod
+    def of(cls, cluster, eff) -> LinkModel:
+        """The link model of a ``ClusterSpec`` under calibrated efficiencies: a device's
+        bandwidth within its node, its share of its node's NICs across nodes."""
+        return cls(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), eff.p2p_intra,
+                   eff.p2p_inter, eff.group_setup_s, eff.transition_call_s)

@@ -6,7 +6,8 @@ primitives as a task -- each op becomes its ``Step`` with exact reshard plans bu
 (``nereus.state.transition.op_step`` over the EMUs alive at that moment) and runs on the
 workers (``nereus.state.execute_step``: one message per worker and plan, a group of the
 given epoch per plan that moves bytes); the ops of one node sit on disjoint devices and
-run at once -- and ``next_done()`` waits for the next node to end. ``live`` is the set
+run at once; their groups are of the given epoch and tag ``"transition"``, so they are
+released apart from the engines' -- and ``next_done()`` waits for the next node to end. ``live`` is the set
 of EMUs after every node that finished (created ones in, freed ones out); a node that
 fails leaves it as it was (a primitive frees its sources only after its target exists).
 
@@ -35,11 +36,12 @@ class WorkerRuntime:
     DAG's ops name as inputs, by name (with spec, slots and logical state)."""
 
     def __init__(self, emus: Mapping[str, EMU], holders: Mapping[int, Any], cluster: Any, *, epoch: int = 0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 group_tag: str = "transition", clock: Callable[[], float] = time.perf_counter) -> None:
         self.live: dict[str, EMU] = dict(emus)
         self.holders = holders
         self.cluster = cluster
         self.epoch = epoch
+        self.group_tag = group_tag
         self.clock = clock
         self._tasks: set[asyncio.Task] = set()
 
@@ -57,8 +59,8 @@ class WorkerRuntime:
         t0 = self.clock()
         try:
             steps = [op_step(op, self.live) for op in node.ops]
-            stats = await asyncio.gather(*(execute_step(step, self.holders, self.cluster, epoch=self.epoch)
-                                           for step in steps))
+            stats = await asyncio.gather(*(execute_step(step, self.holders, self.cluster, epoch=self.epoch,
+                                                        group_tag=self.group_tag) for step in steps))
         except Exception as e:  # reported to the dispatcher: nothing more starts
             return NodeResult(node.id, False, t0, self.clock(), 0, e)
         for step in steps:

@@ -101,7 +101,7 @@ async def test_random_delays_on_workers_finish_within_budgets_and_keep_everythin
         # (its reference and critic inference move at once): not a serial loop
         if case is CASES[2]:
             spans = sorted((r.start, r.end) for r in report.results.values())
-            assert any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])), spans
+            assert any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:], strict=False)), spans
     finally:
         for ref in refs.values():
             held = await ref.held.call_one()
