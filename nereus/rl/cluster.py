@@ -113,6 +113,7 @@ class ClusterStages(ModelStages):
         self._transition: asyncio.Future | None = None  # a change running in the background
         self._waiting: set[str] = set()  # model-stages that wait for it
         self.last_transition: dict[str, Any] | None = None  # the report of the last change
+        self.learn_transitions = True  # measured transition nodes refit the link model
         self._sync: dict[str, tuple[list[Any], Any]] = {}  # target model-stage -> (plans, group)
         self._owns_cluster = False
         self._models: dict[str, tuple[Any, str]] = {}
@@ -508,9 +509,10 @@ class ClusterStages(ModelStages):
             report.update(ok=False, seconds=time.perf_counter() - t0)
             _emit_transition(report, dag)
             raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
-        for node in dag.nodes:  # what the nodes took teaches the next estimate
-            self.calibrator.observe_transition(self.link.ideal(node), max(result.results[node.id].seconds, 1e-6))
-        self._refit_link()
+        if self.learn_transitions:  # what the nodes took teaches the next estimate
+            for node in dag.nodes:
+                self.calibrator.observe_transition(self.link.ideal(node), max(result.results[node.id].seconds, 1e-6))
+            self._refit_link()
         for stage in moving:
             reps = dag.results[stage]
             renames = {rep.name: emu_name(stage, i) for i, rep in enumerate(reps) if rep.name != emu_name(stage, i)}
