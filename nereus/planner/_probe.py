@@ -82,8 +82,11 @@ def local_cpu_probe(refresh: bool = False, cache: Path | None = None) -> dict[st
     return figures
 
 
-def local_cpu_cluster_probed(devices: int, memory_bytes: int, *, refresh: bool = False) -> ClusterSpec:
-    """This machine as ``devices`` worker processes of ``memory_bytes`` each."""
+def local_cpu_cluster_probed(devices: int, memory_bytes: int, *, refresh: bool = False,
+                             cores: int | None = None, headroom: float = 0.10) -> ClusterSpec:
+    """This machine as ``devices`` worker processes of ``memory_bytes`` each, sharing
+    ``cores`` cores (default: this machine's)."""
     p = local_cpu_probe(refresh)
     return local_cpu_cluster(devices, memory_bytes, flops_per_device=p["flops_per_device"],
-                             memory_bandwidth=p["memory_bandwidth"], exchange_bandwidth=p["exchange_bandwidth"])
+                             memory_bandwidth=p["memory_bandwidth"], exchange_bandwidth=p["exchange_bandwidth"],
+                             cores=cores or os.cpu_count() or 1, headroom=headroom)

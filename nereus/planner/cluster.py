@@ -53,6 +53,9 @@ class ClusterSpec:
     inter_node_latency_s: float = 8e-6
     # Bytes every device keeps for the framework, CUDA context, allocator slack.
     workspace_bytes: int = 2 * 2**30
+    # The share of each device's memory plans leave free (margin for what the memory
+    # model does not see).
+    headroom: float = 0.10
 
     def __post_init__(self) -> None:
         require(bool(self.name), "ClusterSpec.name", self.name, "must be non-empty")
@@ -65,6 +68,7 @@ class ClusterSpec:
         for f in ("intra_node_latency_s", "inter_node_latency_s"):
             v = getattr(self, f)
             require(v >= 0, f"ClusterSpec.{f}", v, "must be >= 0 seconds")
+        require(0 <= self.headroom < 1, "ClusterSpec.headroom", self.headroom, "must be in [0, 1)")
         require(
             0 <= self.workspace_bytes < self.device_memory_bytes,
             "ClusterSpec.workspace_bytes",
@@ -141,24 +145,32 @@ def local_cpu_cluster(
     memory_bandwidth: float,
     exchange_bandwidth: float,
     workspace_bytes: int = 0,
+    cores: int | None = None,
+    headroom: float = 0.10,
 ) -> ClusterSpec:
     """This machine as ``devices`` worker processes, each with a ``memory_bytes`` budget.
 
     The rates come from a probe (one thread's matmul FLOP/s, one thread's memcpy bytes/s,
     the shared-memory hand-off bytes/s between processes); the caller passes them in so
-    this stays pure. One node: every collective takes the intra-node path."""
+    this stays pure. ``cores``: how many cores the devices share (default: one each);
+    with fewer cores than devices each device gets its share of one thread's rates (4
+    worker processes on 2 cores run about half as fast each as one alone). One node:
+    every collective takes the intra-node path."""
     require(isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1")
     require(memory_bytes > workspace_bytes, "memory_bytes", memory_bytes, f"must exceed workspace_bytes={workspace_bytes}")
+    require(cores is None or (isinstance(cores, int) and cores >= 1), "cores", cores, "must be an integer >= 1")
+    share = 1.0 if cores is None else min(1.0, cores / devices)
     return ClusterSpec(
         name=f"local-cpu-{devices}",
         nodes=1,
         devices_per_node=devices,
         device_memory_bytes=int(memory_bytes),
-        peak_flops=float(flops_per_device),
-        memory_bandwidth=float(memory_bandwidth),
-        intra_node_bandwidth=float(exchange_bandwidth),
-        inter_node_bandwidth=float(exchange_bandwidth),
+        peak_flops=float(flops_per_device) * share,
+        memory_bandwidth=float(memory_bandwidth) * share,
+        intra_node_bandwidth=float(exchange_bandwidth) * share,
+        inter_node_bandwidth=float(exchange_bandwidth) * share,
         intra_node_latency_s=200e-6,
         inter_node_latency_s=200e-6,
         workspace_bytes=int(workspace_bytes),
+        headroom=headroom,
     )

@@ -163,8 +163,9 @@ class StageMemory(NamedTuple):
 
 
 def usable_bytes(cluster: ClusterSpec) -> int:
-    """What plans may fill on one device: its memory less the 10% headroom."""
-    return int(cluster.device_memory_bytes * (1.0 - HEADROOM))
+    """What plans may fill on one device: its memory less the cluster's headroom (10%
+    by default, ``HEADROOM``)."""
+    return int(cluster.device_memory_bytes * (1.0 - cluster.headroom))
 
 
 def _ceil_div(a: int, b: int) -> int:

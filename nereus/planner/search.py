@@ -506,7 +506,7 @@ def search(
     if found is None:
         raise InfeasiblePlan(
             f"no plan of {work.algorithm} with {sorted(work.models)} fits {budget} devices of {cluster.name} "
-            f"({usable_bytes(cluster) / 2**30:.1f} GiB usable per device after 10% headroom)"
+            f"({usable_bytes(cluster) / 2**30:.1f} GiB usable per device after {cluster.headroom:.0%} headroom)"
         )
     step, pools = found
     plan, groups = s.to_plan(pools)
