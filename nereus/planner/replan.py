@@ -123,8 +123,9 @@ class Replanner:
 
     def observe_memory_peaks(self, measured: dict[str, int]) -> Efficiency:
         """Measured peak bytes per model-stage (on one of its devices); recalibrates the
-        memory model's transient bytes (``Efficiency.memory_scale``)."""
-        ex = self.explain_current()
+        memory model's transient bytes (``Efficiency.memory_scale``). Peaks are compared
+        with the unscaled model, so the fitted scale does not feed back into itself."""
+        ex = explain(self.plan, self.work, self.cluster, self.eff.replace(memory_scale=1.0))
         for name, peak in measured.items():
             self.calibrator.observe_memory(ex.stage(name).memory, peak)
         self.eff = self.calibrator.fit()

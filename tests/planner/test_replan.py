@@ -142,3 +142,13 @@ def test_measured_memory_peaks_recalibrate_and_trigger_a_memory_replan():
     assert [t.kind for t in out.triggers] == ["memory"]
     assert out.decision.action == "transition" and out.decision.reason.startswith("urgent")
     assert explain(r.plan, r.work, r.cluster, r.eff).fits
+
+
+def test_repeated_memory_peaks_keep_the_scale_they_measure():
+    # the same measured peaks, observed again and again, must keep the same scale: each
+    # observation is compared with the unscaled model, not with the model already scaled
+    r = Replanner(*_setup(memory_gib=16, mean=1000))
+    ex = r.explain_current()
+    peaks = {s.name: int(s.memory.resident + 2 * s.memory.transient) for s in ex.stages}
+    scales = [r.observe_memory_peaks(peaks).memory_scale for _ in range(300)]
+    assert scales == pytest.approx([2.0] * 300, rel=1e-6)
