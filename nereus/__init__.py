@@ -66,6 +66,7 @@ for _module, _names in {
         "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
     ],
     "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
+    "nereus.sim": ["GroundTruth", "PolicyResult", "SimConfig", "TruthParams", "load_truth_params", "simulate"],
     "nereus.launch": [
         "KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests", "render_sbatch",
     ],

@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("nereus.rl.cli", "run an RL job from a TOML config (e.g. examples/grpo_tiny.toml)"),
     "export": ("nereus.rl.export", "write a job's trained policy as a Hugging Face folder"),
     "plan": ("nereus.planner.cli", "search a plan for a cluster, model and algorithm and explain it"),
+    "simulate": ("nereus.sim.cli", "compare layout policies on a simulated cluster replaying device and length traces"),
     "tap": ("nereus.monitor.tap", "print (or write as JSONL) the live monitoring tap of a controller"),
     "controller": ("nereus.controller", "run a standalone controller that node daemons join"),
     "node": ("nereus.node", "run the per-host node daemon (one worker process per device)"),

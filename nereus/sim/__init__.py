@@ -1,0 +1,39 @@
+"""nereus.sim: the simulated cluster (DESIGN §9).
+
+The real planner (``nereus.planner``: search, Replanner, admission, calibration) and the
+real transition DAG (``nereus.transition``: build_dag, simulate) driven by a clock and a
+ground-truth cost model that differs from the planner's, replaying device-availability
+and response-length traces, to compare layout policies at up to 1,024 devices. Every
+figure it produces is a simulation. Imports the planner, transition, state and models
+(ModelSpecs read off the model definition on the meta device) layers; never the runtime
+(actors, transfer, engines, rl).
+"""
+
+from nereus.sim.policies import POLICIES, Boundary, Move, Policy, make_policy
+from nereus.sim.run import (
+    PolicyResult,
+    Scenario,
+    SimConfig,
+    SimulationError,
+    StepRecord,
+    build_scenario,
+    run_policy,
+    simulate,
+)
+from nereus.sim.traces import (
+    DeviceTrace,
+    GrowthTrace,
+    LengthTrace,
+    SpotTrace,
+    device_trace,
+    length_trace,
+)
+from nereus.sim.transitions import Transitions, intact, model_spec_of, transition_seconds
+from nereus.sim.truth import GroundTruth, Param, StepTruth, TruthParams, load_truth_params
+
+__all__ = [
+    "POLICIES", "Boundary", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
+    "PolicyResult", "Scenario", "SimConfig", "SimulationError", "SpotTrace", "StepRecord", "StepTruth", "Transitions",
+    "TruthParams", "build_scenario", "device_trace", "intact", "length_trace", "load_truth_params", "make_policy",
+    "model_spec_of", "run_policy", "simulate", "transition_seconds",
+]

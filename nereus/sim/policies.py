@@ -1,0 +1,383 @@
+"""The policies the simulator compares, each driving the real planner calls.
+
+At every step boundary the simulator hands a policy a ``Boundary`` (the live devices,
+what left and joined since the last one, the previous step's lengths, whether the last
+attempt ran out of memory) and the job's plan (global device ids); the policy answers a
+``Move``: keep, transition to a target plan, restart from a checkpoint on a target plan,
+or wait (no plan fits the pool). Plans reach the planner through ``DevicePool`` (the one
+map between device ids and the planner's slots). Policies are documented policies of
+this simulator, not claims about the systems they are named after:
+
+- ``adaptive`` (nereus): ``nereus.planner.Replanner`` -- triggers, search, the transition
+  DAG's estimate, admission with the payback rule (gamma) or the urgent path.
+- ``dynarl``: the same Replanner and triggers, admitting any predicted saving > 0
+  (gamma = inf: no payback test).
+- ``every-k``: every k steps a search, admitting any improvement (``choose`` with an
+  unbounded horizon); losses, predicted memory violations and memory failures take the
+  urgent path at once.
+- ``static``: the first plan's TP/PP (and recompute, waves) per model-stage and its pools,
+  DP scaled with the pool; ``colocated``: one pool holding every model-stage (the
+  search's best colocated plan; verl-like); ``separated``: one pool per model-stage
+  (OpenRLHF-like). These fixed-layout policies predict nothing while the pool stays as
+  it is: they run until a step runs out of memory. When the pool changes, each pool of
+  the layout takes the largest valid size up to its share of the new pool (DP reduced
+  until it fits the devices), checked against the calibrated memory model; when that
+  layout does not fit, after a memory failure, or when a model-stage lost every replica,
+  they restart from a checkpoint (counted) on the search's plan of their placement for
+  the pool as it is (under the calibrated model), which becomes their layout.
+
+Every policy restarts from a checkpoint when a model-stage lost every EMU (only a
+checkpoint holds its state), calibrates its efficiencies from measured model-stage
+times, memory peaks and transition nodes, and is told the truth only through those
+measurements. Starting plan: the search's best (or best of the placement) under the
+planner's conservative efficiencies, at the lengths of one warm-up rollout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from nereus.errors import InfeasiblePlan
+from nereus.planner.admission import Target, choose
+from nereus.planner.calibrate import Calibrator
+from nereus.planner.cluster import ClusterSpec
+from nereus.planner.cost import CONSERVATIVE, Efficiency
+from nereus.planner.explain import explain
+from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.pool import DevicePool
+from nereus.planner.replan import Replanner
+from nereus.planner.search import SearchResult, pool_sizes, search
+from nereus.planner.workload import LengthStats, Workload
+from nereus.sim.transitions import Transitions, intact
+from nereus.sim.truth import StepTruth
+
+__all__ = ["Boundary", "Move", "Policy", "AdaptivePolicy", "EveryKPolicy", "FixedLayoutPolicy", "POLICIES",
+           "make_policy"]
+
+POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What a policy knows at a step boundary."""
+
+    step: int
+    devices: tuple[int, ...]
+    lost: tuple[int, ...]
+    joined: tuple[int, ...]
+    lengths: LengthStats
+    failed: bool = False
+
+
+@dataclass
+class Move:
+    """A policy's answer: ``action`` keep | transition | restart | wait, the target plan
+    (device ids) for transition and restart, why, and the wall seconds its planner
+    calls (search, explain, admission) and DAG estimates took."""
+
+    action: str
+    plan: Plan | None = None
+    reason: str = ""
+    planner_s: float = 0.0
+    dag_s: float = 0.0
+
+
+@dataclass
+class _Ctx:
+    work: Workload
+    cluster: ClusterSpec  # the whole cluster; plans name its device ids
+    transitions: Transitions
+
+    def pool_cluster(self, devices: tuple[int, ...]) -> tuple[DevicePool, ClusterSpec]:
+        per = self.cluster.devices_per_node
+        return DevicePool.of(devices), self.cluster.with_nodes(max(1, len(devices) // per))
+
+
+class Policy:
+    """One policy (see the module docstring)."""
+
+    name = "policy"
+
+    def __init__(self, ctx: _Ctx) -> None:
+        self.ctx = ctx
+        self.calibrator = Calibrator(prior=CONSERVATIVE)
+        self.eff: Efficiency = CONSERVATIVE
+
+    def start(self, b: Boundary) -> Plan:
+        """The first plan (device ids); raises ``InfeasiblePlan`` when none fits."""
+        raise NotImplementedError
+
+    def decide(self, b: Boundary, plan: Plan | None) -> Move:
+        raise NotImplementedError
+
+    # --- calibration from what the simulated cluster measured -----------------------------
+
+    def observe(self, plan: Plan, devices: tuple[int, ...], lengths: LengthStats, truth: StepTruth) -> None:
+        """A step ran (or failed) on ``plan`` over the live ``devices``, with the lengths the
+        policy planned for: its model-stage times and memory peaks."""
+        pool, cluster = self.ctx.pool_cluster(devices)
+        slots = pool.to_slots(plan)
+        work = self.ctx.work.with_lengths(lengths)
+        ex = explain(slots, work, cluster, self.eff.replace(memory_scale=1.0))
+        if not truth.failed:
+            for name, seconds in truth.stage_seconds.items():
+                self.calibrator.observe_stage(ex.stage(name).cost, seconds)
+        for name, peak in truth.stage_peaks.items():
+            self.calibrator.observe_memory(ex.stage(name).memory, peak)
+        self.eff = self.calibrator.fit()
+
+    def observe_transition(self, nodes: list[tuple[dict[str, float], float]]) -> None:
+        for ideal, seconds in nodes:
+            if seconds > 0:
+                self.calibrator.observe_transition(ideal, seconds)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _estimate(self, pool: DevicePool, eff: Efficiency, current: Plan):
+        """The transition estimate in the planner's slots: the real DAG between the
+        plans' devices, under the planner's link model at ``eff``."""
+
+        def seconds(cur: Plan, target: Plan) -> float:
+            return self.ctx.transitions.estimate(current, pool.to_devices(target), eff)
+
+        return seconds
+
+    def _search(self, work: Workload, cluster: ClusterSpec) -> SearchResult:
+        return search(work, cluster, self.eff)
+
+
+class AdaptivePolicy(Policy):
+    """``adaptive`` (gamma as given) and ``dynarl`` (gamma = inf): the planner's Replanner."""
+
+    def __init__(self, ctx: _Ctx, *, name: str = "adaptive", gamma: float = 0.5, join_horizon_steps: float = 20.0,
+                 min_steps_between: int = 0) -> None:
+        super().__init__(ctx)
+        self.name, self.gamma = name, gamma
+        self.join_horizon_steps, self.min_steps_between = join_horizon_steps, min_steps_between
+        self.replanner: Replanner | None = None
+
+    def _fresh(self, b: Boundary) -> Plan:
+        """A (re)started job: a new Replanner on the pool, keeping what calibration learned."""
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        work = self.ctx.work.with_lengths(b.lengths)
+        self.replanner = Replanner(work, cluster, eff=self.eff, gamma=self.gamma, calibrator=self.calibrator,
+                                           join_horizon_steps=self.join_horizon_steps,
+                                           min_steps_between=self.min_steps_between)
+        return pool.to_devices(self.replanner.plan)
+
+    def start(self, b: Boundary) -> Plan:
+        return self._fresh(b)
+
+    def decide(self, b: Boundary, plan: Plan | None) -> Move:
+        t0 = time.perf_counter()
+        dag0 = self.ctx.transitions.dag_seconds
+        current = intact(plan, b.devices) if plan is not None else None
+        try:
+            if current is None or self.replanner is None:
+                target = self._fresh(b)
+                return self._timed(Move("restart", target, "a model-stage lost every EMU"), t0, dag0)
+            pool, cluster = self.ctx.pool_cluster(b.devices)
+            outcome = self.replanner.on_boundary(
+                b.step, lengths=b.lengths, cluster=cluster, plan=pool.to_slots(current), lost=b.lost,
+                joined=b.joined, transition_seconds=self._estimate(pool, self.replanner.eff, current))
+        except InfeasiblePlan as e:
+            self.replanner = None
+            return self._timed(Move("wait", None, str(e)), t0, dag0)
+        self.eff = self.replanner.eff
+        d = outcome.decision
+        target = pool.to_devices(outcome.plan)
+        if d.action == "keep":
+            return self._timed(Move("keep", None, d.reason), t0, dag0)
+        if d.action == "restart":
+            return self._timed(Move("restart", target, d.reason), t0, dag0)
+        return self._timed(Move("transition" if target != current else "keep", target, d.reason), t0, dag0)
+
+    def _timed(self, move: Move, t0: float, dag0: float) -> Move:
+        move.dag_s = self.ctx.transitions.dag_seconds - dag0
+        move.planner_s = max(0.0, time.perf_counter() - t0 - move.dag_s)
+        return move
+
+    def observe(self, plan: Plan, devices: tuple[int, ...], lengths: LengthStats, truth: StepTruth) -> None:
+        if self.replanner is None:
+            return
+        if not truth.failed:
+            self.replanner.observe_stage_seconds(truth.stage_seconds)
+        self.replanner.observe_memory_peaks(truth.stage_peaks)
+        self.eff = self.replanner.eff
+
+
+class EveryKPolicy(Policy):
+    """``every-k``: a search every k steps admitting any improvement; urgent moves at once."""
+
+    name = "every-k"
+
+    def __init__(self, ctx: _Ctx, *, k: int = 3) -> None:
+        super().__init__(ctx)
+        self.k = k
+
+    def start(self, b: Boundary) -> Plan:
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        return pool.to_devices(self._search(self.ctx.work.with_lengths(b.lengths), cluster).plan)
+
+    def decide(self, b: Boundary, plan: Plan | None) -> Move:
+        t0 = time.perf_counter()
+        dag0 = self.ctx.transitions.dag_seconds
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        work = self.ctx.work.with_lengths(b.lengths)
+        current = intact(plan, b.devices) if plan is not None else None
+        move = self._decide(b, pool, cluster, work, current)
+        move.dag_s = self.ctx.transitions.dag_seconds - dag0
+        move.planner_s = max(0.0, time.perf_counter() - t0 - move.dag_s)
+        return move
+
+    def _decide(self, b: Boundary, pool: DevicePool, cluster: ClusterSpec, work: Workload, current: Plan | None) -> Move:
+        try:
+            if current is None:
+                return Move("restart", pool.to_devices(self._search(work, cluster).plan), "a model-stage lost every EMU")
+            ex = explain(pool.to_slots(current), work, cluster, self.eff)
+            urgent = bool(b.lost) or not ex.fits or b.failed
+            if not urgent and b.step % self.k:
+                return Move("keep", None, f"not a multiple of k={self.k}")
+            found = self._search(work, cluster)
+        except InfeasiblePlan as e:
+            return Move("wait", None, str(e))
+        estimate = self._estimate(pool, self.eff, current)
+        targets = [Target(p, s, estimate(None, p), label) for label, p, s in
+                   [("best", found.plan, found.step_seconds)]
+                   + [(a.label, a.plan, a.step_seconds) for a in found.alternatives]]
+        d = choose(None if urgent else ex.step_seconds, targets, math.inf, gamma=1.0, urgent=urgent)
+        if d.target is None:
+            return Move("keep", None, d.reason)
+        target = pool.to_devices(d.target.plan)
+        if d.action == "restart":
+            return Move("restart", target, d.reason)
+        return Move("transition" if target != current else "keep", target, d.reason)
+
+
+@dataclass
+class _Layout:
+    """A fixed layout: per model-stage (tp, pp, recompute, waves), its pools (model-stage
+    names) with their sizes on ``devices`` devices."""
+
+    stages: dict[str, tuple[int, int, bool, int]]
+    pools: list[tuple[tuple[str, ...], int]]
+    devices: int
+    order: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plan: Plan, pools: tuple[tuple[str, ...], ...], devices: int) -> _Layout:
+        stages = {n: (sp.tp, sp.pp, sp.recompute, sp.waves) for n, sp in plan}
+        sized = [(tuple(g), plan[g[0]].num_devices) for g in pools]
+        return cls(stages, sized, devices, plan.names)
+
+
+class FixedLayoutPolicy(Policy):
+    """``static``, ``colocated`` and ``separated`` (see the module docstring)."""
+
+    def __init__(self, ctx: _Ctx, *, name: str) -> None:
+        super().__init__(ctx)
+        self.name = name
+        self.layout: _Layout | None = None
+
+    def _placement(self, work: Workload, cluster: ClusterSpec) -> tuple[Plan, tuple[tuple[str, ...], ...]]:
+        found = self._search(work, cluster)
+        if self.name == "static":
+            return found.plan, found.pools
+        names = work.stages
+        wanted = [tuple(s.name for s in names)] if self.name == "colocated" else [(s.name,) for s in names]
+        if sorted(map(sorted, found.pools)) == sorted(map(sorted, wanted)):
+            return found.plan, found.pools
+        for alt in found.alternatives:
+            if alt.label == self.name:
+                return alt.plan, tuple(wanted)
+        return found.plan, found.pools  # the placement does not fit this pool: the best plan instead
+
+    def _relayout(self, b: Boundary) -> Plan:
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        plan, pools = self._placement(self.ctx.work.with_lengths(b.lengths), cluster)
+        self.layout = _Layout.of(plan, pools, len(b.devices))
+        return pool.to_devices(plan)
+
+    def start(self, b: Boundary) -> Plan:
+        return self._relayout(b)
+
+    def scaled(self, devices: int, cluster: ClusterSpec) -> Plan | None:
+        """The layout with each pool at the largest valid size up to its share of
+        ``devices`` (planner slots from 0, largest pool first); None when a pool gets none."""
+        layout = self.layout
+        assert layout is not None
+        batch = self.ctx.work.batch
+        sizes = pool_sizes(cluster, devices)
+        chosen: list[tuple[tuple[str, ...], int]] = []
+        left = devices
+        for names, base in sorted(layout.pools, key=lambda p: -p[1]):
+            share = min(left, int(base * devices / layout.devices + 1e-9))
+            ok = [n for n in sizes if n <= share and all(
+                n % (layout.stages[s][0] * layout.stages[s][1]) == 0
+                and batch % (n // (layout.stages[s][0] * layout.stages[s][1])) == 0 for s in names)]
+            if not ok:
+                return None
+            chosen.append((names, ok[-1]))
+            left -= ok[-1]
+        start, by_stage = 0, {}
+        for names, n in chosen:
+            for s in names:
+                tp, pp, recompute, waves = layout.stages[s]
+                by_stage[s] = StagePlan.on_range(tp, pp, n // (tp * pp), start, recompute=recompute, waves=waves)
+            start += n
+        return Plan(tuple((s, by_stage[s]) for s in layout.order))
+
+    def decide(self, b: Boundary, plan: Plan | None) -> Move:
+        t0 = time.perf_counter()
+        dag0 = self.ctx.transitions.dag_seconds
+        try:
+            move = self._decide(b, plan)
+        except InfeasiblePlan as e:
+            move = Move("wait", None, str(e))
+        move.dag_s = self.ctx.transitions.dag_seconds - dag0
+        move.planner_s = max(0.0, time.perf_counter() - t0 - move.dag_s)
+        return move
+
+    def _decide(self, b: Boundary, plan: Plan | None) -> Move:
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        work = self.ctx.work.with_lengths(b.lengths)
+        current = intact(plan, b.devices) if plan is not None else None
+        if self.layout is None:
+            return Move("restart", self._relayout(b), "no layout yet")
+        if b.failed:
+            return Move("restart", self._relayout(b), "a step ran out of memory")
+        if current is not None and not b.lost and not b.joined:
+            return Move("keep", None, "the pool is unchanged")
+        target = self.scaled(len(b.devices), cluster)
+        if target is None or not explain(target, work, cluster, self.eff).fits:
+            why = "no DP of the layout fits the pool" if target is None else "the rescaled layout does not fit memory"
+            return Move("restart", self._relayout(b), why)
+        target_devices = pool.to_devices(target)
+        if current is None:
+            return Move("restart", target_devices, "a model-stage lost every EMU")
+        if target_devices == current:
+            return Move("keep", None, "the layout fits")
+        cost = self.ctx.transitions.estimate(current, target_devices, self.eff)
+        if not math.isfinite(cost):
+            return Move("restart", target_devices, "no transition to the rescaled layout is possible")
+        return Move("transition", target_devices, "DP follows the pool")
+
+
+def make_policy(name: str, ctx: _Ctx, *, gamma: float = 0.5, k: int = 3, join_horizon_steps: float = 20.0,
+                min_steps_between: int = 0) -> Policy:
+    """The policy called ``name`` (one of ``POLICIES``)."""
+    if name == "adaptive":
+        return AdaptivePolicy(ctx, gamma=gamma, join_horizon_steps=join_horizon_steps,
+                              min_steps_between=min_steps_between)
+    if name == "dynarl":
+        return AdaptivePolicy(ctx, name="dynarl", gamma=math.inf, join_horizon_steps=join_horizon_steps,
+                              min_steps_between=min_steps_between)
+    if name == "every-k":
+        return EveryKPolicy(ctx, k=k)
+    if name in ("static", "colocated", "separated"):
+        return FixedLayoutPolicy(ctx, name=name)
+    from nereus.errors import ConfigError
+
+    raise ConfigError(f"policy={name!r} is not known; expected one of {list(POLICIES)}")

@@ -1,0 +1,313 @@
+"""One simulated job per policy: a clock, the traces, the ground truth and the policy.
+
+``simulate(config)`` builds the scenario (cluster, workload, traces, ground truth) once
+and runs every policy of ``config.policies`` on it; ``run_policy`` is one run:
+
+- at each step boundary the policy sees the live devices (from the device trace at the
+  clock's time, or at the step for a growth trace), what left and joined since its last
+  boundary and the previous step's lengths, and answers a move. A transition takes what
+  the real DAG of the move takes under the ground truth's link model (a move the DAG
+  cannot schedule becomes a checkpoint restart); a restart takes the ground truth's
+  fixed restart time and is counted. Both are counted in the run time, before the step.
+- the step then runs for its ground-truth time. A device loss that lands inside it
+  aborts it: the time until the loss is wasted and the step is redone after the policy
+  reacts (the urgent path); a gain waits for the next boundary. A step whose ground-truth
+  memory overflows a device is a memory failure: the whole step is counted as wasted,
+  the policy learns the peaks, and the step is redone.
+- when no device is available the job is paused until one is (``paused_s``: left out of
+  ``mean_step_s``, counted in the throughput); when no plan fits the pool the job waits
+  for the pool to change (counted as paused too).
+
+Times are simulated seconds; ``planner_s`` and ``dag_s`` are the wall seconds this
+process spent in planner calls and in building and scheduling DAGs (reported, never
+added to the clock, so a run is deterministic under its seed). Everything here is a
+simulation: labels say so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from nereus.config import require
+from nereus.errors import InfeasiblePlan, NereusError
+from nereus.planner.cluster import ClusterSpec, cluster_preset
+from nereus.planner.workload import ALGORITHMS, LengthStats, Workload, model_preset
+from nereus.sim.policies import POLICIES, Boundary, Policy, _Ctx, make_policy
+from nereus.sim.traces import DeviceTrace, LengthTrace, device_trace, length_trace
+from nereus.sim.transitions import Transitions, intact
+from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
+
+__all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy", "simulate",
+           "build_scenario"]
+
+
+class SimulationError(NereusError):
+    """The simulated job cannot go on (a step that keeps failing, a trace with no device)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulation (``nereus simulate``'s flags)."""
+
+    cluster: str
+    model: str
+    algorithm: str
+    gpus_trace: str
+    length_trace: str
+    steps: int
+    length_range: tuple[float, float] | None = None
+    pool_scale: float | None = None
+    gamma: float = 0.5
+    seed: int = 0
+    k: int = 3
+    # The workload of the project's planner benchmark (benchmarks/planner.py).
+    prompts_per_step: int = 256
+    samples_per_prompt: int = 4
+    prompt_length: int = 512
+    micro_batch: int = 1
+    # The job's generation cap (default: twice the trace's largest mean, a power of two).
+    max_length: int | None = None
+    policies: tuple[str, ...] = POLICIES
+    join_horizon_steps: float = 20.0
+    min_steps_between: int = 0
+    truth_path: str | None = None
+
+    def __post_init__(self) -> None:
+        require(self.algorithm in ALGORITHMS, "algo", self.algorithm, f"must be one of {list(ALGORITHMS)}")
+        require(isinstance(self.steps, int) and self.steps >= 1, "steps", self.steps, "must be an integer >= 1")
+        require(self.gamma > 0, "gamma", self.gamma, "must be > 0")
+        require(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
+        require(isinstance(self.k, int) and self.k >= 1, "k", self.k, "must be an integer >= 1")
+        require(self.max_length is None or self.max_length >= 1, "max_length", self.max_length, "must be >= 1 token")
+        unknown = [p for p in self.policies if p not in POLICIES]
+        require(not unknown and len(self.policies) >= 1, "policies", list(self.policies),
+                f"must name some of {list(POLICIES)}")
+
+
+@dataclass
+class Scenario:
+    """What every policy of one simulation shares."""
+
+    cluster: ClusterSpec
+    work: Workload
+    devices: DeviceTrace
+    lengths: LengthTrace
+    steps: int
+    truth: GroundTruth
+    max_attempts: int = 50
+
+
+def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scenario:
+    """The cluster, workload, traces and ground truth of ``config``."""
+    cluster = cluster_preset(config.cluster)
+    lengths = length_trace(config.length_trace, config.steps, length_range=config.length_range)
+    cap = config.max_length or lengths.default_max_length()
+    first = min(lengths.mean_at(0), cap)
+    work = Workload.for_models(config.algorithm, model_preset(config.model), prompts_per_step=config.prompts_per_step,
+                               samples_per_prompt=config.samples_per_prompt, prompt_length=config.prompt_length,
+                               lengths=LengthStats(first, first, math.ceil(first)), micro_batch=config.micro_batch)
+    devices = device_trace(config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale, seed=config.seed)
+    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, max_length=cap,
+                        seed=config.seed)
+    return Scenario(cluster, work, devices, lengths, config.steps, truth)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One completed step: when it started, its seconds, the devices live at its boundary
+    and used by its plan, its lengths, and whether a transition or restart preceded it."""
+
+    step: int
+    start_s: float
+    seconds: float
+    devices: int
+    plan_devices: int
+    mean_length: float
+    max_length: int
+    transition: bool
+    restart: bool
+
+
+@dataclass
+class PolicyResult:
+    """One policy's run (simulated seconds unless named otherwise)."""
+
+    policy: str
+    steps: int = 0
+    total_s: float = 0.0
+    paused_s: float = 0.0
+    compute_s: float = 0.0
+    transition_s: float = 0.0
+    restart_s: float = 0.0
+    wasted_s: float = 0.0
+    transitions: int = 0
+    restarts: int = 0
+    aborted_steps: int = 0
+    memory_failures: int = 0
+    decisions: int = 0
+    planner_s: float = 0.0  # wall seconds in planner calls
+    dag_s: float = 0.0  # wall seconds building and scheduling DAGs
+    tokens: float = 0.0
+    records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def run_s(self) -> float:
+        """Run time without the paused time."""
+        return self.total_s - self.paused_s
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.run_s / self.steps if self.steps else math.inf
+
+    @property
+    def throughput_steps_per_hour(self) -> float:
+        return 3600.0 * self.steps / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def transition_overhead_pct(self) -> float:
+        return 100.0 * self.transition_s / self.run_s if self.run_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        ms = 1000.0 / max(1, self.decisions)
+        return {
+            "policy": self.policy, "simulated": True, "steps": self.steps, "mean_step_s": self.mean_step_s,
+            "throughput_steps_per_hour": self.throughput_steps_per_hour, "tokens_per_s": self.tokens_per_s,
+            "transitions": self.transitions, "transition_s": self.transition_s,
+            "transition_overhead_pct": self.transition_overhead_pct, "restarts": self.restarts,
+            "restart_s": self.restart_s, "memory_failures": self.memory_failures, "aborted_steps": self.aborted_steps,
+            "wasted_s": self.wasted_s, "paused_s": self.paused_s, "compute_s": self.compute_s, "total_s": self.total_s,
+            "decisions": self.decisions, "planner_ms_per_decision": self.planner_s * ms,
+            "dag_ms_per_decision": self.dag_s * ms, "planner_s": self.planner_s, "dag_s": self.dag_s,
+        }
+
+
+def _devices(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
+    return tuple(d for n in sorted(nodes) for d in range(n * per_node, (n + 1) * per_node))
+
+
+def run_policy(scn: Scenario, policy: Policy) -> PolicyResult:
+    """Run ``policy`` over ``scn`` (see the module docstring)."""
+    per = scn.cluster.devices_per_node
+    transitions = policy.ctx.transitions
+    res = PolicyResult(policy.name)
+    clock, step, attempt = 0.0, 0, 0
+    observed = scn.truth.lengths(-1, scn.lengths.mean_at(0))  # one warm-up rollout
+    plan = None
+    started = failed = False
+    seen: tuple[int, ...] = ()
+    moved = restarted = False
+    while step < scn.steps:
+        devices = _devices(scn.devices.nodes_at(clock, step), per)
+        if not devices:
+            nxt = scn.devices.next_available(clock, step)
+            if nxt is None or nxt <= clock:
+                raise SimulationError(f"{scn.devices.name}: no device is ever available again after {clock:.0f} s")
+            res.paused_s += nxt - clock
+            clock = nxt
+            continue
+        b = Boundary(step, devices, tuple(sorted(set(seen) - set(devices))), tuple(sorted(set(devices) - set(seen))),
+                     observed, failed)
+        seen, failed = devices, False
+        if not started:
+            try:
+                plan = policy.start(b)
+            except InfeasiblePlan as e:
+                clock = _wait(scn, res, clock, step, str(e), policy.name)
+                continue
+            started, move = True, None
+        else:
+            move = policy.decide(b, plan)
+            res.decisions += 1
+            res.planner_s += move.planner_s
+            res.dag_s += move.dag_s
+        if move is not None:
+            if move.action == "wait":
+                clock = _wait(scn, res, clock, step, move.reason, policy.name)
+                continue
+            current = intact(plan, devices) if plan is not None else None
+            if move.action == "transition" and current is not None:
+                seconds = transitions.actual(current, move.plan, step)
+                if math.isfinite(seconds):
+                    policy.observe_transition(transitions.observed_nodes(current, move.plan, step))
+                    clock += seconds
+                    res.transition_s += seconds
+                    res.transitions += 1
+                    plan, moved = move.plan, True
+                else:
+                    move.action = "restart"
+            elif move.action == "transition":
+                move.action = "restart"
+            if move.action == "restart":
+                clock += scn.truth.restart_seconds
+                res.restart_s += scn.truth.restart_seconds
+                res.restarts += 1
+                plan, restarted = move.plan, True
+            elif move.action == "keep":
+                if current is None:
+                    raise SimulationError(f"{policy.name} kept a plan that lost every EMU of a model-stage at step {step}")
+                plan = current
+            if move.action in ("transition", "restart"):
+                now = _devices(scn.devices.nodes_at(clock, step), per)
+                if not plan.devices <= set(now):
+                    continue  # the pool changed under the move: back to the boundary
+        assert plan is not None
+        truth = scn.truth.step(plan, step, scn.lengths.mean_at(step), attempt)
+        nodes = frozenset(d // per for d in plan.devices)
+        loss = scn.devices.first_loss(clock, clock + truth.seconds, nodes)
+        if truth.failed or loss is not None:
+            attempt += 1
+            if attempt > scn.max_attempts:
+                raise SimulationError(f"{policy.name}: step {step} failed {attempt} times in a row "
+                                      f"(memory failures {res.memory_failures}, aborted {res.aborted_steps})")
+            if loss is not None and (not truth.failed or loss < clock + truth.seconds):
+                res.wasted_s += loss - clock
+                res.aborted_steps += 1
+                clock = loss
+            else:
+                res.wasted_s += truth.seconds
+                res.memory_failures += 1
+                clock += truth.seconds
+                policy.observe(plan, devices, observed, truth)
+                failed = True
+            continue
+        res.records.append(StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
+                                      truth.lengths.max, moved, restarted))
+        clock += truth.seconds
+        res.compute_s += truth.seconds
+        res.tokens += scn.work.sequences * truth.lengths.mean
+        policy.observe(plan, devices, observed, truth)
+        observed = truth.lengths
+        step, attempt = step + 1, 0
+        moved = restarted = False
+    res.steps = step
+    res.total_s = clock
+    return res
+
+
+def _wait(scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str, policy: str) -> float:
+    """No plan fits the pool: the job waits (paused) until the pool changes."""
+    nxt = scn.devices.next_change(clock, step)
+    if nxt is None or nxt <= clock:
+        raise SimulationError(f"{policy}: no plan fits the pool at step {step} and it never changes: {reason}")
+    res.paused_s += nxt - clock
+    return nxt
+
+
+def simulate(config: SimConfig, *, params: TruthParams | None = None,
+             scenario: Scenario | None = None) -> list[PolicyResult]:
+    """Every policy of ``config`` on one scenario (the same traces, ground truth and seed)."""
+    scn = scenario or build_scenario(config, params)
+    results = []
+    for name in config.policies:
+        transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
+        ctx = _Ctx(scn.work, scn.cluster, transitions)
+        policy = make_policy(name, ctx, gamma=config.gamma, k=config.k, join_horizon_steps=config.join_horizon_steps,
+                             min_steps_between=config.min_steps_between)
+        results.append(run_policy(scn, policy))
+    return results

@@ -1,0 +1,250 @@
+"""Traces the simulator replays: device availability and response lengths.
+
+Traces are read from the paths given (``../shared/traces/...``); nothing here copies
+one into the project.
+
+Device availability (``device_trace``), as sets of the cluster's node ids:
+
+- a spot-availability file, ``{"metadata": {"gap_seconds": 300}, "data": [count, ...]}``:
+  the number of single-GPU instances (0-16) available at each tick. A count is worth
+  ``pool_scale`` devices (default: the cluster's devices over 16), rounded down to whole
+  nodes and capped at the cluster. The run starts on the lowest-numbered nodes; a drop
+  removes nodes chosen at random, a rise adds the lowest-numbered free ones. Every
+  tick's membership is fixed once per (trace, seed), so every policy sees the same nodes
+  leave at the same time. Time-based: time ``t`` is tick ``t // gap``; past the end the
+  trace starts again from its first tick.
+- ``growth:LO:HI``: LO devices at the first step to HI at the last, linear in steps,
+  rounded down to whole nodes, on the lowest-numbered nodes. It never loses a node.
+
+Response lengths (``length_trace``): the mean response length of every step of the run.
+
+- a response-length file (``steps`` and ``mean`` arrays): resampled onto the run's steps
+  by linear interpolation (the trace's first step maps to the run's first, its last to
+  the run's last); ``length_range=(LO, HI)`` first rescales the trace linearly so its
+  minimum and maximum become LO and HI;
+- ``growth:LO:HI``: linear growth from LO tokens at the first step to HI at the last
+  (the paper's shape: 500 to 8,000 over 1,000 steps).
+
+Refuses (``ConfigError``): a spec that is neither an existing file nor ``growth:LO:HI``,
+counts that are not integers in [0, 16], lengths below 1 token, bad ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nereus.config import require
+from nereus.errors import ConfigError
+from nereus.planner.cluster import ClusterSpec
+
+__all__ = ["DeviceTrace", "SpotTrace", "GrowthTrace", "LengthTrace", "device_trace", "length_trace",
+           "SPOT_INSTANCES"]
+
+SPOT_INSTANCES = 16  # the spot traces count instances of a 16-node job
+
+
+def _parse_growth(spec: str, field: str) -> tuple[float, float] | None:
+    if not spec.startswith("growth:"):
+        return None
+    parts = spec.split(":")
+    try:
+        lo, hi = float(parts[1]), float(parts[2])
+        ok = len(parts) == 3 and 0 < lo <= hi
+    except (IndexError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{field}={spec!r} must be growth:LO:HI with 0 < LO <= HI")
+    return lo, hi
+
+
+class DeviceTrace:
+    """The nodes available over a run (see the module docstring)."""
+
+    name: str
+    time_based: bool
+
+    def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
+        raise NotImplementedError
+
+    def first_loss(self, start: float, end: float, nodes: frozenset[int]) -> float | None:
+        """The first time in (start, end] at which one of ``nodes`` is gone, or None."""
+        raise NotImplementedError
+
+    def next_available(self, seconds: float, step: int) -> float | None:
+        """The first time >= ``seconds`` at which some node is available (None: never)."""
+        raise NotImplementedError
+
+    def next_change(self, seconds: float, step: int) -> float | None:
+        """The first time after ``seconds`` at which the available nodes differ (None:
+        they never change again at this step)."""
+        raise NotImplementedError
+
+
+class SpotTrace(DeviceTrace):
+    """A spot-availability trace over ``cluster``'s nodes."""
+
+    time_based = True
+
+    def __init__(self, counts: list[int], gap_seconds: float, cluster: ClusterSpec, pool_scale: float,
+                 seed: int, name: str = "spot") -> None:
+        require(len(counts) >= 1, "spot trace data", counts, "must hold at least one count")
+        for c in counts:
+            require(isinstance(c, int) and 0 <= c <= SPOT_INSTANCES, "spot trace count", c,
+                    f"must be an integer in [0, {SPOT_INSTANCES}]")
+        require(gap_seconds > 0, "spot trace gap_seconds", gap_seconds, "must be > 0")
+        require(pool_scale > 0, "pool_scale", pool_scale, "must be > 0 devices per instance")
+        self.name, self.gap, self.cluster = name, float(gap_seconds), cluster
+        self.counts = counts
+        per = cluster.devices_per_node
+        self.node_counts = [min(cluster.nodes, int(c * pool_scale) // per) for c in counts]
+        rng = random.Random(seed)
+        live: set[int] = set()
+        self.members: list[frozenset[int]] = []
+        for n in self.node_counts:
+            if n < len(live):
+                live -= set(rng.sample(sorted(live), len(live) - n))
+            elif n > len(live):
+                free = [k for k in range(cluster.nodes) if k not in live]
+                live |= set(free[: n - len(live)])
+            self.members.append(frozenset(live))
+
+    def _tick(self, seconds: float) -> int:
+        return int(math.floor(seconds / self.gap))
+
+    def _at_tick(self, tick: int) -> frozenset[int]:
+        return self.members[tick % len(self.members)]
+
+    def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
+        return self._at_tick(self._tick(seconds))
+
+    def first_loss(self, start: float, end: float, nodes: frozenset[int]) -> float | None:
+        for tick in range(self._tick(start) + 1, self._tick(end) + 1):
+            if not nodes <= self._at_tick(tick):
+                return tick * self.gap
+        return None
+
+    def next_available(self, seconds: float, step: int) -> float | None:
+        first = self._tick(seconds)
+        for tick in range(first, first + len(self.members) + 1):
+            if self._at_tick(tick):
+                return max(seconds, tick * self.gap)
+        return None
+
+    def next_change(self, seconds: float, step: int) -> float | None:
+        first = self._tick(seconds)
+        now = self._at_tick(first)
+        for tick in range(first + 1, first + len(self.members) + 1):
+            if self._at_tick(tick) != now:
+                return tick * self.gap
+        return None
+
+
+class GrowthTrace(DeviceTrace):
+    """``lo`` to ``hi`` devices over ``steps`` steps, whole nodes from node 0."""
+
+    time_based = False
+
+    def __init__(self, lo: float, hi: float, steps: int, cluster: ClusterSpec, name: str = "growth") -> None:
+        require(hi <= cluster.num_devices, "growth HI", hi, f"must be at most {cluster.name}'s {cluster.num_devices} devices")
+        require(lo >= cluster.devices_per_node, "growth LO", lo,
+                f"must be at least one node ({cluster.devices_per_node} devices)")
+        self.name, self.lo, self.hi, self.steps, self.cluster = name, lo, hi, steps, cluster
+
+    def devices_at_step(self, step: int) -> int:
+        frac = step / max(1, self.steps - 1)
+        devices = self.lo + (self.hi - self.lo) * min(1.0, max(0.0, frac))
+        per = self.cluster.devices_per_node
+        return int(devices + 1e-9) // per * per
+
+    def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
+        return frozenset(range(self.devices_at_step(step) // self.cluster.devices_per_node))
+
+    def first_loss(self, start: float, end: float, nodes: frozenset[int]) -> float | None:
+        return None
+
+    def next_available(self, seconds: float, step: int) -> float | None:
+        return seconds
+
+    def next_change(self, seconds: float, step: int) -> float | None:
+        return None
+
+
+def device_trace(spec: str, cluster: ClusterSpec, steps: int, *, pool_scale: float | None = None,
+                 seed: int = 0) -> DeviceTrace:
+    """``growth:LO:HI`` or the path of a spot-availability JSON file (module docstring)."""
+    growth = _parse_growth(spec, "--gpus-trace")
+    if growth is not None:
+        return GrowthTrace(growth[0], growth[1], steps, cluster, name=spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"--gpus-trace={spec!r} must be growth:LO:HI or the path of a spot-availability "
+                          "JSON file ({\"metadata\": {\"gap_seconds\": ...}, \"data\": [...]})")
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "data" not in data:
+        raise ConfigError(f"--gpus-trace={spec!r} must hold {{\"metadata\": ..., \"data\": [count, ...]}}")
+    gap = float(data.get("metadata", {}).get("gap_seconds", 300))
+    scale = pool_scale if pool_scale is not None else cluster.num_devices / SPOT_INSTANCES
+    return SpotTrace(list(data["data"]), gap, cluster, scale, seed, name=path.stem)
+
+
+@dataclass(frozen=True)
+class LengthTrace:
+    """Mean response length (tokens) of every step of the run, and where it came from."""
+
+    name: str
+    means: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        require(len(self.means) >= 1, "LengthTrace.means", self.means, "must hold at least one step")
+        low = min(self.means)
+        require(low >= 1, "LengthTrace.means", low, "must be >= 1 token at every step")
+
+    def mean_at(self, step: int) -> float:
+        return self.means[min(step, len(self.means) - 1)]
+
+    def default_max_length(self) -> int:
+        """A job cap: twice the largest mean, rounded up to a power of two."""
+        return 1 << math.ceil(math.log2(2 * max(self.means)))
+
+
+def _rescale(values: np.ndarray, length_range: tuple[float, float] | None) -> np.ndarray:
+    if length_range is None:
+        return values
+    lo, hi = length_range
+    require(1 <= lo <= hi, "--length-range", length_range, "must be LO HI with 1 <= LO <= HI tokens")
+    span = float(values.max() - values.min())
+    if span == 0:
+        return np.full_like(values, (lo + hi) / 2)
+    return lo + (values - values.min()) * (hi - lo) / span
+
+
+def length_trace(spec: str, steps: int, *, length_range: tuple[float, float] | None = None) -> LengthTrace:
+    """``growth:LO:HI`` or the path of a response-length JSON file (module docstring)."""
+    require(isinstance(steps, int) and steps >= 1, "steps", steps, "must be an integer >= 1")
+    growth = _parse_growth(spec, "--length-trace")
+    if growth is not None:
+        means = np.linspace(growth[0], growth[1], steps) if steps > 1 else np.array([growth[0]])
+        return LengthTrace(spec, tuple(float(v) for v in _rescale(means, length_range)))
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"--length-trace={spec!r} must be growth:LO:HI or the path of a response-length "
+                          "JSON file (with 'steps' and 'mean' arrays)")
+    data = json.loads(path.read_text())
+    xs, ys = data.get("steps"), data.get("mean") if isinstance(data, dict) else None
+    if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys) or len(xs) < 1:
+        raise ConfigError(f"--length-trace={spec!r} must hold 'steps' and 'mean' arrays of one length")
+    pairs = sorted((float(x), float(y)) for x, y in zip(xs, ys, strict=True) if y is not None)
+    x = np.array([p[0] for p in pairs])
+    y = _rescale(np.array([p[1] for p in pairs]), length_range)
+    if len(x) == 1 or x[-1] == x[0]:
+        means = np.full(steps, y.mean())
+    else:
+        run = x[0] + (x[-1] - x[0]) * (np.arange(steps) / max(1, steps - 1))
+        means = np.interp(run, x, y)
+    return LengthTrace(path.stem, tuple(float(max(1.0, v)) for v in means))
