@@ -17,6 +17,7 @@ from nereus.sim.run import (
     SimulationError,
     StepRecord,
     build_scenario,
+    run_policies,
     run_policy,
     simulate,
 )
@@ -35,5 +36,5 @@ __all__ = [
     "POLICIES", "Boundary", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
     "PolicyResult", "Scenario", "SimConfig", "SimulationError", "SpotTrace", "StepRecord", "StepTruth", "Transitions",
     "TruthParams", "build_scenario", "device_trace", "intact", "length_trace", "load_truth_params", "make_policy",
-    "model_spec_of", "run_policy", "simulate", "transition_seconds",
+    "model_spec_of", "run_policies", "run_policy", "simulate", "transition_seconds",
 ]

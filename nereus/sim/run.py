@@ -39,8 +39,8 @@ from nereus.sim.traces import DeviceTrace, LengthTrace, device_trace, length_tra
 from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
-__all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy", "simulate",
-           "build_scenario"]
+__all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy", "run_policies",
+           "simulate", "build_scenario"]
 
 
 class SimulationError(NereusError):
@@ -299,15 +299,23 @@ def _wait(scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str
     return nxt
 
 
-def simulate(config: SimConfig, *, params: TruthParams | None = None,
-             scenario: Scenario | None = None) -> list[PolicyResult]:
-    """Every policy of ``config`` on one scenario (the same traces, ground truth and seed)."""
-    scn = scenario or build_scenario(config, params)
+def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: float = 0.5, k: int = 3,
+                 join_horizon_steps: float = 20.0, min_steps_between: int = 0) -> list[PolicyResult]:
+    """Every policy in ``policies`` on ``scn`` (the same traces, ground truth and seed),
+    each with its own transition cache."""
     results = []
-    for name in config.policies:
+    for name in policies:
         transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
         ctx = _Ctx(scn.work, scn.cluster, transitions)
-        policy = make_policy(name, ctx, gamma=config.gamma, k=config.k, join_horizon_steps=config.join_horizon_steps,
-                             min_steps_between=config.min_steps_between)
+        policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
+                             min_steps_between=min_steps_between)
         results.append(run_policy(scn, policy))
     return results
+
+
+def simulate(config: SimConfig, *, params: TruthParams | None = None,
+             scenario: Scenario | None = None) -> list[PolicyResult]:
+    """Every policy of ``config`` on its scenario (built from ``config`` unless given)."""
+    scn = scenario or build_scenario(config, params)
+    return run_policies(scn, config.policies, gamma=config.gamma, k=config.k,
+                        join_horizon_steps=config.join_horizon_steps, min_steps_between=config.min_steps_between)

@@ -1,0 +1,31 @@
+"""Small generated scenarios for the simulator's tests: a 4-node cluster of 4 devices,
+llama-1b under PPO, a spot-like trace and a growth length trace, all from a seed."""
+
+from __future__ import annotations
+
+from nereus.planner import ClusterSpec, LengthStats, Workload, model_preset
+from nereus.sim import GroundTruth, Scenario, SpotTrace, length_trace, load_truth_params
+
+GiB = 2**30
+
+# A 16-instance count per tick (one instance = one device here), with drops, a zero and
+# rises, so pools shrink mid-step, empty and grow again.
+COUNTS = [16, 16, 12, 16, 8, 8, 16, 16, 0, 16, 12, 16] * 20
+
+
+def small_cluster(memory_gib: float = 14.0, nodes: int = 4) -> ClusterSpec:
+    return ClusterSpec("sim-test", nodes, 4, int(memory_gib * GiB), 312e12, 2.0e12, 300e9, 25e9)
+
+
+def small_work() -> Workload:
+    return Workload.for_models("ppo", model_preset("llama-1b"), prompts_per_step=32, samples_per_prompt=4,
+                               prompt_length=256, lengths=LengthStats(200, 200, 200))
+
+
+def small_scenario(*, memory_gib: float = 14.0, steps: int = 24, seed: int = 3, counts: list[int] | None = None,
+                   gap_s: float = 60.0, lengths: str = "growth:200:3000") -> Scenario:
+    cluster = small_cluster(memory_gib)
+    work = small_work()
+    devices = SpotTrace(counts if counts is not None else COUNTS, gap_s, cluster, 1.0, seed=seed)
+    truth = GroundTruth(load_truth_params(), cluster, work, max_length=8192, seed=seed)
+    return Scenario(cluster, work, devices, length_trace(lengths, steps), steps, truth)

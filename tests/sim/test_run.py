@@ -1,0 +1,115 @@
+"""Simulated runs: deterministic under a seed, paused and aborted time accounted as
+documented, admitted plans that never overflow the ground truth, the JSON rows, and
+fixed layouts that scale DP with the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.planner import search
+from nereus.sim import POLICIES, SimConfig, run_policies
+from nereus.sim.policies import FixedLayoutPolicy, _Ctx
+from nereus.sim.report import rows
+from nereus.sim.transitions import Transitions
+from tests.sim.helpers import small_scenario
+
+
+@pytest.fixture(scope="module")
+def pressured():
+    """Every policy on a 16-device pool that shrinks, empties and grows, with lengths
+    growing until memory is tight (14 GiB devices)."""
+    scn = small_scenario(memory_gib=14, steps=24)
+    return scn, run_policies(scn)
+
+
+def test_every_policy_finishes_every_step_once_in_order(pressured):
+    _, results = pressured
+    assert [r.policy for r in results] == list(POLICIES)
+    for r in results:
+        assert r.steps == 24 and [s.step for s in r.records] == list(range(24))
+        assert r.total_s == pytest.approx(r.paused_s + r.compute_s + r.transition_s + r.restart_s + r.wasted_s)
+
+
+def test_a_run_is_deterministic_under_its_seed(pressured):
+    scn, results = pressured
+    again = run_policies(small_scenario(memory_gib=14, steps=24), ("adaptive", "static"))
+    for a, b in zip(results[:2], again, strict=True):
+        assert a.to_dict() | {"planner_ms_per_decision": 0, "dag_ms_per_decision": 0, "planner_s": 0, "dag_s": 0} == \
+            b.to_dict() | {"planner_ms_per_decision": 0, "dag_ms_per_decision": 0, "planner_s": 0, "dag_s": 0}
+        assert a.records == b.records
+    other = run_policies(small_scenario(memory_gib=14, steps=24, seed=4), ("adaptive",))[0]
+    assert other.records != results[0].records
+
+
+def test_admitted_plans_never_overflow_the_ground_truth(pressured):
+    _, results = pressured
+    by = {r.policy: r for r in results}
+    # the scenario has memory pressure: a layout that does not predict memory runs out of it
+    assert sum(by[p].memory_failures for p in ("static", "colocated", "separated")) >= 1
+    # the planner's admission (calibrated memory model, 10% headroom) never admits a plan
+    # that overflows a device's real memory
+    for name in ("adaptive", "dynarl", "every-k"):
+        assert by[name].memory_failures == 0, name
+
+
+def test_paused_time_is_left_out_of_the_mean_step_but_not_of_the_throughput(pressured):
+    _, results = pressured
+    paused = [r for r in results if r.paused_s > 0]
+    assert paused, "the trace empties the pool once"
+    for r in paused:
+        assert r.mean_step_s == pytest.approx((r.total_s - r.paused_s) / r.steps)
+        assert r.throughput_steps_per_hour == pytest.approx(3600 * r.steps / r.total_s)
+
+
+def test_a_loss_inside_a_step_aborts_it_and_it_is_redone():
+    # 16 devices, then 8 from t=30 s on: a step running across t=30 s is cut by the loss
+    scn = small_scenario(memory_gib=24, steps=3, counts=[16] + [8] * 50, gap_s=30.0)
+    r = run_policies(scn, ("adaptive",))[0]
+    assert r.aborted_steps >= 1 and r.wasted_s > 0
+    assert [s.step for s in r.records] == [0, 1, 2]
+    cut = next(s for s in r.records if s.devices == 8)  # redone on the pool that is left
+    assert cut.start_s >= 30.0 and cut.plan_devices <= 8
+
+
+def test_json_rows_hold_the_issue_keys_and_adaptive_reductions(pressured):
+    _, results = pressured
+    data = rows(results, {"cluster": "sim-test"})
+    by = {d["policy"]: d for d in data}
+    for d in data:
+        assert {"policy", "mean_step_s", "transitions", "transition_overhead_pct", "memory_failures"} <= set(d)
+        assert d["simulated"] is True and d["scenario"] == {"cluster": "sim-test"}
+    adaptive = by["adaptive"]
+    assert adaptive["reduction_vs_static"] == pytest.approx(1 - adaptive["mean_step_s"] / by["static"]["mean_step_s"])
+    best = min((d for d in data if d["policy"] != "adaptive"), key=lambda d: d["mean_step_s"])
+    assert adaptive["reduction_vs_best_baseline"] == pytest.approx(1 - adaptive["mean_step_s"] / best["mean_step_s"])
+
+
+def test_a_fixed_layout_keeps_tp_and_pp_and_scales_dp_with_the_pool():
+    from nereus.sim import Boundary
+
+    scn = small_scenario(memory_gib=24)
+    policy = FixedLayoutPolicy(_Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model)),
+                               name="static")
+    lengths = scn.truth.lengths(-1, 200)
+    first = policy.start(Boundary(0, tuple(range(16)), (), (), lengths))
+    assert first == search(scn.work.with_lengths(lengths), scn.cluster).plan
+    assert policy.scaled(16, scn.cluster) == first
+    doubled = policy.scaled(32, scn.cluster.with_nodes(8))
+    for name, sp in first:
+        assert (doubled[name].tp, doubled[name].pp, doubled[name].dp) == (sp.tp, sp.pp, 2 * sp.dp)
+    # at half the pool each pool of the layout gets half its devices: a model-stage whose
+    # replica (tp x pp) is larger than that has no DP left, and the layout cannot run
+    halved = policy.scaled(8, scn.cluster.with_nodes(2))
+    too_big = any(first[n].tp * first[n].pp > size // 2 for names, size in policy.layout.pools for n in names)
+    assert (halved is None) == too_big
+    if halved is not None:
+        assert all((halved[n].tp, halved[n].pp) == (sp.tp, sp.pp) for n, sp in first)
+
+
+def test_config_errors_name_the_field():
+    from nereus.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="policies"):
+        SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, policies=("nope",))
+    with pytest.raises(ConfigError, match="gamma=0"):
+        SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, gamma=0)
