@@ -15,8 +15,10 @@ this simulator, not claims about the systems they are named after:
 - ``every-k``: every k steps a search, admitting any improvement (``choose`` with an
   unbounded horizon); losses, predicted memory violations and memory failures take the
   urgent path at once.
-- ``static``: the first plan's TP/PP (and recompute, waves) per model-stage and its pools,
-  DP scaled with the pool; ``colocated``: one pool holding every model-stage (the
+- ``static``: the first plan's TP/PP per model-stage (with its recompute setting and its
+  generation engines' maximum of concurrent sequences) and its pools, DP scaled with the
+  pool (a generation replica with more sequences than its engine runs at once decodes
+  them in more waves, as a serving engine with a fixed concurrency cap does); ``colocated``: one pool holding every model-stage (the
   search's best colocated plan; verl-like); ``separated``: one pool per model-stage
   (OpenRLHF-like). These fixed-layout policies predict nothing while the pool stays as
   it is: they run until a step runs out of memory. When the pool changes, each pool of
@@ -258,8 +260,9 @@ class EveryKPolicy(Policy):
 
 @dataclass
 class _Layout:
-    """A fixed layout: per model-stage (tp, pp, recompute, waves), its pools (model-stage
-    names) with their sizes on ``devices`` devices."""
+    """A fixed layout: per model-stage (tp, pp, recompute, concurrency: for generation the
+    sequences a replica decodes at once, else 0), its pools (model-stage names) with
+    their sizes on ``devices`` devices."""
 
     stages: dict[str, tuple[int, int, bool, int]]
     pools: list[tuple[tuple[str, ...], int]]
@@ -267,10 +270,17 @@ class _Layout:
     order: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, plan: Plan, pools: tuple[tuple[str, ...], ...], devices: int) -> _Layout:
-        stages = {n: (sp.tp, sp.pp, sp.recompute, sp.waves) for n, sp in plan}
+    def of(cls, plan: Plan, pools: tuple[tuple[str, ...], ...], devices: int, work: Workload) -> _Layout:
+        kinds = {s.name: s.kind for s in work.stages}
+        stages = {n: (sp.tp, sp.pp, sp.recompute,
+                      _ceil_div(_ceil_div(work.sequences, sp.dp), sp.waves) if kinds[n] == "generation" else 0)
+                  for n, sp in plan}
         sized = [(tuple(g), plan[g[0]].num_devices) for g in pools]
         return cls(stages, sized, devices, plan.names)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class FixedLayoutPolicy(Policy):
@@ -297,7 +307,7 @@ class FixedLayoutPolicy(Policy):
     def _relayout(self, b: Boundary) -> Plan:
         pool, cluster = self.ctx.pool_cluster(b.devices)
         plan, pools = self._placement(self.ctx.work.with_lengths(b.lengths), cluster)
-        self.layout = _Layout.of(plan, pools, len(b.devices))
+        self.layout = _Layout.of(plan, pools, len(b.devices), self.ctx.work)
         return pool.to_devices(plan)
 
     def start(self, b: Boundary) -> Plan:
@@ -324,8 +334,10 @@ class FixedLayoutPolicy(Policy):
         start, by_stage = 0, {}
         for names, n in chosen:
             for s in names:
-                tp, pp, recompute, waves = layout.stages[s]
-                by_stage[s] = StagePlan.on_range(tp, pp, n // (tp * pp), start, recompute=recompute, waves=waves)
+                tp, pp, recompute, concurrency = layout.stages[s]
+                dp = n // (tp * pp)
+                waves = _ceil_div(_ceil_div(self.ctx.work.sequences, dp), concurrency) if concurrency else 1
+                by_stage[s] = StagePlan.on_range(tp, pp, dp, start, recompute=recompute, waves=waves)
             start += n
         return Plan(tuple((s, by_stage[s]) for s in layout.order))
 

@@ -4,6 +4,8 @@ fixed layouts that scale DP with the pool."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from nereus.planner import search
@@ -95,8 +97,14 @@ def test_a_fixed_layout_keeps_tp_and_pp_and_scales_dp_with_the_pool():
     assert first == search(scn.work.with_lengths(lengths), scn.cluster).plan
     assert policy.scaled(16, scn.cluster) == first
     doubled = policy.scaled(32, scn.cluster.with_nodes(8))
+    def concurrency(sp):
+        return math.ceil(math.ceil(scn.work.sequences / sp.dp) / sp.waves)
+
     for name, sp in first:
         assert (doubled[name].tp, doubled[name].pp, doubled[name].dp) == (sp.tp, sp.pp, 2 * sp.dp)
+        assert doubled[name].recompute == sp.recompute
+    # generation keeps its engines' concurrency: half the sequences a replica, fewer waves
+    assert concurrency(doubled["policy-generation"]) <= concurrency(first["policy-generation"])
     # at half the pool each pool of the layout gets half its devices: a model-stage whose
     # replica (tp x pp) is larger than that has no DP left, and the layout cannot run
     halved = policy.scaled(8, scn.cluster.with_nodes(2))
