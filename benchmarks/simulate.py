@@ -1,0 +1,143 @@
+"""The simulator's benchmark: the paper's runs, replayed on a simulated cluster.
+
+    .venv/bin/python -m benchmarks.simulate [--only paper,growth1024,gamma,traces] [--jobs 2] [--out DIR]
+
+Each run is one ``nereus simulate`` command (printed before it runs, so BENCHMARKS.md can
+quote it), every policy on the same traces, ground truth and seed; its JSON list goes to
+``DIR/NAME.json`` and its table to ``DIR/NAME.txt``. Runs are independent processes,
+``--jobs`` at a time (one thread each: the simulator is pure Python):
+
+- ``paper``: PPO llama-8b on a100-256, the us-east-2b spot trace scaled to the cluster,
+  lengths growing 500 -> 8,000 tokens over 1,000 steps (the paper: -27.7%, 861.9 s
+  against 1,191.6 s);
+- ``growth1024``: the same job on mi250x-1024 with the pool growing from 512 to 1,024
+  devices over the run (the paper: six transitions, 0.079% of run time);
+- ``gamma``: the paper run's adaptive policy at gamma 0.1 ... 2.0 (the paper: best
+  around 0.4-0.65);
+- ``traces``: every policy on three real response-length traces rescaled to 500-8,000
+  tokens, each under both spot traces (chosen before any run: one that grows, one that
+  explodes and oscillates, one that shrinks).
+
+Everything is a simulation. The last line is one JSON object: reduction_vs_static,
+adaptive_ahead_of_every_k, adaptive_ahead_of_dynarl, memory_failures (adaptive, paper
+run), transition_overhead_pct_1024, transitions_1024, best_gamma, and
+adaptive_ahead_everywhere (over the traces table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+SPOT = {"us-east-2b": TRACES / "spot-availability" / "us-east-2b_v100_1.json",
+        "us-west-2a": TRACES / "spot-availability" / "us-west-2a_v100_1.json"}
+LENGTHS = {
+    "softgrpo-llama3.2-3b-grpo": "grows in its second half",
+    "rasbt-qwen3-0.6b-base-grpo-clip": "explodes from ~40 tokens, oscillates",
+    "verl-training-log-deepseek-llm-7b-ppo-gsm8k": "drops fast, then flat",
+}
+GAMMAS = (0.1, 0.25, 0.4, 0.5, 0.65, 0.8, 1.0, 2.0)
+PAPER = ["--cluster", "a100-256", "--model", "llama-8b", "--algo", "ppo", "--length-trace", "growth:500:8000",
+         "--steps", "1000"]
+
+
+def _rel(path: Path) -> str:
+    """A trace path as the project's root sees it (../shared/traces/...)."""
+    return str(Path("..") / path.relative_to(TRACES.parent.parent))
+
+
+def runs(only: set[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    if "paper" in only:
+        out["paper"] = [*PAPER, "--gpus-trace", _rel(SPOT["us-east-2b"])]
+    if "growth1024" in only:
+        out["growth1024"] = ["--cluster", "mi250x-1024", "--model", "llama-8b", "--algo", "ppo", "--gpus-trace",
+                             "growth:512:1024", "--length-trace", "growth:500:8000", "--steps", "1000"]
+    if "gamma" in only:
+        for g in GAMMAS:
+            out[f"gamma-{g}"] = [*PAPER, "--gpus-trace", _rel(SPOT["us-east-2b"]), "--gamma", str(g),
+                                 "--policies", "adaptive"]
+    if "traces" in only:
+        for spot, path in SPOT.items():
+            for name in LENGTHS:
+                trace = _rel(TRACES / "response-length" / f"{name}.json")
+                out[f"{name}@{spot}"] = ["--cluster", "a100-256", "--model", "llama-8b", "--algo", "ppo",
+                                         "--gpus-trace", _rel(path), "--length-trace", trace,
+                                         "--length-range", "500", "8000", "--steps", "1000"]
+    return out
+
+
+def _run(name: str, args: list[str], out: Path) -> tuple[str, float, int]:
+    cmd = [sys.executable, "-m", "nereus.cli", "simulate", *args, "--json", str(out / f"{name}.json"),
+           "--plot", str(out / f"{name}.png")]
+    t0 = time.perf_counter()
+    with (out / f"{name}.txt").open("w") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    return name, time.perf_counter() - t0, code
+
+
+def summary(out: Path, names: list[str]) -> dict[str, object]:
+    def load(name: str) -> dict[str, dict]:
+        path = out / f"{name}.json"
+        return {d["policy"]: d for d in json.loads(path.read_text())} if path.exists() else {}
+
+    result: dict[str, object] = {}
+    paper = load("paper")
+    if paper:
+        a = paper["adaptive"]
+        result.update(reduction_vs_static=round(a["reduction_vs_static"], 4),
+                      adaptive_mean_step_s=round(a["mean_step_s"], 1),
+                      static_mean_step_s=round(paper["static"]["mean_step_s"], 1),
+                      adaptive_ahead_of_every_k=a["mean_step_s"] < paper["every-k"]["mean_step_s"],
+                      adaptive_ahead_of_dynarl=a["mean_step_s"] < paper["dynarl"]["mean_step_s"],
+                      memory_failures=a["memory_failures"])
+    grown = load("growth1024")
+    if grown:
+        a = grown["adaptive"]
+        result.update(transition_overhead_pct_1024=round(a["transition_overhead_pct"], 4),
+                      transitions_1024=a["transitions"])
+    gammas = {g: load(f"gamma-{g}").get("adaptive") for g in GAMMAS}
+    if all(gammas.values()):
+        result["gamma_mean_step_s"] = {str(g): round(d["mean_step_s"], 1) for g, d in gammas.items()}
+        result["best_gamma"] = min(gammas, key=lambda g: gammas[g]["mean_step_s"])
+    table = [n for n in names if "@" in n]
+    if table and all(load(n) for n in table):
+        ahead = {}
+        for n in table:
+            rows = load(n)
+            ahead[n] = all(rows["adaptive"]["mean_step_s"] < d["mean_step_s"] for p, d in rows.items() if p != "adaptive")
+        result["adaptive_ahead"] = ahead
+        result["adaptive_ahead_everywhere"] = all(ahead.values())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="paper,growth1024,gamma,traces")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", default="sim-results")
+    p.add_argument("--summary", action="store_true", help="only summarize the JSON files already in --out")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = runs(set(args.only.split(",")))
+    if not args.summary:
+        for name, cmd in todo.items():
+            print(f"{name}: nereus simulate {' '.join(cmd)}", flush=True)
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            for name, seconds, code in pool.map(lambda item: _run(item[0], item[1], out), todo.items()):
+                print(f"{name}: exit {code} after {seconds:.0f} s (tables in {out}/{name}.txt)", flush=True)
+    print(json.dumps(summary(out, list(todo))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
