@@ -6,7 +6,7 @@
 
 runs every policy (``--policies``, default all six) on the same traces, ground truth and
 seed, prints one table row per policy (mean step time, throughput, transitions and their
-share of run time, restarts, memory failures, aborted steps, paused time, planner and
+share of run time, restarts, memory failures, aborted steps, paused and waiting time, planner and
 DAG decision times) and the adaptive policy's reduction against static and against the
 best other policy, writes ``--json`` (a list, one object per policy) and ``--plot``
 (a PNG). ``--show-truth`` prints the ground truth's parameters with their reasons.

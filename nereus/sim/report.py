@@ -51,15 +51,16 @@ def rows(results: Sequence[PolicyResult], scenario: dict[str, Any] | None = None
 
 def table(data: Sequence[dict[str, Any]], title: str) -> Table:
     """Per policy: mean step time, throughput, transitions and their share of run time,
-    restarts, memory failures, aborted steps, paused time, decision times."""
+    restarts, memory failures, aborted steps, paused and waiting time, decision times."""
     t = Table(title=title, title_justify="left")
     for name in ("policy", "mean step s", "steps/h", "transitions", "transition %", "restarts", "mem failures",
-                 "aborted", "paused s", "planner ms", "DAG ms"):
+                 "aborted", "paused s", "waiting s", "planner ms", "DAG ms"):
         t.add_column(name, justify="left" if name == "policy" else "right")
     for r in data:
         t.add_row(r["policy"], f"{r['mean_step_s']:.1f}", f"{r['throughput_steps_per_hour']:.2f}", str(r["transitions"]),
                   f"{r['transition_overhead_pct']:.3f}", str(r["restarts"]), str(r["memory_failures"]),
-                  str(r["aborted_steps"]), f"{r['paused_s']:.0f}", f"{r['planner_ms_per_decision']:.1f}",
+                  str(r["aborted_steps"]), f"{r['paused_s']:.0f}", f"{r['waiting_s']:.0f}",
+                  f"{r['planner_ms_per_decision']:.1f}",
                   f"{r['dag_ms_per_decision']:.1f}")
     return t
 

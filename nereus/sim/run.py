@@ -15,8 +15,9 @@ and runs every policy of ``config.policies`` on it; ``run_policy`` is one run:
   memory overflows a device is a memory failure: the whole step is counted as wasted,
   the policy learns the peaks, and the step is redone.
 - when no device is available the job is paused until one is (``paused_s``: left out of
-  ``mean_step_s``, counted in the throughput); when no plan fits the pool the job waits
-  for the pool to change (counted as paused too).
+  ``mean_step_s``, counted in the throughput); when devices are available but the
+  policy finds no plan that fits them, the job waits for the pool to change
+  (``waiting_s``: the policy's doing, so it counts in ``mean_step_s`` too).
 
 Times are simulated seconds; ``planner_s`` and ``dag_s`` are the wall seconds this
 process spent in planner calls and in building and scheduling DAGs (reported, never
@@ -138,6 +139,7 @@ class PolicyResult:
     steps: int = 0
     total_s: float = 0.0
     paused_s: float = 0.0
+    waiting_s: float = 0.0
     compute_s: float = 0.0
     transition_s: float = 0.0
     restart_s: float = 0.0
@@ -181,7 +183,8 @@ class PolicyResult:
             "transitions": self.transitions, "transition_s": self.transition_s,
             "transition_overhead_pct": self.transition_overhead_pct, "restarts": self.restarts,
             "restart_s": self.restart_s, "memory_failures": self.memory_failures, "aborted_steps": self.aborted_steps,
-            "wasted_s": self.wasted_s, "paused_s": self.paused_s, "compute_s": self.compute_s, "total_s": self.total_s,
+            "wasted_s": self.wasted_s, "paused_s": self.paused_s,
+            "waiting_s": self.waiting_s, "compute_s": self.compute_s, "total_s": self.total_s,
             "decisions": self.decisions, "planner_ms_per_decision": self.planner_s * ms,
             "dag_ms_per_decision": self.dag_s * ms, "planner_s": self.planner_s, "dag_s": self.dag_s,
         }
@@ -291,11 +294,11 @@ def run_policy(scn: Scenario, policy: Policy) -> PolicyResult:
 
 
 def _wait(scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str, policy: str) -> float:
-    """No plan fits the pool: the job waits (paused) until the pool changes."""
+    """No plan fits the pool: the job waits until the pool changes."""
     nxt = scn.devices.next_change(clock, step)
     if nxt is None or nxt <= clock:
         raise SimulationError(f"{policy}: no plan fits the pool at step {step} and it never changes: {reason}")
-    res.paused_s += nxt - clock
+    res.waiting_s += nxt - clock
     return nxt
 
 

@@ -29,7 +29,8 @@ def test_every_policy_finishes_every_step_once_in_order(pressured):
     assert [r.policy for r in results] == list(POLICIES)
     for r in results:
         assert r.steps == 24 and [s.step for s in r.records] == list(range(24))
-        assert r.total_s == pytest.approx(r.paused_s + r.compute_s + r.transition_s + r.restart_s + r.wasted_s)
+        assert r.total_s == pytest.approx(r.paused_s + r.waiting_s + r.compute_s + r.transition_s + r.restart_s
+                                          + r.wasted_s)
 
 
 def test_a_run_is_deterministic_under_its_seed(pressured):
