@@ -32,13 +32,13 @@ from collections import deque
 from collections.abc import Mapping
 
 from nereus.config import require
-from nereus.planner.cost import CONSERVATIVE, OP_CLASSES, Efficiency, StageCost, StageMemory
+from nereus.planner.cost import CONSERVATIVE, FIXED_COSTS, OP_CLASSES, Efficiency, StageCost, StageMemory
 
 __all__ = ["Calibrator"]
 
 _MIN_EFF, _MAX_EFF = 0.01, 1.5
 # transition nodes' fixed costs: column -> the Efficiency field (seconds) it fits
-FIXED = {"groups": "group_setup_s", "calls": "transition_call_s"}
+FIXED = FIXED_COSTS
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -80,7 +80,7 @@ class Calibrator:
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
         row: dict[str, float] = {}
         for c, t in ideal_by_class.items():
-            require(c in OP_CLASSES, "op class", c, f"must be one of {list(OP_CLASSES)}")
+            require(c in OP_CLASSES or c in FIXED, "op class", c, f"must be one of {list(OP_CLASSES) + list(FIXED)}")
             require(t >= 0, f"ideal seconds of {c}", t, "must be >= 0")
             if t > 0:
                 row[c] = float(t)
@@ -115,9 +115,14 @@ class Calibrator:
 
         The resident bytes (parameters, gradients, optimizer) are exact; what the peak
         holds beyond them, over the modelled transient bytes, is one ratio."""
+        self.observe_memory_bytes(modelled.resident, modelled.transient, measured_peak_bytes)
+
+    def observe_memory_bytes(self, resident: int, transient: int, measured_peak_bytes: int) -> None:
+        """A measured peak against modelled resident and (unscaled) transient bytes: one
+        model-stage's, or a whole device's (its resident bytes and its largest transient)."""
         require(measured_peak_bytes > 0, "measured_peak_bytes", measured_peak_bytes, "must be > 0")
-        require(modelled.transient > 0, "modelled.transient", modelled.transient, "must be > 0 to calibrate against")
-        self._memory.append(max(0.0, measured_peak_bytes - modelled.resident) / modelled.transient)
+        require(transient > 0, "modelled transient bytes", transient, "must be > 0 to calibrate against")
+        self._memory.append(max(0.0, measured_peak_bytes - resident) / transient)
 
     def memory_scale(self) -> float:
         """The largest ratio in the window (plans must not break memory), or the prior's."""
