@@ -31,7 +31,7 @@ from nereus.actors._keys import KEY_ENV, load_key
 from nereus.errors import ConfigError
 from nereus.monitor.schema import describe
 
-__all__ = ["Subscriber", "format_event", "to_json", "main"]
+__all__ = ["Subscriber", "TapRecorder", "format_event", "to_json", "main"]
 
 log = logging.getLogger("nereus.monitor")
 
@@ -109,6 +109,69 @@ class Subscriber:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+class TapRecorder:
+    """Appends every tap event to a JSONL file (one ``to_json`` line each) from a
+    background task, until ``stop()``.
+
+    ``await start()`` returns once the subscription is live (a marker event the recorder
+    emits itself has come back), so what is emitted afterwards is recorded; ``stop()``
+    first waits, up to ``timeout_s``, for a second marker, so events emitted before it
+    are in the file. ``emit`` is the cluster's emit function (``nereus.actors.emit``)."""
+
+    def __init__(self, address: str, key: bytes | None, path: str, emit: Any, timeout_s: float = 10.0) -> None:
+        self.path = path
+        self._emit = emit
+        self._timeout_s = timeout_s
+        self._sub = Subscriber(address, key)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self._seen: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task | None = None
+        self.events = 0
+
+    async def _run(self) -> None:
+        async for event in self._sub:
+            marker = event.get("marker") if event.get("type") == "tap_recorder" else None
+            if marker is not None:
+                self._seen.setdefault(marker, asyncio.Event()).set()
+                continue
+            self._file.write(to_json(event) + "\n")
+            self.events += 1
+
+    async def _mark(self, name: str) -> bool:
+        """Emit marker ``name`` until it comes back (a new subscription drops the first
+        messages until it has joined); True once seen."""
+        seen = self._seen.setdefault(name, asyncio.Event())
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline:
+            self._emit("tap_recorder", marker=name)
+            try:
+                await asyncio.wait_for(seen.wait(), 0.2)
+                return True
+            except asyncio.TimeoutError:
+                continue
+        log.warning("the tap recorder's marker %r did not come back within %.0f s", name, self._timeout_s)
+        return False
+
+    async def start(self) -> TapRecorder:
+        self._task = asyncio.ensure_future(self._run())
+        await self._mark("start")
+        return self
+
+    async def stop(self) -> None:
+        try:
+            if self._task is not None and not self._task.done():
+                await self._mark("stop")
+        finally:
+            if self._task is not None:
+                self._task.cancel()
+                try:
+                    await self._task
+                except asyncio.CancelledError:
+                    pass
+            self._sub.close()
+            self._file.close()
 
 
 def _plain(value: Any) -> Any:
