@@ -33,9 +33,9 @@ from typing import Any
 
 import zmq
 
-from nereus.actors import _client, _wire
+from nereus.actors import _client, _session, _wire
 from nereus.actors import _protocol as P
-from nereus.actors._channel import Channel, Counters
+from nereus.actors._channel import Channel, Counters, configure
 from nereus.actors._keys import load_key
 from nereus.actors._loop import run
 from nereus.errors import ConfigError, ProtocolError
@@ -46,6 +46,9 @@ __all__ = ["Controller", "main", "READY_PREFIX"]
 log = logging.getLogger("nereus.controller")
 
 READY_PREFIX = "NEREUS_CONTROLLER_READY "
+# Control requests and events are small: a larger frame disconnects its sender before
+# the controller buffers it.
+MAX_MESSAGE_BYTES = 16 << 20
 
 
 def _bind(sock: zmq.Socket, address: str) -> str:
@@ -79,23 +82,22 @@ class Controller:
         self._tasks: list[asyncio.Task] = []
         self._channel: Channel | None = None
         self._pub: zmq.Socket | None = None
+        self._tap_id = _session.Session(serving=False).id  # the tap's sender id
 
     async def start(self) -> Controller:
         loop = asyncio.get_running_loop()
         ctx = zmq.Context.instance()
         self._changed = asyncio.Event()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
+        # Subscribers send nothing but subscriptions: 1 KiB frames are plenty.
+        pub = configure(ctx.socket(zmq.PUB), 1024, receive_hwm=100)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         self.tap_address = _bind(pub, self._tap_bind)
         self._pub = pub
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = configure(ctx.socket(zmq.ROUTER), MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
         self.address = _bind(sock, self._bind_address)
-        self._channel = Channel(sock, self.key, self._on_message, self.counters, loop=loop)
+        self._channel = Channel(sock, self.key, self._on_message, self.counters, loop=loop,
+                                max_message_bytes=MAX_MESSAGE_BYTES)
         self._tasks.append(loop.create_task(self._watch_heartbeats()))
         self._tasks.append(loop.create_task(self._report_counters()))
         self.publish({"type": "controller_start", "address": self.address,
@@ -123,8 +125,12 @@ class Controller:
             self.counters.add("events_unencodable")
             log.warning("cannot publish a %r event: %s", event.get("type"), e)
             return
+        # The event's sequence number doubles as the envelope's: a subscriber refuses
+        # an event that is not newer than the last one from this controller.
+        envelope = _session.envelope(self._tap_id, _session.ANY, self._seq)
         try:
-            self._pub.send_multipart([_wire.sign(self.key, header), header], zmq.NOBLOCK)
+            self._pub.send(b"".join((_wire.sign(self.key, header, (), envelope), envelope,
+                                     header)), zmq.NOBLOCK)
         except zmq.Again:
             self.counters.add("events_dropped")
 

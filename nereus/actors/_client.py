@@ -41,7 +41,7 @@ from typing import Any
 import zmq
 
 from nereus.actors import _protocol as P
-from nereus.actors._channel import Channel, Counters
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters, configure
 from nereus.actors._stream import StreamChannel, stream_enabled, stream_path
 from nereus.errors import (
     ActorDied,
@@ -134,10 +134,7 @@ class Client:
         self._controller = self._open(address)
 
     def _open(self, address: str) -> Channel:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = configure(self.ctx.socket(zmq.DEALER), DEFAULT_MAX_MESSAGE_BYTES)
         sock.connect(address)
         return Channel(sock, self.key, lambda _ident, msg: self._on_message(address, msg),
                        self.counters, loop=self.loop)

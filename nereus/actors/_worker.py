@@ -23,7 +23,7 @@ import sys
 import zmq
 
 from nereus.actors import _client, _stream
-from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, configure
 from nereus.actors._host import ActorHost
 from nereus.actors._keys import load_key
 from nereus.actors._loop import run
@@ -72,10 +72,7 @@ async def _serve(args: argparse.Namespace) -> None:
     _set_current_device(device)
     loop = asyncio.get_running_loop()
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock = configure(ctx.socket(zmq.ROUTER), args.max_message_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished caller raises, is counted
     bind = args.bind.replace(":0", ":*") if args.bind.startswith("tcp://") else args.bind
     sock.bind(bind)

@@ -5,8 +5,10 @@
 
 ``Subscriber`` is an async iterator of events (dicts; see ``nereus.monitor.schema``).
 With a cluster key (``--key-file`` or ``$NEREUS_CLUSTER_KEY``) every event's signature
-is checked and a forged one is counted and dropped; without a key the events are
-shown unverified and the tool says so once. ``--jsonl FILE`` appends one JSON object
+is checked and a forged one is counted and dropped, and so is a replayed one (each
+event carries the controller's sender id and sequence number under the signature: an
+event not newer than the last one from that controller is refused); without a key
+the events are shown unverified and the tool says so once. ``--jsonl FILE`` appends one JSON object
 per event (bytes become hex strings). The printer uses rich when stdout is a terminal.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import signal
@@ -26,9 +27,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from nereus.actors import _wire
+from nereus.actors import _session, _wire
 from nereus.actors._keys import KEY_ENV, load_key
-from nereus.errors import ConfigError
+from nereus.errors import AuthenticationError, ConfigError, ProtocolError
 from nereus.monitor.schema import describe
 
 __all__ = ["Subscriber", "format_event", "to_json", "main"]
@@ -47,6 +48,7 @@ class Subscriber:
         self.key = key
         self.types = set(types) if types else None
         self.rejected = 0
+        self._last: dict[bytes, int] = {}  # controller's tap id -> last event seq
         self._ctx = zmq.asyncio.Context.shadow(zmq.Context.instance())
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -88,14 +90,25 @@ class Subscriber:
                 return event
 
     def _check(self, frames: list[bytes]) -> dict[str, Any] | None:
-        if len(frames) != 2:
+        if len(frames) != 1 or len(frames[0]) <= _wire.SIGNATURE_BYTES:
             self.rejected += 1
             return None
-        sig, body = frames
-        if self.key is not None and not hmac.compare_digest(sig, _wire.sign(self.key, body)):
+        try:
+            head = (_wire.verify(self.key, frames) if self.key is not None
+                    else memoryview(frames[0])[_wire.SIGNATURE_BYTES:])
+            sender, receiver, seq, body = _session.parse(head)
+        except (AuthenticationError, ProtocolError, _session.Refused) as e:
             self.rejected += 1
-            log.warning("dropped a tap event with a bad signature")
+            log.warning("dropped a tap event: %s", e)
             return None
+        if self.key is not None:
+            if receiver != _session.ANY or seq <= self._last.get(sender, 0):
+                self.rejected += 1
+                log.warning("dropped a replayed tap event (seq %d)", seq)
+                return None
+            if sender not in self._last and len(self._last) >= 64:
+                self._last.pop(next(iter(self._last)))
+            self._last[sender] = seq
         try:
             event = msgpack.unpackb(body, raw=False, strict_map_key=False)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
