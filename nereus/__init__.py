@@ -20,6 +20,7 @@ from nereus.errors import (
     InfeasiblePlan,
     NereusError,
     OutOfMemory,
+    PeerDied,
     ProtocolError,
     RemoteError,
     StateError,
@@ -82,6 +83,7 @@ __all__ = [
     "RemoteError",
     "StateError",
     "StuckCollective",
+    "PeerDied",
     "TransferError",
     *sorted(_LAZY),
 ]
