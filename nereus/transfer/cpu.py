@@ -7,7 +7,8 @@ outside the group (the controller, a test, a benchmark); nothing here calls
 number of groups over any subsets of processes can live side by side.
 
 Construction is the rendezvous (blocking, with a deadline, never a polling loop):
-every rank publishes its host key and pid under ``nereus/<group>/<epoch>/``, waits
+every rank publishes its host key and pid under ``nereus/<token>/<group>/<epoch>/``
+(``store_token``: a key-derived prefix from ``make_group``), waits
 for the others' keys, opens shared-memory channels to same-host peers, then builds
 a torch ``ProcessGroupGloo`` on a ``PrefixStore``. Once gloo's full mesh is up every
 rank has opened its channels, so their names are unlinked at once: a process killed
@@ -117,6 +118,7 @@ class CpuCommunicator(Communicator):
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         slots: int = DEFAULT_SLOTS,
         devices: tuple[int, ...] | list[int] | None = None,
+        store_token: str = "",
     ) -> None:
         require(isinstance(group_id, str) and group_id != "" and "/" not in group_id,
                 "group_id", group_id, "must be a non-empty string without '/'")
@@ -126,6 +128,8 @@ class CpuCommunicator(Communicator):
                 "must be a TCP port in 1..65535")
         require(isinstance(epoch, int) and epoch >= 0, "epoch", epoch, "must be an int >= 0")
         require(timeout_s > 0, "timeout_s", timeout_s, "must be > 0 seconds")
+        require(isinstance(store_token, str) and "/" not in store_token, "store_token",
+                store_token, "must be a string without '/'")
         require(isinstance(slot_bytes, int) and slot_bytes >= 4096, "slot_bytes", slot_bytes,
                 "must be an int >= 4096")
         require(isinstance(slots, int) and slots >= 2, "slots", slots, "must be an int >= 2")
@@ -158,7 +162,7 @@ class CpuCommunicator(Communicator):
             raise TransferError(
                 f"group {group_id!r} rank {rank}: cannot reach the store at "
                 f"{store_host}:{store_port}: {e}") from e
-        self._kv = PrefixStore(f"nereus/{group_id}/{epoch}", self._store)
+        self._kv = PrefixStore(f"nereus/{store_token}/{group_id}/{epoch}", self._store)
         try:
             self._rendezvous(store_host, store_port, use_shm, slot_bytes, slots, timeout)
         except BaseException:

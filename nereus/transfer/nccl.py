@@ -137,7 +137,8 @@ class NcclCommunicator(Communicator):
     def __init__(self, group_id: str, rank: int, size: int, nccl_id: bytes, *,
                  epoch: int = 0, timeout_s: float = 60.0, device: int | None = None,
                  store_host: str | None = None, store_port: int | None = None,
-                 devices: tuple[int, ...] | list[int] | None = None) -> None:
+                 devices: tuple[int, ...] | list[int] | None = None,
+                 store_token: str = "") -> None:
         require(isinstance(size, int) and size >= 1, "size", size, "must be an int >= 1")
         require(isinstance(rank, int) and 0 <= rank < size, "rank", rank, f"must be in [0, {size})")
         require(isinstance(nccl_id, (bytes, bytearray)) and len(nccl_id) == 128, "nccl_id",
@@ -167,7 +168,7 @@ class NcclCommunicator(Communicator):
 
             store = TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=self.timeout_s))
-            self._kv = PrefixStore(f"nereus/{group_id}/{epoch}", store)
+            self._kv = PrefixStore(f"nereus/{store_token}/{group_id}/{epoch}", store)
             self._kv.set(f"c/{rank}", "0")
         with torch.cuda.device(self.device):
             # Blocks until every rank has joined (NCCL's own rendezvous on the unique id).
