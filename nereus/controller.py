@@ -36,6 +36,7 @@ import zmq
 from nereus.actors import _client, _session, _wire
 from nereus.actors import _protocol as P
 from nereus.actors._channel import Channel, Counters, configure
+from nereus.actors._curve import CurveKey, load_curve, secure, stop_authenticators
 from nereus.actors._keys import load_key
 from nereus.actors._loop import run
 from nereus.errors import ConfigError, ProtocolError
@@ -62,10 +63,12 @@ class Controller:
     """See the module docstring."""
 
     def __init__(self, key: bytes, *, bind: str = "tcp://127.0.0.1:0",
-                 tap_bind: str = "tcp://127.0.0.1:0", heartbeat_timeout_s: float = 10.0) -> None:
+                 tap_bind: str = "tcp://127.0.0.1:0", heartbeat_timeout_s: float = 10.0,
+                 curve: CurveKey | None = None) -> None:
         if heartbeat_timeout_s <= 0:
             raise ConfigError(f"heartbeat_timeout_s={heartbeat_timeout_s!r} must be > 0")
         self.key = key
+        self.curve = curve  # CURVE on the tcp sockets (``nereus.actors._curve``)
         self._bind_address = bind
         self._tap_bind = tap_bind
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -91,10 +94,12 @@ class Controller:
         # Subscribers send nothing but subscriptions: 1 KiB frames are plenty.
         pub = configure(ctx.socket(zmq.PUB), 1024, receive_hwm=100)
         pub.setsockopt(zmq.SNDHWM, 100_000)
+        secure(pub, self.curve, self._tap_bind, server=True)
         self.tap_address = _bind(pub, self._tap_bind)
         self._pub = pub
         sock = configure(ctx.socket(zmq.ROUTER), MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure(sock, self.curve, self._bind_address, server=True)
         self.address = _bind(sock, self._bind_address)
         self._channel = Channel(sock, self.key, self._on_message, self.counters, loop=loop,
                                 max_message_bytes=MAX_MESSAGE_BYTES)
@@ -358,6 +363,8 @@ class Controller:
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
+        if self.curve is not None:
+            stop_authenticators()
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -369,6 +376,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                     help="PUB address of the monitoring tap (port 0: any free port)")
     ap.add_argument("--key-file", default=None,
                     help="file holding the cluster key (else $NEREUS_CLUSTER_KEY)")
+    ap.add_argument("--curve-key-file", default=None,
+                    help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
                     help="declare a node lost after this long without a heartbeat")
     ap.add_argument("--log-level", default="INFO")
@@ -377,8 +386,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 async def _serve(args: argparse.Namespace) -> None:
     key = load_key(key_file=args.key_file)
+    curve = load_curve(args.curve_key_file) if args.curve_key_file else None
     controller = await Controller(key, bind=args.bind, tap_bind=args.tap_bind,
-                                  heartbeat_timeout_s=args.heartbeat_timeout_s).start()
+                                  heartbeat_timeout_s=args.heartbeat_timeout_s,
+                                  curve=curve).start()
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from nereus.actors import _session, _wire
+from nereus.actors._curve import CurveKey, load_curve, secure
 from nereus.actors._keys import KEY_ENV, load_key
 from nereus.errors import AuthenticationError, ConfigError, ProtocolError
 from nereus.monitor.schema import describe
@@ -41,9 +42,12 @@ class Subscriber:
     """Async iterator over the events of the tap at ``address``.
 
     ``key=None`` accepts unverified events. ``types`` keeps only those event types.
-    Call ``close()`` (or use ``async with``) to release the socket."""
+    ``curve``: the cluster's CURVE key, when its tcp sockets are encrypted (a tap that
+    is cannot be read without it). Call ``close()`` (or use ``async with``) to release
+    the socket."""
 
-    def __init__(self, address: str, key: bytes | None, types: set[str] | None = None) -> None:
+    def __init__(self, address: str, key: bytes | None, types: set[str] | None = None,
+                 curve: CurveKey | None = None) -> None:
         self.address = address
         self.key = key
         self.types = set(types) if types else None
@@ -54,6 +58,7 @@ class Subscriber:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        secure(self._sock, curve, address, server=False)
         self._sock.connect(address)
 
     async def __aenter__(self) -> Subscriber:
@@ -167,6 +172,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--type", action="append", default=None, help="only these event types")
     ap.add_argument("--key-file", default=None,
                     help=f"cluster key to verify events (else ${KEY_ENV}; without: unverified)")
+    ap.add_argument("--curve-key-file", default=None,
+                    help="the cluster's CURVE secret key, when its tcp sockets are encrypted")
     ap.add_argument("--count", type=int, default=0, help="stop after N events (0: never)")
     ap.add_argument("--quiet", action="store_true", help="do not print (with --jsonl)")
     ap.add_argument("--schema", action="store_true", help="print the event schema and exit")
@@ -187,7 +194,8 @@ async def _run(args: argparse.Namespace) -> int:
 
         console = Console(highlight=False)
     out = open(args.jsonl, "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
-    sub = Subscriber(args.address, key, set(args.type) if args.type else None)
+    curve = load_curve(args.curve_key_file) if args.curve_key_file else None
+    sub = Subscriber(args.address, key, set(args.type) if args.type else None, curve=curve)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     for sig in (signal.SIGTERM, signal.SIGINT):
