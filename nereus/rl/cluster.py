@@ -112,7 +112,8 @@ class ClusterStages(ModelStages):
 
             c = cfg.cluster
             if c.mode == "connect":
-                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices)
+                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices,
+                                          curve_key_file=c.curve_key_file or None)
             else:
                 # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
                 # can miss the default 3 s, and a lost node ends the job.
