@@ -57,7 +57,6 @@ from nereus.actors import (
     ActorRef,
     Cluster,
     DeviceInfo,
-    current_device,
     endpoint,
 )
 from nereus.errors import ActorDied, ConfigError, TransferError
@@ -113,12 +112,13 @@ def _build(spec: dict[str, Any]) -> Communicator:
     common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], devices=spec["devices"],
                   store_token=spec.get("store_token", ""), **spec.get("options", {}))
     if spec["backend"] == "nccl":
-        from nereus.transfer.nccl import NcclCommunicator  # cupy only where it is used
+        from nereus.transfer.nccl import NcclCommunicator  # libnccl only where it is used
 
+        # No device index: a worker sees exactly one GPU, cuda:0, whatever the device's
+        # index on its node (the engines' tensors live there too).
         return NcclCommunicator(spec["group_id"], spec["rank"], spec["size"],
-                                bytes(spec["nccl_id"]), device=spec.get("local_device"),
-                                store_host=spec["store_host"], store_port=spec["store_port"],
-                                **common)
+                                bytes(spec["nccl_id"]), store_host=spec["store_host"],
+                                store_port=spec["store_port"], **common)
     from nereus.transfer.cpu import CpuCommunicator
 
     return CpuCommunicator(spec["group_id"], spec["rank"], spec["size"], spec["store_host"],
@@ -130,8 +130,6 @@ class GroupAgent(Actor):
 
     @endpoint(concurrent=True)
     async def join(self, spec: dict) -> dict:
-        if spec["backend"] == "nccl":
-            spec = {**spec, "local_device": current_device().local_index}
         comm = await asyncio.to_thread(_build, spec)
         with _registry_lock:
             old = _registry.pop(comm.group_id, None)
