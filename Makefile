@@ -11,7 +11,7 @@ STAMP := $(VENV)/.nereus-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-vllm bench lint clean
+.PHONY: setup demo test test-vllm test-gpu gpu-wheels bench lint clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,20 @@ $(VLLM_VENV)/.nereus-installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.nereus-installed
 	$(VLLM_VENV)/bin/python -m pytest -m vllm -q -p no:cacheprovider
+
+# The GPU checks on a machine with one or more GPUs, no network needed: the gpu test
+# tier and benchmarks.gpu (its last line is one JSON object). See scripts/test-gpu.sh.
+test-gpu:
+	bash scripts/test-gpu.sh
+
+# Wheels a GPU machine without network lacks (pyzmq and friends), for its Python:
+# run where there is network, then carry ../wheels in beside the checkout.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS ?= ../wheels
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) \
+		pyzmq msgpack safetensors tokenizers rich matplotlib pytest pytest-asyncio pytest-timeout
 
 bench: setup
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
