@@ -197,10 +197,12 @@ class ShardHolder(Actor):
         return stats
 
     @endpoint
-    async def save_checkpoint(self, directory: str, emu: dict) -> str:
-        """Write this device's shard file of ``emu`` (plain EMU description)."""
+    async def save_checkpoint(self, directory: str, emu: dict, durable: bool = True) -> str:
+        """Write this device's shard file of ``emu`` (plain EMU description); ``durable``:
+        fsync it (see ``checkpoint.save_shards``)."""
         desc = emu_from_plain(emu)
-        path = await asyncio.to_thread(ckpt.save_shards, directory, desc, self.device.index, self.shards[desc.name])
+        path = await asyncio.to_thread(ckpt.save_shards, directory, desc, self.device.index,
+                                       self.shards[desc.name], durable=durable)
         return str(path)
 
     @endpoint
@@ -215,9 +217,14 @@ class ShardHolder(Actor):
 
 @dataclass(frozen=True)
 class ExecuteStats:
+    """``bytes_moved`` and ``bytes_local``: the plan's figures; ``bytes_sent`` and
+    ``bytes_received``: what the workers' exchanges counted (0 when nothing moved)."""
+
     bytes_moved: int
     bytes_local: int
     devices: tuple[int, ...]
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 async def execute(
@@ -274,7 +281,9 @@ async def execute(
         root = [e for e in errors if "TransferError" not in str(getattr(e, "remote_type", type(e).__name__))]
         log.warning("plan building %s failed on %d of %d workers", plan.target.name, len(errors), len(tasks))
         raise (root or errors)[0]
-    return ExecuteStats(plan.bytes_moved, plan.bytes_local, tuple(sorted(involved)))
+    return ExecuteStats(plan.bytes_moved, plan.bytes_local, tuple(sorted(involved)),
+                        sum(r.get("bytes_sent", 0) for r in results),
+                        sum(r.get("bytes_received", 0) for r in results))
 
 
 async def execute_step(
@@ -304,11 +313,14 @@ async def execute_step(
     return moved
 
 
-async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef]) -> None:
-    """Every device of ``emu`` writes its file in parallel; then the manifest."""
+async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef], *,
+                       durable: bool = True) -> None:
+    """Every device of ``emu`` writes its file in parallel; then the manifest.
+    ``durable``: fsync files and folder (a fallback must survive the machine)."""
     plain = emu_to_plain(emu)
-    await asyncio.gather(*(holders[d].save_checkpoint.call_one(str(directory), plain) for d in emu.devices))
-    ckpt.write_manifest(directory, emu)
+    await asyncio.gather(*(holders[d].save_checkpoint.call_one(str(directory), plain, durable)
+                           for d in emu.devices))
+    ckpt.write_manifest(directory, emu, durable=durable)
 
 
 async def load_from_disk(directory: str, target: EMU, holders: Mapping[int, ActorRef]) -> EMU:
