@@ -155,6 +155,7 @@ class Comm:
         lib = self._lib = library()
         self.handle = _P()
         self.aborted = False
+        self.in_group = False  # between ncclGroupStart and ncclGroupEnd (``group``)
         config = _Config(ctypes.sizeof(_Config), _API_MAGIC, _MIN_VERSION, 0)
         raw = _UniqueId()
         ctypes.memmove(ctypes.byref(raw), uid, 128)
@@ -169,6 +170,7 @@ class Comm:
     def settle(self, deadline: float, what: str) -> None:
         """Wait until NCCL finished accepting the last call (the communicator's state
         leaves ``ncclInProgress``); abort and raise ``Timeout`` at the deadline."""
+        self._usable(what)
         lib = self._lib
         state = _I(IN_PROGRESS)
         pause = 1e-4
@@ -188,14 +190,21 @@ class Comm:
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
 
+    def _usable(self, what: str) -> None:
+        if self.aborted:  # the handle is freed: NCCL must never see it again
+            raise TransferError(f"{what} on an aborted NCCL communicator")
+
     def call(self, name: str, *args: Any, deadline: float) -> None:
-        """``name(*args, comm, stream)``-style call (the caller passes them in order)."""
+        """``name(*args)`` (the caller passes every argument, the communicator's handle
+        and the stream included). Inside a group, NCCL only records the call."""
+        self._usable(name)
         lib = self._lib
         result = getattr(lib, name)(*args)
-        if result == IN_PROGRESS:
+        if result == IN_PROGRESS and not self.in_group:
             self.settle(deadline, name)
-        elif result != SUCCESS:
-            self.abort()
+        elif result not in (SUCCESS, IN_PROGRESS):
+            if not self.in_group:  # inside a group, ncclGroupEnd comes first (``group``)
+                self.abort()
             _check(lib, result, name)
 
     def abort(self) -> None:
@@ -231,15 +240,19 @@ class group:  # noqa: N801 - a context manager named like NCCL's calls
         self.deadline = deadline
 
     def __enter__(self) -> group:
+        self.comm._usable("ncclGroupStart")
         lib = self.comm._lib
         _check(lib, lib.ncclGroupStart(), "ncclGroupStart")
+        self.comm.in_group = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         lib = self.comm._lib
-        result = lib.ncclGroupEnd()
+        self.comm.in_group = False
+        result = lib.ncclGroupEnd()  # always: NCCL's group state is per thread
         if exc[0] is not None:
-            return  # the caller's error wins; the group is closed either way
+            self.comm.abort()  # a call in the group failed: nothing of it may run
+            return  # the caller's error wins
         if result == IN_PROGRESS:
             self.comm.settle(self.deadline, "ncclGroupEnd")
         elif result != SUCCESS:

@@ -198,7 +198,7 @@ class NcclCommunicator(Communicator):
     def _check(self, *tensors: torch.Tensor) -> None:
         if self._destroyed:
             raise TransferError(f"group {self.group_id!r}: used after destroy()")
-        if self._aborted:
+        if self._aborted or self._comm.aborted:
             raise TransferError(f"group {self.group_id!r}: the group was aborted")
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device != self.device:
@@ -225,6 +225,9 @@ class NcclCommunicator(Communicator):
                 enqueue(stream.cuda_stream, deadline)
         except _libnccl.Timeout:
             self._stuck(op, t0)
+        except TransferError:
+            self._aborted = True  # NCCL refused the call; the communicator is gone
+            raise
         event = torch.cuda.Event()
         event.record(stream)
         if self._watch.wait(event, max(deadline - time.monotonic(), 0.0)):
