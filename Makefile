@@ -11,7 +11,7 @@ STAMP := $(VENV)/.nereus-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-vllm test-gpu gpu-wheels bench lint clean
+.PHONY: setup demo test test-vllm test-slurm test-gpu gpu-wheels bench lint clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,16 @@ $(VLLM_VENV)/.nereus-installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.nereus-installed
 	$(VLLM_VENV)/bin/python -m pytest -m vllm -q -p no:cacheprovider
+
+# A real Slurm on this machine (as root): Debian's slurm-wlm and munge, installed when
+# missing; the tests start munged, slurmctld and slurmd in a temporary folder, run batch
+# jobs that start nereus clusters (and a GRPO job), and stop every daemon. Where Slurm
+# cannot run, this fails with Slurm's own error; it never skips.
+test-slurm: setup
+	@if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; \
+	fi
+	$(PY) -m pytest -q -p no:cacheprovider --slurm -m slurm tests/launch
 
 # The GPU checks on a machine with one or more GPUs, no network needed: the gpu test
 # tier and benchmarks.gpu (its last line is one JSON object). See scripts/test-gpu.sh.

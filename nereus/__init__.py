@@ -42,9 +42,10 @@ for _module, _names in {
         "get_communicator", "make_group", "release_epoch", "release_groups",
     ],
     "nereus.state": [
-        "DeviceSet", "EMU", "Layout", "LogicalState", "ModelSpec", "ParamSpec", "ShardHolder",
-        "bytes_minimum", "destroy", "execute", "execute_step", "extend", "load_from_disk", "merge",
-        "plan_reshard", "plan_stage_transition", "save_to_disk", "split",
+        "DeviceSet", "EMU", "Layout", "LogicalState", "MemoryLedger", "ModelSpec", "ParamSpec",
+        "ShardHolder", "bytes_minimum", "destroy", "device_ledger", "execute", "execute_into",
+        "execute_step", "extend", "load_from_disk", "merge", "plan_reshard", "plan_stage_transition",
+        "save_to_disk", "split", "training_slots",
     ],
     "nereus.models": [
         "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage",
@@ -52,8 +53,9 @@ for _module, _names in {
         "train_tiny_tokenizer",
     ],
     "nereus.engines": [
-        "EmuContext", "EngineActor", "GenerationEngine", "InferenceEngine", "MemoryLedger",
-        "SamplingParams", "TrainingEngine", "VllmGenerationEngine", "spawn_emu", "spawn_model_stage",
+        "EmuContext", "EngineHost", "GenerationEngine", "InferenceEngine", "ModelStageHandle",
+        "SamplingParams", "TrainingEngine", "VllmGenerationEngine", "spawn_hosts", "spawn_model_stage",
+        "start_model_stage",
     ],
     "nereus.planner": [
         "Calibrator", "ClusterSpec", "Plan", "Replanner", "StagePlan", "Workload", "cluster_preset",
@@ -64,6 +66,9 @@ for _module, _names in {
         "Task", "make_task", "run_job",
     ],
     "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
+    "nereus.launch": [
+        "KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests", "render_sbatch",
+    ],
 }.items():
     for _name in _names:
         _LAZY[_name] = _module

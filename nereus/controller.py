@@ -268,16 +268,50 @@ class Controller:
         if node is None or not node["alive"]:
             return {}
         node["alive"] = False
+        reason = str(body.get("reason", "shutdown"))
         for index in node["devices"]:
             dev = self.devices[index]
             if dev["alive"]:
                 dev["alive"] = False
                 self.publish({"type": "worker_leave", "device": index, "node_id": dev["node_id"],
                               "pid": dev["pid"]})
-        self.publish({"type": "node_leave", "node_id": body["node_id"],
-                      "reason": str(body.get("reason", "shutdown"))})
+                # its owners learn it as they learn a death: work on it is gone
+                self._notify_death(dev, f"node left ({reason})")
+        self.publish({"type": "node_leave", "node_id": body["node_id"], "reason": reason})
         self._changed.set()
         return {}
+
+    def _op_retire(self, ident: bytes, body: dict) -> dict:
+        """A driver retires a drained device: its node stops the worker (no failure) and
+        says so with ``worker_retired``, which every driver hears as ``device_retired``."""
+        index = body.get("device")
+        dev = self.devices.get(index) if type(index) is int else None
+        if dev is None or not dev["alive"]:
+            raise ValueError(f"device={index!r} is not a live device")
+        node = self.nodes.get(dev["node_id"])
+        dev["alive"] = False
+        if node is not None and node["alive"]:
+            self._send(node["ident"], [P.NOTE, "stop_worker", {"index": index}])
+        else:  # nothing left to stop
+            self._op_worker_retired(ident, {"index": index})
+        self._changed.set()
+        return {"retiring": index}
+
+    def _op_worker_retired(self, ident: bytes, body: dict) -> dict:
+        dev = self.devices[int(body["index"])]
+        self.publish({"type": "worker_retire", "device": dev["index"], "node_id": dev["node_id"], "pid": dev["pid"]})
+        notice = [P.NOTE, "device_retired", {"device": dev["index"], "address": dev["address"],
+                                             "reason": "retired"}]
+        for client in list(self.clients):
+            self._send(client, notice)
+        return {}
+
+    def _notify_death(self, dev: dict[str, Any], reason: str) -> None:
+        notice = [P.NOTE, "worker_died", {"device": dev["index"], "address": dev["address"],
+                                          "node_id": dev["node_id"], "pid": dev["pid"],
+                                          "reason": reason}]
+        for ident in list(self.clients):
+            self._send(ident, notice)
 
     def _device_died(self, index: int, reason: str, returncode: Any = None) -> None:
         dev = self.devices.get(index)
@@ -288,11 +322,7 @@ class Controller:
                     reason)
         self.publish({"type": "worker_death", "device": index, "node_id": dev["node_id"],
                       "pid": dev["pid"], "reason": reason, "returncode": returncode})
-        notice = [P.NOTE, "worker_died", {"device": index, "address": dev["address"],
-                                          "node_id": dev["node_id"], "pid": dev["pid"],
-                                          "reason": reason}]
-        for ident in list(self.clients):
-            self._send(ident, notice)
+        self._notify_death(dev, reason)
         self._changed.set()
 
     # -- background ------------------------------------------------------------------

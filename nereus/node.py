@@ -18,7 +18,10 @@ die with the daemon (Linux parent-death signal).
 On CPU, ``--devices N`` starts N workers each standing for one device with the
 ``--memory-per-device`` budget (default 1GiB) that engines must respect. With
 ``--gpus all|0,1,..`` each worker sees one GPU (``CUDA_VISIBLE_DEVICES``) and its
-budget is that GPU's memory unless ``--memory-per-device`` says otherwise.
+budget is that GPU's memory unless ``--memory-per-device`` says otherwise. GPU ids
+count within the daemon's own ``CUDA_VISIBLE_DEVICES`` when it is set (a Slurm step
+or a container has already narrowed it to the GPUs this node may use): the daemon
+maps within it and never widens it to the host's raw GPU ids.
 
 The key comes from ``--key-file`` or ``$NEREUS_CLUSTER_KEY``; workers get it through
 their environment. Workers get the daemon's ``sys.path`` as ``PYTHONPATH`` and its
@@ -37,6 +40,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Mapping
 
 from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
@@ -81,29 +85,59 @@ def death_reason(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _gpu_ids(spec: str) -> list[int]:
-    if spec == "all":
-        import torch
+def _visible_gpus(environ: Mapping[str, str]) -> list[str] | None:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` (ids, ``GPU-<uuid>`` or ``MIG-<uuid>``), or
+    None when it is unset (every GPU of the host is visible)."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [x.strip() for x in value.split(",") if x.strip()]
 
-        count = torch.cuda.device_count()
+
+def _gpu_ids(spec: str, environ: Mapping[str, str] | None = None) -> list[tuple[int, str]]:
+    """One ``(index, visible)`` pair per GPU ``spec`` names: ``index`` is the GPU's number as
+    CUDA counts it in this process (for ``torch.cuda``), ``visible`` the
+    ``CUDA_VISIBLE_DEVICES`` value that shows a worker that GPU alone.
+
+    Indices count within ``CUDA_VISIBLE_DEVICES`` when it is set: inside a Slurm step,
+    or a container given some of a host's GPUs, it already names the GPUs this node may
+    use, so index 1 of ``"2,3"`` is GPU 3, never the host's GPU 1."""
+    environ = os.environ if environ is None else environ
+    visible = _visible_gpus(environ)
+    if spec == "all":
+        if visible is not None:
+            count = len(visible)
+            where = f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r}"
+        else:
+            import torch
+
+            count = torch.cuda.device_count()
+            where = "torch"
         if count == 0:
-            raise ConfigError("gpus='all' but torch sees no CUDA device")
-        return list(range(count))
-    try:
-        ids = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"gpus={spec!r} must be 'all' or a list like '0,1,3'") from None
-    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ConfigError(f"gpus={spec!r} must list distinct GPU ids >= 0")
-    return ids
+            raise ConfigError(f"gpus='all' but {where} names no CUDA device")
+        ids = list(range(count))
+    else:
+        try:
+            ids = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"gpus={spec!r} must be 'all' or a list like '0,1,3'") from None
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ConfigError(f"gpus={spec!r} must list distinct GPU ids >= 0")
+        if visible is not None and max(ids) >= len(visible):
+            raise ConfigError(
+                f"gpus={spec!r} names GPU {max(ids)}, but CUDA_VISIBLE_DEVICES="
+                f"{environ['CUDA_VISIBLE_DEVICES']!r} shows this node {len(visible)}: ids count "
+                f"within it (0..{len(visible) - 1})")
+    return [(i, visible[i] if visible is not None else str(i)) for i in ids]
 
 
 class _Worker:
-    __slots__ = ("index", "local_index", "proc", "address", "watch", "reader")
+    __slots__ = ("index", "local_index", "proc", "address", "watch", "reader", "retired")
 
     def __init__(self, index: int, local_index: int) -> None:
         self.index = index
         self.local_index = local_index
+        self.retired = False
         self.proc: asyncio.subprocess.Process | None = None
         self.address = ""
         self.watch: asyncio.Task | None = None
@@ -133,8 +167,10 @@ class NodeDaemon:
         self.key = key
         self.curve = curve
         self.kind = "cpu" if devices is not None else "cuda"
-        self.gpu_ids = _gpu_ids(gpus) if gpus is not None else []
-        count = devices if devices is not None else len(self.gpu_ids)
+        gpu_pairs = _gpu_ids(gpus) if gpus is not None else []
+        self.gpu_ids = [index for index, _ in gpu_pairs]
+        self.gpu_visible = [visible for _, visible in gpu_pairs]
+        count = devices if devices is not None else len(gpu_pairs)
         if memory_per_device is None:
             self.memory_bytes = [self._gpu_memory(i) for i in self.gpu_ids] or [2**30] * count
         else:
@@ -229,7 +265,7 @@ class NodeDaemon:
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
         if self.kind == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_ids[w.local_index])
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu_visible[w.local_index]
         else:
             # torch's CPU allocator on huge pages: filling a fresh 240 MB tensor (a
             # received shard, a new KV cache) takes ~20 ms instead of ~90 ms.
@@ -274,7 +310,7 @@ class NodeDaemon:
 
     async def _watch(self, w: _Worker) -> None:
         rc = await w.proc.wait()
-        if self.stopping:
+        if self.stopping or w.retired:
             return
         reason = death_reason(rc)
         log.warning("worker of device %d (pid %d) died: %s", w.index, w.proc.pid, reason)
@@ -292,11 +328,30 @@ class NodeDaemon:
             await asyncio.sleep(self.heartbeat_s)
 
     def _on_notice(self, op: str, body: dict) -> None:
+        if op == "stop_worker":
+            w = next((w for w in self.workers if w.index == body.get("index")), None)
+            if w is not None and not w.retired:
+                asyncio.get_running_loop().create_task(self._retire(w))
+            return
         if op == "node_lost" and body.get("node_id") == self.node_id and not self.stopping:
             log.error("the controller declared node %s lost (heartbeats came too late); "
                       "stopping its workers", self.node_id)
             self.fenced.set()
             asyncio.get_running_loop().create_task(self.stop())
+
+    async def _retire(self, w: _Worker) -> None:
+        """Stop one worker the controller retired (a drained device): SIGTERM, then kill
+        after the grace period. Its exit is not a death."""
+        w.retired = True
+        if w.proc is not None and w.proc.returncode is None:
+            w.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(w.proc.wait(), self.stop_grace_s)
+            except asyncio.TimeoutError:
+                log.warning("retired worker pid %d ignored SIGTERM; killing it", w.proc.pid)
+                w.proc.kill()
+                await w.proc.wait()
+        self._client.tell("worker_retired", {"node_id": self.node_id, "index": w.index})
 
     def kill_heartbeat(self) -> None:
         """Stop heartbeating (tests use it to make the controller declare this node lost)."""

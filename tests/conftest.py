@@ -1,4 +1,5 @@
-"""Suite-wide settings: tier markers skip only when their hardware or package is absent."""
+"""Suite-wide settings: tier markers skip only when their hardware or package is absent;
+the slurm tier runs only with ``--slurm``."""
 
 from __future__ import annotations
 
@@ -35,7 +36,20 @@ def _has_vllm() -> tuple[bool, str]:
     return True, ""
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slurm", action="store_true",
+                     help="run the tests marked slurm: they start a real Slurm on this machine "
+                          "(root, Debian's slurm-wlm and munge; `make test-slurm`)")
+
+
 def pytest_collection_modifyitems(config, items):
+    # The slurm tier starts system daemons as root: it runs only when asked for, and then
+    # never skips (a Slurm that cannot start fails with its own error).
+    if not config.getoption("--slurm"):
+        chosen = [item for item in items if "slurm" not in item.keywords]
+        if len(chosen) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if "slurm" in i.keywords])
+            items[:] = chosen
     gpu_ok, gpu_why = _has_cuda_and_nccl()
     vllm_ok, vllm_why = _has_vllm()
     for item in items:

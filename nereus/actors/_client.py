@@ -410,9 +410,10 @@ class Client:
     # -- failures --------------------------------------------------------------------
 
     def _on_notice(self, op: str, body: dict) -> None:
-        if op == "worker_died":
+        if op in ("worker_died", "device_retired"):
+            # a retired (drained, emptied) device's worker is gone as surely as a dead one
             address = body.get("address", "")
-            reason = body.get("reason", "died")
+            reason = body.get("reason", "died" if op == "worker_died" else "retired")
             self.mark_dead(address, reason, body.get("device"))
         for cb in list(self.notice_listeners):
             try:

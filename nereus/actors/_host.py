@@ -546,6 +546,9 @@ class ActorHost:
         if slot is None:
             raise ProtocolError(f"stop: no actor {name!r} on device {self.device.index}")
         self.stop_slot(slot, "stopped")
+        # A stopped actor may have been frozen by a later spawn's gc.freeze(): its
+        # reference cycles would never be collected. Collect once the reply has left.
+        self.loop.call_soon(_collect_frozen)
         return {"stopped": name}
 
     def stop_slot(self, slot: _Slot, reason: str) -> None:
@@ -585,6 +588,13 @@ class ActorHost:
         self.channel.close()
         if self.stream is not None:
             self.stream.close()
+
+
+def _collect_frozen() -> None:
+    """Give frozen objects back to the cyclic collector, collect, and freeze what lives."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 @types.coroutine

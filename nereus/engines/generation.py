@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ class GenerationEngine(EngineBase):
         ctx: EmuContext | None = None,
         *,
         model_dir: str | Path | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
         dtype: str | torch.dtype = "float32",
         max_batch: int = 256,
         wavefront: bool = False,
@@ -102,7 +104,8 @@ class GenerationEngine(EngineBase):
         require(max_batch >= 1, "GenerationEngine.max_batch", max_batch, "must be >= 1")
         require(ctx is None or torch.device(ctx.device).type == "cpu", "EmuContext.device", None if ctx is None else ctx.device,
                 "must be 'cpu' for the built-in generation engine (on GPUs generation is VllmGenerationEngine's)")
-        super().__init__(config, ctx, model_dir=model_dir, dtype=dtype, seed=seed, ledger=ledger, name=name)
+        super().__init__(config, ctx, model_dir=model_dir, tensors=tensors, dtype=dtype, seed=seed, ledger=ledger,
+                         name=name)
         self.max_batch = max_batch
         self.wavefront = wavefront
         self.model_dir = model_dir
@@ -135,12 +138,26 @@ class GenerationEngine(EngineBase):
         self._cache_batch = 0
         return self.ledger.release(f"{self.name}/kv_cache")
 
+    def reserve_cache(self, batch: int, max_len: int) -> int:
+        """Reserve and allocate a KV cache of ``batch`` rows and ``max_len`` slots now (an
+        engine rebuilt after a change takes back the cache it had); returns its bytes."""
+        self._kv_cache(batch, max_len)
+        return self.ledger.held(f"{self.name}/kv_cache")
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """(rows, slots) of the KV cache held now, (0, 0) without one."""
+        return (self._cache_batch, self._cache.max_len) if self._cache is not None else (0, 0)
+
     def sleep(self) -> int:
         """Free the weights and the KV cache (a co-resident model-stage needs the memory);
         returns the bytes given back to the device's budget. ``generate`` is refused until
-        ``wake_up``."""
+        ``wake_up``. An engine over a shard store only frees its cache: the weights are
+        the store's."""
         if self.is_sleeping:
             return 0
+        if not self.owns_weights:
+            return self.free_cache()
         freed = self.free_cache()
         self.stage = None  # type: ignore[assignment]
         freed += self.ledger.release(f"{self.name}/weights")

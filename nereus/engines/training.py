@@ -25,11 +25,16 @@ Returns metrics (floats): ``loss`` and the loss function's metrics (token-weight
 over the global batch; complete on the last pipeline stage, the other stages return only
 ``grad_norm``, ``lr``, ``step``), ``grad_norm`` (before clipping), ``lr``, ``step``.
 
-State for the state layer (moves with the parameter shards): ``named_state()`` gives
-this rank's ``"<param>"``, ``"<param>.exp_avg"``, ``"<param>.exp_avg_sq"`` tensors (names
-from the ModelSpec) and ``step`` is the update counter; ``load_named_state`` writes them
-back in place. Optimizer moments are created with the parameters (not lazily), so their
-memory is accounted up front: parameters + gradients + two moments.
+State (the state layer's keys and dtypes, ``nereus.state.spec``): per parameter
+``"<param>"``, the float32 AdamW moments ``"<param>:exp_avg"`` and
+``"<param>:exp_avg_sq"``, and for a parameter that is not float32 a float32 master copy
+``"<param>:master"`` that the optimizer steps (the parameter is its rounded copy).
+``named_state()`` gives them (views), ``step`` is the update counter, and
+``load_named_state`` writes them back in place. Built over a shard store (``tensors``:
+every one of those keys, and ``step``), the engine adopts them all: the optimizer steps
+the store's tensors. Built on its own, it makes them (moments zero) and reserves them up
+front. Gradients (``nereus.state.spec.grad_bytes_per_param``) are reserved up front
+either way.
 
 Refuses (``ConfigError``): a bad optimizer config, an unknown loss path, a batch that
 breaks the batch format.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,19 +52,22 @@ from typing import Any
 import torch
 
 from nereus.config import require
-from nereus.engines._base import EngineBase, stage_param_bytes
+from nereus.engines._base import EngineBase
 from nereus.engines._pipeline import (
+    activation_bytes,
     forward_backward_1f1b,
     forward_backward_gpipe,
     in_flight_micro_batches,
+    token_logprobs,
 )
 from nereus.engines.context import EmuContext
-from nereus.engines.inference import activation_bytes, token_logprobs
 from nereus.engines.losses import normalize_batch, resolve_callable, split_batch
 from nereus.engines.memory import MemoryLedger
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
 from nereus.models.layers import ColumnParallelLinear, ShardedModule
+from nereus.state.emu import tensor_key
+from nereus.state.spec import grad_bytes_per_param, optimizer_bytes_per_param, optimizer_slots
 
 __all__ = ["OptimConfig", "TrainingEngine", "MOMENTS"]
 
@@ -106,6 +115,8 @@ class TrainingEngine(EngineBase):
         ctx: EmuContext | None = None,
         *,
         model_dir: str | Path | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        step: int = 0,
         dtype: str | torch.dtype = "float32",
         optim: OptimConfig | dict[str, Any] | None = None,
         critic: bool = False,
@@ -116,33 +127,65 @@ class TrainingEngine(EngineBase):
     ) -> None:
         self.optim_config = OptimConfig.from_any(optim)
         require(schedule in ("1f1b", "gpipe"), "TrainingEngine.schedule", schedule, "must be '1f1b' or 'gpipe'")
+        require(isinstance(step, int) and step >= 0, "TrainingEngine.step", step, "must be an integer >= 0")
         self.schedule = schedule
-        super().__init__(config, ctx, model_dir=model_dir, dtype=dtype, value_head=critic, seed=seed, ledger=ledger, name=name)
+        super().__init__(config, ctx, model_dir=model_dir, tensors=tensors, dtype=dtype, value_head=critic,
+                         seed=seed, ledger=ledger, name=name)
         try:
             self.critic = critic
             params = self.named_parameters()
-            # Gradients and two moments per parameter (in its dtype, as torch's AdamW keeps
-            # them), reserved before allocating.
-            weights = stage_param_bytes(config, self.ctx, self.dtype, critic)
-            self.ledger.reserve(f"{name}/grads", weights)
-            self.ledger.reserve(f"{name}/optimizer", 2 * weights)
+            dtype_name = str(self.dtype).removeprefix("torch.")
+            self.slots = optimizer_slots(dtype_name)
+            numel = sum(p.numel() for p in params.values())
+            self.ledger.reserve(f"{name}/grads", numel * grad_bytes_per_param(dtype_name))
+            if self.owns_weights:
+                self.ledger.reserve(f"{name}/optimizer", numel * optimizer_bytes_per_param(dtype_name))
+            state = self._optimizer_state(params, tensors)
+            # master copies (mixed precision) are what AdamW steps; else the parameters
+            self._master = {k: torch.nn.Parameter(st["master"], requires_grad=False)
+                            for k, st in state.items() if "master" in st}
+            stepped = [self._master.get(k, p) for k, p in params.items()]
             oc = self.optim_config
             self.optimizer = torch.optim.AdamW(
-                list(params.values()), lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps,
+                stepped, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps,
                 weight_decay=oc.weight_decay, foreach=False,
             )
-            for p in params.values():
+            for (k, _), p in zip(params.items(), stepped, strict=True):
                 self.optimizer.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": state[k]["exp_avg"],
+                    "exp_avg_sq": state[k]["exp_avg_sq"],
                 }
             self._norm_weights = self._grad_norm_weights()
-            self.step = 0
+            self.step = step
             self.stage.train()
         except BaseException:
             self.close()
             raise
+
+    def _optimizer_state(self, params: dict[str, torch.nn.Parameter],
+                         tensors: Mapping[str, torch.Tensor] | None) -> dict[str, dict[str, torch.Tensor]]:
+        """Per parameter, its optimizer slots: the store's (checked), or new ones."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in params.items():
+            slots: dict[str, torch.Tensor] = {}
+            for slot in self.slots:
+                key = tensor_key(slot, name)
+                if tensors is not None:
+                    t = tensors.get(key)
+                    if t is None:
+                        raise StateError(f"{self.name}: the shard store holds no {key!r} (a training EMU "
+                                         f"of dtype {self.dtype} needs slots {list(self.slots)})")
+                    if tuple(t.shape) != tuple(p.shape) or t.dtype != torch.float32:
+                        raise StateError(f"{self.name}: {key!r} is {tuple(t.shape)} {t.dtype}, "
+                                         f"expected {tuple(p.shape)} torch.float32")
+                elif slot == "master":
+                    t = p.detach().float().clone()
+                else:
+                    t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                slots[slot] = t
+            out[name] = slots
+        return out
 
     # --- gradient norm bookkeeping ------------------------------------------------
 
@@ -171,9 +214,6 @@ class TrainingEngine(EngineBase):
         tied = self.config.tie_word_embeddings and self.ctx.pp_size > 1
         if tied and self.ctx.is_last_stage and not self.ctx.is_first_stage:
             weights["model.embed_tokens.weight"] = 0.0
-        if self.value_head is not None:
-            for k, _ in self.value_head.named_parameters():
-                weights[f"value_head.{k}"] = 1.0 / tp
         return weights
 
     def _global_grad_norm(self, params: dict[str, torch.nn.Parameter]) -> float:
@@ -250,7 +290,8 @@ class TrainingEngine(EngineBase):
             return value * scale[i]
 
         params = self.named_parameters()
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in params.values():
+            p.grad = None
         held = in_flight_micro_batches(ctx, len(mbs), self.schedule)
         need = activation_bytes(self.config, ctx, mbs[0]["input_ids"].shape[0], length, self.dtype, training=True) * held
         self.ledger.reserve(f"{self.name}/activations", need)
@@ -269,7 +310,15 @@ class TrainingEngine(EngineBase):
             for p in params.values():
                 if p.grad is not None:
                     p.grad.mul_(coef)
+        for name, master in self._master.items():
+            grad = params[name].grad
+            master.grad = None if grad is None else grad.float()
         self.optimizer.step()
+        if self._master:
+            with torch.no_grad():
+                for name, master in self._master.items():
+                    params[name].copy_(master)
+                    master.grad = None
         self.step += 1
         result = {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"]), "step": float(self.step)}
         if ctx.is_last_stage:
@@ -282,28 +331,31 @@ class TrainingEngine(EngineBase):
     # --- state for the state layer ---------------------------------------------------
 
     def named_state(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and AdamW moments by name (views, not copies)."""
+        """This rank's parameters and optimizer slots by state-layer key (views)."""
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters().items():
             out[name] = p.detach()
-            state = self.optimizer.state[p]
+            stepped = self._master.get(name, p)
+            state = self.optimizer.state[stepped]
             for m in MOMENTS:
-                out[f"{name}.{m}"] = state[m]
+                out[tensor_key(m, name)] = state[m]
+            if name in self._master:
+                out[tensor_key("master", name)] = self._master[name].detach()
         return out
 
     def load_named_state(self, tensors: dict[str, torch.Tensor], step: int | None = None) -> int:
-        """Write parameters and/or moments in place (shapes checked); returns bytes written."""
+        """Write parameters and/or optimizer slots in place (shapes checked); returns bytes written."""
         params = self.named_parameters()
         plain = {k: v for k, v in tensors.items() if k in params}
         written = self.load_named(plain)
+        current = self.named_state()
         with torch.no_grad():
             for key, src in tensors.items():
                 if key in params:
                     continue
-                base, _, moment = key.rpartition(".")
-                if moment not in MOMENTS or base not in params:
+                dst = current.get(key)
+                if dst is None:
                     raise StateError(f"{self.name}: no state named {key!r} on this rank")
-                dst = self.optimizer.state[params[base]][moment]
                 if tuple(src.shape) != tuple(dst.shape):
                     raise StateError(f"{self.name}: state {key!r} has shape {tuple(src.shape)}, this rank holds {tuple(dst.shape)}")
                 dst.copy_(src)
@@ -316,5 +368,5 @@ class TrainingEngine(EngineBase):
         """Set the update counter (AdamW's bias correction follows it)."""
         require(step >= 0, "step", step, "must be >= 0")
         self.step = int(step)
-        for p in self.named_parameters().values():
+        for p in self.optimizer.state:
             self.optimizer.state[p]["step"].fill_(float(step))

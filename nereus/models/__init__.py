@@ -17,6 +17,7 @@ from nereus.models.layers import (
     RMSNorm,
     RowParallelLinear,
     ShardedModule,
+    ValueHead,
     VocabParallelEmbedding,
     component_range,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "RMSNorm",
+    "ValueHead",
     "component_range",
     "copy_to_tp",
     "reduce_from_tp",

@@ -62,7 +62,10 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def hf_tensor_names(name: str) -> list[str]:
-    """The Hugging Face tensor(s) a nereus parameter is made of, in row order."""
+    """The Hugging Face tensor(s) a nereus parameter is made of, in row order (a value
+    head is a sequence classifier's ``score`` head)."""
+    if name.startswith("value_head."):
+        return ["score." + name.removeprefix("value_head.")]
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
         return [".".join([*parts[:-2], hf, parts[-1]]) for hf in _FUSED[parts[-2]]]

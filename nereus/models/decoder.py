@@ -45,6 +45,7 @@ more pipeline stages than layers; positions beyond the cache.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,7 @@ from nereus.models.layers import (
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
+    ValueHead,
     VocabParallelEmbedding,
 )
 from nereus.models.parallel import ParallelContext, gather_from_tp
@@ -144,15 +146,20 @@ class RotaryEmbedding(nn.Module):
         key = (dtype, self.inv_freq.device)
         table = self._tables.get(key)
         if table is None or table.shape[0] < length:
-            # Grow geometrically so a decode loop rebuilds it O(log n) times.
-            n = max(length, 64, 2 * (table.shape[0] if table is not None else 0))
-            pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
-            freqs = pos.unsqueeze(-1) * self.inv_freq  # the same float32 products as per-position math
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            sin[:, : sin.shape[1] // 2].neg_()
-            table = torch.stack((emb.cos(), sin), dim=1).to(dtype)
-            self._tables[key] = table
+            with torch.inference_mode(False):  # a cached table serves inference and training alike
+                table = self._build(key, length, table, dtype)
+        return table
+
+    def _build(self, key: tuple, length: int, table: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        # Grow geometrically so a decode loop rebuilds it O(log n) times.
+        n = max(length, 64, 2 * (table.shape[0] if table is not None else 0))
+        pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = pos.unsqueeze(-1) * self.inv_freq  # the same float32 products as per-position math
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
+        table = torch.stack((emb.cos(), sin), dim=1).to(dtype)
+        self._tables[key] = table
         return table
 
     def forward(
@@ -350,7 +357,8 @@ class _Body(nn.Module):
 class DecoderStage(nn.Module):
     """One pipeline stage of the decoder on one TP rank (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(self, config: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device,
+                 value_head: bool = False) -> None:
         super().__init__()
         self.config = config
         self.pc = pc
@@ -370,6 +378,9 @@ class DecoderStage(nn.Module):
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
             tied = self.model.embed_tokens if c.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(c.hidden_size, c.vocab_size, pc, tied=tied, dtype=dtype, device=device)
+        self.value_head: ValueHead | None = None
+        if value_head and pc.is_last_stage:
+            self.value_head = ValueHead(c.hidden_size, dtype, device)
 
     @property
     def heads_local(self) -> int:
@@ -503,11 +514,42 @@ def build_stage(
     parallel_ctx: ParallelContext | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    *,
+    value_head: bool = False,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> DecoderStage:
-    """Build the stage ``parallel_ctx`` holds (the whole model by default).
+    """Build the stage ``parallel_ctx`` holds (the whole model by default); with
+    ``value_head`` the last stage also holds a ``ValueHead`` (a critic, a reward model).
 
     Weights start random (normal, std 0.02; norms 1, biases 0), except on the meta device
-    where nothing is allocated; load real ones with ``load_stage_weights``."""
+    where nothing is allocated; load real ones with ``load_stage_weights``. With
+    ``tensors`` (parameter name -> this rank's shard) the stage is built over them:
+    every parameter *is* the given tensor (adopted, not copied; nothing random is made),
+    and each must be given with its shard's shape and ``dtype`` (``StateError``
+    otherwise, naming the parameter)."""
     pc = parallel_ctx or ParallelContext()
     check_layout(config, pc.tp_size, pc.pp_size)
-    return DecoderStage(config, pc, torch_dtype(dtype), device)
+    if tensors is None:
+        return DecoderStage(config, pc, torch_dtype(dtype), device, value_head)
+    stage = DecoderStage(config, pc, torch_dtype(dtype), "meta", value_head)
+    _adopt(stage, tensors)
+    stage.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
+    return stage
+
+
+def _adopt(stage: DecoderStage, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Make every parameter of a meta-built ``stage`` the tensor ``tensors`` gives it."""
+    from nereus.errors import StateError
+
+    names = {f"{m}.{p}" if m else p for m, mod in stage.named_modules() for p, _ in mod.named_parameters(recurse=False)}
+    missing = sorted(names - set(tensors))
+    if missing:
+        raise StateError(f"building a stage over given tensors: no tensor for {missing[:5]} ({len(missing)} missing)")
+    for module_name, module in stage.named_modules():
+        for local, meta in list(module.named_parameters(recurse=False)):
+            name = f"{module_name}.{local}" if module_name else local
+            t = tensors[name]
+            if tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype:
+                raise StateError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}; this rank's shard is "
+                                 f"{tuple(meta.shape)} {meta.dtype}")
+            module._parameters[local] = nn.Parameter(t, requires_grad=meta.requires_grad)

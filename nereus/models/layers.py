@@ -40,6 +40,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "RMSNorm",
+    "ValueHead",
     "component_range",
 ]
 
@@ -261,3 +262,20 @@ class RMSNorm(ShardedModule):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+
+
+class ValueHead(ShardedModule):
+    """A scalar head on the final-normed hidden state (critic, reward model), replicated
+    on every TP rank: ``value_head.weight`` ``[1, hidden]`` and ``value_head.bias``
+    ``[1]`` (a sequence classifier's ``score`` head), zeros until loaded."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        self.shard_rules = {"weight": ("replicated", ()), "bias": ("replicated", ())}
+        self.global_shapes = {"weight": (1, hidden_size), "bias": (1,)}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[...]`` float32 values."""
+        return F.linear(hidden, self.weight, self.bias).squeeze(-1).float()

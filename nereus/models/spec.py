@@ -38,9 +38,11 @@ def _position(name: str) -> tuple[str, int | None]:
     return "head", None
 
 
-def model_spec(config: ModelConfig, dtype: str = "float32") -> ModelSpec:
-    """Every parameter of the model ``config`` describes, with shard rules and stages."""
-    model = build_stage(config, dtype=dtype, device="meta")
+def model_spec(config: ModelConfig, dtype: str = "float32", value_head: bool = False) -> ModelSpec:
+    """Every parameter of the model ``config`` describes, with shard rules and stages;
+    with ``value_head`` the scalar head of a critic or reward model too (``value_head.*``,
+    replicated, on the last pipeline stage)."""
+    model = build_stage(config, dtype=dtype, device="meta", value_head=value_head)
     params: list[ParamSpec] = []
     for module_name, module in model.named_modules():
         for local, _ in module.named_parameters(recurse=False):
@@ -62,7 +64,7 @@ def model_spec(config: ModelConfig, dtype: str = "float32") -> ModelSpec:
                 )
             )
     return ModelSpec(
-        name=f"{config.architecture}-{config.num_hidden_layers}x{config.hidden_size}",
+        name=f"{config.architecture}-{config.num_hidden_layers}x{config.hidden_size}" + ("-value" if value_head else ""),
         num_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,

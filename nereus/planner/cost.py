@@ -23,8 +23,11 @@ a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
 - Links: TP never leaves a node. PP sends and DP all-reduces take the inter-node path
   when their group spans nodes, with one device's share of the node's NICs.
 
-Memory per device (bytes): parameters of the heaviest pipeline stage, fp32 gradients
-and AdamW state (12 bytes/param, not sharded across DP) for training; transient bytes:
+Memory per device (bytes): parameters of the heaviest pipeline stage and, for training,
+gradients and AdamW state by the rule the state layer and the training engine share
+(``nereus.state.spec``: float32 moments, a float32 master copy for a non-float32
+parameter, gradients in the parameter's dtype plus float32 ones for the master copy;
+not sharded across DP); transient bytes:
 activations (per layer s·b·h·(10 + 24/tp) with flash attention, for the micro-batches
 1F1B keeps in flight), fp32 logits, and for generation the KV cache of every sequence
 of the replica (of one wave) at prompt + maximum length; transient bytes are multiplied
@@ -44,6 +47,7 @@ from typing import NamedTuple
 from nereus.config import require
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.workload import ModelShape, ModelStage, Workload
+from nereus.state.spec import grad_bytes_per_param, optimizer_bytes_per_param
 
 __all__ = [
     "OP_CLASSES",
@@ -60,8 +64,6 @@ __all__ = [
 
 OP_CLASSES = ("gemm", "attention", "decode", "allreduce_intra", "allreduce_inter", "p2p_intra", "p2p_inter")
 HEADROOM = 0.10
-GRAD_BYTES = 4  # fp32 gradient buffers
-OPTIM_BYTES = 12  # fp32 master weights + AdamW m and v
 UPDATE_BYTES = 16  # bytes streamed per parameter by an AdamW step (read+write)
 
 
@@ -204,7 +206,8 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
         act = t_mb * model.hidden_size * 2 * layers * in_flight + per_layer
     else:
         act = per_layer * layers * in_flight
-    return StageMemory(p_dev * b, p_dev * GRAD_BYTES, p_dev * OPTIM_BYTES, int(act * scale), 0, 2 * logits)
+    return StageMemory(p_dev * b, p_dev * grad_bytes_per_param(model.dtype), p_dev * optimizer_bytes_per_param(model.dtype),
+                       int(act * scale), 0, 2 * logits)
 
 
 def _ring(n: int, nbytes: float, bw: float) -> float:
@@ -330,7 +333,7 @@ def stage_cost(
     if training:
         p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
         if dp > 1:
-            nbytes = p_dev * GRAD_BYTES
+            nbytes = p_dev * b  # the engines all-reduce gradients in the parameters' dtype
             add("dp sync", ((dp_cls, opt_steps * (_ring(dp, nbytes, bw_dp) + _hops(dp) * a_dp)),),
                 ("{} updates·ring 2(dp-1)/dp·{:.3g} B grads/{:.3g} B/s", (opt_steps, nbytes, bw_dp)))
         add("optimizer", (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),

@@ -105,7 +105,7 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
         prompts += [ids] * k
         index += [s.index] * k
     params = {
-        "max_tokens": sampling.max_new_tokens,
+        "max_tokens": sampling.cap_at(ctx.step),
         "temperature": 0.0 if greedy else sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,

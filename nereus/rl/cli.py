@@ -1,8 +1,12 @@
 """``nereus run CONFIG.toml``: run an RL job from its TOML config.
 
 Options override the file (``--steps``, ``--out``, ``--seed``, ``--resume``,
-``--in-process``, ``--no-progress``). A config error is printed as one line naming the
-field, the value and the rule, and the command exits with status 2; nothing runs.
+``--in-process``, ``--no-progress``). ``--connect ADDRESS`` (with ``--key-file`` and
+``--cluster-devices``) attaches the job to a running cluster whatever the file's
+``[cluster]`` says: a launcher that started the cluster (``nereus slurm run``, a
+Kubernetes Job) knows its address only then. A config error is printed as one line
+naming the field, the value and the rule, and the command exits with status 2; nothing
+runs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in the output folder")
     p.add_argument("--in-process", action="store_true", help="run every model-stage in this process (no workers)")
     p.add_argument("--no-progress", action="store_true", help="log steps instead of drawing a progress bar")
+    p.add_argument("--connect", metavar="ADDRESS", help="attach to the running cluster at this controller address (cluster.mode = 'connect')")
+    p.add_argument("--key-file", help="override cluster.key_file (the running cluster's key)")
+    p.add_argument("--cluster-devices", type=int, help="override cluster.devices (how many devices to wait for)")
     return p
 
 
@@ -46,12 +53,21 @@ def parse_job(argv: list[str]) -> JobConfig:
         progress=run.progress and not args.no_progress,
     )
     cluster = cfg.cluster
+    if args.connect is not None or args.key_file is not None or args.cluster_devices is not None:
+        if args.in_process:
+            raise ConfigError("--in-process cannot be combined with --connect, --key-file or --cluster-devices")
+        if args.connect is not None:
+            cluster = dataclasses.replace(cluster, mode="connect", address=args.connect)
+        if args.key_file is not None:
+            cluster = dataclasses.replace(cluster, key_file=args.key_file)
+        if args.cluster_devices is not None:
+            cluster = dataclasses.replace(cluster, devices=args.cluster_devices)
     if args.in_process:
         cluster = dataclasses.replace(cluster, mode="in_process")
         # One engine per model-stage in-process: keep each stage's first device only.
         plan = {k: dataclasses.replace(p, devices=p.devices[:1], tp=1, pp=1, dp=1) for k, p in cfg.plan.items()}
         return dataclasses.replace(cfg, run=run, cluster=cluster, plan=plan)
-    return dataclasses.replace(cfg, run=run)
+    return dataclasses.replace(cfg, run=run, cluster=cluster)
 
 
 def main(argv: list[str]) -> int:

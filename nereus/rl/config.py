@@ -37,7 +37,10 @@ __all__ = [
     "Placement",
     "RunConfig",
     "JobConfig",
+    "PLANNER_NAMES",
+    "from_planner_plan",
     "required_stages",
+    "to_planner_plan",
 ]
 
 MODEL_STAGES = (
@@ -151,20 +154,45 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Sampling of policy-generation. ``ignore_eos`` generates exactly ``max_new_tokens``
-    (benchmarks: a fixed amount of work per step)."""
+    """Sampling of policy-generation."""
 
-    max_new_tokens: int = 8
+    max_new_tokens: int | list[list[int]] = 8
+    """The length cap: a number of tokens, or a schedule ``[[step, cap], ...]`` (steps
+    increasing from 0) whose cap holds from its step on, as caps are raised mid-run."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     ignore_eos: bool = False
+    """Generate exactly the cap (benchmarks: a fixed amount of work per step)."""
 
     def __post_init__(self) -> None:
-        require(self.max_new_tokens >= 1, "sampling.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        name = "sampling.max_new_tokens"
+        if isinstance(self.max_new_tokens, int):
+            require(self.max_new_tokens >= 1, name, self.max_new_tokens, "must be >= 1")
+        else:
+            sched = self.max_new_tokens
+            require(len(sched) >= 1 and all(len(e) == 2 for e in sched), name, sched,
+                    "must be a number or a list of [step, cap] pairs")
+            steps = [e[0] for e in sched]
+            require(steps[0] == 0 and all(a < b for a, b in zip(steps, steps[1:], strict=False)), name, sched,
+                    "must start at step 0 with steps strictly increasing")
+            require(all(e[1] >= 1 for e in sched), name, sched, "caps must be >= 1")
         require(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")
         require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
         require(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
+
+    def cap_at(self, step: int) -> int:
+        """The length cap of step ``step``."""
+        if isinstance(self.max_new_tokens, int):
+            return self.max_new_tokens
+        return [cap for start, cap in self.max_new_tokens if start <= step][-1]
+
+    @property
+    def max_cap(self) -> int:
+        """The largest cap the schedule ever sets."""
+        if isinstance(self.max_new_tokens, int):
+            return self.max_new_tokens
+        return max(cap for _, cap in self.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -221,7 +249,9 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class Placement:
     """One model-stage's EMUs: ``dp`` replicas of layout ``tp x pp``; ``devices`` lists
-    the ``dp * tp * pp`` devices, replica after replica."""
+    the ``dp * tp * pp`` devices, replica after replica (each replica pp-major: pipeline
+    stage after stage, TP ranks innermost). ``tp`` and ``pp`` are powers of two, as the
+    planner's plans hold them."""
 
     devices: list[int] = field(default_factory=lambda: [0])
     tp: int = 1
@@ -229,8 +259,13 @@ class Placement:
     dp: int = 1
 
     def __post_init__(self) -> None:
+        from nereus.planner.plan import is_power_of_two
+
         for name in ("tp", "pp", "dp"):
             require(getattr(self, name) >= 1, f"plan.{name}", getattr(self, name), "must be >= 1")
+        for name in ("tp", "pp"):
+            require(is_power_of_two(getattr(self, name)), f"plan.{name}", getattr(self, name),
+                    "must be a power of two (the layouts a plan holds)")
         require(len(self.devices) == self.tp * self.pp * self.dp, "plan.devices", self.devices, f"must list tp*pp*dp={self.tp * self.pp * self.dp} devices")
         require(len(set(self.devices)) == len(self.devices), "plan.devices", self.devices, "must not repeat a device")
 
@@ -238,6 +273,12 @@ class Placement:
         """The devices of each EMU (one list per DP replica)."""
         n = self.tp * self.pp
         return [self.devices[i * n:(i + 1) * n] for i in range(self.dp)]
+
+    def stage_plan(self):
+        """This placement as the planner's ``StagePlan``."""
+        from nereus.planner.plan import StagePlan
+
+        return StagePlan(self.tp, self.pp, self.dp, tuple(tuple(e) for e in self.emu_devices()))
 
 
 @dataclass(frozen=True)
@@ -305,3 +346,31 @@ class JobConfig:
     @property
     def uses_reference(self) -> bool:
         return self.algorithm.kl_coef > 0
+
+    def job_plan(self):
+        """The ``[plan]`` tables as the planner's ``Plan`` (model-stages in
+        ``MODEL_STAGES`` order, under the job's names)."""
+        from nereus.planner.plan import Plan
+
+        return Plan(tuple((name, self.plan[name].stage_plan()) for name in MODEL_STAGES if name in self.plan))
+
+
+# The job's model-stage names and the planner's, mapped in this one place.
+PLANNER_NAMES: dict[str, str] = {name: name.replace("_", "-") for name in MODEL_STAGES}
+
+
+def to_planner_plan(plan):
+    """A plan under the job's model-stage names, renamed for the planner."""
+    from nereus.planner.plan import Plan
+
+    return Plan(tuple((PLANNER_NAMES[n], sp) for n, sp in plan))
+
+
+def from_planner_plan(plan):
+    """A planner's plan, renamed to the job's model-stage names."""
+    from nereus.planner.plan import Plan
+
+    back = {v: k for k, v in PLANNER_NAMES.items()}
+    unknown = [n for n, _ in plan if n not in back]
+    require(not unknown, "plan", unknown, f"must name model-stages among {sorted(back)}")
+    return Plan(tuple((back[n], sp) for n, sp in plan))

@@ -62,8 +62,9 @@ class RLJob:
         self.step = 0
         self.records: list[dict[str, Any]] = []
 
-    async def start(self) -> None:
-        """Prepare the model, start the model-stages, resume if asked."""
+    async def start(self, cluster: Any = None) -> None:
+        """Prepare the model, start the model-stages (on ``cluster`` if given, a started
+        ``nereus.Cluster`` the job does not own; else as ``[cluster]`` says), resume if asked."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
         self.model_config, self.model_dir, self.codec = prepare_model(self.cfg, self.codec, self.out_dir)
@@ -72,7 +73,7 @@ class RLJob:
         else:
             from nereus.rl.cluster import ClusterStages
 
-            self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir)
+            self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
         if self.cfg.run.resume:
             ckpt = latest_checkpoint(self.out_dir)
             if ckpt is not None:
@@ -99,15 +100,27 @@ class RLJob:
         log.info("resumed from %s at step %d (policy version %d)", folder, self.step, self.stages.policy_version)
 
     async def run_step(self) -> dict[str, Any]:
-        """One step of the algorithm over the next samples of the global order."""
+        """One step of the algorithm over the next samples of the global order.
+
+        The record carries, besides the algorithm's figures, what the planner needs:
+        ``model_stage_seconds`` (seconds each model-stage worked), ``max_new_tokens`` (the
+        length cap this step used), ``device_peak_bytes`` (each device's ledger
+        high-water mark during the step) and the layout ``epoch``."""
         assert self.stages is not None and self.codec is not None
         a = self.cfg.algorithm
         t0 = time.perf_counter()
+        self.stages.take_stage_seconds()
         samples = self.dataset.take(a.prompts_per_step)
+        self.stages.sample_position = self.dataset.position
         ctx = StepContext(self.cfg, self.task, self.codec, self.stages, self.step)
         record = await ALGORITHMS[a.name](ctx, samples)
         record["step_seconds"] = time.perf_counter() - t0
         record["dataset_position"] = self.dataset.position
+        record["max_new_tokens"] = self.cfg.sampling.cap_at(self.step)
+        record["model_stage_seconds"] = self.stages.take_stage_seconds()
+        peaks = await self.stages.memory_peaks()
+        record["device_peak_bytes"] = {str(d): n for d, n in sorted(peaks.items())}
+        record["epoch"] = getattr(self.stages, "epoch", 0)
         self.step += 1
         if self.cfg.cluster.mode != "in_process":
             from nereus.actors import emit
@@ -115,13 +128,23 @@ class RLJob:
             emit(
                 "step",
                 step=record["step"],
-                stage_seconds={k.removesuffix("_seconds"): v for k, v in record.items() if k.endswith("_seconds")},
+                stage_seconds={k.removesuffix("_seconds"): v for k, v in record.items()
+                               if k.endswith("_seconds") and isinstance(v, float)},
+                model_stage_seconds=record["model_stage_seconds"],
                 tokens=record["tokens_generated"],
                 reward=record["reward_mean"],
                 response_length_tokens=record["response_len_mean"],
+                max_new_tokens=record["max_new_tokens"],
+                device_peak_bytes=record["device_peak_bytes"],
                 policy_version=record["policy_version"],
             )
         return record
+
+    async def apply_plan(self, target: Any) -> dict[str, Any]:
+        """Change the job's plan at this step boundary (``ModelStages.apply_plan``)."""
+        assert self.stages is not None
+        self.stages.sample_position = self.dataset.position
+        return await self.stages.apply_plan(target)
 
     async def run(self) -> list[dict[str, Any]]:
         """Run the remaining steps; returns the records of this run's steps."""

@@ -2,13 +2,14 @@
 
 ``ModelStages`` is the async interface every algorithm step calls: ``generate``,
 ``reference_logprobs``, ``critic_values``, ``reward_scores``, ``train_policy``, ``train_critic``,
-``sync_policy``, ``save``/``load`` (the job checkpoint), ``close``. Two backends
-implement it:
+``sync_policy``, ``save``/``load`` (the job checkpoint), ``close``; plus the job's plan
+(``plan``, ``apply_plan``), each device's memory (``memory``) and the seconds each
+model-stage worked (``take_stage_seconds``). Two backends implement it:
 
 - ``InProcessStages`` (here): one engine per model-stage inside the driver process
   (TP 1, PP 1, DP 1), each accounted on the ledger of the device its placement names,
   so model-stages that share a device share its memory budget. For tests and for
-  custom pipelines that do not need workers.
+  custom pipelines that do not need workers; its plan cannot change.
 - ``ClusterStages`` (``nereus.rl.cluster``): each model-stage's EMUs as actor meshes
   on an embedded local cluster, placed by the job's plan.
 
@@ -36,6 +37,8 @@ import abc
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nereus.config import require
-from nereus.errors import StateError
+from nereus.errors import ConfigError, StateError
 from nereus.rl.config import JobConfig
 from nereus.rl.vocab import Codec
 
@@ -124,6 +127,46 @@ class ModelStages(abc.ABC):
     """The model-stages of one job (see the module docstring)."""
 
     policy_version: int = 0
+    # the job's position in its global sample order, carried by every transition
+    sample_position: int = 0
+
+    def __init__(self) -> None:
+        self._stage_seconds: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Adds the seconds spent in the block to ``stage``'s account."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._stage_seconds[stage] = self._stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+    def take_stage_seconds(self) -> dict[str, float]:
+        """Seconds each model-stage worked since the last call (and start a new account)."""
+        out, self._stage_seconds = self._stage_seconds, {}
+        return out
+
+    @property
+    @abc.abstractmethod
+    def plan(self) -> Any:
+        """The job's placement now: a ``nereus.planner.Plan`` under the job's names."""
+
+    @abc.abstractmethod
+    async def apply_plan(self, target: Any) -> dict[str, Any]:
+        """Change the placement to ``target`` at a step boundary; returns a report."""
+
+    @abc.abstractmethod
+    async def memory(self) -> dict[int, dict[str, Any]]:
+        """Per device: budget, used and peak bytes and who holds them."""
+
+    async def memory_peaks(self, reset: bool = True) -> dict[int, int]:
+        """Each device's ledger high-water mark since the last reset (then reset it)."""
+        out = {d: int(r["peak_bytes"]) for d, r in (await self.memory()).items()}
+        if reset:
+            for ledger in getattr(self, "ledgers", {}).values():
+                ledger.reset_peak()
+        return out
 
     @abc.abstractmethod
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]: ...
@@ -174,6 +217,7 @@ class InProcessStages(ModelStages):
     """Every model-stage as one engine in this process (see the module docstring)."""
 
     def __init__(self, cfg: JobConfig, model_config: Any, model_dir: str | Path) -> None:
+        super().__init__()
         from nereus.engines.generation import GenerationEngine
         from nereus.engines.inference import InferenceEngine
         from nereus.engines.memory import MemoryLedger
@@ -215,32 +259,50 @@ class InProcessStages(ModelStages):
         assert self.critic is not None and self.critic_inference is not None
         self.critic_inference.load_named(self.critic.named_weights())
 
+    @property
+    def plan(self) -> Any:
+        return self.cfg.job_plan()
+
+    async def apply_plan(self, target: Any) -> dict[str, Any]:
+        raise ConfigError("cluster.mode='in_process' runs every model-stage in the driver at one fixed "
+                          "layout; its plan cannot change (use cluster.mode='local')")
+
+    async def memory(self) -> dict[int, dict[str, Any]]:
+        return {d: ledger.report() for d, ledger in self.ledgers.items()}
+
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
-        out = self.generation.generate(prompts, params)
+        with self.timed("policy_generation"):
+            out = self.generation.generate(prompts, params)
         return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": [self.policy_version] * len(prompts)}
 
     async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         require(self.reference is not None, "plan", sorted(self.cfg.plan), "must place reference_inference to compute KL")
         assert self.reference is not None
-        return self.reference.logprobs(batch, temperature=self.cfg.sampling.temperature)
+        with self.timed("reference_inference"):
+            return self.reference.logprobs(batch, temperature=self.cfg.sampling.temperature)
 
     async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         require(self.critic_inference is not None, "plan", sorted(self.cfg.plan), "must place critic_inference for values")
         assert self.critic_inference is not None
-        return self.critic_inference.values(batch)
+        with self.timed("critic_inference"):
+            return self.critic_inference.values(batch)
 
     async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         require(self.reward is not None, "plan", sorted(self.cfg.plan), "must place reward_inference for reward.kind='model'")
         assert self.reward is not None
-        return last_token_scores(self.reward.values(batch), batch["attention_mask"])
+        with self.timed("reward_inference"):
+            return last_token_scores(self.reward.values(batch), batch["attention_mask"])
 
     async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
-        return self.policy.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size, temperature=self.cfg.sampling.temperature)
+        with self.timed("policy_training"):
+            return self.policy.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size,
+                                          temperature=self.cfg.sampling.temperature)
 
     async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
         assert self.critic is not None
-        metrics = self.critic.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size)
-        self._sync_critic()
+        with self.timed("critic_training"):
+            metrics = self.critic.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size)
+            self._sync_critic()
         return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in metrics.items()}
 
     async def sync_policy(self) -> dict[str, Any]:

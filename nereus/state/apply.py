@@ -128,24 +128,37 @@ def _allocate(new: list[tuple[str, list[int], torch.dtype]], alloc: Callable[[in
             for (key, shape, dtype), (offset, nbytes) in zip(new, spans, strict=True)}
 
 
+def _check_tensor(t: torch.Tensor, shape: list[int], dtype: str, what: str) -> None:
+    if list(t.shape) != list(shape) or t.dtype != TORCH_DTYPES[dtype]:
+        raise StateError(f"{what} has shape {tuple(t.shape)} {t.dtype}, the target needs {tuple(shape)} {dtype}")
+
+
 def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None, *,
              alloc: Callable[[int], torch.Tensor] | None = None,
-             local_in_exchange: bool = False) -> dict[str, torch.Tensor]:
+             local_in_exchange: bool = False,
+             into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Build this device's target tensors from ``sources`` (emu name -> key -> tensor).
 
-    Effects: allocates the target shards not kept (in one ``alloc`` buffer if given);
-    copies; one ``exchange`` call when the part sends or receives anything. Sources
-    are read, never changed or freed."""
+    Effects: allocates the target shards not kept (in one ``alloc`` buffer if given) --
+    or, with ``into`` (the target's existing tensors, key -> tensor), writes into those
+    in place and allocates nothing; copies; one ``exchange`` call when the part sends or
+    receives anything. Sources are read, never changed or freed."""
     device = part["device"]
     out: dict[str, torch.Tensor] = {}
+    if into is not None:
+        if part["keeps"]:
+            raise StateError(f"a part writing into {part['target']!r} in place cannot keep source shards")
+        for key, (shape, dtype) in part["tensors"].items():
+            if key not in into:
+                raise StateError(f"device {device}: {part['target']!r} has no tensor {key!r} to write into")
+            _check_tensor(into[key], shape, dtype, f"{key!r} of {part['target']!r} on device {device}")
+            out[key] = into[key]
     for src_emu, key in part["keeps"]:
         out[key] = _source(sources, src_emu, key, device)
     new = []
     for key, (shape, dtype) in part["tensors"].items():
         if key in out:
-            if list(out[key].shape) != list(shape) or out[key].dtype != TORCH_DTYPES[dtype]:
-                raise StateError(f"kept {key!r} on device {device} has shape {tuple(out[key].shape)} "
-                                 f"{out[key].dtype}, the target needs {tuple(shape)} {dtype}")
+            _check_tensor(out[key], shape, dtype, f"kept {key!r} on device {device}")
             continue
         new.append((key, shape, TORCH_DTYPES[dtype]))
     out.update(_allocate(new, alloc))
@@ -171,7 +184,7 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
         written[key] += 1
     for peer, key, dst_box in part["recvs"]:
         view = _view(out[key], dst_box, f"receive {key} into {part['target']}")
-        whole = written[key] == 1 and list(view.shape) == list(out[key].shape)
+        whole = into is None and written[key] == 1 and list(view.shape) == list(out[key].shape)
         recvs[peer].append(out[key] if whole else view)
     if sends or recvs:
         if exchange is None:

@@ -27,7 +27,7 @@ from typing import Any
 from nereus.config import from_dict, require, to_dict
 from nereus.errors import ConfigError
 from nereus.state.layout import Layout, Shard, check_layout, holds_param, param_shard
-from nereus.state.spec import DTYPE_BYTES, ModelSpec, ParamSpec
+from nereus.state.spec import DTYPE_BYTES, MOMENT_SLOTS, SLOT_DTYPE, ModelSpec, ParamSpec
 
 __all__ = [
     "SLOTS",
@@ -41,10 +41,10 @@ __all__ = [
     "emu_from_plain",
 ]
 
-OPTIMIZER_SLOTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "master")
+# Every optimizer slot the state layer knows; which ones a training EMU holds follows
+# from its parameters' dtype (``nereus.state.spec.training_slots``).
+OPTIMIZER_SLOTS: tuple[str, ...] = (*MOMENT_SLOTS, "master")
 SLOTS: tuple[str, ...] = ("param", *OPTIMIZER_SLOTS)
-# Adam moments and master weights are kept in fp32 whatever the parameter dtype.
-_SLOT_DTYPE = {"exp_avg": "float32", "exp_avg_sq": "float32", "master": "float32"}
 
 
 def tensor_key(slot: str, name: str) -> str:
@@ -148,7 +148,7 @@ class EMU:
         return self.devices[self.layout.index(pp_rank, tp_rank)]
 
     def slot_dtype(self, slot: str, param: ParamSpec) -> str:
-        return param.dtype if slot == "param" else _SLOT_DTYPE[slot]
+        return param.dtype if slot == "param" else SLOT_DTYPE[slot]
 
     @cached_property
     def _shards(self) -> dict[int, dict[str, tuple[Shard, str]]]:

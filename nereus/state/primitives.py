@@ -4,15 +4,19 @@ Each returns a ``Step``: the EMUs it reads, creates and frees, one ``ReshardPlan
 created EMU (what moves where, by box intersection), and its ``MemoryEffect`` per
 device. Nothing runs here; the runtime executes steps, the simulator replays them.
 
-- ``split(emu, sub)``: cut one EMU into ``emu.size / sub.size`` EMUs of the smaller
-  layout ``sub`` on the same devices. Moves only what the smaller shards lack; keeps a
-  shard in place when it does not change. Frees ``emu`` when done.
+- ``split(emu, sub)``: cut one EMU into EMUs of the smaller layout ``sub`` on its
+  devices (by default ``emu.size / sub.size`` of them; ``placements`` may name fewer:
+  each is a whole replica, so one is enough to keep everything). Moves only what the
+  smaller shards lack; keeps a shard in place when it does not change. Frees ``emu``
+  when done.
 - ``merge(emus, layout, devices)``: fuse replicas into one larger layout on devices
-  they hold; shards already on a target device are copied locally or kept, never sent.
-  Frees the merged EMUs when done.
-- ``extend(emu, devices)``: a new replica of the same layout on new devices, disjoint
-  from the source's: rank-aligned pairs (each source position sends its shards to the
-  same position), each shard sent once. Frees nothing.
+  that include at least one of theirs; shards already on a target device are copied
+  locally or kept, never sent; target devices that hold none receive what they need
+  from the replicas. Frees the merged EMUs when done.
+- ``extend(emu, devices, layout=...)``: a new replica on new devices, disjoint from the
+  sources': in the source's layout, rank-aligned pairs (each source position sends its
+  shards to the same position), each shard sent once; in another layout, each target
+  box from the least loaded source that holds it. Frees nothing.
 - ``destroy(emu, others)``: frees ``emu``; only ever a redundant copy: refused unless
   ``others`` hold every element of every tensor ``emu`` holds.
 
@@ -109,15 +113,17 @@ def split(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Step:
     """Split ``emu`` into replicas of ``sub`` on its devices (``placements``: the device
-    tuple of each, a partition of ``emu.devices``; default ``sub_placements``)."""
+    tuple of each, disjoint tuples of ``emu.devices``; default ``sub_placements``: all
+    of them)."""
     check_layout(emu.spec, sub)
     if emu.layout.tp % sub.tp or emu.layout.pp % sub.pp or sub == emu.layout:
         raise StateError(f"split of {emu.name}: {sub} must be smaller than {emu.layout} with tp and pp dividing")
     places = [tuple(p) for p in placements] if placements is not None else sub_placements(emu.layout, emu.devices, sub)
-    flat = sorted(d for p in places for d in p)
-    if flat != sorted(emu.devices) or any(len(p) != sub.size for p in places):
-        raise StateError(f"split of {emu.name}: placements {places} must partition its devices {list(emu.devices)} "
-                         f"into tuples of {sub.size}")
+    flat = [d for p in places for d in p]
+    if (not places or len(set(flat)) != len(flat) or not set(flat) <= set(emu.devices)
+            or any(len(p) != sub.size for p in places)):
+        raise StateError(f"split of {emu.name}: placements {places} must be disjoint tuples of {sub.size} of "
+                         f"its devices {list(emu.devices)}")
     created = [emu.with_(name=f"{emu.name}.{i}", layout=sub, devices=p) for i, p in enumerate(places)]
     plans = [plan_reshard([emu], t, devices, reuse=True) for t in created]
     return _finish("split", [emu], [p.target for p in plans], [emu], plans, devices, used, bucket_bytes)
@@ -133,13 +139,14 @@ def merge(
     used: Mapping[int, int] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Step:
-    """Fuse ``emus`` into one EMU of ``layout`` on ``target_devices`` (devices they hold)."""
+    """Fuse ``emus`` into one EMU of ``layout`` on ``target_devices`` (at least one of
+    which holds one of them)."""
     if not emus:
         raise StateError("merge needs at least one EMU")
     held = {d for e in emus for d in e.devices}
-    if not set(target_devices) <= held:
-        raise StateError(f"merge into {list(target_devices)}: devices {sorted(set(target_devices) - held)} "
-                         f"hold none of {[e.name for e in emus]} (use extend)")
+    if held.isdisjoint(target_devices):
+        raise StateError(f"merge into {list(target_devices)}: no device holds any of {[e.name for e in emus]} "
+                         "(use extend)")
     target = emus[0].with_(name=name or f"{emus[0].name}+", layout=layout, devices=tuple(target_devices))
     plan = plan_reshard(emus, target, devices, reuse=True)
     return _finish("merge", list(emus), [plan.target], list(emus), [plan], devices, used, bucket_bytes)
@@ -151,19 +158,22 @@ def extend(
     devices: DeviceSet | None = None,
     *,
     name: str | None = None,
+    layout: Layout | None = None,
     replicas: Sequence[EMU] = (),
     used: Mapping[int, int] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Step:
-    """A new replica of ``emu`` on ``new_devices`` (disjoint from every source);
-    ``replicas`` are further sources of the same model-stage to balance load across."""
+    """A new replica of ``emu`` on ``new_devices`` (disjoint from every source), in
+    ``layout`` (default ``emu``'s); ``replicas`` are further sources of the same
+    model-stage to balance load across."""
     sources = [emu, *replicas]
     for src in sources:
         common = sorted(set(new_devices) & set(src.devices))
         if common:
             raise StateError(f"extend of {emu.name} onto {list(new_devices)}: devices {common} "
                              f"already hold {src.name}; Extend needs disjoint devices")
-    target = emu.with_(name=name or f"{emu.name}^", devices=tuple(new_devices))
+    changes = {"layout": layout} if layout is not None else {}
+    target = emu.with_(name=name or f"{emu.name}^", devices=tuple(new_devices), **changes)
     plan = plan_reshard(sources, target, devices)
     return _finish("extend", sources, [plan.target], [], [plan], devices, used, bucket_bytes)
 

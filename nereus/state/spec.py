@@ -23,6 +23,12 @@ Pipeline position: ``stage`` is ``"embed"`` (before layer 0), ``"layer"`` with a
 parameter whose ``tied_head`` is true: with ``pp > 1`` it is held by the first and the
 last pipeline stage.
 
+Optimizer bytes (one rule for the state layer, the training engine and the planner):
+a trained parameter carries the AdamW moments ``exp_avg`` and ``exp_avg_sq`` in float32
+and, when the parameter itself is not float32, a float32 ``master`` copy that the
+optimizer steps (``optimizer_slots``); its gradient lives in the parameter's dtype, plus
+a float32 one for the master copy (``grad_bytes_per_param``).
+
 Refuses (``ConfigError``): shapes that are empty or negative, a rule that does not
 match the rank of the tensor, components whose sizes do not add up to the split dim.
 """
@@ -36,7 +42,20 @@ from typing import Literal
 
 from nereus.config import require
 
-__all__ = ["ShardRule", "Stage", "Component", "ParamSpec", "ModelSpec", "DTYPE_BYTES"]
+__all__ = [
+    "ShardRule",
+    "Stage",
+    "Component",
+    "ParamSpec",
+    "ModelSpec",
+    "DTYPE_BYTES",
+    "MOMENT_SLOTS",
+    "SLOT_DTYPE",
+    "optimizer_slots",
+    "training_slots",
+    "optimizer_bytes_per_param",
+    "grad_bytes_per_param",
+]
 
 ShardRule = Literal["column", "row", "vocab", "replicated"]
 Stage = Literal["embed", "layer", "head"]
@@ -52,6 +71,37 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
     "bool": 1,
 }
+
+MOMENT_SLOTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+# Optimizer slots are float32 whatever the parameter dtype.
+SLOT_DTYPE: dict[str, str] = {"exp_avg": "float32", "exp_avg_sq": "float32", "master": "float32"}
+
+
+def _check_dtype(dtype: str) -> str:
+    require(dtype in DTYPE_BYTES, "dtype", dtype, f"must be one of {sorted(DTYPE_BYTES)}")
+    return dtype
+
+
+def optimizer_slots(dtype: str) -> tuple[str, ...]:
+    """The optimizer slots of a parameter trained in ``dtype``: the two AdamW moments,
+    plus a float32 ``master`` copy when ``dtype`` is not float32."""
+    return MOMENT_SLOTS if _check_dtype(dtype) == "float32" else (*MOMENT_SLOTS, "master")
+
+
+def training_slots(dtype: str) -> tuple[str, ...]:
+    """Every slot a training EMU holds per parameter: ``param`` then the optimizer's."""
+    return ("param", *optimizer_slots(dtype))
+
+
+def optimizer_bytes_per_param(dtype: str) -> int:
+    """Bytes of optimizer state per trained parameter of ``dtype`` (its slots)."""
+    return sum(DTYPE_BYTES[SLOT_DTYPE[s]] for s in optimizer_slots(dtype))
+
+
+def grad_bytes_per_param(dtype: str) -> int:
+    """Gradient bytes per trained parameter: one in the parameter's dtype, and one in
+    float32 for the master copy when there is one."""
+    return DTYPE_BYTES[_check_dtype(dtype)] + (4 if "master" in optimizer_slots(dtype) else 0)
 
 
 @dataclass(frozen=True)

@@ -211,3 +211,22 @@ class Sequential(Actor):
     @endpoint
     async def order(self) -> list:
         return list(self.log)
+
+
+# weak references to every Cyclic instance made in this process
+CYCLIC: list = []
+
+
+class Cyclic(Actor):
+    """An actor that keeps itself alive through a reference cycle: only the cyclic
+    garbage collector can free it once it is stopped."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self.me = self
+        CYCLIC.append(weakref.ref(self))
+
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"

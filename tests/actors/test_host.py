@@ -153,3 +153,20 @@ async def test_finished_calls_do_not_pile_up_in_the_deadline_heap(local):
     fut = local.call("slow", 1, 1.0, timeout_s=0.05)  # a live deadline still fires
     with pytest.raises(DeadlineExceeded):
         await fut
+
+
+async def test_a_stopped_actor_is_collected_even_after_a_later_spawn_froze_it(local):
+    import gc
+
+    from tests.actors import _actors
+
+    local.host._spawn({"name": "cyclic", "cls": "tests.actors._actors:Cyclic"})
+    ref = _actors.CYCLIC[-1]
+    # another spawn freezes everything alive, the cyclic actor included
+    local.host._spawn({"name": "later", "cls": "tests.actors._actors:Cyclic"})
+    assert gc.get_freeze_count() > 0 and ref() is not None
+    local.host._stop({"name": "cyclic"})
+    await asyncio.sleep(0)  # one loop turn: the collection is scheduled right after the reply
+    assert ref() is None, "the stopped actor's cycle was never collected"
+    assert _actors.CYCLIC[-1]() is not None  # the live one stays
+    local.host._stop({"name": "later"})

@@ -6,7 +6,7 @@ import pytest
 
 from nereus.actors._keys import KEY_ENV, MIN_KEY_BYTES, generate_key, load_key
 from nereus.errors import ConfigError
-from nereus.node import NodeDaemon, _add_tunable, _gpu_ids, death_reason
+from nereus.node import NodeDaemon, _add_tunable, _gpu_ids, _Worker, death_reason
 
 KEY = b"k" * 32
 
@@ -40,10 +40,32 @@ def test_glibc_tunables_keep_what_the_user_set():
 
 
 def test_gpu_lists():
-    assert _gpu_ids("0,2, 3") == [0, 2, 3]
+    assert _gpu_ids("0,2, 3", {}) == [(0, "0"), (2, "2"), (3, "3")]
     for bad in ("", "0,0", "-1", "a,b"):
         with pytest.raises(ConfigError, match="gpus="):
-            _gpu_ids(bad)
+            _gpu_ids(bad, {})
+
+
+def test_gpus_map_within_a_narrowed_visible_set():
+    # Inside a Slurm step that was given GPUs 2 and 3 (or a container given two GPUs),
+    # the daemon's GPU 1 is the host's GPU 3: a worker must see "3", never the raw "1".
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert _gpu_ids("all", env) == [(0, "2"), (1, "3")]
+    assert _gpu_ids("1", env) == [(1, "3")]
+    with pytest.raises(ConfigError, match="names GPU 2.*CUDA_VISIBLE_DEVICES='2,3'.*0..1"):
+        _gpu_ids("0,2", env)
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-aa, MIG-bb"}
+    assert _gpu_ids("all", uuids) == [(0, "GPU-aa"), (1, "MIG-bb")]
+    with pytest.raises(ConfigError, match="gpus='all' but CUDA_VISIBLE_DEVICES=''"):
+        _gpu_ids("all", {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_gpu_workers_get_their_share_of_the_visible_set(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    node = NodeDaemon("tcp://x:1", KEY, gpus="all", memory_per_device="1GiB")
+    assert node.kind == "cuda" and node.count == 2
+    envs = [node._env(w) for w in (_Worker(10, 0), _Worker(11, 1))]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4", "6"]
 
 
 def test_death_reasons():

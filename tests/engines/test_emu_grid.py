@@ -107,7 +107,7 @@ def _check_state(config, ref_state, results, tp, pp, dp, prefix="state."):
             if not key.startswith(prefix):
                 continue
             name = key[len(prefix):]
-            base = name.rsplit(".", 1)[0] if name.endswith(("exp_avg", "exp_avg_sq")) else name
+            base = name.split(":", 1)[0]  # "<param>:<slot>" for an optimizer slot
             expect = shard_tensor(spec[base], ref_state[name], tp_rank, tp)
             # Moments hold the gradient itself: tight. A parameter moved by Adam's first
             # step is lr * g / (|g| + eps), which turns float noise in a near-zero gradient

@@ -113,7 +113,7 @@ def test_loss_by_import_path_and_state_roundtrip(model):
         last = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
     assert last["value_mse"] < first["value_mse"]
     state = critic.named_state()
-    assert {"value_head.weight", "value_head.weight.exp_avg", "value_head.weight.exp_avg_sq"} <= set(state)
+    assert {"value_head.weight", "value_head.weight:exp_avg", "value_head.weight:exp_avg_sq"} <= set(state)
     # the state moves into a fresh engine in place, and both continue identically
     twin = TrainingEngine(config, critic=True, optim={"lr": 1e-2}, ledger=MemoryLedger("c2", None), seed=9)
     twin.load_named_state({k: v.clone() for k, v in state.items()}, step=critic.step)
@@ -123,7 +123,7 @@ def test_loss_by_import_path_and_state_roundtrip(model):
     with pytest.raises(StateError, match="shape"):
         twin.load_named_state({"value_head.weight": torch.zeros(3)})
     with pytest.raises(StateError, match="no state"):
-        twin.load_named_state({"value_head.weight.momentum": torch.zeros(1, 64)})
+        twin.load_named_state({"value_head.weight:momentum": torch.zeros(1, 64)})
     with pytest.raises(ConfigError, match="loss"):
         critic.train_step(batch, loss="nereus.engines.losses:no_such_loss")
     with pytest.raises(ConfigError, match="loss"):
@@ -182,12 +182,12 @@ def test_training_memory_is_accounted_and_refused_past_the_budget(model):
     assert small.used_bytes == 4 * weights  # the failed step gave its reservation back
 
 
-def test_critic_spec_names_every_critic_parameter(model):
-    from nereus.engines import critic_spec
+def test_the_value_head_is_part_of_the_critics_model_spec(model):
+    from nereus.models import model_spec
 
     config, path = model
     critic = TrainingEngine(config, model_dir=path, critic=True, ledger=MemoryLedger("cs", None))
-    spec = critic_spec(config)
+    spec = model_spec(config, value_head=True)
     params = critic.named_weights()
     assert {p.name for p in spec} == set(params)
     for p in spec:
@@ -195,7 +195,10 @@ def test_critic_spec_names_every_critic_parameter(model):
     assert spec["value_head.weight"].rule == "replicated" and spec["value_head.weight"].stage == "head"
 
 
-def test_bfloat16_training_keeps_moments_in_the_parameter_dtype(model):
+def test_bfloat16_training_steps_float32_master_copies_with_the_state_layers_slots(model):
+    from nereus.models import model_spec
+    from nereus.state import EMU, Layout, training_slots
+
     config, path = model
     eng = TrainingEngine(config, model_dir=path, dtype="bfloat16", optim={"lr": 1e-2}, ledger=MemoryLedger("bf", None))
     batch = _batch()
@@ -204,5 +207,15 @@ def test_bfloat16_training_keeps_moments_in_the_parameter_dtype(model):
         last = eng.train_step(batch)
     assert last["loss"] < first["loss"]
     state = eng.named_state()
-    assert state["model.norm.weight.exp_avg"].dtype == torch.bfloat16
-    assert eng.memory()["training/optimizer"] == 2 * eng.memory()["training/weights"]
+    # the keys and dtypes of the state layer's training EMU, exactly
+    emu = EMU("bf", "policy_training", model_spec(config, "bfloat16"), Layout(), (0,), training_slots("bfloat16"))
+    want = emu.shards_on(0)
+    assert set(state) == set(want)
+    for key, (shard, dtype) in want.items():
+        assert tuple(state[key].shape) == shard.shape and str(state[key].dtype) == f"torch.{dtype}", key
+    # the parameter is the master copy rounded to bfloat16
+    name = "model.norm.weight"
+    assert torch.equal(state[name], state[f"{name}:master"].to(torch.bfloat16))
+    weights = eng.memory()["training/weights"]
+    # fp32 m, v and master per bf16 parameter: 12 bytes against 2
+    assert eng.memory()["training/optimizer"] == 6 * weights

@@ -146,7 +146,9 @@ def test_memory_kinds_of_training():
     w = _ppo("llama-8b")
     m = w.models["policy"]
     mem = stage_memory(w.stages[4], m, w, 4, 2, 1)
-    assert mem.grads == 2 * mem.params and mem.optimizer == 6 * mem.params  # fp32 grads, 12 B AdamW per bf16 param
+    # the state layer's rule: a bf16 grad plus an fp32 one for the master copy (6 B), and
+    # fp32 m, v and master (12 B) per bf16 parameter
+    assert mem.grads == 3 * mem.params and mem.optimizer == 6 * mem.params
     assert mem.resident == mem.params + mem.grads + mem.optimizer
     assert mem.kv_cache == 0 and mem.activations > 0
 

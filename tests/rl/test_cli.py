@@ -43,3 +43,19 @@ def test_smollm2_example_config_is_valid():
     cfg = parse_job([str(DEMO.with_name("grpo_smollm2.toml"))])
     assert cfg.model.kind == "smollm2" and cfg.task.options["style"] == "natural"
     assert set(cfg.plan) == {"policy_generation", "reference_inference", "policy_training"}
+
+
+def test_connect_overrides_the_files_cluster(tmp_path):
+    cfg = parse_job([str(DEMO), "--connect", "tcp://10.0.0.1:5555", "--key-file", "k", "--cluster-devices", "8"])
+    assert (cfg.cluster.mode, cfg.cluster.address, cfg.cluster.key_file, cfg.cluster.devices) == ("connect", "tcp://10.0.0.1:5555", "k", 8)
+    assert cfg.cluster.memory_per_device == "256MiB"  # the rest of [cluster] is kept
+    assert parse_job([str(DEMO)]).cluster.mode == "local"
+
+
+def test_connect_overrides_are_checked(tmp_path, capsys):
+    assert nereus_main(["run", str(DEMO), "--connect", "head-0:5555"]) == 2
+    assert "cluster.address='head-0:5555' must be the controller's address" in capsys.readouterr().err
+    assert nereus_main(["run", str(DEMO), "--connect", "tcp://h:1", "--cluster-devices", "0"]) == 2
+    assert "cluster.devices=0 must be >= 1" in capsys.readouterr().err
+    assert nereus_main(["run", str(DEMO), "--connect", "tcp://h:1", "--in-process"]) == 2
+    assert "--in-process cannot be combined with --connect" in capsys.readouterr().err

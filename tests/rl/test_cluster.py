@@ -39,20 +39,25 @@ async def test_demo_config_learns_on_a_local_cluster(tmp_path):
     job = RLJob(cfg)
     await job.start()
     try:
-        memory = await job.stages.memory()
-        # Co-resident model-stages are accounted on one device ledger.
-        assert {"policy_generation/weights", "policy_training/weights", "policy_training/optimizer"} <= set(memory[0])
-        assert set(memory[3]) >= {"policy_generation/weights"} and "policy_training/weights" not in memory[3]
+        memory = {d: m["breakdown"] for d, m in (await job.stages.memory()).items()}
+        # Co-resident model-stages are accounted on one device ledger: the shard store
+        # holds every EMU's tensors, the training engine adds its gradients.
+        gen0, train0, gen3 = "policy_generation.1.0", "policy_training.1.0", "policy_generation.1.3"
+        assert {f"shards/{gen0}", f"shards/{train0}", f"{train0}/grads"} <= set(memory[0])
+        assert f"shards/{gen3}" in memory[3] and not any("policy_training" in k for k in memory[3])
         records = await job._loop()
-        after = await job.stages.memory()
+        after = {d: m["breakdown"] for d, m in (await job.stages.memory()).items()}
     finally:
         await job.close()
     # Generation EMUs co-resident with training gave their KV cache back; the others keep it.
-    assert "policy_generation/kv_cache" not in after[0] and "policy_generation/kv_cache" in after[3]
+    assert f"{gen0}/kv_cache" not in after[0] and f"{gen3}/kv_cache" in after[3]
     early, late = window_mean(records, "reward_mean", 0, 10), window_mean(records, "reward_mean", 100, 120)
     assert late > early + 0.2, (early, late)
     assert [r["policy_version"] for r in records] == list(range(120))
     assert all(r["sync_bytes"] > 0 for r in records)
+    # what the planner needs, measured every step
+    assert all(set(r["model_stage_seconds"]) == {"policy_generation", "policy_training"} for r in records)
+    assert all(r["max_new_tokens"] == 6 and set(r["device_peak_bytes"]) == {"0", "1", "2", "3"} for r in records)
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 120
     assert (tmp_path / "plot.png").is_file()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_120", "step_40", "step_80"]
@@ -77,14 +82,14 @@ async def test_weight_sync_reshards_pp_training_into_tp_generation(tmp_path):
         records = [await rl.run_step() for _ in range(2)]
         assert [r["policy_version"] for r in records] == [0, 1] and rl.stages.policy_version == 2
         full = {}
-        for st in await rl.stages.emus["policy_training"][0].state.call():  # one pp stage each
-            full.update({k: v for k, v in st["tensors"].items() if not k.endswith((".exp_avg", ".exp_avg_sq"))})
+        for st in await rl.stages.handles["policy_training"].emus[0].shards():  # one pp stage each
+            full.update({k: v for k, v in st.items() if ":" not in k})
         spec = model_spec(rl.model_config)
         assert set(full) == {p.name for p in spec}
-        for mesh in rl.stages.emus["policy_generation"]:
-            for tp_rank, st in enumerate(await mesh.state.call()):
+        for emu in rl.stages.handles["policy_generation"].emus:
+            for tp_rank, st in enumerate(await emu.shards()):
                 for p in spec:
-                    assert torch.equal(st["tensors"][p.name], shard_tensor(p, full[p.name], tp_rank, 2)), p.name
+                    assert torch.equal(st[p.name], shard_tensor(p, full[p.name], tp_rank, 2)), p.name
     finally:
         await rl.close()
 
@@ -97,7 +102,7 @@ async def test_ppo_with_tp_critic_resumes_exactly_on_a_cluster(tmp_path):
         "policy_generation": {"devices": [0, 1], "dp": 2},
         "policy_training": {"devices": [0]},
         "reference_inference": {"devices": [1]},
-        "critic_inference": {"devices": [2, 3], "tp": 2},
+        "critic_inference": {"devices": [3]},  # synced from a TP 2 critic through the state layer
         "critic_training": {"devices": [2, 3], "tp": 2},
     }
     cfg = job(str(tmp_path), 4, algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01, "kl_mode": "penalty"},

@@ -23,7 +23,9 @@ def test_defaults_are_a_valid_grpo_job():
         ({"algorithm": {"samples_per_prompt": 1}}, "algorithm.samples_per_prompt=1 must be >= 2 for grpo"),
         ({"algorithm": {"name": "a2c"}}, "algorithm.name='a2c' must be one of"),
         ({"sampling": {"temperature": 0}}, "sampling.temperature=0.0 must be > 0"),
-        ({"sampling": {"max_new_tokens": "8"}}, "sampling.max_new_tokens='8' must be an integer"),
+        ({"sampling": {"max_new_tokens": "8"}}, "sampling.max_new_tokens='8' must be int | list[list[int]]"),
+        ({"sampling": {"max_new_tokens": [[4, 16]]}}, "must start at step 0 with steps strictly increasing"),
+        ({"sampling": {"max_new_tokens": [[0, 16], [5]]}}, "must be a number or a list of [step, cap] pairs"),
         ({"optim": {"lr": -1}}, "optim.lr=-1.0 must be > 0"),
         ({"cluster": {"memory_per_device": "lots"}}, "cluster.memory_per_device='lots'"),
         ({"run": {"stepz": 3}}, "unknown key"),
@@ -32,7 +34,9 @@ def test_defaults_are_a_valid_grpo_job():
         ({"plan": {"policy_generation": {"devices": [9]}, "policy_training": {"devices": [0]}}}, "plan.policy_generation.devices=[9] must be in [0, cluster.devices=4)"),
         ({"plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}, "critic_training": {"devices": [1]}}}, "does not use"),
         ({"plan": {"policy_generation": {"devices": [0]}}}, "must place model-stage 'policy_training'"),
-        ({"plan": {"policy_generation": {"devices": [0, 1, 2], "tp": 3}, "policy_training": {"devices": [0]}}}, "plan.policy_generation.tp=3 must divide model.num_heads=4"),
+        ({"plan": {"policy_generation": {"devices": [0, 1, 2], "tp": 3}, "policy_training": {"devices": [0]}}}, "plan.tp=3 must be a power of two"),
+        ({"plan": {"policy_generation": {"devices": list(range(8)), "tp": 8}, "policy_training": {"devices": [0]}},
+          "cluster": {"devices": 8}}, "plan.policy_generation.tp=8 must divide model.num_heads=4"),
         ({"algorithm": {"prompts_per_step": 6}}, "plan.policy_generation.dp=4 must divide algorithm.prompts_per_step=6"),
     ],
 )
@@ -56,3 +60,17 @@ def test_ppo_needs_the_critic_stages_and_reference_only_with_kl(tmp_path):
     cfg = load_toml(JobConfig, toml)
     assert cfg.plan["policy_generation"] == Placement(devices=[0, 1], dp=2)
     assert cfg.algorithm.rollouts_per_step == 16
+
+
+def test_a_length_cap_schedule_and_the_plan_as_the_planners():
+    cfg = from_dict(JobConfig, {"sampling": {"max_new_tokens": [[0, 16], [40, 48]]}})
+    assert [cfg.sampling.cap_at(s) for s in (0, 39, 40, 500)] == [16, 16, 48, 48]
+    assert cfg.sampling.max_cap == 48
+    from nereus.planner import Plan
+    from nereus.rl.config import from_planner_plan, to_planner_plan
+
+    plan = cfg.job_plan()
+    assert isinstance(plan, Plan) and plan.names == ["policy_generation", "reference_inference", "policy_training"]
+    assert plan["policy_generation"].devices == ((0,), (1,), (2,), (3,))
+    assert to_planner_plan(plan).names == ["policy-generation", "reference-inference", "policy-training"]
+    assert from_planner_plan(to_planner_plan(plan)) == plan

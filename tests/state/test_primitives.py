@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereus.errors import InfeasiblePlan, OutOfMemory, StateError
+from nereus.errors import OutOfMemory, StateError
 from nereus.state import (
     EMU,
     OPTIMIZER_SLOTS,
@@ -16,6 +16,7 @@ from nereus.state import (
     Layout,
     LogicalState,
     apply_step,
+    bytes_minimum,
     destroy,
     extend,
     merge,
@@ -23,6 +24,7 @@ from nereus.state import (
     split,
     sub_layout,
 )
+from nereus.state.transition import smaller_subs
 from tests.state.helpers import global_tensors, shard_store, spec_for
 
 SLOTS = ("param", *OPTIMIZER_SLOTS)
@@ -142,10 +144,17 @@ def test_a_target_that_cannot_fit_a_device_is_refused():
         split(b, Layout(1, 1), tight, used={0: b.bytes_on(0) * 2}, bucket_bytes=0)
 
 
-def test_transition_without_a_disjoint_source_needs_the_checkpoint_fallback():
+def test_without_a_disjoint_source_the_transition_retries_with_a_smaller_t_sub():
     a = _emu("a", Layout(2, 1), (0, 1))
-    with pytest.raises(InfeasiblePlan, match="checkpoint fallback"):
-        plan_stage_transition([a], [_emu("t", Layout(2, 1), (1, 2))])
+    t = _emu("t", Layout(2, 1), (1, 2))
+    plan = plan_stage_transition([a], [t])
+    assert plan.sub == Layout(1, 1)
+    # one replica on device 1 (what it lacks comes from device 0), then a Merge onto (1, 2):
+    # every byte moved once, where it is needed
+    assert [s.kind for s in plan.steps] == ["split", "merge"]
+    assert plan.bytes_moved == bytes_minimum([a], t)
+    assert [(x.tp, x.pp) for x in smaller_subs(Layout(4, 2, (3,)))] == [(4, 2), (2, 2), (1, 2), (1, 1)]
+    assert smaller_subs(Layout(1, 4, (1, 2, 3)))[-2:] == [Layout(1, 2, (2,)), Layout(1, 1)]
 
 
 POW2 = st.sampled_from([1, 2, 4])
@@ -176,6 +185,9 @@ def test_stage_transition_runs_split_destroy_extend_merge_and_keeps_everything(c
     # Split, Destroy, Extend, (Destroy of extend sources), Merge
     assert all(k in (0,) for k in kinds[: kinds.count(0)])
     assert all(k == 3 for k in kinds[len(kinds) - kinds.count(3):])
+    # no target box crosses devices twice, and none that was already in place
+    assert plan.bytes_moved <= sum(bytes_minimum(cur, t) for t in tgt) + sum(
+        s.bytes_moved for s in plan.steps if s.kind == "split"), plan.steps
     live = {e.name for e in cur}
     for step in plan.steps:
         if step.kind == "destroy":

@@ -1,0 +1,296 @@
+"""The engine host: one actor per worker that owns the device's EMU state and runs the
+engines built over it (worker side).
+
+``EngineHost`` *is* the worker's shard store (``nereus.state.ShardHolder``: every EMU's
+parameter and optimizer tensors, its logical state, the reshard and sync endpoints, the
+device's memory ledger) and, beside it, the engines of the EMUs on this device, keyed by
+EMU name (so two EMUs of one model-stage may share a device during a transition):
+
+- ``load_weights(emu, model_config, model_dir, seed)``: fills the store with this
+  device's shards of ``emu``: weights read from a Hugging Face folder (only this rank's
+  slices) or seeded, and, for a training EMU, its optimizer slots (moments zero, a
+  float32 master copy where the dtype asks for one). The bytes are reserved in the
+  ledger first.
+- ``build_engine(emu, kind, model_config, options, groups)``: builds the engine of
+  ``kind`` (``generation``, ``inference``, ``training``) at this device's place in
+  ``emu`` over the store's tensors (adopted, never copied), with the TP/PP/DP
+  communicators named in ``groups``; a training engine starts from the EMU's update
+  counter. ``drop_engines(names)`` closes engines (their gradients, KV caches,
+  activations leave the ledger; the store keeps the tensors).
+- ``generate``, ``logprobs``, ``values``, ``train_step``, ``free_cache`` run the named
+  EMU's engine; every rank of the EMU must be called together (the engines run
+  collectives), which an EMU mesh's ``.call`` does. A training step also advances the
+  EMU's update counter in the store.
+- ``memory()`` (answered even while an engine works): the ledger's budget, used and
+  peak bytes, its breakdown, and the engines alive.
+
+Freeing an EMU's shards (a Destroy, a plan's ``free``) closes its engine first: an engine
+never outlives the tensors it adopted. Blocking engine work runs in a thread with one
+torch thread (two workers sharing cores thrash as soon as either spreads), so the
+worker's loop keeps answering. Endpoints are sequential: one primitive or one engine
+call at a time per device.
+
+Refuses (``ConfigError``/``StateError``): an unknown kind, an EMU this device is not part
+of or whose shards it does not hold, calls for an engine that was not built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nereus.actors import endpoint, in_thread
+from nereus.config import require
+from nereus.errors import StateError
+from nereus.models.config import ModelConfig
+from nereus.state.emu import EMU, LogicalState, emu_from_plain, split_key, tensor_key
+from nereus.state.holder import ShardHolder
+from nereus.state.memory import DEFAULT_BUCKET_BYTES
+
+__all__ = ["EngineHost", "KINDS", "run_engine_work"]
+
+log = logging.getLogger("nereus.engines")
+
+KINDS = ("generation", "inference", "training")
+
+
+def _one_thread(fn: Any, *args: Any) -> Any:
+    # OpenMP's thread count is per calling thread: executor threads start at the default.
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    return fn(*args)
+
+
+async def run_engine_work(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a thread (the worker's event loop keeps answering), one torch thread."""
+    return await in_thread(_one_thread, fn, *args)
+
+
+class EngineHost(ShardHolder):
+    """This worker's shard store and the engines over it (see the module docstring)."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, direct: bool = True) -> None:
+        super().__init__(bucket_bytes=bucket_bytes, direct=direct)
+        self.engines: dict[str, Any] = {}
+        self.kinds: dict[str, str] = {}
+
+    # --- filling the store ------------------------------------------------------------
+
+    @endpoint
+    async def load_weights(self, emu: dict, model_config: dict, model_dir: str | None = None,
+                           seed: int = 0) -> int:
+        """Fill the store with this device's shards of ``emu`` (see the module docstring);
+        returns the bytes now held on this device."""
+        desc = emu_from_plain(emu)
+        device = self.device.index
+        pp_rank, tp_rank = desc.position(device)
+        require(desc.name not in self.shards, "load_weights.emu", desc.name, "is already held on this device")
+        self._reserve_new(desc.name, desc.bytes_on(device))
+        try:
+            tensors = await run_engine_work(_load_shards, desc, ModelConfig(**model_config), model_dir, seed,
+                                            pp_rank, tp_rank, device)
+        except BaseException:
+            self._account()
+            raise
+        self.shards[desc.name] = tensors
+        self.states[desc.name] = desc.state
+        self._account()
+        return self.held_bytes()
+
+    # --- engines ----------------------------------------------------------------------
+
+    @endpoint
+    async def build_engine(self, emu: dict, kind: str, model_config: dict, options: dict | None = None,
+                           groups: dict | None = None, cache: list[int] | None = None) -> dict[str, int]:
+        """Build ``emu``'s engine of ``kind`` on this device over the store's tensors.
+
+        ``groups``: ``tp`` (one group id per pipeline stage), ``pp`` (one per TP rank),
+        ``dp`` (one per position in the EMU; training only), ``dp_rank``, ``dp_size``,
+        ``timeout_s``. ``cache``: ``[rows, slots]`` of a KV cache to reserve at once (a
+        rebuilt generation engine takes back the cache it had). Returns the engine's
+        reservations."""
+        require(kind in KINDS, "build_engine.kind", kind, f"must be one of {KINDS}")
+        desc = emu_from_plain(emu)
+        if desc.name in self.engines:
+            raise StateError(f"device {self.device.index} already runs an engine of EMU {desc.name!r}")
+        held = self._held_of(desc.name)
+        engine = await run_engine_work(self._make_engine, desc, kind, ModelConfig(**model_config),
+                                       dict(options or {}), dict(groups or {}), held)
+        self.engines[desc.name], self.kinds[desc.name] = engine, kind
+        if cache and kind == "generation":
+            await run_engine_work(engine.reserve_cache, int(cache[0]), int(cache[1]))
+        return engine.memory()
+
+    def _make_engine(self, emu: EMU, kind: str, config: ModelConfig, options: dict, groups: dict,
+                     held: dict[str, torch.Tensor]) -> Any:
+        from nereus.engines.context import EmuContext
+        from nereus.models.parallel import ParallelContext
+        from nereus.transfer import get_communicator
+
+        pp_rank, tp_rank = emu.position(self.device.index)
+        tp, pp = emu.layout.tp, emu.layout.pp
+        tp_ids, pp_ids, dp_ids = groups.get("tp") or [], groups.get("pp") or [], groups.get("dp") or []
+        dp_rank, dp_size = int(groups.get("dp_rank", 0)), int(groups.get("dp_size", 1))
+        timeout_s = float(groups.get("timeout_s", 120.0))
+        tp_comm = get_communicator(tp_ids[pp_rank]) if tp > 1 else None
+        pp_comm = get_communicator(pp_ids[tp_rank]) if pp > 1 else None
+        dp_comm = get_communicator(dp_ids[pp_rank * tp + tp_rank]) if dp_size > 1 else None
+        pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, tp_comm=tp_comm,
+                             layer_cuts=emu.layout.cuts or None)
+        device = str(next(iter(held.values())).device) if held else "cpu"
+        ctx = EmuContext(pc, pp_comm=pp_comm, dp_rank=dp_rank, dp_size=dp_size, dp_comm=dp_comm,
+                         timeout_s=timeout_s, device=device)
+        dtype = emu.spec.params[0].dtype if emu.spec.params else "float32"
+        params = {k: t for k, t in held.items() if split_key(k)[0] == "param"}
+        value_head = any(p.name.startswith("value_head.") for p in emu.spec.params)
+        if kind == "training":
+            from nereus.engines.training import TrainingEngine
+
+            return TrainingEngine(config, ctx, tensors=held, step=self.states[emu.name].update_count, dtype=dtype,
+                                  critic=value_head, name=emu.name, **options)
+        if kind == "inference":
+            from nereus.engines.inference import InferenceEngine
+
+            return InferenceEngine(config, ctx, tensors=params, dtype=dtype, value_head=value_head,
+                                   name=emu.name, **options)
+        from nereus.engines.generation import GenerationEngine
+
+        return GenerationEngine(config, ctx, tensors=params, dtype=dtype, name=emu.name, **options)
+
+    def _engine(self, emu: str, kind: str | None = None) -> Any:
+        engine = self.engines.get(emu)
+        if engine is None:
+            raise StateError(f"device {self.device.index} runs no engine of EMU {emu!r} "
+                             f"(engines: {sorted(self.engines)})")
+        if kind is not None and self.kinds[emu] != kind:
+            raise StateError(f"EMU {emu!r} runs a {self.kinds[emu]} engine, not a {kind} one")
+        return engine
+
+    def _close(self, names: Sequence[str]) -> int:
+        closed = 0
+        for name in names:
+            engine = self.engines.pop(name, None)
+            self.kinds.pop(name, None)
+            if engine is not None:
+                engine.close()
+                closed += 1
+        return closed
+
+    @endpoint
+    async def drop_engines(self, names: list[str] | None = None) -> int:
+        """Close the engines of ``names`` (default: every engine); the store keeps their
+        tensors. Returns how many were closed."""
+        return self._close(list(self.engines) if names is None else names)
+
+    def _free(self, emus: Sequence[str]) -> None:
+        self._close([e for e in emus if e in self.engines])
+        super()._free(emus)
+
+    @endpoint
+    async def generate(self, emu: str, prompts: list[list[int]], params: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = await run_engine_work(self._engine(emu, "generation").generate, prompts, params)
+        return out.to_dict()
+
+    @endpoint
+    async def logprobs(self, emu: str, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probabilities of ``batch`` under ``emu``'s weights (any kind of
+        engine evaluates forward-only: the inference engine's work, and a probe)."""
+        return await run_engine_work(self._engine(emu).logprobs, batch, temperature)
+
+    @endpoint
+    async def values(self, emu: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return await run_engine_work(self._engine(emu).values, batch)
+
+    @endpoint
+    async def rewards(self, emu: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return await run_engine_work(self._engine(emu).rewards, batch)
+
+    @endpoint
+    async def train_step(self, emu: str, batch: dict[str, torch.Tensor], loss: str = "nereus.engines.losses:nll_loss",
+                         loss_kwargs: dict[str, Any] | None = None, micro_batch_size: int | None = None,
+                         temperature: float = 1.0) -> dict[str, float]:
+        engine = self._engine(emu, "training")
+        metrics = await run_engine_work(engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature)
+        state = self.states.get(emu, LogicalState())
+        self.states[emu] = LogicalState(engine.step, state.policy_version, state.sample_position)
+        return metrics
+
+    @endpoint
+    async def free_cache(self, emu: str) -> int:
+        """Give back the KV cache of ``emu``'s generation engine; returns the bytes freed."""
+        return self._engine(emu, "generation").free_cache()
+
+    @endpoint
+    async def cache_shape(self, emu: str) -> list[int]:
+        """``[rows, slots]`` of the KV cache ``emu``'s generation engine holds now."""
+        return list(self._engine(emu, "generation").cache_shape)
+
+    @endpoint(concurrent=True)
+    async def memory(self, reset_peak: bool = False) -> dict[str, Any]:
+        """The device's ledger (budget, used, peak, breakdown) and the engines alive; with
+        ``reset_peak`` a new high-water mark starts after the report."""
+        report = self.ledger.report()
+        report["engines"] = dict(self.kinds)
+        if reset_peak:
+            self.ledger.reset_peak()
+        return report
+
+
+class _NoCollectives:
+    """The TP position of a stage that is only built and loaded, never run: any
+    collective on it is a bug."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def __getattr__(self, name: str) -> Any:
+        raise StateError(f"a stage built to load weights cannot run collectives ({name})")
+
+
+def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int, pp_rank: int, tp_rank: int,
+                 device: int) -> dict[str, torch.Tensor]:
+    """This device's tensors of ``emu``: a stage built at its place (random from ``seed``,
+    then read from ``model_dir``), its parameters taken as they are, plus the EMU's
+    optimizer slots."""
+    from nereus.models.decoder import build_stage
+    from nereus.models.parallel import ParallelContext
+
+    dtype = emu.spec.params[0].dtype if emu.spec.params else "float32"
+    value_head = any(p.name.startswith("value_head.") for p in emu.spec.params)
+    tp = emu.layout.tp
+    pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=emu.layout.pp,
+                         tp_comm=_NoCollectives(tp_rank, tp) if tp > 1 else None,  # type: ignore[arg-type]
+                         layer_cuts=emu.layout.cuts or None)
+    torch.manual_seed(seed)
+    stage = build_stage(config, pc, dtype, value_head=value_head)
+    if model_dir is not None:
+        from nereus.models.checkpoint import load_stage_weights
+
+        # a critic starts from the policy's folder (no score head: the head starts at zero);
+        # a reward model's folder has a score head and may lack the LM head
+        optional = ("lm_head.weight", "value_head.weight", "value_head.bias") if value_head else ()
+        load_stage_weights(stage, model_dir, pc, optional=optional)
+    params = {k: p.detach() for k, p in stage.named_parameters()}
+    want = emu.shards_on(device)
+    out: dict[str, torch.Tensor] = {}
+    for key, (shard, _) in want.items():
+        slot, name = split_key(key)
+        if name not in params:
+            raise StateError(f"EMU {emu.name}: the model builds no parameter {name!r} at pp {pp_rank} tp {tp_rank}")
+        p = params[name]
+        if tuple(p.shape) != shard.shape:
+            raise StateError(f"EMU {emu.name}: {name!r} is {tuple(p.shape)} here, its shard is {shard.shape}")
+        if slot == "param":
+            out[key] = p
+        elif slot == "master":
+            out[key] = p.float().clone()
+        else:
+            out[key] = torch.zeros(shard.shape, dtype=torch.float32)
+    extra = sorted(set(params) - {split_key(k)[1] for k in want})
+    if extra:
+        raise StateError(f"EMU {emu.name}: the stage holds {extra[:5]} that its ModelSpec does not list")
+    assert all(tensor_key("param", n) in out for n in params)
+    return out
