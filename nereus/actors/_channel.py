@@ -83,7 +83,8 @@ _raw_recv = _RawSocket.recv
 _raw_get = _RawSocket.get
 
 
-_TRAFFIC = frozenset({"messages", "batches", "stream_messages", "handshakes"})
+# handshakes: HELLOs a serving channel answered; welcomes: WELCOMEs a connecting one took
+_TRAFFIC = frozenset({"messages", "batches", "stream_messages", "handshakes", "welcomes"})
 
 
 def configure(sock: zmq.Socket, max_message_bytes: int,
@@ -367,7 +368,7 @@ class Channel:
             if type(welcome) is not list or len(welcome) != 2 or welcome[0] != WELCOME:
                 raise Refused("unbound", "a message before the WELCOME")
             session.welcomed(sender, receiver, seq, welcome[1])
-            self.counters.add("handshakes")
+            self.counters.add("welcomes")
             self._send_now(None, _READY, ())
             held, self._held = self._held, []
             for item in held:

@@ -129,8 +129,10 @@ async def test_fuzzed_frames_never_crash_a_worker(no_leaks):
             assert delta.get(counter, 0) == n, f"{counter}: {delta} vs {expected}"
         assert delta["rejected"] == sent - 2
         assert delta["handshakes"] == 1
-        # the fuzz frames, the handshake and the one stats request that read them
-        assert delta["messages"] == sent + 1
+        # the fuzz frames, the handshake and the one stats request that read them (the
+        # worker's own client shares these counters: a WELCOME it took from the
+        # controller meanwhile is a message too)
+        assert delta["messages"] - delta.get("welcomes", 0) == sent + 1
         # the worker is alive, the same process, and still answers
         os.kill(pid, 0)  # raises if the worker process is gone
         assert await mesh.add.call_one(2, 3) == 5
