@@ -211,7 +211,8 @@ async def _run(args) -> dict:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     results: dict[str, Any] = {}
     ckpt_root = tempfile.mkdtemp(prefix="nereus-bench-ckpt-")
-    tmpfs_root = tempfile.mkdtemp(prefix="nereus-bench-ckpt-", dir="/dev/shm")
+    # not "nereus-*": test suites running beside it count those names as leaked segments
+    tmpfs_root = tempfile.mkdtemp(prefix="bench-ckpt-tmpfs-", dir="/dev/shm")
     try:
         async with Cluster.local(devices=DEVICES, memory_per_device="6GiB", heartbeat_timeout_s=60.0) as cluster:
             mesh = await cluster.spawn("bench", BenchHolder, devices=list(range(DEVICES)),
