@@ -8,7 +8,8 @@ benchmark's model (``benchmarks.reshard``: 12 layers, hidden 768, vocabulary 32,
 and both float32 moments (3 x 499 MB). Policy-generation runs on device 3. The job
 takes a step, then its policy-training goes TP 2 (devices 0,1) -> TP 4 (0-3) -> TP 2
 -> DP 2 (TP 2 on 0,1 and 2,3) -> TP 2, ``--reps`` times; the three first changes are
-timed. Each change is made:
+timed, after one round that warms up (first page touches, arena pools, groups). Each
+change is made:
 
 - live: ``RLJob.apply_plan`` inside the running job: planning and budget checks,
   engines stopped, the primitives run on the workers over the state they hold, a new
@@ -139,13 +140,15 @@ async def _live(cluster: Cluster, model_dir: str, out: str, args) -> dict[str, A
     results: dict[str, dict[str, list]] = {c: {} for c in CASES}
     try:
         await rl.run_step()
-        for _ in range(args.reps):
+        for rep in range(args.reps + 1):  # the first round warms up (first touches, arenas, groups)
             for case, train in CASES.items():
                 target = _plan(train)
                 current = rl.stages.emus[TRAIN]
-                wanted = stage_emus(TRAIN, target[TRAIN], current[0].spec, current[0].slots, 0)
+                wanted = stage_emus(TRAIN, target[TRAIN], current[0].spec, current[0].slots, "probe")
                 minimum = sum(bytes_minimum(current, t) for t in wanted)
                 report = await rl.apply_plan(target)
+                if rep == 0:
+                    continue
                 row = results[case]
                 for key in ("seconds", "plan_s", "engines_stop_s", "moves_s", "groups_s", "engines_s", "sync_plans_s"):
                     row.setdefault(key, []).append(report[key])
@@ -174,32 +177,47 @@ async def _live(cluster: Cluster, model_dir: str, out: str, args) -> dict[str, A
     return {"live": results, "checkpoint": ckpt, "reward_after": after["reward_mean"], "reward_final": final["reward_mean"]}
 
 
-async def _standalone(cluster: Cluster, spec, args) -> dict[str, list[float]]:
+async def _standalone(cluster: Cluster, spec, args) -> dict[str, dict[str, list[float]]]:
     slots = training_slots("float32")
     mesh = await cluster.spawn("standalone", FillHolder, devices=list(range(DEVICES)))
     holders = {r.device: r for r in mesh.refs}
     devices = DeviceSet.single_host(DEVICES)
-    times: dict[str, list[float]] = {c: [] for c in TIMED}
+    times: dict[str, dict[str, list[float]]] = {c: {} for c in TIMED}
     epoch = 100
-    current = stage_emus(TRAIN, _plan(A)[TRAIN], spec, slots, epoch, LogicalState())
+    current = stage_emus(TRAIN, _plan(A)[TRAIN], spec, slots, f"e{epoch}-", LogicalState())
     await asyncio.gather(*(holders[d].fill.call_one(emu_to_plain(e)) for e in current for d in e.devices))
-    for _ in range(args.reps):
+    for rep in range(args.reps + 1):  # the first round warms up, as the live runs do
         for case, train in CASES.items():
             epoch += 1
-            target = stage_emus(TRAIN, _plan(train)[TRAIN], spec, slots, epoch, LogicalState())
+            target = stage_emus(TRAIN, _plan(train)[TRAIN], spec, slots, f"e{epoch}-", LogicalState())
             t0 = time.perf_counter()
             tr = plan_stage_transition(current, target, devices, bucket_bytes=0)
+            t1 = time.perf_counter()
             for step in tr.steps:
                 await execute_step(step, holders, cluster, epoch=epoch)
             await release_groups(cluster, epoch)  # the transition's own groups
+            t2 = time.perf_counter()
             await stage_groups(cluster, "training", list(tr.result), epoch=epoch)  # the new epoch's
             await release_groups(cluster, epoch - 1)
-            if case in times:
-                times[case].append(time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            if case in times and rep > 0:
+                for key, value in (("seconds", t3 - t0), ("plan_s", t1 - t0), ("moves_s", t2 - t1), ("groups_s", t3 - t2)):
+                    times[case].setdefault(key, []).append(value)
             current = list(tr.result)
     await release_groups(cluster, epoch)
     await cluster.stop_mesh(mesh)
     return times
+
+
+async def _standalone_only(args) -> None:
+    """Only the standalone runs, with their parts (``--standalone-only``)."""
+    config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=12, num_key_value_heads=4,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    async with Cluster.local(devices=DEVICES, memory_per_device="8GiB", heartbeat_timeout_s=60.0) as cluster:
+        times = await _standalone(cluster, model_spec(config), args)
+    for case, parts in times.items():
+        print(case, {k: [round(x, 3) for x in v] for k, v in parts.items()})
 
 
 async def _run(args) -> dict[str, Any]:
@@ -225,7 +243,8 @@ async def _run(args) -> dict[str, Any]:
         row = live["live"][case]
         ck = live["checkpoint"][case]
         c = {k: _median(v) for k, v in row.items()}
-        c["standalone_s"] = _median(standalone[case])
+        c["standalone_s"] = _median(standalone[case]["seconds"])
+        c["standalone_parts"] = {k: _median(v) for k, v in standalone[case].items() if k != "seconds"}
         c["checkpoint_restart_disk_s"] = _median(ck.get("disk", []))
         c["checkpoint_restart_tmpfs_s"] = _median(ck.get("tmpfs", []))
         c["checkpoint_restart_s"] = min(c["checkpoint_restart_disk_s"], c["checkpoint_restart_tmpfs_s"])
@@ -235,7 +254,9 @@ async def _run(args) -> dict[str, Any]:
         cases[case] = c
         print(f"{case:9s} live {c['seconds']:.3f} s (plan {c['plan_s']:.3f}, engines stop {c['engines_stop_s']:.3f}, "
               f"copies {c['moves_s']:.3f}, groups {c['groups_s']:.3f}, engines {c['engines_s']:.3f}, "
-              f"sync plans {c['sync_plans_s']:.3f})  standalone {c['standalone_s']:.3f} s  "
+              f"sync plans {c['sync_plans_s']:.3f})  standalone {c['standalone_s']:.3f} s "
+              f"(plan {c['standalone_parts']['plan_s']:.3f}, copies {c['standalone_parts']['moves_s']:.3f}, "
+              f"groups {c['standalone_parts']['groups_s']:.3f})  "
               f"checkpoint-restart disk {c['checkpoint_restart_disk_s']:.2f} s / tmpfs "
               f"{c['checkpoint_restart_tmpfs_s']:.2f} s  moved {c['bytes_measured'] / 2**20:.0f} MiB "
               f"(minimum {c['bytes_minimum'] / 2**20:.0f} MiB)  x{c['ratio_vs_standalone']:.2f} of standalone, "
@@ -269,10 +290,14 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where the on-disk checkpoint goes")
+    ap.add_argument("--standalone-only", action="store_true", help="only the standalone runs, with their parts")
     args = ap.parse_args()
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as benchmarks.reshard: read by the workers' torch
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if args.standalone_only:
+        asyncio.run(_standalone_only(args))
+        return
     out = asyncio.run(_run(args))
     print(json.dumps(out))
 

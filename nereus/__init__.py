@@ -18,6 +18,7 @@ from nereus.errors import (
     ConfigError,
     DeadlineExceeded,
     InfeasiblePlan,
+    InfeasibleTransition,
     NereusError,
     OutOfMemory,
     PeerDied,
@@ -48,7 +49,7 @@ for _module, _names in {
         "save_to_disk", "split", "training_slots",
     ],
     "nereus.models": [
-        "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage",
+        "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage", "export_hf",
         "load_stage_weights", "load_tokenizer", "model_spec", "save_tiny_model", "tiny_config",
         "train_tiny_tokenizer",
     ],
@@ -62,8 +63,8 @@ for _module, _names in {
         "explain", "local_cpu_cluster", "model_preset", "search",
     ],
     "nereus.rl": [
-        "ClusterStages", "InProcessStages", "JobConfig", "ModelStages", "PromptDataset", "RLJob",
-        "Task", "make_task", "run_job",
+        "ClusterStages", "DataConfig", "FileTask", "InProcessStages", "JobConfig", "ModelStages",
+        "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
     ],
     "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
     "nereus.launch": [
@@ -82,6 +83,7 @@ __all__ = [
     "ConfigError",
     "DeadlineExceeded",
     "InfeasiblePlan",
+    "InfeasibleTransition",
     "NereusError",
     "OutOfMemory",
     "ProtocolError",

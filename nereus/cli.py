@@ -15,6 +15,7 @@ __all__ = ["main"]
 # subcommand -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("nereus.rl.cli", "run an RL job from a TOML config (e.g. examples/grpo_tiny.toml)"),
+    "export": ("nereus.rl.export", "write a job's trained policy as a Hugging Face folder"),
     "plan": ("nereus.planner.cli", "search a plan for a cluster, model and algorithm and explain it"),
     "tap": ("nereus.monitor.tap", "print (or write as JSONL) the live monitoring tap of a controller"),
     "controller": ("nereus.controller", "run a standalone controller that node daemons join"),

@@ -113,6 +113,22 @@ class InfeasiblePlan(NereusError):
     """No plan (or transition) satisfies the devices and memory available."""
 
 
+class InfeasibleTransition(InfeasiblePlan):
+    """A transition DAG cannot run: an acquisition blocked on a device's memory with no
+    Destroy on that device to wait for. Names the node, the device, the need and the cap."""
+
+    def __init__(self, node: str, device: int, need_bytes: int, cap_bytes: int) -> None:
+        self.node = node
+        self.device = device
+        self.need_bytes = int(need_bytes)
+        self.cap_bytes = int(cap_bytes)
+        super().__init__(
+            f"transition node {node} is blocked on device {device}: it needs {need_bytes} bytes "
+            f"({need_bytes / 2**20:.1f} MiB) and the cap is {cap_bytes} bytes ({cap_bytes / 2**20:.1f} MiB), "
+            "with no Destroy on that device left to wait for"
+        )
+
+
 class StuckCollective(NereusError, TimeoutError):
     """A collective outlived its deadline; names the ranks that never entered it."""
 

@@ -24,6 +24,7 @@ from nereus.planner.cost import (
 )
 from nereus.planner.explain import DeviceMemory, Explanation, PhaseTime, StageExplanation, explain
 from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.pool import DevicePool
 from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.search import (
     Alternative,
@@ -48,7 +49,7 @@ from nereus.planner.workload import (
 
 __all__ = [
     "ALGORITHMS", "Alternative", "BoundaryOutcome", "Replanner", "Calibrator", "Candidate", "ClusterSpec", "CONSERVATIVE", "DEFAULT_GAMMA",
-    "Decision", "DeviceMemory", "DriftSignal", "Efficiency", "Explanation", "HEADROOM", "LengthStats",
+    "Decision", "DeviceMemory", "DevicePool", "DriftSignal", "Efficiency", "Explanation", "HEADROOM", "LengthStats",
     "MODEL_PRESETS", "ModelShape", "ModelStage", "OP_CLASSES", "PhaseTime", "Plan", "PRESETS", "SearchResult",
     "StageCost", "StageExplanation", "StageMemory", "StagePlan", "Target", "Term", "Trigger", "TriggerMonitor",
     "Workload", "admit", "algorithm_stages", "choose", "cluster_preset", "explain", "local_cpu_cluster",

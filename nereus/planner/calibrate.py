@@ -4,7 +4,11 @@ The cost model says a model-stage takes Σ_c ideal_c / eff_c seconds (``StageCos
 with x_c = 1 / eff_c every measurement is one linear equation:
 
 - a model-stage timing: Σ_c ideal_c · x_c = measured seconds;
-- an operation-class timing (one GEMM, one all-reduce...): ideal · x_c = measured.
+- an operation-class timing (one GEMM, one all-reduce...): ideal · x_c = measured;
+- a transition node (``observe_transition``): its p2p seconds at efficiency 1 per link
+  class times x_c, plus its fixed costs -- a group set-up when it makes groups, one call
+  of its workers -- whose unknowns are seconds themselves (``Efficiency.group_setup_s``,
+  ``Efficiency.transition_call_s``) = measured seconds.
 
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
@@ -33,6 +37,8 @@ from nereus.planner.cost import CONSERVATIVE, OP_CLASSES, Efficiency, StageCost,
 __all__ = ["Calibrator"]
 
 _MIN_EFF, _MAX_EFF = 0.01, 1.5
+# transition nodes' fixed costs: column -> the Efficiency field (seconds) it fits
+FIXED = {"groups": "group_setup_s", "calls": "transition_call_s"}
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -85,6 +91,21 @@ class Calibrator:
         """A model-stage's measured time against the terms the cost model predicted."""
         self.observe(cost.ideal_by_class(), measured_seconds)
 
+    def observe_transition(self, ideal: Mapping[str, float], measured_seconds: float) -> None:
+        """One transition node: ``ideal`` holds its p2p seconds at efficiency 1
+        (``p2p_intra``, ``p2p_inter``) and its fixed-cost counts (``groups``: 1 when it
+        makes groups, ``calls``: 1), as ``nereus.transition.LinkModel.ideal`` gives them."""
+        require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
+        row: dict[str, float] = {}
+        for c, t in ideal.items():
+            require(c in OP_CLASSES or c in FIXED, "transition class", c,
+                    f"must be one of {list(OP_CLASSES) + list(FIXED)}")
+            require(t >= 0, f"ideal {c}", t, "must be >= 0")
+            if t > 0:
+                row[c] = float(t)
+        require(bool(row), "ideal", dict(ideal), "must have some positive term")
+        self._rows.append((row, float(measured_seconds)))
+
     def observe_op(self, op_class: str, ideal_seconds: float, measured_seconds: float) -> None:
         """One operation of one class (a timed GEMM, all-reduce, p2p send, decode step)."""
         self.observe({op_class: ideal_seconds}, measured_seconds)
@@ -110,7 +131,8 @@ class Calibrator:
 
     def fit(self) -> Efficiency:
         """The efficiency factors that best explain the window (prior for unseen classes)."""
-        seen = sorted(self.seen(), key=OP_CLASSES.index)
+        order = [*OP_CLASSES, *FIXED]
+        seen = sorted(self.seen(), key=order.index)
         if not seen:
             return self.prior.replace(memory_scale=self.memory_scale())
         idx = {c: i for i, c in enumerate(seen)}
@@ -123,15 +145,19 @@ class Calibrator:
                 atb[i] += ai  # right-hand side is measured / measured = 1
                 for j, aj in coeffs:
                     ata[i][j] += ai * aj
-        # Pull toward the prior: w · (x_c - 1/eff_c)^2, scaled to the equations' size.
+        # Pull toward the prior: w · (x_c - prior_c)^2, scaled to the equations' size
+        # (prior_c is 1/eff_c for an efficiency, the seconds themselves for a fixed cost).
         for c, i in idx.items():
             scale = max(ata[i][i], 1e-12)
             w = self.prior_weight * scale
             ata[i][i] += w
-            atb[i] += w / self.prior[c]
+            atb[i] += w * (getattr(self.prior, FIXED[c]) if c in FIXED else 1.0 / self.prior[c])
         x = _solve(ata, atb)
-        factors = {}
+        factors: dict[str, float] = {}
         for c, i in idx.items():
+            if c in FIXED:
+                factors[FIXED[c]] = min(10.0, max(0.0, x[i]))
+                continue
             eff = 1.0 / x[i] if x[i] > 0 else _MAX_EFF
             factors[c] = min(_MAX_EFF, max(_MIN_EFF, eff))
         return self.prior.replace(memory_scale=self.memory_scale(), **factors)

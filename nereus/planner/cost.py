@@ -82,11 +82,17 @@ class Efficiency:
     # Measured over modelled transient bytes (activations, KV cache, logits): the
     # memory model's calibration against measured peaks; 1.0 until measured.
     memory_scale: float = 1.0
+    # A transition node's fixed costs, in seconds: making its groups, and calling its
+    # workers (learned from measured transition nodes; conservative until then).
+    group_setup_s: float = 0.02
+    transition_call_s: float = 0.005
 
     def __post_init__(self) -> None:
         for c in OP_CLASSES:
             require(0 < getattr(self, c) <= 1.5, f"Efficiency.{c}", getattr(self, c), "must be in (0, 1.5]")
         require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
+        for f in ("group_setup_s", "transition_call_s"):
+            require(0 <= getattr(self, f) <= 10.0, f"Efficiency.{f}", getattr(self, f), "must be in [0, 10] seconds")
 
     def __getitem__(self, op_class: str) -> float:
         return getattr(self, op_class)

@@ -101,7 +101,7 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
     prompts: list[list[int]] = []
     index: list[int] = []
     for s in samples:
-        ids = ctx.codec.encode(s.prompt)
+        ids = ctx.task.prompt_ids(s, ctx.codec)
         prompts += [ids] * k
         index += [s.index] * k
     params = {

@@ -12,16 +12,21 @@ with its EMUs' shards (each rank reads only its slices) and starts their engines
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``. ``await apply_plan(target)`` changes it at a step
 boundary over the state the workers hold (nothing goes through the driver, nothing is
-reloaded): it plans every changed model-stage's transition and checks every device's
-budget (``nereus.rl.change``), refusing with ``OutOfMemory`` before anything moves;
-closes the engines (generation gives back its KV cache); runs the primitives on the
-workers (``nereus.state.execute_step``), the logical state (update counter, policy
-version, sample position) travelling with the tensors; takes a fresh layout epoch
-(``Cluster.set_epoch``, stamped on tap events); starts every engine again in that epoch
-(training EMUs get their new DP rank and size: the global batch stays fixed, rows per
-replica and accumulation follow; generation reserves its KV cache again); releases the
-old epoch's groups; and rebuilds the weight-sync plans. It returns a report with the
-bytes the plans move and the bytes the workers measured, and the seconds of each part.
+reloaded) through ONE transition DAG across every model-stage that moves
+(``nereus.transition.build_dag``): planned and checked against every device's budget
+first (``InfeasibleTransition`` or ``OutOfMemory`` before anything moves); the moving
+model-stages' engines stop (generation gives back its KV cache); the DAG runs on the
+workers (``execute_dag`` with ``WorkerRuntime``: ready primitives on disjoint devices at
+once, the logical state -- update counter, policy version, sample position --
+travelling with the tensors; every node's predicted and measured seconds on the tap as
+``transition_node``, the whole as ``transition``, and into the calibration that prices
+the next one); the cluster takes a fresh layout epoch (``Cluster.set_epoch``, stamped
+on tap events); the moved model-stages' engines start again in it (training EMUs get
+their new DP rank and size: the global batch stays fixed, rows per replica and
+accumulation follow; generation reserves its KV cache again); groups nothing uses any
+more are released; the weight-sync plans are rebuilt. Engines of model-stages that do
+not move keep running. With ``overlap=True`` the DAG runs in the background: model-stages
+on devices it does not touch go on with the next step (``transition_done()`` waits).
 
 Devices: a device the cluster drains (``Cluster.drain``) may not appear in a target and
 is retired once the change leaves it empty; devices that join (``Cluster.add_node``, or
@@ -57,6 +62,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +70,11 @@ import torch
 
 from nereus.config import require
 from nereus.errors import ActorDied
-from nereus.rl.change import plan_change, stage_emus
+from nereus.rl.change import check_after, emu_name, stage_changed, stage_emus
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
+from nereus.transition.schedule import simulate
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -103,6 +110,10 @@ class ClusterStages(ModelStages):
         self._plan = cfg.job_plan()
         self._host_meshes: list[Any] = []
         self._cache_slots = 0  # slots of the generation KV caches before a change
+        self._transition: asyncio.Future | None = None  # a change running in the background
+        self._waiting: set[str] = set()  # model-stages that wait for it
+        self.last_transition: dict[str, Any] | None = None  # the report of the last change
+        self.learn_transitions = True  # measured transition nodes refit the link model
         self._sync: dict[str, tuple[list[Any], Any]] = {}  # target model-stage -> (plans, group)
         self._owns_cluster = False
         self._models: dict[str, tuple[Any, str]] = {}
@@ -178,6 +189,16 @@ class ClusterStages(ModelStages):
 
     async def _start_all(self) -> None:
         from nereus.engines import spawn_model_stage
+        from nereus.planner import Calibrator
+        from nereus.planner._probe import local_cpu_cluster_probed
+        from nereus.transition import LinkModel
+
+        # what transitions are priced with: this machine's rates (probed once, cached),
+        # refitted from every measured transition node
+        budget = min((d.memory_bytes for d in self.cluster.devices), default=2**30)
+        self.cluster_spec = local_cpu_cluster_probed(max(1, len(self.cluster.devices)), max(budget, 2))
+        self.calibrator = Calibrator()
+        self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
         self._models["policy"] = (self.model_config, str(self.model_dir))
         if "reward_inference" in self._plan.names:
@@ -189,7 +210,7 @@ class ClusterStages(ModelStages):
         await self.cluster.set_epoch(self.epoch)
         await self._ensure_hosts(set(self._plan.devices))
         for stage, sp in self._plan:
-            emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage), self.epoch)
+            emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage))
             config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
             self.handles[stage] = await spawn_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
@@ -235,6 +256,8 @@ class ClusterStages(ModelStages):
                 "gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
     async def sync_policy(self) -> dict[str, Any]:
+        await self._ready("policy_training")
+        await self._ready("policy_generation")
         event = await self._run_sync("policy_generation")
         self.policy_version += 1
         event["policy_version"] = self.policy_version
@@ -262,6 +285,7 @@ class ClusterStages(ModelStages):
         return [i for i, e in enumerate(self.emus["policy_generation"]) if trainers & set(e.devices)]
 
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
+        await self._ready("policy_generation")
         handle = self.handles["policy_generation"]
         with self.timed("policy_generation"):
             out = await handle.generate(prompts, params)
@@ -283,22 +307,26 @@ class ClusterStages(ModelStages):
         require(rows >= dp, f"plan.{stage}.dp", dp, f"must be <= the batch's {rows} rows")
 
     async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        await self._ready("reference_inference")
         handle = self._handle("reference_inference")
         with self.timed("reference_inference"):
             return await handle.logprobs(batch, self.cfg.sampling.temperature)
 
     async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        await self._ready("critic_inference")
         handle = self._handle("critic_inference")
         with self.timed("critic_inference"):
             return await handle.values(batch)
 
     async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        await self._ready("reward_inference")
         handle = self._handle("reward_inference")
         with self.timed("reward_inference"):
             values = await handle.values(batch)
         return last_token_scores(values, batch["attention_mask"])
 
     async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        await self._ready("policy_training")
         handle = self._handle("policy_training")
         self._check_rows("policy_training", batch)
         with self.timed("policy_training"):
@@ -306,6 +334,8 @@ class ClusterStages(ModelStages):
                                            self.cfg.sampling.temperature)
 
     async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        await self._ready("critic_training")
+        await self._ready("critic_inference")
         handle = self._handle("critic_training")
         self._check_rows("critic_training", batch)
         with self.timed("critic_training"):
@@ -344,12 +374,14 @@ class ClusterStages(ModelStages):
             return 2 * layers * rows * kv_local * self._cache_slots * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
         return 0
 
-    async def _stamp_states(self) -> None:
-        """Every EMU's logical state as the workers hold it, with the job's policy version
-        and sample position, written back to the stores and kept in the descriptions."""
+    async def _stamp_states(self, stages: list[str] | None = None) -> None:
+        """The logical state of ``stages``' EMUs (default: all) as the workers hold it,
+        with the job's policy version and sample position, written back to the stores
+        and kept in the descriptions."""
         from nereus.state import LogicalState
 
-        for stage, emus in self.emus.items():
+        for stage in stages if stages is not None else list(self.emus):
+            emus = self.emus[stage]
             states = await asyncio.gather(*(self.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus))
             counts = {s.get("update_count", 0) for s in states}
             require(len(counts) == 1, f"{stage} update counters", sorted(counts), "must agree across replicas")
@@ -357,16 +389,33 @@ class ClusterStages(ModelStages):
             await asyncio.gather(*(self.hosts[d].set_state.call_one(e.name, vars(state)) for e in emus for d in e.devices))
             self.emus[stage] = [e.with_(state=state) for e in emus]
 
-    async def apply_plan(self, target: Any) -> dict[str, Any]:
-        """Change the job's plan to ``target`` at a step boundary (see the module
-        docstring). Returns a report: ``changed`` model-stages, ``bytes`` the plans move
-        between devices, ``bytes_measured`` (the workers' counters), ``seconds`` and its
-        parts (``plan_s``, ``engines_stop_s``, ``moves_s``, ``groups_s``, ``engines_s``,
-        ``sync_plans_s``), the new ``epoch``."""
-        from nereus.planner.plan import Plan
-        from nereus.state import execute_step
-        from nereus.transfer import release_groups
+    def _current_plan(self, stage: str) -> Any:
+        from nereus.planner.plan import StagePlan
 
+        emus = self.emus[stage]
+        return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
+
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+        """Change the job's plan to ``target`` at a step boundary through one transition
+        DAG over every model-stage that moves (see the module docstring).
+
+        Refused before anything moves: a target with other model-stages or devices that
+        are not live or are draining (``ConfigError``), one whose DAG cannot keep every
+        device under its cap (``InfeasibleTransition``) or whose engines would not fit
+        after it (``OutOfMemory``). With ``overlap``, the DAG runs in the background and
+        this returns once it started: model-stages on devices it does not touch go on
+        with the next step's work, the others wait for it (``transition_done()`` waits
+        too). Returns (or, with ``overlap``, ``transition_done()`` returns) a report:
+        ``changed`` model-stages, ``bytes`` the plans move between devices,
+        ``bytes_measured`` (the workers' counters), ``predicted_seconds`` (the DAG's
+        makespan), ``seconds`` and its parts (``plan_s``, ``engines_stop_s``, ``moves_s``,
+        ``groups_s``, ``engines_s``, ``sync_plans_s``), ``nodes``, ``resource_edges``,
+        the new ``epoch``."""
+        from nereus.planner.plan import Plan
+        from nereus.transition import build_dag
+        from nereus.transition.workers import WorkerRuntime
+
+        await self.transition_done()
         t0 = time.perf_counter()
         require(isinstance(target, Plan), "target", type(target).__name__, "must be a nereus.planner.Plan")
         require(set(target.names) == set(self._plan.names), "target plan", target.names,
@@ -377,63 +426,150 @@ class ClusterStages(ModelStages):
         bad = sorted(d for d in target.devices if d not in live or d in draining)
         require(not bad, "target plan devices", bad, f"must be live devices that are not draining (live: {sorted(live - draining)})")
         report: dict[str, Any] = {"from": self._plan.to_dict(), "to": target.to_dict(), "epoch_from": self.epoch}
-        # what the change moves, checked against every budget before anything moves
-        await self._stamp_states()
-        if "policy_generation" in self.handles:
+        moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
+        # what the change moves, checked against every budget before anything moves; the
+        # engines of model-stages that do not move stay as they are, with their groups
+        await self._stamp_states(moving)
+        self._cache_slots = 0
+        if "policy_generation" in moving:
             shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus]
             self._cache_slots = max((s[1] for s in shapes), default=0)
         new_epoch = max(self.epoch, self.cluster.epoch) + 1
-        resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus])
-        # between processes of one host peers write into each other's new shards: no bucket
+        resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus],
+                             engines=[e.name for s in moving for e in self.emus[s]])
         one_host = len({self._host_of(d) for d in self.hosts}) == 1
-        planned = plan_change(self.emus, target, self._device_set(), epoch=new_epoch, resident=resident,
-                              engine_bytes=self._engine_bytes, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES)
+        dag = build_dag(
+            self._plan, target, {s: es[0].spec for s, es in self.emus.items()}, self._device_set(),
+            slots={s: es[0].slots for s, es in self.emus.items()},
+            names={s: [e.name for e in es] for s, es in self.emus.items()}, resident=resident,
+            host_of=self._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.link.seconds)
+        engines: dict[int, int] = {}
+        for stage in moving:
+            for rep in dag.results[stage]:
+                emu = self.emus[stage][0].with_(name=rep.name, layout=rep.layout, devices=rep.devices)
+                for d in rep.devices:
+                    engines[d] = engines.get(d, 0) + self._engine_bytes(stage, emu, d)
+        check_after(dag, engines)
+        predicted = simulate(dag, self.link.seconds).makespan
         t_plan = time.perf_counter()
-        report.update(changed=[c.stage for c in planned.changes], bytes=planned.bytes_moved,
-                      predicted_peak_bytes=planned.peak)
-        # the engines stop (gradients, KV caches and activations leave the ledgers)
-        for handle in self.handles.values():
+        report.update(changed=list(dag.results), bytes=dag.bytes, predicted_seconds=predicted,
+                      nodes=len(dag.nodes), resource_edges=dag.resource_edges)
+        # the moving model-stages' engines stop (gradients, KV caches and activations
+        # leave the ledgers); their groups go once nothing else uses them
+        retired = []
+        for stage in moving:
+            handle = self.handles.pop(stage)
             await handle.stop()
-        self.handles = {}
+            retired += handle.groups
         t_stop = time.perf_counter()
+        report.update(plan_s=t_plan - t0, engines_stop_s=t_stop - t_plan)
         await self._ensure_hosts(set(target.devices))
-        measured = 0
-        for change in planned.changes:
-            for step in change.transition.steps:
-                stats = await execute_step(step, self.hosts, self.cluster, epoch=new_epoch)
-                measured += stats.bytes_sent_measured
-            renames = [(a, b) for a, b in change.renames if a != b]
-            if renames:
-                devices = {d for e in change.transition.result for d in e.devices}
-                await asyncio.gather(*(self.hosts[d].rename.call_one(dict(renames)) for d in devices))
-        # the transition's groups are its own
-        await release_groups(self.cluster, new_epoch)
-        t_moves = time.perf_counter()
-        old_epoch, self.epoch = self.epoch, new_epoch
-        self.emus = planned.result
-        self._plan = target
-        await self.cluster.set_epoch(self.epoch)
-        timing = await self._start_engines()
-        await release_groups(self.cluster, old_epoch)
-        t_engines = time.perf_counter()
-        await self._plan_syncs()
-        await self._retire_drained()
-        t_end = time.perf_counter()
-        report.update(epoch=self.epoch, bytes_measured=measured, seconds=t_end - t0, plan_s=t_plan - t0,
-                      engines_stop_s=t_stop - t_plan, moves_s=t_moves - t_stop, groups_s=timing["groups_s"],
-                      engines_s=t_engines - t_moves - timing["groups_s"], sync_plans_s=t_end - t_engines)
-        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s", self.epoch, report["changed"],
-                 report["bytes"], report["seconds"])
+        touched = dag.devices()
+        self._waiting = {s for s in self._plan.names
+                         if s in moving or not touched.isdisjoint(self._current_plan(s).device_set)}
+        runtime = WorkerRuntime({e.name: e for es in self.emus.values() for e in es}, self.hosts, self.cluster,
+                                epoch=new_epoch)
+        work = self._finish_change(dag, runtime, target, moving, retired, new_epoch, report, t0)
+        if not overlap:
+            self.last_transition = await work
+            return self.last_transition
+        self._transition = asyncio.ensure_future(work)
         return report
 
-    async def _start_engines(self) -> dict[str, float]:
-        """Every model-stage's engines over the EMUs the stores hold now, in this epoch."""
+    async def transition_done(self) -> dict[str, Any] | None:
+        """Wait for a change started with ``overlap``; its report (None when none runs).
+        Raises what the change raised."""
+        task, self._transition = self._transition, None
+        if task is None:
+            return None
+        try:
+            self.last_transition = await task
+            return self.last_transition
+        finally:
+            self._waiting = set()
+
+    async def _ready(self, stage: str) -> None:
+        """Return once ``stage`` may work: at once, unless an overlapped change is moving
+        it or runs on its devices."""
+        if self._transition is not None and stage in self._waiting:
+            await self.transition_done()
+
+    async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retired: list[Any],
+                             new_epoch: int, report: dict[str, Any], t0: float) -> dict[str, Any]:
+        from nereus.transfer import release_groups
+        from nereus.transition.execute import execute_dag
+
+        t_moves0 = time.perf_counter()
+        report["moves_started_at"] = t_moves0
+        result = await execute_dag(dag, runtime, duration=self.link.seconds, on_node=self._node_event(t_moves0))
+        report["moves_ended_at"] = time.perf_counter()
+        # the transition's groups are its own
+        await release_groups(self.cluster, new_epoch, tag="transition")
+        report.update(bytes_measured=result.bytes_measured, nodes_finished=len(result.finished))
+        if not result.ok:
+            report.update(ok=False, seconds=time.perf_counter() - t0)
+            _emit_transition(report, dag)
+            raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
+        if self.learn_transitions:  # what the nodes took teaches the next estimate
+            for node in dag.nodes:
+                self.calibrator.observe_transition(self.link.ideal(node), max(result.results[node.id].seconds, 1e-6))
+            self._refit_link()
+        for stage in moving:
+            reps = dag.results[stage]
+            renames = {rep.name: emu_name(stage, i) for i, rep in enumerate(reps) if rep.name != emu_name(stage, i)}
+            if renames:
+                devices = {d for rep in reps for d in rep.devices}
+                await asyncio.gather(*(self.hosts[d].rename.call_one(renames) for d in devices))
+            self.emus[stage] = [runtime.live[rep.name].with_(name=emu_name(stage, i)) for i, rep in enumerate(reps)]
+        t_moves = time.perf_counter()
+        self.epoch = new_epoch
+        self._plan = target
+        await self.cluster.set_epoch(self.epoch)
+        timing = await self._start_engines(moving)
+        t_engines = time.perf_counter()
+        retired += [group for _, group in self._sync.values() if group is not None]
+        await self._plan_syncs()
+        await self._release_unused(retired)
+        await self._retire_drained()
+        t_end = time.perf_counter()
+        report.update(ok=True, epoch=self.epoch, seconds=t_end - t0, moves_s=t_moves - t_moves0,
+                      groups_s=timing["groups_s"], engines_s=t_engines - t_moves - timing["groups_s"],
+                      sync_plans_s=t_end - t_engines, measured_seconds=t_moves - t_moves0)
+        _emit_transition(report, dag)
+        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
+                 report["changed"], report["bytes"], report["seconds"], report["predicted_seconds"])
+        return report
+
+    def _node_event(self, t0: float) -> Callable[[Any, Any], None]:
+        def emit_node(node: Any, result: Any) -> None:
+            _emit("transition_node", node=node.id, kind=node.kind, model_stage=node.stage, count=node.count,
+                  devices=list(node.devices), bytes=node.bytes, predicted_seconds=self.link.seconds(node),
+                  measured_seconds=result.seconds, start_seconds=result.start - t0, end_seconds=result.end - t0,
+                  ok=result.ok)
+
+        return emit_node
+
+    def _refit_link(self) -> None:
+        from nereus.transition import LinkModel
+
+        self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
+
+    async def _release_unused(self, groups: list[Any]) -> None:
+        """Destroy ``groups`` that no engine and no sync uses any more."""
+        used = {g.group_id for h in self.handles.values() for g in h.groups}
+        used |= {g.group_id for _, g in self._sync.values() if g is not None}
+        gone: dict[str, Any] = {g.group_id: g for g in groups if g.group_id not in used}
+        for group in gone.values():
+            await group.destroy()
+
+    async def _start_engines(self, stages: list[str]) -> dict[str, float]:
+        """``stages``' engines over the EMUs the stores hold now, in this epoch."""
         from nereus.engines import start_model_stage
         from nereus.engines.stage import stage_groups
 
         t0 = time.perf_counter()
-        for stage, emus in self.emus.items():  # the data plane caches them for start_model_stage
-            await stage_groups(self.cluster, STAGE_KINDS[stage], emus, epoch=self.epoch)
+        for stage in stages:  # made one after another; start_model_stage finds them made
+            await stage_groups(self.cluster, STAGE_KINDS[stage], self.emus[stage], epoch=self.epoch)
         groups_s = time.perf_counter() - t0
 
         async def start(stage: str, emus: list[Any]) -> None:
@@ -447,7 +583,7 @@ class ClusterStages(ModelStages):
                 options=self._options(stage), epoch=self.epoch, caches=caches)
 
         # every model-stage at once: a device's host builds its engines one after another
-        await asyncio.gather(*(start(stage, emus) for stage, emus in self.emus.items()))
+        await asyncio.gather(*(start(stage, self.emus[stage]) for stage in stages))
         return {"groups_s": groups_s}
 
     async def _retire_drained(self) -> None:
@@ -469,6 +605,7 @@ class ClusterStages(ModelStages):
     async def save(self, folder: str | Path) -> None:
         from nereus.state import save_to_disk
 
+        await self.transition_done()
         await self._stamp_states()
         out = Path(folder)
         for stage in ("policy_training", "critic_training"):
@@ -480,6 +617,7 @@ class ClusterStages(ModelStages):
         saved layout), then sync generation and the critic's inference from them."""
         from nereus.state import load_from_disk
 
+        await self.transition_done()
         src = Path(folder)
         state = None
         for stage in ("policy_training", "critic_training"):
@@ -520,13 +658,22 @@ class ClusterStages(ModelStages):
         from nereus.transfer import release_groups
 
         errors: list[BaseException] = []
+        if self._transition is not None:
+            try:
+                await self.transition_done()
+            except Exception as e:  # keep closing; raised at the end
+                errors.append(e)
+        groups = [g for _, g in self._sync.values() if g is not None]
         for handle in self.handles.values():
+            groups += handle.groups
             try:
                 await handle.stop()
             except Exception as e:  # keep closing; the first error is raised at the end
                 errors.append(e)
-        self.handles = {}
+        self.handles, self._sync = {}, {}
         try:
+            for group in {g.group_id: g for g in groups}.values():
+                await group.destroy()
             if self.epoch:
                 await release_groups(self.cluster, self.epoch)
             for mesh in self._host_meshes:
@@ -541,11 +688,20 @@ class ClusterStages(ModelStages):
             raise real[0]
 
 
-def _resident(memory: dict[int, dict[str, Any]], names: list[str]) -> dict[int, int]:
-    """Per device, what its ledger holds besides the job's EMUs (``shards/<name>``), their
-    engines (``<name>/...``) and transfers in flight: what a change must work around."""
-    mine = tuple(f"shards/{n}" for n in names) + tuple(f"{n}/" for n in names) + ("transfer/",)
+def _resident(memory: dict[int, dict[str, Any]], names: list[str], engines: list[str]) -> dict[int, int]:
+    """Per device, what its ledger holds besides the job's EMUs (``shards/<name>``), the
+    engines that stop for the change (``<name>/...``) and transfers in flight: what a
+    change must work around."""
+    mine = tuple(f"shards/{n}" for n in names) + tuple(f"{n}/" for n in engines) + ("transfer/",)
     return {d: sum(v for k, v in m["breakdown"].items() if not k.startswith(mine)) for d, m in memory.items()}
+
+
+def _emit_transition(report: dict[str, Any], dag: Any) -> None:
+    _emit("transition", from_plan=report["from"], to_plan=report["to"], changed=report.get("changed", []),
+          bytes=report.get("bytes", 0), bytes_measured=report.get("bytes_measured", 0),
+          predicted_seconds=report.get("predicted_seconds", 0.0), measured_seconds=report.get("seconds", 0.0),
+          nodes=len(dag.nodes), resource_edges=dag.resource_edges, epoch_from=report["epoch_from"],
+          ok=report.get("ok", False))
 
 
 def _emit(type_: str, **fields: Any) -> None:

@@ -5,12 +5,12 @@
 of the wrong type or out of range raises ``ConfigError`` naming the dotted field, the
 value and the rule (``algorithm.samples_per_prompt=1 must be >= 2 for grpo``).
 
-Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]``,
-``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[reward]`` (the task's
+Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]`` (a
+synthetic task) or ``[data]`` (prompts and ground truth from a file), ``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[reward]`` (the task's
 rule or a reward model), ``[sampling]``,
 ``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
 explicit, static placement of each model-stage as EMUs on devices) and ``[run]``
-(steps, seed, output directory, checkpoints).
+(steps, seed, output directory, checkpoints, loggers, export).
 
 Model-stages: ``policy_generation``, ``reference_inference``, ``critic_inference``,
 ``reward_inference``, ``policy_training``, ``critic_training``. Which ones a job needs
@@ -25,10 +25,13 @@ from typing import Any, Literal
 
 from nereus.config import parse_size, require
 
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
 __all__ = [
     "MODEL_STAGES",
     "ModelConfigSection",
     "TaskConfig",
+    "DataConfig",
     "AlgorithmConfig",
     "RewardConfig",
     "SamplingConfig",
@@ -95,6 +98,38 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Prompts and ground truth from a local file instead of a synthetic task
+    (``nereus.rl.filedata``): verl's columns, the model's chat template, the same global
+    sample order and exact resume as the tasks. Its rewards come from ``[reward] rule``."""
+
+    path: str = ""
+    """The JSONL or Parquet file (local; read through the ``datasets`` package)."""
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    """``auto`` tells the format from the suffix (``.jsonl``/``.json``, ``.parquet``)."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt: chat messages or a string."""
+    answer_key: str = "reward_model.ground_truth"
+    """The column holding the ground truth; dots step into nested columns."""
+    apply_chat_template: bool = True
+    """Render prompts with the model's chat template and the generation prompt (a string
+    prompt as one user turn); false feeds string prompts as they are (base models)."""
+    shuffle: bool = True
+    """Visit the rows in a seeded random order per epoch (``run.seed``); false keeps the
+    file's order."""
+    max_samples: int = 0
+    """Use only the first ``max_samples`` rows (0: all)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.path), "data.path", self.path, "must name a JSONL or Parquet file")
+        require(self.format in ("auto", "jsonl", "parquet"), "data.format", self.format, "must be 'auto', 'jsonl' or 'parquet'")
+        for name in ("prompt_key", "answer_key"):
+            value = getattr(self, name)
+            require(bool(value) and all(value.split(".")), f"data.{name}", value, "must be a column name (dots for nested columns)")
+        require(self.max_samples >= 0, "data.max_samples", self.max_samples, "must be >= 0 (0 = all rows)")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """The RL algorithm and its coefficients.
 
@@ -142,13 +177,25 @@ class RewardConfig:
     (``config.json``, ``*.safetensors`` with ``score.weight`` ``[1, hidden]``, as
     transformers' ``LlamaForSequenceClassification`` with ``num_labels = 1`` saves it)
     over the policy's vocabulary; the score is its head on the last token of the
-    prompt + response. The model-stage ``reward_inference`` runs it."""
+    prompt + response. The model-stage ``reward_inference`` runs it.
+
+    ``rule`` is the rule reward (``nereus.rl.rewards``), the score with ``kind = "rule"``
+    and the reported ``task_reward_mean`` with a reward model. Rule rewards run in the
+    job's driver process, in the step loop, right after responses are decoded."""
 
     kind: Literal["rule", "model"] = "rule"
     path: str = ""
+    rule: str = "task"
+    """``task`` (the synthetic task's own rule), ``math`` (math-verify on the final
+    answer), ``exact`` (exact match) or ``module:function`` (a user function over prompt,
+    response and ground truth). File data (``[data]``) needs one of the last three."""
 
     def __post_init__(self) -> None:
+        from nereus.rl.rewards import RULES, is_function_spec
+
         require(self.kind in ("rule", "model"), "reward.kind", self.kind, "must be 'rule' or 'model'")
+        require(self.rule in RULES or is_function_spec(self.rule), "reward.rule", self.rule,
+                f"must be one of {list(RULES)} or 'module:function'")
         require(self.kind != "model" or bool(self.path), "reward.path", self.path, "must name a reward model folder when kind='model'")
 
 
@@ -289,9 +336,31 @@ class RunConfig:
     checkpoint_every: int = 0
     resume: bool = False
     progress: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where each step's record goes (``nereus.rl.loggers``): ``jsonl`` (``metrics.jsonl``,
+    always: the job resumes and plots from it), ``tensorboard`` (``out_dir/tensorboard``),
+    ``wandb`` (offline, ``out_dir/wandb``), ``mlflow`` (``out_dir/mlflow.db``, SQLite)."""
+    experiment: str = "nereus"
+    """The W&B project and the MLflow experiment the run is logged under."""
+    run_name: str = ""
+    """The run's name in W&B and MLflow (default: the name of ``out_dir``)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline`` writes W&B's files under ``out_dir/wandb`` (``wandb sync`` uploads them)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow's store (default ``sqlite:///OUT_DIR/mlflow.db``)."""
+    export_hf: bool = False
+    """After the last step, write the trained policy to ``out_dir/hf`` as a Hugging Face
+    folder (config.json, model.safetensors, tokenizer files)."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "run.steps", self.steps, "must be >= 1")
+        bad = [x for x in self.loggers if x not in LOGGERS]
+        require(not bad, "run.loggers", self.loggers, f"must name loggers from {list(LOGGERS)}")
+        require(len(set(self.loggers)) == len(self.loggers), "run.loggers", self.loggers, "must not repeat a logger")
+        require("jsonl" in self.loggers, "run.loggers", self.loggers,
+                "must include 'jsonl' (metrics.jsonl is what the job resumes and plots from)")
+        require(bool(self.experiment), "run.experiment", self.experiment, "must not be empty")
+        require(self.wandb_mode in ("offline", "online"), "run.wandb_mode", self.wandb_mode, "must be 'offline' or 'online'")
         require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
         require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "must be >= 0 (0 = only at the end)")
 
@@ -317,6 +386,7 @@ def _default_plan() -> dict[str, Placement]:
 class JobConfig:
     model: ModelConfigSection = field(default_factory=ModelConfigSection)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig | None = None
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -326,6 +396,15 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        if self.data is not None:
+            require(self.task == TaskConfig(), "task", self.task, "must be left out when [data] is given (the prompts come from data.path)")
+            require(self.model.kind != "tiny", "model.kind", self.model.kind,
+                    "must be 'hf' or 'smollm2' with [data] (file prompts need the model's own tokenizer; 'tiny' has a character vocabulary)")
+            require(self.reward.rule != "task", "reward.rule", self.reward.rule,
+                    "must be 'math', 'exact' or 'module:function' with [data] (file rows carry no task rule)")
+        else:
+            require(self.reward.rule == "task", "reward.rule", self.reward.rule,
+                    "must be 'task' for a synthetic task (other rules score file data: give [data])")
         needed = required_stages(self.algorithm.name, self.reward.kind)
         for name in self.plan:
             require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} with reward.kind={self.reward.kind!r} does not use (it uses {list(needed)})")

@@ -1,10 +1,12 @@
 """The RL job: the step loop the controller drives, with metrics, checkpoints and resume.
 
-``run_job(cfg)`` (or ``await RLJob(cfg).run()``) builds the task, its dataset (one global
-sample order), the tokenizer, the initial model and the model-stages the plan places,
+``run_job(cfg)`` (or ``await RLJob(cfg).run()``) builds the task (a synthetic one, or the
+rows of ``[data]``'s file scored by ``[reward] rule``), its dataset (one global sample
+order), the tokenizer, the initial model and the model-stages the plan places,
 then runs ``run.steps`` steps of the configured algorithm. Each step takes the next
 ``prompts_per_step`` samples of the global order, runs the algorithm's step
-(``nereus.rl.algorithms``) and writes one record to ``metrics.jsonl``; the progress bar
+(``nereus.rl.algorithms``) and writes one record to ``metrics.jsonl`` and the other
+loggers ``run.loggers`` names (``nereus.rl.loggers``); the progress bar
 shows stage times, reward and lengths; the end prints a summary table and writes
 ``plot.png``.
 
@@ -16,7 +18,10 @@ from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the step
 uninterrupted job would have taken (same samples, same rollouts, same updates).
 
 Output folder: ``metrics.jsonl``, ``plot.png``, ``config.json`` (the resolved config),
-``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``.
+``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``, the loggers'
+files (``tensorboard/``, ``wandb/``, ``mlflow.db``) and, with ``run.export_hf``, ``hf/``:
+the trained policy as a Hugging Face folder (``nereus.rl.export``), written from the
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from nereus.errors import StateError
 from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.config import JobConfig
 from nereus.rl.data import PromptDataset
-from nereus.rl.report import MetricsWriter, StepProgress, plot_metrics, read_metrics, summary_table
+from nereus.rl.loggers import check_loggers, make_loggers
+from nereus.rl.report import StepProgress, plot_metrics, read_metrics, summary_table
 from nereus.rl.stages import InProcessStages, ModelStages, prepare_model
-from nereus.rl.tasks import make_task
+from nereus.rl.tasks import Task, make_task
 from nereus.rl.vocab import Codec
 
 __all__ = ["RLJob", "run_job", "latest_checkpoint"]
@@ -55,8 +61,19 @@ class RLJob:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
-        self.task = make_task(cfg.task.name, **cfg.task.options)
-        self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
+        check_loggers(cfg.run.loggers)
+        self.task: Task
+        if cfg.data is not None:
+            from nereus.rl.filedata import FileTask
+            from nereus.rl.rewards import load_reward
+
+            task = FileTask.load(cfg.data, load_reward(cfg.reward.rule))
+            self.task = task
+            self.dataset = PromptDataset(task, size=len(task), seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+                                         fingerprint=task.fingerprint)
+        else:
+            self.task = make_task(cfg.task.name, **cfg.task.options)
+            self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
         self.codec: Codec | None = Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
         self.stages: ModelStages | None = None
         self.step = 0
@@ -140,10 +157,13 @@ class RLJob:
             )
         return record
 
-    async def apply_plan(self, target: Any) -> dict[str, Any]:
-        """Change the job's plan at this step boundary (``ModelStages.apply_plan``)."""
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+        """Change the job's plan at this step boundary (``ModelStages.apply_plan``; with
+        ``overlap`` the next step's work on untouched devices starts while it runs)."""
         assert self.stages is not None
         self.stages.sample_position = self.dataset.position
+        if overlap:
+            return await self.stages.apply_plan(target, overlap=True)
         return await self.stages.apply_plan(target)
 
     async def run(self) -> list[dict[str, Any]]:
@@ -157,28 +177,41 @@ class RLJob:
     async def _loop(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         resumed = self.step > 0
-        writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_from_step=self.step if resumed else None)
+        loggers = make_loggers(cfg.run, self.out_dir, to_dict(cfg), resume_from_step=self.step if resumed else None)
         progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
         try:
             while self.step < cfg.run.steps:
                 record = await self.run_step()
                 self.records.append(record)
-                writer.write(record)
+                loggers.log(record)
                 progress.update(record)
                 every = cfg.run.checkpoint_every
                 if (every and self.step % every == 0) or self.step == cfg.run.steps:
                     await self.save_checkpoint()
         finally:
             progress.close()
-            writer.close()
+            loggers.close()
+        if cfg.run.export_hf:
+            self.export_hf()
         history = read_metrics(self.out_dir / "metrics.jsonl")
+        what = Path(cfg.data.path).name if cfg.data is not None else cfg.task.name
         if history:
-            plot_metrics(history, self.out_dir / "plot.png", title=f"{cfg.algorithm.name.upper()} on {cfg.task.name}")
+            plot_metrics(history, self.out_dir / "plot.png", title=f"{cfg.algorithm.name.upper()} on {what}")
             if cfg.run.progress:
                 from rich.console import Console
 
-                Console().print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {cfg.task.name}: {self.out_dir}"))
+                Console().print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"))
         return self.records
+
+    def export_hf(self, out: str | Path | None = None) -> Path:
+        """Write the policy of the newest checkpoint as a Hugging Face folder (``out_dir/hf``
+        by default); see ``nereus.rl.export``."""
+        from nereus.rl.export import export_checkpoint
+
+        ckpt = latest_checkpoint(self.out_dir)
+        if ckpt is None:
+            raise StateError(f"{str(self.out_dir)!r} has no complete checkpoint to export")
+        return export_checkpoint(ckpt, self.cfg, self.model_config, self.model_dir, out or self.out_dir / "hf")
 
     async def close(self) -> None:
         if self.stages is not None:

@@ -198,14 +198,40 @@ def emu_to_plain(emu: EMU) -> dict[str, Any]:
     }
 
 
+_SPECS: dict[tuple, ModelSpec] = {}
+_SPECS_KEPT = 16
+
+
+def _spec_from_plain(plain: dict[str, Any]) -> ModelSpec:
+    """``ModelSpec`` of plain data, built and validated once per distinct spec (an
+    engine host sees the same few specs in every message)."""
+    params = plain.get("params") or []
+    try:
+        key = (plain.get("name"), plain.get("num_layers"), plain.get("num_attention_heads"), plain.get("num_kv_heads"),
+               plain.get("vocab_size"), plain.get("hidden_size"),
+               tuple((p["name"], tuple(p["shape"]), p["dtype"], p["rule"], p["stage"], p.get("layer"),
+                      tuple((c["name"], c["size"], c["units"]) for c in p.get("components") or ()),
+                      p.get("tied_head", False)) for p in params))
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"ModelSpec description is malformed: {e!r}") from None
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = from_dict(ModelSpec, plain)
+        if len(_SPECS) >= _SPECS_KEPT:
+            _SPECS.pop(next(iter(_SPECS)))
+        _SPECS[key] = spec
+    return spec
+
+
 def emu_from_plain(plain: dict[str, Any]) -> EMU:
-    """The EMU ``emu_to_plain`` described; every field is validated again."""
+    """The EMU ``emu_to_plain`` described; every field is validated again (a spec seen
+    before is not built twice)."""
     try:
         lay = plain["layout"]
         return EMU(
             name=plain["name"],
             model_stage=plain["model_stage"],
-            spec=from_dict(ModelSpec, plain["spec"]),
+            spec=_spec_from_plain(plain["spec"]),
             layout=Layout(lay["tp"], lay["pp"], tuple(lay["cuts"])),
             devices=tuple(plain["devices"]),
             slots=tuple(plain["slots"]),

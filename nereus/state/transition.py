@@ -1,9 +1,12 @@
 """One model-stage's local transition: Split -> Destroy -> Extend/Merge through T_sub.
 
-``plan_stage_transition(current, target)`` turns the EMUs a model-stage has now into
-the EMUs it should have (their layouts and device tuples; DP is how many), as an
-ordered list of primitive ``Step``s (DESIGN §4), through T_sub (``sub_layout`` of the
-current and target layouts):
+``stage_ops(current, target)`` turns the replicas a model-stage has now into the
+replicas it should have (layouts and device tuples; DP is how many) as an ordered list
+of primitive ``Op``s (DESIGN §4), through T_sub (``sub_layout`` of the current and
+target layouts). It looks only at names, layouts and devices, so the runtime (which
+turns every op into a ``Step`` with its exact reshard plans: ``plan_stage_transition``)
+and the transition DAG (which prices ops analytically at any scale: ``nereus.transition``)
+share one structure:
 
 1. Split every current EMU that is larger than T_sub into the T_sub replicas a target
    wants inside its devices (placed where the target wants them); replicas nobody
@@ -16,18 +19,19 @@ current and target layouts):
      its other devices lack from them (freed once it exists);
    - none inside: Extend from an EMU on disjoint devices (a replica or a current EMU of
      any layout) onto its devices, in its layout (rank-aligned when the layouts are
-     equal), load-balanced across every disjoint EMU.
+     equal), load-balanced across up to ``DONORS`` disjoint EMUs.
 
 Every plan moves only the bytes its target lacks on each device (box intersection), so
 the whole transition moves what a target does not already hold where it needs it.
 Where a target has no replica inside it and no EMU sits on devices disjoint from it, the
 transition retries with a smaller T_sub (halving tp, then pp: more, smaller replicas
-fit inside a target) before declaring it infeasible.
+fit inside a target) before declaring it infeasible. The work is linear in the
+replicas (devices are indexed), so a model-stage of thousands of EMUs is planned alike.
 
-It simulates the model-stage's memory through the steps: each step is checked against
-the devices' budgets counting the other live EMUs of the model-stage plus ``used``
-(everything else on the device), so an infeasible order raises ``OutOfMemory`` before
-anything runs. The transition DAG joins these per-model-stage lists across stages.
+``plan_stage_transition`` also simulates the model-stage's memory through the steps:
+each is checked against the devices' budgets counting the other live EMUs of the
+model-stage plus ``used`` (everything else on the device), so an infeasible order raises
+``OutOfMemory`` before anything runs. The transition DAG joins model-stages' ops.
 
 Refuses: ``StateError`` for mixed layouts or model-stages, overlapping targets;
 ``InfeasiblePlan`` when no T_sub leaves a target a source (use the checkpoint fallback).
@@ -38,6 +42,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from nereus.errors import InfeasiblePlan, StateError
 from nereus.state.emu import EMU, DeviceSet
@@ -45,7 +50,48 @@ from nereus.state.layout import Layout
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 from nereus.state.primitives import Step, destroy, extend, merge, split, sub_layout, sub_placements
 
-__all__ = ["StageTransition", "plan_stage_transition", "smaller_subs"]
+__all__ = ["Rep", "Op", "StageOps", "StageTransition", "stage_ops", "op_step", "plan_stage_transition",
+           "smaller_subs", "DONORS"]
+
+# at most this many disjoint EMUs an Extend balances its reads across
+DONORS = 4
+
+
+class Replica(Protocol):
+    name: str
+    layout: Layout
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Rep:
+    """A replica as the structure sees it: a name, a layout and its devices."""
+
+    name: str
+    layout: Layout
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One primitive: ``inputs`` read (a Split's EMU, a Merge's parts, an Extend's
+    source then the EMUs it balances across, a Destroy's EMU), ``created`` made,
+    ``freed`` dropped once it is done."""
+
+    kind: Literal["split", "destroy", "extend", "merge"]
+    inputs: tuple[Replica, ...]
+    created: tuple[Rep, ...]
+    freed: tuple[Replica, ...]
+
+
+@dataclass(frozen=True)
+class StageOps:
+    """A model-stage's ops in order, its T_sub, and the replica that becomes each target
+    (in target order; a target that needed no op keeps its current replica's name)."""
+
+    sub: Layout
+    ops: tuple[Op, ...]
+    result: tuple[Replica, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,28 +109,18 @@ class StageTransition:
         return sum(s.bytes_moved for s in self.steps)
 
 
-def _same(emus: Sequence[EMU], what: str) -> Layout:
-    if not emus:
+def _same(reps: Sequence[Replica], what: str) -> Layout:
+    if not reps:
         raise StateError(f"{what} EMUs must not be empty")
-    layouts = {e.layout for e in emus}
-    stages = {e.model_stage for e in emus}
-    if len(layouts) > 1 or len(stages) > 1:
-        raise StateError(f"{what} EMUs must share one model-stage and one layout: {list(emus)}")
-    used: set[int] = set()
-    for e in emus:
-        if used & set(e.devices):
-            raise StateError(f"{what} EMUs overlap on devices {sorted(used & set(e.devices))}")
-        used |= set(e.devices)
-    return emus[0].layout
-
-
-def _pick_disjoint(cands: Sequence[tuple[int, ...]], within: set[int]) -> list[tuple[int, ...]]:
-    chosen, taken = [], set()
-    for c in cands:
-        if set(c) <= within and taken.isdisjoint(c):
-            chosen.append(c)
-            taken |= set(c)
-    return chosen
+    layouts = {e.layout for e in reps}
+    if len(layouts) > 1:
+        raise StateError(f"{what} EMUs must share one layout: {list(reps)}")
+    seen: set[int] = set()
+    for e in reps:
+        if not seen.isdisjoint(e.devices):
+            raise StateError(f"{what} EMUs overlap on devices {sorted(seen & set(e.devices))}")
+        seen.update(e.devices)
+    return reps[0].layout
 
 
 def smaller_subs(sub: Layout) -> list[Layout]:
@@ -102,6 +138,148 @@ def smaller_subs(sub: Layout) -> list[Layout]:
     return out
 
 
+def stage_ops(current: Sequence[Replica], target: Sequence[Replica]) -> StageOps:
+    """The ops that turn ``current`` into ``target`` (see the module docstring)."""
+    a, b = _same(current, "current"), _same(target, "target")
+    for sub in smaller_subs(sub_layout(a, b)):
+        try:
+            return _ops_through(current, target, sub)
+        except InfeasiblePlan:
+            if sub.size == 1:
+                raise
+    raise AssertionError("unreachable: the 1 x 1 T_sub either returns or raises")
+
+
+def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Layout) -> StageOps:
+    b = target[0].layout
+    ops: list[Op] = []
+    live: dict[str, Replica] = {e.name: e for e in current}
+    owner = {d: e for e in current for d in e.devices}  # device -> current EMU
+
+    def run(op: Op) -> None:
+        ops.append(op)
+        for e in op.freed:
+            live.pop(e.name)
+        for e in op.created:
+            live[e.name] = e
+
+    desired = [[t.devices] if b == sub else sub_placements(b, t.devices, sub) for t in target]
+    # Which T_sub replicas will exist: current EMUs of layout T_sub, and what each larger
+    # EMU is split into (the slots a target wants inside its devices; they are disjoint).
+    fits: dict[str, list[tuple[int, ...]]] = {e.name: [] for e in current if e.layout != sub}
+    for slots in desired:
+        for x in slots:
+            e = owner.get(x[0])
+            if e is not None and e.layout != sub and all(owner.get(d) is e for d in x):
+                fits[e.name].append(x)
+    slot_at: dict[int, tuple[int, ...]] = {e.devices[0]: e.devices for e in current if e.layout == sub}
+    for xs in fits.values():
+        slot_at.update({x[0]: x for x in xs})
+    taken: set[tuple[int, ...]] = set()
+    inside: dict[int, list[tuple[int, ...]]] = {}
+    for j, t in enumerate(target):
+        within = set(t.devices)
+        mine = [x for x in desired[j] if slot_at.get(x[0]) == x and x not in taken]
+        mine += [x for d in t.devices if (x := slot_at.get(d)) is not None and x not in taken
+                 and x not in mine and within.issuperset(x)]
+        inside[j] = mine
+        taken.update(mine)
+    needs_donor = [j for j in range(len(target)) if not inside[j]]
+    for j in needs_donor:
+        t = set(target[j].devices)
+        if all(not t.isdisjoint(e.devices) for e in current):
+            raise InfeasiblePlan(
+                f"{target[j].name}: no {sub} replica sits inside its devices {list(target[j].devices)} and no "
+                "EMU on devices disjoint from them to Extend from; use the checkpoint fallback"
+            )
+    # 1. Split (the EMUs no replica comes from are destroyed below, once no target needs them)
+    for e in current:
+        if e.layout != sub and fits[e.name]:
+            run(Op("split", (e,), tuple(Rep(f"{e.name}.{i}", sub, x) for i, x in enumerate(fits[e.name])), (e,)))
+    by_slot = {e.devices: e for e in live.values() if e.layout == sub}
+    assigned = {by_slot[x].name: j for j, xs in inside.items() for x in xs}
+    donors: dict[int, list[Replica]] = {}
+    if needs_donor:
+        # unassigned EMUs first, then those of the targets' layout (rank-aligned), taken
+        # round robin so the targets' reads spread over every candidate
+        pool = sorted(live.values(), key=lambda e: (e.name in assigned, e.layout != b, e.name))
+        for k, j in enumerate(needs_donor):
+            t = set(target[j].devices)
+            found: list[Replica] = []
+            for i in range(len(pool)):
+                e = pool[(k + i) % len(pool)]
+                if t.isdisjoint(e.devices):
+                    found.append(e)
+                    if len(found) == DONORS:
+                        break
+            donors[j] = found
+    keep = {cands[0].name for cands in donors.values()}
+    # 2. Destroy what no target needs (a donor waits for the targets built from it)
+    for e in sorted(live.values(), key=lambda e: e.name):
+        if e.name not in assigned and e.name not in keep:
+            run(Op("destroy", (e,), (), (e,)))
+    # 3. Build every target: Extends first (their sources may be merged into other
+    # targets), then the donors nobody keeps go, then Merges; a target that already
+    # exists stays as it is
+    parts_of: dict[int, list[Replica]] = defaultdict(list)
+    for n, j in assigned.items():
+        parts_of[j].append(live[n])
+    built: dict[int, Replica] = {}
+
+    def build(j: int) -> None:
+        t = target[j]
+        parts = parts_of.get(j, [])
+        if len(parts) == 1 and parts[0].layout == t.layout and parts[0].devices == tuple(t.devices):
+            built[j] = parts[0]
+            return
+        made = Rep(t.name if t.name not in live else f"{t.name}@{len(ops)}", t.layout, tuple(t.devices))
+        if parts:
+            run(Op("merge", tuple(parts), (made,), tuple(parts)))
+        else:
+            run(Op("extend", tuple(e for e in donors[j] if e.name in live), (made,), ()))
+        built[j] = made
+
+    for j in donors:
+        build(j)
+    for name in sorted(keep):
+        if name in live and name not in assigned:
+            run(Op("destroy", (live[name],), (), (live[name],)))
+    for j in range(len(target)):
+        if j not in donors:
+            build(j)
+    return StageOps(sub, tuple(ops), tuple(built[j] for j in range(len(target))))
+
+
+def op_step(
+    op: Op,
+    live: Mapping[str, EMU],
+    devices: DeviceSet | None = None,
+    *,
+    used: Mapping[int, int] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Step:
+    """The ``Step`` (with its exact reshard plans) of ``op`` over the EMUs alive now
+    (``live``: name -> EMU, the op's inputs among them), checked against the budgets
+    in ``devices`` counting ``used`` when given."""
+    ins = [live[e.name] for e in op.inputs]
+    if op.kind == "split":
+        step = split(ins[0], op.created[0].layout, devices, placements=[r.devices for r in op.created],
+                     used=used, bucket_bytes=bucket_bytes)
+    elif op.kind == "destroy":
+        step = destroy(ins[0], list(live.values()), devices)
+    elif op.kind == "merge":
+        made = op.created[0]
+        step = merge(ins, made.layout, made.devices, devices, name=made.name, used=used, bucket_bytes=bucket_bytes)
+    else:
+        made = op.created[0]
+        step = extend(ins[0], made.devices, devices, name=made.name, layout=made.layout, replicas=ins[1:],
+                      used=used, bucket_bytes=bucket_bytes)
+    if [e.name for e in step.created] != [r.name for r in op.created]:
+        raise AssertionError(f"{op.kind} made {[e.name for e in step.created]}, its op says "
+                             f"{[r.name for r in op.created]}")
+    return step
+
+
 def plan_stage_transition(
     current: Sequence[EMU],
     target: Sequence[EMU],
@@ -111,23 +289,15 @@ def plan_stage_transition(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> StageTransition:
     """Plan the transition of one model-stage from ``current`` to ``target`` EMUs
-    (targets give layout, devices, name; tensors and logical state come from current)."""
-    a, b = _same(current, "current"), _same(target, "target")
-    if current[0].model_stage != target[0].model_stage:
-        raise StateError(f"current model-stage {current[0].model_stage} != target {target[0].model_stage}")
-    first = sub_layout(a, b)
-    for sub in smaller_subs(first):
-        try:
-            return _through(current, target, sub, devices, used, bucket_bytes)
-        except InfeasiblePlan:
-            if sub.size == 1:
-                raise
-    raise AssertionError("unreachable: the 1 x 1 T_sub either returns or raises")
-
-
-def _through(current: Sequence[EMU], target: Sequence[EMU], sub: Layout, devices: DeviceSet | None,
-             used: Mapping[int, int] | None, bucket_bytes: int) -> StageTransition:
-    b = target[0].layout
+    (targets give layout, devices, name; tensors and logical state come from current):
+    ``stage_ops`` made into ``Step``s with their reshard plans, checked against the
+    budgets step after step."""
+    _same(current, "current")
+    _same(target, "target")
+    stages = {e.model_stage for e in current} | {t.model_stage for t in target}
+    if len(stages) > 1:
+        raise StateError(f"current and target EMUs must be of one model-stage, not {sorted(stages)}")
+    planned = stage_ops(current, target)
     live: dict[str, EMU] = {e.name: e for e in current}
     steps: list[Step] = []
 
@@ -140,84 +310,12 @@ def _through(current: Sequence[EMU], target: Sequence[EMU], sub: Layout, devices
                     out[d] += e.bytes_on(d)
         return out
 
-    def run(step: Step) -> None:
+    for op in planned.ops:
+        ins = [live[e.name] for e in op.inputs]
+        step = op_step(op, live, devices, used=others_used(ins), bucket_bytes=bucket_bytes)
         steps.append(step)
         for e in step.freed:
             live.pop(e.name)
         for e in step.created:
             live[e.name] = e
-
-    desired = [[t.devices] if b == sub else sub_placements(b, t.devices, sub) for t in target]
-    flat_desired = [slot for slots in desired for slot in slots]
-    # Which T_sub replicas will exist: current EMUs of layout T_sub, and what each larger
-    # EMU is split into (the slots a target wants inside its devices).
-    fits: dict[str, list[tuple[int, ...]]] = {
-        e.name: _pick_disjoint(flat_desired, set(e.devices)) for e in current if e.layout != sub}
-    slots = [e.devices for e in current if e.layout == sub] + [p for ps in fits.values() for p in ps]
-    inside: dict[int, list[tuple[int, ...]]] = {}
-    taken: set[tuple[int, ...]] = set()
-    for j, t in enumerate(target):
-        order = [x for x in desired[j] if x in slots and x not in taken]
-        order += [x for x in slots if x not in order and x not in taken and {*x} <= set(t.devices)]
-        inside[j] = _pick_disjoint(order, set(t.devices))
-        taken |= set(inside[j])
-    # A target with no replica inside it is built by Extend from an EMU on disjoint
-    # devices, in its layout (a current EMU, or a replica split out of one).
-    for j, t in enumerate(target):
-        if not inside[j] and not any(set(e.devices).isdisjoint(t.devices) for e in current):
-            raise InfeasiblePlan(
-                f"{t.name}: no {sub} replica of {current[0].model_stage} sits inside its devices "
-                f"{list(t.devices)} and no EMU on devices disjoint from them to Extend from; "
-                "use the checkpoint fallback"
-            )
-    # 1. Split (the EMUs no replica comes from are destroyed below, once no target needs them)
-    for emu in current:
-        if emu.layout != sub and fits[emu.name]:
-            run(split(emu, sub, devices, placements=fits[emu.name], used=others_used([emu]),
-                      bucket_bytes=bucket_bytes))
-    by_slot = {e.devices: e for e in live.values() if e.layout == sub}
-    assigned = {by_slot[x].name: j for j, xs in inside.items() for x in xs}
-    donors: dict[int, list[EMU]] = {}
-    for j, t in enumerate(target):
-        if not inside[j]:
-            cands = [e for e in live.values() if set(e.devices).isdisjoint(t.devices)]
-            # unassigned ones first, then those of the target's own layout (rank-aligned)
-            cands.sort(key=lambda e: (e.name in assigned, e.layout != t.layout, e.name))
-            donors[j] = cands
-    keep = {cands[0].name for cands in donors.values()}
-    # 2. Destroy what no target needs (a donor waits for the targets built from it)
-    for e in sorted(live.values(), key=lambda e: e.name):
-        if e.name not in assigned and e.name not in keep:
-            run(destroy(e, list(live.values()), devices))
-    # 3. Build every target: Extends first (their sources may be merged into other
-    # targets), then the donors nobody keeps go, then Merges; a target that already
-    # exists stays as it is
-    built: dict[int, EMU] = {}
-
-    def build(j: int) -> None:
-        t = target[j]
-        parts = [live[n] for n, k in assigned.items() if k == j]
-        if len(parts) == 1 and parts[0].layout == t.layout and parts[0].devices == t.devices:
-            built[j] = parts[0]
-            return
-        name = t.name if t.name not in live else f"{t.name}@{len(steps)}"
-        if parts:
-            step = merge(parts, t.layout, t.devices, devices, name=name, used=others_used(parts),
-                         bucket_bytes=bucket_bytes)
-        else:
-            src, *rest = [e for e in donors[j] if e.name in live]
-            step = extend(src, t.devices, devices, name=name, layout=t.layout, replicas=rest,
-                          used=others_used([src, *rest]), bucket_bytes=bucket_bytes)
-        run(step)
-        built[j] = step.created[0]
-
-    for j in donors:
-        build(j)
-    for name in sorted(keep):
-        if name in live and name not in assigned:
-            run(destroy(live[name], list(live.values()), devices))
-    for j in range(len(target)):
-        if j not in donors:
-            build(j)
-    result = [built[j] for j in range(len(target))]
-    return StageTransition(sub, tuple(steps), tuple(result))
+    return StageTransition(planned.sub, tuple(steps), tuple(live[r.name] for r in planned.result))

@@ -24,7 +24,9 @@ torch's TCPStore has no authentication of its own; gloo and NCCL traffic itself
 assumes a private network (README, "Trust model").
 
 Groups are cached by (devices, backend, epoch): asking again for the same group
-returns the same live handle. ``GroupHandle.destroy`` and ``release_groups(cluster,
+returns the same live handle. Set-ups of groups that share a device never overlap in
+time (a lock per device, taken in device order): concurrent rendezvous over shared
+devices could stall for seconds; one after another each takes milliseconds. ``GroupHandle.destroy`` and ``release_groups(cluster,
 epoch)`` tear them down on every member (sockets, threads, shared memory, the store).
 
 Worker side: ``get_communicator(group_id)`` returns this process's communicator of a
@@ -46,6 +48,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -172,6 +175,9 @@ class GroupHandle:
     _owner: _Groups | None = field(repr=False, default=None)
     _store: Any = field(repr=False, default=None)
     destroyed: bool = False
+    tag: str = ""
+    # when its members were asked to join and when the last one had (driver's clock)
+    setup_span: tuple[float, float] = (0.0, 0.0)
 
     def rank_of(self, device: int) -> int:
         return self.devices.index(device)
@@ -199,6 +205,9 @@ class _Groups:
         self.cache: dict[tuple, GroupHandle] = {}
         self.lock = asyncio.Lock()
         self.spawned = 0
+        # one set-up at a time per device: rendezvous of groups over shared devices that
+        # overlap in time can stall for seconds
+        self.device_locks: dict[int, asyncio.Lock] = {}
 
     def forget(self, handle: GroupHandle) -> None:
         for key, h in list(self.cache.items()):
@@ -302,10 +311,12 @@ class _Rendezvous:
 
 async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "auto",
                      epoch: int = 0, timeout_s: float = 60.0,
-                     options: dict[str, Any] | None = None) -> GroupHandle:
+                     options: dict[str, Any] | None = None, tag: str = "") -> GroupHandle:
     """A live group over ``devices`` (indices, DeviceInfo or an ActorMesh, in rank
     order); see the module docstring. ``options`` go to the backend's constructor (e.g.
-    ``{"use_shm": False}`` for CpuCommunicator)."""
+    ``{"use_shm": False}`` for CpuCommunicator); ``tag`` sets groups of one epoch apart
+    (a transition's own groups beside the engines'): it is part of the cache key and
+    ``release_groups`` can release one tag alone."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} must be one of {list(BACKENDS)}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -319,7 +330,7 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     if backend == "nccl" and kinds != {"cuda"}:
         raise ConfigError(f"backend='nccl' needs CUDA devices; devices are of kinds {sorted(kinds)}")
     state = _state.setdefault(cluster, _Groups())
-    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())))
+    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())), tag)
     async with state.lock:
         cached = state.cache.get(key)
         if cached is not None and not cached.destroyed:
@@ -337,10 +348,21 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     if backend == "nccl":
         spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
     handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
-                         store)
-    calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
-             for r, a in enumerate(agents)]
-    results = await asyncio.gather(*calls, return_exceptions=True)
+                         store, tag=tag)
+    # set-ups over a shared device go one after another (locks taken in device order,
+    # so two set-ups never wait on each other)
+    locks = [state.device_locks.setdefault(d.index, asyncio.Lock()) for d in sorted(infos, key=lambda d: d.index)]
+    for lock in locks:
+        await lock.acquire()
+    try:
+        t_setup = time.monotonic()
+        calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
+                 for r, a in enumerate(agents)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        handle.setup_span = (t_setup, time.monotonic())
+    finally:
+        for lock in locks:
+            lock.release()
     failed = [(infos[r].index, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
     for device, err in failed:
         if isinstance(err, ActorDied):  # a later make_group spawns a fresh agent there
@@ -356,12 +378,13 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     return handle
 
 
-async def release_groups(cluster: Cluster, epoch: int) -> int:
-    """Destroy every cached group of ``epoch`` made through ``cluster``; returns how many."""
+async def release_groups(cluster: Cluster, epoch: int, tag: str | None = None) -> int:
+    """Destroy every cached group of ``epoch`` (of ``tag`` alone, when given) made through
+    ``cluster``; returns how many."""
     state = _state.get(cluster)
     if state is None:
         return 0
-    handles = [h for h in list(state.cache.values()) if h.epoch == epoch]
+    handles = [h for h in list(state.cache.values()) if h.epoch == epoch and (tag is None or h.tag == tag)]
     for h in handles:
         await h.destroy()
     return len(handles)

@@ -42,7 +42,7 @@ async def test_demo_config_learns_on_a_local_cluster(tmp_path):
         memory = {d: m["breakdown"] for d, m in (await job.stages.memory()).items()}
         # Co-resident model-stages are accounted on one device ledger: the shard store
         # holds every EMU's tensors, the training engine adds its gradients.
-        gen0, train0, gen3 = "policy_generation.1.0", "policy_training.1.0", "policy_generation.1.3"
+        gen0, train0, gen3 = "policy_generation.0", "policy_training.0", "policy_generation.3"
         assert {f"shards/{gen0}", f"shards/{train0}", f"{train0}/grads"} <= set(memory[0])
         assert f"shards/{gen3}" in memory[3] and not any("policy_training" in k for k in memory[3])
         records = await job._loop()

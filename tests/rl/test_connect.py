@@ -45,8 +45,8 @@ async def test_grpo_on_a_running_cluster(tmp_path):
             await rl.close()
         assert [r["step"] for r in records] == [0, 1]
         assert records[1]["policy_version"] == 1  # a weight sync between the steps
-        assert "shards/policy_training.1.0" in memory[1]["breakdown"]
-        assert "shards/policy_generation.1.0" in memory[0]["breakdown"]
+        assert "shards/policy_training.0" in memory[1]["breakdown"]
+        assert "shards/policy_generation.0" in memory[0]["breakdown"]
         # The cluster outlives the job: same workers, no actors of the job left on them.
         assert [w.proc.pid for w in node.workers] == pids
         assert all(w.proc.returncode is None for w in node.workers)

@@ -131,9 +131,11 @@ async def test_a_target_over_budget_is_refused_and_nothing_is_freed(holders):
     spec = spec_for(layers=4, heads=8, head_dim=64, intermediate=1024, vocab=4096)  # ~34 MiB fp32
     a = EMU("big", "policy-training", spec, Layout(4, 1), (0, 1, 2, 3))
     full = global_tensors(a, seed=6)
+    pad = EMU("pad", "policy-training", spec, Layout(1, 1), (0,))
     try:
         await _put(refs, a, full)
-        # two full copies on device 0 exceed its 64 MiB budget
+        await _put(refs, pad, full)
+        # a second full copy on device 0 beside its quarter exceeds the 64 MiB budget
         whole = EMU("whole", "policy-training", spec, Layout(1, 1), (0,))
         with pytest.raises(RemoteError) as info:
             await execute(plan_reshard([a], whole), refs, cluster, free=[a])
@@ -144,7 +146,7 @@ async def test_a_target_over_budget_is_refused_and_nothing_is_freed(holders):
         # the same refusal on the driver, before any message, from the memory model
         with pytest.raises(OutOfMemory) as oom:
             await execute(plan_reshard([a], whole), refs, cluster, free=[a],
-                          devices=DeviceSet.single_host(4, BUDGET), used={})
+                          devices=DeviceSet.single_host(4, BUDGET), used={0: pad.bytes_on(0)})
         assert oom.value.device == 0 and oom.value.budget_bytes == BUDGET
         assert oom.value.need_bytes > BUDGET
         await _assert_holds(refs, a, full)

@@ -156,3 +156,15 @@ async def test_a_multi_host_store_listens_on_the_route_to_the_members():
     # store binds the address of the interface that routes there, never 0.0.0.0
     there = DeviceInfo(1, "127.0.0.2", "cpu", 1, "n1", 0)
     assert _store_host([here, there]) == "127.0.0.1"
+
+async def test_concurrent_groups_over_shared_devices_set_up_one_after_another(cluster, members):
+    """Groups made at once over overlapping devices: every one forms and works, and no two
+    set-ups that share a device overlap in time (the per-device lock)."""
+    for trial in range(5):
+        devsets = [[0, 1], [1, 2], [0, 2], [2, 1, 0]]
+        handles = await asyncio.gather(*(_make(cluster, devices=d, epoch=100 + trial) for d in devsets))
+        for a, b in ((a, b) for i, a in enumerate(handles) for b in handles[i + 1:]):
+            if set(a.devices) & set(b.devices):
+                (a0, a1), (b0, b1) = a.setup_span, b.setup_span
+                assert a1 <= b0 or b1 <= a0, (a.devices, a.setup_span, b.devices, b.setup_span)
+        assert await release_groups(cluster, epoch=100 + trial) == len(devsets)

@@ -1,0 +1,30 @@
+"""nereus.transition: the global transition DAG (DESIGN §5, §10).
+
+``build_dag`` joins every model-stage's primitives into one DAG with analytic bytes and
+exact per-device memory effects; ``simulate`` is the one list scheduler (the estimate,
+the executor's dispatch order, the simulator's timing); ``transition_seconds`` prices a
+move for admission (``inf`` when infeasible); ``execute_dag`` runs a DAG on a runtime:
+real workers (``nereus.rl``'s) or ``SimulatedRuntime`` (a clock with injected durations
+and failures).
+
+Pure planning: no sockets, processes or files; the executor drives whatever runtime it
+is given.
+"""
+
+from nereus.transition.analytic import SpecBytes
+from nereus.transition.dag import Node, TransitionDAG, build_dag, stage_moves, stage_rank
+from nereus.transition.schedule import Blocked, Dispatcher, LinkModel, Schedule, simulate
+
+__all__ = [
+    "Blocked",
+    "Dispatcher",
+    "LinkModel",
+    "Node",
+    "Schedule",
+    "SpecBytes",
+    "TransitionDAG",
+    "build_dag",
+    "simulate",
+    "stage_moves",
+    "stage_rank",
+]
