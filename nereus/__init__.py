@@ -21,6 +21,7 @@ from nereus.errors import (
     InfeasibleTransition,
     NereusError,
     OutOfMemory,
+    PeerDied,
     ProtocolError,
     RemoteError,
     StateError,
@@ -89,6 +90,7 @@ __all__ = [
     "RemoteError",
     "StateError",
     "StuckCollective",
+    "PeerDied",
     "TransferError",
     *sorted(_LAZY),
 ]

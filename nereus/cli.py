@@ -20,6 +20,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tap": ("nereus.monitor.tap", "print (or write as JSONL) the live monitoring tap of a controller"),
     "controller": ("nereus.controller", "run a standalone controller that node daemons join"),
     "node": ("nereus.node", "run the per-host node daemon (one worker process per device)"),
+    "curve-key": ("nereus.actors._curve", "write a CURVE secret key file that encrypts tcp sockets"),
+
     "slurm": ("nereus.launch.slurm_cli", "start a cluster (and an RL job) in a Slurm allocation"),
     "k8s": ("nereus.launch.k8s_cli", "render the Kubernetes manifests of a cluster (and an RL job)"),
 }

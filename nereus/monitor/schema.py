@@ -107,6 +107,9 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
     "memory": {"device": "device index", "used_bytes": "int", "budget_bytes": "int"},
     "stuck_collective": {"group": "group id", "op": "collective", "missing_ranks": "list",
                          "seconds": "stuck for", "rank": "reporting rank"},
+    "peer_died": {"group": "group id", "op": "operation", "dead_ranks": "list",
+                  "silent_ranks": "list (another host, no sign of life)",
+                  "seconds": "until it failed", "rank": "reporting rank"},
 }
 
 

@@ -136,7 +136,8 @@ class ClusterStages(ModelStages):
             if c.mode == "connect":
                 # The same deadline as a local cluster's: spawning a model-stage on a busy host
                 # takes longer than the 30 s an attach alone would allow.
-                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices, timeout_s=60.0)
+                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices,
+                                          timeout_s=60.0, curve_key_file=c.curve_key_file or None)
             else:
                 # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
                 # can miss the default 3 s, and a lost node ends the job.

@@ -273,13 +273,15 @@ class ClusterConfig:
     ``python -m nereus.node`` per host) at ``address``, keyed by ``key_file`` (or
     ``$NEREUS_CLUSTER_KEY``), whose first ``devices`` devices the plan uses (their memory
     is what the nodes were started with; ``model.path`` and ``run.out_dir`` must be paths
-    every host can read); ``in_process``: every model-stage in the driver (for tests)."""
+    every host can read; ``curve_key_file``: the cluster's CURVE key when its tcp sockets
+    are encrypted); ``in_process``: every model-stage in the driver (for tests)."""
 
     mode: Literal["local", "connect", "in_process"] = "local"
     devices: int = 4
     memory_per_device: str = "1GiB"
     address: str = ""
     key_file: str = ""
+    curve_key_file: str = ""
 
     def __post_init__(self) -> None:
         require(self.mode in ("local", "connect", "in_process"), "cluster.mode", self.mode, "must be 'local', 'connect' or 'in_process'")
