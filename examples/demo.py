@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError, OutOfMemory, RemoteError
+from nereus.rl.adapt import PredictedFailure, predict_memory_failure
 from nereus.rl.cli import parse_job
 from nereus.rl.job import RLJob
 
@@ -58,6 +59,24 @@ def pool_events(reclaim_at: int, return_at: int) -> Any:
     return hook
 
 
+async def run(job: RLJob, predicted: list[PredictedFailure | None]) -> list[dict[str, Any]]:
+    """Start the job, say where its starting plan is predicted to run out of memory (when
+    it does not adapt), run it to the end."""
+    await job.start()
+    try:
+        cfg = job.cfg
+        p = predict_memory_failure(cfg, job.model_config, cfg.job_plan(), prompt_length=job.max_prompt_tokens(),
+                                   budget_bytes=cfg.cluster.memory_bytes, devices=cfg.cluster.devices)
+        predicted.append(p)
+        if p is not None:
+            log.info("the starting plan is predicted to run out of memory at step %d (cap %d: device %d needs %d "
+                     "of %d bytes)%s", p.step, p.cap, p.device, p.need_bytes, p.budget_bytes,
+                     "; the controller loop will move before that" if cfg.adapt.enabled else "")
+        return await job._loop()
+    finally:
+        await job.close()
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.splitlines()[0])
     p.add_argument("--reclaim-at", type=int, default=50, help="step before which a device is reclaimed (0: never)")
@@ -73,12 +92,16 @@ def main(argv: list[str]) -> int:
         return 2
     job = RLJob(cfg)
     job.boundary_hooks.append(pool_events(args.reclaim_at, args.return_at))
+    predicted: list[PredictedFailure | None] = []
     try:
-        records = asyncio.run(job.run())
+        records = asyncio.run(run(job, predicted))
     except (OutOfMemory, RemoteError) as e:
         if isinstance(e, RemoteError) and e.remote_type != "OutOfMemory":
             raise
-        print(f"demo: the job stopped at step {job.step}: {e}", file=sys.stderr)
+        p = predicted[0] if predicted else None
+        said = (f"the planner predicted step {p.step} (cap {p.cap}: device {p.device} needs {p.need_bytes} "
+                f"bytes of {p.budget_bytes})" if p else "the planner predicted no failure")
+        print(f"demo: the job stopped with OutOfMemory at step {job.step}; {said}: {e}", file=sys.stderr)
         return 1
     changes = [r["transition"] for r in records if r.get("transition")]
     print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> {records[-1]['reward_mean']:.3f}, "

@@ -138,11 +138,12 @@ class TapRecorder:
     first waits, up to ``timeout_s``, for a second marker, so events emitted before it
     are in the file. ``emit`` is the cluster's emit function (``nereus.actors.emit``)."""
 
-    def __init__(self, address: str, key: bytes | None, path: str, emit: Any, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, key: bytes | None, path: str, emit: Any, timeout_s: float = 10.0,
+                 curve: CurveKey | None = None) -> None:
         self.path = path
         self._emit = emit
         self._timeout_s = timeout_s
-        self._sub = Subscriber(address, key)
+        self._sub = Subscriber(address, key, curve=curve)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in stop()
         self._seen: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task | None = None

@@ -13,7 +13,9 @@ with x_c = 1 / eff_c every measurement is one linear equation:
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
 measurement weigh alike), with a weak pull toward the prior factors so that a class
-the data barely touches stays near its prior. A class no equation has touched keeps
+the data barely touches stays near its prior, and every unknown kept in its physical
+range (an active set: an unknown the unconstrained fit pushes out is pinned at the bound
+and the others are fitted again). A class no equation has touched keeps
 its prior, which for an unseen class is conservative (``CONSERVATIVE``).
 
 Memory: ``observe_memory`` compares a measured peak with the memory model; the fitted
@@ -56,6 +58,40 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
                 for k in range(col, n + 1):
                     m[r][k] -= f * m[col][k]
     return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-300 else 0.0 for i in range(n)]
+
+
+def _bounds(c: str) -> tuple[float, float]:
+    """The range of an unknown: x = 1/eff for an op class, seconds for a fixed cost."""
+    return (0.0, 10.0) if c in FIXED else (1.0 / _MAX_EFF, 1.0 / _MIN_EFF)
+
+
+def _bounded_solve(a: list[list[float]], b: list[float], bounds: list[tuple[float, float]]) -> list[float]:
+    """The normal equations ``a x = b`` with each x_i kept in its bounds: solve, pin the
+    unknowns that left their range at the bound they crossed, solve for the rest, until
+    none leaves (an active-set pass; with few equations whose classes move together,
+    the unconstrained optimum can sit far outside any physical value)."""
+    n = len(b)
+    pinned: dict[int, float] = {}
+    x = [0.0] * n
+    for _ in range(n + 1):
+        free = [i for i in range(n) if i not in pinned]
+        if not free:
+            break
+        sub_a = [[a[i][j] for j in free] for i in free]
+        sub_b = [b[i] - sum(a[i][j] * v for j, v in pinned.items()) for i in free]
+        sol = _solve(sub_a, sub_b)
+        out = False
+        for i, v in zip(free, sol, strict=True):
+            lo, hi = bounds[i]
+            x[i] = v
+            if v < lo or v > hi:
+                pinned[i] = min(hi, max(lo, v))
+                out = True
+        if not out:
+            break
+    for i, v in pinned.items():
+        x[i] = v
+    return x
 
 
 class Calibrator:
@@ -157,7 +193,7 @@ class Calibrator:
             w = self.prior_weight * scale
             ata[i][i] += w
             atb[i] += w * (getattr(self.prior, FIXED[c]) if c in FIXED else 1.0 / self.prior[c])
-        x = _solve(ata, atb)
+        x = _bounded_solve(ata, atb, [_bounds(c) for c in seen])
         factors: dict[str, float] = {}
         for c, i in idx.items():
             if c in FIXED:

@@ -137,13 +137,15 @@ class Replanner:
 
     def observe_device_peaks(self, measured: dict[int, int], lengths: LengthStats | None = None) -> Efficiency:
         """Measured peak bytes per device slot of the current plan over a step run at
-        ``lengths`` (the ledger's high-water marks); devices the plan leaves empty and
-        devices whose model holds no transient bytes are skipped."""
+        ``lengths`` (the ledger's high-water marks); devices the plan leaves empty are
+        skipped, and so are devices whose modelled transient bytes are under a quarter of
+        their total (the ratio would measure what the model does not count, not the
+        transient bytes)."""
         ex = self._unscaled(lengths)
         by_slot = {m.device: m for m in ex.memory}
         for slot, peak in measured.items():
             m = by_slot.get(slot)
-            if m is None or m.transient <= 0 or peak <= 0:
+            if m is None or peak <= 0 or m.transient <= 0 or m.transient < 0.25 * m.total:
                 continue
             self.calibrator.observe_memory_bytes(m.workspace + sum(b for _, b in m.resident), m.transient, peak)
         self.eff = self.calibrator.fit()

@@ -29,7 +29,9 @@ estimate and bytes, payback against its limit, ``admitted`` and why); each execu
 change emits its ``transition`` and ``transition_node`` events (``ClusterStages``),
 whose measured times calibrate the next estimate.
 
-``job_workload`` is the one place a job's config becomes the planner's ``Workload``.
+``job_workload`` is the one place a job's config becomes the planner's ``Workload``;
+``predict_memory_failure`` walks the cap schedule on a fixed plan and names the first
+step the memory model says it cannot hold (what a job without adaptation runs into).
 
 Refuses (``ConfigError``): a job without a cluster (``in_process``). Raises
 ``InfeasiblePlan`` when the job's current plan can no longer run and no plan fits the
@@ -49,7 +51,7 @@ from nereus.planner import ClusterSpec, LengthStats, ModelShape, Replanner, Work
 from nereus.planner.pool import DevicePool
 from nereus.rl.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
 
-__all__ = ["Adapter", "job_workload", "planner_shape", "Change"]
+__all__ = ["Adapter", "Change", "PredictedFailure", "job_workload", "planner_shape", "predict_memory_failure"]
 
 log = logging.getLogger("nereus.rl")
 
@@ -76,6 +78,45 @@ def job_workload(cfg: JobConfig, model_config: Any, *, prompt_length: int, lengt
     return Workload(a.name, models, a.prompts_per_step, a.samples_per_prompt, max(1, int(prompt_length)), lengths,
                     micro_batch=min(cfg.optim.micro_batch_size, a.rollouts_per_step), epochs=a.epochs,
                     reference=cfg.uses_reference, memory_lengths=memory_lengths)
+
+
+@dataclass(frozen=True)
+class PredictedFailure:
+    """The first step whose length cap the memory model says a plan cannot hold."""
+
+    step: int
+    cap: int
+    device: int
+    need_bytes: int
+    budget_bytes: int
+
+
+def predict_memory_failure(cfg: JobConfig, model_config: Any, plan: Any, *, prompt_length: int,
+                           budget_bytes: int, devices: int, reward_config: Any = None) -> PredictedFailure | None:
+    """Walk the job's cap schedule on the fixed ``plan`` (device ids, ``0..devices-1``) and
+    return the first step at which the memory model (uncalibrated, no headroom: the
+    device's whole budget) puts some device over ``budget_bytes``; None if every cap fits.
+    This is the prediction a job without adaptation is checked against."""
+    from nereus.planner import explain
+    from nereus.planner.cluster import local_cpu_cluster
+
+    spec = local_cpu_cluster(devices, budget_bytes, flops_per_device=1e9, memory_bandwidth=1e9,
+                             exchange_bandwidth=1e9, headroom=0.0)
+    slots = DevicePool.of(range(devices)).to_slots(to_planner_plan(plan))
+    caps = cfg.sampling.max_new_tokens
+    starts = [0] if isinstance(caps, int) else [start for start, _ in caps]
+    for step in starts:
+        if step >= cfg.run.steps:
+            break
+        cap = cfg.sampling.cap_at(step)
+        at_cap = LengthStats(float(cap), float(cap), cap)
+        work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=at_cap,
+                            reward_config=reward_config)
+        over = explain(slots, work, spec).violations
+        if over:
+            worst = max(over, key=lambda m: m.total - m.usable)
+            return PredictedFailure(step, cap, worst.device, worst.total, worst.usable)
+    return None
 
 
 def _finite(x: float | None) -> float | None:
@@ -180,6 +221,8 @@ class Adapter:
         drained = sorted(set(pool_before.ids) & draining)
         self.pool = DevicePool.of(sorted(live - draining))
         joined = sorted(set(self.pool.ids) - set(pool_before.ids))
+        if joined:
+            await stages.ensure_hosts(set(joined))
         cap = self._cap_lengths(nxt)
         rp.work = self._workload(ran, cap)
         inputs = await stages.change_inputs()

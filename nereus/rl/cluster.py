@@ -28,10 +28,11 @@ more are released; the weight-sync plans are rebuilt. Engines of model-stages th
 not move keep running. With ``overlap=True`` the DAG runs in the background: model-stages
 on devices it does not touch go on with the next step (``transition_done()`` waits).
 
-Devices: a device the cluster drains (``Cluster.drain``) may not appear in a target and
-is retired once the change leaves it empty; devices that join (``Cluster.add_node``, or
-a node joining a running controller) get an engine host at the next change that uses
-them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
+Devices: every live device gets an engine host at start; a device the cluster drains
+(``Cluster.drain``) may not appear in a target and is retired once the change leaves it
+empty; devices that join (``Cluster.add_node``, or a node joining a running controller)
+get an engine host when the controller loop sees them (``ensure_hosts``) or at the
+next change that uses them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
 through ``Cluster.on_failure``.
 
 Work distribution (``nereus.engines.ModelStageHandle``): generation cuts prompts into
@@ -190,6 +191,11 @@ class ClusterStages(ModelStages):
             return {"micro_batch_size": cfg.optim.micro_batch_size}
         return {"optim": engine_optim(cfg, critic=stage == "critic_training"), "recompute": sp.recompute}
 
+    async def ensure_hosts(self, devices: set[int]) -> None:
+        """An engine host on every device of ``devices`` that has none yet (a device that
+        joined gets one at once, before any change uses it)."""
+        await self._ensure_hosts(set(devices))
+
     async def _ensure_hosts(self, devices: set[int]) -> None:
         """An engine host on every device of ``devices`` that has none yet."""
         from nereus.engines import spawn_hosts
@@ -203,14 +209,15 @@ class ClusterStages(ModelStages):
     async def _start_all(self) -> None:
         from nereus.engines import spawn_model_stage
         from nereus.planner import Calibrator
-        from nereus.planner._probe import local_cpu_cluster_probed
+        from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
         from nereus.transition import LinkModel
 
         # what transitions are priced with: this machine's rates (probed once, cached),
         # refitted from every measured transition node
         budget = min((d.memory_bytes for d in self.cluster.devices), default=2**30)
         self.cluster_spec = local_cpu_cluster_probed(max(1, len(self.cluster.devices)), max(budget, 2))
-        self.calibrator = Calibrator()
+        # firm priors: one plan's timings cannot tell apart classes that scale together
+        self.calibrator = Calibrator(prior=local_cpu_efficiency(), prior_weight=0.05)
         self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
         self._models["policy"] = (self.model_config, str(self.model_dir))
@@ -221,7 +228,9 @@ class ClusterStages(ModelStages):
         await self.cluster.refresh_devices()
         self.epoch = self.cluster.epoch + 1
         await self.cluster.set_epoch(self.epoch)
-        await self._ensure_hosts(set(self._plan.devices))
+        # a host on every live device, used or not: a change that takes one up pays for
+        # the state it moves, not for starting a process's engines
+        await self._ensure_hosts({d.index for d in self.cluster.devices} - set(getattr(self.cluster, "draining", ())))
         for stage, sp in self._plan:
             emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage))
             config, folder = self._models["reward" if stage == "reward_inference" else "policy"]

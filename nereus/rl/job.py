@@ -114,6 +114,12 @@ class RLJob:
             if ckpt is not None:
                 await self.load_checkpoint(ckpt)
 
+    def max_prompt_tokens(self, samples: int = 512) -> int:
+        """The longest prompt, in tokens, among the first ``samples`` of the global order."""
+        assert self.codec is not None
+        n = min(samples, self.dataset.size)
+        return max(len(self.task.prompt_ids(self.dataset.at(i), self.codec)) for i in range(n))
+
     async def _record_tap(self) -> None:
         """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl)."""
         from nereus.actors import emit
@@ -126,7 +132,8 @@ class RLJob:
         path = self.out_dir / "tap.jsonl"
         if not self.cfg.run.resume:
             path.write_text("")
-        self.tap = await TapRecorder(address, cluster.key, str(path), emit).start()
+        self.tap = await TapRecorder(address, cluster.key, str(path), emit,
+                                     curve=getattr(cluster, "curve", None)).start()
 
     async def save_checkpoint(self) -> Path:
         assert self.stages is not None
