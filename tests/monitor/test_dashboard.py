@@ -27,7 +27,7 @@ from nereus.actors import _wire
 from nereus.monitor import Dashboard, DashboardView, check_event
 from nereus.monitor.dashboard import READY_PREFIX, events_from_jsonl, read_jsonl
 from tests._leaks import children, wait_gone
-from tests.monitor._chromium import Chromium
+from tests.monitor._chromium import BrowserError, Chromium
 from tests.monitor.test_view import ASSET, holders_of, recorded
 
 pytestmark = pytest.mark.timeout(180)
@@ -202,6 +202,13 @@ def test_the_command_refuses_what_it_cannot_serve(tmp_path):
 
 
 # --- the page in a browser -----------------------------------------------------------------
+
+async def test_a_browser_that_cannot_start_fails_and_says_why(tmp_path):
+    with pytest.raises(BrowserError, match="is missing: .*make test. installs it"):
+        await Chromium.start(binary=str(tmp_path / "no-chromium"))
+    with pytest.raises(BrowserError, match=r"exited \(1\) before it was ready"):
+        await Chromium.start(binary="/bin/false")
+
 
 @pytest.fixture
 async def chromium():
