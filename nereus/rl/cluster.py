@@ -7,7 +7,7 @@ holds and can change between steps.
 whose workers outlive the job), spawns one ``EngineHost`` per device (the worker's shard
 store and the engines over it), and for every model-stage of the plan fills the stores
 with its EMUs' shards (each rank reads only its slices) and starts their engines
-(``nereus.engines.spawn_model_stage``).
+(``nereus.engines.spawn_model_stage``); a ``plan`` event on the tap says where they are.
 
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``. ``await apply_plan(target)`` changes it at a step
@@ -244,6 +244,8 @@ class ClusterStages(ModelStages):
         await self._plan_syncs()
         if "critic_inference" in self.emus:
             await self._run_sync("critic_inference")
+        # the plan the job starts in; it was given ([plan]), not searched: no prediction
+        _emit("plan", plan=self._plan.to_dict(), predicted_step_seconds=None)
 
     # --- weight syncs -------------------------------------------------------------
 
