@@ -21,6 +21,7 @@ from nereus.errors import (
     InfeasibleTransition,
     NereusError,
     OutOfMemory,
+    PeerDied,
     ProtocolError,
     RemoteError,
     StateError,
@@ -65,7 +66,7 @@ for _module, _names in {
         "ClusterStages", "DataConfig", "FileTask", "InProcessStages", "JobConfig", "ModelStages",
         "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
     ],
-    "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
+    "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Dashboard", "DashboardView", "Subscriber"],
     "nereus.sim": ["GroundTruth", "PolicyResult", "SimConfig", "TruthParams", "load_truth_params", "simulate"],
     "nereus.launch": [
         "KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests", "render_sbatch",
@@ -90,6 +91,7 @@ __all__ = [
     "RemoteError",
     "StateError",
     "StuckCollective",
+    "PeerDied",
     "TransferError",
     *sorted(_LAZY),
 ]

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from nereus.config import require
@@ -404,6 +405,8 @@ class DecoderStage(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(c, pc, dtype, device) for i in self.layer_ids})
         # A plain list (not registered twice) spares the hot loop the ModuleDict lookups.
         self._layers: list[DecoderLayer] = [self.model.layers[str(i)] for i in self.layer_ids]
+        # training: recompute each layer's activations in backward (keep only its input)
+        self.recompute_activations = False
         self.rotary = RotaryEmbedding(c, device)
         self._decode_setup: tuple | None = None  # the decode path's constants and parts, made on first use
         if pc.is_last_stage:
@@ -468,7 +471,12 @@ class DecoderStage(nn.Module):
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
         plan = _attention_plan(positions, kv_len, low, high)
         rope = self.rotary(positions, h.dtype, max(high + 1, 1), low if plan.uniform else None)
+        recompute = self.recompute_activations and kv_cache is None and torch.is_grad_enabled()
         for i, layer in zip(self.layer_ids, self._layers, strict=True):
+            if recompute:
+                # keep only the layer's input; its activations are recomputed in backward
+                h = torch.utils.checkpoint.checkpoint(layer.forward, h, rope, plan, None, use_reentrant=False)
+                continue
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
             h = layer.forward(h, rope, plan, cache)
         if not self.pc.is_last_stage:

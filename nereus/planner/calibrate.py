@@ -13,7 +13,9 @@ with x_c = 1 / eff_c every measurement is one linear equation:
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
 measurement weigh alike), with a weak pull toward the prior factors so that a class
-the data barely touches stays near its prior. A class no equation has touched keeps
+the data barely touches stays near its prior, and every unknown kept in its physical
+range (an active set: an unknown the unconstrained fit pushes out is pinned at the bound
+and the others are fitted again). A class no equation has touched keeps
 its prior, which for an unseen class is conservative (``CONSERVATIVE``).
 
 Memory: ``observe_memory`` compares a measured peak with the memory model; the fitted
@@ -32,13 +34,13 @@ from collections import deque
 from collections.abc import Mapping
 
 from nereus.config import require
-from nereus.planner.cost import CONSERVATIVE, OP_CLASSES, Efficiency, StageCost, StageMemory
+from nereus.planner.cost import CONSERVATIVE, FIXED_COSTS, OP_CLASSES, Efficiency, StageCost, StageMemory
 
 __all__ = ["Calibrator"]
 
 _MIN_EFF, _MAX_EFF = 0.01, 1.5
 # transition nodes' fixed costs: column -> the Efficiency field (seconds) it fits
-FIXED = {"groups": "group_setup_s", "calls": "transition_call_s"}
+FIXED = FIXED_COSTS
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -56,6 +58,40 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
                 for k in range(col, n + 1):
                     m[r][k] -= f * m[col][k]
     return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-300 else 0.0 for i in range(n)]
+
+
+def _bounds(c: str) -> tuple[float, float]:
+    """The range of an unknown: x = 1/eff for an op class, seconds for a fixed cost."""
+    return (0.0, 10.0) if c in FIXED else (1.0 / _MAX_EFF, 1.0 / _MIN_EFF)
+
+
+def _bounded_solve(a: list[list[float]], b: list[float], bounds: list[tuple[float, float]]) -> list[float]:
+    """The normal equations ``a x = b`` with each x_i kept in its bounds: solve, pin the
+    unknowns that left their range at the bound they crossed, solve for the rest, until
+    none leaves (an active-set pass; with few equations whose classes move together,
+    the unconstrained optimum can sit far outside any physical value)."""
+    n = len(b)
+    pinned: dict[int, float] = {}
+    x = [0.0] * n
+    for _ in range(n + 1):
+        free = [i for i in range(n) if i not in pinned]
+        if not free:
+            break
+        sub_a = [[a[i][j] for j in free] for i in free]
+        sub_b = [b[i] - sum(a[i][j] * v for j, v in pinned.items()) for i in free]
+        sol = _solve(sub_a, sub_b)
+        out = False
+        for i, v in zip(free, sol, strict=True):
+            lo, hi = bounds[i]
+            x[i] = v
+            if v < lo or v > hi:
+                pinned[i] = min(hi, max(lo, v))
+                out = True
+        if not out:
+            break
+    for i, v in pinned.items():
+        x[i] = v
+    return x
 
 
 class Calibrator:
@@ -80,7 +116,7 @@ class Calibrator:
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
         row: dict[str, float] = {}
         for c, t in ideal_by_class.items():
-            require(c in OP_CLASSES, "op class", c, f"must be one of {list(OP_CLASSES)}")
+            require(c in OP_CLASSES or c in FIXED, "op class", c, f"must be one of {list(OP_CLASSES) + list(FIXED)}")
             require(t >= 0, f"ideal seconds of {c}", t, "must be >= 0")
             if t > 0:
                 row[c] = float(t)
@@ -115,9 +151,14 @@ class Calibrator:
 
         The resident bytes (parameters, gradients, optimizer) are exact; what the peak
         holds beyond them, over the modelled transient bytes, is one ratio."""
+        self.observe_memory_bytes(modelled.resident, modelled.transient, measured_peak_bytes)
+
+    def observe_memory_bytes(self, resident: int, transient: int, measured_peak_bytes: int) -> None:
+        """A measured peak against modelled resident and (unscaled) transient bytes: one
+        model-stage's, or a whole device's (its resident bytes and its largest transient)."""
         require(measured_peak_bytes > 0, "measured_peak_bytes", measured_peak_bytes, "must be > 0")
-        require(modelled.transient > 0, "modelled.transient", modelled.transient, "must be > 0 to calibrate against")
-        self._memory.append(max(0.0, measured_peak_bytes - modelled.resident) / modelled.transient)
+        require(transient > 0, "modelled transient bytes", transient, "must be > 0 to calibrate against")
+        self._memory.append(max(0.0, measured_peak_bytes - resident) / transient)
 
     def memory_scale(self) -> float:
         """The largest ratio in the window (plans must not break memory), or the prior's."""
@@ -152,7 +193,7 @@ class Calibrator:
             w = self.prior_weight * scale
             ata[i][i] += w
             atb[i] += w * (getattr(self.prior, FIXED[c]) if c in FIXED else 1.0 / self.prior[c])
-        x = _solve(ata, atb)
+        x = _bounded_solve(ata, atb, [_bounds(c) for c in seen])
         factors: dict[str, float] = {}
         for c, i in idx.items():
             if c in FIXED:

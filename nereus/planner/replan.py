@@ -16,8 +16,8 @@ step (synchronous mode) or at a weight sync (asynchronous mode):
    or the current plan can no longer run.
 3. Whatever was decided, the drift references are reset to the current values.
 
-``observe_stage_seconds`` and ``observe_memory_peaks`` feed measured model-stage times
-and memory peaks to the ``Calibrator``; the refitted factors are used from the next
+``observe_stage_seconds``, ``observe_memory_peaks`` and ``observe_device_peaks`` feed
+measured model-stage times and memory peaks to the ``Calibrator``; the refitted factors are used from the next
 boundary on (a plan that no longer fits under them is a memory trigger).
 
 Raises ``InfeasiblePlan`` when the current plan can no longer run and no plan fits.
@@ -121,13 +121,33 @@ class Replanner:
         self.eff = self.calibrator.fit()
         return self.eff
 
-    def observe_memory_peaks(self, measured: dict[str, int]) -> Efficiency:
-        """Measured peak bytes per model-stage (on one of its devices); recalibrates the
-        memory model's transient bytes (``Efficiency.memory_scale``). Peaks are compared
-        with the unscaled model, so the fitted scale does not feed back into itself."""
-        ex = explain(self.plan, self.work, self.cluster, self.eff.replace(memory_scale=1.0))
+    def _unscaled(self, lengths: LengthStats | None) -> Explanation:
+        work = self.work if lengths is None else self.work.with_lengths(lengths)
+        return explain(self.plan, work, self.cluster, self.eff.replace(memory_scale=1.0))
+
+    def observe_memory_peaks(self, measured: dict[str, int], lengths: LengthStats | None = None) -> Efficiency:
+        """Measured peak bytes per model-stage (on one of its devices), under ``lengths``
+        (default: the workload's); recalibrates the memory model's transient bytes
+        (``Efficiency.memory_scale``) against the unscaled model."""
+        ex = self._unscaled(lengths)
         for name, peak in measured.items():
             self.calibrator.observe_memory(ex.stage(name).memory, peak)
+        self.eff = self.calibrator.fit()
+        return self.eff
+
+    def observe_device_peaks(self, measured: dict[int, int], lengths: LengthStats | None = None) -> Efficiency:
+        """Measured peak bytes per device slot of the current plan over a step run at
+        ``lengths`` (the ledger's high-water marks); devices the plan leaves empty are
+        skipped, and so are devices whose modelled transient bytes are under a quarter of
+        their total (the ratio would measure what the model does not count, not the
+        transient bytes)."""
+        ex = self._unscaled(lengths)
+        by_slot = {m.device: m for m in ex.memory}
+        for slot, peak in measured.items():
+            m = by_slot.get(slot)
+            if m is None or peak <= 0 or m.transient <= 0 or m.transient < 0.25 * m.total:
+                continue
+            self.calibrator.observe_memory_bytes(m.workspace + sum(b for _, b in m.resident), m.transient, peak)
         self.eff = self.calibrator.fit()
         return self.eff
 
@@ -152,8 +172,9 @@ class Replanner:
         slots when the caller renumbered it (a plan on a slot the pool no longer has
         cannot run); ``lost``/``drained``/``joined``: what changed in the pool since the
         last boundary (device ids, for the triggers' details)."""
-        if lengths is not None:
-            self.work = self.work.with_lengths(lengths)
+        if lengths is not None or memory_lengths is not None:
+            # the search and the current plan's check see memory at memory_lengths
+            self.work = self.work.with_lengths(lengths or self.work.lengths, memory_lengths)
         if cluster is not None:
             self.cluster = cluster
         if plan is not None:
@@ -164,14 +185,10 @@ class Replanner:
         current: float | None = None
         if runnable:
             ex = self.explain_current()
-            current = ex.step_seconds if ex.fits else None
-            check = ex if memory_lengths is None else explain(
-                self.plan, self.work.with_lengths(memory_lengths), self.cluster, self.eff)
-            violations = [(m.device, m.total, m.usable) for m in check.violations]
-            if violations:
-                current = None  # the next step cannot run on this plan
-        else:
-            # the plan uses devices that are gone: that is a violation on each of them
+            current = ex.step_seconds if ex.fits else None  # None: the next step cannot run on it
+            violations = [(m.device, m.total, m.usable) for m in ex.violations]
+        elif not (lost or drained):
+            # the plan uses devices that are gone, and the caller did not say which left
             violations = [(d, 0, 0) for d in sorted(d for d in self.plan.devices if d >= self.cluster.num_devices)]
         values = {"length": self.work.lengths.mean}
         triggers = tuple(self.monitor.observe(step, devices=set(range(self.cluster.num_devices)), values=values,

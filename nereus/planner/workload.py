@@ -217,6 +217,9 @@ class Workload:
     micro_batch: int = 1
     epochs: int = 1
     reference: bool = True  # a reference model (a KL term): reference-inference runs
+    # the lengths memory is checked at (e.g. the next step's cap: any response may reach
+    # it); None: ``lengths``
+    memory_lengths: LengthStats | None = None
     stages: tuple[ModelStage, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -248,9 +251,15 @@ class Workload:
     def optimizer_steps(self) -> int:
         return self.epochs * (self.sequences // self.batch)
 
-    def with_lengths(self, lengths: LengthStats) -> Workload:
-        """The same job after its response lengths drifted."""
-        return dataclasses.replace(self, lengths=lengths)
+    @property
+    def lengths_for_memory(self) -> LengthStats:
+        """The lengths the memory model uses (``memory_lengths``, else ``lengths``)."""
+        return self.memory_lengths if self.memory_lengths is not None else self.lengths
+
+    def with_lengths(self, lengths: LengthStats, memory_lengths: LengthStats | None = None) -> Workload:
+        """The same job after its response lengths drifted (memory checked at
+        ``memory_lengths`` when given, else at ``lengths``)."""
+        return dataclasses.replace(self, lengths=lengths, memory_lengths=memory_lengths)
 
     @staticmethod
     def for_models(

@@ -7,7 +7,7 @@ holds and can change between steps.
 whose workers outlive the job), spawns one ``EngineHost`` per device (the worker's shard
 store and the engines over it), and for every model-stage of the plan fills the stores
 with its EMUs' shards (each rank reads only its slices) and starts their engines
-(``nereus.engines.spawn_model_stage``).
+(``nereus.engines.spawn_model_stage``); a ``plan`` event on the tap says where they are.
 
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``. ``await apply_plan(target)`` changes it at a step
@@ -28,10 +28,11 @@ more are released; the weight-sync plans are rebuilt. Engines of model-stages th
 not move keep running. With ``overlap=True`` the DAG runs in the background: model-stages
 on devices it does not touch go on with the next step (``transition_done()`` waits).
 
-Devices: a device the cluster drains (``Cluster.drain``) may not appear in a target and
-is retired once the change leaves it empty; devices that join (``Cluster.add_node``, or
-a node joining a running controller) get an engine host at the next change that uses
-them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
+Devices: every live device gets an engine host at start; a device the cluster drains
+(``Cluster.drain``) may not appear in a target and is retired once the change leaves it
+empty; devices that join (``Cluster.add_node``, or a node joining a running controller)
+get an engine host when the controller loop sees them (``ensure_hosts``) or at the
+next change that uses them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
 through ``Cluster.on_failure``.
 
 Work distribution (``nereus.engines.ModelStageHandle``): generation cuts prompts into
@@ -62,6 +63,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,10 @@ class ClusterStages(ModelStages):
         self._sync: dict[str, tuple[list[Any], Any]] = {}  # target model-stage -> (plans, group)
         self._owns_cluster = False
         self._models: dict[str, tuple[Any, str]] = {}
+        # seconds a change spends per model-stage it restarts beyond the DAG's moves
+        # (engines stopped and started, their groups, the sync plans): measured
+        self._restart_s: deque[float] = deque(maxlen=4)
+        self._spawn_s: list[float] = []  # spawning each model-stage at start: the guess before any change
 
     # --- start ------------------------------------------------------------------
 
@@ -131,7 +137,8 @@ class ClusterStages(ModelStages):
             if c.mode == "connect":
                 # The same deadline as a local cluster's: spawning a model-stage on a busy host
                 # takes longer than the 30 s an attach alone would allow.
-                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices, timeout_s=60.0)
+                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices,
+                                          timeout_s=60.0, curve_key_file=c.curve_key_file or None)
             else:
                 # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
                 # can miss the default 3 s, and a lost node ends the job.
@@ -167,14 +174,27 @@ class ClusterStages(ModelStages):
 
         return training_slots(self.cfg.model.dtype) if STAGE_KINDS[stage] == "training" else ("param",)
 
-    def _options(self, stage: str) -> dict[str, Any]:
+    def _generation_rows(self, sp: Any) -> int:
+        """Sequences one generation EMU decodes at once under ``sp``: its share of the
+        step's rollouts, in ``sp.waves`` successive batches."""
+        return math.ceil(math.ceil(self.cfg.algorithm.rollouts_per_step / sp.dp) / sp.waves)
+
+    def _options(self, stage: str, sp: Any = None) -> dict[str, Any]:
+        """The engine options of ``stage`` under its plan ``sp`` (default: the current one):
+        generation decodes in ``sp.waves`` batches, training recomputes with ``sp.recompute``."""
         cfg = self.cfg
+        sp = sp if sp is not None else self._plan[stage]
         kind = STAGE_KINDS[stage]
         if kind == "generation":
-            return {}
+            return {"max_batch": self._generation_rows(sp)}
         if kind == "inference":
             return {"micro_batch_size": cfg.optim.micro_batch_size}
-        return {"optim": engine_optim(cfg, critic=stage == "critic_training")}
+        return {"optim": engine_optim(cfg, critic=stage == "critic_training"), "recompute": sp.recompute}
+
+    async def ensure_hosts(self, devices: set[int]) -> None:
+        """An engine host on every device of ``devices`` that has none yet (a device that
+        joined gets one at once, before any change uses it)."""
+        await self._ensure_hosts(set(devices))
 
     async def _ensure_hosts(self, devices: set[int]) -> None:
         """An engine host on every device of ``devices`` that has none yet."""
@@ -189,14 +209,15 @@ class ClusterStages(ModelStages):
     async def _start_all(self) -> None:
         from nereus.engines import spawn_model_stage
         from nereus.planner import Calibrator
-        from nereus.planner._probe import local_cpu_cluster_probed
+        from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
         from nereus.transition import LinkModel
 
         # what transitions are priced with: this machine's rates (probed once, cached),
         # refitted from every measured transition node
         budget = min((d.memory_bytes for d in self.cluster.devices), default=2**30)
         self.cluster_spec = local_cpu_cluster_probed(max(1, len(self.cluster.devices)), max(budget, 2))
-        self.calibrator = Calibrator()
+        # firm priors: one plan's timings cannot tell apart classes that scale together
+        self.calibrator = Calibrator(prior=local_cpu_efficiency(), prior_weight=0.05)
         self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
         self._models["policy"] = (self.model_config, str(self.model_dir))
@@ -207,17 +228,24 @@ class ClusterStages(ModelStages):
         await self.cluster.refresh_devices()
         self.epoch = self.cluster.epoch + 1
         await self.cluster.set_epoch(self.epoch)
-        await self._ensure_hosts(set(self._plan.devices))
+        # a host on every live device, used or not: a change that takes one up pays for
+        # the state it moves, not for starting a process's engines
+        await self._ensure_hosts({d.index for d in self.cluster.devices} - set(getattr(self.cluster, "draining", ())))
         for stage, sp in self._plan:
             emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage))
             config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
+            t = time.perf_counter()
             self.handles[stage] = await spawn_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
                 seed=self.cfg.run.seed, options=self._options(stage), epoch=self.epoch)
+            # a first guess at what restarting a model-stage's engines costs in a change
+            self._spawn_s.append(time.perf_counter() - t)
             self.emus[stage] = emus
         await self._plan_syncs()
         if "critic_inference" in self.emus:
             await self._run_sync("critic_inference")
+        # the plan the job starts in; it was given ([plan]), not searched: no prediction
+        _emit("plan", plan=self._plan.to_dict(), predicted_step_seconds=None)
 
     # --- weight syncs -------------------------------------------------------------
 
@@ -353,9 +381,9 @@ class ClusterStages(ModelStages):
         return DeviceSet(tuple(self._host_of(i) if i in devs else -1 for i in range(top)),
                          tuple(devs[i].memory_bytes if i in devs else 1 for i in range(top)))
 
-    def _engine_bytes(self, stage: str, emu: Any, device: int) -> int:
-        """What ``stage``'s engine adds on ``device`` beyond the store: a training EMU's
-        gradients, a generation EMU's KV cache at its last size."""
+    def _engine_bytes(self, stage: str, sp: Any, emu: Any, device: int) -> int:
+        """What ``stage``'s engine (under its plan ``sp``) adds on ``device`` beyond the
+        store: a training EMU's gradients, a generation EMU's KV cache at its last size."""
         from nereus.state import layer_bounds
         from nereus.state.spec import DTYPE_BYTES, grad_bytes_per_param
 
@@ -368,7 +396,7 @@ class ClusterStages(ModelStages):
             pp_rank, tp_rank = emu.position(device)
             bounds = layer_bounds(emu.layout, c.num_hidden_layers)
             layers = bounds[pp_rank + 1] - bounds[pp_rank]
-            rows = math.ceil(self.cfg.algorithm.rollouts_per_step / len(self.emus.get(stage, [emu])))
+            rows = self._generation_rows(sp)
             kv_local = max(1, c.num_key_value_heads // emu.layout.tp)
             return 2 * layers * rows * kv_local * self._cache_slots * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
         return 0
@@ -394,6 +422,66 @@ class ClusterStages(ModelStages):
         emus = self.emus[stage]
         return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
 
+    async def change_inputs(self) -> dict[str, Any]:
+        """What pricing a change needs from the workers, read once per boundary: every
+        device's ledger (what it holds besides the job's EMUs) and the generation KV
+        caches' slots."""
+        shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus] \
+            if "policy_generation" in self.handles else []
+        return {"memory": await self.memory(), "cache_slots": max((s[1] for s in shapes), default=0)}
+
+    def plan_change(self, target: Any, inputs: dict[str, Any]) -> tuple[Any, float]:
+        """The transition DAG from the job's plan to ``target`` (device ids) and its
+        predicted seconds (the scheduler's makespan under the link model); pure over
+        ``inputs`` (``change_inputs``). Raises ``InfeasibleTransition`` when the DAG
+        cannot keep a device under its cap and ``OutOfMemory`` when the restarted engines
+        would not fit after it."""
+        from nereus.transition import build_dag
+
+        moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
+        resident = _resident(inputs["memory"], [e.name for emus in self.emus.values() for e in emus],
+                             engines=[e.name for s in moving for e in self.emus[s]])
+        one_host = len({self._host_of(d) for d in self.hosts}) == 1
+        dag = build_dag(
+            self._plan, target, {s: es[0].spec for s, es in self.emus.items()}, self._device_set(),
+            slots={s: es[0].slots for s, es in self.emus.items()},
+            names={s: [e.name for e in es] for s, es in self.emus.items()}, resident=resident,
+            host_of=self._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.link.seconds)
+        slots, self._cache_slots = self._cache_slots, inputs["cache_slots"] if "policy_generation" in moving else 0
+        try:
+            engines: dict[int, int] = {}
+            for stage in moving:
+                for rep in dag.results[stage]:
+                    emu = self.emus[stage][0].with_(name=rep.name, layout=rep.layout, devices=rep.devices)
+                    for d in rep.devices:
+                        engines[d] = engines.get(d, 0) + self._engine_bytes(stage, target[stage], emu, d)
+        finally:
+            self._cache_slots = slots
+        check_after(dag, engines)
+        return dag, simulate(dag, self.link.seconds).makespan
+
+    @property
+    def restart_seconds(self) -> float:
+        """What a change costs per model-stage it restarts beyond the DAG's moves: the
+        mean of the last measured changes (before any: of spawning them at start, which
+        also loaded the weights, an upper bound)."""
+        seen = self._restart_s or self._spawn_s
+        return sum(seen) / len(seen) if seen else 0.0
+
+    def estimate_change(self, target: Any, inputs: dict[str, Any]) -> tuple[float, int]:
+        """(predicted seconds, bytes moved) of changing to ``target``: the DAG's makespan
+        plus ``restart_seconds`` per model-stage whose engines restart; ``(inf, 0)`` when
+        the change cannot run (``plan_change`` refused it)."""
+        from nereus.errors import InfeasiblePlan, OutOfMemory
+
+        try:
+            dag, seconds = self.plan_change(target, inputs)
+        except (InfeasiblePlan, OutOfMemory) as e:
+            log.info("a change to %s cannot run: %s", target.to_dict(), e)
+            return math.inf, 0
+        restarted = [s for s in self._plan.names if self._plan[s] != target[s]]
+        return seconds + len(restarted) * self.restart_seconds, dag.bytes
+
     async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
         """Change the job's plan to ``target`` at a step boundary through one transition
         DAG over every model-stage that moves (see the module docstring).
@@ -411,7 +499,6 @@ class ClusterStages(ModelStages):
         ``groups_s``, ``engines_s``, ``sync_plans_s``), ``nodes``, ``resource_edges``,
         the new ``epoch``."""
         from nereus.planner.plan import Plan
-        from nereus.transition import build_dag
         from nereus.transition.workers import WorkerRuntime
 
         await self.transition_done()
@@ -429,34 +516,19 @@ class ClusterStages(ModelStages):
         # what the change moves, checked against every budget before anything moves; the
         # engines of model-stages that do not move stay as they are, with their groups
         await self._stamp_states(moving)
-        self._cache_slots = 0
-        if "policy_generation" in moving:
-            shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus]
-            self._cache_slots = max((s[1] for s in shapes), default=0)
+        inputs = await self.change_inputs()
+        dag, predicted = self.plan_change(target, inputs)
+        self._cache_slots = inputs["cache_slots"] if "policy_generation" in moving else 0
+        # model-stages that keep their EMUs but decode in other waves or (stop) recompute
+        retuned = [s for s in self._plan.names if s not in moving and self._plan[s] != target[s]]
         new_epoch = max(self.epoch, self.cluster.epoch) + 1
-        resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus],
-                             engines=[e.name for s in moving for e in self.emus[s]])
-        one_host = len({self._host_of(d) for d in self.hosts}) == 1
-        dag = build_dag(
-            self._plan, target, {s: es[0].spec for s, es in self.emus.items()}, self._device_set(),
-            slots={s: es[0].slots for s, es in self.emus.items()},
-            names={s: [e.name for e in es] for s, es in self.emus.items()}, resident=resident,
-            host_of=self._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.link.seconds)
-        engines: dict[int, int] = {}
-        for stage in moving:
-            for rep in dag.results[stage]:
-                emu = self.emus[stage][0].with_(name=rep.name, layout=rep.layout, devices=rep.devices)
-                for d in rep.devices:
-                    engines[d] = engines.get(d, 0) + self._engine_bytes(stage, emu, d)
-        check_after(dag, engines)
-        predicted = simulate(dag, self.link.seconds).makespan
         t_plan = time.perf_counter()
-        report.update(changed=list(dag.results), bytes=dag.bytes, predicted_seconds=predicted,
+        report.update(changed=list(dag.results), retuned=retuned, bytes=dag.bytes, predicted_seconds=predicted,
                       nodes=len(dag.nodes), resource_edges=dag.resource_edges)
         # the moving model-stages' engines stop (gradients, KV caches and activations
         # leave the ledgers); their groups go once nothing else uses them
         retired = []
-        for stage in moving:
+        for stage in [*moving, *retuned]:
             handle = self.handles.pop(stage)
             await handle.stop()
             retired += handle.groups
@@ -465,10 +537,10 @@ class ClusterStages(ModelStages):
         await self._ensure_hosts(set(target.devices))
         touched = dag.devices()
         self._waiting = {s for s in self._plan.names
-                         if s in moving or not touched.isdisjoint(self._current_plan(s).device_set)}
+                         if s in moving or s in retuned or not touched.isdisjoint(self._current_plan(s).device_set)}
         runtime = WorkerRuntime({e.name: e for es in self.emus.values() for e in es}, self.hosts, self.cluster,
                                 epoch=new_epoch)
-        work = self._finish_change(dag, runtime, target, moving, retired, new_epoch, report, t0)
+        work = self._finish_change(dag, runtime, target, moving, retuned, retired, new_epoch, report, t0)
         if not overlap:
             self.last_transition = await work
             return self.last_transition
@@ -493,8 +565,8 @@ class ClusterStages(ModelStages):
         if self._transition is not None and stage in self._waiting:
             await self.transition_done()
 
-    async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retired: list[Any],
-                             new_epoch: int, report: dict[str, Any], t0: float) -> dict[str, Any]:
+    async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retuned: list[str],
+                             retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float) -> dict[str, Any]:
         from nereus.transfer import release_groups
         from nereus.transition.execute import execute_dag
 
@@ -524,7 +596,7 @@ class ClusterStages(ModelStages):
         self.epoch = new_epoch
         self._plan = target
         await self.cluster.set_epoch(self.epoch)
-        timing = await self._start_engines(moving)
+        timing = await self._start_engines([*moving, *retuned])
         t_engines = time.perf_counter()
         retired += [group for _, group in self._sync.values() if group is not None]
         await self._plan_syncs()
@@ -534,6 +606,8 @@ class ClusterStages(ModelStages):
         report.update(ok=True, epoch=self.epoch, seconds=t_end - t0, moves_s=t_moves - t_moves0,
                       groups_s=timing["groups_s"], engines_s=t_engines - t_moves - timing["groups_s"],
                       sync_plans_s=t_end - t_engines, measured_seconds=t_moves - t_moves0)
+        if moving or retuned:
+            self._restart_s.append((report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned]))
         _emit_transition(report, dag)
         log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
                  report["changed"], report["bytes"], report["seconds"], report["predicted_seconds"])
@@ -575,7 +649,7 @@ class ClusterStages(ModelStages):
             config, _ = self._models["reward" if stage == "reward_inference" else "policy"]
             caches = None
             if STAGE_KINDS[stage] == "generation" and self._cache_slots:
-                rows = math.ceil(self.cfg.algorithm.rollouts_per_step / len(emus))
+                rows = self._generation_rows(self._plan[stage])
                 caches = {e.name: [rows, self._cache_slots] for e in emus}
             self.handles[stage] = await start_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config,
@@ -700,7 +774,11 @@ def _emit_transition(report: dict[str, Any], dag: Any) -> None:
           bytes=report.get("bytes", 0), bytes_measured=report.get("bytes_measured", 0),
           predicted_seconds=report.get("predicted_seconds", 0.0), measured_seconds=report.get("seconds", 0.0),
           nodes=len(dag.nodes), resource_edges=dag.resource_edges, epoch_from=report["epoch_from"],
-          ok=report.get("ok", False))
+          ok=report.get("ok", False), moves_seconds=report.get("measured_seconds", 0.0),
+          parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report})
+
+
+_PARTS = ("plan_s", "engines_stop_s", "moves_s", "groups_s", "engines_s", "sync_plans_s")
 
 
 def _emit(type_: str, **fields: Any) -> None:

@@ -9,8 +9,9 @@ Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]`` (
 synthetic task) or ``[data]`` (prompts and ground truth from a file), ``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[reward]`` (the task's
 rule or a reward model), ``[sampling]``,
 ``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
-explicit, static placement of each model-stage as EMUs on devices) and ``[run]``
-(steps, seed, output directory, checkpoints, loggers, export).
+placement each model-stage starts from, as EMUs on devices), ``[adapt]`` (whether and
+how the job changes that placement while it runs) and ``[run]`` (steps, seed, output
+directory, checkpoints, loggers, export).
 
 Model-stages: ``policy_generation``, ``reference_inference``, ``critic_inference``,
 ``reward_inference``, ``policy_training``, ``critic_training``. Which ones a job needs
@@ -37,6 +38,7 @@ __all__ = [
     "SamplingConfig",
     "OptimConfig",
     "ClusterConfig",
+    "AdaptConfig",
     "Placement",
     "RunConfig",
     "JobConfig",
@@ -271,13 +273,15 @@ class ClusterConfig:
     ``python -m nereus.node`` per host) at ``address``, keyed by ``key_file`` (or
     ``$NEREUS_CLUSTER_KEY``), whose first ``devices`` devices the plan uses (their memory
     is what the nodes were started with; ``model.path`` and ``run.out_dir`` must be paths
-    every host can read); ``in_process``: every model-stage in the driver (for tests)."""
+    every host can read; ``curve_key_file``: the cluster's CURVE key when its tcp sockets
+    are encrypted); ``in_process``: every model-stage in the driver (for tests)."""
 
     mode: Literal["local", "connect", "in_process"] = "local"
     devices: int = 4
     memory_per_device: str = "1GiB"
     address: str = ""
     key_file: str = ""
+    curve_key_file: str = ""
 
     def __post_init__(self) -> None:
         require(self.mode in ("local", "connect", "in_process"), "cluster.mode", self.mode, "must be 'local', 'connect' or 'in_process'")
@@ -289,6 +293,38 @@ class ClusterConfig:
     @property
     def memory_bytes(self) -> int:
         return parse_size(self.memory_per_device, "cluster.memory_per_device")
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """Online adaptation (``nereus.rl.adapt``): after every step the job's plan is
+    re-evaluated by the planner's ``Replanner`` and changed at the step boundary when a
+    trigger fires and admission says the change pays (or at once, for a lost or drained
+    device or a predicted memory overflow)."""
+
+    enabled: bool = False
+    gamma: float = 0.5
+    """Admission: a change costing T seconds that saves s seconds per step is taken when
+    T / s <= gamma * H (H: the steps the new plan is expected to stay good)."""
+    length_drift: float = 0.30
+    """The drift trigger: mean response length this far (relative) from its value at
+    the last decision."""
+    headroom: float = 0.10
+    """The share of each device's budget plans leave free (what the memory model misses)."""
+    min_steps_between: int = 0
+    """Soft triggers are not acted on within this many steps of the last change."""
+    join_horizon_steps: float = 20.0
+    """H for a device that joins, until two pool changes give a measured interval."""
+    overlap: bool = False
+    """Run a change beside the next step's work on the devices it does not touch."""
+
+    def __post_init__(self) -> None:
+        require(self.gamma > 0, "adapt.gamma", self.gamma, "must be > 0")
+        require(0 < self.length_drift < 10, "adapt.length_drift", self.length_drift, "must be in (0, 10)")
+        require(0 <= self.headroom < 1, "adapt.headroom", self.headroom, "must be in [0, 1)")
+        require(isinstance(self.min_steps_between, int) and self.min_steps_between >= 0, "adapt.min_steps_between",
+                self.min_steps_between, "must be an integer >= 0")
+        require(self.join_horizon_steps >= 1, "adapt.join_horizon_steps", self.join_horizon_steps, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -391,6 +427,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: dict[str, Placement] = field(default_factory=_default_plan)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -417,6 +454,8 @@ class JobConfig:
             if self.model.kind == "tiny" and name != "reward_inference":  # the reward model has its own shape
                 require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
                 require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
+        require(not self.adapt.enabled or self.cluster.mode != "in_process", "adapt.enabled", self.adapt.enabled,
+                "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan to change)")
         gen = self.plan["policy_generation"]
         require(self.algorithm.prompts_per_step % gen.dp == 0, "plan.policy_generation.dp", gen.dp, f"must divide algorithm.prompts_per_step={self.algorithm.prompts_per_step}")
 

@@ -17,7 +17,13 @@ version, the dataset position and the step number. Sampling seeds derive from
 from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the steps the
 uninterrupted job would have taken (same samples, same rollouts, same updates).
 
-Output folder: ``metrics.jsonl``, ``plot.png``, ``config.json`` (the resolved config),
+With ``[adapt] enabled`` (a cluster job), after every step but the last the controller
+loop (``nereus.rl.adapt.Adapter``) may change the plan at the step boundary; the step's
+record then carries ``decision`` and ``transition``, the summary lists every change and
+the plot marks them.
+
+Output folder: ``metrics.jsonl``, ``tap.jsonl`` (every tap event of the run, on a
+cluster), ``plot.png``, ``config.json`` (the resolved config),
 ``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``, the loggers'
 files (``tensorboard/``, ``wandb/``, ``mlflow.db``) and, with ``run.export_hf``, ``hf/``:
 the trained policy as a Hugging Face folder (``nereus.rl.export``), written from the
@@ -29,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +45,7 @@ from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.config import JobConfig
 from nereus.rl.data import PromptDataset
 from nereus.rl.loggers import check_loggers, make_loggers
-from nereus.rl.report import StepProgress, plot_metrics, read_metrics, summary_table
+from nereus.rl.report import StepProgress, changes_table, plot_metrics, read_metrics, summary_table
 from nereus.rl.stages import InProcessStages, ModelStages, prepare_model
 from nereus.rl.tasks import Task, make_task
 from nereus.rl.vocab import Codec
@@ -76,8 +83,13 @@ class RLJob:
             self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
         self.codec: Codec | None = Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
         self.stages: ModelStages | None = None
+        self.adapter: Any = None  # nereus.rl.adapt.Adapter with [adapt] enabled
+        self.tap: Any = None  # the run's tap recorder (tap.jsonl) on a cluster
         self.step = 0
         self.records: list[dict[str, Any]] = []
+        # called as ``await hook(job, record)`` after each step, before the controller loop
+        # looks at the boundary (the environment: devices reclaimed or returned, faults)
+        self.boundary_hooks: list[Callable[[RLJob, dict[str, Any]], Awaitable[None]]] = []
 
     async def start(self, cluster: Any = None) -> None:
         """Prepare the model, start the model-stages (on ``cluster`` if given, a started
@@ -91,10 +103,37 @@ class RLJob:
             from nereus.rl.cluster import ClusterStages
 
             self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
+            await self._record_tap()
+            if self.cfg.adapt.enabled:
+                from nereus.rl.adapt import Adapter
+
+                reward = self.stages._models.get("reward", (None,))[0]
+                self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)
         if self.cfg.run.resume:
             ckpt = latest_checkpoint(self.out_dir)
             if ckpt is not None:
                 await self.load_checkpoint(ckpt)
+
+    def max_prompt_tokens(self, samples: int = 512) -> int:
+        """The longest prompt, in tokens, among the first ``samples`` of the global order."""
+        assert self.codec is not None
+        n = min(samples, self.dataset.size)
+        return max(len(self.task.prompt_ids(self.dataset.at(i), self.codec)) for i in range(n))
+
+    async def _record_tap(self) -> None:
+        """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl)."""
+        from nereus.actors import emit
+        from nereus.monitor.tap import TapRecorder
+
+        cluster = getattr(self.stages, "cluster", None)
+        address = getattr(cluster, "tap_address", "")
+        if not address:
+            return
+        path = self.out_dir / "tap.jsonl"
+        if not self.cfg.run.resume:
+            path.write_text("")
+        self.tap = await TapRecorder(address, cluster.key, str(path), emit,
+                                     curve=getattr(cluster, "curve", None)).start()
 
     async def save_checkpoint(self) -> Path:
         assert self.stages is not None
@@ -182,6 +221,15 @@ class RLJob:
         try:
             while self.step < cfg.run.steps:
                 record = await self.run_step()
+                for hook in self.boundary_hooks:
+                    await hook(self, record)
+                if self.adapter is not None and self.step < cfg.run.steps:
+                    decision = await self.adapter.after_step(record)
+                    if decision is not None:
+                        record["decision"] = {k: decision[k] for k in ("action", "admitted", "reason")}
+                        record["decision"]["triggers"] = [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]]
+                        if "transition" in decision:
+                            record["transition"] = decision["transition"]
                 self.records.append(record)
                 loggers.log(record)
                 progress.update(record)
@@ -200,7 +248,11 @@ class RLJob:
             if cfg.run.progress:
                 from rich.console import Console
 
-                Console().print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"))
+                console = Console()
+                console.print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"))
+                if cfg.adapt.enabled:
+                    console.print(changes_table(history, title=f"plan changes ({sum(1 for r in history if r.get('transition'))}; "
+                                                               f"every decision is on the tap: {self.out_dir / 'tap.jsonl'})"))
         return self.records
 
     def export_hf(self, out: str | Path | None = None) -> Path:
@@ -214,6 +266,9 @@ class RLJob:
         return export_checkpoint(ckpt, self.cfg, self.model_config, self.model_dir, out or self.out_dir / "hf")
 
     async def close(self) -> None:
+        if self.tap is not None:
+            tap, self.tap = self.tap, None
+            await tap.stop()
         if self.stages is not None:
             await self.stages.close()
             self.stages = None

@@ -351,11 +351,12 @@ class ShardHolder(Actor):
     # --- checkpoints ---------------------------------------------------------------
 
     @endpoint
-    async def save_checkpoint(self, directory: str, emu: dict) -> str:
-        """Write this device's shard file of ``emu`` (plain EMU description)."""
+    async def save_checkpoint(self, directory: str, emu: dict, durable: bool = True) -> str:
+        """Write this device's shard file of ``emu`` (plain EMU description); ``durable``:
+        fsync it (see ``checkpoint.save_shards``)."""
         desc = emu_from_plain(emu)
         path = await asyncio.to_thread(ckpt.save_shards, directory, desc, self.device.index,
-                                       self._held_of(desc.name))
+                                       self._held_of(desc.name), durable=durable)
         return str(path)
 
     @endpoint
@@ -503,11 +504,14 @@ async def execute_into(
                         tuple(sorted(parts)), sum(int(r["bytes_sent"]) for r in results))
 
 
-async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef]) -> None:
-    """Every device of ``emu`` writes its file in parallel; then the manifest."""
+async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef], *,
+                       durable: bool = True) -> None:
+    """Every device of ``emu`` writes its file in parallel; then the manifest.
+    ``durable``: fsync files and folder (a fallback must survive the machine)."""
     plain = emu_to_plain(emu)
-    await asyncio.gather(*(holders[d].save_checkpoint.call_one(str(directory), plain) for d in emu.devices))
-    ckpt.write_manifest(directory, emu)
+    await asyncio.gather(*(holders[d].save_checkpoint.call_one(str(directory), plain, durable)
+                           for d in emu.devices))
+    ckpt.write_manifest(directory, emu, durable=durable)
 
 
 async def load_from_disk(directory: str, target: EMU, holders: Mapping[int, ActorRef]) -> EMU:

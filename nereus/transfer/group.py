@@ -15,6 +15,14 @@ members build their communicators concurrently (construction is the rendezvous: 
 blocking wait with a deadline, never a polling loop, run off the worker's event
 loop). Ranks follow the order of ``devices``.
 
+The store (``_Rendezvous``) listens only on the interface that reaches the members
+(loopback when they all share this host), keeps every entry under a prefix derived
+from the cluster key (``store_token``: a stranger who connects finds and overwrites
+nothing the members read), and stops accepting connections once every member has
+joined: the members keep their connections for the watchdog, nobody else gets one.
+torch's TCPStore has no authentication of its own; gloo and NCCL traffic itself
+assumes a private network (README, "Trust model").
+
 Groups are cached by (devices, backend, epoch): asking again for the same group
 returns the same live handle. Set-ups of groups that share a device never overlap in
 time (a lock per device, taken in device order): concurrent rendezvous over shared
@@ -34,6 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
+import hmac
 import logging
 import os
 import socket
@@ -50,7 +60,6 @@ from nereus.actors import (
     ActorRef,
     Cluster,
     DeviceInfo,
-    current_device,
     endpoint,
 )
 from nereus.errors import ActorDied, ConfigError, TransferError
@@ -104,14 +113,15 @@ def release_epoch(epoch: int) -> int:
 def _build(spec: dict[str, Any]) -> Communicator:
     """A communicator from the one message ``make_group`` sends (runs in a thread)."""
     common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], devices=spec["devices"],
-                  **spec.get("options", {}))
+                  store_token=spec.get("store_token", ""), **spec.get("options", {}))
     if spec["backend"] == "nccl":
-        from nereus.transfer.nccl import NcclCommunicator  # cupy only where it is used
+        from nereus.transfer.nccl import NcclCommunicator  # libnccl only where it is used
 
+        # No device index: a worker sees exactly one GPU, cuda:0, whatever the device's
+        # index on its node (the engines' tensors live there too).
         return NcclCommunicator(spec["group_id"], spec["rank"], spec["size"],
-                                bytes(spec["nccl_id"]), device=spec.get("local_device"),
-                                store_host=spec["store_host"], store_port=spec["store_port"],
-                                **common)
+                                bytes(spec["nccl_id"]), store_host=spec["store_host"],
+                                store_port=spec["store_port"], **common)
     from nereus.transfer.cpu import CpuCommunicator
 
     return CpuCommunicator(spec["group_id"], spec["rank"], spec["size"], spec["store_host"],
@@ -123,8 +133,6 @@ class GroupAgent(Actor):
 
     @endpoint(concurrent=True)
     async def join(self, spec: dict) -> dict:
-        if spec["backend"] == "nccl":
-            spec = {**spec, "local_device": current_device().local_index}
         comm = await asyncio.to_thread(_build, spec)
         with _registry_lock:
             old = _registry.pop(comm.group_id, None)
@@ -242,10 +250,63 @@ def _device_list(cluster: Cluster, devices: Any) -> list[DeviceInfo]:
 
 
 def _store_host(devices: list[DeviceInfo]) -> str:
+    """The address of this host's interface that the members reach it by: loopback
+    when they all live here, else the source address of the route to a remote member
+    (a UDP ``connect`` only picks the route; nothing is sent)."""
     me = socket.gethostname()
-    if all(d.host in (me, "localhost", "127.0.0.1") for d in devices):
+    remote = [d.host for d in devices if d.host not in (me, "localhost", "127.0.0.1")]
+    if not remote:
         return "127.0.0.1"
-    return socket.gethostbyname(me)
+    try:
+        peer = socket.gethostbyname(remote[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, 9))
+            return probe.getsockname()[0]
+    except OSError as e:
+        log.warning("no route to member host %r (%s); the store listens on %s's address",
+                    remote[0], e, me)
+        return socket.gethostbyname(me)
+
+
+def store_token(key: bytes, group_id: str) -> str:
+    """The prefix of a group's store entries, derived from the cluster key."""
+    return hmac.new(key, f"nereus-store/{group_id}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+class _Rendezvous:
+    """A group's TCPStore on one interface, its listening socket owned here so that
+    ``seal`` can stop new connections while the members' own go on."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        from torch.distributed import TCPStore
+
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(128)
+            self.host = host
+            self.port = listener.getsockname()[1]
+            self.store = TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s),
+                                  master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        self._fd = listener.detach()  # the store's server owns (and closes) it now
+        self.sealed = False
+
+    def seal(self) -> None:
+        """Accept no more connections (existing ones are served as before)."""
+        if self.sealed:
+            return
+        self.sealed = True
+        listener = socket.socket(fileno=self._fd)
+        try:
+            listener.shutdown(socket.SHUT_RDWR)
+        except OSError as e:
+            log.warning("could not stop the store on port %d accepting: %s", self.port, e)
+        finally:
+            listener.detach()
 
 
 async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "auto",
@@ -281,12 +342,9 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
                             "devices": [d.index for d in infos]}
     # The store is gloo's rendezvous, and for both backends the watchdog's record of
     # which ranks entered each operation. It lives as long as the handle.
-    from torch.distributed import TCPStore
-
-    host = _store_host(infos)
-    store = TCPStore("0.0.0.0" if host != "127.0.0.1" else host, 0, is_master=True,
-                     wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    spec.update(store_host=host, store_port=store.port, options=dict(options or {}))
+    store = _Rendezvous(_store_host(infos), timeout_s)
+    spec.update(store_host=store.host, store_port=store.port, options=dict(options or {}),
+                store_token=store_token(cluster.key, group_id))
     if backend == "nccl":
         spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
     handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
@@ -315,6 +373,7 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
         device, err = failed[0]
         raise TransferError(f"make_group over devices {list(handle.devices)}: device {device} "
                             f"could not join: {err}") from err
+    store.seal()  # every member holds its connection: nobody else may connect now
     state.cache[key] = handle
     return handle
 
