@@ -66,6 +66,7 @@ class EfficiencyParams:
     allreduce_inter: Param
     p2p_intra: Param
     p2p_inter: Param
+    layer_pass_s: Param
     spread: Param
 
 
@@ -218,6 +219,7 @@ class GroundTruth:
         amp, period = self.params.drift.amplitude.value, self.params.drift.period_steps.value
         f = {c: self.base_eff[c] * (1 + amp * math.sin(2 * math.pi * step / period + self.phase[c])) for c in OP_CLASSES}
         return Efficiency(**{c: float(min(1.5, max(1e-3, v))) for c, v in f.items()},
+                          layer_pass_s=self.params.efficiency.layer_pass_s.value,
                           group_setup_s=self.params.transitions.group_setup_s.value,
                           transition_call_s=self.params.transitions.call_s.value)
 
