@@ -28,11 +28,17 @@ this simulator, not claims about the systems they are named after:
   they restart from a checkpoint (counted) on the search's plan of their placement for
   the pool as it is (under the calibrated model), which becomes their layout.
 
-Every policy restarts from a checkpoint when a model-stage lost every EMU (only a
-checkpoint holds its state), calibrates its efficiencies from measured model-stage
-times, memory peaks and transition nodes, and is told the truth only through those
-measurements. Starting plan: the search's best (or best of the placement) under the
-planner's conservative efficiencies, at the lengths of one warm-up rollout.
+Every policy plans as the job's controller loop (``nereus.rl.adapt``) does: step time
+at the lengths the last step generated, memory at the next step's cap (any response may
+reach it: ``LengthStats(cap, cap, cap)``). Every policy calibrates through a
+``Replanner``'s own observers, as that loop does: measured model-stage seconds, device
+peaks against the plan as it ran (training padded to the step's longest response, the KV
+cache at its longest), and measured transition nodes; a device that ran out of memory is
+learned from whatever its share of transient bytes. The truth reaches a policy only
+through those measurements. Every policy restarts from a checkpoint when a model-stage
+lost every EMU (only a checkpoint holds its state). Starting plan: the search's best (or
+best of the placement) under the planner's conservative efficiencies, at the lengths of
+one warm-up rollout.
 """
 
 from __future__ import annotations
@@ -91,10 +97,16 @@ class _Ctx:
     work: Workload
     cluster: ClusterSpec  # the whole cluster; plans name its device ids
     transitions: Transitions
+    max_length: int  # the job's generation cap
 
     def pool_cluster(self, devices: tuple[int, ...]) -> tuple[DevicePool, ClusterSpec]:
         per = self.cluster.devices_per_node
         return DevicePool.of(devices), self.cluster.with_nodes(max(1, len(devices) // per))
+
+    def work_at(self, lengths: LengthStats) -> Workload:
+        """The job at ``lengths`` (step time), memory at the cap (any response may reach it)."""
+        cap = float(self.max_length)
+        return self.work.with_lengths(lengths, LengthStats(cap, cap, self.max_length))
 
 
 class Policy:
@@ -106,6 +118,9 @@ class Policy:
         self.ctx = ctx
         self.calibrator = Calibrator(prior=CONSERVATIVE)
         self.eff: Efficiency = CONSERVATIVE
+        # the planner's state of the job: its plan, workload and pool, and the observers
+        # that calibrate ``eff`` (fixed layouts and every-k never call ``on_boundary``)
+        self.replanner: Replanner | None = None
 
     def start(self, b: Boundary) -> Plan:
         """The first plan (device ids); raises ``InfeasiblePlan`` when none fits."""
@@ -116,24 +131,44 @@ class Policy:
 
     # --- calibration from what the simulated cluster measured -----------------------------
 
+    def _track(self, plan: Plan, b: Boundary) -> None:
+        """A Replanner holding ``plan`` over ``b``'s pool, for the observers."""
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        self.replanner = Replanner(self.ctx.work_at(b.lengths), cluster, plan=pool.to_slots(plan), eff=self.eff,
+                                   calibrator=self.calibrator)
+
     def observe(self, plan: Plan, devices: tuple[int, ...], lengths: LengthStats, truth: StepTruth) -> None:
-        """A step ran (or failed) on ``plan`` over the live ``devices``, with the lengths the
-        policy planned for: its model-stage times and memory peaks."""
+        """A step ran (or failed) on ``plan`` over the live ``devices``; the policy had
+        planned it at ``lengths``: its model-stage seconds and device peaks."""
+        rp = self.replanner
+        if rp is None:
+            return
         pool, cluster = self.ctx.pool_cluster(devices)
-        slots = pool.to_slots(plan)
-        work = self.ctx.work.with_lengths(lengths)
-        ex = explain(slots, work, cluster, self.eff.replace(memory_scale=1.0))
+        rp.plan, rp.cluster, rp.work = pool.to_slots(plan), cluster, self.ctx.work_at(lengths)
         if not truth.failed:
-            for name, seconds in truth.stage_seconds.items():
-                self.calibrator.observe_stage(ex.stage(name).cost, seconds)
-        for name, peak in truth.stage_peaks.items():
-            self.calibrator.observe_memory(ex.stage(name).memory, peak)
-        self.eff = self.calibrator.fit()
+            rp.observe_stage_seconds(truth.stage_seconds)
+        longest = truth.lengths.max
+        ran = LengthStats(float(longest), float(longest), longest)
+        rp.observe_device_peaks({pool.slot(d): peak for d, peak in truth.device_peaks.items()}, lengths=ran)
+        if truth.failed:
+            # a device that ran out of memory is learned from whatever its share of
+            # transient bytes (the observers skip devices where that share is small)
+            ex = explain(rp.plan, self.ctx.work.with_lengths(ran), cluster, rp.eff.replace(memory_scale=1.0))
+            by_slot = {m.device: m for m in ex.memory}
+            for device, need, _ in truth.overflow:
+                m = by_slot.get(pool.slot(device))
+                if m is not None and m.transient > 0:
+                    self.calibrator.observe_memory_bytes(m.workspace + sum(b for _, b in m.resident), m.transient, need)
+            rp.eff = self.calibrator.fit()
+        self.eff = rp.eff
 
     def observe_transition(self, nodes: list[tuple[dict[str, float], float]]) -> None:
         for ideal, seconds in nodes:
             if seconds > 0:
                 self.calibrator.observe_transition(ideal, seconds)
+        self.eff = self.calibrator.fit()
+        if self.replanner is not None:
+            self.replanner.eff = self.eff
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -163,8 +198,8 @@ class AdaptivePolicy(Policy):
     def _fresh(self, b: Boundary) -> Plan:
         """A (re)started job: a new Replanner on the pool, keeping what calibration learned."""
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        work = self.ctx.work.with_lengths(b.lengths)
-        self.replanner = Replanner(work, cluster, eff=self.eff, gamma=self.gamma, calibrator=self.calibrator,
+        self.replanner = Replanner(self.ctx.work_at(b.lengths), cluster, eff=self.eff, gamma=self.gamma,
+                                   calibrator=self.calibrator,
                                            join_horizon_steps=self.join_horizon_steps,
                                            min_steps_between=self.min_steps_between)
         return pool.to_devices(self.replanner.plan)
@@ -181,9 +216,11 @@ class AdaptivePolicy(Policy):
                 target = self._fresh(b)
                 return self._timed(Move("restart", target, "a model-stage lost every EMU"), t0, dag0)
             pool, cluster = self.ctx.pool_cluster(b.devices)
+            cap = float(self.ctx.max_length)
             outcome = self.replanner.on_boundary(
-                b.step, lengths=b.lengths, cluster=cluster, plan=pool.to_slots(current), lost=b.lost,
-                joined=b.joined, transition_seconds=self._estimate(pool, self.replanner.eff, current))
+                b.step, lengths=b.lengths, memory_lengths=LengthStats(cap, cap, self.ctx.max_length), cluster=cluster,
+                plan=pool.to_slots(current), lost=b.lost, joined=b.joined,
+                transition_seconds=self._estimate(pool, self.replanner.eff, current))
         except InfeasiblePlan as e:
             self.replanner = None
             return self._timed(Move("wait", None, str(e)), t0, dag0)
@@ -201,15 +238,6 @@ class AdaptivePolicy(Policy):
         move.planner_s = max(0.0, time.perf_counter() - t0 - move.dag_s)
         return move
 
-    def observe(self, plan: Plan, devices: tuple[int, ...], lengths: LengthStats, truth: StepTruth) -> None:
-        if self.replanner is None:
-            return
-        if not truth.failed:
-            self.replanner.observe_stage_seconds(truth.stage_seconds)
-        self.replanner.observe_memory_peaks(truth.stage_peaks)
-        self.eff = self.replanner.eff
-
-
 class EveryKPolicy(Policy):
     """``every-k``: a search every k steps admitting any improvement; urgent moves at once."""
 
@@ -221,13 +249,15 @@ class EveryKPolicy(Policy):
 
     def start(self, b: Boundary) -> Plan:
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        return pool.to_devices(self._search(self.ctx.work.with_lengths(b.lengths), cluster).plan)
+        plan = pool.to_devices(self._search(self.ctx.work_at(b.lengths), cluster).plan)
+        self._track(plan, b)
+        return plan
 
     def decide(self, b: Boundary, plan: Plan | None) -> Move:
         t0 = time.perf_counter()
         dag0 = self.ctx.transitions.dag_seconds
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        work = self.ctx.work.with_lengths(b.lengths)
+        work = self.ctx.work_at(b.lengths)
         current = intact(plan, b.devices) if plan is not None else None
         move = self._decide(b, pool, cluster, work, current)
         move.dag_s = self.ctx.transitions.dag_seconds - dag0
@@ -306,12 +336,14 @@ class FixedLayoutPolicy(Policy):
 
     def _relayout(self, b: Boundary) -> Plan:
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        plan, pools = self._placement(self.ctx.work.with_lengths(b.lengths), cluster)
+        plan, pools = self._placement(self.ctx.work_at(b.lengths), cluster)
         self.layout = _Layout.of(plan, pools, len(b.devices), self.ctx.work)
         return pool.to_devices(plan)
 
     def start(self, b: Boundary) -> Plan:
-        return self._relayout(b)
+        plan = self._relayout(b)
+        self._track(plan, b)
+        return plan
 
     def scaled(self, devices: int, cluster: ClusterSpec) -> Plan | None:
         """The layout with each pool at the largest valid size up to its share of
@@ -354,7 +386,7 @@ class FixedLayoutPolicy(Policy):
 
     def _decide(self, b: Boundary, plan: Plan | None) -> Move:
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        work = self.ctx.work.with_lengths(b.lengths)
+        work = self.ctx.work_at(b.lengths)
         current = intact(plan, b.devices) if plan is not None else None
         if self.layout is None:
             return Move("restart", self._relayout(b), "no layout yet")

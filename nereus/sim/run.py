@@ -118,7 +118,8 @@ def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scen
 @dataclass(frozen=True)
 class StepRecord:
     """One completed step: when it started, its seconds, the devices live at its boundary
-    and used by its plan, its lengths, and whether a transition or restart preceded it."""
+    and used by its plan, its lengths, its highest device peak (bytes), and whether a
+    transition or restart preceded it."""
 
     step: int
     start_s: float
@@ -127,6 +128,7 @@ class StepRecord:
     plan_devices: int
     mean_length: float
     max_length: int
+    peak_bytes: int
     transition: bool
     restart: bool
 
@@ -280,7 +282,7 @@ def run_policy(scn: Scenario, policy: Policy) -> PolicyResult:
                 failed = True
             continue
         res.records.append(StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
-                                      truth.lengths.max, moved, restarted))
+                                      truth.lengths.max, truth.device_peak, moved, restarted))
         clock += truth.seconds
         res.compute_s += truth.seconds
         res.tokens += scn.work.sequences * truth.lengths.mean
@@ -309,7 +311,7 @@ def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: 
     results = []
     for name in policies:
         transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
-        ctx = _Ctx(scn.work, scn.cluster, transitions)
+        ctx = _Ctx(scn.work, scn.cluster, transitions, scn.truth.max_length)
         policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
                              min_steps_between=min_steps_between)
         results.append(run_policy(scn, policy))

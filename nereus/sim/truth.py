@@ -166,12 +166,14 @@ def load_truth_params(path: str | Path | None = None) -> TruthParams:
 class StepTruth:
     """One step as the simulated cluster ran it: seconds (and per model-stage), the
     lengths it generated, each model-stage's peak bytes on one of its devices (resident +
-    transient), the highest device peak and the devices over their memory."""
+    transient), the peak of one device of each kind (devices holding the same
+    model-stages peak alike), the highest device peak and the devices over their memory."""
 
     seconds: float
     stage_seconds: dict[str, float]
     lengths: LengthStats
     stage_peaks: dict[str, int]
+    device_peaks: dict[int, int]
     device_peak: int
     overflow: tuple[tuple[int, int, int], ...]  # (device, bytes, memory)
 
@@ -293,14 +295,15 @@ class GroundTruth:
             transient[name] = int(m.transient * (1 + frag))
         total = sum(max(sum(seconds[n] for n in g) for g in groups) for groups in s.groups)
         base = self.cluster.workspace_bytes + int(mem.extra_workspace_gib.value * GiB)
-        peak, over = 0, []
+        peak, over, device_peaks = 0, [], {}
         for names, devices in s.classes:
             need = base + sum(resident[n] for n in names) + max(transient[n] for n in names)
             peak = max(peak, need)
+            device_peaks[devices[0]] = need
             if need > self.cluster.device_memory_bytes:
                 over += [(d, need, self.cluster.device_memory_bytes) for d in devices]
         peaks = {n: resident[n] + transient[n] for n in seconds}
-        return StepTruth(total, seconds, lengths, peaks, peak, tuple(sorted(over)))
+        return StepTruth(total, seconds, lengths, peaks, device_peaks, peak, tuple(sorted(over)))
 
     # --- transitions ---------------------------------------------------------------------
 
