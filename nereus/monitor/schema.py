@@ -104,6 +104,11 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
                  "transition_bytes": "bytes the target's DAG moves between devices",
                  "transition": "the change executed (step, triggers, from, to, predicted and measured "
                                "seconds, bytes), when admitted"},
+    "fault": {"step": "the step it hit", "devices": "devices that died", "during": "step, boundary or recovery",
+              "error": "what the driver saw", "committed": "bool: the step's update had been committed",
+              "restored_from": "checkpoint loaded (a training state lost its last copy), else empty",
+              "redone": "bool: the step runs again", "recover_seconds": "from the error to a runnable plan",
+              "dropped": "EMUs lost with the devices", "missing": "model-stages rebuilt from scratch"},
     "tap_recorder": {"marker": "start or stop: a recorder's own marker, to know its subscription is live"},
     "memory": {"device": "device index", "used_bytes": "int", "budget_bytes": "int"},
     "stuck_collective": {"group": "group id", "op": "collective", "missing_ranks": "list",

@@ -96,9 +96,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def pool_sizes(cluster: ClusterSpec, budget: int) -> list[int]:
-    """Every pool size of the space up to ``budget`` devices, ascending."""
+    """Every pool size of the space up to ``budget`` devices, ascending: powers of two
+    below a node (dividing it, so pools pack into nodes; on a single node any power of
+    two fits, e.g. 2 of 3 devices left after one died), then whole nodes."""
     per = cluster.devices_per_node
-    small = [s for s in _powers_of_two(per) if per % s == 0 and s < per and s <= budget]
+    small = [s for s in _powers_of_two(per) if (per % s == 0 or cluster.nodes == 1) and s < per and s <= budget]
     return small + [k * per for k in range(1, budget // per + 1)]
 
 

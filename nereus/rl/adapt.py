@@ -159,6 +159,8 @@ class Adapter:
         self.decisions: list[dict[str, Any]] = []
         self._calibrate_next = False  # the next step ran on a settled plan
         self._gone: list[int] = []
+        self._full_plan = stages.plan  # the last plan with every model-stage (device ids)
+        self._lengths: LengthStats | None = None  # the last step's
 
     # --- the pool and the planner's view ------------------------------------------------
 
@@ -202,6 +204,7 @@ class Adapter:
         longest = int(record["response_len_max"])
         p95 = min(max(float(record.get("response_len_p95", longest)), mean), longest)
         ran = LengthStats(mean, p95, max(1, longest))
+        self._lengths = ran
         pool_before = self.pool
         if self.replanner is None:
             self.replanner = Replanner(
@@ -238,6 +241,53 @@ class Adapter:
                                  transition_seconds=price)
         if not outcome.triggers:
             return None
+        return await self._act(nxt, outcome, priced)
+
+    async def after_fault(self, step: int, dead: list[int]) -> dict[str, Any]:
+        """Replan at once after workers died (``nereus.rl.recovery.forget_dead`` brought
+        the job to its intact EMUs): the dead devices are a hard trigger, the target is
+        searched on the pool that is left and reached from what survived; model-stages
+        without an intact EMU are built at their target placement. Returns the decision."""
+        stages = self.stages
+        await stages.cluster.refresh_devices()
+        live = {d.index for d in stages.cluster.devices}
+        draining = set(getattr(stages.cluster, "draining", ()))
+        self.pool = DevicePool.of(sorted(live - draining))
+        # the job's plan as the planner sees it: what survived, and where the lost
+        # model-stages were (on devices that are gone: the plan cannot run)
+        from nereus.planner.plan import Plan
+
+        current = Plan(tuple((name, stages.plan[name] if name in stages.plan.names else sp)
+                             for name, sp in self._full_plan))
+        lengths = self._lengths or self._cap_lengths(step)
+        cap = self._cap_lengths(step)
+        if self.replanner is None:
+            self.replanner = Replanner(
+                self._workload(lengths), self._cluster_spec(len(self.pool)), plan=self._slots(current, self.pool),
+                eff=stages.calibrator.fit(), gamma=self.cfg.adapt.gamma, length_threshold=self.cfg.adapt.length_drift,
+                calibrator=stages.calibrator, join_horizon_steps=self.cfg.adapt.join_horizon_steps,
+                min_steps_between=self.cfg.adapt.min_steps_between)
+        rp = self.replanner
+        rp.work = self._workload(lengths, cap)
+        inputs = await stages.change_inputs()
+        priced: dict[Any, tuple[float, int]] = {}
+
+        def price(_: Any, target: Any) -> float:
+            seconds, nbytes = stages.estimate_change(from_planner_plan(self.pool.to_devices(target)), inputs)
+            priced[target] = (seconds, nbytes)
+            return seconds
+
+        outcome = rp.on_boundary(step, lengths=lengths, memory_lengths=cap, cluster=self._cluster_spec(len(self.pool)),
+                                 plan=self._slots(current, self.pool), lost=sorted(dead), transition_seconds=price)
+        self._calibrate_next = False
+        decision = await self._act(step, outcome, priced)
+        require(decision is not None and decision.get("admitted"), "recovery", decision and decision.get("reason"),
+                "must reach a runnable plan after the fault")
+        return decision
+
+    async def _act(self, nxt: int, outcome: Any, priced: dict[Any, tuple[float, int]]) -> dict[str, Any]:
+        """The decision event of a boundary where something fired, and the change when admitted."""
+        stages = self.stages
         decision = self._decision_event(nxt, outcome, priced)
         self.decisions.append(decision)
         _emit("decision", **decision)
@@ -258,6 +308,7 @@ class Adapter:
             decision["transition"] = change.as_record()
             log.info("step %d: %s -> changed the plan (%d bytes, %.3f s; predicted %.3f s)", nxt,
                      change.triggers, change.bytes, change.measured_seconds, change.predicted_seconds)
+            self._full_plan = stages.plan
         return decision
 
     def _calibrate(self, record: dict[str, Any], ran: LengthStats, pool: DevicePool) -> None:

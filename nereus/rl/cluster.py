@@ -122,6 +122,9 @@ class ClusterStages(ModelStages):
         # seconds a change spends per model-stage it restarts beyond the DAG's moves
         # (engines stopped and started, their groups, the sync plans): measured
         self._restart_s: deque[float] = deque(maxlen=4)
+        # model-stages a fault left without an intact EMU: the next change builds them
+        # (nereus.rl.recovery)
+        self._missing: set[str] = set()
         self._spawn_s: list[float] = []  # spawning each model-stage at start: the guess before any change
 
     # --- start ------------------------------------------------------------------
@@ -436,9 +439,12 @@ class ClusterStages(ModelStages):
         ``inputs`` (``change_inputs``). Raises ``InfeasibleTransition`` when the DAG
         cannot keep a device under its cap and ``OutOfMemory`` when the restarted engines
         would not fit after it."""
+        from nereus.planner.plan import Plan
         from nereus.transition import build_dag
 
         moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
+        if self._missing:  # the DAG moves what exists; a missing model-stage is built after it
+            target = Plan(tuple((s, target[s]) for s in self._plan.names))
         resident = _resident(inputs["memory"], [e.name for emus in self.emus.values() for e in emus],
                              engines=[e.name for s in moving for e in self.emus[s]])
         one_host = len({self._host_of(d) for d in self.hosts}) == 1
@@ -504,8 +510,9 @@ class ClusterStages(ModelStages):
         await self.transition_done()
         t0 = time.perf_counter()
         require(isinstance(target, Plan), "target", type(target).__name__, "must be a nereus.planner.Plan")
-        require(set(target.names) == set(self._plan.names), "target plan", target.names,
-                f"must place exactly the job's model-stages {sorted(self._plan.names)}")
+        stages = set(self._plan.names) | self._missing
+        require(set(target.names) == stages, "target plan", target.names,
+                f"must place exactly the job's model-stages {sorted(stages)}")
         await self.cluster.refresh_devices()
         live = {d.index for d in self.cluster.devices}
         draining = set(getattr(self.cluster, "draining", ()))
@@ -519,28 +526,33 @@ class ClusterStages(ModelStages):
         inputs = await self.change_inputs()
         dag, predicted = self.plan_change(target, inputs)
         self._cache_slots = inputs["cache_slots"] if "policy_generation" in moving else 0
-        # model-stages that keep their EMUs but decode in other waves or (stop) recompute
-        retuned = [s for s in self._plan.names if s not in moving and self._plan[s] != target[s]]
+        # model-stages that keep their EMUs but decode in other waves or (stop) recompute,
+        # and those whose engines a fault stopped (nereus.rl.recovery)
+        retuned = [s for s in self._plan.names
+                   if s not in moving and (self._plan[s] != target[s] or s not in self.handles)]
+        missing = sorted(self._missing)
         new_epoch = max(self.epoch, self.cluster.epoch) + 1
         t_plan = time.perf_counter()
-        report.update(changed=list(dag.results), retuned=retuned, bytes=dag.bytes, predicted_seconds=predicted,
-                      nodes=len(dag.nodes), resource_edges=dag.resource_edges)
+        report.update(changed=list(dag.results), retuned=retuned, rebuilt=missing, bytes=dag.bytes,
+                      predicted_seconds=predicted, nodes=len(dag.nodes), resource_edges=dag.resource_edges)
         # the moving model-stages' engines stop (gradients, KV caches and activations
         # leave the ledgers); their groups go once nothing else uses them
         retired = []
         for stage in [*moving, *retuned]:
-            handle = self.handles.pop(stage)
-            await handle.stop()
-            retired += handle.groups
+            handle = self.handles.pop(stage, None)
+            if handle is not None:
+                await handle.stop()
+                retired += handle.groups
         t_stop = time.perf_counter()
         report.update(plan_s=t_plan - t0, engines_stop_s=t_stop - t_plan)
         await self._ensure_hosts(set(target.devices))
         touched = dag.devices()
         self._waiting = {s for s in self._plan.names
                          if s in moving or s in retuned or not touched.isdisjoint(self._current_plan(s).device_set)}
+        self._waiting |= set(missing)
         runtime = WorkerRuntime({e.name: e for es in self.emus.values() for e in es}, self.hosts, self.cluster,
                                 epoch=new_epoch)
-        work = self._finish_change(dag, runtime, target, moving, retuned, retired, new_epoch, report, t0)
+        work = self._finish_change(dag, runtime, target, moving, retuned, retired, new_epoch, report, t0, missing)
         if not overlap:
             self.last_transition = await work
             return self.last_transition
@@ -566,7 +578,8 @@ class ClusterStages(ModelStages):
             await self.transition_done()
 
     async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retuned: list[str],
-                             retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float) -> dict[str, Any]:
+                             retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float,
+                             missing: list[str] = ()) -> dict[str, Any]:
         from nereus.transfer import release_groups
         from nereus.transition.execute import execute_dag
 
@@ -578,8 +591,11 @@ class ClusterStages(ModelStages):
         await release_groups(self.cluster, new_epoch, tag="transition")
         report.update(bytes_measured=result.bytes_measured, nodes_finished=len(result.finished))
         if not result.ok:
+            from nereus.rl.recovery import salvage
+
             report.update(ok=False, seconds=time.perf_counter() - t0)
             _emit_transition(report, dag)
+            await salvage(self, runtime)  # what the DAG left, as the job's plan
             raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
         if self.learn_transitions:  # what the nodes took teaches the next estimate
             for node in dag.nodes:
@@ -597,9 +613,13 @@ class ClusterStages(ModelStages):
         self._plan = target
         await self.cluster.set_epoch(self.epoch)
         timing = await self._start_engines([*moving, *retuned])
+        await self._build_missing(missing)
         t_engines = time.perf_counter()
         retired += [group for _, group in self._sync.values() if group is not None]
         await self._plan_syncs()
+        for stage in missing:  # built from the model folder: the in-place syncs give them today's weights
+            if stage in self._sync:
+                await self._run_sync(stage)
         await self._release_unused(retired)
         await self._retire_drained()
         t_end = time.perf_counter()
@@ -612,6 +632,21 @@ class ClusterStages(ModelStages):
         log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
                  report["changed"], report["bytes"], report["seconds"], report["predicted_seconds"])
         return report
+
+    async def _build_missing(self, missing: list[str]) -> None:
+        """Model-stages a fault left without an intact EMU, built at the plan's placement
+        from the model folder (a training one holds the initial weights until the job
+        restores a checkpoint into it)."""
+        from nereus.engines import spawn_model_stage
+
+        for stage in missing:
+            emus = stage_emus(stage, self._plan[stage], self._spec(stage), self._slots(stage))
+            config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
+            self.handles[stage] = await spawn_model_stage(
+                self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
+                seed=self.cfg.run.seed, options=self._options(stage), epoch=self.epoch)
+            self.emus[stage] = emus
+            self._missing.discard(stage)
 
     def _node_event(self, t0: float) -> Callable[[Any, Any], None]:
         def emit_node(node: Any, result: Any) -> None:

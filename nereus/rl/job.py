@@ -87,6 +87,8 @@ class RLJob:
         self.tap: Any = None  # the run's tap recorder (tap.jsonl) on a cluster
         self.step = 0
         self.records: list[dict[str, Any]] = []
+        self.faults: list[Any] = []  # nereus.rl.recovery.Fault, one per recovered fault
+        self._checkpoints: list[Path] = []  # saved or loaded by this run (a restore uses no other)
         # called as ``await hook(job, record)`` after each step, before the controller loop
         # looks at the boundary (the environment: devices reclaimed or returned, faults)
         self.boundary_hooks: list[Callable[[RLJob, dict[str, Any]], Awaitable[None]]] = []
@@ -113,6 +115,8 @@ class RLJob:
             ckpt = latest_checkpoint(self.out_dir)
             if ckpt is not None:
                 await self.load_checkpoint(ckpt)
+        if self.adapter is not None and not self._checkpoints:
+            await self.save_checkpoint()  # what a training state that loses its last copy comes back to
 
     def max_prompt_tokens(self, samples: int = 512) -> int:
         """The longest prompt, in tokens, among the first ``samples`` of the global order."""
@@ -142,6 +146,7 @@ class RLJob:
         job = {"step": self.step, "dataset": self.dataset.state_dict(), "policy_version": self.stages.policy_version}
         # job.json last: a folder without it is an interrupted save and is never resumed.
         (folder / "job.json").write_text(json.dumps(job))
+        self._checkpoints.append(folder)
         return folder
 
     async def load_checkpoint(self, folder: str | Path) -> None:
@@ -153,6 +158,7 @@ class RLJob:
         await self.stages.load(folder)
         self.dataset.load_state_dict(job["dataset"])
         self.step = int(job["step"])
+        self._checkpoints.append(Path(folder))
         log.info("resumed from %s at step %d (policy version %d)", folder, self.step, self.stages.policy_version)
 
     async def run_step(self) -> dict[str, Any]:
@@ -220,22 +226,16 @@ class RLJob:
         progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
         try:
             while self.step < cfg.run.steps:
-                record = await self.run_step()
-                for hook in self.boundary_hooks:
-                    await hook(self, record)
-                if self.adapter is not None and self.step < cfg.run.steps:
-                    decision = await self.adapter.after_step(record)
-                    if decision is not None:
-                        record["decision"] = {k: decision[k] for k in ("action", "admitted", "reason")}
-                        record["decision"]["triggers"] = [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]]
-                        if "transition" in decision:
-                            record["transition"] = decision["transition"]
+                record = await self._guarded(self.run_step, "step")
+                if record is None:
+                    continue  # a fault: the step was redone or its committed update kept
+                await self._guarded(lambda: self._boundary(record), "boundary")
                 self.records.append(record)
                 loggers.log(record)
                 progress.update(record)
                 every = cfg.run.checkpoint_every
                 if (every and self.step % every == 0) or self.step == cfg.run.steps:
-                    await self.save_checkpoint()
+                    await self._guarded(self.save_checkpoint, "boundary")
         finally:
             progress.close()
             loggers.close()
@@ -254,6 +254,93 @@ class RLJob:
                     console.print(changes_table(history, title=f"plan changes ({sum(1 for r in history if r.get('transition'))}; "
                                                                f"every decision is on the tap: {self.out_dir / 'tap.jsonl'})"))
         return self.records
+
+    async def _boundary(self, record: dict[str, Any]) -> None:
+        """After a step: the environment's hooks, then the controller loop."""
+        for hook in self.boundary_hooks:
+            await hook(self, record)
+        if self.adapter is not None and self.step < self.cfg.run.steps:
+            decision = await self.adapter.after_step(record)
+            if decision is not None:
+                record["decision"] = {k: decision[k] for k in ("action", "admitted", "reason")}
+                record["decision"]["triggers"] = [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]]
+                if "transition" in decision:
+                    record["transition"] = decision["transition"]
+
+    async def _guarded(self, work: Callable[[], Awaitable[Any]], during: str) -> Any:
+        """``await work()``; with ``[adapt]`` on, a worker's death inside it is recovered
+        from (``_recover``) and None returned; anything else is raised."""
+        if self.adapter is None:
+            return await work()
+        from nereus.rl.recovery import is_fault, update_counts
+
+        assert self.stages is not None
+        start = (self.step, self.dataset.state_dict(), self.stages.policy_version,
+                 await update_counts(self.stages) if during == "step" else {})
+        try:
+            return await work()
+        except Exception as e:
+            if not is_fault(e):
+                raise
+            await self._recover(e, during, start)
+            return None
+
+    async def _recover(self, error: BaseException, during: str, start: tuple) -> None:
+        """Back to a runnable plan after workers died (``nereus.rl.recovery``): drop what
+        died, keep the intact EMUs, replan on the devices left, build what was lost;
+        restore the newest checkpoint if a training state lost its last copy; otherwise
+        redo the step if its update was not committed, or go on from the committed one."""
+        from nereus.actors import emit
+        from nereus.rl.recovery import Fault, dead_devices, forget_dead, is_fault, settle_updates
+
+        assert self.stages is not None and self.adapter is not None
+        step0, dataset0, version0, counts0 = start
+        t0 = time.perf_counter()
+        fault = Fault(step0, [], during, f"{type(error).__name__}: {error}"[:400])
+        for attempt in range(4):
+            try:
+                dead = await dead_devices(self.stages)
+                if not dead and attempt == 0:
+                    raise error
+                lost = await forget_dead(self.stages, dead)
+                fault.devices = sorted(set(fault.devices) | set(lost.dead))
+                fault.dropped += lost.dropped
+                fault.missing = sorted(set(fault.missing) | set(lost.missing))
+                counts = await settle_updates(self.stages, lost)
+                if during == "step":
+                    fault.committed = any(c > max(counts0.get(s, [c])) for s, c in counts.items())
+                else:
+                    fault.committed = True
+                await self.adapter.after_fault(self.step, lost.dead)
+                if any(s in fault.missing for s in ("policy_training", "critic_training")):
+                    done = [c for c in self._checkpoints if (c / "job.json").is_file()]
+                    if not done:
+                        raise StateError("a training state lost its last copy and there is no checkpoint to restore")
+                    ckpt = max(done, key=lambda c: int(c.name.split("_")[1]))
+                    await self.load_checkpoint(ckpt)
+                    fault.restored_from = ckpt.name
+                elif during == "step" and not fault.committed:
+                    self.dataset.load_state_dict(dataset0)
+                    self.step = step0
+                    fault.redone = True
+                elif during == "step":
+                    # the update stands (its record went with the fault): go on after it
+                    self.step = max(self.step, step0 + 1)
+                    if self.stages.policy_version == version0:
+                        self.stages.sample_position = self.dataset.position
+                        await self.stages.sync_policy()
+                break
+            except Exception as e:
+                if attempt == 3 or not is_fault(e):
+                    raise
+                log.warning("another fault during recovery: %s", e)
+                fault.during = "recovery"
+        fault.recover_seconds = time.perf_counter() - t0
+        self.faults.append(fault)
+        emit("fault", **fault.as_record())
+        log.warning("recovered from the death of devices %s in %.2f s (%s)", fault.devices, fault.recover_seconds,
+                    "checkpoint " + fault.restored_from if fault.restored_from else
+                    "step redone" if fault.redone else "update kept")
 
     def export_hf(self, out: str | Path | None = None) -> Path:
         """Write the policy of the newest checkpoint as a Hugging Face folder (``out_dir/hf``
