@@ -8,10 +8,10 @@ where H (in steps) is the moving average of the intervals between crossings of t
 signal that triggered the replan (``DriftSignal.horizon_steps``) and gamma defaults to
 0.5: the move must pay back within half the time the new plan is expected to last.
 
-``choose`` applies it to the search's ranked targets: the fastest first; if it is
-refused, slightly slower targets (within ``slack`` of the fastest) with cheaper
-transitions are tried in order of predicted step time before keeping the current
-plan. The urgent path (devices lost, the current plan no longer fits) skips the
+``choose`` applies it to the search's ranked targets: the fastest reachable first
+(a target whose transition is impossible is skipped); if it is refused, slightly
+slower targets (within ``slack`` of the fastest reachable) with cheaper transitions
+are tried in order of predicted step time before keeping the current plan. The urgent path (devices lost, the current plan no longer fits) skips the
 payback test and takes the fastest target whose transition is possible; when no
 transition is possible the last resort is to checkpoint and restart on the fastest
 target.
@@ -101,7 +101,7 @@ def choose(
     """Pick the move to make among ``targets`` (any order; ranked here by step time).
 
     ``current_step_seconds`` None means the current plan cannot run (urgent).
-    ``slack``: how much slower than the fastest target a cheaper-to-reach one may be."""
+    ``slack``: how much slower than the fastest reachable target a cheaper-to-reach one may be."""
     require(slack >= 0, "slack", slack, "must be >= 0")
     ranked = sorted(targets, key=lambda t: (t.step_seconds, t.transition_seconds))
     if not ranked:
@@ -114,7 +114,9 @@ def choose(
                                 f"{t.step_seconds:.4g} s/step, transition {t.transition_seconds:.3g} s")
         return Decision("restart", ranked[0], "urgent and no transition is possible: checkpoint and restart "
                         f"on the fastest target ({ranked[0].step_seconds:.4g} s/step)")
-    best = ranked[0].step_seconds
+    # slack is measured from the fastest target that can be reached: an impossible
+    # transition to a faster plan must not hide a reachable one that saves time
+    best = next((t.step_seconds for t in ranked if math.isfinite(t.transition_seconds)), ranked[0].step_seconds)
     tried = []
     first: Decision | None = None  # the fastest target's verdict, reported when keeping
     first_target = ranked[0]

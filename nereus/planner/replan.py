@@ -9,7 +9,8 @@ step (synchronous mode) or at a weight sync (asynchronous mode):
    and asks the ``TriggerMonitor`` what fired: devices lost or drained or a predicted
    memory violation (hard), devices joined or length drifting past its threshold
    (soft; a join's horizon is the moving interval between pool changes).
-2. If something fired, it searches the best plan and its alternatives, prices the move
+2. If something fired, it searches the best plan and its alternatives, adds the current
+   layout rescaled to the pool (``rescale.rescaled``: DP follows the pool), prices the move
    to each with ``transition_seconds(current, target)`` (the transition DAG's estimate,
    supplied by the caller; ``inf`` when impossible), and applies admission: the payback
    rule with H from the triggering signal, or the urgent path when the trigger is hard
@@ -40,6 +41,7 @@ from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import Explanation, explain
 from nereus.planner.plan import Plan
+from nereus.planner.rescale import rescaled
 from nereus.planner.search import search
 from nereus.planner.triggers import Trigger, TriggerMonitor
 from nereus.planner.workload import LengthStats, Workload
@@ -222,10 +224,19 @@ class Replanner:
             if current is None:
                 raise  # the current plan cannot run and no plan fits: the job cannot go on
             return Decision("keep", None, f"no plan fits: {e}")
-        targets = []
-        for label, plan, seconds in [("best", found.plan, found.step_seconds)] + [
+        candidates = [("best", found.plan, found.step_seconds)] + [
             (a.label, a.plan, a.step_seconds) for a in found.alternatives
-        ]:
+        ]
+        # the current layout with DP following the pool: reachable by Extends and
+        # Destroys alone, when the search's plans change TP or PP beyond what the
+        # devices' memory allows mid-transition
+        grown = rescaled(self.plan, self.work, self.cluster)
+        if grown is not None and grown != self.plan and all(grown != p for _, p, _ in candidates):
+            ex = explain(grown, self.work, self.cluster, self.eff)
+            if ex.fits:
+                candidates.append(("rescaled", grown, ex.step_seconds))
+        targets = []
+        for label, plan, seconds in candidates:
             cost = 0.0 if plan == self.plan else float(transition_seconds(self.plan, plan))
             targets.append(Target(plan, seconds, cost, label))
         soft = next((t for t in triggers if not t.hard), None)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nereus.errors import InfeasiblePlan
 from nereus.planner.admission import Target, choose
@@ -53,10 +53,11 @@ from nereus.planner.calibrate import Calibrator
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import explain
-from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
 from nereus.planner.replan import Replanner
-from nereus.planner.search import SearchResult, pool_sizes, search
+from nereus.planner.rescale import Layout, layout_of, rescaled_layout
+from nereus.planner.search import SearchResult, search
 from nereus.planner.workload import LengthStats, Workload
 from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import StepTruth
@@ -288,38 +289,13 @@ class EveryKPolicy(Policy):
         return Move("transition" if target != current else "keep", target, d.reason)
 
 
-@dataclass
-class _Layout:
-    """A fixed layout: per model-stage (tp, pp, recompute, concurrency: for generation the
-    sequences a replica decodes at once, else 0), its pools (model-stage names) with
-    their sizes on ``devices`` devices."""
-
-    stages: dict[str, tuple[int, int, bool, int]]
-    pools: list[tuple[tuple[str, ...], int]]
-    devices: int
-    order: list[str] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, plan: Plan, pools: tuple[tuple[str, ...], ...], devices: int, work: Workload) -> _Layout:
-        kinds = {s.name: s.kind for s in work.stages}
-        stages = {n: (sp.tp, sp.pp, sp.recompute,
-                      _ceil_div(_ceil_div(work.sequences, sp.dp), sp.waves) if kinds[n] == "generation" else 0)
-                  for n, sp in plan}
-        sized = [(tuple(g), plan[g[0]].num_devices) for g in pools]
-        return cls(stages, sized, devices, plan.names)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class FixedLayoutPolicy(Policy):
     """``static``, ``colocated`` and ``separated`` (see the module docstring)."""
 
     def __init__(self, ctx: _Ctx, *, name: str) -> None:
         super().__init__(ctx)
         self.name = name
-        self.layout: _Layout | None = None
+        self.layout: Layout | None = None
 
     def _placement(self, work: Workload, cluster: ClusterSpec) -> tuple[Plan, tuple[tuple[str, ...], ...]]:
         found = self._search(work, cluster)
@@ -337,7 +313,7 @@ class FixedLayoutPolicy(Policy):
     def _relayout(self, b: Boundary) -> Plan:
         pool, cluster = self.ctx.pool_cluster(b.devices)
         plan, pools = self._placement(self.ctx.work_at(b.lengths), cluster)
-        self.layout = _Layout.of(plan, pools, len(b.devices), self.ctx.work)
+        self.layout = layout_of(plan, self.ctx.work, pools, devices=len(b.devices))
         return pool.to_devices(plan)
 
     def start(self, b: Boundary) -> Plan:
@@ -348,30 +324,8 @@ class FixedLayoutPolicy(Policy):
     def scaled(self, devices: int, cluster: ClusterSpec) -> Plan | None:
         """The layout with each pool at the largest valid size up to its share of
         ``devices`` (planner slots from 0, largest pool first); None when a pool gets none."""
-        layout = self.layout
-        assert layout is not None
-        batch = self.ctx.work.batch
-        sizes = pool_sizes(cluster, devices)
-        chosen: list[tuple[tuple[str, ...], int]] = []
-        left = devices
-        for names, base in sorted(layout.pools, key=lambda p: -p[1]):
-            share = min(left, int(base * devices / layout.devices + 1e-9))
-            ok = [n for n in sizes if n <= share and all(
-                n % (layout.stages[s][0] * layout.stages[s][1]) == 0
-                and batch % (n // (layout.stages[s][0] * layout.stages[s][1])) == 0 for s in names)]
-            if not ok:
-                return None
-            chosen.append((names, ok[-1]))
-            left -= ok[-1]
-        start, by_stage = 0, {}
-        for names, n in chosen:
-            for s in names:
-                tp, pp, recompute, concurrency = layout.stages[s]
-                dp = n // (tp * pp)
-                waves = _ceil_div(_ceil_div(self.ctx.work.sequences, dp), concurrency) if concurrency else 1
-                by_stage[s] = StagePlan.on_range(tp, pp, dp, start, recompute=recompute, waves=waves)
-            start += n
-        return Plan(tuple((s, by_stage[s]) for s in layout.order))
+        assert self.layout is not None
+        return rescaled_layout(self.layout, self.ctx.work, cluster, devices)
 
     def decide(self, b: Boundary, plan: Plan | None) -> Move:
         t0 = time.perf_counter()

@@ -41,6 +41,19 @@ def test_choose_tries_slightly_slower_cheaper_targets_before_keeping():
     assert d.target is fast
 
 
+def test_an_unreachable_faster_target_does_not_hide_a_reachable_one():
+    best = Target("best", 6.0, transition_seconds=math.inf, label="best")
+    reachable = Target("rescaled", 8.0, transition_seconds=4.0, label="rescaled")  # 33% slower than best
+    d = choose(10.0, [best, reachable], horizon_steps=20)
+    assert d.action == "transition" and d.target is reachable
+    # slack is taken from the fastest reachable target
+    cheap = Target("cheap", 8.3, transition_seconds=1.0, label="cheap")
+    d = choose(10.0, [best, reachable, cheap], horizon_steps=2)  # reachable pays back in 2 steps > 1
+    assert d.action == "transition" and d.target is cheap
+    d = choose(10.0, [best], horizon_steps=20)
+    assert d.action == "keep" and "best: transition impossible" in d.reason
+
+
 def test_urgent_path_skips_payback_and_restarts_as_last_resort():
     a = Target("a", 9.0, transition_seconds=1e6, label="a")
     b = Target("b", 12.0, transition_seconds=math.inf, label="b")
