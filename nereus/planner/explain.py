@@ -20,6 +20,7 @@ device the cluster does not have, or puts one TP group across two nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from nereus.errors import ConfigError
@@ -123,16 +124,27 @@ class Explanation:
 
 def links_of(sp: StagePlan, cluster: ClusterSpec, name: str = "") -> tuple[bool, bool]:
     """(pp_inter, dp_inter): whether pipeline sends / DP all-reduces of ``sp`` cross nodes."""
-    node = cluster.node_of
+    for d in (min(sp.device_set), max(sp.device_set)):
+        cluster.node_of(d)  # raises for a device the cluster does not have
+    got = _links(sp, cluster.devices_per_node)
+    if isinstance(got, tuple):
+        return got
+    raise ConfigError(f"{name or 'model-stage'}: TP group {list(got)} spans nodes; TP must stay inside a node")
+
+
+@lru_cache(maxsize=8192)
+def _links(sp: StagePlan, per: int) -> tuple[bool, bool] | list[int]:
+    # cached: every explain of a plan asks again, and a plan's EMUs can span 1,024
+    # devices; a TP group that spans nodes comes back as a list (the caller raises)
     pp_inter = False
     for emu in sp.devices:
         for j in range(sp.pp):
             group = emu[j * sp.tp:(j + 1) * sp.tp]
-            if len({node(d) for d in group}) > 1:
-                raise ConfigError(f"{name or 'model-stage'}: TP group {group} spans nodes; TP must stay inside a node")
-        if len({node(d) for d in emu}) > 1:
+            if len({d // per for d in group}) > 1:
+                return list(group)
+        if len({d // per for d in emu}) > 1:
             pp_inter = True
-    dp_inter = any(len({node(emu[k]) for emu in sp.devices}) > 1 for k in range(sp.tp * sp.pp))
+    dp_inter = any(len({emu[k] // per for emu in sp.devices}) > 1 for k in range(sp.tp * sp.pp))
     return pp_inter, dp_inter
 
 
@@ -185,15 +197,20 @@ def _phase_times(stages: list[StageExplanation]) -> tuple[PhaseTime, ...]:
 
 
 def _device_memory(stages: list[StageExplanation], cluster: ClusterSpec) -> tuple[DeviceMemory, ...]:
-    on: dict[int, list[StageExplanation]] = {}
-    for s in stages:
+    on: dict[int, list[int]] = {}
+    for i, s in enumerate(stages):
         for d in s.plan.device_set:
-            on.setdefault(d, []).append(s)
+            on.setdefault(d, []).append(i)
     usable = usable_bytes(cluster)
+    # devices holding the same model-stages hold the same bytes: one figure per kind
+    kinds: dict[tuple[int, ...], tuple[tuple[tuple[str, int], ...], str, int]] = {}
     out = []
     for d in sorted(on):
-        here = on[d]
-        peak = max(here, key=lambda s: s.memory.transient)
-        out.append(DeviceMemory(d, cluster.workspace_bytes, tuple((s.name, s.memory.resident) for s in here),
-                                peak.name, peak.memory.transient, usable))
+        key = tuple(on[d])
+        kind = kinds.get(key)
+        if kind is None:
+            here = [stages[i] for i in key]
+            peak = max(here, key=lambda s: s.memory.transient)
+            kind = kinds[key] = (tuple((s.name, s.memory.resident) for s in here), peak.name, peak.memory.transient)
+        out.append(DeviceMemory(d, cluster.workspace_bytes, kind[0], kind[1], kind[2], usable))
     return tuple(out)

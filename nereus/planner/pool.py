@@ -60,7 +60,8 @@ class DevicePool:
         cannot run on the pool, which is what the planner must see)."""
         past = {d: len(self.ids) + i for i, d in enumerate(gone)}
         require(not set(past) & set(self.ids), "gone", list(gone), f"must not name devices in the pool {list(self.ids)}")
-        return self._map(plan, lambda d: past[d] if d in past else self.slot(d))
+        slots = {d: i for i, d in enumerate(self.ids)} | past  # one lookup a device, not a scan
+        return self._map(plan, lambda d: slots[d] if d in slots else self.slot(d))
 
     def to_devices(self, plan: Plan) -> Plan:
         """``plan`` over the planner's slots -> the same plan over device ids."""

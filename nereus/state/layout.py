@@ -153,8 +153,11 @@ class Layout:
         return f"tp{self.tp}pp{self.pp}{cut}"
 
 
+@lru_cache(maxsize=4096)
 def layer_bounds(layout: Layout, num_layers: int) -> tuple[int, ...]:
-    """``pp + 1`` bounds: stage s holds layers ``[bounds[s], bounds[s+1])``."""
+    """``pp + 1`` bounds: stage s holds layers ``[bounds[s], bounds[s+1])``.
+
+    Cached: transition DAGs ask it for every shard class of every position."""
     if layout.cuts:
         if layout.cuts[-1] >= num_layers:
             raise StateError(f"layout {layout}: cuts={list(layout.cuts)} must all be < num_layers={num_layers}")

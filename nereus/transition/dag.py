@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from nereus.config import require
 from nereus.errors import OutOfMemory
@@ -146,6 +147,13 @@ def _reps(stage: str, sp: StagePlan, names: Sequence[str] | None) -> list[Rep]:
             for i, devs in enumerate(sp.devices)]
 
 
+@lru_cache(maxsize=64)
+def _spec_bytes(spec: ModelSpec, slots: tuple[str, ...]) -> SpecBytes:
+    """One ``SpecBytes`` per (model, slots): its memo of bytes per layout position is
+    pure, so every DAG built for that model reuses it."""
+    return SpecBytes(spec, slots)
+
+
 class _Effects:
     """Per-op memory effect and traffic from analytic bytes."""
 
@@ -241,7 +249,7 @@ def build_dag(
     results: dict[str, tuple[Rep, ...]] = {}
     initial: dict[int, int] = defaultdict(int, resident or {})
     for stage, sp in current:
-        table = SpecBytes(specs[stage], (slots or {}).get(stage, ("param",)))
+        table = _spec_bytes(specs[stage], tuple((slots or {}).get(stage, ("param",))))
         for e in _reps(stage, sp, (names or {}).get(stage)):
             for i, d in enumerate(e.devices):
                 initial[d] += table.held(e.layout, e.layout.position(i))
@@ -253,7 +261,7 @@ def build_dag(
         tgt = [Rep(f"{stage}.next{i}", Layout(b.tp, b.pp), tuple(devs)) for i, devs in enumerate(b.devices)]
         planned = stage_ops(cur, tgt)
         results[stage] = planned.result
-        effects = _Effects(SpecBytes(specs[stage], (slots or {}).get(stage, ("param",))), host, bucket_bytes)
+        effects = _Effects(_spec_bytes(specs[stage], tuple((slots or {}).get(stage, ("param",)))), host, bucket_bytes)
         _add_stage(nodes, stage, planned.ops, effects)
     caps = {d: cap_of(d) for d in set(initial) | {d for n in nodes for d in n.devices}}
     dag = TransitionDAG(nodes, caps, dict(initial), current, target, results, host)

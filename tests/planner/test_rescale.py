@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import math
 
-from nereus.planner import ClusterSpec, LengthStats, ModelShape, Plan, Replanner, StagePlan, Workload, explain
+from nereus.planner import (
+    ClusterSpec,
+    LengthStats,
+    ModelShape,
+    Plan,
+    Replanner,
+    StagePlan,
+    Workload,
+    explain,
+)
 from nereus.planner.rescale import layout_of, rescaled
 
 GiB = 2**30
