@@ -15,7 +15,11 @@ step (synchronous mode) or at a weight sync (asynchronous mode):
    supplied by the caller; ``inf`` when impossible), and applies admission: the payback
    rule with H from the triggering signal, or the urgent path when the trigger is hard
    or the current plan can no longer run.
-3. Whatever was decided, the drift references are reset to the current values.
+3. Whatever was decided, the drift references are reset to the current values. When the
+   admitted move was a compromise (a faster target's transition was impossible from
+   the plan then), the next boundary searches again as a soft "follow-up" trigger: from
+   the new plan the faster one may be reachable. Each admitted move saves predicted
+   time, so follow-ups end.
 
 ``observe_stage_seconds``, ``observe_memory_peaks`` and ``observe_device_peaks`` feed
 measured model-stage times and memory peaks to the ``Calibrator``; the refitted factors are used from the next
@@ -104,6 +108,11 @@ class Replanner:
             self.plan = plan
             self.step_seconds = self._seconds_of(plan) or math.inf
         self.last_change: int | None = None
+        # a follow-up: the last admitted move was a compromise (a faster target could not
+        # be reached from the plan then); from the new plan it may be, so the next
+        # boundary searches again, as a soft trigger, even if nothing else fires
+        self.pending: Trigger | None = None
+        self._fastest = math.inf
         self.monitor.observe(0, devices=set(range(cluster.num_devices)), values={"length": work.lengths.mean})
 
     def _seconds_of(self, plan: Plan) -> float | None:
@@ -196,6 +205,11 @@ class Replanner:
         triggers = tuple(self.monitor.observe(step, devices=set(range(self.cluster.num_devices)), values=values,
                                               memory_violations=violations, lost=lost, drained=drained,
                                               joined=joined))
+        if not triggers and self.pending is not None:
+            p = self.pending
+            kind = p.kind if p.kind == "drift" else "device-pool"
+            triggers = (Trigger(kind, p.signal, False, step, "follow-up", {"detail": "follow-up", "after": p.detail}),)
+        self.pending = None
         hard = any(t.hard for t in triggers)
         recent = self.last_change is not None and step - self.last_change < self.min_steps_between
         if not triggers or (recent and not hard):
@@ -210,6 +224,8 @@ class Replanner:
             self.plan = decision.target.plan
             self.step_seconds = decision.target.step_seconds
             self.last_change = step
+            if decision.action == "transition" and decision.target.step_seconds > self._fastest * (1 + self.slack):
+                self.pending = triggers[0]
         elif current is not None:
             self.step_seconds = current
         log.info("step %d: %s -> %s (%s)", step, [t.kind for t in triggers], decision.action, decision.reason)
@@ -239,6 +255,7 @@ class Replanner:
         for label, plan, seconds in candidates:
             cost = 0.0 if plan == self.plan else float(transition_seconds(self.plan, plan))
             targets.append(Target(plan, seconds, cost, label))
+        self._fastest = min(t.step_seconds for t in targets)
         soft = next((t for t in triggers if not t.hard), None)
         horizon = self.monitor.horizon_steps(soft) if soft is not None else None
         return choose(current, targets, horizon, gamma=self.gamma, urgent=hard, slack=self.slack)

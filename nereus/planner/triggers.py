@@ -8,7 +8,8 @@ remembers its reference value (set at the last replan) and fires when the signal
 more than ``threshold`` (30% for length) away from it.
 
 A trigger names its ``kind`` (``device-pool``, ``memory``, ``drift``) and carries
-``info``: ``detail`` (``lost``, ``drained``, ``joined``, ``length``, ``over-budget``)
+``info``: ``detail`` (``lost``, ``drained``, ``joined``, ``length``, ``over-budget``, and
+``follow-up`` from the Replanner after a compromise move)
 and the devices, the predicted need and the budget where they apply.
 
 Each time a signal goes from inside its threshold to beyond it counts as a *crossing*;

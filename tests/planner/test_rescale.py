@@ -73,3 +73,27 @@ def test_a_join_takes_the_rescaled_layout_when_the_best_plan_cannot_be_reached()
     assert len(r.plan.devices) > 8 and all(
         (r.plan[n].tp, r.plan[n].pp) == (plan[n].tp, plan[n].pp) for n, _ in plan)
     assert explain(r.plan, work, cluster).step_seconds < explain(plan, work, small).step_seconds
+
+
+def test_a_compromise_move_is_followed_up_at_the_next_boundary():
+    work, cluster = _setup()
+    small = cluster.with_nodes(2)
+    r = Replanner(work, small, plan=_plan(work), join_horizon_steps=20)
+
+    def only_dp_moves(cur: Plan, tgt: Plan) -> float:
+        same = all((cur[n].tp, cur[n].pp, cur[n].recompute) == (sp.tp, sp.pp, sp.recompute) for n, sp in tgt)
+        return 1.0 if same else math.inf
+
+    out = r.on_boundary(3, cluster=cluster, joined=list(range(8, 16)), transition_seconds=only_dp_moves)
+    assert out.decision.target.label == "rescaled" and r.pending is not None
+    # nothing else fires at the next boundary; the Replanner searches again from the new plan
+    out = r.on_boundary(4, transition_seconds=only_dp_moves)
+    assert [t.info["detail"] for t in out.triggers] == ["follow-up"] and not out.triggers[0].hard
+    # the best plan is still out of reach and nothing was admitted: no further follow-up
+    assert out.decision.action == "keep" and r.pending is None
+    assert r.on_boundary(5, transition_seconds=only_dp_moves).decision.reason == "no trigger"
+    # when the faster plan can be reached, the follow-up takes it
+    r2 = Replanner(work, small, plan=_plan(work), join_horizon_steps=20)
+    r2.on_boundary(3, cluster=cluster, joined=list(range(8, 16)), transition_seconds=only_dp_moves)
+    out = r2.on_boundary(4, transition_seconds=lambda c, t: 1.0)
+    assert out.decision.action == "transition" and out.decision.target.step_seconds < r.step_seconds
