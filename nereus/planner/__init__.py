@@ -26,6 +26,7 @@ from nereus.planner.explain import DeviceMemory, Explanation, PhaseTime, StageEx
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.pool import DevicePool
 from nereus.planner.replan import BoundaryOutcome, Replanner
+from nereus.planner.replay import boundary_record, replay
 from nereus.planner.search import (
     Alternative,
     Candidate,
@@ -52,7 +53,7 @@ __all__ = [
     "Decision", "DeviceMemory", "DevicePool", "DriftSignal", "Efficiency", "Explanation", "HEADROOM", "LengthStats",
     "MODEL_PRESETS", "ModelShape", "ModelStage", "OP_CLASSES", "PhaseTime", "Plan", "PRESETS", "SearchResult",
     "StageCost", "StageExplanation", "StageMemory", "StagePlan", "Target", "Term", "Trigger", "TriggerMonitor",
-    "Workload", "admit", "algorithm_stages", "choose", "cluster_preset", "explain", "local_cpu_cluster",
+    "Workload", "admit", "algorithm_stages", "boundary_record", "replay", "choose", "cluster_preset", "explain", "local_cpu_cluster",
     "local_cpu_cluster_probed", "model_preset", "phases", "pool_sizes", "search", "stage_candidates", "stage_cost", "stage_memory",
     "usable_bytes",
 ]
