@@ -164,7 +164,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, device: str | torch.device) -> None:
         super().__init__()
-        inv = rope_inv_freq(config, device)
+        if torch.device(device).type == "meta":
+            # meta tensors run torch's Python reference kernels, whose first use imports
+            # seconds of modules; the values do not matter there, only the shape
+            inv = rope_inv_freq(config, "cpu").to(device)
+        else:
+            inv = rope_inv_freq(config, device)
         self.register_buffer("inv_freq", inv, persistent=False)
         self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
