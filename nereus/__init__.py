@@ -21,6 +21,7 @@ from nereus.errors import (
     InfeasibleTransition,
     NereusError,
     OutOfMemory,
+    PeerDied,
     ProtocolError,
     RemoteError,
     StateError,
@@ -48,7 +49,7 @@ for _module, _names in {
         "save_to_disk", "split", "training_slots",
     ],
     "nereus.models": [
-        "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage",
+        "DecoderStage", "KVCache", "ModelConfig", "ParallelContext", "build_stage", "export_hf",
         "load_stage_weights", "load_tokenizer", "model_spec", "save_tiny_model", "tiny_config",
         "train_tiny_tokenizer",
     ],
@@ -62,10 +63,10 @@ for _module, _names in {
         "explain", "local_cpu_cluster", "model_preset", "search",
     ],
     "nereus.rl": [
-        "ClusterStages", "InProcessStages", "JobConfig", "ModelStages", "PromptDataset", "RLJob",
-        "Task", "make_task", "run_job",
+        "ClusterStages", "DataConfig", "FileTask", "InProcessStages", "JobConfig", "ModelStages",
+        "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
     ],
-    "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Subscriber"],
+    "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Dashboard", "DashboardView", "Subscriber"],
     "nereus.launch": [
         "KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests", "render_sbatch",
     ],
@@ -89,6 +90,7 @@ __all__ = [
     "RemoteError",
     "StateError",
     "StuckCollective",
+    "PeerDied",
     "TransferError",
     *sorted(_LAZY),
 ]

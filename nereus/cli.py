@@ -15,10 +15,14 @@ __all__ = ["main"]
 # subcommand -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("nereus.rl.cli", "run an RL job from a TOML config (e.g. examples/grpo_tiny.toml)"),
+    "export": ("nereus.rl.export", "write a job's trained policy as a Hugging Face folder"),
     "plan": ("nereus.planner.cli", "search a plan for a cluster, model and algorithm and explain it"),
     "tap": ("nereus.monitor.tap", "print (or write as JSONL) the live monitoring tap of a controller"),
+    "dashboard": ("nereus.monitor.dashboard", "serve a local web page that follows a run's tap (or a recorded one) live"),
     "controller": ("nereus.controller", "run a standalone controller that node daemons join"),
     "node": ("nereus.node", "run the per-host node daemon (one worker process per device)"),
+    "curve-key": ("nereus.actors._curve", "write a CURVE secret key file that encrypts tcp sockets"),
+
     "slurm": ("nereus.launch.slurm_cli", "start a cluster (and an RL job) in a Slurm allocation"),
     "k8s": ("nereus.launch.k8s_cli", "render the Kubernetes manifests of a cluster (and an RL job)"),
 }

@@ -89,7 +89,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             try:
                 return _convert(value, arg, path)
             except ConfigError as e:
-                errors.append(str(e))
+                errors.append(e)
+        if len(errors) == 1:  # an optional value: the one type's own error says more
+            raise errors[0]
         raise ConfigError(f"{path}={value!r} must be {_type_name(tp)}")
     if origin is typing.Literal:
         allowed = get_args(tp)

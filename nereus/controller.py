@@ -33,9 +33,10 @@ from typing import Any
 
 import zmq
 
-from nereus.actors import _client, _wire
+from nereus.actors import _client, _session, _wire
 from nereus.actors import _protocol as P
-from nereus.actors._channel import Channel, Counters
+from nereus.actors._channel import Channel, Counters, configure
+from nereus.actors._curve import CurveKey, load_curve, secure, stop_authenticators
 from nereus.actors._keys import load_key
 from nereus.actors._loop import run
 from nereus.errors import ConfigError, ProtocolError
@@ -46,6 +47,9 @@ __all__ = ["Controller", "main", "READY_PREFIX"]
 log = logging.getLogger("nereus.controller")
 
 READY_PREFIX = "NEREUS_CONTROLLER_READY "
+# Control requests and events are small: a larger frame disconnects its sender before
+# the controller buffers it.
+MAX_MESSAGE_BYTES = 16 << 20
 
 
 def _bind(sock: zmq.Socket, address: str) -> str:
@@ -59,10 +63,12 @@ class Controller:
     """See the module docstring."""
 
     def __init__(self, key: bytes, *, bind: str = "tcp://127.0.0.1:0",
-                 tap_bind: str = "tcp://127.0.0.1:0", heartbeat_timeout_s: float = 10.0) -> None:
+                 tap_bind: str = "tcp://127.0.0.1:0", heartbeat_timeout_s: float = 10.0,
+                 curve: CurveKey | None = None) -> None:
         if heartbeat_timeout_s <= 0:
             raise ConfigError(f"heartbeat_timeout_s={heartbeat_timeout_s!r} must be > 0")
         self.key = key
+        self.curve = curve  # CURVE on the tcp sockets (``nereus.actors._curve``)
         self._bind_address = bind
         self._tap_bind = tap_bind
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -79,23 +85,24 @@ class Controller:
         self._tasks: list[asyncio.Task] = []
         self._channel: Channel | None = None
         self._pub: zmq.Socket | None = None
+        self._tap_id = _session.Session(serving=False).id  # the tap's sender id
 
     async def start(self) -> Controller:
         loop = asyncio.get_running_loop()
         ctx = zmq.Context.instance()
         self._changed = asyncio.Event()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
+        # Subscribers send nothing but subscriptions: 1 KiB frames are plenty.
+        pub = configure(ctx.socket(zmq.PUB), 1024, receive_hwm=100)
         pub.setsockopt(zmq.SNDHWM, 100_000)
+        secure(pub, self.curve, self._tap_bind, server=True)
         self.tap_address = _bind(pub, self._tap_bind)
         self._pub = pub
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = configure(ctx.socket(zmq.ROUTER), MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        secure(sock, self.curve, self._bind_address, server=True)
         self.address = _bind(sock, self._bind_address)
-        self._channel = Channel(sock, self.key, self._on_message, self.counters, loop=loop)
+        self._channel = Channel(sock, self.key, self._on_message, self.counters, loop=loop,
+                                max_message_bytes=MAX_MESSAGE_BYTES)
         self._tasks.append(loop.create_task(self._watch_heartbeats()))
         self._tasks.append(loop.create_task(self._report_counters()))
         self.publish({"type": "controller_start", "address": self.address,
@@ -123,8 +130,12 @@ class Controller:
             self.counters.add("events_unencodable")
             log.warning("cannot publish a %r event: %s", event.get("type"), e)
             return
+        # The event's sequence number doubles as the envelope's: a subscriber refuses
+        # an event that is not newer than the last one from this controller.
+        envelope = _session.envelope(self._tap_id, _session.ANY, self._seq)
         try:
-            self._pub.send_multipart([_wire.sign(self.key, header), header], zmq.NOBLOCK)
+            self._pub.send(b"".join((_wire.sign(self.key, header, (), envelope), envelope,
+                                     header)), zmq.NOBLOCK)
         except zmq.Again:
             self.counters.add("events_dropped")
 
@@ -382,6 +393,8 @@ class Controller:
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
+        if self.curve is not None:
+            stop_authenticators()
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -393,6 +406,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                     help="PUB address of the monitoring tap (port 0: any free port)")
     ap.add_argument("--key-file", default=None,
                     help="file holding the cluster key (else $NEREUS_CLUSTER_KEY)")
+    ap.add_argument("--curve-key-file", default=None,
+                    help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
                     help="declare a node lost after this long without a heartbeat")
     ap.add_argument("--log-level", default="INFO")
@@ -401,8 +416,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 async def _serve(args: argparse.Namespace) -> None:
     key = load_key(key_file=args.key_file)
+    curve = load_curve(args.curve_key_file) if args.curve_key_file else None
     controller = await Controller(key, bind=args.bind, tap_bind=args.tap_bind,
-                                  heartbeat_timeout_s=args.heartbeat_timeout_s).start()
+                                  heartbeat_timeout_s=args.heartbeat_timeout_s,
+                                  curve=curve).start()
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -24,6 +24,7 @@ __all__ = [
     "InfeasiblePlan",
     "StuckCollective",
     "TransferError",
+    "PeerDied",
     "StateError",
 ]
 
@@ -144,6 +145,32 @@ class StuckCollective(NereusError, TimeoutError):
 
 class TransferError(NereusError):
     """A data-plane operation failed (a peer died, a group was aborted, a size mismatch)."""
+
+
+class PeerDied(TransferError):
+    """A group operation was cut short because peers died in it; names each one's rank
+    and device (``dead``: their process is gone; ``silent``: on another host and no
+    sign of life within a short grace)."""
+
+    def __init__(self, group: str, op: str, dead: list[int], silent: list[int],
+                 devices: tuple[int, ...] | None, seconds: float) -> None:
+        self.group = group
+        self.op = op
+        self.dead_ranks = list(dead)
+        self.silent_ranks = list(silent)
+        self.devices = [devices[r] if devices else None for r in (*dead, *silent)]
+        self.seconds = float(seconds)
+
+        def name(r: int) -> str:
+            return f"rank {r} (device {devices[r]})" if devices else f"rank {r}"
+
+        parts = []
+        if dead:
+            parts.append(", ".join(map(name, dead)) + " died")
+        if silent:
+            parts.append(", ".join(map(name, silent)) + " stopped answering (presumed dead)")
+        super().__init__(f"{op!r} in group {group!r} failed after {seconds:.2f} s: "
+                         + "; ".join(parts))
 
 
 class StateError(NereusError):

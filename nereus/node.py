@@ -44,7 +44,8 @@ from collections.abc import Mapping
 
 from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
-from nereus.actors._keys import KEY_ENV, load_key
+from nereus.actors._curve import CurveKey, load_curve
+from nereus.actors._keys import CURVE_ENV, KEY_ENV, load_key
 from nereus.actors._loop import run
 from nereus.actors._worker import READY_PREFIX as WORKER_READY
 from nereus.config import parse_size
@@ -152,7 +153,8 @@ class NodeDaemon:
                  node_id: str | None = None, heartbeat_s: float = 0.5,
                  start_timeout_s: float = 60.0, stop_grace_s: float = 3.0,
                  log_level: str = "WARNING",
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 curve: CurveKey | None = None) -> None:
         if (devices is None) == (gpus is None):
             raise ConfigError(f"devices={devices!r}, gpus={gpus!r}: give exactly one of them")
         if devices is not None and (not isinstance(devices, int) or devices < 1):
@@ -163,6 +165,7 @@ class NodeDaemon:
             raise ConfigError(f"heartbeat_s={heartbeat_s!r} must be > 0")
         self.controller = controller
         self.key = key
+        self.curve = curve
         self.kind = "cpu" if devices is not None else "cuda"
         gpu_pairs = _gpu_ids(gpus) if gpus is not None else []
         self.gpu_ids = [index for index, _ in gpu_pairs]
@@ -208,7 +211,7 @@ class NodeDaemon:
         if self._client is not None:
             return
         self._client = _client.Client(self.key, source=f"node:{self.node_id}",
-                                      span_sample_every=0)
+                                      span_sample_every=0, curve=self.curve)
         self._client.connect_controller(self.controller)
         self._client.notice_listeners.append(self._on_notice)
         devices = [{"local_index": i, "kind": self.kind, "memory_bytes": self.memory_bytes[i]}
@@ -253,6 +256,10 @@ class NodeDaemon:
     def _env(self, w: _Worker) -> dict[str, str]:
         env = dict(os.environ)
         env[KEY_ENV] = self.key.decode("latin-1")
+        if self.curve is not None:
+            env[CURVE_ENV] = self.curve.secret.decode()
+        else:
+            env.pop(CURVE_ENV, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")  # actors' prints show up as they happen
         paths = [p if p else os.getcwd() for p in sys.path]
@@ -400,6 +407,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--memory-per-device", default=None,
                     help="budget per device, e.g. 2GiB (CPU default 1GiB; GPU: its memory)")
     ap.add_argument("--key-file", default=None, help="cluster key file (else $NEREUS_CLUSTER_KEY)")
+    ap.add_argument("--curve-key-file", default=None,
+                    help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)")
     ap.add_argument("--bind-host", default="127.0.0.1",
                     help="address workers listen on (drivers must reach it)")
     ap.add_argument("--node-id", default=None)
@@ -419,6 +428,7 @@ async def _serve(args: argparse.Namespace) -> None:
                       node_id=args.node_id, heartbeat_s=args.heartbeat_s,
                       start_timeout_s=args.start_timeout_s,
                       max_message_bytes=parse_size(args.max_message_bytes, "max_message_bytes"),
+                      curve=load_curve(args.curve_key_file) if args.curve_key_file else None,
                       log_level="WARNING" if args.log_level.upper() == "INFO" else args.log_level)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()

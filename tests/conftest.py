@@ -12,9 +12,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _has_cuda_and_cupy() -> tuple[bool, str]:
-    if importlib.util.find_spec("cupy") is None:
-        return False, "cupy is not installed (pip install nereus[gpu])"
+def _has_cuda_and_nccl() -> tuple[bool, str]:
     try:
         import torch
 
@@ -22,6 +20,13 @@ def _has_cuda_and_cupy() -> tuple[bool, str]:
             return False, "no CUDA device is visible to torch"
     except Exception as e:  # torch import problems are a reason, not a crash
         return False, f"torch cannot see CUDA: {e}"
+    from nereus.errors import TransferError
+    from nereus.transfer import _libnccl
+
+    try:
+        _libnccl.library()
+    except TransferError as e:
+        return False, str(e)
     return True, ""
 
 
@@ -45,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
         if len(chosen) != len(items):
             config.hook.pytest_deselected(items=[i for i in items if "slurm" in i.keywords])
             items[:] = chosen
-    gpu_ok, gpu_why = _has_cuda_and_cupy()
+    gpu_ok, gpu_why = _has_cuda_and_nccl()
     vllm_ok, vllm_why = _has_vllm()
     for item in items:
         if "gpu" in item.keywords and not gpu_ok:

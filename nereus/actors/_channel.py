@@ -11,12 +11,24 @@ descriptor fires, one message is received and handled at once, and the rest are
 drained at the end of the iteration, after the tasks that message woke have run
 and sent (a caller's next call, a worker's reply), so one look covers both.
 
-Promises: every message sent is signed (``nereus.actors._wire.Signer``); every message
-received is checked before anything else reads it. A message that is too large, has
-a bad signature or a malformed header is counted in ``Counters`` under its reason,
-logged (rate-limited) and dropped; the handler is never called with it and the loop
-never sees an exception from it. An exception raised by the handler is logged with
-its traceback and counted as ``handler_error``; the channel keeps running.
+Promises: every message sent is signed (``nereus.actors._wire.Signer``) and carries
+the session envelope (``nereus.actors._session``: sender, receiver, sequence number);
+every message received is checked before anything else reads it. A message that is
+too large, has a bad signature, is a replay or is addressed elsewhere
+(``rejected_replay``, ``rejected_receiver``), or has a malformed header is counted in
+``Counters`` under its reason, logged (rate-limited) and dropped; the handler is never
+called with it and the loop never sees an exception from it. An exception raised by
+the handler is logged with its traceback and counted as ``handler_error``; the channel
+keeps running.
+
+Handshake: a DEALER channel sends HELLO when it is made and holds what it is asked to
+send until the WELCOME arrives (then READY, then the held messages, in order); a
+ROUTER channel answers every HELLO. Handlers never see the handshake.
+
+Sockets: ``configure`` gives every ZeroMQ socket a frame-size limit (``MAXMSGSIZE``:
+a peer that sends a larger frame is disconnected before it is buffered) and a finite
+receive high-water mark (``RECEIVE_HWM`` messages per peer; beyond it libzmq stops
+reading from that peer).
 
 Batching: the first message sent in a loop iteration leaves at once (the latency of
 a lone call is untouched); messages sent after it in the same iteration are queued
@@ -45,17 +57,21 @@ import msgpack
 import zmq
 from zmq.backend import Socket as _RawSocket
 
-from nereus.actors import _wire
-from nereus.actors._protocol import BATCH
+from nereus.actors import _session, _wire
+from nereus.actors._protocol import BATCH, HELLO, READY, WELCOME
+from nereus.actors._session import ANY, Refused, Session
 from nereus.errors import AuthenticationError, ProtocolError
 
-__all__ = ["Channel", "Counters", "DEFAULT_MAX_MESSAGE_BYTES"]
+__all__ = ["Channel", "Counters", "DEFAULT_MAX_MESSAGE_BYTES", "RECEIVE_HWM", "configure"]
 
 log = logging.getLogger("nereus.actors")
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30  # 4 GiB: above any single argument we expect
 _COPY_THRESHOLD = 65536  # smaller frames are cheaper to copy than to pin
 _BATCH_PREFIX = msgpack.packb([BATCH, [], []])[:2]  # fixarray(3), then the kind
+_HELLO = msgpack.packb([HELLO])
+_READY = msgpack.packb([READY])
+RECEIVE_HWM = 10_000  # messages queued per peer before libzmq stops reading from it
 # Plain ints and the Cython methods: pyzmq's enum flags and Python wrappers cost more
 # than the send itself on the hot path.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -67,7 +83,20 @@ _raw_recv = _RawSocket.recv
 _raw_get = _RawSocket.get
 
 
-_TRAFFIC = frozenset({"messages", "batches", "stream_messages"})
+# handshakes: HELLOs a serving channel answered; welcomes: WELCOMEs a connecting one took
+_TRAFFIC = frozenset({"messages", "batches", "stream_messages", "handshakes", "welcomes"})
+
+
+def configure(sock: zmq.Socket, max_message_bytes: int,
+              receive_hwm: int = RECEIVE_HWM) -> zmq.Socket:
+    """Bound what ``sock`` buffers for its peers before anything is verified: frames
+    up to ``max_message_bytes`` (a larger one disconnects its sender) and ``receive_hwm``
+    messages per peer. Sends stay unbounded (our own messages, never refused)."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
+    sock.setsockopt(zmq.RCVHWM, int(receive_hwm))
+    sock.setsockopt(zmq.SNDHWM, 0)
+    return sock
 
 
 class Counters:
@@ -117,18 +146,23 @@ class Channel:
         loop: asyncio.AbstractEventLoop | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        self._init_common(key, handler, counters, loop, max_message_bytes)
         self.sock = sock
         self.is_router = sock.type == zmq.ROUTER
+        self._init_common(key, handler, counters, loop, max_message_bytes,
+                          serving=self.is_router)
         self._fd = sock.getsockopt(zmq.FD)
         self.loop.add_reader(self._fd, self._on_readable)
+        if not self.is_router:
+            self._send_now(None, _HELLO, ())
         # Messages may already be waiting (edge already fired before add_reader).
         self.loop.call_soon(self._drain)
 
     def _init_common(self, key: bytes, handler: Callable[[bytes | None, Any], None],
                      counters: Counters, loop: asyncio.AbstractEventLoop | None,
-                     max_message_bytes: int) -> None:
+                     max_message_bytes: int, serving: bool) -> None:
         """The state every channel has, whatever carries its bytes (``_stream`` too)."""
+        self.session = Session(serving)
+        self._held: list[tuple[bytes | None, bytes, Sequence[Any]]] = []  # before WELCOME
         self.key = key
         self.handler = handler
         self.counters = counters
@@ -152,6 +186,9 @@ class Channel:
     def send_encoded(self, header: bytes, buffers: Sequence[Any], ident: bytes | None = None) -> None:
         if self.closed:
             raise ProtocolError("channel is closed")
+        if not self.session.bound:
+            self._held.append((ident, header, buffers))
+            return
         if self._sent_at_once:
             self._outbox.append((ident, header, buffers))
             return
@@ -161,8 +198,14 @@ class Channel:
             self.loop.call_soon(self._flush)
         self._send_now(ident, header, buffers)
 
-    def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any]) -> None:
-        first = self._signer.sign(header, buffers) + header
+    def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any],
+                  envelope: bytes | None = None) -> None:
+        if envelope is None:
+            envelope = self.session.outgoing(ident)
+            if envelope is None:
+                self._no_route(ident)
+                return
+        first = b"".join((self._signer.sign(header, buffers, envelope), envelope, header))
         sock = self.sock
         self._unchecked = True
         if ident is not None:
@@ -175,6 +218,11 @@ class Channel:
         for i, b in enumerate(buffers):
             big = memoryview(b).nbytes >= _COPY_THRESHOLD
             _raw_send(sock, b, _MORE_NOBLOCK if i < last else _NOBLOCK, not big, False)
+
+    def _no_route(self, ident: bytes | None) -> None:
+        # A serving channel only answers peers whose messages it accepted.
+        self.counters.add("send_failed")
+        log.warning("no session with peer %r: message dropped", ident)
 
     def _flush(self) -> None:
         """End of a loop iteration: send what queued up, one BATCH per destination, then
@@ -265,12 +313,19 @@ class Channel:
             self.counters.reject("oversized", f"{size} bytes > limit {self.max_message_bytes}")
             return
         try:
-            header = self._signer.verify(frames)
+            head = self._signer.verify(frames)
         except AuthenticationError as e:
             self.counters.reject("signature", str(e))
             return
         except ProtocolError as e:
             self.counters.reject("short", str(e))
+            return
+        try:
+            header = self._admit(ident, head)
+        except Refused as e:
+            self.counters.reject(e.reason, str(e))
+            return
+        if header is None:  # the handshake, handled here
             return
         if header[:2] == _BATCH_PREFIX:
             self._receive_batch(ident, header, frames[1:])
@@ -281,6 +336,49 @@ class Channel:
             self.counters.reject("header", str(e))
             return
         self._handle(ident, msg)
+
+    def _admit(self, ident: bytes | None, head: memoryview) -> memoryview | None:
+        """The header of a fresh message, None for a handshake message (answered here);
+        raises ``Refused`` for a replayed, misaddressed or out-of-turn one."""
+        sender, receiver, seq, header = _session.parse(head)
+        session = self.session
+        if session.serving:
+            if receiver == ANY:
+                if header != _HELLO:
+                    raise Refused("unbound", "only a HELLO may come without a ticket")
+                self.counters.add("handshakes")
+                welcome = msgpack.packb([WELCOME, session.issue()])
+                try:
+                    self._send_now(ident, welcome, (), session.to(sender))
+                except zmq.ZMQError as e:  # the peer left again
+                    self.counters.add("send_failed")
+                    log.info("could not answer a HELLO: %s", e)
+                return None
+            session.accept(ident, sender, receiver, seq)
+            if header == _READY:
+                self._ready(ident)
+                return None
+            return header
+        if session.server is None:
+            try:
+                welcome = msgpack.unpackb(header, raw=False)
+            except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+                    msgpack.StackError) as e:
+                raise Refused("header", f"malformed WELCOME: {e}") from None
+            if type(welcome) is not list or len(welcome) != 2 or welcome[0] != WELCOME:
+                raise Refused("unbound", "a message before the WELCOME")
+            session.welcomed(sender, receiver, seq, welcome[1])
+            self.counters.add("welcomes")
+            self._send_now(None, _READY, ())
+            held, self._held = self._held, []
+            for item in held:
+                self.send_encoded(item[1], item[2], item[0])
+            return None
+        session.accept(None, sender, receiver, seq)
+        return header
+
+    def _ready(self, ident: bytes | None) -> None:
+        """A peer's READY was accepted (its first message under its ticket)."""
 
     def _receive_batch(self, ident: bytes | None, header: bytes, buffers: list[Any]) -> None:
         try:
@@ -320,6 +418,9 @@ class Channel:
         out (for up to that long, in libzmq's background; this never blocks)."""
         if self.closed:
             return
+        if self._held:
+            self.counters.add("send_failed", len(self._held))
+            self._held.clear()
         if linger_ms > 0 and self._outbox:
             self._flush_scheduled = False
             out, self._outbox = self._outbox, []

@@ -41,7 +41,8 @@ from typing import Any
 import zmq
 
 from nereus.actors import _protocol as P
-from nereus.actors._channel import Channel, Counters
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters, configure
+from nereus.actors._curve import CurveKey, secure
 from nereus.actors._stream import StreamChannel, stream_enabled, stream_path
 from nereus.errors import (
     ActorDied,
@@ -106,8 +107,10 @@ class _Pending:
 class Client:
     """See the module docstring."""
 
-    def __init__(self, key: bytes, *, source: str, span_sample_every: int = 100) -> None:
+    def __init__(self, key: bytes, *, source: str, span_sample_every: int = 100,
+                 curve: CurveKey | None = None) -> None:
         self.key = key
+        self.curve = curve  # CURVE for tcp connections (``_curve``)
         self.source = source
         self.loop = asyncio.get_running_loop()
         self.ctx = zmq.Context.instance()
@@ -134,10 +137,8 @@ class Client:
         self._controller = self._open(address)
 
     def _open(self, address: str) -> Channel:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = configure(self.ctx.socket(zmq.DEALER), DEFAULT_MAX_MESSAGE_BYTES)
+        secure(sock, self.curve, address, server=False)
         sock.connect(address)
         return Channel(sock, self.key, lambda _ident, msg: self._on_message(address, msg),
                        self.counters, loop=self.loop)

@@ -31,10 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 import traceback
 import types
@@ -76,16 +78,7 @@ def import_actor_class(path: str) -> type:
     if not sep or not module_name or not qual:
         raise ProtocolError(f"actor class path {path!r} must look like 'module:QualName'")
     if module_name.startswith("file:"):
-        file = module_name[len("file:"):]
-        name = "__nereus_main__"
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, file)
-            if spec is None or spec.loader is None:
-                raise ProtocolError(f"cannot import actor module from file {file!r}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
+        module = _import_file(module_name[len("file:"):])
     else:
         module = importlib.import_module(module_name)
     obj: Any = module
@@ -96,6 +89,32 @@ def import_actor_class(path: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, Actor)):
         raise ProtocolError(f"{path!r} is not a subclass of nereus.actors.Actor")
     return obj
+
+
+def _import_file(file: str) -> types.ModuleType:
+    """The module of a driver script, imported once per path and modification time: a
+    second script, or the same one edited, gets a module of its own (in ``sys.modules``
+    under a name made from both) instead of the first one's."""
+    try:
+        stat = os.stat(file)
+    except OSError as e:
+        raise ProtocolError(f"cannot import actor module from file {file!r}: {e.strerror}") \
+            from None
+    digest = hashlib.sha256(f"{os.path.abspath(file)}\0{stat.st_mtime_ns}".encode())
+    name = f"__nereus_main_{digest.hexdigest()[:16]}__"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, file)
+        if spec is None or spec.loader is None:
+            raise ProtocolError(f"cannot import actor module from file {file!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return module
 
 
 class _Endpoint:

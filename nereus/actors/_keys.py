@@ -1,7 +1,8 @@
 """Cluster keys: where they come from and how they are checked.
 
 A cluster key is a shared secret of at least 16 bytes used to sign every message
-(HMAC-SHA256). It comes from, in order: an explicit value, ``--key-file FILE`` (the
+(HMAC-SHA256). An optional CURVE key pair (``_curve``) encrypts tcp sockets; a node
+hands its secret to its workers as ``$NEREUS_CURVE_SECRET`` (``curve_from_env``). It comes from, in order: an explicit value, ``--key-file FILE`` (the
 file's contents, surrounding whitespace stripped), or the environment variable
 ``NEREUS_CLUSTER_KEY``. ``Cluster.local`` generates a random one. Workers receive the
 key through their environment, never on the command line (visible in ``ps``).
@@ -12,12 +13,15 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 from nereus.errors import ConfigError
 
-__all__ = ["KEY_ENV", "MIN_KEY_BYTES", "load_key", "generate_key"]
+__all__ = ["KEY_ENV", "CURVE_ENV", "MIN_KEY_BYTES", "load_key", "generate_key",
+           "curve_from_env"]
 
 KEY_ENV = "NEREUS_CLUSTER_KEY"
+CURVE_ENV = "NEREUS_CURVE_SECRET"
 MIN_KEY_BYTES = 16
 
 
@@ -49,3 +53,13 @@ def load_key(key: str | bytes | None = None, key_file: str | None = None) -> byt
         raise ConfigError(f"{where} holds a key of {len(value)} bytes; it must have at least "
                           f"{MIN_KEY_BYTES}")
     return value
+
+
+def curve_from_env() -> Any:
+    """The CURVE key pair a node handed to this worker, or None (``$NEREUS_CURVE_SECRET``)."""
+    secret = os.environ.get(CURVE_ENV)
+    if not secret:
+        return None
+    from nereus.actors._curve import curve_from_secret
+
+    return curve_from_secret(secret.encode(), f"${CURVE_ENV}")

@@ -22,11 +22,16 @@ peer without a routing id) so replies route back as on a ROUTER. A reply to a cl
 connection is counted (``send_failed``) and dropped, never raised.
 
 Framing, per message: ``<u32 frame count>`` then ``<u64 length>`` per frame, then the
-frames' bytes; frame 0 is ``signature + header`` as on ZeroMQ. The declared total is
-checked against ``max_message_bytes`` before anything is allocated. A message over
-it (``rejected_oversized``), or declaring no frames or more than 2**20
-(``rejected_header``), is counted and its connection dropped: the stream cannot be
-resynchronised. Frames of 64 KiB or more are received straight into their own
+frames' bytes; frame 0 is ``signature + envelope + header`` as on ZeroMQ. The
+declared total is checked before anything is allocated: against ``PRE_AUTH_BYTES``
+(64 KiB, at most 16 frames) until the connection has sent an accepted READY (a
+signed, fresh message under a ticket issued to it, ``_session``), against
+``max_message_bytes`` after. A message over it (``rejected_oversized``), or declaring
+no frames or too many (``rejected_header``), is counted and its connection dropped:
+the stream cannot be resynchronised. A server holds at most ``MAX_CONNECTIONS``
+connections and ``MAX_UNTRUSTED`` that have not sent their READY yet, each for at
+most ``TRUST_DEADLINE_S``; a connection over a cap is closed at once
+(``rejected_connection``), so strangers can make a worker hold at most a few MiB. Frames of 64 KiB or more are received straight into their own
 buffer (the tensor a caller gets is a view of it); smaller ones are copied out of
 one reused read buffer. Every message that arrives whole is also counted under
 ``stream_messages`` (traffic, like ``messages``).
@@ -47,7 +52,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters
+from nereus.actors._channel import _HELLO, DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters
 from nereus.actors._wire import SIGNATURE_BYTES
 
 __all__ = ["StreamChannel", "stream_enabled", "stream_path", "IDENT_PREFIX"]
@@ -62,6 +67,11 @@ _CONNECT_TIMEOUT_S = 1.0
 # The frame-length table is read into memory before any check of the frames: bound it
 # (8 MiB). A BATCH carries one frame per buffer of its calls; none comes near this.
 _MAX_FRAMES = 1 << 20
+PRE_AUTH_BYTES = 64 * 1024
+_PRE_AUTH_FRAMES = 16
+MAX_CONNECTIONS = 4096
+MAX_UNTRUSTED = 32
+TRUST_DEADLINE_S = 10.0
 _COUNT = struct.Struct("<I")
 _ONE = struct.Struct("<IQ")  # count 1, then the one frame's length
 
@@ -85,6 +95,10 @@ class _Peer(asyncio.BufferedProtocol):
         self.ident = ident
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        # A client trusts the server it chose; a server trusts a connection once it
+        # sent a fresh signed READY (until then messages are capped at PRE_AUTH_BYTES).
+        self.trusted = ident is None
+        self._expiry: asyncio.TimerHandle | None = None
         self._early: list[Any] = []  # written before the connection was made (client side)
         self._buf = bytearray(_READ_BYTES)
         self._view = memoryview(self._buf)
@@ -108,6 +122,9 @@ class _Peer(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.transport = None
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         self._big = self._big_view = None
         self.channel._lost(self, exc)
 
@@ -174,7 +191,9 @@ class _Peer(asyncio.BufferedProtocol):
                     break
                 n = _COUNT.unpack_from(buf, start)[0]
                 table = 4 + 8 * n
-                if n == 0 or n > _MAX_FRAMES or table > ch.max_message_bytes:
+                limit = ch.max_message_bytes if self.trusted else PRE_AUTH_BYTES
+                if (n == 0 or n > (_MAX_FRAMES if self.trusted else _PRE_AUTH_FRAMES)
+                        or table > limit):
                     self._violation("header", f"message declares {n} frames")
                     return
                 if end - start < table:
@@ -182,8 +201,9 @@ class _Peer(asyncio.BufferedProtocol):
                     return
                 lens = struct.unpack_from(f"<{n}Q", buf, start + 4)
                 total = sum(lens)
-                if total > ch.max_message_bytes:
-                    self._violation("oversized", f"{total} bytes > limit {ch.max_message_bytes}")
+                if total > limit:
+                    what = "" if self.trusted else " before the connection authenticated"
+                    self._violation("oversized", f"{total} bytes > limit {limit}{what}")
                     return
                 start += table
                 self._start = start
@@ -217,6 +237,12 @@ class _Peer(asyncio.BufferedProtocol):
         if self._start == self._end:
             self._start = self._end = 0
 
+    def trust(self) -> None:
+        self.trusted = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
     def _violation(self, reason: str, detail: str) -> None:
         counters = self.channel.counters
         counters.add("messages")
@@ -231,8 +257,10 @@ class StreamChannel(Channel):
     def __init__(self, key: bytes, handler: Callable[[bytes | None, Any], None],
                  counters: Counters, *, loop: asyncio.AbstractEventLoop | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 on_lost: Callable[[StreamChannel], None] | None = None) -> None:
-        self._init_common(key, handler, counters, loop, max_message_bytes)
+                 on_lost: Callable[[StreamChannel], None] | None = None,
+                 _connecting: bool = False) -> None:
+        self._init_common(key, handler, counters, loop, max_message_bytes,
+                          serving=not _connecting)
         self.is_router = False
         self.peers: dict[bytes, _Peer] = {}
         self.on_lost = on_lost
@@ -256,11 +284,12 @@ class StreamChannel(Channel):
         except OSError:
             sock.close()
             raise
-        ch = cls(key, handler, counters, loop=loop, on_lost=on_lost)
+        ch = cls(key, handler, counters, loop=loop, on_lost=on_lost, _connecting=True)
         peer = ch._peer = _Peer(ch, None)
         ch._connecting = ch.loop.create_task(
             ch.loop.create_unix_connection(lambda: peer, sock=sock))
         ch._connecting.add_done_callback(ch._connected)
+        ch._send_now(None, _HELLO, ())  # waits with the peer until the connection is made
         return ch
 
     def _connected(self, task: asyncio.Task) -> None:
@@ -286,11 +315,32 @@ class StreamChannel(Channel):
         return _Peer(self, IDENT_PREFIX + next(self._ids).to_bytes(8, "little"))
 
     def _made(self, peer: _Peer) -> None:
-        if peer.ident is not None:
-            if self.closed:
-                peer.drop()
-            else:
-                self.peers[peer.ident] = peer
+        if peer.ident is None:
+            return
+        if self.closed:
+            peer.drop()
+            return
+        untrusted = sum(1 for p in self.peers.values() if not p.trusted)
+        if len(self.peers) >= MAX_CONNECTIONS or untrusted >= MAX_UNTRUSTED:
+            self.counters.add("messages")
+            self.counters.reject("connection", f"{len(self.peers)} connections, {untrusted} "
+                                               "not yet authenticated: refusing another")
+            peer.drop()
+            return
+        self.peers[peer.ident] = peer
+        peer._expiry = self.loop.call_later(TRUST_DEADLINE_S, self._expire, peer)
+
+    def _expire(self, peer: _Peer) -> None:
+        peer._expiry = None
+        if not peer.trusted and not peer.lost:
+            self.counters.add("messages")
+            self.counters.reject("connection", f"no READY within {TRUST_DEADLINE_S} s")
+            peer.drop()
+
+    def _ready(self, ident: bytes | None) -> None:
+        peer = self.peers.get(ident) if ident is not None else None
+        if peer is not None:
+            peer.trust()
 
     def _lost(self, peer: _Peer, exc: Exception | None) -> None:
         if peer.ident is not None:
@@ -299,25 +349,32 @@ class StreamChannel(Channel):
         if exc is not None:
             log.info("stream connection lost: %s", exc)
         if not self.closed:
-            self.counters.add("send_failed", len(self._outbox))
+            self.counters.add("send_failed", len(self._outbox) + len(self._held))
             self._outbox.clear()
+            self._held.clear()
             self.closed = True
             if self.on_lost is not None:
                 self.on_lost(self)
 
     # -- Channel's transport hooks -------------------------------------------------------
 
-    def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any]) -> None:
+    def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any],
+                  envelope: bytes | None = None) -> None:
         peer = self._peer if ident is None else self.peers.get(ident)
-        sig = self._signer.sign(header, buffers)
+        if envelope is None:
+            envelope = self.session.outgoing(ident)
+            if envelope is None:
+                self._no_route(ident)
+                return
+        sig = self._signer.sign(header, buffers, envelope)
+        first = SIGNATURE_BYTES + len(envelope) + len(header)
         if not buffers:
-            chunks = [_ONE.pack(1, SIGNATURE_BYTES + len(header)) + sig + header]
+            chunks = [b"".join((_ONE.pack(1, first), sig, envelope, header))]
         else:
             views = [memoryview(b).cast("B") for b in buffers]
             n = len(views) + 1
-            prefix = struct.pack(f"<I{n}Q", n, SIGNATURE_BYTES + len(header),
-                                 *[v.nbytes for v in views])
-            chunks = [prefix + sig + header, *views]
+            prefix = struct.pack(f"<I{n}Q", n, first, *[v.nbytes for v in views])
+            chunks = [b"".join((prefix, sig, envelope, header)), *views]
         if peer is None or not peer.write(chunks):
             self.counters.add("send_failed")
 
@@ -335,6 +392,9 @@ class StreamChannel(Channel):
                 self._send_now(ident, header, buffers)
         self.closed = True
         self._outbox.clear()
+        if self._held:
+            self.counters.add("send_failed", len(self._held))
+            self._held.clear()
         if self._connecting is not None:
             self._connecting.cancel()
             self._connecting = None

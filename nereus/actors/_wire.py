@@ -1,8 +1,9 @@
 """The wire format: one msgpack header frame, zero-copy buffer frames, an HMAC.
 
-A message on the wire is the multipart ZeroMQ message ``[signature + header, *buffers]``
-(the 32-byte signature and the header share the first frame: one zmq frame less per
-message on the hot path):
+A message on the wire is the multipart ZeroMQ message ``[signature + head, *buffers]``
+(the 32-byte signature and the head share the first frame: one zmq frame less per
+message on the hot path). The head is an optional fixed-size prefix (the channels put
+their session envelope there, ``nereus.actors._session``) followed by the header:
 
 - ``header`` is msgpack. Plain data (None, bool, int, float, str, list, dict, and
   bytes-like objects, which msgpack packs natively: one copy each side, fine for
@@ -11,10 +12,10 @@ message on the hot path):
   shape, frame_index, nbytes]`` and its bytes travel in ``buffers[frame_index]``
   without a copy on the send side. Send large binary data as a uint8 array or
   tensor to get a zero-copy frame.
-- ``signature`` is HMAC-SHA256 with the cluster key over ``header`` and every buffer
-  in order (as Jupyter signs its messages), so a frame that was altered, added,
-  dropped or reordered fails verification (and bytes moved between frames fail the
-  buffer sizes declared in the signed header).
+- ``signature`` is HMAC-SHA256 with the cluster key over the number of frames and the
+  length of each (``<u32 count><u64 length>...``), then the head and every buffer in
+  order, so a frame that was altered, added (even an empty one), dropped or reordered,
+  or bytes moved between frames, fail verification.
 
 Promises: ``decode(encode(x))`` equals ``x`` for every supported value (tensors of any
 dtype incl. bfloat16 and bool, any shape incl. 0-size; non-contiguous ones are made
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -60,6 +62,7 @@ __all__ = [
 ]
 
 SIGNATURE_BYTES = 32
+_ONE_FRAME = struct.Struct("<IQ")
 
 _EXT_BUF = 1
 _EXT_TUPLE = 2
@@ -298,9 +301,18 @@ class Signer:
         self._inner = hashlib.sha256(key.translate(_PAD_INNER))
         self._outer = hashlib.sha256(key.translate(_PAD_OUTER))
 
-    def sign(self, header: Any, buffers: Sequence[Any] = ()) -> bytes:
-        """HMAC-SHA256 over the header and every buffer, in order."""
+    def sign(self, header: Any, buffers: Sequence[Any] = (), prefix: bytes = b"") -> bytes:
+        """HMAC-SHA256 over the frame count and lengths, then ``prefix + header`` (the
+        first frame after the signature) and every buffer, in order."""
         inner = self._inner.copy()
+        head_bytes = len(prefix) + _nbytes(header)
+        if buffers:
+            inner.update(struct.pack(f"<I{len(buffers) + 1}Q", len(buffers) + 1, head_bytes,
+                                     *[_nbytes(b) for b in buffers]))
+        else:
+            inner.update(_ONE_FRAME.pack(1, head_bytes))
+        if prefix:
+            inner.update(prefix)
         inner.update(header)
         for b in buffers:
             inner.update(b)
@@ -309,10 +321,11 @@ class Signer:
         return outer.digest()
 
     def verify(self, frames: Sequence[Any]) -> memoryview:
-        """Check ``frames = [signature + header, *buffers]`` and return the header.
+        """Check ``frames = [signature + head, *buffers]`` and return the head.
 
         Raises ``ProtocolError`` when the first frame cannot hold a signature and a
-        header, ``AuthenticationError`` when the signature does not match the key."""
+        head, ``AuthenticationError`` when the signature does not match the key, the
+        frames or their lengths."""
         if not frames:
             raise ProtocolError("empty message")
         first = frames[0]
@@ -331,6 +344,16 @@ class Signer:
         return header
 
 
+def _nbytes(b: Any) -> int:
+    """The size in bytes of a bytes-like frame (a memoryview may have items wider than one)."""
+    t = type(b)
+    if t is bytes or t is bytearray:
+        return len(b)
+    if t is memoryview:
+        return b.nbytes
+    return memoryview(b).nbytes
+
+
 _SIGNERS: dict[bytes, Signer] = {}
 
 
@@ -343,18 +366,19 @@ def _signer(key: bytes) -> Signer:
     return signer
 
 
-def sign(key: bytes, header: bytes, buffers: Sequence[Any] = ()) -> bytes:
-    """HMAC-SHA256 over the header and every buffer, in order."""
-    return _signer(key).sign(header, buffers)
+def sign(key: bytes, header: bytes, buffers: Sequence[Any] = (), prefix: bytes = b"") -> bytes:
+    """The signature of ``[prefix + header, *buffers]`` (see ``Signer.sign``)."""
+    return _signer(key).sign(header, buffers, prefix)
 
 
-def message(key: bytes, header: bytes, buffers: Sequence[Any] = ()) -> list[Any]:
-    """The frames of one signed message: ``[signature + header, *buffers]``."""
-    return [sign(key, header, buffers) + header, *buffers]
+def message(key: bytes, header: bytes, buffers: Sequence[Any] = (),
+            prefix: bytes = b"") -> list[Any]:
+    """The frames of one signed message: ``[signature + prefix + header, *buffers]``."""
+    return [sign(key, header, buffers, prefix) + prefix + header, *buffers]
 
 
 def verify(key: bytes, frames: Sequence[Any]) -> memoryview:
-    """Check ``frames = [signature + header, *buffers]`` and return the header.
+    """Check ``frames = [signature + head, *buffers]`` and return the head.
 
     Raises ``ProtocolError`` when the first frame cannot hold a signature and a header,
     ``AuthenticationError`` when the signature does not match the cluster key."""

@@ -23,9 +23,10 @@ import sys
 import zmq
 
 from nereus.actors import _client, _stream
-from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
+from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, configure
+from nereus.actors._curve import secure
 from nereus.actors._host import ActorHost
-from nereus.actors._keys import load_key
+from nereus.actors._keys import curve_from_env, load_key
 from nereus.actors._loop import run
 from nereus.actors.actor import DeviceInfo, _set_current_device
 
@@ -67,20 +68,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 async def _serve(args: argparse.Namespace) -> None:
     key = load_key()
+    curve = curve_from_env()
     device = DeviceInfo(args.device_index, args.host, args.kind, args.memory_bytes,
                         args.node_id, args.local_index)
     _set_current_device(device)
     loop = asyncio.get_running_loop()
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock = configure(ctx.socket(zmq.ROUTER), args.max_message_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished caller raises, is counted
     bind = args.bind.replace(":0", ":*") if args.bind.startswith("tcp://") else args.bind
+    secure(sock, curve, bind, server=True)
     sock.bind(bind)
     address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    client = _client.Client(key, source=f"worker:{device.index}")
+    client = _client.Client(key, source=f"worker:{device.index}", curve=curve)
     client.connect_controller(args.controller)
     _client.set_current_client(client)
     host = ActorHost(sock, key, device, client.counters, emit=client.emit_event,

@@ -46,6 +46,7 @@ from typing import Any
 
 from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
+from nereus.actors._curve import CurveKey, load_curve
 from nereus.actors._host import DEFAULT_MAX_PENDING
 from nereus.actors._keys import generate_key, load_key
 from nereus.actors.actor import Actor, DeviceInfo, Failure, class_path
@@ -66,8 +67,10 @@ class Cluster:
                  min_devices: int = 1, timeout_s: float = 60.0,
                  heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
                  span_sample_every: int = 100,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 curve: CurveKey | None = None) -> None:
         self.key = key
+        self.curve = curve
         self._max_message_bytes = max_message_bytes
         self.address = address or ""
         self._local_devices = list(local_devices)
@@ -99,8 +102,10 @@ class Cluster:
               nodes: int = 1, key: str | bytes | None = None, timeout_s: float = 60.0,
               heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
               span_sample_every: int = 100,
-              max_message_bytes: int | str = DEFAULT_MAX_MESSAGE_BYTES) -> Cluster:
-        """A controller and node daemon(s) in this event loop, ``devices`` workers in all."""
+              max_message_bytes: int | str = DEFAULT_MAX_MESSAGE_BYTES,
+              curve_key_file: str | None = None) -> Cluster:
+        """A controller and node daemon(s) in this event loop, ``devices`` workers in all.
+        ``curve_key_file``: encrypt the tcp sockets (``nereus curve-key FILE``)."""
         if isinstance(devices, int):
             if devices < 1 or nodes < 1 or devices < nodes:
                 raise ConfigError(f"devices={devices}, nodes={nodes}: need 1 <= nodes <= devices")
@@ -116,17 +121,21 @@ class Cluster:
                    min_devices=sum(per_node), timeout_s=timeout_s,
                    heartbeat_timeout_s=heartbeat_timeout_s, transport=transport,
                    span_sample_every=span_sample_every,
-                   max_message_bytes=parse_size(max_message_bytes, "max_message_bytes"))
+                   max_message_bytes=parse_size(max_message_bytes, "max_message_bytes"),
+                   curve=load_curve(curve_key_file) if curve_key_file else None)
 
     @classmethod
     def connect(cls, address: str, key: str | bytes | None = None, *,
                 key_file: str | None = None, min_devices: int = 1,
-                timeout_s: float = 30.0, span_sample_every: int = 100) -> Cluster:
-        """Attach to the controller at ``address``; waits for ``min_devices`` devices."""
+                timeout_s: float = 30.0, span_sample_every: int = 100,
+                curve_key_file: str | None = None) -> Cluster:
+        """Attach to the controller at ``address``; waits for ``min_devices`` devices.
+        ``curve_key_file``: the cluster's CURVE key, when its tcp sockets are encrypted."""
         if not isinstance(address, str) or "://" not in address:
             raise ConfigError(f"address={address!r} must look like 'tcp://HOST:PORT'")
         return cls(key=load_key(key, key_file), address=address, min_devices=min_devices,
-                   timeout_s=timeout_s, span_sample_every=span_sample_every)
+                   timeout_s=timeout_s, span_sample_every=span_sample_every,
+                   curve=load_curve(curve_key_file) if curve_key_file else None)
 
     async def __aenter__(self) -> Cluster:
         await self.start()
@@ -143,7 +152,7 @@ class Cluster:
             if self._local_devices:
                 await self._start_local()
             client = _client.Client(self.key, source="driver",
-                                    span_sample_every=self._span_sample_every)
+                                    span_sample_every=self._span_sample_every, curve=self.curve)
             self._client = client
             client.connect_controller(self.address)
             client.notice_listeners.append(self._on_notice)
@@ -180,7 +189,7 @@ class Cluster:
         from nereus.node import NodeDaemon
 
         self.controller = await Controller(
-            self.key, heartbeat_timeout_s=self._heartbeat_timeout_s).start()
+            self.key, heartbeat_timeout_s=self._heartbeat_timeout_s, curve=self.curve).start()
         self.address = self.controller.address
         for i, n in enumerate(self._local_devices):
             node = NodeDaemon(self.address, self.key, devices=n,
@@ -188,7 +197,7 @@ class Cluster:
                               transport=self._transport, node_id=f"local{i}",
                               heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
                               start_timeout_s=self._timeout_s,
-                              max_message_bytes=self._max_message_bytes)
+                              max_message_bytes=self._max_message_bytes, curve=self.curve)
             self.nodes.append(node)
         for node in self.nodes:  # one after the other: node i's devices come before node i+1's
             await node.register()

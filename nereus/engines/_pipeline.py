@@ -43,10 +43,13 @@ __all__ = [
     "in_flight_micro_batches",
 ]
 
-def activation_bytes(config: ModelConfig, ctx: EmuContext, rows: int, length: int, dtype: torch.dtype, training: bool) -> int:
+def activation_bytes(config: ModelConfig, ctx: EmuContext, rows: int, length: int, dtype: torch.dtype, training: bool,
+                     recompute: bool = False) -> int:
     """An estimate of the activation bytes one micro-batch of ``rows x length`` needs on
     this rank: per local layer the residual stream, attention and MLP intermediates (kept
-    for backward when training), plus float32 vocab-parallel logits on the last stage."""
+    for backward when training; with ``recompute`` only each layer's input is kept, and
+    one layer's intermediates live at a time), plus float32 vocab-parallel logits on the
+    last stage."""
     from nereus.models.parallel import stage_layer_range
 
     c = config
@@ -56,8 +59,10 @@ def activation_bytes(config: ModelConfig, ctx: EmuContext, rows: int, length: in
     qkv = (c.q_size + 2 * c.kv_size) // ctx.tp_size
     per_layer = tokens * (4 * c.hidden_size + 2 * qkv + 3 * c.intermediate_size // ctx.tp_size) * elem
     per_layer += rows * (c.num_attention_heads // ctx.tp_size) * length * length * elem  # scores
-    live_layers = layers if training else 1
+    live_layers = layers if training and not recompute else 1
     total = per_layer * live_layers + 2 * tokens * c.hidden_size * elem
+    if training and recompute:
+        total += layers * tokens * c.hidden_size * elem  # the layer inputs kept for backward
     if ctx.is_last_stage:
         total += 3 * tokens * (c.vocab_size // ctx.tp_size) * 4
     return total

@@ -76,6 +76,10 @@ class EngineHost(ShardHolder):
         super().__init__(bucket_bytes=bucket_bytes, direct=direct)
         self.engines: dict[str, Any] = {}
         self.kinds: dict[str, str] = {}
+        # imported now, so the first engine a change builds here costs what a rebuild costs
+        import nereus.engines.generation  # noqa: F401
+        import nereus.engines.inference  # noqa: F401
+        import nereus.engines.training  # noqa: F401
 
     # --- filling the store ------------------------------------------------------------
 

@@ -21,6 +21,10 @@ each get their own slice of the global batch.
 5. clips by the global gradient norm (over TP, PP, each element counted once);
 6. steps AdamW.
 
+With ``recompute=True`` each layer keeps only its input in the forward pass and runs
+again in the backward pass (``torch.utils.checkpoint``): fewer activation bytes
+reserved, one more forward of compute, the same gradients.
+
 Returns metrics (floats): ``loss`` and the loss function's metrics (token-weighted means
 over the global batch; complete on the last pipeline stage, the other stages return only
 ``grad_norm``, ``lr``, ``step``), ``grad_norm`` (before clipping), ``lr``, ``step``.
@@ -121,11 +125,14 @@ class TrainingEngine(EngineBase):
         optim: OptimConfig | dict[str, Any] | None = None,
         critic: bool = False,
         schedule: str = "1f1b",
+        recompute: bool = False,
         seed: int = 0,
         ledger: MemoryLedger | None = None,
         name: str = "training",
     ) -> None:
         self.optim_config = OptimConfig.from_any(optim)
+        require(isinstance(recompute, bool), "TrainingEngine.recompute", recompute, "must be true or false")
+        self.recompute = recompute
         require(schedule in ("1f1b", "gpipe"), "TrainingEngine.schedule", schedule, "must be '1f1b' or 'gpipe'")
         require(isinstance(step, int) and step >= 0, "TrainingEngine.step", step, "must be an integer >= 0")
         self.schedule = schedule
@@ -133,6 +140,7 @@ class TrainingEngine(EngineBase):
                          seed=seed, ledger=ledger, name=name)
         try:
             self.critic = critic
+            self.stage.recompute_activations = recompute
             params = self.named_parameters()
             dtype_name = str(self.dtype).removeprefix("torch.")
             self.slots = optimizer_slots(dtype_name)
@@ -293,7 +301,8 @@ class TrainingEngine(EngineBase):
         for p in params.values():
             p.grad = None
         held = in_flight_micro_batches(ctx, len(mbs), self.schedule)
-        need = activation_bytes(self.config, ctx, mbs[0]["input_ids"].shape[0], length, self.dtype, training=True) * held
+        need = activation_bytes(self.config, ctx, mbs[0]["input_ids"].shape[0], length, self.dtype, training=True,
+                                recompute=self.recompute) * held
         self.ledger.reserve(f"{self.name}/activations", need)
         run = forward_backward_1f1b if self.schedule == "1f1b" else forward_backward_gpipe
         try:

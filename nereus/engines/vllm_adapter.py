@@ -6,10 +6,13 @@ imports it; constructing a ``VllmGenerationEngine`` does.
 
 Shape: every TP rank of the EMU hosts its part of one vLLM engine *in its own process*:
 at TP 1 with vLLM's in-process executor, at TP > 1 with vLLM's ``external_launcher``
-executor (the EMU's ranks are the launcher: each rank's process must have called
-``torch.distributed.init_process_group`` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set before constructing the engine, as SPMD trainers do; this path needs GPUs
-and is not exercised by the CPU tests). Either way vLLM's worker -- and so its
+executor (the EMU's ranks are the launcher). For that executor each rank sets what
+vLLM's ``env://`` initialisation reads -- ``RANK`` (its TP rank), ``WORLD_SIZE`` (the TP
+size), ``LOCAL_RANK=0`` (a worker sees one GPU, ``cuda:0``), ``MASTER_ADDR`` and
+``MASTER_PORT`` -- before vLLM starts; TP rank 0 picks a free port on its host and hands
+address and port to the others over the EMU's TP group (``ctx.parallel.tp_comm``).
+TP > 1 needs that group and every rank on one host (TP stays within a node); otherwise
+it is refused with a ``ConfigError``. Either way vLLM's worker -- and so its
 already TP-sharded parameters -- live in the process that holds the EMU's shards, so a
 weight update is a local copy: no per-tensor RPC and no full tensor per rank.
 
@@ -35,9 +38,11 @@ repeated samples).
 
 Memory: the weights and the KV cache vLLM is given (``kv_cache_bytes``) are reserved in
 the device's ledger before vLLM starts (``OutOfMemory`` otherwise). ``sleep()`` frees
-both on GPUs (vLLM's sleep mode, for colocated model-stages) and gives them back to the
-ledger; vLLM's CPU backend has no sleep mode, so on CPU ``sleep()`` frees nothing and says
-so (returns 0).
+both on GPUs through vLLM's sleep mode, which is enabled on GPUs unless the caller says
+``enable_sleep_mode=False`` (then ``sleep()`` is refused with a ``ConfigError``); the
+ledger gives back only what the device's free memory shows was freed, and keeps the
+rest reserved (``<name>/asleep``) until ``wake_up``. vLLM's CPU backend has no sleep
+mode, so on CPU ``sleep()`` frees nothing and says so (returns 0).
 
 Environment: sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM's own variable) before vLLM
 is imported, so the engine core runs in this process.
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +64,7 @@ from nereus.engines.context import EmuContext
 from nereus.engines.generation import GenerationOutput
 from nereus.engines.memory import MemoryLedger, device_ledger
 from nereus.engines.sampling import SamplingParams
-from nereus.errors import TransferError
+from nereus.errors import ConfigError, TransferError
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import torch_dtype
 from nereus.models.parallel import ParallelContext
@@ -66,6 +72,46 @@ from nereus.models.parallel import ParallelContext
 __all__ = ["VllmGenerationEngine"]
 
 log = logging.getLogger("nereus.engines")
+
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_env(tp_rank: int, tp_size: int, master_host: str, master_addr: str,
+                 master_port: int) -> dict[str, str]:
+    """What vLLM's ``external_launcher`` reads (``env://``) for one TP rank of an EMU
+    whose rank 0 listens at ``master_addr:master_port`` on host ``master_host``."""
+    if master_host != socket.gethostname():
+        raise ConfigError(f"VllmGenerationEngine tp_size={tp_size}: TP rank 0 is on host "
+                          f"{master_host!r}, this rank on {socket.gethostname()!r}; a vLLM "
+                          "engine's TP ranks must share one host")
+    require(0 < master_port < 65536, "MASTER_PORT", master_port, "must be a TCP port")
+    return {"RANK": str(tp_rank), "WORLD_SIZE": str(tp_size), "LOCAL_RANK": "0",
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+
+def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
+    """Rank 0 picks a free port; every TP rank learns it over the TP group."""
+    comm = ctx.parallel.tp_comm
+    if comm is None:
+        raise ConfigError(f"VllmGenerationEngine tp_size={ctx.tp_size} needs the EMU's TP group "
+                          "(ctx.parallel.tp_comm) to start vLLM's external_launcher")
+    record = torch.zeros(256, dtype=torch.uint8, device=getattr(comm, "device", "cpu"))
+    if ctx.tp_rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        text = f"{socket.gethostname()}\n{port}".encode()
+        require(len(text) <= 255, "hostname", socket.gethostname(), "is too long")
+        record[0] = len(text)
+        record[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    comm.broadcast(record, 0)
+    data = bytes(record.cpu().tolist())
+    host, port = data[1:1 + data[0]].decode().split("\n")
+    return launcher_env(ctx.tp_rank, ctx.tp_size, host, "127.0.0.1", int(port))
+
+
+def _free_device_bytes() -> int:
+    return int(torch.cuda.mem_get_info()[0])
 
 def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int) -> list[str]:
     """Runs inside vLLM's worker (this process): copy shards into vLLM's parameters.
@@ -128,7 +174,7 @@ class VllmGenerationEngine:
         max_model_len: int | None = None,
         kv_cache_bytes: int = 256 << 20,
         gpu_memory_utilization: float = 0.5,
-        enable_sleep_mode: bool = False,
+        enable_sleep_mode: bool | None = None,
         seed: int = 0,
         ledger: MemoryLedger | None = None,
         name: str = "vllm-generation",
@@ -146,8 +192,16 @@ class VllmGenerationEngine:
         self.ledger.reserve(f"{name}/kv_cache", kv_cache_bytes)
         self._reserved = {"weights": weights, "kv_cache": kv_cache_bytes}
         self.is_sleeping = False
+        self.on_cpu = not torch.cuda.is_available()
+        # vLLM's sleep mode (its CUDA memory pool) is what sleep() frees through; the
+        # CPU backend has none.
+        self.sleep_mode = (not self.on_cpu) if enable_sleep_mode is None else bool(enable_sleep_mode)
+        require(not (self.sleep_mode and self.on_cpu), "VllmGenerationEngine.enable_sleep_mode",
+                enable_sleep_mode, "must be False on CPU (vLLM's CPU backend has no sleep mode)")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
+            if self.ctx.tp_size > 1:
+                os.environ.update(_agree_on_master(self.ctx))
             from vllm import LLM
 
             kwargs: dict[str, Any] = dict(
@@ -160,7 +214,7 @@ class VllmGenerationEngine:
                 enforce_eager=True,
                 kv_cache_memory_bytes=kv_cache_bytes,
                 gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=enable_sleep_mode,
+                enable_sleep_mode=self.sleep_mode,
                 logprobs_mode="processed_logprobs",
             )
             if self.ctx.tp_size > 1:
@@ -170,7 +224,6 @@ class VllmGenerationEngine:
         except BaseException:
             self.ledger.release_prefix(f"{name}/")
             raise
-        self.on_cpu = not torch.cuda.is_available()
 
     # --- generation -----------------------------------------------------------------
 
@@ -227,19 +280,35 @@ class VllmGenerationEngine:
 
     def sleep(self, level: int = 1) -> int:
         """Free vLLM's weights (offloaded at level 1, discarded at level 2) and KV cache;
-        returns the bytes given back to the device's ledger (0 on CPU: no sleep mode)."""
+        returns the bytes given back to the device's ledger: what the device's free
+        memory shows was freed, at most what was reserved (0 on CPU: no sleep mode)."""
         require(level in (1, 2), "level", level, "must be 1 or 2")
         if self.on_cpu:
             log.warning("%s: vLLM's CPU backend has no sleep mode; nothing was freed", self.name)
             return 0
+        if not self.sleep_mode:
+            raise ConfigError(f"{self.name}: sleep() needs vLLM's sleep mode; this engine was "
+                              "made with enable_sleep_mode=False")
+        if self.is_sleeping:
+            return 0
+        before = _free_device_bytes()
         self.llm.sleep(level=level)
+        freed = max(_free_device_bytes() - before, 0)
         self.is_sleeping = True
-        return self.ledger.release(f"{self.name}/weights") + self.ledger.release(f"{self.name}/kv_cache")
+        reserved = self.ledger.release(f"{self.name}/weights") + self.ledger.release(
+            f"{self.name}/kv_cache")
+        still_held = reserved - min(freed, reserved)
+        if still_held:
+            # vLLM kept part of it: the budget must still count that part.
+            log.warning("%s: sleep freed %d of %d reserved bytes", self.name, freed, reserved)
+            self.ledger.reserve(f"{self.name}/asleep", still_held)
+        return reserved - still_held
 
     def wake_up(self) -> None:
         """Re-reserve and restore what ``sleep`` freed (after level 2, load weights again)."""
         if not self.is_sleeping:
             return
+        self.ledger.release(f"{self.name}/asleep")
         self.ledger.reserve(f"{self.name}/weights", self._reserved["weights"])
         self.ledger.reserve(f"{self.name}/kv_cache", self._reserved["kv_cache"])
         self.llm.wake_up()

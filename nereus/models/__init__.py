@@ -1,7 +1,8 @@
-"""nereus.models: the Llama/Qwen2-style decoder with TP/PP-aware layers, and Hugging
-Face config, safetensors and tokenizer loading (see DESIGN.md and each module's
-docstring)."""
+"""nereus.models: the Llama/Qwen2/Qwen3-style decoder with TP/PP-aware layers, and Hugging
+Face config, safetensors, tokenizer and chat-template loading, and export back to a
+Hugging Face folder (see DESIGN.md and each module's docstring)."""
 
+from nereus.models.chat import load_chat_template, render_chat
 from nereus.models.checkpoint import (
     LoadReport,
     hf_state_dict,
@@ -11,8 +12,10 @@ from nereus.models.checkpoint import (
 )
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import DecoderStage, KVCache, build_stage, check_layout, torch_dtype
+from nereus.models.export import export_hf
 from nereus.models.layers import (
     ColumnParallelLinear,
+    HeadRMSNorm,
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
@@ -61,8 +64,12 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "RMSNorm",
+    "HeadRMSNorm",
     "ValueHead",
     "component_range",
+    "export_hf",
+    "load_chat_template",
+    "render_chat",
     "copy_to_tp",
     "reduce_from_tp",
     "gather_from_tp",

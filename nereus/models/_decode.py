@@ -23,6 +23,8 @@ reshapes), and does once per step what every layer would otherwise redo:
 - Attention: one query per row against its cache slots, ``softmax(q k^T) v`` as two
   ``bmm`` over ``batch x kv_heads`` with the query heads of a kv head grouped (GQA without
   copies of k/v). SDPA's CPU kernel is slower for one query, several times so with a mask.
+- Qwen3's per-head q/k RMSNorm, when the model has it, in place on the fresh q/k/v
+  output before RoPE (four ops).
 - RMSNorm from ``vector_norm`` (five small ops; ``torch.rms_norm`` is a composite of more
   on CPU), the residual adds fused into the row-parallel GEMMs (``addmm``) at TP 1, and
   SwiGLU's ``silu`` in place.
@@ -149,6 +151,7 @@ def layer_parts(layer) -> tuple:
         attn.heads_local, attn.kv_heads_local, attn.head_dim,
         None if o.bias is None and o.pc.tp_size == 1 else o,
         None if down.bias is None and down.pc.tp_size == 1 else down,
+        None if attn.q_norm is None else (attn.q_norm._parameters, attn.k_norm._parameters),
     )
 
 
@@ -157,12 +160,19 @@ def decode_layer(parts: tuple, h: torch.Tensor, step: DecodeStep, pair: torch.Te
     writes this step's k/v into the layer's pair buffer and returns the layer's output
     ``[B, hidden]``. The norms and residual adds are inlined: at this size a Python call
     per piece costs more than some of its ops."""
-    norm1, qkv_p, o_p, norm2, gate_up_p, down_p, nq, nkv, d, o_proj, down_proj = parts
+    norm1, qkv_p, o_p, norm2, gate_up_p, down_p, nq, nkv, d, o_proj, down_proj, qk_norms = parts
     b, hidden = h.shape
     heads, eps, inv_h = nq + 2 * nkv, step.eps, 1.0 / hidden
     n = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
     x = torch.mul(h, torch.addcmul(eps, n, n, value=inv_h).rsqrt_()).mul_(norm1["weight"])
     qkv = F.linear(x, qkv_p["weight"], qkv_p.get("bias")).view(b, heads, d)
+    if qk_norms is not None:
+        # Qwen3: RMSNorm over each q and k head, before RoPE (in place: qkv is fresh).
+        qk = qkv.narrow(1, 0, nq + nkv)
+        n = torch.linalg.vector_norm(qk, dim=-1, keepdim=True)
+        qk.mul_(torch.addcmul(eps, n, n, value=1.0 / d).rsqrt_())
+        qkv.narrow(1, 0, nq).mul_(qk_norms[0]["weight"])
+        qkv.narrow(1, nq, nkv).mul_(qk_norms[1]["weight"])
     qkv = torch.addcmul(qkv * step.cos, torch.roll(qkv, d // 2, 2), step.sin)
     # The new k and v heads as [2, B, kv_heads, D]: one view of the fresh (contiguous) qkv.
     _write(pair, qkv.as_strided((2, b, nkv, d), (nkv * d, heads * d, d, 1), qkv.storage_offset() + nq * d), step)

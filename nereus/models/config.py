@@ -1,19 +1,27 @@
-"""``ModelConfig``: the shape of one Llama/Qwen2-style decoder, read from and written to
-Hugging Face ``config.json``.
+"""``ModelConfig``: the shape of one Llama/Qwen2/Qwen3-style decoder, read from and written
+to Hugging Face ``config.json``.
 
 Promises:
 - ``ModelConfig.from_hf(path_or_dict)`` accepts a directory holding ``config.json``, the
-  file itself, or the parsed dict, for ``model_type`` ``"llama"`` and ``"qwen2"``; it reads
-  ``rope_theta`` from the top level (older files) or from ``rope_parameters`` (transformers
-  5), and ``torch_dtype`` or ``dtype``.
+  file itself, or the parsed dict, for ``model_type`` ``"llama"`` (Llama 2 and 3),
+  ``"qwen2"`` and ``"qwen3"``; it reads ``rope_theta`` and RoPE scaling from the top level
+  (``rope_scaling``, older files) or from ``rope_parameters`` (transformers 5), and
+  ``torch_dtype`` or ``dtype``.
+- RoPE scaling: ``rope_type`` ``"default"``, ``"linear"`` (positions divided by
+  ``rope_factor``) and ``"llama3"`` (Llama 3.1/3.2's per-frequency scaling with
+  ``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+  ``rope_original_max_position_embeddings``), computed as transformers computes them.
+- Qwen3 normalizes every query and key head with its own RMSNorm (``q_norm``, ``k_norm``,
+  ``has_qk_norm``) and puts ``attention_bias`` on q/k/v and o, like Llama.
 - ``to_hf()`` returns a dict that transformers loads as the same architecture and that
   ``from_hf`` reads back to an equal ``ModelConfig``.
 - Every field is validated in ``__post_init__``: an error names the field, the value and
   the rule.
 
 Refuses (``ConfigError``): other architectures, an activation other than SiLU, RoPE
-scaling (``rope_type`` other than ``"default"``), MLP biases, sliding-window attention --
-features this model family does not implement and would otherwise silently get wrong.
+scaling other than the three above (``yarn``, ``dynamic``, ``longrope``), MLP biases,
+sliding-window attention -- features this model family does not implement and would
+otherwise silently get wrong.
 
 Biases follow each family: Qwen2 has biases on q/k/v only (``attention_bias`` is true and
 not written to its config.json); Llama with ``attention_bias`` has them on q/k/v and o.
@@ -31,11 +39,12 @@ from nereus.errors import ConfigError
 
 __all__ = ["ModelConfig", "ARCHITECTURES"]
 
-Architecture = Literal["llama", "qwen2"]
+Architecture = Literal["llama", "qwen2", "qwen3"]
 
 # model_type -> the class name transformers writes into "architectures".
-ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _DTYPES = ("float32", "float16", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,11 @@ class ModelConfig:
     architecture: Architecture = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    rope_type: str = "default"  # "default", "linear" or "llama3"
+    rope_factor: float = 1.0  # linear, llama3: how much longer the context is than trained
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept
+    rope_original_max_position_embeddings: int = 0  # llama3: the pretraining context
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -81,6 +95,14 @@ class ModelConfig:
         if self.architecture == "qwen2":
             require(self.attention_bias, "ModelConfig.attention_bias", self.attention_bias,
                     "must be true for qwen2 (its q/k/v projections always have biases)")
+        require(self.rope_type in ROPE_TYPES, "ModelConfig.rope_type", self.rope_type, f"must be one of {list(ROPE_TYPES)}")
+        if self.rope_type != "default":
+            require(self.rope_factor >= 1.0, "ModelConfig.rope_factor", self.rope_factor, f"must be >= 1 for rope_type={self.rope_type!r}")
+        if self.rope_type == "llama3":
+            require(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, "ModelConfig.rope_high_freq_factor",
+                    self.rope_high_freq_factor, f"must be > rope_low_freq_factor={self.rope_low_freq_factor} > 0")
+            require(self.rope_original_max_position_embeddings >= 1, "ModelConfig.rope_original_max_position_embeddings",
+                    self.rope_original_max_position_embeddings, "must be >= 1 for rope_type='llama3'")
 
     # --- derived numbers -------------------------------------------------------------
     @property
@@ -97,8 +119,24 @@ class ModelConfig:
 
     @property
     def has_o_bias(self) -> bool:
-        # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers o_proj too.
-        return self.attention_bias and self.architecture == "llama"
+        # Qwen2 puts biases on q/k/v only; Llama's and Qwen3's attention_bias covers o_proj too.
+        return self.attention_bias and self.architecture != "qwen2"
+
+    @property
+    def has_qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each query and key head before RoPE."""
+        return self.architecture == "qwen3"
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """The scaling entries of Hugging Face's ``rope_parameters`` (None for default RoPE)."""
+        if self.rope_type == "default":
+            return None
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.rope_factor}
+        if self.rope_type == "llama3":
+            out.update(low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
+                       original_max_position_embeddings=self.rope_original_max_position_embeddings)
+        return out
 
     # --- Hugging Face ----------------------------------------------------------------
     @classmethod
@@ -131,14 +169,27 @@ class ModelConfig:
             raise ConfigError(f"{where}: mlp_bias=True is not supported (the family has no MLP biases)")
         if data.get("use_sliding_window", False):
             raise ConfigError(f"{where}: use_sliding_window=True is not supported (full attention only)")
-        rope = data.get("rope_parameters") or {}
+        if data.get("layer_types") and any(t != "full_attention" for t in data["layer_types"]):
+            raise ConfigError(f"{where}: layer_types={data['layer_types']!r} must all be 'full_attention'")
+        # transformers 5 writes rope_parameters; older files rope_theta and rope_scaling.
+        old_style = dict(data.get("rope_scaling") or {})
+        if "type" in old_style and "rope_type" not in old_style:
+            old_style["rope_type"] = old_style.pop("type")
+        rope = {**(data.get("rope_parameters") or {}), **old_style}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = data.get("rope_scaling")
-        if rope_type != "default" or scaling:
+        if rope_type not in ROPE_TYPES:
             raise ConfigError(
-                f"{where}: RoPE scaling ({rope_type=}, rope_scaling={scaling!r}) is not supported; "
-                "expected rope_type 'default' and no rope_scaling"
+                f"{where}: RoPE scaling rope_type={rope_type!r} is not supported; expected one of {list(ROPE_TYPES)}"
             )
+        scaling: dict[str, Any] = {}
+        if rope_type != "default":
+            scaling = {"rope_type": rope_type, "rope_factor": float(rope.get("factor", 1.0))}
+        if rope_type == "llama3":
+            missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k not in rope]
+            if missing:
+                raise ConfigError(f"{where}: rope_type 'llama3' needs {missing} in rope_scaling/rope_parameters")
+            scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]), rope_high_freq_factor=float(rope["high_freq_factor"]),
+                           rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
         theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
         dtype = data.get("torch_dtype") or data.get("dtype") or "float32"
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -165,6 +216,7 @@ class ModelConfig:
             architecture=arch,
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=eos,
+            **scaling,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -182,7 +234,8 @@ class ModelConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
+            "rope_scaling": self.rope_scaling,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "torch_dtype": self.torch_dtype,
@@ -197,6 +250,8 @@ class ModelConfig:
         else:
             out["use_sliding_window"] = False
             out["sliding_window"] = None
+        if self.architecture == "qwen3":
+            out["attention_bias"] = self.attention_bias
         return out
 
     def save(self, directory: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""The Llama/Qwen2-style decoder, built one pipeline stage at a time.
+"""The Llama/Qwen2/Qwen3-style decoder, built one pipeline stage at a time.
 
 ``build_stage(config, pc, dtype, device)`` builds the part of the model that pipeline
 rank ``pc.pp_rank`` holds, sharded for TP rank ``pc.tp_rank``: the embedding on the first
@@ -12,6 +12,7 @@ Parameter names (Hugging Face's, with q/k/v and gate/up fused):
 ``model.embed_tokens.weight``, ``model.layers.{i}.input_layernorm.weight``,
 ``model.layers.{i}.self_attn.qkv_proj.{weight,bias}`` (rows: q, k, v),
 ``model.layers.{i}.self_attn.o_proj.{weight,bias}``,
+``model.layers.{i}.self_attn.{q_norm,k_norm}.weight`` (Qwen3: RMSNorm per head before RoPE),
 ``model.layers.{i}.post_attention_layernorm.weight``,
 ``model.layers.{i}.mlp.gate_up_proj.weight`` (rows: gate, up),
 ``model.layers.{i}.mlp.down_proj.weight``, ``model.norm.weight``, ``lm_head.weight``
@@ -45,13 +46,14 @@ more pipeline stages than layers; positions beyond the cache.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from nereus.config import require
@@ -65,6 +67,7 @@ from nereus.models._decode import (
 from nereus.models.config import ModelConfig
 from nereus.models.layers import (
     ColumnParallelLinear,
+    HeadRMSNorm,
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
@@ -131,16 +134,38 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
 
+def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> torch.Tensor:
+    """RoPE's inverse frequencies ``[head_dim / 2]`` (float32), scaled as ``config.rope_type``
+    says, by the same formulas as transformers' ``ROPE_INIT_FUNCTIONS``."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if config.rope_type == "linear":
+        return inv / config.rope_factor
+    if config.rope_type == "llama3":
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        old = config.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        # Long wavelengths (beyond the pretraining context / low) are stretched by factor,
+        # short ones (below context / high) kept, and the band between interpolated.
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin of positions (Hugging Face's "default" RoPE, computed in float32).
+    """cos/sin of positions (Hugging Face's RoPE, computed in float32, with its "linear" and
+    "llama3" scaling folded into the inverse frequencies).
 
     The values come from a table ``[n, 2, head_dim]`` (cos; sin with its first half
     negated, see ``_apply_rope``) built once per dtype and device and grown on demand, so
     a forward costs one lookup instead of recomputing the trigonometry."""
 
-    def __init__(self, head_dim: int, theta: float, device: str | torch.device) -> None:
+    def __init__(self, config: ModelConfig, device: str | torch.device) -> None:
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        inv = rope_inv_freq(config, device)
         self.register_buffer("inv_freq", inv, persistent=False)
         self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -300,6 +325,10 @@ class Attention(nn.Module):
         comps = _qkv_components(c)
         self.qkv_proj = ColumnParallelLinear(c.hidden_size, comps, pc, bias=c.has_qkv_bias, dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(c.q_size, c.hidden_size, pc, bias=c.has_o_bias, dtype=dtype, device=device)
+        self.q_norm = self.k_norm = None
+        if c.has_qk_norm:
+            self.q_norm = HeadRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
+            self.k_norm = HeadRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -311,8 +340,11 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kv, d = self.heads_local, self.kv_heads_local, self.head_dim
         qkv = self.qkv_proj.forward(x)
+        qk = qkv.narrow(-1, 0, (h + kv) * d).view(b, t, h + kv, d)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm.forward(qk.narrow(2, 0, h)), self.k_norm.forward(qk.narrow(2, h, kv))), dim=2)
         # q and k sit side by side in the fused output: rotate both with one set of ops.
-        qk = _apply_rope(qkv.narrow(-1, 0, (h + kv) * d).view(b, t, h + kv, d), *rope)
+        qk = _apply_rope(qk, *rope)
         q, k = qk.narrow(2, 0, h), qk.narrow(2, h, kv)
         v = qkv.narrow(-1, (h + kv) * d, kv * d).view(b, t, kv, d)
         if cache is not None:
@@ -387,7 +419,9 @@ class DecoderStage(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(c, pc, dtype, device) for i in self.layer_ids})
         # A plain list (not registered twice) spares the hot loop the ModuleDict lookups.
         self._layers: list[DecoderLayer] = [self.model.layers[str(i)] for i in self.layer_ids]
-        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, device)
+        # training: recompute each layer's activations in backward (keep only its input)
+        self.recompute_activations = False
+        self.rotary = RotaryEmbedding(c, device)
         self._decode_setup: tuple | None = None  # the decode path's constants and parts, made on first use
         if pc.is_last_stage:
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
@@ -451,7 +485,12 @@ class DecoderStage(nn.Module):
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
         plan = _attention_plan(positions, kv_len, low, high)
         rope = self.rotary(positions, h.dtype, max(high + 1, 1), low if plan.uniform else None)
+        recompute = self.recompute_activations and kv_cache is None and torch.is_grad_enabled()
         for i, layer in zip(self.layer_ids, self._layers, strict=True):
+            if recompute:
+                # keep only the layer's input; its activations are recomputed in backward
+                h = torch.utils.checkpoint.checkpoint(layer.forward, h, rope, plan, None, use_reentrant=False)
+                continue
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
             h = layer.forward(h, rope, plan, cache)
         if not self.pc.is_last_stage:
@@ -516,12 +555,24 @@ class DecoderStage(nn.Module):
                 self.lm_head if last else None)
 
     def reduce_replicated_grads(self) -> None:
-        """After backward at ``tp > num_key_value_heads``: sum the partial gradients of
-        replicated k/v rows (see ``ColumnParallelLinear.reduce_replicated_grads``).
-        Every TP rank must call it (it is a collective)."""
+        """After backward at ``tp > 1``: sum the partial gradients of replicated k/v rows
+        (at ``tp > num_key_value_heads``, see ``ColumnParallelLinear.reduce_replicated_grads``)
+        and of the per-head norms (Qwen3's ``q_norm``/``k_norm``: each rank normed only its
+        own heads), the latter in one all-reduce. Every TP rank must call it (it is a
+        collective); at TP 1 it does nothing."""
+        if self.pc.tp_size == 1:
+            return
+        partial = []
         for module in self.modules():
             if isinstance(module, ColumnParallelLinear):
                 module.reduce_replicated_grads()
+            elif isinstance(module, HeadRMSNorm) and module.weight.grad is not None:
+                partial.append(module.weight.grad)
+        if partial:
+            flat = torch.cat([g.reshape(-1) for g in partial])
+            self.pc.tp_comm.all_reduce(flat, "sum")
+            for g, summed in zip(partial, flat.split([g.numel() for g in partial]), strict=True):
+                g.copy_(summed.view_as(g))
 
 
 def build_stage(
@@ -548,7 +599,7 @@ def build_stage(
         return DecoderStage(config, pc, torch_dtype(dtype), device, value_head)
     stage = DecoderStage(config, pc, torch_dtype(dtype), "meta", value_head)
     _adopt(stage, tensors)
-    stage.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
+    stage.rotary = RotaryEmbedding(config, device)
     return stage
 
 

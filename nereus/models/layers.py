@@ -16,6 +16,9 @@ layer uses come from here, not from a table.
 - ``ParallelLMHead``: vocab-parallel logits ``[..., vocab / tp]``; may borrow the
   embedding's weight (tied embeddings) instead of owning one.
 - ``RMSNorm``: replicated.
+- ``HeadRMSNorm``: Qwen3's RMSNorm over each attention head (``q_norm``, ``k_norm``):
+  replicated, but each TP rank sees only its own heads, so its gradient is a partial
+  sum that ``DecoderStage.reduce_replicated_grads`` adds up over TP.
 
 Component placement (shared with ``nereus.state``): a component of ``units`` indivisible
 units is split into ``tp`` equal ranges when ``tp <= units``; when ``tp > units`` each
@@ -40,6 +43,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "RMSNorm",
+    "HeadRMSNorm",
     "ValueHead",
     "component_range",
 ]
@@ -262,6 +266,14 @@ class RMSNorm(ShardedModule):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+
+class HeadRMSNorm(RMSNorm):
+    """``RMSNorm`` over the last dim (``head_dim``) of ``[..., heads, head_dim]``, one weight
+    shared by every head (Qwen3's ``q_norm`` and ``k_norm``). The weight is replicated
+    across TP but its gradient on a rank covers only that rank's heads: see
+    ``has_partial_grad``."""
+
+    has_partial_grad = True
 
 
 class ValueHead(ShardedModule):

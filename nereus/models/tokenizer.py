@@ -4,7 +4,9 @@ byte-level BPE trained offline.
 ``train_tiny_tokenizer(dir, texts, vocab_size)`` trains a byte-level BPE on ``texts`` and
 saves it in Hugging Face format (``tokenizer.json``, ``tokenizer_config.json``,
 ``special_tokens_map.json``), so transformers' ``AutoTokenizer`` loads the same folder.
-Special tokens: ``<|endoftext|>`` (eos and pad), ``<|im_start|>``, ``<|im_end|>``.
+Special tokens: ``<|endoftext|>`` (eos and pad), ``<|im_start|>``, ``<|im_end|>``. With
+``chat_template`` (e.g. ``nereus.models.chat.CHATML_TEMPLATE``) the folder carries that
+template in ``tokenizer_config.json``, as instruction models' folders do.
 
 ``load_tokenizer(dir)`` returns a ``TextTokenizer``: encode/decode plus the eos, bos and
 pad ids read from ``tokenizer_config.json`` (falling back to ``<|endoftext|>``,
@@ -80,7 +82,9 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     return TextTokenizer(tok, eos, _token_text(cfg.get("bos_token")), _token_text(cfg.get("pad_token")))
 
 
-def train_tiny_tokenizer(directory: str | Path, texts: Iterable[str], vocab_size: int = 512) -> TextTokenizer:
+def train_tiny_tokenizer(
+    directory: str | Path, texts: Iterable[str], vocab_size: int = 512, chat_template: str | None = None
+) -> TextTokenizer:
     """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``; save it to ``directory``."""
     require(vocab_size >= 256 + len(SPECIAL_TOKENS), "vocab_size", vocab_size,
             f"must be >= {256 + len(SPECIAL_TOKENS)} (256 byte symbols + {len(SPECIAL_TOKENS)} special tokens)")
@@ -108,6 +112,8 @@ def train_tiny_tokenizer(directory: str | Path, texts: Iterable[str], vocab_size
         "model_max_length": 1 << 20,
         "clean_up_tokenization_spaces": False,
     }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos, "pad_token": eos}, indent=2) + "\n")
     return TextTokenizer(tok, eos, None, eos)

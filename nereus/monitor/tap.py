@@ -5,8 +5,10 @@
 
 ``Subscriber`` is an async iterator of events (dicts; see ``nereus.monitor.schema``).
 With a cluster key (``--key-file`` or ``$NEREUS_CLUSTER_KEY``) every event's signature
-is checked and a forged one is counted and dropped; without a key the events are
-shown unverified and the tool says so once. ``--jsonl FILE`` appends one JSON object
+is checked and a forged one is counted and dropped, and so is a replayed one (each
+event carries the controller's sender id and sequence number under the signature: an
+event not newer than the last one from that controller is refused); without a key
+the events are shown unverified and the tool says so once. ``--jsonl FILE`` appends one JSON object
 per event (bytes become hex strings). The printer uses rich when stdout is a terminal.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import signal
@@ -26,12 +27,13 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from nereus.actors import _wire
+from nereus.actors import _session, _wire
+from nereus.actors._curve import CurveKey, load_curve, secure
 from nereus.actors._keys import KEY_ENV, load_key
-from nereus.errors import ConfigError
+from nereus.errors import AuthenticationError, ConfigError, ProtocolError
 from nereus.monitor.schema import describe
 
-__all__ = ["Subscriber", "format_event", "to_json", "main"]
+__all__ = ["Subscriber", "TapRecorder", "format_event", "to_json", "main"]
 
 log = logging.getLogger("nereus.monitor")
 
@@ -40,18 +42,23 @@ class Subscriber:
     """Async iterator over the events of the tap at ``address``.
 
     ``key=None`` accepts unverified events. ``types`` keeps only those event types.
-    Call ``close()`` (or use ``async with``) to release the socket."""
+    ``curve``: the cluster's CURVE key, when its tcp sockets are encrypted (a tap that
+    is cannot be read without it). Call ``close()`` (or use ``async with``) to release
+    the socket."""
 
-    def __init__(self, address: str, key: bytes | None, types: set[str] | None = None) -> None:
+    def __init__(self, address: str, key: bytes | None, types: set[str] | None = None,
+                 curve: CurveKey | None = None) -> None:
         self.address = address
         self.key = key
         self.types = set(types) if types else None
         self.rejected = 0
+        self._last: dict[bytes, int] = {}  # controller's tap id -> last event seq
         self._ctx = zmq.asyncio.Context.shadow(zmq.Context.instance())
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        secure(self._sock, curve, address, server=False)
         self._sock.connect(address)
 
     async def __aenter__(self) -> Subscriber:
@@ -88,14 +95,25 @@ class Subscriber:
                 return event
 
     def _check(self, frames: list[bytes]) -> dict[str, Any] | None:
-        if len(frames) != 2:
+        if len(frames) != 1 or len(frames[0]) <= _wire.SIGNATURE_BYTES:
             self.rejected += 1
             return None
-        sig, body = frames
-        if self.key is not None and not hmac.compare_digest(sig, _wire.sign(self.key, body)):
+        try:
+            head = (_wire.verify(self.key, frames) if self.key is not None
+                    else memoryview(frames[0])[_wire.SIGNATURE_BYTES:])
+            sender, receiver, seq, body = _session.parse(head)
+        except (AuthenticationError, ProtocolError, _session.Refused) as e:
             self.rejected += 1
-            log.warning("dropped a tap event with a bad signature")
+            log.warning("dropped a tap event: %s", e)
             return None
+        if self.key is not None:
+            if receiver != _session.ANY or seq <= self._last.get(sender, 0):
+                self.rejected += 1
+                log.warning("dropped a replayed tap event (seq %d)", seq)
+                return None
+            if sender not in self._last and len(self._last) >= 64:
+                self._last.pop(next(iter(self._last)))
+            self._last[sender] = seq
         try:
             event = msgpack.unpackb(body, raw=False, strict_map_key=False)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
@@ -109,6 +127,70 @@ class Subscriber:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+class TapRecorder:
+    """Appends every tap event to a JSONL file (one ``to_json`` line each) from a
+    background task, until ``stop()``.
+
+    ``await start()`` returns once the subscription is live (a marker event the recorder
+    emits itself has come back), so what is emitted afterwards is recorded; ``stop()``
+    first waits, up to ``timeout_s``, for a second marker, so events emitted before it
+    are in the file. ``emit`` is the cluster's emit function (``nereus.actors.emit``)."""
+
+    def __init__(self, address: str, key: bytes | None, path: str, emit: Any, timeout_s: float = 10.0,
+                 curve: CurveKey | None = None) -> None:
+        self.path = path
+        self._emit = emit
+        self._timeout_s = timeout_s
+        self._sub = Subscriber(address, key, curve=curve)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self._seen: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task | None = None
+        self.events = 0
+
+    async def _run(self) -> None:
+        async for event in self._sub:
+            marker = event.get("marker") if event.get("type") == "tap_recorder" else None
+            if marker is not None:
+                self._seen.setdefault(marker, asyncio.Event()).set()
+                continue
+            self._file.write(to_json(event) + "\n")
+            self.events += 1
+
+    async def _mark(self, name: str) -> bool:
+        """Emit marker ``name`` until it comes back (a new subscription drops the first
+        messages until it has joined); True once seen."""
+        seen = self._seen.setdefault(name, asyncio.Event())
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline:
+            self._emit("tap_recorder", marker=name)
+            try:
+                await asyncio.wait_for(seen.wait(), 0.2)
+                return True
+            except asyncio.TimeoutError:
+                continue
+        log.warning("the tap recorder's marker %r did not come back within %.0f s", name, self._timeout_s)
+        return False
+
+    async def start(self) -> TapRecorder:
+        self._task = asyncio.ensure_future(self._run())
+        await self._mark("start")
+        return self
+
+    async def stop(self) -> None:
+        try:
+            if self._task is not None and not self._task.done():
+                await self._mark("stop")
+        finally:
+            if self._task is not None:
+                self._task.cancel()
+                try:
+                    await self._task
+                except asyncio.CancelledError:
+                    pass
+            self._sub.close()
+            self._file.close()
 
 
 def _plain(value: Any) -> Any:
@@ -154,6 +236,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--type", action="append", default=None, help="only these event types")
     ap.add_argument("--key-file", default=None,
                     help=f"cluster key to verify events (else ${KEY_ENV}; without: unverified)")
+    ap.add_argument("--curve-key-file", default=None,
+                    help="the cluster's CURVE secret key, when its tcp sockets are encrypted")
     ap.add_argument("--count", type=int, default=0, help="stop after N events (0: never)")
     ap.add_argument("--quiet", action="store_true", help="do not print (with --jsonl)")
     ap.add_argument("--schema", action="store_true", help="print the event schema and exit")
@@ -174,7 +258,8 @@ async def _run(args: argparse.Namespace) -> int:
 
         console = Console(highlight=False)
     out = open(args.jsonl, "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
-    sub = Subscriber(args.address, key, set(args.type) if args.type else None)
+    curve = load_curve(args.curve_key_file) if args.curve_key_file else None
+    sub = Subscriber(args.address, key, set(args.type) if args.type else None, curve=curve)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -55,6 +55,8 @@ class Decision:
     saving_seconds: float = 0.0
     payback_steps: float = math.inf
     limit_steps: float = math.inf
+    # when keeping: the fastest target the rule was applied to (what was turned down)
+    candidate: Target | None = None
 
     @property
     def admitted(self) -> bool:
@@ -115,6 +117,7 @@ def choose(
     best = ranked[0].step_seconds
     tried = []
     first: Decision | None = None  # the fastest target's verdict, reported when keeping
+    first_target = ranked[0]
     for t in ranked:
         if t.step_seconds > best * (1 + slack):
             break
@@ -124,9 +127,11 @@ def choose(
         d = admit(current_step_seconds, t.step_seconds, t.transition_seconds, horizon_steps, gamma)
         if d.admitted:
             return Decision("transition", t, d.reason, d.saving_seconds, d.payback_steps, d.limit_steps)
-        first = first or d
+        if first is None:
+            first, first_target = d, t
         tried.append(f"{t.label or 'target'}: {d.reason}")
     reason = "kept the current plan; " + "; ".join(tried)
     if first is None:
-        return Decision("keep", None, reason)
-    return Decision("keep", None, reason, first.saving_seconds, first.payback_steps, first.limit_steps)
+        return Decision("keep", None, reason, candidate=ranked[0])
+    return Decision("keep", None, reason, first.saving_seconds, first.payback_steps, first.limit_steps,
+                    candidate=first_target)

@@ -4,12 +4,18 @@ The cost model says a model-stage takes Σ_c ideal_c / eff_c seconds (``StageCos
 with x_c = 1 / eff_c every measurement is one linear equation:
 
 - a model-stage timing: Σ_c ideal_c · x_c = measured seconds;
-- an operation-class timing (one GEMM, one all-reduce...): ideal · x_c = measured.
+- an operation-class timing (one GEMM, one all-reduce...): ideal · x_c = measured;
+- a transition node (``observe_transition``): its p2p seconds at efficiency 1 per link
+  class times x_c, plus its fixed costs -- a group set-up when it makes groups, one call
+  of its workers -- whose unknowns are seconds themselves (``Efficiency.group_setup_s``,
+  ``Efficiency.transition_call_s``) = measured seconds.
 
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
 measurement weigh alike), with a weak pull toward the prior factors so that a class
-the data barely touches stays near its prior. A class no equation has touched keeps
+the data barely touches stays near its prior, and every unknown kept in its physical
+range (an active set: an unknown the unconstrained fit pushes out is pinned at the bound
+and the others are fitted again). A class no equation has touched keeps
 its prior, which for an unseen class is conservative (``CONSERVATIVE``).
 
 Memory: ``observe_memory`` compares a measured peak with the memory model; the fitted
@@ -28,11 +34,13 @@ from collections import deque
 from collections.abc import Mapping
 
 from nereus.config import require
-from nereus.planner.cost import CONSERVATIVE, OP_CLASSES, Efficiency, StageCost, StageMemory
+from nereus.planner.cost import CONSERVATIVE, FIXED_COSTS, OP_CLASSES, Efficiency, StageCost, StageMemory
 
 __all__ = ["Calibrator"]
 
 _MIN_EFF, _MAX_EFF = 0.01, 1.5
+# transition nodes' fixed costs: column -> the Efficiency field (seconds) it fits
+FIXED = FIXED_COSTS
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -50,6 +58,40 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
                 for k in range(col, n + 1):
                     m[r][k] -= f * m[col][k]
     return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-300 else 0.0 for i in range(n)]
+
+
+def _bounds(c: str) -> tuple[float, float]:
+    """The range of an unknown: x = 1/eff for an op class, seconds for a fixed cost."""
+    return (0.0, 10.0) if c in FIXED else (1.0 / _MAX_EFF, 1.0 / _MIN_EFF)
+
+
+def _bounded_solve(a: list[list[float]], b: list[float], bounds: list[tuple[float, float]]) -> list[float]:
+    """The normal equations ``a x = b`` with each x_i kept in its bounds: solve, pin the
+    unknowns that left their range at the bound they crossed, solve for the rest, until
+    none leaves (an active-set pass; with few equations whose classes move together,
+    the unconstrained optimum can sit far outside any physical value)."""
+    n = len(b)
+    pinned: dict[int, float] = {}
+    x = [0.0] * n
+    for _ in range(n + 1):
+        free = [i for i in range(n) if i not in pinned]
+        if not free:
+            break
+        sub_a = [[a[i][j] for j in free] for i in free]
+        sub_b = [b[i] - sum(a[i][j] * v for j, v in pinned.items()) for i in free]
+        sol = _solve(sub_a, sub_b)
+        out = False
+        for i, v in zip(free, sol, strict=True):
+            lo, hi = bounds[i]
+            x[i] = v
+            if v < lo or v > hi:
+                pinned[i] = min(hi, max(lo, v))
+                out = True
+        if not out:
+            break
+    for i, v in pinned.items():
+        x[i] = v
+    return x
 
 
 class Calibrator:
@@ -74,7 +116,7 @@ class Calibrator:
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
         row: dict[str, float] = {}
         for c, t in ideal_by_class.items():
-            require(c in OP_CLASSES, "op class", c, f"must be one of {list(OP_CLASSES)}")
+            require(c in OP_CLASSES or c in FIXED, "op class", c, f"must be one of {list(OP_CLASSES) + list(FIXED)}")
             require(t >= 0, f"ideal seconds of {c}", t, "must be >= 0")
             if t > 0:
                 row[c] = float(t)
@@ -85,6 +127,21 @@ class Calibrator:
         """A model-stage's measured time against the terms the cost model predicted."""
         self.observe(cost.ideal_by_class(), measured_seconds)
 
+    def observe_transition(self, ideal: Mapping[str, float], measured_seconds: float) -> None:
+        """One transition node: ``ideal`` holds its p2p seconds at efficiency 1
+        (``p2p_intra``, ``p2p_inter``) and its fixed-cost counts (``groups``: 1 when it
+        makes groups, ``calls``: 1), as ``nereus.transition.LinkModel.ideal`` gives them."""
+        require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
+        row: dict[str, float] = {}
+        for c, t in ideal.items():
+            require(c in OP_CLASSES or c in FIXED, "transition class", c,
+                    f"must be one of {list(OP_CLASSES) + list(FIXED)}")
+            require(t >= 0, f"ideal {c}", t, "must be >= 0")
+            if t > 0:
+                row[c] = float(t)
+        require(bool(row), "ideal", dict(ideal), "must have some positive term")
+        self._rows.append((row, float(measured_seconds)))
+
     def observe_op(self, op_class: str, ideal_seconds: float, measured_seconds: float) -> None:
         """One operation of one class (a timed GEMM, all-reduce, p2p send, decode step)."""
         self.observe({op_class: ideal_seconds}, measured_seconds)
@@ -94,9 +151,14 @@ class Calibrator:
 
         The resident bytes (parameters, gradients, optimizer) are exact; what the peak
         holds beyond them, over the modelled transient bytes, is one ratio."""
+        self.observe_memory_bytes(modelled.resident, modelled.transient, measured_peak_bytes)
+
+    def observe_memory_bytes(self, resident: int, transient: int, measured_peak_bytes: int) -> None:
+        """A measured peak against modelled resident and (unscaled) transient bytes: one
+        model-stage's, or a whole device's (its resident bytes and its largest transient)."""
         require(measured_peak_bytes > 0, "measured_peak_bytes", measured_peak_bytes, "must be > 0")
-        require(modelled.transient > 0, "modelled.transient", modelled.transient, "must be > 0 to calibrate against")
-        self._memory.append(max(0.0, measured_peak_bytes - modelled.resident) / modelled.transient)
+        require(transient > 0, "modelled transient bytes", transient, "must be > 0 to calibrate against")
+        self._memory.append(max(0.0, measured_peak_bytes - resident) / transient)
 
     def memory_scale(self) -> float:
         """The largest ratio in the window (plans must not break memory), or the prior's."""
@@ -110,7 +172,8 @@ class Calibrator:
 
     def fit(self) -> Efficiency:
         """The efficiency factors that best explain the window (prior for unseen classes)."""
-        seen = sorted(self.seen(), key=OP_CLASSES.index)
+        order = [*OP_CLASSES, *FIXED]
+        seen = sorted(self.seen(), key=order.index)
         if not seen:
             return self.prior.replace(memory_scale=self.memory_scale())
         idx = {c: i for i, c in enumerate(seen)}
@@ -123,15 +186,19 @@ class Calibrator:
                 atb[i] += ai  # right-hand side is measured / measured = 1
                 for j, aj in coeffs:
                     ata[i][j] += ai * aj
-        # Pull toward the prior: w · (x_c - 1/eff_c)^2, scaled to the equations' size.
+        # Pull toward the prior: w · (x_c - prior_c)^2, scaled to the equations' size
+        # (prior_c is 1/eff_c for an efficiency, the seconds themselves for a fixed cost).
         for c, i in idx.items():
             scale = max(ata[i][i], 1e-12)
             w = self.prior_weight * scale
             ata[i][i] += w
-            atb[i] += w / self.prior[c]
-        x = _solve(ata, atb)
-        factors = {}
+            atb[i] += w * (getattr(self.prior, FIXED[c]) if c in FIXED else 1.0 / self.prior[c])
+        x = _bounded_solve(ata, atb, [_bounds(c) for c in seen])
+        factors: dict[str, float] = {}
         for c, i in idx.items():
+            if c in FIXED:
+                factors[FIXED[c]] = min(10.0, max(0.0, x[i]))
+                continue
             eff = 1.0 / x[i] if x[i] > 0 else _MAX_EFF
             factors[c] = min(_MAX_EFF, max(_MIN_EFF, eff))
         return self.prior.replace(memory_scale=self.memory_scale(), **factors)

@@ -53,6 +53,17 @@ class ClusterSpec:
     inter_node_latency_s: float = 8e-6
     # Bytes every device keeps for the framework, CUDA context, allocator slack.
     workspace_bytes: int = 2 * 2**30
+    # The share of each device's memory plans leave free (margin for what the memory
+    # model does not see).
+    headroom: float = 0.10
+    # Whether attention runs fused (scores never materialized, as FlashAttention on GPUs)
+    # or eagerly (a [rows, heads, seq, seq] score and probability tensor per layer, as the
+    # built-in engines on CPU).
+    flash_attention: bool = True
+    # Cores the devices share (processes on one CPU), None: each device computes on its
+    # own. With c shared cores, a model-stage busy on n devices gets min(1, c/n) of each
+    # device's rates (``rate_share``).
+    cores: int | None = None
 
     def __post_init__(self) -> None:
         require(bool(self.name), "ClusterSpec.name", self.name, "must be non-empty")
@@ -65,12 +76,20 @@ class ClusterSpec:
         for f in ("intra_node_latency_s", "inter_node_latency_s"):
             v = getattr(self, f)
             require(v >= 0, f"ClusterSpec.{f}", v, "must be >= 0 seconds")
+        require(0 <= self.headroom < 1, "ClusterSpec.headroom", self.headroom, "must be in [0, 1)")
+        require(self.cores is None or (isinstance(self.cores, int) and self.cores >= 1), "ClusterSpec.cores",
+                self.cores, "must be None or an integer >= 1")
         require(
             0 <= self.workspace_bytes < self.device_memory_bytes,
             "ClusterSpec.workspace_bytes",
             self.workspace_bytes,
             f"must be >= 0 and below device_memory_bytes={self.device_memory_bytes}",
         )
+
+    def rate_share(self, busy_devices: int) -> float:
+        """The share of a device's compute and bandwidth each of ``busy_devices`` devices
+        working at once gets (1.0 unless the devices share ``cores``)."""
+        return 1.0 if self.cores is None else min(1.0, self.cores / max(1, busy_devices))
 
     @property
     def num_devices(self) -> int:
@@ -141,14 +160,21 @@ def local_cpu_cluster(
     memory_bandwidth: float,
     exchange_bandwidth: float,
     workspace_bytes: int = 0,
+    cores: int | None = None,
+    headroom: float = 0.10,
 ) -> ClusterSpec:
     """This machine as ``devices`` worker processes, each with a ``memory_bytes`` budget.
 
     The rates come from a probe (one thread's matmul FLOP/s, one thread's memcpy bytes/s,
     the shared-memory hand-off bytes/s between processes); the caller passes them in so
-    this stays pure. One node: every collective takes the intra-node path."""
+    this stays pure. ``cores``: how many cores the devices share (default: one each);
+    a model-stage busy on more devices than cores gets each device's share of them (4
+    worker processes on 2 cores run about half as fast each as one alone, 2 run at full
+    speed: ``ClusterSpec.rate_share``). One node: every collective takes the intra-node
+    path."""
     require(isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1")
     require(memory_bytes > workspace_bytes, "memory_bytes", memory_bytes, f"must exceed workspace_bytes={workspace_bytes}")
+    require(cores is None or (isinstance(cores, int) and cores >= 1), "cores", cores, "must be an integer >= 1")
     return ClusterSpec(
         name=f"local-cpu-{devices}",
         nodes=1,
@@ -161,4 +187,7 @@ def local_cpu_cluster(
         intra_node_latency_s=200e-6,
         inter_node_latency_s=200e-6,
         workspace_bytes=int(workspace_bytes),
+        headroom=headroom,
+        flash_attention=False,
+        cores=cores if cores is not None and cores < devices else None,
     )

@@ -17,9 +17,14 @@ a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
   TP all-reduces (2 per layer forward, 4 with backward); pipeline sends between
   stages; a 1F1B bubble of (pp-1)/M of the stage time for M micro-batches per
   optimizer step; per optimizer step the DP gradient all-reduce and the AdamW update.
+- Fixed costs: every layer run (a forward pass, or one unit of backward) costs
+  ``Efficiency.layer_pass_s`` beyond its FLOPs and bytes: decode steps and small
+  micro-batches pay it, which is why more waves or more micro-batches cost time.
 - Generation may decode in ``waves`` successive batches (the weights are streamed once
   per decode step of every wave; the KV cache holds one wave); training may recompute
   activations (8·N FLOPs per token, 6 TP all-reduces per layer, only layer inputs kept).
+- Devices that share cores (``ClusterSpec.cores``, processes on one CPU): a model-stage
+  on n devices gets ``rate_share(n)`` of each device's FLOP/s and bandwidths.
 - Links: TP never leaves a node. PP sends and DP all-reduces take the inter-node path
   when their group spans nodes, with one device's share of the node's NICs.
 
@@ -28,7 +33,9 @@ gradients and AdamW state by the rule the state layer and the training engine sh
 (``nereus.state.spec``: float32 moments, a float32 master copy for a non-float32
 parameter, gradients in the parameter's dtype plus float32 ones for the master copy;
 not sharded across DP); transient bytes:
-activations (per layer s·b·h·(10 + 24/tp) with flash attention, for the micro-batches
+activations (per layer s·b·h·(10 + 24/tp) bytes at 2-byte activations with flash
+attention, scaled to the model's dtype; eager attention adds its s²-sized scores and
+probabilities per layer (``ClusterSpec.flash_attention``), for the micro-batches
 1F1B keeps in flight), fp32 logits, and for generation the KV cache of every sequence
 of the replica (of one wave) at prompt + maximum length; transient bytes are multiplied
 by ``Efficiency.memory_scale`` (calibrated against measured peaks). Resident bytes stay
@@ -41,6 +48,7 @@ Refuses (``ConfigError``): efficiency factors outside (0, 1.5], a memory scale o
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,6 +59,7 @@ from nereus.state.spec import grad_bytes_per_param, optimizer_bytes_per_param
 
 __all__ = [
     "OP_CLASSES",
+    "FIXED_COSTS",
     "Efficiency",
     "Term",
     "StageCost",
@@ -63,6 +72,9 @@ __all__ = [
 ]
 
 OP_CLASSES = ("gemm", "attention", "decode", "allreduce_intra", "allreduce_inter", "p2p_intra", "p2p_inter")
+# Fixed costs a term counts in units (its "ideal" is a count), with the Efficiency field
+# that holds the seconds per unit.
+FIXED_COSTS = {"layer_passes": "layer_pass_s", "groups": "group_setup_s", "calls": "transition_call_s"}
 HEADROOM = 0.10
 UPDATE_BYTES = 16  # bytes streamed per parameter by an AdamW step (read+write)
 
@@ -82,13 +94,28 @@ class Efficiency:
     # Measured over modelled transient bytes (activations, KV cache, logits): the
     # memory model's calibration against measured peaks; 1.0 until measured.
     memory_scale: float = 1.0
+    # A transition node's fixed costs, in seconds: making its groups, and calling its
+    # workers (learned from measured transition nodes; conservative until then).
+    group_setup_s: float = 0.02
+    transition_call_s: float = 0.005
+    # The fixed cost of running one layer once (forward, or one unit of backward) beyond
+    # its bytes and FLOPs, in seconds: kernel launches, framework dispatch, scheduling;
+    # what makes small decode steps and small micro-batches slower than their FLOPs
+    # (learned from measured model-stage times).
+    layer_pass_s: float = 5e-5
 
     def __post_init__(self) -> None:
         for c in OP_CLASSES:
             require(0 < getattr(self, c) <= 1.5, f"Efficiency.{c}", getattr(self, c), "must be in (0, 1.5]")
         require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
+        for f in ("group_setup_s", "transition_call_s", "layer_pass_s"):
+            require(0 <= getattr(self, f) <= 10.0, f"Efficiency.{f}", getattr(self, f), "must be in [0, 10] seconds")
 
     def __getitem__(self, op_class: str) -> float:
+        if op_class in FIXED_COSTS:
+            # a fixed cost counts units, not ideal seconds: seconds = count / (1 / cost)
+            seconds = getattr(self, FIXED_COSTS[op_class])
+            return 1.0 / seconds if seconds > 0 else math.inf
         return getattr(self, op_class)
 
     def as_dict(self) -> dict[str, float]:
@@ -125,10 +152,11 @@ class StageCost(NamedTuple):
     seconds: float
 
     def ideal_by_class(self) -> dict[str, float]:
+        """Ideal seconds per op class, and counts per fixed cost (``FIXED_COSTS``)."""
         out = dict.fromkeys(OP_CLASSES, 0.0)
         for term in self.terms:
             for c, t in term.ideal:
-                out[c] += t
+                out[c] = out.get(c, 0.0) + t
         return out
 
     def term_seconds(self, eff: Efficiency) -> dict[str, float]:
@@ -157,8 +185,9 @@ class StageMemory(NamedTuple):
 
 
 def usable_bytes(cluster: ClusterSpec) -> int:
-    """What plans may fill on one device: its memory less the 10% headroom."""
-    return int(cluster.device_memory_bytes * (1.0 - HEADROOM))
+    """What plans may fill on one device: its memory less the cluster's headroom (10%
+    by default, ``HEADROOM``)."""
+    return int(cluster.device_memory_bytes * (1.0 - cluster.headroom))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -177,26 +206,34 @@ def _stage_params(model: ModelShape, pp: int, *, for_memory: bool) -> int:
 
 
 def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, pp: int, dp: int,
-                 *, recompute: bool = False, waves: int = 1, scale: float = 1.0) -> StageMemory:
+                 *, recompute: bool = False, waves: int = 1, scale: float = 1.0,
+                 flash_attention: bool = True) -> StageMemory:
     """Bytes per device of ``stage`` at layout tp x pp with dp replicas (max over pp ranks).
 
     ``waves`` (generation): the replica decodes its sequences in that many successive
     batches, so its KV cache holds one batch. ``recompute`` (training): only each
     layer's input is kept per micro-batch in flight, plus one layer's activations.
-    ``scale`` multiplies the transient bytes (``Efficiency.memory_scale``)."""
+    ``scale`` multiplies the transient bytes (``Efficiency.memory_scale``). Without
+    ``flash_attention`` every layer's activations also hold the attention scores and
+    probabilities (``2 * rows * heads/tp * seq^2`` values). Activations are in the
+    model's dtype (the per-layer figure is for 2-byte activations)."""
     b = model.bytes_per_param
     p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
     n_r = _ceil_div(work.sequences, dp)
-    seq = work.prompt_length + work.lengths.mean
+    lengths = work.lengths_for_memory
+    seq = work.prompt_length + lengths.mean
     layers = _ceil_div(model.num_layers, pp)
     logit_width = _ceil_div(model.output_width, tp)
     if stage.kind == "generation":
         kv_shards = min(tp, model.num_kv_heads)
         batch = _ceil_div(n_r, waves)
-        kv = batch * (work.prompt_length + work.lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
+        kv = batch * (work.prompt_length + lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
         return StageMemory(p_dev * b, 0, 0, 0, int(kv * scale), int(batch * logit_width * 4 * scale))
-    t_mb = min(work.micro_batch, n_r) * seq
-    per_layer = t_mb * model.hidden_size * (10 + 24 / tp)
+    rows = min(work.micro_batch, n_r)
+    t_mb = rows * seq
+    per_layer = t_mb * model.hidden_size * (10 + 24 / tp) * model.bytes_per_param / 2
+    if not flash_attention:
+        per_layer += 2 * rows * _ceil_div(model.num_heads, tp) * seq * seq * model.bytes_per_param
     logits = int(t_mb * logit_width * 4 * scale)
     if stage.kind == "inference":
         return StageMemory(p_dev * b, 0, 0, int(per_layer * scale), 0, logits)
@@ -244,8 +281,9 @@ def stage_cost(
     and 6 TP all-reduces per layer instead of 4.
     ``formulas`` fills each term's formula text (for ``explain``; the search skips it);
     ``keep_terms=False`` returns only the total seconds (terms empty), for the search."""
-    peak, mem_bw = cluster.peak_flops, cluster.memory_bandwidth
-    bw_tp, a_tp = cluster.intra_node_bandwidth, cluster.intra_node_latency_s
+    busy = cluster.rate_share(tp * pp * dp)  # devices sharing cores slow each other down
+    peak, mem_bw = cluster.peak_flops * busy, cluster.memory_bandwidth * busy
+    bw_tp, a_tp = cluster.intra_node_bandwidth * busy, cluster.intra_node_latency_s
     share = cluster.device_share_of_inter_node()
     bw_pp, a_pp, pp_cls = (share, cluster.inter_node_latency_s, "p2p_inter") if pp_inter else (bw_tp, a_tp, "p2p_intra")
     bw_dp, a_dp, dp_cls = (share, cluster.inter_node_latency_s, "allreduce_inter") if dp_inter else (bw_tp, a_tp, "allreduce_intra")
@@ -253,6 +291,7 @@ def stage_cost(
     n_r = _ceil_div(work.sequences, dp)
     terms: list[Term] = []
     effd = eff.as_dict()
+    effd["layer_passes"] = eff["layer_passes"]
     total = [0.0]
 
     def add(name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple] | None = None) -> bool:
@@ -284,6 +323,9 @@ def stage_cost(
         else:
             add("decode", (("gemm", compute), ("attention", attn)),
                 ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))
+        # the batch goes stage after stage: every layer runs once per forward pass
+        add("layer passes", (("layer_passes", waves * (1 + steps) * L),),
+            ("{} waves·{} forward passes·{} layers·{:.2g} s fixed cost", (waves, 1 + steps, L, eff.layer_pass_s)))
         if tp > 1:
             nbytes = 2 * L * (t_prompt + t_gen) * h * b
             add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * _hops(tp) * a_tp),),
@@ -314,6 +356,8 @@ def stage_cost(
     add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
                          ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
              ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
+    add_body("layer passes", (("layer_passes", micro_total * mult * layers),),
+             ("{} micro-batches·{} passes·{} layers·{:.2g} s fixed cost", (micro_total, mult, layers, eff.layer_pass_s)))
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2
         nbytes = per_layer * layers * tokens * h * b

@@ -13,7 +13,7 @@ pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from nereus.config import require
@@ -54,9 +54,13 @@ class DevicePool:
         return Plan(tuple((name, StagePlan(sp.tp, sp.pp, sp.dp, tuple(tuple(fn(d) for d in emu) for emu in sp.devices),
                                             sp.recompute, sp.waves)) for name, sp in plan))
 
-    def to_slots(self, plan: Plan) -> Plan:
-        """``plan`` over device ids -> the same plan over the planner's slots."""
-        return self._map(plan, self.slot)
+    def to_slots(self, plan: Plan, *, gone: Sequence[int] = ()) -> Plan:
+        """``plan`` over device ids -> the same plan over the planner's slots. ``gone``:
+        devices that left the pool, put past its last slot in that order (a plan on them
+        cannot run on the pool, which is what the planner must see)."""
+        past = {d: len(self.ids) + i for i, d in enumerate(gone)}
+        require(not set(past) & set(self.ids), "gone", list(gone), f"must not name devices in the pool {list(self.ids)}")
+        return self._map(plan, lambda d: past[d] if d in past else self.slot(d))
 
     def to_devices(self, plan: Plan) -> Plan:
         """``plan`` over the planner's slots -> the same plan over device ids."""

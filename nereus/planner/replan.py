@@ -3,10 +3,12 @@
 ``Replanner`` is what the controller and the simulator both drive, at the end of an RL
 step (synchronous mode) or at a weight sync (asynchronous mode):
 
-1. ``on_boundary(step, lengths=..., cluster=...)`` re-evaluates the current plan under
-   the job as it is now (response lengths drift; the device pool may have changed), and
-   asks the ``TriggerMonitor`` what fired: a device-pool change or a predicted memory
-   violation (hard), or length drifting past 30% of its reference (soft).
+1. ``on_boundary(step, lengths=..., cluster=...)`` re-evaluates the current plan (the
+   job's, given at construction and kept since) under the job as it is now (response
+   lengths drift; the next step's cap may not fit; the device pool may have changed),
+   and asks the ``TriggerMonitor`` what fired: devices lost or drained or a predicted
+   memory violation (hard), devices joined or length drifting past its threshold
+   (soft; a join's horizon is the moving interval between pool changes).
 2. If something fired, it searches the best plan and its alternatives, relabels each
    onto the devices the current plan uses (``relabel``: the search lays pools out from
    device 0), prices the move to each with ``transition_seconds(current, target)`` (the
@@ -16,8 +18,8 @@ step (synchronous mode) or at a weight sync (asynchronous mode):
    adopts is the relabelled one it priced.
 3. Whatever was decided, the drift references are reset to the current values.
 
-``observe_stage_seconds`` and ``observe_memory_peaks`` feed measured model-stage times
-and memory peaks to the ``Calibrator``; the refitted factors are used from the next
+``observe_stage_seconds``, ``observe_memory_peaks`` and ``observe_device_peaks`` feed
+measured model-stage times and memory peaks to the ``Calibrator``; the refitted factors are used from the next
 boundary on (a plan that no longer fits under them is a memory trigger).
 
 Raises ``InfeasiblePlan`` when the current plan can no longer run and no plan fits.
@@ -29,9 +31,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from nereus.config import require
 from nereus.errors import InfeasiblePlan
 from nereus.planner.admission import DEFAULT_GAMMA, Decision, Target, choose
 from nereus.planner.calibrate import Calibrator
@@ -53,37 +56,62 @@ TransitionEstimate = Callable[[Plan, Plan], float]
 
 @dataclass(frozen=True)
 class BoundaryOutcome:
-    """What happened at one boundary: the triggers, the decision, the plan now current."""
+    """What happened at one boundary: the triggers, the decision, the plan now current,
+    its predicted seconds per step, and the current plan's before the decision (None
+    when it could no longer run)."""
 
     step: int
     triggers: tuple[Trigger, ...]
     decision: Decision
     plan: Plan
     step_seconds: float
+    current_seconds: float | None = None
+    previous_plan: Plan | None = None
 
 
 class Replanner:
-    """Holds the current plan of one job and decides, at each boundary, whether to move."""
+    """Holds the current plan of one job and decides, at each boundary, whether to move.
+
+    ``plan``: the job's plan (over the planner's device slots) to start from; by default
+    the search's best. ``join_horizon_steps``: how long a join is expected to last before
+    two pool changes were seen; ``min_steps_between``: soft triggers are not acted on
+    within that many steps of the last change."""
 
     def __init__(
         self,
         work: Workload,
         cluster: ClusterSpec,
         *,
+        plan: Plan | None = None,
         eff: Efficiency = CONSERVATIVE,
         gamma: float = DEFAULT_GAMMA,
         slack: float = 0.05,
         length_threshold: float = 0.30,
         calibrator: Calibrator | None = None,
+        join_horizon_steps: float = 20.0,
+        min_steps_between: int = 0,
     ) -> None:
+        require(gamma > 0, "gamma", gamma, "must be > 0")
+        require(min_steps_between >= 0, "min_steps_between", min_steps_between, "must be >= 0")
         self.work, self.cluster, self.eff = work, cluster, eff
         self.gamma, self.slack = gamma, slack
-        self.monitor = TriggerMonitor({"length": length_threshold})
+        self.min_steps_between = min_steps_between
+        self.monitor = TriggerMonitor({"length": length_threshold}, join_horizon_steps=join_horizon_steps)
         self.calibrator = calibrator if calibrator is not None else Calibrator(prior=eff)
-        found = search(work, cluster, eff, alternatives=False)
-        self.plan = found.plan
-        self.step_seconds = found.step_seconds
+        if plan is None:
+            found = search(work, cluster, eff, alternatives=False)
+            self.plan, self.step_seconds = found.plan, found.step_seconds
+        else:
+            self.plan = plan
+            self.step_seconds = self._seconds_of(plan) or math.inf
+        self.last_change: int | None = None
         self.monitor.observe(0, devices=set(range(cluster.num_devices)), values={"length": work.lengths.mean})
+
+    def _seconds_of(self, plan: Plan) -> float | None:
+        if plan.devices and max(plan.devices) >= self.cluster.num_devices:
+            return None
+        ex = explain(plan, self.work, self.cluster, self.eff)
+        return ex.step_seconds if ex.fits else None
 
     def explain_current(self) -> Explanation:
         return explain(self.plan, self.work, self.cluster, self.eff)
@@ -96,12 +124,33 @@ class Replanner:
         self.eff = self.calibrator.fit()
         return self.eff
 
-    def observe_memory_peaks(self, measured: dict[str, int]) -> Efficiency:
-        """Measured peak bytes per model-stage (on one of its devices); recalibrates the
-        memory model's transient bytes (``Efficiency.memory_scale``)."""
-        ex = self.explain_current()
+    def _unscaled(self, lengths: LengthStats | None) -> Explanation:
+        work = self.work if lengths is None else self.work.with_lengths(lengths)
+        return explain(self.plan, work, self.cluster, self.eff.replace(memory_scale=1.0))
+
+    def observe_memory_peaks(self, measured: dict[str, int], lengths: LengthStats | None = None) -> Efficiency:
+        """Measured peak bytes per model-stage (on one of its devices), under ``lengths``
+        (default: the workload's); recalibrates the memory model's transient bytes
+        (``Efficiency.memory_scale``) against the unscaled model."""
+        ex = self._unscaled(lengths)
         for name, peak in measured.items():
             self.calibrator.observe_memory(ex.stage(name).memory, peak)
+        self.eff = self.calibrator.fit()
+        return self.eff
+
+    def observe_device_peaks(self, measured: dict[int, int], lengths: LengthStats | None = None) -> Efficiency:
+        """Measured peak bytes per device slot of the current plan over a step run at
+        ``lengths`` (the ledger's high-water marks); devices the plan leaves empty are
+        skipped, and so are devices whose modelled transient bytes are under a quarter of
+        their total (the ratio would measure what the model does not count, not the
+        transient bytes)."""
+        ex = self._unscaled(lengths)
+        by_slot = {m.device: m for m in ex.memory}
+        for slot, peak in measured.items():
+            m = by_slot.get(slot)
+            if m is None or peak <= 0 or m.transient <= 0 or m.transient < 0.25 * m.total:
+                continue
+            self.calibrator.observe_memory_bytes(m.workspace + sum(b for _, b in m.resident), m.transient, peak)
         self.eff = self.calibrator.fit()
         return self.eff
 
@@ -110,39 +159,62 @@ class Replanner:
         step: int,
         *,
         lengths: LengthStats | None = None,
+        memory_lengths: LengthStats | None = None,
         cluster: ClusterSpec | None = None,
+        plan: Plan | None = None,
+        lost: Sequence[int] = (),
+        drained: Sequence[int] = (),
+        joined: Sequence[int] = (),
         transition_seconds: TransitionEstimate,
     ) -> BoundaryOutcome:
-        """Re-evaluate, trigger, search and admit at a safe boundary (see the module doc)."""
-        if lengths is not None:
-            self.work = self.work.with_lengths(lengths)
+        """Re-evaluate, trigger, search and admit at a safe boundary (see the module doc).
+
+        ``lengths``: the responses as they are now (step time, drift); ``memory_lengths``:
+        the lengths the next step may reach (its cap), checked against memory (default
+        ``lengths``); ``cluster``: the pool now; ``plan``: the job's plan over this pool's
+        slots when the caller renumbered it (a plan on a slot the pool no longer has
+        cannot run); ``lost``/``drained``/``joined``: what changed in the pool since the
+        last boundary (device ids, for the triggers' details)."""
+        if lengths is not None or memory_lengths is not None:
+            # the search and the current plan's check see memory at memory_lengths
+            self.work = self.work.with_lengths(lengths or self.work.lengths, memory_lengths)
         if cluster is not None:
             self.cluster = cluster
-        runnable = max(self.plan.devices) < self.cluster.num_devices
-        violations: list[int] = []
+        if plan is not None:
+            self.plan = plan
+        previous = self.plan
+        runnable = not self.plan.devices or max(self.plan.devices) < self.cluster.num_devices
+        violations: list[tuple[int, int, int]] = []
         current: float | None = None
         if runnable:
             ex = self.explain_current()
-            violations = [m.device for m in ex.violations]
-            current = ex.step_seconds if ex.fits else None
-        else:
-            # the plan uses devices that are gone: that is a violation on each of them
-            violations = sorted(d for d in self.plan.devices if d >= self.cluster.num_devices)
+            current = ex.step_seconds if ex.fits else None  # None: the next step cannot run on it
+            violations = [(m.device, m.total, m.usable) for m in ex.violations]
+        elif not (lost or drained):
+            # the plan uses devices that are gone, and the caller did not say which left
+            violations = [(d, 0, 0) for d in sorted(d for d in self.plan.devices if d >= self.cluster.num_devices)]
         values = {"length": self.work.lengths.mean}
         triggers = tuple(self.monitor.observe(step, devices=set(range(self.cluster.num_devices)), values=values,
-                                              memory_violations=violations))
-        if not triggers:
+                                              memory_violations=violations, lost=lost, drained=drained,
+                                              joined=joined))
+        hard = any(t.hard for t in triggers)
+        recent = self.last_change is not None and step - self.last_change < self.min_steps_between
+        if not triggers or (recent and not hard):
+            reason = "no trigger" if not triggers else (
+                f"within min_steps_between={self.min_steps_between} of the change at step {self.last_change}")
             self.step_seconds = current if current is not None else math.inf
-            return BoundaryOutcome(step, (), Decision("keep", None, "no trigger"), self.plan, self.step_seconds)
+            return BoundaryOutcome(step, triggers, Decision("keep", None, reason), self.plan, self.step_seconds,
+                                   current, previous)
         decision = self._decide(triggers, current, transition_seconds)
         self.monitor.reset(step, values)  # even when the replan is rejected
         if decision.admitted and decision.target is not None:
             self.plan = decision.target.plan
             self.step_seconds = decision.target.step_seconds
+            self.last_change = step
         elif current is not None:
             self.step_seconds = current
         log.info("step %d: %s -> %s (%s)", step, [t.kind for t in triggers], decision.action, decision.reason)
-        return BoundaryOutcome(step, triggers, decision, self.plan, self.step_seconds)
+        return BoundaryOutcome(step, triggers, decision, self.plan, self.step_seconds, current, previous)
 
     def _decide(self, triggers: tuple[Trigger, ...], current: float | None,
                 transition_seconds: TransitionEstimate) -> Decision:

@@ -96,9 +96,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def pool_sizes(cluster: ClusterSpec, budget: int) -> list[int]:
-    """Every pool size of the space up to ``budget`` devices, ascending."""
+    """Every pool size of the space up to ``budget`` devices, ascending: powers of two
+    below a node (dividing it, so pools pack into nodes; on a single node any power of
+    two fits, e.g. 2 of 3 devices left after one died), then whole nodes."""
     per = cluster.devices_per_node
-    small = [s for s in _powers_of_two(per) if per % s == 0 and s < per and s <= budget]
+    small = [s for s in _powers_of_two(per) if (per % s == 0 or cluster.nodes == 1) and s < per and s <= budget]
     return small + [k * per for k in range(1, budget // per + 1)]
 
 
@@ -163,7 +165,7 @@ def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stag
             dp = n // (tp * pp)
             for recompute, waves in _variants(stage.kind, _ceil_div(work.sequences, dp)):
                 mem = stage_memory(stage, model, work, tp, pp, dp, recompute=recompute, waves=waves,
-                                   scale=eff.memory_scale)
+                                   scale=eff.memory_scale, flash_attention=cluster.flash_attention)
                 if prune and mem.resident + mem.transient > cap:
                     continue
                 cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per,
@@ -506,7 +508,7 @@ def search(
     if found is None:
         raise InfeasiblePlan(
             f"no plan of {work.algorithm} with {sorted(work.models)} fits {budget} devices of {cluster.name} "
-            f"({usable_bytes(cluster) / 2**30:.1f} GiB usable per device after 10% headroom)"
+            f"({usable_bytes(cluster) / 2**30:.1f} GiB usable per device after {cluster.headroom:.0%} headroom)"
         )
     step, pools = found
     plan, groups = s.to_plan(pools)

@@ -1,10 +1,15 @@
 """Triggers: when to consider a new plan (DESIGN §6).
 
-Hard triggers (``hard=True``) demand a replan now: a change of the device pool, or a
-predicted memory violation of the current plan (the caller passes the devices that
-``explain`` found over their memory). Soft triggers come from signals that drift: a
-``DriftSignal`` remembers its reference value (set at the last replan) and fires when
-the signal moves more than ``threshold`` (30% for length) away from it.
+Hard triggers (``hard=True``) demand a replan now: devices lost or drained from the
+pool, or a predicted memory violation of the current plan (the caller passes the
+devices that ``explain`` found over their memory, with the need and the budget). Soft
+triggers: devices that joined the pool, and signals that drift: a ``DriftSignal``
+remembers its reference value (set at the last replan) and fires when the signal moves
+more than ``threshold`` (30% for length) away from it.
+
+A trigger names its ``kind`` (``device-pool``, ``memory``, ``drift``) and carries
+``info``: ``detail`` (``lost``, ``drained``, ``joined``, ``length``, ``over-budget``)
+and the devices, the predicted need and the budget where they apply.
 
 Each time a signal goes from inside its threshold to beyond it counts as a *crossing*;
 ``horizon_steps`` is the moving average of the intervals between crossings (the first
@@ -19,7 +24,8 @@ Pure: steps are integers the caller supplies; nothing here reads a clock.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from nereus.config import require
 
@@ -35,6 +41,7 @@ class Trigger:
     hard: bool
     step: int
     detail: str
+    info: dict = field(default_factory=dict, compare=False)
 
 
 class DriftSignal:
@@ -78,7 +85,9 @@ class DriftSignal:
             self._last_crossing = step
         return Trigger("drift", self.name, False, step,
                        f"{self.name}={value:.4g} drifted {d:.0%} from its reference {self.reference:.4g} "
-                       f"(step {self.reference_step}); threshold {self.threshold:.0%}")
+                       f"(step {self.reference_step}); threshold {self.threshold:.0%}",
+                       {"detail": self.name, "value": value, "reference": self.reference, "drift": d,
+                        "threshold": self.threshold})
 
     def reset(self, step: int, value: float) -> None:
         """After a replan decision (admitted or not): the reference becomes ``value``."""
@@ -93,13 +102,38 @@ class DriftSignal:
         return sum(self.intervals) / len(self.intervals)
 
 
+class PoolSignal:
+    """Changes of the device pool, for the horizon of a join: the moving average of the
+    intervals between changes, ``initial`` steps until two changes have been seen."""
+
+    def __init__(self, initial: float, window: int = 8) -> None:
+        require(initial > 0, "join_horizon_steps", initial, "must be > 0")
+        self.initial = initial
+        self.changes: deque[int] = deque(maxlen=window + 1)
+
+    def change(self, step: int) -> None:
+        if not self.changes or self.changes[-1] != step:
+            self.changes.append(step)
+
+    @property
+    def horizon_steps(self) -> float:
+        if len(self.changes) < 2:
+            return self.initial
+        steps = list(self.changes)
+        gaps = [max(1, b - a) for a, b in zip(steps, steps[1:], strict=False)]
+        return sum(gaps) / len(gaps)
+
+
 class TriggerMonitor:
     """The triggers of one job: the device pool, memory, and drifting signals."""
 
-    def __init__(self, signals: dict[str, float] | None = None, window: int = 8) -> None:
-        """``signals`` maps signal name -> relative threshold (default: length at 30%)."""
+    def __init__(self, signals: dict[str, float] | None = None, window: int = 8,
+                 join_horizon_steps: float = 20.0) -> None:
+        """``signals`` maps signal name -> relative threshold (default: length at 30%);
+        ``join_horizon_steps``: the horizon of a join before two pool changes were seen."""
         thresholds = signals if signals is not None else {"length": 0.30}
         self.signals = {name: DriftSignal(name, t, window) for name, t in thresholds.items()}
+        self.pool = PoolSignal(join_horizon_steps, window)
         self.devices: frozenset[int] | None = None
 
     def observe(
@@ -108,18 +142,38 @@ class TriggerMonitor:
         *,
         devices: frozenset[int] | set[int],
         values: dict[str, float],
-        memory_violations: list[int] | tuple[int, ...] = (),
+        memory_violations: Sequence[int | tuple[int, int, int]] = (),
+        lost: Sequence[int] = (),
+        drained: Sequence[int] = (),
+        joined: Sequence[int] = (),
     ) -> list[Trigger]:
-        """Everything that fires at ``step``: hard triggers first, then drifts."""
+        """Everything that fires at ``step``: hard triggers first, then soft ones.
+
+        ``lost``/``drained``/``joined`` name the devices that changed since the last
+        boundary (a caller that knows them); without them a change of ``devices`` is
+        read as losses and gains. ``memory_violations``: devices, or (device, need,
+        budget) tuples, the current plan would break."""
         out: list[Trigger] = []
         pool = frozenset(devices)
-        if self.devices is not None and pool != self.devices:
-            lost, gained = sorted(self.devices - pool), sorted(pool - self.devices)
-            out.append(Trigger("device-pool", "devices", True, step, f"devices lost {lost}, gained {gained}"))
+        if not (lost or drained or joined) and self.devices is not None and pool != self.devices:
+            lost, joined = sorted(self.devices - pool), sorted(pool - self.devices)
         self.devices = pool
+        if lost or drained or joined:
+            self.pool.change(step)
+        for detail, devs in (("lost", lost), ("drained", drained)):
+            if devs:
+                out.append(Trigger("device-pool", "devices", True, step, f"devices {detail} {sorted(devs)}",
+                                   {"detail": detail, "devices": sorted(devs)}))
         if memory_violations:
+            items = [v if isinstance(v, tuple) else (v, 0, 0) for v in memory_violations]
+            worst = max(items, key=lambda v: v[1] - v[2])
             out.append(Trigger("memory", "memory", True, step,
-                               f"the current plan exceeds memory on devices {sorted(memory_violations)}"))
+                               f"the current plan exceeds memory on devices {sorted(v[0] for v in items)}",
+                               {"detail": "over-budget", "devices": sorted(v[0] for v in items),
+                                "device": worst[0], "need_bytes": worst[1], "budget_bytes": worst[2]}))
+        if joined:
+            out.append(Trigger("device-pool", "devices", False, step, f"devices joined {sorted(joined)}",
+                               {"detail": "joined", "devices": sorted(joined)}))
         unknown = sorted(set(values) - set(self.signals))
         require(not unknown, "values", unknown, f"are not monitored signals {sorted(self.signals)}")
         for name, value in values.items():
@@ -134,6 +188,9 @@ class TriggerMonitor:
             self.signals[name].reset(step, value)
 
     def horizon_steps(self, trigger: Trigger) -> float | None:
-        """H for admission: the moving interval between crossings of the triggering signal."""
+        """H for admission: the moving interval between crossings of the triggering
+        signal (for a join: between changes of the pool)."""
+        if trigger.kind == "device-pool":
+            return self.pool.horizon_steps
         sig = self.signals.get(trigger.signal)
         return sig.horizon_steps if sig is not None else None

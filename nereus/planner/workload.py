@@ -136,9 +136,10 @@ class ModelStage:
     deps: tuple[str, ...] = ()
 
 
-def _ppo(reward_model: bool) -> tuple[ModelStage, ...]:
+def _ppo(reward_model: bool, reference: bool) -> tuple[ModelStage, ...]:
     gen = "policy-generation"
-    scorers = ["reference-inference", "critic-inference"] + (["reward-inference"] if reward_model else [])
+    scorers = (["reference-inference"] if reference else []) + ["critic-inference"]
+    scorers += ["reward-inference"] if reward_model else []
     out = [ModelStage(gen, "policy", "generation")]
     out += [ModelStage(s, s.split("-")[0], "inference", (gen,)) for s in scorers]
     out.append(ModelStage("policy-training", "policy", "training", tuple(scorers)))
@@ -147,28 +148,29 @@ def _ppo(reward_model: bool) -> tuple[ModelStage, ...]:
     return tuple(out)
 
 
-def _critic_free(reward_model: bool) -> tuple[ModelStage, ...]:
+def _critic_free(reward_model: bool, reference: bool) -> tuple[ModelStage, ...]:
     gen = "policy-generation"
-    scorers = ["reference-inference"] + (["reward-inference"] if reward_model else [])
+    scorers = (["reference-inference"] if reference else []) + (["reward-inference"] if reward_model else [])
     out = [ModelStage(gen, "policy", "generation")]
     out += [ModelStage(s, s.split("-")[0], "inference", (gen,)) for s in scorers]
-    out.append(ModelStage("policy-training", "policy", "training", tuple(scorers)))
+    # training always waits for the rollouts, scored or not
+    out.append(ModelStage("policy-training", "policy", "training", tuple(scorers) or (gen,)))
     return tuple(out)
 
 
 ALGORITHMS = ("ppo", "grpo", "remax")
 
 
-def algorithm_stages(algorithm: str, reward_model: bool) -> tuple[ModelStage, ...]:
+def algorithm_stages(algorithm: str, reward_model: bool, reference: bool = True) -> tuple[ModelStage, ...]:
     """The model-stages of ``algorithm`` in dependency order.
 
     ``reward_model`` adds reward-inference (PPO always scores with some reward; without
     a reward model the reward is a rule evaluated on the controller, which costs no
-    device time)."""
+    device time); ``reference=False`` leaves reference-inference out (no KL term)."""
     if algorithm == "ppo":
-        return _ppo(reward_model)
+        return _ppo(reward_model, reference)
     if algorithm in ("grpo", "remax"):
-        return _critic_free(reward_model)
+        return _critic_free(reward_model, reference)
     raise ConfigError(f"algorithm={algorithm!r} is not known; expected one of {list(ALGORITHMS)}")
 
 
@@ -214,6 +216,10 @@ class Workload:
     global_batch: int | None = None
     micro_batch: int = 1
     epochs: int = 1
+    reference: bool = True  # a reference model (a KL term): reference-inference runs
+    # the lengths memory is checked at (e.g. the next step's cap: any response may reach
+    # it); None: ``lengths``
+    memory_lengths: LengthStats | None = None
     stages: tuple[ModelStage, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -221,7 +227,7 @@ class Workload:
         for f in ("prompts_per_step", "samples_per_prompt", "prompt_length", "micro_batch", "epochs"):
             v = getattr(self, f)
             require(isinstance(v, int) and v >= 1, f"Workload.{f}", v, "must be an integer >= 1")
-        stages = algorithm_stages(self.algorithm, "reward" in self.models)
+        stages = algorithm_stages(self.algorithm, "reward" in self.models, self.reference)
         object.__setattr__(self, "stages", stages)
         needed = sorted({s.model for s in stages})
         missing = [m for m in needed if m not in self.models]
@@ -245,9 +251,15 @@ class Workload:
     def optimizer_steps(self) -> int:
         return self.epochs * (self.sequences // self.batch)
 
-    def with_lengths(self, lengths: LengthStats) -> Workload:
-        """The same job after its response lengths drifted."""
-        return dataclasses.replace(self, lengths=lengths)
+    @property
+    def lengths_for_memory(self) -> LengthStats:
+        """The lengths the memory model uses (``memory_lengths``, else ``lengths``)."""
+        return self.memory_lengths if self.memory_lengths is not None else self.lengths
+
+    def with_lengths(self, lengths: LengthStats, memory_lengths: LengthStats | None = None) -> Workload:
+        """The same job after its response lengths drifted (memory checked at
+        ``memory_lengths`` when given, else at ``lengths``)."""
+        return dataclasses.replace(self, lengths=lengths, memory_lengths=memory_lengths)
 
     @staticmethod
     def for_models(

@@ -1,4 +1,5 @@
-"""nereus.rl: RL post-training on model-stages (PPO, GRPO, ReMax), tasks, datasets, the job.
+"""nereus.rl: RL post-training on model-stages (PPO, GRPO, ReMax), tasks and file datasets,
+rule rewards, step loggers, the job and its export.
 
 Layers used: nereus.engines (what runs inside an EMU), nereus.state (weight-sync plans),
 nereus.transfer (the data plane), nereus.actors (the cluster). See each module's
@@ -21,6 +22,7 @@ from nereus.rl.config import (
     MODEL_STAGES,
     AlgorithmConfig,
     ClusterConfig,
+    DataConfig,
     JobConfig,
     ModelConfigSection,
     OptimConfig,
@@ -32,7 +34,10 @@ from nereus.rl.config import (
     required_stages,
 )
 from nereus.rl.data import PromptDataset
+from nereus.rl.export import export_checkpoint
+from nereus.rl.filedata import FileRow, FileTask, read_rows
 from nereus.rl.job import RLJob, latest_checkpoint, run_job
+from nereus.rl.loggers import StepLogger, StepLoggers, make_loggers
 from nereus.rl.losses import (
     clipped_policy_objective,
     clipped_value_objective,
@@ -40,6 +45,7 @@ from nereus.rl.losses import (
     value_loss,
 )
 from nereus.rl.report import MetricsWriter, StepProgress, plot_metrics, read_metrics, summary_table
+from nereus.rl.rewards import RewardInput, exact_reward, load_reward, math_reward
 from nereus.rl.rollout import Rollouts, to_batch
 from nereus.rl.stages import InProcessStages, ModelStages, prepare_model
 from nereus.rl.tasks import TASKS, ArithmeticTask, CountTask, ReverseTask, Sample, Task, make_task
@@ -56,6 +62,18 @@ __all__ = [
     "ClusterStages",
     "Codec",
     "CountTask",
+    "DataConfig",
+    "FileRow",
+    "FileTask",
+    "RewardInput",
+    "StepLogger",
+    "StepLoggers",
+    "exact_reward",
+    "export_checkpoint",
+    "load_reward",
+    "make_loggers",
+    "math_reward",
+    "read_rows",
     "InProcessStages",
     "JobConfig",
     "MetricsWriter",

@@ -30,6 +30,7 @@ step number: what makes resume exact.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -101,7 +102,7 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
     prompts: list[list[int]] = []
     index: list[int] = []
     for s in samples:
-        ids = ctx.codec.encode(s.prompt)
+        ids = ctx.task.prompt_ids(s, ctx.codec)
         prompts += [ids] * k
         index += [s.index] * k
     params = {
@@ -141,7 +142,9 @@ def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
         "reward_std": statistics.pstdev(scores),
         "reward_max": max(scores),
         "response_len_mean": statistics.fmean(lengths),
+        "response_len_p95": sorted(lengths)[min(len(lengths) - 1, math.ceil(0.95 * len(lengths)) - 1)],
         "response_len_max": max(lengths),
+        "prompt_len_max": max(len(p) for p in rollouts.prompt_ids),
         "policy_version": min(rollouts.policy_version),
         "rollouts": len(rollouts),
         "tokens_generated": sum(lengths),

@@ -1,44 +1,34 @@
-"""Planning a running job's change of plan: which primitives move which EMUs, and whether
-every device's memory holds through it (pure: descriptions in, steps out).
+"""A running job's EMUs under a plan, and what its engines add after a change (pure).
 
-``plan_change(current, target, ...)`` turns the EMUs every model-stage has now into the
-EMUs the target plan asks for: for each model-stage whose layout, DP or devices change,
-the state layer's local transition (``nereus.state.plan_stage_transition``: Split ->
-Destroy -> Extend -> Merge through T_sub). Model-stages change one after another, in
-an order that releases before it acquires (the ones that free bytes first; then any
-that fits); each is checked against every device's budget counting what the other
-model-stages hold at that moment and one transfer bucket. After the last one, what the
-engines will add back on each device (gradients of training EMUs, KV caches of
-generation EMUs) must fit too. So a change that would break a budget is refused, with
-``OutOfMemory`` naming the device, the need and the budget, before anything moves.
+- ``stage_emus(stage, stage_plan, spec, slots)``: the EMUs of a model-stage under a
+  ``StagePlan``, one per DP replica, named ``<model-stage>.<replica>`` (``emu_name``).
+  A model-stage keeps those names across changes: a transition builds its targets
+  under other names (``nereus.transition.build_dag``: ``<model-stage>.next<replica>``)
+  and the job renames them once it is done, so a transition that recurs (a layout
+  switched back and forth, every weight sync) has the same names and the state layer
+  plans it once.
+- ``stage_changed(a, b)``: whether a model-stage moves at all between two StagePlans.
+- ``check_after(dag, engine_bytes)``: what every device holds once the transition DAG
+  has run, plus what the engines started afterwards add (a training EMU's gradients, a
+  generation EMU's KV cache), against every device's cap: ``OutOfMemory`` naming the
+  device, the need and the cap, before anything moves. The DAG itself checks every
+  device through the change (``InfeasibleTransition``).
 
-A model-stage's EMUs are named ``<model-stage>.<replica>`` (``emu_name``); the EMUs a
-transition builds are named ``<model-stage>.next<replica>`` while it runs and take the
-canonical names once it is done (``StageChange.renames``), so a transition that recurs
-(a layout switched back and forth, every weight sync) has the same names and the state
-layer plans it once. Their logical state is the one every source carried.
-
-Refuses: ``OutOfMemory`` (above), ``InfeasiblePlan`` (no source to Extend from, from the
-state layer), ``ConfigError`` (a target that names other model-stages than the job's).
-Nothing here runs anything: the job executes the steps on its workers.
+Pure: no I/O.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
-from nereus.config import require
 from nereus.errors import OutOfMemory
-from nereus.planner.plan import Plan, StagePlan
-from nereus.state.emu import EMU, DeviceSet, LogicalState
+from nereus.planner.plan import StagePlan
+from nereus.state.emu import EMU, LogicalState
 from nereus.state.layout import Layout
-from nereus.state.memory import DEFAULT_BUCKET_BYTES
 from nereus.state.spec import ModelSpec
-from nereus.state.transition import StageTransition, plan_stage_transition
+from nereus.transition.dag import TransitionDAG, stage_moves
 
-__all__ = ["StageChange", "PlannedChange", "plan_change", "stage_emus", "emu_name", "stage_changed"]
+__all__ = ["stage_emus", "emu_name", "stage_changed", "check_after", "after_bytes"]
 
 # bytes an engine adds on a device for an EMU beyond the store's tensors
 EngineBytes = Callable[[str, EMU, int], int]
@@ -59,119 +49,26 @@ def stage_emus(stage: str, sp: StagePlan, spec: ModelSpec, slots: Sequence[str],
 
 def stage_changed(a: StagePlan, b: StagePlan) -> bool:
     """Whether going from ``a`` to ``b`` moves any tensor (layout, DP or devices)."""
-    return (a.tp, a.pp, a.devices) != (b.tp, b.pp, b.devices)
+    return stage_moves(a, b)
 
 
-@dataclass(frozen=True)
-class StageChange:
-    """One model-stage's transition and the names its resulting EMUs take."""
-
-    stage: str
-    transition: StageTransition
-    renames: tuple[tuple[str, str], ...]
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.transition.bytes_moved
-
-
-@dataclass(frozen=True)
-class PlannedChange:
-    """Every model-stage's transition in execution order, the EMUs after, and the
-    projected bytes per device: the peak during the change and what is held after it
-    (engines included)."""
-
-    changes: tuple[StageChange, ...]
-    result: dict[str, list[EMU]]
-    peak: dict[int, int]
-    after: dict[int, int]
-
-    @property
-    def bytes_moved(self) -> int:
-        return sum(c.bytes_moved for c in self.changes)
-
-
-def _bytes(emus: Sequence[EMU]) -> dict[int, int]:
-    out: dict[int, int] = defaultdict(int)
-    for e in emus:
-        for d in e.devices:
-            out[d] += e.bytes_on(d)
+def after_bytes(dag: TransitionDAG) -> dict[int, int]:
+    """What every device holds once every node of ``dag`` has run."""
+    out = dict(dag.initial)
+    for n in dag.nodes:
+        for d in n.devices:
+            out[d] = out.get(d, 0) + n.alloc.get(d, 0) - n.release.get(d, 0)
     return out
 
 
-def plan_change(
-    current: Mapping[str, Sequence[EMU]],
-    target: Plan,
-    devices: DeviceSet,
-    *,
-    resident: Mapping[int, int] | None = None,
-    engine_bytes: EngineBytes | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> PlannedChange:
-    """Plan the change from ``current`` (model-stage -> its EMUs) to ``target`` (see the
-    module docstring). ``resident``: bytes per device held besides the model-stages' EMUs
-    (default none); ``engine_bytes(stage, emu, device)``: what an engine adds back."""
-    require(set(target.names) == set(current), "target plan", target.names,
-            f"must place exactly the job's model-stages {sorted(current)}")
-    other: dict[int, int] = defaultdict(int, resident or {})
-    held = {stage: _bytes(emus) for stage, emus in current.items()}
-    wanted = {}
-    for stage, emus in current.items():
-        sp = target[stage]
-        now = StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
-        if stage_changed(now, sp):
-            wanted[stage] = stage_emus(stage, sp, emus[0].spec, emus[0].slots, "next", emus[0].state)
-    result = {stage: list(emus) for stage, emus in current.items()}
-    peak: dict[int, int] = defaultdict(int)
-
-    def total(exclude: str | None = None) -> dict[int, int]:
-        out: dict[int, int] = defaultdict(int, other)
-        for stage, per in held.items():
-            if stage != exclude:
-                for d, n in per.items():
-                    out[d] += n
-        return out
-
-    def attempt(stage: str) -> StageTransition:
-        used = total(exclude=stage)
-        tr = plan_stage_transition(result[stage], wanted[stage], devices, used=used, bucket_bytes=bucket_bytes)
-        for step in tr.steps:  # only a transition that fits counts towards the peak
-            for d in step.memory.devices():
-                peak[d] = max(peak[d], used.get(d, 0) + step.memory.peak.get(d, 0))
-        return tr
-
-    # release before acquire: model-stages that free bytes go first, then any that fits
-    order = sorted(wanted, key=lambda s: sum(_bytes(wanted[s]).values()) - sum(held[s].values()))
-    changes: list[StageChange] = []
-    while order:
-        failure: OutOfMemory | None = None
-        for stage in order:
-            try:
-                tr = attempt(stage)
-            except OutOfMemory as e:
-                failure = failure or e
-                continue
-            break
-        else:
-            assert failure is not None
-            raise failure
-        order.remove(stage)
-        final = [want.with_(name=emu_name(stage, i), state=got.state) for i, (got, want)
-                 in enumerate(zip(tr.result, wanted[stage], strict=True))]
-        renames = tuple((got.name, want.name) for got, want in zip(tr.result, final, strict=True))
-        changes.append(StageChange(stage, tr, renames))
-        result[stage] = final
-        held[stage] = _bytes(result[stage])
-    after = total()
-    if engine_bytes is not None:
-        for stage, emus in result.items():
-            for e in emus:
-                for d in e.devices:
-                    after[d] += engine_bytes(stage, e, d)
-    for d, need in sorted(after.items()):
-        budget = devices.budget(d)
-        if budget is not None and need > budget:
-            raise OutOfMemory(d, need, budget, "the job's EMUs and their engines after the change")
-    for d, n in after.items():
-        peak[d] = max(peak[d], n)
-    return PlannedChange(tuple(changes), result, dict(peak), dict(after))
+def check_after(dag: TransitionDAG, engines: dict[int, int]) -> dict[int, int]:
+    """``after_bytes`` plus ``engines`` (device -> bytes the restarted engines add),
+    checked against every device's cap; returns the total per device."""
+    total = after_bytes(dag)
+    for d, extra in engines.items():
+        total[d] = total.get(d, 0) + extra
+    for d, need in sorted(total.items()):
+        cap = dag.caps.get(d)
+        if cap is not None and need > cap:
+            raise OutOfMemory(d, need, cap, "the job's EMUs and their engines after the change")
+    return total

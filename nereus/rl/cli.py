@@ -1,7 +1,7 @@
 """``nereus run CONFIG.toml``: run an RL job from its TOML config.
 
 Options override the file (``--steps``, ``--out``, ``--seed``, ``--resume``,
-``--in-process``, ``--no-progress``). ``--connect ADDRESS`` (with ``--key-file`` and
+``--in-process``, ``--no-progress``, ``--adapt``/``--no-adapt``). ``--connect ADDRESS`` (with ``--key-file`` and
 ``--cluster-devices``) attaches the job to a running cluster whatever the file's
 ``[cluster]`` says: a launcher that started the cluster (``nereus slurm run``, a
 Kubernetes Job) knows its address only then. A config error is printed as one line
@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in the output folder")
     p.add_argument("--in-process", action="store_true", help="run every model-stage in this process (no workers)")
     p.add_argument("--no-progress", action="store_true", help="log steps instead of drawing a progress bar")
+    adapt = p.add_mutually_exclusive_group()
+    adapt.add_argument("--adapt", dest="adapt", action="store_true", default=None,
+                       help="change the plan while the job runs (adapt.enabled = true)")
+    adapt.add_argument("--no-adapt", dest="adapt", action="store_false",
+                       help="keep the starting plan to the end (adapt.enabled = false)")
     p.add_argument("--connect", metavar="ADDRESS", help="attach to the running cluster at this controller address (cluster.mode = 'connect')")
     p.add_argument("--key-file", help="override cluster.key_file (the running cluster's key)")
     p.add_argument("--cluster-devices", type=int, help="override cluster.devices (how many devices to wait for)")
@@ -52,6 +57,8 @@ def parse_job(argv: list[str]) -> JobConfig:
         resume=run.resume or args.resume,
         progress=run.progress and not args.no_progress,
     )
+    if args.adapt is not None:
+        cfg = dataclasses.replace(cfg, adapt=dataclasses.replace(cfg.adapt, enabled=args.adapt))
     cluster = cfg.cluster
     if args.connect is not None or args.key_file is not None or args.cluster_devices is not None:
         if args.in_process:
@@ -66,7 +73,8 @@ def parse_job(argv: list[str]) -> JobConfig:
         cluster = dataclasses.replace(cluster, mode="in_process")
         # One engine per model-stage in-process: keep each stage's first device only.
         plan = {k: dataclasses.replace(p, devices=p.devices[:1], tp=1, pp=1, dp=1) for k, p in cfg.plan.items()}
-        return dataclasses.replace(cfg, run=run, cluster=cluster, plan=plan)
+        adapt = dataclasses.replace(cfg.adapt, enabled=False)
+        return dataclasses.replace(cfg, run=run, cluster=cluster, plan=plan, adapt=adapt)
     return dataclasses.replace(cfg, run=run, cluster=cluster)
 
 

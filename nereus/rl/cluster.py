@@ -7,26 +7,32 @@ holds and can change between steps.
 whose workers outlive the job), spawns one ``EngineHost`` per device (the worker's shard
 store and the engines over it), and for every model-stage of the plan fills the stores
 with its EMUs' shards (each rank reads only its slices) and starts their engines
-(``nereus.engines.spawn_model_stage``).
+(``nereus.engines.spawn_model_stage``); a ``plan`` event on the tap says where they are.
 
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``. ``await apply_plan(target)`` changes it at a step
 boundary over the state the workers hold (nothing goes through the driver, nothing is
-reloaded): it plans every changed model-stage's transition and checks every device's
-budget (``nereus.rl.change``), refusing with ``OutOfMemory`` before anything moves;
-closes the engines (generation gives back its KV cache); runs the primitives on the
-workers (``nereus.state.execute_step``), the logical state (update counter, policy
-version, sample position) travelling with the tensors; takes a fresh layout epoch
-(``Cluster.set_epoch``, stamped on tap events); starts every engine again in that epoch
-(training EMUs get their new DP rank and size: the global batch stays fixed, rows per
-replica and accumulation follow; generation reserves its KV cache again); releases the
-old epoch's groups; and rebuilds the weight-sync plans. It returns a report with the
-bytes the plans move and the bytes the workers measured, and the seconds of each part.
+reloaded) through ONE transition DAG across every model-stage that moves
+(``nereus.transition.build_dag``): planned and checked against every device's budget
+first (``InfeasibleTransition`` or ``OutOfMemory`` before anything moves); the moving
+model-stages' engines stop (generation gives back its KV cache); the DAG runs on the
+workers (``execute_dag`` with ``WorkerRuntime``: ready primitives on disjoint devices at
+once, the logical state -- update counter, policy version, sample position --
+travelling with the tensors; every node's predicted and measured seconds on the tap as
+``transition_node``, the whole as ``transition``, and into the calibration that prices
+the next one); the cluster takes a fresh layout epoch (``Cluster.set_epoch``, stamped
+on tap events); the moved model-stages' engines start again in it (training EMUs get
+their new DP rank and size: the global batch stays fixed, rows per replica and
+accumulation follow; generation reserves its KV cache again); groups nothing uses any
+more are released; the weight-sync plans are rebuilt. Engines of model-stages that do
+not move keep running. With ``overlap=True`` the DAG runs in the background: model-stages
+on devices it does not touch go on with the next step (``transition_done()`` waits).
 
-Devices: a device the cluster drains (``Cluster.drain``) may not appear in a target and
-is retired once the change leaves it empty; devices that join (``Cluster.add_node``, or
-a node joining a running controller) get an engine host at the next change that uses
-them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
+Devices: every live device gets an engine host at start; a device the cluster drains
+(``Cluster.drain``) may not appear in a target and is retired once the change leaves it
+empty; devices that join (``Cluster.add_node``, or a node joining a running controller)
+get an engine host when the controller loop sees them (``ensure_hosts``) or at the
+next change that uses them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
 through ``Cluster.on_failure``.
 
 Work distribution (``nereus.engines.ModelStageHandle``): generation cuts prompts into
@@ -57,6 +63,8 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +72,11 @@ import torch
 
 from nereus.config import require
 from nereus.errors import ActorDied
-from nereus.rl.change import plan_change, stage_changed, stage_emus
+from nereus.rl.change import check_after, emu_name, stage_changed, stage_emus
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
+from nereus.transition.schedule import simulate
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -103,9 +112,20 @@ class ClusterStages(ModelStages):
         self._plan = cfg.job_plan()
         self._host_meshes: list[Any] = []
         self._cache_slots = 0  # slots of the generation KV caches before a change
+        self._transition: asyncio.Future | None = None  # a change running in the background
+        self._waiting: set[str] = set()  # model-stages that wait for it
+        self.last_transition: dict[str, Any] | None = None  # the report of the last change
+        self.learn_transitions = True  # measured transition nodes refit the link model
         self._sync: dict[str, tuple[list[Any], Any]] = {}  # target model-stage -> (plans, group)
         self._owns_cluster = False
         self._models: dict[str, tuple[Any, str]] = {}
+        # seconds a change spends per model-stage it restarts beyond the DAG's moves
+        # (engines stopped and started, their groups, the sync plans): measured
+        self._restart_s: deque[float] = deque(maxlen=4)
+        # model-stages a fault left without an intact EMU: the next change builds them
+        # (nereus.rl.recovery)
+        self._missing: set[str] = set()
+        self._spawn_s: list[float] = []  # spawning each model-stage at start: the guess before any change
 
     # --- start ------------------------------------------------------------------
 
@@ -120,7 +140,8 @@ class ClusterStages(ModelStages):
             if c.mode == "connect":
                 # The same deadline as a local cluster's: spawning a model-stage on a busy host
                 # takes longer than the 30 s an attach alone would allow.
-                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices, timeout_s=60.0)
+                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices,
+                                          timeout_s=60.0, curve_key_file=c.curve_key_file or None)
             else:
                 # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
                 # can miss the default 3 s, and a lost node ends the job.
@@ -156,14 +177,27 @@ class ClusterStages(ModelStages):
 
         return training_slots(self.cfg.model.dtype) if STAGE_KINDS[stage] == "training" else ("param",)
 
-    def _options(self, stage: str) -> dict[str, Any]:
+    def _generation_rows(self, sp: Any) -> int:
+        """Sequences one generation EMU decodes at once under ``sp``: its share of the
+        step's rollouts, in ``sp.waves`` successive batches."""
+        return math.ceil(math.ceil(self.cfg.algorithm.rollouts_per_step / sp.dp) / sp.waves)
+
+    def _options(self, stage: str, sp: Any = None) -> dict[str, Any]:
+        """The engine options of ``stage`` under its plan ``sp`` (default: the current one):
+        generation decodes in ``sp.waves`` batches, training recomputes with ``sp.recompute``."""
         cfg = self.cfg
+        sp = sp if sp is not None else self._plan[stage]
         kind = STAGE_KINDS[stage]
         if kind == "generation":
-            return {}
+            return {"max_batch": self._generation_rows(sp)}
         if kind == "inference":
             return {"micro_batch_size": cfg.optim.micro_batch_size}
-        return {"optim": engine_optim(cfg, critic=stage == "critic_training")}
+        return {"optim": engine_optim(cfg, critic=stage == "critic_training"), "recompute": sp.recompute}
+
+    async def ensure_hosts(self, devices: set[int]) -> None:
+        """An engine host on every device of ``devices`` that has none yet (a device that
+        joined gets one at once, before any change uses it)."""
+        await self._ensure_hosts(set(devices))
 
     async def _ensure_hosts(self, devices: set[int]) -> None:
         """An engine host on every device of ``devices`` that has none yet."""
@@ -177,6 +211,17 @@ class ClusterStages(ModelStages):
 
     async def _start_all(self) -> None:
         from nereus.engines import spawn_model_stage
+        from nereus.planner import Calibrator
+        from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
+        from nereus.transition import LinkModel
+
+        # what transitions are priced with: this machine's rates (probed once, cached),
+        # refitted from every measured transition node
+        budget = min((d.memory_bytes for d in self.cluster.devices), default=2**30)
+        self.cluster_spec = local_cpu_cluster_probed(max(1, len(self.cluster.devices)), max(budget, 2))
+        # firm priors: one plan's timings cannot tell apart classes that scale together
+        self.calibrator = Calibrator(prior=local_cpu_efficiency(), prior_weight=0.05)
+        self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
         self._models["policy"] = (self.model_config, str(self.model_dir))
         if "reward_inference" in self._plan.names:
@@ -186,17 +231,24 @@ class ClusterStages(ModelStages):
         await self.cluster.refresh_devices()
         self.epoch = self.cluster.epoch + 1
         await self.cluster.set_epoch(self.epoch)
-        await self._ensure_hosts(set(self._plan.devices))
+        # a host on every live device, used or not: a change that takes one up pays for
+        # the state it moves, not for starting a process's engines
+        await self._ensure_hosts({d.index for d in self.cluster.devices} - set(getattr(self.cluster, "draining", ())))
         for stage, sp in self._plan:
             emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage))
             config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
+            t = time.perf_counter()
             self.handles[stage] = await spawn_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
                 seed=self.cfg.run.seed, options=self._options(stage), epoch=self.epoch)
+            # a first guess at what restarting a model-stage's engines costs in a change
+            self._spawn_s.append(time.perf_counter() - t)
             self.emus[stage] = emus
         await self._plan_syncs()
         if "critic_inference" in self.emus:
             await self._run_sync("critic_inference")
+        # the plan the job starts in; it was given ([plan]), not searched: no prediction
+        _emit("plan", plan=self._plan.to_dict(), predicted_step_seconds=None)
 
     # --- weight syncs -------------------------------------------------------------
 
@@ -234,6 +286,8 @@ class ClusterStages(ModelStages):
                 "gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
     async def sync_policy(self) -> dict[str, Any]:
+        await self._ready("policy_training")
+        await self._ready("policy_generation")
         event = await self._run_sync("policy_generation")
         self.policy_version += 1
         event["policy_version"] = self.policy_version
@@ -261,6 +315,7 @@ class ClusterStages(ModelStages):
         return [i for i, e in enumerate(self.emus["policy_generation"]) if trainers & set(e.devices)]
 
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
+        await self._ready("policy_generation")
         handle = self.handles["policy_generation"]
         with self.timed("policy_generation"):
             out = await handle.generate(prompts, params)
@@ -282,22 +337,26 @@ class ClusterStages(ModelStages):
         require(rows >= dp, f"plan.{stage}.dp", dp, f"must be <= the batch's {rows} rows")
 
     async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        await self._ready("reference_inference")
         handle = self._handle("reference_inference")
         with self.timed("reference_inference"):
             return await handle.logprobs(batch, self.cfg.sampling.temperature)
 
     async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        await self._ready("critic_inference")
         handle = self._handle("critic_inference")
         with self.timed("critic_inference"):
             return await handle.values(batch)
 
     async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        await self._ready("reward_inference")
         handle = self._handle("reward_inference")
         with self.timed("reward_inference"):
             values = await handle.values(batch)
         return last_token_scores(values, batch["attention_mask"])
 
     async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        await self._ready("policy_training")
         handle = self._handle("policy_training")
         self._check_rows("policy_training", batch)
         with self.timed("policy_training"):
@@ -305,6 +364,8 @@ class ClusterStages(ModelStages):
                                            self.cfg.sampling.temperature)
 
     async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+        await self._ready("critic_training")
+        await self._ready("critic_inference")
         handle = self._handle("critic_training")
         self._check_rows("critic_training", batch)
         with self.timed("critic_training"):
@@ -323,9 +384,9 @@ class ClusterStages(ModelStages):
         return DeviceSet(tuple(self._host_of(i) if i in devs else -1 for i in range(top)),
                          tuple(devs[i].memory_bytes if i in devs else 1 for i in range(top)))
 
-    def _engine_bytes(self, stage: str, emu: Any, device: int) -> int:
-        """What ``stage``'s engine adds on ``device`` beyond the store: a training EMU's
-        gradients, a generation EMU's KV cache at its last size."""
+    def _engine_bytes(self, stage: str, sp: Any, emu: Any, device: int) -> int:
+        """What ``stage``'s engine (under its plan ``sp``) adds on ``device`` beyond the
+        store: a training EMU's gradients, a generation EMU's KV cache at its last size."""
         from nereus.state import layer_bounds
         from nereus.state.spec import DTYPE_BYTES, grad_bytes_per_param
 
@@ -338,7 +399,7 @@ class ClusterStages(ModelStages):
             pp_rank, tp_rank = emu.position(device)
             bounds = layer_bounds(emu.layout, c.num_hidden_layers)
             layers = bounds[pp_rank + 1] - bounds[pp_rank]
-            rows = math.ceil(self.cfg.algorithm.rollouts_per_step / len(self.emus.get(stage, [emu])))
+            rows = self._generation_rows(sp)
             kv_local = max(1, c.num_key_value_heads // emu.layout.tp)
             return 2 * layers * rows * kv_local * self._cache_slots * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
         return 0
@@ -364,20 +425,94 @@ class ClusterStages(ModelStages):
         emus = self.emus[stage]
         return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
 
-    async def apply_plan(self, target: Any) -> dict[str, Any]:
-        """Change the job's plan to ``target`` at a step boundary (see the module
-        docstring). Returns a report: ``changed`` model-stages, ``bytes`` the plans move
-        between devices, ``bytes_measured`` (the workers' counters), ``seconds`` and its
-        parts (``plan_s``, ``engines_stop_s``, ``moves_s``, ``groups_s``, ``engines_s``,
-        ``sync_plans_s``), the new ``epoch``."""
-        from nereus.planner.plan import Plan
-        from nereus.state import execute_step
-        from nereus.transfer import release_groups
+    async def change_inputs(self) -> dict[str, Any]:
+        """What pricing a change needs from the workers, read once per boundary: every
+        device's ledger (what it holds besides the job's EMUs) and the generation KV
+        caches' slots."""
+        shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus] \
+            if "policy_generation" in self.handles else []
+        return {"memory": await self.memory(), "cache_slots": max((s[1] for s in shapes), default=0)}
 
+    def plan_change(self, target: Any, inputs: dict[str, Any]) -> tuple[Any, float]:
+        """The transition DAG from the job's plan to ``target`` (device ids) and its
+        predicted seconds (the scheduler's makespan under the link model); pure over
+        ``inputs`` (``change_inputs``). Raises ``InfeasibleTransition`` when the DAG
+        cannot keep a device under its cap and ``OutOfMemory`` when the restarted engines
+        would not fit after it."""
+        from nereus.planner.plan import Plan
+        from nereus.transition import build_dag
+
+        moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
+        if self._missing:  # the DAG moves what exists; a missing model-stage is built after it
+            target = Plan(tuple((s, target[s]) for s in self._plan.names))
+        resident = _resident(inputs["memory"], [e.name for emus in self.emus.values() for e in emus],
+                             engines=[e.name for s in moving for e in self.emus[s]])
+        one_host = len({self._host_of(d) for d in self.hosts}) == 1
+        dag = build_dag(
+            self._plan, target, {s: es[0].spec for s, es in self.emus.items()}, self._device_set(),
+            slots={s: es[0].slots for s, es in self.emus.items()},
+            names={s: [e.name for e in es] for s, es in self.emus.items()}, resident=resident,
+            host_of=self._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.link.seconds)
+        slots, self._cache_slots = self._cache_slots, inputs["cache_slots"] if "policy_generation" in moving else 0
+        try:
+            engines: dict[int, int] = {}
+            for stage in moving:
+                for rep in dag.results[stage]:
+                    emu = self.emus[stage][0].with_(name=rep.name, layout=rep.layout, devices=rep.devices)
+                    for d in rep.devices:
+                        engines[d] = engines.get(d, 0) + self._engine_bytes(stage, target[stage], emu, d)
+        finally:
+            self._cache_slots = slots
+        check_after(dag, engines)
+        return dag, simulate(dag, self.link.seconds).makespan
+
+    @property
+    def restart_seconds(self) -> float:
+        """What a change costs per model-stage it restarts beyond the DAG's moves: the
+        mean of the last measured changes (before any: of spawning them at start, which
+        also loaded the weights, an upper bound)."""
+        seen = self._restart_s or self._spawn_s
+        return sum(seen) / len(seen) if seen else 0.0
+
+    def estimate_change(self, target: Any, inputs: dict[str, Any]) -> tuple[float, int]:
+        """(predicted seconds, bytes moved) of changing to ``target``: the DAG's makespan
+        plus ``restart_seconds`` per model-stage whose engines restart; ``(inf, 0)`` when
+        the change cannot run (``plan_change`` refused it)."""
+        from nereus.errors import InfeasiblePlan, OutOfMemory
+
+        try:
+            dag, seconds = self.plan_change(target, inputs)
+        except (InfeasiblePlan, OutOfMemory) as e:
+            log.info("a change to %s cannot run: %s", target.to_dict(), e)
+            return math.inf, 0
+        restarted = [s for s in self._plan.names if self._plan[s] != target[s]]
+        return seconds + len(restarted) * self.restart_seconds, dag.bytes
+
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+        """Change the job's plan to ``target`` at a step boundary through one transition
+        DAG over every model-stage that moves (see the module docstring).
+
+        Refused before anything moves: a target with other model-stages or devices that
+        are not live or are draining (``ConfigError``), one whose DAG cannot keep every
+        device under its cap (``InfeasibleTransition``) or whose engines would not fit
+        after it (``OutOfMemory``). With ``overlap``, the DAG runs in the background and
+        this returns once it started: model-stages on devices it does not touch go on
+        with the next step's work, the others wait for it (``transition_done()`` waits
+        too). Returns (or, with ``overlap``, ``transition_done()`` returns) a report:
+        ``changed`` model-stages, ``bytes`` the plans move between devices,
+        ``bytes_measured`` (the workers' counters), ``predicted_seconds`` (the DAG's
+        makespan), ``seconds`` and its parts (``plan_s``, ``engines_stop_s``, ``moves_s``,
+        ``groups_s``, ``engines_s``, ``sync_plans_s``), ``nodes``, ``resource_edges``,
+        the new ``epoch``."""
+        from nereus.planner.plan import Plan
+        from nereus.transition.workers import WorkerRuntime
+
+        await self.transition_done()
         t0 = time.perf_counter()
         require(isinstance(target, Plan), "target", type(target).__name__, "must be a nereus.planner.Plan")
-        require(set(target.names) == set(self._plan.names), "target plan", target.names,
-                f"must place exactly the job's model-stages {sorted(self._plan.names)}")
+        stages = set(self._plan.names) | self._missing
+        require(set(target.names) == stages, "target plan", target.names,
+                f"must place exactly the job's model-stages {sorted(stages)}")
         await self.cluster.refresh_devices()
         live = {d.index for d in self.cluster.devices}
         draining = set(getattr(self.cluster, "draining", ()))
@@ -388,62 +523,144 @@ class ClusterStages(ModelStages):
         # what the change moves, checked against every budget before anything moves; the
         # engines of model-stages that do not move stay as they are, with their groups
         await self._stamp_states(moving)
-        self._cache_slots = 0
-        if "policy_generation" in moving:
-            shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus]
-            self._cache_slots = max((s[1] for s in shapes), default=0)
+        inputs = await self.change_inputs()
+        dag, predicted = self.plan_change(target, inputs)
+        self._cache_slots = inputs["cache_slots"] if "policy_generation" in moving else 0
+        # model-stages that keep their EMUs but decode in other waves or (stop) recompute,
+        # and those whose engines a fault stopped (nereus.rl.recovery)
+        retuned = [s for s in self._plan.names
+                   if s not in moving and (self._plan[s] != target[s] or s not in self.handles)]
+        missing = sorted(self._missing)
         new_epoch = max(self.epoch, self.cluster.epoch) + 1
-        resident = _resident(await self.memory(), [e.name for emus in self.emus.values() for e in emus],
-                             engines=[e.name for s in moving for e in self.emus[s]])
-        # between processes of one host peers write into each other's new shards: no bucket
-        one_host = len({self._host_of(d) for d in self.hosts}) == 1
-
-        def engine_bytes(stage: str, emu: Any, device: int) -> int:
-            return self._engine_bytes(stage, emu, device) if stage in moving else 0
-
-        planned = plan_change(self.emus, target, self._device_set(), resident=resident,
-                              engine_bytes=engine_bytes, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES)
         t_plan = time.perf_counter()
-        report.update(changed=[c.stage for c in planned.changes], bytes=planned.bytes_moved,
-                      predicted_peak_bytes=planned.peak)
+        report.update(changed=list(dag.results), retuned=retuned, rebuilt=missing, bytes=dag.bytes,
+                      predicted_seconds=predicted, nodes=len(dag.nodes), resource_edges=dag.resource_edges)
         # the moving model-stages' engines stop (gradients, KV caches and activations
         # leave the ledgers); their groups go once nothing else uses them
         retired = []
-        for stage in moving:
-            handle = self.handles.pop(stage)
-            await handle.stop()
-            retired += handle.groups
+        for stage in [*moving, *retuned]:
+            handle = self.handles.pop(stage, None)
+            if handle is not None:
+                await handle.stop()
+                retired += handle.groups
         t_stop = time.perf_counter()
+        report.update(plan_s=t_plan - t0, engines_stop_s=t_stop - t_plan)
         await self._ensure_hosts(set(target.devices))
-        measured = 0
-        for change in planned.changes:
-            for step in change.transition.steps:
-                stats = await execute_step(step, self.hosts, self.cluster, epoch=new_epoch)
-                measured += stats.bytes_sent_measured
-            renames = [(a, b) for a, b in change.renames if a != b]
-            if renames:
-                devices = {d for e in change.transition.result for d in e.devices}
-                await asyncio.gather(*(self.hosts[d].rename.call_one(dict(renames)) for d in devices))
+        touched = dag.devices()
+        self._waiting = {s for s in self._plan.names
+                         if s in moving or s in retuned or not touched.isdisjoint(self._current_plan(s).device_set)}
+        self._waiting |= set(missing)
+        runtime = WorkerRuntime({e.name: e for es in self.emus.values() for e in es}, self.hosts, self.cluster,
+                                epoch=new_epoch)
+        work = self._finish_change(dag, runtime, target, moving, retuned, retired, new_epoch, report, t0, missing)
+        if not overlap:
+            self.last_transition = await work
+            return self.last_transition
+        self._transition = asyncio.ensure_future(work)
+        return report
+
+    async def transition_done(self) -> dict[str, Any] | None:
+        """Wait for a change started with ``overlap``; its report (None when none runs).
+        Raises what the change raised."""
+        task, self._transition = self._transition, None
+        if task is None:
+            return None
+        try:
+            self.last_transition = await task
+            return self.last_transition
+        finally:
+            self._waiting = set()
+
+    async def _ready(self, stage: str) -> None:
+        """Return once ``stage`` may work: at once, unless an overlapped change is moving
+        it or runs on its devices."""
+        if self._transition is not None and stage in self._waiting:
+            await self.transition_done()
+
+    async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retuned: list[str],
+                             retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float,
+                             missing: list[str] = ()) -> dict[str, Any]:
+        from nereus.transfer import release_groups
+        from nereus.transition.execute import execute_dag
+
+        t_moves0 = time.perf_counter()
+        report["moves_started_at"] = t_moves0
+        result = await execute_dag(dag, runtime, duration=self.link.seconds, on_node=self._node_event(t_moves0))
+        report["moves_ended_at"] = time.perf_counter()
         # the transition's groups are its own
-        await release_groups(self.cluster, new_epoch)
+        await release_groups(self.cluster, new_epoch, tag="transition")
+        report.update(bytes_measured=result.bytes_measured, nodes_finished=len(result.finished))
+        if not result.ok:
+            from nereus.rl.recovery import salvage
+
+            report.update(ok=False, seconds=time.perf_counter() - t0)
+            _emit_transition(report, dag)
+            await salvage(self, runtime)  # what the DAG left, as the job's plan
+            raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
+        if self.learn_transitions:  # what the nodes took teaches the next estimate
+            for node in dag.nodes:
+                self.calibrator.observe_transition(self.link.ideal(node), max(result.results[node.id].seconds, 1e-6))
+            self._refit_link()
+        for stage in moving:
+            reps = dag.results[stage]
+            renames = {rep.name: emu_name(stage, i) for i, rep in enumerate(reps) if rep.name != emu_name(stage, i)}
+            if renames:
+                devices = {d for rep in reps for d in rep.devices}
+                await asyncio.gather(*(self.hosts[d].rename.call_one(renames) for d in devices))
+            self.emus[stage] = [runtime.live[rep.name].with_(name=emu_name(stage, i)) for i, rep in enumerate(reps)]
         t_moves = time.perf_counter()
         self.epoch = new_epoch
-        self.emus = planned.result
         self._plan = target
         await self.cluster.set_epoch(self.epoch)
-        timing = await self._start_engines(moving)
+        timing = await self._start_engines([*moving, *retuned])
+        await self._build_missing(missing)
         t_engines = time.perf_counter()
         retired += [group for _, group in self._sync.values() if group is not None]
         await self._plan_syncs()
+        for stage in missing:  # built from the model folder: the in-place syncs give them today's weights
+            if stage in self._sync:
+                await self._run_sync(stage)
         await self._release_unused(retired)
         await self._retire_drained()
         t_end = time.perf_counter()
-        report.update(epoch=self.epoch, bytes_measured=measured, seconds=t_end - t0, plan_s=t_plan - t0,
-                      engines_stop_s=t_stop - t_plan, moves_s=t_moves - t_stop, groups_s=timing["groups_s"],
-                      engines_s=t_engines - t_moves - timing["groups_s"], sync_plans_s=t_end - t_engines)
-        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s", self.epoch, report["changed"],
-                 report["bytes"], report["seconds"])
+        report.update(ok=True, epoch=self.epoch, seconds=t_end - t0, moves_s=t_moves - t_moves0,
+                      groups_s=timing["groups_s"], engines_s=t_engines - t_moves - timing["groups_s"],
+                      sync_plans_s=t_end - t_engines, measured_seconds=t_moves - t_moves0)
+        if moving or retuned:
+            self._restart_s.append((report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned]))
+        _emit_transition(report, dag)
+        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
+                 report["changed"], report["bytes"], report["seconds"], report["predicted_seconds"])
         return report
+
+    async def _build_missing(self, missing: list[str]) -> None:
+        """Model-stages a fault left without an intact EMU, built at the plan's placement
+        from the model folder (a training one holds the initial weights until the job
+        restores a checkpoint into it)."""
+        from nereus.engines import spawn_model_stage
+
+        for stage in missing:
+            emus = stage_emus(stage, self._plan[stage], self._spec(stage), self._slots(stage))
+            config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
+            self.handles[stage] = await spawn_model_stage(
+                self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
+                seed=self.cfg.run.seed, options=self._options(stage), epoch=self.epoch)
+            self.emus[stage] = emus
+            self._missing.discard(stage)
+
+    def _node_event(self, t0: float) -> Callable[[Any, Any], None]:
+        def emit_node(node: Any, result: Any) -> None:
+            _emit("transition_node", node=node.id, kind=node.kind, model_stage=node.stage, count=node.count,
+                  devices=list(node.devices), bytes=node.bytes, predicted_seconds=self.link.seconds(node),
+                  measured_seconds=result.seconds, start_seconds=result.start - t0, end_seconds=result.end - t0,
+                  ok=result.ok)
+
+        return emit_node
+
+    def _refit_link(self) -> None:
+        from nereus.transition import LinkModel
+
+        self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
     async def _release_unused(self, groups: list[Any]) -> None:
         """Destroy ``groups`` that no engine and no sync uses any more."""
@@ -467,7 +684,7 @@ class ClusterStages(ModelStages):
             config, _ = self._models["reward" if stage == "reward_inference" else "policy"]
             caches = None
             if STAGE_KINDS[stage] == "generation" and self._cache_slots:
-                rows = math.ceil(self.cfg.algorithm.rollouts_per_step / len(emus))
+                rows = self._generation_rows(self._plan[stage])
                 caches = {e.name: [rows, self._cache_slots] for e in emus}
             self.handles[stage] = await start_model_stage(
                 self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config,
@@ -496,6 +713,7 @@ class ClusterStages(ModelStages):
     async def save(self, folder: str | Path) -> None:
         from nereus.state import save_to_disk
 
+        await self.transition_done()
         await self._stamp_states()
         out = Path(folder)
         for stage in ("policy_training", "critic_training"):
@@ -507,6 +725,7 @@ class ClusterStages(ModelStages):
         saved layout), then sync generation and the critic's inference from them."""
         from nereus.state import load_from_disk
 
+        await self.transition_done()
         src = Path(folder)
         state = None
         for stage in ("policy_training", "critic_training"):
@@ -547,6 +766,11 @@ class ClusterStages(ModelStages):
         from nereus.transfer import release_groups
 
         errors: list[BaseException] = []
+        if self._transition is not None:
+            try:
+                await self.transition_done()
+            except Exception as e:  # keep closing; raised at the end
+                errors.append(e)
         groups = [g for _, g in self._sync.values() if g is not None]
         for handle in self.handles.values():
             groups += handle.groups
@@ -578,6 +802,18 @@ def _resident(memory: dict[int, dict[str, Any]], names: list[str], engines: list
     change must work around."""
     mine = tuple(f"shards/{n}" for n in names) + tuple(f"{n}/" for n in engines) + ("transfer/",)
     return {d: sum(v for k, v in m["breakdown"].items() if not k.startswith(mine)) for d, m in memory.items()}
+
+
+def _emit_transition(report: dict[str, Any], dag: Any) -> None:
+    _emit("transition", from_plan=report["from"], to_plan=report["to"], changed=report.get("changed", []),
+          bytes=report.get("bytes", 0), bytes_measured=report.get("bytes_measured", 0),
+          predicted_seconds=report.get("predicted_seconds", 0.0), measured_seconds=report.get("seconds", 0.0),
+          nodes=len(dag.nodes), resource_edges=dag.resource_edges, epoch_from=report["epoch_from"],
+          ok=report.get("ok", False), moves_seconds=report.get("measured_seconds", 0.0),
+          parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report})
+
+
+_PARTS = ("plan_s", "engines_stop_s", "moves_s", "groups_s", "engines_s", "sync_plans_s")
 
 
 def _emit(type_: str, **fields: Any) -> None:

@@ -5,12 +5,13 @@
 of the wrong type or out of range raises ``ConfigError`` naming the dotted field, the
 value and the rule (``algorithm.samples_per_prompt=1 must be >= 2 for grpo``).
 
-Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]``,
-``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[reward]`` (the task's
+Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]`` (a
+synthetic task) or ``[data]`` (prompts and ground truth from a file), ``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[reward]`` (the task's
 rule or a reward model), ``[sampling]``,
 ``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
-explicit, static placement of each model-stage as EMUs on devices) and ``[run]``
-(steps, seed, output directory, checkpoints).
+placement each model-stage starts from, as EMUs on devices), ``[adapt]`` (whether and
+how the job changes that placement while it runs) and ``[run]`` (steps, seed, output
+directory, checkpoints, loggers, export).
 
 Model-stages: ``policy_generation``, ``reference_inference``, ``critic_inference``,
 ``reward_inference``, ``policy_training``, ``critic_training``. Which ones a job needs
@@ -25,15 +26,19 @@ from typing import Any, Literal
 
 from nereus.config import parse_size, require
 
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
 __all__ = [
     "MODEL_STAGES",
     "ModelConfigSection",
     "TaskConfig",
+    "DataConfig",
     "AlgorithmConfig",
     "RewardConfig",
     "SamplingConfig",
     "OptimConfig",
     "ClusterConfig",
+    "AdaptConfig",
     "Placement",
     "RunConfig",
     "JobConfig",
@@ -95,6 +100,38 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Prompts and ground truth from a local file instead of a synthetic task
+    (``nereus.rl.filedata``): verl's columns, the model's chat template, the same global
+    sample order and exact resume as the tasks. Its rewards come from ``[reward] rule``."""
+
+    path: str = ""
+    """The JSONL or Parquet file (local; read through the ``datasets`` package)."""
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    """``auto`` tells the format from the suffix (``.jsonl``/``.json``, ``.parquet``)."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt: chat messages or a string."""
+    answer_key: str = "reward_model.ground_truth"
+    """The column holding the ground truth; dots step into nested columns."""
+    apply_chat_template: bool = True
+    """Render prompts with the model's chat template and the generation prompt (a string
+    prompt as one user turn); false feeds string prompts as they are (base models)."""
+    shuffle: bool = True
+    """Visit the rows in a seeded random order per epoch (``run.seed``); false keeps the
+    file's order."""
+    max_samples: int = 0
+    """Use only the first ``max_samples`` rows (0: all)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.path), "data.path", self.path, "must name a JSONL or Parquet file")
+        require(self.format in ("auto", "jsonl", "parquet"), "data.format", self.format, "must be 'auto', 'jsonl' or 'parquet'")
+        for name in ("prompt_key", "answer_key"):
+            value = getattr(self, name)
+            require(bool(value) and all(value.split(".")), f"data.{name}", value, "must be a column name (dots for nested columns)")
+        require(self.max_samples >= 0, "data.max_samples", self.max_samples, "must be >= 0 (0 = all rows)")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """The RL algorithm and its coefficients.
 
@@ -142,13 +179,25 @@ class RewardConfig:
     (``config.json``, ``*.safetensors`` with ``score.weight`` ``[1, hidden]``, as
     transformers' ``LlamaForSequenceClassification`` with ``num_labels = 1`` saves it)
     over the policy's vocabulary; the score is its head on the last token of the
-    prompt + response. The model-stage ``reward_inference`` runs it."""
+    prompt + response. The model-stage ``reward_inference`` runs it.
+
+    ``rule`` is the rule reward (``nereus.rl.rewards``), the score with ``kind = "rule"``
+    and the reported ``task_reward_mean`` with a reward model. Rule rewards run in the
+    job's driver process, in the step loop, right after responses are decoded."""
 
     kind: Literal["rule", "model"] = "rule"
     path: str = ""
+    rule: str = "task"
+    """``task`` (the synthetic task's own rule), ``math`` (math-verify on the final
+    answer), ``exact`` (exact match) or ``module:function`` (a user function over prompt,
+    response and ground truth). File data (``[data]``) needs one of the last three."""
 
     def __post_init__(self) -> None:
+        from nereus.rl.rewards import RULES, is_function_spec
+
         require(self.kind in ("rule", "model"), "reward.kind", self.kind, "must be 'rule' or 'model'")
+        require(self.rule in RULES or is_function_spec(self.rule), "reward.rule", self.rule,
+                f"must be one of {list(RULES)} or 'module:function'")
         require(self.kind != "model" or bool(self.path), "reward.path", self.path, "must name a reward model folder when kind='model'")
 
 
@@ -224,13 +273,15 @@ class ClusterConfig:
     ``python -m nereus.node`` per host) at ``address``, keyed by ``key_file`` (or
     ``$NEREUS_CLUSTER_KEY``), whose first ``devices`` devices the plan uses (their memory
     is what the nodes were started with; ``model.path`` and ``run.out_dir`` must be paths
-    every host can read); ``in_process``: every model-stage in the driver (for tests)."""
+    every host can read; ``curve_key_file``: the cluster's CURVE key when its tcp sockets
+    are encrypted); ``in_process``: every model-stage in the driver (for tests)."""
 
     mode: Literal["local", "connect", "in_process"] = "local"
     devices: int = 4
     memory_per_device: str = "1GiB"
     address: str = ""
     key_file: str = ""
+    curve_key_file: str = ""
 
     def __post_init__(self) -> None:
         require(self.mode in ("local", "connect", "in_process"), "cluster.mode", self.mode, "must be 'local', 'connect' or 'in_process'")
@@ -242,6 +293,38 @@ class ClusterConfig:
     @property
     def memory_bytes(self) -> int:
         return parse_size(self.memory_per_device, "cluster.memory_per_device")
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """Online adaptation (``nereus.rl.adapt``): after every step the job's plan is
+    re-evaluated by the planner's ``Replanner`` and changed at the step boundary when a
+    trigger fires and admission says the change pays (or at once, for a lost or drained
+    device or a predicted memory overflow)."""
+
+    enabled: bool = False
+    gamma: float = 0.5
+    """Admission: a change costing T seconds that saves s seconds per step is taken when
+    T / s <= gamma * H (H: the steps the new plan is expected to stay good)."""
+    length_drift: float = 0.30
+    """The drift trigger: mean response length this far (relative) from its value at
+    the last decision."""
+    headroom: float = 0.10
+    """The share of each device's budget plans leave free (what the memory model misses)."""
+    min_steps_between: int = 0
+    """Soft triggers are not acted on within this many steps of the last change."""
+    join_horizon_steps: float = 20.0
+    """H for a device that joins, until two pool changes give a measured interval."""
+    overlap: bool = False
+    """Run a change beside the next step's work on the devices it does not touch."""
+
+    def __post_init__(self) -> None:
+        require(self.gamma > 0, "adapt.gamma", self.gamma, "must be > 0")
+        require(0 < self.length_drift < 10, "adapt.length_drift", self.length_drift, "must be in (0, 10)")
+        require(0 <= self.headroom < 1, "adapt.headroom", self.headroom, "must be in [0, 1)")
+        require(isinstance(self.min_steps_between, int) and self.min_steps_between >= 0, "adapt.min_steps_between",
+                self.min_steps_between, "must be an integer >= 0")
+        require(self.join_horizon_steps >= 1, "adapt.join_horizon_steps", self.join_horizon_steps, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -287,9 +370,31 @@ class RunConfig:
     checkpoint_every: int = 0
     resume: bool = False
     progress: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where each step's record goes (``nereus.rl.loggers``): ``jsonl`` (``metrics.jsonl``,
+    always: the job resumes and plots from it), ``tensorboard`` (``out_dir/tensorboard``),
+    ``wandb`` (offline, ``out_dir/wandb``), ``mlflow`` (``out_dir/mlflow.db``, SQLite)."""
+    experiment: str = "nereus"
+    """The W&B project and the MLflow experiment the run is logged under."""
+    run_name: str = ""
+    """The run's name in W&B and MLflow (default: the name of ``out_dir``)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline`` writes W&B's files under ``out_dir/wandb`` (``wandb sync`` uploads them)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow's store (default ``sqlite:///OUT_DIR/mlflow.db``)."""
+    export_hf: bool = False
+    """After the last step, write the trained policy to ``out_dir/hf`` as a Hugging Face
+    folder (config.json, model.safetensors, tokenizer files)."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "run.steps", self.steps, "must be >= 1")
+        bad = [x for x in self.loggers if x not in LOGGERS]
+        require(not bad, "run.loggers", self.loggers, f"must name loggers from {list(LOGGERS)}")
+        require(len(set(self.loggers)) == len(self.loggers), "run.loggers", self.loggers, "must not repeat a logger")
+        require("jsonl" in self.loggers, "run.loggers", self.loggers,
+                "must include 'jsonl' (metrics.jsonl is what the job resumes and plots from)")
+        require(bool(self.experiment), "run.experiment", self.experiment, "must not be empty")
+        require(self.wandb_mode in ("offline", "online"), "run.wandb_mode", self.wandb_mode, "must be 'offline' or 'online'")
         require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
         require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "must be >= 0 (0 = only at the end)")
 
@@ -315,15 +420,26 @@ def _default_plan() -> dict[str, Placement]:
 class JobConfig:
     model: ModelConfigSection = field(default_factory=ModelConfigSection)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig | None = None
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: dict[str, Placement] = field(default_factory=_default_plan)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        if self.data is not None:
+            require(self.task == TaskConfig(), "task", self.task, "must be left out when [data] is given (the prompts come from data.path)")
+            require(self.model.kind != "tiny", "model.kind", self.model.kind,
+                    "must be 'hf' or 'smollm2' with [data] (file prompts need the model's own tokenizer; 'tiny' has a character vocabulary)")
+            require(self.reward.rule != "task", "reward.rule", self.reward.rule,
+                    "must be 'math', 'exact' or 'module:function' with [data] (file rows carry no task rule)")
+        else:
+            require(self.reward.rule == "task", "reward.rule", self.reward.rule,
+                    "must be 'task' for a synthetic task (other rules score file data: give [data])")
         needed = required_stages(self.algorithm.name, self.reward.kind)
         for name in self.plan:
             require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} with reward.kind={self.reward.kind!r} does not use (it uses {list(needed)})")
@@ -338,6 +454,8 @@ class JobConfig:
             if self.model.kind == "tiny" and name != "reward_inference":  # the reward model has its own shape
                 require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
                 require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
+        require(not self.adapt.enabled or self.cluster.mode != "in_process", "adapt.enabled", self.adapt.enabled,
+                "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan to change)")
         gen = self.plan["policy_generation"]
         require(self.algorithm.prompts_per_step % gen.dp == 0, "plan.policy_generation.dp", gen.dp, f"must divide algorithm.prompts_per_step={self.algorithm.prompts_per_step}")
 

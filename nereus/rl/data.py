@@ -12,6 +12,10 @@ positions ``[position, position + n)``; DP rank ``r`` of ``d`` takes every sampl
 offset in the batch is ``r`` modulo ``d`` (``global_batch(..., dp_rank, dp_size)``), so
 changing ``d`` between steps keeps the global batch, and the position, unchanged.
 
+A dataset over a file (``nereus.rl.filedata``) also carries the file's ``fingerprint``
+in its state, and restoring a state whose fingerprint differs is refused: the same
+position in a changed file would be other samples.
+
 Refuses (``ConfigError``): ``size < 1``, a negative position, a batch size < 1, a
 DP rank outside ``[0, dp_size)``.
 """
@@ -39,6 +43,7 @@ class PromptDataset:
         seed: int = 0,
         samples: Sequence[Sample] | None = None,
         shuffle: bool = True,
+        fingerprint: str | None = None,
     ) -> None:
         require((task is None) != (samples is None), "PromptDataset", (task, samples), "needs exactly one of task or samples")
         self.task = task
@@ -47,6 +52,7 @@ class PromptDataset:
         require(self.size >= 1, "PromptDataset.size", self.size, "must be >= 1")
         self.seed = seed
         self.shuffle = shuffle
+        self.fingerprint = fingerprint
         self.position = 0
         self._perm_epoch = -1
         self._perm: list[int] = []
@@ -88,13 +94,19 @@ class PromptDataset:
         return self.position // self.size
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "size": self.size}
+        state: dict[str, Any] = {"position": self.position, "seed": self.seed, "size": self.size}
+        if self.fingerprint is not None:
+            state["fingerprint"] = self.fingerprint
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the position. The seed and size must match the saved ones, else the
-        order would silently differ."""
+        """Restore the position. The seed, size (and fingerprint, for a file) must match
+        the saved ones, else the order would silently differ."""
         require(state.get("seed") == self.seed, "PromptDataset.seed", self.seed, f"must equal the checkpoint's seed={state.get('seed')!r}")
         require(state.get("size") == self.size, "PromptDataset.size", self.size, f"must equal the checkpoint's size={state.get('size')!r}")
+        if self.fingerprint is not None:
+            require(state.get("fingerprint") == self.fingerprint, "PromptDataset.fingerprint", self.fingerprint,
+                    f"must equal the checkpoint's fingerprint={state.get('fingerprint')!r} (the data file changed since it was saved)")
         position = state.get("position")
         require(isinstance(position, int) and position >= 0, "PromptDataset.position", position, "must be an integer >= 0")
         self.position = int(position)

@@ -1,10 +1,12 @@
 """The RL job: the step loop the controller drives, with metrics, checkpoints and resume.
 
-``run_job(cfg)`` (or ``await RLJob(cfg).run()``) builds the task, its dataset (one global
-sample order), the tokenizer, the initial model and the model-stages the plan places,
+``run_job(cfg)`` (or ``await RLJob(cfg).run()``) builds the task (a synthetic one, or the
+rows of ``[data]``'s file scored by ``[reward] rule``), its dataset (one global sample
+order), the tokenizer, the initial model and the model-stages the plan places,
 then runs ``run.steps`` steps of the configured algorithm. Each step takes the next
 ``prompts_per_step`` samples of the global order, runs the algorithm's step
-(``nereus.rl.algorithms``) and writes one record to ``metrics.jsonl``; the progress bar
+(``nereus.rl.algorithms``) and writes one record to ``metrics.jsonl`` and the other
+loggers ``run.loggers`` names (``nereus.rl.loggers``); the progress bar
 shows stage times, reward and lengths; the end prints a summary table and writes
 ``plot.png``.
 
@@ -15,8 +17,17 @@ version, the dataset position and the step number. Sampling seeds derive from
 from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the steps the
 uninterrupted job would have taken (same samples, same rollouts, same updates).
 
-Output folder: ``metrics.jsonl``, ``plot.png``, ``config.json`` (the resolved config),
-``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``.
+With ``[adapt] enabled`` (a cluster job), after every step but the last the controller
+loop (``nereus.rl.adapt.Adapter``) may change the plan at the step boundary; the step's
+record then carries ``decision`` and ``transition``, the summary lists every change and
+the plot marks them.
+
+Output folder: ``metrics.jsonl``, ``tap.jsonl`` (every tap event of the run, on a
+cluster), ``plot.png``, ``config.json`` (the resolved config),
+``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``, the loggers'
+files (``tensorboard/``, ``wandb/``, ``mlflow.db``) and, with ``run.export_hf``, ``hf/``:
+the trained policy as a Hugging Face folder (``nereus.rl.export``), written from the
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +44,10 @@ from nereus.errors import StateError
 from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.config import JobConfig
 from nereus.rl.data import PromptDataset
-from nereus.rl.report import MetricsWriter, StepProgress, plot_metrics, read_metrics, summary_table
+from nereus.rl.loggers import check_loggers, make_loggers
+from nereus.rl.report import StepProgress, changes_table, plot_metrics, read_metrics, summary_table
 from nereus.rl.stages import InProcessStages, ModelStages, prepare_model
-from nereus.rl.tasks import make_task
+from nereus.rl.tasks import Task, make_task
 from nereus.rl.vocab import Codec
 
 __all__ = ["RLJob", "run_job", "latest_checkpoint"]
@@ -55,12 +68,30 @@ class RLJob:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
-        self.task = make_task(cfg.task.name, **cfg.task.options)
-        self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
+        check_loggers(cfg.run.loggers)
+        self.task: Task
+        if cfg.data is not None:
+            from nereus.rl.filedata import FileTask
+            from nereus.rl.rewards import load_reward
+
+            task = FileTask.load(cfg.data, load_reward(cfg.reward.rule))
+            self.task = task
+            self.dataset = PromptDataset(task, size=len(task), seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+                                         fingerprint=task.fingerprint)
+        else:
+            self.task = make_task(cfg.task.name, **cfg.task.options)
+            self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
         self.codec: Codec | None = Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
         self.stages: ModelStages | None = None
+        self.adapter: Any = None  # nereus.rl.adapt.Adapter with [adapt] enabled
+        self.tap: Any = None  # the run's tap recorder (tap.jsonl) on a cluster
         self.step = 0
         self.records: list[dict[str, Any]] = []
+        self.faults: list[Any] = []  # nereus.rl.recovery.Fault, one per recovered fault
+        self._checkpoints: list[Path] = []  # saved or loaded by this run (a restore uses no other)
+        # called as ``await hook(job, record)`` after each step, before the controller loop
+        # looks at the boundary (the environment: devices reclaimed or returned, faults)
+        self.boundary_hooks: list[Callable[[RLJob, dict[str, Any]], Awaitable[None]]] = []
 
     async def start(self, cluster: Any = None) -> None:
         """Prepare the model, start the model-stages (on ``cluster`` if given, a started
@@ -74,10 +105,39 @@ class RLJob:
             from nereus.rl.cluster import ClusterStages
 
             self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
+            await self._record_tap()
+            if self.cfg.adapt.enabled:
+                from nereus.rl.adapt import Adapter
+
+                reward = self.stages._models.get("reward", (None,))[0]
+                self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)
         if self.cfg.run.resume:
             ckpt = latest_checkpoint(self.out_dir)
             if ckpt is not None:
                 await self.load_checkpoint(ckpt)
+        if self.adapter is not None and not self._checkpoints:
+            await self.save_checkpoint()  # what a training state that loses its last copy comes back to
+
+    def max_prompt_tokens(self, samples: int = 512) -> int:
+        """The longest prompt, in tokens, among the first ``samples`` of the global order."""
+        assert self.codec is not None
+        n = min(samples, self.dataset.size)
+        return max(len(self.task.prompt_ids(self.dataset.at(i), self.codec)) for i in range(n))
+
+    async def _record_tap(self) -> None:
+        """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl)."""
+        from nereus.actors import emit
+        from nereus.monitor.tap import TapRecorder
+
+        cluster = getattr(self.stages, "cluster", None)
+        address = getattr(cluster, "tap_address", "")
+        if not address:
+            return
+        path = self.out_dir / "tap.jsonl"
+        if not self.cfg.run.resume:
+            path.write_text("")
+        self.tap = await TapRecorder(address, cluster.key, str(path), emit,
+                                     curve=getattr(cluster, "curve", None)).start()
 
     async def save_checkpoint(self) -> Path:
         assert self.stages is not None
@@ -86,6 +146,7 @@ class RLJob:
         job = {"step": self.step, "dataset": self.dataset.state_dict(), "policy_version": self.stages.policy_version}
         # job.json last: a folder without it is an interrupted save and is never resumed.
         (folder / "job.json").write_text(json.dumps(job))
+        self._checkpoints.append(folder)
         return folder
 
     async def load_checkpoint(self, folder: str | Path) -> None:
@@ -97,6 +158,7 @@ class RLJob:
         await self.stages.load(folder)
         self.dataset.load_state_dict(job["dataset"])
         self.step = int(job["step"])
+        self._checkpoints.append(Path(folder))
         log.info("resumed from %s at step %d (policy version %d)", folder, self.step, self.stages.policy_version)
 
     async def run_step(self) -> dict[str, Any]:
@@ -140,10 +202,13 @@ class RLJob:
             )
         return record
 
-    async def apply_plan(self, target: Any) -> dict[str, Any]:
-        """Change the job's plan at this step boundary (``ModelStages.apply_plan``)."""
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+        """Change the job's plan at this step boundary (``ModelStages.apply_plan``; with
+        ``overlap`` the next step's work on untouched devices starts while it runs)."""
         assert self.stages is not None
         self.stages.sample_position = self.dataset.position
+        if overlap:
+            return await self.stages.apply_plan(target, overlap=True)
         return await self.stages.apply_plan(target)
 
     async def run(self) -> list[dict[str, Any]]:
@@ -157,30 +222,140 @@ class RLJob:
     async def _loop(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         resumed = self.step > 0
-        writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_from_step=self.step if resumed else None)
+        loggers = make_loggers(cfg.run, self.out_dir, to_dict(cfg), resume_from_step=self.step if resumed else None)
         progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
         try:
             while self.step < cfg.run.steps:
-                record = await self.run_step()
+                record = await self._guarded(self.run_step, "step")
+                if record is None:
+                    continue  # a fault: the step was redone or its committed update kept
+                await self._guarded(lambda: self._boundary(record), "boundary")
                 self.records.append(record)
-                writer.write(record)
+                loggers.log(record)
                 progress.update(record)
                 every = cfg.run.checkpoint_every
                 if (every and self.step % every == 0) or self.step == cfg.run.steps:
-                    await self.save_checkpoint()
+                    await self._guarded(self.save_checkpoint, "boundary")
         finally:
             progress.close()
-            writer.close()
+            loggers.close()
+        if cfg.run.export_hf:
+            self.export_hf()
         history = read_metrics(self.out_dir / "metrics.jsonl")
+        what = Path(cfg.data.path).name if cfg.data is not None else cfg.task.name
         if history:
-            plot_metrics(history, self.out_dir / "plot.png", title=f"{cfg.algorithm.name.upper()} on {cfg.task.name}")
+            plot_metrics(history, self.out_dir / "plot.png", title=f"{cfg.algorithm.name.upper()} on {what}")
             if cfg.run.progress:
                 from rich.console import Console
 
-                Console().print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {cfg.task.name}: {self.out_dir}"))
+                console = Console()
+                console.print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"))
+                if cfg.adapt.enabled:
+                    console.print(changes_table(history, title=f"plan changes ({sum(1 for r in history if r.get('transition'))}; "
+                                                               f"every decision is on the tap: {self.out_dir / 'tap.jsonl'})"))
         return self.records
 
+    async def _boundary(self, record: dict[str, Any]) -> None:
+        """After a step: the environment's hooks, then the controller loop."""
+        for hook in self.boundary_hooks:
+            await hook(self, record)
+        if self.adapter is not None and self.step < self.cfg.run.steps:
+            decision = await self.adapter.after_step(record)
+            if decision is not None:
+                record["decision"] = {k: decision[k] for k in ("action", "admitted", "reason")}
+                record["decision"]["triggers"] = [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]]
+                if "transition" in decision:
+                    record["transition"] = decision["transition"]
+
+    async def _guarded(self, work: Callable[[], Awaitable[Any]], during: str) -> Any:
+        """``await work()``; with ``[adapt]`` on, a worker's death inside it is recovered
+        from (``_recover``) and None returned; anything else is raised."""
+        if self.adapter is None:
+            return await work()
+        from nereus.rl.recovery import is_fault, update_counts
+
+        assert self.stages is not None
+        start = (self.step, self.dataset.state_dict(), self.stages.policy_version,
+                 await update_counts(self.stages) if during == "step" else {})
+        try:
+            return await work()
+        except Exception as e:
+            if not is_fault(e):
+                raise
+            await self._recover(e, during, start)
+            return None
+
+    async def _recover(self, error: BaseException, during: str, start: tuple) -> None:
+        """Back to a runnable plan after workers died (``nereus.rl.recovery``): drop what
+        died, keep the intact EMUs, replan on the devices left, build what was lost;
+        restore the newest checkpoint if a training state lost its last copy; otherwise
+        redo the step if its update was not committed, or go on from the committed one."""
+        from nereus.actors import emit
+        from nereus.rl.recovery import Fault, dead_devices, forget_dead, is_fault, settle_updates
+
+        assert self.stages is not None and self.adapter is not None
+        step0, dataset0, version0, counts0 = start
+        t0 = time.perf_counter()
+        fault = Fault(step0, [], during, f"{type(error).__name__}: {error}"[:400])
+        for attempt in range(4):
+            try:
+                dead = await dead_devices(self.stages)
+                if not dead and attempt == 0:
+                    raise error
+                lost = await forget_dead(self.stages, dead)
+                fault.devices = sorted(set(fault.devices) | set(lost.dead))
+                fault.dropped += lost.dropped
+                fault.missing = sorted(set(fault.missing) | set(lost.missing))
+                counts = await settle_updates(self.stages, lost)
+                if during == "step":
+                    fault.committed = any(c > max(counts0.get(s, [c])) for s, c in counts.items())
+                else:
+                    fault.committed = True
+                await self.adapter.after_fault(self.step, lost.dead)
+                if any(s in fault.missing for s in ("policy_training", "critic_training")):
+                    done = [c for c in self._checkpoints if (c / "job.json").is_file()]
+                    if not done:
+                        raise StateError("a training state lost its last copy and there is no checkpoint to restore")
+                    ckpt = max(done, key=lambda c: int(c.name.split("_")[1]))
+                    await self.load_checkpoint(ckpt)
+                    fault.restored_from = ckpt.name
+                elif during == "step" and not fault.committed:
+                    self.dataset.load_state_dict(dataset0)
+                    self.step = step0
+                    fault.redone = True
+                elif during == "step":
+                    # the update stands (its record went with the fault): go on after it
+                    self.step = max(self.step, step0 + 1)
+                    if self.stages.policy_version == version0:
+                        self.stages.sample_position = self.dataset.position
+                        await self.stages.sync_policy()
+                break
+            except Exception as e:
+                if attempt == 3 or not is_fault(e):
+                    raise
+                log.warning("another fault during recovery: %s", e)
+                fault.during = "recovery"
+        fault.recover_seconds = time.perf_counter() - t0
+        self.faults.append(fault)
+        emit("fault", **fault.as_record())
+        log.warning("recovered from the death of devices %s in %.2f s (%s)", fault.devices, fault.recover_seconds,
+                    "checkpoint " + fault.restored_from if fault.restored_from else
+                    "step redone" if fault.redone else "update kept")
+
+    def export_hf(self, out: str | Path | None = None) -> Path:
+        """Write the policy of the newest checkpoint as a Hugging Face folder (``out_dir/hf``
+        by default); see ``nereus.rl.export``."""
+        from nereus.rl.export import export_checkpoint
+
+        ckpt = latest_checkpoint(self.out_dir)
+        if ckpt is None:
+            raise StateError(f"{str(self.out_dir)!r} has no complete checkpoint to export")
+        return export_checkpoint(ckpt, self.cfg, self.model_config, self.model_dir, out or self.out_dir / "hf")
+
     async def close(self) -> None:
+        if self.tap is not None:
+            tap, self.tap = self.tap, None
+            await tap.stop()
         if self.stages is not None:
             await self.stages.close()
             self.stages = None

@@ -7,13 +7,16 @@
 - ``StepProgress`` is a rich progress bar over steps whose description shows the
   step's stage times, mean reward and mean response length; it is a no-op when
   disabled (tests, non-interactive runs log instead).
-- ``summary_table`` renders the per-step records as a rich table; ``plot_metrics``
-  writes a PNG of reward, response length and stage times per step (matplotlib, Agg
-  backend: no display is ever needed).
+- ``summary_table`` renders the per-step records as a rich table; ``changes_table``
+  lists the plan changes an adapting job made (step, trigger, from -> to, predicted and
+  measured seconds, bytes); ``plot_metrics`` writes a PNG of reward, response length
+  and stage times per step, with every plan change marked (matplotlib, Agg backend: no
+  display is ever needed).
 
 A step record is a flat dict: ``step``, ``reward_mean``, ``reward_std``,
 ``response_len_mean``, ``policy_version``, ``step_seconds``, ``<stage>_seconds`` for
-each stage timed, and the losses' metrics.
+each stage timed, and the losses' metrics; a step after which the plan changed carries
+``transition`` (``nereus.rl.adapt.Change.as_record``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "plot_metrics"]
+__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "changes_table", "plan_text",
+           "plot_metrics"]
 
 log = logging.getLogger("nereus.rl")
 
@@ -130,6 +134,34 @@ def summary_table(records: Sequence[dict[str, Any]], title: str = "RL job summar
     return table
 
 
+def plan_text(plan: dict[str, Any] | None) -> str:
+    """A plan as one short line: ``stage tp x pp x dp [devices]`` per model-stage."""
+    if not plan:
+        return "-"
+    parts = []
+    for name, sp in plan.items():
+        devices = sorted({d for emu in sp["devices"] for d in emu})
+        extra = (f" w{sp['waves']}" if sp.get("waves", 1) > 1 else "") + (" rc" if sp.get("recompute") else "")
+        parts.append(f"{name.replace('_', '-')} {sp['tp']}x{sp['pp']}x{sp['dp']}{devices}{extra}")
+    return "; ".join(parts)
+
+
+def changes_table(records: Sequence[dict[str, Any]], title: str = "plan changes") -> Any:
+    """A rich Table with one row per plan change the records carry (``transition``)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in ("before step", "trigger", "from", "to", "predicted s", "measured s", "MB moved"):
+        table.add_column(c, justify="right" if c.endswith(("s", "step", "moved")) else "left")
+    for r in records:
+        t = r.get("transition")
+        if not t:
+            continue
+        table.add_row(str(t["step"]), ", ".join(t["triggers"]), plan_text(t["from"]), plan_text(t["to"]),
+                      f"{t['predicted_seconds']:.3f}", f"{t['measured_seconds']:.3f}", f"{t['bytes'] / 1e6:.2f}")
+    return table
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -153,7 +185,6 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
     axes[0].plot(steps, mean, color="tab:blue", label="reward mean")
     axes[0].fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, color="tab:blue")
     axes[0].set_ylabel("reward")
-    axes[0].legend(loc="lower right")
     axes[1].plot(steps, [r.get("response_len_mean", float("nan")) for r in records], color="tab:orange")
     axes[1].set_ylabel("response length (tokens)")
     for key in STAGE_KEYS:
@@ -161,7 +192,17 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
             axes[2].plot(steps, [r.get(key, float("nan")) for r in records], label=key.removesuffix("_seconds"))
     axes[2].set_ylabel("stage time (s)")
     axes[2].set_xlabel("step")
+    changes = [r["transition"] for r in records if r.get("transition")]
+    for i, t in enumerate(changes):
+        # a change runs between step t["step"] - 1 and t["step"]
+        for ax in axes:
+            ax.axvline(t["step"] - 0.5, color="tab:red", linestyle="--", linewidth=0.9, alpha=0.7,
+                       label="plan change" if ax is axes[0] and i == 0 else None)
+        axes[0].annotate(t["triggers"][0] if t["triggers"] else "", (t["step"] - 0.5, 1.0),
+                         xycoords=("data", "axes fraction"), rotation=90, fontsize="x-small", va="top",
+                         ha="right", color="tab:red")
     axes[2].legend(loc="upper right", fontsize="small")
+    axes[0].legend(loc="lower right")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -153,7 +153,7 @@ class ModelStages(abc.ABC):
         """The job's placement now: a ``nereus.planner.Plan`` under the job's names."""
 
     @abc.abstractmethod
-    async def apply_plan(self, target: Any) -> dict[str, Any]:
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
         """Change the placement to ``target`` at a step boundary; returns a report."""
 
     @abc.abstractmethod
@@ -263,7 +263,7 @@ class InProcessStages(ModelStages):
     def plan(self) -> Any:
         return self.cfg.job_plan()
 
-    async def apply_plan(self, target: Any) -> dict[str, Any]:
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
         raise ConfigError("cluster.mode='in_process' runs every model-stage in the driver at one fixed "
                           "layout; its plan cannot change (use cluster.mode='local')")
 

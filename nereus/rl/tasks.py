@@ -3,7 +3,9 @@
 A task turns a global sample index into a ``Sample`` (prompt text and the answer)
 deterministically from ``(seed, index)``, and scores a response with a rule reward in
 ``[0, 1]``. Nothing here touches a model or a tokenizer: the RL step loop tokenizes
-prompts and decodes responses, then asks the task for the reward.
+prompts (``Task.prompt_ids``, with the codec it is given) and decodes responses, then
+asks the task for the reward. Prompts from files are a task too
+(``nereus.rl.filedata.FileTask``).
 
 Two prompt styles:
 - ``compact`` (tiny models with a character vocabulary): ``"12+7="`` -> ``"19"``;
@@ -29,10 +31,13 @@ import abc
 import random
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from nereus.config import require
 from nereus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nereus.rl.vocab import Codec
 
 __all__ = [
     "Sample",
@@ -93,6 +98,10 @@ class Task(abc.ABC):
     def extract(self, response: str) -> str:
         """The answer part of a response (compact: the stripped response)."""
         return response.strip()
+
+    def prompt_ids(self, sample: Sample, codec: Codec) -> list[int]:
+        """The token ids the policy is prompted with (a file task applies a chat template)."""
+        return codec.encode(sample.prompt)
 
     def score(self, guess: str, sample: Sample) -> float:
         if guess == sample.answer:

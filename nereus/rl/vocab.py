@@ -7,9 +7,14 @@ per character plus ``<pad>`` (0), ``<bos>`` (1) and ``<eos>`` (2), and ``save`` 
 one; wrapped as a ChatML user turn when the tokenizer is a ChatML chat model's, i.e. has
 ``<|im_start|>``), ``decode`` a response (stopping at EOS), and the ids of the special
 tokens. It wraps either kind, so the loop never asks which one it has.
+``encode_messages`` renders chat messages with the folder's own chat template
+(``nereus.models.chat``: ``chat_template.jinja`` or ``tokenizer_config.json``) and the
+generation prompt, as transformers' ``apply_chat_template`` does; prompts read from files
+(``nereus.rl.filedata``) take this path.
 
 Refuses (``ConfigError``): an empty alphabet, characters that repeat, a folder without a
-``tokenizer.json``, a tokenizer without an end-of-sequence token.
+``tokenizer.json``, a tokenizer without an end-of-sequence token, chat messages for a
+tokenizer without a chat template.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from nereus.config import require
 from nereus.errors import ConfigError
+from nereus.models.chat import load_chat_template, render_chat
 
 __all__ = ["SPECIAL_TOKENS", "char_tokenizer", "Codec"]
 
@@ -46,8 +53,19 @@ def char_tokenizer(alphabet: str) -> Tokenizer:
 class Codec:
     """Encode prompts and decode responses with one tokenizer (character or HF)."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_id: int | None = None, bos_id: int | None = None, pad_id: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_id: int | None = None,
+        bos_id: int | None = None,
+        pad_id: int | None = None,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        # The special tokens' text (bos_token, eos_token, ...) a chat template may print.
+        self.special_tokens = dict(special_tokens or {})
         self.eos_id = eos_id if eos_id is not None else tokenizer.token_to_id("<eos>")
         if self.eos_id is None:
             raise ConfigError("tokenizer has no end-of-sequence token: pass eos_id (e.g. from config.json)")
@@ -74,6 +92,14 @@ class Codec:
         if not file.is_file():
             raise ConfigError(f"model.path={str(folder)!r} has no tokenizer.json")
         tok = Tokenizer.from_file(str(file))
+        special: dict[str, str] = {}
+        tok_cfg = folder / "tokenizer_config.json"
+        if tok_cfg.is_file():
+            data = json.loads(tok_cfg.read_text())
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                text = _token_text(data.get(key))
+                if text is not None:
+                    special[key] = text
         eos = bos = pad = None
         for name in ("generation_config.json", "config.json"):
             cfg_path = folder / name
@@ -82,7 +108,7 @@ class Codec:
                 eos = eos if eos is not None else _first(cfg.get("eos_token_id"))
                 bos = bos if bos is not None else _first(cfg.get("bos_token_id"))
                 pad = pad if pad is not None else _first(cfg.get("pad_token_id"))
-        return cls(tok, eos_id=eos, bos_id=bos, pad_id=pad)
+        return cls(tok, eos_id=eos, bos_id=bos, pad_id=pad, chat_template=load_chat_template(folder), special_tokens=special)
 
     @property
     def vocab_size(self) -> int:
@@ -94,14 +120,24 @@ class Codec:
         self.tokenizer.save(str(out / "tokenizer.json"))
         return out / "tokenizer.json"
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True, raw: bool = False) -> list[int]:
         """Token ids of a prompt; a chat model's prompt becomes one user turn followed by
-        the start of the assistant's turn."""
-        if self.chat:
+        the start of the assistant's turn, unless ``raw`` (the text as it is, after BOS)."""
+        if self.chat and not raw:
             text = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def encode_messages(self, messages: Sequence[dict[str, str]], where: str = "prompt") -> list[int]:
+        """Token ids of chat ``messages`` rendered with the tokenizer's chat template, ending
+        with the generation prompt (the start of the assistant's turn). ``where`` names the
+        messages' origin in errors (a file's row and column)."""
+        if self.chat_template is None:
+            raise ConfigError(f"{where}: the prompt is chat messages but the model's tokenizer has no chat template "
+                              "(chat_template.jinja or tokenizer_config.json 'chat_template')")
+        text = render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt=True, where=where)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` up to (not including) the first EOS. Other special tokens
@@ -111,6 +147,13 @@ class Codec:
         if self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes a token either as a string or as {"content": ...}.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _first(value: object) -> int | None:

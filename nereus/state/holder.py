@@ -351,11 +351,12 @@ class ShardHolder(Actor):
     # --- checkpoints ---------------------------------------------------------------
 
     @endpoint
-    async def save_checkpoint(self, directory: str, emu: dict) -> str:
-        """Write this device's shard file of ``emu`` (plain EMU description)."""
+    async def save_checkpoint(self, directory: str, emu: dict, durable: bool = True) -> str:
+        """Write this device's shard file of ``emu`` (plain EMU description); ``durable``:
+        fsync it (see ``checkpoint.save_shards``)."""
         desc = emu_from_plain(emu)
         path = await asyncio.to_thread(ckpt.save_shards, directory, desc, self.device.index,
-                                       self._held_of(desc.name))
+                                       self._held_of(desc.name), durable=durable)
         return str(path)
 
     @endpoint
@@ -397,9 +398,11 @@ async def execute(
     devices: DeviceSet | None = None,
     used: Mapping[int, int] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    group_tag: str = "",
 ) -> ExecuteStats:
     """Run ``plan`` on the ``ShardHolder`` of each of its devices (device -> ref), ONE
-    message per worker, then free ``free`` (EMUs) on their devices.
+    message per worker, then free ``free`` (EMUs) on their devices. The group the parts
+    exchange over is of ``epoch`` and ``group_tag`` (``nereus.transfer.make_group``).
 
     With ``devices`` (budgets) and ``used`` (what else is resident), the plan's memory
     effect is checked first and ``OutOfMemory`` raised before any message is sent.
@@ -419,7 +422,7 @@ async def execute(
     if missing:
         raise StateError(f"no ShardHolder on devices {missing} for plan building {plan.target.name}")
     group_devices = sorted(plan.devices()) if plan.remote_moves() else []
-    group = await make_group(cluster, devices=group_devices, epoch=epoch) if group_devices else None
+    group = await make_group(cluster, devices=group_devices, epoch=epoch, tag=group_tag) if group_devices else None
     state = vars(plan.state).copy()
     # Devices with the least to prepare (sends and local copies) first: receivers
     # publish where their views live before the senders are ready to write, so no
@@ -453,17 +456,18 @@ async def execute_step(
     epoch: int = 0,
     devices: DeviceSet | None = None,
     used: Mapping[int, int] | None = None,
+    group_tag: str = "",
 ) -> ExecuteStats:
     """Run a primitive ``Step`` on the workers: its plans (one message per worker each;
     a one-plan step frees its inputs in the same message), then free what it frees.
     A Destroy only drops shards. Returns the plans' bytes and the measured ones."""
     if len(step.plans) == 1:
         return await execute(step.plans[0], holders, cluster, free=step.freed, epoch=epoch,
-                             devices=devices, used=used)
+                             devices=devices, used=used, group_tag=group_tag)
     moved = local = measured = 0
     involved: set[int] = set()
     for plan in step.plans:
-        stats = await execute(plan, holders, cluster, epoch=epoch, devices=devices, used=used)
+        stats = await execute(plan, holders, cluster, epoch=epoch, devices=devices, used=used, group_tag=group_tag)
         moved, local = moved + stats.bytes_moved, local + stats.bytes_local
         measured += stats.bytes_sent_measured
         involved |= set(stats.devices)
@@ -500,11 +504,14 @@ async def execute_into(
                         tuple(sorted(parts)), sum(int(r["bytes_sent"]) for r in results))
 
 
-async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef]) -> None:
-    """Every device of ``emu`` writes its file in parallel; then the manifest."""
+async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef], *,
+                       durable: bool = True) -> None:
+    """Every device of ``emu`` writes its file in parallel; then the manifest.
+    ``durable``: fsync files and folder (a fallback must survive the machine)."""
     plain = emu_to_plain(emu)
-    await asyncio.gather(*(holders[d].save_checkpoint.call_one(str(directory), plain) for d in emu.devices))
-    ckpt.write_manifest(directory, emu)
+    await asyncio.gather(*(holders[d].save_checkpoint.call_one(str(directory), plain, durable)
+                           for d in emu.devices))
+    ckpt.write_manifest(directory, emu, durable=durable)
 
 
 async def load_from_disk(directory: str, target: EMU, holders: Mapping[int, ActorRef]) -> EMU:

@@ -52,8 +52,8 @@ from nereus.state.layout import Layout
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 from nereus.state.primitives import Step, destroy, extend, merge, split, sub_layout, sub_placements
 
-__all__ = ["Rep", "Op", "StageOps", "StageTransition", "stage_ops", "plan_stage_transition", "smaller_subs",
-           "DONORS"]
+__all__ = ["Rep", "Op", "StageOps", "StageTransition", "stage_ops", "op_step", "plan_stage_transition",
+           "smaller_subs", "DONORS"]
 
 # at most this many disjoint EMUs an Extend balances its reads across
 DONORS = 4
@@ -255,6 +255,36 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
     return StageOps(sub, tuple(ops), tuple(built[j] for j in range(len(target))))
 
 
+def op_step(
+    op: Op,
+    live: Mapping[str, EMU],
+    devices: DeviceSet | None = None,
+    *,
+    used: Mapping[int, int] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Step:
+    """The ``Step`` (with its exact reshard plans) of ``op`` over the EMUs alive now
+    (``live``: name -> EMU, the op's inputs among them), checked against the budgets
+    in ``devices`` counting ``used`` when given."""
+    ins = [live[e.name] for e in op.inputs]
+    if op.kind == "split":
+        step = split(ins[0], op.created[0].layout, devices, placements=[r.devices for r in op.created],
+                     used=used, bucket_bytes=bucket_bytes)
+    elif op.kind == "destroy":
+        step = destroy(ins[0], list(live.values()), devices)
+    elif op.kind == "merge":
+        made = op.created[0]
+        step = merge(ins, made.layout, made.devices, devices, name=made.name, used=used, bucket_bytes=bucket_bytes)
+    else:
+        made = op.created[0]
+        step = extend(ins[0], made.devices, devices, name=made.name, layout=made.layout, replicas=ins[1:],
+                      used=used, bucket_bytes=bucket_bytes)
+    if [e.name for e in step.created] != [r.name for r in op.created]:
+        raise AssertionError(f"{op.kind} made {[e.name for e in step.created]}, its op says "
+                             f"{[r.name for r in op.created]}")
+    return step
+
+
 def plan_stage_transition(
     current: Sequence[EMU],
     target: Sequence[EMU],
@@ -287,22 +317,7 @@ def plan_stage_transition(
 
     for op in planned.ops:
         ins = [live[e.name] for e in op.inputs]
-        if op.kind == "split":
-            step = split(ins[0], planned.sub, devices, placements=[r.devices for r in op.created],
-                         used=others_used(ins), bucket_bytes=bucket_bytes)
-        elif op.kind == "destroy":
-            step = destroy(ins[0], list(live.values()), devices)
-        elif op.kind == "merge":
-            made = op.created[0]
-            step = merge(ins, made.layout, made.devices, devices, name=made.name, used=others_used(ins),
-                         bucket_bytes=bucket_bytes)
-        else:
-            made = op.created[0]
-            step = extend(ins[0], made.devices, devices, name=made.name, layout=made.layout, replicas=ins[1:],
-                          used=others_used(ins), bucket_bytes=bucket_bytes)
-        if [e.name for e in step.created] != [r.name for r in op.created]:
-            raise AssertionError(f"{op.kind} made {[e.name for e in step.created]}, its op says "
-                                 f"{[r.name for r in op.created]}")
+        step = op_step(op, live, devices, used=others_used(ins), bucket_bytes=bucket_bytes)
         steps.append(step)
         for e in step.freed:
             live.pop(e.name)

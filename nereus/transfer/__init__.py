@@ -4,7 +4,7 @@ Public API:
 - ``Communicator``, ``P2POp``, ``ReduceOp``: the contract every backend implements.
 - ``CpuCommunicator``: gloo collectives + shared-memory p2p for CPU tensors, built
   directly from a store address (no actor runtime needed).
-- ``NcclCommunicator`` (``nereus.transfer.nccl``, imported on use: needs cupy).
+- ``NcclCommunicator`` (``nereus.transfer.nccl``, imported on use: needs libnccl).
 - ``exchange``, ``TransferStats``: bucketed, double-buffered transfers of tensor views.
 - ``exchange_direct``, ``arena_empty``: senders copy straight into receivers' arenas
   (pooled shared memory of the receiving process), one copy per moved byte;
@@ -14,7 +14,7 @@ Public API:
 - ``make_group``, ``release_groups``, ``GroupHandle`` (controller side) and
   ``get_communicator``, ``release_epoch``, ``local_groups`` (worker side).
 
-Importing nereus.transfer never imports cupy.
+Importing nereus.transfer never imports cupy or loads libnccl.
 """
 
 from nereus.transfer._arena import pool_stats as arena_pool_stats

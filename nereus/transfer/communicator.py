@@ -3,7 +3,7 @@
 A ``Communicator`` is one rank's handle on a group (a subset of the cluster's
 devices) for one layout epoch. Backends implement it: ``gloo`` (torch's
 ProcessGroupGloo, CPU, any host), shared memory for intra-host CPU p2p, and
-``nccl`` (cupy's NcclCommunicator on CUDA tensors).
+``nccl`` (libnccl through ctypes on CUDA tensors).
 
 Promises:
 - Every operation is blocking and in place on the tensors given, like torch.distributed;

@@ -7,7 +7,8 @@ outside the group (the controller, a test, a benchmark); nothing here calls
 number of groups over any subsets of processes can live side by side.
 
 Construction is the rendezvous (blocking, with a deadline, never a polling loop):
-every rank publishes its host key and pid under ``nereus/<group>/<epoch>/``, waits
+every rank publishes its host key and pid under ``nereus/<token>/<group>/<epoch>/``
+(``store_token``: a key-derived prefix from ``make_group``), waits
 for the others' keys, opens shared-memory channels to same-host peers, then builds
 a torch ``ProcessGroupGloo`` on a ``PrefixStore``. Once gloo's full mesh is up every
 rank has opened its channels, so their names are unlinked at once: a process killed
@@ -35,7 +36,8 @@ Promises (beyond the Communicator contract):
   reads those entries and raises ``StuckCollective`` naming the ranks that have not
   entered it, emits a ``stuck_collective`` tap event, and aborts the group. A peer
   that dies makes the others fail at once (gloo's closed connection, the peer's
-  pidfd for shared memory) and at the latest at the deadline.
+  pidfd for shared memory) and at the latest at the deadline, with ``PeerDied``
+  naming its rank and device (``_liveness``).
 - ``abort()`` wakes every waiting caller with ``TransferError`` at once; any later
   operation raises ``TransferError``. ``destroy()`` releases sockets, threads,
   mappings and FIFOs; both are idempotent.
@@ -61,8 +63,9 @@ import torch._C._distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from nereus.config import require
-from nereus.errors import ConfigError, StuckCollective, TransferError
+from nereus.errors import ConfigError, PeerDied, StuckCollective, TransferError
 from nereus.transfer import _tap
+from nereus.transfer._liveness import dead_peers
 from nereus.transfer._shm import RecvNew, ShmP2P, ShmPeerExited, ShmTimeout, shm_name_prefix
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 
@@ -115,6 +118,7 @@ class CpuCommunicator(Communicator):
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         slots: int = DEFAULT_SLOTS,
         devices: tuple[int, ...] | list[int] | None = None,
+        store_token: str = "",
     ) -> None:
         require(isinstance(group_id, str) and group_id != "" and "/" not in group_id,
                 "group_id", group_id, "must be a non-empty string without '/'")
@@ -124,6 +128,8 @@ class CpuCommunicator(Communicator):
                 "must be a TCP port in 1..65535")
         require(isinstance(epoch, int) and epoch >= 0, "epoch", epoch, "must be an int >= 0")
         require(timeout_s > 0, "timeout_s", timeout_s, "must be > 0 seconds")
+        require(isinstance(store_token, str) and "/" not in store_token, "store_token",
+                store_token, "must be a string without '/'")
         require(isinstance(slot_bytes, int) and slot_bytes >= 4096, "slot_bytes", slot_bytes,
                 "must be an int >= 4096")
         require(isinstance(slots, int) and slots >= 2, "slots", slots, "must be an int >= 2")
@@ -146,6 +152,7 @@ class CpuCommunicator(Communicator):
         self._shm: ShmP2P | None = None
         self._pg: ProcessGroupGloo | None = None
         self.local_pids: dict[int, int] = {}  # same-host peers with shared memory: rank -> pid
+        self._host_pids: dict[int, int] = {}  # every same-host peer: rank -> pid
         self.eager_bytes = 0
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
@@ -155,7 +162,7 @@ class CpuCommunicator(Communicator):
             raise TransferError(
                 f"group {group_id!r} rank {rank}: cannot reach the store at "
                 f"{store_host}:{store_port}: {e}") from e
-        self._kv = PrefixStore(f"nereus/{group_id}/{epoch}", self._store)
+        self._kv = PrefixStore(f"nereus/{store_token}/{group_id}/{epoch}", self._store)
         try:
             self._rendezvous(store_host, store_port, use_shm, slot_bytes, slots, timeout)
         except BaseException:
@@ -181,6 +188,7 @@ class CpuCommunicator(Communicator):
         hosts = [v.decode().rsplit("|", 1) for v in self._kv.multi_get(keys)]
         mine = hosts[self.rank][0]
         self.local_peers = [r for r, (h, _) in enumerate(hosts) if h == mine and r != self.rank]
+        self._host_pids = {r: int(hosts[r][1]) for r in self.local_peers}
         if use_shm and self.local_peers:
             prefix = shm_name_prefix(store_port, store_host, self.group_id, self.epoch)
             peers = {r: int(hosts[r][1]) for r in self.local_peers}
@@ -219,8 +227,10 @@ class CpuCommunicator(Communicator):
         return t
 
     def _wait_work(self, work: Any, op: str, timeout: float,
-                   missing: Callable[[], list[int] | None]) -> None:
-        """Wait for gloo ``work`` until ``timeout`` (+grace); classify any failure."""
+                   missing: Callable[[], list[int] | None],
+                   peers: list[int] | None = None) -> None:
+        """Wait for gloo ``work`` until ``timeout`` (+grace); classify any failure
+        (``peers``: the ranks the work involves, None for all)."""
         t0 = time.monotonic()
         try:
             fut = work.get_future()
@@ -233,7 +243,7 @@ class CpuCommunicator(Communicator):
                 if self._aborted:
                     raise TransferError(f"group {self.group_id!r}: {op} aborted") from e
                 self._orphans.append(work)
-                self._fail(op, time.monotonic() - t0, missing(), str(e).splitlines()[0])
+                self._fail(op, time.monotonic() - t0, missing(), str(e).splitlines()[0], peers)
             return
         ev = threading.Event()
         fut.add_done_callback(lambda _f: ev.set())
@@ -248,16 +258,19 @@ class CpuCommunicator(Communicator):
             self._orphans.append(work)
             if self._aborted:
                 raise TransferError(f"group {self.group_id!r}: {op} aborted")
-            self._fail(op, time.monotonic() - t0, missing(), "no answer from gloo")
+            self._fail(op, time.monotonic() - t0, missing(), "no answer from gloo", peers)
         try:
             work.wait()
         except RuntimeError as e:
             if self._aborted:
                 raise TransferError(f"group {self.group_id!r}: {op} aborted") from e
-            self._fail(op, time.monotonic() - t0, missing(), str(e).splitlines()[0])
+            self._fail(op, time.monotonic() - t0, missing(), str(e).splitlines()[0], peers)
 
-    def _fail(self, op: str, seconds: float, missing: list[int] | None, cause: str) -> None:
-        """Abort the group and raise StuckCollective (ranks missing) or TransferError."""
+    def _fail(self, op: str, seconds: float, missing: list[int] | None, cause: str,
+              peers: list[int] | None = None) -> None:
+        """Abort the group and raise StuckCollective (ranks missing), PeerDied (ranks
+        that died in it; ``peers``: the ranks it involved, None for all) or
+        TransferError."""
         self.abort()
         if missing:
             log.error("group %s rank %d: %s stuck %.2f s; missing ranks %s (%s)",
@@ -265,9 +278,22 @@ class CpuCommunicator(Communicator):
             _tap.emit("stuck_collective", group=self.group_id, op=op, missing_ranks=missing,
                       seconds=seconds, rank=self.rank, epoch=self.epoch)
             raise StuckCollective(self.group_id, op, missing, seconds)
+        self._raise_dead(op, seconds, peers, cause)
+
+    def _raise_dead(self, op: str, seconds: float, peers: list[int] | None, cause: str) -> None:
+        """Every rank entered ``op`` and it failed: name the peers that died in it."""
+        candidates = [p for p in range(self.size) if p != self.rank] if peers is None else peers
+        dead, silent = ([], []) if self._kv is None else dead_peers(
+            self._kv, self.rank, candidates, self._host_pids)
+        if dead or silent:
+            err = PeerDied(self.group_id, op, dead, silent, self.devices, seconds)
+            log.error("group %s rank %d: %s", self.group_id, self.rank, err)
+            _tap.emit("peer_died", group=self.group_id, op=op, dead_ranks=dead,
+                      silent_ranks=silent, rank=self.rank, epoch=self.epoch, seconds=seconds)
+            raise err
         raise TransferError(
             f"group {self.group_id!r} rank {self.rank}: {op} failed after {seconds:.2f} s "
-            f"with every rank entered (a peer died or was aborted mid-operation): {cause}")
+            f"with every rank entered and alive (a peer aborted mid-operation): {cause}")
 
     def _missing_collective(self, seq: int) -> list[int] | None:
         try:
@@ -475,13 +501,12 @@ class CpuCommunicator(Communicator):
             except ShmTimeout as e:
                 self._orphans.extend(w for _, w in works)
                 self._fail("batch_p2p", time.monotonic() - t0, self._missing_p2p(e.peers),
-                           f"transfers with ranks {e.peers} still pending")
+                           f"transfers with ranks {e.peers} still pending", list(e.peers))
             except ShmPeerExited as e:
                 self._orphans.extend(w for _, w in works)
                 self.abort()
-                raise TransferError(
-                    f"group {self.group_id!r} rank {self.rank}: peer rank {e.peer} exited "
-                    "during batch_p2p") from None
+                raise PeerDied(self.group_id, "batch_p2p", [e.peer], [], self.devices,
+                               time.monotonic() - t0) from None
             except TransferError:
                 self._orphans.extend(w for _, w in works)
                 self.abort()
@@ -489,7 +514,8 @@ class CpuCommunicator(Communicator):
         for i, (peer, work) in enumerate(works):
             left = max(deadline - time.monotonic(), 0.0)
             try:
-                self._wait_work(work, "batch_p2p", left, lambda p=peer: self._missing_p2p([p]))
+                self._wait_work(work, "batch_p2p", left, lambda p=peer: self._missing_p2p([p]),
+                                [peer])
             except BaseException:
                 self._orphans.extend(w for _, w in works[i + 1 :])
                 raise
@@ -520,7 +546,7 @@ class CpuCommunicator(Communicator):
         for n, (peer, data, header, i, work) in enumerate(pending_recvs):
             try:
                 self._wait_work(work, "batch_p2p", max(deadline - time.monotonic(), 0.0),
-                                lambda p=peer: self._missing_p2p([p]))
+                                lambda p=peer: self._missing_p2p([p]), [peer])
             except BaseException:
                 self._orphans.extend([w for _, w in works] + [r[4] for r in pending_recvs[n:]])
                 raise

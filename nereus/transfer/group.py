@@ -15,8 +15,18 @@ members build their communicators concurrently (construction is the rendezvous: 
 blocking wait with a deadline, never a polling loop, run off the worker's event
 loop). Ranks follow the order of ``devices``.
 
+The store (``_Rendezvous``) listens only on the interface that reaches the members
+(loopback when they all share this host), keeps every entry under a prefix derived
+from the cluster key (``store_token``: a stranger who connects finds and overwrites
+nothing the members read), and stops accepting connections once every member has
+joined: the members keep their connections for the watchdog, nobody else gets one.
+torch's TCPStore has no authentication of its own; gloo and NCCL traffic itself
+assumes a private network (README, "Trust model").
+
 Groups are cached by (devices, backend, epoch): asking again for the same group
-returns the same live handle. ``GroupHandle.destroy`` and ``release_groups(cluster,
+returns the same live handle. Set-ups of groups that share a device never overlap in
+time (a lock per device, taken in device order): concurrent rendezvous over shared
+devices could stall for seconds; one after another each takes milliseconds. ``GroupHandle.destroy`` and ``release_groups(cluster,
 epoch)`` tear them down on every member (sockets, threads, shared memory, the store).
 
 Worker side: ``get_communicator(group_id)`` returns this process's communicator of a
@@ -32,10 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
+import hmac
 import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -47,7 +60,6 @@ from nereus.actors import (
     ActorRef,
     Cluster,
     DeviceInfo,
-    current_device,
     endpoint,
 )
 from nereus.errors import ActorDied, ConfigError, TransferError
@@ -101,14 +113,15 @@ def release_epoch(epoch: int) -> int:
 def _build(spec: dict[str, Any]) -> Communicator:
     """A communicator from the one message ``make_group`` sends (runs in a thread)."""
     common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], devices=spec["devices"],
-                  **spec.get("options", {}))
+                  store_token=spec.get("store_token", ""), **spec.get("options", {}))
     if spec["backend"] == "nccl":
-        from nereus.transfer.nccl import NcclCommunicator  # cupy only where it is used
+        from nereus.transfer.nccl import NcclCommunicator  # libnccl only where it is used
 
+        # No device index: a worker sees exactly one GPU, cuda:0, whatever the device's
+        # index on its node (the engines' tensors live there too).
         return NcclCommunicator(spec["group_id"], spec["rank"], spec["size"],
-                                bytes(spec["nccl_id"]), device=spec.get("local_device"),
-                                store_host=spec["store_host"], store_port=spec["store_port"],
-                                **common)
+                                bytes(spec["nccl_id"]), store_host=spec["store_host"],
+                                store_port=spec["store_port"], **common)
     from nereus.transfer.cpu import CpuCommunicator
 
     return CpuCommunicator(spec["group_id"], spec["rank"], spec["size"], spec["store_host"],
@@ -120,8 +133,6 @@ class GroupAgent(Actor):
 
     @endpoint(concurrent=True)
     async def join(self, spec: dict) -> dict:
-        if spec["backend"] == "nccl":
-            spec = {**spec, "local_device": current_device().local_index}
         comm = await asyncio.to_thread(_build, spec)
         with _registry_lock:
             old = _registry.pop(comm.group_id, None)
@@ -164,6 +175,9 @@ class GroupHandle:
     _owner: _Groups | None = field(repr=False, default=None)
     _store: Any = field(repr=False, default=None)
     destroyed: bool = False
+    tag: str = ""
+    # when its members were asked to join and when the last one had (driver's clock)
+    setup_span: tuple[float, float] = (0.0, 0.0)
 
     def rank_of(self, device: int) -> int:
         return self.devices.index(device)
@@ -191,6 +205,9 @@ class _Groups:
         self.cache: dict[tuple, GroupHandle] = {}
         self.lock = asyncio.Lock()
         self.spawned = 0
+        # one set-up at a time per device: rendezvous of groups over shared devices that
+        # overlap in time can stall for seconds
+        self.device_locks: dict[int, asyncio.Lock] = {}
 
     def forget(self, handle: GroupHandle) -> None:
         for key, h in list(self.cache.items()):
@@ -233,18 +250,73 @@ def _device_list(cluster: Cluster, devices: Any) -> list[DeviceInfo]:
 
 
 def _store_host(devices: list[DeviceInfo]) -> str:
+    """The address of this host's interface that the members reach it by: loopback
+    when they all live here, else the source address of the route to a remote member
+    (a UDP ``connect`` only picks the route; nothing is sent)."""
     me = socket.gethostname()
-    if all(d.host in (me, "localhost", "127.0.0.1") for d in devices):
+    remote = [d.host for d in devices if d.host not in (me, "localhost", "127.0.0.1")]
+    if not remote:
         return "127.0.0.1"
-    return socket.gethostbyname(me)
+    try:
+        peer = socket.gethostbyname(remote[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, 9))
+            return probe.getsockname()[0]
+    except OSError as e:
+        log.warning("no route to member host %r (%s); the store listens on %s's address",
+                    remote[0], e, me)
+        return socket.gethostbyname(me)
+
+
+def store_token(key: bytes, group_id: str) -> str:
+    """The prefix of a group's store entries, derived from the cluster key."""
+    return hmac.new(key, f"nereus-store/{group_id}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+class _Rendezvous:
+    """A group's TCPStore on one interface, its listening socket owned here so that
+    ``seal`` can stop new connections while the members' own go on."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        from torch.distributed import TCPStore
+
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(128)
+            self.host = host
+            self.port = listener.getsockname()[1]
+            self.store = TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s),
+                                  master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        self._fd = listener.detach()  # the store's server owns (and closes) it now
+        self.sealed = False
+
+    def seal(self) -> None:
+        """Accept no more connections (existing ones are served as before)."""
+        if self.sealed:
+            return
+        self.sealed = True
+        listener = socket.socket(fileno=self._fd)
+        try:
+            listener.shutdown(socket.SHUT_RDWR)
+        except OSError as e:
+            log.warning("could not stop the store on port %d accepting: %s", self.port, e)
+        finally:
+            listener.detach()
 
 
 async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "auto",
                      epoch: int = 0, timeout_s: float = 60.0,
-                     options: dict[str, Any] | None = None) -> GroupHandle:
+                     options: dict[str, Any] | None = None, tag: str = "") -> GroupHandle:
     """A live group over ``devices`` (indices, DeviceInfo or an ActorMesh, in rank
     order); see the module docstring. ``options`` go to the backend's constructor (e.g.
-    ``{"use_shm": False}`` for CpuCommunicator)."""
+    ``{"use_shm": False}`` for CpuCommunicator); ``tag`` sets groups of one epoch apart
+    (a transition's own groups beside the engines'): it is part of the cache key and
+    ``release_groups`` can release one tag alone."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} must be one of {list(BACKENDS)}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -258,7 +330,7 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     if backend == "nccl" and kinds != {"cuda"}:
         raise ConfigError(f"backend='nccl' needs CUDA devices; devices are of kinds {sorted(kinds)}")
     state = _state.setdefault(cluster, _Groups())
-    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())))
+    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())), tag)
     async with state.lock:
         cached = state.cache.get(key)
         if cached is not None and not cached.destroyed:
@@ -270,19 +342,27 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
                             "devices": [d.index for d in infos]}
     # The store is gloo's rendezvous, and for both backends the watchdog's record of
     # which ranks entered each operation. It lives as long as the handle.
-    from torch.distributed import TCPStore
-
-    host = _store_host(infos)
-    store = TCPStore("0.0.0.0" if host != "127.0.0.1" else host, 0, is_master=True,
-                     wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    spec.update(store_host=host, store_port=store.port, options=dict(options or {}))
+    store = _Rendezvous(_store_host(infos), timeout_s)
+    spec.update(store_host=store.host, store_port=store.port, options=dict(options or {}),
+                store_token=store_token(cluster.key, group_id))
     if backend == "nccl":
         spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
     handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
-                         store)
-    calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
-             for r, a in enumerate(agents)]
-    results = await asyncio.gather(*calls, return_exceptions=True)
+                         store, tag=tag)
+    # set-ups over a shared device go one after another (locks taken in device order,
+    # so two set-ups never wait on each other)
+    locks = [state.device_locks.setdefault(d.index, asyncio.Lock()) for d in sorted(infos, key=lambda d: d.index)]
+    for lock in locks:
+        await lock.acquire()
+    try:
+        t_setup = time.monotonic()
+        calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
+                 for r, a in enumerate(agents)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        handle.setup_span = (t_setup, time.monotonic())
+    finally:
+        for lock in locks:
+            lock.release()
     failed = [(infos[r].index, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
     for device, err in failed:
         if isinstance(err, ActorDied):  # a later make_group spawns a fresh agent there
@@ -293,16 +373,18 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
         device, err = failed[0]
         raise TransferError(f"make_group over devices {list(handle.devices)}: device {device} "
                             f"could not join: {err}") from err
+    store.seal()  # every member holds its connection: nobody else may connect now
     state.cache[key] = handle
     return handle
 
 
-async def release_groups(cluster: Cluster, epoch: int) -> int:
-    """Destroy every cached group of ``epoch`` made through ``cluster``; returns how many."""
+async def release_groups(cluster: Cluster, epoch: int, tag: str | None = None) -> int:
+    """Destroy every cached group of ``epoch`` (of ``tag`` alone, when given) made through
+    ``cluster``; returns how many."""
     state = _state.get(cluster)
     if state is None:
         return 0
-    handles = [h for h in list(state.cache.values()) if h.epoch == epoch]
+    handles = [h for h in list(state.cache.values()) if h.epoch == epoch and (tag is None or h.tag == tag)]
     for h in handles:
         await h.destroy()
     return len(handles)

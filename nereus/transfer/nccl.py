@@ -1,24 +1,31 @@
-"""NcclCommunicator: NCCL through cupy on torch CUDA tensors.
+"""NcclCommunicator: NCCL (through ``_libnccl``, ctypes) on torch CUDA tensors.
 
 Imported only where used (``make_group`` with CUDA devices, GPU tests): importing
-nereus never imports cupy. Built from the group id, rank, size and the NCCL unique id
+nereus never loads libnccl. Built from the group id, rank, size and the NCCL unique id
 as 128 raw bytes (made by ``unique_id()`` on one member and sent in msgpack), plus
-optionally a TCPStore address used only for the watchdog's entry records.
+optionally a TCPStore address used only for the watchdog's records.
 
 Promises (beyond the Communicator contract):
-- Operations enqueue on torch's current CUDA stream of the communicator's device
-  (``torch.cuda.current_stream(device).cuda_stream``), on the tensors' data pointers.
-- Any dtype travels: data-only operations (send/recv, broadcast, all_gather) move
-  uint8 views (cupy has no bfloat16); reductions use NCCL's dtype codes, bfloat16
-  included (code 9), bool as uint8 with max (or) / min (and).
-- ``batch_p2p`` wraps its sends and receives in ``groupStart``/``groupEnd``.
-- Each operation returns once its work on the stream has completed: a watcher thread
-  synchronizes a CUDA event recorded after it; if that does not happen by the
-  deadline, the communicator is aborted (``ncclCommAbort`` frees the stuck kernels),
+- The device: a worker sees exactly one GPU, ``cuda:0`` (its node sets
+  ``CUDA_VISIBLE_DEVICES``), and that is the default; ``device=`` picks another in a
+  process that sees several (tests). Tensors on any other device are refused.
+- Deadlines cover everything: the communicator is non-blocking, so creating it
+  (NCCL's rendezvous on the unique id), enqueueing an operation and ending a group
+  never block past the deadline; a rank that never joins makes the others raise
+  ``StuckCollective`` (op ``create``) naming it, after ``ncclCommAbort``.
+- Operations enqueue on torch's current CUDA stream of the device; each returns once
+  its work there completed: a watcher thread synchronizes a CUDA event recorded after
+  it; if that does not happen by the deadline (counted from before the enqueue), the
+  communicator is aborted (``ncclCommAbort`` frees the stuck kernels),
   ``StuckCollective`` names the ranks that never entered (from the store records, if
   a store was given) and a ``stuck_collective`` tap event is emitted.
+- Counts are ``size_t`` element counts: broadcast and all_gather move the tensor's
+  own dtype (bytes for dtypes NCCL lacks), send/recv move bytes (sender and receiver
+  may view one buffer with different dtypes); reductions use NCCL's dtype codes,
+  bfloat16 included, bool as uint8 with max (or) / min (and).
+- ``batch_p2p`` wraps its sends and receives in ``ncclGroupStart``/``ncclGroupEnd``.
 - Callers run operations from worker threads (``asyncio.to_thread``), never on an
-  event loop thread: NCCL calls block.
+  event loop thread: the waits block.
 
 Refuses: tensors not on this communicator's CUDA device, mismatched sizes
 (``TransferError``); ``avg`` on non-floating dtypes (``ConfigError``).
@@ -38,30 +45,18 @@ import torch
 
 from nereus.config import require
 from nereus.errors import ConfigError, StuckCollective, TransferError
-from nereus.transfer import _tap
+from nereus.transfer import _libnccl, _tap
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 
 __all__ = ["NcclCommunicator", "unique_id", "nccl_available"]
 
 log = logging.getLogger("nereus.transfer")
 
-_NCCL_BFLOAT16 = 9  # ncclBfloat16 in nccl.h; older cupy releases lack the constant
-
-
-def _nccl() -> Any:
-    try:
-        from cupy.cuda import nccl
-    except ImportError as e:
-        raise TransferError("the nccl backend needs cupy (pip install nereus[gpu])") from e
-    if not getattr(nccl, "available", True):
-        raise TransferError("cupy was built without NCCL (install nvidia-nccl-cu12)")
-    return nccl
-
 
 def nccl_available() -> bool:
-    """Whether cupy with NCCL and a CUDA device are usable in this process."""
+    """Whether libnccl and a CUDA device are usable in this process."""
     try:
-        _nccl()
+        _libnccl.library()
     except TransferError:
         return False
     return torch.cuda.is_available()
@@ -69,25 +64,28 @@ def nccl_available() -> bool:
 
 def unique_id() -> bytes:
     """A fresh NCCL unique id as 128 raw bytes (msgpack-friendly)."""
-    return bytes(x & 0xFF for x in _nccl().get_unique_id())
+    return _libnccl.unique_id()
 
 
-def _id_tuple(raw: bytes) -> tuple[int, ...]:
-    # cupy takes the id as the tuple of C chars it returned: signed values.
-    return tuple(b - 256 if b > 127 else b for b in raw)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _dtype_code(nccl: Any, dtype: torch.dtype) -> int:
-    table = {
-        torch.uint8: nccl.NCCL_UINT8, torch.bool: nccl.NCCL_UINT8, torch.int8: nccl.NCCL_INT8,
-        torch.int32: nccl.NCCL_INT32, torch.int64: nccl.NCCL_INT64,
-        torch.float16: nccl.NCCL_FLOAT16, torch.float32: nccl.NCCL_FLOAT32,
-        torch.float64: nccl.NCCL_FLOAT64,
-        torch.bfloat16: getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16),
-    }
-    if dtype not in table:
+def _dtype_code(dtype: torch.dtype) -> int:
+    code = _libnccl.DTYPES.get(_dtype_name(dtype))
+    if code is None:
         raise TransferError(f"dtype {dtype} cannot be reduced by NCCL")
-    return table[dtype]
+    return code
+
+
+def _elements(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(view, count, dtype code)`` moving contiguous ``t`` as its own dtype where
+    NCCL has it, else as bytes."""
+    code = _libnccl.DTYPES.get(_dtype_name(t.dtype))
+    if code is None or t.dtype == torch.bool:
+        flat = _as_bytes(t)
+        return flat, flat.numel(), _libnccl.UINT8
+    return t, t.numel(), code
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +135,8 @@ class NcclCommunicator(Communicator):
     def __init__(self, group_id: str, rank: int, size: int, nccl_id: bytes, *,
                  epoch: int = 0, timeout_s: float = 60.0, device: int | None = None,
                  store_host: str | None = None, store_port: int | None = None,
-                 devices: tuple[int, ...] | list[int] | None = None) -> None:
+                 devices: tuple[int, ...] | list[int] | None = None,
+                 store_token: str = "") -> None:
         require(isinstance(size, int) and size >= 1, "size", size, "must be an int >= 1")
         require(isinstance(rank, int) and 0 <= rank < size, "rank", rank, f"must be in [0, {size})")
         require(isinstance(nccl_id, (bytes, bytearray)) and len(nccl_id) == 128, "nccl_id",
@@ -146,8 +145,7 @@ class NcclCommunicator(Communicator):
         require(timeout_s > 0, "timeout_s", timeout_s, "must be > 0 seconds")
         if not torch.cuda.is_available():
             raise TransferError("the nccl backend needs a CUDA device; torch sees none")
-        nccl = _nccl()
-        self._nccl = nccl
+        _libnccl.library()
         self.group_id = group_id
         self.rank = rank
         self.size = size
@@ -156,7 +154,8 @@ class NcclCommunicator(Communicator):
                 f"must list one device per rank ({size})")
         self.devices = tuple(devices) if devices is not None else None
         self.timeout_s = float(timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        # A worker sees one GPU: cuda:0 (module docstring).
+        self.device = torch.device("cuda", 0 if device is None else device)
         self._lock = threading.Lock()
         self._aborted = False
         self._destroyed = False
@@ -167,46 +166,76 @@ class NcclCommunicator(Communicator):
 
             store = TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=self.timeout_s))
-            self._kv = PrefixStore(f"nereus/{group_id}/{epoch}", store)
-            self._kv.set(f"c/{rank}", "0")
-        with torch.cuda.device(self.device):
-            # Blocks until every rank has joined (NCCL's own rendezvous on the unique id).
-            self._comm = nccl.NcclCommunicator(size, _id_tuple(bytes(nccl_id)), rank)
+            self._kv = PrefixStore(f"nereus/{store_token}/{group_id}/{epoch}", store)
+            self._kv.multi_set([f"c/{rank}", f"joined/{rank}"], ["0", "1"])
+        t0 = time.monotonic()
+        try:
+            with torch.cuda.device(self.device):
+                # NCCL's own rendezvous on the unique id, with a deadline (non-blocking).
+                self._comm = _libnccl.Comm(size, bytes(nccl_id), rank, t0 + self.timeout_s)
+        except _libnccl.Timeout:
+            missing = self._never_joined()
+            seconds = time.monotonic() - t0
+            if missing:
+                _tap.emit("stuck_collective", group=group_id, op="create",
+                          missing_ranks=missing, seconds=seconds, rank=rank, epoch=epoch)
+                raise StuckCollective(group_id, "create", missing, seconds) from None
+            raise TransferError(f"group {group_id!r} rank {rank}: NCCL could not form the "
+                                f"group within {self.timeout_s} s") from None
         self._watch = _Watcher()
+
+    def _never_joined(self) -> list[int]:
+        if self._kv is None:
+            return []
+        try:
+            return [r for r in range(self.size) if not self._kv.check([f"joined/{r}"])]
+        except RuntimeError as e:
+            log.error("group %s: cannot read who joined: %s", self.group_id, e)
+            return []
 
     # ---------------------------------------------------------------- plumbing
 
     def _check(self, *tensors: torch.Tensor) -> None:
         if self._destroyed:
             raise TransferError(f"group {self.group_id!r}: used after destroy()")
-        if self._aborted:
+        if self._aborted or self._comm.aborted:
             raise TransferError(f"group {self.group_id!r}: the group was aborted")
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device != self.device:
                 where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
                 raise TransferError(f"group {self.group_id!r} works on {self.device}; got {where}")
 
-    def _run(self, op: str, timeout_s: float | None, enqueue: Callable[[int], None],
-             group: bool = False) -> None:
+    def _run(self, op: str, timeout_s: float | None,
+             enqueue: Callable[[int, float], None], group: bool = False) -> None:
+        """Enqueue ``op`` (``enqueue(stream, deadline)``) and wait for it, all within
+        one deadline that starts before anything can block."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         require(timeout > 0, "timeout_s", timeout_s, "must be > 0 seconds")
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         self._seq += 1
         if self._kv is not None:
             self._kv.set(f"c/{self.rank}", str(self._seq))
         stream = torch.cuda.current_stream(self.device)
-        t0 = time.monotonic()
-        if group:
-            self._nccl.groupStart()
-            try:
-                enqueue(stream.cuda_stream)
-            finally:
-                self._nccl.groupEnd()
-        else:
-            enqueue(stream.cuda_stream)
+        try:
+            if group:
+                with _libnccl.group(self._comm, deadline):
+                    enqueue(stream.cuda_stream, deadline)
+            else:
+                enqueue(stream.cuda_stream, deadline)
+        except _libnccl.Timeout:
+            self._stuck(op, t0)
+        except TransferError:
+            self._aborted = True  # NCCL refused the call; the communicator is gone
+            raise
         event = torch.cuda.Event()
         event.record(stream)
-        if self._watch.wait(event, timeout):
+        if self._watch.wait(event, max(deadline - time.monotonic(), 0.0)):
             return
+        self._stuck(op, t0)
+
+    def _stuck(self, op: str, t0: float) -> None:
+        """``op`` outlived its deadline: abort, then name the ranks that never entered."""
         seconds = time.monotonic() - t0
         missing = self._missing(self._seq)
         self.abort()
@@ -227,17 +256,16 @@ class NcclCommunicator(Communicator):
     def _contig(t: torch.Tensor) -> torch.Tensor:
         return t if t.is_contiguous() else t.contiguous()
 
-    def _reduce(self, op: str, dtype: torch.dtype) -> int:
-        nccl = self._nccl
+    @staticmethod
+    def _reduce(op: str, dtype: torch.dtype) -> int:
+        ops = _libnccl.OPS
         if op == "avg" and not dtype.is_floating_point:
             raise ConfigError(f"op='avg' needs a floating dtype; the tensor is {dtype}")
         if dtype == torch.bool:
-            return nccl.NCCL_MIN if op == "min" else nccl.NCCL_MAX
-        table = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX,
-                 "min": nccl.NCCL_MIN}
-        if op not in table:
-            raise ConfigError(f"op={op!r} must be one of {sorted(table)}")
-        return table[op]
+            return ops["min"] if op == "min" else ops["max"]
+        if op not in ("sum", "avg", "max", "min"):
+            raise ConfigError(f"op={op!r} must be one of ['avg', 'max', 'min', 'sum']")
+        return ops["sum"] if op == "avg" else ops[op]  # avg: sum, then divide
 
     # ---------------------------------------------------------------- operations
 
@@ -253,15 +281,15 @@ class NcclCommunicator(Communicator):
             if not ops:
                 return
             staged = [(o, self._contig(o.tensor)) for o in ops]
-            u8 = self._nccl.NCCL_UINT8
+            comm = self._comm
+            u8 = _libnccl.UINT8
 
-            def enqueue(stream: int) -> None:
+            def enqueue(stream: int, deadline: float) -> None:
                 for o, buf in staged:
                     data = _as_bytes(buf)
-                    if o.kind == "send":
-                        self._comm.send(data.data_ptr(), data.numel(), u8, o.peer, stream)
-                    else:
-                        self._comm.recv(data.data_ptr(), data.numel(), u8, o.peer, stream)
+                    name = "ncclSend" if o.kind == "send" else "ncclRecv"
+                    comm.call(name, data.data_ptr(), data.numel(), u8, o.peer, comm.handle,
+                              stream, deadline=deadline)
 
             self._run("batch_p2p", timeout_s, enqueue, group=True)
             for o, buf in staged:
@@ -274,9 +302,11 @@ class NcclCommunicator(Communicator):
         with self._lock:
             self._check(tensor)
             buf = self._contig(tensor)
-            data = _as_bytes(buf)
-            self._run("broadcast", timeout_s, lambda s: self._comm.broadcast(
-                data.data_ptr(), data.data_ptr(), data.numel(), self._nccl.NCCL_UINT8, src, s))
+            data, count, code = _elements(buf)
+            comm = self._comm
+            self._run("broadcast", timeout_s, lambda s, d: comm.call(
+                "ncclBroadcast", data.data_ptr(), data.data_ptr(), count, code, src,
+                comm.handle, s, deadline=d))
             if buf is not tensor and self.rank != src:
                 tensor.copy_(buf)
 
@@ -287,9 +317,11 @@ class NcclCommunicator(Communicator):
             self._check(tensor)
             buf = self._contig(tensor)
             flat = buf.reshape(-1).view(torch.uint8) if buf.dtype == torch.bool else buf.reshape(-1)
-            dt = _dtype_code(self._nccl, buf.dtype)
-            self._run("all_reduce", timeout_s, lambda s: self._comm.allReduce(
-                flat.data_ptr(), flat.data_ptr(), flat.numel(), dt, code, s))
+            dt = _dtype_code(buf.dtype)
+            comm = self._comm
+            self._run("all_reduce", timeout_s, lambda s, d: comm.call(
+                "ncclAllReduce", flat.data_ptr(), flat.data_ptr(), flat.numel(), dt, code,
+                comm.handle, s, deadline=d))
             if op == "avg":
                 buf.div_(self.size)
             if buf is not tensor:
@@ -300,11 +332,13 @@ class NcclCommunicator(Communicator):
         with self._lock:
             self._check(output, input)
             self._check_all_gather_sizes(output, input)
-            src = _as_bytes(self._contig(input))
+            src, count, code = _elements(self._contig(input))
             out = self._contig(output)
-            dst = _as_bytes(out)
-            self._run("all_gather", timeout_s, lambda s: self._comm.allGather(
-                src.data_ptr(), dst.data_ptr(), src.numel(), self._nccl.NCCL_UINT8, s))
+            dst = _elements(out)[0]
+            comm = self._comm
+            self._run("all_gather", timeout_s, lambda s, d: comm.call(
+                "ncclAllGather", src.data_ptr(), dst.data_ptr(), count, code, comm.handle, s,
+                deadline=d))
             if out is not output:
                 output.copy_(out)
 
@@ -318,9 +352,11 @@ class NcclCommunicator(Communicator):
             out = self._contig(output)
             fsrc, fout = ((src.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8))
                           if src.dtype == torch.bool else (src.reshape(-1), out.reshape(-1)))
-            dt = _dtype_code(self._nccl, src.dtype)
-            self._run("reduce_scatter", timeout_s, lambda s: self._comm.reduceScatter(
-                fsrc.data_ptr(), fout.data_ptr(), fout.numel(), dt, code, s))
+            dt = _dtype_code(src.dtype)
+            comm = self._comm
+            self._run("reduce_scatter", timeout_s, lambda s, d: comm.call(
+                "ncclReduceScatter", fsrc.data_ptr(), fout.data_ptr(), fout.numel(), dt, code,
+                comm.handle, s, deadline=d))
             if op == "avg":
                 out.div_(self.size)
             if out is not output:
@@ -331,9 +367,10 @@ class NcclCommunicator(Communicator):
         with self._lock:
             self._check()
             one = torch.zeros(1, dtype=torch.float32, device=self.device)
-            self._run("barrier", timeout_s, lambda s: self._comm.allReduce(
-                one.data_ptr(), one.data_ptr(), 1, self._nccl.NCCL_FLOAT32,
-                self._nccl.NCCL_SUM, s))
+            comm = self._comm
+            self._run("barrier", timeout_s, lambda s, d: comm.call(
+                "ncclAllReduce", one.data_ptr(), one.data_ptr(), 1, _libnccl.FLOAT32,
+                _libnccl.OPS["sum"], comm.handle, s, deadline=d))
 
     # ---------------------------------------------------------------- teardown
 
@@ -349,7 +386,10 @@ class NcclCommunicator(Communicator):
         with self._lock:
             if not self._aborted:
                 torch.cuda.current_stream(self.device).synchronize()
-                self._comm.destroy()
+                try:
+                    self._comm.destroy(time.monotonic() + self.timeout_s)
+                except TransferError as e:  # aborted instead: nothing is left to free
+                    log.warning("group %s: %s", self.group_id, e)
             self._destroyed = True
             self._watch.stop()
             self._kv = None

@@ -264,3 +264,10 @@ class LinkModel:
         return (worst * intra / self.intra_bandwidth / self.intra_efficiency
                 + (worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency if total else 0.0)
                 + (self.group_setup_s if node.groups else 0.0) + self.call_s)
+
+    @classmethod
+    def of(cls, cluster, eff) -> LinkModel:
+        """The link model of a ``ClusterSpec`` under calibrated efficiencies: a device's
+        bandwidth within its node, its share of its node's NICs across nodes."""
+        return cls(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), eff.p2p_intra,
+                   eff.p2p_inter, eff.group_setup_s, eff.transition_call_s)

@@ -10,30 +10,29 @@ import struct
 import pytest
 import torch
 
-from nereus.actors import Cluster, _wire
+from nereus.actors import Cluster
 from nereus.actors import _protocol as P
 from nereus.actors._client import current_client
 from nereus.actors._stream import StreamChannel, stream_path
 from tests.actors._actors import Echo, Tensors
+from tests.actors._raw import RawSession, framed, read_frames
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
 
-def _framed(frames: list[bytes]) -> bytes:
-    return struct.pack(f"<I{len(frames)}Q", len(frames), *map(len, frames)) + b"".join(frames)
+async def _handshake(key: bytes, reader, writer) -> RawSession:
+    """HELLO, WELCOME, READY on a raw stream connection."""
+    raw = RawSession(key)
+    writer.write(framed(raw.hello()))
+    await writer.drain()
+    raw.welcome(await asyncio.wait_for(read_frames(reader), 10))
+    writer.write(framed(raw.ready()))
+    return raw
 
 
-def _call(key: bytes, name: str, inc: int, cid: int, method: str, *args) -> bytes:
-    header, buffers = _wire.encode([P.CALL, cid, name, inc, method, None, list(args), {},
-                                    P.REPLY])
-    return _framed(_wire.message(key, header, [bytes(b) for b in buffers]))
-
-
-async def _read_reply(key: bytes, reader: asyncio.StreamReader) -> list:
-    (n,) = struct.unpack("<I", await reader.readexactly(4))
-    lens = struct.unpack(f"<{n}Q", await reader.readexactly(8 * n))
-    frames = [await reader.readexactly(size) for size in lens]
-    return _wire.decode(_wire.verify(key, frames), frames[1:])
+async def _read_reply(raw: RawSession, reader: asyncio.StreamReader) -> list:
+    (reply,) = raw.open(await read_frames(reader))
+    return reply
 
 
 async def _counters(address: str) -> dict[str, int]:
@@ -98,12 +97,13 @@ async def test_bytes_split_anywhere_still_make_messages(cluster: Cluster):
     ref = mesh.refs[0]
     try:
         async with _connection(ref.address) as (reader, writer):
-            data = _call(cluster.key, ref.name, ref.incarnation, 7, "add", 20, 22)
+            raw = await _handshake(cluster.key, reader, writer)
+            data = framed(raw.call(ref.name, ref.incarnation, 7, "add", 20, 22))
             for i in range(len(data)):  # one byte per write
                 writer.write(data[i:i + 1])
                 await writer.drain()
                 await asyncio.sleep(0)
-            reply = await asyncio.wait_for(_read_reply(cluster.key, reader), 10)
+            reply = await asyncio.wait_for(_read_reply(raw, reader), 10)
             assert reply == [P.OK, 7, ref.incarnation, 42]
     finally:
         await cluster.stop_mesh(mesh)
@@ -115,13 +115,14 @@ async def test_oversized_declared_length_is_dropped_before_allocation(cluster: C
     before = await _counters(ref.address)
     # 2**62 bytes could never be allocated: the worker must not try; then a message of
     # no frames. Each connection is dropped.
-    for bad in (struct.pack("<IQQ", 2, 100, 2**62), struct.pack("<I", 0)):
+    for bad in (struct.pack("<IQQ", 2, 100, 2**62), struct.pack("<I", 0),
+                struct.pack("<IQ", 1, 100_000)):  # > 64 KiB before the handshake
         async with _connection(ref.address) as (reader, writer):
             writer.write(bad)
             await writer.drain()
             assert await asyncio.wait_for(reader.read(), 10) == b""
     after = await _counters(ref.address)
-    assert _delta(before, after, "rejected_oversized") == 1
+    assert _delta(before, after, "rejected_oversized") == 2
     assert _delta(before, after, "rejected_header") == 1
     assert await mesh.add.call_one(2, 3) == 5  # still serving
     await cluster.stop_mesh(mesh)
@@ -132,14 +133,14 @@ async def test_bad_signature_is_counted_and_the_connection_goes_on(cluster: Clus
     ref = mesh.refs[0]
     before = await _counters(ref.address)
     async with _connection(ref.address) as (reader, writer):
-        header, _ = _wire.encode([P.CALL, 1, ref.name, ref.incarnation, "add", None, [1, 2], {},
-                                  P.REPLY])
-        writer.write(_framed([os.urandom(32) + header]))
-        writer.write(_framed([b"short"]))
-        writer.write(_call(cluster.key, ref.name, ref.incarnation, 2, "add", 1, 2))
+        raw = await _handshake(cluster.key, reader, writer)
+        good = raw.call(ref.name, ref.incarnation, 2, "add", 1, 2)
+        writer.write(framed([os.urandom(32) + good[0][32:]]))
+        writer.write(framed([b"short"]))
+        writer.write(framed(good))
         await writer.drain()
         # only the good call is answered, on the same connection
-        assert await asyncio.wait_for(_read_reply(cluster.key, reader), 10) == [
+        assert await asyncio.wait_for(_read_reply(raw, reader), 10) == [
             P.OK, 2, ref.incarnation, 3]
     after = await _counters(ref.address)
     assert _delta(before, after, "rejected_signature") == 1
@@ -151,8 +152,9 @@ async def test_a_reply_to_a_closed_connection_is_counted(cluster: Cluster):
     mesh = await cluster.spawn("st_gone", Echo, devices=[0])
     ref = mesh.refs[0]
     before = await _counters(ref.address)
-    async with _connection(ref.address) as (_, writer):
-        writer.write(_call(cluster.key, ref.name, ref.incarnation, 3, "sleep", 0.3))
+    async with _connection(ref.address) as (reader, writer):
+        raw = await _handshake(cluster.key, reader, writer)
+        writer.write(framed(raw.call(ref.name, ref.incarnation, 3, "sleep", 0.3)))
         await writer.drain()
     await asyncio.sleep(0.6)
     after = await _counters(ref.address)

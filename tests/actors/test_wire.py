@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 
 import msgpack
 import numpy as np
@@ -103,6 +104,13 @@ def test_signature_covers_every_frame():
         _wire.verify(KEY, [good[0]])  # a dropped frame
     with pytest.raises(AuthenticationError):
         _wire.verify(KEY, [good[0], good[1], b"extra"])  # an added frame
+    with pytest.raises(AuthenticationError):
+        _wire.verify(KEY, [*good, b""])  # an added empty frame
+    with pytest.raises(AuthenticationError):
+        _wire.verify(KEY, [good[0], good[1][:5], good[1][5:]])  # a frame split in two
+    empty = _wire.message(KEY, header, [b"", bytes(buffers[0])])
+    with pytest.raises(AuthenticationError):
+        _wire.verify(KEY, [empty[0], empty[2]])  # an empty frame removed
     flipped = bytearray(good[0])
     flipped[40] ^= 1
     with pytest.raises(AuthenticationError):
@@ -117,7 +125,9 @@ def test_signature_covers_every_frame():
 @given(st.binary(min_size=16, max_size=150), st.binary(max_size=300),
        st.lists(st.binary(max_size=200), max_size=3))
 def test_signer_is_standard_hmac_sha256(key, header, buffers):
-    expected = hmac.new(key, header + b"".join(buffers), hashlib.sha256).digest()
+    lengths = struct.pack(f"<I{len(buffers) + 1}Q", len(buffers) + 1, len(header),
+                          *map(len, buffers))
+    expected = hmac.new(key, lengths + header + b"".join(buffers), hashlib.sha256).digest()
     signer = _wire.Signer(key)
     assert signer.sign(header, buffers) == expected
     assert signer.sign(header, buffers) == expected  # the keyed states are not consumed

@@ -1,6 +1,6 @@
 """GPU tier: the inference and training engines on CUDA give the CPU's results.
 
-Skipped (by tests/conftest.py) only where CUDA or cupy is absent."""
+Skipped (by tests/conftest.py) only where CUDA or libnccl is absent."""
 
 from __future__ import annotations
 

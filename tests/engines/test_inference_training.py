@@ -219,3 +219,22 @@ def test_bfloat16_training_steps_float32_master_copies_with_the_state_layers_slo
     weights = eng.memory()["training/weights"]
     # fp32 m, v and master per bf16 parameter: 12 bytes against 2
     assert eng.memory()["training/optimizer"] == 6 * weights
+
+
+def test_recompute_gives_the_same_step_with_fewer_activation_bytes(model):
+    config, path = model
+    batch = _batch(rows=6, length=12)
+    keep_ledger, rec_ledger = MemoryLedger("k", None), MemoryLedger("r", None)
+    keep = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, ledger=keep_ledger)
+    rec = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, recompute=True, ledger=rec_ledger)
+    keep_ledger.reset_peak()
+    rec_ledger.reset_peak()
+    mk, mr = keep.train_step(batch, micro_batch_size=3), rec.train_step(batch, micro_batch_size=3)
+    assert mk["loss"] == mr["loss"] and mk["grad_norm"] == mr["grad_norm"]
+    sk, sr = keep.named_state(), rec.named_state()
+    for k in sk:
+        assert torch.equal(sk[k], sr[k]), k
+    # what each reserved for activations shows in its peak (the resident bytes are equal)
+    assert rec_ledger.peak_bytes < keep_ledger.peak_bytes
+    with pytest.raises(ConfigError, match="TrainingEngine.recompute"):
+        TrainingEngine(config, model_dir=path, recompute="yes", ledger=MemoryLedger("x", None))

@@ -49,7 +49,7 @@ def test_to_hf_is_read_back_by_transformers(tmp_path):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    arch=st.sampled_from(["llama", "qwen2"]),
+    arch=st.sampled_from(["llama", "qwen2", "qwen3"]),
     heads=st.sampled_from([1, 2, 4, 8]),
     kv_div=st.sampled_from([1, 2, 4, 8]),
     head_dim=st.sampled_from([2, 8, 16]),
@@ -65,14 +65,65 @@ def test_hf_round_trip(arch, heads, kv_div, head_dim, tied, bias, layers):
     assert ModelConfig.from_hf(json.loads(json.dumps(c.to_hf()))) == c
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def test_llama3_and_qwen3_configs_from_transformers(tmp_path):
+    from transformers import AutoConfig, LlamaConfig, Qwen3Config
+
+    # A Llama-3.1 config.json as the Hub ships it: rope_scaling at the top level.
+    data = {**tiny_config().to_hf(), "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE)}
+    del data["rope_parameters"]
+    c = ModelConfig.from_hf(data)
+    assert (c.rope_type, c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor) == ("llama3", 8.0, 1.0, 4.0)
+    assert (c.rope_original_max_position_embeddings, c.rope_theta) == (8192, 500000.0)
+    # transformers 5 writes rope_parameters; both spellings read to the same config.
+    LlamaConfig(**{k: data[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "num_key_value_heads")},
+                rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE)).save_pretrained(tmp_path / "llama3")
+    assert ModelConfig.from_hf(tmp_path / "llama3").rope_scaling == c.rope_scaling
+    c.save(tmp_path / "ours")
+    hf = AutoConfig.from_pretrained(tmp_path / "ours")
+    assert hf.rope_parameters["rope_type"] == "llama3" and hf.rope_parameters["factor"] == 8.0
+    assert ModelConfig.from_hf(tmp_path / "ours") == c
+
+    Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, tie_word_embeddings=True).save_pretrained(tmp_path / "qwen3")
+    q = ModelConfig.from_hf(tmp_path / "qwen3")
+    assert (q.architecture, q.head_dim, q.has_qk_norm, q.attention_bias, q.tie_word_embeddings) == ("qwen3", 16, True, False, True)
+    assert ModelConfig.from_hf(q.to_hf()) == q
+    biased = q.replace(attention_bias=True)
+    assert biased.has_qkv_bias and biased.has_o_bias  # Qwen3's attention_bias covers o_proj, like Llama's
+    assert type(AutoConfig.for_model(**{k: v for k, v in q.to_hf().items() if k != "architectures"})).__name__ == "Qwen3Config"
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"rope_type": "yarn"}, "rope_type='yarn'"),
+        ({"rope_type": "linear", "rope_factor": 0.5}, "rope_factor=0.5"),
+        ({"rope_type": "llama3", "rope_factor": 8.0}, "rope_original_max_position_embeddings=0"),
+        ({"rope_type": "llama3", "rope_factor": 8.0, "rope_original_max_position_embeddings": 64,
+          "rope_low_freq_factor": 4.0, "rope_high_freq_factor": 1.0}, "rope_high_freq_factor=1.0"),
+    ],
+)
+def test_bad_rope_scaling_names_the_field(change, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        tiny_config(**change)
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
         ({"model_type": "gpt2"}, "model_type='gpt2'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "RoPE scaling"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope_type 'llama3' needs ['low_freq_factor'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling rope_type='yarn'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling rope_type='dynamic'"),
+        ({"model_type": "qwen3", "layer_types": ["sliding_attention"] * 4}, "layer_types="),
+        ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
         ({"hidden_size": 0}, "hidden_size=0"),
         ({"head_dim": 7}, "head_dim=7"),

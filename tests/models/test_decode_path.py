@@ -32,7 +32,7 @@ def _reference_rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, the
 
 
 def test_rope_table_matches_the_formula_across_growth_and_both_lookups():
-    rope = RotaryEmbedding(16, 10000.0, "cpu")
+    rope = RotaryEmbedding(tiny_config(), "cpu")  # head_dim 16, theta 10000
     x = torch.randn(3, 5, 4, 16)
     # Short positions first (a small table), then far ones (the table grows).
     for start in (0, 7, 300):

@@ -50,6 +50,47 @@ def test_tied_embedding_is_listed_once():
     assert spec["model.layers.0.self_attn.qkv_proj.bias"].components
 
 
+def test_qwen3_per_head_norms_are_replicated_layer_parameters():
+    config = tiny_config("qwen3", head_dim=24, tie_word_embeddings=True)
+    spec = model_spec(config)
+    for i in range(config.num_hidden_layers):
+        for norm in ("q_norm", "k_norm"):
+            p = spec[f"model.layers.{i}.self_attn.{norm}.weight"]
+            assert (p.rule, p.stage, p.layer, p.shape) == ("replicated", "layer", i, (24,))
+    assert spec["model.layers.0.self_attn.qkv_proj.weight"].shape == (4 * 24 + 2 * 2 * 24, config.hidden_size)
+    assert "model.layers.0.self_attn.q_norm.weight" not in {p.name for p in model_spec(tiny_config("llama"))}
+
+
+@pytest.mark.parametrize(("src", "dst"), [((1, 1), (2, 2)), ((2, 2), (4, 1)), ((4, 1), (1, 2))])
+def test_qwen3_reshards_through_the_state_layer(src, dst):
+    """A policy-training EMU of a Qwen3 model moves between layouts with the state
+    layer's primitives; every shard it ends with (q/k norms included) is what the model
+    itself cuts for that rank."""
+    from nereus.state import EMU, OPTIMIZER_SLOTS, Layout, apply_step, plan_stage_transition
+    from tests.state.helpers import global_tensors, shard_store
+
+    spec = model_spec(tiny_config("qwen3", attention_bias=True))
+    slots = ("param", *OPTIMIZER_SLOTS)
+    a, b = Layout(*src), Layout(*dst)
+    cur = EMU("cur", "policy-training", spec, a, tuple(range(a.size)), slots)
+    tgt = EMU("tgt", "policy-training", spec, b, tuple(range(8, 8 + b.size)), slots)
+    full = global_tensors(cur, seed=5)
+    stores = {d: {"cur": t} for d, t in shard_store(cur, full).items()}
+    plan = plan_stage_transition([cur], [tgt])
+    for step in plan.steps:
+        apply_step(step, stores)
+    (result,) = plan.result
+    want = shard_store(result, full)
+    norms = 0
+    for device in result.devices:
+        got = stores[device][result.name]
+        assert set(got) == set(want[device])
+        for key, tensor in want[device].items():
+            assert torch.equal(got[key], tensor), (device, key)
+            norms += "q_norm" in key or "k_norm" in key
+    assert norms > 0
+
+
 def test_a_parameter_without_a_shard_rule_is_refused(monkeypatch):
     real = spec_module.build_stage
 
@@ -70,7 +111,7 @@ def test_a_parameter_without_a_shard_rule_is_refused(monkeypatch):
     tp=st.sampled_from([1, 2, 4, 8]),
     pp=st.sampled_from([1, 2, 3]),
     tied=st.booleans(),
-    arch=st.sampled_from(["llama", "qwen2"]),
+    arch=st.sampled_from(["llama", "qwen2", "qwen3"]),
 )
 def test_built_shards_agree_with_the_state_layer(heads, kv, tp, pp, tied, arch):
     if kv > heads or heads % tp or (kv % tp and tp % kv):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from nereus.actors import _wire
+from nereus.actors import _session, _wire
 from nereus.monitor import (
     EVENT_TYPES,
     SCHEMA_VERSION,
@@ -23,6 +24,16 @@ from nereus.monitor import (
 )
 
 KEY = b"tap-test-key-0123456789"
+
+
+_SENDER = b"c" * 16  # a controller's tap id
+_seq = itertools.count(1)
+
+
+def _frame(key: bytes, body: bytes, seq: int | None = None, sender: bytes = _SENDER) -> bytes:
+    """One tap event as the controller publishes it (signature, envelope, body)."""
+    env = _session.envelope(sender, _session.ANY, next(_seq) if seq is None else seq)
+    return _wire.sign(key, body, (), env) + env + body
 
 
 def _event(**fields):
@@ -60,9 +71,9 @@ async def test_subscriber_drops_forged_events():
 
         async def first():
             while True:  # PUB/SUB joins asynchronously: publish until one arrives
-                pub.send_multipart([_wire.sign(b"wrong-key-wrong-key", forged), forged])
+                pub.send(_frame(b"wrong-key-wrong-key", forged))
                 pub.send_multipart([b"garbage"])
-                pub.send_multipart([_wire.sign(KEY, good), good])
+                pub.send(_frame(KEY, good))
                 try:
                     return await sub.next(0.1)
                 except asyncio.TimeoutError:
@@ -71,6 +82,37 @@ async def test_subscriber_drops_forged_events():
         ev = await asyncio.wait_for(first(), 10)
         assert ev["device"] == 1
         assert sub.rejected >= 2
+    finally:
+        sub.close()
+        pub.close(linger=0)
+
+
+async def test_subscriber_drops_replayed_events():
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", KEY)
+    try:
+        sender = b"r" * 16
+        first = _frame(KEY, msgpack.packb(_event(device=1)), seq=10**9, sender=sender)
+
+        async def joined():
+            while True:  # PUB/SUB joins asynchronously: publish until one arrives
+                pub.send(first)
+                try:
+                    return await sub.next(0.1)
+                except asyncio.TimeoutError:
+                    continue
+
+        assert (await asyncio.wait_for(joined(), 10))["device"] == 1
+        rejected = sub.rejected
+        for _ in range(5):  # the same event again, and an older one
+            pub.send(first)
+            pub.send(_frame(KEY, msgpack.packb(_event(device=2)), seq=5, sender=sender))
+        pub.send(_frame(KEY, msgpack.packb(_event(device=3)), seq=10**9 + 1, sender=sender))
+        assert (await sub.next(10))["device"] == 3
+        assert sub.rejected >= rejected + 10  # only the newer event got through
     finally:
         sub.close()
         pub.close(linger=0)
@@ -100,7 +142,7 @@ def test_cli_prints_live_events(tmp_path):
     try:
         body = msgpack.packb(_event(device=4, reason="SIGKILL"))
         while proc.poll() is None:  # until the tap has seen 3 events and exited
-            pub.send_multipart([_wire.sign(KEY, body), body])
+            pub.send(_frame(KEY, body))
             try:
                 proc.wait(0.05)
             except subprocess.TimeoutExpired:

@@ -125,3 +125,24 @@ def test_bad_observations_are_refused_with_the_field():
         cal.observe({"gemm": -1.0}, 1.0)
     with pytest.raises(ConfigError, match="Efficiency.gemm"):
         Efficiency(gemm=0.0)
+
+
+def test_transition_nodes_calibrate_p2p_efficiency_and_fixed_costs():
+    from nereus.planner import CONSERVATIVE, Calibrator
+
+    cal = Calibrator()
+    truth_eff, setup, call = 0.25, 0.05, 0.002
+    for i in range(1, 12):
+        ideal = {"p2p_intra": 0.01 * i, "groups": 1.0 if i % 3 else 0.0, "calls": 1.0}
+        measured = ideal["p2p_intra"] / truth_eff + ideal["groups"] * setup + call
+        cal.observe_transition(ideal, measured)
+    eff = cal.fit()
+    assert abs(eff.p2p_intra - truth_eff) < 1e-3
+    assert abs(eff.group_setup_s - setup) < 1e-3 and abs(eff.transition_call_s - call) < 1e-3
+    assert eff.p2p_inter == CONSERVATIVE.p2p_inter  # unseen: the prior
+    import pytest
+
+    from nereus.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="transition class"):
+        cal.observe_transition({"warp": 1.0}, 1.0)

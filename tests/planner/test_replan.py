@@ -76,8 +76,43 @@ def test_losing_a_node_is_urgent_and_restarts_when_no_transition_is_possible():
     assert any(t.kind == "device-pool" and t.hard for t in out.triggers)
     assert out.decision.action == "restart"
     assert max(r.plan.devices) < 4 and explain(r.plan, r.work, r.cluster).fits
-    out = r.on_boundary(4, cluster=cluster, transition_seconds=lambda c, t: 1.0)  # the node is back
+    # the node is back: a join is soft, taken up when the move pays back within gamma * H,
+    # H the interval between pool changes (here 37 steps)
+    out = r.on_boundary(40, cluster=cluster, transition_seconds=lambda c, t: 1.0)
+    assert [(t.kind, t.hard, t.info["detail"]) for t in out.triggers] == [("device-pool", False, "joined")]
     assert out.decision.action == "transition" and max(r.plan.devices) >= 4
+    assert out.decision.limit_steps == pytest.approx(0.5 * 37)
+
+
+def test_a_join_that_does_not_pay_back_soon_enough_is_kept_out():
+    work, cluster = _setup(nodes=2)
+    r = Replanner(work, cluster.with_nodes(1), join_horizon_steps=4)
+    first = r.plan
+    out = r.on_boundary(2, cluster=cluster, joined=[4, 5, 6, 7], transition_seconds=lambda c, t: 1e6)
+    assert out.triggers[0].info == {"detail": "joined", "devices": [4, 5, 6, 7]} and not out.triggers[0].hard
+    assert out.decision.action == "keep" and r.plan == first
+    assert out.decision.limit_steps == pytest.approx(0.5 * 4)  # the initial horizon: one change seen
+
+
+def test_the_replanner_starts_from_the_jobs_plan_and_drained_devices_are_urgent():
+    from nereus.planner import Plan, StagePlan
+
+    work, cluster = _setup(nodes=1)
+    mine = Plan(tuple((s.name, StagePlan(1, 1, 1, ((i,),))) for i, s in enumerate(work.stages)))
+    r = Replanner(work, cluster, plan=mine, min_steps_between=5)
+    assert r.plan == mine
+    # device 2 is drained: the caller renumbers the plan onto the 3 devices left, the
+    # drained one beyond them
+    shrunk = Plan(tuple((n, StagePlan(1, 1, 1, ((3,),) if sp.devices == ((2,),) else sp.devices))
+                        for n, sp in mine))
+    small = ClusterSpec("three", 1, 3, cluster.device_memory_bytes, 100e12, 1.5e12, 300e9, 25e9,
+                        workspace_bytes=GiB // 2)
+    out = r.on_boundary(1, cluster=small, plan=shrunk, drained=[2], transition_seconds=free)
+    assert [(t.kind, t.hard, t.info["detail"]) for t in out.triggers][0] == ("device-pool", True, "drained")
+    assert out.decision.action == "transition" and max(r.plan.devices) < 3
+    # a soft trigger right after is left alone: min_steps_between
+    out = r.on_boundary(2, lengths=_lengths(2000), transition_seconds=free)
+    assert [t.kind for t in out.triggers] == ["drift"] and "min_steps_between" in out.decision.reason
 
 
 def test_no_plan_left_raises():

@@ -90,6 +90,8 @@ async def test_a_to_b_to_a_on_workers_is_bitwise(holders, case):
         ab = plan_reshard([a], b)
         stats = await execute(ab, refs, cluster, free=[a])
         assert stats.bytes_moved == ab.bytes_moved
+        # the workers' own counters agree with the plan: every moved byte sent once
+        assert stats.bytes_sent_measured == ab.bytes_moved
         await _assert_holds(refs, ab.target, full)
         for d in a.devices:
             assert "a" not in await refs[d].held.call_one()  # freed once B was built

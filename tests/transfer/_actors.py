@@ -68,3 +68,17 @@ class Member(Actor):
     @endpoint
     async def pid(self) -> int:
         return os.getpid()
+
+
+class CudaMember(Actor):
+    """A member of an NCCL group on its worker's one GPU (``cuda:0``)."""
+
+    @endpoint
+    async def all_reduce(self, group_id: str, value: float) -> list:
+        def run() -> list:
+            comm = get_communicator(group_id)
+            t = torch.full((4,), value, device="cuda:0")
+            comm.all_reduce(t)
+            return [comm.rank, str(comm.device), torch.cuda.device_count(), t[0].item()]
+
+        return await asyncio.to_thread(run)

@@ -245,10 +245,15 @@ def scenario_die(a: dict) -> dict:
     """Rank ``victim`` exits abruptly inside the operation; survivors must fail fast."""
     r = a["rank"]
     comm = comm_from(a, a["group"], timeout_s=a["deadline_s"], use_shm=a.get("shm", True),
-                     slot_bytes=1 << 16, slots=2)
+                     slot_bytes=1 << 16, slots=2, devices=tuple(range(100, 100 + a["size"])))
     comm.barrier()
     big = torch.ones(4 << 20)
     if r == a["victim"]:
+        if a["op"] == "inside":
+            # Enter the all_reduce (its watchdog entry says so), then die in it.
+            comm._seq += 1
+            comm._kv.set(f"c/{r}", str(comm._seq))
+            os._exit(3)
         if a["op"] == "p2p":
             # Deliver the first chunk of a transfer, then die with it half done.
             ch = comm._shm._out[0]
@@ -264,7 +269,9 @@ def scenario_die(a: dict) -> dict:
     except NereusError as e:
         took = time.monotonic() - t0
         comm.destroy()
-        return {"raised": type(e).__name__, "seconds": took, "message": str(e)[:300]}
+        return {"raised": type(e).__name__, "seconds": took, "message": str(e)[:300],
+                "dead_ranks": getattr(e, "dead_ranks", None),
+                "missing_ranks": getattr(e, "missing_ranks", None)}
     raise AssertionError("survivor did not fail")
 
 

@@ -43,14 +43,23 @@ def test_stuck_operation_names_missing_rank(workers):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("op", ["all_reduce", "p2p"])
-def test_dead_rank_never_hangs_survivors(workers, op):
+@pytest.mark.parametrize("op", ["all_reduce", "inside", "p2p"])
+def test_dead_rank_never_hangs_survivors_and_is_named(workers, op):
     deadline = 20.0
     results = workers.run("die", 3, victim=1, op=op, deadline_s=deadline, expect_rc={1: 3})
     for r in (results[0], results[2]):
-        assert r["raised"] in ("TransferError", "StuckCollective"), r
         # a dead peer is noticed at once (closed socket, pidfd), long before the deadline
         assert r["seconds"] < deadline / 2, r
+        # and named: a rank that never entered by StuckCollective, one that died in the
+        # operation by PeerDied
+        assert r["raised"] in ("PeerDied", "StuckCollective"), r
+        # (in the p2p case rank 2 waits in a barrier that rank 0 never joins either)
+        assert 1 in (r["dead_ranks"] or r["missing_ranks"]), r
+        if r["raised"] == "PeerDied":
+            assert r["dead_ranks"] == [1], r
+            assert "rank 1 (device 101) died" in r["message"], r
+    if op == "inside":  # every survivor saw it enter, then die
+        assert all(r["raised"] == "PeerDied" for r in (results[0], results[2])), results
 
 
 @pytest.mark.timeout(150)

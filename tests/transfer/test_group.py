@@ -121,3 +121,50 @@ async def test_a_killed_member_fails_survivors_fast_and_groups_go_on():
         await g.destroy()  # the dead member is skipped
         await g2.destroy()
     assert not [p for port in _PORTS for p in glob.glob(f"/dev/shm/nereus-{port}-*")]
+
+
+async def test_the_store_takes_no_new_connections_once_the_group_formed(cluster, members):
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from nereus.transfer.group import store_token
+
+    group = await _make(cluster, devices=[0, 1], epoch=7)
+    store = group._store
+    assert store.host == "127.0.0.1" and store.sealed  # one host: loopback only
+    # the members' own connections still carry the watchdog's records
+    assert await members.slice(dp=slice(0, 2)).all_reduce.call(group.group_id, 1.0) == [
+        [0, 2, 2.0], [1, 2, 2.0]]
+    token = store_token(cluster.key, group.group_id)
+    assert store.store.check([f"nereus/{token}/{group.group_id}/7/c/0"])
+    assert token != store_token(b"another-key-0123456789", group.group_id)
+    with pytest.raises(Exception, match="timed out|refused|connect"):
+        await asyncio.to_thread(TCPStore, store.host, store.port, is_master=False,
+                                wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=1))
+    await group.destroy()
+
+
+async def test_a_multi_host_store_listens_on_the_route_to_the_members():
+    from nereus.actors import DeviceInfo
+    from nereus.transfer.group import _store_host
+
+    here = DeviceInfo(0, "localhost", "cpu", 1, "n0", 0)
+    assert _store_host([here]) == "127.0.0.1"
+    # a member on another host (an address on the loopback network stands for it): the
+    # store binds the address of the interface that routes there, never 0.0.0.0
+    there = DeviceInfo(1, "127.0.0.2", "cpu", 1, "n1", 0)
+    assert _store_host([here, there]) == "127.0.0.1"
+
+async def test_concurrent_groups_over_shared_devices_set_up_one_after_another(cluster, members):
+    """Groups made at once over overlapping devices: every one forms and works, and no two
+    set-ups that share a device overlap in time (the per-device lock)."""
+    for trial in range(5):
+        devsets = [[0, 1], [1, 2], [0, 2], [2, 1, 0]]
+        handles = await asyncio.gather(*(_make(cluster, devices=d, epoch=100 + trial) for d in devsets))
+        for a, b in ((a, b) for i, a in enumerate(handles) for b in handles[i + 1:]):
+            if set(a.devices) & set(b.devices):
+                (a0, a1), (b0, b1) = a.setup_span, b.setup_span
+                assert a1 <= b0 or b1 <= a0, (a.devices, a.setup_span, b.devices, b.setup_span)
+        assert await release_groups(cluster, epoch=100 + trial) == len(devsets)

@@ -1,15 +1,32 @@
 """The NCCL backend (GPU tier): the CPU tests' scenarios over NcclCommunicator.
 
-The GPU tests are marked ``gpu``: tests/conftest.py skips them only when CUDA or cupy is absent. The
+The GPU tests are marked ``gpu``: tests/conftest.py skips them only when CUDA or libnccl is absent. The
 multi-rank tests need one GPU per rank (NCCL refuses two ranks on one GPU) and skip
 with that reason on a single-GPU machine; the single-rank test runs on any GPU."""
 
 from __future__ import annotations
 
+import datetime
 import sys
+import time
 
 import pytest
 import torch
+
+from nereus.errors import StuckCollective, TransferError
+from nereus.transfer import _libnccl
+
+
+def _libnccl_missing() -> str:
+    try:
+        _libnccl.library()
+    except TransferError as e:
+        return str(e)
+    return ""
+
+
+needs_libnccl = pytest.mark.skipif(bool(_libnccl_missing()),
+                                   reason=f"libnccl is not installed: {_libnccl_missing()}")
 
 
 def _gpus() -> int:
@@ -80,3 +97,85 @@ def test_stuck_nccl_collective_names_missing_rank(workers):
                           backend="nccl", nccl_id=unique_id().hex())
     for r in results[:2]:
         assert r["all_reduce"]["missing_ranks"] == [2], r
+
+
+@needs_libnccl
+def test_the_library_loads_and_makes_unique_ids_without_a_gpu():
+    assert _libnccl.version() >= 21400  # non-blocking communicators
+    a, b = _libnccl.unique_id(), _libnccl.unique_id()
+    assert len(a) == len(b) == 128 and a != b
+    with pytest.raises(TransferError, match="128 bytes"):
+        _libnccl.Comm(2, a[:100], 0, time.monotonic() + 5)
+
+
+@needs_libnccl
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without a GPU")
+def test_creating_a_communicator_without_a_gpu_fails_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="ncclCommInitRankConfig"):
+        _libnccl.Comm(2, _libnccl.unique_id(), 0, time.monotonic() + 30)
+    assert time.monotonic() - t0 < 10  # an error, not a wait for the peer
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_is_named_by_the_deadline():
+    from torch.distributed import TCPStore
+
+    from nereus.transfer.nccl import NcclCommunicator, unique_id
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=30))
+    t0 = time.monotonic()
+    with pytest.raises(StuckCollective) as info:
+        NcclCommunicator("lonely", 0, 2, unique_id(), timeout_s=3.0, store_host="127.0.0.1",
+                         store_port=store.port)
+    assert info.value.op == "create" and info.value.missing_ranks == [1]
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_broadcast_and_p2p_of_more_than_2_gib():
+    from nereus.transfer.nccl import NcclCommunicator, unique_id
+
+    comm = NcclCommunicator("big", 0, 1, unique_id(), timeout_s=60.0)
+    try:
+        x = torch.ones((2**31 + 4096) // 4, dtype=torch.float32, device="cuda:0")
+        comm.broadcast(x, 0)  # 2 GiB + 4 KiB: more bytes than a C int counts
+        assert x.numel() * 4 > 2**31 - 1 and bool(x[-1] == 1)
+        raw = torch.ones(2**31 + 8, dtype=torch.uint8, device="cuda:0")
+        comm.broadcast(raw, 0)
+        assert int(raw[-1]) == 1
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+@_needs_gpus(2)
+async def test_make_group_forms_nccl_groups_on_a_multi_gpu_node():
+    """Each worker sees one GPU as cuda:0, whatever its index on the node."""
+    from nereus.actors import Cluster
+    from nereus.actors._keys import generate_key
+    from nereus.controller import Controller
+    from nereus.node import NodeDaemon
+    from nereus.transfer import make_group
+    from tests.transfer._actors import CudaMember
+
+    key = generate_key()
+    controller = await Controller(key).start()
+    node = NodeDaemon(controller.address, key, gpus="all", transport="ipc", node_id="gpus")
+    try:
+        await node.start()
+        n = min(_gpus(), 4)
+        async with Cluster.connect(controller.address, key=key, min_devices=n) as cluster:
+            mesh = await cluster.spawn("cuda", CudaMember, devices=list(range(n)))
+            group = await make_group(cluster, devices=list(range(n)), epoch=1)
+            assert group.backend == "nccl"
+            got = await mesh.all_reduce.call(group.group_id, 1.0)
+            assert got == [[r, "cuda:0", 1, float(n)] for r in range(n)]
+            await group.destroy()
+    finally:
+        await node.stop()
+        await controller.close()

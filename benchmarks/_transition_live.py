@@ -1,0 +1,136 @@
+"""Parts (b) and (c) of ``python -m benchmarks.transition``: transitions of a running job
+on this machine's CPU workers.
+
+- ``prediction_error``: a GRPO job on 4 CPU workers whose policy-training cycles through
+  layouts (TP 2, PP 2, TP 4, DP 2, a move to other devices). The first ``calibrate``
+  changes teach the job's calibrator (p2p efficiency, group set-up, call cost) from
+  their measured DAG nodes; then learning stops and each of the next ``measure`` changes
+  is predicted (the scheduled makespan of its DAG, before it runs) and measured (the
+  wall time of running it): the median of |measured - predicted| / measured over those,
+  none of which taught the model anything.
+- ``overlap_ratio``: generation tokens per second on devices a transition does not
+  touch while policy-training reshards on the others (``apply_plan(overlap=True)``),
+  over tokens per second with no transition running. On 2 cores the workers that
+  reshard take CPU from the ones that generate, so this is reported, not targeted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from nereus.config import from_dict
+from nereus.planner import Plan, StagePlan
+from nereus.rl.config import JobConfig
+from nereus.rl.job import RLJob
+
+GEN = ((0,), (1,))
+
+
+def _plan(train: tuple[int, int, tuple[tuple[int, ...], ...]], gen=GEN) -> Plan:
+    tp, pp, devs = train
+    return Plan((("policy_generation", StagePlan(1, 1, len(gen), gen)),
+                 ("policy_training", StagePlan(tp, pp, len(devs), devs))))
+
+
+# policy-training's layouts, visited in a cycle: each change moves bytes differently
+CYCLE = [
+    (2, 1, ((2, 3),)),
+    (1, 2, ((2, 3),)),
+    (4, 1, ((0, 1, 2, 3),)),
+    (2, 1, ((0, 1),)),
+    (1, 1, ((2,), (3,))),
+    (2, 1, ((2, 3),)),
+    (1, 1, ((3,),)),
+]
+
+
+# layouts of policy-training on devices 2 and 3 only: generation's devices stay untouched
+BESIDE = [
+    (2, 1, ((2, 3),)),
+    (1, 2, ((2, 3),)),
+    (1, 1, ((2,), (3,))),
+    (1, 1, ((3,),)),
+]
+
+
+def _config(out: str, hidden: int, layers: int) -> JobConfig:
+    return from_dict(JobConfig, {
+        "task": {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}},
+        "model": {"hidden_size": hidden, "num_layers": layers, "num_heads": 4, "num_kv_heads": 2,
+                  "intermediate_size": 2 * hidden},
+        "algorithm": {"prompts_per_step": 8, "samples_per_prompt": 4},
+        "sampling": {"max_new_tokens": 16},
+        "optim": {"micro_batch_size": 8},
+        "cluster": {"mode": "local", "devices": 4, "memory_per_device": "2GiB"},
+        "plan": {"policy_generation": {"devices": [0, 1], "dp": 2},
+                 "policy_training": {"devices": [2, 3], "tp": 2}},
+        "run": {"steps": 1000, "out_dir": out, "progress": False},
+    })
+
+
+async def prediction_error(calibrate: int = 8, measure: int = 12, hidden: int = 512, layers: int = 4) -> dict[str, Any]:
+    out = tempfile.mkdtemp(prefix="nereus-bench-transition-")
+    rl = RLJob(_config(out, hidden, layers))
+    await rl.start()
+    rows = []
+    try:
+        await rl.run_step()
+        k = 1
+        for i in range(calibrate + measure):
+            rl.stages.learn_transitions = i < calibrate
+            report = await rl.apply_plan(_plan(CYCLE[k % len(CYCLE)]))
+            k += 1
+            if i >= calibrate:
+                rows.append((report["predicted_seconds"], report["measured_seconds"], report["bytes"], report["nodes"]))
+        eff = rl.stages.calibrator.fit()
+    finally:
+        await rl.close()
+    errors = [abs(m - p) / m for p, m, _, _ in rows]
+    return {
+        "prediction_error": statistics.median(errors),
+        "prediction_error_max": max(errors),
+        "transitions_calibrated": calibrate,
+        "transitions_measured": len(rows),
+        "calibrated": {"p2p_intra": eff.p2p_intra, "group_setup_s": eff.group_setup_s,
+                       "transition_call_s": eff.transition_call_s},
+        "predicted_vs_measured_s": [[round(p, 4), round(m, 4), b, n] for p, m, b, n in rows],
+    }
+
+
+async def _tokens_per_second(rl: RLJob, prompts: list[list[int]], params: dict, until: asyncio.Future | None,
+                             rounds: int) -> float:
+    tokens, t0, n = 0, time.perf_counter(), 0
+    while (until is not None and not until.done()) or (until is None and n < rounds):
+        out = await rl.stages.generate(prompts, params)
+        tokens += sum(len(t) for t in out["token_ids"])
+        n += 1
+    return tokens / (time.perf_counter() - t0)
+
+
+async def overlap_ratio(rounds: int = 6, hidden: int = 512, layers: int = 4) -> dict[str, Any]:
+    out = tempfile.mkdtemp(prefix="nereus-bench-overlap-")
+    rl = RLJob(_config(out, hidden, layers))
+    await rl.start()
+    try:
+        await rl.run_step()
+        prompts = [rl.codec.encode("abcabc")] * 16
+        params = {"max_tokens": 16, "temperature": 1.0, "seed": 1, "stop_token_ids": []}
+        alone, during = [], []
+        k = 1
+        for _ in range(rounds):
+            alone.append(await _tokens_per_second(rl, prompts, params, None, 3))
+            await rl.apply_plan(_plan(BESIDE[k % len(BESIDE)]), overlap=True)
+            k += 1
+            done = asyncio.ensure_future(rl.stages.transition_done())
+            during.append(await _tokens_per_second(rl, prompts, params, done, 0))
+            await done
+    finally:
+        await rl.close()
+    return {"overlap_ratio": statistics.median(during) / statistics.median(alone),
+            "tokens_per_s_alone": statistics.median(alone), "tokens_per_s_during": statistics.median(during),
+            "cores": os.cpu_count()}

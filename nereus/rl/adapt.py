@@ -1,0 +1,371 @@
+"""Online adaptation: the controller loop of a running job (DESIGN §6, §10).
+
+After every step the job hands the step's record to ``Adapter.after_step``, which builds
+the boundary report and gives it to the planner's ``Replanner``:
+
+- the device pool: the cluster's live devices that are not draining, as planner slots
+  (``DevicePool``, the one map), and the devices lost, drained or joined since the last
+  boundary; a device the current plan uses that is gone sits past the pool's last slot,
+  so the plan cannot run there and the Replanner takes the urgent path;
+- lengths: the step's response lengths (mean, p95, max) drive the step-time model and
+  the drift trigger; memory is checked at the next step's cap
+  (``sampling.max_new_tokens``: any response may reach it) and at the longest prompt
+  seen, so a cap that would break a device's budget is a memory trigger *before* the
+  step that would break it;
+- calibration: the seconds each model-stage worked and each device's ledger high-water
+  mark, against the model of the plan as it ran under the step's own lengths (the KV
+  cache at the step's cap, training padded to the step's longest response); a step that
+  ran beside a change, or the first one (warm-up), teaches nothing;
+- the price of every target the search offers: the job's own transition DAG
+  (``ClusterStages.plan_change``) scheduled under the link model that measured
+  transitions calibrated (``inf`` where the DAG or the engines after it do not fit).
+
+The Replanner triggers, searches and admits (the payback rule, or the urgent path for a
+lost or drained device or a predicted memory overflow); an admitted target goes to
+``ClusterStages.apply_plan`` at this boundary. Every boundary where a trigger fired puts
+a ``decision`` event on the tap (each trigger with its detail, the current and target
+plans as device ids, predicted seconds per step of each, the saving, the transition
+estimate and bytes, payback against its limit, ``admitted`` and why); each executed
+change emits its ``transition`` and ``transition_node`` events (``ClusterStages``),
+whose measured times calibrate the next estimate.
+
+``job_workload`` is the one place a job's config becomes the planner's ``Workload``;
+``predict_memory_failure`` walks the cap schedule on a fixed plan and names the first
+step the memory model says it cannot hold (what a job without adaptation runs into).
+
+Refuses (``ConfigError``): a job without a cluster (``in_process``). Raises
+``InfeasiblePlan`` when the job's current plan can no longer run and no plan fits the
+pool; ``StateError`` for a decision to restart (no change can reach a runnable plan).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from nereus.config import require
+from nereus.errors import StateError
+from nereus.planner import ClusterSpec, LengthStats, ModelShape, Replanner, Workload
+from nereus.planner.pool import DevicePool
+from nereus.rl.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
+
+__all__ = ["Adapter", "Change", "PredictedFailure", "job_workload", "planner_shape", "predict_memory_failure"]
+
+log = logging.getLogger("nereus.rl")
+
+def planner_shape(config: Any, dtype: str, name: str, value_head: bool = False) -> ModelShape:
+    """A ``nereus.models.ModelConfig`` as the planner's ``ModelShape``."""
+    shape = ModelShape(name, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+                       num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                       vocab_size=config.vocab_size, intermediate_size=config.intermediate_size, dtype=dtype,
+                       tied_embeddings=bool(config.tie_word_embeddings))
+    return shape.as_value_model() if value_head else shape
+
+
+def job_workload(cfg: JobConfig, model_config: Any, *, prompt_length: int, lengths: LengthStats,
+                 memory_lengths: LengthStats | None = None, reward_config: Any = None) -> Workload:
+    """The planner's view of the job ``cfg`` (its model-stages, batch and lengths)."""
+    a = cfg.algorithm
+    policy = planner_shape(model_config, cfg.model.dtype, "policy")
+    models = {"policy": policy, "reference": policy}
+    if a.name == "ppo":
+        models["critic"] = policy.as_value_model()
+    if cfg.reward.kind == "model":
+        require(reward_config is not None, "reward_config", None, "must be given for a job with a reward model")
+        models["reward"] = planner_shape(reward_config, cfg.model.dtype, "reward", value_head=True)
+    return Workload(a.name, models, a.prompts_per_step, a.samples_per_prompt, max(1, int(prompt_length)), lengths,
+                    micro_batch=min(cfg.optim.micro_batch_size, a.rollouts_per_step), epochs=a.epochs,
+                    reference=cfg.uses_reference, memory_lengths=memory_lengths)
+
+
+@dataclass(frozen=True)
+class PredictedFailure:
+    """The first step whose length cap the memory model says a plan cannot hold."""
+
+    step: int
+    cap: int
+    device: int
+    need_bytes: int
+    budget_bytes: int
+
+
+def predict_memory_failure(cfg: JobConfig, model_config: Any, plan: Any, *, prompt_length: int,
+                           budget_bytes: int, devices: int, reward_config: Any = None) -> PredictedFailure | None:
+    """Walk the job's cap schedule on the fixed ``plan`` (device ids, ``0..devices-1``) and
+    return the first step at which the memory model (uncalibrated, no headroom: the
+    device's whole budget) puts some device over ``budget_bytes``; None if every cap fits.
+    This is the prediction a job without adaptation is checked against."""
+    from nereus.planner import explain
+    from nereus.planner.cluster import local_cpu_cluster
+
+    spec = local_cpu_cluster(devices, budget_bytes, flops_per_device=1e9, memory_bandwidth=1e9,
+                             exchange_bandwidth=1e9, headroom=0.0)
+    slots = DevicePool.of(range(devices)).to_slots(to_planner_plan(plan))
+    caps = cfg.sampling.max_new_tokens
+    starts = [0] if isinstance(caps, int) else [start for start, _ in caps]
+    for step in starts:
+        if step >= cfg.run.steps:
+            break
+        cap = cfg.sampling.cap_at(step)
+        at_cap = LengthStats(float(cap), float(cap), cap)
+        work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=at_cap,
+                            reward_config=reward_config)
+        over = explain(slots, work, spec).violations
+        if over:
+            worst = max(over, key=lambda m: m.total - m.usable)
+            return PredictedFailure(step, cap, worst.device, worst.total, worst.usable)
+    return None
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+@dataclass
+class Change:
+    """One executed change of the job's plan, for the run's summary."""
+
+    step: int  # the step it ran before
+    triggers: list[str]
+    from_plan: dict[str, Any]
+    to_plan: dict[str, Any]
+    predicted_seconds: float
+    measured_seconds: float
+    bytes: int
+    reason: str
+    report: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def as_record(self) -> dict[str, Any]:
+        return {"step": self.step, "triggers": self.triggers, "from": self.from_plan, "to": self.to_plan,
+                "predicted_seconds": self.predicted_seconds, "measured_seconds": self.measured_seconds,
+                "bytes": self.bytes, "reason": self.reason}
+
+
+class Adapter:
+    """The controller loop of one job on ``stages`` (a started ``ClusterStages``)."""
+
+    def __init__(self, cfg: JobConfig, stages: Any, model_config: Any, reward_config: Any = None) -> None:
+        require(cfg.cluster.mode != "in_process", "cluster.mode", cfg.cluster.mode, "must be 'local' or 'connect' to adapt")
+        self.cfg = cfg
+        self.stages = stages
+        self.model_config = model_config
+        self.reward_config = reward_config
+        self.pool = DevicePool.of(self._usable())
+        self.replanner: Replanner | None = None
+        self.prompt_length = 1
+        self.changes: list[Change] = []
+        self.decisions: list[dict[str, Any]] = []
+        self._calibrate_next = False  # the next step ran on a settled plan
+        self._gone: list[int] = []
+        self._full_plan = stages.plan  # the last plan with every model-stage (device ids)
+        self._lengths: LengthStats | None = None  # the last step's
+
+    # --- the pool and the planner's view ------------------------------------------------
+
+    def _usable(self) -> list[int]:
+        cluster = self.stages.cluster
+        draining = set(getattr(cluster, "draining", ()))
+        return sorted(d.index for d in cluster.devices if d.index not in draining)
+
+    def _cluster_spec(self, devices: int) -> ClusterSpec:
+        from nereus.planner._probe import local_cpu_cluster_probed
+
+        budget = min((d.memory_bytes for d in self.stages.cluster.devices), default=2**30)
+        return local_cpu_cluster_probed(max(1, devices), budget, headroom=self.cfg.adapt.headroom)
+
+    def _workload(self, lengths: LengthStats, memory_lengths: LengthStats | None = None) -> Workload:
+        return job_workload(self.cfg, self.model_config, prompt_length=self.prompt_length, lengths=lengths,
+                            memory_lengths=memory_lengths, reward_config=self.reward_config)
+
+    def _slots(self, plan: Any, pool: DevicePool) -> Any:
+        """``plan`` (device ids) over ``pool``'s slots; devices that left it sit past the
+        last slot, in ``self._gone``'s order."""
+        self._gone = [d for d in sorted(plan.devices) if d not in pool.ids]
+        return pool.to_slots(to_planner_plan(plan), gone=self._gone)
+
+    def _cap_lengths(self, step: int) -> LengthStats:
+        cap = self.cfg.sampling.cap_at(step)
+        return LengthStats(float(cap), float(cap), cap)
+
+    # --- the boundary -----------------------------------------------------------------
+
+    async def after_step(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """The boundary after the step of ``record``: calibrate, trigger, search, admit,
+        and execute an admitted change before the next step. Returns the decision (a
+        dict, as on the tap) when a trigger fired, else None."""
+        stages = self.stages
+        step = int(record["step"])
+        nxt = step + 1
+        await stages.transition_done()
+        self.prompt_length = max(self.prompt_length, int(record.get("prompt_len_max", 1)))
+        mean = float(record["response_len_mean"])
+        longest = int(record["response_len_max"])
+        p95 = min(max(float(record.get("response_len_p95", longest)), mean), longest)
+        ran = LengthStats(mean, p95, max(1, longest))
+        self._lengths = ran
+        pool_before = self.pool
+        if self.replanner is None:
+            self.replanner = Replanner(
+                self._workload(ran), self._cluster_spec(len(pool_before)), plan=self._slots(stages.plan, pool_before),
+                eff=stages.calibrator.fit(), gamma=self.cfg.adapt.gamma, length_threshold=self.cfg.adapt.length_drift,
+                calibrator=stages.calibrator, join_horizon_steps=self.cfg.adapt.join_horizon_steps,
+                min_steps_between=self.cfg.adapt.min_steps_between)
+        rp = self.replanner
+        if self._calibrate_next:
+            self._calibrate(record, ran, pool_before)
+        self._calibrate_next = True
+        # the pool now, and what changed in it
+        await stages.cluster.refresh_devices()
+        live = {d.index for d in stages.cluster.devices}
+        draining = set(getattr(stages.cluster, "draining", ()))
+        lost = sorted(set(pool_before.ids) - live)
+        drained = sorted(set(pool_before.ids) & draining)
+        self.pool = DevicePool.of(sorted(live - draining))
+        joined = sorted(set(self.pool.ids) - set(pool_before.ids))
+        if joined:
+            await stages.ensure_hosts(set(joined))
+        cap = self._cap_lengths(nxt)
+        rp.work = self._workload(ran, cap)
+        inputs = await stages.change_inputs()
+        priced: dict[Any, tuple[float, int]] = {}
+
+        def price(current: Any, target: Any) -> float:
+            seconds, nbytes = stages.estimate_change(from_planner_plan(self.pool.to_devices(target)), inputs)
+            priced[target] = (seconds, nbytes)
+            return seconds
+
+        outcome = rp.on_boundary(nxt, lengths=ran, memory_lengths=cap, cluster=self._cluster_spec(len(self.pool)),
+                                 plan=self._slots(stages.plan, self.pool), lost=lost, drained=drained, joined=joined,
+                                 transition_seconds=price)
+        if not outcome.triggers:
+            return None
+        return await self._act(nxt, outcome, priced)
+
+    async def after_fault(self, step: int, dead: list[int]) -> dict[str, Any]:
+        """Replan at once after workers died (``nereus.rl.recovery.forget_dead`` brought
+        the job to its intact EMUs): the dead devices are a hard trigger, the target is
+        searched on the pool that is left and reached from what survived; model-stages
+        without an intact EMU are built at their target placement. Returns the decision."""
+        stages = self.stages
+        await stages.cluster.refresh_devices()
+        live = {d.index for d in stages.cluster.devices}
+        draining = set(getattr(stages.cluster, "draining", ()))
+        self.pool = DevicePool.of(sorted(live - draining))
+        # the job's plan as the planner sees it: what survived, and where the lost
+        # model-stages were (on devices that are gone: the plan cannot run)
+        from nereus.planner.plan import Plan
+
+        current = Plan(tuple((name, stages.plan[name] if name in stages.plan.names else sp)
+                             for name, sp in self._full_plan))
+        lengths = self._lengths or self._cap_lengths(step)
+        cap = self._cap_lengths(step)
+        if self.replanner is None:
+            self.replanner = Replanner(
+                self._workload(lengths), self._cluster_spec(len(self.pool)), plan=self._slots(current, self.pool),
+                eff=stages.calibrator.fit(), gamma=self.cfg.adapt.gamma, length_threshold=self.cfg.adapt.length_drift,
+                calibrator=stages.calibrator, join_horizon_steps=self.cfg.adapt.join_horizon_steps,
+                min_steps_between=self.cfg.adapt.min_steps_between)
+        rp = self.replanner
+        rp.work = self._workload(lengths, cap)
+        inputs = await stages.change_inputs()
+        priced: dict[Any, tuple[float, int]] = {}
+
+        def price(_: Any, target: Any) -> float:
+            seconds, nbytes = stages.estimate_change(from_planner_plan(self.pool.to_devices(target)), inputs)
+            priced[target] = (seconds, nbytes)
+            return seconds
+
+        outcome = rp.on_boundary(step, lengths=lengths, memory_lengths=cap, cluster=self._cluster_spec(len(self.pool)),
+                                 plan=self._slots(current, self.pool), lost=sorted(dead), transition_seconds=price)
+        self._calibrate_next = False
+        decision = await self._act(step, outcome, priced)
+        require(decision is not None and decision.get("admitted"), "recovery", decision and decision.get("reason"),
+                "must reach a runnable plan after the fault")
+        return decision
+
+    async def _act(self, nxt: int, outcome: Any, priced: dict[Any, tuple[float, int]]) -> dict[str, Any]:
+        """The decision event of a boundary where something fired, and the change when admitted."""
+        stages = self.stages
+        decision = self._decision_event(nxt, outcome, priced)
+        self.decisions.append(decision)
+        _emit("decision", **decision)
+        d = outcome.decision
+        if d.action == "restart":
+            raise StateError(f"step {nxt}: no change reaches a runnable plan ({d.reason})")
+        if d.admitted and d.target is not None:
+            target = from_planner_plan(self.pool.to_devices(d.target.plan))
+            report = await stages.apply_plan(target, overlap=self.cfg.adapt.overlap)
+            if self.cfg.adapt.overlap:
+                report = await stages.transition_done() or report
+            self._calibrate_next = False
+            predicted = priced.get(d.target.plan, (float(report.get("predicted_seconds", 0.0)), 0))[0]
+            change = Change(nxt, [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]], report["from"],
+                            report["to"], float(predicted), float(report.get("seconds", 0.0)),
+                            int(report.get("bytes", 0)), d.reason, report)
+            self.changes.append(change)
+            decision["transition"] = change.as_record()
+            log.info("step %d: %s -> changed the plan (%d bytes, %.3f s; predicted %.3f s)", nxt,
+                     change.triggers, change.bytes, change.measured_seconds, change.predicted_seconds)
+            self._full_plan = stages.plan
+        return decision
+
+    def _calibrate(self, record: dict[str, Any], ran: LengthStats, pool: DevicePool) -> None:
+        """What the step measured, against the model of the plan it ran on."""
+        rp = self.replanner
+        assert rp is not None
+        measured = {PLANNER_NAMES[s]: float(v) for s, v in (record.get("model_stage_seconds") or {}).items()
+                    if s in PLANNER_NAMES and PLANNER_NAMES[s] in rp.plan.names and v > 0}
+        if measured:
+            rp.observe_stage_seconds(measured)
+        peaks = {pool.slot(int(d)): int(b) for d, b in (record.get("device_peak_bytes") or {}).items()
+                 if int(d) in pool.ids}
+        if peaks:
+            # the KV cache is as long as the step's cap; training pads to the longest response
+            cap = int(record.get("max_new_tokens", ran.max))
+            shapes = LengthStats(float(ran.max), float(ran.max), max(cap, ran.max))
+            rp.observe_device_peaks(peaks, lengths=shapes)
+
+    def _decision_event(self, step: int, outcome: Any, priced: dict[Any, tuple[float, int]]) -> dict[str, Any]:
+        d = outcome.decision
+        considered = d.target if d.target is not None else d.candidate
+        seconds, nbytes = priced.get(considered.plan, (math.inf, 0)) if considered is not None else (math.inf, 0)
+        triggers = []
+        for t in outcome.triggers:
+            info = {k: (list(v) if isinstance(v, tuple) else v) for k, v in t.info.items()}
+            if t.kind == "memory":  # the planner's slots -> device ids (pool changes name ids already)
+                info["devices"] = [self._device_of(s) for s in info.get("devices", [])]
+                info["device"] = self._device_of(info.get("device"))
+            triggers.append({"kind": t.kind, "signal": t.signal, "hard": t.hard, "text": t.detail, **info})
+        return {
+            "step": step,
+            "triggers": triggers,
+            "current_plan": self.stages.plan.to_dict(),
+            "target_plan": self._plan_dict(considered.plan) if considered is not None else None,
+            "current_step_seconds": _finite(outcome.current_seconds),
+            "target_step_seconds": _finite(considered.step_seconds) if considered is not None else None,
+            "saving_seconds": _finite(d.saving_seconds) if d.saving_seconds else (
+                _finite(outcome.current_seconds - considered.step_seconds)
+                if considered is not None and outcome.current_seconds is not None else None),
+            "transition_seconds": _finite(seconds),
+            "transition_bytes": int(nbytes),
+            "payback_steps": _finite(d.payback_steps),
+            "limit_steps": _finite(d.limit_steps),
+            "admitted": d.admitted,
+            "action": d.action,
+            "reason": d.reason,
+        }
+
+    def _device_of(self, slot: Any) -> Any:
+        slot = int(slot)
+        return self.pool.device(slot) if slot < len(self.pool) else self._gone[slot - len(self.pool)]
+
+    def _plan_dict(self, plan: Any) -> dict[str, Any] | None:
+        return None if plan is None else from_planner_plan(self.pool.to_devices(plan)).to_dict()
+
+
+def _emit(type_: str, **fields: Any) -> None:
+    from nereus.actors import emit
+
+    emit(type_, **fields)
