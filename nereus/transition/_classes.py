@@ -108,25 +108,22 @@ class DeviceClasses:
         for k, part in enumerate(parts):
             base = len(effects)
             bases.append(base)
-            effects += [ClassEffect() for _ in part.nodes]
+            mine = [ClassEffect() for _ in part.nodes]
+            for e, ns in zip(mine, part.nodes, strict=True):  # the most one device receives, per node
+                e.max_moved, e.acquires = ns.max_moved, ns.acquires
+            effects += mine
             node_at += [(k, li) for li in range(len(part.nodes))]
             roles = part.roles
             col = list(map(itemgetter(k), distinct))
-            held = [r[0] for r in roles]
-            grows = [r[0] + sum([a for _, a, _, _ in r[1] if a > 0]) for r in roles]
-            initial = list(map(add, initial, map(held.__getitem__, col)))
-            worst = list(map(add, worst, map(grows.__getitem__, col)))
+            initial = list(map(add, initial, map([r[0] for r in roles.roles].__getitem__, col)))
+            worst = list(map(add, worst, map(roles.grows.__getitem__, col)))
             groups = [(code, list(members)) for code, members in groupby(sorted(every, key=col.__getitem__),
                                                                           key=col.__getitem__) if code]
             by_stage.append(groups)
+            touch = roles.touch
             for code, classes in groups:
-                for li, a, _, m in roles[code][1]:
-                    e = effects[base + li]
-                    e.touches.update(classes)
-                    if m > e.max_moved:
-                        e.max_moved = m
-                    if a > 0:
-                        e.acquires = True
+                for li in touch[code]:
+                    mine[li].touches.update(classes)
         counted = [any(s[:-2]) or s[-1] is not None for s in distinct]
         out = cls([s[-2] for s in distinct], initial, counted, worst, effects)
         risky = out.risky
@@ -135,7 +132,7 @@ class DeviceClasses:
                 base = bases[k]
                 for code, classes in by_stage[k]:
                     at_risk = [c for c in classes if risky[c]]
-                    for li, a, r, _ in part.roles[code][1] if at_risk else ():
+                    for li, a, r, _ in part.roles.roles[code][1] if at_risk else ():
                         e = effects[base + li]
                         if a:
                             e.alloc.extend((c, a) for c in at_risk)
@@ -201,7 +198,7 @@ class DeviceClasses:
         got = self._full.get(nid)
         if got is None:
             k, li = self._node_at[nid]
-            roles = self._parts[k].roles
+            roles = self._parts[k].roles.roles
             alloc, release, moved = [], [], []
             for c, s in enumerate(self._distinct):  # type: ignore[arg-type]
                 for i, a, r, m in roles[s[k]][1]:

@@ -151,7 +151,9 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
         for count, _ in extend_groups:
             links = {"intra": 0, "inter": 0}
             links[link] = count * total
-            nodes.append(NodeSpec("extend", count, count * total, links, count if total else 0, set(deps)))
+            n = NodeSpec("extend", count, count * total, links, count if total else 0, set(deps))
+            n.max_moved, n.acquires = max(held), total > 0
+            nodes.append(n)
     if merge is not None:
         m = len(nodes)
         nodes.append(merge)
@@ -197,7 +199,7 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
                                  f"the regular part as {[(n.kind, n.count) for n in nodes]}")
         return [n.ops for n in part.nodes], part.results
 
-    return StagePart(stage, nodes, codes, roles.roles, materialize)
+    return StagePart(stage, nodes, codes, roles, materialize)
 
 
 def _per_device(table: SpecBytes, layout: Layout) -> list[int]:
@@ -212,6 +214,8 @@ def _add_period_op(node: NodeSpec, li: int, op, effects: Effects, periods: int,
     node.count += periods
     node.bytes += periods * sum(moved.values())
     node.groups += periods if moved else 0
+    node.max_moved = max(node.max_moved, max(moved.values(), default=0))
+    node.acquires = node.acquires or any(v > 0 for v in alloc.values())
     for k, v in links.items():
         node.links[k] += periods * v
     devs = {d for e in op.inputs for d in e.devices} | {d for e in op.created for d in e.devices}

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from nereus.planner.plan import StagePlan
 from nereus.state.layout import Layout
@@ -40,13 +41,15 @@ __all__ = ["NodeSpec", "StagePart", "Roles", "Effects", "general_part", "unchang
 Role = tuple[int, tuple[tuple[int, int, int, int], ...]]
 # a list of per-device values as runs: (pattern, how many times it repeats), in order
 Runs = list[tuple[list, int]]
+_NODE = itemgetter(0)
 
 
 class NodeSpec:
     """One node of a model-stage before it joins the DAG (deps: local indices). The
     general path also sets its ops, devices and per-device effects."""
 
-    __slots__ = ("kind", "count", "bytes", "links", "groups", "deps", "ops", "devices", "alloc", "release", "moved")
+    __slots__ = ("kind", "count", "bytes", "links", "groups", "deps", "ops", "devices", "alloc", "release", "moved",
+                 "max_moved", "acquires")
 
     def __init__(self, kind: str, count: int, bytes: int, links: dict[str, int], groups: int,
                  deps: set[int] | None = None, ops: tuple[Op, ...] | None = None, devices: set[int] | None = None,
@@ -55,27 +58,34 @@ class NodeSpec:
         self.kind, self.count, self.bytes, self.links, self.groups = kind, count, bytes, links, groups
         self.deps = set() if deps is None else deps
         self.ops, self.devices, self.alloc, self.release, self.moved = ops, devices, alloc, release, moved
+        # the most one device receives, and whether it allocates anything anywhere
+        self.max_moved = max(moved.values(), default=0) if moved is not None else 0
+        self.acquires = any(v > 0 for v in alloc.values()) if alloc is not None else False
 
 
 @dataclass
 class StagePart:
     """A model-stage's nodes, every device's role code (0: untouched, nothing held) as
-    runs over devices ``0 .. size-1``, the roles, and -- for the executor, built on
-    first use -- each node's ops and the replicas after the transition."""
+    runs over devices ``0 .. size-1``, the roles (``Roles``), and -- for the executor,
+    built on first use -- each node's ops and the replicas after the transition."""
 
     stage: str
     nodes: list[NodeSpec]
     codes: Runs
-    roles: list[Role]
+    roles: Roles
     materialize: Callable[[], tuple[list[tuple[Op, ...]], tuple[Rep, ...]]] | None = None
     results: tuple[Rep, ...] | None = None
 
 
 class Roles:
-    """Interns roles: the same role always gets the same code; code 0 is untouched."""
+    """Interns roles: the same role always gets the same code; code 0 is untouched. Per
+    code it also keeps the most the device could hold (``grows``: before, plus every
+    allocation) and the nodes that touch it (``touch``)."""
 
     def __init__(self) -> None:
         self.roles: list[Role] = [(0, ())]
+        self.grows: list[int] = [0]
+        self.touch: list[tuple[int, ...]] = [()]
         self._code: dict[Role, int] = {(0, ()): 0}
 
     def code(self, initial: int, entries: Sequence[tuple[int, int, int, int]] = ()) -> int:
@@ -84,6 +94,8 @@ class Roles:
         if c is None:
             c = self._code[role] = len(self.roles)
             self.roles.append(role)
+            self.grows.append(initial + sum([a for _, a, _, _ in role[1] if a > 0]))
+            self.touch.append(tuple(map(_NODE, role[1])))
         return c
 
 
@@ -182,6 +194,8 @@ def group_ops(ops: Sequence[Op], effects: Effects) -> list[NodeSpec]:
             for k, v in links.items():
                 node.links[k] = node.links.get(k, 0) + v
             node.groups += moves
+            node.max_moved = max(node.max_moved, max(moved.values(), default=0))
+            node.acquires = node.acquires or any(v > 0 for v in alloc.values())
             node.deps |= deps
         node.deps.discard(nid)
         for e in op.created:
@@ -207,7 +221,7 @@ def general_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, host_
     codes = [0] * size
     for d in set(initial) | set(touched):
         codes[d] = roles.code(initial.get(d, 0), touched.get(d, ()))
-    return StagePart(stage, nodes, [(codes, 1)], roles.roles, results=planned.result)
+    return StagePart(stage, nodes, [(codes, 1)], roles, results=planned.result)
 
 
 def unchanged_part(stage: str, a: StagePlan, table: SpecBytes, size: int) -> StagePart:
@@ -223,7 +237,7 @@ def unchanged_part(stage: str, a: StagePlan, table: SpecBytes, size: int) -> Sta
             for i, d in enumerate(devs):
                 codes[d] = pattern[i]
         runs = [(codes, 1)]
-    return StagePart(stage, [], runs, roles.roles)
+    return StagePart(stage, [], runs, roles)
 
 
 def _initial(reps: Sequence[Rep], table: SpecBytes) -> dict[int, int]:
