@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from nereus.config import require
 from nereus.errors import OutOfMemory
@@ -43,6 +44,9 @@ from nereus.transition._classes import ClassEffect, DeviceClasses, DeviceMap
 from nereus.transition._regular import Hosts, regular_part
 from nereus.transition._stage import Runs, StagePart, general_part, unchanged_part
 from nereus.transition.analytic import SpecBytes
+
+if TYPE_CHECKING:
+    from nereus.transition.schedule import Schedule
 
 __all__ = ["Node", "TransitionDAG", "build_dag", "stage_rank", "stage_moves", "check_caps"]
 
@@ -143,14 +147,18 @@ class TransitionDAG:
     """Nodes (ids are indices), every device's cap and bytes in use before the
     transition, and each moving model-stage's replicas after it (with the names they
     are built under, in target order). ``classes``: the devices alike for the DAG
-    (made from the nodes' per-device effects when not given)."""
+    (made from the nodes' per-device effects when not given). ``schedule``: the list
+    schedule of the DAG as built, under the ``duration`` ``build_dag`` was given."""
 
     def __init__(self, nodes: list[Node], caps: Mapping[int, int | None], initial: Mapping[int, int], current: Plan,
                  target: Plan, results: Mapping[str, tuple[Rep, ...]], host_of: Callable[[int], int], *,
-                 classes: DeviceClasses | None = None, parts: Sequence[StagePart] = ()) -> None:
+                 classes: DeviceClasses | None = None, parts: Sequence[StagePart] = (),
+                 duration: Callable[[Node], float] | None = None) -> None:
         self.nodes, self.caps, self.initial = nodes, caps, initial
         self.current, self.target, self.results, self.host_of = current, target, results, host_of
         self._classes = classes
+        self.duration = duration
+        self._schedule: Schedule | None = None
         self._parts = list(parts)
         self._made: dict[int, list[tuple[Op, ...]]] = {}
         for n in nodes:
@@ -163,6 +171,19 @@ class TransitionDAG:
         if self._classes is None:
             self._classes = DeviceClasses.of_nodes(self.nodes, self.caps, self.initial)
         return self._classes
+
+    @property
+    def schedule(self) -> Schedule:
+        """The list schedule under ``duration`` (see the class docstring): the resource-edge
+        search's last simulation when it ran (the DAG as built is the one it simulated),
+        else simulated now. Raises ``ValueError`` when ``build_dag`` was given no duration."""
+        if self._schedule is None:
+            if self.duration is None:
+                raise ValueError("TransitionDAG.schedule needs build_dag(duration=...): a node's modelled seconds")
+            from nereus.transition.schedule import simulate
+
+            self._schedule = simulate(self, self.duration)
+        return self._schedule
 
     def _expand(self, node: Node, name: str):
         c = self.classes
@@ -315,8 +336,10 @@ def build_dag(
             nodes.append(n)
     dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),
                         DeviceMap(lambda: classes.counted_map(classes.initial)), current, target,
-                        _Results(parts), hosts.of, classes=classes, parts=parts)
-    _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
+                        _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration)
+    last = _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
+    if duration is not None:
+        dag._schedule = last  # the list schedule under duration (None: made when asked)
     return dag
 
 
@@ -324,15 +347,16 @@ class _EdgeAdded(Exception):
     """The simulation found a blocked acquisition and gave it a resource edge."""
 
 
-def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -> None:
+def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -> Schedule | None:
     """Simulate the list schedule; whenever an acquisition is blocked on a device's
     memory and a Destroy on that device is pending that it does not reach, make it wait
     for that Destroy (the one freeing the most there) and simulate again. A node blocked
-    with nothing running and no such Destroy makes the target infeasible."""
+    with nothing running and no such Destroy makes the target infeasible. Returns the
+    last simulation (the schedule of the DAG as it leaves here), None when none ran."""
     from nereus.transition.schedule import Blocked, simulate
 
     if not any(dag.classes.risky):
-        return  # no order of the nodes can exceed a cap: nothing is ever blocked on memory
+        return None  # no order of the nodes can exceed a cap: nothing is ever blocked on memory
     effects = dag.classes.effects
 
     def blocked(b: Blocked) -> bool:
@@ -349,8 +373,7 @@ def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -
 
     for _ in range(len(dag.nodes) ** 2 + 1):
         try:
-            simulate(dag, duration, on_blocked=blocked)
-            return
+            return simulate(dag, duration, on_blocked=blocked)
         except _EdgeAdded:
             continue
     raise AssertionError("resource edges did not converge")  # each round adds an edge of a finite DAG

@@ -36,7 +36,7 @@ from itertools import compress
 from operator import itemgetter
 
 from nereus.errors import InfeasibleTransition
-from nereus.transition._classes import DeviceMap
+from nereus.transition._classes import DeviceClasses, DeviceMap
 from nereus.transition.dag import Node, TransitionDAG
 
 __all__ = ["Dispatcher", "Schedule", "simulate", "LinkModel", "Blocked"]
@@ -44,18 +44,21 @@ __all__ = ["Dispatcher", "Schedule", "simulate", "LinkModel", "Blocked"]
 _TOUCHES = itemgetter(2)
 
 
-@dataclass
 class Blocked:
-    """A ready node that cannot start for memory: the device (the lowest of its class),
-    what it would need, the cap, the nodes finished so far, and the class of devices."""
+    """A ready node that cannot start for memory: the class of devices, what it would
+    need, the cap, the nodes finished so far, whether anything runs, and ``device`` (the
+    lowest of the class, looked up when asked: only an error names it)."""
 
-    node: int
-    device: int
-    need: int
-    cap: int
-    finished: frozenset[int]
-    running: bool
-    cls: int = -1
+    __slots__ = ("node", "cls", "need", "cap", "finished", "running", "_classes")
+
+    def __init__(self, node: int, cls: int, need: int, cap: int, finished: frozenset[int], running: bool,
+                 classes: DeviceClasses) -> None:
+        self.node, self.cls, self.need, self.cap, self.finished, self.running = node, cls, need, cap, finished, running
+        self._classes = classes
+
+    @property
+    def device(self) -> int:
+        return self._classes.first(self.cls)
 
 
 class Dispatcher:
@@ -132,7 +135,7 @@ class Dispatcher:
             over = self._over(nid) if e.alloc else None
             if over is not None:
                 c, need, cap = over
-                info = Blocked(nid, self._classes.first(c), need, cap, frozenset(self.finished), bool(self.running), c)
+                info = Blocked(nid, c, need, cap, frozenset(self.finished), bool(self.running), self._classes)
                 if self.blocked is None:
                     self.blocked = info
                 if self.on_blocked is not None and self.on_blocked(info):
