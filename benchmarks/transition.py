@@ -37,11 +37,20 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from nereus.errors import InfeasiblePlan
 from nereus.models.config import ModelConfig
 from nereus.models.spec import model_spec
-from nereus.errors import InfeasiblePlan
-from nereus.planner import (LengthStats, ModelShape, Plan, StagePlan, Workload, cluster_preset, model_preset, relabel,
-                            search)
+from nereus.planner import (
+    LengthStats,
+    ModelShape,
+    Plan,
+    StagePlan,
+    Workload,
+    cluster_preset,
+    model_preset,
+    relabel,
+    search,
+)
 from nereus.state import DeviceSet, ModelSpec, training_slots
 from nereus.state.layout import param_shard
 from nereus.transition import LinkModel, cluster_devices, cluster_link, scheduled

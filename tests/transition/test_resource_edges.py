@@ -91,7 +91,7 @@ def test_resource_edges_keep_the_dag_acyclic_and_every_cap():
     for _ in range(400):
         devices = rng.choice([4, 6])
 
-        def stage_plan() -> StagePlan:
+        def stage_plan(devices: int = devices) -> StagePlan:
             tp, dp = rng.choice([1, 2]), rng.choice([1, 2])
             devs = rng.sample(range(devices), tp * dp)
             return StagePlan(tp, 1, dp, tuple(tuple(devs[i * tp:(i + 1) * tp]) for i in range(dp)))
