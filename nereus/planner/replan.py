@@ -9,11 +9,13 @@ step (synchronous mode) or at a weight sync (asynchronous mode):
    and asks the ``TriggerMonitor`` what fired: devices lost or drained or a predicted
    memory violation (hard), devices joined or length drifting past its threshold
    (soft; a join's horizon is the moving interval between pool changes).
-2. If something fired, it searches the best plan and its alternatives, prices the move
-   to each with ``transition_seconds(current, target)`` (the transition DAG's estimate,
-   supplied by the caller; ``inf`` when impossible), and applies admission: the payback
-   rule with H from the triggering signal, or the urgent path when the trigger is hard
-   or the current plan can no longer run.
+2. If something fired, it searches the best plan and its alternatives, relabels each
+   onto the devices the current plan uses (``relabel``: the search lays pools out from
+   device 0), prices the move to each with ``transition_seconds(current, target)`` (the
+   transition DAG's estimate, supplied by the caller; ``inf`` when impossible), and
+   applies admission: the payback rule with H from the triggering signal, or the urgent
+   path when the trigger is hard or the current plan can no longer run. The plan it
+   adopts is the relabelled one it priced.
 3. Whatever was decided, the drift references are reset to the current values.
 
 ``observe_stage_seconds``, ``observe_memory_peaks`` and ``observe_device_peaks`` feed
@@ -40,6 +42,7 @@ from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import Explanation, explain
 from nereus.planner.plan import Plan
+from nereus.planner.relabel import relabel
 from nereus.planner.search import search
 from nereus.planner.triggers import Trigger, TriggerMonitor
 from nereus.planner.workload import LengthStats, Workload
@@ -226,6 +229,8 @@ class Replanner:
         for label, plan, seconds in [("best", found.plan, found.step_seconds)] + [
             (a.label, a.plan, a.step_seconds) for a in found.alternatives
         ]:
+            plan = relabel(self.plan, plan, devices_per_node=self.cluster.devices_per_node,
+                           devices=self.cluster.num_devices)
             cost = 0.0 if plan == self.plan else float(transition_seconds(self.plan, plan))
             targets.append(Target(plan, seconds, cost, label))
         soft = next((t for t in triggers if not t.hard), None)

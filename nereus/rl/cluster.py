@@ -76,7 +76,6 @@ from nereus.rl.change import check_after, emu_name, stage_changed, stage_emus
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
-from nereus.transition.schedule import simulate
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -471,7 +470,7 @@ class ClusterStages(ModelStages):
         finally:
             self._cache_slots = slots
         check_after(dag, engines)
-        return dag, simulate(dag, self.link.seconds).makespan
+        return dag, dag.schedule.makespan
 
     @property
     def restart_seconds(self) -> float:
