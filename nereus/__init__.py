@@ -62,6 +62,7 @@ for _module, _names in {
         "Calibrator", "ClusterSpec", "Plan", "Replanner", "StagePlan", "Workload", "cluster_preset",
         "explain", "local_cpu_cluster", "model_preset", "search",
     ],
+    "nereus.transition": ["LinkModel", "TransitionDAG", "build_dag", "simulate", "transition_seconds"],
     "nereus.rl": [
         "ClusterStages", "DataConfig", "FileTask", "InProcessStages", "JobConfig", "ModelStages",
         "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +165,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, device: str | torch.device) -> None:
         super().__init__()
-        inv = rope_inv_freq(config, device)
+        if torch.device(device).type == "meta":
+            # meta tensors run torch's Python reference kernels, whose first use imports
+            # seconds of modules; the values do not matter there, only the shape
+            inv = rope_inv_freq(config, "cpu").to(device)
+        else:
+            inv = rope_inv_freq(config, device)
         self.register_buffer("inv_freq", inv, persistent=False)
         self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -295,6 +301,24 @@ def _write_cache(cache: torch.Tensor, new: torch.Tensor, plan: _AttentionPlan) -
         cache[plan.rows, :, plan.slots] = new[plan.rows, plan.cols].to(cache.dtype)
 
 
+# One components tuple per config, shared by every layer (and so by every layer's
+# ParamSpec: a spec's layers compare equal without comparing their components field
+# by field).
+@lru_cache(maxsize=64)
+def _qkv_components(c: ModelConfig) -> tuple[Component, ...]:
+    return (
+        Component("q", c.q_size, c.num_attention_heads),
+        Component("k", c.kv_size, c.num_key_value_heads),
+        Component("v", c.kv_size, c.num_key_value_heads),
+    )
+
+
+@lru_cache(maxsize=64)
+def _gate_up_components(c: ModelConfig) -> tuple[Component, ...]:
+    i = c.intermediate_size
+    return (Component("gate", i, i), Component("up", i, i))
+
+
 class Attention(nn.Module):
     """GQA self-attention with fused, column-parallel q/k/v and a row-parallel output."""
 
@@ -303,11 +327,7 @@ class Attention(nn.Module):
         self.head_dim = c.head_dim
         self.heads_local = c.num_attention_heads // pc.tp_size
         self.kv_heads_local = max(1, c.num_key_value_heads // pc.tp_size)
-        comps = (
-            Component("q", c.q_size, c.num_attention_heads),
-            Component("k", c.kv_size, c.num_key_value_heads),
-            Component("v", c.kv_size, c.num_key_value_heads),
-        )
+        comps = _qkv_components(c)
         self.qkv_proj = ColumnParallelLinear(c.hidden_size, comps, pc, bias=c.has_qkv_bias, dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(c.q_size, c.hidden_size, pc, bias=c.has_o_bias, dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
@@ -354,8 +374,7 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
         super().__init__()
         i = c.intermediate_size
-        comps = (Component("gate", i, i), Component("up", i, i))
-        self.gate_up_proj = ColumnParallelLinear(c.hidden_size, comps, pc, dtype=dtype, device=device)
+        self.gate_up_proj = ColumnParallelLinear(c.hidden_size, _gate_up_components(c), pc, dtype=dtype, device=device)
         self.down_proj = RowParallelLinear(i, c.hidden_size, pc, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,9 @@ from nereus.planner.cost import (
 from nereus.planner.explain import DeviceMemory, Explanation, PhaseTime, StageExplanation, explain
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.pool import DevicePool
+from nereus.planner.relabel import relabel
 from nereus.planner.replan import BoundaryOutcome, Replanner
+from nereus.planner.replay import boundary_record, replay
 from nereus.planner.search import (
     Alternative,
     Candidate,
@@ -52,7 +54,8 @@ __all__ = [
     "Decision", "DeviceMemory", "DevicePool", "DriftSignal", "Efficiency", "Explanation", "HEADROOM", "LengthStats",
     "MODEL_PRESETS", "ModelShape", "ModelStage", "OP_CLASSES", "PhaseTime", "Plan", "PRESETS", "SearchResult",
     "StageCost", "StageExplanation", "StageMemory", "StagePlan", "Target", "Term", "Trigger", "TriggerMonitor",
-    "Workload", "admit", "algorithm_stages", "choose", "cluster_preset", "explain", "local_cpu_cluster",
-    "local_cpu_cluster_probed", "model_preset", "phases", "pool_sizes", "search", "stage_candidates", "stage_cost", "stage_memory",
+    "Workload", "admit", "algorithm_stages", "boundary_record", "choose", "cluster_preset", "explain",
+    "local_cpu_cluster", "local_cpu_cluster_probed", "model_preset", "phases", "pool_sizes", "relabel", "replay", "search",
+    "stage_candidates", "stage_cost", "stage_memory",
     "usable_bytes",
 ]

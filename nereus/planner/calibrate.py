@@ -34,7 +34,14 @@ from collections import deque
 from collections.abc import Mapping
 
 from nereus.config import require
-from nereus.planner.cost import CONSERVATIVE, FIXED_COSTS, OP_CLASSES, Efficiency, StageCost, StageMemory
+from nereus.planner.cost import (
+    CONSERVATIVE,
+    FIXED_COSTS,
+    OP_CLASSES,
+    Efficiency,
+    StageCost,
+    StageMemory,
+)
 
 __all__ = ["Calibrator"]
 

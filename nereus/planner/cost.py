@@ -24,7 +24,8 @@ a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
   per decode step of every wave; the KV cache holds one wave); training may recompute
   activations (8·N FLOPs per token, 6 TP all-reduces per layer, only layer inputs kept).
 - Devices that share cores (``ClusterSpec.cores``, processes on one CPU): a model-stage
-  on n devices gets ``rate_share(n)`` of each device's FLOP/s and bandwidths.
+  on n devices gets ``rate_share(n)`` of each device's FLOP/s and bandwidths, and its
+  fixed costs (CPU time too) take 1/``rate_share(n)`` as long.
 - Links: TP never leaves a node. PP sends and DP all-reduces take the inter-node path
   when their group spans nodes, with one device's share of the node's NICs.
 
@@ -324,7 +325,7 @@ def stage_cost(
             add("decode", (("gemm", compute), ("attention", attn)),
                 ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))
         # the batch goes stage after stage: every layer runs once per forward pass
-        add("layer passes", (("layer_passes", waves * (1 + steps) * L),),
+        add("layer passes", (("layer_passes", waves * (1 + steps) * L / busy),),
             ("{} waves·{} forward passes·{} layers·{:.2g} s fixed cost", (waves, 1 + steps, L, eff.layer_pass_s)))
         if tp > 1:
             nbytes = 2 * L * (t_prompt + t_gen) * h * b
@@ -356,7 +357,7 @@ def stage_cost(
     add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
                          ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
              ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
-    add_body("layer passes", (("layer_passes", micro_total * mult * layers),),
+    add_body("layer passes", (("layer_passes", micro_total * mult * layers / busy),),
              ("{} micro-batches·{} passes·{} layers·{:.2g} s fixed cost", (micro_total, mult, layers, eff.layer_pass_s)))
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2

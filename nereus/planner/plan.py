@@ -60,6 +60,15 @@ class StagePlan:
             seen: set[int] = set()
             twice = next(d for d in flat if d in seen or seen.add(d))
             require(False, "StagePlan.devices", twice, "is listed twice")
+        # not a field: what the devices say, read once (the transition DAG's regular case)
+        back_to_back = bool(flat) and flat == list(range(flat[0], flat[0] + len(flat)))
+        object.__setattr__(self, "_start", flat[0] if back_to_back else None)
+
+    @property
+    def start(self) -> int | None:
+        """The first device when the EMUs lie back to back on consecutive devices
+        (``on_range``'s placement), else None."""
+        return self._start
 
     @property
     def num_devices(self) -> int:

@@ -9,12 +9,14 @@ step (synchronous mode) or at a weight sync (asynchronous mode):
    and asks the ``TriggerMonitor`` what fired: devices lost or drained or a predicted
    memory violation (hard), devices joined or length drifting past its threshold
    (soft; a join's horizon is the moving interval between pool changes).
-2. If something fired, it searches the best plan and its alternatives, adds the current
-   layout rescaled to the pool (``rescale.rescaled``: DP follows the pool), prices the move
-   to each with ``transition_seconds(current, target)`` (the transition DAG's estimate,
-   supplied by the caller; ``inf`` when impossible), and applies admission: the payback
-   rule with H from the triggering signal, or the urgent path when the trigger is hard
-   or the current plan can no longer run.
+2. If something fired, it searches the best plan and its alternatives, relabels each
+   onto the devices the current plan uses (``relabel``: the search lays pools out from
+   device 0), adds the current layout rescaled to the pool (``rescale.rescaled``: DP
+   follows the pool), prices the move to each with ``transition_seconds(current,
+   target)`` (the transition DAG's estimate, supplied by the caller; ``inf`` when
+   impossible), and applies admission: the payback rule with H from the triggering
+   signal, or the urgent path when the trigger is hard or the current plan can no longer
+   run. The plan it adopts is the relabelled one it priced.
 3. Whatever was decided, the drift references are reset to the current values. When the
    admitted move was a compromise (a faster target's transition was impossible from
    the plan then), the next boundary searches again as a soft "follow-up" trigger: from
@@ -45,6 +47,7 @@ from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import Explanation, explain
 from nereus.planner.plan import Plan
+from nereus.planner.relabel import relabel
 from nereus.planner.rescale import rescaled
 from nereus.planner.search import search
 from nereus.planner.triggers import Trigger, TriggerMonitor
@@ -243,6 +246,9 @@ class Replanner:
         candidates = [("best", found.plan, found.step_seconds)] + [
             (a.label, a.plan, a.step_seconds) for a in found.alternatives
         ]
+        candidates = [(label, relabel(self.plan, plan, devices_per_node=self.cluster.devices_per_node,
+                                      devices=self.cluster.num_devices), seconds)
+                      for label, plan, seconds in candidates]
         # the current layout with DP following the pool: reachable by Extends and
         # Destroys alone, when the search's plans change TP or PP beyond what the
         # devices' memory allows mid-transition

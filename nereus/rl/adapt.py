@@ -161,6 +161,8 @@ class Adapter:
         self._gone: list[int] = []
         self._full_plan = stages.plan  # the last plan with every model-stage (device ids)
         self._lengths: LengthStats | None = None  # the last step's
+        self.boundaries: list[dict[str, Any]] = []  # every boundary report (nereus.planner.replay)
+        self._initial: tuple[Any, ...] | None = None  # how the Replanner was built
 
     # --- the pool and the planner's view ------------------------------------------------
 
@@ -185,6 +187,30 @@ class Adapter:
         self._gone = [d for d in sorted(plan.devices) if d not in pool.ids]
         return pool.to_slots(to_planner_plan(plan), gone=self._gone)
 
+    def _new_replanner(self, work: Workload, cluster: ClusterSpec, plan: Any) -> None:
+        eff = self.stages.calibrator.fit()
+        self.replanner = Replanner(work, cluster, plan=plan, eff=eff, gamma=self.cfg.adapt.gamma,
+                                   length_threshold=self.cfg.adapt.length_drift, calibrator=self.stages.calibrator,
+                                   join_horizon_steps=self.cfg.adapt.join_horizon_steps,
+                                   min_steps_between=self.cfg.adapt.min_steps_between)
+        self._initial = (work, cluster, plan, eff)
+
+    def _on_boundary(self, step: int, priced: dict[Any, tuple[float, int]], **given: Any) -> Any:
+        """``Replanner.on_boundary``, and the boundary's report on the tap (a ``boundary``
+        event: ``nereus.planner.replay`` runs the decisions again from these)."""
+        from nereus.planner.replay import boundary_record
+
+        rp = self.replanner
+        assert rp is not None
+        eff = rp.eff
+        outcome = rp.on_boundary(step, **given)
+        record = boundary_record(rp, outcome, eff=eff, lost=given.get("lost", ()), drained=given.get("drained", ()),
+                                 joined=given.get("joined", ()), priced={p: s for p, (s, _) in priced.items()},
+                                 first=not self.boundaries, initial=self._initial)
+        self.boundaries.append(record)
+        _emit("boundary", **record)
+        return outcome
+
     def _cap_lengths(self, step: int) -> LengthStats:
         cap = self.cfg.sampling.cap_at(step)
         return LengthStats(float(cap), float(cap), cap)
@@ -207,11 +233,8 @@ class Adapter:
         self._lengths = ran
         pool_before = self.pool
         if self.replanner is None:
-            self.replanner = Replanner(
-                self._workload(ran), self._cluster_spec(len(pool_before)), plan=self._slots(stages.plan, pool_before),
-                eff=stages.calibrator.fit(), gamma=self.cfg.adapt.gamma, length_threshold=self.cfg.adapt.length_drift,
-                calibrator=stages.calibrator, join_horizon_steps=self.cfg.adapt.join_horizon_steps,
-                min_steps_between=self.cfg.adapt.min_steps_between)
+            self._new_replanner(self._workload(ran), self._cluster_spec(len(pool_before)),
+                                self._slots(stages.plan, pool_before))
         rp = self.replanner
         if self._calibrate_next:
             self._calibrate(record, ran, pool_before)
@@ -236,9 +259,9 @@ class Adapter:
             priced[target] = (seconds, nbytes)
             return seconds
 
-        outcome = rp.on_boundary(nxt, lengths=ran, memory_lengths=cap, cluster=self._cluster_spec(len(self.pool)),
-                                 plan=self._slots(stages.plan, self.pool), lost=lost, drained=drained, joined=joined,
-                                 transition_seconds=price)
+        outcome = self._on_boundary(nxt, priced, lengths=ran, memory_lengths=cap,
+                                    cluster=self._cluster_spec(len(self.pool)), plan=self._slots(stages.plan, self.pool),
+                                    lost=lost, drained=drained, joined=joined, transition_seconds=price)
         if not outcome.triggers:
             return None
         return await self._act(nxt, outcome, priced)
@@ -262,11 +285,8 @@ class Adapter:
         lengths = self._lengths or self._cap_lengths(step)
         cap = self._cap_lengths(step)
         if self.replanner is None:
-            self.replanner = Replanner(
-                self._workload(lengths), self._cluster_spec(len(self.pool)), plan=self._slots(current, self.pool),
-                eff=stages.calibrator.fit(), gamma=self.cfg.adapt.gamma, length_threshold=self.cfg.adapt.length_drift,
-                calibrator=stages.calibrator, join_horizon_steps=self.cfg.adapt.join_horizon_steps,
-                min_steps_between=self.cfg.adapt.min_steps_between)
+            self._new_replanner(self._workload(lengths), self._cluster_spec(len(self.pool)),
+                                self._slots(current, self.pool))
         rp = self.replanner
         rp.work = self._workload(lengths, cap)
         inputs = await stages.change_inputs()
@@ -277,8 +297,9 @@ class Adapter:
             priced[target] = (seconds, nbytes)
             return seconds
 
-        outcome = rp.on_boundary(step, lengths=lengths, memory_lengths=cap, cluster=self._cluster_spec(len(self.pool)),
-                                 plan=self._slots(current, self.pool), lost=sorted(dead), transition_seconds=price)
+        outcome = self._on_boundary(step, priced, lengths=lengths, memory_lengths=cap,
+                                    cluster=self._cluster_spec(len(self.pool)), plan=self._slots(current, self.pool),
+                                    lost=sorted(dead), transition_seconds=price)
         self._calibrate_next = False
         decision = await self._act(step, outcome, priced)
         require(decision is not None and decision.get("admitted"), "recovery", decision and decision.get("reason"),

@@ -76,7 +76,6 @@ from nereus.rl.change import check_after, emu_name, stage_changed, stage_emus
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
-from nereus.transition.schedule import simulate
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -208,6 +207,13 @@ class ClusterStages(ModelStages):
             mesh = await spawn_hosts(self.cluster, missing, name=f"nereus-hosts-e{self.epoch}-{missing[0]}")
             self._host_meshes.append(mesh)
             self.hosts.update({r.device: r for r in mesh.refs})
+        if self.cfg.adapt.enabled:
+            # a job that changes its plan may build training engines on any of its
+            # devices; their one-time process cost is paid here, not inside a change
+            training = {d for stage in ("policy_training", "critic_training") if stage in self._plan.names
+                        for d in self._plan[stage].devices}
+            idle = [d for d in sorted(devices) if d in self.hosts and d not in training]
+            await asyncio.gather(*(self.hosts[d].warm_up.call_one() for d in idle))
 
     async def _start_all(self) -> None:
         from nereus.engines import spawn_model_stage
@@ -464,7 +470,7 @@ class ClusterStages(ModelStages):
         finally:
             self._cache_slots = slots
         check_after(dag, engines)
-        return dag, simulate(dag, self.link.seconds).makespan
+        return dag, dag.schedule.makespan
 
     @property
     def restart_seconds(self) -> float:

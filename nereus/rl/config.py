@@ -332,12 +332,16 @@ class Placement:
     """One model-stage's EMUs: ``dp`` replicas of layout ``tp x pp``; ``devices`` lists
     the ``dp * tp * pp`` devices, replica after replica (each replica pp-major: pipeline
     stage after stage, TP ranks innermost). ``tp`` and ``pp`` are powers of two, as the
-    planner's plans hold them."""
+    planner's plans hold them. ``recompute`` (training: keep only layer inputs for the
+    backward pass) and ``waves`` (generation: decode each replica's sequences in that many
+    successive batches) trade time for memory, as in the planner's ``StagePlan``."""
 
     devices: list[int] = field(default_factory=lambda: [0])
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    recompute: bool = False
+    waves: int = 1
 
     def __post_init__(self) -> None:
         from nereus.planner.plan import is_power_of_two
@@ -349,6 +353,7 @@ class Placement:
                     "must be a power of two (the layouts a plan holds)")
         require(len(self.devices) == self.tp * self.pp * self.dp, "plan.devices", self.devices, f"must list tp*pp*dp={self.tp * self.pp * self.dp} devices")
         require(len(set(self.devices)) == len(self.devices), "plan.devices", self.devices, "must not repeat a device")
+        require(isinstance(self.waves, int) and self.waves >= 1, "plan.waves", self.waves, "must be an integer >= 1")
 
     def emu_devices(self) -> list[list[int]]:
         """The devices of each EMU (one list per DP replica)."""
@@ -359,7 +364,8 @@ class Placement:
         """This placement as the planner's ``StagePlan``."""
         from nereus.planner.plan import StagePlan
 
-        return StagePlan(self.tp, self.pp, self.dp, tuple(tuple(e) for e in self.emu_devices()))
+        return StagePlan(self.tp, self.pp, self.dp, tuple(tuple(e) for e in self.emu_devices()),
+                         recompute=self.recompute, waves=self.waves)
 
 
 @dataclass(frozen=True)

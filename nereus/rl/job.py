@@ -45,7 +45,14 @@ from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.config import JobConfig
 from nereus.rl.data import PromptDataset
 from nereus.rl.loggers import check_loggers, make_loggers
-from nereus.rl.report import StepProgress, changes_table, plot_metrics, read_metrics, summary_table
+from nereus.rl.report import (
+    StepProgress,
+    changes_table,
+    faults_table,
+    plot_metrics,
+    read_metrics,
+    summary_table,
+)
 from nereus.rl.stages import InProcessStages, ModelStages, prepare_model
 from nereus.rl.tasks import Task, make_task
 from nereus.rl.vocab import Codec
@@ -229,7 +236,7 @@ class RLJob:
                 record = await self._guarded(self.run_step, "step")
                 if record is None:
                     continue  # a fault: the step was redone or its committed update kept
-                await self._guarded(lambda: self._boundary(record), "boundary")
+                await self._guarded(lambda record=record: self._boundary(record), "boundary")
                 self.records.append(record)
                 loggers.log(record)
                 progress.update(record)
@@ -253,6 +260,8 @@ class RLJob:
                 if cfg.adapt.enabled:
                     console.print(changes_table(history, title=f"plan changes ({sum(1 for r in history if r.get('transition'))}; "
                                                                f"every decision is on the tap: {self.out_dir / 'tap.jsonl'})"))
+                if self.faults:
+                    console.print(faults_table([f.as_record() for f in self.faults]))
         return self.records
 
     async def _boundary(self, record: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ job's to handle again).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ from typing import Any
 from nereus.errors import ActorDied, NereusError, RemoteError
 
 __all__ = ["Fault", "Lost", "forget_dead", "salvage", "settle_updates", "update_counts", "is_fault", "dead_devices"]
+
+# exception groups (Python 3.11+) that gather several workers' deaths
+_EXCEPTION_GROUPS: tuple[type, ...] = tuple(t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t)
 
 log = logging.getLogger("nereus.rl")
 
@@ -55,7 +59,7 @@ def is_fault(exc: BaseException) -> bool:
         return exc.remote_type in _FAULT_TYPES
     if isinstance(exc, NereusError):
         return type(exc).__name__ in _FAULT_TYPES
-    if isinstance(exc, BaseExceptionGroup):
+    if isinstance(exc, _EXCEPTION_GROUPS):
         return any(is_fault(e) for e in exc.exceptions)
     return False
 
@@ -211,7 +215,7 @@ async def salvage(stages: Any, runtime: Any) -> None:
 
     by_stage: dict[str, list[Any]] = {}
     for e in runtime.live.values():
-        by_stage.setdefault(e.stage, []).append(e)
+        by_stage.setdefault(e.model_stage, []).append(e)
     kept: list[tuple[str, StagePlan]] = []
     for stage in list(stages.emus):
         emus = sorted(by_stage.get(stage, []), key=lambda e: e.name)

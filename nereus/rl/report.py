@@ -162,6 +162,19 @@ def changes_table(records: Sequence[dict[str, Any]], title: str = "plan changes"
     return table
 
 
+def faults_table(faults: Sequence[dict[str, Any]], title: str = "faults recovered from") -> Any:
+    """A rich Table with one row per fault (``nereus.rl.recovery.Fault.as_record``)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in ("step", "devices", "during", "update committed", "step redone", "checkpoint restored", "recovery s"):
+        table.add_column(c, justify="right" if c in ("step", "recovery s") else "left")
+    for f in faults:
+        table.add_row(str(f["step"]), ", ".join(map(str, f["devices"])), f["during"], "yes" if f["committed"] else "no",
+                      "yes" if f["redone"] else "no", f["restored_from"] or "-", f"{f['recover_seconds']:.2f}")
+    return table
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"

@@ -19,7 +19,9 @@ share one structure:
      its other devices lack from them (freed once it exists);
    - none inside: Extend from an EMU on disjoint devices (a replica or a current EMU of
      any layout) onto its devices, in its layout (rank-aligned when the layouts are
-     equal), load-balanced across up to ``DONORS`` disjoint EMUs.
+     equal), load-balanced across up to ``DONORS`` disjoint EMUs, taken round robin
+     in the order the EMUs came to exist (never by name: the order, hence the DAG's
+     structure, is the same for every DP degree).
 
 Every plan moves only the bytes its target lacks on each device (box intersection), so
 the whole transition moves what a target does not already hold where it needs it.
@@ -40,7 +42,7 @@ Refuses: ``StateError`` for mixed layouts or model-stages, overlapping targets;
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -125,23 +127,26 @@ def _same(reps: Sequence[Replica], what: str) -> Layout:
 
 def smaller_subs(sub: Layout) -> list[Layout]:
     """``sub`` and the T_subs to retry with after it: tp halved, then pp halved."""
-    out = [sub]
+    return list(_smaller(sub))
+
+
+def _smaller(sub: Layout) -> Iterator[Layout]:
+    yield sub
     tp, pp = sub.tp, sub.pp
     while tp > 1:
         tp //= 2
-        out.append(Layout(tp, pp, sub.cuts))
+        yield Layout(tp, pp, sub.cuts)
     cuts = sub.cuts
     while pp > 1:
         pp //= 2
         cuts = cuts[1::2]  # adjacent stages pair up: every other cut stays
-        out.append(Layout(tp, pp, cuts))
-    return out
+        yield Layout(tp, pp, cuts)
 
 
 def stage_ops(current: Sequence[Replica], target: Sequence[Replica]) -> StageOps:
     """The ops that turn ``current`` into ``target`` (see the module docstring)."""
     a, b = _same(current, "current"), _same(target, "target")
-    for sub in smaller_subs(sub_layout(a, b)):
+    for sub in _smaller(sub_layout(a, b)):
         try:
             return _ops_through(current, target, sub)
         except InfeasiblePlan:
@@ -200,9 +205,10 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
     assigned = {by_slot[x].name: j for j, xs in inside.items() for x in xs}
     donors: dict[int, list[Replica]] = {}
     if needs_donor:
-        # unassigned EMUs first, then those of the targets' layout (rank-aligned), taken
-        # round robin so the targets' reads spread over every candidate
-        pool = sorted(live.values(), key=lambda e: (e.name in assigned, e.layout != b, e.name))
+        # unassigned EMUs first, then those of the targets' layout (rank-aligned), each in
+        # the order they came to exist, taken round robin so the targets' reads spread over
+        # every candidate (and neighbouring targets read from neighbouring replicas)
+        pool = sorted(live.values(), key=lambda e: (e.name in assigned, e.layout != b))
         for k, j in enumerate(needs_donor):
             t = set(target[j].devices)
             found: list[Replica] = []
@@ -215,7 +221,7 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
             donors[j] = found
     keep = {cands[0].name for cands in donors.values()}
     # 2. Destroy what no target needs (a donor waits for the targets built from it)
-    for e in sorted(live.values(), key=lambda e: e.name):
+    for e in list(live.values()):
         if e.name not in assigned and e.name not in keep:
             run(Op("destroy", (e,), (), (e,)))
     # 3. Build every target: Extends first (their sources may be merged into other
@@ -241,9 +247,8 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
 
     for j in donors:
         build(j)
-    for name in sorted(keep):
-        if name in live and name not in assigned:
-            run(Op("destroy", (live[name],), (), (live[name],)))
+    for e in [e for e in live.values() if e.name in keep and e.name not in assigned]:
+        run(Op("destroy", (e,), (), (e,)))
     for j in range(len(target)):
         if j not in donors:
             build(j)

@@ -13,6 +13,13 @@ is given.
 
 from nereus.transition.analytic import SpecBytes
 from nereus.transition.dag import Node, TransitionDAG, build_dag, stage_moves, stage_rank
+from nereus.transition.estimate import (
+    cluster_devices,
+    cluster_link,
+    estimator,
+    scheduled,
+    transition_seconds,
+)
 from nereus.transition.schedule import Blocked, Dispatcher, LinkModel, Schedule, simulate
 
 __all__ = [
@@ -24,7 +31,12 @@ __all__ = [
     "SpecBytes",
     "TransitionDAG",
     "build_dag",
+    "cluster_devices",
+    "cluster_link",
+    "estimator",
+    "scheduled",
     "simulate",
     "stage_moves",
     "stage_rank",
+    "transition_seconds",
 ]

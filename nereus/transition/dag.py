@@ -20,28 +20,35 @@ and returns a ``TransitionDAG``:
 
 Nodes carry their devices, per-device allocation (target shards not adopted, one
 transfer bucket) and release (freed sources, the bucket), bytes per link (intra- and
-inter-node) and the groups they make. Bytes are analytic (``nereus.transition.analytic``),
-so 1,024 devices stay cheap; the executor builds the exact reshard plans when a node
-runs. Pure: no I/O.
+inter-node) and the groups they make. Bytes are analytic (``nereus.transition.analytic``)
+and a model-stage whose plans repeat is priced by its distinct roles, not device by
+device (``_regular``); devices alike for the whole DAG form classes (``_classes``) that
+the scheduler counts memory over. So 1,024 devices stay cheap: per-device views and the
+ops of a node are made on first use (the executor builds the exact reshard plans when a
+node runs). Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from nereus.config import require
 from nereus.errors import OutOfMemory
 from nereus.planner.plan import Plan, StagePlan
 from nereus.state.emu import DeviceSet
-from nereus.state.layout import Layout
 from nereus.state.spec import ModelSpec
-from nereus.state.transition import Op, Rep, stage_ops
+from nereus.state.transition import Op, Rep
+from nereus.transition._classes import ClassEffect, DeviceClasses, DeviceMap
+from nereus.transition._regular import Hosts, regular_part
+from nereus.transition._stage import Runs, StagePart, general_part, unchanged_part
 from nereus.transition.analytic import SpecBytes
 
-__all__ = ["Node", "TransitionDAG", "build_dag", "stage_rank", "stage_moves"]
+if TYPE_CHECKING:
+    from nereus.transition.schedule import Schedule
+
+__all__ = ["Node", "TransitionDAG", "build_dag", "stage_rank", "stage_moves", "check_caps"]
 
 KIND_RANK = {"generation": 0, "inference": 1, "training": 2}
 
@@ -59,29 +66,56 @@ def stage_moves(a: StagePlan, b: StagePlan) -> bool:
     return (a.tp, a.pp, a.devices) != (b.tp, b.pp, b.devices)
 
 
-@dataclass
+_LAZY = ("ops", "devices", "alloc", "release", "moved_in")
+
+
 class Node:
     """One primitive, or a set of identical device-disjoint ones (``ops``), of one
     model-stage. ``alloc``/``release``: bytes per device taken when it starts, given
-    back when it ends. ``moved_in``: bytes each device receives."""
+    back when it ends. ``moved_in``: bytes each device receives. A node that ``build_dag``
+    made lists its ops and per-device effects on first use."""
 
-    id: int
-    kind: str
-    stage: str
-    ops: tuple[Op, ...]
-    devices: tuple[int, ...]
-    alloc: dict[int, int]
-    release: dict[int, int]
-    moved_in: dict[int, int]
-    bytes: int
-    bytes_by_link: dict[str, int]
-    groups: int
-    deps: set[int] = field(default_factory=set)
-    resource_deps: set[int] = field(default_factory=set)
+    def __init__(self, id: int, kind: str, stage: str, ops: tuple[Op, ...] | None, devices: tuple[int, ...] | None,
+                 alloc: dict[int, int] | None, release: dict[int, int] | None, moved_in: dict[int, int] | None,
+                 bytes: int, bytes_by_link: dict[str, int], groups: int, deps: set[int] | None = None,
+                 resource_deps: set[int] | None = None) -> None:
+        self.id, self.kind, self.stage, self.bytes, self.bytes_by_link, self.groups = (
+            id, kind, stage, bytes, bytes_by_link, groups)
+        self._ops, self._devices, self._alloc, self._release, self._moved_in = ops, devices, alloc, release, moved_in
+        self.deps: set[int] = set() if deps is None else deps
+        self.resource_deps: set[int] = set() if resource_deps is None else resource_deps
+        self.rank = stage_rank(stage)
+        # made by build_dag: how many primitives, the DAG it is made from on first use, and
+        # (part, node of the part) for its ops
+        self._count: int | None = None
+        self._dag: TransitionDAG | None = None
+        self._local: tuple[int, int] | None = None
+
+    def _lazy(self, name: str):
+        got = getattr(self, "_" + name)
+        if got is None:
+            dag = self._dag
+            if dag is None:
+                raise AttributeError(f"node {self.label} has no {name}")
+            got = dag._expand(self, name)
+            setattr(self, "_" + name, got)
+        return got
+
+    ops = property(lambda self: self._lazy("ops"), lambda self, v: setattr(self, "_ops", v))
+    devices = property(lambda self: self._lazy("devices"), lambda self, v: setattr(self, "_devices", v))
+    alloc = property(lambda self: self._lazy("alloc"), lambda self, v: setattr(self, "_alloc", v))
+    release = property(lambda self: self._lazy("release"), lambda self, v: setattr(self, "_release", v))
+    moved_in = property(lambda self: self._lazy("moved_in"), lambda self, v: setattr(self, "_moved_in", v))
+
+    @property
+    def effect(self) -> ClassEffect:
+        """Its effect per class of devices (what the scheduler counts)."""
+        assert self._dag is not None, "a node belongs to a TransitionDAG"
+        return self._dag.classes.effects[self.id]
 
     @property
     def count(self) -> int:
-        return len(self.ops)
+        return self._count if self._count is not None else len(self.ops)
 
     @property
     def label(self) -> str:
@@ -89,22 +123,83 @@ class Node:
 
     @property
     def releases_only(self) -> bool:
-        return not any(self.alloc.values())
+        if self._alloc is None and self._dag is not None:
+            return not self.effect.acquires
+        return not any(v > 0 for v in self.alloc.values())
+
+    @property
+    def max_moved_in(self) -> int:
+        """The most bytes any one device receives."""
+        if self._moved_in is None and self._dag is not None:
+            return self.effect.max_moved
+        return max(self.moved_in.values(), default=0)
+
+    def materialize(self) -> None:
+        """Make every field that is made on first use now."""
+        for name in _LAZY:
+            self._lazy(name)
+
+    def __repr__(self) -> str:
+        return f"Node({self.label}, bytes={self.bytes}, deps={sorted(self.deps)})"
 
 
-@dataclass
 class TransitionDAG:
     """Nodes (ids are indices), every device's cap and bytes in use before the
     transition, and each moving model-stage's replicas after it (with the names they
-    are built under, in target order)."""
+    are built under, in target order). ``classes``: the devices alike for the DAG
+    (made from the nodes' per-device effects when not given). ``schedule``: the list
+    schedule of the DAG as built, under the ``duration`` ``build_dag`` was given."""
 
-    nodes: list[Node]
-    caps: dict[int, int | None]
-    initial: dict[int, int]
-    current: Plan
-    target: Plan
-    results: dict[str, tuple[Rep, ...]]
-    host_of: Callable[[int], int]
+    def __init__(self, nodes: list[Node], caps: Mapping[int, int | None], initial: Mapping[int, int], current: Plan,
+                 target: Plan, results: Mapping[str, tuple[Rep, ...]], host_of: Callable[[int], int], *,
+                 classes: DeviceClasses | None = None, parts: Sequence[StagePart] = (),
+                 duration: Callable[[Node], float] | None = None) -> None:
+        self.nodes, self.caps, self.initial = nodes, caps, initial
+        self.current, self.target, self.results, self.host_of = current, target, results, host_of
+        self._classes = classes
+        self.duration = duration
+        self._schedule: Schedule | None = None
+        self._parts = list(parts)
+        self._made: dict[int, list[tuple[Op, ...]]] = {}
+        for n in nodes:
+            if n._dag is not None and n._dag is not self:
+                n.materialize()
+            n._dag = self
+
+    @property
+    def classes(self) -> DeviceClasses:
+        if self._classes is None:
+            self._classes = DeviceClasses.of_nodes(self.nodes, self.caps, self.initial)
+        return self._classes
+
+    @property
+    def schedule(self) -> Schedule:
+        """The list schedule under ``duration`` (see the class docstring): the resource-edge
+        search's last simulation when it ran (the DAG as built is the one it simulated),
+        else simulated now. Raises ``ValueError`` when ``build_dag`` was given no duration."""
+        if self._schedule is None:
+            if self.duration is None:
+                raise ValueError("TransitionDAG.schedule needs build_dag(duration=...): a node's modelled seconds")
+            from nereus.transition.schedule import simulate
+
+            self._schedule = simulate(self, self.duration)
+        return self._schedule
+
+    def _expand(self, node: Node, name: str):
+        c = self.classes
+        e = c.effects[node.id]
+        if name == "devices":
+            return tuple(sorted(d for k in e.touches for d in c.members[k]))
+        if name in ("alloc", "release", "moved_in"):
+            return c.per_device(c.full(node.id)[("alloc", "release", "moved_in").index(name)])
+        assert node._local is not None
+        p, li = node._local
+        if p not in self._made:
+            part = self._parts[p]
+            ops, results = part.materialize()  # type: ignore[misc]
+            self._made[p] = ops
+            part.results = results
+        return self._made[p][li]
 
     @property
     def bytes(self) -> int:
@@ -122,7 +217,8 @@ class TransitionDAG:
         return sorted({n.stage for n in self.nodes})
 
     def devices(self) -> set[int]:
-        return {d for n in self.nodes for d in n.devices}
+        c = self.classes
+        return {d for e in c.effects for k in e.touches for d in c.members[k]}
 
     def reachable_from(self, start: int) -> set[int]:
         """Every node that (transitively) waits for ``start``."""
@@ -139,78 +235,27 @@ class TransitionDAG:
         return seen
 
 
-def _reps(stage: str, sp: StagePlan, names: Sequence[str] | None) -> list[Rep]:
-    layout = Layout(sp.tp, sp.pp)
-    if names is not None:
-        require(len(names) == sp.dp, f"names of {stage}", list(names), f"must name its {sp.dp} EMUs")
-    return [Rep(names[i] if names is not None else f"{stage}.{i}", layout, tuple(devs))
-            for i, devs in enumerate(sp.devices)]
+class _Results(Mapping):
+    """Each moving model-stage's replicas after the transition, listed on first use."""
+
+    def __init__(self, parts: Sequence[StagePart]) -> None:
+        self._parts = {p.stage: p for p in parts if p.nodes}
+
+    def __getitem__(self, stage: str) -> tuple[Rep, ...]:
+        part = self._parts[stage]
+        if part.results is None:
+            _, part.results = part.materialize()  # type: ignore[misc]
+        return part.results  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
 
 
-@lru_cache(maxsize=64)
-def _spec_bytes(spec: ModelSpec, slots: tuple[str, ...]) -> SpecBytes:
-    """One ``SpecBytes`` per (model, slots): its memo of bytes per layout position is
-    pure, so every DAG built for that model reuses it."""
-    return SpecBytes(spec, slots)
-
-
-class _Effects:
-    """Per-op memory effect and traffic from analytic bytes."""
-
-    def __init__(self, table: SpecBytes, host_of: Callable[[int], int], bucket_bytes: int) -> None:
-        self.table, self.host_of, self.bucket = table, host_of, bucket_bytes
-
-    def of(self, op: Op) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[str, int]]:
-        t = self.table
-        alloc: dict[int, int] = defaultdict(int)
-        release: dict[int, int] = defaultdict(int)
-        moved: dict[int, int] = defaultdict(int)
-        links = {"intra": 0, "inter": 0}
-        at = {d: (e, e.layout.position(e.devices.index(d))) for e in op.inputs for d in e.devices}
-        reuse = op.kind in ("split", "merge")  # their sources are freed: unchanged shards are adopted
-        for made in op.created:
-            for i, d in enumerate(made.devices):
-                pos = made.layout.position(i)
-                held = t.held(made.layout, pos)
-                src = at.get(d)
-                local = t.local(src[0].layout, src[1], made.layout, pos) if src is not None else 0
-                kept = t.kept(src[0].layout, src[1], made.layout, pos) if reuse and src is not None else 0
-                alloc[d] += held - kept
-                if src is not None and kept:
-                    release[d] -= kept  # the adopted shard stays; its source does not give it back
-                moved[d] += held - local
-                if held - local:
-                    links[self._link(op, d)] += held - local
-        for e in op.freed:
-            for i, d in enumerate(e.devices):
-                release[d] += t.held(e.layout, e.layout.position(i))
-        traffic: dict[int, int] = defaultdict(int)
-        for d, n in moved.items():
-            if n:
-                traffic[d] += n
-        if traffic and self.bucket:
-            senders = {d for e in op.inputs for d in e.devices}
-            for d in set(traffic) | senders:
-                b = min(self.bucket, max(traffic.get(d, 0), 1))
-                alloc[d] += b
-                release[d] += b
-        return dict(alloc), dict(release), dict(moved), links
-
-    def _link(self, op: Op, device: int) -> str:
-        """Whether ``device``'s bytes come from its own host (all sources there) or not."""
-        host = self.host_of(device)
-        sources = {d for e in op.inputs for d in e.devices if d != device}
-        return "intra" if all(self.host_of(s) == host for s in sources) else "inter"
-
-
-def _reads(op: Op) -> tuple[str, ...]:
-    return tuple(e.name for e in op.inputs)
-
-
-def _devices(op: Op) -> set[int]:
-    out = {d for e in op.inputs for d in e.devices}
-    out.update(d for e in op.created for d in e.devices)
-    return out
+def _extent(sp: StagePlan) -> int:
+    return sp.start + sp.num_devices if sp.start is not None else 1 + max(max(e) for e in sp.devices)
 
 
 def build_dag(
@@ -238,114 +283,97 @@ def build_dag(
             f"must place the same model-stages as the current plan {current.names}")
     missing = sorted(s for s in current.names if s not in specs)
     require(not missing, "specs", sorted(specs), f"must give a ModelSpec for {missing}")
-    if isinstance(devices, DeviceSet):
-        ds = devices
-        cap_of: Callable[[int], int | None] = ds.budget
-        host_of = host_of or ds.host
+    size = max(max(_extent(sp) for _, sp in current), max(_extent(sp) for _, sp in target),
+               1 + max(resident or (), default=-1))
+    ds = devices if isinstance(devices, DeviceSet) else None
+    caps: Runs = [([None], size)]
+    if ds is not None:
+        require(size <= len(ds), "devices", f"DeviceSet of {len(ds)} devices",
+                f"must hold every device the plans use (up to {size - 1})")
+        if ds.memory_bytes:
+            mem = ds.memory_bytes[:size]
+            caps = [([mem[0]], size)] if mem == (mem[0],) * size else [(list(mem), 1)]
+    elif devices is not None:
+        caps = [([devices(d) for d in range(size)], 1)]  # type: ignore[operator]
+    if host_of is not None:
+        hosts = Hosts(host_of, [host_of(d) for d in range(size)], size)
+    elif ds is not None:
+        hosts = Hosts(ds.host, ds.hosts, size)
     else:
-        cap_of = devices if devices is not None else (lambda d: None)
-    host = host_of or (lambda d: 0)
-    nodes: list[Node] = []
-    results: dict[str, tuple[Rep, ...]] = {}
-    initial: dict[int, int] = defaultdict(int, resident or {})
-    for stage, sp in current:
-        table = _spec_bytes(specs[stage], tuple((slots or {}).get(stage, ("param",))))
-        for e in _reps(stage, sp, (names or {}).get(stage)):
-            for i, d in enumerate(e.devices):
-                initial[d] += table.held(e.layout, e.layout.position(i))
+        hosts = Hosts(lambda d: 0, [0] * size, size)
+    resident_at: Runs = [([None], size)]
+    if resident:
+        at: list[int | None] = [None] * size
+        for d, v in resident.items():
+            at[d] = v
+        resident_at = [(at, 1)]
+    tables: dict[int, SpecBytes] = {}
+    parts: list[StagePart] = []
     for stage in current.names:
         a, b = current[stage], target[stage]
+        spec, want = specs[stage], tuple((slots or {}).get(stage, ("param",)))
+        base = tables.get(id(spec))
+        if base is None:
+            base = tables[id(spec)] = SpecBytes(spec, want)
+        table = base if base.slots == want else base.with_slots(want)
+        given = (names or {}).get(stage)
+        if given is not None:
+            require(len(given) == a.dp, f"names of {stage}", list(given), f"must name its {a.dp} EMUs")
         if not stage_moves(a, b):
+            parts.append(unchanged_part(stage, a, table, size))
             continue
-        cur = _reps(stage, a, (names or {}).get(stage))
-        tgt = [Rep(f"{stage}.next{i}", Layout(b.tp, b.pp), tuple(devs)) for i, devs in enumerate(b.devices)]
-        planned = stage_ops(cur, tgt)
-        results[stage] = planned.result
-        effects = _Effects(_spec_bytes(specs[stage], tuple((slots or {}).get(stage, ("param",)))), host, bucket_bytes)
-        _add_stage(nodes, stage, planned.ops, effects)
-    caps = {d: cap_of(d) for d in set(initial) | {d for n in nodes for d in n.devices}}
-    dag = TransitionDAG(nodes, caps, dict(initial), current, target, results, host)
-    _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
+        part = regular_part(stage, a, b, table, hosts, bucket_bytes, size, given)
+        parts.append(part if part is not None else general_part(stage, a, b, table, hosts.of, bucket_bytes, size, given))
+    classes = DeviceClasses.of_parts(parts, caps, resident_at)
+    nodes: list[Node] = []
+    for p, part in enumerate(parts):
+        base_id = len(nodes)
+        for li, ns in enumerate(part.nodes):
+            devs = tuple(sorted(ns.devices)) if ns.devices is not None else None
+            n = Node(len(nodes), ns.kind, part.stage, ns.ops, devs, ns.alloc, ns.release, ns.moved,
+                     ns.bytes, dict(ns.links), ns.groups, {base_id + d for d in ns.deps})
+            n._count, n._local = ns.count, (p, li)
+            nodes.append(n)
+    dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),
+                        DeviceMap(lambda: classes.counted_map(classes.initial)), current, target,
+                        _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration)
+    last = _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
+    if duration is not None:
+        dag._schedule = last  # the list schedule under duration (None: made when asked)
     return dag
-
-
-def _add_stage(nodes: list[Node], stage: str, ops: Sequence[Op], effects: _Effects) -> None:
-    """Nodes of one model-stage's ops, grouped: consecutive ops of one kind on disjoint
-    devices share a node. Edges by data and by readers."""
-    made_by: dict[str, int] = {}  # EMU name -> node that creates it
-    readers: dict[str, set[int]] = defaultdict(set)  # EMU name -> nodes that read it
-    groups: list[tuple[int, set[int]]] = []  # open groups of the current run: (node id, devices)
-    run_kind = None
-    for op in ops:
-        if op.kind != run_kind:
-            groups, run_kind = [], op.kind
-        devs = _devices(op)
-        deps = {made_by[n] for n in _reads(op) if n in made_by}
-        if op.freed:
-            for e in op.freed:
-                deps |= readers.get(e.name, set())
-        # join the first open group of this run on other devices that no dependency forbids
-        target_node = None
-        for node_id, used in groups:
-            if used.isdisjoint(devs) and node_id not in deps:
-                target_node = node_id
-                break
-        alloc, release, moved, links = effects.of(op)
-        moves = any(moved.values())
-        if target_node is None:
-            node = Node(len(nodes), op.kind, stage, (op,), tuple(sorted(devs)), dict(alloc), dict(release),
-                        dict(moved), sum(moved.values()), dict(links), 1 if moves else 0, set(deps))
-            nodes.append(node)
-            groups.append((node.id, set(devs)))
-        else:
-            node = nodes[target_node]
-            node.ops = (*node.ops, op)
-            node.devices = tuple(sorted(set(node.devices) | devs))
-            for src, dst in ((alloc, node.alloc), (release, node.release), (moved, node.moved_in)):
-                for d, v in src.items():
-                    dst[d] = dst.get(d, 0) + v
-            node.bytes += sum(moved.values())
-            for k, v in links.items():
-                node.bytes_by_link[k] = node.bytes_by_link.get(k, 0) + v
-            node.groups += 1 if moves else 0
-            node.deps |= deps
-            for i, (nid, used) in enumerate(groups):
-                if nid == target_node:
-                    groups[i] = (nid, used | devs)
-        node.deps.discard(node.id)
-        for e in op.created:
-            made_by[e.name] = node.id
-        for n in _reads(op):
-            readers[n].add(node.id)
 
 
 class _EdgeAdded(Exception):
     """The simulation found a blocked acquisition and gave it a resource edge."""
 
 
-def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -> None:
+def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -> Schedule | None:
     """Simulate the list schedule; whenever an acquisition is blocked on a device's
     memory and a Destroy on that device is pending that it does not reach, make it wait
     for that Destroy (the one freeing the most there) and simulate again. A node blocked
-    with nothing running and no such Destroy makes the target infeasible."""
+    with nothing running and no such Destroy makes the target infeasible. Returns the
+    last simulation (the schedule of the DAG as it leaves here), None when none ran."""
     from nereus.transition.schedule import Blocked, simulate
+
+    if not any(dag.classes.risky):
+        return None  # no order of the nodes can exceed a cap: nothing is ever blocked on memory
+    effects = dag.classes.effects
 
     def blocked(b: Blocked) -> bool:
         node = dag.nodes[b.node]
         below = dag.reachable_from(node.id) | {node.id}
         cands = [n for n in dag.nodes if n.kind == "destroy" and n.id not in below and n.id not in b.finished
-                 and n.id not in node.deps and n.release.get(b.device, 0) > 0]
+                 and n.id not in node.deps and effects[n.id].release.get(b.cls, 0) > 0]
         if not cands:
             return False
-        best = max(cands, key=lambda n: (n.release.get(b.device, 0), -n.id))
+        best = max(cands, key=lambda n: (effects[n.id].release.get(b.cls, 0), -n.id))
         node.deps.add(best.id)
         node.resource_deps.add(best.id)
         raise _EdgeAdded
 
     for _ in range(len(dag.nodes) ** 2 + 1):
         try:
-            simulate(dag, duration, on_blocked=blocked)
-            return
+            return simulate(dag, duration, on_blocked=blocked)
         except _EdgeAdded:
             continue
     raise AssertionError("resource edges did not converge")  # each round adds an edge of a finite DAG
@@ -357,4 +385,3 @@ def check_caps(dag: TransitionDAG) -> None:
         cap = dag.caps.get(d)
         if cap is not None and used > cap:
             raise OutOfMemory(d, used, cap, "the EMUs resident before the transition")
-

@@ -6,11 +6,13 @@ and the simulator's timing are all this (DESIGN §5).
 time: a worker's ``run_plan`` is sequential, so two primitives sharing two devices queued
 in opposite orders would otherwise wait on each other), and the bytes in use on every
 device. ``start_ready()`` starts, in priority order (release before acquire, then
-generation, inference, training, then node id; ties shuffled when given a random
-generator), every ready node whose devices are free and whose allocation fits every
-device's cap counting what is in use (source buffers stay until their node ends; a
-node's transfer bucket counts while it runs); ``finish(node)`` gives its devices and
-its released bytes back.
+generation, inference, training, then node id; with a random generator, ties drawn at
+random once per node), every ready node whose devices are free and whose allocation
+fits every device's cap counting what is in use (source buffers stay until their node
+ends; a node's transfer bucket counts while it runs); ``finish(node)`` gives its devices
+and its released bytes back. It counts per class of alike devices (``dag.classes``), and
+only the classes whose cap some order could break; ``used``, ``peak`` and ``busy`` are
+per-device views made when asked for (from the sequence of starts and ends).
 
 ``simulate(dag, duration)`` runs the dispatcher against a clock, each node taking
 ``duration(node)`` seconds: a ``Schedule`` of start and end times, the start order, the
@@ -27,59 +29,94 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from bisect import insort
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from itertools import compress
+from operator import itemgetter
 
 from nereus.errors import InfeasibleTransition
-from nereus.transition.dag import Node, TransitionDAG, stage_rank
+from nereus.transition._classes import DeviceClasses, DeviceMap
+from nereus.transition.dag import Node, TransitionDAG
 
 __all__ = ["Dispatcher", "Schedule", "simulate", "LinkModel", "Blocked"]
 
+_TOUCHES = itemgetter(2)
 
-@dataclass
+
 class Blocked:
-    """A ready node that cannot start for memory: the device, what it would need, the
-    cap, and the nodes finished so far."""
+    """A ready node that cannot start for memory: the class of devices, what it would
+    need, the cap, the nodes finished so far, whether anything runs, and ``device`` (the
+    lowest of the class, looked up when asked: only an error names it)."""
 
-    node: int
-    device: int
-    need: int
-    cap: int
-    finished: frozenset[int]
-    running: bool
+    __slots__ = ("node", "cls", "need", "cap", "finished", "running", "_classes")
+
+    def __init__(self, node: int, cls: int, need: int, cap: int, finished: frozenset[int], running: bool,
+                 classes: DeviceClasses) -> None:
+        self.node, self.cls, self.need, self.cap, self.finished, self.running = node, cls, need, cap, finished, running
+        self._classes = classes
+
+    @property
+    def device(self) -> int:
+        return self._classes.first(self.cls)
 
 
 class Dispatcher:
-    """The state of one schedule of ``dag`` (see the module docstring)."""
+    """The state of one schedule of ``dag`` (see the module docstring). Bytes and
+    exclusivity are counted per class of alike devices (``dag.classes``); ``used``,
+    ``peak`` and ``busy`` are the per-device views."""
 
     def __init__(self, dag: TransitionDAG, rng: random.Random | None = None,
                  on_blocked: Callable[[Blocked], bool] | None = None) -> None:
         self.dag = dag
         self.rng = rng
         self.on_blocked = on_blocked
+        classes = dag.classes
+        self._classes = classes
+        self._effects = classes.effects
+        self._caps = classes.caps
         self.waiting = {n.id: len(n.deps) for n in dag.nodes}
         self.children: dict[int, list[int]] = {n.id: [] for n in dag.nodes}
         for n in dag.nodes:
             for d in n.deps:
                 self.children[d].append(n.id)
+        # release before acquire, then generation, inference, training, then node id (or a
+        # random tie, drawn once per node and schedule)
+        # queue entries: (priority, node, the classes it touches)
+        self._item = {n.id: ((0 if n.releases_only else 1, n.rank, rng.random() if rng is not None else n.id),
+                             n.id, self._effects[n.id].touches) for n in dag.nodes}
         self.ready = {n.id for n in dag.nodes if not n.deps}
+        self._queue = sorted(self._item[i] for i in self.ready)  # the ready nodes, in priority order
         self.running: set[int] = set()
         self.finished: set[int] = set()
         self.failed: set[int] = set()
-        self.busy: set[int] = set()
-        self.used = dict(dag.initial)
-        self.peak = dict(dag.initial)
+        self._busy: set[int] = set()
+        self._used = list(classes.initial)  # counted on the classes at risk only
+        self.events: list[tuple[int, int]] = []  # (node, +1 started / 0 ended / -1 failed)
         self.blocked: Blocked | None = None
 
-    def _priority(self, node: Node) -> tuple:
-        tie = self.rng.random() if self.rng is not None else node.id
-        return (0 if node.releases_only else 1, stage_rank(node.stage), tie)
+    @property
+    def used(self) -> dict[int, int]:
+        """Bytes in use on every device now."""
+        return self._classes.counted_map(self._classes.replay(self.events)[0])
 
-    def _over(self, node: Node) -> tuple[int, int, int] | None:
-        for d, extra in node.alloc.items():
-            cap = self.dag.caps.get(d)
-            if cap is not None and extra > 0 and self.used.get(d, 0) + extra > cap:
-                return d, self.used.get(d, 0) + extra, cap
+    @property
+    def peak(self) -> dict[int, int]:
+        """The most bytes every device has held so far."""
+        return self._classes.counted_map(self._classes.replay(self.events)[1])
+
+    @property
+    def busy(self) -> set[int]:
+        """Devices running a primitive now."""
+        members = self._classes.members
+        return {d for c in self._busy for d in members[c]}
+
+    def _over(self, nid: int) -> tuple[int, int, int] | None:
+        used, caps = self._used, self._caps
+        for c, extra in self._effects[nid].alloc:
+            cap = caps[c]
+            if cap is not None and extra > 0 and used[c] + extra > cap:
+                return c, used[c] + extra, cap
         return None
 
     def start_ready(self) -> list[Node]:
@@ -88,47 +125,58 @@ class Dispatcher:
         this round (the caller changed the DAG)."""
         started: list[Node] = []
         self.blocked = None
-        for nid in sorted(self.ready, key=lambda i: self._priority(self.dag.nodes[i])):
-            node = self.dag.nodes[nid]
-            if not self.busy.isdisjoint(node.devices):
-                continue
-            over = self._over(node)
+        busy, queue = self._busy, self._queue
+        # the others wait for a device (filtered without a Python loop: this runs at every event)
+        free = list(compress(queue, map(busy.isdisjoint, map(_TOUCHES, queue)))) if busy else list(queue)
+        while free:
+            item = free[0]
+            nid = item[1]
+            e = self._effects[nid]
+            over = self._over(nid) if e.alloc else None
             if over is not None:
-                info = Blocked(nid, over[0], over[1], over[2], frozenset(self.finished), bool(self.running))
+                c, need, cap = over
+                info = Blocked(nid, c, need, cap, frozenset(self.finished), bool(self.running), self._classes)
                 if self.blocked is None:
                     self.blocked = info
                 if self.on_blocked is not None and self.on_blocked(info):
-                    return started
+                    break
+                del free[0]
                 continue
             self.ready.discard(nid)
             self.running.add(nid)
-            self.busy.update(node.devices)
-            for d, extra in node.alloc.items():
-                self.used[d] = self.used.get(d, 0) + extra
-                if self.used[d] > self.peak.get(d, 0):
-                    self.peak[d] = self.used[d]
-            started.append(node)
+            busy.update(item[2])
+            for c, extra in e.alloc:
+                self._used[c] += extra
+            self.events.append((nid, 1))
+            started.append(self.dag.nodes[nid])
+            queue.remove(item)
+            free = list(compress(free, map(busy.isdisjoint, map(_TOUCHES, free))))
         return started
 
     def finish(self, nid: int, ok: bool = True) -> list[int]:
         """Node ``nid`` ended; returns the nodes that became ready. A failed node
         releases nothing (its sources were not freed) and readies nothing."""
-        node = self.dag.nodes[nid]
+        e = self._effects[nid]
         self.running.discard(nid)
-        self.busy.difference_update(node.devices)
+        self._busy.difference_update(e.touches)
+        used = self._used
         if not ok:
             self.failed.add(nid)
-            for d, extra in node.alloc.items():  # what it allocated is dropped again
-                self.used[d] = self.used.get(d, 0) - extra
+            self.events.append((nid, -1))
+            for c, extra in e.alloc:  # what it allocated is dropped again
+                used[c] -= extra
             return []
         self.finished.add(nid)
-        for d, freed in node.release.items():
-            self.used[d] = self.used.get(d, 0) - freed
+        self.events.append((nid, 0))
+        for c, freed in e.release.items():
+            used[c] -= freed
         became = []
+        waiting = self.waiting
         for c in self.children[nid]:
-            self.waiting[c] -= 1
-            if self.waiting[c] == 0:
+            waiting[c] -= 1
+            if not waiting[c]:
                 self.ready.add(c)
+                insort(self._queue, self._item[c])
                 became.append(c)
         return became
 
@@ -148,15 +196,16 @@ class Dispatcher:
         return InfeasibleTransition(self.dag.nodes[b.node].label, b.device, b.need, b.cap)
 
 
-@dataclass
 class Schedule:
     """A simulated run: start and end of every node, the start order, the makespan and
-    every device's peak bytes."""
+    every device's peak bytes (``peak``, made on first use)."""
 
-    start: dict[int, float] = field(default_factory=dict)
-    end: dict[int, float] = field(default_factory=dict)
-    order: list[int] = field(default_factory=list)
-    peak: dict[int, int] = field(default_factory=dict)
+    def __init__(self, start: dict[int, float] | None = None, end: dict[int, float] | None = None,
+                 order: list[int] | None = None, peak: Mapping[int, int] | None = None) -> None:
+        self.start = start if start is not None else {}
+        self.end = end if end is not None else {}
+        self.order = order if order is not None else []
+        self.peak: Mapping[int, int] = peak if peak is not None else {}
 
     @property
     def makespan(self) -> float:
@@ -182,7 +231,8 @@ def simulate(dag: TransitionDAG, duration: Callable[[Node], float], *, rng: rand
         clock, nid = heapq.heappop(events)
         out.end[nid] = clock
         disp.finish(nid)
-    out.peak = disp.peak
+    classes, events = dag.classes, disp.events
+    out.peak = DeviceMap(lambda: classes.counted_map(classes.replay(events)[1]))
     return out
 
 
@@ -203,17 +253,20 @@ class LinkModel:
         """Seconds at efficiency 1 per class (``p2p_intra``, ``p2p_inter``: the most any
         device receives, split by link, over the link's bandwidth; the primitives of a
         node run at once) and the counts of fixed costs (``groups``, ``calls``)."""
-        worst = max(node.moved_in.values(), default=0)
-        total = sum(node.bytes_by_link.values())
-        intra = node.bytes_by_link.get("intra", 0) / total if total else 0.0
+        worst, links = node.max_moved_in, node.bytes_by_link
+        total = links.get("intra", 0) + links.get("inter", 0)
+        intra = links.get("intra", 0) / total if total else 0.0
         return {"p2p_intra": worst * intra / self.intra_bandwidth,
                 "p2p_inter": worst * (1.0 - intra) / self.inter_bandwidth if total else 0.0,
                 "groups": 1.0 if node.groups else 0.0, "calls": 1.0}
 
     def seconds(self, node: Node) -> float:
-        i = self.ideal(node)
-        return (i["p2p_intra"] / self.intra_efficiency + i["p2p_inter"] / self.inter_efficiency
-                + i["groups"] * self.group_setup_s + i["calls"] * self.call_s)
+        worst, links = node.max_moved_in, node.bytes_by_link
+        total = links.get("intra", 0) + links.get("inter", 0)
+        intra = links.get("intra", 0) / total if total else 0.0
+        return (worst * intra / self.intra_bandwidth / self.intra_efficiency
+                + (worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency if total else 0.0)
+                + (self.group_setup_s if node.groups else 0.0) + self.call_s)
 
     @classmethod
     def of(cls, cluster, eff) -> LinkModel:

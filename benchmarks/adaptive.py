@@ -1,0 +1,201 @@
+"""Adaptive against fixed layouts: one RL job, three ways, on this machine's 4 CPU devices.
+
+``python -m benchmarks.adaptive [--steps N]``
+
+The job is pinned here: the demo's GRPO job (``examples/demo_adaptive.toml``: a tiny
+model, 11.5 MiB per device) with its length cap growing 16 -> 32 -> 64 tokens over
+``steps`` (the cap doubles at one third and at two thirds of the run), the same seeds
+in every run. It runs
+
+1. **adaptive**: ``[adapt] enabled``, starting from the demo's layout (generation and
+   training sharing devices 0 and 1); the controller moves when its triggers fire and
+   admission says so;
+2. **static at the starting layout**: the same job with ``[adapt] enabled = false``; the
+   starting layout cannot hold the last cap, so this one is expected to stop with
+   ``OutOfMemory`` (reported with the step);
+3. **static at the best fixed layout in hindsight**: the five plans the planner predicts
+   fastest among those that fit the final cap (every placement, TP/PP/DP, training
+   recompute and generation waves: enumerated over ``stage_candidates`` and priced by
+   ``explain``, the planner's own model), each run as a fixed layout; the fastest one
+   that completes every step is the baseline.
+
+A run's mean step time is its loop's wall time over its steps, so boundaries, decisions
+and transitions count. ``transition_share`` is the adaptive run's measured transition
+seconds over its wall time. The runs share the machine one after another.
+
+Last line: one JSON object with ``adaptive_mean_step_s``, ``static_initial_failed``,
+``static_initial_fail_step``, ``best_static_mean_step_s``, ``ratio_vs_best_static``,
+``transition_share``, ``memory_failures`` and the details of every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import itertools
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from nereus.config import from_dict
+from nereus.errors import OutOfMemory, RemoteError
+from nereus.planner import LengthStats, Plan, StagePlan, explain
+from nereus.planner.search import stage_candidates
+from nereus.rl.adapt import job_workload
+from nereus.rl.config import JobConfig, from_planner_plan
+from nereus.rl.job import RLJob
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo_adaptive.toml"
+TOP = 5
+
+
+def job_config(steps: int, out_dir: str, *, adapt: bool, plan: dict[str, Any] | None = None) -> JobConfig:
+    """The pinned job: the demo's, with the cap doubling at 1/3 and 2/3 of ``steps``."""
+    data = tomllib.loads(CONFIG.read_text())
+    data = copy.deepcopy(data)
+    data["sampling"]["max_new_tokens"] = [[0, 16], [steps // 3, 32], [2 * steps // 3, 64]]
+    data["adapt"]["enabled"] = adapt
+    data["run"].update(steps=steps, out_dir=out_dir, progress=False, checkpoint_every=steps)
+    if plan is not None:
+        data["plan"] = plan
+    return from_dict(JobConfig, data)
+
+
+def placement(sp: StagePlan) -> dict[str, Any]:
+    return {"devices": [d for emu in sp.devices for d in emu], "tp": sp.tp, "pp": sp.pp, "dp": sp.dp,
+            "recompute": sp.recompute, "waves": sp.waves}
+
+
+def fastest_fixed_plans(cfg: JobConfig, model_config: Any, prompt_length: int, top: int = TOP) -> list[tuple[float, Plan]]:
+    """The ``top`` plans the planner predicts fastest among those that fit the last cap:
+    every split of the 4 devices into a shared pool or two disjoint ones, every layout and
+    variant each model-stage admits there, priced by ``explain``."""
+    from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
+
+    cap = max(c for _, c in cfg.sampling.max_new_tokens)
+    at_cap = LengthStats(float(cap), float(cap), cap)
+    work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=at_cap)
+    devices = cfg.cluster.devices
+    cluster = local_cpu_cluster_probed(devices, cfg.cluster.memory_bytes, headroom=cfg.adapt.headroom)
+    eff = local_cpu_efficiency()
+    names = [s.name for s in work.stages]
+    sizes = [n for n in (1, 2, 4, 8) if n <= devices]
+    # pools: one shared range, or one range per model-stage laid out back to back
+    layouts: list[tuple[tuple[int, ...], ...]] = [tuple(tuple(range(n)) for _ in names) for n in sizes]
+    for split in itertools.product(sizes, repeat=len(names)):
+        if sum(split) <= devices:
+            starts = [sum(split[:i]) for i in range(len(split))]
+            layouts.append(tuple(tuple(range(s, s + n)) for s, n in zip(starts, split, strict=True)))
+    seen: dict[Plan, float] = {}
+    for ranges in layouts:
+        options = [stage_candidates(work, cluster, eff, i, len(r), prune=False) for i, r in enumerate(ranges)]
+        for combo in itertools.product(*options):
+            stages = []
+            for name, r, c in zip(names, ranges, combo, strict=True):
+                size = c.tp * c.pp
+                emus = tuple(r[i * size:(i + 1) * size] for i in range(c.dp))
+                stages.append((name, StagePlan(c.tp, c.pp, c.dp, emus, recompute=c.recompute, waves=c.waves)))
+            plan = Plan(tuple(stages))
+            ex = explain(plan, work, cluster, eff)
+            if ex.fits:
+                seen[plan] = ex.step_seconds
+    ranked = sorted(((s, p) for p, s in seen.items()), key=lambda sp: (sp[0], str(sp[1])))
+    return ranked[:top]
+
+
+async def run_job(cfg: JobConfig, after_start: Any = None) -> dict[str, Any]:
+    """Run ``cfg`` to the end or to its first OutOfMemory; the loop's wall time.
+    ``after_start(job)`` runs once the job has started, before its loop (not timed)."""
+    job = RLJob(cfg)
+    await job.start()
+    if after_start is not None:
+        after_start(job)
+    t0 = time.perf_counter()
+    failed_at = None
+    records: list[dict[str, Any]] = []
+    try:
+        try:
+            records = await job._loop()
+        except (OutOfMemory, RemoteError) as e:
+            if isinstance(e, RemoteError) and e.remote_type != "OutOfMemory":
+                raise
+            failed_at = job.step
+        wall = time.perf_counter() - t0
+        changes = job.adapter.changes if job.adapter is not None else []
+    finally:
+        await job.close()
+    steps = cfg.run.steps
+    transition_s = sum(c.measured_seconds for c in changes)
+    return {
+        "plan": cfg.job_plan().to_dict(),
+        "failed_at_step": failed_at,
+        "completed": failed_at is None and len(records) == steps,
+        "wall_s": round(wall, 3),
+        "mean_step_s": round(wall / steps, 4) if failed_at is None else None,
+        "transitions": len(changes),
+        "transition_s": round(transition_s, 3),
+        "changes": [{"step": c.step, "triggers": c.triggers, "bytes": c.bytes,
+                     "predicted_s": round(c.predicted_seconds, 3), "measured_s": round(c.measured_seconds, 3)}
+                    for c in changes],
+        "reward_last": records[-1]["reward_mean"] if records else None,
+    }
+
+
+async def main_async(steps: int) -> dict[str, Any]:
+    out = tempfile.mkdtemp(prefix="nereus-bench-adaptive-")
+    ranked: list[tuple[float, Plan]] = []
+
+    def rank(job: RLJob) -> None:  # the model config and prompt length, as the job sees them
+        ranked.extend(fastest_fixed_plans(job.cfg, job.model_config, job.max_prompt_tokens()))
+        print(f"fixed candidates (predicted fastest that fit the last cap): {len(ranked)}", flush=True)
+        for s, p in ranked:
+            print(f"  {s:.4f} s/step predicted: {p}", flush=True)
+
+    adaptive = await run_job(job_config(steps, f"{out}/adaptive", adapt=True), after_start=rank)
+    print("adaptive:", json.dumps(adaptive), flush=True)
+    static_initial = await run_job(job_config(steps, f"{out}/static-initial", adapt=False))
+    print("static at the starting layout:", json.dumps(static_initial), flush=True)
+    fixed = []
+    for i, (predicted, plan) in enumerate(ranked):
+        job_plan = {name: placement(sp) for name, sp in from_planner_plan(plan)}
+        r = await run_job(job_config(steps, f"{out}/fixed-{i}", adapt=False, plan=job_plan))
+        r["predicted_step_s"] = round(predicted, 4)
+        print(f"fixed {i}:", json.dumps(r), flush=True)
+        fixed.append(r)
+    done = [r for r in fixed if r["completed"]]
+    best = min(done, key=lambda r: r["mean_step_s"]) if done else None
+    result = {
+        "steps": steps,
+        "adaptive_mean_step_s": adaptive["mean_step_s"],
+        "adaptive_transitions": adaptive["transitions"],
+        "static_initial_failed": not static_initial["completed"],
+        "static_initial_fail_step": static_initial["failed_at_step"],
+        "best_static_mean_step_s": best["mean_step_s"] if best else None,
+        "best_static_plan": best["plan"] if best else None,
+        "ratio_vs_best_static": (round(adaptive["mean_step_s"] / best["mean_step_s"], 4)
+                                 if best and adaptive["mean_step_s"] else None),
+        "transition_share": round(adaptive["transition_s"] / adaptive["wall_s"], 4) if adaptive["wall_s"] else None,
+        "memory_failures": 0 if adaptive["completed"] else 1,
+        "fixed_completed": len(done),
+        "fixed_mean_step_s": [r["mean_step_s"] for r in fixed],
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=48, help="steps per run (the cap doubles at 1/3 and 2/3)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    result = asyncio.run(main_async(args.steps))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

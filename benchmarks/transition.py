@@ -1,0 +1,191 @@
+"""The transition DAG: build and schedule at 1,024 devices, and (parts b, c) a running job.
+
+    .venv/bin/python -m benchmarks.transition [--reps 30] [--only-dag]
+
+(a) ``dag_ms_1024``: a cold ``build_dag`` plus its list schedule (``scheduled``: the path
+``transition_seconds`` takes, with the cluster's ``LinkModel``) of a pinned case: a PPO
+job with a llama-8b-sized policy (the reference the same model, critic and reward one
+value model) on the ``mi250x-1024`` preset, from the search's plan at 512 devices to its
+plan at 1,024 (pinned as the search gave them when first recorded, ``PLAN_512`` and
+``PLAN_1024``; relabelled onto the current devices; every model-stage changes). The
+ModelSpecs, plans, devices and link model are
+made once, outside the timed region; every run starts cold (the state layer's
+``param_shard`` cache is cleared; the DAG keeps no memo between calls). One thread, pure
+Python. Warm-up first, then ``--reps`` runs: median and spread (min-max) in CPU
+milliseconds of this thread (``dag_ms_1024``: on a shared machine the wall clock also
+counts time spent waiting for a core) and in wall milliseconds (``dag_wall_ms_1024``).
+Also printed: ``nodes_1024`` (nodes of the DAG), ``emus_1024`` (EMUs of the 1,024-device
+plan), the primitives the nodes stand for, the classes of alike devices and the
+transition's estimate.
+
+(b) ``prediction_error`` and (c) ``overlap_ratio``: transitions of a running job on
+this machine's CPU workers (``benchmarks._transition_live``): the median of |measured -
+predicted| / measured over ``--measure`` transitions, none of them used for calibration
+(the ``--calibrate`` before them teach it), and generation tokens per second on devices
+a transition does not touch over those without a transition (bounded by the cores on a
+small machine: reported, not targeted). ``--only-dag`` runs part (a) alone.
+
+The last line is one JSON object with the figures' keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+from nereus.errors import InfeasiblePlan
+from nereus.models.config import ModelConfig
+from nereus.models.spec import model_spec
+from nereus.planner import (
+    LengthStats,
+    ModelShape,
+    Plan,
+    StagePlan,
+    Workload,
+    cluster_preset,
+    model_preset,
+    relabel,
+    search,
+)
+from nereus.state import DeviceSet, ModelSpec, training_slots
+from nereus.state.layout import param_shard
+from nereus.transition import LinkModel, cluster_devices, cluster_link, scheduled
+
+CLUSTER = "mi250x-1024"
+
+
+@dataclass(frozen=True)
+class Case:
+    current: Plan
+    target: Plan
+    specs: dict[str, ModelSpec]
+    slots: dict[str, tuple[str, ...]]
+    devices: DeviceSet
+    link: LinkModel
+
+
+def _spec(shape: ModelShape) -> ModelSpec:
+    config = ModelConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                         tie_word_embeddings=shape.tied_embeddings, torch_dtype=shape.dtype)
+    return model_spec(config, dtype=shape.dtype, value_head=shape.value_head)
+
+
+# The search's plans for the pinned workload at 512 and at 1,024 devices, as it gave them
+# when the figure was first recorded: (tp, pp, dp) per model-stage, every model-stage on
+# devices 0 .. n-1. Pinned as data so the figure measures the DAG, not whatever the
+# search's model picks today (``search_pair_feasible`` says whether today's pair is).
+PLAN_512 = {"policy-generation": (8, 1, 64), "reference-inference": (4, 1, 128), "critic-inference": (2, 1, 256),
+            "reward-inference": (2, 1, 256), "policy-training": (8, 1, 64), "critic-training": (8, 2, 32)}
+PLAN_1024 = {"policy-generation": (8, 1, 128), "reference-inference": (2, 1, 512), "critic-inference": (2, 1, 512),
+             "reward-inference": (1, 1, 1024), "policy-training": (8, 2, 64), "critic-training": (8, 2, 64)}
+
+
+def _workload() -> Workload:
+    policy = model_preset("llama-8b")
+    return Workload.for_models("ppo", policy, prompts_per_step=256, samples_per_prompt=4, prompt_length=512,
+                               lengths=LengthStats(2048, 3686, 4096), micro_batch=1)
+
+
+def _plan(names: tuple[str, ...], shape: dict[str, tuple[int, int, int]]) -> Plan:
+    return Plan(tuple((name, StagePlan.on_range(*shape[name], 0)) for name in names))
+
+
+def _case(work: Workload, current: Plan, target: Plan) -> Case:
+    cluster = cluster_preset(CLUSTER)
+    target = relabel(current, target, devices_per_node=cluster.devices_per_node, devices=cluster.num_devices)
+    # one ModelSpec per architecture, as a job holds them: the reference is the policy's
+    # model, the reward model the critic's
+    specs: dict[ModelShape, ModelSpec] = {}
+    for shape in work.models.values():
+        specs.setdefault(shape, _spec(shape))
+    return Case(current, target, {s.name: specs[work.models[s.model]] for s in work.stages},
+                {s.name: training_slots(work.models[s.model].dtype) for s in work.stages if s.kind == "training"},
+                cluster_devices(cluster), cluster_link(cluster))
+
+
+def pinned_case() -> Case:
+    """The 512 -> 1,024 device case of part (a), made outside the timed region."""
+    work = _workload()
+    names = tuple(s.name for s in work.stages)
+    return _case(work, _plan(names, PLAN_512), _plan(names, PLAN_1024))
+
+
+def search_pair_feasible() -> str:
+    """Whether the search's plans for the pinned workload today (at 512 and 1,024
+    devices) are one transition apart within the caps, and if not, why."""
+    work = _workload()
+    cluster = cluster_preset(CLUSTER)
+    case = _case(work, search(work, cluster, budget=512, alternatives=False).plan,
+                 search(work, cluster, budget=1024, alternatives=False).plan)
+    try:
+        _build_and_schedule(case)
+    except InfeasiblePlan as e:
+        return f"infeasible: {e}"
+    return "feasible"
+
+
+def _build_and_schedule(case: Case):
+    return scheduled(case.current, case.target, case.specs, case.devices, case.link, slots=case.slots)
+
+
+def dag_ms(case: Case, reps: int) -> dict[str, float | int]:
+    """Part (a): cold build plus schedule, ``reps`` times after a warm-up."""
+    for _ in range(3):
+        param_shard.cache_clear()
+        _build_and_schedule(case)
+    cpu, wall = [], []
+    for _ in range(reps):
+        param_shard.cache_clear()
+        t, c = time.perf_counter(), time.process_time()
+        dag, schedule = _build_and_schedule(case)
+        cpu.append((time.process_time() - c) * 1000)
+        wall.append((time.perf_counter() - t) * 1000)
+    changed = sum(1 for name, sp in case.current if sp != case.target[name])
+    print(f"(a) {CLUSTER}: PPO llama-8b, plan at 512 -> plan at 1,024 devices ({changed} of "
+          f"{len(case.current.names)} model-stages change)")
+    print(f"    build + schedule: CPU median {statistics.median(cpu):.3f} ms (min {min(cpu):.3f}, max {max(cpu):.3f}), "
+          f"wall median {statistics.median(wall):.3f} ms (min {min(wall):.3f}, max {max(wall):.3f}) over {reps} runs")
+    emus = sum(sp.dp for _, sp in case.target)
+    print(f"    {len(dag.nodes)} nodes standing for {sum(n.count for n in dag.nodes)} primitives, {emus} EMUs at "
+          f"1,024 devices ({sum(sp.dp for _, sp in case.current)} at 512), {len(dag.classes.caps)} classes of "
+          f"alike devices, {dag.resource_edges} resource edges, {dag.bytes / 1e12:.2f} TB moved, "
+          f"estimate {schedule.makespan:.2f} s")
+    return {"dag_ms_1024": round(statistics.median(cpu), 3), "dag_wall_ms_1024": round(statistics.median(wall), 3),
+            "nodes_1024": len(dag.nodes), "emus_1024": emus}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=30, help="timed runs of part (a), at least 20")
+    parser.add_argument("--calibrate", type=int, default=8, help="part (b): transitions that teach the calibrator")
+    parser.add_argument("--measure", type=int, default=12, help="part (b): transitions predicted, at least 10")
+    parser.add_argument("--rounds", type=int, default=6, help="part (c): transitions generation overlaps")
+    parser.add_argument("--only-dag", action="store_true", help="part (a) only (no worker processes)")
+    args = parser.parse_args()
+    out: dict[str, object] = {}
+    out.update(dag_ms(pinned_case(), max(args.reps, 20)))
+    print(f"    the search's plans today at 512 and 1,024 devices: {search_pair_feasible()}")
+    if not args.only_dag:
+        from benchmarks import _transition_live as live
+
+        b = asyncio.run(live.prediction_error(calibrate=args.calibrate, measure=max(args.measure, 10)))
+        print(f"(b) {b['transitions_measured']} transitions of a running job predicted after {args.calibrate} "
+              f"calibrated on: median error {b['prediction_error']:.3f} (max {b['prediction_error_max']:.3f}); "
+              f"calibrated {b['calibrated']}")
+        print(f"    predicted vs measured s, bytes, nodes: {b['predicted_vs_measured_s']}")
+        c = asyncio.run(live.overlap_ratio(rounds=args.rounds))
+        print(f"(c) generation on untouched devices: {c['tokens_per_s_during']:.1f} tokens/s during a transition, "
+              f"{c['tokens_per_s_alone']:.1f} without one ({c['cores']} cores)")
+        out.update(prediction_error=round(b["prediction_error"], 3), prediction_error_max=round(b["prediction_error_max"], 3),
+                   overlap_ratio=round(c["overlap_ratio"], 3))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
