@@ -53,7 +53,7 @@ from nereus.planner import (
 )
 from nereus.state import DeviceSet, ModelSpec, training_slots
 from nereus.state.layout import param_shard
-from nereus.transition import LinkModel, cluster_devices, cluster_link, scheduled
+from nereus.transition import LinkModel, cluster_devices, scheduled
 
 CLUSTER = "mi250x-1024"
 
@@ -106,7 +106,7 @@ def _case(work: Workload, current: Plan, target: Plan) -> Case:
         specs.setdefault(shape, _spec(shape))
     return Case(current, target, {s.name: specs[work.models[s.model]] for s in work.stages},
                 {s.name: training_slots(work.models[s.model].dtype) for s in work.stages if s.kind == "training"},
-                cluster_devices(cluster), cluster_link(cluster))
+                cluster_devices(cluster), LinkModel.of(cluster))
 
 
 def pinned_case() -> Case:

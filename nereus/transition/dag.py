@@ -153,11 +153,12 @@ class TransitionDAG:
     def __init__(self, nodes: list[Node], caps: Mapping[int, int | None], initial: Mapping[int, int], current: Plan,
                  target: Plan, results: Mapping[str, tuple[Rep, ...]], host_of: Callable[[int], int], *,
                  classes: DeviceClasses | None = None, parts: Sequence[StagePart] = (),
-                 duration: Callable[[Node], float] | None = None) -> None:
+                 duration: Callable[[Node], float] | None = None,
+                 share: Callable[[int], float] | None = None) -> None:
         self.nodes, self.caps, self.initial = nodes, caps, initial
         self.current, self.target, self.results, self.host_of = current, target, results, host_of
         self._classes = classes
-        self.duration = duration
+        self.duration, self.share = duration, share
         self._schedule: Schedule | None = None
         self._parts = list(parts)
         self._made: dict[int, list[tuple[Op, ...]]] = {}
@@ -182,7 +183,7 @@ class TransitionDAG:
                 raise ValueError("TransitionDAG.schedule needs build_dag(duration=...): a node's modelled seconds")
             from nereus.transition.schedule import simulate
 
-            self._schedule = simulate(self, self.duration)
+            self._schedule = simulate(self, self.duration, share=self.share)
         return self._schedule
 
     def _expand(self, node: Node, name: str):
@@ -270,6 +271,7 @@ def build_dag(
     host_of: Callable[[int], int] | None = None,
     bucket_bytes: int = 0,
     duration: Callable[[Node], float] | None = None,
+    share: Callable[[int], float] | None = None,
 ) -> TransitionDAG:
     """The transition DAG from ``current`` to ``target`` (see the module docstring).
 
@@ -278,7 +280,8 @@ def build_dag(
     model-stage's current EMU names (default ``<model-stage>.<replica>``); ``devices``:
     a ``DeviceSet`` (hosts and budgets) or a function device -> budget;
     ``resident``: bytes per device held besides the plans' EMUs; ``duration``: a node's
-    modelled seconds for the resource-edge simulation (default: its bytes)."""
+    modelled seconds for the resource-edge simulation (default: its bytes); ``share``:
+    the rate busy devices get when they share cores (``LinkModel.sharing``)."""
     require(set(current.names) == set(target.names), "target plan", target.names,
             f"must place the same model-stages as the current plan {current.names}")
     missing = sorted(s for s in current.names if s not in specs)
@@ -336,7 +339,8 @@ def build_dag(
             nodes.append(n)
     dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),
                         DeviceMap(lambda: classes.counted_map(classes.initial)), current, target,
-                        _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration)
+                        _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration,
+                        share=share)
     last = _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
     if duration is not None:
         dag._schedule = last  # the list schedule under duration (None: made when asked)
@@ -373,7 +377,7 @@ def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -
 
     for _ in range(len(dag.nodes) ** 2 + 1):
         try:
-            return simulate(dag, duration, on_blocked=blocked)
+            return simulate(dag, duration, on_blocked=blocked, share=dag.share)
         except _EdgeAdded:
             continue
     raise AssertionError("resource edges did not converge")  # each round adds an edge of a finite DAG
