@@ -97,7 +97,7 @@ async def prediction_error(calibrate: int = 8, measure: int = 12, hidden: int = 
         "transitions_calibrated": calibrate,
         "transitions_measured": len(rows),
         "calibrated": {"p2p_intra": eff.p2p_intra, "group_setup_s": eff.group_setup_s,
-                       "transition_call_s": eff.transition_call_s},
+                       "transition_call_s": eff.transition_call_s, "transition_s": eff.transition_s},
         "predicted_vs_measured_s": [[round(p, 4), round(m, 4), b, n] for p, m, b, n in rows],
     }
 

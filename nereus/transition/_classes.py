@@ -20,9 +20,9 @@ is made on first use (the per-device views a caller asks for). Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import chain, groupby
+from itertools import chain, compress, groupby
 from math import lcm
-from operator import add, itemgetter
+from operator import add, itemgetter, or_
 from typing import Any
 
 __all__ = ["DeviceClasses", "ClassEffect", "DeviceMap", "joint"]
@@ -105,6 +105,7 @@ class DeviceClasses:
         by_stage: list[list[tuple[int, list[int]]]] = []
         bases: list[int] = []
         every = range(ncls)
+        touched = [0] * ncls  # nonzero where some model-stage has a role
         for k, part in enumerate(parts):
             base = len(effects)
             bases.append(base)
@@ -115,6 +116,7 @@ class DeviceClasses:
             node_at += [(k, li) for li in range(len(part.nodes))]
             roles = part.roles
             col = list(map(itemgetter(k), distinct))
+            touched = list(map(or_, touched, col))
             initial = list(map(add, initial, map([r[0] for r in roles.roles].__getitem__, col)))
             worst = list(map(add, worst, map(roles.grows.__getitem__, col)))
             groups = [(code, list(members)) for code, members in groupby(sorted(every, key=col.__getitem__),
@@ -124,14 +126,14 @@ class DeviceClasses:
             for code, classes in groups:
                 for li in touch[code]:
                     mine[li].touches.update(classes)
-        counted = [any(s[:-2]) or s[-1] is not None for s in distinct]
+        counted = [bool(t) or s[-1] is not None for t, s in zip(touched, distinct, strict=True)]
         out = cls([s[-2] for s in distinct], initial, counted, worst, effects)
         risky = out.risky
         if any(risky):
             for k, part in enumerate(parts):
                 base = bases[k]
                 for code, classes in by_stage[k]:
-                    at_risk = [c for c in classes if risky[c]]
+                    at_risk = list(compress(classes, map(risky.__getitem__, classes)))
                     for li, a, r, _ in part.roles.roles[code][1] if at_risk else ():
                         e = effects[base + li]
                         if a:

@@ -102,7 +102,7 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
         return None
     cur = [Rep(f"c{i}", la, tuple(range(i * sa, (i + 1) * sa))) for i in range(period // sa)]
     ops: tuple = ()  # a period whose EMUs already are its targets needs no op
-    if la != lb:
+    if (a.tp, a.pp) != (b.tp, b.pp):  # both layouts cut evenly: tp and pp say which
         planned = stage_ops(cur, [Rep(f"t{j}", lb, tuple(range(j * sb, (j + 1) * sb))) for j in range(period // sb)])
         if planned.sub != sub_layout(la, lb):
             return None

@@ -38,6 +38,7 @@ from nereus.config import require
 from nereus.errors import OutOfMemory
 from nereus.planner.plan import Plan, StagePlan
 from nereus.state.emu import DeviceSet
+from nereus.state.layout import Layout
 from nereus.state.spec import ModelSpec
 from nereus.state.transition import Op, Rep
 from nereus.transition._classes import ClassEffect, DeviceClasses, DeviceMap
@@ -63,6 +64,8 @@ def stage_rank(stage: str) -> int:
 
 def stage_moves(a: StagePlan, b: StagePlan) -> bool:
     """Whether going from ``a`` to ``b`` moves any tensor (layout, DP or devices)."""
+    if a.start is not None and b.start is not None:  # back to back: the first device says where
+        return (a.tp, a.pp, a.dp, a.start) != (b.tp, b.pp, b.dp, b.start)
     return (a.tp, a.pp, a.devices) != (b.tp, b.pp, b.devices)
 
 
@@ -311,6 +314,14 @@ def build_dag(
             at[d] = v
         resident_at = [(at, 1)]
     tables: dict[int, SpecBytes] = {}
+    layouts: dict[tuple[int, int], Layout] = {}  # one Layout per shape within this build
+
+    def layout(tp: int, pp: int) -> Layout:
+        got = layouts.get((tp, pp))
+        if got is None:
+            got = layouts[(tp, pp)] = Layout(tp, pp)
+        return got
+
     parts: list[StagePart] = []
     for stage in current.names:
         a, b = current[stage], target[stage]
@@ -325,7 +336,7 @@ def build_dag(
         if not stage_moves(a, b):
             parts.append(unchanged_part(stage, a, table, size))
             continue
-        part = regular_part(stage, a, b, table, hosts, bucket_bytes, size, given)
+        part = regular_part(stage, a, b, table, hosts, bucket_bytes, size, given, layout)
         parts.append(part if part is not None else general_part(stage, a, b, table, hosts.of, bucket_bytes, size, given))
     classes = DeviceClasses.of_parts(parts, caps, resident_at)
     nodes: list[Node] = []
@@ -365,9 +376,13 @@ def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -
 
     def blocked(b: Blocked) -> bool:
         node = dag.nodes[b.node]
-        below = dag.reachable_from(node.id) | {node.id}
-        cands = [n for n in dag.nodes if n.kind == "destroy" and n.id not in below and n.id not in b.finished
-                 and n.id not in node.deps and effects[n.id].release.get(b.cls, 0) > 0]
+        cands = [n for n in dag.nodes if n.kind == "destroy" and n.id not in b.finished and n.id not in node.deps
+                 and effects[n.id].release.get(b.cls, 0) > 0]
+        if not cands:  # most blocked acquisitions wait for nothing but what is running
+            return False
+        below = dag.reachable_from(node.id)
+        below.add(node.id)
+        cands = [n for n in cands if n.id not in below]
         if not cands:
             return False
         best = max(cands, key=lambda n: (effects[n.id].release.get(b.cls, 0), -n.id))
