@@ -12,7 +12,7 @@ A class is *at risk* when its bytes before the transition plus every allocation 
 node that touches it could exceed its cap; only those need counting while scheduling
 (no order can break the cap of the others). Per node, ``ClassEffect`` holds the classes
 it touches (a device runs one primitive at a time), its allocation and release on the
-classes at risk, and the most any one device receives. Everything else -- effects on
+classes at risk, and the most any one device receives and copies locally. Everything else -- effects on
 every class, each class's devices, bytes in use after a sequence of starts and ends --
 is made on first use (the per-device views a caller asks for). Pure: no I/O.
 """
@@ -64,13 +64,14 @@ def joint(columns: Sequence[Runs]) -> list[tuple[list[tuple], int]]:
 class ClassEffect:
     """One node's effect per class (see the module docstring)."""
 
-    __slots__ = ("touches", "alloc", "release", "max_moved", "acquires")
+    __slots__ = ("touches", "alloc", "release", "max_moved", "max_copied", "acquires")
 
     def __init__(self) -> None:
         self.touches: Any = set()  # frozen once made
         self.alloc: list[tuple[int, int]] = []  # (class at risk, bytes > 0)
         self.release: dict[int, int] = {}  # class at risk -> bytes
         self.max_moved = 0
+        self.max_copied = 0  # the most one device copies from a source it holds
         self.acquires = False  # allocates anything anywhere
 
 
@@ -111,7 +112,7 @@ class DeviceClasses:
             bases.append(base)
             mine = [ClassEffect() for _ in part.nodes]
             for e, ns in zip(mine, part.nodes, strict=True):  # the most one device receives, per node
-                e.max_moved, e.acquires = ns.max_moved, ns.acquires
+                e.max_moved, e.max_copied, e.acquires = ns.max_moved, ns.max_copied, ns.acquires
             effects += mine
             node_at += [(k, li) for li in range(len(part.nodes))]
             roles = part.roles

@@ -137,6 +137,12 @@ class Node:
             return self.effect.max_moved
         return max(self.moved_in.values(), default=0)
 
+    @property
+    def max_copied(self) -> int:
+        """The most bytes any one device copies from a source it holds (target shards
+        held there but not adopted; 0 for a node put together by hand)."""
+        return self.effect.max_copied if self._dag is not None else 0
+
     def materialize(self) -> None:
         """Make every field that is made on first use now."""
         for name in _LAZY:

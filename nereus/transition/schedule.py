@@ -24,7 +24,8 @@ inverse, what measured nodes would have taken alone (what calibration learns fro
 
 ``LinkModel`` turns a node into seconds: per primitive, the most any device receives
 over its link's bandwidth times the calibrated p2p efficiency, plus one group set-up
-for a primitive that moves bytes and a fixed cost per primitive call; the primitives of
+for a primitive that moves bytes, a fixed cost per primitive call and the bytes a device
+copies from a source it holds (a Split or Merge slicing what is there); the primitives of
 a node run at once. A transition's estimate is its makespan plus ``transition_s``, the
 fixed cost outside its nodes (``LinkModel.total``). Pure: no I/O, no clock of its own.
 """
@@ -304,7 +305,8 @@ class LinkModel:
     per second a device receives within / across hosts, the calibrated p2p efficiency of
     each, ``group_setup_s`` when its primitives make groups, ``call_s`` per node;
     ``transition_s`` per transition beyond its nodes (releasing its groups, renaming
-    EMUs); ``cores`` the devices share (None: each device has its own)."""
+    EMUs); ``cores`` the devices share (None: each device has its own);
+    ``copy_s_per_gb`` per GB the busiest device copies from a source it holds."""
 
     intra_bandwidth: float
     inter_bandwidth: float
@@ -314,17 +316,19 @@ class LinkModel:
     call_s: float = 0.005
     transition_s: float = 0.0
     cores: int | None = None
+    copy_s_per_gb: float = 0.0
 
     def ideal(self, node: Node) -> dict[str, float]:
         """Seconds at efficiency 1 per class (``p2p_intra``, ``p2p_inter``: the most any
         device receives, split by link, over the link's bandwidth; the primitives of a
-        node run at once) and the counts of fixed costs (``groups``, ``calls``)."""
+        node run at once) and the counts of fixed costs (``groups``, ``calls``; ``copy_gb``:
+        GB the busiest device copies from a source it holds)."""
         worst, links = node.max_moved_in, node.bytes_by_link
         total = links.get("intra", 0) + links.get("inter", 0)
         intra = links.get("intra", 0) / total if total else 0.0
         return {"p2p_intra": worst * intra / self.intra_bandwidth,
                 "p2p_inter": worst * (1.0 - intra) / self.inter_bandwidth if total else 0.0,
-                "groups": 1.0 if node.groups else 0.0, "calls": 1.0}
+                "groups": 1.0 if node.groups else 0.0, "calls": 1.0, "copy_gb": node.max_copied / 1e9}
 
     def seconds(self, node: Node) -> float:
         """A node's seconds at a device's full rate (alone on its cores)."""
@@ -333,7 +337,8 @@ class LinkModel:
         intra = links.get("intra", 0) / total if total else 0.0
         return (worst * intra / self.intra_bandwidth / self.intra_efficiency
                 + (worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency if total else 0.0)
-                + (self.group_setup_s if node.groups else 0.0) + self.call_s)
+                + (self.group_setup_s if node.groups else 0.0) + self.call_s
+                + node.max_copied / 1e9 * self.copy_s_per_gb)
 
     @property
     def sharing(self) -> Callable[[int], float] | None:
@@ -351,8 +356,9 @@ class LinkModel:
         """The link model of a ``ClusterSpec`` under calibrated efficiencies (a planner
         ``Efficiency``; None: its conservative defaults): a device's bandwidth within its
         node, its share of its node's NICs across nodes (every device of a node sends at
-        once during a transition), the cores its devices share."""
+        once during a transition), the cores its devices share, its local copy cost."""
         if eff is None:
             from nereus.planner.cost import CONSERVATIVE as eff
         return cls(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), eff.p2p_intra,
-                   eff.p2p_inter, eff.group_setup_s, eff.transition_call_s, eff.transition_s, cluster.cores)
+                   eff.p2p_inter, eff.group_setup_s, eff.transition_call_s, eff.transition_s, cluster.cores,
+                   eff.copy_s_per_gb)

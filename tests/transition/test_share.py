@@ -1,6 +1,7 @@
-"""Devices that share cores: nodes running at once slow each other down in the list
-schedule, ``full_rate_seconds`` undoes it for calibration, and a transition's estimate
-carries its fixed cost outside the nodes."""
+"""What a transition's estimate counts beyond bytes sent: devices that share cores (nodes
+running at once slow each other down in the list schedule, ``full_rate_seconds`` undoes
+it for calibration), the bytes a device copies from a source it holds, and the fixed
+cost outside the nodes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import pytest
 
 from nereus.planner import Calibrator, Plan, StagePlan
 from nereus.planner.cluster import local_cpu_cluster
-from nereus.state import DeviceSet
-from nereus.transition import LinkModel, build_dag, full_rate_seconds, simulate, transition_seconds
+from nereus.state import DeviceSet, Layout
+from nereus.transition import (
+    LinkModel,
+    SpecBytes,
+    build_dag,
+    full_rate_seconds,
+    simulate,
+    transition_seconds,
+)
 from tests.state.helpers import spec_for
 
 SPEC = spec_for(layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64, vocab=64)
@@ -65,3 +73,17 @@ def test_the_estimate_adds_the_calibrated_fixed_cost():
     dag = build_dag(A, B, SPECS, devices, duration=link.seconds, share=link.sharing)
     assert transition_seconds(A, B, SPECS, devices, link) == pytest.approx(dag.schedule.makespan + eff.transition_s)
     assert transition_seconds(A, A, SPECS, devices, link) == 0.0
+
+
+def test_a_merge_of_what_each_device_holds_copies_it_locally():
+    # two whole replicas -> one TP 2 replica on the same devices: nothing is sent, each
+    # device slices its half out of the replica it holds
+    dag = build_dag(_plan(((0,), (1,)), ((2, 3),)), _plan(((0, 1),), ((2, 3),)), SPECS)
+    (merge,) = dag.nodes
+    table = SpecBytes(SPEC)
+    # less what it adopts whole (the replicated parameters)
+    half = table.held(Layout(2, 1), (0, 0)) - table.kept(Layout(1, 1), (0, 0), Layout(2, 1), (0, 0))
+    assert merge.kind == "merge" and merge.bytes == 0 and 0 < merge.max_copied == half
+    link = LinkModel(1e9, 1e9, call_s=0.0, copy_s_per_gb=2.0)
+    assert link.seconds(merge) == pytest.approx(half / 1e9 * 2.0)
+    assert link.ideal(merge)["copy_gb"] == half / 1e9
