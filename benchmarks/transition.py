@@ -163,7 +163,8 @@ def dag_ms(case: Case, reps: int) -> dict[str, float | int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=30, help="timed runs of part (a), at least 20")
-    parser.add_argument("--calibrate", type=int, default=8, help="part (b): transitions that teach the calibrator")
+    parser.add_argument("--calibrate", type=int, default=14,
+                        help="part (b): transitions that teach the calibrator (two passes of the cycle)")
     parser.add_argument("--measure", type=int, default=12, help="part (b): transitions predicted, at least 10")
     parser.add_argument("--rounds", type=int, default=6, help="part (c): transitions generation overlaps")
     parser.add_argument("--only-dag", action="store_true", help="part (a) only (no worker processes)")
