@@ -10,8 +10,9 @@ with x_c = 1 / eff_c every measurement is one linear equation:
   of its workers, the GB a device copies from a source it holds -- whose unknowns are
   seconds themselves (``Efficiency.group_setup_s``, ``Efficiency.transition_call_s``,
   ``Efficiency.copy_s_per_gb``) = measured seconds; and a whole transition's time
-  outside its nodes (releasing its groups, renaming EMUs): one count of
-  ``transitions`` times ``Efficiency.transition_s`` = measured seconds.
+  outside its nodes (releasing its groups, renaming EMUs): one count of ``transitions``
+  times ``Efficiency.transition_s`` plus the groups it made (``groups_released``) times
+  ``Efficiency.group_release_s`` = measured seconds.
 
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
@@ -143,7 +144,7 @@ class Calibrator:
         makes groups, ``calls``: 1, ``copy_gb``: GB copied locally), as ``nereus.transition.LinkModel.ideal`` gives them;
         ``measured_seconds``: what it took at a device's full rate
         (``nereus.transition.full_rate_seconds``). Or a transition's time outside its
-        nodes: ``{"transitions": 1.0}``."""
+        nodes: ``LinkModel.outside``'s counts (``transitions``, ``groups_released``)."""
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
         row: dict[str, float] = {}
         for c, t in ideal.items():

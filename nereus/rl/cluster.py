@@ -471,7 +471,7 @@ class ClusterStages(ModelStages):
         finally:
             self._cache_slots = slots
         check_after(dag, engines)
-        return dag, self.link.total(dag.schedule.makespan)
+        return dag, self.link.total(dag, dag.schedule.makespan)
 
     @property
     def restart_seconds(self) -> float:
@@ -665,14 +665,14 @@ class ClusterStages(ModelStages):
     def _learn_transition(self, dag: Any, result: Any, outside_s: float) -> None:
         """What a transition took teaches the next estimate: each node's time at a
         device's full rate (nodes that ran at once shared the cores), and the time
-        spent outside the nodes (the transition's fixed cost)."""
+        spent outside the nodes (a fixed cost and releasing the groups the nodes made)."""
         from nereus.transition import full_rate_seconds
 
         spans = {n.id: (result.results[n.id].start, result.results[n.id].end, len(n.devices)) for n in dag.nodes}
         alone = full_rate_seconds(spans, self.link.sharing)
         for node in dag.nodes:
             self.calibrator.observe_transition(self.link.ideal(node), max(alone[node.id], 1e-6))
-        self.calibrator.observe_transition({"transitions": 1.0}, max(outside_s, 1e-6))
+        self.calibrator.observe_transition(self.link.outside(dag), max(outside_s, 1e-6))
         self._refit_link()
 
     def _refit_link(self) -> None:

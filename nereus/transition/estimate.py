@@ -3,7 +3,7 @@
 ``transition_seconds(current, target, specs, devices, link)`` builds the transition DAG
 and returns the makespan of its one list schedule under ``link`` (per-link bandwidth,
 calibrated p2p efficiency, group set-up, cores shared where devices share them) plus
-the transition's fixed cost (``LinkModel.total``): the estimate admission weighs
+the transition's costs outside its nodes (``LinkModel.total``): the estimate admission weighs
 against the saving. A target the DAG cannot reach -- no source to Extend from (``InfeasiblePlan``),
 an acquisition blocked on memory with no Destroy to wait for (``InfeasibleTransition``)
 -- costs ``inf``, which admission refuses and the urgent path skips.
@@ -61,11 +61,11 @@ def transition_seconds(current: Plan, target: Plan, specs: Mapping[str, ModelSpe
     if current == target:
         return 0.0
     try:
-        _, schedule = scheduled(current, target, specs, devices, link, slots=slots, names=names, resident=resident,
+        dag, schedule = scheduled(current, target, specs, devices, link, slots=slots, names=names, resident=resident,
                                 bucket_bytes=bucket_bytes)
     except InfeasiblePlan:  # InfeasibleTransition too
         return math.inf
-    return link.total(schedule.makespan)
+    return link.total(dag, schedule.makespan)
 
 
 def estimator(specs: Mapping[str, ModelSpec], devices: DeviceSet, link: LinkModel, *,

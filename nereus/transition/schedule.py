@@ -26,8 +26,9 @@ inverse, what measured nodes would have taken alone (what calibration learns fro
 over its link's bandwidth times the calibrated p2p efficiency, plus one group set-up
 for a primitive that moves bytes, a fixed cost per primitive call and the bytes a device
 copies from a source it holds (a Split or Merge slicing what is there); the primitives of
-a node run at once. A transition's estimate is its makespan plus ``transition_s``, the
-fixed cost outside its nodes (``LinkModel.total``). Pure: no I/O, no clock of its own.
+a node run at once. A transition's estimate is its makespan plus its costs outside the
+nodes: a fixed ``transition_s`` and ``group_release_s`` per group its nodes made
+(``LinkModel.total``). Pure: no I/O, no clock of its own.
 """
 
 from __future__ import annotations
@@ -306,7 +307,8 @@ class LinkModel:
     each, ``group_setup_s`` when its primitives make groups, ``call_s`` per node;
     ``transition_s`` per transition beyond its nodes (releasing its groups, renaming
     EMUs); ``cores`` the devices share (None: each device has its own);
-    ``copy_s_per_gb`` per GB the busiest device copies from a source it holds."""
+    ``copy_s_per_gb`` per GB the busiest device copies from a source it holds;
+    ``group_release_s`` per group the transition made, released when it ends."""
 
     intra_bandwidth: float
     inter_bandwidth: float
@@ -317,6 +319,7 @@ class LinkModel:
     transition_s: float = 0.0
     cores: int | None = None
     copy_s_per_gb: float = 0.0
+    group_release_s: float = 0.0
 
     def ideal(self, node: Node) -> dict[str, float]:
         """Seconds at efficiency 1 per class (``p2p_intra``, ``p2p_inter``: the most any
@@ -347,9 +350,16 @@ class LinkModel:
         cores = self.cores
         return None if cores is None else partial(core_share, cores)
 
-    def total(self, makespan: float) -> float:
-        """A transition's seconds from its DAG's makespan: plus its fixed cost."""
-        return makespan + self.transition_s
+    def outside(self, dag: TransitionDAG) -> dict[str, float]:
+        """The counts of a transition's costs outside its nodes (``Calibrator``
+        classes): one transition, and the groups its nodes make (released at its end)."""
+        return {"transitions": 1.0, "groups_released": float(sum(n.groups for n in dag.nodes))}
+
+    def total(self, dag: TransitionDAG, makespan: float) -> float:
+        """A transition's seconds: its DAG's makespan plus what it costs outside the
+        nodes (a fixed cost, and releasing the groups they made)."""
+        out = self.outside(dag)
+        return makespan + self.transition_s * out["transitions"] + self.group_release_s * out["groups_released"]
 
     @classmethod
     def of(cls, cluster, eff=None) -> LinkModel:
@@ -361,4 +371,4 @@ class LinkModel:
             from nereus.planner.cost import CONSERVATIVE as eff
         return cls(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), eff.p2p_intra,
                    eff.p2p_inter, eff.group_setup_s, eff.transition_call_s, eff.transition_s, cluster.cores,
-                   eff.copy_s_per_gb)
+                   eff.copy_s_per_gb, eff.group_release_s)

@@ -59,19 +59,23 @@ def test_full_rate_seconds_inverts_the_sharing():
     assert LinkModel(1e9, 1e9).sharing is None
 
 
-def test_the_estimate_adds_the_calibrated_fixed_cost():
+def test_the_estimate_adds_the_calibrated_costs_outside_the_nodes():
     cal = Calibrator()
-    for outside in (0.04, 0.05, 0.045):
-        cal.observe_transition({"transitions": 1.0}, outside)
+    for groups in (0, 1, 2, 3, 1):  # a fixed 0.01 s and 0.03 s per group released
+        cal.observe_transition({"transitions": 1.0, "groups_released": float(groups)}, 0.01 + 0.03 * groups)
     eff = cal.fit()
-    assert 0.04 <= eff.transition_s <= 0.05
+    assert eff.transition_s == pytest.approx(0.01, abs=1e-3)
+    assert eff.group_release_s == pytest.approx(0.03, abs=1e-3)
     cluster = local_cpu_cluster(4, 1 << 30, flops_per_device=1e10, memory_bandwidth=1e10, exchange_bandwidth=1e9,
                                 cores=2)
     link = LinkModel.of(cluster, eff)
     assert link.transition_s == eff.transition_s and link.cores == cluster.cores == 2
     devices = DeviceSet.single_host(4, 1 << 30)
     dag = build_dag(A, B, SPECS, devices, duration=link.seconds, share=link.sharing)
-    assert transition_seconds(A, B, SPECS, devices, link) == pytest.approx(dag.schedule.makespan + eff.transition_s)
+    groups = sum(n.groups for n in dag.nodes)
+    assert groups > 0 and link.outside(dag) == {"transitions": 1.0, "groups_released": groups}
+    assert transition_seconds(A, B, SPECS, devices, link) == pytest.approx(
+        dag.schedule.makespan + eff.transition_s + groups * eff.group_release_s)
     assert transition_seconds(A, A, SPECS, devices, link) == 0.0
 
 
