@@ -3,11 +3,15 @@ on this machine's CPU workers.
 
 - ``prediction_error``: a GRPO job on 4 CPU workers whose policy-training cycles through
   layouts (TP 2, PP 2, TP 4, DP 2, a move to other devices). The first ``calibrate``
-  changes teach the job's calibrator (p2p efficiency, group set-up, call cost) from
-  their measured DAG nodes; then learning stops and each of the next ``measure`` changes
-  is predicted (the scheduled makespan of its DAG, before it runs) and measured (the
-  wall time of running it): the median of |measured - predicted| / measured over those,
-  none of which taught the model anything.
+  changes (two passes of the cycle) teach the job's calibrator from their measured DAG
+  nodes (p2p efficiency, group set-up, call cost, local copy cost; each node at a
+  device's full rate, the cores shared between nodes running at once taken out) and
+  from their time outside the nodes (the per-transition fixed cost); then learning
+  stops and each of the next ``measure`` changes is predicted (the scheduled makespan
+  of its DAG, cores shared, plus the fixed cost, before it runs) and measured (the wall
+  time of the same span: the DAG's nodes, releasing the transition's groups, renaming
+  the EMUs): the median of |measured - predicted| / measured over those, none of which
+  taught the model anything.
 - ``overlap_ratio``: generation tokens per second on devices a transition does not
   touch while policy-training reshards on the others (``apply_plan(overlap=True)``),
   over tokens per second with no transition running. On 2 cores the workers that
@@ -73,7 +77,7 @@ def _config(out: str, hidden: int, layers: int) -> JobConfig:
     })
 
 
-async def prediction_error(calibrate: int = 8, measure: int = 12, hidden: int = 512, layers: int = 4) -> dict[str, Any]:
+async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int = 512, layers: int = 4) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-transition-")
     rl = RLJob(_config(out, hidden, layers))
     await rl.start()
@@ -97,7 +101,9 @@ async def prediction_error(calibrate: int = 8, measure: int = 12, hidden: int = 
         "transitions_calibrated": calibrate,
         "transitions_measured": len(rows),
         "calibrated": {"p2p_intra": eff.p2p_intra, "group_setup_s": eff.group_setup_s,
-                       "transition_call_s": eff.transition_call_s},
+                       "transition_call_s": eff.transition_call_s, "transition_s": eff.transition_s,
+                       "group_release_s": eff.group_release_s,
+                       "copy_s_per_gb": eff.copy_s_per_gb},
         "predicted_vs_measured_s": [[round(p, 4), round(m, 4), b, n] for p, m, b, n in rows],
     }
 

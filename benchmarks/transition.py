@@ -53,7 +53,7 @@ from nereus.planner import (
 )
 from nereus.state import DeviceSet, ModelSpec, training_slots
 from nereus.state.layout import param_shard
-from nereus.transition import LinkModel, cluster_devices, cluster_link, scheduled
+from nereus.transition import LinkModel, cluster_devices, scheduled
 
 CLUSTER = "mi250x-1024"
 
@@ -106,7 +106,7 @@ def _case(work: Workload, current: Plan, target: Plan) -> Case:
         specs.setdefault(shape, _spec(shape))
     return Case(current, target, {s.name: specs[work.models[s.model]] for s in work.stages},
                 {s.name: training_slots(work.models[s.model].dtype) for s in work.stages if s.kind == "training"},
-                cluster_devices(cluster), cluster_link(cluster))
+                cluster_devices(cluster), LinkModel.of(cluster))
 
 
 def pinned_case() -> Case:
@@ -163,7 +163,8 @@ def dag_ms(case: Case, reps: int) -> dict[str, float | int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=30, help="timed runs of part (a), at least 20")
-    parser.add_argument("--calibrate", type=int, default=8, help="part (b): transitions that teach the calibrator")
+    parser.add_argument("--calibrate", type=int, default=14,
+                        help="part (b): transitions that teach the calibrator (two passes of the cycle)")
     parser.add_argument("--measure", type=int, default=12, help="part (b): transitions predicted, at least 10")
     parser.add_argument("--rounds", type=int, default=6, help="part (c): transitions generation overlaps")
     parser.add_argument("--only-dag", action="store_true", help="part (a) only (no worker processes)")

@@ -7,8 +7,12 @@ with x_c = 1 / eff_c every measurement is one linear equation:
 - an operation-class timing (one GEMM, one all-reduce...): ideal · x_c = measured;
 - a transition node (``observe_transition``): its p2p seconds at efficiency 1 per link
   class times x_c, plus its fixed costs -- a group set-up when it makes groups, one call
-  of its workers -- whose unknowns are seconds themselves (``Efficiency.group_setup_s``,
-  ``Efficiency.transition_call_s``) = measured seconds.
+  of its workers, the GB a device copies from a source it holds -- whose unknowns are
+  seconds themselves (``Efficiency.group_setup_s``, ``Efficiency.transition_call_s``,
+  ``Efficiency.copy_s_per_gb``) = measured seconds; and a whole transition's time
+  outside its nodes (releasing its groups, renaming EMUs): one count of ``transitions``
+  times ``Efficiency.transition_s`` plus the groups it made (``groups_released``) times
+  ``Efficiency.group_release_s`` = measured seconds.
 
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
@@ -137,7 +141,10 @@ class Calibrator:
     def observe_transition(self, ideal: Mapping[str, float], measured_seconds: float) -> None:
         """One transition node: ``ideal`` holds its p2p seconds at efficiency 1
         (``p2p_intra``, ``p2p_inter``) and its fixed-cost counts (``groups``: 1 when it
-        makes groups, ``calls``: 1), as ``nereus.transition.LinkModel.ideal`` gives them."""
+        makes groups, ``calls``: 1, ``copy_gb``: GB copied locally), as ``nereus.transition.LinkModel.ideal`` gives them;
+        ``measured_seconds``: what it took at a device's full rate
+        (``nereus.transition.full_rate_seconds``). Or a transition's time outside its
+        nodes: ``LinkModel.outside``'s counts (``transitions``, ``groups_released``)."""
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
         row: dict[str, float] = {}
         for c, t in ideal.items():

@@ -26,9 +26,15 @@ from dataclasses import dataclass
 from nereus.config import require
 from nereus.errors import ConfigError
 
-__all__ = ["ClusterSpec", "PRESETS", "cluster_preset", "local_cpu_cluster"]
+__all__ = ["ClusterSpec", "PRESETS", "cluster_preset", "local_cpu_cluster", "core_share"]
 
 GB = 1e9
+
+
+def core_share(cores: int | None, busy_devices: int) -> float:
+    """The share of a device's rates each of ``busy_devices`` devices working at once
+    gets when they share ``cores`` (1.0 when ``cores`` is None: each has its own)."""
+    return 1.0 if cores is None else min(1.0, cores / max(1, busy_devices))
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class ClusterSpec:
     def rate_share(self, busy_devices: int) -> float:
         """The share of a device's compute and bandwidth each of ``busy_devices`` devices
         working at once gets (1.0 unless the devices share ``cores``)."""
-        return 1.0 if self.cores is None else min(1.0, self.cores / max(1, busy_devices))
+        return core_share(self.cores, busy_devices)
 
     @property
     def num_devices(self) -> int:

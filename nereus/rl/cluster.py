@@ -458,7 +458,8 @@ class ClusterStages(ModelStages):
             self._plan, target, {s: es[0].spec for s, es in self.emus.items()}, self._device_set(),
             slots={s: es[0].slots for s, es in self.emus.items()},
             names={s: [e.name for e in es] for s, es in self.emus.items()}, resident=resident,
-            host_of=self._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.link.seconds)
+            host_of=self._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.link.seconds,
+            share=self.link.sharing)
         slots, self._cache_slots = self._cache_slots, inputs["cache_slots"] if "policy_generation" in moving else 0
         try:
             engines: dict[int, int] = {}
@@ -470,7 +471,7 @@ class ClusterStages(ModelStages):
         finally:
             self._cache_slots = slots
         check_after(dag, engines)
-        return dag, dag.schedule.makespan
+        return dag, self.link.total(dag, dag.schedule.makespan)
 
     @property
     def restart_seconds(self) -> float:
@@ -603,10 +604,6 @@ class ClusterStages(ModelStages):
             _emit_transition(report, dag)
             await salvage(self, runtime)  # what the DAG left, as the job's plan
             raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
-        if self.learn_transitions:  # what the nodes took teaches the next estimate
-            for node in dag.nodes:
-                self.calibrator.observe_transition(self.link.ideal(node), max(result.results[node.id].seconds, 1e-6))
-            self._refit_link()
         for stage in moving:
             reps = dag.results[stage]
             renames = {rep.name: emu_name(stage, i) for i, rep in enumerate(reps) if rep.name != emu_name(stage, i)}
@@ -614,7 +611,9 @@ class ClusterStages(ModelStages):
                 devices = {d for rep in reps for d in rep.devices}
                 await asyncio.gather(*(self.hosts[d].rename.call_one(renames) for d in devices))
             self.emus[stage] = [runtime.live[rep.name].with_(name=emu_name(stage, i)) for i, rep in enumerate(reps)]
-        t_moves = time.perf_counter()
+        t_moves = time.perf_counter()  # the span the estimate predicts: the nodes, the groups' release, the renames
+        if self.learn_transitions:
+            self._learn_transition(dag, result, t_moves - report["moves_ended_at"])
         self.epoch = new_epoch
         self._plan = target
         await self.cluster.set_epoch(self.epoch)
@@ -662,6 +661,19 @@ class ClusterStages(ModelStages):
                   ok=result.ok)
 
         return emit_node
+
+    def _learn_transition(self, dag: Any, result: Any, outside_s: float) -> None:
+        """What a transition took teaches the next estimate: each node's time at a
+        device's full rate (nodes that ran at once shared the cores), and the time
+        spent outside the nodes (a fixed cost and releasing the groups the nodes made)."""
+        from nereus.transition import full_rate_seconds
+
+        spans = {n.id: (result.results[n.id].start, result.results[n.id].end, len(n.devices)) for n in dag.nodes}
+        alone = full_rate_seconds(spans, self.link.sharing)
+        for node in dag.nodes:
+            self.calibrator.observe_transition(self.link.ideal(node), max(alone[node.id], 1e-6))
+        self.calibrator.observe_transition(self.link.outside(dag), max(outside_s, 1e-6))
+        self._refit_link()
 
     def _refit_link(self) -> None:
         from nereus.transition import LinkModel

@@ -15,12 +15,18 @@ from nereus.transition.analytic import SpecBytes
 from nereus.transition.dag import Node, TransitionDAG, build_dag, stage_moves, stage_rank
 from nereus.transition.estimate import (
     cluster_devices,
-    cluster_link,
     estimator,
     scheduled,
     transition_seconds,
 )
-from nereus.transition.schedule import Blocked, Dispatcher, LinkModel, Schedule, simulate
+from nereus.transition.schedule import (
+    Blocked,
+    Dispatcher,
+    LinkModel,
+    Schedule,
+    full_rate_seconds,
+    simulate,
+)
 
 __all__ = [
     "Blocked",
@@ -32,8 +38,8 @@ __all__ = [
     "TransitionDAG",
     "build_dag",
     "cluster_devices",
-    "cluster_link",
     "estimator",
+    "full_rate_seconds",
     "scheduled",
     "simulate",
     "stage_moves",

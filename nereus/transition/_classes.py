@@ -12,7 +12,7 @@ A class is *at risk* when its bytes before the transition plus every allocation 
 node that touches it could exceed its cap; only those need counting while scheduling
 (no order can break the cap of the others). Per node, ``ClassEffect`` holds the classes
 it touches (a device runs one primitive at a time), its allocation and release on the
-classes at risk, and the most any one device receives. Everything else -- effects on
+classes at risk, and the most any one device receives and copies locally. Everything else -- effects on
 every class, each class's devices, bytes in use after a sequence of starts and ends --
 is made on first use (the per-device views a caller asks for). Pure: no I/O.
 """
@@ -20,9 +20,9 @@ is made on first use (the per-device views a caller asks for). Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import chain, groupby
+from itertools import chain, compress, groupby
 from math import lcm
-from operator import add, itemgetter
+from operator import add, itemgetter, or_
 from typing import Any
 
 __all__ = ["DeviceClasses", "ClassEffect", "DeviceMap", "joint"]
@@ -64,13 +64,14 @@ def joint(columns: Sequence[Runs]) -> list[tuple[list[tuple], int]]:
 class ClassEffect:
     """One node's effect per class (see the module docstring)."""
 
-    __slots__ = ("touches", "alloc", "release", "max_moved", "acquires")
+    __slots__ = ("touches", "alloc", "release", "max_moved", "max_copied", "acquires")
 
     def __init__(self) -> None:
         self.touches: Any = set()  # frozen once made
         self.alloc: list[tuple[int, int]] = []  # (class at risk, bytes > 0)
         self.release: dict[int, int] = {}  # class at risk -> bytes
         self.max_moved = 0
+        self.max_copied = 0  # the most one device copies from a source it holds
         self.acquires = False  # allocates anything anywhere
 
 
@@ -105,16 +106,18 @@ class DeviceClasses:
         by_stage: list[list[tuple[int, list[int]]]] = []
         bases: list[int] = []
         every = range(ncls)
+        touched = [0] * ncls  # nonzero where some model-stage has a role
         for k, part in enumerate(parts):
             base = len(effects)
             bases.append(base)
             mine = [ClassEffect() for _ in part.nodes]
             for e, ns in zip(mine, part.nodes, strict=True):  # the most one device receives, per node
-                e.max_moved, e.acquires = ns.max_moved, ns.acquires
+                e.max_moved, e.max_copied, e.acquires = ns.max_moved, ns.max_copied, ns.acquires
             effects += mine
             node_at += [(k, li) for li in range(len(part.nodes))]
             roles = part.roles
             col = list(map(itemgetter(k), distinct))
+            touched = list(map(or_, touched, col))
             initial = list(map(add, initial, map([r[0] for r in roles.roles].__getitem__, col)))
             worst = list(map(add, worst, map(roles.grows.__getitem__, col)))
             groups = [(code, list(members)) for code, members in groupby(sorted(every, key=col.__getitem__),
@@ -124,14 +127,14 @@ class DeviceClasses:
             for code, classes in groups:
                 for li in touch[code]:
                     mine[li].touches.update(classes)
-        counted = [any(s[:-2]) or s[-1] is not None for s in distinct]
+        counted = [bool(t) or s[-1] is not None for t, s in zip(touched, distinct, strict=True)]
         out = cls([s[-2] for s in distinct], initial, counted, worst, effects)
         risky = out.risky
         if any(risky):
             for k, part in enumerate(parts):
                 base = bases[k]
                 for code, classes in by_stage[k]:
-                    at_risk = [c for c in classes if risky[c]]
+                    at_risk = list(compress(classes, map(risky.__getitem__, classes)))
                     for li, a, r, _ in part.roles.roles[code][1] if at_risk else ():
                         e = effects[base + li]
                         if a:

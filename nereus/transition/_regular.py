@@ -102,7 +102,7 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
         return None
     cur = [Rep(f"c{i}", la, tuple(range(i * sa, (i + 1) * sa))) for i in range(period // sa)]
     ops: tuple = ()  # a period whose EMUs already are its targets needs no op
-    if la != lb:
+    if (a.tp, a.pp) != (b.tp, b.pp):  # both layouts cut evenly: tp and pp say which
         planned = stage_ops(cur, [Rep(f"t{j}", lb, tuple(range(j * sb, (j + 1) * sb))) for j in range(period // sb)])
         if planned.sub != sub_layout(la, lb):
             return None
@@ -210,11 +210,12 @@ def _per_device(table: SpecBytes, layout: Layout) -> list[int]:
 
 def _add_period_op(node: NodeSpec, li: int, op, effects: Effects, periods: int,
                    per_offset: list[list[tuple[int, int, int, int]]]) -> None:
-    alloc, release, moved, links = effects.of(op)
+    alloc, release, moved, links, copied = effects.of(op)
     node.count += periods
     node.bytes += periods * sum(moved.values())
     node.groups += periods if moved else 0
     node.max_moved = max(node.max_moved, max(moved.values(), default=0))
+    node.max_copied = max(node.max_copied, copied)
     node.acquires = node.acquires or any(v > 0 for v in alloc.values())
     for k, v in links.items():
         node.links[k] += periods * v

@@ -17,7 +17,8 @@ listing the ops when the placements repeat; both price ops with ``Effects``.
 
 ``Effects.of(op)``: per device, the target shards it allocates (less the shards a Split
 or Merge adopts from the source it frees), what it releases (freed sources), what it
-receives (what its source on that device does not hold) and over which link; and one
+receives (what its source on that device does not hold) and over which link, the most
+one device copies from a source it holds (held there, not adopted); and one
 transfer bucket on every device that sends or receives (an upper bound of the state
 layer's ``min(bucket, bytes moved)``, equal once a device moves a bucket). Pure: no I/O.
 """
@@ -49,7 +50,7 @@ class NodeSpec:
     general path also sets its ops, devices and per-device effects."""
 
     __slots__ = ("kind", "count", "bytes", "links", "groups", "deps", "ops", "devices", "alloc", "release", "moved",
-                 "max_moved", "acquires")
+                 "max_moved", "max_copied", "acquires")
 
     def __init__(self, kind: str, count: int, bytes: int, links: dict[str, int], groups: int,
                  deps: set[int] | None = None, ops: tuple[Op, ...] | None = None, devices: set[int] | None = None,
@@ -60,6 +61,7 @@ class NodeSpec:
         self.ops, self.devices, self.alloc, self.release, self.moved = ops, devices, alloc, release, moved
         # the most one device receives, and whether it allocates anything anywhere
         self.max_moved = max(moved.values(), default=0) if moved is not None else 0
+        self.max_copied = 0  # the most one device copies from a source it holds
         self.acquires = any(v > 0 for v in alloc.values()) if alloc is not None else False
 
 
@@ -112,12 +114,13 @@ class Effects:
     def __init__(self, table: SpecBytes, host_of: Callable[[int], int], bucket_bytes: int) -> None:
         self.table, self.host_of, self.bucket = table, host_of, bucket_bytes
 
-    def of(self, op: Op) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[str, int]]:
+    def of(self, op: Op) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[str, int], int]:
         t, host_of = self.table, self.host_of
         alloc: dict[int, int] = {}
         release: dict[int, int] = {}
         moved: dict[int, int] = {}
         links = {"intra": 0, "inter": 0}
+        copied = 0
         at = {d: (e.layout, divmod(i, e.layout.tp)) for e in op.inputs for i, d in enumerate(e.devices)}
         sources = {host_of(d) for d in at}
         reuse = op.kind in ("split", "merge")  # their sources are freed: unchanged shards are adopted
@@ -131,6 +134,8 @@ class Effects:
                 local, kept = (0, 0) if src is None else t.local_kept(src[0], src[1], layout, pos)
                 if not reuse:
                     kept = 0
+                if local - kept > copied:
+                    copied = local - kept
                 alloc[d] = alloc.get(d, 0) + held - kept
                 if kept:
                     release[d] = release.get(d, 0) - kept  # the adopted shard stays; its source does not give it back
@@ -148,7 +153,7 @@ class Effects:
             for d in set(moved) | set(at):
                 alloc[d] = alloc.get(d, 0) + self.bucket
                 release[d] = release.get(d, 0) + self.bucket
-        return alloc, release, moved, links
+        return alloc, release, moved, links, copied
 
 
 def _devices(op: Op) -> set[int]:
@@ -173,10 +178,11 @@ def group_ops(ops: Sequence[Op], effects: Effects) -> list[NodeSpec]:
         for e in op.freed:
             deps |= readers.get(e.name, set())
         at = next((i for i, (nid, used) in enumerate(groups) if used.isdisjoint(devs) and nid not in deps), None)
-        alloc, release, moved, links = effects.of(op)
+        alloc, release, moved, links, copied = effects.of(op)
         moves = 1 if moved else 0
         if at is None:
             node = NodeSpec(op.kind, 1, sum(moved.values()), links, moves, deps, (op,), set(devs), alloc, release, moved)
+            node.max_copied = copied
             groups.append((len(nodes), set(devs)))
             nodes.append(node)
             nid = len(nodes) - 1
@@ -195,6 +201,7 @@ def group_ops(ops: Sequence[Op], effects: Effects) -> list[NodeSpec]:
                 node.links[k] = node.links.get(k, 0) + v
             node.groups += moves
             node.max_moved = max(node.max_moved, max(moved.values(), default=0))
+            node.max_copied = max(node.max_copied, copied)
             node.acquires = node.acquires or any(v > 0 for v in alloc.values())
             node.deps |= deps
         node.deps.discard(nid)

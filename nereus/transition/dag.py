@@ -38,6 +38,7 @@ from nereus.config import require
 from nereus.errors import OutOfMemory
 from nereus.planner.plan import Plan, StagePlan
 from nereus.state.emu import DeviceSet
+from nereus.state.layout import Layout
 from nereus.state.spec import ModelSpec
 from nereus.state.transition import Op, Rep
 from nereus.transition._classes import ClassEffect, DeviceClasses, DeviceMap
@@ -63,6 +64,8 @@ def stage_rank(stage: str) -> int:
 
 def stage_moves(a: StagePlan, b: StagePlan) -> bool:
     """Whether going from ``a`` to ``b`` moves any tensor (layout, DP or devices)."""
+    if a.start is not None and b.start is not None:  # back to back: the first device says where
+        return (a.tp, a.pp, a.dp, a.start) != (b.tp, b.pp, b.dp, b.start)
     return (a.tp, a.pp, a.devices) != (b.tp, b.pp, b.devices)
 
 
@@ -134,6 +137,12 @@ class Node:
             return self.effect.max_moved
         return max(self.moved_in.values(), default=0)
 
+    @property
+    def max_copied(self) -> int:
+        """The most bytes any one device copies from a source it holds (target shards
+        held there but not adopted; 0 for a node put together by hand)."""
+        return self.effect.max_copied if self._dag is not None else 0
+
     def materialize(self) -> None:
         """Make every field that is made on first use now."""
         for name in _LAZY:
@@ -153,11 +162,12 @@ class TransitionDAG:
     def __init__(self, nodes: list[Node], caps: Mapping[int, int | None], initial: Mapping[int, int], current: Plan,
                  target: Plan, results: Mapping[str, tuple[Rep, ...]], host_of: Callable[[int], int], *,
                  classes: DeviceClasses | None = None, parts: Sequence[StagePart] = (),
-                 duration: Callable[[Node], float] | None = None) -> None:
+                 duration: Callable[[Node], float] | None = None,
+                 share: Callable[[int], float] | None = None) -> None:
         self.nodes, self.caps, self.initial = nodes, caps, initial
         self.current, self.target, self.results, self.host_of = current, target, results, host_of
         self._classes = classes
-        self.duration = duration
+        self.duration, self.share = duration, share
         self._schedule: Schedule | None = None
         self._parts = list(parts)
         self._made: dict[int, list[tuple[Op, ...]]] = {}
@@ -182,7 +192,7 @@ class TransitionDAG:
                 raise ValueError("TransitionDAG.schedule needs build_dag(duration=...): a node's modelled seconds")
             from nereus.transition.schedule import simulate
 
-            self._schedule = simulate(self, self.duration)
+            self._schedule = simulate(self, self.duration, share=self.share)
         return self._schedule
 
     def _expand(self, node: Node, name: str):
@@ -270,6 +280,7 @@ def build_dag(
     host_of: Callable[[int], int] | None = None,
     bucket_bytes: int = 0,
     duration: Callable[[Node], float] | None = None,
+    share: Callable[[int], float] | None = None,
 ) -> TransitionDAG:
     """The transition DAG from ``current`` to ``target`` (see the module docstring).
 
@@ -278,7 +289,8 @@ def build_dag(
     model-stage's current EMU names (default ``<model-stage>.<replica>``); ``devices``:
     a ``DeviceSet`` (hosts and budgets) or a function device -> budget;
     ``resident``: bytes per device held besides the plans' EMUs; ``duration``: a node's
-    modelled seconds for the resource-edge simulation (default: its bytes)."""
+    modelled seconds for the resource-edge simulation (default: its bytes); ``share``:
+    the rate busy devices get when they share cores (``LinkModel.sharing``)."""
     require(set(current.names) == set(target.names), "target plan", target.names,
             f"must place the same model-stages as the current plan {current.names}")
     missing = sorted(s for s in current.names if s not in specs)
@@ -308,6 +320,14 @@ def build_dag(
             at[d] = v
         resident_at = [(at, 1)]
     tables: dict[int, SpecBytes] = {}
+    layouts: dict[tuple[int, int], Layout] = {}  # one Layout per shape within this build
+
+    def layout(tp: int, pp: int) -> Layout:
+        got = layouts.get((tp, pp))
+        if got is None:
+            got = layouts[(tp, pp)] = Layout(tp, pp)
+        return got
+
     parts: list[StagePart] = []
     for stage in current.names:
         a, b = current[stage], target[stage]
@@ -322,7 +342,7 @@ def build_dag(
         if not stage_moves(a, b):
             parts.append(unchanged_part(stage, a, table, size))
             continue
-        part = regular_part(stage, a, b, table, hosts, bucket_bytes, size, given)
+        part = regular_part(stage, a, b, table, hosts, bucket_bytes, size, given, layout)
         parts.append(part if part is not None else general_part(stage, a, b, table, hosts.of, bucket_bytes, size, given))
     classes = DeviceClasses.of_parts(parts, caps, resident_at)
     nodes: list[Node] = []
@@ -336,7 +356,8 @@ def build_dag(
             nodes.append(n)
     dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),
                         DeviceMap(lambda: classes.counted_map(classes.initial)), current, target,
-                        _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration)
+                        _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration,
+                        share=share)
     last = _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
     if duration is not None:
         dag._schedule = last  # the list schedule under duration (None: made when asked)
@@ -361,9 +382,13 @@ def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -
 
     def blocked(b: Blocked) -> bool:
         node = dag.nodes[b.node]
-        below = dag.reachable_from(node.id) | {node.id}
-        cands = [n for n in dag.nodes if n.kind == "destroy" and n.id not in below and n.id not in b.finished
-                 and n.id not in node.deps and effects[n.id].release.get(b.cls, 0) > 0]
+        cands = [n for n in dag.nodes if n.kind == "destroy" and n.id not in b.finished and n.id not in node.deps
+                 and effects[n.id].release.get(b.cls, 0) > 0]
+        if not cands:  # most blocked acquisitions wait for nothing but what is running
+            return False
+        below = dag.reachable_from(node.id)
+        below.add(node.id)
+        cands = [n for n in cands if n.id not in below]
         if not cands:
             return False
         best = max(cands, key=lambda n: (effects[n.id].release.get(b.cls, 0), -n.id))
@@ -373,7 +398,7 @@ def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -
 
     for _ in range(len(dag.nodes) ** 2 + 1):
         try:
-            return simulate(dag, duration, on_blocked=blocked)
+            return simulate(dag, duration, on_blocked=blocked, share=dag.share)
         except _EdgeAdded:
             continue
     raise AssertionError("resource edges did not converge")  # each round adds an edge of a finite DAG

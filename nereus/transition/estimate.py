@@ -2,8 +2,9 @@
 
 ``transition_seconds(current, target, specs, devices, link)`` builds the transition DAG
 and returns the makespan of its one list schedule under ``link`` (per-link bandwidth,
-calibrated p2p efficiency, group set-up): the estimate admission weighs against the
-saving. A target the DAG cannot reach -- no source to Extend from (``InfeasiblePlan``),
+calibrated p2p efficiency, group set-up, cores shared where devices share them) plus
+the transition's costs outside its nodes (``LinkModel.total``): the estimate admission weighs
+against the saving. A target the DAG cannot reach -- no source to Extend from (``InfeasiblePlan``),
 an acquisition blocked on memory with no Destroy to wait for (``InfeasibleTransition``)
 -- costs ``inf``, which admission refuses and the urgent path skips.
 
@@ -13,9 +14,9 @@ boundaries and returns the ``transition_seconds(plan_a, plan_b)`` callback the
 onto the devices the current plan uses (``nereus.planner.relabel``) before it prices
 and stores it, so the plan priced is the plan executed.
 
-``cluster_devices(cluster)`` and ``cluster_link(cluster)`` describe a planner
-``ClusterSpec`` for the DAG: hosts by node, each device's budget (what plans may fill:
-memory less headroom and workspace), intra-node and per-device inter-node bandwidth.
+``cluster_devices(cluster)`` describes a planner ``ClusterSpec``'s devices for the DAG:
+hosts by node, each device's budget (what plans may fill: memory less headroom and
+workspace); ``LinkModel.of(cluster, efficiency)`` its links.
 Pure: no I/O.
 """
 
@@ -33,7 +34,7 @@ from nereus.state.spec import ModelSpec
 from nereus.transition.dag import TransitionDAG, build_dag
 from nereus.transition.schedule import LinkModel, Schedule
 
-__all__ = ["transition_seconds", "estimator", "scheduled", "cluster_devices", "cluster_link"]
+__all__ = ["transition_seconds", "estimator", "scheduled", "cluster_devices"]
 
 
 def cluster_devices(cluster: ClusterSpec) -> DeviceSet:
@@ -43,18 +44,11 @@ def cluster_devices(cluster: ClusterSpec) -> DeviceSet:
     return DeviceSet(tuple(d // per for d in range(n)), (budget,) * n)
 
 
-def cluster_link(cluster: ClusterSpec, **efficiency: float) -> LinkModel:
-    """``LinkModel`` of ``cluster``: a device's intra-node bandwidth, and its share of its
-    node's inter-node bandwidth (every device of a node sends at once during a
-    transition); ``efficiency`` sets ``LinkModel``'s other fields."""
-    return LinkModel(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), **efficiency)
-
-
 def scheduled(current: Plan, target: Plan, specs: Mapping[str, ModelSpec], devices: DeviceSet,
               link: LinkModel, **kw) -> tuple[TransitionDAG, Schedule]:
     """The DAG from ``current`` to ``target`` and its list schedule under ``link``
     (``kw``: ``build_dag``'s keywords). Raises what ``build_dag`` raises."""
-    dag = build_dag(current, target, specs, devices, duration=link.seconds, **kw)
+    dag = build_dag(current, target, specs, devices, duration=link.seconds, share=link.sharing, **kw)
     return dag, dag.schedule
 
 
@@ -62,16 +56,16 @@ def transition_seconds(current: Plan, target: Plan, specs: Mapping[str, ModelSpe
                        link: LinkModel, *, slots: Mapping[str, Sequence[str]] | None = None,
                        names: Mapping[str, Sequence[str]] | None = None, resident: Mapping[int, int] | None = None,
                        bucket_bytes: int = 0) -> float:
-    """Seconds the transition from ``current`` to ``target`` takes (its makespan), or
-    ``inf`` when the DAG cannot reach it (see the module docstring)."""
+    """Seconds the transition from ``current`` to ``target`` takes (its makespan plus
+    its fixed cost), or ``inf`` when the DAG cannot reach it (see the module docstring)."""
     if current == target:
         return 0.0
     try:
-        _, schedule = scheduled(current, target, specs, devices, link, slots=slots, names=names, resident=resident,
+        dag, schedule = scheduled(current, target, specs, devices, link, slots=slots, names=names, resident=resident,
                                 bucket_bytes=bucket_bytes)
     except InfeasiblePlan:  # InfeasibleTransition too
         return math.inf
-    return schedule.makespan
+    return link.total(dag, schedule.makespan)
 
 
 def estimator(specs: Mapping[str, ModelSpec], devices: DeviceSet, link: LinkModel, *,

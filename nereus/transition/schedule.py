@@ -16,13 +16,19 @@ per-device views made when asked for (from the sequence of starts and ends).
 
 ``simulate(dag, duration)`` runs the dispatcher against a clock, each node taking
 ``duration(node)`` seconds: a ``Schedule`` of start and end times, the start order, the
-makespan (the transition's estimate) and every device's peak. A node that can never
-start (nothing running, nothing else startable) raises ``InfeasibleTransition``.
+makespan and every device's peak. A node that can never start (nothing running,
+nothing else startable) raises ``InfeasibleTransition``. Where devices share cores (a
+CPU cluster: ``LinkModel.sharing``), nodes running at once share them: each progresses
+at ``ClusterSpec.rate_share`` of the devices then busy; ``full_rate_seconds`` is the
+inverse, what measured nodes would have taken alone (what calibration learns from).
 
 ``LinkModel`` turns a node into seconds: per primitive, the most any device receives
 over its link's bandwidth times the calibrated p2p efficiency, plus one group set-up
-for a primitive that moves bytes and a fixed cost per primitive call; the primitives of
-a node run at once. Pure: no I/O, no clock of its own.
+for a primitive that moves bytes, a fixed cost per primitive call and the bytes a device
+copies from a source it holds (a Split or Merge slicing what is there); the primitives of
+a node run at once. A transition's estimate is its makespan plus its costs outside the
+nodes: a fixed ``transition_s`` and ``group_release_s`` per group its nodes made
+(``LinkModel.total``). Pure: no I/O, no clock of its own.
 """
 
 from __future__ import annotations
@@ -32,14 +38,16 @@ import random
 from bisect import insort
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from itertools import compress
 from operator import itemgetter
 
 from nereus.errors import InfeasibleTransition
+from nereus.planner.cluster import core_share
 from nereus.transition._classes import DeviceClasses, DeviceMap
 from nereus.transition.dag import Node, TransitionDAG
 
-__all__ = ["Dispatcher", "Schedule", "simulate", "LinkModel", "Blocked"]
+__all__ = ["Dispatcher", "Schedule", "simulate", "full_rate_seconds", "LinkModel", "Blocked"]
 
 _TOUCHES = itemgetter(2)
 
@@ -213,8 +221,14 @@ class Schedule:
 
 
 def simulate(dag: TransitionDAG, duration: Callable[[Node], float], *, rng: random.Random | None = None,
-             on_blocked: Callable[[Blocked], bool] | None = None) -> Schedule:
-    """Run ``dag``'s list schedule against a clock (see the module docstring)."""
+             on_blocked: Callable[[Blocked], bool] | None = None,
+             share: Callable[[int], float] | None = None) -> Schedule:
+    """Run ``dag``'s list schedule against a clock (see the module docstring). With
+    ``share`` (devices that share cores: ``LinkModel.sharing``), ``duration`` is a node's
+    seconds at a device's full rate and every running node progresses at
+    ``share(devices busy)`` of it, so nodes that run at once slow each other down."""
+    if share is not None:
+        return _simulate_shared(dag, duration, share, rng, on_blocked)
     disp = Dispatcher(dag, rng, on_blocked)
     out = Schedule()
     clock = 0.0
@@ -236,11 +250,65 @@ def simulate(dag: TransitionDAG, duration: Callable[[Node], float], *, rng: rand
     return out
 
 
+def _simulate_shared(dag: TransitionDAG, duration: Callable[[Node], float], share: Callable[[int], float],
+                     rng: random.Random | None, on_blocked: Callable[[Blocked], bool] | None) -> Schedule:
+    """``simulate`` where running nodes share cores: between two events every running
+    node does ``share(busy devices)`` seconds of its full-rate work per second."""
+    disp = Dispatcher(dag, rng, on_blocked)
+    out = Schedule()
+    clock = 0.0
+    left: dict[int, float] = {}  # running node -> full-rate seconds of work left
+    width: dict[int, int] = {}  # running node -> its devices
+    while not disp.done:
+        for node in disp.start_ready():
+            out.start[node.id] = clock
+            out.order.append(node.id)
+            left[node.id] = max(0.0, float(duration(node)))
+            width[node.id] = len(node.devices)
+        if not left:
+            if disp.stuck():
+                raise disp.infeasible()
+            break
+        rate = share(sum(width.values()))
+        nid = min(left, key=lambda i: (left[i], i))  # the heap's order: earliest end, then node id
+        done = left.pop(nid)
+        del width[nid]
+        clock += done / rate
+        for i in left:
+            left[i] = max(0.0, left[i] - done)
+        out.end[nid] = clock
+        disp.finish(nid)
+    classes, events = dag.classes, disp.events
+    out.peak = DeviceMap(lambda: classes.counted_map(classes.replay(events)[1]))
+    return out
+
+
+def full_rate_seconds(spans: Mapping[int, tuple[float, float, int]],
+                      share: Callable[[int], float] | None) -> dict[int, float]:
+    """What each measured node would have taken at a device's full rate (what
+    ``LinkModel.seconds`` models and calibration learns from): ``spans`` maps a node to
+    its measured start, end and device count; over its span it ran at ``share`` of the
+    devices busy at each moment (every node then running). Without ``share``: its span."""
+    if share is None:
+        return {n: end - start for n, (start, end, _) in spans.items()}
+    times = sorted({t for start, end, _ in spans.values() for t in (start, end)})
+    # the rate in each stretch between two consecutive starts or ends
+    rates = [share(sum(w for s, e, w in spans.values() if s <= lo and e >= hi)) for lo, hi in zip(times, times[1:], strict=False)]
+    out = {}
+    for n, (start, end, _) in spans.items():
+        out[n] = sum(r * (hi - lo) for lo, hi, r in zip(times, times[1:], rates, strict=False) if lo >= start and hi <= end)
+    return out
+
+
 @dataclass(frozen=True)
 class LinkModel:
     """Seconds of a node from its bytes: ``intra_bandwidth`` / ``inter_bandwidth`` bytes
     per second a device receives within / across hosts, the calibrated p2p efficiency of
-    each, ``group_setup_s`` when its primitives make groups, ``call_s`` per node."""
+    each, ``group_setup_s`` when its primitives make groups, ``call_s`` per node;
+    ``transition_s`` per transition beyond its nodes (releasing its groups, renaming
+    EMUs); ``cores`` the devices share (None: each device has its own);
+    ``copy_s_per_gb`` per GB the busiest device copies from a source it holds;
+    ``group_release_s`` per group the transition made, released when it ends."""
 
     intra_bandwidth: float
     inter_bandwidth: float
@@ -248,29 +316,59 @@ class LinkModel:
     inter_efficiency: float = 0.4
     group_setup_s: float = 0.02
     call_s: float = 0.005
+    transition_s: float = 0.0
+    cores: int | None = None
+    copy_s_per_gb: float = 0.0
+    group_release_s: float = 0.0
 
     def ideal(self, node: Node) -> dict[str, float]:
         """Seconds at efficiency 1 per class (``p2p_intra``, ``p2p_inter``: the most any
         device receives, split by link, over the link's bandwidth; the primitives of a
-        node run at once) and the counts of fixed costs (``groups``, ``calls``)."""
+        node run at once) and the counts of fixed costs (``groups``, ``calls``; ``copy_gb``:
+        GB the busiest device copies from a source it holds)."""
         worst, links = node.max_moved_in, node.bytes_by_link
         total = links.get("intra", 0) + links.get("inter", 0)
         intra = links.get("intra", 0) / total if total else 0.0
         return {"p2p_intra": worst * intra / self.intra_bandwidth,
                 "p2p_inter": worst * (1.0 - intra) / self.inter_bandwidth if total else 0.0,
-                "groups": 1.0 if node.groups else 0.0, "calls": 1.0}
+                "groups": 1.0 if node.groups else 0.0, "calls": 1.0, "copy_gb": node.max_copied / 1e9}
 
     def seconds(self, node: Node) -> float:
+        """A node's seconds at a device's full rate (alone on its cores)."""
         worst, links = node.max_moved_in, node.bytes_by_link
         total = links.get("intra", 0) + links.get("inter", 0)
         intra = links.get("intra", 0) / total if total else 0.0
         return (worst * intra / self.intra_bandwidth / self.intra_efficiency
                 + (worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency if total else 0.0)
-                + (self.group_setup_s if node.groups else 0.0) + self.call_s)
+                + (self.group_setup_s if node.groups else 0.0) + self.call_s
+                + node.max_copied / 1e9 * self.copy_s_per_gb)
+
+    @property
+    def sharing(self) -> Callable[[int], float] | None:
+        """The rate each busy device gets when devices share ``cores`` (``simulate``'s
+        ``share``), None when each device has its own."""
+        cores = self.cores
+        return None if cores is None else partial(core_share, cores)
+
+    def outside(self, dag: TransitionDAG) -> dict[str, float]:
+        """The counts of a transition's costs outside its nodes (``Calibrator``
+        classes): one transition, and the groups its nodes make (released at its end)."""
+        return {"transitions": 1.0, "groups_released": float(sum(n.groups for n in dag.nodes))}
+
+    def total(self, dag: TransitionDAG, makespan: float) -> float:
+        """A transition's seconds: its DAG's makespan plus what it costs outside the
+        nodes (a fixed cost, and releasing the groups they made)."""
+        out = self.outside(dag)
+        return makespan + self.transition_s * out["transitions"] + self.group_release_s * out["groups_released"]
 
     @classmethod
-    def of(cls, cluster, eff) -> LinkModel:
-        """The link model of a ``ClusterSpec`` under calibrated efficiencies: a device's
-        bandwidth within its node, its share of its node's NICs across nodes."""
+    def of(cls, cluster, eff=None) -> LinkModel:
+        """The link model of a ``ClusterSpec`` under calibrated efficiencies (a planner
+        ``Efficiency``; None: its conservative defaults): a device's bandwidth within its
+        node, its share of its node's NICs across nodes (every device of a node sends at
+        once during a transition), the cores its devices share, its local copy cost."""
+        if eff is None:
+            from nereus.planner.cost import CONSERVATIVE as eff
         return cls(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), eff.p2p_intra,
-                   eff.p2p_inter, eff.group_setup_s, eff.transition_call_s)
+                   eff.p2p_inter, eff.group_setup_s, eff.transition_call_s, eff.transition_s, cluster.cores,
+                   eff.copy_s_per_gb, eff.group_release_s)

@@ -45,6 +45,7 @@ def assert_same_dag(got, want) -> None:
             assert {d: v for d, v in getattr(g, field).items() if v} == \
                 {d: v for d, v in getattr(w, field).items() if v}, (g.label, field)
         assert g.max_moved_in == w.max_moved_in and g.releases_only == w.releases_only
+        assert g.max_copied == w.max_copied, g.label
         assert _ops(g) == _ops(w), g.label
     assert dict(got.initial) == dict(want.initial) and dict(got.caps) == dict(want.caps)
     assert {s: [(e.name, e.layout, e.devices) for e in got.results[s]] for s in got.results} == \
