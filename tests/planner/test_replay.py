@@ -5,9 +5,9 @@
 drained before step 50 and a fresh one joins before step 60), as the job put them on
 its tap. Replayed through a fresh Replanner they give the decisions the job made; among
 them drifts with no saving to be had (rejected, and the reference reset to the lengths of
-that boundary) and one that paid back, a memory overflow predicted from the next cap (urgent), a drained device
+that boundary), a memory overflow predicted from the next cap (urgent), a drained device
 (urgent) and a join judged by the payback rule (turned down: on 2 cores a fourth device
-was predicted to save little, and a drift two steps later took it up)."""
+was predicted to save little)."""
 
 from __future__ import annotations
 
@@ -70,9 +70,10 @@ def test_a_rejected_drift_resets_the_reference_and_does_not_fire_again_until_len
 def test_a_join_is_judged_by_payback_and_gamma_moves_the_verdict():
     records = recorded()
     i = next(i for i, r in enumerate(records) if r["joined"])
-    assert records[i]["triggers"] == ["device-pool"]
+    assert "device-pool" in records[i]["triggers"]
     _, outcomes = replay(records[: i + 1])
     join = outcomes[-1]
+    assert not any(t.hard for t in join.triggers)  # a join is soft
     assert join.decision.limit_steps is not None and join.decision.payback_steps is not None
     assert join.decision.admitted == (join.decision.payback_steps <= join.decision.limit_steps)
     # the same boundaries under another gamma: the join's verdict flips, the urgent ones stay
