@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 import zmq
 
-from nereus.actors import _wire
+from nereus.actors import _session, _wire
 from nereus.monitor import Dashboard, DashboardView, check_event
 from nereus.monitor.dashboard import READY_PREFIX, events_from_jsonl, read_jsonl
 from tests._leaks import children, wait_gone
@@ -258,9 +260,14 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
     proc, url = await _start_dashboard("--tap", f"tcp://127.0.0.1:{port}", "--key-file", str(key_file),
                                        "--port", "0")
 
+    tap_id, seqs = os.urandom(16), itertools.count(1)
+
     def publish(event: dict, key: bytes = KEY) -> None:
+        # as the controller publishes: one frame, the envelope (sender, any receiver, a
+        # growing sequence number) under the signature
         body = msgpack.packb(event)
-        pub.send_multipart([_wire.sign(key, body), body])
+        envelope = _session.envelope(tap_id, _session.ANY, next(seqs))
+        pub.send(_wire.sign(key, body, (), envelope) + envelope + body)
 
     try:
         assert url.startswith("http://127.0.0.1:")
