@@ -88,6 +88,14 @@ def zmtp_declare(address: str, size: int, payload: int, timeout_s: float = 10.0)
     else:
         host, port = address[len("tcp://"):].rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    try:
+        return _declare_on(sock, size, payload)
+    except ConnectionError:
+        sock.close()  # the peer dropped the frame while it was being sent: no fd left behind
+        raise
+
+
+def _declare_on(sock: socket.socket, size: int, payload: int) -> socket.socket:
     greeting = (b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0")
                 + b"\0" + bytes(31))
     sock.sendall(greeting)
