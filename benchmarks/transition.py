@@ -38,8 +38,6 @@ import time
 from dataclasses import dataclass
 
 from nereus.errors import InfeasiblePlan
-from nereus.models.config import ModelConfig
-from nereus.models.spec import model_spec
 from nereus.planner import (
     LengthStats,
     ModelShape,
@@ -51,6 +49,7 @@ from nereus.planner import (
     relabel,
     search,
 )
+from nereus.sim.transitions import model_spec_of
 from nereus.state import DeviceSet, ModelSpec, training_slots
 from nereus.state.layout import param_shard
 from nereus.transition import LinkModel, cluster_devices, scheduled
@@ -66,14 +65,6 @@ class Case:
     slots: dict[str, tuple[str, ...]]
     devices: DeviceSet
     link: LinkModel
-
-
-def _spec(shape: ModelShape) -> ModelSpec:
-    config = ModelConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-                         tie_word_embeddings=shape.tied_embeddings, torch_dtype=shape.dtype)
-    return model_spec(config, dtype=shape.dtype, value_head=shape.value_head)
 
 
 # The search's plans for the pinned workload at 512 and at 1,024 devices, as it gave them
@@ -103,7 +94,7 @@ def _case(work: Workload, current: Plan, target: Plan) -> Case:
     # model, the reward model the critic's
     specs: dict[ModelShape, ModelSpec] = {}
     for shape in work.models.values():
-        specs.setdefault(shape, _spec(shape))
+        specs.setdefault(shape, model_spec_of(shape))
     return Case(current, target, {s.name: specs[work.models[s.model]] for s in work.stages},
                 {s.name: training_slots(work.models[s.model].dtype) for s in work.stages if s.kind == "training"},
                 cluster_devices(cluster), LinkModel.of(cluster))
