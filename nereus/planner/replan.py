@@ -253,6 +253,9 @@ class Replanner:
         # Destroys alone, when the search's plans change TP or PP beyond what the
         # devices' memory allows mid-transition
         grown = rescaled(self.plan, self.work, self.cluster)
+        if grown is not None:
+            grown = relabel(self.plan, grown, devices_per_node=self.cluster.devices_per_node,
+                            devices=self.cluster.num_devices)
         if grown is not None and grown != self.plan and all(grown != p for _, p, _ in candidates):
             ex = explain(grown, self.work, self.cluster, self.eff)
             if ex.fits:

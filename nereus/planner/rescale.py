@@ -5,8 +5,9 @@ setting, its generation engines' concurrency (the sequences a replica decodes at
 and the grouping of model-stages into pools (model-stages whose devices overlap share a
 pool), and gives each pool the largest valid size up to its share of ``cluster``'s
 devices (the search's pool sizes: powers of two within a node or whole nodes, a
-multiple of each member's TP x PP, a DP dividing the optimizer batch). Pools are laid
-out from slot 0, largest first, as the search lays out its plans.
+multiple of each member's TP x PP, a DP dividing the optimizer batch); devices that
+rounding leaves idle go to the pools it served worst, while a valid size fits. Pools
+are laid out from slot 0, largest first, as the search lays out its plans.
 
 Why it exists: a move that changes only DP is a set of Extends and Destroys, which the
 transition DAG can schedule whenever the new devices are free, while the search's best
@@ -75,21 +76,40 @@ def layout_of(plan: Plan, work: Workload, pools: Sequence[Sequence[str]] | None 
 
 def rescaled_layout(layout: Layout, work: Workload, cluster: ClusterSpec, devices: int | None = None) -> Plan | None:
     """``layout`` with each pool at the largest valid size up to its share of ``devices``
-    (default: all of ``cluster``'s), on slots from 0, largest pool first; None when a pool
-    gets no valid size."""
+    (default: all of ``cluster``'s), idle devices given to the pools rounding served
+    worst, on slots from 0, largest pool first; None when a pool gets no valid size."""
     devices = cluster.num_devices if devices is None else devices
     sizes = pool_sizes(cluster, devices)
-    chosen: list[tuple[tuple[str, ...], int]] = []
-    left = devices
-    for names, base in sorted(layout.pools, key=lambda p: -p[1]):
-        share = min(left, int(base * devices / layout.devices + 1e-9))
-        ok = [n for n in sizes if n <= share and all(
+
+    def valid(names: tuple[str, ...]) -> list[int]:
+        return [n for n in sizes if all(
             n % (layout.stages[s][0] * layout.stages[s][1]) == 0
             and work.batch % (n // (layout.stages[s][0] * layout.stages[s][1])) == 0 for s in names)]
+
+    chosen: list[tuple[tuple[str, ...], int]] = []
+    wanted: list[float] = []
+    left = devices
+    for names, base in sorted(layout.pools, key=lambda p: -p[1]):
+        share = base * devices / layout.devices
+        ok = [n for n in valid(names) if n <= min(left, int(share + 1e-9))]
         if not ok:
             return None
         chosen.append((names, ok[-1]))
+        wanted.append(share)
         left -= ok[-1]
+    # Rounding each share down to a valid size can leave devices idle (pools of 2 and 1
+    # on 3 devices rescaled to 4 get 2 and 1): they go to the pool the rounding served
+    # worst, at its next valid size, while one fits.
+    while left > 0:
+        for k in sorted(range(len(chosen)), key=lambda k: chosen[k][1] / wanted[k]):
+            names, n = chosen[k]
+            bigger = [m for m in valid(names) if n < m <= n + left]
+            if bigger:
+                chosen[k] = (names, bigger[0])
+                left -= bigger[0] - n
+                break
+        else:
+            break
     start, by_stage = 0, {}
     for names, n in chosen:
         for s in names:

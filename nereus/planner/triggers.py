@@ -105,24 +105,37 @@ class DriftSignal:
 
 class PoolSignal:
     """Changes of the device pool, for the horizon of a join: the moving average of the
-    intervals between changes, ``initial`` steps until two changes have been seen."""
+    intervals between changes, the first running from the step the pool was first seen
+    (as a drift signal's first interval does: the pool the job started on lasted that
+    long), and ``initial`` steps until two changes have been seen."""
 
     def __init__(self, initial: float, window: int = 8) -> None:
         require(initial > 0, "join_horizon_steps", initial, "must be > 0")
         self.initial = initial
-        self.changes: deque[int] = deque(maxlen=window + 1)
+        self.since: int | None = None
+        self.last: int | None = None
+        self.changes = 0
+        self.intervals: deque[int] = deque(maxlen=window)
+
+    def seen(self, step: int) -> None:
+        """The pool was observed at ``step`` (the first call starts the first interval)."""
+        if self.since is None:
+            self.since = step
 
     def change(self, step: int) -> None:
-        if not self.changes or self.changes[-1] != step:
-            self.changes.append(step)
+        if self.last == step:
+            return
+        start = self.last if self.last is not None else self.since
+        if start is not None:
+            self.intervals.append(max(1, step - start))
+        self.last = step
+        self.changes += 1
 
     @property
     def horizon_steps(self) -> float:
-        if len(self.changes) < 2:
+        if self.changes < 2 or not self.intervals:
             return self.initial
-        steps = list(self.changes)
-        gaps = [max(1, b - a) for a, b in zip(steps, steps[1:], strict=False)]
-        return sum(gaps) / len(gaps)
+        return sum(self.intervals) / len(self.intervals)
 
 
 class TriggerMonitor:
@@ -159,6 +172,7 @@ class TriggerMonitor:
         if not (lost or drained or joined) and self.devices is not None and pool != self.devices:
             lost, joined = sorted(self.devices - pool), sorted(pool - self.devices)
         self.devices = pool
+        self.pool.seen(step)
         if lost or drained or joined:
             self.pool.change(step)
         for detail, devs in (("lost", lost), ("drained", drained)):

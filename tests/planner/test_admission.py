@@ -106,3 +106,18 @@ def test_hard_triggers_for_device_pool_and_memory():
     assert "lost [3]" in fired[0].detail and "[2]" in fired[1].detail
     with pytest.raises(ConfigError, match="values"):
         mon.observe(2, devices={0, 1, 2}, values={"reward": 1.0})
+
+
+def test_a_join_horizon_counts_the_pool_the_job_started_on():
+    mon = TriggerMonitor(join_horizon_steps=100)
+    devices = {0, 1, 2, 3}
+    assert mon.observe(0, devices=devices, values={}) == []
+    fired = mon.observe(50, devices={0, 1, 2}, values={}, drained=[3])
+    assert [(t.kind, t.hard) for t in fired] == [("device-pool", True)]
+    assert mon.pool.horizon_steps == 100  # one change: the configured horizon
+    fired = mon.observe(60, devices=devices, values={}, joined=[3])
+    assert [(t.kind, t.hard) for t in fired] == [("device-pool", False)]
+    # the pool lasted 50 steps from the start, then 10
+    assert mon.horizon_steps(fired[0]) == pytest.approx((50 + 10) / 2)
+    mon.observe(62, devices={0, 1, 2}, values={}, lost=[3])
+    assert mon.pool.horizon_steps == pytest.approx((50 + 10 + 2) / 3)

@@ -6,8 +6,8 @@ drained before step 50 and a fresh one joins before step 60), as the job put the
 its tap. Replayed through a fresh Replanner they give the decisions the job made; among
 them drifts with no saving to be had (rejected, and the reference reset to the lengths of
 that boundary), a memory overflow predicted from the next cap (urgent), a drained device
-(urgent) and a join judged by the payback rule (turned down: on 2 cores a fourth device
-was predicted to save little)."""
+(urgent) and a join judged by the payback rule (taken: generation's DP grows back onto
+the new device, paying back well inside gamma times the pool's mean lifetime)."""
 
 from __future__ import annotations
 

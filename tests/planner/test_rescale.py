@@ -97,3 +97,17 @@ def test_a_compromise_move_is_followed_up_at_the_next_boundary():
     r2.on_boundary(3, cluster=cluster, joined=list(range(8, 16)), transition_seconds=only_dp_moves)
     out = r2.on_boundary(4, transition_seconds=lambda c, t: 1.0)
     assert out.decision.action == "transition" and out.decision.target.step_seconds < r.step_seconds
+
+
+def test_devices_that_rounding_leaves_idle_go_to_the_pool_it_served_worst():
+    work, cluster = _setup()
+    gen = next(s.name for s in work.stages if s.kind == "generation")
+    # generation alone on 1 device, the rest together on 2: 3 devices rescaled to 4 give
+    # shares of 1.33 and 2.67, rounded to 1 and 2; the idle device goes to generation
+    plan = Plan(tuple((s.name, StagePlan.on_range(1, 1, 1, 2) if s.kind == "generation"
+                       else StagePlan.on_range(1, 1, 2, 0)) for s in work.stages))
+    four = ClusterSpec("test", 1, 4, 16 * GiB, 100e12, 1.5e12, 300e9, 25e9, workspace_bytes=GiB // 2)
+    grown = rescaled(plan, work, four)
+    assert grown is not None and len(grown.devices) == 4
+    assert grown[gen].dp == 2 and all(sp.dp == 2 for n, sp in grown if n != gen)
+    assert not grown[gen].device_set & grown[next(n for n, _ in grown if n != gen)].device_set
