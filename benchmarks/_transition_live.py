@@ -103,7 +103,7 @@ async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int =
         "calibrated": {"p2p_intra": eff.p2p_intra, "group_setup_s": eff.group_setup_s,
                        "transition_call_s": eff.transition_call_s, "transition_s": eff.transition_s,
                        "group_release_s": eff.group_release_s,
-                       "copy_s_per_gb": eff.copy_s_per_gb},
+                       "copy_s_per_gb": eff.copy_s_per_gb, "host_s_per_gb": eff.host_s_per_gb},
         "predicted_vs_measured_s": [[round(p, 4), round(m, 4), b, n] for p, m, b, n in rows],
     }
 

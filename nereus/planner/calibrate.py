@@ -9,7 +9,8 @@ with x_c = 1 / eff_c every measurement is one linear equation:
   class times x_c, plus its fixed costs -- a group set-up when it makes groups, one call
   of its workers, the GB a device copies from a source it holds -- whose unknowns are
   seconds themselves (``Efficiency.group_setup_s``, ``Efficiency.transition_call_s``,
-  ``Efficiency.copy_s_per_gb``) = measured seconds; and a whole transition's time
+  ``Efficiency.copy_s_per_gb``), the GB its busiest host's devices receive together
+  (``Efficiency.host_s_per_gb``: what they share, a CPU host's memory bus) = measured seconds; and a whole transition's time
   outside its nodes (releasing its groups, renaming EMUs): one count of ``transitions``
   times ``Efficiency.transition_s`` plus the groups it made (``groups_released``) times
   ``Efficiency.group_release_s`` = measured seconds.
@@ -141,7 +142,8 @@ class Calibrator:
     def observe_transition(self, ideal: Mapping[str, float], measured_seconds: float) -> None:
         """One transition node: ``ideal`` holds its p2p seconds at efficiency 1
         (``p2p_intra``, ``p2p_inter``) and its fixed-cost counts (``groups``: 1 when it
-        makes groups, ``calls``: 1, ``copy_gb``: GB copied locally), as ``nereus.transition.LinkModel.ideal`` gives them;
+        makes groups, ``calls``: 1, ``copy_gb``: GB copied locally, ``host_gb``: GB its
+        busiest host receives), as ``nereus.transition.LinkModel.ideal`` gives them;
         ``measured_seconds``: what it took at a device's full rate
         (``nereus.transition.full_rate_seconds``). Or a transition's time outside its
         nodes: ``LinkModel.outside``'s counts (``transitions``, ``groups_released``)."""

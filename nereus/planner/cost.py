@@ -76,7 +76,8 @@ OP_CLASSES = ("gemm", "attention", "decode", "allreduce_intra", "allreduce_inter
 # Costs a term counts in units (its "ideal" is a count: layer passes, groups, calls,
 # transitions, GB copied locally), with the Efficiency field that holds the seconds per unit.
 FIXED_COSTS = {"layer_passes": "layer_pass_s", "groups": "group_setup_s", "calls": "transition_call_s",
-               "transitions": "transition_s", "groups_released": "group_release_s", "copy_gb": "copy_s_per_gb"}
+               "transitions": "transition_s", "groups_released": "group_release_s", "copy_gb": "copy_s_per_gb",
+               "host_gb": "host_s_per_gb"}
 HEADROOM = 0.10
 UPDATE_BYTES = 16  # bytes streamed per parameter by an AdamW step (read+write)
 
@@ -109,6 +110,10 @@ class Efficiency:
     # Seconds per GB a transition node copies on one device from a source the device
     # holds (a Merge or Split slicing what is already there; learned from measured nodes).
     copy_s_per_gb: float = 0.05
+    # Seconds per GB the devices of one host receive together in a transition node,
+    # beyond each device's own link: what they share (a CPU host's memory bus; ~0 where
+    # every device has its own links; learned from measured nodes, 0 until then).
+    host_s_per_gb: float = 0.0
     # The fixed cost of running one layer once (forward, or one unit of backward) beyond
     # its bytes and FLOPs, in seconds: kernel launches, framework dispatch, scheduling;
     # what makes small decode steps and small micro-batches slower than their FLOPs
@@ -120,7 +125,7 @@ class Efficiency:
             require(0 < getattr(self, c) <= 1.5, f"Efficiency.{c}", getattr(self, c), "must be in (0, 1.5]")
         require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
         for f in ("group_setup_s", "transition_call_s", "transition_s", "group_release_s", "copy_s_per_gb",
-                  "layer_pass_s"):
+                  "host_s_per_gb", "layer_pass_s"):
             require(0 <= getattr(self, f) <= 10.0, f"Efficiency.{f}", getattr(self, f), "must be in [0, 10] seconds")
 
     def __getitem__(self, op_class: str) -> float:

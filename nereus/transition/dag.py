@@ -137,6 +137,13 @@ class Node:
             return self.effect.max_moved
         return max(self.moved_in.values(), default=0)
 
+    def max_host_in(self, devices_per_node: int) -> int:
+        """The most bytes the devices of one host receive together."""
+        per_host: dict[int, int] = {}
+        for d, b in self.moved_in.items():
+            per_host[d // devices_per_node] = per_host.get(d // devices_per_node, 0) + b
+        return max(per_host.values(), default=0)
+
     @property
     def max_copied(self) -> int:
         """The most bytes any one device copies from a source it holds (target shards

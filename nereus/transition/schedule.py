@@ -308,7 +308,9 @@ class LinkModel:
     ``transition_s`` per transition beyond its nodes (releasing its groups, renaming
     EMUs); ``cores`` the devices share (None: each device has its own);
     ``copy_s_per_gb`` per GB the busiest device copies from a source it holds;
-    ``group_release_s`` per group the transition made, released when it ends."""
+    ``group_release_s`` per group the transition made, released when it ends;
+    ``host_s_per_gb`` per GB the devices of one host (``devices_per_node`` of them;
+    None: no host term) receive together, what they share beyond their own links."""
 
     intra_bandwidth: float
     inter_bandwidth: float
@@ -320,18 +322,25 @@ class LinkModel:
     cores: int | None = None
     copy_s_per_gb: float = 0.0
     group_release_s: float = 0.0
+    host_s_per_gb: float = 0.0
+    devices_per_node: int | None = None
+
+    def _host_gb(self, node: Node) -> float:
+        return node.max_host_in(self.devices_per_node) / 1e9 if self.devices_per_node else 0.0
 
     def ideal(self, node: Node) -> dict[str, float]:
         """Seconds at efficiency 1 per class (``p2p_intra``, ``p2p_inter``: the most any
         device receives, split by link, over the link's bandwidth; the primitives of a
         node run at once) and the counts of fixed costs (``groups``, ``calls``; ``copy_gb``:
-        GB the busiest device copies from a source it holds)."""
+        GB the busiest device copies from a source it holds; ``host_gb``: GB the busiest
+        host's devices receive together)."""
         worst, links = node.max_moved_in, node.bytes_by_link
         total = links.get("intra", 0) + links.get("inter", 0)
         intra = links.get("intra", 0) / total if total else 0.0
         return {"p2p_intra": worst * intra / self.intra_bandwidth,
                 "p2p_inter": worst * (1.0 - intra) / self.inter_bandwidth if total else 0.0,
-                "groups": 1.0 if node.groups else 0.0, "calls": 1.0, "copy_gb": node.max_copied / 1e9}
+                "groups": 1.0 if node.groups else 0.0, "calls": 1.0, "copy_gb": node.max_copied / 1e9,
+                "host_gb": self._host_gb(node)}
 
     def seconds(self, node: Node) -> float:
         """A node's seconds at a device's full rate (alone on its cores)."""
@@ -341,7 +350,8 @@ class LinkModel:
         return (worst * intra / self.intra_bandwidth / self.intra_efficiency
                 + (worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency if total else 0.0)
                 + (self.group_setup_s if node.groups else 0.0) + self.call_s
-                + node.max_copied / 1e9 * self.copy_s_per_gb)
+                + node.max_copied / 1e9 * self.copy_s_per_gb
+                + (self._host_gb(node) * self.host_s_per_gb if self.host_s_per_gb else 0.0))
 
     @property
     def sharing(self) -> Callable[[int], float] | None:
@@ -366,9 +376,10 @@ class LinkModel:
         """The link model of a ``ClusterSpec`` under calibrated efficiencies (a planner
         ``Efficiency``; None: its conservative defaults): a device's bandwidth within its
         node, its share of its node's NICs across nodes (every device of a node sends at
-        once during a transition), the cores its devices share, its local copy cost."""
+        once during a transition), the cores its devices share, its local copy cost,
+        what a host's devices share."""
         if eff is None:
             from nereus.planner.cost import CONSERVATIVE as eff
         return cls(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), eff.p2p_intra,
                    eff.p2p_inter, eff.group_setup_s, eff.transition_call_s, eff.transition_s, cluster.cores,
-                   eff.copy_s_per_gb, eff.group_release_s)
+                   eff.copy_s_per_gb, eff.group_release_s, eff.host_s_per_gb, cluster.devices_per_node)

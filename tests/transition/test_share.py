@@ -1,7 +1,7 @@
 """What a transition's estimate counts beyond bytes sent: devices that share cores (nodes
 running at once slow each other down in the list schedule, ``full_rate_seconds`` undoes
-it for calibration), the bytes a device copies from a source it holds, and the fixed
-cost outside the nodes."""
+it for calibration), the bytes a device copies from a source it holds, the bytes a
+host's devices receive together, and the fixed cost outside the nodes."""
 
 from __future__ import annotations
 
@@ -91,3 +91,27 @@ def test_a_merge_of_what_each_device_holds_copies_it_locally():
     link = LinkModel(1e9, 1e9, call_s=0.0, copy_s_per_gb=2.0)
     assert link.seconds(merge) == pytest.approx(half / 1e9 * 2.0)
     assert link.ideal(merge)["copy_gb"] == half / 1e9
+
+
+def test_what_a_hosts_devices_receive_together_is_one_cost_the_calibrator_learns():
+    # TP 2 -> PP 2 on the same two devices: each receives what the other held, at once
+    dag = build_dag(_plan(((0,), (1,)), ((2, 3),)), _plan(((0,), (1,)), ((2,), (3,))), SPECS)
+    both = max(dag.nodes, key=lambda n: sum(1 for b in n.moved_in.values() if b > 0))
+    received = [b for b in both.moved_in.values() if b > 0]
+    assert len(received) == 2
+    one_host = LinkModel(1e9, 1e9, call_s=0.0, host_s_per_gb=1.0, devices_per_node=4)
+    per_device = LinkModel(1e9, 1e9, call_s=0.0, host_s_per_gb=1.0, devices_per_node=1)
+    assert one_host.ideal(both)["host_gb"] == pytest.approx(sum(received) / 1e9)
+    assert per_device.ideal(both)["host_gb"] == pytest.approx(max(received) / 1e9)
+    assert LinkModel(1e9, 1e9).ideal(both)["host_gb"] == 0.0  # no hosts given: no term
+    base = LinkModel(1e9, 1e9, call_s=0.0, devices_per_node=4).seconds(both)
+    assert one_host.seconds(both) == pytest.approx(base + sum(received) / 1e9)
+    # nodes whose host receives more than their busiest device take longer: learned
+    cal = Calibrator()
+    for worst, host in ((0.1, 0.1), (0.1, 0.2), (0.2, 0.2), (0.05, 0.15), (0.2, 0.4)):
+        cal.observe_transition({"p2p_intra": worst, "calls": 1.0, "host_gb": host}, 2 * worst + 0.5 * host + 0.01)
+    eff = cal.fit()
+    assert eff.host_s_per_gb == pytest.approx(0.5, rel=0.05)
+    assert eff.p2p_intra == pytest.approx(0.5, rel=0.05)
+    assert LinkModel.of(local_cpu_cluster(4, 1 << 30, flops_per_device=1e10, memory_bandwidth=1e10,
+                                          exchange_bandwidth=1e9, cores=2), eff).host_s_per_gb == eff.host_s_per_gb
