@@ -193,7 +193,9 @@ def scenario_mismatch(a: dict) -> dict:
         raised, message = None, ""
         try:
             if r == 0:
-                comm.send(torch.ones(10), 1, timeout_s=10.0)
+                # the receiver refuses at once and leaves: the sender need not wait long
+                # for a receive that will not come (the next group's rendezvous waits on it)
+                comm.send(torch.ones(10), 1, timeout_s=3.0)
             else:
                 comm.recv(torch.ones(12), 0, timeout_s=10.0)
         except NereusError as e:
