@@ -16,7 +16,7 @@ _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
 _documents = st.dictionaries(st.text(max_size=40), _values, max_size=5)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(_documents, min_size=1, max_size=3))
 def test_what_is_written_reads_back_exactly(documents):
     assert list(yaml.safe_load_all(dump_all(documents))) == documents
