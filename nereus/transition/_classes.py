@@ -20,9 +20,9 @@ is made on first use (the per-device views a caller asks for). Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import chain, compress, groupby
+from itertools import chain, compress, repeat
 from math import lcm
-from operator import add, itemgetter, or_
+from operator import gt
 from typing import Any
 
 __all__ = ["DeviceClasses", "ClassEffect", "DeviceMap", "joint"]
@@ -37,28 +37,45 @@ def joint(columns: Sequence[Runs]) -> list[tuple[list[tuple], int]]:
     stands for the stretch (the period is the least common multiple of the patterns'
     lengths), so the work grows with the number of runs and their patterns, not with
     the devices."""
-    cols = [[(pat, reps) for pat, reps in col if pat and reps] for col in columns]
-    at = [[0, 0] for _ in cols]  # per column: run, elements of it used
+    # per column its runs as (pattern, pattern length, devices covered), empty ones dropped
+    cols = [[(pat, len(pat), len(pat) * reps) for pat, reps in col if pat and reps] for col in columns]
+    ncols = len(cols)
+    run = [0] * ncols  # per column: its current run
+    used = [0] * ncols  # per column: devices of that run already taken
     out: list[tuple[list[tuple], int]] = []
-    while cols[0] and at[0][0] < len(cols[0]):
-        step = min(len(col[i][0]) * col[i][1] - used for col, (i, used) in zip(cols, at, strict=True))
-        per = lcm(*(len(col[i][0]) for col, (i, _) in zip(cols, at, strict=True)))
+    first = len(cols[0])
+    while run[0] < first:
+        heads = [col[i] for col, i in zip(cols, run, strict=True)]
+        step = min([total - u for (_, _, total), u in zip(heads, used, strict=True)])
+        sizes = [size for _, size, _ in heads]
+        per = lcm(*sizes)
         reps = step // per if step % per == 0 else 1
         if reps == 1:
             per = step
         segs = []
-        for col, c in zip(cols, at, strict=True):
-            pat, n = col[c[0]]
-            size = len(pat)
-            off = c[1] % size
+        for c in range(ncols):
+            pat, size, total = heads[c]
+            u = used[c]
+            off = u % size
             if off:
                 pat = pat[off:] + pat[:off]
-            segs.append(pat * (per // size) + pat[: per % size] if per != size else pat)
-            c[1] += step
-            if c[1] == size * n:
-                c[0], c[1] = c[0] + 1, 0
+            segs.append(pat if per == size else pat * (per // size) + pat[: per % size])
+            u += step
+            if u == total:
+                run[c] += 1
+                u = 0
+            used[c] = u
         out.append((list(zip(*segs, strict=True)), reps))
     return out
+
+
+_VARIES = object()
+
+
+def _constant(column: Runs) -> Any:
+    """The value every device has in ``column``, or ``_VARIES``."""
+    runs = [pat for pat, reps in column if pat and reps]
+    return runs[0][0] if len(runs) == 1 and len(runs[0]) == 1 else _VARIES
 
 
 class ClassEffect:
@@ -66,13 +83,13 @@ class ClassEffect:
 
     __slots__ = ("touches", "alloc", "release", "max_moved", "max_copied", "acquires")
 
-    def __init__(self) -> None:
-        self.touches: Any = set()  # frozen once made
+    def __init__(self, max_moved: int = 0, max_copied: int = 0, acquires: bool = False) -> None:
+        self.touches: Any = []  # a frozenset once made
         self.alloc: list[tuple[int, int]] = []  # (class at risk, bytes > 0)
         self.release: dict[int, int] = {}  # class at risk -> bytes
-        self.max_moved = 0
-        self.max_copied = 0  # the most one device copies from a source it holds
-        self.acquires = False  # allocates anything anywhere
+        self.max_moved = max_moved
+        self.max_copied = max_copied  # the most one device copies from a source it holds
+        self.acquires = acquires  # allocates anything anywhere
 
 
 class DeviceClasses:
@@ -80,70 +97,93 @@ class DeviceClasses:
     receives something, or has resident bytes), whether it is at risk; per node: its
     ``ClassEffect``."""
 
-    def __init__(self, caps: list[int | None], initial: list[int], counted: list[bool], worst: list[int],
+    def __init__(self, caps: list[int | None], initial: list[int], counted: list[bool] | None, worst: list[int],
                  effects: list[ClassEffect]) -> None:
-        self.caps, self.initial, self.counted, self.effects = caps, initial, counted, effects
-        self.risky = [cap is not None and w > cap for cap, w in zip(caps, worst, strict=True)]
+        self.caps, self.initial, self.effects = caps, initial, effects
+        self._counted = counted
+        # at risk: what it holds plus every allocation could pass its cap
+        self.risky = (list(map(gt, worst, caps)) if None not in caps
+                      else [cap is not None and w > cap for cap, w in zip(caps, worst, strict=True)])
         self._members: list[list[int]] | None = None
         self._full: dict[int, tuple[list, list, list]] = {}
         self._chunks: list[tuple[list[tuple], int]] = []
         self._distinct: list | None = None
         self._parts: Sequence = ()
         self._node_at: list[tuple[int, int]] = []
+        self._resident_of: Sequence[int | None] = ()
+
+    @property
+    def counted(self) -> list[bool]:
+        """Per class, whether it is counted (see the class docstring)."""
+        if self._counted is None:
+            n = len(self._parts)
+            self._counted = [any(s[:n]) or r is not None for s, r in zip(self._distinct, self._resident_of, strict=True)]
+        return self._counted
 
     @classmethod
     def of_parts(cls, parts: Sequence, caps: Runs, resident: Runs) -> DeviceClasses:
         """Classes of the devices from each part's role codes, the caps and the resident
         bytes, all as runs over the same devices (``StagePart``s in node order: part
         ``i``'s nodes come after part ``i-1``'s)."""
-        chunks = joint([p.codes for p in parts] + [caps, resident])
-        distinct = list(dict.fromkeys(chain.from_iterable(sigs for sigs, _ in chunks)))
+        # a cap or resident bytes alike on every device tell no devices apart: they stay
+        # out of the signatures (the classes, and their order, are the same)
+        nparts = len(parts)
+        extra = [col for col in (caps, resident) if _constant(col) is _VARIES]
+        chunks = joint([p.codes for p in parts] + extra or [caps])
+        distinct = list(dict.fromkeys(chain.from_iterable([sigs for sigs, _ in chunks])))
         ncls = len(distinct)
-        initial = [s[-1] or 0 for s in distinct]
+        columns = list(zip(*distinct, strict=True))  # per part each class's role code, then the extra columns
+        cap_of = _constant(caps)
+        cap_of = list(columns[nparts]) if cap_of is _VARIES else [cap_of] * ncls
+        resident_of = _constant(resident)
+        resident_of = columns[-1] if resident_of is _VARIES else [resident_of] * ncls
+        initial = [r or 0 for r in resident_of]
         worst = list(initial)
         effects: list[ClassEffect] = []
         node_at: list[tuple[int, int]] = []
         by_stage: list[list[tuple[int, list[int]]]] = []
         bases: list[int] = []
-        every = range(ncls)
-        touched = [0] * ncls  # nonzero where some model-stage has a role
         for k, part in enumerate(parts):
             base = len(effects)
             bases.append(base)
-            mine = [ClassEffect() for _ in part.nodes]
-            for e, ns in zip(mine, part.nodes, strict=True):  # the most one device receives, per node
-                e.max_moved, e.max_copied, e.acquires = ns.max_moved, ns.max_copied, ns.acquires
+            mine = [ClassEffect(ns.max_moved, ns.max_copied, ns.acquires) for ns in part.nodes]
             effects += mine
-            node_at += [(k, li) for li in range(len(part.nodes))]
+            node_at += zip(repeat(k), range(len(mine)))
             roles = part.roles
-            col = list(map(itemgetter(k), distinct))
-            touched = list(map(or_, touched, col))
-            initial = list(map(add, initial, map([r[0] for r in roles.roles].__getitem__, col)))
-            worst = list(map(add, worst, map(roles.grows.__getitem__, col)))
-            groups = [(code, list(members)) for code, members in groupby(sorted(every, key=col.__getitem__),
-                                                                          key=col.__getitem__) if code]
+            held, grows = roles.held, roles.grows
+            members: list[list[int]] = [[] for _ in held]  # the classes of each role code, ascending
+            for c, code in enumerate(columns[k]):
+                if code:
+                    members[code].append(c)
+                    initial[c] += held[code]
+                    worst[c] += grows[code]
+            groups = [(code, classes) for code, classes in enumerate(members) if classes]
             by_stage.append(groups)
             touch = roles.touch
             for code, classes in groups:
                 for li in touch[code]:
-                    mine[li].touches.update(classes)
-        counted = [bool(t) or s[-1] is not None for t, s in zip(touched, distinct, strict=True)]
-        out = cls([s[-2] for s in distinct], initial, counted, worst, effects)
+                    mine[li].touches += classes  # a class has one code per part: no class twice
+        # counted: some model-stage has a role there, or it has resident bytes (made when asked)
+        out = cls(cap_of, initial, None, worst, effects)
         risky = out.risky
         if any(risky):
             for k, part in enumerate(parts):
-                base = bases[k]
+                base, roles = bases[k], part.roles.roles
                 for code, classes in by_stage[k]:
-                    at_risk = list(compress(classes, map(risky.__getitem__, classes)))
-                    for li, a, r, _ in part.roles.roles[code][1] if at_risk else ():
+                    entries = roles[code][1]
+                    at_risk = list(compress(classes, map(risky.__getitem__, classes))) if entries else None
+                    if not at_risk:
+                        continue
+                    for li, a, r, _ in entries:
                         e = effects[base + li]
                         if a:
-                            e.alloc.extend((c, a) for c in at_risk)
+                            e.alloc += zip(at_risk, repeat(a))
                         if r:
                             e.release.update(dict.fromkeys(at_risk, r))
         for e in effects:
             e.touches = frozenset(e.touches)
         out._chunks, out._distinct, out._parts, out._node_at = chunks, distinct, parts, node_at
+        out._resident_of = resident_of
         return out
 
     @classmethod
@@ -238,8 +278,8 @@ class DeviceClasses:
 
     def counted_map(self, values: Sequence[Any]) -> dict[int, Any]:
         """``{device: values[class]}`` over the counted classes' devices."""
-        members = self.members
-        return dict(sorted((d, values[c]) for c in range(len(values)) if self.counted[c] for d in members[c]))
+        members, counted = self.members, self.counted
+        return dict(sorted((d, values[c]) for c in range(len(values)) if counted[c] for d in members[c]))
 
 
 class DeviceMap(Mapping):

@@ -81,11 +81,12 @@ class StagePart:
 
 class Roles:
     """Interns roles: the same role always gets the same code; code 0 is untouched. Per
-    code it also keeps the most the device could hold (``grows``: before, plus every
-    allocation) and the nodes that touch it (``touch``)."""
+    code it also keeps the bytes held before (``held``), the most the device could hold
+    (``grows``: before, plus every allocation) and the nodes that touch it (``touch``)."""
 
     def __init__(self) -> None:
         self.roles: list[Role] = [(0, ())]
+        self.held: list[int] = [0]
         self.grows: list[int] = [0]
         self.touch: list[tuple[int, ...]] = [()]
         self._code: dict[Role, int] = {(0, ()): 0}
@@ -96,7 +97,12 @@ class Roles:
         if c is None:
             c = self._code[role] = len(self.roles)
             self.roles.append(role)
-            self.grows.append(initial + sum([a for _, a, _, _ in role[1] if a > 0]))
+            self.held.append(initial)
+            grows = initial
+            for _, a, _, _ in role[1]:
+                if a > 0:
+                    grows += a
+            self.grows.append(grows)
             self.touch.append(tuple(map(_NODE, role[1])))
         return c
 

@@ -92,6 +92,7 @@ class Node:
         # (part, node of the part) for its ops
         self._count: int | None = None
         self._dag: TransitionDAG | None = None
+        self._effect: ClassEffect | None = None  # looked up once per DAG it belongs to
         self._local: tuple[int, int] | None = None
 
     def _lazy(self, name: str):
@@ -113,8 +114,11 @@ class Node:
     @property
     def effect(self) -> ClassEffect:
         """Its effect per class of devices (what the scheduler counts)."""
-        assert self._dag is not None, "a node belongs to a TransitionDAG"
-        return self._dag.classes.effects[self.id]
+        e = self._effect
+        if e is None:
+            assert self._dag is not None, "a node belongs to a TransitionDAG"
+            e = self._effect = self._dag.classes.effects[self.id]
+        return e
 
     @property
     def count(self) -> int:
@@ -181,7 +185,7 @@ class TransitionDAG:
         for n in nodes:
             if n._dag is not None and n._dag is not self:
                 n.materialize()
-            n._dag = self
+            n._dag, n._effect = self, None
 
     @property
     def classes(self) -> DeviceClasses:
