@@ -112,28 +112,25 @@ class PoolSignal:
     def __init__(self, initial: float, window: int = 8) -> None:
         require(initial > 0, "join_horizon_steps", initial, "must be > 0")
         self.initial = initial
-        self.since: int | None = None
-        self.last: int | None = None
-        self.changes = 0
-        self.intervals: deque[int] = deque(maxlen=window)
+        self.last: int | None = None  # the last change, or the step the pool was first seen
+        self.intervals: deque[int] = deque(maxlen=max(2, window))
 
     def seen(self, step: int) -> None:
         """The pool was observed at ``step`` (the first call starts the first interval)."""
-        if self.since is None:
-            self.since = step
+        if self.last is None:
+            self.last = step
 
     def change(self, step: int) -> None:
-        if self.last == step:
-            return
-        start = self.last if self.last is not None else self.since
-        if start is not None:
-            self.intervals.append(max(1, step - start))
-        self.last = step
-        self.changes += 1
+        if self.last is None:
+            self.last = step  # never seen before: this change starts the first interval
+        elif step != self.last:
+            self.intervals.append(max(1, step - self.last))
+            self.last = step
 
     @property
     def horizon_steps(self) -> float:
-        if self.changes < 2 or not self.intervals:
+        # one interval per change (the first from the step the pool was first seen)
+        if len(self.intervals) < 2:
             return self.initial
         return sum(self.intervals) / len(self.intervals)
 
