@@ -296,17 +296,24 @@ class _Rendezvous:
         self.sealed = False
 
     def seal(self) -> None:
-        """Accept no more connections (existing ones are served as before)."""
+        """Accept no more connections (existing ones are served as before).
+
+        The listening socket is replaced, under its own descriptor number, by a fresh
+        socket that neither listens nor is watched: the kernel drops the listener (and
+        its port) from the server's poll set, and new connections are refused. Shutting
+        the listener down instead leaves it in the poll set reporting an error that the
+        server's accept loop retries forever, one core spinning for the life of the
+        group."""
         if self.sealed:
             return
         self.sealed = True
-        listener = socket.socket(fileno=self._fd)
+        blank = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            listener.shutdown(socket.SHUT_RDWR)
+            os.dup2(blank.fileno(), self._fd)
         except OSError as e:
             log.warning("could not stop the store on port %d accepting: %s", self.port, e)
         finally:
-            listener.detach()
+            blank.close()
 
 
 async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "auto",

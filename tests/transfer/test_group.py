@@ -143,7 +143,29 @@ async def test_the_store_takes_no_new_connections_once_the_group_formed(cluster,
         await asyncio.to_thread(TCPStore, store.host, store.port, is_master=False,
                                 wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=1))
+    # sealed, the store's server waits for its members' requests and burns no CPU: a
+    # listener left in its poll set would keep one of its threads spinning on accept
+    before = _store_thread_cpu_s()
+    await asyncio.sleep(1.0)
+    assert _store_thread_cpu_s() - before < 0.2
     await group.destroy()
+
+
+def _store_thread_cpu_s() -> float:
+    """CPU seconds used so far by this process's TCPStore server threads."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                if not f.read().startswith("pt_tcpstore"):
+                    continue
+            with open(f"{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
 
 
 async def test_a_multi_host_store_listens_on_the_route_to_the_members():
