@@ -5,8 +5,9 @@ vLLM starts with dummy weights, so every weight it computes with came from the
 generation EMU's shards: its scores of a fixed batch equal the training EMU's before
 any step and again after weight syncs, while the policy itself moved, and its greedy
 tokens equal the built-in engine's over the synced shards. Its weights and KV cache
-are reserved in the device's ledger beside the store's shards. Runs where vllm is
-importable (``make test-vllm``)."""
+are reserved in the device's ledger beside the store's shards. A plan change that moves
+generation starts a new vLLM engine over the moved shards, which the next sync reaches.
+Runs where vllm is importable (``make test-vllm``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
+from nereus.planner.plan import Plan, StagePlan
 from nereus.rl.job import RLJob
 from tests.rl._jobs import job
 
@@ -78,5 +80,20 @@ async def test_a_grpo_job_generates_on_vllm_whose_weights_follow_every_sync(tmp_
         assert held[f"{gen}/weights"] == held[f"shards/{gen}"] > 0  # vLLM's copy beside the store's
         assert held[f"{gen}/kv_cache"] == stages._vllm_cache_bytes(stages.plan["policy_generation"])
         assert memory["used_bytes"] == sum(held.values()) <= memory["peak_bytes"] <= memory["budget_bytes"]
+
+        # a plan change moves generation beside training: a new vLLM engine over the moved
+        # shards, and the next step's sync reaches it
+        target = Plan(tuple((name, StagePlan(1, 1, 1, ((0,),)) if name == "policy_generation" else sp)
+                            for name, sp in stages.plan))
+        report = await rl.apply_plan(target)
+        assert report["changed"] == ["policy_generation"]
+        gen_host, gen = stages.hosts[0], stages.emus["policy_generation"][0].name
+        assert f"{gen}/weights" not in (await stages.hosts[1].memory.call_one())["breakdown"]
+        torch.testing.assert_close(*(await scores()), atol=1e-3, rtol=1e-3)
+        record = await rl.run_step()
+        assert record["policy_version"] == 3 and record["sync_bytes"] > 0
+        vllm2, policy2 = await scores()
+        assert float((policy2 - policy1).abs().max()) > 1e-3
+        torch.testing.assert_close(vllm2, policy2, atol=1e-3, rtol=1e-3)
     finally:
         await rl.close()
