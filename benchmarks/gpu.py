@@ -8,8 +8,10 @@
   seeing one GPU as ``cuda:0`` (through ``nereus.transfer.nccl``), median of 5; null with
   ``nccl_p2p_skipped`` on a machine with one GPU (NCCL refuses two ranks on one GPU).
 - ``grpo_steps``: steps of ``examples/grpo_tiny.toml`` completed on GPU workers (a
-  controller and a ``--gpus all`` node daemon in this process, the job attached to them);
-  a failure is reported in ``grpo_error`` instead of raised.
+  controller and a ``--gpus all`` node daemon in this process, the job attached to them),
+  generating on vLLM (weights written in place from the generation EMUs' shards after
+  every sync) where vLLM is installed, else on the built-in engine (``grpo_engine`` says
+  which); a failure is reported in ``grpo_error`` instead of raised.
 - ``weight_load_s``: writing a tiny model's weights in place into a vLLM engine on the
   GPU (``VllmGenerationEngine.load_named``), median of 3; null with
   ``weight_load_skipped`` where vLLM is not installed.
@@ -105,8 +107,9 @@ def nccl_p2p_gbps(nbytes: int = GIB, reps: int = 5) -> tuple[float | None, str]:
     return nbytes / max(seconds) / 1e9, ""
 
 
-async def grpo_steps(steps: int = 3, timeout_s: float = 150.0) -> tuple[int, str]:
-    """Run ``steps`` steps of the tiny GRPO job on GPU workers; (steps done, error)."""
+async def grpo_steps(steps: int = 3, timeout_s: float = 150.0, engine: str = "builtin") -> tuple[int, str]:
+    """Run ``steps`` steps of the tiny GRPO job on GPU workers, generating on ``engine``;
+    (steps done, error)."""
     from nereus.actors._keys import generate_key
     from nereus.config import from_dict
     from nereus.controller import Controller
@@ -130,6 +133,9 @@ async def grpo_steps(steps: int = 3, timeout_s: float = 150.0) -> tuple[int, str
                         "policy_training": {"devices": [0], "dp": 1}}
         data["run"] = {**data["run"], "steps": steps, "checkpoint_every": 0,
                        "out_dir": str(key_file.parent / "run")}
+        data["sampling"] = {**data["sampling"], "engine": engine}
+        if engine == "vllm":  # head_dim 32: a size every vLLM attention backend takes
+            data["model"] = {**data["model"], "hidden_size": 128, "intermediate_size": 256}
         records = await asyncio.wait_for(run_job(from_dict(JobConfig, data)), timeout_s)
         done = len(records)
         return done, ""
@@ -195,11 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         result["nccl_p2p_skipped"] = why
     print(f"nccl p2p: {result['nccl_p2p_gbps']} GB/s {why}", flush=True)
-    steps, error = asyncio.run(grpo_steps(args.grpo_steps))
+    import importlib.util
+
+    engine = "vllm" if importlib.util.find_spec("vllm") is not None else "builtin"
+    steps, error = asyncio.run(grpo_steps(args.grpo_steps, engine=engine))
     result["grpo_steps"] = steps
+    result["grpo_engine"] = engine
     if error:
         result["grpo_error"] = error
-    print(f"grpo: {steps} steps {error}", flush=True)
+    print(f"grpo: {steps} steps on {engine} {error}", flush=True)
     load, why = weight_load_s()
     result["weight_load_s"] = None if load is None else round(load, 4)
     if why:

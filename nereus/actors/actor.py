@@ -48,6 +48,13 @@ class DeviceInfo:
     node_id: str
     local_index: int = 0
 
+    @property
+    def torch_device(self) -> str:
+        """Where this device's tensors live inside its own worker process: ``"cuda:0"``
+        for a GPU (its node makes it the worker's only visible GPU, whatever its
+        ``local_index``), else ``"cpu"``."""
+        return "cuda:0" if self.kind == "cuda" else "cpu"
+
 
 @dataclasses.dataclass(frozen=True)
 class Failure:

@@ -10,8 +10,9 @@ An EMU is a TP x PP mesh of ranks; DP is the number of EMUs of a model-stage.
   stage to stage over it, sampled tokens move from the last stage back to the first;
 - ``dp_comm``: the data-parallel group of this (pp, tp) position across the model-stage's
   EMUs (rank == ``dp_rank``): gradients are reduced over it;
-- ``device``: where the rank's stage and buffers live (``"cpu"``, or ``"cuda:N"`` for the
-  inference and training engines on a GPU, whose communicators are then NCCL's).
+- ``device``: where the rank's stage and buffers live (``"cpu"``, or a CUDA device for
+  any engine on a GPU, whose communicators are then NCCL's; in a worker it is the
+  worker's ``cuda:0``, the one GPU it sees).
 
 The pipeline helpers here (``send_next``, ``recv_prev``, ...) are the only way engines move
 activations between stages: blocking, in place, over ``pp_comm``. Both ends always know

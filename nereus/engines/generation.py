@@ -1,5 +1,5 @@
 """The built-in generation engine: batched sampling with a preallocated KV cache, at any
-TP x PP, on CPU (and on any device torch runs the model on).
+TP x PP, on the rank's device (``ctx.device``: the CPU, or a GPU worker's ``cuda:0``).
 
 One ``GenerationEngine`` per rank of a generation EMU; every rank of the EMU is called with
 the same prompts and parameters and returns the same result.
@@ -17,7 +17,11 @@ Promises:
 - Deterministic under ``params.seed``: the last stage's TP rank 0 draws every token with
   noise that depends only on the seed, the step and the row (``step_noise``); the tokens
   reach its TP group by broadcast and the other stages by the pipeline group, so every
-  rank agrees and the tokens do not depend on TP, PP or the wavefront's groups.
+  rank agrees and the tokens do not depend on TP, PP or the wavefront's groups. The
+  noise comes from a CPU generator on every device (a CUDA generator draws another
+  stream from the same seed) and reaches the device as one ``[rows]`` copy per step.
+- Device: the stage, the KV cache, the step's ids, positions and output buffers, and
+  what the ranks exchange live on ``ctx.device``; results come back as Python lists.
 - Memory: the KV cache (``2 x local layers x batch x kv_heads_local x max_len x head_dim``)
   is reserved in the device's ledger before it is allocated, and reused across calls
   while it is large enough; a request whose cache does not fit raises ``OutOfMemory``
@@ -102,8 +106,6 @@ class GenerationEngine(EngineBase):
         name: str = "generation",
     ) -> None:
         require(max_batch >= 1, "GenerationEngine.max_batch", max_batch, "must be >= 1")
-        require(ctx is None or torch.device(ctx.device).type == "cpu", "EmuContext.device", None if ctx is None else ctx.device,
-                "must be 'cpu' for the built-in generation engine (on GPUs generation is VllmGenerationEngine's)")
         super().__init__(config, ctx, model_dir=model_dir, tensors=tensors, dtype=dtype, seed=seed, ledger=ledger,
                          name=name)
         self.max_batch = max_batch
@@ -178,7 +180,7 @@ class GenerationEngine(EngineBase):
                 "needs weights when the engine was not built from a model_dir")
         self.ledger.reserve(f"{self.name}/weights", self._weight_bytes)
         try:
-            self.stage = build_stage(self.config, self.ctx.parallel, self.dtype)
+            self.stage = build_stage(self.config, self.ctx.parallel, self.dtype, device=self.device)
             self.stage.eval()
             if weights is not None:
                 self.load_named(weights, strict=True)
@@ -217,8 +219,10 @@ class GenerationEngine(EngineBase):
     # --- shared pieces ------------------------------------------------------------------
 
     def _prepare(self, prompts: list[list[int]], params: SamplingParams) -> _Batch:
-        """Left-padded ids and positions, the KV cache and the output buffers."""
+        """Left-padded ids and positions, the KV cache and the output buffers (on the
+        engine's device; ids and positions are built on the CPU and moved in one copy each)."""
         batch = len(prompts)
+        dev = self.device
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(lengths.max())
         max_len = width + params.max_tokens
@@ -235,14 +239,15 @@ class GenerationEngine(EngineBase):
         cols = torch.arange(width).unsqueeze(0)
         positions = torch.where(cols >= pad.unsqueeze(1), cols - pad.unsqueeze(1), torch.full_like(cols, -1))
         return _Batch(
-            ids=ids, positions=positions, lengths=lengths, width=width, cache=cache,
-            stops=torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long),
-            tokens=torch.zeros(batch, params.max_tokens, dtype=torch.long),
-            logprobs=torch.zeros(batch, params.max_tokens, dtype=torch.float32),
-            done=torch.zeros(batch, dtype=torch.bool),
-            stopped=torch.zeros(batch, dtype=torch.bool),
+            ids=ids.to(dev), positions=positions.to(dev), lengths=lengths.to(dev), width=width, cache=cache,
+            stops=torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev),
+            tokens=torch.zeros(batch, params.max_tokens, dtype=torch.long, device=dev),
+            logprobs=torch.zeros(batch, params.max_tokens, dtype=torch.float32, device=dev),
+            done=torch.zeros(batch, dtype=torch.bool, device=dev),
+            stopped=torch.zeros(batch, dtype=torch.bool, device=dev),
             # Without stop tokens every row runs to max_tokens: counted up front, not per step.
-            n_out=torch.full((batch,), 0 if params.stop_token_ids else params.max_tokens, dtype=torch.long),
+            n_out=torch.full((batch,), 0 if params.stop_token_ids else params.max_tokens, dtype=torch.long,
+                             device=dev),
         )
 
     def _sample_and_share(self, logits: torch.Tensor | None, rows: slice, batch: int, params: SamplingParams,
@@ -256,7 +261,8 @@ class GenerationEngine(EngineBase):
             uniform = None if params.is_greedy else noise.rows(step, batch, rows)
             return sample_next(logits, params, uniform=uniform)
         count = rows.stop - rows.start
-        packed = torch.empty(2, count, dtype=torch.float64)
+        # on the device: the TP and pipeline groups move what lives there (NCCL on GPUs)
+        packed = torch.empty(2, count, dtype=torch.float64, device=self.device)
         if ctx.is_last_stage:
             if ctx.tp_rank == 0:
                 assert logits is not None
@@ -318,9 +324,9 @@ class GenerationEngine(EngineBase):
         b = self._prepare(prompts, params)
         batch = len(prompts)
         every = slice(0, batch)
-        noise = _Noise(seed, chunk)
-        last_col = torch.full((batch,), b.width - 1, dtype=torch.long)
-        first_col = torch.zeros(batch, dtype=torch.long)
+        noise = _Noise(seed, chunk, self.device)
+        last_col = torch.full((batch,), b.width - 1, dtype=torch.long, device=self.device)
+        first_col = torch.zeros(batch, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             logits = self._forward(b.ids, b.positions, b.cache, last_col)
             for step in range(params.max_tokens):
@@ -349,7 +355,8 @@ class GenerationEngine(EngineBase):
         groups = even_slices(batch, pp)
         caches = [b.cache.rows(rows) for rows in groups]
         final: list[int | None] = [None] * pp  # the step after which a group is finished
-        noise = _Noise(seed, chunk)
+        noise = _Noise(seed, chunk, self.device)
+        dev = self.device
         hidden = self.config.hidden_size
 
         def work(stage: int, tick: int) -> tuple[int, int] | None:
@@ -373,10 +380,10 @@ class GenerationEngine(EngineBase):
                     count = rows.stop - rows.start
                     if step == 0:
                         ids, pos = b.ids[rows], b.positions[rows]
-                        index = torch.full((count,), b.width - 1, dtype=torch.long)
+                        index = torch.full((count,), b.width - 1, dtype=torch.long, device=dev)
                     else:
                         ids, pos = self._decode_inputs(b, rows, step)
-                        index = torch.zeros(count, dtype=torch.long)
+                        index = torch.zeros(count, dtype=torch.long, device=dev)
                     x = ids if ctx.is_first_stage else inbox
                     assert x is not None
                     if ctx.is_last_stage:
@@ -392,7 +399,8 @@ class GenerationEngine(EngineBase):
                 if prev is not None:
                     g, step = prev
                     rows = groups[g]
-                    inbox = torch.empty(rows.stop - rows.start, b.width if step == 0 else 1, hidden, dtype=self.dtype)
+                    inbox = torch.empty(rows.stop - rows.start, b.width if step == 0 else 1, hidden, dtype=self.dtype,
+                                        device=dev)
                     ops.append(P2POp("recv", inbox, me - 1))
                 if ops:
                     assert ctx.pp_comm is not None
@@ -424,17 +432,20 @@ class _Batch:
 
 
 class _Noise:
-    """Step noise of one chunk, made once per step and sliced by rows."""
+    """Step noise of one chunk, made once per step (on the CPU, whatever the device: the
+    same seed draws the same noise everywhere), moved to ``device`` and sliced by rows."""
 
-    def __init__(self, seed: int, chunk: int) -> None:
+    def __init__(self, seed: int, chunk: int, device: torch.device | str = "cpu") -> None:
         self.seed, self.chunk = seed, chunk
+        self.device = torch.device(device)
         self._step = -1
         self._noise: torch.Tensor | None = None
         self._generator = torch.Generator(device="cpu")  # reseeded every step by step_noise
 
     def rows(self, step: int, batch: int, rows: slice) -> torch.Tensor:
         if step != self._step:
-            self._noise = step_noise(self.seed, self.chunk, step, batch, self._generator)
+            noise = step_noise(self.seed, self.chunk, step, batch, self._generator)
+            self._noise = noise if self.device.type == "cpu" else noise.to(self.device)
             self._step = step
         assert self._noise is not None
         # The whole batch (every step without a wavefront) needs no slice.

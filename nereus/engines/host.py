@@ -8,21 +8,36 @@ EMU name (so two EMUs of one model-stage may share a device during a transition)
 
 - ``load_weights(emu, model_config, model_dir, seed)``: fills the store with this
   device's shards of ``emu``: weights read from a Hugging Face folder (only this rank's
-  slices) or seeded, and, for a training EMU, its optimizer slots (moments zero, a
-  float32 master copy where the dtype asks for one). The bytes are reserved in the
-  ledger first.
+  slices) or seeded (on the CPU, so a seed gives the same weights on every device),
+  and, for a training EMU, its optimizer slots (moments zero, a float32 master copy
+  where the dtype asks for one), all then on the worker's device. The bytes are
+  reserved in the ledger first.
 - ``build_engine(emu, kind, model_config, options, groups)``: builds the engine of
   ``kind`` (``generation``, ``inference``, ``training``) at this device's place in
   ``emu`` over the store's tensors (adopted, never copied), with the TP/PP/DP
   communicators named in ``groups``; a training engine starts from the EMU's update
-  counter. ``drop_engines(names)`` closes engines (their gradients, KV caches,
-  activations leave the ledger; the store keeps the tensors).
+  counter. A generation EMU runs the built-in engine, or with ``options["engine"] ==
+  "vllm"`` a ``VllmGenerationEngine`` (``options["model_dir"]``: the folder whose
+  config.json describes the model; vLLM starts with dummy weights and the EMU's shards
+  are then written into its parameters in place, ``load_named``). vLLM keeps its own
+  copy of the weights, reserved in the device's ledger beside the store's shards.
+  ``drop_engines(names)`` closes engines (their gradients, KV caches, activations
+  leave the ledger; the store keeps the tensors).
+- ``run_into`` (a weight sync writing EMUs' shards in place, ``execute_into``): once the
+  store holds the new values, every engine that copies the store's weights rather
+  than adopting them (vLLM) loads the new shards in place before the call returns, so
+  the next ``generate`` samples from the synced policy.
 - ``generate``, ``logprobs``, ``values``, ``train_step``, ``free_cache`` run the named
   EMU's engine; every rank of the EMU must be called together (the engines run
   collectives), which an EMU mesh's ``.call`` does. A training step also advances the
   EMU's update counter in the store.
 - ``memory()`` (answered even while an engine works): the ledger's budget, used and
-  peak bytes, its breakdown, and the engines alive.
+  peak bytes, its breakdown, the engines alive and the device the tensors live on.
+
+Device: shards and engines live on the worker's device (``tensor_device``: ``cuda:0``
+on a GPU worker, else the CPU); the engines' ``EmuContext.device`` is that device, so
+their TP/PP/DP groups (NCCL between GPUs, gloo between CPU workers) get tensors of
+their backend's kind.
 
 Freeing an EMU's shards (a Destroy, a plan's ``free``) closes its engine first: an engine
 never outlives the tensors it adopted. Blocking engine work runs in a thread with one
@@ -30,14 +45,16 @@ torch thread (two workers sharing cores thrash as soon as either spreads), so th
 worker's loop keeps answering. Endpoints are sequential: one primitive or one engine
 call at a time per device.
 
-Refuses (``ConfigError``/``StateError``): an unknown kind, an EMU this device is not part
-of or whose shards it does not hold, calls for an engine that was not built.
+Refuses (``ConfigError``/``StateError``): an unknown kind or generation engine, a vLLM
+engine without ``model_dir``, an EMU this device is not part of or whose shards it does
+not hold, calls for an engine that was not built.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,11 +68,13 @@ from nereus.state.emu import EMU, LogicalState, emu_from_plain, split_key, tenso
 from nereus.state.holder import ShardHolder
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 
-__all__ = ["EngineHost", "KINDS", "run_engine_work"]
+__all__ = ["EngineHost", "GENERATION_ENGINES", "KINDS", "run_engine_work"]
 
 log = logging.getLogger("nereus.engines")
 
 KINDS = ("generation", "inference", "training")
+# what runs a generation EMU: the built-in sampler, or vLLM (nereus.engines.vllm_adapter)
+GENERATION_ENGINES = ("builtin", "vllm")
 
 
 def _one_thread(fn: Any, *args: Any) -> Any:
@@ -88,7 +107,6 @@ class EngineHost(ShardHolder):
         a rebuild: torch's optimizers import ``torch._dynamo`` on first construction
         (seconds of CPU). Returns the seconds it took (0 when already done)."""
         import sys
-        import time
 
         if "torch._dynamo" in sys.modules:
             return 0.0
@@ -110,7 +128,7 @@ class EngineHost(ShardHolder):
         self._reserve_new(desc.name, desc.bytes_on(device))
         try:
             tensors = await run_engine_work(_load_shards, desc, ModelConfig(**model_config), model_dir, seed,
-                                            pp_rank, tp_rank, device)
+                                            pp_rank, tp_rank, device, self.tensor_device)
         except BaseException:
             self._account()
             raise
@@ -132,6 +150,12 @@ class EngineHost(ShardHolder):
         rebuilt generation engine takes back the cache it had). Returns the engine's
         reservations."""
         require(kind in KINDS, "build_engine.kind", kind, f"must be one of {KINDS}")
+        engine_name = (options or {}).get("engine", "builtin")
+        require(engine_name in GENERATION_ENGINES and (kind == "generation" or engine_name == "builtin"),
+                "build_engine.options.engine", engine_name,
+                f"must be one of {GENERATION_ENGINES} for a generation EMU ('builtin' for other kinds)")
+        require(engine_name != "vllm" or bool((options or {}).get("model_dir")), "build_engine.options.model_dir",
+                (options or {}).get("model_dir"), "must name the model's folder (its config.json) for a vLLM engine")
         desc = emu_from_plain(emu)
         if desc.name in self.engines:
             raise StateError(f"device {self.device.index} already runs an engine of EMU {desc.name!r}")
@@ -139,7 +163,7 @@ class EngineHost(ShardHolder):
         engine = await run_engine_work(self._make_engine, desc, kind, ModelConfig(**model_config),
                                        dict(options or {}), dict(groups or {}), held)
         self.engines[desc.name], self.kinds[desc.name] = engine, kind
-        if cache and kind == "generation":
+        if cache and kind == "generation" and engine_name == "builtin":
             await run_engine_work(engine.reserve_cache, int(cache[0]), int(cache[1]))
         return engine.memory()
 
@@ -159,9 +183,8 @@ class EngineHost(ShardHolder):
         dp_comm = get_communicator(dp_ids[pp_rank * tp + tp_rank]) if dp_size > 1 else None
         pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, tp_comm=tp_comm,
                              layer_cuts=emu.layout.cuts or None)
-        device = str(next(iter(held.values())).device) if held else "cpu"
         ctx = EmuContext(pc, pp_comm=pp_comm, dp_rank=dp_rank, dp_size=dp_size, dp_comm=dp_comm,
-                         timeout_s=timeout_s, device=device)
+                         timeout_s=timeout_s, device=str(self.tensor_device))
         dtype = emu.spec.params[0].dtype if emu.spec.params else "float32"
         params = {k: t for k, t in held.items() if split_key(k)[0] == "param"}
         value_head = any(p.name.startswith("value_head.") for p in emu.spec.params)
@@ -175,6 +198,20 @@ class EngineHost(ShardHolder):
 
             return InferenceEngine(config, ctx, tensors=params, dtype=dtype, value_head=value_head,
                                    name=emu.name, **options)
+        if options.pop("engine", "builtin") == "vllm":
+            from nereus.engines.vllm_adapter import VllmGenerationEngine
+
+            model_dir = options.pop("model_dir")
+            options.setdefault("load_format", "dummy")  # every weight comes from the EMU's shards next
+            # a job never puts this engine to sleep: its memory stays in torch's own allocator
+            options.setdefault("enable_sleep_mode", False)
+            engine = VllmGenerationEngine(config, model_dir, ctx, dtype=dtype, name=emu.name, **options)
+            try:
+                engine.load_named(params)
+            except BaseException:
+                engine.close()
+                raise
+            return engine
         from nereus.engines.generation import GenerationEngine
 
         return GenerationEngine(config, ctx, tensors=params, dtype=dtype, name=emu.name, **options)
@@ -207,6 +244,24 @@ class EngineHost(ShardHolder):
     def _free(self, emus: Sequence[str]) -> None:
         self._close([e for e in emus if e in self.engines])
         super()._free(emus)
+
+    @endpoint
+    async def run_into(self, parts: list[dict], group: str | None = None, group_devices: Sequence[int] = (),
+                       bucket_bytes: int | None = None) -> dict:
+        """``ShardHolder.run_into`` (the EMUs' shards written in place), then every engine
+        that holds its own copy of the weights (vLLM) loads its EMU's new shards in place;
+        ``reloaded_bytes`` and ``reload_s`` say what that took."""
+        stats = await super().run_into(parts, group, group_devices, bucket_bytes)
+        t0 = time.perf_counter()
+        reloaded = 0
+        for target in dict.fromkeys(p["target"] for p in parts if p["tensors"]):
+            engine = self.engines.get(target)
+            if engine is None or getattr(engine, "adopts_store", True):
+                continue
+            params = {k: t for k, t in self.shards[target].items() if split_key(k)[0] == "param"}
+            reloaded += await run_engine_work(engine.load_named, params)
+        stats["reloaded_bytes"], stats["reload_s"] = reloaded, time.perf_counter() - t0
+        return stats
 
     @endpoint
     async def generate(self, emu: str, prompts: list[list[int]], params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -253,6 +308,7 @@ class EngineHost(ShardHolder):
         ``reset_peak`` a new high-water mark starts after the report."""
         report = self.ledger.report()
         report["engines"] = dict(self.kinds)
+        report["tensor_device"] = str(self.tensor_device)
         if reset_peak:
             self.ledger.reset_peak()
         return report
@@ -270,10 +326,10 @@ class _NoCollectives:
 
 
 def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int, pp_rank: int, tp_rank: int,
-                 device: int) -> dict[str, torch.Tensor]:
-    """This device's tensors of ``emu``: a stage built at its place (random from ``seed``,
-    then read from ``model_dir``), its parameters taken as they are, plus the EMU's
-    optimizer slots."""
+                 device: int, place: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """This device's tensors of ``emu`` on ``place`` (the worker's torch device): a stage
+    built at its place on the CPU (random from ``seed``, then read from ``model_dir``),
+    its parameters taken as they are, plus the EMU's optimizer slots."""
     from nereus.models.decoder import build_stage
     from nereus.models.parallel import ParallelContext
 
@@ -303,11 +359,11 @@ def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int
         if tuple(p.shape) != shard.shape:
             raise StateError(f"EMU {emu.name}: {name!r} is {tuple(p.shape)} here, its shard is {shard.shape}")
         if slot == "param":
-            out[key] = p
+            out[key] = p.to(place)
         elif slot == "master":
-            out[key] = p.float().clone()
+            out[key] = p.float().to(place, copy=True)
         else:
-            out[key] = torch.zeros(shard.shape, dtype=torch.float32)
+            out[key] = torch.zeros(shard.shape, dtype=torch.float32, device=place)
     extra = sorted(set(params) - {split_key(k)[1] for k in want})
     if extra:
         raise StateError(f"EMU {emu.name}: the stage holds {extra[:5]} that its ModelSpec does not list")

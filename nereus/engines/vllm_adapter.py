@@ -29,6 +29,17 @@ Weight updates (``load_named(shards)``, nereus names = vLLM's own: fused ``qkv_p
   ``reload_weights`` is not used: on the CPU backend it leaves the packed LM head stale.)
   Then vLLM's prefix cache is reset (it holds keys and values of the old weights).
 
+In a job (``nereus.engines.EngineHost`` with ``engine = "vllm"``) the engine sits beside
+the EMU's shards in the worker's store on the same device: vLLM starts with dummy
+weights (``load_format="dummy"``), the shards are written in (``load_named``) before
+the first ``generate``, and again after every weight sync. The store's tensors are
+not adopted (``adopts_store`` is False: vLLM keeps its own, possibly repacked, copy).
+
+Scoring: ``logprobs(batch)`` gives the per-token log-probabilities of right-padded
+rows as ``EngineBase.logprobs`` does (``out[:, 0] = 0``, 0 at padding), from vLLM's
+prompt logprobs, which score the unscaled distribution (temperature 1 only): a probe
+of which weights vLLM computes with.
+
 Sampling follows ``nereus.engines.sampling`` (temperature, top-k, top-p, stop tokens,
 ``max_tokens``; no stop at EOS unless it is a stop token). Log-probabilities are vLLM's
 ``processed_logprobs``: equal to the built-in engine's when top-k/top-p are off; with them
@@ -42,7 +53,9 @@ both on GPUs through vLLM's sleep mode, which is enabled on GPUs unless the call
 ``enable_sleep_mode=False`` (then ``sleep()`` is refused with a ``ConfigError``); the
 ledger gives back only what the device's free memory shows was freed, and keeps the
 rest reserved (``<name>/asleep``) until ``wake_up``. vLLM's CPU backend has no sleep
-mode, so on CPU ``sleep()`` frees nothing and says so (returns 0).
+mode, so on CPU ``sleep()`` frees nothing and says so (returns 0). vLLM keeps its KV
+cache for its whole life: ``free_cache()`` frees nothing (returns 0) and
+``cache_shape`` is ``(0, 0)`` (no cache the host re-reserves after a change).
 
 Environment: sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM's own variable) before vLLM
 is imported, so the engine core runs in this process.
@@ -164,6 +177,9 @@ def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int) 
 class VllmGenerationEngine:
     """One TP rank of a vLLM-backed generation EMU (see the module docstring)."""
 
+    # vLLM holds its own copy of the weights: a host reloads it after writing the EMU's shards
+    adopts_store = False
+
     def __init__(
         self,
         config: ModelConfig,
@@ -261,6 +277,39 @@ class VllmGenerationEngine:
             result.logprobs.append(logprobs)
             result.finish_reasons.append("stop" if stopped else "length")
         return result
+
+    def logprobs(self, batch: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probabilities ``[B, T]`` float32 of right-padded ``batch`` under
+        vLLM's weights: ``out[b, t] = log p(input_ids[b, t] | tokens before t)``,
+        ``out[:, 0] = 0`` and 0 at padding (see the module docstring)."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from nereus.engines.losses import normalize_batch
+
+        require(not self.is_sleeping, f"{self.name}.logprobs", "sleeping", "call wake_up() first")
+        require(temperature == 1.0, f"{self.name}.logprobs temperature", temperature,
+                "must be 1.0 (vLLM's prompt logprobs score the unscaled distribution)")
+        data = normalize_batch(batch)
+        ids, lengths = data["input_ids"], data["attention_mask"].sum(dim=1).tolist()
+        rows = [ids[b, :n].tolist() for b, n in enumerate(lengths)]
+        params = VllmSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        result = torch.zeros(ids.shape, dtype=torch.float32)
+        for b, (row, out) in enumerate(zip(rows, outs, strict=True)):
+            scored = out.prompt_logprobs or []
+            for t in range(1, len(row)):
+                result[b, t] = float(scored[t][row[t]].logprob)
+        return result
+
+    def free_cache(self) -> int:
+        """vLLM keeps its KV cache for its life (reserved in the ledger at start): 0."""
+        return 0
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """(0, 0): no cache a host re-reserves (vLLM sizes its own, ``kv_cache_bytes``)."""
+        return (0, 0)
 
     # --- weights ----------------------------------------------------------------------
 

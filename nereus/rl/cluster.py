@@ -45,8 +45,17 @@ policy-generation EMU a target of a ``nereus.state.plan_reshard`` plan (bytes al
 resident are not moved, sources load-balanced across replicas), written into the
 generation EMUs' tensors in place (``nereus.state.execute_into``: one message per device,
 one exchange over a sync group of the epoch). The critic's inference EMUs are synced from
-its training EMUs the same way, between any two layouts. A ``weight_sync`` event with
-bytes, seconds and GB/s goes on the tap, and the policy version advances.
+its training EMUs the same way, between any two layouts. With ``sampling.engine =
+"vllm"`` each generation EMU's vLLM engine loads the written shards in place before the
+sync returns (``EngineHost.run_into``). A ``weight_sync`` event with bytes, seconds and
+GB/s goes on the tap, and the policy version advances.
+
+Devices: on GPU workers (``cluster.mode = "connect"`` to nodes started with ``--gpus``)
+every shard, reshard target, sync target and engine is on the worker's ``cuda:0``, so
+the groups made for them are NCCL's; on CPU workers everything is on the CPU and the
+groups are gloo's. Generation runs the built-in engine, or vLLM with ``sampling.engine
+= "vllm"`` (its weights and KV cache reserved in the device's ledger, and counted by a
+change's memory check).
 
 Checkpoints (``save``/``load``): every training model-stage's first EMU is written by its
 workers, each its own shards (``nereus.state.save_to_disk``), with the logical state in
@@ -187,11 +196,27 @@ class ClusterStages(ModelStages):
         cfg = self.cfg
         sp = sp if sp is not None else self._plan[stage]
         kind = STAGE_KINDS[stage]
+        if kind == "generation" and cfg.sampling.engine == "vllm":
+            return {"engine": "vllm", "model_dir": self._models["policy"][1],
+                    "kv_cache_bytes": self._vllm_cache_bytes(sp), "seed": cfg.run.seed}
         if kind == "generation":
             return {"max_batch": self._generation_rows(sp)}
         if kind == "inference":
             return {"micro_batch_size": cfg.optim.micro_batch_size}
         return {"optim": engine_optim(cfg, critic=stage == "critic_training"), "recompute": sp.recompute}
+
+    def _vllm_cache_bytes(self, sp: Any) -> int:
+        """vLLM's KV cache per rank of a generation EMU under ``sp``: its rows at the
+        model's full length, rounded up to whole blocks of 128 slots (the largest block
+        vLLM's backends use), twice over (vLLM's CPU backend fits half the tokens that
+        the keys' and values' bytes alone would give)."""
+        from nereus.state.spec import DTYPE_BYTES
+
+        c = self.model_config
+        slots = -(-c.max_position_embeddings // 128) * 128
+        kv_local = max(1, c.num_key_value_heads // sp.tp)
+        per_token = 2 * c.num_hidden_layers * kv_local * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
+        return 2 * per_token * slots * self._generation_rows(sp)
 
     async def ensure_hosts(self, devices: set[int]) -> None:
         """An engine host on every device of ``devices`` that has none yet (a device that
@@ -400,6 +425,10 @@ class ClusterStages(ModelStages):
         if kind == "training":
             params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
             return params * grad_bytes_per_param(self.cfg.model.dtype)
+        if kind == "generation" and self.cfg.sampling.engine == "vllm":
+            # vLLM's own copy of the weights and the KV cache it is given
+            params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
+            return params * DTYPE_BYTES[self.cfg.model.dtype] + self._vllm_cache_bytes(sp)
         if kind == "generation" and self._cache_slots:
             c = self.model_config
             pp_rank, tp_rank = emu.position(device)

@@ -213,8 +213,16 @@ class SamplingConfig:
     top_k: int = 0
     ignore_eos: bool = False
     """Generate exactly the cap (benchmarks: a fixed amount of work per step)."""
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """What runs policy-generation's EMUs: ``builtin`` (nereus's batched KV-cache sampler,
+    on the worker's device) or ``vllm`` (one vLLM engine per EMU in the worker that holds
+    its shards, weights written in place from them at start and after every weight
+    sync; its KV cache holds the EMU's share of a step's rollouts at the model's full
+    length, reserved in the device's ledger; needs vLLM importable in the workers,
+    ``plan.policy_generation.pp = 1`` and ``cluster.mode`` ``local`` or ``connect``)."""
 
     def __post_init__(self) -> None:
+        require(self.engine in ("builtin", "vllm"), "sampling.engine", self.engine, "must be 'builtin' or 'vllm'")
         name = "sampling.max_new_tokens"
         if isinstance(self.max_new_tokens, int):
             require(self.max_new_tokens >= 1, name, self.max_new_tokens, "must be >= 1")
@@ -463,6 +471,10 @@ class JobConfig:
         require(not self.adapt.enabled or self.cluster.mode != "in_process", "adapt.enabled", self.adapt.enabled,
                 "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan to change)")
         gen = self.plan["policy_generation"]
+        if self.sampling.engine == "vllm":
+            require(self.cluster.mode != "in_process", "sampling.engine", self.sampling.engine,
+                    "needs cluster.mode 'local' or 'connect' (vLLM runs in the workers that hold the generation EMUs)")
+            require(gen.pp == 1, "plan.policy_generation.pp", gen.pp, "must be 1 with sampling.engine='vllm' (vLLM runs TP only)")
         require(self.algorithm.prompts_per_step % gen.dp == 0, "plan.policy_generation.dp", gen.dp, f"must divide algorithm.prompts_per_step={self.algorithm.prompts_per_step}")
 
     @property

@@ -5,7 +5,8 @@ executes (msgpack-ready: lists, ints, strings): the target tensors to allocate, 
 shards to adopt, the local copies, and the ordered sends and receives per peer device.
 
 ``run_part(part, sources, exchange)`` executes it over ``dict[str, Tensor]`` stores, so
-engines can call it on their own tensors: it allocates the target shards, adopts kept
+engines can call it on their own tensors: it allocates the target shards (on ``tensor_device``:
+the worker's own, ``cuda:0`` on a GPU worker, the CPU by default), adopts kept
 shards (no copy), does local copies, then calls ``exchange(sends, recvs)`` once with
 ``{peer_device: [tensor views]}`` in plan order (the i-th send from A to B is the
 i-th receive of B from A; a target tensor that one receive fills whole is passed as
@@ -115,9 +116,9 @@ def _view(t: torch.Tensor, box, what: str) -> torch.Tensor:
 
 
 def _allocate(new: list[tuple[str, list[int], torch.dtype]], alloc: Callable[[int], torch.Tensor] | None,
-              ) -> dict[str, torch.Tensor]:
+              device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     if alloc is None or not new:
-        return {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in new}
+        return {key: torch.empty(shape, dtype=dtype, device=device) for key, shape, dtype in new}
     spans, total = [], 0  # (offset, bytes) of each new shard in the one buffer
     for _, shape, dtype in new:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -136,10 +137,12 @@ def _check_tensor(t: torch.Tensor, shape: list[int], dtype: str, what: str) -> N
 def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None, *,
              alloc: Callable[[int], torch.Tensor] | None = None,
              local_in_exchange: bool = False,
-             into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+             into: Mapping[str, torch.Tensor] | None = None,
+             tensor_device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Build this device's target tensors from ``sources`` (emu name -> key -> tensor).
 
-    Effects: allocates the target shards not kept (in one ``alloc`` buffer if given) --
+    Effects: allocates the target shards not kept (in one ``alloc`` buffer if given, else
+    on ``tensor_device``: the worker's, so a GPU worker's targets are CUDA tensors) --
     or, with ``into`` (the target's existing tensors, key -> tensor), writes into those
     in place and allocates nothing; copies; one ``exchange`` call when the part sends or
     receives anything. Sources are read, never changed or freed."""
@@ -161,7 +164,7 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
             _check_tensor(out[key], shape, dtype, f"kept {key!r} on device {device}")
             continue
         new.append((key, shape, TORCH_DTYPES[dtype]))
-    out.update(_allocate(new, alloc))
+    out.update(_allocate(new, alloc, tensor_device))
     copies = []
     for src_emu, key, src_box, dst_box in part["copies"]:
         src = _view(_source(sources, src_emu, key, device), src_box, f"copy {key} from {src_emu}")

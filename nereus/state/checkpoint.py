@@ -91,7 +91,7 @@ def save_shards(directory: str | Path, emu: EMU, device: int, tensors: Mapping[s
         if t is None or tuple(t.shape) != shard.shape or t.dtype != TORCH_DTYPES[dtype]:
             got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise StateError(f"save {emu.name} device {device}: {key} is {got}, expected {shard.shape} {dtype}")
-        out[key] = t.contiguous()
+        out[key] = t.detach().cpu().contiguous()  # a GPU worker's shards are written from host copies
     path = directory / _file_name(pp_rank, tp_rank)
     tmp = path.with_suffix(".tmp")
     save_file(out, str(tmp))

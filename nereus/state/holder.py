@@ -24,6 +24,13 @@
   reading only its own files and slices (a checkpoint loads into any layout);
 - ``ledger_report``: the device's memory account.
 
+Device: every tensor the store holds lives on the worker's own device
+(``tensor_device``: ``cuda:0`` on a GPU worker, which sees exactly that one GPU, else
+the CPU), so the groups made for those devices (NCCL for CUDA devices, gloo otherwise)
+get tensors they can move. Loaded shards, checkpoint reads and ``put_shards`` are
+moved there; plan targets are allocated there; ``get_shards`` answers with CPU copies
+(the wire carries no CUDA tensors).
+
 Memory: the store reserves every EMU's bytes in the device's ``MemoryLedger``
 (``nereus.state.ledger``; keys ``shards/<emu>``, a tensor two EMUs share counted once)
 *before* allocating them, and, while it exchanges through buckets, one bucket (no
@@ -113,6 +120,8 @@ class ShardHolder(Actor):
         self.direct = bool(direct)
         self.ledger = device_ledger()
         self._accounted: set[str] = set()
+        # where this worker's tensors live (a worker sees exactly one GPU, cuda:0)
+        self.tensor_device = torch.device(self.device.torch_device)
 
     # --- accounting ---------------------------------------------------------------
 
@@ -155,7 +164,9 @@ class ShardHolder(Actor):
         Raises ``OutOfMemory`` (nothing held) when they do not fit the device's budget."""
         old = self.shards.get(emu, {})
         self._reserve_new(emu, sum(_nbytes(t) for t in tensors.values()) - sum(_nbytes(t) for t in old.values()))
-        self.shards[emu] = {k: t.clone() if not t.is_contiguous() else t for k, t in tensors.items()}
+        dev = self.tensor_device
+        self.shards[emu] = {k: t.to(dev).contiguous() if t.device != dev else t.clone() if not t.is_contiguous() else t
+                            for k, t in tensors.items()}
         self.states[emu] = LogicalState(**state) if state else LogicalState()
         self._account()
         return self.held_bytes()
@@ -163,7 +174,8 @@ class ShardHolder(Actor):
     @endpoint
     async def get_shards(self, emu: str, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
         held = self._held_of(emu)
-        return {k: held[k] for k in (keys if keys is not None else held)}
+        # the wire carries CPU tensors only: a GPU worker answers with copies
+        return {k: held[k].cpu() for k in (keys if keys is not None else held)}
 
     def _held_of(self, emu: str) -> dict[str, torch.Tensor]:
         if emu not in self.shards:
@@ -287,9 +299,10 @@ class ShardHolder(Actor):
             if moving:
                 # the exchange blocks; run it off the event loop so the worker stays responsive
                 out = await in_thread(run_part, part, self.shards, do_exchange,
-                                      alloc=arena_empty if direct else None, local_in_exchange=direct)
+                                      alloc=arena_empty if direct else None, local_in_exchange=direct,
+                                      tensor_device=self.tensor_device)
             else:
-                out = run_part(part, self.shards, None)
+                out = run_part(part, self.shards, None, tensor_device=self.tensor_device)
         except BaseException:
             self.ledger.release(bucket_key)
             self._account()
@@ -368,6 +381,8 @@ class ShardHolder(Actor):
         self._reserve_new(desc.name, desc.bytes_on(self.device.index) - sum(_nbytes(t) for t in old.values()))
         try:
             tensors = await in_thread(ckpt.load_shards, directory, desc, self.device.index)
+            if self.tensor_device.type != "cpu":
+                tensors = {k: t.to(self.tensor_device) for k, t in tensors.items()}
         except BaseException:
             self._account()
             raise

@@ -38,6 +38,12 @@ def test_defaults_are_a_valid_grpo_job():
         ({"plan": {"policy_generation": {"devices": list(range(8)), "tp": 8}, "policy_training": {"devices": [0]}},
           "cluster": {"devices": 8}}, "plan.policy_generation.tp=8 must divide model.num_heads=4"),
         ({"algorithm": {"prompts_per_step": 6}}, "plan.policy_generation.dp=4 must divide algorithm.prompts_per_step=6"),
+        ({"sampling": {"engine": "tgi"}}, "sampling.engine='tgi' must be one of"),
+        ({"sampling": {"engine": "vllm"}, "cluster": {"mode": "in_process"}},
+         "sampling.engine='vllm' needs cluster.mode 'local' or 'connect'"),
+        ({"sampling": {"engine": "vllm"}, "plan": {"policy_generation": {"devices": [0, 1], "pp": 2},
+                                                   "policy_training": {"devices": [0]}}},
+         "plan.policy_generation.pp=2 must be 1 with sampling.engine='vllm'"),
     ],
 )
 def test_bad_fields_are_named(data, match):
