@@ -1,15 +1,14 @@
 """Adaptive against fixed layouts: one RL job, three ways, on this machine's 4 CPU devices.
 
-``python -m benchmarks.adaptive [--steps N]``
+``python -m benchmarks.adaptive [--steps N] [--rounds R]``
 
 The job is pinned here: the demo's GRPO job (``examples/demo_adaptive.toml``: a tiny
-model, 11.5 MiB per device) with its length cap growing 16 -> 32 -> 64 tokens over
-``steps`` (the cap doubles at one third and at two thirds of the run), the same seeds
-in every run. It runs
+model, 11.5 MiB per device, generation and training starting at DP 2 on devices 0-1)
+with its length cap growing 16 -> 32 -> 64 tokens over ``steps`` (the cap doubles at one
+third and at two thirds of the run), the same seeds in every run. It runs
 
-1. **adaptive**: ``[adapt] enabled``, starting from the demo's layout (generation and
-   training sharing devices 0 and 1); the controller moves when its triggers fire and
-   admission says so;
+1. **adaptive**: ``[adapt] enabled``, starting from the demo's layout; the controller
+   moves when its triggers fire and admission says so;
 2. **static at the starting layout**: the same job with ``[adapt] enabled = false``; the
    starting layout cannot hold the last cap, so this one is expected to stop with
    ``OutOfMemory`` (reported with the step);
@@ -21,7 +20,11 @@ in every run. It runs
 
 A run's mean step time is its loop's wall time over its steps, so boundaries, decisions
 and transitions count. ``transition_share`` is the adaptive run's measured transition
-seconds over its wall time. The runs share the machine one after another.
+seconds over its wall time. The runs share the machine one after another, in ``R``
+rounds (default 3): each round runs the adaptive job and every candidate once, the order
+rotated from round to round (the same layout measures up to 15% apart from one run to
+the next on this machine); every figure is the median over the rounds, and the best
+fixed layout is the candidate with the lowest median.
 
 Last line: one JSON object with ``adaptive_mean_step_s``, ``static_initial_failed``,
 ``static_initial_fail_step``, ``best_static_mean_step_s``, ``ratio_vs_best_static``,
@@ -36,6 +39,7 @@ import copy
 import itertools
 import json
 import logging
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -147,7 +151,7 @@ async def run_job(cfg: JobConfig, after_start: Any = None) -> dict[str, Any]:
     }
 
 
-async def main_async(steps: int) -> dict[str, Any]:
+async def main_async(steps: int, rounds: int) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-adaptive-")
     ranked: list[tuple[float, Plan]] = []
 
@@ -157,43 +161,59 @@ async def main_async(steps: int) -> dict[str, Any]:
         for s, p in ranked:
             print(f"  {s:.4f} s/step predicted: {p}", flush=True)
 
-    adaptive = await run_job(job_config(steps, f"{out}/adaptive", adapt=True), after_start=rank)
-    print("adaptive:", json.dumps(adaptive), flush=True)
-    static_initial = await run_job(job_config(steps, f"{out}/static-initial", adapt=False))
+    static_initial = await run_job(job_config(steps, f"{out}/static-initial", adapt=False), after_start=rank)
     print("static at the starting layout:", json.dumps(static_initial), flush=True)
-    fixed = []
-    for i, (predicted, plan) in enumerate(ranked):
-        job_plan = {name: placement(sp) for name, sp in from_planner_plan(plan)}
-        r = await run_job(job_config(steps, f"{out}/fixed-{i}", adapt=False, plan=job_plan))
-        r["predicted_step_s"] = round(predicted, 4)
-        print(f"fixed {i}:", json.dumps(r), flush=True)
-        fixed.append(r)
-    done = [r for r in fixed if r["completed"]]
-    best = min(done, key=lambda r: r["mean_step_s"]) if done else None
-    result = {
+    # Rounds: every run once per round, the order rotated from round to round, so a slow
+    # spell of the machine falls on all of them alike; each figure is the median over
+    # the rounds.
+    adaptive: list[dict[str, Any]] = []
+    fixed: dict[int, list[dict[str, Any]]] = {}
+    names = ["adaptive"] + [f"fixed-{i}" for i in range(len(ranked))]
+    for rnd in range(rounds):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name == "adaptive":
+                r = await run_job(job_config(steps, f"{out}/r{rnd}-adaptive", adapt=True))
+                adaptive.append(r)
+            else:
+                i = int(name.split("-")[1])
+                job_plan = {n: placement(sp) for n, sp in from_planner_plan(ranked[i][1])}
+                r = await run_job(job_config(steps, f"{out}/r{rnd}-{name}", adapt=False, plan=job_plan))
+                r["predicted_step_s"] = round(ranked[i][0], 4)
+                fixed.setdefault(i, []).append(r)
+            print(f"round {rnd} {name}:", json.dumps(r), flush=True)
+    done = {i: runs for i, runs in fixed.items() if all(r["completed"] for r in runs)}
+    medians = {i: statistics.median(r["mean_step_s"] for r in runs) for i, runs in done.items()}
+    best = min(medians, key=lambda i: medians[i]) if medians else None
+    completed = [r for r in adaptive if r["completed"]]
+    adaptive_s = statistics.median(r["mean_step_s"] for r in completed) if len(completed) == len(adaptive) else None
+    share = statistics.median(r["transition_s"] / r["wall_s"] for r in adaptive if r["wall_s"])
+    return {
         "steps": steps,
-        "adaptive_mean_step_s": adaptive["mean_step_s"],
-        "adaptive_transitions": adaptive["transitions"],
+        "rounds": rounds,
+        "adaptive_mean_step_s": round(adaptive_s, 4) if adaptive_s is not None else None,
+        "adaptive_runs_s": [r["mean_step_s"] for r in adaptive],
+        "adaptive_transitions": [r["transitions"] for r in adaptive],
         "static_initial_failed": not static_initial["completed"],
         "static_initial_fail_step": static_initial["failed_at_step"],
-        "best_static_mean_step_s": best["mean_step_s"] if best else None,
-        "best_static_plan": best["plan"] if best else None,
-        "ratio_vs_best_static": (round(adaptive["mean_step_s"] / best["mean_step_s"], 4)
-                                 if best and adaptive["mean_step_s"] else None),
-        "transition_share": round(adaptive["transition_s"] / adaptive["wall_s"], 4) if adaptive["wall_s"] else None,
-        "memory_failures": 0 if adaptive["completed"] else 1,
+        "best_static_mean_step_s": round(medians[best], 4) if best is not None else None,
+        "best_static_plan": fixed[best][0]["plan"] if best is not None else None,
+        "ratio_vs_best_static": (round(adaptive_s / medians[best], 4)
+                                 if best is not None and adaptive_s else None),
+        "transition_share": round(share, 4),
+        "memory_failures": len(adaptive) - len(completed),
         "fixed_completed": len(done),
-        "fixed_mean_step_s": [r["mean_step_s"] for r in fixed],
+        "fixed_mean_step_s": {f"fixed-{i}": [r["mean_step_s"] for r in runs] for i, runs in sorted(fixed.items())},
     }
-    return result
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=48, help="steps per run (the cap doubles at 1/3 and 2/3)")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each layout, interleaved; figures are medians")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    result = asyncio.run(main_async(args.steps))
+    result = asyncio.run(main_async(args.steps, args.rounds))
     print(json.dumps(result))
 
 
