@@ -633,18 +633,33 @@ class ClusterStages(ModelStages):
             _emit_transition(report, dag)
             await salvage(self, runtime)  # what the DAG left, as the job's plan
             raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
+        from nereus.rl.recovery import is_fault
+        died: list[BaseException] = []
         for stage in moving:
             reps = dag.results[stage]
             renames = {rep.name: emu_name(stage, i) for i, rep in enumerate(reps) if rep.name != emu_name(stage, i)}
             if renames:
-                devices = {d for rep in reps for d in rep.devices}
-                await asyncio.gather(*(self.hosts[d].rename.call_one(renames) for d in devices))
+                devices = sorted({d for rep in reps for d in rep.devices})
+                done = await asyncio.gather(*(self.hosts[d].rename.call_one(renames) for d in devices),
+                                            return_exceptions=True)
+                for r in done:
+                    if isinstance(r, BaseException):
+                        if not is_fault(r):
+                            raise r
+                        died.append(r)
             self.emus[stage] = [runtime.live[rep.name].with_(name=emu_name(stage, i)) for i, rep in enumerate(reps)]
         t_moves = time.perf_counter()  # the span the estimate predicts: the nodes, the groups' release, the renames
-        if self.learn_transitions:
+        if self.learn_transitions and not died:
             self._learn_transition(dag, result, t_moves - report["moves_ended_at"])
         self.epoch = new_epoch
         self._plan = target
+        if died:
+            # every move landed and the survivors hold the new names: the job's plan is the
+            # target, and the fault is the job's to recover from there, like one mid-step
+            report.update(ok=False, seconds=time.perf_counter() - t0)
+            _emit_transition(report, dag)
+            await self.cluster.set_epoch(self.epoch)
+            raise died[0]
         await self.cluster.set_epoch(self.epoch)
         timing = await self._start_engines([*moving, *retuned])
         await self._build_missing(missing)
