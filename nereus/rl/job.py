@@ -284,9 +284,11 @@ class RLJob:
         from nereus.rl.recovery import is_fault, update_counts
 
         assert self.stages is not None
-        start = (self.step, self.dataset.state_dict(), self.stages.policy_version,
-                 await update_counts(self.stages) if during == "step" else {})
+        counts: dict[str, list[int]] = {}  # a death before they are read: no update was committed
+        start = (self.step, self.dataset.state_dict(), self.stages.policy_version, counts)
         try:
+            if during == "step":
+                counts.update(await update_counts(self.stages))
             return await work()
         except Exception as e:
             if not is_fault(e):
