@@ -40,6 +40,7 @@ pool; ``StateError`` for a decision to restart (no change can reach a runnable p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from nereus.errors import StateError
 from nereus.planner import ClusterSpec, LengthStats, ModelShape, Replanner, Workload
 from nereus.planner.pool import DevicePool
 from nereus.rl.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
+from nereus.rl.recovery import update_counts
 
 __all__ = ["Adapter", "Change", "PredictedFailure", "job_workload", "planner_shape", "predict_memory_failure"]
 
@@ -163,6 +165,7 @@ class Adapter:
         self._lengths: LengthStats | None = None  # the last step's
         self.boundaries: list[dict[str, Any]] = []  # every boundary report (nereus.planner.replay)
         self._initial: tuple[Any, ...] | None = None  # how the Replanner was built
+        self._counts: dict[str, list[int]] | None = None  # the training EMUs' update counters at the last boundary
 
     # --- the pool and the planner's view ------------------------------------------------
 
@@ -215,6 +218,12 @@ class Adapter:
         cap = self.cfg.sampling.cap_at(step)
         return LengthStats(float(cap), float(cap), cap)
 
+    def take_counts(self) -> dict[str, list[int]] | None:
+        """The update counters read at the last boundary (what the next step starts
+        from), once; None when none are kept (no boundary yet, or a fault since)."""
+        counts, self._counts = self._counts, None
+        return counts
+
     # --- the boundary -----------------------------------------------------------------
 
     async def after_step(self, record: dict[str, Any]) -> dict[str, Any] | None:
@@ -224,6 +233,7 @@ class Adapter:
         stages = self.stages
         step = int(record["step"])
         nxt = step + 1
+        self._counts = None
         await stages.transition_done()
         self.prompt_length = max(self.prompt_length, int(record.get("prompt_len_max", 1)))
         mean = float(record["response_len_mean"])
@@ -239,8 +249,10 @@ class Adapter:
         if self._calibrate_next:
             self._calibrate(record, ran, pool_before)
         self._calibrate_next = True
-        # the pool now, and what changed in it
-        await stages.cluster.refresh_devices()
+        # the pool now, what pricing a change needs and the update counters, read at once
+        # (independent reads; the counters are the next step's, as a change keeps them)
+        _, inputs, self._counts = await asyncio.gather(stages.cluster.refresh_devices(), stages.change_inputs(),
+                                                       update_counts(stages))
         live = {d.index for d in stages.cluster.devices}
         draining = set(getattr(stages.cluster, "draining", ()))
         lost = sorted(set(pool_before.ids) - live)
@@ -249,9 +261,9 @@ class Adapter:
         joined = sorted(set(self.pool.ids) - set(pool_before.ids))
         if joined:
             await stages.ensure_hosts(set(joined))
+            inputs = await stages.change_inputs()  # the new hosts' ledgers too
         cap = self._cap_lengths(nxt)
         rp.work = self._workload(ran, cap)
-        inputs = await stages.change_inputs()
         priced: dict[Any, tuple[float, int]] = {}
 
         def price(current: Any, target: Any) -> float:
@@ -272,6 +284,7 @@ class Adapter:
         searched on the pool that is left and reached from what survived; model-stages
         without an intact EMU are built at their target placement. Returns the decision."""
         stages = self.stages
+        self._counts = None
         await stages.cluster.refresh_devices()
         live = {d.index for d in stages.cluster.devices}
         draining = set(getattr(stages.cluster, "draining", ()))

@@ -464,9 +464,9 @@ class ClusterStages(ModelStages):
         """What pricing a change needs from the workers, read once per boundary: every
         device's ledger (what it holds besides the job's EMUs) and the generation KV
         caches' slots."""
-        shapes = [await h.cache_shape() for h in self.handles["policy_generation"].emus] \
-            if "policy_generation" in self.handles else []
-        return {"memory": await self.memory(), "cache_slots": max((s[1] for s in shapes), default=0)}
+        gen = self.handles["policy_generation"].emus if "policy_generation" in self.handles else []
+        memory, *shapes = await asyncio.gather(self.memory(), *(h.cache_shape() for h in gen))
+        return {"memory": memory, "cache_slots": max((s[1] for s in shapes), default=0)}
 
     def plan_change(self, target: Any, inputs: dict[str, Any]) -> tuple[Any, float]:
         """The transition DAG from the job's plan to ``target`` (device ids) and its

@@ -288,7 +288,8 @@ class RLJob:
         start = (self.step, self.dataset.state_dict(), self.stages.policy_version, counts)
         try:
             if during == "step":
-                counts.update(await update_counts(self.stages))
+                kept = self.adapter.take_counts()  # read at the boundary just before, with its other reads
+                counts.update(kept if kept is not None else await update_counts(self.stages))
             return await work()
         except Exception as e:
             if not is_fault(e):
