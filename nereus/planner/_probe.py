@@ -2,7 +2,7 @@
 
 ``local_cpu_probe()`` times a float32 matmul (FLOP/s), a large memcpy (bytes/s) and
 the fixed cost of one small decoder layer's operations (seconds per layer pass) in this
-process, about a second in all, and caches the figures as JSON under
+process, torch at one thread as every worker runs, about a second in all, and caches the figures as JSON under
 ``$XDG_CACHE_HOME/nereus`` (``~/.cache/nereus``) keyed by host name and CPU count, so
 later calls read the file. The exchange bandwidth between worker processes (shared
 memory hand-off) is not timed here (it needs two processes); it is taken as 0.85 x
@@ -31,6 +31,10 @@ log = logging.getLogger("nereus.planner")
 _EXCHANGE_OVER_MEMCPY = 0.85
 # what a cached entry must hold (an older cache without one is measured again)
 _FIGURES = ("flops_per_device", "memory_bandwidth", "exchange_bandwidth", "layer_pass_s")
+# part of the cache key: figures measured by an earlier probe are measured again (2: the
+# matmul and the layer pass on torch at one thread, as workers run, not numpy's BLAS and
+# torch's default threads, which put the fixed cost of a layer pass at 3-8x a worker's)
+_PROBE_VERSION = 2
 
 
 def _cache_path() -> Path:
@@ -40,17 +44,24 @@ def _cache_path() -> Path:
 
 def _measure() -> dict[str, float]:
     import numpy as np
+    import torch
 
-    n = 512
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    b = a.copy()
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    flops = 2 * n**3 / best
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker computes (nereus.engines.host): one thread per device
+    try:
+        n = 512
+        a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+        b = a.clone()
+        a @ b  # warm-up
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        flops = 2 * n**3 / best
+        layer_pass = _layer_pass_seconds()
+    finally:
+        torch.set_num_threads(threads)
     src = np.ones(64 * 2**20, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)
@@ -61,7 +72,7 @@ def _measure() -> dict[str, float]:
         best = min(best, time.perf_counter() - t)
     memcpy = src.nbytes / best
     return {"flops_per_device": flops, "memory_bandwidth": memcpy, "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
-            "layer_pass_s": _layer_pass_seconds()}
+            "layer_pass_s": layer_pass}
 
 
 def _layer_pass_seconds() -> float:
@@ -105,7 +116,7 @@ def local_cpu_efficiency(prior: Efficiency = CONSERVATIVE, refresh: bool = False
 def local_cpu_probe(refresh: bool = False, cache: Path | None = None) -> dict[str, float]:
     """Probe figures of this machine, from the cache unless ``refresh`` or missing."""
     path = cache or _cache_path()
-    key = f"{platform.node()}/{os.cpu_count()}"
+    key = f"{platform.node()}/{os.cpu_count()}/{_PROBE_VERSION}"
     table: dict[str, dict[str, float]] = {}
     if path.exists():
         try:
