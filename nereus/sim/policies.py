@@ -154,7 +154,7 @@ class Policy:
         if truth.failed:
             # a device that ran out of memory is learned from whatever its share of
             # transient bytes (the observers skip devices where that share is small)
-            ex = explain(rp.plan, self.ctx.work.with_lengths(ran), cluster, rp.eff.replace(memory_scale=1.0))
+            ex = explain(rp.plan, self.ctx.work.with_lengths(ran), cluster, rp.eff.uncalibrated_memory())
             by_slot = {m.device: m for m in ex.memory}
             for device, need, _ in truth.overflow:
                 m = by_slot.get(pool.slot(device))
