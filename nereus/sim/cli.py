@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
         if args.plot:
-            plot(results, args.plot, title.replace("SIMULATION (not a measurement): ", ""))
+            plot(results, args.plot, title.replace("SIMULATION (not a measurement): ", ""), caps=scn.caps)
         return 0
     except ConfigError as e:
         print(f"nereus simulate: {e}", file=sys.stderr)
