@@ -26,9 +26,11 @@ this simulator, not claims about the systems they are named after:
   layout takes the largest valid size up to its share of the new pool (DP reduced until
   it fits the devices); that layout, and the current one when the cap schedule raises the
   cap, is checked against the calibrated memory model at the next step's cap. When it
-  does not fit, after a memory failure, or when a model-stage lost every replica, they
-  restart from a checkpoint (counted) on the search's plan of their placement for the
-  pool and the cap as they are (under the calibrated model), which becomes their layout.
+  does not fit (or no DP of it fits the pool) and after a memory failure, they restart
+  from a checkpoint (counted) on the search's plan of their placement for the pool and
+  the cap as they are (under the calibrated model), which becomes their layout; when a
+  model-stage lost every replica, or no transition reaches the rescaled layout, they
+  restart on the rescaled layout.
 
   What ``static`` provisions for: the plan the search picks for the job's first step,
   with memory at that step's cap. The issue defines it as "the initial TP/PP per
