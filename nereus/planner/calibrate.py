@@ -23,10 +23,16 @@ range (an active set: an unknown the unconstrained fit pushes out is pinned at t
 and the others are fitted again). A class no equation has touched keeps
 its prior, which for an unseen class is conservative (``CONSERVATIVE``).
 
-Memory: ``observe_memory`` compares a measured peak with the memory model; the fitted
-``Efficiency.memory_scale`` is the largest measured/modelled ratio of transient bytes
-in the window (conservative: a plan must not break memory), which the search and
-``explain`` apply to activations, KV cache and logits.
+Memory: ``observe_memory`` compares a measured peak with the memory model: what it holds
+beyond the modelled resident bytes, y, against the modelled transient bytes, t. Devices
+hold a fixed amount the model does not count (allocator workspace, communicator buffers)
+on top of a share of what it does (fragmentation), so the window's pairs are fitted by
+y = fixed + scale * t: the slope by least squares, then the line raised to the pairs'
+upper envelope (the smallest fixed term that no pair exceeds), so a plan admitted at a
+measured size does not break memory. With too little spread in t to tell a slope from
+an intercept, the fit is one ratio, the largest y/t in the window. The search and
+``explain`` apply ``Efficiency.memory_scale`` to activations, KV cache and logits and add
+``Efficiency.memory_fixed_bytes``.
 
 Promises: pure arithmetic, no clock; factors clamped to [0.01, 1.5].
 Refuses (``ConfigError``): unknown classes, non-positive measured times, negative
@@ -42,6 +48,7 @@ from nereus.config import require
 from nereus.planner.cost import (
     CONSERVATIVE,
     FIXED_COSTS,
+    MAX_MEMORY_FIXED_BYTES,
     OP_CLASSES,
     Efficiency,
     StageCost,
@@ -53,6 +60,9 @@ __all__ = ["Calibrator"]
 _MIN_EFF, _MAX_EFF = 0.01, 1.5
 # transition nodes' fixed costs: column -> the Efficiency field (seconds) it fits
 FIXED = FIXED_COSTS
+# A slope is fitted to the memory pairs only when their modelled transient bytes span
+# at least this factor (largest over smallest); below it, one ratio.
+MEMORY_FIT_SPREAD = 1.5
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -118,7 +128,7 @@ class Calibrator:
         self.prior = prior
         self.prior_weight = prior_weight
         self._rows: deque[tuple[dict[str, float], float]] = deque(maxlen=window)
-        self._memory: deque[float] = deque(maxlen=window)
+        self._memory: deque[tuple[float, float]] = deque(maxlen=window)  # (t, y): modelled transient, measured
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -166,7 +176,8 @@ class Calibrator:
         """A measured peak of one model-stage on one device against the memory model.
 
         The resident bytes (parameters, gradients, optimizer) are exact; what the peak
-        holds beyond them, over the modelled transient bytes, is one ratio."""
+        holds beyond them, against the modelled transient bytes, is one pair of the
+        fixed-plus-proportional fit (``memory_fit``)."""
         self.observe_memory_bytes(modelled.resident, modelled.transient, measured_peak_bytes)
 
     def observe_memory_bytes(self, resident: int, transient: int, measured_peak_bytes: int) -> None:
@@ -174,13 +185,38 @@ class Calibrator:
         model-stage's, or a whole device's (its resident bytes and its largest transient)."""
         require(measured_peak_bytes > 0, "measured_peak_bytes", measured_peak_bytes, "must be > 0")
         require(transient > 0, "modelled transient bytes", transient, "must be > 0 to calibrate against")
-        self._memory.append(max(0.0, measured_peak_bytes - resident) / transient)
+        self._memory.append((float(transient), max(0.0, float(measured_peak_bytes - resident))))
+
+    def memory_fit(self) -> tuple[float, float]:
+        """(scale, fixed bytes) of the window's memory pairs (see the module docstring),
+        or the prior's when there are none. The scale stays in [0.25, 8] and the fixed
+        term in [0, 1 TiB]; after clamping, the fixed term is raised again so that no
+        pair lies above the line."""
+        if not self._memory:
+            return self.prior.memory_scale, self.prior.memory_fixed_bytes
+        ts = [t for t, _ in self._memory]
+        n = len(ts)
+        mean_t = sum(ts) / n
+        var = sum((t - mean_t) ** 2 for t in ts) / n
+        if min(ts) <= 0 or max(ts) < MEMORY_FIT_SPREAD * min(ts):
+            scale, fixed = min(8.0, max(0.25, max(y / t for t, y in self._memory))), 0.0
+        else:
+            mean_y = sum(y for _, y in self._memory) / n
+            slope = sum((t - mean_t) * (y - mean_y) for t, y in self._memory) / (n * var)
+            scale = min(8.0, max(0.25, slope))
+            fixed = max(0.0, max(y - scale * t for t, y in self._memory))
+            if fixed > MAX_MEMORY_FIXED_BYTES:
+                # a fixed term beyond any device: the ratio alone is the safer reading
+                scale, fixed = min(8.0, max(0.25, max(y / t for t, y in self._memory))), 0.0
+        return scale, fixed
 
     def memory_scale(self) -> float:
-        """The largest ratio in the window (plans must not break memory), or the prior's."""
-        if not self._memory:
-            return self.prior.memory_scale
-        return min(8.0, max(0.25, max(self._memory)))
+        """The fitted proportional term (``memory_fit``), or the prior's."""
+        return self.memory_fit()[0]
+
+    def memory_fixed_bytes(self) -> float:
+        """The fitted fixed term in bytes (``memory_fit``), or the prior's."""
+        return self.memory_fit()[1]
 
     def seen(self) -> set[str]:
         """The classes some equation in the window touches."""
@@ -191,7 +227,8 @@ class Calibrator:
         order = [*OP_CLASSES, *FIXED]
         seen = sorted(self.seen(), key=order.index)
         if not seen:
-            return self.prior.replace(memory_scale=self.memory_scale())
+            scale, fixed = self.memory_fit()
+            return self.prior.replace(memory_scale=scale, memory_fixed_bytes=fixed)
         idx = {c: i for i, c in enumerate(seen)}
         n = len(seen)
         ata = [[0.0] * n for _ in range(n)]
@@ -217,4 +254,5 @@ class Calibrator:
                 continue
             eff = 1.0 / x[i] if x[i] > 0 else _MAX_EFF
             factors[c] = min(_MAX_EFF, max(_MIN_EFF, eff))
-        return self.prior.replace(memory_scale=self.memory_scale(), **factors)
+        scale, fixed = self.memory_fit()
+        return self.prior.replace(memory_scale=scale, memory_fixed_bytes=fixed, **factors)

@@ -39,11 +39,14 @@ attention, scaled to the model's dtype; eager attention adds its s²-sized score
 probabilities per layer (``ClusterSpec.flash_attention``), for the micro-batches
 1F1B keeps in flight), fp32 logits, and for generation the KV cache of every sequence
 of the replica (of one wave) at prompt + maximum length; transient bytes are multiplied
-by ``Efficiency.memory_scale`` (calibrated against measured peaks). Resident bytes stay
+by ``Efficiency.memory_scale`` and a running model-stage also holds
+``Efficiency.memory_fixed_bytes`` (both calibrated against measured peaks: the
+proportional and the fixed term of what the model does not count). Resident bytes stay
 on a device while the model-stage is idle; transient bytes exist only while it runs.
 
 Refuses (``ConfigError``): efficiency factors outside (0, 1.5], a memory scale outside
-[0.25, 8]. Layouts are not checked here: the search and ``explain`` do that.
+[0.25, 8], a fixed memory term outside [0, 1 TiB]. Layouts are not checked here: the
+search and ``explain`` do that.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ FIXED_COSTS = {"layer_passes": "layer_pass_s", "groups": "group_setup_s", "calls
                "transitions": "transition_s", "groups_released": "group_release_s", "copy_gb": "copy_s_per_gb",
                "host_gb": "host_s_per_gb"}
 HEADROOM = 0.10
+MAX_MEMORY_FIXED_BYTES = 2**40  # Efficiency.memory_fixed_bytes: at most 1 TiB
 UPDATE_BYTES = 16  # bytes streamed per parameter by an AdamW step (read+write)
 
 
@@ -97,6 +101,10 @@ class Efficiency:
     # Measured over modelled transient bytes (activations, KV cache, logits): the
     # memory model's calibration against measured peaks; 1.0 until measured.
     memory_scale: float = 1.0
+    # Bytes a running model-stage holds beyond its modelled transient bytes whatever
+    # their size (allocator workspace, communicator buffers, engine graphs): the fixed
+    # term of the same calibration; 0 until measured.
+    memory_fixed_bytes: float = 0.0
     # A transition node's fixed costs, in seconds: making its groups, and calling its
     # workers (learned from measured transition nodes; conservative until then).
     group_setup_s: float = 0.02
@@ -124,6 +132,8 @@ class Efficiency:
         for c in OP_CLASSES:
             require(0 < getattr(self, c) <= 1.5, f"Efficiency.{c}", getattr(self, c), "must be in (0, 1.5]")
         require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
+        require(0 <= self.memory_fixed_bytes <= MAX_MEMORY_FIXED_BYTES, "Efficiency.memory_fixed_bytes",
+                self.memory_fixed_bytes, f"must be in [0, {MAX_MEMORY_FIXED_BYTES}] bytes")
         for f in ("group_setup_s", "transition_call_s", "transition_s", "group_release_s", "copy_s_per_gb",
                   "host_s_per_gb", "layer_pass_s"):
             require(0 <= getattr(self, f) <= 10.0, f"Efficiency.{f}", getattr(self, f), "must be in [0, 10] seconds")
@@ -141,6 +151,11 @@ class Efficiency:
 
     def replace(self, **factors: float) -> Efficiency:
         return dataclasses.replace(self, **factors)
+
+    def uncalibrated_memory(self) -> Efficiency:
+        """These factors with the memory model as it is, uncalibrated (scale 1, no fixed
+        term): what measured peaks are compared with."""
+        return dataclasses.replace(self, memory_scale=1.0, memory_fixed_bytes=0.0)
 
 
 CONSERVATIVE = Efficiency()
@@ -189,6 +204,7 @@ class StageMemory(NamedTuple):
     activations: int
     kv_cache: int
     logits: int
+    fixed: int = 0  # the calibrated fixed term (``Efficiency.memory_fixed_bytes``)
 
     @property
     def resident(self) -> int:
@@ -198,7 +214,7 @@ class StageMemory(NamedTuple):
     @property
     def transient(self) -> int:
         """Held only while the model-stage runs."""
-        return self.activations + self.kv_cache + self.logits
+        return self.activations + self.kv_cache + self.logits + self.fixed
 
 
 def usable_bytes(cluster: ClusterSpec) -> int:
@@ -223,18 +239,20 @@ def _stage_params(model: ModelShape, pp: int, *, for_memory: bool) -> int:
 
 
 def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, pp: int, dp: int,
-                 *, recompute: bool = False, waves: int = 1, scale: float = 1.0,
+                 *, recompute: bool = False, waves: int = 1, scale: float = 1.0, fixed: float = 0.0,
                  flash_attention: bool = True) -> StageMemory:
     """Bytes per device of ``stage`` at layout tp x pp with dp replicas (max over pp ranks).
 
     ``waves`` (generation): the replica decodes its sequences in that many successive
     batches, so its KV cache holds one batch. ``recompute`` (training): only each
     layer's input is kept per micro-batch in flight, plus one layer's activations.
-    ``scale`` multiplies the transient bytes (``Efficiency.memory_scale``). Without
+    ``scale`` multiplies the transient bytes (``Efficiency.memory_scale``) and ``fixed``
+    is added to them (``Efficiency.memory_fixed_bytes``). Without
     ``flash_attention`` every layer's activations also hold the attention scores and
     probabilities (``2 * rows * heads/tp * seq^2`` values). Activations are in the
     model's dtype (the per-layer figure is for 2-byte activations)."""
     b = model.bytes_per_param
+    extra = int(math.ceil(fixed))
     p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
     n_r = _ceil_div(work.sequences, dp)
     lengths = work.lengths_for_memory
@@ -245,7 +263,7 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
         kv_shards = min(tp, model.num_kv_heads)
         batch = _ceil_div(n_r, waves)
         kv = batch * (work.prompt_length + lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
-        return StageMemory(p_dev * b, 0, 0, 0, int(kv * scale), int(batch * logit_width * 4 * scale))
+        return StageMemory(p_dev * b, 0, 0, 0, int(kv * scale), int(batch * logit_width * 4 * scale), extra)
     rows = min(work.micro_batch, n_r)
     t_mb = rows * seq
     per_layer = t_mb * model.hidden_size * (10 + 24 / tp) * model.bytes_per_param / 2
@@ -253,7 +271,7 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
         per_layer += 2 * rows * _ceil_div(model.num_heads, tp) * seq * seq * model.bytes_per_param
     logits = int(t_mb * logit_width * 4 * scale)
     if stage.kind == "inference":
-        return StageMemory(p_dev * b, 0, 0, int(per_layer * scale), 0, logits)
+        return StageMemory(p_dev * b, 0, 0, int(per_layer * scale), 0, logits, extra)
     micro = _ceil_div(_ceil_div(work.batch, dp), work.micro_batch)
     in_flight = min(pp, micro)
     if recompute:
@@ -261,7 +279,7 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
     else:
         act = per_layer * layers * in_flight
     return StageMemory(p_dev * b, p_dev * grad_bytes_per_param(model.dtype), p_dev * optimizer_bytes_per_param(model.dtype),
-                       int(act * scale), 0, 2 * logits)
+                       int(act * scale), 0, 2 * logits, extra)
 
 
 def _ring(n: int, nbytes: float, bw: float) -> float:

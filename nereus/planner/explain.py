@@ -165,7 +165,7 @@ def explain(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency = 
         cost = stage_cost(stage, model, work, cluster, eff, sp.tp, sp.pp, sp.dp, pp_inter=pp_inter,
                           dp_inter=dp_inter, recompute=sp.recompute, waves=sp.waves, formulas=True)
         mem = stage_memory(stage, model, work, sp.tp, sp.pp, sp.dp, recompute=sp.recompute, waves=sp.waves,
-                           scale=eff.memory_scale, flash_attention=cluster.flash_attention)
+                           scale=eff.memory_scale, fixed=eff.memory_fixed_bytes, flash_attention=cluster.flash_attention)
         out.append(StageExplanation(stage.name, level, sp, cost, mem, pp_inter, dp_inter))
     return Explanation(tuple(out), _phase_times(out), _device_memory(out, cluster))
 

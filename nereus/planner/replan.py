@@ -137,12 +137,13 @@ class Replanner:
 
     def _unscaled(self, lengths: LengthStats | None) -> Explanation:
         work = self.work if lengths is None else self.work.with_lengths(lengths)
-        return explain(self.plan, work, self.cluster, self.eff.replace(memory_scale=1.0))
+        return explain(self.plan, work, self.cluster, self.eff.uncalibrated_memory())
 
     def observe_memory_peaks(self, measured: dict[str, int], lengths: LengthStats | None = None) -> Efficiency:
         """Measured peak bytes per model-stage (on one of its devices), under ``lengths``
         (default: the workload's); recalibrates the memory model's transient bytes
-        (``Efficiency.memory_scale``) against the unscaled model."""
+        (``Efficiency.memory_scale`` and ``memory_fixed_bytes``) against the
+        uncalibrated model."""
         ex = self._unscaled(lengths)
         for name, peak in measured.items():
             self.calibrator.observe_memory(ex.stage(name).memory, peak)

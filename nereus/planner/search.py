@@ -165,7 +165,8 @@ def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stag
             dp = n // (tp * pp)
             for recompute, waves in _variants(stage.kind, _ceil_div(work.sequences, dp)):
                 mem = stage_memory(stage, model, work, tp, pp, dp, recompute=recompute, waves=waves,
-                                   scale=eff.memory_scale, flash_attention=cluster.flash_attention)
+                                   scale=eff.memory_scale, fixed=eff.memory_fixed_bytes,
+                                   flash_attention=cluster.flash_attention)
                 if prune and mem.resident + mem.transient > cap:
                     continue
                 cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per,

@@ -9,7 +9,7 @@ figure it produces is a simulation. Imports the planner, transition, state and m
 (actors, transfer, engines, rl).
 """
 
-from nereus.sim.policies import POLICIES, Boundary, Move, Policy, make_policy
+from nereus.sim.policies import EXTRA_POLICIES, POLICIES, Boundary, Move, Policy, make_policy
 from nereus.sim.run import (
     PolicyResult,
     Scenario,
@@ -22,10 +22,13 @@ from nereus.sim.run import (
     simulate,
 )
 from nereus.sim.traces import (
+    CAP_SCHEDULES,
+    CapSchedule,
     DeviceTrace,
     GrowthTrace,
     LengthTrace,
     SpotTrace,
+    cap_schedule,
     device_trace,
     length_trace,
 )
@@ -33,7 +36,7 @@ from nereus.sim.transitions import Transitions, intact, model_spec_of, transitio
 from nereus.sim.truth import GroundTruth, Param, StepTruth, TruthParams, load_truth_params
 
 __all__ = [
-    "POLICIES", "Boundary", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
+    "CAP_SCHEDULES", "EXTRA_POLICIES", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
     "PolicyResult", "Scenario", "SimConfig", "SimulationError", "SpotTrace", "StepRecord", "StepTruth", "Transitions",
     "TruthParams", "build_scenario", "device_trace", "intact", "length_trace", "load_truth_params", "make_policy",
     "model_spec_of", "run_policies", "run_policy", "simulate", "transition_seconds",

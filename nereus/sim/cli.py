@@ -29,7 +29,7 @@ from rich.console import Console
 from nereus.errors import ConfigError
 from nereus.planner.cluster import PRESETS
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS
-from nereus.sim.policies import POLICIES
+from nereus.sim.policies import EXTRA_POLICIES, POLICIES
 from nereus.sim.run import SimConfig, SimulationError, build_scenario, simulate
 from nereus.sim.truth import load_truth_params
 
@@ -54,9 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=float, default=0.5, help="admission's payback factor for adaptive")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--k", type=int, default=3, help="every-k: steps between searches")
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {','.join(POLICIES)}")
-    p.add_argument("--max-length", type=int, help="the job's generation cap (default: 2 x the largest mean, "
-                   "rounded up to a power of two)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated, from {','.join(POLICIES + EXTRA_POLICIES)} (default: the first six)")
+    p.add_argument("--max-length", type=int, help="the job's largest generation cap (default: 2 x the largest "
+                   "mean, rounded up to a power of two)")
+    p.add_argument("--cap-schedule", default="stepped", metavar="stepped|fixed",
+                   help="stepped (default): the cap is raised as responses grow, at each step the smallest power "
+                   "of two >= 2 x its mean length, never lowered; fixed: the largest cap from the first step")
     p.add_argument("--prompts", type=int, default=256, help="prompts per step")
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--prompt-length", type=int, default=512)
@@ -78,7 +82,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         length_trace=args.length_trace, steps=args.steps,
         length_range=tuple(args.length_range) if args.length_range else None, pool_scale=args.pool_scale,
         gamma=args.gamma, seed=args.seed, k=args.k, prompts_per_step=args.prompts, samples_per_prompt=args.samples,
-        prompt_length=args.prompt_length, max_length=args.max_length,
+        prompt_length=args.prompt_length, max_length=args.max_length, cap_schedule=args.cap_schedule,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()), truth_path=args.truth)
 
 
@@ -101,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                     "gpus_trace": config.gpus_trace, "length_trace": config.length_trace,
                     "length_range": list(config.length_range) if config.length_range else None,
                     "pool_scale": config.pool_scale, "steps": config.steps, "gamma": config.gamma, "seed": config.seed,
-                    "max_length": scn.truth.max_length, "prompts_per_step": config.prompts_per_step,
+                    "max_length": scn.truth.max_length, "cap_schedule": config.cap_schedule,
+                    "cap_changes": scn.caps.changes(), "prompts_per_step": config.prompts_per_step,
                     "samples_per_prompt": config.samples_per_prompt}
         data = rows(results, scenario)
         title = (f"SIMULATION (not a measurement): {config.algorithm} {config.model} on {config.cluster}, "
                  f"devices {scn.devices.name}, lengths {scn.lengths.name}, {config.steps} steps, "
+                 f"caps {config.cap_schedule} {'/'.join(str(c) for _, c in scn.caps.changes())}, "
                  f"gamma {config.gamma}, seed {config.seed}")
         console.print(table(data, title))
         adaptive = next((r for r in data if r["policy"] == "adaptive"), None)
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
         if args.plot:
-            plot(results, args.plot, title.replace("SIMULATION (not a measurement): ", ""))
+            plot(results, args.plot, title.replace("SIMULATION (not a measurement): ", ""), caps=scn.caps)
         return 0
     except ConfigError as e:
         print(f"nereus simulate: {e}", file=sys.stderr)

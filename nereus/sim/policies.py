@@ -18,15 +18,29 @@ this simulator, not claims about the systems they are named after:
 - ``static``: the first plan's TP/PP per model-stage (with its recompute setting and its
   generation engines' maximum of concurrent sequences) and its pools, DP scaled with the
   pool (a generation replica with more sequences than its engine runs at once decodes
-  them in more waves, as a serving engine with a fixed concurrency cap does); ``colocated``: one pool holding every model-stage (the
-  search's best colocated plan; verl-like); ``separated``: one pool per model-stage
-  (OpenRLHF-like). These fixed-layout policies predict nothing while the pool stays as
-  it is: they run until a step runs out of memory. When the pool changes, each pool of
-  the layout takes the largest valid size up to its share of the new pool (DP reduced
-  until it fits the devices), checked against the calibrated memory model; when that
-  layout does not fit, after a memory failure, or when a model-stage lost every replica,
-  they restart from a checkpoint (counted) on the search's plan of their placement for
-  the pool as it is (under the calibrated model), which becomes their layout.
+  them in more waves, as a serving engine with a fixed concurrency cap does);
+  ``colocated``: one pool holding every model-stage (the search's best colocated plan;
+  verl-like); ``separated``: one pool per model-stage (OpenRLHF-like). These fixed-layout
+  policies check nothing while the pool and the job's cap stay as they are (a step that
+  runs out of memory then is a memory failure). When the pool changes, each pool of the
+  layout takes the largest valid size up to its share of the new pool (DP reduced until
+  it fits the devices); that layout, and the current one when the cap schedule raises the
+  cap, is checked against the calibrated memory model at the next step's cap. When it
+  does not fit (or no DP of it fits the pool) and after a memory failure, they restart
+  from a checkpoint (counted) on the search's plan of their placement for the pool and
+  the cap as they are (under the calibrated model), which becomes their layout; when a
+  model-stage lost every replica, or no transition reaches the rescaled layout, they
+  restart on the rescaled layout.
+
+  What ``static`` provisions for: the plan the search picks for the job's first step,
+  with memory at that step's cap. The issue defines it as "the initial TP/PP per
+  model-stage ... when its plan no longer fits, it falls back to the smallest DP that
+  fits, and if none does, it restarts from a checkpoint": the initial plan is the one
+  chosen for the job as it starts, and "no longer fits" presupposes a plan that can stop
+  fitting as the job goes on, which under a growing cap is the plan sized for the first
+  cap. ``static-max-cap`` (run only when named, ``EXTRA_POLICIES``) is the other reading:
+  the same fixed-layout policy provisioned from the first step for the run's largest cap
+  (memory always planned at it), so a raised cap never forces it to restart.
 
 Every policy plans as the job's controller loop (``nereus.rl.adapt``) does: step time
 at the lengths the last step generated, memory at the next step's cap (any response may
@@ -45,7 +59,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nereus.errors import InfeasiblePlan
 from nereus.planner.admission import Target, choose
@@ -59,13 +73,16 @@ from nereus.planner.replan import Replanner
 from nereus.planner.rescale import Layout, layout_of, rescaled_layout
 from nereus.planner.search import SearchResult, search
 from nereus.planner.workload import LengthStats, Workload
+from nereus.sim.traces import CapSchedule
 from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import StepTruth
 
 __all__ = ["Boundary", "Move", "Policy", "AdaptivePolicy", "EveryKPolicy", "FixedLayoutPolicy", "POLICIES",
-           "make_policy"]
+           "EXTRA_POLICIES", "make_policy"]
 
 POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
+# run only when named (``--policies``): another reading of ``static``
+EXTRA_POLICIES = ("static-max-cap",)
 
 
 @dataclass(frozen=True)
@@ -98,16 +115,20 @@ class _Ctx:
     work: Workload
     cluster: ClusterSpec  # the whole cluster; plans name its device ids
     transitions: Transitions
-    max_length: int  # the job's generation cap
+    caps: CapSchedule  # the job's generation cap at every step (its config: known ahead)
 
     def pool_cluster(self, devices: tuple[int, ...]) -> tuple[DevicePool, ClusterSpec]:
         per = self.cluster.devices_per_node
         return DevicePool.of(devices), self.cluster.with_nodes(max(1, len(devices) // per))
 
-    def work_at(self, lengths: LengthStats) -> Workload:
-        """The job at ``lengths`` (step time), memory at the cap (any response may reach it)."""
-        cap = float(self.max_length)
-        return self.work.with_lengths(lengths, LengthStats(cap, cap, self.max_length))
+    def cap_lengths(self, step: int) -> LengthStats:
+        """Memory's lengths for step ``step``: its cap (any response may reach it)."""
+        cap = self.caps.cap_at(step)
+        return LengthStats(float(cap), float(cap), cap)
+
+    def work_at(self, lengths: LengthStats, step: int) -> Workload:
+        """The job at ``lengths`` (step time), memory at step ``step``'s cap."""
+        return self.work.with_lengths(lengths, self.cap_lengths(step))
 
 
 class Policy:
@@ -135,17 +156,18 @@ class Policy:
     def _track(self, plan: Plan, b: Boundary) -> None:
         """A Replanner holding ``plan`` over ``b``'s pool, for the observers."""
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        self.replanner = Replanner(self.ctx.work_at(b.lengths), cluster, plan=pool.to_slots(plan), eff=self.eff,
+        self.replanner = Replanner(self.ctx.work_at(b.lengths, b.step), cluster, plan=pool.to_slots(plan), eff=self.eff,
                                    calibrator=self.calibrator)
 
-    def observe(self, plan: Plan, devices: tuple[int, ...], lengths: LengthStats, truth: StepTruth) -> None:
-        """A step ran (or failed) on ``plan`` over the live ``devices``; the policy had
-        planned it at ``lengths``: its model-stage seconds and device peaks."""
+    def observe(self, plan: Plan, devices: tuple[int, ...], lengths: LengthStats, truth: StepTruth,
+                step: int) -> None:
+        """Step ``step`` ran (or failed) on ``plan`` over the live ``devices``; the policy
+        had planned it at ``lengths``: its model-stage seconds and device peaks."""
         rp = self.replanner
         if rp is None:
             return
         pool, cluster = self.ctx.pool_cluster(devices)
-        rp.plan, rp.cluster, rp.work = pool.to_slots(plan), cluster, self.ctx.work_at(lengths)
+        rp.plan, rp.cluster, rp.work = pool.to_slots(plan), cluster, self.ctx.work_at(lengths, step)
         if not truth.failed:
             rp.observe_stage_seconds(truth.stage_seconds)
         longest = truth.lengths.max
@@ -154,7 +176,7 @@ class Policy:
         if truth.failed:
             # a device that ran out of memory is learned from whatever its share of
             # transient bytes (the observers skip devices where that share is small)
-            ex = explain(rp.plan, self.ctx.work.with_lengths(ran), cluster, rp.eff.replace(memory_scale=1.0))
+            ex = explain(rp.plan, self.ctx.work.with_lengths(ran), cluster, rp.eff.uncalibrated_memory())
             by_slot = {m.device: m for m in ex.memory}
             for device, need, _ in truth.overflow:
                 m = by_slot.get(pool.slot(device))
@@ -199,7 +221,7 @@ class AdaptivePolicy(Policy):
     def _fresh(self, b: Boundary) -> Plan:
         """A (re)started job: a new Replanner on the pool, keeping what calibration learned."""
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        self.replanner = Replanner(self.ctx.work_at(b.lengths), cluster, eff=self.eff, gamma=self.gamma,
+        self.replanner = Replanner(self.ctx.work_at(b.lengths, b.step), cluster, eff=self.eff, gamma=self.gamma,
                                    calibrator=self.calibrator,
                                            join_horizon_steps=self.join_horizon_steps,
                                            min_steps_between=self.min_steps_between)
@@ -217,9 +239,8 @@ class AdaptivePolicy(Policy):
                 target = self._fresh(b)
                 return self._timed(Move("restart", target, "a model-stage lost every EMU"), t0, dag0)
             pool, cluster = self.ctx.pool_cluster(b.devices)
-            cap = float(self.ctx.max_length)
             outcome = self.replanner.on_boundary(
-                b.step, lengths=b.lengths, memory_lengths=LengthStats(cap, cap, self.ctx.max_length), cluster=cluster,
+                b.step, lengths=b.lengths, memory_lengths=self.ctx.cap_lengths(b.step), cluster=cluster,
                 plan=pool.to_slots(current), lost=b.lost, joined=b.joined,
                 transition_seconds=self._estimate(pool, self.replanner.eff, current))
         except InfeasiblePlan as e:
@@ -250,7 +271,7 @@ class EveryKPolicy(Policy):
 
     def start(self, b: Boundary) -> Plan:
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        plan = pool.to_devices(self._search(self.ctx.work_at(b.lengths), cluster).plan)
+        plan = pool.to_devices(self._search(self.ctx.work_at(b.lengths, b.step), cluster).plan)
         self._track(plan, b)
         return plan
 
@@ -258,7 +279,7 @@ class EveryKPolicy(Policy):
         t0 = time.perf_counter()
         dag0 = self.ctx.transitions.dag_seconds
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        work = self.ctx.work_at(b.lengths)
+        work = self.ctx.work_at(b.lengths, b.step)
         current = intact(plan, b.devices) if plan is not None else None
         move = self._decide(b, pool, cluster, work, current)
         move.dag_s = self.ctx.transitions.dag_seconds - dag0
@@ -295,30 +316,33 @@ class FixedLayoutPolicy(Policy):
     def __init__(self, ctx: _Ctx, *, name: str) -> None:
         super().__init__(ctx)
         self.name = name
+        self.placement = "static" if name.startswith("static") else name
         self.layout: Layout | None = None
+        self.cap = 0  # the cap its plan was last checked against
 
     def _placement(self, work: Workload, cluster: ClusterSpec) -> tuple[Plan, tuple[tuple[str, ...], ...]]:
         found = self._search(work, cluster)
-        if self.name == "static":
+        if self.placement == "static":
             return found.plan, found.pools
         names = work.stages
-        wanted = [tuple(s.name for s in names)] if self.name == "colocated" else [(s.name,) for s in names]
+        wanted = [tuple(s.name for s in names)] if self.placement == "colocated" else [(s.name,) for s in names]
         if sorted(map(sorted, found.pools)) == sorted(map(sorted, wanted)):
             return found.plan, found.pools
         for alt in found.alternatives:
-            if alt.label == self.name:
+            if alt.label == self.placement:
                 return alt.plan, tuple(wanted)
         return found.plan, found.pools  # the placement does not fit this pool: the best plan instead
 
     def _relayout(self, b: Boundary) -> Plan:
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        plan, pools = self._placement(self.ctx.work_at(b.lengths), cluster)
+        plan, pools = self._placement(self.ctx.work_at(b.lengths, b.step), cluster)
         self.layout = layout_of(plan, self.ctx.work, pools, devices=len(b.devices))
         return pool.to_devices(plan)
 
     def start(self, b: Boundary) -> Plan:
         plan = self._relayout(b)
         self._track(plan, b)
+        self.cap = self.ctx.caps.cap_at(b.step)
         return plan
 
     def scaled(self, devices: int, cluster: ClusterSpec) -> Plan | None:
@@ -340,14 +364,16 @@ class FixedLayoutPolicy(Policy):
 
     def _decide(self, b: Boundary, plan: Plan | None) -> Move:
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        work = self.ctx.work_at(b.lengths)
+        work = self.ctx.work_at(b.lengths, b.step)
         current = intact(plan, b.devices) if plan is not None else None
+        cap = self.ctx.caps.cap_at(b.step)
+        raised, self.cap = cap > self.cap, cap
         if self.layout is None:
             return Move("restart", self._relayout(b), "no layout yet")
         if b.failed:
             return Move("restart", self._relayout(b), "a step ran out of memory")
-        if current is not None and not b.lost and not b.joined:
-            return Move("keep", None, "the pool is unchanged")
+        if current is not None and not b.lost and not b.joined and not raised:
+            return Move("keep", None, "the pool and the cap are unchanged")
         target = self.scaled(len(b.devices), cluster)
         if target is None or not explain(target, work, cluster, self.eff).fits:
             why = "no DP of the layout fits the pool" if target is None else "the rescaled layout does not fit memory"
@@ -365,7 +391,7 @@ class FixedLayoutPolicy(Policy):
 
 def make_policy(name: str, ctx: _Ctx, *, gamma: float = 0.5, k: int = 3, join_horizon_steps: float = 20.0,
                 min_steps_between: int = 0) -> Policy:
-    """The policy called ``name`` (one of ``POLICIES``)."""
+    """The policy called ``name`` (one of ``POLICIES`` or ``EXTRA_POLICIES``)."""
     if name == "adaptive":
         return AdaptivePolicy(ctx, gamma=gamma, join_horizon_steps=join_horizon_steps,
                               min_steps_between=min_steps_between)
@@ -376,6 +402,8 @@ def make_policy(name: str, ctx: _Ctx, *, gamma: float = 0.5, k: int = 3, join_ho
         return EveryKPolicy(ctx, k=k)
     if name in ("static", "colocated", "separated"):
         return FixedLayoutPolicy(ctx, name=name)
+    if name == "static-max-cap":
+        return FixedLayoutPolicy(replace(ctx, caps=CapSchedule.fixed(ctx.caps.largest)), name=name)
     from nereus.errors import ConfigError
 
-    raise ConfigError(f"policy={name!r} is not known; expected one of {list(POLICIES)}")
+    raise ConfigError(f"policy={name!r} is not known; expected one of {list(POLICIES + EXTRA_POLICIES)}")

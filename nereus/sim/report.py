@@ -6,9 +6,9 @@
   ``reduction_vs_best_baseline`` (fractions of the other policy's mean step time, when
   those policies ran); every object carries ``simulated: true`` and the scenario.
 - ``table(rows)``: a ``rich`` table titled as a simulation.
-- ``plot(results, lengths, path, title)``: step time per policy over the run with its
+- ``plot(results, path, title, caps)``: step time per policy over the run with its
   transitions (triangles) and restarts (crosses) marked, the device pool and the
-  response lengths below; matplotlib (Agg) is imported only here, and its absence is a
+  response lengths (mean, sampled maximum, the job's cap) below; matplotlib (Agg) is imported only here, and its absence is a
   ``ConfigError`` that says how to install it.
 
 Never runs anything: it formats results it is given.
@@ -16,6 +16,7 @@ Never runs anything: it formats results it is given.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from rich.table import Table
 
 from nereus.errors import ConfigError
 from nereus.sim.run import PolicyResult
+from nereus.sim.traces import CapSchedule
 
 __all__ = ["rows", "table", "plot"]
 
@@ -65,8 +67,9 @@ def table(data: Sequence[dict[str, Any]], title: str) -> Table:
     return t
 
 
-def plot(results: Sequence[PolicyResult], path: str | Path, title: str) -> None:
-    """Write the PNG (see the module docstring)."""
+def plot(results: Sequence[PolicyResult], path: str | Path, title: str, caps: CapSchedule | None = None) -> None:
+    """Write the PNG (see the module docstring); ``caps``: the job's cap schedule, drawn
+    with the lengths."""
     try:
         import matplotlib
 
@@ -89,13 +92,18 @@ def plot(results: Sequence[PolicyResult], path: str | Path, title: str) -> None:
                      zorder=3)
         ax_d.step(steps, [s.devices for s in r.records], where="post", color=color, lw=0.8)
     ax_t.set_ylabel("step time (simulated s)")
-    ax_t.set_title(f"SIMULATION: {title}\n(triangles: transitions; crosses: checkpoint restarts)", fontsize=10)
+    heading = textwrap.fill(f"SIMULATION: {title}", 120)
+    ax_t.set_title(f"{heading}\n(triangles: transitions; crosses: checkpoint restarts)", fontsize=10)
     ax_t.legend(fontsize=8, ncol=2)
     ax_d.set_ylabel("devices in the pool")
     first = results[0]
     ax_l.plot([s.step for s in first.records], [s.mean_length for s in first.records], color="k", lw=1, label="mean")
     ax_l.plot([s.step for s in first.records], [s.max_length for s in first.records], color="0.6", lw=0.6,
               label="sampled maximum")
+    if caps is not None:
+        last = first.records[-1].step if first.records else 0
+        ax_l.step(range(last + 1), [caps.cap_at(s) for s in range(last + 1)], where="post", color="C3", lw=0.8,
+                  ls="--", label="cap")
     ax_l.set_ylabel("response tokens")
     ax_l.set_xlabel("RL step")
     ax_l.legend(fontsize=8)

@@ -1,7 +1,13 @@
 """One simulated job per policy: a clock, the traces, the ground truth and the policy.
 
-``simulate(config)`` builds the scenario (cluster, workload, traces, ground truth) once
-and runs every policy of ``config.policies`` on it; ``run_policy`` is one run:
+``simulate(config)`` builds the scenario (cluster, workload, traces, the job's cap
+schedule, ground truth) once and runs every policy of ``config.policies`` on it;
+``run_policy`` is one run:
+
+- the job's generation cap follows ``config.cap_schedule`` (``nereus.sim.traces``:
+  ``stepped`` by default, raised in stages as the length trace grows, or ``fixed``); it
+  is the job's config, so every policy plans memory at the next step's cap, and the
+  ground truth caps each step's sampled maximum response length by that step's cap.
 
 - at each step boundary the policy sees the live devices (from the device trace at the
   clock's time, or at the step for a growth trace), what left and joined since its last
@@ -35,8 +41,16 @@ from nereus.config import require
 from nereus.errors import InfeasiblePlan, NereusError
 from nereus.planner.cluster import ClusterSpec, cluster_preset
 from nereus.planner.workload import ALGORITHMS, LengthStats, Workload, model_preset
-from nereus.sim.policies import POLICIES, Boundary, Policy, _Ctx, make_policy
-from nereus.sim.traces import DeviceTrace, LengthTrace, device_trace, length_trace
+from nereus.sim.policies import EXTRA_POLICIES, POLICIES, Boundary, Policy, _Ctx, make_policy
+from nereus.sim.traces import (
+    CAP_SCHEDULES,
+    CapSchedule,
+    DeviceTrace,
+    LengthTrace,
+    cap_schedule,
+    device_trace,
+    length_trace,
+)
 from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
@@ -68,8 +82,12 @@ class SimConfig:
     samples_per_prompt: int = 4
     prompt_length: int = 512
     micro_batch: int = 1
-    # The job's generation cap (default: twice the trace's largest mean, a power of two).
+    # The job's largest generation cap (default: twice the trace's largest mean, a power
+    # of two); the cap schedule raises the cap up to it (``nereus.sim.traces``).
     max_length: int | None = None
+    # How the job's cap follows the lengths: "stepped" (raised in stages as responses
+    # grow) or "fixed" (the largest cap from the first step).
+    cap_schedule: str = "stepped"
     policies: tuple[str, ...] = POLICIES
     join_horizon_steps: float = 20.0
     min_steps_between: int = 0
@@ -82,9 +100,11 @@ class SimConfig:
         require(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
         require(isinstance(self.k, int) and self.k >= 1, "k", self.k, "must be an integer >= 1")
         require(self.max_length is None or self.max_length >= 1, "max_length", self.max_length, "must be >= 1 token")
-        unknown = [p for p in self.policies if p not in POLICIES]
+        require(self.cap_schedule in CAP_SCHEDULES, "cap_schedule", self.cap_schedule,
+                f"must be one of {list(CAP_SCHEDULES)}")
+        unknown = [p for p in self.policies if p not in POLICIES + EXTRA_POLICIES]
         require(not unknown and len(self.policies) >= 1, "policies", list(self.policies),
-                f"must name some of {list(POLICIES)}")
+                f"must name some of {list(POLICIES + EXTRA_POLICIES)}")
 
 
 @dataclass
@@ -99,19 +119,24 @@ class Scenario:
     truth: GroundTruth
     max_attempts: int = 50
 
+    @property
+    def caps(self) -> CapSchedule:
+        """The job's generation cap at every step (the ground truth caps each step's
+        sampled maximum by it; the policies plan memory at it)."""
+        return self.truth.caps
+
 
 def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scenario:
     """The cluster, workload, traces and ground truth of ``config``."""
     cluster = cluster_preset(config.cluster)
     lengths = length_trace(config.length_trace, config.steps, length_range=config.length_range)
-    cap = config.max_length or lengths.default_max_length()
-    first = min(lengths.mean_at(0), cap)
+    caps = cap_schedule(config.cap_schedule, lengths, max_length=config.max_length)
+    first = min(lengths.mean_at(0), caps.cap_at(0))
     work = Workload.for_models(config.algorithm, model_preset(config.model), prompts_per_step=config.prompts_per_step,
                                samples_per_prompt=config.samples_per_prompt, prompt_length=config.prompt_length,
                                lengths=LengthStats(first, first, math.ceil(first)), micro_batch=config.micro_batch)
     devices = device_trace(config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale, seed=config.seed)
-    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, max_length=cap,
-                        seed=config.seed)
+    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, caps=caps, seed=config.seed)
     return Scenario(cluster, work, devices, lengths, config.steps, truth)
 
 
@@ -278,7 +303,7 @@ def run_policy(scn: Scenario, policy: Policy) -> PolicyResult:
                 res.wasted_s += truth.seconds
                 res.memory_failures += 1
                 clock += truth.seconds
-                policy.observe(plan, devices, observed, truth)
+                policy.observe(plan, devices, observed, truth, step)
                 failed = True
             continue
         res.records.append(StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
@@ -286,7 +311,7 @@ def run_policy(scn: Scenario, policy: Policy) -> PolicyResult:
         clock += truth.seconds
         res.compute_s += truth.seconds
         res.tokens += scn.work.sequences * truth.lengths.mean
-        policy.observe(plan, devices, observed, truth)
+        policy.observe(plan, devices, observed, truth, step)
         observed = truth.lengths
         step, attempt = step + 1, 0
         moved = restarted = False
@@ -311,7 +336,7 @@ def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: 
     results = []
     for name in policies:
         transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
-        ctx = _Ctx(scn.work, scn.cluster, transitions, scn.truth.max_length)
+        ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
         policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
                              min_steps_between=min_steps_between)
         results.append(run_policy(scn, policy))

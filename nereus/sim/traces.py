@@ -25,8 +25,19 @@ Response lengths (``length_trace``): the mean response length of every step of t
 - ``growth:LO:HI``: linear growth from LO tokens at the first step to HI at the last
   (the paper's shape: 500 to 8,000 over 1,000 steps).
 
+The job's generation cap at every step (``cap_schedule``), part of the job's config, so
+every policy knows the next step's cap; a step's sampled maximum never exceeds it:
+
+- ``stepped`` (the default): the cap is raised in stages as responses grow, as RL
+  practice does (DeepScaleR trains at 8k, then 16k, then 24k tokens): at each step the
+  smallest power of two at least twice that step's mean length, never lowered, and never
+  above the job's ``max_length`` when one is given;
+- ``fixed``: one cap for the whole run, ``max_length`` or twice the trace's largest mean
+  rounded up to a power of two (what the longest responses need from the first step).
+
 Refuses (``ConfigError``): a spec that is neither an existing file nor ``growth:LO:HI``,
-counts that are not integers in [0, 16], lengths below 1 token, bad ranges.
+counts that are not integers in [0, 16], lengths below 1 token, bad ranges, a cap
+schedule other than ``stepped`` or ``fixed``.
 """
 
 from __future__ import annotations
@@ -43,10 +54,11 @@ from nereus.config import require
 from nereus.errors import ConfigError
 from nereus.planner.cluster import ClusterSpec
 
-__all__ = ["DeviceTrace", "SpotTrace", "GrowthTrace", "LengthTrace", "device_trace", "length_trace",
-           "SPOT_INSTANCES"]
+__all__ = ["DeviceTrace", "SpotTrace", "GrowthTrace", "LengthTrace", "CapSchedule", "device_trace",
+           "length_trace", "cap_schedule", "SPOT_INSTANCES", "CAP_SCHEDULES"]
 
 SPOT_INSTANCES = 16  # the spot traces count instances of a 16-node job
+CAP_SCHEDULES = ("stepped", "fixed")
 
 
 def _parse_growth(spec: str, field: str) -> tuple[float, float] | None:
@@ -210,7 +222,59 @@ class LengthTrace:
 
     def default_max_length(self) -> int:
         """A job cap: twice the largest mean, rounded up to a power of two."""
-        return 1 << math.ceil(math.log2(2 * max(self.means)))
+        return _cap_for(max(self.means))
+
+
+def _cap_for(mean: float) -> int:
+    """The smallest power of two at least twice ``mean`` tokens."""
+    return 1 << max(0, math.ceil(math.log2(2 * mean)))
+
+
+@dataclass(frozen=True)
+class CapSchedule:
+    """The job's generation cap (tokens) at every step of the run (module docstring).
+
+    ``caps[s]`` is step ``s``'s cap; steps past the end keep the last one, and the
+    warm-up rollout before step 0 runs at step 0's."""
+
+    name: str
+    caps: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        require(len(self.caps) >= 1, "CapSchedule.caps", self.caps, "must hold at least one step")
+        require(all(isinstance(c, int) and c >= 1 for c in self.caps), "CapSchedule.caps", self.caps,
+                "must be integers >= 1 token")
+        require(all(a <= b for a, b in zip(self.caps, self.caps[1:], strict=False)), "CapSchedule.caps", self.caps,
+                "must never decrease (a job raises its cap as responses grow)")
+
+    @classmethod
+    def fixed(cls, cap: int, steps: int = 1) -> CapSchedule:
+        return cls("fixed", (int(cap),) * steps)
+
+    def cap_at(self, step: int) -> int:
+        return self.caps[min(max(0, step), len(self.caps) - 1)]
+
+    @property
+    def largest(self) -> int:
+        return self.caps[-1]
+
+    def changes(self) -> list[tuple[int, int]]:
+        """(step, cap) of the first step and of every step where the cap is raised."""
+        return [(s, c) for s, c in enumerate(self.caps) if s == 0 or c != self.caps[s - 1]]
+
+
+def cap_schedule(spec: str, lengths: LengthTrace, *, max_length: int | None = None) -> CapSchedule:
+    """The job's cap at every step of ``lengths`` (``stepped`` or ``fixed``, module docstring)."""
+    if spec not in CAP_SCHEDULES:
+        raise ConfigError(f"--cap-schedule={spec!r} must be one of {list(CAP_SCHEDULES)}")
+    require(max_length is None or max_length >= 1, "max_length", max_length, "must be >= 1 token")
+    if spec == "fixed":
+        return CapSchedule.fixed(max_length or lengths.default_max_length(), len(lengths.means))
+    caps, cap = [], 1
+    for mean in lengths.means:
+        cap = max(cap, _cap_for(mean))
+        caps.append(min(cap, max_length) if max_length else cap)
+    return CapSchedule("stepped", tuple(caps))
 
 
 def _rescale(values: np.ndarray, length_range: tuple[float, float] | None) -> np.ndarray:

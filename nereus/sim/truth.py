@@ -9,7 +9,7 @@ model, from the parameters in ``ground_truth.toml`` (each with its reason):
 - stragglers: every device has a persistent speed factor and a per-step jitter; a
   model-stage takes its slowest device's time, so more DP replicas wait longer;
 - the step's sampled maximum response length (the trace's mean times a log-normal ratio,
-  capped at the job's maximum length) sets the decode steps and, with one sequence per
+  capped at the step's cap from the job's cap schedule) sets the decode steps and, with one sequence per
   micro-batch, the activations of inference and training; the planner sees the lengths of
   the previous step;
 - inter-node congestion: inter-node collectives and transfers lose a share of their
@@ -38,6 +38,7 @@ from nereus.planner.cost import OP_CLASSES, Efficiency, stage_cost, stage_memory
 from nereus.planner.explain import explain, links_of
 from nereus.planner.plan import Plan
 from nereus.planner.workload import LengthStats, Workload
+from nereus.sim.traces import CapSchedule
 from nereus.transition.schedule import LinkModel
 
 __all__ = ["Param", "TruthParams", "load_truth_params", "GroundTruth", "StepTruth", "PARAMS_PATH"]
@@ -195,14 +196,21 @@ class GroundTruth:
     """The simulated cluster (see the module docstring).
 
     ``cluster``: the whole cluster (plans name its global device ids); ``work``: the job
-    (its lengths are replaced at every step); ``max_length``: the job's generation cap."""
+    (its lengths are replaced at every step); ``max_length``: the job's generation cap,
+    or ``caps``: its cap at every step (the job's cap schedule; ``max_length`` is then
+    its largest)."""
 
-    def __init__(self, params: TruthParams, cluster: ClusterSpec, work: Workload, *, max_length: int,
-                 seed: int = 0) -> None:
-        require(max_length >= 1, "max_length", max_length, "must be >= 1 token")
+    def __init__(self, params: TruthParams, cluster: ClusterSpec, work: Workload, *, max_length: int | None = None,
+                 caps: CapSchedule | None = None, seed: int = 0) -> None:
+        require(caps is not None or max_length is not None, "max_length", max_length,
+                "must be given when no cap schedule is")
+        if caps is None:
+            assert max_length is not None
+            require(max_length >= 1, "max_length", max_length, "must be >= 1 token")
+            caps = CapSchedule.fixed(int(max_length))
         require(seed >= 0, "seed", seed, "must be >= 0")
         self.params, self.cluster, self.work = params, cluster, work
-        self.max_length, self.seed = int(max_length), seed
+        self.caps, self.max_length, self.seed = caps, caps.largest, seed
         rng = np.random.default_rng([seed, 0x7E5])
         spread = params.efficiency.spread.value
         self.base_eff = {c: float(min(1.5, getattr(params.efficiency, c).value * math.exp(spread * rng.normal())))
@@ -227,12 +235,13 @@ class GroundTruth:
 
     def lengths(self, step: int, mean: float) -> LengthStats:
         """The lengths step ``step`` generates when the trace's mean is ``mean``: the
-        maximum is mean x a log-normal ratio, capped at the job's maximum length; the 95th
+        maximum is mean x a log-normal ratio, capped at the step's cap; the 95th
         percentile (unused by the cost model) halfway between mean and maximum."""
         p = self.params.lengths
         ratio = p.max_over_mean_median.value * math.exp(p.max_over_mean_sigma.value * self._rng(step, 0, 1).normal())
-        mean = min(float(mean), float(self.max_length))
-        top = int(min(self.max_length, max(math.ceil(mean), round(mean * ratio))))
+        cap = self.caps.cap_at(step)
+        mean = min(float(mean), float(cap))
+        top = int(min(cap, max(math.ceil(mean), round(mean * ratio))))
         return LengthStats(mean, (mean + top) / 2, top)
 
     def _jitter(self, step: int, attempt: int) -> np.ndarray:

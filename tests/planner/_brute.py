@@ -86,7 +86,8 @@ def brute_force(work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: i
             m = work.models[st.model]
             c = stage_cost(st, m, work, cluster, eff, tp, pp, dp, pp_inter=pp_inter, dp_inter=dp_inter,
                            recompute=recompute, waves=waves)
-            mem = stage_memory(st, m, work, tp, pp, dp, recompute=recompute, waves=waves, scale=eff.memory_scale)
+            mem = stage_memory(st, m, work, tp, pp, dp, recompute=recompute, waves=waves, scale=eff.memory_scale,
+                               fixed=eff.memory_fixed_bytes)
             cost_cache[key] = (c.seconds, mem.resident, mem.transient)
         return cost_cache[key]
 

@@ -105,6 +105,61 @@ def test_memory_scale_from_measured_peaks_is_conservative():
         Efficiency(memory_scale=100.0)
 
 
+GiB = 2**30
+
+
+def test_memory_fit_separates_a_fixed_term_from_a_proportional_one():
+    # devices hold 1 GiB the model does not count plus 15% more than its transient
+    # bytes: one ratio measured at short responses overstates memory at long ones
+    cal = Calibrator()
+    small = [0.5 * GiB, 1 * GiB, 2 * GiB]
+    for t in small:
+        cal.observe_memory_bytes(10 * GiB, int(t), int(10 * GiB + GiB + 1.15 * t))
+    scale, fixed = cal.memory_fit()
+    assert scale == pytest.approx(1.15, rel=1e-6) and fixed == pytest.approx(GiB, rel=1e-6)
+    fitted = cal.fit()
+    assert (fitted.memory_scale, fitted.memory_fixed_bytes) == (cal.memory_scale(), cal.memory_fixed_bytes())
+    # at 40 GiB of transient bytes the fit is exact, the largest ratio (3.15) far off
+    assert fixed + scale * 40 * GiB == pytest.approx(GiB + 1.15 * 40 * GiB, rel=1e-6)
+    assert max(y / t for t, y in zip(small, [GiB + 1.15 * t for t in small], strict=True)) > 3
+    # the model applies both terms to every model-stage's transient bytes
+    work = Workload.for_models("grpo", model_preset("llama-1b"), prompts_per_step=8, samples_per_prompt=4,
+                               prompt_length=256, lengths=LengthStats(512, 900, 1024), reward_model=False)
+    gen = work.stages[0]
+    plain = stage_memory(gen, work.models["policy"], work, 1, 1, 2)
+    both = stage_memory(gen, work.models["policy"], work, 1, 1, 2, scale=fitted.memory_scale,
+                        fixed=fitted.memory_fixed_bytes)
+    assert both.resident == plain.resident
+    assert both.transient == pytest.approx(GiB + 1.15 * plain.transient, rel=1e-6)
+
+
+def test_memory_fit_lies_on_or_above_every_measured_pair():
+    # two kinds of device (activations fragment by 15%, the KV cache by 4%) and noise:
+    # the line is raised to the pairs' upper envelope, so no measured peak exceeds it
+    rng = random.Random(5)
+    cal = Calibrator(window=64)
+    pairs = []
+    for _ in range(64):
+        t = rng.uniform(0.2, 30) * GiB
+        y = GiB + (1.15 if rng.random() < 0.5 else 1.04) * t + rng.uniform(-0.05, 0.05) * GiB
+        pairs.append((t, y))
+        cal.observe_memory_bytes(5 * GiB, int(t), int(5 * GiB + y))
+    scale, fixed = cal.memory_fit()
+    assert 1.04 <= scale <= 1.15
+    assert all(fixed + scale * t >= y - 2 for t, y in pairs)  # (bytes are rounded to integers)
+    assert fixed == pytest.approx(max(y - scale * t for t, y in pairs), abs=2)
+
+
+def test_memory_fit_without_spread_is_one_conservative_ratio():
+    cal = Calibrator()
+    for y in (1.1, 1.4, 1.2):
+        cal.observe_memory_bytes(0, GiB, int(y * GiB))
+    assert cal.memory_fit() == (pytest.approx(1.4, rel=1e-6), 0.0)
+    with pytest.raises(ConfigError, match="memory_fixed_bytes"):
+        Efficiency(memory_fixed_bytes=-1.0)
+    assert CONSERVATIVE.replace(memory_scale=2.0, memory_fixed_bytes=GiB).uncalibrated_memory() == CONSERVATIVE
+
+
 def test_window_forgets_old_timings():
     cal = Calibrator(window=10)
     for _ in range(10):

@@ -4,7 +4,14 @@ llama-1b under PPO, a spot-like trace and a growth length trace, all from a seed
 from __future__ import annotations
 
 from nereus.planner import ClusterSpec, LengthStats, Workload, model_preset
-from nereus.sim import GroundTruth, Scenario, SpotTrace, length_trace, load_truth_params
+from nereus.sim import (
+    GroundTruth,
+    Scenario,
+    SpotTrace,
+    cap_schedule,
+    length_trace,
+    load_truth_params,
+)
 
 GiB = 2**30
 
@@ -23,9 +30,14 @@ def small_work() -> Workload:
 
 
 def small_scenario(*, memory_gib: float = 14.0, steps: int = 24, seed: int = 3, counts: list[int] | None = None,
-                   gap_s: float = 60.0, lengths: str = "growth:200:3000") -> Scenario:
+                   gap_s: float = 60.0, lengths: str = "growth:200:3000", caps: str | None = None) -> Scenario:
+    """``caps``: a cap schedule of the length trace (``stepped``, ``fixed``); None: one
+    cap of 8,192 tokens."""
     cluster = small_cluster(memory_gib)
     work = small_work()
     devices = SpotTrace(counts if counts is not None else COUNTS, gap_s, cluster, 1.0, seed=seed)
-    truth = GroundTruth(load_truth_params(), cluster, work, max_length=8192, seed=seed)
-    return Scenario(cluster, work, devices, length_trace(lengths, steps), steps, truth)
+    trace = length_trace(lengths, steps)
+    schedule = cap_schedule(caps, trace) if caps else None
+    truth = GroundTruth(load_truth_params(), cluster, work, max_length=None if schedule else 8192, caps=schedule,
+                        seed=seed)
+    return Scenario(cluster, work, devices, trace, steps, truth)

@@ -51,6 +51,8 @@ def test_bad_arguments_name_the_flag(spot, capsys):
     assert "--gpus-trace" in capsys.readouterr().err
     assert nereus_main(_args(spot)[:-2] + ["--policies", "adaptive,bogus"]) == 2
     assert "policies" in capsys.readouterr().err
+    assert nereus_main(_args(spot, "--cap-schedule", "doubling")) == 2
+    assert "cap_schedule='doubling'" in capsys.readouterr().err
     assert nereus_main(["simulate", "--gpus-trace", "growth:8:8", "--length-trace", "nothing.json"]) == 2
     assert "--length-trace='nothing.json'" in capsys.readouterr().err
 

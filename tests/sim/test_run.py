@@ -66,6 +66,36 @@ def test_admitted_plans_never_overflow_the_ground_truth(pressured):
         assert max(s.peak_bytes for s in r.records) > 0.7 * memory, name
 
 
+@pytest.fixture(scope="module")
+def raised_cap():
+    """A steady pool of 14 GiB devices and a cap raised in stages (1,024 to 8,192 tokens)
+    as responses grow: a plan sized for the first cap stops fitting."""
+    scn = small_scenario(memory_gib=14, steps=14, lengths="growth:400:3000", counts=[16] * 100, caps="stepped")
+    return scn, run_policies(scn, ("adaptive", "dynarl", "every-k", "static", "static-max-cap"))
+
+
+def test_a_raised_cap_moves_the_planners_policies_and_restarts_static(raised_cap):
+    scn, results = raised_cap
+    by = {r.policy: r for r in results}
+    assert [c for _, c in scn.caps.changes()] == [1024, 2048, 4096, 8192]
+    memory = scn.cluster.device_memory_bytes
+    for r in results:
+        # the sampled maximum is cut at each step's cap
+        assert all(s.max_length <= scn.caps.cap_at(s.step) for s in r.records), r.policy
+    for name in ("adaptive", "dynarl", "every-k"):
+        r = by[name]
+        # memory planned at the next step's cap with the fixed + proportional calibration
+        assert r.memory_failures == 0 and all(s.peak_bytes <= memory for s in r.records), name
+        assert r.restarts == 0 and r.transitions >= 1, name
+    # static's first plan (sized for 1,024 tokens) does not hold the raised caps; it
+    # restarts (counted) before the step that would break memory, on a plan for the new cap
+    assert by["static"].restarts >= 1 and by["static"].memory_failures == 0
+    # provisioned for the largest cap from the first step, a raised cap never makes it
+    # restart (only a step that ran out of memory under the uncalibrated model it was
+    # planned with)
+    assert by["static-max-cap"].restarts == by["static-max-cap"].memory_failures
+
+
 def test_paused_time_is_left_out_of_the_mean_step_but_not_of_the_throughput(volatile):
     _, results = volatile
     paused = [r for r in results if r.paused_s > 0]
@@ -102,11 +132,11 @@ def test_a_fixed_layout_keeps_tp_and_pp_and_scales_dp_with_the_pool():
     from nereus.sim import Boundary
 
     scn = small_scenario(memory_gib=24)
-    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model), scn.truth.max_length)
+    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model), scn.caps)
     policy = FixedLayoutPolicy(ctx, name="static")
     lengths = scn.truth.lengths(-1, 200)
     first = policy.start(Boundary(0, tuple(range(16)), (), (), lengths))
-    assert first == search(ctx.work_at(lengths), scn.cluster).plan
+    assert first == search(ctx.work_at(lengths, 0), scn.cluster).plan
     assert policy.scaled(16, scn.cluster) == first
     doubled = policy.scaled(32, scn.cluster.with_nodes(8))
     def concurrency(sp):
@@ -133,3 +163,5 @@ def test_config_errors_name_the_field():
         SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, policies=("nope",))
     with pytest.raises(ConfigError, match="gamma=0"):
         SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, gamma=0)
+    with pytest.raises(ConfigError, match="cap_schedule='doubling'"):
+        SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, cap_schedule="doubling")

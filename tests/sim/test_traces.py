@@ -1,5 +1,6 @@
 """Traces: spot availability as node sets (seeded, the same for every policy), growth,
-losses inside a window, response lengths resampled and rescaled; errors name the flag."""
+losses inside a window, response lengths resampled and rescaled, the job's cap
+schedule; errors name the flag."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import pytest
 
 from nereus.errors import ConfigError
 from nereus.planner import cluster_preset
-from nereus.sim import GrowthTrace, SpotTrace, device_trace, length_trace
+from nereus.sim import (
+    CapSchedule,
+    GrowthTrace,
+    LengthTrace,
+    SpotTrace,
+    cap_schedule,
+    device_trace,
+    length_trace,
+)
 from tests.sim.helpers import small_cluster
 
 
@@ -76,3 +85,23 @@ def test_bad_specs_name_the_flag():
         SpotTrace([16, 17], 300, small_cluster(), 1.0, seed=0)
     with pytest.raises(ConfigError, match="--length-range"):
         length_trace("growth:10:20", 5, length_range=(50, 10))
+
+
+def test_the_stepped_cap_schedule_doubles_as_responses_grow_and_never_falls():
+    growth = length_trace("growth:500:8000", 1000)
+    caps = cap_schedule("stepped", growth)
+    assert caps.changes() == [(0, 1024), (2, 2048), (70, 4096), (207, 8192), (479, 16384)]
+    assert all(caps.cap_at(s) >= 2 * m for s, m in enumerate(growth.means))
+    assert caps.largest == growth.default_max_length() and caps.cap_at(-1) == 1024 and caps.cap_at(5000) == 16384
+    falling = LengthTrace("falling", (100.0, 900.0, 300.0))
+    assert cap_schedule("stepped", falling).caps == (256, 2048, 2048)
+    assert cap_schedule("stepped", growth, max_length=4096).largest == 4096
+    assert cap_schedule("fixed", growth).caps == (16384,) * 1000
+    assert cap_schedule("fixed", growth, max_length=20000).caps == (20000,) * 1000
+
+
+def test_a_bad_cap_schedule_is_refused_by_name():
+    with pytest.raises(ConfigError, match="--cap-schedule='doubling'"):
+        cap_schedule("doubling", length_trace("growth:500:8000", 10))
+    with pytest.raises(ConfigError, match="CapSchedule.caps"):
+        CapSchedule("shrinking", (4096, 2048))

@@ -10,7 +10,7 @@ import pytest
 from nereus.config import from_dict
 from nereus.errors import ConfigError
 from nereus.planner import LengthStats, explain, search
-from nereus.sim import GroundTruth, TruthParams, load_truth_params
+from nereus.sim import CapSchedule, GroundTruth, TruthParams, load_truth_params
 from nereus.sim.truth import PARAMS_PATH
 from tests.sim.helpers import small_cluster, small_work
 
@@ -84,6 +84,14 @@ def test_memory_is_checked_against_each_devices_full_memory():
     assert not fine.failed and fine.device_peak <= cluster.device_memory_bytes
     long = truth.step(plan, 0, 8000)  # far longer sequences than the plan was made for
     assert long.failed and all(need > mem for _, need, mem in long.overflow)
+
+
+def test_a_steps_sampled_maximum_never_exceeds_that_steps_cap():
+    cluster, work = small_cluster(24), small_work()
+    truth = GroundTruth(load_truth_params(), cluster, work, caps=CapSchedule("t", (512, 512, 4096)), seed=0)
+    assert truth.max_length == 4096
+    assert truth.lengths(-1, 400).max == 512 and truth.lengths(1, 400).max == 512  # 3.33 x 400 is cut at the cap
+    assert 512 < truth.lengths(2, 400).max <= 4096
 
 
 def test_a_parameter_without_a_reason_or_an_unknown_key_is_refused(tmp_path):
