@@ -3,8 +3,7 @@
 ``python -m benchmarks.adaptive [--steps N] [--rounds R]``
 
 The job is pinned here: the demo's GRPO job (``examples/demo_adaptive.toml``: a tiny
-model, 11.5 MiB per device, generation and training starting at DP 2 on devices 0-1;
-admission's gamma pinned at 0.5)
+model, 11.5 MiB per device, generation and training starting at DP 2 on devices 0-1)
 with its length cap growing 16 -> 32 -> 64 tokens over ``steps`` (the cap doubles at one
 third and at two thirds of the run), the same seeds in every run. It runs
 
@@ -66,7 +65,6 @@ def job_config(steps: int, out_dir: str, *, adapt: bool, plan: dict[str, Any] | 
     data = copy.deepcopy(data)
     data["sampling"]["max_new_tokens"] = [[0, 16], [steps // 3, 32], [2 * steps // 3, 64]]
     data["adapt"]["enabled"] = adapt
-    data["adapt"]["gamma"] = 0.5  # pinned as when first measured (the demo's own is 1.0)
     data["run"].update(steps=steps, out_dir=out_dir, progress=False, checkpoint_every=steps)
     if plan is not None:
         data["plan"] = plan
