@@ -65,6 +65,11 @@ FIXED = FIXED_COSTS
 MEMORY_FIT_SPREAD = 1.5
 
 
+def _clamp_scale(scale: float) -> float:
+    """A memory scale within ``Efficiency.memory_scale``'s range."""
+    return min(8.0, max(0.25, scale))
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting on a small dense system."""
     n = len(b)
@@ -192,23 +197,21 @@ class Calibrator:
         or the prior's when there are none. The scale stays in [0.25, 8] and the fixed
         term in [0, 1 TiB]; after clamping, the fixed term is raised again so that no
         pair lies above the line."""
-        if not self._memory:
+        pairs = self._memory
+        if not pairs:
             return self.prior.memory_scale, self.prior.memory_fixed_bytes
-        ts = [t for t, _ in self._memory]
+        ratio_only = _clamp_scale(max(y / t for t, y in pairs)), 0.0
+        ts = [t for t, _ in pairs]
+        if min(ts) <= 0 or max(ts) < MEMORY_FIT_SPREAD * min(ts):
+            return ratio_only
         n = len(ts)
         mean_t = sum(ts) / n
+        mean_y = sum(y for _, y in pairs) / n
         var = sum((t - mean_t) ** 2 for t in ts) / n
-        if min(ts) <= 0 or max(ts) < MEMORY_FIT_SPREAD * min(ts):
-            scale, fixed = min(8.0, max(0.25, max(y / t for t, y in self._memory))), 0.0
-        else:
-            mean_y = sum(y for _, y in self._memory) / n
-            slope = sum((t - mean_t) * (y - mean_y) for t, y in self._memory) / (n * var)
-            scale = min(8.0, max(0.25, slope))
-            fixed = max(0.0, max(y - scale * t for t, y in self._memory))
-            if fixed > MAX_MEMORY_FIXED_BYTES:
-                # a fixed term beyond any device: the ratio alone is the safer reading
-                scale, fixed = min(8.0, max(0.25, max(y / t for t, y in self._memory))), 0.0
-        return scale, fixed
+        scale = _clamp_scale(sum((t - mean_t) * (y - mean_y) for t, y in pairs) / (n * var))
+        fixed = max(0.0, max(y - scale * t for t, y in pairs))
+        # a fixed term beyond any device: the ratio alone is the safer reading
+        return ratio_only if fixed > MAX_MEMORY_FIXED_BYTES else (scale, fixed)
 
     def memory_scale(self) -> float:
         """The fitted proportional term (``memory_fit``), or the prior's."""
