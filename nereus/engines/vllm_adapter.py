@@ -21,7 +21,10 @@ Weight updates (``load_named(shards)``, nereus names = vLLM's own: fused ``qkv_p
 
 - in place: every shard whose vLLM parameter has the same shape is copied into it
   (``param.data.copy_``); an embedding or LM head that vLLM pads to a multiple of 64 rows
-  gets the shard copied into its first rows when vLLM's shard starts where nereus's does;
+  gets the shard copied into its first rows. At TP > 1 vLLM cuts the padded vocabulary,
+  so where padding exists its ranks hold other rows than nereus's ``vocab / tp`` (a rank
+  may hold none of the real ones): those weights are all-gathered over the EMU's TP
+  group and each rank writes vLLM's rows (read once from vLLM's ``shard_indices``);
 - repacked parameters (vLLM's CPU backend packs linear weights into kernel layouts and
   keeps size-0 placeholders, and packs a copy of the embedding for the LM head's GEMM):
   the layer gets the new shard in vLLM's own storage and vLLM's
@@ -126,9 +129,24 @@ def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
 def _free_device_bytes() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
-def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int) -> list[str]:
+def _vocab_slabs(worker: Any) -> dict[str, tuple[int, int, int]]:
+    """Runs inside vLLM's worker: per vocabulary-parallel weight (the embedding, an untied
+    LM head), this rank's rows of the real vocabulary (start, end) and the rows every
+    rank's slab has, padding included."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for name, module in worker.model_runner.model.named_modules():
+        indices = getattr(module, "shard_indices", None)
+        if indices is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
+            out[f"{name}.weight"] = (indices.org_vocab_start_index, indices.org_vocab_end_index,
+                                     indices.num_org_elements_padded)
+    return out
+
+
+def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int,
+                    in_vllm_rows: frozenset[str] = frozenset()) -> list[str]:
     """Runs inside vLLM's worker (this process): copy shards into vLLM's parameters.
-    Returns the names that could not be written in place (repacked parameters)."""
+    ``in_vllm_rows``: vocabulary weights already cut to this rank's vLLM rows. Returns the
+    names that could not be written in place (repacked parameters)."""
     model = worker.model_runner.model
     params = dict(model.named_parameters())
     rest: list[str] = []
@@ -158,7 +176,7 @@ def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int) 
                 module = model.get_submodule(name.rsplit(".", 1)[0])
                 indices = getattr(module, "shard_indices", None)
                 start = getattr(indices, "org_vocab_start_index", None)
-                if start is not None and start != tp_rank * shard.shape[0]:
+                if start is not None and name not in in_vllm_rows and start != tp_rank * shard.shape[0]:
                     raise TransferError(f"{name}: vLLM's vocabulary shard starts at row {start}, nereus's at {tp_rank * shard.shape[0]}")
                 param.data[: shard.shape[0]].copy_(shard.to(param.dtype))  # padded vocabulary rows
                 written.add(param.data_ptr())
@@ -208,6 +226,7 @@ class VllmGenerationEngine:
         self.ledger.reserve(f"{name}/kv_cache", kv_cache_bytes)
         self._reserved = {"weights": weights, "kv_cache": kv_cache_bytes}
         self.is_sleeping = False
+        self._slabs: dict[str, tuple[int, int, int]] | None = None  # vLLM's vocabulary rows, read once
         self.on_cpu = not torch.cuda.is_available()
         # vLLM's sleep mode (its CUDA memory pool) is what sleep() frees through; the
         # CPU backend has none.
@@ -318,12 +337,42 @@ class VllmGenerationEngine:
         returns the bytes given to vLLM."""
         require(not self.is_sleeping, f"{self.name}.load_named", "sleeping", "call wake_up() first")
         tp_rank = self.ctx.tp_rank
-        rest = self.llm.collective_rpc(_write_in_place, args=(shards, tp_rank))[0]
+        shards, in_vllm_rows = self._vocab_rows(shards)
+        rest = self.llm.collective_rpc(_write_in_place, args=(shards, tp_rank, in_vllm_rows))[0]
         if rest:
             raise TransferError(f"{self.name}: vLLM parameters {rest[:3]} can be neither written in place nor repacked")
         # Cached prefixes hold keys and values of the old weights.
         self.llm.reset_prefix_cache()
         return sum(t.numel() * t.element_size() for t in shards.values())
+
+    def _vocab_rows(self, shards: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+        """At TP > 1, the vocabulary weights cut the way vLLM cuts them. nereus gives each
+        rank ``vocab / tp`` rows; vLLM pads the vocabulary (to a multiple of 64 rows) before
+        it cuts, so where padding exists its ranks hold other rows (a rank may hold none
+        of the real ones). Those weights are gathered over the EMU's TP group and every
+        rank keeps vLLM's rows. Whether a weight needs it is the same on every rank
+        (the rows per rank on both sides), so the ranks gather together."""
+        if self.ctx.tp_size == 1:
+            return shards, frozenset()
+        if self._slabs is None:
+            self._slabs = self.llm.collective_rpc(_vocab_slabs)[0]
+        out, cut = dict(shards), set()
+        for name in sorted(shards):
+            slab = self._slabs.get(name)
+            shard = shards[name]
+            if slab is None or slab[2] == shard.shape[0]:
+                continue
+            start, end, _ = slab
+            comm = self.ctx.parallel.tp_comm
+            if comm is None:
+                raise ConfigError(f"{self.name}: vLLM's rows of {name} differ from this rank's shard; "
+                                  "gathering them needs the EMU's TP group (ctx.parallel.tp_comm)")
+            full = torch.empty((self.ctx.tp_size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
+                               device=shard.device)
+            comm.all_gather(full, shard.contiguous())
+            out[name] = full[start:end].clone()
+            cut.add(name)
+        return out, frozenset(cut)
 
     # --- memory -----------------------------------------------------------------------
 
