@@ -7,8 +7,9 @@ the embedding across its ranks differently from nereus (rank 1 holds none of the
 rows): those weights are gathered over the EMU's TP group and cut vLLM's way. Every
 weight vLLM computes with came from the shards (it starts with dummy weights): its
 scores equal the training EMU's before any step and after weight syncs, and its greedy
-tokens equal the built-in engine's over the synced shards. Runs where vllm is
-importable (``make test-vllm``)."""
+tokens equal the built-in engine's over the synced shards. A plan change to two TP 1
+replicas on the same devices gives each its own engine, which the next sync reaches.
+Runs where vllm is importable (``make test-vllm``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
+from nereus.planner.plan import Plan, StagePlan
 from nereus.rl.job import RLJob
 from tests.rl._jobs import job
 from tests.rl.test_vllm_job import GREEDY, MODEL, _batch
@@ -75,5 +77,20 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
         for host in ranks:  # each rank's ledger holds its half of vLLM's weights beside its shards
             held = (await host.memory.call_one())["breakdown"]
             assert held[f"{gen}/weights"] == held[f"shards/{gen}"] > 0
+
+        # a plan change from TP 2 to two TP 1 replicas on the same devices: the shards are
+        # resharded in the workers, each replica gets a vLLM engine of its own, and the
+        # next step's sync reaches both
+        target = Plan(tuple((name, StagePlan(1, 1, 2, ((1,), (2,))) if name == "policy_generation" else sp)
+                            for name, sp in stages.plan))
+        report = await rl.apply_plan(target)
+        assert report["changed"] == ["policy_generation"]
+        record = await rl.run_step()
+        assert record["policy_version"] == 2 and record["sync_bytes"] > 0
+        policy2 = await stages.hosts[0].logprobs.call_one(train, batch) * mask
+        assert float((policy2 - policy1).abs().max()) > 1e-3
+        for device, emu in zip((1, 2), stages.emus["policy_generation"], strict=True):
+            replica = await stages.hosts[device].logprobs.call_one(emu.name, batch) * mask
+            torch.testing.assert_close(replica, policy2, atol=1e-3, rtol=1e-3)
     finally:
         await rl.close()
