@@ -28,7 +28,17 @@ from nereus.state.layout import Layout
 from nereus.state.spec import ModelSpec
 from nereus.transition.dag import TransitionDAG, stage_moves
 
-__all__ = ["stage_emus", "emu_name", "stage_changed", "check_after", "after_bytes"]
+__all__ = ["STAGE_KINDS", "stage_emus", "emu_name", "stage_changed", "check_after", "after_bytes"]
+
+# the kind of engine each model-stage runs
+STAGE_KINDS = {
+    "policy_generation": "generation",
+    "reference_inference": "inference",
+    "critic_inference": "inference",
+    "reward_inference": "inference",
+    "policy_training": "training",
+    "critic_training": "training",
+}
 
 # bytes an engine adds on a device for an EMU beyond the store's tensors
 EngineBytes = Callable[[str, EMU, int], int]

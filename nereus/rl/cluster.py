@@ -10,23 +10,10 @@ with its EMUs' shards (each rank reads only its slices) and starts their engines
 (``nereus.engines.spawn_model_stage``); a ``plan`` event on the tap says where they are.
 
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
-converted from the TOML ``[plan]``. ``await apply_plan(target)`` changes it at a step
-boundary over the state the workers hold (nothing goes through the driver, nothing is
-reloaded) through ONE transition DAG across every model-stage that moves
-(``nereus.transition.build_dag``): planned and checked against every device's budget
-first (``InfeasibleTransition`` or ``OutOfMemory`` before anything moves); the moving
-model-stages' engines stop (generation gives back its KV cache); the DAG runs on the
-workers (``execute_dag`` with ``WorkerRuntime``: ready primitives on disjoint devices at
-once, the logical state -- update counter, policy version, sample position --
-travelling with the tensors; every node's predicted and measured seconds on the tap as
-``transition_node``, the whole as ``transition``, and into the calibration that prices
-the next one); the cluster takes a fresh layout epoch (``Cluster.set_epoch``, stamped
-on tap events); the moved model-stages' engines start again in it (training EMUs get
-their new DP rank and size: the global batch stays fixed, rows per replica and
-accumulation follow; generation reserves its KV cache again); groups nothing uses any
-more are released; the weight-sync plans are rebuilt. Engines of model-stages that do
-not move keep running. With ``overlap=True`` the DAG runs in the background: model-stages
-on devices it does not touch go on with the next step (``transition_done()`` waits).
+converted from the TOML ``[plan]``; ``await apply_plan(target)`` changes it at a step
+boundary over the state the workers hold, through one transition DAG across every
+model-stage that moves (``nereus.rl.cluster_change.PlanChanges``, which this class is
+made of: pricing, checking and running a change).
 
 Devices: every live device gets an engine host at start; a device the cluster drains
 (``Cluster.drain``) may not appear in a target and is retired once the change leaves it
@@ -61,9 +48,9 @@ Checkpoints (``save``/``load``): every training model-stage's first EMU is writt
 workers, each its own shards (``nereus.state.save_to_disk``), with the logical state in
 the manifest; ``load`` reads them into whatever layout the job has now.
 
-Refuses (``ConfigError``): a target plan with other model-stages, devices that are not
-live or are draining; ``OutOfMemory`` / ``InfeasiblePlan`` for a change that cannot run
-(nothing moved).
+Refuses (``ConfigError``): work for a model-stage the plan does not place, a DP larger
+than the batch's rows, training replicas whose update counters disagree; a change's
+refusals are ``PlanChanges``'s.
 """
 
 from __future__ import annotations
@@ -73,7 +60,6 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,27 +67,19 @@ import torch
 
 from nereus.config import require
 from nereus.errors import ActorDied
-from nereus.rl.change import check_after, emu_name, stage_changed, stage_emus
+from nereus.rl.change import STAGE_KINDS, stage_emus
+from nereus.rl.cluster_change import PlanChanges, emit_event
 from nereus.rl.config import JobConfig
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
-from nereus.state.memory import DEFAULT_BUCKET_BYTES
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
 log = logging.getLogger("nereus.rl")
 
-STAGE_KINDS = {
-    "policy_generation": "generation",
-    "reference_inference": "inference",
-    "critic_inference": "inference",
-    "reward_inference": "inference",
-    "policy_training": "training",
-    "critic_training": "training",
-}
 _VALUE_HEAD = ("critic_inference", "critic_training", "reward_inference")
 
 
-class ClusterStages(ModelStages):
+class ClusterStages(PlanChanges, ModelStages):
     """See the module docstring. Build with ``await ClusterStages.start(...)``."""
 
     def __init__(self, cfg: JobConfig, cluster: Any, model_config: Any, model_dir: Path) -> None:
@@ -279,7 +257,7 @@ class ClusterStages(ModelStages):
         if "critic_inference" in self.emus:
             await self._run_sync("critic_inference")
         # the plan the job starts in; it was given ([plan]), not searched: no prediction
-        _emit("plan", plan=self._plan.to_dict(), predicted_step_seconds=None)
+        emit_event("plan", plan=self._plan.to_dict(), predicted_step_seconds=None)
 
     # --- weight syncs -------------------------------------------------------------
 
@@ -323,7 +301,7 @@ class ClusterStages(ModelStages):
         self.policy_version += 1
         event["policy_version"] = self.policy_version
         await self._stamp_trained()
-        _emit("weight_sync", **event)
+        emit_event("weight_sync", **event)
         return event
 
     async def _stamp_trained(self) -> None:
@@ -460,316 +438,6 @@ class ClusterStages(ModelStages):
         emus = self.emus[stage]
         return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
 
-    async def change_inputs(self) -> dict[str, Any]:
-        """What pricing a change needs from the workers, read once per boundary: every
-        device's ledger (what it holds besides the job's EMUs) and the generation KV
-        caches' slots."""
-        gen = self.handles["policy_generation"].emus if "policy_generation" in self.handles else []
-        memory, *shapes = await asyncio.gather(self.memory(), *(h.cache_shape() for h in gen))
-        return {"memory": memory, "cache_slots": max((s[1] for s in shapes), default=0)}
-
-    def plan_change(self, target: Any, inputs: dict[str, Any]) -> tuple[Any, float]:
-        """The transition DAG from the job's plan to ``target`` (device ids) and its
-        predicted seconds (the scheduler's makespan under the link model); pure over
-        ``inputs`` (``change_inputs``). Raises ``InfeasibleTransition`` when the DAG
-        cannot keep a device under its cap and ``OutOfMemory`` when the restarted engines
-        would not fit after it."""
-        from nereus.planner.plan import Plan
-        from nereus.transition import build_dag
-
-        moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
-        if self._missing:  # the DAG moves what exists; a missing model-stage is built after it
-            target = Plan(tuple((s, target[s]) for s in self._plan.names))
-        resident = _resident(inputs["memory"], [e.name for emus in self.emus.values() for e in emus],
-                             engines=[e.name for s in moving for e in self.emus[s]])
-        one_host = len({self._host_of(d) for d in self.hosts}) == 1
-        dag = build_dag(
-            self._plan, target, {s: es[0].spec for s, es in self.emus.items()}, self._device_set(),
-            slots={s: es[0].slots for s, es in self.emus.items()},
-            names={s: [e.name for e in es] for s, es in self.emus.items()}, resident=resident,
-            host_of=self._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.link.seconds,
-            share=self.link.sharing)
-        slots, self._cache_slots = self._cache_slots, inputs["cache_slots"] if "policy_generation" in moving else 0
-        try:
-            engines: dict[int, int] = {}
-            for stage in moving:
-                for rep in dag.results[stage]:
-                    emu = self.emus[stage][0].with_(name=rep.name, layout=rep.layout, devices=rep.devices)
-                    for d in rep.devices:
-                        engines[d] = engines.get(d, 0) + self._engine_bytes(stage, target[stage], emu, d)
-        finally:
-            self._cache_slots = slots
-        check_after(dag, engines)
-        return dag, self.link.total(dag, dag.schedule.makespan)
-
-    @property
-    def restart_seconds(self) -> float:
-        """What a change costs per model-stage it restarts beyond the DAG's moves: the
-        mean of the last measured changes (before any: of spawning them at start, which
-        also loaded the weights, an upper bound)."""
-        seen = self._restart_s or self._spawn_s
-        return sum(seen) / len(seen) if seen else 0.0
-
-    def estimate_change(self, target: Any, inputs: dict[str, Any]) -> tuple[float, int]:
-        """(predicted seconds, bytes moved) of changing to ``target``: the DAG's makespan
-        plus ``restart_seconds`` per model-stage whose engines restart; ``(inf, 0)`` when
-        the change cannot run (``plan_change`` refused it)."""
-        from nereus.errors import InfeasiblePlan, OutOfMemory
-
-        try:
-            dag, seconds = self.plan_change(target, inputs)
-        except (InfeasiblePlan, OutOfMemory) as e:
-            log.info("a change to %s cannot run: %s", target.to_dict(), e)
-            return math.inf, 0
-        restarted = [s for s in self._plan.names if self._plan[s] != target[s]]
-        return seconds + len(restarted) * self.restart_seconds, dag.bytes
-
-    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
-        """Change the job's plan to ``target`` at a step boundary through one transition
-        DAG over every model-stage that moves (see the module docstring).
-
-        Refused before anything moves: a target with other model-stages or devices that
-        are not live or are draining (``ConfigError``), one whose DAG cannot keep every
-        device under its cap (``InfeasibleTransition``) or whose engines would not fit
-        after it (``OutOfMemory``). With ``overlap``, the DAG runs in the background and
-        this returns once it started: model-stages on devices it does not touch go on
-        with the next step's work, the others wait for it (``transition_done()`` waits
-        too). Returns (or, with ``overlap``, ``transition_done()`` returns) a report:
-        ``changed`` model-stages, ``bytes`` the plans move between devices,
-        ``bytes_measured`` (the workers' counters), ``predicted_seconds`` (the DAG's
-        makespan), ``seconds`` and its parts (``plan_s``, ``engines_stop_s``, ``moves_s``,
-        ``groups_s``, ``engines_s``, ``sync_plans_s``), ``nodes``, ``resource_edges``,
-        the new ``epoch``."""
-        from nereus.planner.plan import Plan
-        from nereus.transition.workers import WorkerRuntime
-
-        await self.transition_done()
-        t0 = time.perf_counter()
-        require(isinstance(target, Plan), "target", type(target).__name__, "must be a nereus.planner.Plan")
-        stages = set(self._plan.names) | self._missing
-        require(set(target.names) == stages, "target plan", target.names,
-                f"must place exactly the job's model-stages {sorted(stages)}")
-        await self.cluster.refresh_devices()
-        live = {d.index for d in self.cluster.devices}
-        draining = set(getattr(self.cluster, "draining", ()))
-        bad = sorted(d for d in target.devices if d not in live or d in draining)
-        require(not bad, "target plan devices", bad, f"must be live devices that are not draining (live: {sorted(live - draining)})")
-        report: dict[str, Any] = {"from": self._plan.to_dict(), "to": target.to_dict(), "epoch_from": self.epoch}
-        moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
-        # what the change moves, checked against every budget before anything moves; the
-        # engines of model-stages that do not move stay as they are, with their groups
-        await self._stamp_states(moving)
-        inputs = await self.change_inputs()
-        dag, predicted = self.plan_change(target, inputs)
-        self._cache_slots = inputs["cache_slots"] if "policy_generation" in moving else 0
-        # model-stages that keep their EMUs but decode in other waves or (stop) recompute,
-        # and those whose engines a fault stopped (nereus.rl.recovery)
-        retuned = [s for s in self._plan.names
-                   if s not in moving and (self._plan[s] != target[s] or s not in self.handles)]
-        missing = sorted(self._missing)
-        new_epoch = max(self.epoch, self.cluster.epoch) + 1
-        t_plan = time.perf_counter()
-        report.update(changed=list(dag.results), retuned=retuned, rebuilt=missing, bytes=dag.bytes,
-                      predicted_seconds=predicted, nodes=len(dag.nodes), resource_edges=dag.resource_edges)
-        # the moving model-stages' engines stop (gradients, KV caches and activations
-        # leave the ledgers); their groups go once nothing else uses them
-        retired = []
-        for stage in [*moving, *retuned]:
-            handle = self.handles.pop(stage, None)
-            if handle is not None:
-                await handle.stop()
-                retired += handle.groups
-        t_stop = time.perf_counter()
-        report.update(plan_s=t_plan - t0, engines_stop_s=t_stop - t_plan)
-        await self._ensure_hosts(set(target.devices))
-        touched = dag.devices()
-        self._waiting = {s for s in self._plan.names
-                         if s in moving or s in retuned or not touched.isdisjoint(self._current_plan(s).device_set)}
-        self._waiting |= set(missing)
-        runtime = WorkerRuntime({e.name: e for es in self.emus.values() for e in es}, self.hosts, self.cluster,
-                                epoch=new_epoch)
-        work = self._finish_change(dag, runtime, target, moving, retuned, retired, new_epoch, report, t0, missing)
-        if not overlap:
-            self.last_transition = await work
-            return self.last_transition
-        self._transition = asyncio.ensure_future(work)
-        return report
-
-    async def transition_done(self) -> dict[str, Any] | None:
-        """Wait for a change started with ``overlap``; its report (None when none runs).
-        Raises what the change raised."""
-        task, self._transition = self._transition, None
-        if task is None:
-            return None
-        try:
-            self.last_transition = await task
-            return self.last_transition
-        finally:
-            self._waiting = set()
-
-    async def _ready(self, stage: str) -> None:
-        """Return once ``stage`` may work: at once, unless an overlapped change is moving
-        it or runs on its devices."""
-        if self._transition is not None and stage in self._waiting:
-            await self.transition_done()
-
-    async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retuned: list[str],
-                             retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float,
-                             missing: list[str] = ()) -> dict[str, Any]:
-        from nereus.transfer import release_groups
-        from nereus.transition.execute import execute_dag
-
-        t_moves0 = time.perf_counter()
-        report["moves_started_at"] = t_moves0
-        result = await execute_dag(dag, runtime, duration=self.link.seconds, on_node=self._node_event(t_moves0))
-        report["moves_ended_at"] = time.perf_counter()
-        # the transition's groups are its own
-        await release_groups(self.cluster, new_epoch, tag="transition")
-        report.update(bytes_measured=result.bytes_measured, nodes_finished=len(result.finished))
-        if not result.ok:
-            from nereus.rl.recovery import salvage
-
-            report.update(ok=False, seconds=time.perf_counter() - t0)
-            _emit_transition(report, dag)
-            await salvage(self, runtime)  # what the DAG left, as the job's plan
-            raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
-        from nereus.rl.recovery import is_fault
-        died: list[BaseException] = []
-        for stage in moving:
-            reps = dag.results[stage]
-            renames = {rep.name: emu_name(stage, i) for i, rep in enumerate(reps) if rep.name != emu_name(stage, i)}
-            if renames:
-                devices = sorted({d for rep in reps for d in rep.devices})
-                done = await asyncio.gather(*(self.hosts[d].rename.call_one(renames) for d in devices),
-                                            return_exceptions=True)
-                for r in done:
-                    if isinstance(r, BaseException):
-                        if not is_fault(r):
-                            raise r
-                        died.append(r)
-            self.emus[stage] = [runtime.live[rep.name].with_(name=emu_name(stage, i)) for i, rep in enumerate(reps)]
-        t_moves = time.perf_counter()  # the span the estimate predicts: the nodes, the groups' release, the renames
-        if self.learn_transitions and not died:
-            self._learn_transition(dag, result, t_moves - report["moves_ended_at"])
-        self.epoch = new_epoch
-        self._plan = target
-        if died:
-            # every move landed and the survivors hold the new names: the job's plan is the
-            # target, and the fault is the job's to recover from there, like one mid-step
-            report.update(ok=False, seconds=time.perf_counter() - t0)
-            _emit_transition(report, dag)
-            await self.cluster.set_epoch(self.epoch)
-            raise died[0]
-        await self.cluster.set_epoch(self.epoch)
-        timing = await self._start_engines([*moving, *retuned])
-        await self._build_missing(missing)
-        t_engines = time.perf_counter()
-        retired += [group for _, group in self._sync.values() if group is not None]
-        await self._plan_syncs()
-        for stage in missing:  # built from the model folder: the in-place syncs give them today's weights
-            if stage in self._sync:
-                await self._run_sync(stage)
-        await self._release_unused(retired)
-        await self._retire_drained()
-        t_end = time.perf_counter()
-        report.update(ok=True, epoch=self.epoch, seconds=t_end - t0, moves_s=t_moves - t_moves0,
-                      groups_s=timing["groups_s"], engines_s=t_engines - t_moves - timing["groups_s"],
-                      sync_plans_s=t_end - t_engines, measured_seconds=t_moves - t_moves0)
-        if moving or retuned:
-            self._restart_s.append((report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned]))
-        _emit_transition(report, dag)
-        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
-                 report["changed"], report["bytes"], report["seconds"], report["predicted_seconds"])
-        return report
-
-    async def _build_missing(self, missing: list[str]) -> None:
-        """Model-stages a fault left without an intact EMU, built at the plan's placement
-        from the model folder (a training one holds the initial weights until the job
-        restores a checkpoint into it)."""
-        from nereus.engines import spawn_model_stage
-
-        for stage in missing:
-            emus = stage_emus(stage, self._plan[stage], self._spec(stage), self._slots(stage))
-            config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
-            self.handles[stage] = await spawn_model_stage(
-                self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
-                seed=self.cfg.run.seed, options=self._options(stage), epoch=self.epoch)
-            self.emus[stage] = emus
-            self._missing.discard(stage)
-
-    def _node_event(self, t0: float) -> Callable[[Any, Any], None]:
-        def emit_node(node: Any, result: Any) -> None:
-            _emit("transition_node", node=node.id, kind=node.kind, model_stage=node.stage, count=node.count,
-                  devices=list(node.devices), bytes=node.bytes, predicted_seconds=self.link.seconds(node),
-                  measured_seconds=result.seconds, start_seconds=result.start - t0, end_seconds=result.end - t0,
-                  ok=result.ok)
-
-        return emit_node
-
-    def _learn_transition(self, dag: Any, result: Any, outside_s: float) -> None:
-        """What a transition took teaches the next estimate: each node's time at a
-        device's full rate (nodes that ran at once shared the cores), and the time
-        spent outside the nodes (a fixed cost and releasing the groups the nodes made)."""
-        from nereus.transition import full_rate_seconds
-
-        spans = {n.id: (result.results[n.id].start, result.results[n.id].end, len(n.devices)) for n in dag.nodes}
-        alone = full_rate_seconds(spans, self.link.sharing)
-        for node in dag.nodes:
-            self.calibrator.observe_transition(self.link.ideal(node), max(alone[node.id], 1e-6))
-        self.calibrator.observe_transition(self.link.outside(dag), max(outside_s, 1e-6))
-        self._refit_link()
-
-    def _refit_link(self) -> None:
-        from nereus.transition import LinkModel
-
-        self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
-
-    async def _release_unused(self, groups: list[Any]) -> None:
-        """Destroy ``groups`` that no engine and no sync uses any more."""
-        used = {g.group_id for h in self.handles.values() for g in h.groups}
-        used |= {g.group_id for _, g in self._sync.values() if g is not None}
-        gone: dict[str, Any] = {g.group_id: g for g in groups if g.group_id not in used}
-        for group in gone.values():
-            await group.destroy()
-
-    async def _start_engines(self, stages: list[str]) -> dict[str, float]:
-        """``stages``' engines over the EMUs the stores hold now, in this epoch."""
-        from nereus.engines import start_model_stage
-        from nereus.engines.stage import stage_groups
-
-        t0 = time.perf_counter()
-        for stage in stages:  # made one after another; start_model_stage finds them made
-            await stage_groups(self.cluster, STAGE_KINDS[stage], self.emus[stage], epoch=self.epoch)
-        groups_s = time.perf_counter() - t0
-
-        async def start(stage: str, emus: list[Any]) -> None:
-            config, _ = self._models["reward" if stage == "reward_inference" else "policy"]
-            caches = None
-            if STAGE_KINDS[stage] == "generation" and self._cache_slots:
-                rows = self._generation_rows(self._plan[stage])
-                caches = {e.name: [rows, self._cache_slots] for e in emus}
-            self.handles[stage] = await start_model_stage(
-                self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config,
-                options=self._options(stage), epoch=self.epoch, caches=caches)
-
-        # every model-stage at once: a device's host builds its engines one after another
-        await asyncio.gather(*(start(stage, self.emus[stage]) for stage in stages))
-        return {"groups_s": groups_s}
-
-    async def _retire_drained(self) -> None:
-        """Drained devices the plan no longer uses stop."""
-        retire = getattr(self.cluster, "retire_drained", None)
-        if retire is None:
-            return
-        idle = [d for d in getattr(self.cluster, "draining", ()) if d not in self._plan.devices]
-        for d in idle:
-            host = self.hosts.pop(d, None)
-            if host is not None:
-                held = await host.held.call_one()
-                require(not held, f"device {d}", sorted(held), "must hold nothing before it is retired")
-        if idle:
-            await retire(idle)
-
     # --- checkpoint -----------------------------------------------------------------
 
     async def save(self, folder: str | Path) -> None:
@@ -856,30 +524,3 @@ class ClusterStages(ModelStages):
         real = [e for e in errors if not isinstance(e, ActorDied)]
         if real:
             raise real[0]
-
-
-def _resident(memory: dict[int, dict[str, Any]], names: list[str], engines: list[str]) -> dict[int, int]:
-    """Per device, what its ledger holds besides the job's EMUs (``shards/<name>``), the
-    engines that stop for the change (``<name>/...``) and transfers in flight: what a
-    change must work around."""
-    mine = tuple(f"shards/{n}" for n in names) + tuple(f"{n}/" for n in engines) + ("transfer/",)
-    return {d: sum(v for k, v in m["breakdown"].items() if not k.startswith(mine)) for d, m in memory.items()}
-
-
-def _emit_transition(report: dict[str, Any], dag: Any) -> None:
-    _emit("transition", from_plan=report["from"], to_plan=report["to"], changed=report.get("changed", []),
-          bytes=report.get("bytes", 0), bytes_measured=report.get("bytes_measured", 0),
-          predicted_seconds=report.get("predicted_seconds", 0.0), measured_seconds=report.get("seconds", 0.0),
-          nodes=len(dag.nodes), resource_edges=dag.resource_edges, epoch_from=report["epoch_from"],
-          ok=report.get("ok", False), moves_seconds=report.get("measured_seconds", 0.0),
-          parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report})
-
-
-_PARTS = ("plan_s", "engines_stop_s", "moves_s", "groups_s", "engines_s", "sync_plans_s")
-
-
-def _emit(type_: str, **fields: Any) -> None:
-    from nereus.actors import emit
-
-    emit(type_, **fields)
-
