@@ -142,10 +142,9 @@ def _vocab_slabs(worker: Any) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int,
-                    in_vllm_rows: frozenset[str] = frozenset()) -> list[str]:
-    """Runs inside vLLM's worker (this process): copy shards into vLLM's parameters.
-    ``in_vllm_rows``: vocabulary weights already cut to this rank's vLLM rows. Returns the
+def _write_in_place(worker: Any, shards: dict[str, torch.Tensor]) -> list[str]:
+    """Runs inside vLLM's worker (this process): copy shards into vLLM's parameters
+    (vocabulary weights already hold this rank's vLLM rows: ``_vocab_rows``). Returns the
     names that could not be written in place (repacked parameters)."""
     model = worker.model_runner.model
     params = dict(model.named_parameters())
@@ -173,11 +172,6 @@ def _write_in_place(worker: Any, shards: dict[str, torch.Tensor], tp_rank: int,
                 module.weight = torch.nn.Parameter(shard.to(param.dtype).clone(), requires_grad=False)
                 method.process_weights_after_loading(module)
             elif param.dim() == 2 and param.shape[1] == shard.shape[1] and param.shape[0] > shard.shape[0]:
-                module = model.get_submodule(name.rsplit(".", 1)[0])
-                indices = getattr(module, "shard_indices", None)
-                start = getattr(indices, "org_vocab_start_index", None)
-                if start is not None and name not in in_vllm_rows and start != tp_rank * shard.shape[0]:
-                    raise TransferError(f"{name}: vLLM's vocabulary shard starts at row {start}, nereus's at {tp_rank * shard.shape[0]}")
                 param.data[: shard.shape[0]].copy_(shard.to(param.dtype))  # padded vocabulary rows
                 written.add(param.data_ptr())
             else:
@@ -336,27 +330,24 @@ class VllmGenerationEngine:
         """Write this rank's shards into vLLM's parameters (see the module docstring);
         returns the bytes given to vLLM."""
         require(not self.is_sleeping, f"{self.name}.load_named", "sleeping", "call wake_up() first")
-        tp_rank = self.ctx.tp_rank
-        shards, in_vllm_rows = self._vocab_rows(shards)
-        rest = self.llm.collective_rpc(_write_in_place, args=(shards, tp_rank, in_vllm_rows))[0]
+        shards = self._vocab_rows(shards)
+        rest = self.llm.collective_rpc(_write_in_place, args=(shards,))[0]
         if rest:
             raise TransferError(f"{self.name}: vLLM parameters {rest[:3]} can be neither written in place nor repacked")
         # Cached prefixes hold keys and values of the old weights.
         self.llm.reset_prefix_cache()
         return sum(t.numel() * t.element_size() for t in shards.values())
 
-    def _vocab_rows(self, shards: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-        """At TP > 1, the vocabulary weights cut the way vLLM cuts them. nereus gives each
-        rank ``vocab / tp`` rows; vLLM pads the vocabulary (to a multiple of 64 rows) before
-        it cuts, so where padding exists its ranks hold other rows (a rank may hold none
-        of the real ones). Those weights are gathered over the EMU's TP group and every
-        rank keeps vLLM's rows. Whether a weight needs it is the same on every rank
-        (the rows per rank on both sides), so the ranks gather together."""
+    def _vocab_rows(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``shards`` with the vocabulary weights holding this rank's vLLM rows (see the
+        module docstring). Where vLLM's rows per rank equal nereus's (no padding, or TP 1)
+        the shard already is them; else the weight is all-gathered over the EMU's TP
+        group. That test is the same on every rank, so the ranks gather together."""
         if self.ctx.tp_size == 1:
-            return shards, frozenset()
+            return shards
         if self._slabs is None:
             self._slabs = self.llm.collective_rpc(_vocab_slabs)[0]
-        out, cut = dict(shards), set()
+        out = dict(shards)
         for name in sorted(shards):
             slab = self._slabs.get(name)
             shard = shards[name]
@@ -371,8 +362,7 @@ class VllmGenerationEngine:
                                device=shard.device)
             comm.all_gather(full, shard.contiguous())
             out[name] = full[start:end].clone()
-            cut.add(name)
-        return out, frozenset(cut)
+        return out
 
     # --- memory -----------------------------------------------------------------------
 

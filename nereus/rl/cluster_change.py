@@ -294,9 +294,9 @@ class PlanChanges:
     def _node_event(self, t0: float) -> Callable[[Any, Any], None]:
         def emit_node(node: Any, result: Any) -> None:
             emit_event("transition_node", node=node.id, kind=node.kind, model_stage=node.stage, count=node.count,
-                  devices=list(node.devices), bytes=node.bytes, predicted_seconds=self.link.seconds(node),
-                  measured_seconds=result.seconds, start_seconds=result.start - t0, end_seconds=result.end - t0,
-                  ok=result.ok)
+                       devices=list(node.devices), bytes=node.bytes, predicted_seconds=self.link.seconds(node),
+                       measured_seconds=result.seconds, start_seconds=result.start - t0, end_seconds=result.end - t0,
+                       ok=result.ok)
 
         return emit_node
 
@@ -375,17 +375,18 @@ def _resident(memory: dict[int, dict[str, Any]], names: list[str], engines: list
 
 def _emit_transition(report: dict[str, Any], dag: Any) -> None:
     emit_event("transition", from_plan=report["from"], to_plan=report["to"], changed=report.get("changed", []),
-          bytes=report.get("bytes", 0), bytes_measured=report.get("bytes_measured", 0),
-          predicted_seconds=report.get("predicted_seconds", 0.0), measured_seconds=report.get("seconds", 0.0),
-          nodes=len(dag.nodes), resource_edges=dag.resource_edges, epoch_from=report["epoch_from"],
-          ok=report.get("ok", False), moves_seconds=report.get("measured_seconds", 0.0),
-          parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report})
+               bytes=report.get("bytes", 0), bytes_measured=report.get("bytes_measured", 0),
+               predicted_seconds=report.get("predicted_seconds", 0.0), measured_seconds=report.get("seconds", 0.0),
+               nodes=len(dag.nodes), resource_edges=dag.resource_edges, epoch_from=report["epoch_from"],
+               ok=report.get("ok", False), moves_seconds=report.get("measured_seconds", 0.0),
+               parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report})
 
 
 _PARTS = ("plan_s", "engines_stop_s", "moves_s", "groups_s", "engines_s", "sync_plans_s")
 
 
 def emit_event(type_: str, **fields: Any) -> None:
+    """An event on the tap (``nereus.actors.emit``, imported when first used)."""
     from nereus.actors import emit
 
     emit(type_, **fields)
