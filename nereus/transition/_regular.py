@@ -53,13 +53,15 @@ class Hosts:
         if not hosts:
             return
         first = hosts[0]
-        if hosts.count(first) == len(hosts):
+        m = next((i for i, h in enumerate(hosts) if h != first), None)  # the first device of another host
+        if m is None:
             self.single = True
             return
-        m = hosts.index(next(h for h in hosts if h != first))
-        groups = -(-len(hosts) // m)
-        expected = list(chain.from_iterable(map(repeat, range(first, first + groups), repeat(m, groups))))
-        if hosts == expected[: len(hosts)]:
+        # hosts first, first+1, ... each ``m`` devices long: every ``m``-th device counts
+        # up by one, and the devices at each place in a host say the same
+        heads = hosts[::m]
+        if heads == list(range(first, first + len(heads))) and all(
+                hosts[j::m] == heads[:len(hosts[j::m])] for j in range(1, m)):
             self.per_host = m
 
     def periodic(self, start: int, period: int) -> bool:
