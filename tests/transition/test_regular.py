@@ -13,6 +13,7 @@ from nereus.errors import InfeasiblePlan, StateError
 from nereus.planner import Plan, StagePlan
 from nereus.state import DeviceSet, training_slots
 from nereus.transition import LinkModel, build_dag, simulate
+from nereus.transition._regular import Hosts
 from tests.state.helpers import spec_for
 
 SPEC = spec_for(kv_heads=2, layers=4)
@@ -96,3 +97,21 @@ def test_a_thousand_devices_take_a_few_dozen_classes():
     assert sum(n.count for n in dag.nodes) == 256 + 512
     assert_same_dag(dag, _listed(current, target, {"policy-generation": SPEC},
                                  DeviceSet(tuple(d // 8 for d in range(1024)))))
+
+
+def _per_host_by_definition(hosts: list[int]) -> int | None:
+    """Every host holds ``m`` consecutive devices, hosts counting up from the first."""
+    for m in range(1, len(hosts) + 1):
+        if hosts == [hosts[0] + i // m for i in range(len(hosts))]:
+            return m
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12))
+def test_hosts_repeat_exactly_when_every_host_holds_as_many_consecutive_devices(hosts):
+    got = Hosts(lambda d: hosts[d], hosts, len(hosts))
+    single = hosts.count(hosts[0]) == len(hosts)
+    assert got.single == single
+    if not single:
+        assert got.per_host == _per_host_by_definition(hosts)
