@@ -20,7 +20,7 @@ is made on first use (the per-device views a caller asks for). Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, repeat
 from math import lcm
 from operator import gt
 from typing import Any
@@ -171,7 +171,7 @@ class DeviceClasses:
                 base, roles = bases[k], part.roles.roles
                 for code, classes in by_stage[k]:
                     entries = roles[code][1]
-                    at_risk = list(compress(classes, map(risky.__getitem__, classes))) if entries else None
+                    at_risk = [c for c in classes if risky[c]] if entries else None
                     if not at_risk:
                         continue
                     for li, a, r, _ in entries:

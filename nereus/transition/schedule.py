@@ -83,17 +83,19 @@ class Dispatcher:
         self._classes = classes
         self._effects = classes.effects
         self._caps = classes.caps
-        self.waiting = {n.id: len(n.deps) for n in dag.nodes}
-        self.children: dict[int, list[int]] = {n.id: [] for n in dag.nodes}
-        for n in dag.nodes:
+        nodes, effects = dag.nodes, self._effects
+        self.waiting = {n.id: len(n.deps) for n in nodes}
+        children: dict[int, list[int]] = {n.id: [] for n in nodes}
+        for n in nodes:
             for d in n.deps:
-                self.children[d].append(n.id)
-        # release before acquire, then generation, inference, training, then node id (or a
-        # random tie, drawn once per node and schedule)
+                children[d].append(n.id)
+        self.children = children
+        # release before acquire (a node that allocates nowhere), then generation,
+        # inference, training, then node id (or a random tie, drawn once per node and schedule)
         # queue entries: (priority, node, the classes it touches)
-        self._item = {n.id: ((0 if n.releases_only else 1, n.rank, rng.random() if rng is not None else n.id),
-                             n.id, self._effects[n.id].touches) for n in dag.nodes}
-        self.ready = {n.id for n in dag.nodes if not n.deps}
+        self._item = {n.id: ((1 if (e := effects[n.id]).acquires else 0, n.rank,
+                              rng.random() if rng is not None else n.id), n.id, e.touches) for n in nodes}
+        self.ready = {n.id for n in nodes if not n.deps}
         self._queue = sorted(self._item[i] for i in self.ready)  # the ready nodes, in priority order
         self.running: set[int] = set()
         self.finished: set[int] = set()
