@@ -137,6 +137,7 @@ class SpecBytes:
         self.groups = self.shape.groups
         self._itemsize: dict[str, int] = {}
         self._memo: dict[tuple, int] = {}
+        self._gbytes: dict[tuple, int] = {}
 
     def with_slots(self, slots: Sequence[str]) -> SpecBytes:
         """The same spec's bytes for other slots (the classes are shared)."""
@@ -148,8 +149,14 @@ class SpecBytes:
             got = self._itemsize[dtype] = sum(DTYPE_BYTES[dtype if s == "param" else SLOT_DTYPE[s]] for s in self.slots)
         return got
 
-    def _bytes(self, numel: dict[str, int]) -> int:
-        return sum(n * self.itemsize(d) for d, n in numel.items())
+    def _group_bytes(self, g: _Group, tp: int, whole_only: bool = False) -> int:
+        """Bytes one position holds of ``g``'s classes at ``tp`` (``_Shape.group_numel``)."""
+        key = (id(g), tp, whole_only)
+        got = self._gbytes.get(key)
+        if got is None:
+            got = self._gbytes[key] = sum(n * self.itemsize(d) for d, n in
+                                          self.shape.group_numel(g, tp, whole_only).items())
+        return got
 
     def _count(self, g: _Group, pa: int, ppa: int, cutsa: tuple, pb: int = -1, ppb: int = 0, cutsb: tuple = ()) -> int:
         """How many of ``g``'s positions stage ``pa`` of a layout with ``ppa`` stages (and
@@ -173,16 +180,15 @@ class SpecBytes:
         return bisect_left(g.layers, hi) - bisect_left(g.layers, lo)
 
     def _per_group(self, kind: str, g: _Group, ta: int, ra: int, tb: int, rb: int) -> int:
-        shape = self.shape
         if ta == tb and ra == rb:  # the same shards: all of it is there, and kept
-            return self._bytes(shape.group_numel(g, tb))
+            return self._group_bytes(g, tb)
         if not g.units or max(ta, tb) <= g.units:
             # every rank holds an interval of tp equal parts of each component (nested
             # across powers of two): the finer shard lies inside the coarser one or they do
             # not meet, and shards of two TP degrees are never identical
             if kind == "local" and (ra // (ta // tb) == rb if ta >= tb else rb // (tb // ta) == ra):
-                return self._bytes(shape.group_numel(g, max(ta, tb)))
-            return self._bytes(shape.group_numel(g, 1, whole_only=True))
+                return self._group_bytes(g, max(ta, tb))
+            return self._group_bytes(g, 1, True)
         key = (kind, id(g), ta, ra, tb, rb)
         got = self._memo.get(key)
         if got is not None:
@@ -214,7 +220,7 @@ class SpecBytes:
         key = (tp, pp, cuts, pp_rank)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = sum(n * self._bytes(self.shape.group_numel(g, tp)) for g in self.groups
+            got = self._memo[key] = sum(n * self._group_bytes(g, tp) for g in self.groups
                                         if (n := self._count(g, pp_rank, pp, cuts)))
         return got
 
@@ -310,12 +316,13 @@ def _repeating(spec: ModelSpec) -> list[_Group] | None:
     rows = keys[first:first + count]
     if rows[q:] != rows[:-q] or rows[:q] != [k for k in rows[:q] if k[0] == "layer"]:
         return None
-    if list(map(_LAYER, fields[first:first + count])) != sorted(list(range(n)) * q):
+    layers, every = list(map(_LAYER, fields[first:first + count])), list(range(n))
+    if any(layers[j::q] != every for j in range(q)):  # the j-th parameter of every layer, in layer order
         return None
     groups: dict[tuple, _Group] = {}
+    every_layer = tuple(every)
     for p in (*params[:first], *params[first:first + q], *params[first + count:]):
-        at = tuple(range(n)) if p.stage == "layer" else ()
-        _group_of(groups, p.stage, p.tied_head, at, n).add(_Class(p), 1)
+        _group_of(groups, p.stage, p.tied_head, every_layer if p.stage == "layer" else (), n).add(_Class(p), 1)
     return list(groups.values())
 
 

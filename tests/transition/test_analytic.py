@@ -7,6 +7,7 @@ what the state layer's memory effects say."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -115,3 +116,38 @@ def test_spec_bytes_of_a_position_add_up_to_the_model():
         total = sum(table.held(layout, (p, r)) for p in range(pp) for r in range(tp))
         emu = EMU("e", "policy_training", spec, layout, tuple(range(tp * pp)), training_slots("float32"))
         assert total == sum(emu.bytes_on(d) for d in emu.devices)
+
+
+def _answers(table: SpecBytes) -> list[int]:
+    out = []
+    for tp, pp in ((1, 1), (2, 1), (4, 2), (1, 3)):
+        a = Layout(tp, pp)
+        for p in range(pp):
+            for r in range(tp):
+                out.append(table.held(a, (p, r)))
+                b = Layout(max(1, tp // 2), pp)
+                out.append(table.local(a, (p, r), b, (p, r // 2)))
+                out.append(table.kept(a, (p, r), b, (p, r // 2)))
+    return out
+
+
+def test_layers_read_off_the_first_layer_give_every_answer_the_parameter_by_parameter_grouping_gives():
+    import nereus.transition.analytic as analytic
+
+    spec = spec_for(kv_heads=2, tied=True, layers=6)
+    assert analytic._repeating(spec) is not None
+    fast = _answers(SpecBytes(spec, training_slots("float32")))
+    keep = analytic._repeating
+    analytic._repeating = lambda spec: None
+    try:
+        assert _answers(SpecBytes(spec, training_slots("float32"))) == fast
+    finally:
+        analytic._repeating = keep
+    # two layers' parameters swapped in the list: layers no longer come one after another
+    params = list(spec.params)
+    i = next(i for i, p in enumerate(params) if p.layer == 1)
+    j = next(j for j, p in enumerate(params) if p.layer == 2)
+    params[i], params[j] = params[j], params[i]
+    shuffled = replace(spec, params=tuple(params))
+    assert analytic._repeating(shuffled) is None
+    assert _answers(SpecBytes(shuffled, training_slots("float32"))) == fast
