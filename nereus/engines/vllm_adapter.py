@@ -62,6 +62,12 @@ cache for its whole life: ``free_cache()`` frees nothing (returns 0) and
 
 Environment: sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM's own variable) before vLLM
 is imported, so the engine core runs in this process.
+
+Shared memory (TP > 1 on CPU): vLLM's CPU backend all-reduces through shared-memory
+segments it names the same for every engine under the external launcher. An engine's
+segments are named after it instead (``nereus-vllm-<port>-<pid>-...``: two engines on a
+host, or one started after a killed one, never meet), and each rank unlinks its own name
+once every rank has joined, so nothing is left in ``/dev/shm`` however the process ends.
 """
 
 from __future__ import annotations
@@ -106,7 +112,9 @@ def launcher_env(tp_rank: int, tp_size: int, master_host: str, master_addr: str,
 
 
 def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
-    """Rank 0 picks a free port; every TP rank learns it over the TP group."""
+    """Rank 0 picks a free port; every TP rank learns it over the TP group, and the name
+    this engine's shared-memory groups take on a CPU host (``_SHM_GROUP_ENV``: rank 0's
+    port and process id, the same on every rank, no other live engine's)."""
     comm = ctx.parallel.tp_comm
     if comm is None:
         raise ConfigError(f"VllmGenerationEngine tp_size={ctx.tp_size} needs the EMU's TP group "
@@ -116,14 +124,66 @@ def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        text = f"{socket.gethostname()}\n{port}".encode()
+        text = f"{socket.gethostname()}\n{port}\n{os.getpid()}".encode()
         require(len(text) <= 255, "hostname", socket.gethostname(), "is too long")
         record[0] = len(text)
         record[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     comm.broadcast(record, 0)
     data = bytes(record.cpu().tolist())
-    host, port = data[1:1 + data[0]].decode().split("\n")
-    return launcher_env(ctx.tp_rank, ctx.tp_size, host, "127.0.0.1", int(port))
+    host, port, pid = data[1:1 + data[0]].decode().split("\n")
+    return {**launcher_env(ctx.tp_rank, ctx.tp_size, host, "127.0.0.1", int(port)), _SHM_GROUP_ENV: f"{port}-{pid}"}
+
+
+# vLLM's CPU backend gives a TP group's ranks shared-memory segments named after
+# VLLM_DIST_IDENT, which its worker derives from the init method: under the external
+# launcher (``env://``) that is the same for every engine, so a second engine on the host
+# (another DP replica, a later job after a killed one) would find the name taken. While
+# an engine starts, its groups are named ``nereus-vllm-<port>-<pid>-...`` instead.
+_SHM_GROUP_ENV = "NEREUS_VLLM_SHM_GROUP"
+_SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory names
+
+
+def _name_cpu_shm_groups() -> None:
+    """Make vLLM name a CPU group's shared memory after ``_SHM_GROUP_ENV`` when it is set
+    (once per process; vLLM's own name otherwise)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm, "_nereus_named", False):
+        return
+    vllm_name = shm.make_group_name
+
+    def make_group_name(communicator: Any) -> str:
+        ident = os.environ.get(_SHM_GROUP_ENV)
+        if not ident:
+            return vllm_name(communicator)
+        ranks = "-".join(str(r) for r in communicator.ranks)
+        return f"nereus-vllm-{ident}-{communicator.unique_name}-[{ranks}]-cpushm"
+
+    shm.make_group_name = staticmethod(make_group_name)
+    shm._nereus_named = True
+
+
+def _unlink_cpu_shm() -> list[str]:
+    """Once every rank has joined (vLLM's start returns after its barrier), the names of
+    this rank's shared-memory segments are no longer needed: unlink them, so nothing stays
+    in /dev/shm however the process ends (the mappings live on until it does). Returns
+    the paths removed."""
+    from vllm.distributed import parallel_state
+
+    removed = []
+    for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+        comm = getattr(group, "device_communicator", None)
+        name = getattr(getattr(comm, "dist_module", None), "group_name", None)
+        if name is None:
+            continue  # not a shared-memory group (one rank, or a GPU backend)
+        path = os.path.join(_SHM_DIR, f"{name}_{comm.rank}")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def _free_device_bytes() -> int:
@@ -231,6 +291,8 @@ class VllmGenerationEngine:
         try:
             if self.ctx.tp_size > 1:
                 os.environ.update(_agree_on_master(self.ctx))
+                if self.on_cpu:
+                    _name_cpu_shm_groups()
             from vllm import LLM
 
             kwargs: dict[str, Any] = dict(
@@ -250,9 +312,13 @@ class VllmGenerationEngine:
                 kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs.update(vllm_kwargs)
             self.llm = LLM(**kwargs)
+            if self.ctx.tp_size > 1 and self.on_cpu:
+                log.debug("%s: unlinked %s", name, _unlink_cpu_shm())
         except BaseException:
             self.ledger.release_prefix(f"{name}/")
             raise
+        finally:
+            os.environ.pop(_SHM_GROUP_ENV, None)  # this engine's groups are made
 
     # --- generation -----------------------------------------------------------------
 

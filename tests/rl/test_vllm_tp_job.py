@@ -9,11 +9,15 @@ weight vLLM computes with came from the shards (it starts with dummy weights): i
 scores equal the training EMU's before any step and after weight syncs, and its greedy
 tokens equal the built-in engine's over the synced shards. A plan change to two TP 1
 replicas on the same devices gives each its own engine, which the next sync reaches.
-Runs where vllm is importable (``make test-vllm``)."""
+vLLM's CPU all-reduce segments are named after the engine and unlinked once both ranks
+joined: a leftover segment under vLLM's own name does not stop the engine, and nothing of
+the engine's stays in /dev/shm. Runs where vllm is importable (``make test-vllm``)."""
 
 from __future__ import annotations
 
 import asyncio
+import glob
+import os
 
 import pytest
 import torch
@@ -28,14 +32,27 @@ from tests.rl.test_vllm_job import GREEDY, MODEL, _batch
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
+def _cpu_shm() -> set[str]:
+    """vLLM's CPU shared-memory segments on this host (every name ends ``cpushm_<rank>``)."""
+    return set(glob.glob("/dev/shm/*cpushm_*"))
+
+
 async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
+    # what a killed engine under vLLM's own naming leaves behind: the job's engine must
+    # not need that name
+    stale = "/dev/shm/-tp:0-[0-1]-cpushm_0"
+    assert not os.path.exists(stale), f"{stale} is left over from an earlier run: remove it"
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
     cfg = job(str(tmp_path), 2, model=MODEL, algorithm={"prompts_per_step": 4, "samples_per_prompt": 4},
               sampling={"engine": "vllm", "max_new_tokens": 6},
               cluster={"mode": "local", "devices": 3, "memory_per_device": "512MiB"},
               plan={"policy_generation": {"devices": [1, 2], "tp": 2}, "policy_training": {"devices": [0]}})
     rl = RLJob(cfg)
-    await rl.start()
     try:
+        await rl.start()
+        # every rank unlinked its segment once both had joined: nothing stays in /dev/shm
+        assert _cpu_shm() == {stale}
         stages = rl.stages
         vocab = rl.model_config.vocab_size
         assert vocab % 64, "the vocabulary must need vLLM's padding for this test to cut it vLLM's way"
@@ -94,3 +111,5 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
             torch.testing.assert_close(replica, policy2, atol=1e-3, rtol=1e-3)
     finally:
         await rl.close()
+        os.unlink(stale)
+    assert _cpu_shm() == set()
