@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -94,6 +95,7 @@ async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int =
         eff = rl.stages.calibrator.fit()
     finally:
         await rl.close()
+        shutil.rmtree(out, ignore_errors=True)  # the job's model and tap: nothing read afterwards
     errors = [abs(m - p) / m for p, m, _, _ in rows]
     return {
         "prediction_error": statistics.median(errors),
@@ -137,6 +139,7 @@ async def overlap_ratio(rounds: int = 6, hidden: int = 512, layers: int = 4) -> 
             await done
     finally:
         await rl.close()
+        shutil.rmtree(out, ignore_errors=True)
     return {"overlap_ratio": statistics.median(during) / statistics.median(alone),
             "tokens_per_s_alone": statistics.median(alone), "tokens_per_s_during": statistics.median(during),
             "cores": os.cpu_count()}

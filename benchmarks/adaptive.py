@@ -39,6 +39,7 @@ import copy
 import itertools
 import json
 import logging
+import shutil
 import statistics
 import tempfile
 import time
@@ -153,6 +154,14 @@ async def run_job(cfg: JobConfig, after_start: Any = None) -> dict[str, Any]:
 
 async def main_async(steps: int, rounds: int) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-adaptive-")
+    try:
+        return await _runs(out, steps, rounds)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # every run's model, checkpoints and tap
+
+
+async def _runs(out: str, steps: int, rounds: int) -> dict[str, Any]:
+    """Every run of the benchmark under ``out`` (see the module docstring)."""
     ranked: list[tuple[float, Plan]] = []
 
     def rank(job: RLJob) -> None:  # the model config and prompt length, as the job sees them
