@@ -10,8 +10,9 @@ scores equal the training EMU's before any step and after weight syncs, and its 
 tokens equal the built-in engine's over the synced shards. A plan change to two TP 1
 replicas on the same devices gives each its own engine, which the next sync reaches.
 vLLM's CPU all-reduce segments are named after the engine and unlinked once both ranks
-joined: a leftover segment under vLLM's own name does not stop the engine, and nothing of
-the engine's stays in /dev/shm. Runs where vllm is importable (``make test-vllm``)."""
+joined: a leftover segment under vLLM's own name does not stop the engine, two TP 2
+engines (two DP replicas) start side by side on one host, and nothing of theirs stays in
+/dev/shm. Runs where vllm is importable (``make test-vllm``)."""
 
 from __future__ import annotations
 
@@ -112,4 +113,34 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
     finally:
         await rl.close()
         os.unlink(stale)
+    assert _cpu_shm() == set()
+
+
+async def test_two_tp2_vllm_engines_share_a_host(tmp_path):
+    # two DP replicas of a TP 2 generation EMU on one host: two vLLM engines whose CPU
+    # all-reduce groups would take one name under vLLM's own naming
+    cfg = job(str(tmp_path), 1, model=MODEL, algorithm={"prompts_per_step": 4, "samples_per_prompt": 2},
+              sampling={"engine": "vllm", "max_new_tokens": 4},
+              cluster={"mode": "local", "devices": 5, "memory_per_device": "512MiB"},
+              plan={"policy_generation": {"devices": [1, 2, 3, 4], "tp": 2, "dp": 2},
+                    "policy_training": {"devices": [0]}})
+    rl = RLJob(cfg)
+    try:
+        await rl.start()
+        assert _cpu_shm() == set()
+        stages = rl.stages
+        assert [e.devices for e in stages.emus["policy_generation"]] == [(1, 2), (3, 4)]
+        record = await rl.run_step()
+        assert record["tokens_generated"] > 0 and record["sync_bytes"] > 0
+        batch = _batch(rl.model_config.vocab_size)
+        mask = batch["attention_mask"].float()
+        train = stages.emus["policy_training"][0].name
+        policy = await stages.hosts[0].logprobs.call_one(train, batch) * mask
+        for emu in stages.emus["policy_generation"]:  # each engine scores with the synced weights
+            first, second = await asyncio.gather(*(stages.hosts[d].logprobs.call_one(emu.name, batch)
+                                                   for d in emu.devices))
+            torch.testing.assert_close(first, second)
+            torch.testing.assert_close(first * mask, policy, atol=1e-3, rtol=1e-3)
+    finally:
+        await rl.close()
     assert _cpu_shm() == set()
