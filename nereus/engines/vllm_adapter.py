@@ -90,6 +90,7 @@ from nereus.errors import ConfigError, TransferError
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import torch_dtype
 from nereus.models.parallel import ParallelContext
+from nereus.transfer._shm import SHM_DIR
 
 __all__ = ["VllmGenerationEngine"]
 
@@ -140,7 +141,6 @@ def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
 # (another DP replica, a later job after a killed one) would find the name taken. While
 # an engine starts, its groups are named ``nereus-vllm-<port>-<pid>-...`` instead.
 _SHM_GROUP_ENV = "NEREUS_VLLM_SHM_GROUP"
-_SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory names
 
 
 def _name_cpu_shm_groups() -> None:
@@ -177,7 +177,7 @@ def _unlink_cpu_shm() -> list[str]:
         name = getattr(getattr(comm, "dist_module", None), "group_name", None)
         if name is None:
             continue  # not a shared-memory group (one rank, or a GPU backend)
-        path = os.path.join(_SHM_DIR, f"{name}_{comm.rank}")
+        path = os.path.join(SHM_DIR, f"{name}_{comm.rank}")
         try:
             os.unlink(path)
         except FileNotFoundError:
