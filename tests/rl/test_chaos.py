@@ -42,6 +42,7 @@ async def test_grpo_survives_killed_workers_a_drain_and_returning_devices(tmp_pa
     rl = RLJob(cfg)
     injected: list[tuple[str, int, int]] = []  # (when, step, device)
     kill_in_transition = asyncio.Event()
+    last_kill_done = asyncio.Event()  # the job waits for it before its last steps, so it lands inside the run
 
     async def kill(device: int, when: str) -> None:
         injected.append((when, rl.step, device))
@@ -61,6 +62,8 @@ async def test_grpo_survives_killed_workers_a_drain_and_returning_devices(tmp_pa
         elif step == 7:  # the next change gets a worker killed inside its DAG
             kill_in_transition.set()
             cluster.drain(max(job_.stages.plan.devices))
+        elif step == STEPS - 2:
+            await asyncio.wait_for(last_kill_done.wait(), 60)
 
     async def mid_step_kills() -> None:
         while rl.stages is None or rl.step < 1:
@@ -72,6 +75,7 @@ async def test_grpo_survives_killed_workers_a_drain_and_returning_devices(tmp_pa
             await asyncio.sleep(0.02)
         await asyncio.sleep(rng.uniform(0.1, 0.4))
         await kill(rng.choice(sorted(rl.stages.plan.devices)), "step")
+        last_kill_done.set()
         await replace_later()
 
     rl.boundary_hooks.append(harness)
