@@ -30,9 +30,11 @@ node runs). Pure: no I/O.
 
 from __future__ import annotations
 
+import functools
+import gc
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from nereus.config import require
 from nereus.errors import OutOfMemory
@@ -279,6 +281,30 @@ def _extent(sp: StagePlan) -> int:
     return sp.start + sp.num_devices if sp.start is not None else 1 + max(max(e) for e in sp.devices)
 
 
+_F = TypeVar("_F", bound=Callable)
+
+
+def _without_cycle_collection(fn: _F) -> _F:
+    """``fn`` with Python's cycle collector paused while it runs. A build allocates
+    tens of thousands of short-lived containers that reference counting frees; left on,
+    the collector would walk the ones still alive every 700 allocations (about 7% of a
+    build at 1,024 devices). The few cycles a build leaves (a DAG and its nodes) are
+    collected once it is back on. It is turned back on only if it was on."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return run  # type: ignore[return-value]
+
+
+@_without_cycle_collection
 def build_dag(
     current: Plan,
     target: Plan,

@@ -61,3 +61,21 @@ def test_the_schedule_keeps_caps_and_a_blocked_acquisition_waits_for_a_destroy()
     with pytest.raises(InfeasibleTransition) as info:
         build_dag(A, B, {n: SPEC for n in A.names}, DeviceSet.single_host(4, int(3.1 * weights)), slots=SLOTS)
     assert info.value.cap_bytes == int(3.1 * weights) and info.value.need_bytes > info.value.cap_bytes
+
+
+def test_a_build_leaves_the_cycle_collector_as_it_found_it():
+    import gc
+
+    specs = {n: SPEC for n in A.names}
+    assert gc.isenabled()
+    try:
+        build_dag(A, B, specs, slots=SLOTS)
+        assert gc.isenabled()
+        with pytest.raises(InfeasibleTransition):  # also when the build raises
+            build_dag(A, B, specs, DeviceSet.single_host(4, int(3.1 * SPEC.nbytes)), slots=SLOTS)
+        assert gc.isenabled()
+        gc.disable()
+        build_dag(A, B, specs, slots=SLOTS)
+        assert not gc.isenabled()  # a caller that paused it keeps it paused
+    finally:
+        gc.enable()
