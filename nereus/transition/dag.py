@@ -287,9 +287,9 @@ _F = TypeVar("_F", bound=Callable)
 def _without_cycle_collection(fn: _F) -> _F:
     """``fn`` with Python's cycle collector paused while it runs. A build allocates
     tens of thousands of short-lived containers that reference counting frees; left on,
-    the collector would walk the ones still alive every 700 allocations (about 7% of a
-    build at 1,024 devices). The few cycles a build leaves (a DAG and its nodes) are
-    collected once it is back on. It is turned back on only if it was on."""
+    the collector would walk the ones still alive every 700 net allocations (about a
+    tenth of a build at 1,024 devices). The few cycles a build leaves (a DAG and its
+    nodes) are collected once it is back on. It is turned back on only if it was on."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
