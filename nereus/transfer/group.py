@@ -26,7 +26,10 @@ assumes a private network (README, "Trust model").
 Groups are cached by (devices, backend, epoch): asking again for the same group
 returns the same live handle. Set-ups of groups that share a device never overlap in
 time (a lock per device, taken in device order): concurrent rendezvous over shared
-devices could stall for seconds; one after another each takes milliseconds. ``GroupHandle.destroy`` and ``release_groups(cluster,
+devices could stall for seconds; one after another each takes milliseconds. A set-up
+that still takes more than ``SLOW_SETUP_S`` is named in the log (torch's store client
+looks the store's address up in reverse DNS first; a resolver that drops the query
+costs its 5 s timeout). ``GroupHandle.destroy`` and ``release_groups(cluster,
 epoch)`` tear them down on every member (sockets, threads, shared memory, the store).
 
 Worker side: ``get_communicator(group_id)`` returns this process's communicator of a
@@ -69,6 +72,9 @@ __all__ = ["make_group", "release_groups", "GroupHandle", "GroupAgent", "get_com
            "release_epoch", "local_groups"]
 
 log = logging.getLogger("nereus.transfer")
+
+# A group's set-up takes milliseconds; one that takes seconds is named in the log.
+SLOW_SETUP_S = 2.0
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -381,6 +387,11 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
         raise TransferError(f"make_group over devices {list(handle.devices)}: device {device} "
                             f"could not join: {err}") from err
     store.seal()  # every member holds its connection: nobody else may connect now
+    took = handle.setup_span[1] - handle.setup_span[0]
+    if took > SLOW_SETUP_S:
+        log.warning("group %s over devices %s took %.1f s to set up (at 5 s: a member's resolver dropped "
+                    "the reverse lookup of the store's address; README, 'Group set-ups that take 5 s')",
+                    group_id, list(handle.devices), took)
     state.cache[key] = handle
     return handle
 

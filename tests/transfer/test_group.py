@@ -87,6 +87,18 @@ async def test_worker_side_release_of_an_epoch(cluster, members):
     assert await members.groups.call() == [[], [], []]
 
 
+async def test_a_slow_set_up_is_named_in_the_log(cluster, members, monkeypatch, caplog):
+    import nereus.transfer.group as group_module
+
+    monkeypatch.setattr(group_module, "SLOW_SETUP_S", 0.0)  # any set-up now counts as slow
+    with caplog.at_level("WARNING", logger="nereus.transfer"):
+        h = await _make(cluster, devices=[1, 2], epoch=30)
+        assert await _make(cluster, devices=[1, 2], epoch=30) is h  # the cached group: no set-up, nothing said
+    said = [r.getMessage() for r in caplog.records if "to set up" in r.getMessage()]
+    assert len(said) == 1 and h.group_id in said[0] and "[1, 2]" in said[0] and "reverse lookup" in said[0]
+    await h.destroy()
+
+
 async def test_bad_requests_name_the_field(cluster):
     with pytest.raises(ConfigError, match="repeats a device"):
         await make_group(cluster, devices=[0, 0])
