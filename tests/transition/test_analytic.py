@@ -131,18 +131,15 @@ def _answers(table: SpecBytes) -> list[int]:
     return out
 
 
-def test_layers_read_off_the_first_layer_give_every_answer_the_parameter_by_parameter_grouping_gives():
+def test_layers_read_off_the_first_layer_give_every_answer_the_parameter_by_parameter_grouping_gives(monkeypatch):
     import nereus.transition.analytic as analytic
 
     spec = spec_for(kv_heads=2, tied=True, layers=6)
     assert analytic._repeating(spec) is not None
     fast = _answers(SpecBytes(spec, training_slots("float32")))
-    keep = analytic._repeating
-    analytic._repeating = lambda spec: None
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(analytic, "_repeating", lambda spec: None)
         assert _answers(SpecBytes(spec, training_slots("float32"))) == fast
-    finally:
-        analytic._repeating = keep
     # two layers' parameters swapped in the list: layers no longer come one after another
     params = list(spec.params)
     i = next(i for i, p in enumerate(params) if p.layer == 1)
