@@ -26,6 +26,14 @@ maps within it and never widens it to the host's raw GPU ids.
 The key comes from ``--key-file`` or ``$NEREUS_CLUSTER_KEY``; workers get it through
 their environment. Workers get the daemon's ``sys.path`` as ``PYTHONPATH`` and its
 working directory, so they import the same actor modules.
+
+Each daemon owns a scratch folder (``nereus-<pid>-*`` in its own temporary folder),
+removed when it stops: it holds the workers' ipc sockets and is the workers'
+``TMPDIR``, so what libraries in a worker leave in the temporary folder (vLLM's engine
+sockets, for one) goes with the node, even when the worker was killed rather than
+closed. Nothing a worker writes there outlives its node: a cache meant to last across
+runs belongs elsewhere (torch's compile cache, for one, follows ``TMPDIR`` unless
+``TORCHINDUCTOR_CACHE_DIR`` says otherwise).
 """
 
 from __future__ import annotations
@@ -233,8 +241,8 @@ class NodeDaemon:
         await self.register()
         # Heartbeat from registration on: starting workers may take longer than the timeout.
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
-        if self.transport == "ipc":
-            self._tmpdir = tempfile.mkdtemp(prefix=f"nereus-{os.getpid()}-")
+        self._tmpdir = tempfile.mkdtemp(prefix=f"nereus-{os.getpid()}-")
+        os.mkdir(os.path.join(self._tmpdir, "tmp"))
         try:
             await asyncio.wait_for(asyncio.gather(*(self._spawn(w) for w in self.workers)),
                                    self.start_timeout_s)
@@ -262,6 +270,8 @@ class NodeDaemon:
             env.pop(CURVE_ENV, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")  # actors' prints show up as they happen
+        if self._tmpdir is not None:  # inside the daemon's own temporary folder
+            env["TMPDIR"] = os.path.join(self._tmpdir, "tmp")
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
         if self.kind == "cuda":

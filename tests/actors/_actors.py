@@ -37,6 +37,20 @@ class Echo(Actor):
         raise KeyError(message)
 
     @endpoint
+    async def leave_temporary_files(self) -> dict:
+        """What a library does in the temporary folder and never cleans up: a file, and a
+        unix socket bound there (vLLM's engine sockets), both left open."""
+        import socket
+        import tempfile
+
+        fd, path = tempfile.mkstemp()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bound = os.path.join(tempfile.gettempdir(), f"sock-{os.getpid()}")
+        sock.bind(bound)
+        self._left_open = (fd, sock)
+        return {"tmpdir": tempfile.gettempdir(), "file": path, "socket": bound, "pid": os.getpid()}
+
+    @endpoint
     def sync_double(self, x: float) -> float:
         return 2 * x
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -69,6 +70,25 @@ async def test_sigkilled_worker_is_reported_and_calls_fail(no_leaks):
             assert ev["device"] == 1 and ev["reason"] == "SIGKILL"
         finally:
             sub.close()
+
+
+async def test_what_workers_leave_in_the_temporary_folder_goes_with_their_node(no_leaks):
+    async with Cluster.local(devices=2, memory_per_device="128MiB") as cluster:
+        died = asyncio.Event()
+        cluster.on_failure(lambda f: died.set())
+        mesh = await cluster.spawn("tmp", Echo, devices=[0, 1])
+        left = await mesh.leave_temporary_files.call()
+        # each worker's temporary folder is inside its node's scratch folder, not the host's
+        host_tmp = tempfile.gettempdir()
+        for got in left:
+            assert os.path.dirname(os.path.dirname(got["tmpdir"])) == host_tmp
+            assert os.path.basename(os.path.dirname(got["tmpdir"])).startswith(f"nereus-{os.getpid()}-")
+            assert os.path.exists(got["file"]) and os.path.exists(got["socket"])
+        os.kill(left[1]["pid"], signal.SIGKILL)  # a killed worker closes nothing
+        await asyncio.wait_for(died.wait(), 5.0)
+    for got in left:
+        assert not os.path.exists(got["file"]) and not os.path.exists(got["socket"])
+        assert not os.path.exists(got["tmpdir"])
 
 
 async def test_a_blocked_driver_loop_does_not_lose_embedded_nodes(no_leaks):
