@@ -92,6 +92,7 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
     if x is None or x != b.start:
         return None
     la, lb = layout(a.tp, a.pp), layout(b.tp, b.pp)
+    same = (a.tp, a.pp) == (b.tp, b.pp)
     sa, sb = a.tp * a.pp, b.tp * b.pp
     na, nb = sa * a.dp, sb * b.dp
     period = sa if sa > sb else sb
@@ -102,46 +103,51 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
     link = hosts.link_across(x, x + overlap, x + nb) if grow else "intra"
     if link is None:
         return None
-    cur = [Rep(f"c{i}", la, tuple(range(i * sa, (i + 1) * sa))) for i in range(period // sa)]
     ops: tuple = ()  # a period whose EMUs already are its targets needs no op
-    if (a.tp, a.pp) != (b.tp, b.pp):  # both layouts cut evenly: tp and pp say which
-        planned = stage_ops(cur, [Rep(f"t{j}", lb, tuple(range(j * sb, (j + 1) * sb))) for j in range(period // sb)])
-        if planned.sub != sub_layout(la, lb):
-            return None
-        ops = planned.ops
-    kinds = {op.kind for op in ops}
-    if "extend" in kinds or (grow and "destroy" in kinds):
-        return None
-    rel = hosts.hosts[x:x + period] if hosts.hosts is not None else [hosts.of(x + o) for o in range(period)]
-    effects = Effects(table, rel.__getitem__, bucket)
-
-    # local nodes: split, destroy, the Extends' groups, merge (those that exist)
     nodes: list[NodeSpec] = []
     index: dict[str, int] = {}
     per_offset: list[list[tuple[int, int, int, int]]] = [[] for _ in range(period)]
     made_by_split: set[str] = set()
-    for kind in ("split", "destroy", "merge"):
-        mine = [op for op in ops if op.kind == kind]
-        if mine or (kind == "destroy" and shrink):
-            index[kind] = len(nodes)
-            nodes.append(NodeSpec(kind, shrink if kind == "destroy" else 0, 0, {"intra": 0, "inter": 0}, 0))
-        for op in mine:
-            _add_period_op(nodes[index[kind]], index[kind], op, effects, periods, per_offset)
-            if kind == "split":
-                made_by_split.update(e.name for e in op.created)
+    if same:  # the period is one EMU, which the Extends read; beyond the overlap EMUs go
+        pool: list[Rep] = []
+        per_period, member_at = 1, [0] * period
+        if shrink:
+            index["destroy"] = 0
+            nodes.append(NodeSpec("destroy", shrink, 0, {"intra": 0, "inter": 0}, 0))
+    else:  # both layouts cut evenly: tp and pp say which
+        cur = [Rep(f"c{i}", la, tuple(range(i * sa, (i + 1) * sa))) for i in range(period // sa)]
+        planned = stage_ops(cur, [Rep(f"t{j}", lb, tuple(range(j * sb, (j + 1) * sb))) for j in range(period // sb)])
+        if planned.sub != sub_layout(la, lb):
+            return None
+        ops = planned.ops
+        kinds = {op.kind for op in ops}
+        if "extend" in kinds or (grow and "destroy" in kinds):
+            return None
+        rel = hosts.hosts[x:x + period] if hosts.hosts is not None else [hosts.of(x + o) for o in range(period)]
+        effects = Effects(table, rel.__getitem__, bucket)
+        # local nodes: split, destroy, the Extends' groups, merge (those that exist)
+        for kind in ("split", "destroy", "merge"):
+            mine = [op for op in ops if op.kind == kind]
+            if mine or (kind == "destroy" and shrink):
+                index[kind] = len(nodes)
+                nodes.append(NodeSpec(kind, shrink if kind == "destroy" else 0, 0, {"intra": 0, "inter": 0}, 0))
+            for op in mine:
+                _add_period_op(nodes[index[kind]], index[kind], op, effects, periods, per_offset)
+                if kind == "split":
+                    made_by_split.update(e.name for e in op.created)
+        # the replicas the Extends read (after the Splits), in the order they came to exist
+        live = {e.name: e for e in cur}
+        for op in ops:
+            if op.kind == "split":
+                live.pop(op.inputs[0].name)
+                live.update((e.name, e) for e in op.created)
+        pool = list(live.values())
+        per_period = len(pool)
+        member_at = [0] * period
+        for j, e in enumerate(pool):
+            for o in e.devices:
+                member_at[o] = j
     merge = nodes.pop() if "merge" in index else None  # it comes after the Extends
-    # the replicas the Extends read (after the Splits), in the order they came to exist
-    live = {e.name: e for e in cur}
-    for op in ops:
-        if op.kind == "split":
-            live.pop(op.inputs[0].name)
-            live.update((e.name, e) for e in op.created)
-    pool = list(live.values())
-    per_period = len(pool)
-    member_at = [0] * period
-    for j, e in enumerate(pool):
-        for o in e.devices:
-            member_at[o] = j
     extend_groups: list[tuple[int, list[tuple[int, int]]]] = []  # (count, pool intervals read)
     group_of: list[int] = []
     first = len(nodes)
@@ -168,15 +174,19 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
 
     # every device's role
     roles = Roles()
-    initial = _per_device(table, la) * (period // sa)
+    initial = (held if grow and same else _per_device(table, la)) * (period // sa)
     codes: Runs = [([0], x)]
     if grow:
         bkt = bucket if total else 0
         reading = [(lo, hi, first + g) for g, (_, read) in enumerate(extend_groups) for lo, hi in read]
         codes += _overlap_codes(roles, initial, per_offset, member_at, per_period, periods, reading, bkt)
         pattern = []
-        for g in range(len(extend_groups)):
-            code = {h: roles.code(0, ((first + g, h + bkt, bkt, h),)) for h in set(held)}
+        alike = set(held)
+        for g in range(first, first + len(extend_groups)):
+            if len(alike) == 1:  # every device of a target EMU holds as much
+                pattern.append([roles.code(0, ((g, held[0] + bkt, bkt, held[0]),))] * len(held))
+                continue
+            code = {h: roles.code(0, ((g, h + bkt, bkt, h),)) for h in alike}
             pattern.append(list(map(code.__getitem__, held)))
         if group_of:
             codes.append(([c for g in group_of for c in pattern[g]], 1))
@@ -206,8 +216,8 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
 
 def _per_device(table: SpecBytes, layout: Layout) -> list[int]:
     """Bytes each device of one ``layout`` EMU holds, in device order (pp-major)."""
-    tp, pp, cuts = layout.tp, layout.pp, layout.cuts
-    return list(chain.from_iterable(repeat(table.held_at(tp, pp, cuts, p), tp) for p in range(pp)))
+    tp = layout.tp
+    return list(chain.from_iterable(repeat(h, tp) for h in table.held_ranks(tp, layout.pp, layout.cuts)))
 
 
 def _add_period_op(node: NodeSpec, li: int, op, effects: Effects, periods: int,

@@ -132,10 +132,11 @@ class Effects:
         reuse = op.kind in ("split", "merge")  # their sources are freed: unchanged shards are adopted
         for made in op.created:
             layout = made.layout
-            tp, pp, cuts = layout.tp, layout.pp, layout.cuts
+            tp = layout.tp
+            ranks = t.held_ranks(tp, layout.pp, layout.cuts)
             for i, d in enumerate(made.devices):
                 pos = divmod(i, tp)
-                held = t.held_at(tp, pp, cuts, pos[0])
+                held = ranks[pos[0]]
                 src = at.get(d)
                 local, kept = (0, 0) if src is None else t.local_kept(src[0], src[1], layout, pos)
                 if not reuse:
@@ -152,9 +153,10 @@ class Effects:
                     links["intra" if intra else "inter"] += held - local
         for e in op.freed:
             layout = e.layout
-            tp, pp, cuts = layout.tp, layout.pp, layout.cuts
+            tp = layout.tp
+            ranks = t.held_ranks(tp, layout.pp, layout.cuts)
             for i, d in enumerate(e.devices):
-                release[d] = release.get(d, 0) + t.held_at(tp, pp, cuts, i // tp)
+                release[d] = release.get(d, 0) + ranks[i // tp]
         if moved and self.bucket:
             for d in set(moved) | set(at):
                 alloc[d] = alloc.get(d, 0) + self.bucket

@@ -217,11 +217,16 @@ class SpecBytes:
 
     def held_at(self, tp: int, pp: int, cuts: tuple[int, ...], pp_rank: int) -> int:
         """``held`` of pipeline stage ``pp_rank`` of a ``tp`` x ``pp`` layout cut at ``cuts``."""
-        key = (tp, pp, cuts, pp_rank)
+        return self.held_ranks(tp, pp, cuts)[pp_rank]
+
+    def held_ranks(self, tp: int, pp: int, cuts: tuple[int, ...]) -> tuple[int, ...]:
+        """``held_at`` of every pipeline stage of a ``tp`` x ``pp`` layout cut at ``cuts``."""
+        key = (tp, pp, cuts)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = sum(n * self._group_bytes(g, tp) for g in self.groups
-                                        if (n := self._count(g, pp_rank, pp, cuts)))
+            per_group = [(g, self._group_bytes(g, tp)) for g in self.groups]
+            got = self._memo[key] = tuple(sum(n * b for g, b in per_group if (n := self._count(g, r, pp, cuts)))
+                                          for r in range(pp))
         return got
 
     def local_kept(self, a: Layout, pos_a: Pos, b: Layout, pos_b: Pos) -> tuple[int, int]:
@@ -291,7 +296,9 @@ def _group(spec: ModelSpec) -> list[_Group]:
     return list(groups.values())
 
 
-_KEY = itemgetter("stage", "rule", "shape", "dtype", "tied_head", "components")
+# what sets a decoder layer parameter's shard and bytes besides its layer (its stage is
+# "layer" exactly when it has a layer, and only an embedding is a tied head: ParamSpec)
+_KEY = itemgetter("rule", "shape", "dtype", "components")
 _LAYER = itemgetter("layer")
 
 
@@ -303,21 +310,22 @@ def _repeating(spec: ModelSpec) -> list[_Group] | None:
     one components tuple between a config's layers, so those compare at once)."""
     params, n = spec.params, spec.num_layers
     fields = list(map(vars, params))
-    keys = list(map(_KEY, fields))
-    first = next((i for i, k in enumerate(keys) if k[0] == "layer"), None)
+    layers = list(map(_LAYER, fields))
+    first = next((i for i, layer in enumerate(layers) if layer is not None), None)
     if first is None:
         return None
-    count = len(params) - first
-    while count and keys[first + count - 1][0] != "layer":
-        count -= 1
+    end = len(params)
+    while layers[end - 1] is None:
+        end -= 1
+    count = end - first
     if count % n:
         return None
     q = count // n
-    rows = keys[first:first + count]
-    if rows[q:] != rows[:-q] or rows[:q] != [k for k in rows[:q] if k[0] == "layer"]:
+    block, every = layers[first:end], list(range(n))
+    if any(block[j::q] != every for j in range(q)):  # the j-th parameter of every layer, in layer order
         return None
-    layers, every = list(map(_LAYER, fields[first:first + count])), list(range(n))
-    if any(layers[j::q] != every for j in range(q)):  # the j-th parameter of every layer, in layer order
+    rows = list(map(_KEY, fields[first:end]))
+    if rows[q:] != rows[:-q]:
         return None
     groups: dict[tuple, _Group] = {}
     every_layer = tuple(every)
