@@ -31,7 +31,7 @@ Each daemon owns a scratch folder (``nereus-<pid>-*`` in its own temporary folde
 removed when it stops: it holds the workers' ipc sockets and is the workers'
 ``TMPDIR``, so what libraries in a worker leave in the temporary folder (vLLM's engine
 sockets, for one) goes with the node, even when the worker was killed rather than
-closed. Nothing a worker writes there outlives its node: a cache meant to last across
+closed (a daemon killed with SIGKILL removes nothing: its folder stays). Nothing a worker writes there outlives its node: a cache meant to last across
 runs belongs elsewhere (torch's compile cache, for one, follows ``TMPDIR`` unless
 ``TORCHINDUCTOR_CACHE_DIR`` says otherwise).
 """

@@ -10,13 +10,16 @@ is left and that the key folder is gone.
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import math
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -191,6 +194,12 @@ async def test_gpu_sets_a_lost_node_and_cancel(slurm, tmp_path):
     state = slurm.job_state(submitted.job_id)
     assert state["JobState"] == "CANCELLED", state
     _assert_gone(submitted.job_id, keys)
+    # scancel's SIGTERM stops the surviving daemon, which removes its scratch folder; the
+    # SIGKILLed one could not remove its own, so the test does
+    survivor = next(w["ppid"] for w in seen if w["node_id"] != victim["node_id"])
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"nereus-{survivor}-*"))
+    for left in glob.glob(os.path.join(tempfile.gettempdir(), f"nereus-{victim['ppid']}-*")):
+        shutil.rmtree(left)
 
 
 def _environ(pid: int) -> dict[str, str]:
