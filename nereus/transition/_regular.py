@@ -292,10 +292,12 @@ def _overlap_codes(roles: Roles, initial: list[int], per_offset: list[list[tuple
     that read each device's replica (``reading``: pool interval -> node)."""
     pool = periods * per_period
     cuts = sorted({0, pool} | {lo for lo, _, _ in reading} | {hi for _, hi, _ in reading})
-    segments = [(lo, hi, tuple(sorted(n for rlo, rhi, n in reading if rlo <= lo < rhi)))
+    # ``reading`` lists the nodes in ascending order: so do the segments' readers
+    segments = [(lo, hi, tuple([n for rlo, rhi, n in reading if rlo <= lo < rhi]))
                 for lo, hi in zip(cuts, cuts[1:], strict=False)]
-    bases = list(dict.fromkeys(zip(initial, map(tuple, per_offset), strict=True)))  # offsets alike share a role
-    base_of = list(map({k: i for i, k in enumerate(bases)}.__getitem__, zip(initial, map(tuple, per_offset), strict=True)))
+    keys = list(zip(initial, map(tuple, per_offset), strict=True))
+    bases = list(dict.fromkeys(keys))  # offsets alike share a role
+    base_of = list(map({k: i for i, k in enumerate(bases)}.__getitem__, keys))
     memo: dict[tuple, int] = {}
 
     def code(base: int, readers: tuple[int, ...]) -> int:
