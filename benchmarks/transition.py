@@ -8,10 +8,9 @@ job with a llama-8b-sized policy (the reference the same model, critic and rewar
 value model) on the ``mi250x-1024`` preset, from the search's plan at 512 devices to its
 plan at 1,024 (pinned as the search gave them when first recorded, ``PLAN_512`` and
 ``PLAN_1024``; relabelled onto the current devices; every model-stage changes). The
-ModelSpecs, plans, devices and link model are
-made once, outside the timed region; every run starts cold (the state layer's
-``param_shard`` and ``layer_bounds`` caches are cleared; the DAG keeps no memo between calls). One thread, pure
-Python. Warm-up first, then ``--reps`` runs: median and spread (min-max) in CPU
+ModelSpecs, plans, devices and link model are made once, outside the timed region;
+every run starts cold (the state layer's ``param_shard`` and ``layer_bounds`` caches are
+cleared; the DAG keeps no memo between calls). One thread, pure Python. Warm-up first, then ``--reps`` runs: median and spread (min-max) in CPU
 milliseconds of this thread (``dag_ms_1024``: on a shared machine the wall clock also
 counts time spent waiting for a core) and in wall milliseconds (``dag_wall_ms_1024``).
 Also printed: ``nodes_1024`` (nodes of the DAG), ``emus_1024`` (EMUs of the 1,024-device
