@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from itertools import chain, repeat
 from math import lcm
-from operator import add, gt
+from operator import gt
 from typing import Any
 
 __all__ = ["DeviceClasses", "ClassEffect", "DeviceMap", "joint"]
@@ -150,22 +150,19 @@ class DeviceClasses:
             effects += mine
             node_at += zip(repeat(k), range(len(mine)))
             roles = part.roles
-            column = columns[k]
-            initial = list(map(add, initial, map(roles.held.__getitem__, column)))  # code 0 holds 0
-            worst = list(map(add, worst, map(roles.grows.__getitem__, column)))
-            members: list[list[int]] = [[] for _ in roles.held]  # the classes of each role code, ascending
-            for c, code in enumerate(column):
+            held, grows = roles.held, roles.grows
+            members: list[list[int]] = [[] for _ in held]  # the classes of each role code, ascending
+            for c, code in enumerate(columns[k]):
                 if code:
                     members[code].append(c)
+                    initial[c] += held[code]
+                    worst[c] += grows[code]
             groups = [(code, classes) for code, classes in enumerate(members) if classes]
             by_stage.append(groups)
             touch = roles.touch
-            touched: list[list[int]] = [[] for _ in mine]
             for code, classes in groups:
                 for li in touch[code]:
-                    touched[li] += classes  # a class has one code per part: no class twice
-            for e, classes in zip(mine, touched, strict=True):
-                e.touches = frozenset(classes)
+                    mine[li].touches += classes  # a class has one code per part: no class twice
         # counted: some model-stage has a role there, or it has resident bytes (made when asked)
         out = cls(cap_of, initial, None, worst, effects)
         risky = out.risky
@@ -183,6 +180,8 @@ class DeviceClasses:
                             e.alloc += zip(at_risk, repeat(a))
                         if r:
                             e.release.update(dict.fromkeys(at_risk, r))
+        for e in effects:
+            e.touches = frozenset(e.touches)
         out._chunks, out._distinct, out._parts, out._node_at = chunks, distinct, parts, node_at
         out._resident_of = resident_of
         return out
