@@ -10,12 +10,12 @@ plan at 1,024 (pinned as the search gave them when first recorded, ``PLAN_512`` 
 ``PLAN_1024``; relabelled onto the current devices; every model-stage changes). The
 ModelSpecs, plans, devices and link model are made once, outside the timed region;
 every run starts cold (the state layer's ``param_shard`` and ``layer_bounds`` caches are
-cleared; the DAG keeps no memo between calls). One thread, pure Python. Warm-up first, then ``--reps`` runs: median and spread (min-max) in CPU
-milliseconds of this thread (``dag_ms_1024``: on a shared machine the wall clock also
-counts time spent waiting for a core) and in wall milliseconds (``dag_wall_ms_1024``).
-Also printed: ``nodes_1024`` (nodes of the DAG), ``emus_1024`` (EMUs of the 1,024-device
-plan), the primitives the nodes stand for, the classes of alike devices and the
-transition's estimate.
+cleared; the DAG keeps no memo between calls). One thread, pure Python. Warm-up first,
+then ``--reps`` runs: median and spread (min-max) in CPU milliseconds of this thread
+(``dag_ms_1024``: on a shared machine the wall clock also counts time spent waiting for
+a core) and in wall milliseconds (``dag_wall_ms_1024``). Also printed: ``nodes_1024``
+(nodes of the DAG), ``emus_1024`` (EMUs of the 1,024-device plan), the primitives the
+nodes stand for, the classes of alike devices and the transition's estimate.
 
 (b) ``prediction_error`` and (c) ``overlap_ratio``: transitions of a running job on
 this machine's CPU workers (``benchmarks._transition_live``): the median of |measured -

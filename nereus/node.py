@@ -31,8 +31,9 @@ Each daemon owns a scratch folder (``nereus-<pid>-*`` in its own temporary folde
 removed when it stops: it holds the workers' ipc sockets and is the workers'
 ``TMPDIR``, so what libraries in a worker leave in the temporary folder (vLLM's engine
 sockets, for one) goes with the node, even when the worker was killed rather than
-closed (a daemon killed with SIGKILL removes nothing: its folder stays). Nothing a worker writes there outlives its node: a cache meant to last across
-runs belongs elsewhere (torch's compile cache, for one, follows ``TMPDIR`` unless
+closed (a daemon killed with SIGKILL removes nothing: its folder stays). Nothing a
+worker writes there outlives its node: a cache meant to last across runs belongs
+elsewhere (torch's compile cache, for one, follows ``TMPDIR`` unless
 ``TORCHINDUCTOR_CACHE_DIR`` says otherwise).
 """
 
@@ -270,8 +271,7 @@ class NodeDaemon:
             env.pop(CURVE_ENV, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")  # actors' prints show up as they happen
-        if self._tmpdir is not None:  # inside the daemon's own temporary folder
-            env["TMPDIR"] = os.path.join(self._tmpdir, "tmp")
+        env["TMPDIR"] = os.path.join(self._tmpdir, "tmp")  # made by start(), removed by stop()
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
         if self.kind == "cuda":

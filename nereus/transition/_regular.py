@@ -109,7 +109,6 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
     per_offset: list[list[tuple[int, int, int, int]]] = [[] for _ in range(period)]
     made_by_split: set[str] = set()
     if same:  # the period is one EMU, which the Extends read; beyond the overlap EMUs go
-        pool: list[Rep] = []
         per_period, member_at = 1, [0] * period
         if shrink:
             index["destroy"] = 0
@@ -174,7 +173,7 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
 
     # every device's role
     roles = Roles()
-    initial = (held if grow and same else _per_device(table, la)) * (period // sa)
+    initial = _per_device(table, la) * (period // sa)
     codes: Runs = [([0], x)]
     if grow:
         bkt = bucket if total else 0
@@ -183,9 +182,6 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
         pattern = []
         alike = set(held)
         for g in range(first, first + len(extend_groups)):
-            if len(alike) == 1:  # every device of a target EMU holds as much
-                pattern.append([roles.code(0, ((g, held[0] + bkt, bkt, held[0]),))] * len(held))
-                continue
             code = {h: roles.code(0, ((g, h + bkt, bkt, h),)) for h in alike}
             pattern.append(list(map(code.__getitem__, held)))
         if group_of:

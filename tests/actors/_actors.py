@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+import socket
+import tempfile
 
 from nereus.actors import Actor, current_device, emit, endpoint
 
@@ -40,9 +42,6 @@ class Echo(Actor):
     async def leave_temporary_files(self) -> dict:
         """What a library does in the temporary folder and never cleans up: a file, and a
         unix socket bound there (vLLM's engine sockets), both left open."""
-        import socket
-        import tempfile
-
         fd, path = tempfile.mkstemp()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         bound = os.path.join(tempfile.gettempdir(), f"sock-{os.getpid()}")
