@@ -271,7 +271,8 @@ class NodeDaemon:
             env.pop(CURVE_ENV, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")  # actors' prints show up as they happen
-        env["TMPDIR"] = os.path.join(self._tmpdir, "tmp")  # made by start(), removed by stop()
+        if self._tmpdir is not None:  # made by start(), removed by stop()
+            env["TMPDIR"] = os.path.join(self._tmpdir, "tmp")
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
         if self.kind == "cuda":
