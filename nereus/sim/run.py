@@ -34,6 +34,7 @@ simulation: labels say so.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,8 +222,11 @@ def _devices(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
     return tuple(d for n in sorted(nodes) for d in range(n * per_node, (n + 1) * per_node))
 
 
-def run_policy(scn: Scenario, policy: Policy) -> PolicyResult:
-    """Run ``policy`` over ``scn`` (see the module docstring)."""
+def run_policy(scn: Scenario, policy: Policy, *,
+               on_step: Callable[[int, float], None] | None = None) -> PolicyResult:
+    """Run ``policy`` over ``scn`` (see the module docstring). ``on_step(step, run_s)``
+    is called after each completed step with the run time so far (paused time left out,
+    as ``mean_step_s`` counts it)."""
     per = scn.cluster.devices_per_node
     transitions = policy.ctx.transitions
     res = PolicyResult(policy.name)
@@ -313,6 +317,8 @@ def run_policy(scn: Scenario, policy: Policy) -> PolicyResult:
         res.tokens += scn.work.sequences * truth.lengths.mean
         policy.observe(plan, devices, observed, truth, step)
         observed = truth.lengths
+        if on_step is not None:
+            on_step(step, clock - res.paused_s)
         step, attempt = step + 1, 0
         moved = restarted = False
     res.steps = step

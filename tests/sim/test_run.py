@@ -9,8 +9,8 @@ import math
 import pytest
 
 from nereus.planner import search
-from nereus.sim import POLICIES, SimConfig, run_policies
-from nereus.sim.policies import FixedLayoutPolicy, _Ctx
+from nereus.sim import POLICIES, SimConfig, run_policies, run_policy
+from nereus.sim.policies import FixedLayoutPolicy, _Ctx, make_policy
 from nereus.sim.report import rows
 from nereus.sim.transitions import Transitions
 from tests.sim.helpers import small_scenario
@@ -165,3 +165,16 @@ def test_config_errors_name_the_field():
         SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, gamma=0)
     with pytest.raises(ConfigError, match="cap_schedule='doubling'"):
         SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, cap_schedule="doubling")
+
+
+def test_on_step_sees_every_completed_step_with_the_run_time_so_far(volatile):
+    scn, results = volatile
+    seen: list[tuple[int, float]] = []
+    transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
+    policy = make_policy("adaptive", _Ctx(scn.work, scn.cluster, transitions, scn.caps))
+    r = run_policy(small_scenario(memory_gib=24, steps=24), policy, on_step=lambda s, t: seen.append((s, t)))
+    assert [s for s, _ in seen] == list(range(24))
+    assert all(a <= b for (_, a), (_, b) in zip(seen, seen[1:], strict=False))
+    # the run time after the last step is the run's, paused time left out
+    assert r.paused_s > 0 and seen[-1][1] == pytest.approx(r.run_s)
+    assert r.records == results[0].records  # the callback changes nothing
