@@ -69,7 +69,7 @@ from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import explain
 from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
-from nereus.planner.replan import Replanner
+from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.rescale import Layout, layout_of, rescaled_layout
 from nereus.planner.search import SearchResult, search
 from nereus.planner.workload import LengthStats, Workload
@@ -217,6 +217,7 @@ class AdaptivePolicy(Policy):
         self.name, self.gamma = name, gamma
         self.join_horizon_steps, self.min_steps_between = join_horizon_steps, min_steps_between
         self.replanner: Replanner | None = None
+        self.outcome: BoundaryOutcome | None = None  # the last boundary's, for reports
 
     def _fresh(self, b: Boundary) -> Plan:
         """A (re)started job: a new Replanner on the pool, keeping what calibration learned."""
@@ -247,6 +248,7 @@ class AdaptivePolicy(Policy):
             self.replanner = None
             return self._timed(Move("wait", None, str(e)), t0, dag0)
         self.eff = self.replanner.eff
+        self.outcome = outcome
         d = outcome.decision
         target = pool.to_devices(outcome.plan)
         if d.action == "keep":

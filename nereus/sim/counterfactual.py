@@ -1,0 +1,192 @@
+"""Each admission decision against its counterfactual: was turning a move down right?
+
+``admission_counterfactuals(scn, horizon)`` runs the ``adaptive`` policy over ``scn`` as
+``run_policy`` does and, at every boundary, forks the process. The child decides as
+``dynarl`` would at that one boundary (gamma infinite: any predicted saving is
+admitted); the parent decides as adaptive does. Where the two decisions differ, the
+child runs on, as adaptive again, until ``horizon`` steps later, and reports the run
+time it needed to get there (paused time left out, as ``mean_step_s`` counts it); the
+parent compares it with its own at the same step. A ``Counterfactual``'s ``delta_s`` is
+the admitting branch's run time minus adaptive's: positive when turning the move down
+reached the horizon sooner.
+
+Both branches share everything up to the boundary (traces, ground truth and its seed,
+the planner's calibration, the plan), so the delta is the value of that one decision
+over the horizon, including how it shifts the clock against the device trace. Whole
+runs of two policies compared by their mean step time mix that with the drift of two
+runs that part at their first differing decision.
+
+Promises: the parent's run is the adaptive policy's run, step for step (the result
+equals ``run_policy``'s on a fresh ``adaptive`` policy); a child never returns into the
+caller (it ends with ``os._exit``). Needs ``os.fork`` (POSIX) and runs children
+concurrently with the parent. Refuses ``horizon < 1`` (``ConfigError``). A branch that
+stops early (a ``SimulationError`` in the child) is counted in ``failed_branches``,
+never compared. No boundary within ``horizon`` steps of the end forks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+
+from nereus.config import require
+from nereus.sim.policies import AdaptivePolicy, Boundary, Move, _Ctx
+from nereus.sim.run import PolicyResult, Scenario, run_policy
+from nereus.sim.transitions import Transitions
+
+__all__ = ["Counterfactual", "CounterfactualReport", "admission_counterfactuals"]
+
+
+@dataclass(frozen=True)
+class Counterfactual:
+    """One boundary where admitting would have decided otherwise: what adaptive did,
+    the predicted saving, payback and limit of the move it weighed, and ``delta_s``."""
+
+    step: int
+    action: str
+    reason: str
+    saving_s: float
+    payback_steps: float
+    limit_steps: float
+    delta_s: float
+
+
+@dataclass
+class CounterfactualReport:
+    """The adaptive run and its counterfactuals (see the module docstring)."""
+
+    result: PolicyResult
+    horizon: int
+    rows: list[Counterfactual] = field(default_factory=list)
+    failed_branches: int = 0
+
+    @property
+    def keep_better(self) -> int:
+        return sum(r.delta_s > 0 for r in self.rows)
+
+    @property
+    def admit_better(self) -> int:
+        return sum(r.delta_s < 0 for r in self.rows)
+
+    @property
+    def median_delta_s(self) -> float:
+        return statistics.median(r.delta_s for r in self.rows) if self.rows else 0.0
+
+    @property
+    def sum_delta_s(self) -> float:
+        return sum(r.delta_s for r in self.rows)
+
+
+@dataclass
+class _Pending:
+    """A branch forked at ``step``: its exit code and report once it has ended."""
+
+    step: int
+    pid: int
+    fd: int
+    info: dict
+    status: int | None = None
+    got: bytes = b""
+
+
+def _read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    os.close(fd)
+    return data
+
+
+def _signature(move: Move) -> str:
+    return json.dumps([move.action, move.plan.to_dict() if move.plan is not None else None])
+
+
+class _ForkingAdaptive(AdaptivePolicy):
+    """The adaptive policy, forking an admitting branch at each boundary."""
+
+    def __init__(self, ctx: _Ctx, report: CounterfactualReport, steps: int, gamma: float) -> None:
+        super().__init__(ctx, gamma=gamma)
+        self.report, self.steps = report, steps
+        self.until: int | None = None  # in a child: the step it reports at
+        self.report_fd = -1
+        self.pending: list[_Pending] = []
+
+    def decide(self, b: Boundary, plan) -> Move:
+        if self.until is not None or self.replanner is None or b.step + self.report.horizon >= self.steps:
+            return super().decide(b, plan)
+        from_parent, to_child = os.pipe()
+        report_read, report_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(to_child)
+            os.close(report_read)
+            try:
+                gamma, self.replanner.gamma = self.replanner.gamma, math.inf
+                move = super().decide(b, plan)
+                if self.replanner is not None:
+                    self.replanner.gamma = gamma
+                same = _read_all(from_parent).decode() == _signature(move)
+            except BaseException:
+                os._exit(1)
+            if same:
+                os._exit(0)
+            self.until, self.report_fd, self.pending = b.step + self.report.horizon, report_write, []
+            return move
+        os.close(from_parent)
+        os.close(report_write)
+        move = super().decide(b, plan)
+        os.write(to_child, _signature(move).encode())
+        os.close(to_child)
+        d = self.outcome.decision if self.outcome is not None and self.outcome.step == b.step else None
+        self.pending.append(_Pending(b.step, pid, report_read, {
+            "step": b.step, "action": move.action, "reason": move.reason,
+            "saving_s": d.saving_seconds if d else 0.0, "payback_steps": d.payback_steps if d else math.inf,
+            "limit_steps": d.limit_steps if d else math.inf}))
+        return move
+
+    def on_step(self, step: int, run_s: float) -> None:
+        if self.until is not None:
+            if step >= self.until:
+                os.write(self.report_fd, json.dumps({"run_s": run_s}).encode())
+                os._exit(0)
+            return
+        for p in list(self.pending):
+            due = step >= p.step + self.report.horizon
+            if p.status is None:
+                pid, status = os.waitpid(p.pid, 0 if due else os.WNOHANG)
+                if pid == 0:
+                    continue  # still running, and not due yet
+                p.status, p.got = os.waitstatus_to_exitcode(status), _read_all(p.fd)
+            if not p.got:
+                # exit 0 without a report: the child decided as the parent did
+                self.report.failed_branches += p.status != 0
+                self.pending.remove(p)
+            elif due:
+                self.report.rows.append(Counterfactual(**p.info, delta_s=json.loads(p.got)["run_s"] - run_s))
+                self.pending.remove(p)
+
+
+def admission_counterfactuals(scn: Scenario, horizon: int = 100, *, gamma: float = 0.5) -> CounterfactualReport:
+    """The adaptive policy over ``scn`` with every differing decision's counterfactual
+    over ``horizon`` steps (see the module docstring)."""
+    require(isinstance(horizon, int) and horizon >= 1, "horizon", horizon, "must be an integer >= 1 (steps)")
+    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model), scn.caps)
+    report = CounterfactualReport(PolicyResult("adaptive"), horizon)
+    policy = _ForkingAdaptive(ctx, report, scn.steps, gamma)
+    try:
+        result = run_policy(scn, policy, on_step=policy.on_step)
+    except BaseException:
+        if policy.until is not None:
+            os._exit(1)  # a branch that stopped early: its parent counts it
+        for p in policy.pending:  # the adaptive run raised: reap its branches
+            if p.status is None:
+                os.close(p.fd)
+                os.waitpid(p.pid, 0)
+        raise
+    if policy.until is not None:
+        os._exit(1)  # unreachable: a branch reports at its horizon, which is before the end
+    report.result = result
+    return report
