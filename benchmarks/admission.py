@@ -1,0 +1,84 @@
+"""Were adaptive's admission decisions right? Each one against its counterfactual.
+
+    .venv/bin/python -m benchmarks.admission [--spots us-west-2a,us-east-2b] [--seeds 0-4]
+        [--length-trace NAME] [--horizon 100]
+
+A simulation (``nereus.sim``), not a measurement. The adaptive policy runs the job of
+``nereus simulate``'s real-trace table (PPO llama-8b on a100-256, a spot trace, a real
+length trace rescaled to 500-8,000 tokens, 1,000 steps, seed S), and
+``nereus.sim.counterfactual`` forks it at every boundary where ``dynarl``'s rule (admit
+any predicted saving) would have decided otherwise: both branches run on as adaptive
+for ``--horizon`` steps, and ``delta_s`` is the admitting branch's run time minus
+adaptive's at that step (positive: turning the move down was right).
+
+Default: the softgrpo trace under both spot traces and seeds 0-4, the runs where the
+policy table has ``dynarl`` ahead of adaptive (BENCHMARKS.md). Each run prints its
+differing decisions and a summary line; the last line is one JSON object:
+``decisions``, ``keep_better``, ``admit_better``, ``median_delta_s``, ``sum_delta_s``,
+``largest_deltas_s`` over every run, and ``runs`` (each run's figures with adaptive's
+``mean_step_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from nereus.sim import SimConfig, build_scenario
+from nereus.sim.counterfactual import admission_counterfactuals
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -> dict:
+    config = SimConfig("a100-256", "llama-8b", "ppo", str(TRACES / "spot-availability" / f"{spot}_v100_1.json"),
+                       str(TRACES / "response-length" / f"{trace}.json"), steps, length_range=(500, 8000),
+                       seed=seed, policies=("adaptive",))
+    t0 = time.perf_counter()
+    rep = admission_counterfactuals(build_scenario(config), horizon)
+    for r in rep.rows:
+        print(f"  step {r.step:4d}: {r.action:10s} delta {r.delta_s:+9.1f} s  (saving {r.saving_s:.3g} s/step, "
+              f"payback {r.payback_steps:.3g} steps, limit {r.limit_steps:.3g})")
+    print(f"{spot} seed {seed}: adaptive {rep.result.mean_step_s:.1f} s/step; {len(rep.rows)} decisions differ "
+          f"from admitting; turning down reached step +{horizon} sooner {rep.keep_better} times, admitting "
+          f"{rep.admit_better}; median delta {rep.median_delta_s:+.1f} s, sum {rep.sum_delta_s:+.0f} s; "
+          f"{rep.failed_branches} branches stopped early; {time.perf_counter() - t0:.0f} s", flush=True)
+    return {"spot": spot, "seed": seed, "mean_step_s": round(rep.result.mean_step_s, 2), "decisions": len(rep.rows),
+            "keep_better": rep.keep_better, "admit_better": rep.admit_better,
+            "median_delta_s": round(rep.median_delta_s, 1), "sum_delta_s": round(rep.sum_delta_s, 1),
+            "failed_branches": rep.failed_branches, "deltas": [r.delta_s for r in rep.rows]}
+
+
+def _seeds(text: str) -> list[int]:
+    if "-" in text:
+        lo, hi = text.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(s) for s in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--spots", default="us-west-2a,us-east-2b")
+    p.add_argument("--seeds", default="0-4")
+    p.add_argument("--length-trace", default="softgrpo-llama3.2-3b-grpo")
+    p.add_argument("--horizon", type=int, default=100, help="steps each pair of branches runs on")
+    args = p.parse_args(argv)
+    runs = [one_run(spot, seed, args.length_trace, args.horizon)
+            for spot in args.spots.split(",") for seed in _seeds(args.seeds)]
+    deltas = [d for r in runs for d in r.pop("deltas")]
+    n = len(deltas)
+    print(json.dumps({
+        "horizon_steps": args.horizon, "length_trace": args.length_trace, "decisions": n,
+        "keep_better": sum(d > 0 for d in deltas), "admit_better": sum(d < 0 for d in deltas),
+        "median_delta_s": round(statistics.median(deltas), 1) if n else 0.0,
+        "sum_delta_s": round(sum(deltas), 1), "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]],
+        "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
