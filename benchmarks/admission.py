@@ -15,7 +15,8 @@ Default: the softgrpo trace under both spot traces and seeds 0-4, the runs where
 policy table has ``dynarl`` ahead of adaptive (BENCHMARKS.md). Each run prints its
 differing decisions and a summary line; the last line is one JSON object:
 ``decisions``, ``keep_better``, ``admit_better``, ``median_delta_s``, ``sum_delta_s``,
-``largest_deltas_s`` over every run, and ``runs`` (each run's figures with adaptive's
+``largest_deltas_s`` over every run, ``by_payback_over_limit`` (the same counts by how
+far past the payback test's limit each turned-down move was), and ``runs`` (each run's figures with adaptive's
 ``mean_step_s``).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -32,6 +34,8 @@ from nereus.sim import SimConfig, build_scenario
 from nereus.sim.counterfactual import admission_counterfactuals
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+# how far past the payback test's limit a turned-down move was (payback / (gamma * H))
+BANDS = (("1-2", 1.0, 2.0), ("2-5", 2.0, 5.0), ("5-20", 5.0, 20.0), (">=20", 20.0, math.inf))
 
 
 def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -> dict:
@@ -50,7 +54,8 @@ def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -
     return {"spot": spot, "seed": seed, "mean_step_s": round(rep.result.mean_step_s, 2), "decisions": len(rep.rows),
             "keep_better": rep.keep_better, "admit_better": rep.admit_better,
             "median_delta_s": round(rep.median_delta_s, 1), "sum_delta_s": round(rep.sum_delta_s, 1),
-            "failed_branches": rep.failed_branches, "deltas": [r.delta_s for r in rep.rows]}
+            "failed_branches": rep.failed_branches,
+            "deltas": [(r.delta_s, r.payback_steps / r.limit_steps if r.limit_steps > 0 else math.inf) for r in rep.rows]}
 
 
 def _seeds(text: str) -> list[int]:
@@ -69,13 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     runs = [one_run(spot, seed, args.length_trace, args.horizon)
             for spot in args.spots.split(",") for seed in _seeds(args.seeds)]
-    deltas = [d for r in runs for d in r.pop("deltas")]
+    pairs = [d for r in runs for d in r.pop("deltas")]
+    deltas = [d for d, _ in pairs]
     n = len(deltas)
+    by_ratio = {}
+    for name, lo, hi in BANDS:
+        band = [d for d, ratio in pairs if lo <= ratio < hi]
+        by_ratio[name] = {"decisions": len(band), "keep_better": sum(d > 0 for d in band),
+                          "admit_better": sum(d < 0 for d in band), "sum_delta_s": round(sum(band), 1)}
+        print(f"payback / limit {name}: {len(band)} decisions, turning down better {by_ratio[name]['keep_better']}, "
+              f"admitting better {by_ratio[name]['admit_better']}, sum {sum(band):+.0f} s")
     print(json.dumps({
         "horizon_steps": args.horizon, "length_trace": args.length_trace, "decisions": n,
         "keep_better": sum(d > 0 for d in deltas), "admit_better": sum(d < 0 for d in deltas),
         "median_delta_s": round(statistics.median(deltas), 1) if n else 0.0,
-        "sum_delta_s": round(sum(deltas), 1), "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]],
+        "sum_delta_s": round(sum(deltas), 1), "by_payback_over_limit": by_ratio, "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]],
         "runs": runs}))
     return 0
 
