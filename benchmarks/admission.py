@@ -5,7 +5,8 @@
 
 A simulation (``nereus.sim``), not a measurement. The adaptive policy runs the job of
 ``nereus simulate``'s real-trace table (PPO llama-8b on a100-256, a spot trace, a real
-length trace rescaled to 500-8,000 tokens, 1,000 steps, seed S), and
+length trace rescaled to 500-8,000 tokens, 1,000 steps, seed S; ``--length-trace
+growth:500:8000`` is the paper-shaped run's), and
 ``nereus.sim.counterfactual`` forks it at every boundary where ``dynarl``'s rule (admit
 any predicted saving) would have decided otherwise: both branches run on as adaptive
 for ``--horizon`` steps, and ``delta_s`` is the admitting branch's run time minus
@@ -14,8 +15,10 @@ adaptive's at that step (positive: turning the move down was right).
 Default: the softgrpo trace under both spot traces and seeds 0-4, the runs where the
 policy table has ``dynarl`` ahead of adaptive (BENCHMARKS.md). Each run prints its
 differing decisions and a summary line; the last line is one JSON object:
-``decisions``, ``keep_better``, ``admit_better``, ``median_delta_s``, ``sum_delta_s``,
-``largest_deltas_s`` over every run, ``by_payback_over_limit`` (the same counts by how
+``decisions``, ``keep_better``, ``admit_better``, ``median_delta_s``, ``sum_delta_s``, the
+same without the time lost to the device trace (``keep_better_work``,
+``admit_better_work``, ``median_delta_work_s``, ``sum_delta_work_s``: aborted steps and
+restarts left out, what the payback test predicts), ``largest_deltas_s`` over every run, ``by_payback_over_limit`` (the same counts by how
 far past the payback test's limit each turned-down move was), and ``runs`` (each run's figures with adaptive's
 ``mean_step_s``).
 """
@@ -39,23 +42,28 @@ BANDS = (("1-2", 1.0, 2.0), ("2-5", 2.0, 5.0), ("5-20", 5.0, 20.0), (">=20", 20.
 
 
 def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -> dict:
+    growth = trace.startswith("growth:")  # the paper's shape, as ``nereus simulate`` takes it
     config = SimConfig("a100-256", "llama-8b", "ppo", str(TRACES / "spot-availability" / f"{spot}_v100_1.json"),
-                       str(TRACES / "response-length" / f"{trace}.json"), steps, length_range=(500, 8000),
-                       seed=seed, policies=("adaptive",))
+                       trace if growth else str(TRACES / "response-length" / f"{trace}.json"), steps,
+                       length_range=None if growth else (500, 8000), seed=seed, policies=("adaptive",))
     t0 = time.perf_counter()
     rep = admission_counterfactuals(build_scenario(config), horizon)
     for r in rep.rows:
-        print(f"  step {r.step:4d}: {r.action:10s} delta {r.delta_s:+9.1f} s  (saving {r.saving_s:.3g} s/step, "
-              f"payback {r.payback_steps:.3g} steps, limit {r.limit_steps:.3g})")
+        print(f"  step {r.step:4d}: {r.action:10s} delta {r.delta_s:+9.1f} s, without the time lost to the device "
+              f"trace {r.delta_work_s:+8.1f} s  (saving {r.saving_s:.3g} s/step, payback {r.payback_steps:.3g} "
+              f"steps, limit {r.limit_steps:.3g})")
     print(f"{spot} seed {seed}: adaptive {rep.result.mean_step_s:.1f} s/step; {len(rep.rows)} decisions differ "
           f"from admitting; turning down reached step +{horizon} sooner {rep.keep_better} times, admitting "
-          f"{rep.admit_better}; median delta {rep.median_delta_s:+.1f} s, sum {rep.sum_delta_s:+.0f} s; "
+          f"{rep.admit_better} (without the time lost to the device trace: {rep.keep_better_work} and "
+          f"{rep.admit_better_work}); median delta {rep.median_delta_s:+.1f} s, sum {rep.sum_delta_s:+.0f} s; "
           f"{rep.failed_branches} branches stopped early; {time.perf_counter() - t0:.0f} s", flush=True)
     return {"spot": spot, "seed": seed, "mean_step_s": round(rep.result.mean_step_s, 2), "decisions": len(rep.rows),
             "keep_better": rep.keep_better, "admit_better": rep.admit_better,
+            "keep_better_work": rep.keep_better_work, "admit_better_work": rep.admit_better_work,
             "median_delta_s": round(rep.median_delta_s, 1), "sum_delta_s": round(rep.sum_delta_s, 1),
             "failed_branches": rep.failed_branches,
-            "deltas": [(r.delta_s, r.payback_steps / r.limit_steps if r.limit_steps > 0 else math.inf) for r in rep.rows]}
+            "deltas": [(r.delta_s, r.delta_work_s, r.payback_steps / r.limit_steps if r.limit_steps > 0 else math.inf)
+                       for r in rep.rows]}
 
 
 def _seeds(text: str) -> list[int]:
@@ -74,21 +82,28 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     runs = [one_run(spot, seed, args.length_trace, args.horizon)
             for spot in args.spots.split(",") for seed in _seeds(args.seeds)]
-    pairs = [d for r in runs for d in r.pop("deltas")]
-    deltas = [d for d, _ in pairs]
+    rows = [d for r in runs for d in r.pop("deltas")]
+    deltas = [d for d, _, _ in rows]
+    work = [w for _, w, _ in rows]
     n = len(deltas)
     by_ratio = {}
     for name, lo, hi in BANDS:
-        band = [d for d, ratio in pairs if lo <= ratio < hi]
-        by_ratio[name] = {"decisions": len(band), "keep_better": sum(d > 0 for d in band),
-                          "admit_better": sum(d < 0 for d in band), "sum_delta_s": round(sum(band), 1)}
-        print(f"payback / limit {name}: {len(band)} decisions, turning down better {by_ratio[name]['keep_better']}, "
-              f"admitting better {by_ratio[name]['admit_better']}, sum {sum(band):+.0f} s")
+        band = [(d, w) for d, w, ratio in rows if lo <= ratio < hi]
+        by_ratio[name] = {"decisions": len(band), "keep_better": sum(d > 0 for d, _ in band),
+                          "admit_better": sum(d < 0 for d, _ in band), "sum_delta_s": round(sum(d for d, _ in band), 1),
+                          "keep_better_work": sum(w > 0 for _, w in band), "admit_better_work": sum(w < 0 for _, w in band),
+                          "sum_delta_work_s": round(sum(w for _, w in band), 1)}
+        b = by_ratio[name]
+        print(f"payback / limit {name}: {len(band)} decisions; turning down better {b['keep_better']}, admitting "
+              f"{b['admit_better']}, sum {b['sum_delta_s']:+.0f} s; without the time lost to the device trace "
+              f"{b['keep_better_work']} and {b['admit_better_work']}, sum {b['sum_delta_work_s']:+.0f} s")
     print(json.dumps({
         "horizon_steps": args.horizon, "length_trace": args.length_trace, "decisions": n,
         "keep_better": sum(d > 0 for d in deltas), "admit_better": sum(d < 0 for d in deltas),
         "median_delta_s": round(statistics.median(deltas), 1) if n else 0.0,
-        "sum_delta_s": round(sum(deltas), 1), "by_payback_over_limit": by_ratio, "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]],
+        "sum_delta_s": round(sum(deltas), 1), "keep_better_work": sum(w > 0 for w in work),
+        "admit_better_work": sum(w < 0 for w in work), "median_delta_work_s": round(statistics.median(work), 1) if n else 0.0,
+        "sum_delta_work_s": round(sum(work), 1), "by_payback_over_limit": by_ratio, "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]],
         "runs": runs}))
     return 0
 

@@ -8,7 +8,10 @@ child runs on, as adaptive again, until ``horizon`` steps later, and reports the
 time it needed to get there (paused time left out, as ``mean_step_s`` counts it); the
 parent compares it with its own at the same step. A ``Counterfactual``'s ``delta_s`` is
 the admitting branch's run time minus adaptive's: positive when turning the move down
-reached the horizon sooner.
+reached the horizon sooner. ``delta_lost_s`` is the part lost to the device trace
+(aborted steps and restarts: a move shifts the clock by its transition, so the two
+branches meet the trace's losses inside other steps); ``delta_work_s``, the rest
+(compute, transitions, waiting), is what the payback test predicts.
 
 Both branches share everything up to the boundary (traces, ground truth and its seed,
 the planner's calibration, the plan), so the delta is the value of that one decision
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 
 from nereus.config import require
 from nereus.sim.policies import AdaptivePolicy, Boundary, Move, _Ctx
-from nereus.sim.run import PolicyResult, Scenario, run_policy
+from nereus.sim.run import PolicyResult, Scenario, StepRecord, run_policy
 from nereus.sim.transitions import Transitions
 
 __all__ = ["Counterfactual", "CounterfactualReport", "admission_counterfactuals"]
@@ -52,6 +55,13 @@ class Counterfactual:
     payback_steps: float
     limit_steps: float
     delta_s: float
+    delta_lost_s: float
+
+    @property
+    def delta_work_s(self) -> float:
+        """``delta_s`` without the time lost to the device trace: the difference in
+        compute, transitions and waiting."""
+        return self.delta_s - self.delta_lost_s
 
 
 @dataclass
@@ -70,6 +80,15 @@ class CounterfactualReport:
     @property
     def admit_better(self) -> int:
         return sum(r.delta_s < 0 for r in self.rows)
+
+    @property
+    def keep_better_work(self) -> int:
+        """Decisions where turning the move down cost less compute, transitions and waiting."""
+        return sum(r.delta_work_s > 0 for r in self.rows)
+
+    @property
+    def admit_better_work(self) -> int:
+        return sum(r.delta_work_s < 0 for r in self.rows)
 
     @property
     def median_delta_s(self) -> float:
@@ -147,10 +166,13 @@ class _ForkingAdaptive(AdaptivePolicy):
             "limit_steps": d.limit_steps if d else math.inf}))
         return move
 
-    def on_step(self, step: int, run_s: float) -> None:
+    def on_step(self, record: StepRecord, result: PolicyResult) -> None:
+        step = record.step
+        run_s = record.start_s + record.seconds - result.paused_s
+        lost_s = result.wasted_s + result.restart_s
         if self.until is not None:
             if step >= self.until:
-                os.write(self.report_fd, json.dumps({"run_s": run_s}).encode())
+                os.write(self.report_fd, json.dumps({"run_s": run_s, "lost_s": lost_s}).encode())
                 os._exit(0)
             return
         for p in list(self.pending):
@@ -165,7 +187,9 @@ class _ForkingAdaptive(AdaptivePolicy):
                 self.report.failed_branches += p.status != 0
                 self.pending.remove(p)
             elif due:
-                self.report.rows.append(Counterfactual(**p.info, delta_s=json.loads(p.got)["run_s"] - run_s))
+                got = json.loads(p.got)
+                self.report.rows.append(Counterfactual(**p.info, delta_s=got["run_s"] - run_s,
+                                                       delta_lost_s=got["lost_s"] - lost_s))
                 self.pending.remove(p)
 
 

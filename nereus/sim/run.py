@@ -223,10 +223,10 @@ def _devices(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
 
 
 def run_policy(scn: Scenario, policy: Policy, *,
-               on_step: Callable[[int, float], None] | None = None) -> PolicyResult:
-    """Run ``policy`` over ``scn`` (see the module docstring). ``on_step(step, run_s)``
-    is called after each completed step with the run time so far (paused time left out,
-    as ``mean_step_s`` counts it)."""
+               on_step: Callable[[StepRecord, PolicyResult], None] | None = None) -> PolicyResult:
+    """Run ``policy`` over ``scn`` (see the module docstring). ``on_step(record, result)``
+    is called after each completed step with its record and the result so far (its
+    counters up to and including that step; ``total_s`` is set only at the end)."""
     per = scn.cluster.devices_per_node
     transitions = policy.ctx.transitions
     res = PolicyResult(policy.name)
@@ -310,15 +310,16 @@ def run_policy(scn: Scenario, policy: Policy, *,
                 policy.observe(plan, devices, observed, truth, step)
                 failed = True
             continue
-        res.records.append(StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
-                                      truth.lengths.max, truth.device_peak, moved, restarted))
+        record = StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
+                            truth.lengths.max, truth.device_peak, moved, restarted)
+        res.records.append(record)
         clock += truth.seconds
         res.compute_s += truth.seconds
         res.tokens += scn.work.sequences * truth.lengths.mean
         policy.observe(plan, devices, observed, truth, step)
         observed = truth.lengths
         if on_step is not None:
-            on_step(step, clock - res.paused_s)
+            on_step(record, res)
         step, attempt = step + 1, 0
         moved = restarted = False
     res.steps = step

@@ -167,14 +167,20 @@ def test_config_errors_name_the_field():
         SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, cap_schedule="doubling")
 
 
-def test_on_step_sees_every_completed_step_with_the_run_time_so_far(volatile):
+def test_on_step_sees_every_completed_step_and_the_counters_so_far(volatile):
     scn, results = volatile
-    seen: list[tuple[int, float]] = []
+    seen = []
     transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
     policy = make_policy("adaptive", _Ctx(scn.work, scn.cluster, transitions, scn.caps))
-    r = run_policy(small_scenario(memory_gib=24, steps=24), policy, on_step=lambda s, t: seen.append((s, t)))
-    assert [s for s, _ in seen] == list(range(24))
-    assert all(a <= b for (_, a), (_, b) in zip(seen, seen[1:], strict=False))
-    # the run time after the last step is the run's, paused time left out
-    assert r.paused_s > 0 and seen[-1][1] == pytest.approx(r.run_s)
+
+    def on_step(record, result):
+        seen.append((record, result.compute_s, result.paused_s))
+
+    r = run_policy(small_scenario(memory_gib=24, steps=24), policy, on_step=on_step)
+    assert [rec for rec, _, _ in seen] == r.records
+    # the counters include the step just done: compute sums the steps' seconds so far
+    for i, (_, compute_s, _) in enumerate(seen):
+        assert compute_s == pytest.approx(sum(rec.seconds for rec in r.records[: i + 1]))
+    last, _, paused_s = seen[-1]
+    assert r.paused_s > 0 and last.start_s + last.seconds - paused_s == pytest.approx(r.run_s)
     assert r.records == results[0].records  # the callback changes nothing
