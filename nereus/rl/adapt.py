@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,30 @@ class Change:
         return {"step": self.step, "triggers": self.triggers, "from": self.from_plan, "to": self.to_plan,
                 "predicted_seconds": self.predicted_seconds, "measured_seconds": self.measured_seconds,
                 "bytes": self.bytes, "reason": self.reason}
+
+
+async def usable_devices(cluster: Any, wait_s: float) -> tuple[set[int], set[int]]:
+    """The cluster's live devices and those of them draining, read after the caller's
+    ``refresh_devices``. A job left with no live device that is not draining (its last
+    ones died or are being emptied) waits for one to join, asking the controller again
+    every 0.1 s, and raises ``StateError`` naming what is live and what drains if none
+    joins within ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    warned = False
+    while True:
+        live = {d.index for d in cluster.devices}
+        draining = set(getattr(cluster, "draining", ()))
+        if live - draining:
+            return live, draining
+        if time.monotonic() >= deadline:
+            raise StateError(f"no usable device: live {sorted(live)}, draining {sorted(draining & live)}; none joined "
+                             f"within adapt.pool_wait_s={wait_s} s")
+        if not warned:
+            log.warning("no usable device (live %s, draining %s): waiting up to %.0f s for one to join",
+                        sorted(live), sorted(draining & live), wait_s)
+            warned = True
+        await asyncio.sleep(0.1)
+        await cluster.refresh_devices()
 
 
 class Adapter:
@@ -253,8 +278,7 @@ class Adapter:
         # (independent reads; the counters are the next step's, as a change keeps them)
         _, inputs, self._counts = await asyncio.gather(stages.cluster.refresh_devices(), stages.change_inputs(),
                                                        update_counts(stages))
-        live = {d.index for d in stages.cluster.devices}
-        draining = set(getattr(stages.cluster, "draining", ()))
+        live, draining = await usable_devices(stages.cluster, self.cfg.adapt.pool_wait_s)
         lost = sorted(set(pool_before.ids) - live)
         drained = sorted(set(pool_before.ids) & draining)
         self.pool = DevicePool.of(sorted(live - draining))
@@ -286,8 +310,7 @@ class Adapter:
         stages = self.stages
         self._counts = None
         await stages.cluster.refresh_devices()
-        live = {d.index for d in stages.cluster.devices}
-        draining = set(getattr(stages.cluster, "draining", ()))
+        live, draining = await usable_devices(stages.cluster, self.cfg.adapt.pool_wait_s)
         self.pool = DevicePool.of(sorted(live - draining))
         # the job's plan as the planner sees it: what survived, and where the lost
         # model-stages were (on devices that are gone: the plan cannot run)

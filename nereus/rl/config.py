@@ -325,6 +325,9 @@ class AdaptConfig:
     """H for a device that joins, until two pool changes give a measured interval."""
     overlap: bool = False
     """Run a change beside the next step's work on the devices it does not touch."""
+    pool_wait_s: float = 60.0
+    """How long a job left with no usable device (every live one draining, the rest
+    dead) waits for one to join before it stops with an error."""
 
     def __post_init__(self) -> None:
         require(self.gamma > 0, "adapt.gamma", self.gamma, "must be > 0")
@@ -333,6 +336,7 @@ class AdaptConfig:
         require(isinstance(self.min_steps_between, int) and self.min_steps_between >= 0, "adapt.min_steps_between",
                 self.min_steps_between, "must be an integer >= 0")
         require(self.join_horizon_steps >= 1, "adapt.join_horizon_steps", self.join_horizon_steps, "must be >= 1")
+        require(self.pool_wait_s >= 0, "adapt.pool_wait_s", self.pool_wait_s, "must be >= 0 seconds")
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,20 @@
 cap grows moves before the step that would break a device's budget (the same job without
 adaptation dies with OutOfMemory at the step the planner predicted); a PPO job with a
 critic loses a device to a drain and gets it back through add_node; every change is
-followed by a bitwise check of the logical state against a copy gathered before it."""
+followed by a bitwise check of the logical state against a copy gathered before it; a
+job left with no usable device waits for one to join, and stops with an error naming
+its devices when none does."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from nereus.errors import OutOfMemory, RemoteError
+from nereus.errors import OutOfMemory, RemoteError, StateError
 from nereus.planner import replay
-from nereus.rl.adapt import predict_memory_failure
+from nereus.rl.adapt import predict_memory_failure, usable_devices
 from nereus.rl.job import RLJob
 from tests.rl._jobs import job
 from tests.rl._state import assert_same_state, logical_state
@@ -153,3 +156,38 @@ async def test_a_ppo_job_gives_up_a_drained_device_and_takes_a_new_one_back(tmp_
     joined = [e for e in decisions if any(t["detail"] == "joined" for t in e["triggers"])]
     assert joined and joined[0]["triggers"][0]["devices"] == added  # judged by the payback rule
     assert joined[0]["limit_steps"] is not None
+
+
+class _Pool:
+    """A cluster's device view as ``usable_devices`` reads it: ``joins`` lists the
+    devices the controller reports from each refresh on (the last one stays)."""
+
+    def __init__(self, live: list[int], draining: set[int], joins: list[list[int]]) -> None:
+        self.devices = [SimpleNamespace(index=d) for d in live]
+        self.draining = frozenset(draining)
+        self.joins, self.refreshes = joins, 0
+
+    async def refresh_devices(self):
+        self.refreshes += 1
+        if self.joins:
+            live = self.joins[min(self.refreshes, len(self.joins)) - 1]
+            self.devices = [SimpleNamespace(index=d) for d in live]
+        return self.devices
+
+
+async def test_a_job_with_no_usable_device_waits_for_one_to_join():
+    # every live device drains and the others died: nothing to plan on until device 7 joins
+    pool = _Pool([3], {3}, [[3], [3], [3, 7]])
+    live, draining = await usable_devices(pool, 30.0)
+    assert live - draining == {7} and pool.refreshes == 3
+    # a usable device: no wait, no refresh beyond the caller's
+    pool = _Pool([0, 3], {3}, [])
+    assert await usable_devices(pool, 30.0) == ({0, 3}, {3}) and pool.refreshes == 0
+
+
+async def test_a_job_whose_pool_stays_empty_stops_naming_what_is_live_and_draining():
+    pool = _Pool([3], {3, 5}, [])
+    with pytest.raises(StateError, match=r"no usable device: live \[3\], draining \[3\]; none joined within "
+                                         r"adapt.pool_wait_s=0.3 s"):
+        await usable_devices(pool, 0.3)
+    assert pool.refreshes >= 2

@@ -39,6 +39,7 @@ def test_defaults_are_a_valid_grpo_job():
           "cluster": {"devices": 8}}, "plan.policy_generation.tp=8 must divide model.num_heads=4"),
         ({"algorithm": {"prompts_per_step": 6}}, "plan.policy_generation.dp=4 must divide algorithm.prompts_per_step=6"),
         ({"sampling": {"engine": "tgi"}}, "sampling.engine='tgi' must be one of"),
+        ({"adapt": {"pool_wait_s": -1}}, "adapt.pool_wait_s=-1.0 must be >= 0 seconds"),
         ({"sampling": {"engine": "vllm"}, "cluster": {"mode": "in_process"}},
          "sampling.engine='vllm' needs cluster.mode 'local' or 'connect'"),
         ({"sampling": {"engine": "vllm"}, "plan": {"policy_generation": {"devices": [0, 1], "pp": 2},
