@@ -119,6 +119,12 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _signature(move: Move) -> str:
     return json.dumps([move.action, move.plan.to_dict() if move.plan is not None else None])
 
@@ -157,7 +163,7 @@ class _ForkingAdaptive(AdaptivePolicy):
         os.close(from_parent)
         os.close(report_write)
         move = super().decide(b, plan)
-        os.write(to_child, _signature(move).encode())
+        _write_all(to_child, _signature(move).encode())  # a plan over 1,024 devices outgrows one pipe buffer
         os.close(to_child)
         d = self.outcome.decision if self.outcome is not None and self.outcome.step == b.step else None
         self.pending.append(_Pending(b.step, pid, report_read, {
@@ -172,7 +178,7 @@ class _ForkingAdaptive(AdaptivePolicy):
         lost_s = result.wasted_s + result.restart_s
         if self.until is not None:
             if step >= self.until:
-                os.write(self.report_fd, json.dumps({"run_s": run_s, "lost_s": lost_s}).encode())
+                _write_all(self.report_fd, json.dumps({"run_s": run_s, "lost_s": lost_s}).encode())
                 os._exit(0)
             return
         for p in list(self.pending):
