@@ -332,8 +332,9 @@ def build_dag(
             f"must place the same model-stages as the current plan {current.names}")
     missing = sorted(s for s in current.names if s not in specs)
     require(not missing, "specs", sorted(specs), f"must give a ModelSpec for {missing}")
-    size = max(max(_extent(sp) for _, sp in current), max(_extent(sp) for _, sp in target),
-               1 + max(resident or (), default=-1))
+    # plans with no model-stage (every one lost, to be rebuilt after the DAG) move nothing
+    size = max(max((_extent(sp) for _, sp in current), default=0), max((_extent(sp) for _, sp in target), default=0),
+               1 + max(resident or (), default=-1), 1)
     ds = devices if isinstance(devices, DeviceSet) else None
     caps: Runs = [([None], size)]
     if ds is not None:

@@ -79,3 +79,12 @@ def test_a_build_leaves_the_cycle_collector_as_it_found_it():
         assert not gc.isenabled()  # a caller that paused it keeps it paused
     finally:
         gc.enable()
+
+
+def test_plans_with_no_model_stage_give_an_empty_dag():
+    # a job whose every model-stage lost its last EMU rebuilds them after the DAG: it moves nothing
+    empty = Plan(())
+    dag = build_dag(empty, empty, {}, DeviceSet((0, 0), (1 << 30, 1 << 30)), resident={0: 4096},
+                    duration=lambda n: 1.0)
+    assert dag.nodes == [] and dag.bytes == 0
+    assert dag.schedule.makespan == 0.0
