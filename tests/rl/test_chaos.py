@@ -126,3 +126,43 @@ async def test_grpo_survives_killed_workers_a_drain_and_returning_devices(tmp_pa
         assert {s["update_count"] for s in other_states} == {STEPS}
     events = [json.loads(line) for line in (tmp_path / "tap.jsonl").read_text().splitlines()]
     assert sum(e["type"] == "fault" for e in events) == len(rl.faults)
+
+
+async def test_a_job_whose_every_worker_died_waits_for_a_node_and_restores_its_checkpoint(tmp_path):
+    # one device: a kill mid-step leaves the job no device at all until a node joins
+    steps = 4
+    cfg = job(str(tmp_path), steps, algorithm={"prompts_per_step": PROMPTS, "samples_per_prompt": 8},
+              sampling={"max_new_tokens": 8},
+              cluster={"mode": "local", "devices": 1, "memory_per_device": "256MiB"},
+              plan={"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
+              adapt={"enabled": True, "pool_wait_s": 60},
+              run={"steps": steps, "out_dir": str(tmp_path), "progress": False, "seed": 0, "checkpoint_every": 1})
+    rl = RLJob(cfg)
+
+    async def join_later() -> None:
+        await asyncio.sleep(1.0)
+        await rl.stages.cluster.add_node(1)
+
+    killed: list[int] = []
+
+    async def harness(job_: RLJob, record: dict) -> None:
+        if job_.step == 2 and not killed:  # the next step finds its only worker dead
+            killed.append(job_.step)
+            os.kill(_pid(job_.stages.cluster, 0), signal.SIGKILL)
+            asyncio.ensure_future(join_later())
+
+    rl.boundary_hooks.append(harness)
+    await rl.start()
+    try:
+        records = await asyncio.wait_for(rl._loop(), 200)
+        final = await logical_state(rl.stages, rl.dataset.position)
+        devices = sorted(rl.stages.plan.devices)
+    finally:
+        await rl.close()
+    assert len(rl.faults) == 1 and rl.faults[0].restored_from  # the last copy died: from the checkpoint
+    assert devices == [1]  # on the node that joined
+    done = sorted({r["step"] for r in records} | {f.step for f in rl.faults if f.committed and f.during == "step"})
+    assert done == list(range(steps))
+    (_, states), *_ = final["policy_training"]
+    assert {s["update_count"] for s in states} == {steps}
+    assert final["position"] == steps * PROMPTS
