@@ -28,20 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from nereus.sim import SimConfig, build_scenario
-from nereus.sim.counterfactual import admission_counterfactuals
+from nereus.sim.counterfactual import Counterfactual, admission_counterfactuals, tally
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 # how far past the payback test's limit a turned-down move was (payback / (gamma * H))
 BANDS = (("1-2", 1.0, 2.0), ("2-5", 2.0, 5.0), ("5-20", 5.0, 20.0), (">=20", 20.0, math.inf))
 
 
-def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -> dict:
+def _rounded(t: dict) -> dict:
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in t.items()}
+
+
+def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -> tuple[dict, list[Counterfactual]]:
     growth = trace.startswith("growth:")  # the paper's shape, as ``nereus simulate`` takes it
     config = SimConfig("a100-256", "llama-8b", "ppo", str(TRACES / "spot-availability" / f"{spot}_v100_1.json"),
                        trace if growth else str(TRACES / "response-length" / f"{trace}.json"), steps,
@@ -52,18 +55,22 @@ def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -
         print(f"  step {r.step:4d}: {r.action:10s} delta {r.delta_s:+9.1f} s, without the time lost to the device "
               f"trace {r.delta_work_s:+8.1f} s  (saving {r.saving_s:.3g} s/step, payback {r.payback_steps:.3g} "
               f"steps, limit {r.limit_steps:.3g})")
-    print(f"{spot} seed {seed}: adaptive {rep.result.mean_step_s:.1f} s/step; {len(rep.rows)} decisions differ "
-          f"from admitting; turning down reached step +{horizon} sooner {rep.keep_better} times, admitting "
-          f"{rep.admit_better} (without the time lost to the device trace: {rep.keep_better_work} and "
-          f"{rep.admit_better_work}); median delta {rep.median_delta_s:+.1f} s, sum {rep.sum_delta_s:+.0f} s; "
+    t = rep.tally()
+    print(f"{spot} seed {seed}: adaptive {rep.result.mean_step_s:.1f} s/step; {t['decisions']} decisions differ "
+          f"from admitting; turning down reached step +{horizon} sooner {t['keep_better']} times, admitting "
+          f"{t['admit_better']} (without the time lost to the device trace: {t['keep_better_work']} and "
+          f"{t['admit_better_work']}); median delta {t['median_delta_s']:+.1f} s, sum {t['sum_delta_s']:+.0f} s; "
           f"{rep.failed_branches} branches stopped early; {time.perf_counter() - t0:.0f} s", flush=True)
-    return {"spot": spot, "seed": seed, "mean_step_s": round(rep.result.mean_step_s, 2), "decisions": len(rep.rows),
-            "keep_better": rep.keep_better, "admit_better": rep.admit_better,
-            "keep_better_work": rep.keep_better_work, "admit_better_work": rep.admit_better_work,
-            "median_delta_s": round(rep.median_delta_s, 1), "sum_delta_s": round(rep.sum_delta_s, 1),
-            "failed_branches": rep.failed_branches,
-            "deltas": [(r.delta_s, r.delta_work_s, r.payback_steps / r.limit_steps if r.limit_steps > 0 else math.inf)
-                       for r in rep.rows]}
+    summary = {"spot": spot, "seed": seed, "mean_step_s": round(rep.result.mean_step_s, 2),
+               "keep_better": t["keep_better"], "admit_better": t["admit_better"], "decisions": t["decisions"],
+               "keep_better_work": t["keep_better_work"], "admit_better_work": t["admit_better_work"],
+               "median_delta_s": round(t["median_delta_s"], 1), "sum_delta_s": round(t["sum_delta_s"], 1),
+               "failed_branches": rep.failed_branches}
+    return summary, rep.rows
+
+
+def _over_limit(r: Counterfactual) -> float:
+    return r.payback_steps / r.limit_steps if r.limit_steps > 0 else math.inf
 
 
 def _seeds(text: str) -> list[int]:
@@ -80,31 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length-trace", default="softgrpo-llama3.2-3b-grpo")
     p.add_argument("--horizon", type=int, default=100, help="steps each pair of branches runs on")
     args = p.parse_args(argv)
-    runs = [one_run(spot, seed, args.length_trace, args.horizon)
-            for spot in args.spots.split(",") for seed in _seeds(args.seeds)]
-    rows = [d for r in runs for d in r.pop("deltas")]
-    deltas = [d for d, _, _ in rows]
-    work = [w for _, w, _ in rows]
-    n = len(deltas)
+    runs, rows = [], []
+    for spot in args.spots.split(","):
+        for seed in _seeds(args.seeds):
+            summary, mine = one_run(spot, seed, args.length_trace, args.horizon)
+            runs.append(summary)
+            rows += mine
     by_ratio = {}
     for name, lo, hi in BANDS:
-        band = [(d, w) for d, w, ratio in rows if lo <= ratio < hi]
-        by_ratio[name] = {"decisions": len(band), "keep_better": sum(d > 0 for d, _ in band),
-                          "admit_better": sum(d < 0 for d, _ in band), "sum_delta_s": round(sum(d for d, _ in band), 1),
-                          "keep_better_work": sum(w > 0 for _, w in band), "admit_better_work": sum(w < 0 for _, w in band),
-                          "sum_delta_work_s": round(sum(w for _, w in band), 1)}
-        b = by_ratio[name]
-        print(f"payback / limit {name}: {len(band)} decisions; turning down better {b['keep_better']}, admitting "
+        b = tally([r for r in rows if lo <= _over_limit(r) < hi])
+        by_ratio[name] = {k: v for k, v in _rounded(b).items() if not k.startswith("median")}
+        print(f"payback / limit {name}: {b['decisions']} decisions; turning down better {b['keep_better']}, admitting "
               f"{b['admit_better']}, sum {b['sum_delta_s']:+.0f} s; without the time lost to the device trace "
               f"{b['keep_better_work']} and {b['admit_better_work']}, sum {b['sum_delta_work_s']:+.0f} s")
-    print(json.dumps({
-        "horizon_steps": args.horizon, "length_trace": args.length_trace, "decisions": n,
-        "keep_better": sum(d > 0 for d in deltas), "admit_better": sum(d < 0 for d in deltas),
-        "median_delta_s": round(statistics.median(deltas), 1) if n else 0.0,
-        "sum_delta_s": round(sum(deltas), 1), "keep_better_work": sum(w > 0 for w in work),
-        "admit_better_work": sum(w < 0 for w in work), "median_delta_work_s": round(statistics.median(work), 1) if n else 0.0,
-        "sum_delta_work_s": round(sum(work), 1), "by_payback_over_limit": by_ratio, "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]],
-        "runs": runs}))
+    deltas = [r.delta_s for r in rows]
+    print(json.dumps({"horizon_steps": args.horizon, "length_trace": args.length_trace, **_rounded(tally(rows)),
+                      "by_payback_over_limit": by_ratio,
+                      "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]], "runs": runs}))
     return 0
 
 

@@ -147,8 +147,8 @@ class Change:
 
 
 async def usable_devices(cluster: Any, wait_s: float) -> tuple[set[int], set[int]]:
-    """The cluster's live devices and those of them draining, read after the caller's
-    ``refresh_devices``. A job left with no live device that is not draining (its last
+    """The cluster's live devices and the devices marked draining, read after the
+    caller's ``refresh_devices``. A job left with no live device that is not draining (its last
     ones died or are being emptied) waits for one to join, asking the controller again
     every 0.1 s, and raises ``StateError`` naming what is live and what drains if none
     joins within ``wait_s`` seconds."""

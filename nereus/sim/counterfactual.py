@@ -33,6 +33,7 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nereus.config import require
@@ -40,7 +41,7 @@ from nereus.sim.policies import AdaptivePolicy, Boundary, Move, _Ctx
 from nereus.sim.run import PolicyResult, Scenario, StepRecord, run_policy
 from nereus.sim.transitions import Transitions
 
-__all__ = ["Counterfactual", "CounterfactualReport", "admission_counterfactuals"]
+__all__ = ["Counterfactual", "CounterfactualReport", "admission_counterfactuals", "tally"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,20 @@ class Counterfactual:
         return self.delta_s - self.delta_lost_s
 
 
+def tally(rows: Sequence[Counterfactual]) -> dict[str, float | int]:
+    """Counts and totals over ``rows``: ``decisions``; ``keep_better`` and
+    ``admit_better`` (turning the move down or taking it reached the horizon sooner),
+    ``median_delta_s`` and ``sum_delta_s``; and the same for ``delta_work_s`` (keys
+    ending ``_work``, ``median_delta_work_s``, ``sum_delta_work_s``)."""
+    out: dict[str, float | int] = {"decisions": len(rows)}
+    for suffix, values in (("", [r.delta_s for r in rows]), ("_work", [r.delta_work_s for r in rows])):
+        out[f"keep_better{suffix}"] = sum(v > 0 for v in values)
+        out[f"admit_better{suffix}"] = sum(v < 0 for v in values)
+        out[f"median_delta{suffix}_s"] = statistics.median(values) if values else 0.0
+        out[f"sum_delta{suffix}_s"] = sum(values)
+    return out
+
+
 @dataclass
 class CounterfactualReport:
     """The adaptive run and its counterfactuals (see the module docstring)."""
@@ -73,30 +88,16 @@ class CounterfactualReport:
     rows: list[Counterfactual] = field(default_factory=list)
     failed_branches: int = 0
 
+    def tally(self) -> dict[str, float | int]:
+        return tally(self.rows)
+
     @property
     def keep_better(self) -> int:
-        return sum(r.delta_s > 0 for r in self.rows)
+        return int(tally(self.rows)["keep_better"])
 
     @property
     def admit_better(self) -> int:
-        return sum(r.delta_s < 0 for r in self.rows)
-
-    @property
-    def keep_better_work(self) -> int:
-        """Decisions where turning the move down cost less compute, transitions and waiting."""
-        return sum(r.delta_work_s > 0 for r in self.rows)
-
-    @property
-    def admit_better_work(self) -> int:
-        return sum(r.delta_work_s < 0 for r in self.rows)
-
-    @property
-    def median_delta_s(self) -> float:
-        return statistics.median(r.delta_s for r in self.rows) if self.rows else 0.0
-
-    @property
-    def sum_delta_s(self) -> float:
-        return sum(r.delta_s for r in self.rows)
+        return int(tally(self.rows)["admit_better"])
 
 
 @dataclass

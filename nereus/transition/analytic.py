@@ -213,14 +213,10 @@ class SpecBytes:
 
     def held(self, layout: Layout, pos: Pos) -> int:
         """Bytes position ``pos`` of ``layout`` holds (the same for every TP rank)."""
-        return self.held_at(layout.tp, layout.pp, layout.cuts, pos[0])
-
-    def held_at(self, tp: int, pp: int, cuts: tuple[int, ...], pp_rank: int) -> int:
-        """``held`` of pipeline stage ``pp_rank`` of a ``tp`` x ``pp`` layout cut at ``cuts``."""
-        return self.held_ranks(tp, pp, cuts)[pp_rank]
+        return self.held_ranks(layout.tp, layout.pp, layout.cuts)[pos[0]]
 
     def held_ranks(self, tp: int, pp: int, cuts: tuple[int, ...]) -> tuple[int, ...]:
-        """``held_at`` of every pipeline stage of a ``tp`` x ``pp`` layout cut at ``cuts``."""
+        """``held`` of every pipeline stage of a ``tp`` x ``pp`` layout cut at ``cuts``."""
         key = (tp, pp, cuts)
         got = self._memo.get(key)
         if got is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +13,7 @@ from nereus.sim import run_policy
 from nereus.sim.counterfactual import admission_counterfactuals
 from nereus.sim.policies import AdaptivePolicy, _Ctx
 from nereus.sim.transitions import Transitions
+from tests._leaks import processes
 from tests.sim.helpers import small_scenario
 
 HORIZON = 4
@@ -49,17 +49,9 @@ def _run(policy_of) -> dict[int, float]:
     return seen, result
 
 
-def _children() -> list[int]:
-    me = str(os.getpid())
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:
-            out.append(int(stat.parent.name))
-    return out
+def _children() -> set[int]:
+    """This process's children, zombies included (a branch not reaped counts)."""
+    return {pid for pid, (ppid, _) in processes().items() if ppid == os.getpid()}
 
 
 @pytest.fixture(scope="module")
