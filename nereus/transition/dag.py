@@ -83,27 +83,27 @@ class Node:
     def __init__(self, id: int, kind: str, stage: str, ops: tuple[Op, ...] | None, devices: tuple[int, ...] | None,
                  alloc: dict[int, int] | None, release: dict[int, int] | None, moved_in: dict[int, int] | None,
                  bytes: int, bytes_by_link: dict[str, int], groups: int, deps: set[int] | None = None,
-                 resource_deps: set[int] | None = None) -> None:
+                 resource_deps: set[int] | None = None, rank: int | None = None) -> None:
         self.id, self.kind, self.stage, self.bytes, self.bytes_by_link, self.groups = (
             id, kind, stage, bytes, bytes_by_link, groups)
         self._ops, self._devices, self._alloc, self._release, self._moved_in = ops, devices, alloc, release, moved_in
         self.deps: set[int] = set() if deps is None else deps
         self.resource_deps: set[int] = set() if resource_deps is None else resource_deps
-        self.rank = stage_rank(stage)
+        self.rank = stage_rank(stage) if rank is None else rank  # given: the stage's, worked out once
         # made by build_dag: how many primitives, the DAG it is made from on first use, and
         # (part, node of the part) for its ops
         self._count: int | None = None
-        self._dag: TransitionDAG | None = None
+        self._lister: _Lister | None = None  # what the DAG it belongs to lists its fields from
         self._effect: ClassEffect | None = None  # looked up once per DAG it belongs to
         self._local: tuple[int, int] | None = None
 
     def _lazy(self, name: str):
         got = getattr(self, "_" + name)
         if got is None:
-            dag = self._dag
-            if dag is None:
+            lister = self._lister
+            if lister is None:
                 raise AttributeError(f"node {self.label} has no {name}")
-            got = dag._expand(self, name)
+            got = lister.expand(self, name)
             setattr(self, "_" + name, got)
         return got
 
@@ -118,8 +118,8 @@ class Node:
         """Its effect per class of devices (what the scheduler counts)."""
         e = self._effect
         if e is None:
-            assert self._dag is not None, "a node belongs to a TransitionDAG"
-            e = self._effect = self._dag.classes.effects[self.id]
+            assert self._lister is not None, "a node belongs to a TransitionDAG"
+            e = self._effect = self._lister.classes.effects[self.id]
         return e
 
     @property
@@ -132,14 +132,14 @@ class Node:
 
     @property
     def releases_only(self) -> bool:
-        if self._alloc is None and self._dag is not None:
+        if self._alloc is None and self._lister is not None:
             return not self.effect.acquires
         return not any(v > 0 for v in self.alloc.values())
 
     @property
     def max_moved_in(self) -> int:
         """The most bytes any one device receives."""
-        if self._moved_in is None and self._dag is not None:
+        if self._moved_in is None and self._lister is not None:
             return self.effect.max_moved
         return max(self.moved_in.values(), default=0)
 
@@ -154,7 +154,7 @@ class Node:
     def max_copied(self) -> int:
         """The most bytes any one device copies from a source it holds (target shards
         held there but not adopted; 0 for a node put together by hand)."""
-        return self.effect.max_copied if self._dag is not None else 0
+        return self.effect.max_copied if self._lister is not None else 0
 
     def materialize(self) -> None:
         """Make every field that is made on first use now."""
@@ -182,12 +182,14 @@ class TransitionDAG:
         self._classes = classes
         self.duration, self.share = duration, share
         self._schedule: Schedule | None = None
-        self._parts = list(parts)
-        self._made: dict[int, list[tuple[Op, ...]]] = {}
+        # a DAG put together by hand makes its classes from its nodes: its lister needs
+        # the DAG (a cycle, collected as any); one build_dag made needs no way back
+        self._lister = lister = _Lister(classes, parts, self if classes is None else None)
+        self._parts = lister.parts
         for n in nodes:
-            if n._dag is not None and n._dag is not self:
+            if n._lister is not None and n._lister is not lister:
                 n.materialize()
-            n._dag, n._effect = self, None
+            n._lister, n._effect = lister, None
 
     @property
     def classes(self) -> DeviceClasses:
@@ -207,22 +209,6 @@ class TransitionDAG:
 
             self._schedule = simulate(self, self.duration, share=self.share)
         return self._schedule
-
-    def _expand(self, node: Node, name: str):
-        c = self.classes
-        e = c.effects[node.id]
-        if name == "devices":
-            return tuple(sorted(d for k in e.touches for d in c.members[k]))
-        if name in ("alloc", "release", "moved_in"):
-            return c.per_device(c.full(node.id)[("alloc", "release", "moved_in").index(name)])
-        assert node._local is not None
-        p, li = node._local
-        if p not in self._made:
-            part = self._parts[p]
-            ops, results = part.materialize()  # type: ignore[misc]
-            self._made[p] = ops
-            part.results = results
-        return self._made[p][li]
 
     @property
     def bytes(self) -> int:
@@ -256,6 +242,44 @@ class TransitionDAG:
                     seen.add(c)
                     todo.append(c)
         return seen
+
+
+class _Lister:
+    """What the nodes of one DAG make their fields from on first use: the DAG's device
+    classes, its model-stage parts and the ops listed so far. It refers to no node and,
+    for a DAG that ``build_dag`` made, not to the DAG, so nothing refers back from a node
+    to what holds it: a DAG that is dropped (the Replanner prices many a boundary) is
+    freed at once by reference counting, with nothing left for the cycle collector."""
+
+    __slots__ = ("_classes", "_dag", "parts", "made")
+
+    def __init__(self, classes: DeviceClasses | None, parts: Sequence[StagePart], dag: TransitionDAG | None) -> None:
+        self._classes, self._dag = classes, dag
+        self.parts = list(parts)
+        self.made: dict[int, list[tuple[Op, ...]]] = {}
+
+    @property
+    def classes(self) -> DeviceClasses:
+        if self._classes is None:
+            assert self._dag is not None, "a DAG made without classes keeps its lister's way back"
+            return self._dag.classes
+        return self._classes
+
+    def expand(self, node: Node, name: str):
+        c = self.classes
+        e = c.effects[node.id]
+        if name == "devices":
+            return tuple(sorted(d for k in e.touches for d in c.members[k]))
+        if name in ("alloc", "release", "moved_in"):
+            return c.per_device(c.full(node.id)[("alloc", "release", "moved_in").index(name)])
+        assert node._local is not None
+        p, li = node._local
+        if p not in self.made:
+            part = self.parts[p]
+            ops, results = part.materialize()  # type: ignore[misc]
+            self.made[p] = ops
+            part.results = results
+        return self.made[p][li]
 
 
 class _Results(Mapping):
@@ -385,11 +409,11 @@ def build_dag(
     classes = DeviceClasses.of_parts(parts, caps, resident_at)
     nodes: list[Node] = []
     for p, part in enumerate(parts):
-        base_id = len(nodes)
+        base_id, rank = len(nodes), stage_rank(part.stage)
         for li, ns in enumerate(part.nodes):
             devs = tuple(sorted(ns.devices)) if ns.devices is not None else None
             n = Node(len(nodes), ns.kind, part.stage, ns.ops, devs, ns.alloc, ns.release, ns.moved,
-                     ns.bytes, dict(ns.links), ns.groups, {base_id + d for d in ns.deps})
+                     ns.bytes, dict(ns.links), ns.groups, {base_id + d for d in ns.deps}, rank=rank)
             n._count, n._local = ns.count, (p, li)
             nodes.append(n)
     dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),

@@ -88,3 +88,31 @@ def test_plans_with_no_model_stage_give_an_empty_dag():
                     duration=lambda n: 1.0)
     assert dag.nodes == [] and dag.bytes == 0
     assert dag.schedule.makespan == 0.0
+
+
+@pytest.mark.parametrize("regular", [False, True], ids=["listed", "repeating"])
+def test_a_dropped_dag_is_freed_without_the_cycle_collector(regular):
+    # the Replanner prices many targets a boundary: a DAG it drops must not wait for the
+    # cycle collector (which would walk every one of them, often in the middle of a build)
+    import gc
+    import weakref
+
+    if regular:
+        current = Plan((("policy-generation", StagePlan.on_range(2, 1, 8, 0)),))
+        target = Plan((("policy-generation", StagePlan.on_range(1, 2, 8, 0)),))
+        specs, slots = {"policy-generation": SPEC}, None
+    else:
+        current, target, specs, slots = A, B, {n: SPEC for n in A.names}, SLOTS
+    gc.disable()
+    try:
+        dag = build_dag(current, target, specs, DeviceSet.single_host(16, 1 << 40), slots=slots,
+                        duration=LinkModel(1e9, 1e9).seconds)
+        kept = dag.nodes[0]
+        want = (kept.devices, dict(kept.alloc), kept.ops)
+        kept._devices = kept._alloc = kept._ops = None  # listed again below, from what the node holds
+        dropped = weakref.ref(dag)
+        del dag
+        assert dropped() is None, "a reference cycle keeps the DAG until the cycle collector runs"
+        assert (kept.devices, dict(kept.alloc), kept.ops) == want  # a node kept still lists its fields
+    finally:
+        gc.enable()
