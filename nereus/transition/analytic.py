@@ -90,9 +90,10 @@ class _Group:
 
     def add(self, c: _Class, times: int) -> None:
         self.classes.extend([c] * times)
-        least = min((u for _, u in c.comps), default=0)
-        if least and (not self.units or least < self.units):
-            self.units = least
+        if c.comps:
+            least = min([u for _, u in c.comps])
+            if least and (not self.units or least < self.units):
+                self.units = least
 
 
 class _Shape:
@@ -323,10 +324,16 @@ def _repeating(spec: ModelSpec) -> list[_Group] | None:
     rows = list(map(_KEY, fields[first:end]))
     if rows[q:] != rows[:-q]:
         return None
+    # here a group is known by its stage and tie alone (every layer parameter sits in
+    # every layer): keyed so, not by the layers as _group_of does
     groups: dict[tuple, _Group] = {}
     every_layer = tuple(every)
     for p in (*params[:first], *params[first:first + q], *params[first + count:]):
-        _group_of(groups, p.stage, p.tied_head, every_layer if p.stage == "layer" else (), n).add(_Class(p), 1)
+        stage, tied = p.stage, p.tied_head
+        g = groups.get((stage, tied))
+        if g is None:
+            g = groups[(stage, tied)] = _Group(stage, tied, every_layer if stage == "layer" else (), n)
+        g.add(_Class(p), 1)
     return list(groups.values())
 
 

@@ -347,8 +347,9 @@ class LinkModel:
     def seconds(self, node: Node) -> float:
         """A node's seconds at a device's full rate (alone on its cores)."""
         worst, links = node.max_moved_in, node.bytes_by_link
-        total = links.get("intra", 0) + links.get("inter", 0)
-        intra = links.get("intra", 0) / total if total else 0.0
+        within = links.get("intra", 0)
+        total = within + links.get("inter", 0)
+        intra = within / total if total else 0.0
         return (worst * intra / self.intra_bandwidth / self.intra_efficiency
                 + (worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency if total else 0.0)
                 + (self.group_setup_s if node.groups else 0.0) + self.call_s
