@@ -136,7 +136,6 @@ def dag_ms(case: Case, reps: int) -> dict[str, float | int]:
         _cold()
         _build_and_schedule(case)
     cpu, wall = [], []
-    dag = schedule = None
     for _ in range(reps):
         _cold()
         dag = schedule = None  # the last run's DAG is freed here, before the clock starts

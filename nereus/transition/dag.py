@@ -184,8 +184,7 @@ class TransitionDAG:
         self._schedule: Schedule | None = None
         # a DAG put together by hand makes its classes from its nodes: its lister needs
         # the DAG (a cycle, collected as any); one build_dag made needs no way back
-        self._lister = lister = _Lister(classes, parts, self if classes is None else None)
-        self._parts = lister.parts
+        lister = _Lister(classes, parts, self if classes is None else None)
         for n in nodes:
             if n._lister is not None and n._lister is not lister:
                 n.materialize()
