@@ -11,19 +11,22 @@ quote it), every policy on the same traces, ground truth and seed; its JSON list
   lengths growing 500 -> 8,000 tokens over 1,000 steps, the cap raised in stages with
   them (the simulator's default cap schedule) (the paper: -27.7%, 861.9 s against
   1,191.6 s); with the six policies, ``static-max-cap`` (static provisioned for the
-  run's largest cap: the other reading of static, reported beside it);
+  run's largest cap: the other reading of static, reported beside it) and the
+  ``oracle`` reference (the search's candidates chosen knowing the truth, every move
+  free: how much any policy choosing among the search's plans could gain here);
 - ``growth1024``: the same job on mi250x-1024 with the pool growing from 512 to 1,024
   devices over the run (the paper: six transitions, 0.079% of run time);
 - ``gamma``: the paper run's adaptive policy at gamma 0.1 ... 2.0 (the paper: best
   around 0.4-0.65);
 - ``traces``: every policy on three real response-length traces rescaled to 500-8,000
   tokens, each under both spot traces (chosen before any run: one that grows, one that
-  explodes and oscillates, one that shrinks).
+  explodes and oscillates, one that shrinks), the oracle reference beside them.
 
 Everything is a simulation. The last line is one JSON object: reduction_vs_static,
 reduction_vs_static_max_cap, adaptive_ahead_of_every_k, adaptive_ahead_of_dynarl,
-memory_failures (adaptive, paper run), transition_overhead_pct_1024, transitions_1024, best_gamma, and
-adaptive_ahead_everywhere (over the traces table).
+memory_failures (adaptive, paper run), oracle_reduction_vs_static (the paper run's headroom),
+transition_overhead_pct_1024, transitions_1024, best_gamma, and adaptive_ahead_everywhere (over
+the traces table, against the six policies).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from nereus.sim.policies import POLICIES
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SPOT = {"us-east-2b": TRACES / "spot-availability" / "us-east-2b_v100_1.json",
@@ -59,7 +64,7 @@ def runs(only: set[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     if "paper" in only:
         out["paper"] = [*PAPER, "--gpus-trace", _rel(SPOT["us-east-2b"]), "--policies",
-                        "adaptive,static,every-k,dynarl,colocated,separated,static-max-cap"]
+                        "adaptive,static,every-k,dynarl,colocated,separated,static-max-cap,oracle"]
     if "growth1024" in only:
         out["growth1024"] = ["--cluster", "mi250x-1024", "--model", "llama-8b", "--algo", "ppo", "--gpus-trace",
                              "growth:512:1024", "--length-trace", "growth:500:8000", "--steps", "1000"]
@@ -73,7 +78,8 @@ def runs(only: set[str]) -> dict[str, list[str]]:
                 trace = _rel(TRACES / "response-length" / f"{name}.json")
                 out[f"{name}@{spot}"] = ["--cluster", "a100-256", "--model", "llama-8b", "--algo", "ppo",
                                          "--gpus-trace", _rel(path), "--length-trace", trace,
-                                         "--length-range", "500", "8000", "--steps", "1000"]
+                                         "--length-range", "500", "8000", "--steps", "1000",
+                                         "--policies", f"{','.join(POLICIES)},oracle"]
     return out
 
 
@@ -102,6 +108,8 @@ def summary(out: Path, names: list[str]) -> dict[str, object]:
                       adaptive_ahead_of_every_k=a["mean_step_s"] < paper["every-k"]["mean_step_s"],
                       adaptive_ahead_of_dynarl=a["mean_step_s"] < paper["dynarl"]["mean_step_s"],
                       memory_failures=a["memory_failures"])
+        if "oracle" in paper:
+            result["oracle_reduction_vs_static"] = round(paper["oracle"]["reduction_vs_static"], 4)
         if "static-max-cap" in paper:
             m = paper["static-max-cap"]["mean_step_s"]
             result.update(static_max_cap_mean_step_s=round(m, 1),
@@ -117,11 +125,16 @@ def summary(out: Path, names: list[str]) -> dict[str, object]:
         result["best_gamma"] = min(gammas, key=lambda g: gammas[g]["mean_step_s"])
     table = [n for n in names if "@" in n]
     if table and all(load(n) for n in table):
-        ahead = {}
+        ahead, headroom = {}, {}
         for n in table:
             rows = load(n)
-            ahead[n] = all(rows["adaptive"]["mean_step_s"] < d["mean_step_s"] for p, d in rows.items() if p != "adaptive")
+            ahead[n] = all(rows["adaptive"]["mean_step_s"] < d["mean_step_s"] for p, d in rows.items()
+                           if p in POLICIES and p != "adaptive")
+            if "oracle" in rows:
+                headroom[n] = round(rows["oracle"]["reduction_vs_static"], 4)
         result["adaptive_ahead"] = ahead
+        if headroom:
+            result["oracle_reduction_vs_static_by_trace"] = headroom
         result["adaptive_ahead_everywhere"] = all(ahead.values())
     return result
 

@@ -14,6 +14,7 @@ from nereus.sim.counterfactual import (
     CounterfactualReport,
     admission_counterfactuals,
 )
+from nereus.sim.oracle import ORACLE, run_oracle
 from nereus.sim.policies import EXTRA_POLICIES, POLICIES, Boundary, Move, Policy, make_policy
 from nereus.sim.run import (
     PolicyResult,
@@ -41,8 +42,8 @@ from nereus.sim.transitions import Transitions, intact, model_spec_of, transitio
 from nereus.sim.truth import GroundTruth, Param, StepTruth, TruthParams, load_truth_params
 
 __all__ = [
-    "CAP_SCHEDULES", "Counterfactual", "CounterfactualReport", "EXTRA_POLICIES", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
+    "CAP_SCHEDULES", "Counterfactual", "CounterfactualReport", "EXTRA_POLICIES", "ORACLE", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
     "PolicyResult", "Scenario", "SimConfig", "SimulationError", "SpotTrace", "StepRecord", "StepTruth", "Transitions",
     "TruthParams", "build_scenario", "device_trace", "intact", "length_trace", "load_truth_params", "make_policy",
-    "admission_counterfactuals", "model_spec_of", "run_policies", "run_policy", "simulate", "transition_seconds",
+    "admission_counterfactuals", "model_spec_of", "run_oracle", "run_policies", "run_policy", "simulate", "transition_seconds",
 ]

@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             if "best_baseline" in adaptive:
                 parts.append(f"best baseline: {adaptive['best_baseline']}")
             console.print("adaptive: " + ", ".join(parts))
+        oracle = next((r for r in data if r["policy"] == "oracle"), None)
+        if oracle is not None and "reduction_vs_static" in oracle:
+            console.print(f"oracle (a reference, not a policy: the search's candidates chosen knowing the truth, "
+                          f"transitions and restarts free): reduction_vs_static = {oracle['reduction_vs_static']:.4f}")
         console.print(f"(simulated seconds; decision times are this machine's wall time; {wall:.1f} s to simulate)")
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

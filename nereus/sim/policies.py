@@ -81,8 +81,10 @@ __all__ = ["Boundary", "Move", "Policy", "AdaptivePolicy", "EveryKPolicy", "Fixe
            "EXTRA_POLICIES", "make_policy"]
 
 POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
-# run only when named (``--policies``): another reading of ``static``
-EXTRA_POLICIES = ("static-max-cap",)
+# run only when named (``--policies``): another reading of ``static``, and the
+# ``oracle`` reference (``nereus.sim.oracle``: not a policy, what the search could reach
+# knowing the truth, with transitions free)
+EXTRA_POLICIES = ("static-max-cap", "oracle")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@
   ``policy``, ``mean_step_s``, ``transitions``, ``transition_overhead_pct``,
   ``memory_failures``, and for ``adaptive`` also ``reduction_vs_static`` and
   ``reduction_vs_best_baseline`` (fractions of the other policy's mean step time, when
-  those policies ran); every object carries ``simulated: true`` and the scenario.
+  those policies ran); the ``oracle`` reference (``nereus.sim.oracle``), when it ran,
+  carries ``reference: true`` and its own ``reduction_vs_static`` (the headroom of the
+  scenario) and is never a baseline; every object carries ``simulated: true`` and the
+  scenario.
 - ``table(rows)``: a ``rich`` table titled as a simulation.
 - ``plot(results, path, title, caps)``: step time per policy over the run with its
   transitions (triangles) and restarts (crosses) marked, the device pool and the
@@ -24,6 +27,7 @@ from typing import Any
 from rich.table import Table
 
 from nereus.errors import ConfigError
+from nereus.sim.oracle import ORACLE
 from nereus.sim.run import PolicyResult
 from nereus.sim.traces import CapSchedule
 
@@ -33,14 +37,16 @@ __all__ = ["rows", "table", "plot"]
 def rows(results: Sequence[PolicyResult], scenario: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The JSON list (see the module docstring)."""
     by = {r.policy: r for r in results}
+    static = by.get("static")
     out = []
     for r in results:
         row = r.to_dict()
+        if r.policy in ("adaptive", ORACLE) and static is not None:
+            row["reduction_vs_static"] = 1.0 - r.mean_step_s / static.mean_step_s
+        if r.policy == ORACLE:
+            row["reference"] = True
         if r.policy == "adaptive":
-            static = by.get("static")
-            if static is not None:
-                row["reduction_vs_static"] = 1.0 - r.mean_step_s / static.mean_step_s
-            others = [o for o in results if o.policy != "adaptive"]
+            others = [o for o in results if o.policy not in ("adaptive", ORACLE)]
             if others:
                 best = min(others, key=lambda o: o.mean_step_s)
                 row["reduction_vs_best_baseline"] = 1.0 - r.mean_step_s / best.mean_step_s

@@ -56,6 +56,7 @@ from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
 __all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy", "run_policies",
+           "devices_of", "wait_for_change",
            "simulate", "build_scenario"]
 
 
@@ -218,7 +219,8 @@ class PolicyResult:
         }
 
 
-def _devices(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
+def devices_of(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
+    """The device ids of ``nodes``, ascending."""
     return tuple(d for n in sorted(nodes) for d in range(n * per_node, (n + 1) * per_node))
 
 
@@ -237,7 +239,7 @@ def run_policy(scn: Scenario, policy: Policy, *,
     seen: tuple[int, ...] = ()
     moved = restarted = False
     while step < scn.steps:
-        devices = _devices(scn.devices.nodes_at(clock, step), per)
+        devices = devices_of(scn.devices.nodes_at(clock, step), per)
         if not devices:
             nxt = scn.devices.next_available(clock, step)
             if nxt is None or nxt <= clock:
@@ -252,7 +254,7 @@ def run_policy(scn: Scenario, policy: Policy, *,
             try:
                 plan = policy.start(b)
             except InfeasiblePlan as e:
-                clock = _wait(scn, res, clock, step, str(e), policy.name)
+                clock = wait_for_change(scn, res, clock, step, str(e), policy.name)
                 continue
             started, move = True, None
         else:
@@ -262,7 +264,7 @@ def run_policy(scn: Scenario, policy: Policy, *,
             res.dag_s += move.dag_s
         if move is not None:
             if move.action == "wait":
-                clock = _wait(scn, res, clock, step, move.reason, policy.name)
+                clock = wait_for_change(scn, res, clock, step, move.reason, policy.name)
                 continue
             current = intact(plan, devices) if plan is not None else None
             if move.action == "transition" and current is not None:
@@ -287,7 +289,7 @@ def run_policy(scn: Scenario, policy: Policy, *,
                     raise SimulationError(f"{policy.name} kept a plan that lost every EMU of a model-stage at step {step}")
                 plan = current
             if move.action in ("transition", "restart"):
-                now = _devices(scn.devices.nodes_at(clock, step), per)
+                now = devices_of(scn.devices.nodes_at(clock, step), per)
                 if not plan.devices <= set(now):
                     continue  # the pool changed under the move: back to the boundary
         assert plan is not None
@@ -327,7 +329,7 @@ def run_policy(scn: Scenario, policy: Policy, *,
     return res
 
 
-def _wait(scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str, policy: str) -> float:
+def wait_for_change(scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str, policy: str) -> float:
     """No plan fits the pool: the job waits until the pool changes."""
     nxt = scn.devices.next_change(clock, step)
     if nxt is None or nxt <= clock:
@@ -342,6 +344,12 @@ def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: 
     each with its own transition cache."""
     results = []
     for name in policies:
+        if name == "oracle":
+            # imported here: the oracle reuses this module's clock helpers
+            from nereus.sim.oracle import run_oracle
+
+            results.append(run_oracle(scn))
+            continue
         transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
         ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
         policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,

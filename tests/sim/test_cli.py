@@ -38,6 +38,17 @@ def test_simulate_prints_the_table_and_writes_json_and_png(spot, tmp_path, capsy
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_oracle_is_printed_and_written_as_a_reference(spot, tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    args = _args(spot, "--json", str(out_json))
+    args[args.index("adaptive,static,colocated")] = "adaptive,static,oracle"
+    assert nereus_main(args) == 0
+    assert "oracle (a reference, not a policy" in capsys.readouterr().out
+    data = {d["policy"]: d for d in json.loads(out_json.read_text())}
+    assert data["oracle"]["reference"] is True and "reduction_vs_static" in data["oracle"]
+    assert data["adaptive"]["best_baseline"] == "static"
+
+
 def test_plot_without_matplotlib_is_a_clear_error_after_the_json(spot, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     out_json = tmp_path / "r.json"

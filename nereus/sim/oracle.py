@@ -1,0 +1,91 @@
+"""``oracle``: how fast the planner's own search could run the job if it knew the truth.
+
+Not a policy a system can run: a reference that says how much any policy built on
+``nereus.planner.search`` could gain on a scenario, so a policy's gap to a target can be
+told apart from the scenario's headroom. At every step it knows what no policy knows:
+
+- the step's true efficiencies (the drift applied) and its sampled lengths (the maximum
+  that sets decode, not the previous step's), so the search ranks plans for the step
+  itself, memory planned at the step's true maximum, not at the cap;
+- the truth of every candidate: the search's best plan and each of its alternatives (one
+  per named placement) run under the ground truth (stragglers, congestion,
+  fragmentation included), and the fastest that does not overflow memory is taken;
+
+and it pays for nothing but the steps: every transition and restart is free, a device
+loss inside a step does not abort it (the pool is the one at the step's boundary), and
+no step runs out of memory. Paused time (no device) is reported as for every policy.
+Its ``mean_step_s`` is therefore below what any policy of the simulator choosing among
+the same search's plans can reach on the same traces; it is not a bound over every plan
+(a plan the search never proposes might run faster under the truth), and it says so.
+
+Deterministic under the scenario's seed (the truth draws from the step alone).
+"""
+
+from __future__ import annotations
+
+from nereus.errors import InfeasiblePlan
+from nereus.planner.pool import DevicePool
+from nereus.planner.search import search
+from nereus.planner.workload import LengthStats
+from nereus.sim.run import (
+    PolicyResult,
+    Scenario,
+    SimulationError,
+    StepRecord,
+    devices_of,
+    wait_for_change,
+)
+
+__all__ = ["ORACLE", "run_oracle"]
+
+ORACLE = "oracle"
+
+
+def run_oracle(scn: Scenario) -> PolicyResult:
+    """The ``oracle`` reference over ``scn`` (see the module docstring)."""
+    per = scn.cluster.devices_per_node
+    res = PolicyResult(ORACLE)
+    clock, step = 0.0, 0
+    previous = None
+    while step < scn.steps:
+        devices = devices_of(scn.devices.nodes_at(clock, step), per)
+        if not devices:
+            nxt = scn.devices.next_available(clock, step)
+            if nxt is None or nxt <= clock:
+                raise SimulationError(f"{scn.devices.name}: no device is ever available again after {clock:.0f} s")
+            res.paused_s += nxt - clock
+            clock = nxt
+            continue
+        mean = scn.lengths.mean_at(step)
+        lengths = scn.truth.lengths(step, mean)
+        longest = LengthStats(float(lengths.max), float(lengths.max), lengths.max)
+        pool = DevicePool.of(devices)
+        cluster = scn.cluster.with_nodes(max(1, len(devices) // per))
+        res.decisions += 1
+        try:
+            found = search(scn.work.with_lengths(lengths, longest), cluster, scn.truth.efficiency(step))
+        except InfeasiblePlan as e:
+            clock = wait_for_change(scn, res, clock, step, str(e), ORACLE)
+            continue
+        best = None
+        for candidate in [found.plan] + [a.plan for a in found.alternatives]:
+            plan = pool.to_devices(candidate)
+            truth = scn.truth.step(plan, step, mean)
+            if not truth.failed and (best is None or truth.seconds < best[1].seconds):
+                best = (plan, truth)
+        if best is None:
+            clock = wait_for_change(scn, res, clock, step, "no candidate of the search fits the truth's memory",
+                                    ORACLE)
+            continue
+        plan, truth = best
+        moved = previous is not None and plan != previous
+        res.transitions += moved
+        res.records.append(StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
+                                      truth.lengths.max, truth.device_peak, moved, False))
+        clock += truth.seconds
+        res.compute_s += truth.seconds
+        res.tokens += scn.work.sequences * truth.lengths.mean
+        previous, step = plan, step + 1
+    res.steps = step
+    res.total_s = clock
+    return res
