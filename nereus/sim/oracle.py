@@ -6,7 +6,9 @@ told apart from the scenario's headroom. At every step it knows what no policy k
 
 - the step's true efficiencies (the drift applied) and its sampled lengths (the maximum
   that sets decode, not the previous step's), so the search ranks plans for the step
-  itself, memory planned at the step's true maximum, not at the cap;
+  itself, memory planned at the step's true maximum, not at the cap, with the truth's
+  fragmentation and extra workspace as its memory terms (the larger fragmentation on
+  every transient byte: an upper envelope, as calibration fits one);
 - the truth of every candidate: the search's best plan and each of its alternatives (one
   per named placement) run under the ground truth (stragglers, congestion,
   fragmentation included), and the fastest that does not overflow memory is taken;
@@ -24,6 +26,7 @@ Deterministic under the scenario's seed (the truth draws from the step alone).
 from __future__ import annotations
 
 from nereus.errors import InfeasiblePlan
+from nereus.planner.cost import Efficiency
 from nereus.planner.pool import DevicePool
 from nereus.planner.search import search
 from nereus.planner.workload import LengthStats
@@ -36,9 +39,19 @@ from nereus.sim.run import (
     wait_for_change,
 )
 
-__all__ = ["ORACLE", "run_oracle"]
+__all__ = ["ORACLE", "run_oracle", "told_the_truth"]
 
 ORACLE = "oracle"
+GiB = 2**30
+
+
+def told_the_truth(scn: Scenario, step: int) -> Efficiency:
+    """What the oracle's search plans with at ``step``: the truth's efficiencies there,
+    its fragmentation and extra workspace as the memory terms."""
+    mem = scn.truth.params.memory
+    scale = 1.0 + max(mem.activation_fragmentation.value, mem.kv_fragmentation.value)
+    return scn.truth.efficiency(step).replace(memory_scale=scale,
+                                              memory_fixed_bytes=mem.extra_workspace_gib.value * GiB)
 
 
 def run_oracle(scn: Scenario) -> PolicyResult:
@@ -63,7 +76,7 @@ def run_oracle(scn: Scenario) -> PolicyResult:
         cluster = scn.cluster.with_nodes(max(1, len(devices) // per))
         res.decisions += 1
         try:
-            found = search(scn.work.with_lengths(lengths, longest), cluster, scn.truth.efficiency(step))
+            found = search(scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step))
         except InfeasiblePlan as e:
             clock = wait_for_change(scn, res, clock, step, str(e), ORACLE)
             continue
