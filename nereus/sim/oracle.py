@@ -33,9 +33,9 @@ from nereus.planner.workload import LengthStats
 from nereus.sim.run import (
     PolicyResult,
     Scenario,
-    SimulationError,
     StepRecord,
     devices_of,
+    pause_until_available,
     wait_for_change,
 )
 
@@ -63,11 +63,7 @@ def run_oracle(scn: Scenario) -> PolicyResult:
     while step < scn.steps:
         devices = devices_of(scn.devices.nodes_at(clock, step), per)
         if not devices:
-            nxt = scn.devices.next_available(clock, step)
-            if nxt is None or nxt <= clock:
-                raise SimulationError(f"{scn.devices.name}: no device is ever available again after {clock:.0f} s")
-            res.paused_s += nxt - clock
-            clock = nxt
+            clock = pause_until_available(scn, res, clock, step)
             continue
         mean = scn.lengths.mean_at(step)
         lengths = scn.truth.lengths(step, mean)

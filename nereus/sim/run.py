@@ -56,7 +56,7 @@ from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
 __all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy", "run_policies",
-           "devices_of", "wait_for_change",
+           "devices_of", "pause_until_available", "wait_for_change",
            "simulate", "build_scenario"]
 
 
@@ -241,11 +241,7 @@ def run_policy(scn: Scenario, policy: Policy, *,
     while step < scn.steps:
         devices = devices_of(scn.devices.nodes_at(clock, step), per)
         if not devices:
-            nxt = scn.devices.next_available(clock, step)
-            if nxt is None or nxt <= clock:
-                raise SimulationError(f"{scn.devices.name}: no device is ever available again after {clock:.0f} s")
-            res.paused_s += nxt - clock
-            clock = nxt
+            clock = pause_until_available(scn, res, clock, step)
             continue
         b = Boundary(step, devices, tuple(sorted(set(seen) - set(devices))), tuple(sorted(set(devices) - set(seen))),
                      observed, failed)
@@ -327,6 +323,15 @@ def run_policy(scn: Scenario, policy: Policy, *,
     res.steps = step
     res.total_s = clock
     return res
+
+
+def pause_until_available(scn: Scenario, res: PolicyResult, clock: float, step: int) -> float:
+    """No device is available: the job is paused (``paused_s``) until one is."""
+    nxt = scn.devices.next_available(clock, step)
+    if nxt is None or nxt <= clock:
+        raise SimulationError(f"{scn.devices.name}: no device is ever available again after {clock:.0f} s")
+    res.paused_s += nxt - clock
+    return nxt
 
 
 def wait_for_change(scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str, policy: str) -> float:
