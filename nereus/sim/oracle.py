@@ -16,9 +16,12 @@ told apart from the scenario's headroom. At every step it knows what no policy k
 and it pays for nothing but the steps: every transition and restart is free, a device
 loss inside a step does not abort it (the pool is the one at the step's boundary), and
 no step runs out of memory. Paused time (no device) is reported as for every policy.
-Its ``mean_step_s`` is therefore below what any policy of the simulator choosing among
-the same search's plans can reach on the same traces; it is not a bound over every plan
-(a plan the search never proposes might run faster under the truth), and it says so.
+Its ``mean_step_s`` is therefore below what a policy of the simulator choosing among the
+same search's plans reaches on the same traces, except for where its clock meets the
+device trace: it runs its steps at other times than a policy does, so it can meet a
+smaller pool at some step. That makes it a reference, not a proof. It is not a bound over
+every plan either: a plan the search never proposes might run faster under the truth.
+``transitions`` counts its plan changes, which cost nothing.
 
 Deterministic under the scenario's seed (the truth draws from the step alone).
 """
@@ -38,11 +41,11 @@ from nereus.sim.run import (
     pause_until_available,
     wait_for_change,
 )
+from nereus.sim.truth import GiB
 
 __all__ = ["ORACLE", "run_oracle", "told_the_truth"]
 
 ORACLE = "oracle"
-GiB = 2**30
 
 
 def told_the_truth(scn: Scenario, step: int) -> Efficiency:
