@@ -10,7 +10,7 @@
   scenario.
 - ``table(rows)``: a ``rich`` table titled as a simulation.
 - ``plot(results, path, title, caps)``: step time per policy over the run with its
-  transitions (triangles) and restarts (crosses) marked, the device pool and the
+  transitions (triangles) and restarts (crosses) marked (the oracle dashed, unmarked), the device pool and the
   response lengths (mean, sampled maximum, the job's cap) below; matplotlib (Agg) is imported only here, and its absence is a
   ``ConfigError`` that says how to install it.
 
@@ -89,6 +89,11 @@ def plot(results: Sequence[PolicyResult], path: str | Path, title: str, caps: Ca
     for i, r in enumerate(results):
         color = f"C{i}"
         steps = [s.step for s in r.records]
+        if r.policy == ORACLE:  # a reference: dashed, its free plan changes unmarked
+            ax_t.plot(steps, [s.seconds for s in r.records], color=color, lw=0.8, ls="--",
+                      label=f"oracle, a reference (mean {r.mean_step_s:.0f} s)")
+            ax_d.step(steps, [s.devices for s in r.records], where="post", color=color, lw=0.8, ls="--")
+            continue
         ax_t.plot(steps, [s.seconds for s in r.records], color=color, lw=0.9,
                   label=f"{r.policy} (mean {r.mean_step_s:.0f} s)")
         moved = [s for s in r.records if s.transition]
