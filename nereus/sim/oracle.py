@@ -33,6 +33,7 @@ from nereus.planner.cost import Efficiency
 from nereus.planner.pool import DevicePool
 from nereus.planner.search import search
 from nereus.planner.workload import LengthStats
+from nereus.sim.policies import ORACLE
 from nereus.sim.run import (
     PolicyResult,
     Scenario,
@@ -44,8 +45,6 @@ from nereus.sim.run import (
 from nereus.sim.truth import GiB
 
 __all__ = ["ORACLE", "run_oracle", "told_the_truth"]
-
-ORACLE = "oracle"
 
 
 def told_the_truth(scn: Scenario, step: int) -> Efficiency:

@@ -78,13 +78,14 @@ from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import StepTruth
 
 __all__ = ["Boundary", "Move", "Policy", "AdaptivePolicy", "EveryKPolicy", "FixedLayoutPolicy", "POLICIES",
-           "EXTRA_POLICIES", "make_policy"]
+           "EXTRA_POLICIES", "ORACLE", "make_policy"]
 
 POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
 # run only when named (``--policies``): another reading of ``static``, and the
 # ``oracle`` reference (``nereus.sim.oracle``: not a policy, what the search could reach
 # knowing the truth, with transitions free)
-EXTRA_POLICIES = ("static-max-cap", "oracle")
+ORACLE = "oracle"
+EXTRA_POLICIES = ("static-max-cap", ORACLE)
 
 
 @dataclass(frozen=True)

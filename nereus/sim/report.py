@@ -10,9 +10,10 @@
   scenario.
 - ``table(rows)``: a ``rich`` table titled as a simulation.
 - ``plot(results, path, title, caps)``: step time per policy over the run with its
-  transitions (triangles) and restarts (crosses) marked (the oracle dashed, unmarked), the device pool and the
-  response lengths (mean, sampled maximum, the job's cap) below; matplotlib (Agg) is imported only here, and its absence is a
-  ``ConfigError`` that says how to install it.
+  transitions (triangles) and restarts (crosses) marked (the oracle dashed, unmarked),
+  the device pool and the response lengths (mean, sampled maximum, the job's cap)
+  below; matplotlib (Agg) is imported only here, and its absence is a ``ConfigError``
+  that says how to install it.
 
 Never runs anything: it formats results it is given.
 """
@@ -27,7 +28,7 @@ from typing import Any
 from rich.table import Table
 
 from nereus.errors import ConfigError
-from nereus.sim.oracle import ORACLE
+from nereus.sim.policies import ORACLE
 from nereus.sim.run import PolicyResult
 from nereus.sim.traces import CapSchedule
 

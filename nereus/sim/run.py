@@ -1,8 +1,8 @@
 """One simulated job per policy: a clock, the traces, the ground truth and the policy.
 
 ``simulate(config)`` builds the scenario (cluster, workload, traces, the job's cap
-schedule, ground truth) once and runs every policy of ``config.policies`` on it;
-``run_policy`` is one run:
+schedule, ground truth) once and runs every policy of ``config.policies`` on it (and the
+``oracle`` reference, ``nereus.sim.oracle``, when named); ``run_policy`` is one run:
 
 - the job's generation cap follows ``config.cap_schedule`` (``nereus.sim.traces``:
   ``stepped`` by default, raised in stages as the length trace grows, or ``fixed``); it
@@ -42,7 +42,15 @@ from nereus.config import require
 from nereus.errors import InfeasiblePlan, NereusError
 from nereus.planner.cluster import ClusterSpec, cluster_preset
 from nereus.planner.workload import ALGORITHMS, LengthStats, Workload, model_preset
-from nereus.sim.policies import EXTRA_POLICIES, POLICIES, Boundary, Policy, _Ctx, make_policy
+from nereus.sim.policies import (
+    EXTRA_POLICIES,
+    ORACLE,
+    POLICIES,
+    Boundary,
+    Policy,
+    _Ctx,
+    make_policy,
+)
 from nereus.sim.traces import (
     CAP_SCHEDULES,
     CapSchedule,
@@ -346,10 +354,10 @@ def wait_for_change(scn: Scenario, res: PolicyResult, clock: float, step: int, r
 def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: float = 0.5, k: int = 3,
                  join_horizon_steps: float = 20.0, min_steps_between: int = 0) -> list[PolicyResult]:
     """Every policy in ``policies`` on ``scn`` (the same traces, ground truth and seed),
-    each with its own transition cache."""
+    each with its own transition cache; ``oracle`` is run by ``nereus.sim.oracle``."""
     results = []
     for name in policies:
-        if name == "oracle":
+        if name == ORACLE:
             # imported here: the oracle reuses this module's clock helpers
             from nereus.sim.oracle import run_oracle
 
