@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(table(data, title))
         adaptive = next((r for r in data if r["policy"] == "adaptive"), None)
         if adaptive is not None:
-            parts = [f"{key} = {adaptive[key]:.4f}" for key in ("reduction_vs_static", "reduction_vs_best_baseline")
-                     if key in adaptive]
+            parts = [f"{key} = {adaptive[key]:.4f}" for key in ("reduction_vs_static", "reduction_vs_best_baseline",
+                                                                  "share_of_oracle_headroom") if key in adaptive]
             if "best_baseline" in adaptive:
                 parts.append(f"best baseline: {adaptive['best_baseline']}")
             console.print("adaptive: " + ", ".join(parts))

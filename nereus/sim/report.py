@@ -6,8 +6,9 @@
   ``reduction_vs_best_baseline`` (fractions of the other policy's mean step time, when
   those policies ran); the ``oracle`` reference (``nereus.sim.oracle``), when it ran,
   carries ``reference: true`` and its own ``reduction_vs_static`` (the headroom of the
-  scenario) and is never a baseline; every object carries ``simulated: true`` and the
-  scenario.
+  scenario) and is never a baseline, and adaptive's row then has
+  ``share_of_oracle_headroom`` (the share of the oracle's gain on static that adaptive
+  gains too); every object carries ``simulated: true`` and the scenario.
 - ``table(rows)``: a ``rich`` table titled as a simulation.
 - ``plot(results, path, title, caps)``: step time per policy over the run with its
   transitions (triangles) and restarts (crosses) marked (the oracle dashed, unmarked),
@@ -47,6 +48,11 @@ def rows(results: Sequence[PolicyResult], scenario: dict[str, Any] | None = None
         if r.policy == ORACLE:
             row["reference"] = True
         if r.policy == "adaptive":
+            oracle = by.get(ORACLE)
+            if static is not None and oracle is not None and oracle.mean_step_s < static.mean_step_s:
+                # how much of what the oracle gains on static adaptive gains too
+                row["share_of_oracle_headroom"] = ((static.mean_step_s - r.mean_step_s)
+                                                   / (static.mean_step_s - oracle.mean_step_s))
             others = [o for o in results if o.policy not in ("adaptive", ORACLE)]
             if others:
                 best = min(others, key=lambda o: o.mean_step_s)

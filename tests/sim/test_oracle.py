@@ -78,4 +78,6 @@ def test_the_oracle_row_is_a_reference_never_a_baseline(runs):
     assert data["oracle"]["reference"] is True
     assert data["oracle"]["reduction_vs_static"] == pytest.approx(1 - by["oracle"].mean_step_s / by["static"].mean_step_s)
     assert data["adaptive"]["best_baseline"] != "oracle"
+    static, oracle, adaptive = (by[p].mean_step_s for p in ("static", "oracle", "adaptive"))
+    assert data["adaptive"]["share_of_oracle_headroom"] == pytest.approx((static - adaptive) / (static - oracle))
     assert "reference" not in data["adaptive"]
