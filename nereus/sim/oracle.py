@@ -23,15 +23,22 @@ smaller pool at some step. That makes it a reference, not a proof. It is not a b
 every plan either: a plan the search never proposes might run faster under the truth.
 ``transitions`` counts its plan changes, which cost nothing.
 
-Deterministic under the scenario's seed (the truth draws from the step alone).
+``matched_compute`` puts the oracle on a policy's own steps instead: each completed step
+on the pool that run met at its boundary, with its straggler draw. Beside the run's
+``compute_s`` (``PolicyResult.plan_gap``), it says how far that run's plans were from
+the best the search proposes, with the device trace's timing taken out; the rest of a
+run's time is what it paid to move, restart, redo and wait.
+
+Deterministic under the scenario's seed (the truth draws from the step and the attempt).
 """
 
 from __future__ import annotations
 
 from nereus.errors import InfeasiblePlan
 from nereus.planner.cost import Efficiency
+from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
-from nereus.planner.search import search
+from nereus.planner.search import SearchResult, search
 from nereus.planner.workload import LengthStats
 from nereus.sim.policies import ORACLE
 from nereus.sim.run import (
@@ -42,9 +49,9 @@ from nereus.sim.run import (
     pause_until_available,
     wait_for_change,
 )
-from nereus.sim.truth import GiB
+from nereus.sim.truth import GiB, StepTruth
 
-__all__ = ["ORACLE", "run_oracle", "told_the_truth"]
+__all__ = ["ORACLE", "Oracle", "matched_compute", "run_oracle", "told_the_truth"]
 
 
 def told_the_truth(scn: Scenario, step: int) -> Efficiency:
@@ -56,8 +63,74 @@ def told_the_truth(scn: Scenario, step: int) -> Efficiency:
                                               memory_fixed_bytes=mem.extra_workspace_gib.value * GiB)
 
 
-def run_oracle(scn: Scenario) -> PolicyResult:
-    """The ``oracle`` reference over ``scn`` (see the module docstring)."""
+class Oracle:
+    """The oracle's choice at a step on a pool, kept: several runs meet the same pools at
+    the same steps."""
+
+    def __init__(self, scn: Scenario) -> None:
+        self.scn = scn
+        self._best: dict[tuple[int, tuple[int, ...], int], tuple[Plan, StepTruth] | None] = {}
+        self._found: dict[tuple[int, tuple[int, ...]], SearchResult | InfeasiblePlan] = {}
+
+    def _search(self, step: int, devices: tuple[int, ...]) -> SearchResult | InfeasiblePlan:
+        key = (step, devices)
+        found = self._found.get(key)
+        if found is None:
+            scn = self.scn
+            lengths = scn.truth.lengths(step, scn.lengths.mean_at(step))
+            longest = LengthStats(float(lengths.max), float(lengths.max), lengths.max)
+            cluster = scn.cluster.with_nodes(max(1, len(devices) // scn.cluster.devices_per_node))
+            try:
+                found = search(scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step))
+            except InfeasiblePlan as e:
+                found = e
+            self._found[key] = found
+        return found
+
+    def best(self, step: int, devices: tuple[int, ...], attempt: int = 0) -> tuple[Plan, StepTruth] | None:
+        """The fastest candidate of the search on ``devices`` at ``step`` under the truth
+        (``attempt``: the straggler draw), with its truth; None when none fits. Raises
+        ``InfeasiblePlan`` when the search finds no plan."""
+        key = (step, devices, attempt)
+        if key in self._best:
+            return self._best[key]
+        found = self._search(step, devices)
+        if isinstance(found, InfeasiblePlan):
+            raise found
+        pool = DevicePool.of(devices)
+        mean = self.scn.lengths.mean_at(step)
+        best = None
+        for candidate in [found.plan] + [a.plan for a in found.alternatives]:
+            plan = pool.to_devices(candidate)
+            truth = self.scn.truth.step(plan, step, mean, attempt)
+            if not truth.failed and (best is None or truth.seconds < best[1].seconds):
+                best = (plan, truth)
+        self._best[key] = best
+        return best
+
+
+def matched_compute(oracle: Oracle, result: PolicyResult) -> float | None:
+    """The oracle's seconds for ``result``'s own completed steps: each step on the pool
+    that run met at its boundary, with its straggler draw. Set beside the run's
+    ``compute_s``, it says how far that run's plans were from the best the search
+    proposes on the same pools, apart from where the clocks met the device trace. None
+    when the oracle has no plan that fits for one of those steps."""
+    total = 0.0
+    for record in result.records:
+        try:
+            best = oracle.best(record.step, record.pool, record.attempt)
+        except InfeasiblePlan:
+            return None
+        if best is None:
+            return None
+        total += best[1].seconds
+    return total
+
+
+def run_oracle(scn: Scenario, oracle: Oracle | None = None) -> PolicyResult:
+    """The ``oracle`` reference over ``scn`` (see the module docstring); ``oracle``: a
+    kept one to share its choices with ``matched_compute``."""
+    oracle = oracle or Oracle(scn)
     per = scn.cluster.devices_per_node
     res = PolicyResult(ORACLE)
     clock, step = 0.0, 0
@@ -67,23 +140,12 @@ def run_oracle(scn: Scenario) -> PolicyResult:
         if not devices:
             clock = pause_until_available(scn, res, clock, step)
             continue
-        mean = scn.lengths.mean_at(step)
-        lengths = scn.truth.lengths(step, mean)
-        longest = LengthStats(float(lengths.max), float(lengths.max), lengths.max)
-        pool = DevicePool.of(devices)
-        cluster = scn.cluster.with_nodes(max(1, len(devices) // per))
         res.decisions += 1
         try:
-            found = search(scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step))
+            best = oracle.best(step, devices)
         except InfeasiblePlan as e:
             clock = wait_for_change(scn, res, clock, step, str(e), ORACLE)
             continue
-        best = None
-        for candidate in [found.plan] + [a.plan for a in found.alternatives]:
-            plan = pool.to_devices(candidate)
-            truth = scn.truth.step(plan, step, mean)
-            if not truth.failed and (best is None or truth.seconds < best[1].seconds):
-                best = (plan, truth)
         if best is None:
             clock = wait_for_change(scn, res, clock, step, "no candidate of the search fits the truth's memory",
                                     ORACLE)
@@ -92,7 +154,7 @@ def run_oracle(scn: Scenario) -> PolicyResult:
         moved = previous is not None and plan != previous
         res.transitions += moved
         res.records.append(StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
-                                      truth.lengths.max, truth.device_peak, moved, False))
+                                      truth.lengths.max, truth.device_peak, moved, False, devices))
         clock += truth.seconds
         res.compute_s += truth.seconds
         res.tokens += scn.work.sequences * truth.lengths.mean

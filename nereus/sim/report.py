@@ -9,7 +9,9 @@
   scenario) and is never a baseline, and adaptive's row then has
   ``share_of_oracle_headroom`` (the share of the oracle's gain on static that adaptive
   gains too); every object carries ``simulated: true`` and the scenario.
-- ``table(rows)``: a ``rich`` table titled as a simulation.
+- ``table(rows)``: a ``rich`` table titled as a simulation; when the oracle ran, a
+  "plan gap %" column: how much longer each run's steps took than the oracle's plans on
+  the same steps, pools and straggler draws (``PolicyResult.plan_gap``).
 - ``plot(results, path, title, caps)``: step time per policy over the run with its
   transitions (triangles) and restarts (crosses) marked (the oracle dashed, unmarked),
   the device pool and the response lengths (mean, sampled maximum, the job's cap)
@@ -68,15 +70,17 @@ def table(data: Sequence[dict[str, Any]], title: str) -> Table:
     """Per policy: mean step time, throughput, transitions and their share of run time,
     restarts, memory failures, aborted steps, paused and waiting time, decision times."""
     t = Table(title=title, title_justify="left")
+    matched = any("plan_gap" in r for r in data)
     for name in ("policy", "mean step s", "steps/h", "transitions", "transition %", "restarts", "mem failures",
-                 "aborted", "paused s", "waiting s", "planner ms", "DAG ms"):
+                 "aborted", "paused s", "waiting s", "planner ms", "DAG ms") + (("plan gap %",) if matched else ()):
         t.add_column(name, justify="left" if name == "policy" else "right")
     for r in data:
+        gap = r.get("plan_gap")
         t.add_row(r["policy"], f"{r['mean_step_s']:.1f}", f"{r['throughput_steps_per_hour']:.2f}", str(r["transitions"]),
                   f"{r['transition_overhead_pct']:.3f}", str(r["restarts"]), str(r["memory_failures"]),
                   str(r["aborted_steps"]), f"{r['paused_s']:.0f}", f"{r['waiting_s']:.0f}",
                   f"{r['planner_ms_per_decision']:.1f}",
-                  f"{r['dag_ms_per_decision']:.1f}")
+                  f"{r['dag_ms_per_decision']:.1f}", *((f"{100 * gap:.1f}" if gap is not None else "-",) if matched else ()))
     return t
 
 

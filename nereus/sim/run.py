@@ -153,8 +153,9 @@ def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scen
 @dataclass(frozen=True)
 class StepRecord:
     """One completed step: when it started, its seconds, the devices live at its boundary
-    and used by its plan, its lengths, its highest device peak (bytes), and whether a
-    transition or restart preceded it."""
+    and used by its plan, its lengths, its highest device peak (bytes), whether a
+    transition or restart preceded it, the live devices themselves (``pool``) and how
+    many times the step was tried before (``attempt``: its stragglers' draw)."""
 
     step: int
     start_s: float
@@ -166,6 +167,8 @@ class StepRecord:
     peak_bytes: int
     transition: bool
     restart: bool
+    pool: tuple[int, ...] = ()
+    attempt: int = 0
 
 
 @dataclass
@@ -189,6 +192,9 @@ class PolicyResult:
     planner_s: float = 0.0  # wall seconds in planner calls
     dag_s: float = 0.0  # wall seconds building and scheduling DAGs
     tokens: float = 0.0
+    # the oracle's step seconds on this run's own steps, pools and straggler draws
+    # (``nereus.sim.oracle.matched_compute``; set when the oracle ran beside it)
+    oracle_compute_s: float | None = None
     records: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -212,9 +218,17 @@ class PolicyResult:
     def transition_overhead_pct(self) -> float:
         return 100.0 * self.transition_s / self.run_s if self.run_s > 0 else 0.0
 
+    @property
+    def plan_gap(self) -> float | None:
+        """How much longer this run's steps took than the oracle's plans on the same
+        steps, pools and straggler draws (a fraction; None unless the oracle ran)."""
+        if self.oracle_compute_s is None or self.oracle_compute_s <= 0:
+            return None
+        return self.compute_s / self.oracle_compute_s - 1.0
+
     def to_dict(self) -> dict[str, Any]:
         ms = 1000.0 / max(1, self.decisions)
-        return {
+        out = {
             "policy": self.policy, "simulated": True, "steps": self.steps, "mean_step_s": self.mean_step_s,
             "throughput_steps_per_hour": self.throughput_steps_per_hour, "tokens_per_s": self.tokens_per_s,
             "transitions": self.transitions, "transition_s": self.transition_s,
@@ -225,6 +239,9 @@ class PolicyResult:
             "decisions": self.decisions, "planner_ms_per_decision": self.planner_s * ms,
             "dag_ms_per_decision": self.dag_s * ms, "planner_s": self.planner_s, "dag_s": self.dag_s,
         }
+        if self.oracle_compute_s is not None:
+            out.update(oracle_compute_s=self.oracle_compute_s, plan_gap=self.plan_gap)
+        return out
 
 
 def devices_of(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
@@ -317,7 +334,7 @@ def run_policy(scn: Scenario, policy: Policy, *,
                 failed = True
             continue
         record = StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
-                            truth.lengths.max, truth.device_peak, moved, restarted)
+                            truth.lengths.max, truth.device_peak, moved, restarted, devices, attempt)
         res.records.append(record)
         clock += truth.seconds
         res.compute_s += truth.seconds
@@ -354,20 +371,27 @@ def wait_for_change(scn: Scenario, res: PolicyResult, clock: float, step: int, r
 def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: float = 0.5, k: int = 3,
                  join_horizon_steps: float = 20.0, min_steps_between: int = 0) -> list[PolicyResult]:
     """Every policy in ``policies`` on ``scn`` (the same traces, ground truth and seed),
-    each with its own transition cache; ``oracle`` is run by ``nereus.sim.oracle``."""
+    each with its own transition cache. ``oracle`` is run by ``nereus.sim.oracle``; when
+    it runs, every other result gets ``oracle_compute_s`` (the oracle on its own steps,
+    pools and straggler draws)."""
+    # imported here: the oracle reuses this module's clock helpers
+    from nereus.sim.oracle import Oracle, matched_compute, run_oracle
+
+    oracle = Oracle(scn) if ORACLE in policies else None
     results = []
     for name in policies:
-        if name == ORACLE:
-            # imported here: the oracle reuses this module's clock helpers
-            from nereus.sim.oracle import run_oracle
-
-            results.append(run_oracle(scn))
+        if oracle is not None and name == ORACLE:
+            results.append(run_oracle(scn, oracle))
             continue
         transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
         ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
         policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
                              min_steps_between=min_steps_between)
         results.append(run_policy(scn, policy))
+    if oracle is not None:
+        for r in results:
+            if r.policy != ORACLE:
+                r.oracle_compute_s = matched_compute(oracle, r)
     return results
 
 

@@ -8,7 +8,7 @@ import pytest
 import nereus.sim.oracle as oracle_module
 from nereus.planner.pool import DevicePool
 from nereus.sim import run_policies
-from nereus.sim.oracle import run_oracle
+from nereus.sim.oracle import Oracle, matched_compute, run_oracle
 from nereus.sim.report import rows
 from tests.sim.helpers import small_scenario
 
@@ -70,6 +70,22 @@ def test_each_step_takes_the_fastest_candidate_of_the_real_search_told_the_truth
         times = [scn.truth.step(pool.to_devices(p), step, scn.lengths.mean_at(step))
                  for p in [found.plan] + [a.plan for a in found.alternatives]]
         assert record.seconds == min(t.seconds for t in times if not t.failed)
+
+
+def test_each_run_is_matched_with_the_oracle_on_its_own_steps_pools_and_draws(runs):
+    scn, by = runs
+    fresh = Oracle(scn)
+    for name in ("adaptive", "static", "every-k"):
+        r = by[name]
+        assert {rec.pool for rec in r.records} and all(len(rec.pool) == rec.devices for rec in r.records)
+        expected = sum(fresh.best(rec.step, rec.pool, rec.attempt)[1].seconds for rec in r.records)
+        assert r.oracle_compute_s == pytest.approx(expected)
+        assert r.to_dict()["plan_gap"] == pytest.approx(r.compute_s / expected - 1)
+    # some step of the scenario was redone (a loss inside it), so the draw matters
+    assert any(rec.attempt > 0 for name in ("adaptive", "static", "every-k") for rec in by[name].records)
+    # matched with itself, the oracle is its own compute
+    assert matched_compute(fresh, by["oracle"]) == pytest.approx(by["oracle"].compute_s)
+    assert by["oracle"].oracle_compute_s is None
 
 
 def test_the_oracle_row_is_a_reference_never_a_baseline(runs):
