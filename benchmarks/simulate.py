@@ -24,8 +24,8 @@ quote it), every policy on the same traces, ground truth and seed; its JSON list
 
 Everything is a simulation. The last line is one JSON object: reduction_vs_static,
 reduction_vs_static_max_cap, adaptive_ahead_of_every_k, adaptive_ahead_of_dynarl,
-memory_failures (adaptive, paper run), oracle_reduction_vs_static (the paper run's headroom)
-and adaptive's share_of_oracle_headroom,
+memory_failures (adaptive, paper run), oracle_reduction_vs_static (the paper run's headroom),
+adaptive's share_of_oracle_headroom and each policy's plan_gap to the oracle on its own steps,
 transition_overhead_pct_1024, transitions_1024, best_gamma, and adaptive_ahead_everywhere (over
 the traces table, against the six policies).
 """
@@ -113,6 +113,9 @@ def summary(out: Path, names: list[str]) -> dict[str, object]:
             result["oracle_reduction_vs_static"] = round(paper["oracle"]["reduction_vs_static"], 4)
             s, o = paper["static"]["mean_step_s"], paper["oracle"]["mean_step_s"]
             result["share_of_oracle_headroom"] = round((s - a["mean_step_s"]) / (s - o), 4)
+            gaps = {p: round(d["plan_gap"], 4) for p, d in paper.items() if d.get("plan_gap") is not None}
+            if gaps:
+                result["plan_gap"] = gaps
         if "static-max-cap" in paper:
             m = paper["static-max-cap"]["mean_step_s"]
             result.update(static_max_cap_mean_step_s=round(m, 1),
