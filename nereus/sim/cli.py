@@ -29,7 +29,7 @@ from rich.console import Console
 from nereus.errors import ConfigError
 from nereus.planner.cluster import PRESETS
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS
-from nereus.sim.policies import EXTRA_POLICIES, POLICIES
+from nereus.sim.policies import EXTRA_POLICIES, ORACLE, POLICIES
 from nereus.sim.run import SimConfig, SimulationError, build_scenario, simulate
 from nereus.sim.truth import load_truth_params
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             if "best_baseline" in adaptive:
                 parts.append(f"best baseline: {adaptive['best_baseline']}")
             console.print("adaptive: " + ", ".join(parts))
-        oracle = next((r for r in data if r["policy"] == "oracle"), None)
+        oracle = next((r for r in data if r["policy"] == ORACLE), None)
         if oracle is not None and "reduction_vs_static" in oracle:
             console.print(f"oracle (a reference, not a policy: the search's candidates chosen knowing the truth, "
                           f"transitions and restarts free): reduction_vs_static = {oracle['reduction_vs_static']:.4f}")

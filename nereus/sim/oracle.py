@@ -38,7 +38,7 @@ from nereus.errors import InfeasiblePlan
 from nereus.planner.cost import Efficiency
 from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
-from nereus.planner.search import SearchResult, search
+from nereus.planner.search import search
 from nereus.planner.workload import LengthStats
 from nereus.sim.policies import ORACLE
 from nereus.sim.run import (
@@ -70,21 +70,26 @@ class Oracle:
     def __init__(self, scn: Scenario) -> None:
         self.scn = scn
         self._best: dict[tuple[int, tuple[int, ...], int], tuple[Plan, StepTruth] | None] = {}
-        self._found: dict[tuple[int, tuple[int, ...]], SearchResult | InfeasiblePlan] = {}
+        self._candidates: dict[tuple[int, tuple[int, ...]], list[Plan] | InfeasiblePlan] = {}
 
-    def _search(self, step: int, devices: tuple[int, ...]) -> SearchResult | InfeasiblePlan:
+    def _candidates_on(self, step: int, devices: tuple[int, ...]) -> list[Plan] | InfeasiblePlan:
+        """The search's best plan and its alternatives on ``devices`` (device ids), told
+        the truth at ``step``; the search's error when it finds none."""
         key = (step, devices)
-        found = self._found.get(key)
+        found = self._candidates.get(key)
         if found is None:
             scn = self.scn
             lengths = scn.truth.lengths(step, scn.lengths.mean_at(step))
             longest = LengthStats(float(lengths.max), float(lengths.max), lengths.max)
             cluster = scn.cluster.with_nodes(max(1, len(devices) // scn.cluster.devices_per_node))
             try:
-                found = search(scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step))
+                result = search(scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step))
             except InfeasiblePlan as e:
                 found = e
-            self._found[key] = found
+            else:
+                pool = DevicePool.of(devices)
+                found = [pool.to_devices(p) for p in [result.plan] + [a.plan for a in result.alternatives]]
+            self._candidates[key] = found
         return found
 
     def best(self, step: int, devices: tuple[int, ...], attempt: int = 0) -> tuple[Plan, StepTruth] | None:
@@ -94,14 +99,12 @@ class Oracle:
         key = (step, devices, attempt)
         if key in self._best:
             return self._best[key]
-        found = self._search(step, devices)
+        found = self._candidates_on(step, devices)
         if isinstance(found, InfeasiblePlan):
             raise found
-        pool = DevicePool.of(devices)
         mean = self.scn.lengths.mean_at(step)
         best = None
-        for candidate in [found.plan] + [a.plan for a in found.alternatives]:
-            plan = pool.to_devices(candidate)
+        for plan in found:
             truth = self.scn.truth.step(plan, step, mean, attempt)
             if not truth.failed and (best is None or truth.seconds < best[1].seconds):
                 best = (plan, truth)
@@ -153,8 +156,8 @@ def run_oracle(scn: Scenario, oracle: Oracle | None = None) -> PolicyResult:
         plan, truth = best
         moved = previous is not None and plan != previous
         res.transitions += moved
-        res.records.append(StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
-                                      truth.lengths.max, truth.device_peak, moved, False, devices))
+        res.records.append(StepRecord(step, clock, truth.seconds, devices, len(plan.devices), truth.lengths.mean,
+                                      truth.lengths.max, truth.device_peak, moved, False))
         clock += truth.seconds
         res.compute_s += truth.seconds
         res.tokens += scn.work.sequences * truth.lengths.mean

@@ -153,22 +153,26 @@ def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scen
 @dataclass(frozen=True)
 class StepRecord:
     """One completed step: when it started, its seconds, the devices live at its boundary
-    and used by its plan, its lengths, its highest device peak (bytes), whether a
-    transition or restart preceded it, the live devices themselves (``pool``) and how
-    many times the step was tried before (``attempt``: its stragglers' draw)."""
+    (``pool``) and how many its plan used, its lengths, its highest device peak (bytes),
+    whether a transition or restart preceded it, and how many times the step was tried
+    before (``attempt``: its stragglers' draw)."""
 
     step: int
     start_s: float
     seconds: float
-    devices: int
+    pool: tuple[int, ...]
     plan_devices: int
     mean_length: float
     max_length: int
     peak_bytes: int
     transition: bool
     restart: bool
-    pool: tuple[int, ...] = ()
     attempt: int = 0
+
+    @property
+    def devices(self) -> int:
+        """How many devices were live at the step's boundary."""
+        return len(self.pool)
 
 
 @dataclass
@@ -333,8 +337,8 @@ def run_policy(scn: Scenario, policy: Policy, *,
                 policy.observe(plan, devices, observed, truth, step)
                 failed = True
             continue
-        record = StepRecord(step, clock, truth.seconds, len(devices), len(plan.devices), truth.lengths.mean,
-                            truth.lengths.max, truth.device_peak, moved, restarted, devices, attempt)
+        record = StepRecord(step, clock, truth.seconds, devices, len(plan.devices), truth.lengths.mean,
+                            truth.lengths.max, truth.device_peak, moved, restarted, attempt)
         res.records.append(record)
         clock += truth.seconds
         res.compute_s += truth.seconds
