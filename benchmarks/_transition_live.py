@@ -29,9 +29,9 @@ import time
 from typing import Any
 
 from nereus.config import from_dict
+from nereus.job.config import JobConfig
+from nereus.job.loop import RLJob
 from nereus.planner import Plan, StagePlan
-from nereus.rl.config import JobConfig
-from nereus.rl.job import RLJob
 
 GEN = ((0,), (1,))
 

@@ -50,11 +50,11 @@ import tomllib
 
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError
+from nereus.job.adapt import job_workload
+from nereus.job.config import JobConfig, from_planner_plan
+from nereus.job.loop import RLJob
 from nereus.planner import LengthStats, Plan, StagePlan, explain
 from nereus.planner.search import stage_candidates
-from nereus.rl.adapt import job_workload
-from nereus.rl.config import JobConfig, from_planner_plan
-from nereus.rl.job import RLJob
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo_adaptive.toml"
 TOP = 5

@@ -79,8 +79,8 @@ def run_nereus(b: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     from nereus.config import from_dict
-    from nereus.rl.config import JobConfig
-    from nereus.rl.job import RLJob
+    from nereus.job.config import JobConfig
+    from nereus.job.loop import RLJob
 
     devices = list(range(b["cores"]))
     with tempfile.TemporaryDirectory() as out:
@@ -129,8 +129,8 @@ def run_trl(b: dict[str, Any]) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nereus.rl.tasks import make_task
-    from nereus.rl.vocab import Codec
+    from nereus.data.tasks import make_task
+    from nereus.data.vocab import Codec
 
     task = make_task(TASK["name"], **TASK["options"])
     codec = Codec.for_alphabet(task.alphabet)
@@ -256,8 +256,8 @@ def run_floor(b: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from nereus.rl.tasks import make_task
-    from nereus.rl.vocab import Codec
+    from nereus.data.tasks import make_task
+    from nereus.data.vocab import Codec
 
     task = make_task(TASK["name"], **TASK["options"])
     codec = Codec.for_alphabet(task.alphabet)

@@ -110,12 +110,11 @@ def nccl_p2p_gbps(nbytes: int = GIB, reps: int = 5) -> tuple[float | None, str]:
 async def grpo_steps(steps: int = 3, timeout_s: float = 150.0, engine: str = "builtin") -> tuple[int, str]:
     """Run ``steps`` steps of the tiny GRPO job on GPU workers, generating on ``engine``;
     (steps done, error)."""
+    from nereus.actors import Controller, NodeDaemon
     from nereus.actors._keys import generate_key
     from nereus.config import from_dict
-    from nereus.controller import Controller
-    from nereus.node import NodeDaemon
-    from nereus.rl.config import JobConfig
-    from nereus.rl.job import run_job
+    from nereus.job.config import JobConfig
+    from nereus.job.loop import run_job
 
     data = tomllib.loads((ROOT / "examples" / "grpo_tiny.toml").read_text())
     key = generate_key()

@@ -48,15 +48,15 @@ import torch
 
 from nereus.actors import Cluster, endpoint
 from nereus.config import from_dict
+from nereus.data.tasks import make_task
+from nereus.data.vocab import Codec
 from nereus.engines.stage import stage_groups
+from nereus.job.change import stage_emus
+from nereus.job.cluster_stages import ClusterStages
+from nereus.job.config import JobConfig, Placement
+from nereus.job.loop import RLJob
 from nereus.models import ModelConfig, model_spec, save_tiny_model
 from nereus.planner import Plan, StagePlan
-from nereus.rl.change import stage_emus
-from nereus.rl.cluster import ClusterStages
-from nereus.rl.config import JobConfig, Placement
-from nereus.rl.job import RLJob
-from nereus.rl.tasks import make_task
-from nereus.rl.vocab import Codec
 from nereus.state import (
     DeviceSet,
     LogicalState,

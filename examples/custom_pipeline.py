@@ -25,6 +25,7 @@ import tempfile
 import torch
 
 from nereus.config import from_dict
+from nereus.data.vocab import Codec
 from nereus.rl import (
     ClusterStages,
     JobConfig,
@@ -34,7 +35,6 @@ from nereus.rl import (
     prepare_model,
     to_batch,
 )
-from nereus.rl.vocab import Codec
 
 
 async def main(steps: int, samples_per_prompt: int = 8, keep_above: float = 0.3) -> list[float]:

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError, OutOfMemory, RemoteError
-from nereus.rl.adapt import PredictedFailure, predict_memory_failure
-from nereus.rl.cli import parse_job
-from nereus.rl.job import RLJob
+from nereus.job.adapt import PredictedFailure, predict_memory_failure
+from nereus.job.cli import parse_job
+from nereus.job.loop import RLJob
 
 CONFIG = Path(__file__).with_name("demo_adaptive.toml")
 log = logging.getLogger("examples.demo")

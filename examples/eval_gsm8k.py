@@ -16,11 +16,11 @@ import argparse
 import json
 from pathlib import Path
 
+from nereus.data.rewards import math_reward
+from nereus.data.vocab import Codec
 from nereus.engines.generation import GenerationEngine
 from nereus.engines.memory import MemoryLedger
 from nereus.models import ModelConfig
-from nereus.rl.rewards import math_reward
-from nereus.rl.vocab import Codec
 
 
 def main() -> None:

@@ -63,11 +63,10 @@ for _module, _names in {
         "explain", "local_cpu_cluster", "model_preset", "search",
     ],
     "nereus.transition": ["LinkModel", "TransitionDAG", "build_dag", "simulate", "transition_seconds"],
-    "nereus.rl": [
-        "ClusterStages", "DataConfig", "FileTask", "InProcessStages", "JobConfig", "ModelStages",
-        "PromptDataset", "RLJob", "Task", "load_reward", "make_loggers", "make_task", "run_job",
-    ],
     "nereus.monitor": ["EVENT_TYPES", "SCHEMA_VERSION", "Dashboard", "DashboardView", "Subscriber"],
+    "nereus.data": ["DataConfig", "FileTask", "PromptDataset", "Task", "load_reward", "make_task"],
+    "nereus.rl": ["ModelStages"],
+    "nereus.job": ["ClusterStages", "InProcessStages", "JobConfig", "RLJob", "make_loggers", "run_job"],
     "nereus.sim": ["GroundTruth", "PolicyResult", "SimConfig", "TruthParams", "load_truth_params", "simulate"],
     "nereus.launch": [
         "KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests", "render_sbatch",

@@ -14,13 +14,13 @@ __all__ = ["main"]
 
 # subcommand -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("nereus.rl.cli", "run an RL job from a TOML config (e.g. examples/grpo_tiny.toml)"),
-    "export": ("nereus.rl.export", "write a job's trained policy as a Hugging Face folder"),
+    "run": ("nereus.job.cli", "run an RL job from a TOML config (e.g. examples/grpo_tiny.toml)"),
+    "export": ("nereus.job.export", "write a job's trained policy as a Hugging Face folder"),
     "plan": ("nereus.planner.cli", "search a plan for a cluster, model and algorithm and explain it"),
     "simulate": ("nereus.sim.cli", "compare layout policies on a simulated cluster replaying device and length traces"),
     "tap": ("nereus.monitor.tap", "print (or write as JSONL) the live monitoring tap of a controller"),
     "dashboard": ("nereus.monitor.dashboard", "serve a local web page that follows a run's tap (or a recorded one) live"),
-    "controller": ("nereus.controller", "run a standalone controller that node daemons join"),
+    "controller": ("nereus.actors._controller", "run a standalone controller that node daemons join"),
     "node": ("nereus.node", "run the per-host node daemon (one worker process per device)"),
     "curve-key": ("nereus.actors._curve", "write a CURVE secret key file that encrypts tcp sockets"),
 

@@ -15,8 +15,7 @@ callers talk to workers directly. It promises:
   epoch) and published; see ``nereus.monitor.schema``.
 - Bad frames are counted, logged and dropped (``nereus.actors._channel``).
 
-``python -m nereus.controller --bind tcp://0.0.0.0:5555 --key-file KEY`` (or
-``nereus controller``) runs one standalone; the key may also come from
+``nereus controller --bind tcp://0.0.0.0:5555 --key-file KEY`` runs one standalone; the key may also come from
 ``$NEREUS_CLUSTER_KEY``. It prints ``NEREUS_CONTROLLER_READY <address> <tap_address>``
 when it is listening. ``Cluster.local`` embeds one in the driver's event loop.
 """
@@ -39,8 +38,8 @@ from nereus.actors._channel import Channel, Counters, configure
 from nereus.actors._curve import CurveKey, load_curve, secure, stop_authenticators
 from nereus.actors._keys import load_key
 from nereus.actors._loop import run
+from nereus.actors.events import SCHEMA_VERSION
 from nereus.errors import ConfigError, ProtocolError
-from nereus.monitor.schema import SCHEMA_VERSION
 
 __all__ = ["Controller", "main", "READY_PREFIX"]
 

@@ -46,9 +46,11 @@ from typing import Any
 
 from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
+from nereus.actors._controller import Controller
 from nereus.actors._curve import CurveKey, load_curve
 from nereus.actors._host import DEFAULT_MAX_PENDING
 from nereus.actors._keys import generate_key, load_key
+from nereus.actors._node import NodeDaemon
 from nereus.actors.actor import Actor, DeviceInfo, Failure, class_path
 from nereus.actors.mesh import ActorMesh, ActorRef
 from nereus.config import parse_size
@@ -185,9 +187,6 @@ class Cluster:
         return self
 
     async def _start_local(self) -> None:
-        from nereus.controller import Controller
-        from nereus.node import NodeDaemon
-
         self.controller = await Controller(
             self.key, heartbeat_timeout_s=self._heartbeat_timeout_s, curve=self.curve).start()
         self.address = self.controller.address
@@ -275,8 +274,6 @@ class Cluster:
                               "`python -m nereus.node --controller ...` on the new host instead")
         if not isinstance(devices, int) or devices < 1:
             raise ConfigError(f"devices={devices!r} must be an int >= 1")
-        from nereus.node import NodeDaemon
-
         node = NodeDaemon(self.address, self.key, devices=devices,
                           memory_per_device=memory_per_device or self._memory_per_device,
                           transport=self._transport, node_id=f"local{len(self.nodes)}",

@@ -36,17 +36,49 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from nereus.config import require
+from nereus.data.rewards import RewardFunction, RewardInput, add_note
+from nereus.data.tasks import Sample, Task
 from nereus.errors import ConfigError
-from nereus.rl.rewards import RewardFunction, RewardInput, add_note
-from nereus.rl.tasks import Sample, Task
 
 if TYPE_CHECKING:
-    from nereus.rl.config import DataConfig
-    from nereus.rl.vocab import Codec
+    from nereus.data.vocab import Codec
 
-__all__ = ["FileRow", "FileTask", "read_rows", "file_format"]
+__all__ = ["DataConfig", "FileRow", "FileTask", "read_rows", "file_format"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts and ground truth from a local file instead of a synthetic task
+    (``nereus.data.filedata``): verl's columns, the model's chat template, the same global
+    sample order and exact resume as the tasks. Its rewards come from ``[reward] rule``."""
+
+    path: str = ""
+    """The JSONL or Parquet file (local; read through the ``datasets`` package)."""
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    """``auto`` tells the format from the suffix (``.jsonl``/``.json``, ``.parquet``)."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt: chat messages or a string."""
+    answer_key: str = "reward_model.ground_truth"
+    """The column holding the ground truth; dots step into nested columns."""
+    apply_chat_template: bool = True
+    """Render prompts with the model's chat template and the generation prompt (a string
+    prompt as one user turn); false feeds string prompts as they are (base models)."""
+    shuffle: bool = True
+    """Visit the rows in a seeded random order per epoch (``run.seed``); false keeps the
+    file's order."""
+    max_samples: int = 0
+    """Use only the first ``max_samples`` rows (0: all)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.path), "data.path", self.path, "must name a JSONL or Parquet file")
+        require(self.format in ("auto", "jsonl", "parquet"), "data.format", self.format, "must be 'auto', 'jsonl' or 'parquet'")
+        for name in ("prompt_key", "answer_key"):
+            value = getattr(self, name)
+            require(bool(value) and all(value.split(".")), f"data.{name}", value, "must be a column name (dots for nested columns)")
+        require(self.max_samples >= 0, "data.max_samples", self.max_samples, "must be >= 0 (0 = all rows)")
 
 log = logging.getLogger("nereus.rl")
 

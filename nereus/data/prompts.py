@@ -12,7 +12,7 @@ positions ``[position, position + n)``; DP rank ``r`` of ``d`` takes every sampl
 offset in the batch is ``r`` modulo ``d`` (``global_batch(..., dp_rank, dp_size)``), so
 changing ``d`` between steps keeps the global batch, and the position, unchanged.
 
-A dataset over a file (``nereus.rl.filedata``) also carries the file's ``fingerprint``
+A dataset over a file (``nereus.data.filedata``) also carries the file's ``fingerprint``
 in its state, and restoring a state whose fingerprint differs is refused: the same
 position in a changed file would be other samples.
 
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nereus.config import require
-from nereus.rl.tasks import Sample, Task
+from nereus.data.tasks import Sample, Task
 
 __all__ = ["PromptDataset"]
 

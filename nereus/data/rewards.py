@@ -15,7 +15,7 @@
   a string prompt, or the content of its last user message), plus the keyword
   arguments ``data_source`` and ``extra_info`` when its signature names them (or takes
   ``**kwargs``), and must return a real number (``bool`` counts as 0 or 1).
-- ``"task"``: the synthetic task's own rule (``nereus.rl.tasks``); the default, and only
+- ``"task"``: the synthetic task's own rule (``nereus.data.tasks``); the default, and only
   for the synthetic tasks.
 
 Where rewards run: in the job's driver process (the one that runs ``nereus run``), in

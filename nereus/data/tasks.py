@@ -5,7 +5,7 @@ deterministically from ``(seed, index)``, and scores a response with a rule rewa
 ``[0, 1]``. Nothing here touches a model or a tokenizer: the RL step loop tokenizes
 prompts (``Task.prompt_ids``, with the codec it is given) and decodes responses, then
 asks the task for the reward. Prompts from files are a task too
-(``nereus.rl.filedata.FileTask``).
+(``nereus.data.filedata.FileTask``).
 
 Two prompt styles:
 - ``compact`` (tiny models with a character vocabulary): ``"12+7="`` -> ``"19"``;
@@ -37,7 +37,7 @@ from nereus.config import require
 from nereus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from nereus.rl.vocab import Codec
+    from nereus.data.vocab import Codec
 
 __all__ = [
     "Sample",

@@ -10,7 +10,7 @@ tokens. It wraps either kind, so the loop never asks which one it has.
 ``encode_messages`` renders chat messages with the folder's own chat template
 (``nereus.models.chat``: ``chat_template.jinja`` or ``tokenizer_config.json``) and the
 generation prompt, as transformers' ``apply_chat_template`` does; prompts read from files
-(``nereus.rl.filedata``) take this path.
+(``nereus.data.filedata``) take this path.
 
 Refuses (``ConfigError``): an empty alphabet, characters that repeat, a folder without a
 ``tokenizer.json``, a tokenizer without an end-of-sequence token, chat messages for a

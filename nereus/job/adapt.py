@@ -49,10 +49,10 @@ from typing import Any
 
 from nereus.config import require
 from nereus.errors import StateError
+from nereus.job.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
+from nereus.job.recovery import update_counts
 from nereus.planner import ClusterSpec, LengthStats, ModelShape, Replanner, Workload
 from nereus.planner.pool import DevicePool
-from nereus.rl.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
-from nereus.rl.recovery import update_counts
 
 __all__ = ["Adapter", "Change", "PredictedFailure", "job_workload", "planner_shape", "predict_memory_failure"]
 
@@ -303,7 +303,7 @@ class Adapter:
         return await self._act(nxt, outcome, priced)
 
     async def after_fault(self, step: int, dead: list[int]) -> dict[str, Any]:
-        """Replan at once after workers died (``nereus.rl.recovery.forget_dead`` brought
+        """Replan at once after workers died (``nereus.job.recovery.forget_dead`` brought
         the job to its intact EMUs): the dead devices are a hard trigger, the target is
         searched on the pool that is left and reached from what survived; model-stages
         without an intact EMU are built at their target placement. Returns the decision."""

@@ -19,7 +19,7 @@ import sys
 
 from nereus.config import load_toml
 from nereus.errors import ConfigError
-from nereus.rl.config import JobConfig
+from nereus.job.config import JobConfig
 
 __all__ = ["main", "parse_job"]
 
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"nereus run: config error: {e}", file=sys.stderr)
         return 2
-    from nereus.rl.job import run_job
+    from nereus.job.loop import run_job
 
     records = asyncio.run(run_job(cfg))
     if records:

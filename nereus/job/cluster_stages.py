@@ -12,7 +12,7 @@ with its EMUs' shards (each rank reads only its slices) and starts their engines
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``; ``await apply_plan(target)`` changes it at a step
 boundary over the state the workers hold, through one transition DAG across every
-model-stage that moves (``nereus.rl.cluster_change.PlanChanges``, which this class is
+model-stage that moves (``nereus.job.plan_changes.PlanChanges``, which this class is
 made of: pricing, checking and running a change).
 
 Devices: every live device gets an engine host at start; a device the cluster drains
@@ -67,10 +67,11 @@ import torch
 
 from nereus.config import require
 from nereus.errors import ActorDied
-from nereus.rl.change import STAGE_KINDS, stage_emus
-from nereus.rl.cluster_change import PlanChanges, emit_event
-from nereus.rl.config import JobConfig
-from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
+from nereus.job.change import STAGE_KINDS, stage_emus
+from nereus.job.config import JobConfig
+from nereus.job.local_stages import engine_optim, reward_model
+from nereus.job.plan_changes import PlanChanges, emit_event
+from nereus.rl.stages import ModelStages, last_token_scores
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -109,7 +110,7 @@ class ClusterStages(PlanChanges, ModelStages):
         # (engines stopped and started, their groups, the sync plans): measured
         self._restart_s: deque[float] = deque(maxlen=4)
         # model-stages a fault left without an intact EMU: the next change builds them
-        # (nereus.rl.recovery)
+        # (nereus.job.recovery)
         self._missing: set[str] = set()
         self._spawn_s: list[float] = []  # spawning each model-stage at start: the guess before any change
 

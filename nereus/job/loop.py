@@ -6,7 +6,7 @@ order), the tokenizer, the initial model and the model-stages the plan places,
 then runs ``run.steps`` steps of the configured algorithm. Each step takes the next
 ``prompts_per_step`` samples of the global order, runs the algorithm's step
 (``nereus.rl.algorithms``) and writes one record to ``metrics.jsonl`` and the other
-loggers ``run.loggers`` names (``nereus.rl.loggers``); the progress bar
+loggers ``run.loggers`` names (``nereus.job.loggers``); the progress bar
 shows stage times, reward and lengths; the end prints a summary table and writes
 ``plot.png``.
 
@@ -18,7 +18,7 @@ from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the step
 uninterrupted job would have taken (same samples, same rollouts, same updates).
 
 With ``[adapt] enabled`` (a cluster job), after every step but the last the controller
-loop (``nereus.rl.adapt.Adapter``) may change the plan at the step boundary; the step's
+loop (``nereus.job.adapt.Adapter``) may change the plan at the step boundary; the step's
 record then carries ``decision`` and ``transition``, the summary lists every change and
 the plot marks them.
 
@@ -26,7 +26,7 @@ Output folder: ``metrics.jsonl``, ``tap.jsonl`` (every tap event of the run, on 
 cluster), ``plot.png``, ``config.json`` (the resolved config),
 ``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``, the loggers'
 files (``tensorboard/``, ``wandb/``, ``mlflow.db``) and, with ``run.export_hf``, ``hf/``:
-the trained policy as a Hugging Face folder (``nereus.rl.export``), written from the
+the trained policy as a Hugging Face folder (``nereus.job.export``), written from the
 last checkpoint.
 """
 
@@ -40,12 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from nereus.config import to_dict
+from nereus.data.prompts import PromptDataset
+from nereus.data.tasks import Task, make_task
+from nereus.data.vocab import Codec
 from nereus.errors import StateError
-from nereus.rl.algorithms import ALGORITHMS, StepContext
-from nereus.rl.config import JobConfig
-from nereus.rl.data import PromptDataset
-from nereus.rl.loggers import check_loggers, make_loggers
-from nereus.rl.report import (
+from nereus.job.config import JobConfig
+from nereus.job.export import export_checkpoint, latest_checkpoint
+from nereus.job.local_stages import InProcessStages, prepare_model
+from nereus.job.loggers import check_loggers, make_loggers
+from nereus.job.report import (
     StepProgress,
     changes_table,
     faults_table,
@@ -53,20 +56,12 @@ from nereus.rl.report import (
     read_metrics,
     summary_table,
 )
-from nereus.rl.stages import InProcessStages, ModelStages, prepare_model
-from nereus.rl.tasks import Task, make_task
-from nereus.rl.vocab import Codec
+from nereus.rl.algorithms import ALGORITHMS, StepContext
+from nereus.rl.stages import ModelStages
 
 __all__ = ["RLJob", "run_job", "latest_checkpoint"]
 
 log = logging.getLogger("nereus.rl")
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest ``checkpoints/step_N`` folder that is complete, or None."""
-    root = Path(out_dir) / "checkpoints"
-    done = [p for p in root.glob("step_*") if (p / "job.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
 class RLJob:
@@ -78,8 +73,8 @@ class RLJob:
         check_loggers(cfg.run.loggers)
         self.task: Task
         if cfg.data is not None:
-            from nereus.rl.filedata import FileTask
-            from nereus.rl.rewards import load_reward
+            from nereus.data.filedata import FileTask
+            from nereus.data.rewards import load_reward
 
             task = FileTask.load(cfg.data, load_reward(cfg.reward.rule))
             self.task = task
@@ -90,11 +85,11 @@ class RLJob:
             self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
         self.codec: Codec | None = Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
         self.stages: ModelStages | None = None
-        self.adapter: Any = None  # nereus.rl.adapt.Adapter with [adapt] enabled
+        self.adapter: Any = None  # nereus.job.adapt.Adapter with [adapt] enabled
         self.tap: Any = None  # the run's tap recorder (tap.jsonl) on a cluster
         self.step = 0
         self.records: list[dict[str, Any]] = []
-        self.faults: list[Any] = []  # nereus.rl.recovery.Fault, one per recovered fault
+        self.faults: list[Any] = []  # nereus.job.recovery.Fault, one per recovered fault
         self._checkpoints: list[Path] = []  # saved or loaded by this run (a restore uses no other)
         # called as ``await hook(job, record)`` after each step, before the controller loop
         # looks at the boundary (the environment: devices reclaimed or returned, faults)
@@ -109,12 +104,12 @@ class RLJob:
         if self.cfg.cluster.mode == "in_process":
             self.stages = InProcessStages(self.cfg, self.model_config, self.model_dir)
         else:
-            from nereus.rl.cluster import ClusterStages
+            from nereus.job.cluster_stages import ClusterStages
 
             self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
             await self._record_tap()
             if self.cfg.adapt.enabled:
-                from nereus.rl.adapt import Adapter
+                from nereus.job.adapt import Adapter
 
                 reward = self.stages._models.get("reward", (None,))[0]
                 self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)
@@ -181,7 +176,8 @@ class RLJob:
         self.stages.take_stage_seconds()
         samples = self.dataset.take(a.prompts_per_step)
         self.stages.sample_position = self.dataset.position
-        ctx = StepContext(self.cfg, self.task, self.codec, self.stages, self.step)
+        ctx = StepContext(self.cfg.algorithm, self.cfg.sampling, self.cfg.run.seed, self.cfg.reward.kind == "model",
+                          self.task, self.codec, self.stages, self.step)
         record = await ALGORITHMS[a.name](ctx, samples)
         record["step_seconds"] = time.perf_counter() - t0
         record["dataset_position"] = self.dataset.position
@@ -281,7 +277,7 @@ class RLJob:
         from (``_recover``) and None returned; anything else is raised."""
         if self.adapter is None:
             return await work()
-        from nereus.rl.recovery import is_fault, update_counts
+        from nereus.job.recovery import is_fault, update_counts
 
         assert self.stages is not None
         counts: dict[str, list[int]] = {}  # a death before they are read: no update was committed
@@ -298,12 +294,12 @@ class RLJob:
             return None
 
     async def _recover(self, error: BaseException, during: str, start: tuple) -> None:
-        """Back to a runnable plan after workers died (``nereus.rl.recovery``): drop what
+        """Back to a runnable plan after workers died (``nereus.job.recovery``): drop what
         died, keep the intact EMUs, replan on the devices left, build what was lost;
         restore the newest checkpoint if a training state lost its last copy; otherwise
         redo the step if its update was not committed, or go on from the committed one."""
         from nereus.actors import emit
-        from nereus.rl.recovery import Fault, dead_devices, forget_dead, is_fault, settle_updates
+        from nereus.job.recovery import Fault, dead_devices, forget_dead, is_fault, settle_updates
 
         assert self.stages is not None and self.adapter is not None
         step0, dataset0, version0, counts0 = start
@@ -356,8 +352,7 @@ class RLJob:
 
     def export_hf(self, out: str | Path | None = None) -> Path:
         """Write the policy of the newest checkpoint as a Hugging Face folder (``out_dir/hf``
-        by default); see ``nereus.rl.export``."""
-        from nereus.rl.export import export_checkpoint
+        by default); see ``nereus.job.export``."""
 
         ckpt = latest_checkpoint(self.out_dir)
         if ckpt is None:

@@ -1,5 +1,5 @@
 """Changing a running job's plan over the state its workers hold (``PlanChanges``, one
-half of ``nereus.rl.cluster.ClusterStages``).
+half of ``nereus.job.cluster_stages.ClusterStages``).
 
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``. ``await apply_plan(target)`` changes it at a step
@@ -22,7 +22,7 @@ on devices it does not touch go on with the next step (``transition_done()`` wai
 
 Pricing a change (``change_inputs`` once per boundary, then ``plan_change`` and
 ``estimate_change`` per target, pure over those inputs) is what the controller
-(``nereus.rl.adapt``) admits changes with; ``apply_plan`` runs one; every executed
+(``nereus.job.adapt``) admits changes with; ``apply_plan`` runs one; every executed
 transition's nodes feed ``Calibrator.observe_transition`` (``learn_transitions``), so
 the next estimate uses them.
 
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nereus.config import require
-from nereus.rl.change import STAGE_KINDS, check_after, emu_name, stage_changed, stage_emus
+from nereus.job.change import STAGE_KINDS, check_after, emu_name, stage_changed, stage_emus
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 
 __all__ = ["PlanChanges", "emit_event"]
@@ -50,7 +50,7 @@ log = logging.getLogger("nereus.rl")
 
 
 class PlanChanges:
-    """The plan-change half of ``nereus.rl.cluster.ClusterStages`` (see the module
+    """The plan-change half of ``nereus.job.cluster_stages.ClusterStages`` (see the module
     docstring); the attributes it reads (the plan, EMUs, hosts, handles, link model,
     calibrator) are the class's."""
 
@@ -157,7 +157,7 @@ class PlanChanges:
         dag, predicted = self.plan_change(target, inputs)
         self._cache_slots = inputs["cache_slots"] if "policy_generation" in moving else 0
         # model-stages that keep their EMUs but decode in other waves or (stop) recompute,
-        # and those whose engines a fault stopped (nereus.rl.recovery)
+        # and those whose engines a fault stopped (nereus.job.recovery)
         retuned = [s for s in self._plan.names
                    if s not in moving and (self._plan[s] != target[s] or s not in self.handles)]
         missing = sorted(self._missing)
@@ -221,13 +221,13 @@ class PlanChanges:
         await release_groups(self.cluster, new_epoch, tag="transition")
         report.update(bytes_measured=result.bytes_measured, nodes_finished=len(result.finished))
         if not result.ok:
-            from nereus.rl.recovery import salvage
+            from nereus.job.recovery import salvage
 
             report.update(ok=False, seconds=time.perf_counter() - t0)
             _emit_transition(report, dag)
             await salvage(self, runtime)  # what the DAG left, as the job's plan
             raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
-        from nereus.rl.recovery import is_fault
+        from nereus.job.recovery import is_fault
         died: list[BaseException] = []
         for stage in moving:
             reps = dag.results[stage]

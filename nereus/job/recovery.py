@@ -14,7 +14,7 @@ brings ``ClusterStages`` to what is left:
   has lost its last copy, and the job restores the newest checkpoint into the new
   layout);
 - the job's plan becomes the intact EMUs' plan, which the controller loop replans from
-  (the dead devices are a hard trigger: ``nereus.rl.adapt.Adapter.after_fault``).
+  (the dead devices are a hard trigger: ``nereus.job.adapt.Adapter.after_fault``).
 
 ``salvage(stages, runtime)`` does the same for a change that stopped part way (a worker
 died inside a transition DAG): per model-stage it keeps the complete EMUs the DAG left
@@ -75,7 +75,7 @@ class Lost:
 
     @property
     def training_lost(self) -> bool:
-        from nereus.rl.cluster import STAGE_KINDS
+        from nereus.job.cluster_stages import STAGE_KINDS
 
         return any(STAGE_KINDS[s] == "training" for s in self.missing)
 
@@ -169,7 +169,7 @@ async def forget_dead(stages: Any, dead: set[int]) -> Lost:
 
 async def update_counts(stages: Any) -> dict[str, list[int]]:
     """Per training model-stage, the update counter each of its EMUs' first worker holds."""
-    from nereus.rl.cluster import STAGE_KINDS
+    from nereus.job.cluster_stages import STAGE_KINDS
 
     out: dict[str, list[int]] = {}
     for stage, emus in stages.emus.items():

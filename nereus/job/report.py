@@ -16,7 +16,7 @@
 A step record is a flat dict: ``step``, ``reward_mean``, ``reward_std``,
 ``response_len_mean``, ``policy_version``, ``step_seconds``, ``<stage>_seconds`` for
 each stage timed, and the losses' metrics; a step after which the plan changed carries
-``transition`` (``nereus.rl.adapt.Change.as_record``).
+``transition`` (``nereus.job.adapt.Change.as_record``).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def changes_table(records: Sequence[dict[str, Any]], title: str = "plan changes"
 
 
 def faults_table(faults: Sequence[dict[str, Any]], title: str = "faults recovered from") -> Any:
-    """A rich Table with one row per fault (``nereus.rl.recovery.Fault.as_record``)."""
+    """A rich Table with one row per fault (``nereus.job.recovery.Fault.as_record``)."""
     from rich.table import Table
 
     table = Table(title=title)

@@ -4,7 +4,7 @@
 
 1. makes the key folder (mode 0700) with a fresh random cluster key (mode 0600: only
    the job's user reads it), refusing a folder another user owns or others may read;
-2. starts the controller (``python -m nereus.controller``) on the first node's address;
+2. starts the controller (``python -m nereus.cli controller``) on the first node's address;
 3. starts one ``srun`` step of ``tasks_per_node`` tasks on every node, each a
    ``nereus slurm node`` that becomes a node daemon, and waits for every ready line;
 4. writes ``cluster.json`` (addresses, key file, nodes and their devices) beside the key;
@@ -36,11 +36,10 @@ import signal
 import sys
 from pathlib import Path
 
-from nereus.controller import READY_PREFIX as CONTROLLER_READY
+from nereus.actors import CONTROLLER_READY, NODE_READY
 from nereus.errors import ConfigError, DeadlineExceeded, NereusError
 from nereus.launch._slurm_env import SlurmTask, host_address
 from nereus.launch.slurm import SlurmCluster
-from nereus.node import READY_PREFIX as NODE_READY
 
 __all__ = ["NODE_PREFIX", "make_key_dir", "node_main", "run_cluster"]
 
@@ -132,7 +131,7 @@ async def _forward(stream: asyncio.StreamReader) -> None:
 
 async def _start_controller(cluster: SlurmCluster, bind_ip: str, key_file: Path,
                             deadline: float) -> tuple[_Part, str, str]:
-    cmd = [sys.executable, "-m", "nereus.controller",
+    cmd = [sys.executable, "-m", "nereus.cli", "controller",
            "--bind", f"tcp://{bind_ip}:{cluster.controller_port}",
            "--tap-bind", f"tcp://{bind_ip}:{cluster.tap_port}",
            "--key-file", str(key_file), "--heartbeat-timeout-s", str(cluster.heartbeat_timeout_s)]

@@ -189,7 +189,7 @@ def _controller(cluster: KubernetesCluster) -> list[dict[str, Any]]:
              {"name": "tap", "containerPort": cluster.tap_port, "protocol": "TCP"}]
     container = {
         "name": "controller",
-        "command": [cluster.python, "-m", "nereus.controller",
+        "command": [cluster.python, "-m", "nereus.cli", "controller",
                     "--bind", f"tcp://$(POD_IP):{cluster.controller_port}",
                     "--tap-bind", f"tcp://$(POD_IP):{cluster.tap_port}",
                     "--key-file", f"{KEY_PATH}/key",

@@ -355,7 +355,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 async def _run(args: argparse.Namespace) -> int:
     if args.tap:
-        from nereus.actors._keys import load_key
+        from nereus.actors.events import load_key
 
         if "://" not in args.tap:
             raise ConfigError(f"--tap={args.tap!r} must look like 'tcp://HOST:PORT'")

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from nereus.actors.events import SCHEMA_VERSION
+
 __all__ = ["SCHEMA_VERSION", "COMMON_FIELDS", "EVENT_TYPES", "describe", "check_event"]
 
-SCHEMA_VERSION = 1
 
 COMMON_FIELDS: dict[str, str] = {
     "type": "event type (see EVENT_TYPES)",

@@ -1,7 +1,6 @@
 """Subscribe to a controller's monitoring tap; ``nereus tap`` prints or records it.
 
-    python -m nereus.tap tcp://HOST:PORT [--jsonl FILE] [--type T ...] [--key-file KEY]
-    nereus tap tcp://HOST:PORT
+    nereus tap tcp://HOST:PORT [--jsonl FILE] [--type T ...] [--key-file KEY]
 
 ``Subscriber`` is an async iterator of events (dicts; see ``nereus.monitor.schema``).
 With a cluster key (``--key-file`` or ``$NEREUS_CLUSTER_KEY``) every event's signature
@@ -27,9 +26,17 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from nereus.actors import _session, _wire
-from nereus.actors._curve import CurveKey, load_curve, secure
-from nereus.actors._keys import KEY_ENV, load_key
+from nereus.actors.events import (
+    BROADCAST,
+    KEY_ENV,
+    SIGNATURE_BYTES,
+    CurveKey,
+    Refused,
+    load_curve,
+    load_key,
+    open_event,
+    secure,
+)
 from nereus.errors import AuthenticationError, ConfigError, ProtocolError
 from nereus.monitor.schema import describe
 
@@ -95,19 +102,17 @@ class Subscriber:
                 return event
 
     def _check(self, frames: list[bytes]) -> dict[str, Any] | None:
-        if len(frames) != 1 or len(frames[0]) <= _wire.SIGNATURE_BYTES:
+        if len(frames) != 1 or len(frames[0]) <= SIGNATURE_BYTES:
             self.rejected += 1
             return None
         try:
-            head = (_wire.verify(self.key, frames) if self.key is not None
-                    else memoryview(frames[0])[_wire.SIGNATURE_BYTES:])
-            sender, receiver, seq, body = _session.parse(head)
-        except (AuthenticationError, ProtocolError, _session.Refused) as e:
+            sender, receiver, seq, body = open_event(self.key, frames)
+        except (AuthenticationError, ProtocolError, Refused) as e:
             self.rejected += 1
             log.warning("dropped a tap event: %s", e)
             return None
         if self.key is not None:
-            if receiver != _session.ANY or seq <= self._last.get(sender, 0):
+            if receiver != BROADCAST or seq <= self._last.get(sender, 0):
                 self.rejected += 1
                 log.warning("dropped a replayed tap event (seq %d)", seq)
                 return None

@@ -22,7 +22,7 @@ value of the state in which response token ``t`` is chosen is therefore
 ``values[b, t - 1]`` (``action_values``). The loss ``critic_loss`` applies the same shift,
 so the critic is trained on exactly what GAE reads.
 
-Every step returns a flat record (``nereus.rl.report``): stage times, reward and length
+Every step returns a flat record (``nereus.job.report``): stage times, reward and length
 statistics, the policy version of the rollouts, and the losses' metrics. Sampling is
 seeded from ``(run.seed, step)``, so a step's rollouts depend only on the weights and the
 step number: what makes resume exact.
@@ -36,10 +36,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from nereus.config import require
+from nereus.data.tasks import Sample, Task
+from nereus.data.vocab import Codec
 from nereus.rl.advantages import (
     broadcast_to_tokens,
     gae,
@@ -49,14 +52,52 @@ from nereus.rl.advantages import (
     remax_advantages,
     token_rewards,
 )
-from nereus.rl.config import JobConfig
 from nereus.rl.losses import value_loss
-from nereus.rl.rollout import Rollouts, to_batch
+from nereus.rl.rollout import Rollouts, SamplingConfig, to_batch
 from nereus.rl.stages import ModelStages
-from nereus.rl.tasks import Sample, Task
-from nereus.rl.vocab import Codec
 
-__all__ = ["StepContext", "ALGORITHMS", "grpo_step", "ppo_step", "remax_step", "action_values", "critic_loss", "sampling_seed"]
+__all__ = ["AlgorithmConfig", "StepContext", "ALGORITHMS", "grpo_step", "ppo_step", "remax_step", "action_values", "critic_loss", "sampling_seed"]
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The RL algorithm and its coefficients.
+
+    ``kl_mode``: ``loss`` adds ``kl_coef * KL`` to the policy loss (GRPO's way),
+    ``penalty`` subtracts it from the per-token rewards (PPO's way)."""
+
+    name: Literal["grpo", "ppo", "remax"] = "grpo"
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "penalty"] = "loss"
+    scale_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    whiten_advantages: bool = True
+    epochs: int = 1
+    aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+
+    def __post_init__(self) -> None:
+        require(self.name in ("grpo", "ppo", "remax"), "algorithm.name", self.name, "must be 'grpo', 'ppo' or 'remax'")
+        require(self.prompts_per_step >= 1, "algorithm.prompts_per_step", self.prompts_per_step, "must be >= 1")
+        if self.name == "grpo":
+            require(self.samples_per_prompt >= 2, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 2 for grpo")
+        else:
+            require(self.samples_per_prompt >= 1, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
+        require(0 <= self.clip_eps < 1, "algorithm.clip_eps", self.clip_eps, "must be in [0, 1)")
+        require(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0")
+        require(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]")
+        require(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
+        require(self.value_clip >= 0, "algorithm.value_clip", self.value_clip, "must be >= 0")
+        require(self.epochs >= 1, "algorithm.epochs", self.epochs, "must be >= 1")
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
 
 POLICY_LOSS = "nereus.rl.losses:policy_loss"
 CRITIC_LOSS = "nereus.rl.algorithms:critic_loss"
@@ -64,9 +105,13 @@ CRITIC_LOSS = "nereus.rl.algorithms:critic_loss"
 
 @dataclass
 class StepContext:
-    """What a step needs besides its samples."""
+    """What a step needs besides its samples: the job's algorithm and sampling settings,
+    its seed and whether a reward model (rather than the task's rule) scores rollouts."""
 
-    config: JobConfig
+    algorithm: AlgorithmConfig
+    sampling: SamplingConfig
+    seed: int
+    reward_model: bool
     task: Task
     codec: Codec
     stages: ModelStages
@@ -98,7 +143,7 @@ def _timed(record: dict[str, Any], key: str) -> Iterator[None]:
 
 
 async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: bool = False) -> Rollouts:
-    sampling = ctx.config.sampling
+    sampling = ctx.sampling
     prompts: list[list[int]] = []
     index: list[int] = []
     for s in samples:
@@ -111,7 +156,7 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
         "stop_token_ids": [] if sampling.ignore_eos else [ctx.codec.eos_id],
-        "seed": sampling_seed(ctx.config.run.seed, ctx.step),
+        "seed": sampling_seed(ctx.seed, ctx.step),
     }
     out = await ctx.stages.generate(prompts, params)
     rollouts = Rollouts(prompts, out["token_ids"], out["logprobs"], index, out["policy_version"])
@@ -124,7 +169,7 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
 async def _score(ctx: StepContext, record: dict[str, Any], rollouts: Rollouts, batch: dict[str, torch.Tensor] | None = None) -> None:
     """Replace the rule scores with the reward model's when the job uses one (``batch``:
     the rollouts' training batch, when the step already built it)."""
-    if ctx.config.reward.kind != "model":
+    if not ctx.reward_model:
         return
     with _timed(record, "score_seconds"):
         scores = await ctx.stages.reward_scores(batch if batch is not None else to_batch(rollouts, ctx.codec.pad_id))
@@ -152,7 +197,7 @@ def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
 
 
 def _policy_loss_kwargs(ctx: StepContext) -> dict[str, Any]:
-    a = ctx.config.algorithm
+    a = ctx.algorithm
     in_loss = a.kl_mode == "loss" and a.kl_coef > 0
     return {
         "clip_eps": a.clip_eps,
@@ -163,7 +208,7 @@ def _policy_loss_kwargs(ctx: StepContext) -> dict[str, Any]:
 
 
 async def _train_and_sync(ctx: StepContext, batch: dict[str, torch.Tensor], record: dict[str, Any], critic: bool = False) -> None:
-    a = ctx.config.algorithm
+    a = ctx.algorithm
     metrics: dict[str, float] = {}
     for _ in range(a.epochs):
         with _timed(record, "train_seconds"):
@@ -181,13 +226,13 @@ async def _train_and_sync(ctx: StepContext, batch: dict[str, torch.Tensor], reco
 
 
 async def _reference(ctx: StepContext, record: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
-    if ctx.config.algorithm.kl_coef > 0:
+    if ctx.algorithm.kl_coef > 0:
         with _timed(record, "score_seconds"):
             batch["ref_logprobs"] = await ctx.stages.reference_logprobs(batch)
 
 
 async def grpo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
-    a = ctx.config.algorithm
+    a = ctx.algorithm
     record: dict[str, Any] = {}
     with _timed(record, "generate_seconds"):
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
@@ -206,7 +251,7 @@ async def grpo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
 
 
 async def remax_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
-    a = ctx.config.algorithm
+    a = ctx.algorithm
     record: dict[str, Any] = {}
     with _timed(record, "generate_seconds"):
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
@@ -225,7 +270,7 @@ async def remax_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
 
 
 async def ppo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
-    a = ctx.config.algorithm
+    a = ctx.algorithm
     record: dict[str, Any] = {}
     with _timed(record, "generate_seconds"):
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)

@@ -20,12 +20,64 @@ whose lengths disagree across fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from nereus.config import require
 
-__all__ = ["Rollouts", "to_batch"]
+__all__ = ["Rollouts", "SamplingConfig", "to_batch"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling of policy-generation."""
+
+    max_new_tokens: int | list[list[int]] = 8
+    """The length cap: a number of tokens, or a schedule ``[[step, cap], ...]`` (steps
+    increasing from 0) whose cap holds from its step on, as caps are raised mid-run."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    ignore_eos: bool = False
+    """Generate exactly the cap (benchmarks: a fixed amount of work per step)."""
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """What runs policy-generation's EMUs: ``builtin`` (nereus's batched KV-cache sampler,
+    on the worker's device) or ``vllm`` (one vLLM engine per EMU in the worker that holds
+    its shards, weights written in place from them at start and after every weight
+    sync; its KV cache holds the EMU's share of a step's rollouts at the model's full
+    length, reserved in the device's ledger; needs vLLM importable in the workers,
+    ``plan.policy_generation.pp = 1`` and ``cluster.mode`` ``local`` or ``connect``)."""
+
+    def __post_init__(self) -> None:
+        require(self.engine in ("builtin", "vllm"), "sampling.engine", self.engine, "must be 'builtin' or 'vllm'")
+        name = "sampling.max_new_tokens"
+        if isinstance(self.max_new_tokens, int):
+            require(self.max_new_tokens >= 1, name, self.max_new_tokens, "must be >= 1")
+        else:
+            sched = self.max_new_tokens
+            require(len(sched) >= 1 and all(len(e) == 2 for e in sched), name, sched,
+                    "must be a number or a list of [step, cap] pairs")
+            steps = [e[0] for e in sched]
+            require(steps[0] == 0 and all(a < b for a, b in zip(steps, steps[1:], strict=False)), name, sched,
+                    "must start at step 0 with steps strictly increasing")
+            require(all(e[1] >= 1 for e in sched), name, sched, "caps must be >= 1")
+        require(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")
+        require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
+
+    def cap_at(self, step: int) -> int:
+        """The length cap of step ``step``."""
+        if isinstance(self.max_new_tokens, int):
+            return self.max_new_tokens
+        return [cap for start, cap in self.max_new_tokens if start <= step][-1]
+
+    @property
+    def max_cap(self) -> int:
+        """The largest cap the schedule ever sets."""
+        if isinstance(self.max_new_tokens, int):
+            return self.max_new_tokens
+        return max(cap for _, cap in self.max_new_tokens)
 
 
 @dataclass

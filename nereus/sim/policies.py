@@ -42,7 +42,7 @@ this simulator, not claims about the systems they are named after:
   the same fixed-layout policy provisioned from the first step for the run's largest cap
   (memory always planned at it), so a raised cap never forces it to restart.
 
-Every policy plans as the job's controller loop (``nereus.rl.adapt``) does: step time
+Every policy plans as the job's controller loop (``nereus.job.adapt``) does: step time
 at the lengths the last step generated, memory at the next step's cap (any response may
 reach it: ``LengthStats(cap, cap, cap)``). Every policy calibrates through a
 ``Replanner``'s own observers, as that loop does: measured model-stage seconds, device

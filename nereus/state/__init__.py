@@ -1,7 +1,7 @@
 """nereus.state: layouts, shard specs, EMUs, reshard plans, the four primitives, logical
 state, the per-device memory ledger and checkpoints (DESIGN §4).
 
-The planning modules (spec, layout, emu, plan, memory, primitives, transition) are pure:
+The planning modules (spec, layout, emu, reshard, memory, primitives, transition) are pure:
 descriptions in, plans out. ``apply`` runs a plan over tensors in one process or in one
 worker's part; ``holder`` runs plans and steps on worker processes (``ShardHolder``,
 ``execute``); ``ledger`` is each device's memory account; ``checkpoint`` is the
@@ -27,7 +27,7 @@ for _module, _names in {
     "layout": ["Box", "Layout", "Piece", "Shard", "check_layout", "layer_bounds", "param_shard"],
     "ledger": ["MemoryLedger", "device_ledger"],
     "memory": ["DEFAULT_BUCKET_BYTES", "MemoryEffect", "check_fits", "memory_effect"],
-    "plan": ["PLAN_CACHE_SIZE", "Keep", "Move", "ReshardPlan", "bytes_minimum", "plan_reshard"],
+    "reshard": ["PLAN_CACHE_SIZE", "Keep", "Move", "ReshardPlan", "bytes_minimum", "plan_reshard"],
     "primitives": ["Step", "destroy", "extend", "merge", "split", "sub_layout", "sub_placements"],
     "spec": ["DTYPE_BYTES", "Component", "ModelSpec", "ParamSpec", "ShardRule", "grad_bytes_per_param",
              "optimizer_bytes_per_param", "optimizer_slots", "training_slots"],

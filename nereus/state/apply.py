@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from nereus.errors import StateError
-from nereus.state.plan import ReshardPlan
 from nereus.state.primitives import Step
+from nereus.state.reshard import ReshardPlan
 from nereus.transfer import copy_into
 
 __all__ = ["TORCH_DTYPES", "plan_part", "run_part", "apply_plan", "apply_step", "box_slices", "Exchange"]

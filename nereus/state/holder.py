@@ -71,8 +71,8 @@ from nereus.state.apply import TORCH_DTYPES, plan_part, run_part
 from nereus.state.emu import EMU, DeviceSet, LogicalState, emu_from_plain, emu_to_plain
 from nereus.state.ledger import device_ledger
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, check_fits, memory_effect
-from nereus.state.plan import ReshardPlan
 from nereus.state.primitives import Step
+from nereus.state.reshard import ReshardPlan
 from nereus.transfer import (
     arena_empty,
     arena_pool_stats,

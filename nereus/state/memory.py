@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from nereus.errors import OutOfMemory
 from nereus.state.emu import EMU, DeviceSet
-from nereus.state.plan import ReshardPlan
+from nereus.state.reshard import ReshardPlan
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "MemoryEffect", "memory_effect", "check_fits"]
 

@@ -38,7 +38,7 @@ from nereus.errors import StateError
 from nereus.state.emu import EMU, DeviceSet
 from nereus.state.layout import Box, Layout, box_subtract, check_layout
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, MemoryEffect, check_fits, memory_effect
-from nereus.state.plan import ReshardPlan, plan_reshard
+from nereus.state.reshard import ReshardPlan, plan_reshard
 
 __all__ = ["Step", "split", "merge", "extend", "destroy", "sub_layout", "sub_placements"]
 

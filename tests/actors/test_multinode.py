@@ -10,12 +10,10 @@ import sys
 
 import pytest
 
-from nereus.actors import Cluster, emit
+from nereus.actors import CONTROLLER_READY, NODE_READY, Cluster, emit
 from nereus.actors._client import Client, current_client
-from nereus.controller import READY_PREFIX as CONTROLLER_READY
 from nereus.errors import ConfigError, DeadlineExceeded
 from nereus.monitor import Subscriber
-from nereus.node import READY_PREFIX as NODE_READY
 from tests.actors._actors import BadSupervisor, Echo
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,11 +51,11 @@ async def test_two_nodes_on_loopback(tmp_path, no_leaks):
     procs = []
     try:
         controller, ready = await _start(
-            "-m", "nereus.controller", "--bind", "tcp://127.0.0.1:0", "--key-file",
+            "-m", "nereus.cli", "controller", "--bind", "tcp://127.0.0.1:0", "--key-file",
             str(key_file), "--heartbeat-timeout-s", "2", ready=CONTROLLER_READY)
         procs.append(controller)
         address, tap_address = ready.split()
-        tap, _ = await _start("-m", "nereus.tap", tap_address, "--jsonl", str(jsonl), "--quiet",
+        tap, _ = await _start("-m", "nereus.cli", "tap", tap_address, "--jsonl", str(jsonl), "--quiet",
                               "--key-file", str(key_file), ready=None)
         procs.append(tap)
 

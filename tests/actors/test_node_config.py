@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nereus.actors._keys import KEY_ENV, MIN_KEY_BYTES, generate_key, load_key
+from nereus.actors._node import NodeDaemon, _add_tunable, _gpu_ids, _Worker, death_reason
 from nereus.errors import ConfigError
-from nereus.node import NodeDaemon, _add_tunable, _gpu_ids, _Worker, death_reason
 
 KEY = b"k" * 32
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nereus.data.prompts import PromptDataset
+from nereus.data.tasks import ReverseTask, Sample
 from nereus.errors import ConfigError
-from nereus.rl.data import PromptDataset
-from nereus.rl.tasks import ReverseTask, Sample
 
 
 def test_each_epoch_visits_every_sample_once():

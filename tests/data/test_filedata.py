@@ -8,13 +8,13 @@ import json
 import pytest
 
 from nereus.config import from_dict
+from nereus.data.filedata import FileTask, read_rows
+from nereus.data.prompts import PromptDataset
+from nereus.data.rewards import load_reward
+from nereus.data.vocab import Codec
 from nereus.errors import ConfigError
-from nereus.rl.config import DataConfig, JobConfig
-from nereus.rl.data import PromptDataset
-from nereus.rl.filedata import FileTask, read_rows
-from nereus.rl.rewards import load_reward
-from nereus.rl.vocab import Codec
-from tests.rl._files import gsm8k_rows, tiny_chat_model, write_jsonl, write_parquet
+from nereus.job.config import DataConfig, JobConfig
+from tests.data._files import gsm8k_rows, tiny_chat_model, write_jsonl, write_parquet
 
 
 def _task(path, **data) -> FileTask:

@@ -10,9 +10,9 @@ import importlib.util
 import pytest
 import torch
 
-from nereus.rl.pretrained import INSTALL_HINT, convert_smollm2
-from nereus.rl.tasks import ArithmeticTask
-from nereus.rl.vocab import Codec
+from nereus.data.pretrained import INSTALL_HINT, convert_smollm2
+from nereus.data.tasks import ArithmeticTask
+from nereus.data.vocab import Codec
 
 pytestmark = [
     pytest.mark.slow,

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
+from nereus.data.rewards import RewardInput, exact_reward, load_reward, math_reward
 from nereus.errors import ConfigError
-from nereus.rl.config import RewardConfig
-from nereus.rl.rewards import RewardInput, exact_reward, load_reward, math_reward
+from nereus.job.config import RewardConfig
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nereus.data.tasks import ArithmeticTask, CountTask, ReverseTask, make_task, positional_match
 from nereus.errors import ConfigError
-from nereus.rl.tasks import ArithmeticTask, CountTask, ReverseTask, make_task, positional_match
 
 
 @pytest.mark.parametrize("task", [ArithmeticTask(), ReverseTask(), CountTask()])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from nereus.data.tasks import ArithmeticTask
+from nereus.data.vocab import Codec
 from nereus.errors import ConfigError
-from nereus.rl.tasks import ArithmeticTask
-from nereus.rl.vocab import Codec
 
 
 def test_char_codec_roundtrip_and_eos(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nereus.config import from_dict
-from nereus.rl.config import JobConfig
+from nereus.job.config import JobConfig
 
 REVERSE = {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}}
 

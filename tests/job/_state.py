@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from nereus.rl.cluster import STAGE_KINDS
+from nereus.job.cluster_stages import STAGE_KINDS
 
 
 async def logical_state(stages: Any, position: int) -> dict[str, Any]:

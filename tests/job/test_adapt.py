@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 
 from nereus.errors import OutOfMemory, RemoteError, StateError
+from nereus.job.adapt import predict_memory_failure, usable_devices
+from nereus.job.loop import RLJob
 from nereus.planner import replay
-from nereus.rl.adapt import predict_memory_failure, usable_devices
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
-from tests.rl._state import assert_same_state, logical_state
+from tests.job._jobs import job
+from tests.job._state import assert_same_state, logical_state
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
-from tests.rl._state import logical_state
+from nereus.job.loop import RLJob
+from tests.job._jobs import job
+from tests.job._state import logical_state
 
 pytestmark = [pytest.mark.timeout(420)]  # ~30 s alone; once past 240 s at load 18
 

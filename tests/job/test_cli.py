@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nereus.cli import main as nereus_main
-from nereus.rl.cli import parse_job
+from nereus.job.cli import parse_job
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "grpo_tiny.toml"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from nereus.config import load_toml
-from nereus.rl.config import JobConfig
-from nereus.rl.job import RLJob
-from nereus.rl.report import read_metrics
-from tests.rl._jobs import window_mean
+from nereus.job.config import JobConfig
+from nereus.job.loop import RLJob
+from nereus.job.report import read_metrics
+from tests.job._jobs import window_mean
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "grpo_tiny.toml"
 
@@ -69,7 +69,7 @@ async def test_weight_sync_reshards_pp_training_into_tp_generation(tmp_path):
     import torch
 
     from nereus.models import model_spec, shard_tensor
-    from tests.rl._jobs import job
+    from tests.job._jobs import job
 
     plan = {
         "policy_generation": {"devices": [0, 1, 2, 3], "tp": 2, "dp": 2},
@@ -96,7 +96,7 @@ async def test_weight_sync_reshards_pp_training_into_tp_generation(tmp_path):
 
 @pytest.mark.timeout(240)
 async def test_ppo_with_tp_critic_resumes_exactly_on_a_cluster(tmp_path):
-    from tests.rl._jobs import job
+    from tests.job._jobs import job
 
     plan = {
         "policy_generation": {"devices": [0, 1], "dp": 2},

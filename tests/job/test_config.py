@@ -8,7 +8,7 @@ import pytest
 
 from nereus.config import from_dict, load_toml
 from nereus.errors import ConfigError
-from nereus.rl.config import JobConfig, Placement
+from nereus.job.config import JobConfig, Placement
 
 
 def test_defaults_are_a_valid_grpo_job():
@@ -73,8 +73,8 @@ def test_a_length_cap_schedule_and_the_plan_as_the_planners():
     cfg = from_dict(JobConfig, {"sampling": {"max_new_tokens": [[0, 16], [40, 48]]}})
     assert [cfg.sampling.cap_at(s) for s in (0, 39, 40, 500)] == [16, 16, 48, 48]
     assert cfg.sampling.max_cap == 48
+    from nereus.job.config import from_planner_plan, to_planner_plan
     from nereus.planner import Plan
-    from nereus.rl.config import from_planner_plan, to_planner_plan
 
     plan = cfg.job_plan()
     assert isinstance(plan, Plan) and plan.names == ["policy_generation", "reference_inference", "policy_training"]

@@ -8,12 +8,10 @@ import os
 
 import pytest
 
-from nereus.actors import Actor, Cluster, endpoint
-from nereus.controller import Controller
+from nereus.actors import Actor, Cluster, Controller, NodeDaemon, endpoint
 from nereus.errors import ConfigError
-from nereus.node import NodeDaemon
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
+from nereus.job.loop import RLJob
+from tests.job._jobs import job
 
 KEY = b"an-rl-job-connect-test-key-0123456789"
 

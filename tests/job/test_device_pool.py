@@ -11,10 +11,10 @@ import signal
 import pytest
 
 from nereus.errors import ConfigError
+from nereus.job.loop import RLJob
 from nereus.planner import Plan, StagePlan
-from nereus.rl.job import RLJob
 from tests._leaks import children, wait_gone
-from tests.rl._jobs import job
+from tests.job._jobs import job
 
 pytestmark = [pytest.mark.timeout(240)]
 

@@ -11,6 +11,8 @@ import torch
 from nereus.cli import main as nereus_main
 from nereus.config import from_dict, to_dict
 from nereus.errors import StateError
+from nereus.job.config import JobConfig
+from nereus.job.export import policy_tensors
 from nereus.models import (
     ModelConfig,
     build_stage,
@@ -19,8 +21,6 @@ from nereus.models import (
     save_tiny_model,
     tiny_config,
 )
-from nereus.rl.config import JobConfig
-from nereus.rl.export import policy_tensors
 from nereus.state import EMU, OPTIMIZER_SLOTS, Layout
 from nereus.state.checkpoint import save_checkpoint
 from tests.state.helpers import shard_store

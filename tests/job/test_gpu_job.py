@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
+from nereus.job.loop import RLJob
+from tests.job._jobs import job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -31,9 +31,8 @@ MODEL = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_si
 async def gpu_node(folder: Path) -> AsyncIterator[tuple[str, Path, int]]:
     """(controller address, key file, GPUs) of a controller with one node daemon over
     every GPU of this machine."""
+    from nereus.actors import Controller, NodeDaemon
     from nereus.actors._keys import generate_key
-    from nereus.controller import Controller
-    from nereus.node import NodeDaemon
 
     key = generate_key()
     key_file = folder / "key"

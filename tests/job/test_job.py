@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nereus.rl.job import RLJob, latest_checkpoint, run_job
-from nereus.rl.report import read_metrics
-from tests.rl._jobs import job, window_mean
+from nereus.job.loop import RLJob, latest_checkpoint, run_job
+from nereus.job.report import read_metrics
+from tests.job._jobs import job, window_mean
 
 PPO_PLAN = {
     "policy_generation": {"devices": [0]},

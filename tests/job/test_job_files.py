@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from nereus.config import from_dict
-from nereus.rl.config import JobConfig
-from nereus.rl.job import RLJob, run_job
-from nereus.rl.report import read_metrics
-from tests.rl._files import gsm8k_rows, tiny_chat_model, write_jsonl
-from tests.rl._jobs import window_mean
+from nereus.job.config import JobConfig
+from nereus.job.loop import RLJob, run_job
+from nereus.job.report import read_metrics
+from tests.data._files import gsm8k_rows, tiny_chat_model, write_jsonl
+from tests.job._jobs import window_mean
 
 REWARD_MODULE = '''
 def digits(prompt, response, ground_truth, data_source=None):

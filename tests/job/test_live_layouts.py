@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nereus.errors import InfeasibleTransition, OutOfMemory
+from nereus.job.loop import RLJob
 from nereus.planner import Plan, StagePlan
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
+from tests.job._jobs import job
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -137,8 +137,8 @@ async def _logprobs(rl: RLJob, batch: dict) -> dict[str, list[torch.Tensor]]:
 
 
 async def test_a_grpo_run_changes_every_few_steps_and_each_model_stage_computes_the_same(tmp_path):
+    from nereus.job.local_stages import prepare_model
     from nereus.models import model_spec
-    from nereus.rl.stages import prepare_model
 
     optim = {"lr": 3e-3, "micro_batch_size": 8}  # a step's activations stay small beside the weights
     probe = RLJob(job(str(tmp_path), 8, algorithm=GRPO, model=MODEL, plan=GRPO_0, optim=optim))

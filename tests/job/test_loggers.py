@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from nereus.errors import ConfigError
-from nereus.rl.config import RunConfig
-from nereus.rl.loggers import check_loggers, make_loggers, numeric_leaves
-from nereus.rl.report import read_metrics
+from nereus.job.config import RunConfig
+from nereus.job.loggers import check_loggers, make_loggers, numeric_leaves
+from nereus.job.report import read_metrics
 
 ALL = ["jsonl", "tensorboard", "wandb", "mlflow"]
 

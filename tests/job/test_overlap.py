@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from nereus.job.loop import RLJob
 from nereus.planner import Plan, StagePlan
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
+from tests.job._jobs import job
 
 pytestmark = [pytest.mark.timeout(240)]
 

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from nereus.rl.report import MetricsWriter, plot_metrics, read_metrics, summary_table
+from nereus.job.report import MetricsWriter, plot_metrics, read_metrics, summary_table
 
 
 def _records(n):

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from nereus.data.tasks import make_task
+from nereus.data.vocab import Codec
 from nereus.errors import ConfigError
-from nereus.rl.job import RLJob
+from nereus.job.loop import RLJob
 from nereus.rl.rollout import Rollouts, to_batch
-from nereus.rl.tasks import make_task
-from nereus.rl.vocab import Codec
-from tests.rl._jobs import REVERSE, job
+from tests.job._jobs import REVERSE, job
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,8 +107,8 @@ def test_config_refusals(tmp_path):
     other = Codec.for_alphabet("abcdefghij")
     assert other.vocab_size != codec.vocab_size
     make_reward_model(tmp_path / "rm", other)
+    from nereus.job.local_stages import reward_model
     from nereus.models import ModelConfig
-    from nereus.rl.stages import reward_model
 
     policy = ModelConfig(vocab_size=codec.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)

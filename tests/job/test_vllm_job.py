@@ -16,9 +16,9 @@ import torch
 
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
+from nereus.job.loop import RLJob
 from nereus.planner.plan import Plan, StagePlan
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
+from tests.job._jobs import job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -15,11 +15,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from nereus.actors import Controller, NodeDaemon
 from nereus.cli import main as nereus_main
-from nereus.controller import Controller
 from nereus.errors import ConfigError
 from nereus.launch.kubernetes import KubernetesCluster, render_manifests
-from nereus.node import NodeDaemon
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "kubernetes"

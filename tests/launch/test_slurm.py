@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from nereus.actors import Cluster
+from nereus.actors import Cluster, Controller
 from nereus.cli import main as nereus_main
-from nereus.controller import Controller
 from nereus.errors import ConfigError
 from nereus.launch import SbatchOptions, SlurmCluster, render_sbatch
 from nereus.launch._slurm_driver import NODE_PREFIX, make_key_dir

@@ -29,13 +29,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nereus.actors import Cluster, emit
-from nereus.controller import Controller
+from nereus.actors import Cluster, Controller, NodeDaemon, emit
+from nereus.job.loop import RLJob
 from nereus.monitor import Subscriber, to_json
-from nereus.node import NodeDaemon
 from nereus.planner import Plan, StagePlan
-from nereus.rl.job import RLJob
-from tests.rl._jobs import job
+from tests.job._jobs import job
 
 LEFT_OUT = frozenset({"call_span", "transfer_bucket"})
 MEMORY = "8MiB"

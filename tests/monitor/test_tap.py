@@ -119,7 +119,7 @@ async def test_subscriber_drops_replayed_events():
 
 
 def test_cli_schema_and_usage():
-    out = subprocess.run([sys.executable, "-m", "nereus.tap", "--schema"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "nereus.cli", "tap", "--schema"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "worker_death" in out.stdout
     out = subprocess.run([sys.executable, "-m", "nereus.cli", "tap"], capture_output=True,
@@ -136,7 +136,7 @@ def test_cli_prints_live_events(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
     jsonl = tmp_path / "events.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "nereus.tap", f"tcp://127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "nereus.cli", "tap", f"tcp://127.0.0.1:{port}",
                              "--key-file", str(key_file), "--count", "3", "--jsonl", str(jsonl)],
                             stdout=subprocess.PIPE, text=True)
     try:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nereus.state import EMU, OPTIMIZER_SLOTS, DeviceSet, Layout, LogicalState, plan_reshard
 from nereus.state.layout import box_intersect, box_numel, box_subtract
-from nereus.state.plan import Keep, Move, host_lookup
+from nereus.state.reshard import Keep, Move, host_lookup
 from nereus.state.spec import DTYPE_BYTES
 from tests.state.helpers import POW2, layouts, spec_for
 

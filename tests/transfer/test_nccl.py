@@ -156,10 +156,8 @@ def test_broadcast_and_p2p_of_more_than_2_gib():
 @_needs_gpus(2)
 async def test_make_group_forms_nccl_groups_on_a_multi_gpu_node():
     """Each worker sees one GPU as cuda:0, whatever its index on the node."""
-    from nereus.actors import Cluster
+    from nereus.actors import Cluster, Controller, NodeDaemon
     from nereus.actors._keys import generate_key
-    from nereus.controller import Controller
-    from nereus.node import NodeDaemon
     from nereus.transfer import make_group
     from tests.transfer._actors import CudaMember
 
