@@ -90,7 +90,7 @@ from nereus.errors import ConfigError, TransferError
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import torch_dtype
 from nereus.models.parallel import ParallelContext
-from nereus.transfer._shm import SHM_DIR
+from nereus.transfer import SHM_DIR
 
 __all__ = ["VllmGenerationEngine"]
 

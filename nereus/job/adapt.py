@@ -200,7 +200,7 @@ class Adapter:
         return sorted(d.index for d in cluster.devices if d.index not in draining)
 
     def _cluster_spec(self, devices: int) -> ClusterSpec:
-        from nereus.planner._probe import local_cpu_cluster_probed
+        from nereus.planner import local_cpu_cluster_probed
 
         budget = min((d.memory_bytes for d in self.stages.cluster.devices), default=2**30)
         return local_cpu_cluster_probed(max(1, devices), budget, headroom=self.cfg.adapt.headroom)

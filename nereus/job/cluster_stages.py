@@ -221,8 +221,7 @@ class ClusterStages(PlanChanges, ModelStages):
 
     async def _start_all(self) -> None:
         from nereus.engines import spawn_model_stage
-        from nereus.planner import Calibrator
-        from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
+        from nereus.planner import Calibrator, local_cpu_cluster_probed, local_cpu_efficiency
         from nereus.transition import LinkModel
 
         # what transitions are priced with: this machine's rates (probed once, cached),

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nereus.errors import ActorDied, NereusError, RemoteError
+from nereus.job.change import STAGE_KINDS
 
 __all__ = ["Fault", "Lost", "forget_dead", "salvage", "settle_updates", "update_counts", "is_fault", "dead_devices"]
 
@@ -75,8 +76,6 @@ class Lost:
 
     @property
     def training_lost(self) -> bool:
-        from nereus.job.cluster_stages import STAGE_KINDS
-
         return any(STAGE_KINDS[s] == "training" for s in self.missing)
 
 
@@ -169,8 +168,6 @@ async def forget_dead(stages: Any, dead: set[int]) -> Lost:
 
 async def update_counts(stages: Any) -> dict[str, list[int]]:
     """Per training model-stage, the update counter each of its EMUs' first worker holds."""
-    from nereus.job.cluster_stages import STAGE_KINDS
-
     out: dict[str, list[int]] = {}
     for stage, emus in stages.emus.items():
         if STAGE_KINDS[stage] != "training":

@@ -6,7 +6,7 @@ machine); never imports torch, so the same code runs in the controller and in th
 simulator at 1,024 devices.
 """
 
-from nereus.planner._probe import local_cpu_cluster_probed
+from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
 from nereus.planner.admission import DEFAULT_GAMMA, Decision, Target, admit, choose
 from nereus.planner.calibrate import Calibrator
 from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset, local_cpu_cluster
@@ -55,7 +55,7 @@ __all__ = [
     "MODEL_PRESETS", "ModelShape", "ModelStage", "OP_CLASSES", "PhaseTime", "Plan", "PRESETS", "SearchResult",
     "StageCost", "StageExplanation", "StageMemory", "StagePlan", "Target", "Term", "Trigger", "TriggerMonitor",
     "Workload", "admit", "algorithm_stages", "boundary_record", "choose", "cluster_preset", "explain",
-    "local_cpu_cluster", "local_cpu_cluster_probed", "model_preset", "phases", "pool_sizes", "relabel", "replay", "search",
+    "local_cpu_cluster", "local_cpu_cluster_probed", "local_cpu_efficiency", "model_preset", "phases", "pool_sizes", "relabel", "replay", "search",
     "stage_candidates", "stage_cost", "stage_memory",
     "usable_bytes",
 ]

@@ -9,6 +9,7 @@ figure it produces is a simulation. Imports the planner, transition, state and m
 (actors, transfer, engines, rl).
 """
 
+from nereus.sim.compare import run_policies, simulate
 from nereus.sim.counterfactual import (
     Counterfactual,
     CounterfactualReport,
@@ -23,9 +24,7 @@ from nereus.sim.run import (
     SimulationError,
     StepRecord,
     build_scenario,
-    run_policies,
     run_policy,
-    simulate,
 )
 from nereus.sim.traces import (
     CAP_SCHEDULES,

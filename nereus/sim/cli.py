@@ -29,8 +29,9 @@ from rich.console import Console
 from nereus.errors import ConfigError
 from nereus.planner.cluster import PRESETS
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS
+from nereus.sim.compare import simulate
 from nereus.sim.policies import EXTRA_POLICIES, ORACLE, POLICIES
-from nereus.sim.run import SimConfig, SimulationError, build_scenario, simulate
+from nereus.sim.run import SimConfig, SimulationError, build_scenario
 from nereus.sim.truth import load_truth_params
 
 __all__ = ["main"]

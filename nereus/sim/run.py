@@ -1,8 +1,9 @@
 """One simulated job per policy: a clock, the traces, the ground truth and the policy.
 
-``simulate(config)`` builds the scenario (cluster, workload, traces, the job's cap
-schedule, ground truth) once and runs every policy of ``config.policies`` on it (and the
-``oracle`` reference, ``nereus.sim.oracle``, when named); ``run_policy`` is one run:
+``build_scenario(config)`` builds the scenario (cluster, workload, traces, the job's cap
+schedule, ground truth) once; ``nereus.sim.compare.simulate`` runs every policy of
+``config.policies`` on it (and the ``oracle`` reference, ``nereus.sim.oracle``, when
+named); ``run_policy`` is one run:
 
 - the job's generation cap follows ``config.cap_schedule`` (``nereus.sim.traces``:
   ``stepped`` by default, raised in stages as the length trace grows, or ``fixed``); it
@@ -44,12 +45,9 @@ from nereus.planner.cluster import ClusterSpec, cluster_preset
 from nereus.planner.workload import ALGORITHMS, LengthStats, Workload, model_preset
 from nereus.sim.policies import (
     EXTRA_POLICIES,
-    ORACLE,
     POLICIES,
     Boundary,
     Policy,
-    _Ctx,
-    make_policy,
 )
 from nereus.sim.traces import (
     CAP_SCHEDULES,
@@ -60,12 +58,12 @@ from nereus.sim.traces import (
     device_trace,
     length_trace,
 )
-from nereus.sim.transitions import Transitions, intact
+from nereus.sim.transitions import intact
 from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
-__all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy", "run_policies",
+__all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy",
            "devices_of", "pause_until_available", "wait_for_change",
-           "simulate", "build_scenario"]
+           "build_scenario"]
 
 
 class SimulationError(NereusError):
@@ -370,38 +368,3 @@ def wait_for_change(scn: Scenario, res: PolicyResult, clock: float, step: int, r
         raise SimulationError(f"{policy}: no plan fits the pool at step {step} and it never changes: {reason}")
     res.waiting_s += nxt - clock
     return nxt
-
-
-def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: float = 0.5, k: int = 3,
-                 join_horizon_steps: float = 20.0, min_steps_between: int = 0) -> list[PolicyResult]:
-    """Every policy in ``policies`` on ``scn`` (the same traces, ground truth and seed),
-    each with its own transition cache. ``oracle`` is run by ``nereus.sim.oracle``; when
-    it runs, every other result gets ``oracle_compute_s`` (the oracle on its own steps,
-    pools and straggler draws)."""
-    # imported here: the oracle reuses this module's clock helpers
-    from nereus.sim.oracle import Oracle, matched_compute, run_oracle
-
-    oracle = Oracle(scn) if ORACLE in policies else None
-    results = []
-    for name in policies:
-        if oracle is not None and name == ORACLE:
-            results.append(run_oracle(scn, oracle))
-            continue
-        transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
-        ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
-        policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
-                             min_steps_between=min_steps_between)
-        results.append(run_policy(scn, policy))
-    if oracle is not None:
-        for r in results:
-            if r.policy != ORACLE:
-                r.oracle_compute_s = matched_compute(oracle, r)
-    return results
-
-
-def simulate(config: SimConfig, *, params: TruthParams | None = None,
-             scenario: Scenario | None = None) -> list[PolicyResult]:
-    """Every policy of ``config`` on its scenario (built from ``config`` unless given)."""
-    scn = scenario or build_scenario(config, params)
-    return run_policies(scn, config.policies, gamma=config.gamma, k=config.k,
-                        join_horizon_steps=config.join_horizon_steps, min_steps_between=config.min_steps_between)

@@ -19,6 +19,7 @@ Importing nereus.transfer never imports cupy or loads libnccl.
 
 from nereus.transfer._arena import pool_stats as arena_pool_stats
 from nereus.transfer._copy import copy_into
+from nereus.transfer._shm import SHM_DIR
 from nereus.transfer.bucket import TransferStats, exchange
 from nereus.transfer.communicator import Communicator, P2POp, ReduceOp
 from nereus.transfer.cpu import CpuCommunicator
@@ -33,6 +34,7 @@ from nereus.transfer.group import (
 )
 
 __all__ = [
+    "SHM_DIR",
     "Communicator",
     "CpuCommunicator",
     "GroupHandle",

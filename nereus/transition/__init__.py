@@ -12,7 +12,8 @@ is given.
 """
 
 from nereus.transition.analytic import SpecBytes
-from nereus.transition.dag import Node, TransitionDAG, build_dag, stage_moves, stage_rank
+from nereus.transition.build import build_dag
+from nereus.transition.dag import Node, TransitionDAG, stage_moves, stage_rank
 from nereus.transition.estimate import (
     cluster_devices,
     estimator,

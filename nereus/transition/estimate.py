@@ -31,7 +31,8 @@ from nereus.planner.cost import usable_bytes
 from nereus.planner.plan import Plan
 from nereus.state.emu import DeviceSet
 from nereus.state.spec import ModelSpec
-from nereus.transition.dag import TransitionDAG, build_dag
+from nereus.transition.build import build_dag
+from nereus.transition.dag import TransitionDAG
 from nereus.transition.schedule import LinkModel, Schedule
 
 __all__ = ["transition_seconds", "estimator", "scheduled", "cluster_devices"]

@@ -45,7 +45,7 @@ from operator import itemgetter
 from nereus.errors import InfeasibleTransition
 from nereus.planner.cluster import core_share
 from nereus.transition._classes import DeviceClasses, DeviceMap
-from nereus.transition.dag import Node, TransitionDAG
+from nereus.transition.dag import Node, Schedule, TransitionDAG
 
 __all__ = ["Dispatcher", "Schedule", "simulate", "full_rate_seconds", "LinkModel", "Blocked"]
 
@@ -204,22 +204,6 @@ class Dispatcher:
             nid = min(self.ready)
             return InfeasibleTransition(self.dag.nodes[nid].label, -1, 0, 0)
         return InfeasibleTransition(self.dag.nodes[b.node].label, b.device, b.need, b.cap)
-
-
-class Schedule:
-    """A simulated run: start and end of every node, the start order, the makespan and
-    every device's peak bytes (``peak``, made on first use)."""
-
-    def __init__(self, start: dict[int, float] | None = None, end: dict[int, float] | None = None,
-                 order: list[int] | None = None, peak: Mapping[int, int] | None = None) -> None:
-        self.start = start if start is not None else {}
-        self.end = end if end is not None else {}
-        self.order = order if order is not None else []
-        self.peak: Mapping[int, int] = peak if peak is not None else {}
-
-    @property
-    def makespan(self) -> float:
-        return max(self.end.values(), default=0.0)
 
 
 def simulate(dag: TransitionDAG, duration: Callable[[Node], float], *, rng: random.Random | None = None,

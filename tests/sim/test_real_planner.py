@@ -1,6 +1,6 @@
 """The simulator drives the project's own planner and transition DAG, not copies: every
 module-level reference to ``nereus.planner.search.search`` and
-``nereus.transition.dag.build_dag`` is replaced by a counting wrapper around the very same
+``nereus.transition.build.build_dag`` is replaced by a counting wrapper around the very same
 function, and a short simulation must go through them."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.sim.helpers import small_scenario
 
 # the modules themselves (``nereus.planner.search`` the attribute is the function)
 search_module = importlib.import_module("nereus.planner.search")
-dag_module = importlib.import_module("nereus.transition.dag")
+dag_module = importlib.import_module("nereus.transition.build")
 
 
 def _wrap_everywhere(monkeypatch: pytest.MonkeyPatch, real, calls: list) -> None:
@@ -47,4 +47,4 @@ def test_policies_call_the_real_search_and_build_dag(monkeypatch):
     assert all(r.steps == 8 for r in results)
     assert len(searches) >= 3 and all(f is real_search for f in searches)
     assert len(dags) >= 1 and all(f is real_build for f in dags)
-    assert real_search.__module__ == "nereus.planner.search" and real_build.__module__ == "nereus.transition.dag"
+    assert real_search.__module__ == "nereus.planner.search" and real_build.__module__ == "nereus.transition.build"

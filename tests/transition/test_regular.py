@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import nereus.transition.dag as dag_module
+import nereus.transition.build as dag_module
 from nereus.errors import InfeasiblePlan, StateError
 from nereus.planner import Plan, StagePlan
 from nereus.state import DeviceSet, training_slots
