@@ -51,7 +51,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -82,22 +82,27 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW and clipping settings of a training engine."""
+    """AdamW and clipping settings of a training engine. The job's ``[optim]`` section
+    (``nereus.job.config.TrainingConfig``) is one of these plus the critic's learning
+    rate and the micro-batch size."""
+
+    FIELD: ClassVar[str] = "OptimConfig"  # what errors call these settings
 
     lr: float = 1e-5
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0  # 0 = no clipping
+    grad_clip: float = 1.0  # the largest gradient norm; 0 = no clipping
 
     def __post_init__(self) -> None:
-        require(self.lr > 0, "OptimConfig.lr", self.lr, "must be > 0")
-        require(0 <= self.beta1 < 1, "OptimConfig.beta1", self.beta1, "must be in [0, 1)")
-        require(0 <= self.beta2 < 1, "OptimConfig.beta2", self.beta2, "must be in [0, 1)")
-        require(self.eps > 0, "OptimConfig.eps", self.eps, "must be > 0")
-        require(self.weight_decay >= 0, "OptimConfig.weight_decay", self.weight_decay, "must be >= 0")
-        require(self.max_grad_norm >= 0, "OptimConfig.max_grad_norm", self.max_grad_norm, "must be >= 0 (0 = off)")
+        f = self.FIELD
+        require(self.lr > 0, f"{f}.lr", self.lr, "must be > 0")
+        require(0 <= self.beta1 < 1, f"{f}.beta1", self.beta1, "must be in [0, 1)")
+        require(0 <= self.beta2 < 1, f"{f}.beta2", self.beta2, "must be in [0, 1)")
+        require(self.eps > 0, f"{f}.eps", self.eps, "must be > 0")
+        require(self.weight_decay >= 0, f"{f}.weight_decay", self.weight_decay, "must be >= 0")
+        require(self.grad_clip >= 0, f"{f}.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
 
     @classmethod
     def from_any(cls, value: OptimConfig | dict[str, Any] | None) -> OptimConfig:
@@ -311,7 +316,7 @@ class TrainingEngine(EngineBase):
             self.ledger.release(f"{self.name}/activations")
         self._reduce_grads(params)
         grad_norm = self._global_grad_norm(params)
-        max_norm = self.optim_config.max_grad_norm
+        max_norm = self.optim_config.grad_clip
         if not math.isfinite(grad_norm):
             raise StateError(f"{self.name}: gradient norm is {grad_norm} at step {self.step}; the step was not applied")
         if max_norm > 0 and grad_norm > max_norm:

@@ -23,6 +23,7 @@ from nereus.job.config import (
     RunConfig,
     SamplingConfig,
     TaskConfig,
+    TrainingConfig,
     required_stages,
 )
 from nereus.job.export import export_checkpoint, latest_checkpoint
@@ -52,6 +53,7 @@ __all__ = [
     "StepLoggers",
     "StepProgress",
     "TaskConfig",
+    "TrainingConfig",
     "export_checkpoint",
     "latest_checkpoint",
     "make_loggers",

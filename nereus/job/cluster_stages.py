@@ -69,7 +69,7 @@ from nereus.config import require
 from nereus.errors import ActorDied
 from nereus.job.change import STAGE_KINDS, stage_emus
 from nereus.job.config import JobConfig
-from nereus.job.local_stages import engine_optim, reward_model
+from nereus.job.local_stages import reward_model
 from nereus.job.plan_changes import PlanChanges, emit_event
 from nereus.rl.stages import ModelStages, last_token_scores
 
@@ -182,7 +182,7 @@ class ClusterStages(PlanChanges, ModelStages):
             return {"max_batch": self._generation_rows(sp)}
         if kind == "inference":
             return {"micro_batch_size": cfg.optim.micro_batch_size}
-        return {"optim": engine_optim(cfg, critic=stage == "critic_training"), "recompute": sp.recompute}
+        return {"optim": cfg.optim.for_engine(critic=stage == "critic_training"), "recompute": sp.recompute}
 
     def _vllm_cache_bytes(self, sp: Any) -> int:
         """vLLM's KV cache per rank of a generation EMU under ``sp``: its rows at the

@@ -22,10 +22,11 @@ model-stage the job does not use is refused, and so is a missing one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from nereus.config import parse_size, require
 from nereus.data.filedata import DataConfig
+from nereus.engines.training import OptimConfig
 from nereus.rl.algorithms import AlgorithmConfig
 from nereus.rl.rollout import SamplingConfig
 
@@ -40,6 +41,7 @@ __all__ = [
     "RewardConfig",
     "SamplingConfig",
     "OptimConfig",
+    "TrainingConfig",
     "ClusterConfig",
     "AdaptConfig",
     "Placement",
@@ -132,25 +134,27 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    """AdamW for the policy (and the critic, at ``critic_lr``)."""
+class TrainingConfig(OptimConfig):
+    """``[optim]``: AdamW for the policy (and the critic, at ``critic_lr``) and the
+    micro-batch size of every training and inference pass."""
+
+    FIELD: ClassVar[str] = "optim"
 
     lr: float = 3e-3
-    critic_lr: float = 3e-3
-    beta1: float = 0.9
     beta2: float = 0.99
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    critic_lr: float = 3e-3
     micro_batch_size: int = 64
 
     def __post_init__(self) -> None:
-        require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        super().__post_init__()
         require(self.critic_lr > 0, "optim.critic_lr", self.critic_lr, "must be > 0")
-        require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "must be in [0, 1)")
-        require(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "must be in [0, 1)")
-        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
-        require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
         require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1")
+
+    def for_engine(self, critic: bool = False) -> dict[str, Any]:
+        """The policy's (or the critic's) training-engine optimizer settings, as a dict:
+        they travel to the workers in msgpack."""
+        return {"lr": self.critic_lr if critic else self.lr, "beta1": self.beta1, "beta2": self.beta2,
+                "eps": self.eps, "weight_decay": self.weight_decay, "grad_clip": self.grad_clip}
 
 
 @dataclass(frozen=True)
@@ -321,7 +325,7 @@ class JobConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: TrainingConfig = field(default_factory=TrainingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: dict[str, Placement] = field(default_factory=_default_plan)
     adapt: AdaptConfig = field(default_factory=AdaptConfig)

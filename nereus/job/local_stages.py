@@ -8,7 +8,6 @@
   random model (with the task's character tokenizer) or a Hugging Face folder.
 - ``reward_model`` reads the reward model's config (``[reward] path``) and checks it
   speaks the policy's vocabulary.
-- ``engine_optim``: the ``[optim]`` section as a training engine's optimizer settings.
 
 The promises every backend keeps are ``nereus.rl.stages``'.
 """
@@ -30,7 +29,7 @@ from nereus.errors import ConfigError, StateError
 from nereus.job.config import JobConfig
 from nereus.rl.stages import ModelStages, last_token_scores
 
-__all__ = ["InProcessStages", "prepare_model", "reward_model", "engine_optim"]
+__all__ = ["InProcessStages", "prepare_model", "reward_model"]
 
 log = logging.getLogger("nereus.rl")
 
@@ -87,17 +86,6 @@ def reward_model(cfg: JobConfig, policy_config: Any) -> tuple[Any, Path]:
 
 
 
-def engine_optim(cfg: JobConfig, critic: bool = False) -> dict[str, Any]:
-    o = cfg.optim
-    return {
-        "lr": o.critic_lr if critic else o.lr,
-        "beta1": o.beta1,
-        "beta2": o.beta2,
-        "weight_decay": o.weight_decay,
-        "max_grad_norm": o.grad_clip,
-    }
-
-
 
 def write_state(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """``name.safetensors`` (contiguous copies) and ``name.json``."""
@@ -139,13 +127,13 @@ class InProcessStages(ModelStages):
         common = {"model_dir": model_dir, "dtype": cfg.model.dtype}
         mbs = cfg.optim.micro_batch_size
         self.generation = GenerationEngine(model_config, ledger=ledger("policy_generation"), name="policy_generation", **common)
-        self.policy = TrainingEngine(model_config, optim=engine_optim(cfg), ledger=ledger("policy_training"), name="policy_training", **common)
+        self.policy = TrainingEngine(model_config, optim=cfg.optim.for_engine(), ledger=ledger("policy_training"), name="policy_training", **common)
         self.reference = None
         if "reference_inference" in cfg.plan:
             self.reference = InferenceEngine(model_config, micro_batch_size=mbs, ledger=ledger("reference_inference"), name="reference_inference", **common)
         self.critic = self.critic_inference = None
         if "critic_training" in cfg.plan:
-            self.critic = TrainingEngine(model_config, optim=engine_optim(cfg, critic=True), critic=True, ledger=ledger("critic_training"), name="critic_training", **common)
+            self.critic = TrainingEngine(model_config, optim=cfg.optim.for_engine(critic=True), critic=True, ledger=ledger("critic_training"), name="critic_training", **common)
             self.critic_inference = InferenceEngine(model_config, value_head=True, micro_batch_size=mbs, ledger=ledger("critic_inference"), name="critic_inference", **common)
             self._sync_critic()
         self.reward = None

@@ -25,11 +25,13 @@ from nereus.engines import GenerationEngine, InferenceEngine, SamplingParams, Tr
 from nereus.engines.memory import MemoryLedger
 from nereus.models import model_spec, save_tiny_model, shard_tensor, tiny_config
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
     "greedy": {"max_tokens": 6, "temperature": 0.0},
     "sampled": {"max_tokens": 6, "temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 11},
-    "optim": {"lr": 1e-2, "max_grad_norm": 0.5},
+    "optim": {"lr": 1e-2, "grad_clip": 0.5},
     "micro_batch_size": 2,
 }
 

@@ -62,7 +62,7 @@ def _hf_nll(hf, batch):
 def test_train_step_matches_torch_adamw_with_clipping_and_accumulation(model):
     config, path = model
     batch = _batch()
-    optim = {"lr": 1e-3, "weight_decay": 0.01, "max_grad_norm": 0.3}
+    optim = {"lr": 1e-3, "weight_decay": 0.01, "grad_clip": 0.3}
     eng = TrainingEngine(config, model_dir=path, optim=optim, ledger=MemoryLedger("t", None))
     metrics = eng.train_step(batch, micro_batch_size=2)
 
