@@ -6,12 +6,17 @@ value it saw and what it expected. Nothing in nereus swallows an exception: an
 error is either raised to the caller or delivered to an owner (supervision).
 
 This module imports nothing from nereus and nothing heavy, so every layer may use
-it.
+it. ``exit_status`` turns these errors into a command's exit status, the same for
+every ``nereus`` command.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 __all__ = [
+    "exit_status",
     "NereusError",
     "ConfigError",
     "ProtocolError",
@@ -176,3 +181,20 @@ class PeerDied(TransferError):
 class StateError(NereusError):
     """A state primitive was refused (a layout that does not divide, destroying the last
     copy, extending onto devices that are not disjoint). Nothing was freed."""
+
+
+def exit_status(command: str, body: Callable[[], int | None], *,
+                usage: tuple[type[BaseException], ...] = (ConfigError,),
+                failure: tuple[type[BaseException], ...] = ()) -> int:
+    """What a ``nereus`` command exits with: ``body()``'s status (None: 0), or, when it
+    raises one of ``usage`` (a bad argument or config), 2 after ``command: message`` on
+    stderr, or for one of ``failure`` (the command could not do its work) 1, printed
+    alike. Any other exception goes up with its traceback."""
+    try:
+        return int(body() or 0)
+    except usage as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return 2
+    except failure as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return 1

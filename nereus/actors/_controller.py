@@ -39,7 +39,7 @@ from nereus.actors._curve import CurveKey, load_curve, secure, stop_authenticato
 from nereus.actors._keys import load_key
 from nereus.actors._loop import run
 from nereus.actors.events import SCHEMA_VERSION
-from nereus.errors import ConfigError, ProtocolError
+from nereus.errors import ConfigError, ProtocolError, exit_status
 
 __all__ = ["Controller", "main", "READY_PREFIX"]
 
@@ -435,12 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s controller %(name)s %(levelname)s %(message)s")
-    try:
-        run(_serve(args))
-    except ConfigError as e:
-        print(f"nereus controller: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status("nereus controller", lambda: run(_serve(args)))
 
 
 if __name__ == "__main__":

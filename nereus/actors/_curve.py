@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, exit_status
 
 __all__ = ["CurveKey", "load_curve", "generate_curve", "secure", "stop_authenticators", "main"]
 
@@ -145,10 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nereus curve-key", description=main.__doc__)
     ap.add_argument("file", help="where to write the secret key; it must not exist")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def write() -> None:
         curve = generate_curve(args.file)
-    except (ConfigError, OSError) as e:
-        print(f"nereus curve-key: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.file}; public key {curve.public.decode()}")
-    return 0
+        print(f"wrote {args.file}; public key {curve.public.decode()}")
+
+    return exit_status("nereus curve-key", write, usage=(ConfigError, OSError))

@@ -58,7 +58,7 @@ from nereus.actors._keys import CURVE_ENV, KEY_ENV, load_key
 from nereus.actors._loop import run
 from nereus.actors._worker import READY_PREFIX as WORKER_READY
 from nereus.config import parse_size
-from nereus.errors import ConfigError, DeadlineExceeded
+from nereus.errors import ConfigError, DeadlineExceeded, exit_status
 
 __all__ = ["NodeDaemon", "main", "READY_PREFIX"]
 
@@ -461,12 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s node %(name)s %(levelname)s %(message)s")
-    try:
-        run(_serve(args))
-    except (ConfigError, DeadlineExceeded) as e:
-        print(f"nereus node: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status("nereus node", lambda: run(_serve(args)), usage=(ConfigError, DeadlineExceeded))
 
 
 if __name__ == "__main__":

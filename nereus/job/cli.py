@@ -15,10 +15,9 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import sys
 
 from nereus.config import load_toml
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, exit_status
 from nereus.job.config import JobConfig
 
 __all__ = ["main", "parse_job"]
@@ -80,11 +79,10 @@ def parse_job(argv: list[str]) -> JobConfig:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = parse_job(argv)
-    except ConfigError as e:
-        print(f"nereus run: config error: {e}", file=sys.stderr)
-        return 2
+    return exit_status("nereus run: config error", lambda: _run(parse_job(argv)))
+
+
+def _run(cfg: JobConfig) -> int:
     from nereus.job.loop import run_job
 
     records = asyncio.run(run_job(cfg))

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from nereus.errors import ConfigError, StateError
+from nereus.errors import ConfigError, StateError, exit_status
 from nereus.models.export import export_hf
 from nereus.models.spec import model_spec
 
@@ -86,8 +85,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--checkpoint", help="a checkpoints/step_N folder (default: the newest complete one)")
     p.add_argument("--out", help="where to write the folder (default: RUN_DIR/hf)")
     args = p.parse_args(argv)
-    run_dir = Path(args.run_dir)
-    try:
+
+    def export() -> None:
+        run_dir = Path(args.run_dir)
         config_file = run_dir / "config.json"
         if not config_file.is_file():
             raise ConfigError(f"{str(run_dir)!r} has no config.json: is it a job's output folder?")
@@ -97,8 +97,6 @@ def main(argv: list[str]) -> int:
             raise StateError(f"{str(run_dir)!r} has no complete checkpoint")
         model_dir = _model_folder(cfg, run_dir)
         out = export_checkpoint(checkpoint, cfg, ModelConfig.from_hf(model_dir), model_dir, args.out or run_dir / "hf")
-    except (ConfigError, StateError) as e:
-        print(f"nereus export: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} from {checkpoint}")
-    return 0
+        print(f"wrote {out} from {checkpoint}")
+
+    return exit_status("nereus export", export, usage=(ConfigError, StateError))

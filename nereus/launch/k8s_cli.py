@@ -22,7 +22,7 @@ import secrets
 import shlex
 import sys
 
-from nereus.errors import ConfigError, NereusError
+from nereus.errors import ConfigError, NereusError, exit_status
 from nereus.launch._yaml import dump_all
 from nereus.launch.kubernetes import KubernetesCluster, render_manifests
 
@@ -129,13 +129,7 @@ async def _wait(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "render":
-            return _render(args)
-        return asyncio.run(_wait(args))
-    except ConfigError as e:
-        print(f"nereus k8s {args.command}: {e}", file=sys.stderr)
-        return 2
-    except NereusError as e:
-        print(f"nereus k8s {args.command}: {e}", file=sys.stderr)
-        return 1
+    def command() -> int:
+        return _render(args) if args.command == "render" else asyncio.run(_wait(args))
+
+    return exit_status(f"nereus k8s {args.command}", command, failure=(NereusError,))

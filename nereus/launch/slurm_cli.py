@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from nereus.errors import ConfigError, NereusError
+from nereus.errors import NereusError, exit_status
 from nereus.launch.slurm import SbatchOptions, add_cluster_args, cluster_from_args, render_sbatch
 
 __all__ = ["main"]
@@ -98,11 +98,5 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s slurm %(name)s %(levelname)s %(message)s")
-    try:
-        return {"script": _script, "run": _run, "node": _node}[args.command](args)
-    except ConfigError as e:
-        print(f"nereus slurm {args.command}: {e}", file=sys.stderr)
-        return 2
-    except NereusError as e:
-        print(f"nereus slurm {args.command}: {e}", file=sys.stderr)
-        return 1
+    command = {"script": _script, "run": _run, "node": _node}[args.command]
+    return exit_status(f"nereus slurm {args.command}", lambda: command(args), failure=(NereusError,))

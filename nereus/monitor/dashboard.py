@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, exit_status
 from nereus.monitor.view import DashboardView
 
 __all__ = ["Dashboard", "DEFAULT_PORT", "READY_PREFIX", "events_from_jsonl", "main"]
@@ -401,11 +401,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    try:
-        return asyncio.run(_run(args))
-    except ConfigError as e:
-        print(f"nereus dashboard: {e}", file=sys.stderr)
-        return 2
+    return exit_status("nereus dashboard", lambda: asyncio.run(_run(args)))
 
 
 if __name__ == "__main__":

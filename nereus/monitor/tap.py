@@ -37,7 +37,7 @@ from nereus.actors.events import (
     open_event,
     secure,
 )
-from nereus.errors import AuthenticationError, ConfigError, ProtocolError
+from nereus.errors import AuthenticationError, ConfigError, ProtocolError, exit_status
 from nereus.monitor.schema import describe
 
 __all__ = ["Subscriber", "TapRecorder", "format_event", "to_json", "main"]
@@ -303,11 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.address:
         print("nereus tap: give the tap address, e.g. tcp://127.0.0.1:5556", file=sys.stderr)
         return 2
-    try:
-        return asyncio.run(_run(args))
-    except ConfigError as e:
-        print(f"nereus tap: {e}", file=sys.stderr)
-        return 2
+    return exit_status("nereus tap", lambda: asyncio.run(_run(args)))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nereus.config import parse_size
-from nereus.errors import ConfigError, InfeasiblePlan
+from nereus.errors import InfeasiblePlan, exit_status
 from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset
 from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.explain import Explanation, explain
@@ -193,17 +193,14 @@ def _print_layouts(console: Console, ex: Explanation, work: Workload, cluster: C
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        cluster = _cluster(args)
-        work = _workload(args)
-        eff = CONSERVATIVE
-        result = search(work, cluster, eff, budget=args.devices)
-    except InfeasiblePlan as e:
-        print(f"nereus plan: {e}", file=sys.stderr)
-        return 1
-    except ConfigError as e:
-        print(f"nereus plan: {e}", file=sys.stderr)
-        return 2
+    return exit_status("nereus plan", lambda: _plan(args), failure=(InfeasiblePlan,))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    work = _workload(args)
+    eff = CONSERVATIVE
+    result = search(work, cluster, eff, budget=args.devices)
     ex = explain(result.plan, work, cluster, eff)
     if args.json:
         out = {"plan": result.plan.to_dict(), "step_seconds": result.step_seconds, "explain": ex.to_dict(eff),
