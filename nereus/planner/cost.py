@@ -291,6 +291,60 @@ def _hops(n: int) -> int:
     return 2 * max(1, (n - 1).bit_length())
 
 
+class _Terms:
+    """A stage's terms as they are added: each term's seconds at the efficiencies, their
+    running total, and (``keep``) the terms themselves, formulas filled when asked."""
+
+    __slots__ = ("effd", "keep", "formulas", "terms", "total")
+
+    def __init__(self, eff: Efficiency, keep: bool, formulas: bool) -> None:
+        self.effd = eff.as_dict()
+        self.effd["layer_passes"] = eff["layer_passes"]
+        self.keep, self.formulas = keep, formulas
+        self.terms: list[Term] = []
+        self.total = 0.0
+
+    def add(self, name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple] | None = None) -> bool:
+        # ``formula`` is (template, values): the search never pays for formatting text
+        secs = 0.0
+        for c, t in ideal:
+            secs += t / self.effd[c]
+        if secs <= 0:
+            return False
+        if self.keep:
+            self.terms.append(Term(name, ideal, formula[0].format(*formula[1]) if self.formulas and formula else ""))
+        self.total += secs
+        return True
+
+
+@dataclass(frozen=True)
+class _Links:
+    """The rates one replica sees: compute and memory (shared when devices share cores)
+    and each collective's bandwidth, latency and op class."""
+
+    busy: float
+    peak: float
+    mem_bw: float
+    bw_tp: float
+    a_tp: float
+    bw_pp: float
+    a_pp: float
+    pp_cls: str
+    bw_dp: float
+    a_dp: float
+    dp_cls: str
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec, devices: int, pp_inter: bool, dp_inter: bool) -> _Links:
+        busy = cluster.rate_share(devices)  # devices sharing cores slow each other down
+        bw_tp, a_tp = cluster.intra_node_bandwidth * busy, cluster.intra_node_latency_s
+        share = cluster.device_share_of_inter_node()
+        bw_pp, a_pp, pp_cls = (share, cluster.inter_node_latency_s, "p2p_inter") if pp_inter else (bw_tp, a_tp, "p2p_intra")
+        bw_dp, a_dp, dp_cls = (share, cluster.inter_node_latency_s, "allreduce_inter") if dp_inter else (bw_tp, a_tp, "allreduce_intra")
+        return cls(busy, cluster.peak_flops * busy, cluster.memory_bandwidth * busy, bw_tp, a_tp,
+                   bw_pp, a_pp, pp_cls, bw_dp, a_dp, dp_cls)
+
+
 def stage_cost(
     stage: ModelStage,
     model: ModelShape,
@@ -316,62 +370,60 @@ def stage_cost(
     and 6 TP all-reduces per layer instead of 4.
     ``formulas`` fills each term's formula text (for ``explain``; the search skips it);
     ``keep_terms=False`` returns only the total seconds (terms empty), for the search."""
-    busy = cluster.rate_share(tp * pp * dp)  # devices sharing cores slow each other down
-    peak, mem_bw = cluster.peak_flops * busy, cluster.memory_bandwidth * busy
-    bw_tp, a_tp = cluster.intra_node_bandwidth * busy, cluster.intra_node_latency_s
-    share = cluster.device_share_of_inter_node()
-    bw_pp, a_pp, pp_cls = (share, cluster.inter_node_latency_s, "p2p_inter") if pp_inter else (bw_tp, a_tp, "p2p_intra")
-    bw_dp, a_dp, dp_cls = (share, cluster.inter_node_latency_s, "allreduce_inter") if dp_inter else (bw_tp, a_tp, "allreduce_intra")
-    h, L, b = model.hidden_size, model.num_layers, model.bytes_per_param
+    links = _Links.of(cluster, tp * pp * dp, pp_inter, dp_inter)
     n_r = _ceil_div(work.sequences, dp)
-    terms: list[Term] = []
-    effd = eff.as_dict()
-    effd["layer_passes"] = eff["layer_passes"]
-    total = [0.0]
-
-    def add(name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple] | None = None) -> bool:
-        # ``formula`` is (template, values): the search never pays for formatting text
-        secs = 0.0
-        for c, t in ideal:
-            secs += t / effd[c]
-        if secs <= 0:
-            return False
-        if keep_terms:
-            terms.append(Term(name, ideal, formula[0].format(*formula[1]) if formulas and formula else ""))
-        total[0] += secs
-        return True
-
+    terms = _Terms(eff, keep_terms, formulas)
     if stage.kind == "generation":
-        n = model.num_params
-        prompt, mean, steps = work.prompt_length, work.lengths.mean, work.lengths.max
-        t_prompt, t_gen = n_r * prompt, n_r * mean
-        add("prefill", (("gemm", 2 * n * t_prompt / (tp * peak)), ("attention", 2 * L * h * prompt**2 * n_r / (tp * peak))),
-            ("2·N·{:.3g} tok/(tp·peak) + 2·L·h·s²·{} seq/(tp·peak), N={:.3g}, s={}", (t_prompt, n_r, n, prompt)))
-        kv_shards = min(tp, model.num_kv_heads)
-        ctx = prompt + mean / 2
-        stream = waves * steps * n * b / tp / mem_bw + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
-        compute = 2 * n * t_gen / (tp * peak)
-        attn = 4 * L * h * ctx * t_gen / (tp * peak)
-        if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
-            add("decode", (("decode", stream),),
-                ("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} ctx·{:.3g} B KV)/{:.3g} B/s", (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
-        else:
-            add("decode", (("gemm", compute), ("attention", attn)),
-                ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))
-        # the batch goes stage after stage: every layer runs once per forward pass
-        add("layer passes", (("layer_passes", waves * (1 + steps) * L / busy),),
-            ("{} waves·{} forward passes·{} layers·{:.2g} s fixed cost", (waves, 1 + steps, L, eff.layer_pass_s)))
-        if tp > 1:
-            nbytes = 2 * L * (t_prompt + t_gen) * h * b
-            add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * _hops(tp) * a_tp),),
-                ("ring 2(tp-1)/tp·{:.3g} B/{:.3g} B/s + {} all-reduces·2·log2(tp)·{:.1e} s", (nbytes, bw_tp, 2 * L * waves * (1 + steps), a_tp)))
-        if pp > 1:
-            nbytes = (pp - 1) * (t_prompt + t_gen) * h * b
-            add("pp p2p", ((pp_cls, nbytes / bw_pp + (pp - 1) * waves * (1 + steps) * a_pp),),
-                ("(pp-1)·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s", (t_prompt + t_gen, bw_pp, (pp - 1) * waves * (1 + steps), a_pp)))
-        return StageCost(stage.name, tp, pp, dp, tuple(terms), total[0])
+        _generation_terms(terms, model, work, eff, links, tp, pp, n_r, waves)
+    else:
+        _pass_terms(terms, stage.kind == "training", model, work, eff, links, tp, pp, dp, n_r, recompute)
+    return StageCost(stage.name, tp, pp, dp, tuple(terms.terms), terms.total)
 
-    training = stage.kind == "training"
+
+def _generation_terms(terms: _Terms, model: ModelShape, work: Workload, eff: Efficiency, links: _Links,
+                      tp: int, pp: int, n_r: int, waves: int) -> None:
+    """Prefill, decode (memory- or compute-bound, whichever is slower), the fixed cost
+    of every forward pass, and the TP and PP traffic of one generation replica."""
+    add, peak, mem_bw = terms.add, links.peak, links.mem_bw
+    bw_tp, a_tp, bw_pp, a_pp = links.bw_tp, links.a_tp, links.bw_pp, links.a_pp
+    h, L, b = model.hidden_size, model.num_layers, model.bytes_per_param
+    n = model.num_params
+    prompt, mean, steps = work.prompt_length, work.lengths.mean, work.lengths.max
+    t_prompt, t_gen = n_r * prompt, n_r * mean
+    add("prefill", (("gemm", 2 * n * t_prompt / (tp * peak)), ("attention", 2 * L * h * prompt**2 * n_r / (tp * peak))),
+        ("2·N·{:.3g} tok/(tp·peak) + 2·L·h·s²·{} seq/(tp·peak), N={:.3g}, s={}", (t_prompt, n_r, n, prompt)))
+    kv_shards = min(tp, model.num_kv_heads)
+    ctx = prompt + mean / 2
+    stream = waves * steps * n * b / tp / mem_bw + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
+    compute = 2 * n * t_gen / (tp * peak)
+    attn = 4 * L * h * ctx * t_gen / (tp * peak)
+    if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
+        add("decode", (("decode", stream),),
+            ("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} ctx·{:.3g} B KV)/{:.3g} B/s", (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
+    else:
+        add("decode", (("gemm", compute), ("attention", attn)),
+            ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))
+    # the batch goes stage after stage: every layer runs once per forward pass
+    add("layer passes", (("layer_passes", waves * (1 + steps) * L / links.busy),),
+        ("{} waves·{} forward passes·{} layers·{:.2g} s fixed cost", (waves, 1 + steps, L, eff.layer_pass_s)))
+    if tp > 1:
+        nbytes = 2 * L * (t_prompt + t_gen) * h * b
+        add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * _hops(tp) * a_tp),),
+            ("ring 2(tp-1)/tp·{:.3g} B/{:.3g} B/s + {} all-reduces·2·log2(tp)·{:.1e} s", (nbytes, bw_tp, 2 * L * waves * (1 + steps), a_tp)))
+    if pp > 1:
+        nbytes = (pp - 1) * (t_prompt + t_gen) * h * b
+        add("pp p2p", ((links.pp_cls, nbytes / bw_pp + (pp - 1) * waves * (1 + steps) * a_pp),),
+            ("(pp-1)·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s", (t_prompt + t_gen, bw_pp, (pp - 1) * waves * (1 + steps), a_pp)))
+
+
+def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload, eff: Efficiency, links: _Links,
+                tp: int, pp: int, dp: int, n_r: int, recompute: bool) -> None:
+    """Forward (inference) or forward and backward (training) passes over the step's
+    sequences: compute, the fixed cost of every pass, TP and PP traffic and the pipeline
+    bubble; training adds the DP gradient sync and the optimizer update."""
+    add, peak, mem_bw = terms.add, links.peak, links.mem_bw
+    bw_tp, a_tp, bw_pp, a_pp = links.bw_tp, links.a_tp, links.bw_pp, links.a_pp
+    h, L, b = model.hidden_size, model.num_layers, model.bytes_per_param
     seq = work.prompt_length + work.lengths.mean
     passes = work.epochs if training else 1
     tokens = n_r * seq * passes
@@ -391,7 +443,7 @@ def stage_cost(
     add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
                          ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
              ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
-    add_body("layer passes", (("layer_passes", micro_total * mult * layers / busy),),
+    add_body("layer passes", (("layer_passes", micro_total * mult * layers / links.busy),),
              ("{} micro-batches·{} passes·{} layers·{:.2g} s fixed cost", (micro_total, mult, layers, eff.layer_pass_s)))
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2
@@ -401,7 +453,7 @@ def stage_cost(
     if pp > 1:
         dirs = 2 if training else 1
         nbytes = dirs * tokens * h * b
-        add_body("pp p2p", ((pp_cls, nbytes / bw_pp + dirs * micro_total * a_pp),),
+        add_body("pp p2p", ((links.pp_cls, nbytes / bw_pp + dirs * micro_total * a_pp),),
                  ("{}·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s", (dirs, tokens, bw_pp, dirs * micro_total, a_pp)))
         frac = (pp - 1) / micro
         bubble: dict[str, float] = {}
@@ -413,8 +465,7 @@ def stage_cost(
         p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
         if dp > 1:
             nbytes = p_dev * b  # the engines all-reduce gradients in the parameters' dtype
-            add("dp sync", ((dp_cls, opt_steps * (_ring(dp, nbytes, bw_dp) + _hops(dp) * a_dp)),),
-                ("{} updates·ring 2(dp-1)/dp·{:.3g} B grads/{:.3g} B/s", (opt_steps, nbytes, bw_dp)))
+            add("dp sync", ((links.dp_cls, opt_steps * (_ring(dp, nbytes, links.bw_dp) + _hops(dp) * links.a_dp)),),
+                ("{} updates·ring 2(dp-1)/dp·{:.3g} B grads/{:.3g} B/s", (opt_steps, nbytes, links.bw_dp)))
         add("optimizer", (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),
             ("{} updates·{:.3g} params·{} B/{:.3g} B/s", (opt_steps, p_dev, UPDATE_BYTES, mem_bw)))
-    return StageCost(stage.name, tp, pp, dp, tuple(terms), total[0])
