@@ -36,15 +36,13 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from nereus.config import require
 from nereus.data.rewards import RewardFunction, RewardInput, add_note
 from nereus.data.tasks import Sample, Task
+from nereus.data.vocab import Codec
 from nereus.errors import ConfigError
-
-if TYPE_CHECKING:
-    from nereus.data.vocab import Codec
 
 __all__ = ["DataConfig", "FileRow", "FileTask", "read_rows", "file_format"]
 

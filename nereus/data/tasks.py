@@ -31,13 +31,11 @@ import abc
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from nereus.config import require
+from nereus.data.vocab import Codec
 from nereus.errors import ConfigError
-
-if TYPE_CHECKING:
-    from nereus.data.vocab import Codec
 
 __all__ = [
     "Sample",

@@ -47,12 +47,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nereus.actors import emit
 from nereus.config import require
 from nereus.errors import StateError
 from nereus.job.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
 from nereus.job.recovery import update_counts
-from nereus.planner import ClusterSpec, LengthStats, ModelShape, Replanner, Workload
+from nereus.planner import (
+    ClusterSpec,
+    LengthStats,
+    ModelShape,
+    Replanner,
+    Workload,
+    explain,
+    local_cpu_cluster_probed,
+)
+from nereus.planner.cluster import local_cpu_cluster
+from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
+from nereus.planner.replay import boundary_record
 
 __all__ = ["Adapter", "Change", "PredictedFailure", "job_workload", "planner_shape", "predict_memory_failure"]
 
@@ -100,9 +112,6 @@ def predict_memory_failure(cfg: JobConfig, model_config: Any, plan: Any, *, prom
     return the first step at which the memory model (uncalibrated, no headroom: the
     device's whole budget) puts some device over ``budget_bytes``; None if every cap fits.
     This is the prediction a job without adaptation is checked against."""
-    from nereus.planner import explain
-    from nereus.planner.cluster import local_cpu_cluster
-
     spec = local_cpu_cluster(devices, budget_bytes, flops_per_device=1e9, memory_bandwidth=1e9,
                              exchange_bandwidth=1e9, headroom=0.0)
     slots = DevicePool.of(range(devices)).to_slots(to_planner_plan(plan))
@@ -200,8 +209,6 @@ class Adapter:
         return sorted(d.index for d in cluster.devices if d.index not in draining)
 
     def _cluster_spec(self, devices: int) -> ClusterSpec:
-        from nereus.planner import local_cpu_cluster_probed
-
         budget = min((d.memory_bytes for d in self.stages.cluster.devices), default=2**30)
         return local_cpu_cluster_probed(max(1, devices), budget, headroom=self.cfg.adapt.headroom)
 
@@ -226,8 +233,6 @@ class Adapter:
     def _on_boundary(self, step: int, priced: dict[Any, tuple[float, int]], **given: Any) -> Any:
         """``Replanner.on_boundary``, and the boundary's report on the tap (a ``boundary``
         event: ``nereus.planner.replay`` runs the decisions again from these)."""
-        from nereus.planner.replay import boundary_record
-
         rp = self.replanner
         assert rp is not None
         eff = rp.eff
@@ -314,7 +319,6 @@ class Adapter:
         self.pool = DevicePool.of(sorted(live - draining))
         # the job's plan as the planner sees it: what survived, and where the lost
         # model-stages were (on devices that are gone: the plan cannot run)
-        from nereus.planner.plan import Plan
 
         current = Plan(tuple((name, stages.plan[name] if name in stages.plan.names else sp)
                              for name, sp in self._full_plan))
@@ -423,6 +427,4 @@ class Adapter:
 
 
 def _emit(type_: str, **fields: Any) -> None:
-    from nereus.actors import emit
-
     emit(type_, **fields)

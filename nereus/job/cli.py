@@ -19,6 +19,7 @@ import logging
 from nereus.config import load_toml
 from nereus.errors import ConfigError, exit_status
 from nereus.job.config import JobConfig
+from nereus.job.loop import run_job
 
 __all__ = ["main", "parse_job"]
 
@@ -83,8 +84,6 @@ def main(argv: list[str]) -> int:
 
 
 def _run(cfg: JobConfig) -> int:
-    from nereus.job.loop import run_job
-
     records = asyncio.run(run_job(cfg))
     if records:
         last = records[-1]

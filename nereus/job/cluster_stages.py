@@ -65,13 +65,31 @@ from typing import Any
 
 import torch
 
+from nereus.actors import Cluster
 from nereus.config import require
+from nereus.engines import spawn_hosts, spawn_model_stage, start_model_stage
 from nereus.errors import ActorDied
 from nereus.job.change import STAGE_KINDS, stage_emus
 from nereus.job.config import JobConfig
 from nereus.job.local_stages import reward_model
 from nereus.job.plan_changes import PlanChanges, emit_event
+from nereus.models import model_spec
+from nereus.planner import Calibrator, local_cpu_cluster_probed, local_cpu_efficiency
+from nereus.planner.plan import StagePlan
 from nereus.rl.stages import ModelStages, last_token_scores
+from nereus.state import (
+    DeviceSet,
+    LogicalState,
+    execute_into,
+    layer_bounds,
+    load_from_disk,
+    plan_reshard,
+    save_to_disk,
+    training_slots,
+)
+from nereus.state.spec import DTYPE_BYTES, grad_bytes_per_param
+from nereus.transfer import make_group, release_groups
+from nereus.transition import LinkModel
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -121,8 +139,6 @@ class ClusterStages(PlanChanges, ModelStages):
         """Start (or use) a cluster, its engine hosts, and every model-stage of the plan."""
         owns = cluster is None
         if cluster is None:
-            from nereus.actors import Cluster
-
             c = cfg.cluster
             if c.mode == "connect":
                 # The same deadline as a local cluster's: spawning a model-stage on a busy host
@@ -154,14 +170,10 @@ class ClusterStages(PlanChanges, ModelStages):
         return self._plan
 
     def _spec(self, stage: str) -> Any:
-        from nereus.models import model_spec
-
         config, _ = self._models["reward" if stage == "reward_inference" else "policy"]
         return model_spec(config, dtype=self.cfg.model.dtype, value_head=stage in _VALUE_HEAD)
 
     def _slots(self, stage: str) -> tuple[str, ...]:
-        from nereus.state import training_slots
-
         return training_slots(self.cfg.model.dtype) if STAGE_KINDS[stage] == "training" else ("param",)
 
     def _generation_rows(self, sp: Any) -> int:
@@ -189,8 +201,6 @@ class ClusterStages(PlanChanges, ModelStages):
         model's full length, rounded up to whole blocks of 128 slots (the largest block
         vLLM's backends use), twice over (vLLM's CPU backend fits half the tokens that
         the keys' and values' bytes alone would give)."""
-        from nereus.state.spec import DTYPE_BYTES
-
         c = self.model_config
         slots = -(-c.max_position_embeddings // 128) * 128
         kv_local = max(1, c.num_key_value_heads // sp.tp)
@@ -204,8 +214,6 @@ class ClusterStages(PlanChanges, ModelStages):
 
     async def _ensure_hosts(self, devices: set[int]) -> None:
         """An engine host on every device of ``devices`` that has none yet."""
-        from nereus.engines import spawn_hosts
-
         missing = sorted(d for d in devices if d not in self.hosts)
         if missing:
             mesh = await spawn_hosts(self.cluster, missing, name=f"nereus-hosts-e{self.epoch}-{missing[0]}")
@@ -220,10 +228,6 @@ class ClusterStages(PlanChanges, ModelStages):
             await asyncio.gather(*(self.hosts[d].warm_up.call_one() for d in idle))
 
     async def _start_all(self) -> None:
-        from nereus.engines import spawn_model_stage
-        from nereus.planner import Calibrator, local_cpu_cluster_probed, local_cpu_efficiency
-        from nereus.transition import LinkModel
-
         # what transitions are priced with: this machine's rates (probed once, cached),
         # refitted from every measured transition node
         budget = min((d.memory_bytes for d in self.cluster.devices), default=2**30)
@@ -269,9 +273,6 @@ class ClusterStages(PlanChanges, ModelStages):
     async def _plan_syncs(self) -> None:
         """Plans (and a group of this epoch) for every in-place sync: policy-training ->
         policy-generation, critic-training -> critic-inference."""
-        from nereus.state import plan_reshard
-        from nereus.transfer import make_group
-
         self._sync = {}
         for source, target in (("policy_training", "policy_generation"), ("critic_training", "critic_inference")):
             if source not in self.emus or target not in self.emus:
@@ -284,8 +285,6 @@ class ClusterStages(PlanChanges, ModelStages):
             self._sync[target] = (plans, group)
 
     async def _run_sync(self, target: str) -> dict[str, Any]:
-        from nereus.state import execute_into
-
         plans, group = self._sync[target]
         t0 = time.perf_counter()
         stats = await execute_into(plans, self.hosts, group)
@@ -386,8 +385,6 @@ class ClusterStages(PlanChanges, ModelStages):
 
     def _device_set(self) -> Any:
         """Every live device's host and budget (indexed by cluster device id)."""
-        from nereus.state import DeviceSet
-
         devs = {d.index: d for d in self.cluster.devices}
         top = max([*devs, *self._plan.devices]) + 1
         return DeviceSet(tuple(self._host_of(i) if i in devs else -1 for i in range(top)),
@@ -396,9 +393,6 @@ class ClusterStages(PlanChanges, ModelStages):
     def _engine_bytes(self, stage: str, sp: Any, emu: Any, device: int) -> int:
         """What ``stage``'s engine (under its plan ``sp``) adds on ``device`` beyond the
         store: a training EMU's gradients, a generation EMU's KV cache at its last size."""
-        from nereus.state import layer_bounds
-        from nereus.state.spec import DTYPE_BYTES, grad_bytes_per_param
-
         kind = STAGE_KINDS[stage]
         if kind == "training":
             params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
@@ -421,8 +415,6 @@ class ClusterStages(PlanChanges, ModelStages):
         """The logical state of ``stages``' EMUs (default: all) as the workers hold it,
         with the job's policy version and sample position, written back to the stores
         and kept in the descriptions."""
-        from nereus.state import LogicalState
-
         for stage in stages if stages is not None else list(self.emus):
             emus = self.emus[stage]
             states = await asyncio.gather(*(self.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus))
@@ -433,16 +425,12 @@ class ClusterStages(PlanChanges, ModelStages):
             self.emus[stage] = [e.with_(state=state) for e in emus]
 
     def _current_plan(self, stage: str) -> Any:
-        from nereus.planner.plan import StagePlan
-
         emus = self.emus[stage]
         return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
 
     # --- checkpoint -----------------------------------------------------------------
 
     async def save(self, folder: str | Path) -> None:
-        from nereus.state import save_to_disk
-
         await self.transition_done()
         await self._stamp_states()
         out = Path(folder)
@@ -453,8 +441,6 @@ class ClusterStages(PlanChanges, ModelStages):
     async def load(self, folder: str | Path) -> None:
         """Read every training model-stage's checkpoint into its EMUs as they are now (any
         saved layout), then sync generation and the critic's inference from them."""
-        from nereus.state import load_from_disk
-
         await self.transition_done()
         src = Path(folder)
         state = None
@@ -467,7 +453,6 @@ class ClusterStages(PlanChanges, ModelStages):
             loaded = [await load_from_disk(str(src / stage), e, self.hosts) for e in emus]
             self.emus[stage] = loaded
             state = loaded[0].state if stage == "policy_training" else state
-            from nereus.engines import start_model_stage
 
             self.handles[stage] = await start_model_stage(
                 self.cluster, self.hosts, stage, "training", loaded, model_config=self.model_config,
@@ -493,8 +478,6 @@ class ClusterStages(PlanChanges, ModelStages):
     async def close(self) -> None:
         """Close the engines, stop the engine hosts (their stores go with them), release
         the epoch's groups, and stop the cluster if the job started it."""
-        from nereus.transfer import release_groups
-
         errors: list[BaseException] = []
         if self._transition is not None:
             try:

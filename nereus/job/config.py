@@ -26,7 +26,10 @@ from typing import Any, ClassVar, Literal
 
 from nereus.config import parse_size, require
 from nereus.data.filedata import DataConfig
+from nereus.data.rewards import RULES, is_function_spec
+from nereus.data.tasks import TASKS
 from nereus.engines.training import OptimConfig
+from nereus.planner.plan import Plan, StagePlan, is_power_of_two
 from nereus.rl.algorithms import AlgorithmConfig
 from nereus.rl.rollout import SamplingConfig
 
@@ -98,8 +101,6 @@ class TaskConfig:
     dataset_size: int = 4096
 
     def __post_init__(self) -> None:
-        from nereus.data.tasks import TASKS
-
         require(self.name in TASKS, "task.name", self.name, f"must be one of {sorted(TASKS)}")
         require(self.dataset_size >= 1, "task.dataset_size", self.dataset_size, "must be >= 1")
 
@@ -125,8 +126,6 @@ class RewardConfig:
     response and ground truth). File data (``[data]``) needs one of the last three."""
 
     def __post_init__(self) -> None:
-        from nereus.data.rewards import RULES, is_function_spec
-
         require(self.kind in ("rule", "model"), "reward.kind", self.kind, "must be 'rule' or 'model'")
         require(self.rule in RULES or is_function_spec(self.rule), "reward.rule", self.rule,
                 f"must be one of {list(RULES)} or 'module:function'")
@@ -239,8 +238,6 @@ class Placement:
     waves: int = 1
 
     def __post_init__(self) -> None:
-        from nereus.planner.plan import is_power_of_two
-
         for name in ("tp", "pp", "dp"):
             require(getattr(self, name) >= 1, f"plan.{name}", getattr(self, name), "must be >= 1")
         for name in ("tp", "pp"):
@@ -257,8 +254,6 @@ class Placement:
 
     def stage_plan(self):
         """This placement as the planner's ``StagePlan``."""
-        from nereus.planner.plan import StagePlan
-
         return StagePlan(self.tp, self.pp, self.dp, tuple(tuple(e) for e in self.emu_devices()),
                          recompute=self.recompute, waves=self.waves)
 
@@ -371,8 +366,6 @@ class JobConfig:
     def job_plan(self):
         """The ``[plan]`` tables as the planner's ``Plan`` (model-stages in
         ``MODEL_STAGES`` order, under the job's names)."""
-        from nereus.planner.plan import Plan
-
         return Plan(tuple((name, self.plan[name].stage_plan()) for name in MODEL_STAGES if name in self.plan))
 
 
@@ -382,15 +375,11 @@ PLANNER_NAMES: dict[str, str] = {name: name.replace("_", "-") for name in MODEL_
 
 def to_planner_plan(plan):
     """A plan under the job's model-stage names, renamed for the planner."""
-    from nereus.planner.plan import Plan
-
     return Plan(tuple((PLANNER_NAMES[n], sp) for n, sp in plan))
 
 
 def from_planner_plan(plan):
     """A planner's plan, renamed to the job's model-stage names."""
-    from nereus.planner.plan import Plan
-
     back = {v: k for k, v in PLANNER_NAMES.items()}
     unknown = [n for n, _ in plan if n not in back]
     require(not unknown, "plan", unknown, f"must name model-stages among {sorted(back)}")

@@ -27,9 +27,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from nereus.config import from_dict
 from nereus.errors import ConfigError, StateError, exit_status
+from nereus.job.config import JobConfig
+from nereus.models.config import ModelConfig
 from nereus.models.export import export_hf
 from nereus.models.spec import model_spec
+from nereus.state import EMU, Layout
+from nereus.state.checkpoint import MANIFEST, load_shards
 
 __all__ = ["export_checkpoint", "latest_checkpoint", "policy_tensors", "main"]
 
@@ -45,9 +50,6 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 def policy_tensors(checkpoint: str | Path, cfg: Any, model_config: Any) -> dict[str, torch.Tensor]:
     """The policy's whole parameters in ``checkpoint`` (nereus names)."""
-    from nereus.state import EMU, Layout
-    from nereus.state.checkpoint import MANIFEST, load_shards
-
     folder = Path(checkpoint)
     spec = model_spec(model_config, dtype=cfg.model.dtype)
     single = folder / f"{_STAGE}.safetensors"
@@ -76,10 +78,6 @@ def _model_folder(cfg: Any, run_dir: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from nereus.config import from_dict
-    from nereus.job.config import JobConfig
-    from nereus.models.config import ModelConfig
-
     p = argparse.ArgumentParser(prog="nereus export", description="Write a job's trained policy as a Hugging Face folder.")
     p.add_argument("run_dir", help="the job's output folder (run.out_dir)")
     p.add_argument("--checkpoint", help="a checkpoints/step_N folder (default: the newest complete one)")

@@ -24,9 +24,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nereus.config import require
+from nereus.data.pretrained import convert_smollm2
 from nereus.data.vocab import Codec
+from nereus.engines.generation import GenerationEngine
+from nereus.engines.inference import InferenceEngine
+from nereus.engines.memory import MemoryLedger
+from nereus.engines.training import TrainingEngine
 from nereus.errors import ConfigError, StateError
 from nereus.job.config import JobConfig
+from nereus.models import ModelConfig, save_tiny_model
 from nereus.rl.stages import ModelStages, last_token_scores
 
 __all__ = ["InProcessStages", "prepare_model", "reward_model"]
@@ -40,12 +46,8 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
     ``tiny``: a seeded random model sized by ``[model]`` whose vocabulary is ``codec``'s,
     written with the tokenizer to ``out_dir/model``. ``hf``: ``model.path`` as is.
     ``smollm2``: the converted SmolLM2-135M-Instruct folder (converted on first use)."""
-    from nereus.models import ModelConfig, save_tiny_model
-
     m = cfg.model
     if m.kind == "smollm2":
-        from nereus.data.pretrained import convert_smollm2
-
         path = convert_smollm2(m.path or "runs/smollm2-135m-instruct")
         return ModelConfig.from_hf(path), path, codec or Codec.from_dir(path)
     if m.kind == "hf":
@@ -75,8 +77,6 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
 
 def reward_model(cfg: JobConfig, policy_config: Any) -> tuple[Any, Path]:
     """(ModelConfig, folder) of the job's reward model (``reward.kind == "model"``)."""
-    from nereus.models import ModelConfig
-
     path = Path(cfg.reward.path)
     require((path / "config.json").is_file(), "reward.path", cfg.reward.path, "must be a folder with config.json")
     config = ModelConfig.from_hf(path)
@@ -106,10 +106,6 @@ class InProcessStages(ModelStages):
 
     def __init__(self, cfg: JobConfig, model_config: Any, model_dir: str | Path) -> None:
         super().__init__()
-        from nereus.engines.generation import GenerationEngine
-        from nereus.engines.inference import InferenceEngine
-        from nereus.engines.memory import MemoryLedger
-        from nereus.engines.training import TrainingEngine
 
         for name, p in cfg.plan.items():
             require(p.tp == p.pp == p.dp == 1, f"plan.{name}", f"tp={p.tp} pp={p.pp} dp={p.dp}", "must be 1 x 1 x 1 with cluster.mode='in_process'")

@@ -39,15 +39,28 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from nereus.actors import emit
 from nereus.config import to_dict
+from nereus.data.filedata import FileTask
 from nereus.data.prompts import PromptDataset
+from nereus.data.rewards import load_reward
 from nereus.data.tasks import Task, make_task
 from nereus.data.vocab import Codec
 from nereus.errors import StateError
+from nereus.job.adapt import Adapter
+from nereus.job.cluster_stages import ClusterStages
 from nereus.job.config import JobConfig
 from nereus.job.export import export_checkpoint, latest_checkpoint
 from nereus.job.local_stages import InProcessStages, prepare_model
 from nereus.job.loggers import check_loggers, make_loggers
+from nereus.job.recovery import (
+    Fault,
+    dead_devices,
+    forget_dead,
+    is_fault,
+    settle_updates,
+    update_counts,
+)
 from nereus.job.report import (
     StepProgress,
     changes_table,
@@ -56,6 +69,7 @@ from nereus.job.report import (
     read_metrics,
     summary_table,
 )
+from nereus.monitor.tap import TapRecorder
 from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.stages import ModelStages
 
@@ -73,9 +87,6 @@ class RLJob:
         check_loggers(cfg.run.loggers)
         self.task: Task
         if cfg.data is not None:
-            from nereus.data.filedata import FileTask
-            from nereus.data.rewards import load_reward
-
             task = FileTask.load(cfg.data, load_reward(cfg.reward.rule))
             self.task = task
             self.dataset = PromptDataset(task, size=len(task), seed=cfg.run.seed, shuffle=cfg.data.shuffle,
@@ -104,13 +115,9 @@ class RLJob:
         if self.cfg.cluster.mode == "in_process":
             self.stages = InProcessStages(self.cfg, self.model_config, self.model_dir)
         else:
-            from nereus.job.cluster_stages import ClusterStages
-
             self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
             await self._record_tap()
             if self.cfg.adapt.enabled:
-                from nereus.job.adapt import Adapter
-
                 reward = self.stages._models.get("reward", (None,))[0]
                 self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)
         if self.cfg.run.resume:
@@ -128,9 +135,6 @@ class RLJob:
 
     async def _record_tap(self) -> None:
         """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl)."""
-        from nereus.actors import emit
-        from nereus.monitor.tap import TapRecorder
-
         cluster = getattr(self.stages, "cluster", None)
         address = getattr(cluster, "tap_address", "")
         if not address:
@@ -188,8 +192,6 @@ class RLJob:
         record["epoch"] = getattr(self.stages, "epoch", 0)
         self.step += 1
         if self.cfg.cluster.mode != "in_process":
-            from nereus.actors import emit
-
             emit(
                 "step",
                 step=record["step"],
@@ -277,7 +279,6 @@ class RLJob:
         from (``_recover``) and None returned; anything else is raised."""
         if self.adapter is None:
             return await work()
-        from nereus.job.recovery import is_fault, update_counts
 
         assert self.stages is not None
         counts: dict[str, list[int]] = {}  # a death before they are read: no update was committed
@@ -298,9 +299,6 @@ class RLJob:
         died, keep the intact EMUs, replan on the devices left, build what was lost;
         restore the newest checkpoint if a training state lost its last copy; otherwise
         redo the step if its update was not committed, or go on from the committed one."""
-        from nereus.actors import emit
-        from nereus.job.recovery import Fault, dead_devices, forget_dead, is_fault, settle_updates
-
         assert self.stages is not None and self.adapter is not None
         step0, dataset0, version0, counts0 = start
         t0 = time.perf_counter()

@@ -40,9 +40,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nereus.actors import emit
 from nereus.config import require
+from nereus.engines import spawn_model_stage, start_model_stage
+from nereus.engines.stage import stage_groups
+from nereus.errors import InfeasiblePlan, OutOfMemory
 from nereus.job.change import STAGE_KINDS, check_after, emu_name, stage_changed, stage_emus
+from nereus.job.recovery import is_fault, salvage
+from nereus.planner.plan import Plan
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
+from nereus.transfer import release_groups
+from nereus.transition import LinkModel, build_dag, full_rate_seconds
+from nereus.transition.execute import execute_dag
+from nereus.transition.workers import WorkerRuntime
 
 __all__ = ["PlanChanges", "emit_event"]
 
@@ -68,9 +78,6 @@ class PlanChanges:
         ``inputs`` (``change_inputs``). Raises ``InfeasibleTransition`` when the DAG
         cannot keep a device under its cap and ``OutOfMemory`` when the restarted engines
         would not fit after it."""
-        from nereus.planner.plan import Plan
-        from nereus.transition import build_dag
-
         moving = [s for s in self._plan.names if stage_changed(self._current_plan(s), target[s])]
         if self._missing:  # the DAG moves what exists; a missing model-stage is built after it
             target = Plan(tuple((s, target[s]) for s in self._plan.names))
@@ -108,8 +115,6 @@ class PlanChanges:
         """(predicted seconds, bytes moved) of changing to ``target``: the DAG's makespan
         plus ``restart_seconds`` per model-stage whose engines restart; ``(inf, 0)`` when
         the change cannot run (``plan_change`` refused it)."""
-        from nereus.errors import InfeasiblePlan, OutOfMemory
-
         try:
             dag, seconds = self.plan_change(target, inputs)
         except (InfeasiblePlan, OutOfMemory) as e:
@@ -134,9 +139,6 @@ class PlanChanges:
         makespan), ``seconds`` and its parts (``plan_s``, ``engines_stop_s``, ``moves_s``,
         ``groups_s``, ``engines_s``, ``sync_plans_s``), ``nodes``, ``resource_edges``,
         the new ``epoch``."""
-        from nereus.planner.plan import Plan
-        from nereus.transition.workers import WorkerRuntime
-
         await self.transition_done()
         t0 = time.perf_counter()
         require(isinstance(target, Plan), "target", type(target).__name__, "must be a nereus.planner.Plan")
@@ -210,9 +212,6 @@ class PlanChanges:
     async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retuned: list[str],
                              retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float,
                              missing: list[str] = ()) -> dict[str, Any]:
-        from nereus.transfer import release_groups
-        from nereus.transition.execute import execute_dag
-
         t_moves0 = time.perf_counter()
         report["moves_started_at"] = t_moves0
         result = await execute_dag(dag, runtime, duration=self.link.seconds, on_node=self._node_event(t_moves0))
@@ -221,13 +220,10 @@ class PlanChanges:
         await release_groups(self.cluster, new_epoch, tag="transition")
         report.update(bytes_measured=result.bytes_measured, nodes_finished=len(result.finished))
         if not result.ok:
-            from nereus.job.recovery import salvage
-
             report.update(ok=False, seconds=time.perf_counter() - t0)
             _emit_transition(report, dag)
             await salvage(self, runtime)  # what the DAG left, as the job's plan
             raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
-        from nereus.job.recovery import is_fault
         died: list[BaseException] = []
         for stage in moving:
             reps = dag.results[stage]
@@ -280,8 +276,6 @@ class PlanChanges:
         """Model-stages a fault left without an intact EMU, built at the plan's placement
         from the model folder (a training one holds the initial weights until the job
         restores a checkpoint into it)."""
-        from nereus.engines import spawn_model_stage
-
         for stage in missing:
             emus = stage_emus(stage, self._plan[stage], self._spec(stage), self._slots(stage))
             config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
@@ -304,8 +298,6 @@ class PlanChanges:
         """What a transition took teaches the next estimate: each node's time at a
         device's full rate (nodes that ran at once shared the cores), and the time
         spent outside the nodes (a fixed cost and releasing the groups the nodes made)."""
-        from nereus.transition import full_rate_seconds
-
         spans = {n.id: (result.results[n.id].start, result.results[n.id].end, len(n.devices)) for n in dag.nodes}
         alone = full_rate_seconds(spans, self.link.sharing)
         for node in dag.nodes:
@@ -314,8 +306,6 @@ class PlanChanges:
         self._refit_link()
 
     def _refit_link(self) -> None:
-        from nereus.transition import LinkModel
-
         self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
     async def _release_unused(self, groups: list[Any]) -> None:
@@ -328,9 +318,6 @@ class PlanChanges:
 
     async def _start_engines(self, stages: list[str]) -> dict[str, float]:
         """``stages``' engines over the EMUs the stores hold now, in this epoch."""
-        from nereus.engines import start_model_stage
-        from nereus.engines.stage import stage_groups
-
         t0 = time.perf_counter()
         for stage in stages:  # made one after another; start_model_stage finds them made
             await stage_groups(self.cluster, STAGE_KINDS[stage], self.emus[stage], epoch=self.epoch)
@@ -387,6 +374,4 @@ _PARTS = ("plan_s", "engines_stop_s", "moves_s", "groups_s", "engines_s", "sync_
 
 def emit_event(type_: str, **fields: Any) -> None:
     """An event on the tap (``nereus.actors.emit``, imported when first used)."""
-    from nereus.actors import emit
-
     emit(type_, **fields)

@@ -39,6 +39,7 @@ from typing import Any
 
 from nereus.errors import ActorDied, NereusError, RemoteError
 from nereus.job.change import STAGE_KINDS
+from nereus.planner.plan import Plan, StagePlan
 
 __all__ = ["Fault", "Lost", "forget_dead", "salvage", "settle_updates", "update_counts", "is_fault", "dead_devices"]
 
@@ -122,8 +123,6 @@ async def dead_devices(stages: Any, timeout_s: float = 10.0) -> set[int]:
 
 async def forget_dead(stages: Any, dead: set[int]) -> Lost:
     """Bring ``stages`` to what survives ``dead`` (see the module docstring)."""
-    from nereus.planner.plan import Plan, StagePlan
-
     lost = Lost(sorted(dead))
     try:
         await stages.transition_done()
@@ -181,8 +180,6 @@ async def settle_updates(stages: Any, lost: Lost) -> dict[str, int]:
     """After ``forget_dead``: the update counter of every training model-stage. Replicas
     that a death mid-reduction left one update behind the others are dropped (the ones
     ahead finished the reduction over every contribution)."""
-    from nereus.planner.plan import Plan, StagePlan
-
     counts = await update_counts(stages)
     out: dict[str, int] = {}
     changed = False
@@ -208,8 +205,6 @@ async def settle_updates(stages: Any, lost: Lost) -> dict[str, int]:
 async def salvage(stages: Any, runtime: Any) -> None:
     """After a change that stopped part way: keep, per model-stage, the complete EMUs the
     DAG left that share the most common layout, free the others (see the module doc)."""
-    from nereus.planner.plan import Plan, StagePlan
-
     by_stage: dict[str, list[Any]] = {}
     for e in runtime.live.values():
         by_stage.setdefault(e.model_stage, []).append(e)
