@@ -47,11 +47,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nereus.actors import emit
+from nereus.actors import Cluster, emit
 from nereus.config import require
 from nereus.errors import StateError
+from nereus.job.cluster_stages import ClusterStages
 from nereus.job.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
 from nereus.job.recovery import update_counts
+from nereus.models import ModelConfig
 from nereus.planner import (
     ClusterSpec,
     LengthStats,
@@ -70,7 +72,7 @@ __all__ = ["Adapter", "Change", "PredictedFailure", "job_workload", "planner_sha
 
 log = logging.getLogger("nereus.rl")
 
-def planner_shape(config: Any, dtype: str, name: str, value_head: bool = False) -> ModelShape:
+def planner_shape(config: ModelConfig, dtype: str, name: str, value_head: bool = False) -> ModelShape:
     """A ``nereus.models.ModelConfig`` as the planner's ``ModelShape``."""
     shape = ModelShape(name, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
                        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
@@ -79,8 +81,8 @@ def planner_shape(config: Any, dtype: str, name: str, value_head: bool = False) 
     return shape.as_value_model() if value_head else shape
 
 
-def job_workload(cfg: JobConfig, model_config: Any, *, prompt_length: int, lengths: LengthStats,
-                 memory_lengths: LengthStats | None = None, reward_config: Any = None) -> Workload:
+def job_workload(cfg: JobConfig, model_config: ModelConfig, *, prompt_length: int, lengths: LengthStats,
+                 memory_lengths: LengthStats | None = None, reward_config: ModelConfig | None = None) -> Workload:
     """The planner's view of the job ``cfg`` (its model-stages, batch and lengths)."""
     a = cfg.algorithm
     policy = planner_shape(model_config, cfg.model.dtype, "policy")
@@ -106,8 +108,9 @@ class PredictedFailure:
     budget_bytes: int
 
 
-def predict_memory_failure(cfg: JobConfig, model_config: Any, plan: Any, *, prompt_length: int,
-                           budget_bytes: int, devices: int, reward_config: Any = None) -> PredictedFailure | None:
+def predict_memory_failure(cfg: JobConfig, model_config: ModelConfig, plan: Plan, *, prompt_length: int,
+                           budget_bytes: int, devices: int,
+                           reward_config: ModelConfig | None = None) -> PredictedFailure | None:
     """Walk the job's cap schedule on the fixed ``plan`` (device ids, ``0..devices-1``) and
     return the first step at which the memory model (uncalibrated, no headroom: the
     device's whole budget) puts some device over ``budget_bytes``; None if every cap fits.
@@ -155,7 +158,7 @@ class Change:
                 "bytes": self.bytes, "reason": self.reason}
 
 
-async def usable_devices(cluster: Any, wait_s: float) -> tuple[set[int], set[int]]:
+async def usable_devices(cluster: Cluster, wait_s: float) -> tuple[set[int], set[int]]:
     """The cluster's live devices and the devices marked draining, read after the
     caller's ``refresh_devices``. A job left with no live device that is not draining (its last
     ones died or are being emptied) waits for one to join, asking the controller again
@@ -182,7 +185,8 @@ async def usable_devices(cluster: Any, wait_s: float) -> tuple[set[int], set[int
 class Adapter:
     """The controller loop of one job on ``stages`` (a started ``ClusterStages``)."""
 
-    def __init__(self, cfg: JobConfig, stages: Any, model_config: Any, reward_config: Any = None) -> None:
+    def __init__(self, cfg: JobConfig, stages: ClusterStages, model_config: ModelConfig,
+                 reward_config: ModelConfig | None = None) -> None:
         require(cfg.cluster.mode != "in_process", "cluster.mode", cfg.cluster.mode, "must be 'local' or 'connect' to adapt")
         self.cfg = cfg
         self.stages = stages
@@ -222,7 +226,7 @@ class Adapter:
         self._gone = [d for d in sorted(plan.devices) if d not in pool.ids]
         return pool.to_slots(to_planner_plan(plan), gone=self._gone)
 
-    def _new_replanner(self, work: Workload, cluster: ClusterSpec, plan: Any) -> None:
+    def _new_replanner(self, work: Workload, cluster: ClusterSpec, plan: Plan) -> None:
         eff = self.stages.calibrator.fit()
         self.replanner = Replanner(work, cluster, plan=plan, eff=eff, gamma=self.cfg.adapt.gamma,
                                    length_threshold=self.cfg.adapt.length_drift, calibrator=self.stages.calibrator,

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from nereus.actors import Cluster
+from nereus.actors import Cluster, Failure
 from nereus.config import require
 from nereus.engines import spawn_hosts, spawn_model_stage, start_model_stage
 from nereus.errors import ActorDied
@@ -73,11 +73,12 @@ from nereus.job.change import STAGE_KINDS, stage_emus
 from nereus.job.config import JobConfig
 from nereus.job.local_stages import reward_model
 from nereus.job.plan_changes import PlanChanges, emit_event
-from nereus.models import model_spec
+from nereus.models import ModelConfig, model_spec
 from nereus.planner import Calibrator, local_cpu_cluster_probed, local_cpu_efficiency
-from nereus.planner.plan import StagePlan
+from nereus.planner.plan import Plan, StagePlan
 from nereus.rl.stages import ModelStages, last_token_scores
 from nereus.state import (
+    EMU,
     DeviceSet,
     LogicalState,
     execute_into,
@@ -87,7 +88,7 @@ from nereus.state import (
     save_to_disk,
     training_slots,
 )
-from nereus.state.spec import DTYPE_BYTES, grad_bytes_per_param
+from nereus.state.spec import DTYPE_BYTES, ModelSpec, grad_bytes_per_param
 from nereus.transfer import make_group, release_groups
 from nereus.transition import LinkModel
 
@@ -101,7 +102,7 @@ _VALUE_HEAD = ("critic_inference", "critic_training", "reward_inference")
 class ClusterStages(PlanChanges, ModelStages):
     """See the module docstring. Build with ``await ClusterStages.start(...)``."""
 
-    def __init__(self, cfg: JobConfig, cluster: Any, model_config: Any, model_dir: Path) -> None:
+    def __init__(self, cfg: JobConfig, cluster: Cluster, model_config: ModelConfig, model_dir: Path) -> None:
         super().__init__()
         self.cfg = cfg
         self.cluster = cluster
@@ -110,9 +111,9 @@ class ClusterStages(PlanChanges, ModelStages):
         self.policy_version = 0
         self.epoch = 0
         self.hosts: dict[int, Any] = {}
-        self.emus: dict[str, list[Any]] = {}  # model-stage -> its EMUs (DP order)
+        self.emus: dict[str, list[EMU]] = {}  # model-stage -> its EMUs (DP order)
         self.handles: dict[str, Any] = {}  # model-stage -> ModelStageHandle of its engines
-        self.failures: list[Any] = []
+        self.failures: list[Failure] = []
         self.failure_event = asyncio.Event()
         self._plan = cfg.job_plan()
         self._host_meshes: list[Any] = []
@@ -123,7 +124,7 @@ class ClusterStages(PlanChanges, ModelStages):
         self.learn_transitions = True  # measured transition nodes refit the link model
         self._sync: dict[str, tuple[list[Any], Any]] = {}  # target model-stage -> (plans, group)
         self._owns_cluster = False
-        self._models: dict[str, tuple[Any, str]] = {}
+        self._models: dict[str, tuple[ModelConfig, str]] = {}
         # seconds a change spends per model-stage it restarts beyond the DAG's moves
         # (engines stopped and started, their groups, the sync plans): measured
         self._restart_s: deque[float] = deque(maxlen=4)
@@ -135,7 +136,8 @@ class ClusterStages(PlanChanges, ModelStages):
     # --- start ------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path, cluster: Any = None) -> ClusterStages:
+    async def start(cls, cfg: JobConfig, model_config: ModelConfig, model_dir: str | Path,
+                    cluster: Cluster | None = None) -> ClusterStages:
         """Start (or use) a cluster, its engine hosts, and every model-stage of the plan."""
         owns = cluster is None
         if cluster is None:
@@ -160,28 +162,28 @@ class ClusterStages(PlanChanges, ModelStages):
             raise
         return self
 
-    def _on_failure(self, failure: Any) -> None:
+    def _on_failure(self, failure: Failure) -> None:
         log.warning("device %s failed: %s (%s)", failure.device, failure.reason, failure.actor)
         self.failures.append(failure)
         self.failure_event.set()
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Plan:
         return self._plan
 
-    def _spec(self, stage: str) -> Any:
+    def _spec(self, stage: str) -> ModelSpec:
         config, _ = self._models["reward" if stage == "reward_inference" else "policy"]
         return model_spec(config, dtype=self.cfg.model.dtype, value_head=stage in _VALUE_HEAD)
 
     def _slots(self, stage: str) -> tuple[str, ...]:
         return training_slots(self.cfg.model.dtype) if STAGE_KINDS[stage] == "training" else ("param",)
 
-    def _generation_rows(self, sp: Any) -> int:
+    def _generation_rows(self, sp: StagePlan) -> int:
         """Sequences one generation EMU decodes at once under ``sp``: its share of the
         step's rollouts, in ``sp.waves`` successive batches."""
         return math.ceil(math.ceil(self.cfg.algorithm.rollouts_per_step / sp.dp) / sp.waves)
 
-    def _options(self, stage: str, sp: Any = None) -> dict[str, Any]:
+    def _options(self, stage: str, sp: StagePlan | None = None) -> dict[str, Any]:
         """The engine options of ``stage`` under its plan ``sp`` (default: the current one):
         generation decodes in ``sp.waves`` batches, training recomputes with ``sp.recompute``."""
         cfg = self.cfg
@@ -196,7 +198,7 @@ class ClusterStages(PlanChanges, ModelStages):
             return {"micro_batch_size": cfg.optim.micro_batch_size}
         return {"optim": cfg.optim.for_engine(critic=stage == "critic_training"), "recompute": sp.recompute}
 
-    def _vllm_cache_bytes(self, sp: Any) -> int:
+    def _vllm_cache_bytes(self, sp: StagePlan) -> int:
         """vLLM's KV cache per rank of a generation EMU under ``sp``: its rows at the
         model's full length, rounded up to whole blocks of 128 slots (the largest block
         vLLM's backends use), twice over (vLLM's CPU backend fits half the tokens that
@@ -383,14 +385,14 @@ class ClusterStages(PlanChanges, ModelStages):
 
     # --- changing the plan ------------------------------------------------------------
 
-    def _device_set(self) -> Any:
+    def _device_set(self) -> DeviceSet:
         """Every live device's host and budget (indexed by cluster device id)."""
         devs = {d.index: d for d in self.cluster.devices}
         top = max([*devs, *self._plan.devices]) + 1
         return DeviceSet(tuple(self._host_of(i) if i in devs else -1 for i in range(top)),
                          tuple(devs[i].memory_bytes if i in devs else 1 for i in range(top)))
 
-    def _engine_bytes(self, stage: str, sp: Any, emu: Any, device: int) -> int:
+    def _engine_bytes(self, stage: str, sp: StagePlan, emu: EMU, device: int) -> int:
         """What ``stage``'s engine (under its plan ``sp``) adds on ``device`` beyond the
         store: a training EMU's gradients, a generation EMU's KV cache at its last size."""
         kind = STAGE_KINDS[stage]
@@ -424,7 +426,7 @@ class ClusterStages(PlanChanges, ModelStages):
             await asyncio.gather(*(self.hosts[d].set_state.call_one(e.name, vars(state)) for e in emus for d in e.devices))
             self.emus[stage] = [e.with_(state=state) for e in emus]
 
-    def _current_plan(self, stage: str) -> Any:
+    def _current_plan(self, stage: str) -> StagePlan:
         emus = self.emus[stage]
         return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -48,7 +47,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def policy_tensors(checkpoint: str | Path, cfg: Any, model_config: Any) -> dict[str, torch.Tensor]:
+def policy_tensors(checkpoint: str | Path, cfg: JobConfig, model_config: ModelConfig) -> dict[str, torch.Tensor]:
     """The policy's whole parameters in ``checkpoint`` (nereus names)."""
     folder = Path(checkpoint)
     spec = model_spec(model_config, dtype=cfg.model.dtype)
@@ -63,13 +62,14 @@ def policy_tensors(checkpoint: str | Path, cfg: Any, model_config: Any) -> dict[
     return load_shards(saved, whole, 0)
 
 
-def export_checkpoint(checkpoint: str | Path, cfg: Any, model_config: Any, model_dir: str | Path, out: str | Path) -> Path:
+def export_checkpoint(checkpoint: str | Path, cfg: JobConfig, model_config: ModelConfig, model_dir: str | Path,
+                      out: str | Path) -> Path:
     """Write the policy of ``checkpoint`` to ``out`` as a Hugging Face folder; returns ``out``."""
     params = policy_tensors(checkpoint, cfg, model_config)
     return export_hf(out, model_config, params, tokenizer_dir=model_dir, dtype=cfg.model.dtype)
 
 
-def _model_folder(cfg: Any, run_dir: Path) -> Path:
+def _model_folder(cfg: JobConfig, run_dir: Path) -> Path:
     if cfg.model.kind == "tiny":
         return run_dir / "model"  # the job wrote the tiny model and its tokenizer there
     if cfg.model.kind == "smollm2":

@@ -50,7 +50,7 @@ from nereus.job.recovery import is_fault, salvage
 from nereus.planner.plan import Plan
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 from nereus.transfer import release_groups
-from nereus.transition import LinkModel, build_dag, full_rate_seconds
+from nereus.transition import LinkModel, TransitionDAG, build_dag, full_rate_seconds
 from nereus.transition.execute import execute_dag
 from nereus.transition.workers import WorkerRuntime
 
@@ -209,7 +209,7 @@ class PlanChanges:
         if self._transition is not None and stage in self._waiting:
             await self.transition_done()
 
-    async def _finish_change(self, dag: Any, runtime: Any, target: Any, moving: list[str], retuned: list[str],
+    async def _finish_change(self, dag: TransitionDAG, runtime: WorkerRuntime, target: Plan, moving: list[str], retuned: list[str],
                              retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float,
                              missing: list[str] = ()) -> dict[str, Any]:
         t_moves0 = time.perf_counter()
@@ -294,7 +294,7 @@ class PlanChanges:
 
         return emit_node
 
-    def _learn_transition(self, dag: Any, result: Any, outside_s: float) -> None:
+    def _learn_transition(self, dag: TransitionDAG, result: Any, outside_s: float) -> None:
         """What a transition took teaches the next estimate: each node's time at a
         device's full rate (nodes that ran at once shared the cores), and the time
         spent outside the nodes (a fixed cost and releasing the groups the nodes made)."""
