@@ -25,16 +25,10 @@ import tempfile
 import torch
 
 from nereus.config import from_dict
+from nereus.data import PromptDataset, make_task
 from nereus.data.vocab import Codec
-from nereus.rl import (
-    ClusterStages,
-    JobConfig,
-    PromptDataset,
-    Rollouts,
-    make_task,
-    prepare_model,
-    to_batch,
-)
+from nereus.job import ClusterStages, JobConfig, prepare_model
+from nereus.rl import Rollouts, to_batch
 
 
 async def main(steps: int, samples_per_prompt: int = 8, keep_above: float = 0.3) -> list[float]:
