@@ -6,7 +6,7 @@
 # system's packages, .venv-gpu), runs nereus from the checkout (PYTHONPATH, nothing to
 # build), and installs only the small packages that are missing from wheels carried in
 # beside the checkout ($NEREUS_WHEELS, default ../wheels; `make gpu-wheels` fills it on
-# a machine with network). Then: the `gpu` test tier (among it tests/rl/test_gpu_job.py:
+# a machine with network). Then: the `gpu` test tier (among it tests/job/test_gpu_job.py:
 # a few GRPO steps on GPU workers, built-in generation and, where vLLM is installed, vLLM
 # with in-place weight loads; skipped with the reason where it is not), and
 # benchmarks.gpu, whose last line is one JSON object (nccl_p2p_gbps, device_copy_gbps,
@@ -62,6 +62,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 status=0
 timeout "$TIER_TIMEOUT_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs \
-    tests/transfer/test_nccl.py tests/engines/test_gpu.py tests/rl/test_gpu_job.py || status=$?
+    tests/transfer/test_nccl.py tests/engines/test_gpu.py tests/job/test_gpu_job.py || status=$?
 timeout "$BENCH_TIMEOUT_S" "$PY" -m benchmarks.gpu || status=$?
 exit $status

@@ -4,7 +4,7 @@ the engines that keep their own copy of the weights (vLLM's way).
 
 The CPU tier checks the placement with a stand-in device (``meta``: not the CPU, so a
 tensor made without the device would show up on the wrong one) and on real CPU
-workers; the GPU tier (``tests/rl/test_gpu_job.py``) runs the same path on CUDA."""
+workers; the GPU tier (``tests/job/test_gpu_job.py``) runs the same path on CUDA."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from nereus.state import EMU, Layout, execute_into, plan_reshard, training_slots
 from nereus.state.apply import plan_part, run_part
 from nereus.state.emu import emu_to_plain
 from nereus.transfer import make_group
+
+pytestmark = pytest.mark.integration
 
 CONFIG = tiny_config(num_hidden_layers=2, tie_word_embeddings=True)
 SPEC = model_spec(CONFIG)
