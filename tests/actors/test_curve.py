@@ -17,7 +17,7 @@ from nereus.monitor import Subscriber
 from tests.actors._actors import Echo
 from tests.actors._raw import RawSession
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 async def _handshake_outcome(address: str, curve, server_public: bytes | None = None,

@@ -22,7 +22,7 @@ from nereus.actors._stream import stream_path
 from tests.actors._actors import Echo
 from tests.actors._raw import RawSession, framed, zmtp_declare
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 PER_KIND = 1100  # x 10 kinds > 10,000 frames
 

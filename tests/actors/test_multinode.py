@@ -16,7 +16,7 @@ from nereus.errors import ConfigError, DeadlineExceeded
 from nereus.monitor import Subscriber
 from tests.actors._actors import BadSupervisor, Echo
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 KEY = "multinode-test-key-0123456789abcdef"
 

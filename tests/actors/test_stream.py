@@ -17,7 +17,7 @@ from nereus.actors._stream import StreamChannel, stream_path
 from tests.actors._actors import Echo, Tensors
 from tests.actors._raw import RawSession, framed, read_frames
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
 
 async def _handshake(key: bytes, reader, writer) -> RawSession:

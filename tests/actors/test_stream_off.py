@@ -12,7 +12,7 @@ from nereus.actors._client import current_client
 from nereus.actors._stream import stream_path
 from tests.actors._actors import Echo
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 async def test_env_turns_the_stream_off(no_leaks, monkeypatch):

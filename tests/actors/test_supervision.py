@@ -15,7 +15,7 @@ from nereus.errors import ActorDied
 from nereus.monitor import Subscriber
 from tests.actors._actors import Echo
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 
 async def test_sigkilled_worker_is_reported_and_calls_fail(no_leaks):

@@ -24,6 +24,8 @@ from nereus.models import model_spec, save_tiny_model, tiny_config
 from nereus.state import EMU, Layout, training_slots
 from tests._leaks import children, wait_gone
 
+pytestmark = pytest.mark.integration
+
 CONFIG = tiny_config(num_hidden_layers=2, tie_word_embeddings=True)
 SPEC = model_spec(CONFIG)
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]

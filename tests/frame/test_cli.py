@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from nereus.cli import main
 
 
@@ -20,6 +22,7 @@ def test_unknown_command_is_an_error(capsys):
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_help_does_not_import_torch():
     code = "import sys; from nereus.cli import main; main(['--help']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

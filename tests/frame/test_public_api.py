@@ -6,6 +6,8 @@ import importlib
 import subprocess
 import sys
 
+import pytest
+
 import nereus
 
 
@@ -27,6 +29,7 @@ def test_unknown_name_is_an_attribute_error():
         raise AssertionError("expected AttributeError")
 
 
+@pytest.mark.integration
 def test_import_is_cheap_and_never_loads_gpu_packages():
     code = (
         "import sys, nereus; print(sorted(m for m in ('torch', 'cupy', 'vllm') if m in sys.modules));"

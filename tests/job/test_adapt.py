@@ -20,7 +20,7 @@ from nereus.planner import replay
 from tests.job._jobs import job
 from tests.job._state import assert_same_state, logical_state
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 MODEL = {"kind": "tiny", "hidden_size": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
          "intermediate_size": 128, "max_seq_len": 96}

@@ -20,7 +20,8 @@ from nereus.job.loop import RLJob
 from tests.job._jobs import job
 from tests.job._state import logical_state
 
-pytestmark = [pytest.mark.timeout(420)]  # ~30 s alone; once past 240 s at load 18
+pytestmark = [
+    pytest.mark.integration,pytest.mark.timeout(420)]  # ~30 s alone; once past 240 s at load 18
 
 STEPS = 14
 PROMPTS = 8

@@ -14,6 +14,8 @@ from nereus.job.loop import RLJob
 from nereus.job.report import read_metrics
 from tests.job._jobs import window_mean
 
+pytestmark = pytest.mark.integration
+
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "grpo_tiny.toml"
 
 

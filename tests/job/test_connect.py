@@ -13,6 +13,8 @@ from nereus.errors import ConfigError
 from nereus.job.loop import RLJob
 from tests.job._jobs import job
 
+pytestmark = pytest.mark.integration
+
 KEY = b"an-rl-job-connect-test-key-0123456789"
 
 

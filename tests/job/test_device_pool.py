@@ -16,7 +16,7 @@ from nereus.planner import Plan, StagePlan
 from tests._leaks import children, wait_gone
 from tests.job._jobs import job
 
-pytestmark = [pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def _plan(gen: list[list[int]], train: list[list[int]]) -> Plan:

@@ -20,7 +20,7 @@ import torch
 from nereus.job.loop import RLJob
 from tests.job._jobs import job
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.gpu, pytest.mark.timeout(300)]
 
 # head_dim 32: a size every vLLM attention backend takes
 MODEL = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "num_layers": 2,

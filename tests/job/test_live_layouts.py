@@ -14,7 +14,7 @@ from nereus.job.loop import RLJob
 from nereus.planner import Plan, StagePlan
 from tests.job._jobs import job
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 TRAINED = ("policy_training", "critic_training")
 

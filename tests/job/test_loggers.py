@@ -97,6 +97,7 @@ def test_numeric_leaves_flatten_nested_maps():
     assert dict(numeric_leaves({"x": float("nan"), "y": 1})) == {"y": 1.0}
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_every_logger_writes_the_same_record(tmp_path):
     run = RunConfig(out_dir=str(tmp_path), loggers=ALL, experiment="nereus-test", run_name="grpo-file")
@@ -118,6 +119,7 @@ def test_every_logger_writes_the_same_record(tmp_path):
     assert params["algorithm.lr"] == "1e-05" and params["run.steps"] == "3" and status == "FINISHED"
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_resume_keeps_one_history(tmp_path):
     run = RunConfig(out_dir=str(tmp_path), loggers=["jsonl", "tensorboard", "mlflow"], experiment="resume")

@@ -12,7 +12,7 @@ from nereus.job.loop import RLJob
 from nereus.planner import Plan, StagePlan
 from tests.job._jobs import job
 
-pytestmark = [pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 PLAN = {"policy_generation": {"devices": [0, 1], "dp": 2}, "policy_training": {"devices": [2, 3], "tp": 2}}
 TARGET = Plan((("policy_generation", StagePlan(1, 1, 2, ((0,), (1,)))),

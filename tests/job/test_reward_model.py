@@ -74,6 +74,7 @@ async def test_in_process_scores_match_transformers_and_a_step_runs(tmp_path):
     assert record["reward_mean"] != record["task_reward_mean"]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 async def test_tp2_reward_emus_on_a_local_cluster_match_transformers(tmp_path):
     codec = _codec()

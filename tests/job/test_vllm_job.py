@@ -20,7 +20,7 @@ from nereus.job.loop import RLJob
 from nereus.planner.plan import Plan, StagePlan
 from tests.job._jobs import job
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 # vLLM's CPU attention needs head_dim >= 32
 MODEL = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "num_layers": 2,

@@ -30,7 +30,7 @@ from nereus.planner.plan import Plan, StagePlan
 from tests.job._jobs import job
 from tests.job.test_vllm_job import GREEDY, MODEL, _batch
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def _cpu_shm() -> set[str]:

@@ -164,6 +164,7 @@ def test_the_render_command(tmp_path, capsys):
     assert "gpus_per_node=0 and devices_per_node=0" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 async def test_wait_returns_once_the_devices_are_ready(tmp_path, capsys):
     key = KEY.encode()

@@ -115,6 +115,7 @@ def _slurm_env(**extra: str) -> dict[str, str]:
             "SLURM_SUBMIT_DIR": "/home/u/run", **extra}
 
 
+@pytest.mark.integration
 def test_the_slurm_environment(tmp_path):
     scontrol = str(_fake_scontrol(tmp_path, ["n01", "n02"]))
     task = SlurmTask.from_environ(_slurm_env(), scontrol=scontrol)
@@ -165,6 +166,7 @@ def test_the_key_folder_is_private(tmp_path):
         make_key_dir(tmp_path / "file")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 async def test_a_node_task_becomes_a_node_daemon(tmp_path):
     host = socket.gethostname()

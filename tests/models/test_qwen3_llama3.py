@@ -122,6 +122,7 @@ def test_tp1_pp1_matches_transformers_and_scaling_matters(kind, hf_models, input
         assert (other(data["ids"], data["positions"])[valid] - logits[valid]).abs().max() > 100 * CLOSE["atol"]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("tp", "pp"), LAYOUTS, ids=[f"tp{t}-pp{p}" for t, p in LAYOUTS])
 def test_layout_matches_transformers(tp, pp, hf_models, inputs, tmp_path):  # noqa: F811

@@ -34,6 +34,8 @@ from nereus.models import (
 )
 from tests.models._worker import loss_of
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = [(1, 2), (2, 1), (2, 2), (4, 1), (4, 2)]
 DEADLINE_S = 150.0

@@ -45,6 +45,7 @@ def test_the_recorded_stream_follows_the_schema():
             "worker_join", "device_drain", "worker_retire", "worker_leave"} <= kinds
 
 
+@pytest.mark.integration
 async def test_the_recorder_still_records_the_story(tmp_path):
     from tests.monitor.record_tap import record
 
@@ -188,6 +189,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.integration
 def test_the_command_refuses_what_it_cannot_serve(tmp_path):
     out = _cli("--jsonl", str(tmp_path / "missing.jsonl"))
     assert out.returncode == 2 and "--jsonl=" in out.stderr and "is not a file" in out.stderr
@@ -205,6 +207,7 @@ def test_the_command_refuses_what_it_cannot_serve(tmp_path):
 
 # --- the page in a browser -----------------------------------------------------------------
 
+@pytest.mark.integration
 async def test_a_browser_that_cannot_start_fails_and_says_why(tmp_path):
     with pytest.raises(BrowserError, match="is missing: .*make test. installs it"):
         await Chromium.start(binary=str(tmp_path / "no-chromium"))
@@ -250,6 +253,7 @@ def _header(name: str) -> str:
     return f"document.getElementById('h-{name}').textContent"
 
 
+@pytest.mark.integration
 async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromium):
     events = recorded()
     key_file = tmp_path / "key"

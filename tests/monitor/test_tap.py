@@ -118,6 +118,7 @@ async def test_subscriber_drops_replayed_events():
         pub.close(linger=0)
 
 
+@pytest.mark.integration
 def test_cli_schema_and_usage():
     out = subprocess.run([sys.executable, "-m", "nereus.cli", "tap", "--schema"], capture_output=True,
                          text=True, timeout=60)
@@ -127,6 +128,7 @@ def test_cli_schema_and_usage():
     assert out.returncode == 2 and "tap address" in out.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_cli_prints_live_events(tmp_path):
     ctx = zmq.Context.instance()

@@ -56,6 +56,7 @@ def test_local_cpu_probe_is_measured_once_and_cached(tmp_path):
     assert local_cpu_probe(cache=cache)["memory_bandwidth"] > 0  # unreadable cache: measured again
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_the_planner_never_imports_torch():
     import subprocess

@@ -61,6 +61,7 @@ def report():
     return rep, before
 
 
+@pytest.mark.integration
 def test_the_forked_run_is_the_adaptive_run(report):
     rep, _ = report
     _, plain = _run(AdaptivePolicy)
@@ -68,6 +69,7 @@ def test_the_forked_run_is_the_adaptive_run(report):
     assert rep.result.mean_step_s == pytest.approx(plain.mean_step_s)
 
 
+@pytest.mark.integration
 def test_each_delta_is_the_run_that_admitted_at_that_boundary(report):
     rep, _ = report
     assert rep.rows, "the scenario has moves the payback test turns down"
@@ -83,6 +85,7 @@ def test_each_delta_is_the_run_that_admitted_at_that_boundary(report):
     assert rep.keep_better + rep.admit_better <= len(rep.rows)
 
 
+@pytest.mark.integration
 def test_no_branch_outlives_the_call(report):
     _, before = report
     assert set(_children()) <= before

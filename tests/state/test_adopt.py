@@ -19,7 +19,7 @@ from nereus.state.holder import ShardHolder, execute
 from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store, spec_for
 
-pytestmark = [pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 BUCKET = 24 * 2**20  # > the 16 MiB shared-memory slot: buckets are handed off
 

@@ -25,7 +25,7 @@ from nereus.state.holder import ShardHolder, execute, execute_step, load_from_di
 from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store, spec_for
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
 SLOTS = ("param", *OPTIMIZER_SLOTS)
 BUDGET = 64 * 2**20

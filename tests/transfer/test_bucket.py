@@ -42,6 +42,7 @@ def test_layout_refuses_tiny_buckets():
         bucket_layout([1], 8)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_exchange_many_views_in_small_buckets(workers):
     # 8 KiB buckets pass the 64 KiB ring slots; 256 KiB buckets are handed off

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("size", [3])

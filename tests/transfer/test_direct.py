@@ -11,6 +11,8 @@ import torch
 from nereus.transfer import _arena
 from nereus.transfer.direct import arena_empty
 
+pytestmark = pytest.mark.integration
+
 VIEWS_PER_PEER = 5 * 5  # dtypes x shapes in the worker scenario
 
 

@@ -16,7 +16,7 @@ from nereus.errors import ConfigError, NereusError, RemoteError
 from nereus.transfer import make_group, release_groups
 from tests.transfer._actors import Member
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
 _PORTS: set[int] = set()
 

@@ -16,6 +16,8 @@ import torch
 from nereus.errors import StuckCollective, TransferError
 from nereus.transfer import _libnccl
 
+pytestmark = pytest.mark.integration
+
 
 def _libnccl_missing() -> str:
     try:

@@ -23,7 +23,7 @@ from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store
 from tests.transition.cases import CASES, covered
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
 MODEL = LinkModel(intra_bandwidth=1e9, inter_bandwidth=1e9)
 BUDGET = max(c.cap() for c in CASES)
