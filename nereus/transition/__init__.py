@@ -4,7 +4,7 @@
 exact per-device memory effects; ``simulate`` is the one list scheduler (the estimate,
 the executor's dispatch order, the simulator's timing); ``transition_seconds`` prices a
 move for admission (``inf`` when infeasible); ``execute_dag`` runs a DAG on a runtime:
-real workers (``nereus.rl``'s) or ``SimulatedRuntime`` (a clock with injected durations
+real workers (``nereus.job``'s) or ``SimulatedRuntime`` (a clock with injected durations
 and failures).
 
 Pure planning: no sockets, processes or files; the executor drives whatever runtime it
