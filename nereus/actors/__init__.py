@@ -1,4 +1,4 @@
-"""nereus.actors: a small, fast async actor runtime (DESIGN.md section 3).
+"""nereus.actors: a small, fast async actor runtime (docs/design.md §3).
 
     from nereus.actors import Actor, Cluster, endpoint, run
 

@@ -1,4 +1,4 @@
-"""Calibration: efficiency factors per operation class from measured timings (DESIGN §6).
+"""Calibration: efficiency factors per operation class from measured timings (docs/design.md §6).
 
 The cost model says a model-stage takes Σ_c ideal_c / eff_c seconds (``StageCost``), so
 with x_c = 1 / eff_c every measurement is one linear equation:

@@ -1,4 +1,4 @@
-"""Cost and memory model of one model-stage under one layout (DESIGN §6).
+"""Cost and memory model of one model-stage under one layout (docs/design.md §6).
 
 Time: every model-stage's time is a sum of terms; each term is an *ideal* time per
 operation class (bytes or FLOPs over the hardware's peak rate) divided by that class's

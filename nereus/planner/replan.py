@@ -1,4 +1,4 @@
-"""The planner's loop at safe boundaries: triggers -> search -> admission (DESIGN §6).
+"""The planner's loop at safe boundaries: triggers -> search -> admission (docs/design.md §6).
 
 ``Replanner`` is what the controller and the simulator both drive, at the end of an RL
 step (synchronous mode) or at a weight sync (asynchronous mode):

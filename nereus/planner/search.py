@@ -1,4 +1,4 @@
-"""Plan search: the fastest feasible plan of a workload on a device budget (DESIGN §6).
+"""Plan search: the fastest feasible plan of a workload on a device budget (docs/design.md §6).
 
 The space (the brute-force test enumerates exactly this):
 

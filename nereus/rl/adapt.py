@@ -1,4 +1,4 @@
-"""Online adaptation: the controller loop of a running job (DESIGN §6, §10).
+"""Online adaptation: the controller loop of a running job (docs/design.md §6, §10).
 
 After every step the job hands the step's record to ``Adapter.after_step``, which builds
 the boundary report and gives it to the planner's ``Replanner``:

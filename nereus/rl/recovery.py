@@ -1,4 +1,4 @@
-"""Faults in a running job: what survives a dead worker, and the job's way back (DESIGN §10).
+"""Faults in a running job: what survives a dead worker, and the way back (docs/design.md §10).
 
 A worker that dies takes its device's shard store with it. ``forget_dead(stages, dead)``
 brings ``ClusterStages`` to what is left:

@@ -1,4 +1,4 @@
-"""The four primitives as pure planners: Split, Merge, Extend, Destroy (DESIGN §4).
+"""The four primitives as pure planners: Split, Merge, Extend, Destroy (docs/design.md §4).
 
 Each returns a ``Step``: the EMUs it reads, creates and frees, one ``ReshardPlan`` per
 created EMU (what moves where, by box intersection), and its ``MemoryEffect`` per

@@ -2,7 +2,7 @@
 
 ``stage_ops(current, target)`` turns the replicas a model-stage has now into the
 replicas it should have (layouts and device tuples; DP is how many) as an ordered list
-of primitive ``Op``s (DESIGN §4), through T_sub (``sub_layout`` of the current and
+of primitive ``Op``s (docs/design.md §4), through T_sub (``sub_layout`` of the current and
 target layouts). It looks only at names, layouts and devices, so the runtime (which
 turns every op into a ``Step`` with its exact reshard plans: ``plan_stage_transition``)
 and the transition DAG (which prices ops analytically at any scale: ``nereus.transition``)

@@ -1,4 +1,4 @@
-"""The global transition DAG: every model-stage's primitives, joined (DESIGN §5).
+"""The global transition DAG: every model-stage's primitives, joined (docs/design.md §5).
 
 ``build_dag(current, target, specs, devices)`` takes two plans (model-stage ->
 ``StagePlan``), each model-stage's ``ModelSpec`` and the devices (hosts and memory caps)

@@ -1,5 +1,5 @@
 """The one list scheduler of a transition DAG: the estimate, the executor's dispatch order
-and the simulator's timing are all this (DESIGN §5).
+and the simulator's timing are all this (docs/design.md §5).
 
 ``Dispatcher(dag)`` holds the state a schedule moves through: which nodes are ready
 (every dependency finished), which devices are busy (a device runs one primitive at a
