@@ -15,26 +15,11 @@ command exits with status 3). On stop it tells the controller it leaves, termina
 its workers (SIGTERM, then SIGKILL after ``stop_grace_s``) and reaps them. Workers
 die with the daemon (Linux parent-death signal).
 
-On CPU, ``--devices N`` starts N workers each standing for one device with the
-``--memory-per-device`` budget (default 1GiB) that engines must respect. With
-``--gpus all|0,1,..`` each worker sees one GPU (``CUDA_VISIBLE_DEVICES``) and its
-budget is that GPU's memory unless ``--memory-per-device`` says otherwise. GPU ids
-count within the daemon's own ``CUDA_VISIBLE_DEVICES`` when it is set (a Slurm step
-or a container has already narrowed it to the GPUs this node may use): the daemon
-maps within it and never widens it to the host's raw GPU ids.
-
 The key comes from ``--key-file`` or ``$NEREUS_CLUSTER_KEY``; workers get it through
 their environment. Workers get the daemon's ``sys.path`` as ``PYTHONPATH`` and its
 working directory, so they import the same actor modules.
 
-Each daemon owns a scratch folder (``nereus-<pid>-*`` in its own temporary folder),
-removed when it stops: it holds the workers' ipc sockets and is the workers'
-``TMPDIR``, so what libraries in a worker leave in the temporary folder (vLLM's engine
-sockets, for one) goes with the node, even when the worker was killed rather than
-closed (a daemon killed with SIGKILL removes nothing: its folder stays). Nothing a
-worker writes there outlives its node: a cache meant to last across runs belongs
-elsewhere (torch's compile cache, for one, follows ``TMPDIR`` unless
-``TORCHINDUCTOR_CACHE_DIR`` says otherwise).
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
 """nereus.actors: a small, fast async actor runtime (docs/design.md §3).
 
-    from nereus.actors import Actor, Cluster, endpoint, run
-
-    class Counter(Actor):
-        def __init__(self, start: int) -> None:
-            self.n = start
-
-        @endpoint
-        async def add(self, k: int) -> int:
-            self.n += k
-            return self.n
-
-    async def main():
-        async with Cluster.local(devices=4) as cluster:
-            mesh = await cluster.spawn("counter", Counter, args=(0,), axes={"dp": 2, "tp": 2})
-            print(await mesh.add.call(1))            # [1, 1, 1, 1]
-
-    run(main())   # uvloop where installed; scripts need `if __name__ == "__main__":`
-
 Processes: a controller (registry, failure fan-out, monitoring tap), one node daemon
 per host, one worker process per device. Callers talk to workers directly (ZeroMQ
 DEALER -> ROUTER); every message is a msgpack header plus zero-copy tensor frames,
@@ -28,6 +10,8 @@ failures), ``_wire`` (the format), ``nereus.node`` and ``nereus.controller``.
 Public API: ``Actor``, ``endpoint``, ``Cluster``, ``ActorMesh``, ``ActorRef``,
 ``Endpoint``, ``DeviceInfo``, ``Failure``, ``current_device``, ``emit``, ``run``,
 ``in_thread`` (blocking work off the loop).
+
+More: docs/actors.md; an example in README.md.
 """
 
 from nereus.actors._client import emit

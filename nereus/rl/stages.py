@@ -6,13 +6,6 @@
 (``plan``, ``apply_plan``), each device's memory (``memory``) and the seconds each
 model-stage worked (``take_stage_seconds``). Two backends implement it:
 
-- ``InProcessStages`` (here): one engine per model-stage inside the driver process
-  (TP 1, PP 1, DP 1), each accounted on the ledger of the device its placement names,
-  so model-stages that share a device share its memory budget. For tests and for
-  custom pipelines that do not need workers; its plan cannot change.
-- ``ClusterStages`` (``nereus.rl.cluster``): each model-stage's EMUs as actor meshes
-  on an embedded local cluster, placed by the job's plan.
-
 Promises (both backends):
 - ``generate`` returns ``token_ids``, ``logprobs`` and, per row, the ``policy_version``
   of the weights that generated it (the number of weight syncs applied so far).
@@ -25,10 +18,7 @@ Promises (both backends):
   JSON manifest; ``load(dir)`` restores it in place and re-syncs generation, so the
   next step is the one the saved job would have taken.
 
-``prepare_model`` makes the initial weights every model-stage loads: a seeded tiny
-random model (with the task's character tokenizer) or a Hugging Face folder.
-``reward_model`` reads the reward model's config (``[reward] path``) and checks it
-speaks the policy's vocabulary.
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations
