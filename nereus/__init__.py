@@ -31,7 +31,7 @@ from nereus.errors import (
 
 __version__ = "0.1.0"
 
-# public name -> the subpackage that defines it (layers bottom to top, DESIGN §2)
+# public name -> the subpackage that defines it (layers bottom to top, docs/design.md §2)
 _LAZY: dict[str, str] = {}
 for _module, _names in {
     "nereus.actors": [

@@ -1,22 +1,4 @@
-"""nereus.actors: a small, fast async actor runtime (DESIGN.md section 3).
-
-    from nereus.actors import Actor, Cluster, endpoint, run
-
-    class Counter(Actor):
-        def __init__(self, start: int) -> None:
-            self.n = start
-
-        @endpoint
-        async def add(self, k: int) -> int:
-            self.n += k
-            return self.n
-
-    async def main():
-        async with Cluster.local(devices=4) as cluster:
-            mesh = await cluster.spawn("counter", Counter, args=(0,), axes={"dp": 2, "tp": 2})
-            print(await mesh.add.call(1))            # [1, 1, 1, 1]
-
-    run(main())   # uvloop where installed; scripts need `if __name__ == "__main__":`
+"""nereus.actors: a small, fast async actor runtime (docs/design.md §3).
 
 Processes: a controller (registry, failure fan-out, monitoring tap), one node daemon
 per host, one worker process per device. Callers talk to workers directly (ZeroMQ
@@ -32,6 +14,8 @@ Public API: ``Actor``, ``endpoint``, ``Cluster``, ``ActorMesh``, ``ActorRef``,
 ``in_thread`` (blocking work off the loop); the runtime's processes: ``Controller``,
 ``NodeDaemon``, their entries ``controller_main`` and ``node_main`` and the lines
 (``CONTROLLER_READY``, ``NODE_READY``) each prints once it serves.
+
+More: docs/actors.md; an example in README.md.
 """
 
 from nereus.actors._client import emit

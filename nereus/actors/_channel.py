@@ -1,16 +1,5 @@
 """A ZeroMQ socket driven by the event loop, with signing, verification and counters.
 
-``Channel`` wraps one non-blocking zmq socket (ROUTER or DEALER). It registers the
-socket's file descriptor with the running loop (``add_reader``) instead of using
-``zmq.asyncio``, so a received message costs one callback and no future or task.
-ZeroMQ's descriptor is edge-triggered: any receive or send may consume the edge, so
-after one the socket counts as *unchecked* until a look at ``ZMQ_EVENTS`` finds no
-input. A look costs more than a receive through pyzmq (~2 us), so it happens once, at
-the end of the loop iteration (the same callback that flushes queued sends): when the
-descriptor fires, one message is received and handled at once, and the rest are
-drained at the end of the iteration, after the tasks that message woke have run
-and sent (a caller's next call, a worker's reply), so one look covers both.
-
 Promises: every message sent is signed (``nereus.actors._wire.Signer``) and carries
 the session envelope (``nereus.actors._session``: sender, receiver, sequence number);
 every message received is checked before anything else reads it. A message that is
@@ -25,24 +14,10 @@ Handshake: a DEALER channel sends HELLO when it is made and holds what it is ask
 send until the WELCOME arrives (then READY, then the held messages, in order); a
 ROUTER channel answers every HELLO. Handlers never see the handshake.
 
-Sockets: ``configure`` gives every ZeroMQ socket a frame-size limit (``MAXMSGSIZE``:
-a peer that sends a larger frame is disconnected before it is buffered) and a finite
-receive high-water mark (``RECEIVE_HWM`` messages per peer; beyond it libzmq stops
-reading from that peer).
-
-Batching: the first message sent in a loop iteration leaves at once (the latency of
-a lone call is untouched); messages sent after it in the same iteration are queued
-and leave together at the end of the iteration as one BATCH message (one signature,
-one zmq send, one wake-up of the peer), which is what makes pipelined calls cheap.
-Order per destination is kept. The receiver unpacks a BATCH and handles its messages
-in order, exactly as if they had come one by one.
-
-Subclasses: ``nereus.actors._stream.StreamChannel`` carries the same messages over
-Unix stream connections; it replaces ``_send_now``, ``_drain`` and ``close`` and
-keeps the batching, signing and checks here.
-
 Refuses: blocking sends. A direct send that would block raises ``zmq.ZMQError`` to
 the caller; a queued one that fails is logged and counted (``send_failed``).
+
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

@@ -17,12 +17,9 @@ Promises:
   call finished (deadline), is dropped and counted (``stale_replies``, ``late_replies``).
 - One call in ``span_sample_every`` emits a ``call_span`` event (actor, method, latency).
 
-Deadlines: one loop timer serves every call that has one. Deadlines wait in a heap
-and the timer is armed for the earliest; a call that finishes leaves its entry to be
-dropped lazily (the heap is rebuilt when dead entries outnumber live ones), so a timed
-call costs a heap push instead of a timer created and cancelled (~3 us on uvloop).
-
 Refuses: use from a thread other than the loop's (``emit`` alone is thread-safe).
+
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

@@ -14,16 +14,10 @@ Ordering: sequential endpoints of one actor run one at a time in arrival order
 a task per call. A call whose deadline passed before it started is not run
 (answered with ``deadline``); a running call is never interrupted by its deadline.
 
-Idle fast path (Python >= 3.11): a sequential call that arrives while its actor has
-nothing running or queued starts at once, inside the message callback, instead of
-one loop iteration later in the consumer task. It still runs *as* the consumer task
-(``asyncio.current_task()``, ``asyncio.timeout`` and cancellation by ``stop`` behave
-as in the consumer) and in the consumer's contextvars context; if it suspends, the
-consumer task drives the rest of it before anything queued behind it. A call that
-ends without suspending (a no-op, a cached value) is answered in the same callback.
-
 Back-pressure: ``pending`` counts queued and running calls of an actor; a call that
 would exceed ``max_pending`` is refused with ``Backpressure`` at once.
+
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

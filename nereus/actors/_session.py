@@ -5,20 +5,6 @@ header, inside what the HMAC covers (``nereus.actors._wire``): ``sender`` (16 by
 ``receiver`` (16 bytes) and ``seq`` (u64). No clock is read anywhere: freshness comes
 from random ids drawn when a channel is made and from counters.
 
-A channel has one of two roles.
-
-- Connecting (a DEALER, a stream client) draws a random 16-byte id. Its first message
-  is HELLO (receiver all zeros). The serving side answers WELCOME, addressed to that
-  id, carrying a *ticket*: 16 bytes naming the serving channel (the first 8 bytes of
-  its id) and a number it never issued before. The connecting side then sends READY
-  and every later message with ``receiver = ticket`` and ``seq`` counting up. It
-  accepts only messages addressed to its own id, from the channel that welcomed it,
-  each with a higher ``seq`` than the last.
-- Serving (a ROUTER, a stream server) answers a HELLO from anyone who can sign one (a
-  replayed HELLO earns only a ticket its replayer cannot sign with) and accepts any
-  other message only when its receiver is a ticket it issued and its ``seq`` is above
-  the last one seen under that ticket; a ticket belongs to the first sender that used it.
-
 So a captured message replayed to the same channel fails its ``seq``; replayed to
 another channel, or to a later incarnation of the same process, it names a ticket or
 an id that channel never issued. Replays are refused (``Refused``), and the channel
@@ -31,6 +17,8 @@ peers' old connections are refused until they connect again.
 Bounds: a serving channel remembers ``MAX_SESSIONS`` tickets and ``MAX_SESSIONS``
 reply routes; beyond that it forgets the oldest-issued ticket and refuses every ticket
 up to it from then on (fail closed: never reopens a replay).
+
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

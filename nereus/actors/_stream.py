@@ -12,33 +12,11 @@ when it cannot connect (an older worker, a path too long for a Unix socket). The
 controller and tcp addresses always use ZeroMQ. ``NEREUS_STREAM=0`` in the environment
 turns the stream off (clients do not try it, workers do not listen).
 
-``StreamChannel`` is a ``Channel``: the same signing (every message carries the HMAC
-of ``nereus.actors._wire.Signer`` over the same bytes as on ZeroMQ), the same checks
-and counters on receipt (``Channel._receive``), the same BATCH coalescing (the first
-message of a loop iteration leaves at once, later ones together at its end), the
-same ``handler(ident, msg)``. A worker's channel serves every connection; each one
-gets a synthetic ``ident`` (9 bytes starting with 0xFF, a shape ZeroMQ never gives a
-peer without a routing id) so replies route back as on a ROUTER. A reply to a closed
-connection is counted (``send_failed``) and dropped, never raised.
-
-Framing, per message: ``<u32 frame count>`` then ``<u64 length>`` per frame, then the
-frames' bytes; frame 0 is ``signature + envelope + header`` as on ZeroMQ. The
-declared total is checked before anything is allocated: against ``PRE_AUTH_BYTES``
-(64 KiB, at most 16 frames) until the connection has sent an accepted READY (a
-signed, fresh message under a ticket issued to it, ``_session``), against
-``max_message_bytes`` after. A message over it (``rejected_oversized``), or declaring
-no frames or too many (``rejected_header``), is counted and its connection dropped:
-the stream cannot be resynchronised. A server holds at most ``MAX_CONNECTIONS``
-connections and ``MAX_UNTRUSTED`` that have not sent their READY yet, each for at
-most ``TRUST_DEADLINE_S``; a connection over a cap is closed at once
-(``rejected_connection``), so strangers can make a worker hold at most a few MiB. Frames of 64 KiB or more are received straight into their own
-buffer (the tensor a caller gets is a view of it); smaller ones are copied out of
-one reused read buffer. Every message that arrives whole is also counted under
-``stream_messages`` (traffic, like ``messages``).
-
 A lost connection is not a failed call: pending calls wait for the controller's
 ``worker_died`` notice (as on ZeroMQ) or their deadline; the client forgets the
 connection and the next call connects again (or falls back to ZeroMQ).
+
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

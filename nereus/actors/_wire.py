@@ -5,33 +5,17 @@ A message on the wire is the multipart ZeroMQ message ``[signature + head, *buff
 message on the hot path). The head is an optional fixed-size prefix (the channels put
 their session envelope there, ``nereus.actors._session``) followed by the header:
 
-- ``header`` is msgpack. Plain data (None, bool, int, float, str, list, dict, and
-  bytes-like objects, which msgpack packs natively: one copy each side, fine for
-  small blobs) is packed inline. Tuples, actor refs, and every numpy array and CPU
-  torch tensor become msgpack *ext* values; a buffer ext carries ``[kind, dtype,
-  shape, frame_index, nbytes]`` and its bytes travel in ``buffers[frame_index]``
-  without a copy on the send side. Send large binary data as a uint8 array or
-  tensor to get a zero-copy frame.
-- ``signature`` is HMAC-SHA256 with the cluster key over the number of frames and the
-  length of each (``<u32 count><u64 length>...``), then the head and every buffer in
-  order, so a frame that was altered, added (even an empty one), dropped or reordered,
-  or bytes moved between frames, fail verification.
-
 Promises: ``decode(encode(x))`` equals ``x`` for every supported value (tensors of any
 dtype incl. bfloat16 and bool, any shape incl. 0-size; non-contiguous ones are made
 contiguous). Received tensors and arrays are writable views of the received frame
 (no copy). ``verify`` and ``decode`` raise ``AuthenticationError`` / ``ProtocolError``
 for every bad input and never anything else.
 
-Hot path: ``Signer`` keeps the HMAC's inner and outer SHA-256 states keyed once, so
-signing a message is two state copies and two short hashes instead of a fresh HMAC
-(which re-derives the key pads every time: several times slower for a small header).
-``Encoder`` reuses one msgpack packer; it belongs to one thread (a channel's loop).
-The module functions ``encode``/``sign``/``verify`` stay thread-safe.
-
 Refuses: pickle in any form, CUDA tensors (they go through the data plane), objects
 of other types (``ProtocolError`` naming the type), a buffer whose declared size does
 not match its frame.
+
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

@@ -4,33 +4,22 @@
         mesh = await cluster.spawn("trainer", Trainer, devices=[0, 1, 2, 3],
                                    args=(1e-3,), axes={"dp": 2, "tp": 2})
 
-- ``Cluster.local(devices=4, nodes=1)`` embeds a controller and ``nodes`` node daemons
-  in the driver's event loop (workers are real processes) with a fresh random key;
-  ``devices`` may be a list of per-node counts (``[2, 3]``).
-- ``Cluster.connect(address, key=...)`` attaches to a running controller (key from
-  the argument, ``key_file``, or ``$NEREUS_CLUSTER_KEY``); ``close`` then stops the
-  meshes this driver spawned (the workers belong to the node daemons).
-- Supervision: when a device dies, the owner (this driver) learns it within
-  milliseconds of the node noticing (a SIGKILLed worker is noticed at once, a silent
-  node after the heartbeat timeout, a node that leaves gracefully at once). In-flight
-  calls to it fail with ``ActorDied``; every callback given to ``on_failure`` is called
-  with one ``Failure`` per actor this driver spawned on that device (or one with
-  ``actor=""`` if it had none); every surviving actor of an affected mesh gets
-  ``__supervise__(failure)`` (see ``nereus.actors.actor``); a ``failure`` event goes on
-  the tap.
-- The device pool changes while it runs: ``drain(device)`` marks a device to be emptied
-  by whoever places work on it (a job's next change of plan), after which
-  ``retire_drained([...])`` stops its worker (no failure: it was asked for);
-  ``add_node(devices=N)`` starts another node daemon of a local cluster, whose devices
-  take fresh indices (device ids are not contiguous once devices leave and join); a node
-  joining a running controller shows up in ``refresh_devices()``.
-
-Performance note: ``start`` calls ``gc.freeze()`` once, so the objects alive at that
-moment (mostly imported modules) are never rescanned by the cyclic garbage collector;
-workers do the same after each spawn.
+Promises:
+- ``Cluster.local`` embeds a controller and node daemons in the driver's event loop
+  (workers are real processes) with a fresh random key; ``Cluster.connect`` attaches to
+  a running controller, and ``close`` stops only the meshes this driver spawned.
+- A device that dies is reported to its owner: in-flight calls to it fail with
+  ``ActorDied``, every ``on_failure`` callback gets one ``Failure`` per actor this
+  driver had there, every surviving actor of an affected mesh gets ``__supervise__``,
+  and a ``failure`` event goes on the tap.
+- The pool may change while it runs: ``drain`` marks a device to be emptied by the next
+  change of plan, ``retire_drained`` stops its worker (no failure), ``add_node`` starts
+  another node daemon of a local cluster (fresh, non-contiguous device indices).
 
 Refuses: two live meshes with the same name, devices that are not in the cluster,
 axes whose product is not the number of devices.
+
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """Refs and meshes: how callers name actors and call their endpoints.
 
-An ``ActorRef`` names one actor incarnation (worker address, actor name,
-incarnation, device); it crosses the wire, so actors can call actors. An
-``ActorMesh`` is an ordered list of refs shaped by named axes (``dp``, ``pp``,
-``tp``; row-major: the last axis varies fastest).
-
 Call styles on ``mesh.<endpoint>`` (every one sends before it returns):
 
 - ``call(*a, **kw)`` -> awaitable of the list of results in rank order; it fails as
@@ -24,8 +19,7 @@ Call styles on ``mesh.<endpoint>`` (every one sends before it returns):
 Arrays and tensors in arguments are sent without a copy: do not modify one until
 its call has answered (or, for ``broadcast``, until the next call to that actor).
 
-An endpoint whose name clashes with a mesh attribute (``name``, ``size``, ...) is
-reached with ``mesh.endpoint("name")``.
+More (how it works): docs/actors.md.
 """
 
 from __future__ import annotations

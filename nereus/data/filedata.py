@@ -15,16 +15,12 @@ before the job starts. The columns (verl's names by default):
 - ``data_source`` (a string) and ``extra_info`` (a map), both optional, passed to a user
   reward function that asks for them. Other columns are ignored.
 
-A ``FileTask`` is a ``Task``: sample ``i`` is row ``i`` (the first ``data.max_samples``
-rows when that is set), so ``PromptDataset`` gives file data the same global order,
-DP split and exact resume as the synthetic tasks. ``fingerprint`` hashes the file's bytes
-and the column settings; the dataset's checkpoint carries it, so resuming on a changed
-file is refused instead of silently taking other samples.
-
 Refuses (``ConfigError``): a missing file, an unknown format, a file ``datasets`` cannot
 read (for JSONL, the first line that is not JSON is named, and a row whose column type
 differs from the other rows' is checked on its own), and any bad row: the error names the
 file, the row (counted from 0, as ``datasets`` counts) and the column.
+
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

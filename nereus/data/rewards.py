@@ -2,33 +2,24 @@
 
 ``[reward] rule`` names one of:
 
-- ``"math"``: the response's final answer checked against the ground truth with
-  ``math-verify`` (GSM8K and MATH style): a ``\\boxed{...}`` answer when the response has
-  one, else the last number or LaTeX expression in it; equal values score 1.0 whatever
-  their form (``72``, ``72.0``, ``$72``, ``1,000`` and ``1000``, ``\\frac12`` and ``0.5``),
-  anything else 0.0. The ground truth is read as ``\\boxed{ground_truth}``, so a plain
-  number and a LaTeX answer both work.
-- ``"exact"``: 1.0 when the stripped response equals the stripped ground truth, else 0.0.
-- ``"module:function"``: a user function, imported once when the job starts (the module
-  must be importable from the job's working directory or ``PYTHONPATH``). It is called
-  as ``function(prompt, response, ground_truth)`` with three strings (the prompt's text:
-  a string prompt, or the content of its last user message), plus the keyword
-  arguments ``data_source`` and ``extra_info`` when its signature names them (or takes
-  ``**kwargs``), and must return a real number (``bool`` counts as 0 or 1).
-- ``"task"``: the synthetic task's own rule (``nereus.data.tasks``); the default, and only
-  for the synthetic tasks.
+- ``"math"``: the response's final answer (a ``\\boxed{...}`` one, else the last number or
+  LaTeX expression) checked against the ground truth with ``math-verify``: equal values
+  score 1.0 whatever their form, anything else 0.0;
+- ``"exact"``: 1.0 when the stripped response equals the stripped ground truth, else 0.0;
+- ``"module:function"``: a user function called as ``function(prompt, response,
+  ground_truth)`` (plus ``data_source`` and ``extra_info`` when its signature names
+  them), returning a real number;
+- ``"task"``: the synthetic task's own rule (the default, synthetic tasks only).
 
-Where rewards run: in the job's driver process (the one that runs ``nereus run``), in
-the step loop, right after the generated responses are decoded and before advantages
-are computed; one call per response, one response at a time, on the event loop's
-thread. They see text, never tensors or workers. ``math-verify`` guards each parse
-and comparison with a 5-second alarm when it runs on the main thread.
+Rewards run in the job's driver process, one response at a time, right after responses
+are decoded; they see text, never tensors or workers.
 
 Refuses (``ConfigError``): an unknown rule, a ``module:function`` that does not import
 or is not callable, a user function that returns something other than a finite real
 number (the error names the function and the value). Exceptions a user function raises
-propagate with a note naming the function (and, for file data, the file and row): a
-reward that cannot be computed stops the job.
+propagate with a note naming the function: a reward that cannot be computed stops the job.
+
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

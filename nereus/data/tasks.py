@@ -7,13 +7,6 @@ prompts (``Task.prompt_ids``, with the codec it is given) and decodes responses,
 asks the task for the reward. Prompts from files are a task too
 (``nereus.data.filedata.FileTask``).
 
-Two prompt styles:
-- ``compact`` (tiny models with a character vocabulary): ``"12+7="`` -> ``"19"``;
-  the response is scored verbatim (after stripping spaces).
-- ``natural`` (pretrained instruction models): ``"What is 12+7? Answer with only the
-  number."``; the answer is extracted from the response (the last number, as in
-  "12 + 7 = 19"; the first word for reversal) before scoring.
-
 Rewards (every task): 1.0 for an exact answer. With ``partial_credit`` (the default)
 a wrong answer earns the positional character match ``matches / max(len(answer),
 len(response))``, so a response that is too long or too short loses credit; with
@@ -23,6 +16,8 @@ is nearer.
 
 Refuses (``ConfigError``): empty alphabets, lengths or operand ranges that are empty
 or negative, unknown operators or styles.
+
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

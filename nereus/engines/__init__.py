@@ -1,4 +1,4 @@
-"""nereus.engines: what runs inside an EMU (DESIGN.md section 2).
+"""nereus.engines: what runs inside an EMU (docs/design.md §2).
 
 - ``GenerationEngine``: batched KV-cache sampling at any TP x PP (CPU, built in).
 - ``InferenceEngine``: forward-only log-probabilities, values, rewards.

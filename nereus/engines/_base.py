@@ -5,25 +5,14 @@ An engine holds one ``DecoderStage`` (this rank's TP shard of this PP stage's la
 for a critic or reward model, the stage's ``ValueHead`` on the last stage. Its weights
 come from one of two places:
 
-- ``tensors`` (the running job's path): the EMU's shards in the worker's shard store
-  (``nereus.state.ShardHolder``), parameter name -> tensor. The stage is built over them:
-  every parameter *is* the store's tensor (adopted on the meta device, never copied,
-  nothing random is made), so a reshard or a weight sync that writes the store is what
-  the engine computes with. The store counts those bytes in the device's ledger; the
-  engine counts only what it adds (gradients, KV cache, activations).
-- ``model_dir`` or ``seed`` (an engine on its own, for tests and custom pipelines): a
-  Hugging Face directory (each rank reads only its slices; a value head reads a
-  sequence classifier's ``score`` head when there is one) or a seeded random init
-  (only meaningful at TP 1, PP 1). The engine then owns its weights and reserves their
-  bytes under ``"<name>/weights"`` *before* building them, so an engine that does not
-  fit raises ``OutOfMemory`` instead of allocating.
-
 Every engine evaluates forward-only (``logprobs``, ``values``, ``rewards``, in
 micro-batches whose activations are reserved in the ledger while they run): the
 inference engine's job, and a probe of what any EMU computes. Weights can be
 overwritten in place by name (``load_named``). Device: the stage lives on
 ``ctx.device`` (CPU by default); batches are moved there and results come back as CPU
 tensors (what crosses the wire). ``close()`` releases every reservation of the engine.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

@@ -6,34 +6,20 @@ the same prompts and parameters and returns the same result.
 
 Promises:
 - ``generate(prompts, params)`` runs all prompts as one batch (in chunks of ``max_batch``):
-  the prompts are left-padded, prefilled in one forward, then decoded one token per
-  forward for every row at once. Sampling is vectorized (``nereus.engines.sampling``):
-  temperature, top-k, top-p, stop tokens, ``max_tokens``, per-token log-probabilities.
-- With PP the whole batch goes stage after stage by default. With ``wavefront=True`` a
-  batch of at least ``pp`` prompts is cut into ``pp`` groups of rows that move through
-  the stages as a wavefront (every stage works on a different group at once); it needs
-  a free core per stage to pay for its extra synchronisation (on the shared 2-core test
-  machine it measured slower, so it is off by default).
-- Deterministic under ``params.seed``: the last stage's TP rank 0 draws every token with
-  noise that depends only on the seed, the step and the row (``step_noise``); the tokens
-  reach its TP group by broadcast and the other stages by the pipeline group, so every
-  rank agrees and the tokens do not depend on TP, PP or the wavefront's groups. The
-  noise comes from a CPU generator on every device (a CUDA generator draws another
-  stream from the same seed) and reaches the device as one ``[rows]`` copy per step.
-- Device: the stage, the KV cache, the step's ids, positions and output buffers, and
-  what the ranks exchange live on ``ctx.device``; results come back as Python lists.
-- Memory: the KV cache (``2 x local layers x batch x kv_heads_local x max_len x head_dim``)
-  is reserved in the device's ledger before it is allocated, and reused across calls
-  while it is large enough; a request whose cache does not fit raises ``OutOfMemory``
-  naming the device, the bytes it needs and the budget, with nothing allocated.
-  ``free_cache()`` gives the cache back; ``sleep()`` also frees the weights and
-  ``wake_up(weights)`` rebuilds them (from the given shards or the model directory), so
-  a co-resident model-stage can use the memory in between.
+  one prefill forward, then one forward per decoded token for every row at once, with
+  the shared vectorized sampler (``nereus.engines.sampling``);
+- deterministic under ``params.seed``: the tokens do not depend on TP, PP or the
+  wavefront's groups, and every rank agrees on them;
+- the KV cache is reserved in the device's ledger before it is allocated; a request
+  whose cache does not fit raises ``OutOfMemory`` (device, bytes, budget) with nothing
+  allocated; ``free_cache``, ``sleep`` and ``wake_up`` give memory back and rebuild.
 
 Refuses (``ConfigError``): empty prompts, token ids outside the vocabulary, prompts plus
 ``max_tokens`` longer than ``max_position_embeddings``.
 
 Never: calls Python per row per token (one forward and a few tensor ops per step).
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

@@ -6,48 +6,16 @@ parameter and optimizer tensors, its logical state, the reshard and sync endpoin
 device's memory ledger) and, beside it, the engines of the EMUs on this device, keyed by
 EMU name (so two EMUs of one model-stage may share a device during a transition):
 
-- ``load_weights(emu, model_config, model_dir, seed)``: fills the store with this
-  device's shards of ``emu``: weights read from a Hugging Face folder (only this rank's
-  slices) or seeded (on the CPU, so a seed gives the same weights on every device),
-  and, for a training EMU, its optimizer slots (moments zero, a float32 master copy
-  where the dtype asks for one), all then on the worker's device. The bytes are
-  reserved in the ledger first.
-- ``build_engine(emu, kind, model_config, options, groups)``: builds the engine of
-  ``kind`` (``generation``, ``inference``, ``training``) at this device's place in
-  ``emu`` over the store's tensors (adopted, never copied), with the TP/PP/DP
-  communicators named in ``groups``; a training engine starts from the EMU's update
-  counter. A generation EMU runs the built-in engine, or with ``options["engine"] ==
-  "vllm"`` a ``VllmGenerationEngine`` (``options["model_dir"]``: the folder whose
-  config.json describes the model; vLLM starts with dummy weights and the EMU's shards
-  are then written into its parameters in place, ``load_named``). vLLM keeps its own
-  copy of the weights, reserved in the device's ledger beside the store's shards.
-  ``drop_engines(names)`` closes engines (their gradients, KV caches, activations
-  leave the ledger; the store keeps the tensors).
-- ``run_into`` (a weight sync writing EMUs' shards in place, ``execute_into``): once the
-  store holds the new values, every engine that copies the store's weights rather
-  than adopting them (vLLM) loads the new shards in place before the call returns, so
-  the next ``generate`` samples from the synced policy.
-- ``generate``, ``logprobs``, ``values``, ``train_step``, ``free_cache`` run the named
-  EMU's engine; every rank of the EMU must be called together (the engines run
-  collectives), which an EMU mesh's ``.call`` does. A training step also advances the
-  EMU's update counter in the store.
-- ``memory()`` (answered even while an engine works): the ledger's budget, used and
-  peak bytes, its breakdown, the engines alive and the device the tensors live on.
-
 Device: shards and engines live on the worker's device (``tensor_device``: ``cuda:0``
 on a GPU worker, else the CPU); the engines' ``EmuContext.device`` is that device, so
 their TP/PP/DP groups (NCCL between GPUs, gloo between CPU workers) get tensors of
 their backend's kind.
 
-Freeing an EMU's shards (a Destroy, a plan's ``free``) closes its engine first: an engine
-never outlives the tensors it adopted. Blocking engine work runs in a thread with one
-torch thread (two workers sharing cores thrash as soon as either spreads), so the
-worker's loop keeps answering. Endpoints are sequential: one primitive or one engine
-call at a time per device.
-
 Refuses (``ConfigError``/``StateError``): an unknown kind or generation engine, a vLLM
 engine without ``model_dir``, an EMU this device is not part of or whose shards it does
 not hold, calls for an engine that was not built.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

@@ -15,14 +15,10 @@ Model outputs handed to a loss (``outputs``): ``logprobs`` ``[B, T]`` where
 ``logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` (``t = 0`` is 0), or for a
 critic ``values`` ``[B, T]`` (the value head on the hidden state at ``t``).
 
-A loss is named by import path ``"package.module:function"`` and resolved with importlib in
-the worker (callables cannot cross the wire; nereus.rl sits above this layer). It is called
-once per micro-batch as ``loss_fn(outputs, batch, **loss_kwargs) -> (loss, metrics)``:
-``loss`` a scalar tensor with a graph, the mean over that micro-batch's response tokens;
-``metrics`` a dict of floats.
-
 Refuses (``ConfigError``): a path without ``:``, a module or attribute that does not exist,
 a non-callable, a batch without ``input_ids`` or with tensors whose first dim differs.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

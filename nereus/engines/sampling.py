@@ -4,26 +4,19 @@
 ``from_dict``). ``sample_next`` turns one step's logits ``[B, V]`` into the next token and
 its log-probability for every row at once: no Python loop over rows.
 
-Semantics (the same in the built-in engine and the vLLM adapter):
-- ``temperature == 0`` is greedy (argmax); top-k/top-p are then irrelevant.
-- Otherwise logits are divided by ``temperature``, then top-k keeps the ``top_k`` largest
-  (0 = all), then top-p keeps the smallest set of most likely tokens whose probability
-  reaches ``top_p`` (always at least one), and a token is drawn from what is left.
-- The log-probability returned for a token is under the temperature-scaled distribution
-  *before* top-k/top-p filtering (``log_softmax(logits / T)``, ``T = 1`` when greedy): the
-  distribution the training engine recomputes with the same temperature, so PPO/GRPO
-  ratios start at 1.
-- Draws invert the cumulative distribution: one uniform ``U`` per row picks the token
-  whose bucket of the (float64) cumulative probabilities holds ``U * total``, so a step
-  needs ``B`` random numbers, not ``B x V`` (drawing them was a tenth of a small model's
-  decode step); tokens of probability 0 (filtered) are never drawn. The
-  generation engine takes ``U`` from ``step_noise(seed, chunk, step)``: one seed gives the
-  same tokens on every run whatever the layout (TP, PP, pipeline micro-batches), because
-  the noise of a row depends only on the seed, its chunk of ``max_batch`` rows, its row
-  in the chunk and the step, and only one rank samples.
+Promises (the same in the built-in engine and the vLLM adapter):
+- ``temperature == 0`` is greedy; otherwise temperature, then top-k (0 = all), then
+  top-p (always at least one token), then one draw from what is left;
+- the log-probability returned is under the temperature-scaled distribution *before*
+  top-k/top-p filtering, the one the training engine recomputes, so PPO/GRPO ratios
+  start at 1;
+- a step draws ``B`` uniforms, not ``B x V``; filtered tokens are never drawn; one seed
+  gives the same tokens on every run whatever the layout (``step_noise``).
 
 Refuses (``ConfigError``): negative temperature, ``top_p`` outside (0, 1], negative
 ``top_k``, ``max_tokens < 1``, negative stop token ids.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

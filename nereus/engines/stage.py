@@ -6,28 +6,14 @@ and the engines over it. A model-stage is ``dp`` EMUs (``nereus.state.EMU``: lay
 devices, ModelSpec, slots); each EMU is a TP x PP mesh of those hosts, and its engine is
 called by EMU name.
 
-- ``spawn_model_stage(cluster, hosts, name, kind, emus, model_config=..., model_dir=...)``
-  fills the stores with the EMUs' shards (``EngineHost.load_weights``: each rank reads
-  only its slices) and starts their engines: what a job does once per model-stage.
-- ``start_model_stage(...)`` starts engines over EMUs the stores already hold (after a
-  transition moved them, or after a checkpoint was loaded into them). Both make the
-  groups the same way (``stage_groups``): one TP group per pipeline stage of an EMU, one
-  PP group per TP rank, and for training one DP group per position across the EMUs,
-  all of layout epoch ``epoch`` (the data plane hands back the same group to every
-  EMU of that epoch over the same devices; they are released with the epoch).
-- ``ModelStageHandle``: ``generate`` (prompts cut across the EMUs; EMU ``i`` samples
-  with ``seed + i``), ``logprobs`` / ``values`` / ``rewards`` (rows cut across the EMUs,
-  results concatenated), ``train_step`` (rows cut across the DP replicas; gradients meet
-  in the DP all-reduce, so the step equals one over the whole batch: the global batch
-  stays fixed whatever DP is, per-replica rows and accumulation steps follow), ``stop``
-  (closes the engines; the stores keep the tensors).
-
 Memory: engines reserve against the device's ledger (``nereus.state.ledger``); running
 out raises ``OutOfMemory`` in the worker, which reaches the caller as ``RemoteError``
 with ``remote_type == "OutOfMemory"`` and the device, need and budget in its message.
 
 Refuses (``ConfigError``): an unknown kind, EMUs of different model-stages or layouts in
 one handle, overlapping DP replicas, more DP replicas than rows.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

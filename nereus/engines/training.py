@@ -6,42 +6,14 @@ each get their own slice of the global batch.
 
 ``train_step(batch, loss="module:function", loss_kwargs={}, micro_batch_size=None)``:
 
-1. cuts the batch into micro-batches (gradient accumulation);
-2. runs them through the pipeline with the 1F1B schedule (default; or ``"gpipe"``: all
-   forwards, then all backwards); activations and their gradients move over the
-   pipeline group;
-3. the loss, resolved by import path in this process, is called on the last stage per
-   micro-batch as ``loss_fn(outputs, micro_batch, **loss_kwargs) -> (loss, metrics)`` with
-   ``outputs["logprobs"]`` (policy) or ``outputs["values"]`` (critic), both ``[b, T]``
-   (see ``nereus.engines.losses``). Each micro-batch's loss is weighted by its share of
-   the response tokens of the *global* batch (summed over DP), so accumulation and DP
-   give the gradient of one token-mean loss over the whole batch;
-4. reduces gradients: replicated k/v rows over TP (``tp > kv heads``), the tied embedding
-   between the first and last stage, everything over DP (one flat all-reduce);
-5. clips by the global gradient norm (over TP, PP, each element counted once);
-6. steps AdamW.
-
-With ``recompute=True`` each layer keeps only its input in the forward pass and runs
-again in the backward pass (``torch.utils.checkpoint``): fewer activation bytes
-reserved, one more forward of compute, the same gradients.
-
 Returns metrics (floats): ``loss`` and the loss function's metrics (token-weighted means
 over the global batch; complete on the last pipeline stage, the other stages return only
 ``grad_norm``, ``lr``, ``step``), ``grad_norm`` (before clipping), ``lr``, ``step``.
 
-State (the state layer's keys and dtypes, ``nereus.state.spec``): per parameter
-``"<param>"``, the float32 AdamW moments ``"<param>:exp_avg"`` and
-``"<param>:exp_avg_sq"``, and for a parameter that is not float32 a float32 master copy
-``"<param>:master"`` that the optimizer steps (the parameter is its rounded copy).
-``named_state()`` gives them (views), ``step`` is the update counter, and
-``load_named_state`` writes them back in place. Built over a shard store (``tensors``:
-every one of those keys, and ``step``), the engine adopts them all: the optimizer steps
-the store's tensors. Built on its own, it makes them (moments zero) and reserves them up
-front. Gradients (``nereus.state.spec.grad_bytes_per_param``) are reserved up front
-either way.
-
 Refuses (``ConfigError``): a bad optimizer config, an unknown loss path, a batch that
 breaks the batch format.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

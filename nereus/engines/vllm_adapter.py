@@ -4,70 +4,21 @@ On GPUs this is how nereus generates; on CPU the same adapter runs on the ``vllm
 package (its tests carry the ``vllm`` marker). vLLM is optional: importing nereus never
 imports it; constructing a ``VllmGenerationEngine`` does.
 
-Shape: every TP rank of the EMU hosts its part of one vLLM engine *in its own process*:
-at TP 1 with vLLM's in-process executor, at TP > 1 with vLLM's ``external_launcher``
-executor (the EMU's ranks are the launcher). For that executor each rank sets what
-vLLM's ``env://`` initialisation reads -- ``RANK`` (its TP rank), ``WORLD_SIZE`` (the TP
-size), ``LOCAL_RANK=0`` (a worker sees one GPU, ``cuda:0``), ``MASTER_ADDR`` and
-``MASTER_PORT`` -- before vLLM starts; TP rank 0 picks a free port on its host and hands
-address and port to the others over the EMU's TP group (``ctx.parallel.tp_comm``).
-TP > 1 needs that group and every rank on one host (TP stays within a node); otherwise
-it is refused with a ``ConfigError``. Either way vLLM's worker -- and so its
-already TP-sharded parameters -- live in the process that holds the EMU's shards, so a
-weight update is a local copy: no per-tensor RPC and no full tensor per rank.
+Promises:
+- every TP rank of the EMU hosts its part of the engine in its own process (vLLM's
+  ``external_launcher`` at TP > 1), beside the EMU's shards: a weight update
+  (``load_named``) is a local copy into vLLM's parameters, never an RPC per tensor;
+- sampling follows ``nereus.engines.sampling``; ``logprobs(batch)`` scores rows as
+  ``EngineBase.logprobs`` does (temperature 1);
+- the weights and the KV cache vLLM is given are reserved in the device's ledger before
+  vLLM starts; ``sleep()`` frees them on GPUs through vLLM's sleep mode;
+- nothing is left in ``/dev/shm`` by a TP > 1 engine on CPU, however it ends.
 
-Weight updates (``load_named(shards)``, nereus names = vLLM's own: fused ``qkv_proj`` and
-``gate_up_proj``, this rank's TP shard):
+Refuses (``ConfigError``): TP > 1 without the EMU's TP group or across hosts, sleep
+mode on CPU, ``sleep()`` when sleep mode is off. Sets
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before vLLM is imported.
 
-- in place: every shard whose vLLM parameter has the same shape is copied into it
-  (``param.data.copy_``); an embedding or LM head that vLLM pads to a multiple of 64 rows
-  gets the shard copied into its first rows. At TP > 1 vLLM cuts the padded vocabulary,
-  so where padding exists its ranks hold other rows than nereus's ``vocab / tp`` (a rank
-  may hold none of the real ones): those weights are all-gathered over the EMU's TP
-  group and each rank writes vLLM's rows (read once from vLLM's ``shard_indices``);
-- repacked parameters (vLLM's CPU backend packs linear weights into kernel layouts and
-  keeps size-0 placeholders, and packs a copy of the embedding for the LM head's GEMM):
-  the layer gets the new shard in vLLM's own storage and vLLM's
-  ``process_weights_after_loading`` repacks it, as after vLLM's own loading. (vLLM's
-  ``reload_weights`` is not used: on the CPU backend it leaves the packed LM head stale.)
-  Then vLLM's prefix cache is reset (it holds keys and values of the old weights).
-
-In a job (``nereus.engines.EngineHost`` with ``engine = "vllm"``) the engine sits beside
-the EMU's shards in the worker's store on the same device: vLLM starts with dummy
-weights (``load_format="dummy"``), the shards are written in (``load_named``) before
-the first ``generate``, and again after every weight sync. The store's tensors are
-not adopted (``adopts_store`` is False: vLLM keeps its own, possibly repacked, copy).
-
-Scoring: ``logprobs(batch)`` gives the per-token log-probabilities of right-padded
-rows as ``EngineBase.logprobs`` does (``out[:, 0] = 0``, 0 at padding), from vLLM's
-prompt logprobs, which score the unscaled distribution (temperature 1 only): a probe
-of which weights vLLM computes with.
-
-Sampling follows ``nereus.engines.sampling`` (temperature, top-k, top-p, stop tokens,
-``max_tokens``; no stop at EOS unless it is a stop token). Log-probabilities are vLLM's
-``processed_logprobs``: equal to the built-in engine's when top-k/top-p are off; with them
-on, vLLM renormalises over the kept tokens. With a seed, prompt ``i`` gets seed
-``seed + i`` (vLLM seeds per request; one seed for all would make repeated prompts give
-repeated samples).
-
-Memory: the weights and the KV cache vLLM is given (``kv_cache_bytes``) are reserved in
-the device's ledger before vLLM starts (``OutOfMemory`` otherwise). ``sleep()`` frees
-both on GPUs through vLLM's sleep mode, which is enabled on GPUs unless the caller says
-``enable_sleep_mode=False`` (then ``sleep()`` is refused with a ``ConfigError``); the
-ledger gives back only what the device's free memory shows was freed, and keeps the
-rest reserved (``<name>/asleep``) until ``wake_up``. vLLM's CPU backend has no sleep
-mode, so on CPU ``sleep()`` frees nothing and says so (returns 0). vLLM keeps its KV
-cache for its whole life: ``free_cache()`` frees nothing (returns 0) and
-``cache_shape`` is ``(0, 0)`` (no cache the host re-reserves after a change).
-
-Environment: sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM's own variable) before vLLM
-is imported, so the engine core runs in this process.
-
-Shared memory (TP > 1 on CPU): vLLM's CPU backend all-reduces through shared-memory
-segments it names the same for every engine under the external launcher. An engine's
-segments are named after it instead (``nereus-vllm-<port>-<pid>-...``: two engines on a
-host, or one started after a killed one, never meet), and each rank unlinks its own name
-once every rank has joined, so nothing is left in ``/dev/shm`` however the process ends.
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,4 @@
-"""Online adaptation: the controller loop of a running job (DESIGN §6, §10).
-
-After every step the job hands the step's record to ``Adapter.after_step``, which builds
-the boundary report and gives it to the planner's ``Replanner``:
-
-- the device pool: the cluster's live devices that are not draining, as planner slots
-  (``DevicePool``, the one map), and the devices lost, drained or joined since the last
-  boundary; a device the current plan uses that is gone sits past the pool's last slot,
-  so the plan cannot run there and the Replanner takes the urgent path;
-- lengths: the step's response lengths (mean, p95, max) drive the step-time model and
-  the drift trigger; memory is checked at the next step's cap
-  (``sampling.max_new_tokens``: any response may reach it) and at the longest prompt
-  seen, so a cap that would break a device's budget is a memory trigger *before* the
-  step that would break it;
-- calibration: the seconds each model-stage worked and each device's ledger high-water
-  mark, against the model of the plan as it ran under the step's own lengths (the KV
-  cache at the step's cap, training padded to the step's longest response); a step that
-  ran beside a change, or the first one (warm-up), teaches nothing;
-- the price of every target the search offers: the job's own transition DAG
-  (``ClusterStages.plan_change``) scheduled under the link model that measured
-  transitions calibrated (``inf`` where the DAG or the engines after it do not fit).
+"""Online adaptation: the controller loop of a running job (docs/design.md §6, §10).
 
 The Replanner triggers, searches and admits (the payback rule, or the urgent path for a
 lost or drained device or a predicted memory overflow); an admitted target goes to
@@ -36,6 +16,8 @@ step the memory model says it cannot hold (what a job without adaptation runs in
 Refuses (``ConfigError``): a job without a cluster (``in_process``). Raises
 ``InfeasiblePlan`` when the job's current plan can no longer run and no plan fits the
 pool; ``StateError`` for a decision to restart (no change can reach a runnable plan).
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Model-stages as EMUs over worker-resident state on a cluster, placed by a plan the job
 holds and can change between steps.
 
-``ClusterStages.start(cfg, model_config, model_dir)`` starts ``Cluster.local`` with
-``cluster.devices`` CPU worker processes of ``cluster.memory_per_device`` each (or, with
-``cluster.mode = "connect"``, attaches to the running cluster at ``cluster.address``,
-whose workers outlive the job), spawns one ``EngineHost`` per device (the worker's shard
-store and the engines over it), and for every model-stage of the plan fills the stores
-with its EMUs' shards (each rank reads only its slices) and starts their engines
-(``nereus.engines.spawn_model_stage``); a ``plan`` event on the tap says where they are.
-
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``; ``await apply_plan(target)`` changes it at a step
 boundary over the state the workers hold, through one transition DAG across every
@@ -22,35 +14,11 @@ get an engine host when the controller loop sees them (``ensure_hosts``) or at t
 next change that uses them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
 through ``Cluster.on_failure``.
 
-Work distribution (``nereus.engines.ModelStageHandle``): generation cuts prompts into
-``dp`` contiguous chunks (EMU ``i`` samples with ``seed + i``); inference cuts rows the
-same way; training cuts rows across the DP replicas and all-reduces gradients, so DP gives
-the gradient of one token-mean loss over the whole batch.
-
-Weight sync (``sync_policy``): policy-training's EMUs are the sources and every
-policy-generation EMU a target of a ``nereus.state.plan_reshard`` plan (bytes already
-resident are not moved, sources load-balanced across replicas), written into the
-generation EMUs' tensors in place (``nereus.state.execute_into``: one message per device,
-one exchange over a sync group of the epoch). The critic's inference EMUs are synced from
-its training EMUs the same way, between any two layouts. With ``sampling.engine =
-"vllm"`` each generation EMU's vLLM engine loads the written shards in place before the
-sync returns (``EngineHost.run_into``). A ``weight_sync`` event with bytes, seconds and
-GB/s goes on the tap, and the policy version advances.
-
-Devices: on GPU workers (``cluster.mode = "connect"`` to nodes started with ``--gpus``)
-every shard, reshard target, sync target and engine is on the worker's ``cuda:0``, so
-the groups made for them are NCCL's; on CPU workers everything is on the CPU and the
-groups are gloo's. Generation runs the built-in engine, or vLLM with ``sampling.engine
-= "vllm"`` (its weights and KV cache reserved in the device's ledger, and counted by a
-change's memory check).
-
-Checkpoints (``save``/``load``): every training model-stage's first EMU is written by its
-workers, each its own shards (``nereus.state.save_to_disk``), with the logical state in
-the manifest; ``load`` reads them into whatever layout the job has now.
-
 Refuses (``ConfigError``): work for a model-stage the plan does not place, a DP larger
 than the batch's rows, training replicas whose update counters disagree; a change's
 refusals are ``PlanChanges``'s.
+
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

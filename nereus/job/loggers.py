@@ -12,19 +12,10 @@ fans each record out to the loggers ``[run] loggers`` names:
 - ``mlflow``: an MLflow run in experiment ``run.experiment`` at ``run.mlflow_tracking_uri``
   (default a SQLite store, ``out_dir/mlflow.db``), the job's config as its parameters.
 
-Every logger gets the same record, the one ``metrics.jsonl`` holds (stage times, seconds
-per model-stage, reward, lengths, plan epoch, transitions, whatever the step reports):
-TensorBoard, W&B and MLflow take each numeric leaf as a metric at the record's ``step``,
-nested maps flattened with ``/`` (``model_stage_seconds/policy_generation``), booleans as
-0/1; strings and lists stay in ``metrics.jsonl`` only.
-
-Resume: ``metrics.jsonl`` drops the lines from the resume step on; TensorBoard purges
-the events from that step on; W&B (``out_dir/wandb/run_id``) and MLflow
-(``out_dir/mlflow_run_id``) continue the same run, so the steps redone after the
-checkpoint are logged again under their step numbers.
-
 Refuses (``ConfigError``): a logger whose package is missing, with the command that
 installs it (checked when the job starts, before any step runs).
+
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

@@ -17,17 +17,7 @@ version, the dataset position and the step number. Sampling seeds derive from
 from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the steps the
 uninterrupted job would have taken (same samples, same rollouts, same updates).
 
-With ``[adapt] enabled`` (a cluster job), after every step but the last the controller
-loop (``nereus.job.adapt.Adapter``) may change the plan at the step boundary; the step's
-record then carries ``decision`` and ``transition``, the summary lists every change and
-the plot marks them.
-
-Output folder: ``metrics.jsonl``, ``tap.jsonl`` (every tap event of the run, on a
-cluster), ``plot.png``, ``config.json`` (the resolved config),
-``model/`` (the initial weights of a tiny model), ``checkpoints/step_N/``, the loggers'
-files (``tensorboard/``, ``wandb/``, ``mlflow.db``) and, with ``run.export_hf``, ``hf/``:
-the trained policy as a Hugging Face folder (``nereus.job.export``), written from the
-last checkpoint.
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

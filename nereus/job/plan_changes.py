@@ -1,25 +1,6 @@
 """Changing a running job's plan over the state its workers hold (``PlanChanges``, one
 half of ``nereus.job.cluster_stages.ClusterStages``).
 
-The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
-converted from the TOML ``[plan]``. ``await apply_plan(target)`` changes it at a step
-boundary over the state the workers hold (nothing goes through the driver, nothing is
-reloaded) through ONE transition DAG across every model-stage that moves
-(``nereus.transition.build_dag``): planned and checked against every device's budget
-first (``InfeasibleTransition`` or ``OutOfMemory`` before anything moves); the moving
-model-stages' engines stop (generation gives back its KV cache); the DAG runs on the
-workers (``execute_dag`` with ``WorkerRuntime``: ready primitives on disjoint devices at
-once, the logical state -- update counter, policy version, sample position --
-travelling with the tensors; every node's predicted and measured seconds on the tap as
-``transition_node``, the whole as ``transition``, and into the calibration that prices
-the next one); the cluster takes a fresh layout epoch (``Cluster.set_epoch``, stamped
-on tap events); the moved model-stages' engines start again in it (training EMUs get
-their new DP rank and size: the global batch stays fixed, rows per replica and
-accumulation follow; generation reserves its KV cache again); groups nothing uses any
-more are released; the weight-sync plans are rebuilt. Engines of model-stages that do
-not move keep running. With ``overlap=True`` the DAG runs in the background: model-stages
-on devices it does not touch go on with the next step (``transition_done()`` waits).
-
 Pricing a change (``change_inputs`` once per boundary, then ``plan_change`` and
 ``estimate_change`` per target, pure over those inputs) is what the controller
 (``nereus.job.adapt``) admits changes with; ``apply_plan`` runs one; every executed
@@ -29,6 +10,8 @@ the next estimate uses them.
 Refuses (before anything moves): a target plan with other model-stages, devices that
 are not live or are draining (``ConfigError``); ``OutOfMemory`` / ``InfeasiblePlan``
 for a change that cannot run.
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,20 @@
-"""Faults in a running job: what survives a dead worker, and the job's way back (DESIGN §10).
+"""Faults in a running job: what survives a dead worker, and the way back (docs/design.md §10).
 
 A worker that dies takes its device's shard store with it. ``forget_dead(stages, dead)``
-brings ``ClusterStages`` to what is left:
-
-- every model-stage's engines stop (their groups may span the dead devices; a dead
-  member is skipped when a group is dropped), and so do the weight-sync groups;
-- an EMU is *intact* when none of its devices died: it stays, with its shards and its
-  logical state (update counter, policy version, sample position) as its workers hold
-  them; an EMU that lost a device is dropped, its shards on the surviving devices freed;
-- a model-stage with no intact EMU is *missing*: the next ``apply_plan`` builds it at
-  its target placement from the model folder (generation and the critic's inference
-  then take their weights by the in-place syncs; a training model-stage that is missing
-  has lost its last copy, and the job restores the newest checkpoint into the new
-  layout);
-- the job's plan becomes the intact EMUs' plan, which the controller loop replans from
-  (the dead devices are a hard trigger: ``nereus.job.adapt.Adapter.after_fault``).
+brings ``ClusterStages`` to what is left: every model-stage's engines and the
+weight-sync groups stop; an EMU none of whose devices died is *intact* and stays with
+its shards and logical state; an EMU that lost a device is dropped; a model-stage with
+no intact EMU is *missing* and is rebuilt by the next ``apply_plan`` (a missing training
+model-stage lost its last copy: the job restores the newest checkpoint). The job's plan
+becomes the intact EMUs' plan, which the controller loop replans from.
 
 ``salvage(stages, runtime)`` does the same for a change that stopped part way (a worker
-died inside a transition DAG): per model-stage it keeps the complete EMUs the DAG left
-(``WorkerRuntime.live``) that share the layout most of them have, and frees the others.
-
-``Fault`` is what the job reports for each fault: the devices, when it was seen, whether
-the step's update had been committed, whether a checkpoint was restored, and how long
-recovery took.
+died inside a transition DAG). ``Fault`` is what the job reports for each fault.
 
 Refuses nothing; raises what the surviving workers raise (a fault during recovery is the
 job's to handle again).
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,21 @@
 """A nereus cluster on Kubernetes: the manifests that run it.
 
 ``render_manifests(cluster, key)`` returns the objects, ``nereus k8s render`` prints
-them as YAML for ``kubectl apply -f -``:
+them as YAML for ``kubectl apply -f -``: a Secret with the cluster key (left out when
+``key`` is None), the controller (a Deployment of one pod and its Service), the node
+daemons (a StatefulSet, one daemon per pod, with GPUs or CPU devices per pod, and a
+headless Service), and with ``job`` a ConfigMap and a Job that waits for every device
+and runs ``nereus run`` attached to the cluster on a shared volume.
 
-- a Secret ``NAME-key`` with the cluster key (left out when ``key`` is None: create it
-  with ``kubectl create secret generic NAME-key --from-file=key=FILE``), mounted
-  read-only into every pod at ``/etc/nereus/key`` (mode 0440, group ``run_as_user``:
-  only the pod's user reads it);
-- the controller: a Deployment of one pod (``strategy: Recreate``: never two) and a
-  Service ``NAME-controller`` for its control and tap ports;
-- the node daemons: a StatefulSet ``NAME-node`` of ``nodes`` pods, one daemon each,
-  started in parallel, named by their pod and bound to their pod's IP, with
-  ``gpus_per_node`` GPUs (``nvidia.com/gpu``) or ``devices_per_node`` CPU devices per
-  pod, and a headless Service ``NAME-node`` that gives them stable DNS names;
-- with ``job``: a ConfigMap ``NAME-job`` holding the job's TOML and a Job ``NAME-job``
-  that waits for every device (``nereus k8s wait``) and runs ``nereus run`` attached to
-  the cluster (``--connect``); the job needs ``shared_claim``, a volume every pod mounts
-  at ``/shared`` and works in, for its model and outputs.
-
-Pods share memory through ``/dev/shm`` (gloo, NCCL and nereus's CPU transfers): each
-gets a memory-backed one. Every object carries the labels ``app.kubernetes.io/name:
-nereus``, ``instance: NAME`` and its ``component``.
+Promises: the key is readable only by the pods' user; every pod gets a memory-backed
+``/dev/shm``; every object carries the labels ``app.kubernetes.io/name: nereus``,
+``instance: NAME`` and its ``component``.
 
 Refuses (``ConfigError`` naming the field): names Kubernetes would refuse, neither or
 both of GPUs and CPU devices, counts below 1, sizes or quantities it cannot read.
 Builds plain data only; talks to no cluster.
+
+More (how it works): docs/clusters.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """nereus.models: the Llama/Qwen2/Qwen3-style decoder with TP/PP-aware layers, and Hugging
 Face config, safetensors, tokenizer and chat-template loading, and export back to a
-Hugging Face folder (see DESIGN.md and each module's docstring)."""
+Hugging Face folder (see docs/design.md and each module's docstring)."""
 
 from nereus.models.chat import load_chat_template, render_chat
 from nereus.models.checkpoint import (

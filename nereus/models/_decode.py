@@ -4,36 +4,13 @@ A decode step of a small model costs per op dispatched, not per FLOP, so this pa
 every activation 2-D (``[B, hidden]``: ``F.linear`` on 2-D input is one GEMM with no
 reshapes), and does once per step what every layer would otherwise redo:
 
-- RoPE: one lookup of the stage's table (a slice when every row is at one position, else a
-  gather), spread over all q, k and v heads of the fused projection: the q heads carry the
-  attention scale ``head_dim ** -0.5`` and the v heads the identity (cos 1, sin 0). A
-  layer then rotates its whole q/k/v output in three ops (``roll`` swaps the halves of
-  each head, the fastest of the ways tried; then ``mul`` and ``addcmul``), and its new k
-  and v, side by side, go into the layer's k/v pair buffer (``KVCache.pairs``) in one copy.
-- Rows at different positions (ragged prompts): an additive mask ``[B * kv_heads, 1, S]``
-  (``-inf`` past each row's own position) that ``baddbmm`` adds while computing the
-  scores, and an index that writes each row's k/v at its own slot. Rows at one position
-  need neither: one slice copy and no mask.
-- Views: the new k/v heads of a layer, and its cached ``k^T`` and ``v`` over the slots
-  attended, are one ``as_strided`` each (rather than chains of narrow/view/transpose),
-  the last two whenever a pair buffer's row and kv head dims merge (always but for a
-  strided row view of a cache). The layers' norms and residual adds are inlined, and
-  ``layer_parts`` gathers once what a layer reads (parameter dicts, not tensors, so
-  weights updated in place, re-pointed or replaced are seen at the next step).
-- Attention: one query per row against its cache slots, ``softmax(q k^T) v`` as two
-  ``bmm`` over ``batch x kv_heads`` with the query heads of a kv head grouped (GQA without
-  copies of k/v). SDPA's CPU kernel is slower for one query, several times so with a mask.
-- Qwen3's per-head q/k RMSNorm, when the model has it, in place on the fresh q/k/v
-  output before RoPE (four ops).
-- RMSNorm from ``vector_norm`` (five small ops; ``torch.rms_norm`` is a composite of more
-  on CPU), the residual adds fused into the row-parallel GEMMs (``addmm``) at TP 1, and
-  SwiGLU's ``silu`` in place.
-
 The results equal the general forward's up to float rounding (the same formulas in
 another order). Preconditions (``DecoderStage.forward`` checks them before taking this
 path): one token per row, every position ``>= 0`` and below the cache's length, each
 row's cache written from slot 0 up to its position, a cache with pair buffers, float32,
 no autograd.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

@@ -21,14 +21,7 @@ Refuses (``ConfigError``): a directory with no safetensors, a missing tensor (un
 caller lists it as ``optional``: a reward model's folder has no ``lm_head.weight``), a
 tensor whose shape disagrees with the config -- naming the tensor, the file, the shapes.
 
-``read_score_head(model_dir, hidden_size)`` reads the scalar head of a sequence-classification
-checkpoint (transformers' ``*ForSequenceClassification`` with ``num_labels = 1``:
-``score.weight`` ``[1, hidden]``, optional ``score.bias``), or returns ``{}`` when the folder
-has none.
-
-``save_checkpoint(model, directory)`` writes a whole (TP 1, PP 1) model as Hugging Face
-safetensors (one file, or shards plus the index when ``max_shard_bytes`` is given) with
-its ``config.json``; transformers loads the result with ``from_pretrained``.
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

@@ -4,18 +4,12 @@ to Hugging Face ``config.json``.
 Promises:
 - ``ModelConfig.from_hf(path_or_dict)`` accepts a directory holding ``config.json``, the
   file itself, or the parsed dict, for ``model_type`` ``"llama"`` (Llama 2 and 3),
-  ``"qwen2"`` and ``"qwen3"``; it reads ``rope_theta`` and RoPE scaling from the top level
-  (``rope_scaling``, older files) or from ``rope_parameters`` (transformers 5), and
-  ``torch_dtype`` or ``dtype``.
-- RoPE scaling: ``rope_type`` ``"default"``, ``"linear"`` (positions divided by
-  ``rope_factor``) and ``"llama3"`` (Llama 3.1/3.2's per-frequency scaling with
-  ``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
-  ``rope_original_max_position_embeddings``), computed as transformers computes them.
-- Qwen3 normalizes every query and key head with its own RMSNorm (``q_norm``, ``k_norm``,
-  ``has_qk_norm``) and puts ``attention_bias`` on q/k/v and o, like Llama.
+  ``"qwen2"`` and ``"qwen3"``, old and transformers-5 spellings alike;
+- RoPE scaling ``"default"``, ``"linear"`` and ``"llama3"``, computed as transformers
+  computes them; Qwen3's per-head q/k norms; each family's biases;
 - ``to_hf()`` returns a dict that transformers loads as the same architecture and that
-  ``from_hf`` reads back to an equal ``ModelConfig``.
-- Every field is validated in ``__post_init__``: an error names the field, the value and
+  ``from_hf`` reads back to an equal ``ModelConfig``;
+- every field is validated in ``__post_init__``: an error names the field, the value and
   the rule.
 
 Refuses (``ConfigError``): other architectures, an activation other than SiLU, RoPE
@@ -23,8 +17,7 @@ scaling other than the three above (``yarn``, ``dynamic``, ``longrope``), MLP bi
 sliding-window attention -- features this model family does not implement and would
 otherwise silently get wrong.
 
-Biases follow each family: Qwen2 has biases on q/k/v only (``attention_bias`` is true and
-not written to its config.json); Llama with ``attention_bias`` has them on q/k/v and o.
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

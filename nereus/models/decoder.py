@@ -8,40 +8,10 @@ stage, its layers, and the final norm + LM head on the last. With tied embedding
 equal (loaded from the same tensor) and the *engines* keep them equal by all-reducing
 their gradients between the first and last stage before each optimizer step.
 
-Parameter names (Hugging Face's, with q/k/v and gate/up fused):
-``model.embed_tokens.weight``, ``model.layers.{i}.input_layernorm.weight``,
-``model.layers.{i}.self_attn.qkv_proj.{weight,bias}`` (rows: q, k, v),
-``model.layers.{i}.self_attn.o_proj.{weight,bias}``,
-``model.layers.{i}.self_attn.{q_norm,k_norm}.weight`` (Qwen3: RMSNorm per head before RoPE),
-``model.layers.{i}.post_attention_layernorm.weight``,
-``model.layers.{i}.mlp.gate_up_proj.weight`` (rows: gate, up),
-``model.layers.{i}.mlp.down_proj.weight``, ``model.norm.weight``, ``lm_head.weight``
-(absent when tied). ``i`` is always the global layer index.
-
-Positions and padding (one rule for prefill, decode and training): ``positions[b, t]`` is
-the position of token ``t`` in its own sequence ``b``; a negative position marks padding.
-So a ragged batch may be left- or right-padded, and each row may be at a different length.
-A token attends to the tokens of its row at positions ``<=`` its own. Padding tokens are
-never attended to and never written to a KV cache; their outputs are unspecified (finite).
-
-KV cache: ``stage.new_kv_cache(batch, max_len)`` preallocates, per local layer, ``k`` and
-``v`` of shape ``[batch, kv_heads_local, max_len, head_dim]`` (the two halves of one pair
-buffer). A forward with the cache
-writes each real token's k/v at slot ``positions[b, t]`` and attends over slots
-``0 .. positions[b, t]`` of its row, so a sequence must be written from position 0 without
-gaps (prefill, then one token per decode step). The cache is for inference (no_grad).
-
-Speed: a decode step of a small model is dominated by per-op overhead, not arithmetic, so
-the forward keeps its op count low (fused q/k/v and gate/up, RoPE from a table, one plan
-per forward shared by every layer) and calls the submodules of a stage through
-``.forward``: module hooks on them are not supported (the stage itself is an ordinary
-module). A forward of one token per row with a ``new_kv_cache`` cache, no padding, in
-float32 and without autograd (every step of the generation engine) takes the decode path
-of ``nereus.models._decode``: the same results up to float rounding in about half the ops,
-rows at different positions included.
-
 Refuses (``ConfigError``): TP sizes that do not divide heads, intermediate size or vocab;
 more pipeline stages than layers; positions beyond the cache.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

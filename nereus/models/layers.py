@@ -6,24 +6,12 @@ rule (``column``, ``row``, ``vocab``, ``replicated``) and which fused components
 model built on the meta device and reads those declarations: the shard rules the state
 layer uses come from here, not from a table.
 
-- ``ColumnParallelLinear``: ``y_local = x W_local^T + b_local``; the input passes through
-  ``copy_to_tp`` so its gradient is summed over TP. With components (fused q/k/v or
-  gate/up) the local weight is the concatenation of each component's local rows.
-- ``RowParallelLinear``: local matmul on the split input, ``reduce_from_tp``, then the
-  (replicated) bias.
-- ``VocabParallelEmbedding``: masked lookup of the local vocabulary rows, then
-  ``reduce_from_tp``.
-- ``ParallelLMHead``: vocab-parallel logits ``[..., vocab / tp]``; may borrow the
-  embedding's weight (tied embeddings) instead of owning one.
-- ``RMSNorm``: replicated.
-- ``HeadRMSNorm``: Qwen3's RMSNorm over each attention head (``q_norm``, ``k_norm``):
-  replicated, but each TP rank sees only its own heads, so its gradient is a partial
-  sum that ``DecoderStage.reduce_replicated_grads`` adds up over TP.
-
 Component placement (shared with ``nereus.state``): a component of ``units`` indivisible
 units is split into ``tp`` equal ranges when ``tp <= units``; when ``tp > units`` each
 unit is replicated on ``tp / units`` consecutive ranks (GQA k/v heads with more TP ranks
 than kv heads). Refuses (``ConfigError``) sizes that TP does not divide.
+
+More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations

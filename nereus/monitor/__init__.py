@@ -1,4 +1,4 @@
-"""nereus.monitor: the monitoring tap's event schema and subscriber (DESIGN.md section 8),
+"""nereus.monitor: the monitoring tap's event schema and subscriber (docs/design.md §8),
 and the dashboard that draws a tap stream in a browser (``nereus dashboard``; the server
 needs ``pip install 'nereus[dashboard]'``, importing this package does not)."""
 

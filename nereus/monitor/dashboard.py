@@ -12,18 +12,14 @@ update so far, then the live ones; the page is one self-contained file
 works offline. Routes: ``/`` the page, ``/events`` the stream, ``/api/updates`` and
 ``/api/status`` the same as JSON.
 
-Sources: the tap (``Subscriber``; with a key from ``--key-file`` or
-``$NEREUS_CLUSTER_KEY`` every event's signature is checked and forged ones are dropped
-and counted; without one the page says the events are unverified), or a JSONL file
-written by ``nereus tap --jsonl`` (with ``--follow``, lines appended later are read as
-they come). A job's ``metrics.jsonl`` works too: its records become ``step`` events.
-
 Promises: binds 127.0.0.1 unless told otherwise; on a loopback address it answers only
 requests whose ``Host`` names that address (a web page elsewhere cannot read the run
 through DNS rebinding); the page runs under a Content-Security-Policy that allows only
 its own inline script (by hash) and connections back to this server. Never prints or
 serves the key. A page that falls too far behind is disconnected and catches up from
 the start when the browser reconnects.
+
+More (how it works): docs/monitoring.md.
 """
 
 from __future__ import annotations

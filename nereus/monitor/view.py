@@ -6,20 +6,6 @@ small JSON-able dicts with a ``kind``. The page starts empty and applies updates
 order, so ``updates`` (every update so far) replayed on a fresh page draws the same
 view as one that watched live. Kinds:
 
-    step        one RL step: its time, seconds (the whole step, per stage, per
-                model-stage, the weight syncs inside it), reward, lengths and cap,
-                each device's ledger peak, the epoch
-    placement   which model-stage holds which device from time ``t`` on: the plan, and
-                per device its holders (model-stage, layout ``tpN·ppM``, EMU index)
-    transition  one change of plan: start and end, epochs, moved model-stages, bytes,
-                predicted vs measured seconds, and its DAG nodes
-    decision    a replanning decision: triggers, step seconds now and at the target,
-                saving, transition estimate, payback against its limit, admitted, why
-    device      a device joined, was drained, retired, left, died, or its node was lost;
-                its memory budget when known
-    memory      one device's ledger reading (used and budget bytes)
-    note        something to read in the log (failures, stuck collectives, errors)
-
 Times are seconds since the first event the view saw (``t``), on the emitting host's
 monotonic clock: events from one host line up; a multi-host run's controller and
 driver clocks may be offset. The view never raises on an event: one whose fields have
@@ -28,6 +14,8 @@ value, rule), and the rest of the stream goes on. Event types it does not show
 (``call_span``, ``transfer_bucket``, ``counters``, ...) are counted and ignored. Before
 any ``plan`` event the placement is taken from the first ``transition``'s (or
 ``decision``'s) current plan, marked ``inferred``.
+
+More (how it works): docs/monitoring.md.
 """
 
 from __future__ import annotations

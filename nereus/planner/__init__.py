@@ -1,5 +1,5 @@
 """nereus.planner: cluster and workload descriptions, the cost and memory model, plan
-search, calibration, triggers and admission (DESIGN §6).
+search, calibration, triggers and admission (docs/design.md §6).
 
 Pure Python with no I/O (``_probe`` is the one thin shell that measures this CPU
 machine); never imports torch, so the same code runs in the controller and in the

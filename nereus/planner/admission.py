@@ -1,4 +1,4 @@
-"""Admission: whether moving to a target plan pays for itself (DESIGN §6).
+"""Admission: whether moving to a target plan pays for itself (docs/design.md §6).
 
 The rule: admit a target when the saving per step is positive and
 

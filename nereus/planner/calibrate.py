@@ -1,19 +1,4 @@
-"""Calibration: efficiency factors per operation class from measured timings (DESIGN §6).
-
-The cost model says a model-stage takes Σ_c ideal_c / eff_c seconds (``StageCost``), so
-with x_c = 1 / eff_c every measurement is one linear equation:
-
-- a model-stage timing: Σ_c ideal_c · x_c = measured seconds;
-- an operation-class timing (one GEMM, one all-reduce...): ideal · x_c = measured;
-- a transition node (``observe_transition``): its p2p seconds at efficiency 1 per link
-  class times x_c, plus its fixed costs -- a group set-up when it makes groups, one call
-  of its workers, the GB a device copies from a source it holds -- whose unknowns are
-  seconds themselves (``Efficiency.group_setup_s``, ``Efficiency.transition_call_s``,
-  ``Efficiency.copy_s_per_gb``), the GB its busiest host's devices receive together
-  (``Efficiency.host_s_per_gb``: what they share, a CPU host's memory bus) = measured seconds; and a whole transition's time
-  outside its nodes (releasing its groups, renaming EMUs): one count of ``transitions``
-  times ``Efficiency.transition_s`` plus the groups it made (``groups_released``) times
-  ``Efficiency.group_release_s`` = measured seconds.
+"""Calibration: efficiency factors per operation class from measured timings (docs/design.md §6).
 
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
@@ -23,20 +8,11 @@ range (an active set: an unknown the unconstrained fit pushes out is pinned at t
 and the others are fitted again). A class no equation has touched keeps
 its prior, which for an unseen class is conservative (``CONSERVATIVE``).
 
-Memory: ``observe_memory`` compares a measured peak with the memory model: what it holds
-beyond the modelled resident bytes, y, against the modelled transient bytes, t. Devices
-hold a fixed amount the model does not count (allocator workspace, communicator buffers)
-on top of a share of what it does (fragmentation), so the window's pairs are fitted by
-y = fixed + scale * t: the slope by least squares, then the line raised to the pairs'
-upper envelope (the smallest fixed term that no pair exceeds), so a plan admitted at a
-measured size does not break memory. With too little spread in t to tell a slope from
-an intercept, the fit is one ratio, the largest y/t in the window. The search and
-``explain`` apply ``Efficiency.memory_scale`` to activations, KV cache and logits and add
-``Efficiency.memory_fixed_bytes``.
-
 Promises: pure arithmetic, no clock; factors clamped to [0.01, 1.5].
 Refuses (``ConfigError``): unknown classes, non-positive measured times, negative
 ideal times.
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cost and memory model of one model-stage under one layout (DESIGN §6).
+"""Cost and memory model of one model-stage under one layout (docs/design.md §6).
 
 Time: every model-stage's time is a sum of terms; each term is an *ideal* time per
 operation class (bytes or FLOPs over the hardware's peak rate) divided by that class's
@@ -8,45 +8,11 @@ streaming of weights, KV cache and optimizer state / memory bandwidth),
 ``allreduce_intra``/``allreduce_inter`` (ring all-reduce bytes / link bandwidth plus
 a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
 
-- generation: prefill FLOPs (2·N per prompt token, attention 2·L·h·s² per sequence);
-  decode is the larger of its streaming bound (weights once per decode step, the KV
-  cache once per generated token) and its compute bound; the replica decodes until its
-  longest sequence ends, so decode steps = the maximum length. Pipeline stages run one
-  after another for every token: pp buys memory, not speed.
-- inference / training: 2·N (training 6·N) FLOPs per token split over tp·pp devices;
-  TP all-reduces (2 per layer forward, 4 with backward); pipeline sends between
-  stages; a 1F1B bubble of (pp-1)/M of the stage time for M micro-batches per
-  optimizer step; per optimizer step the DP gradient all-reduce and the AdamW update.
-- Fixed costs: every layer run (a forward pass, or one unit of backward) costs
-  ``Efficiency.layer_pass_s`` beyond its FLOPs and bytes: decode steps and small
-  micro-batches pay it, which is why more waves or more micro-batches cost time.
-- Generation may decode in ``waves`` successive batches (the weights are streamed once
-  per decode step of every wave; the KV cache holds one wave); training may recompute
-  activations (8·N FLOPs per token, 6 TP all-reduces per layer, only layer inputs kept).
-- Devices that share cores (``ClusterSpec.cores``, processes on one CPU): a model-stage
-  on n devices gets ``rate_share(n)`` of each device's FLOP/s and bandwidths, and its
-  fixed costs (CPU time too) take 1/``rate_share(n)`` as long.
-- Links: TP never leaves a node. PP sends and DP all-reduces take the inter-node path
-  when their group spans nodes, with one device's share of the node's NICs.
-
-Memory per device (bytes): parameters of the heaviest pipeline stage and, for training,
-gradients and AdamW state by the rule the state layer and the training engine share
-(``nereus.state.spec``: float32 moments, a float32 master copy for a non-float32
-parameter, gradients in the parameter's dtype plus float32 ones for the master copy;
-not sharded across DP); transient bytes:
-activations (per layer s·b·h·(10 + 24/tp) bytes at 2-byte activations with flash
-attention, scaled to the model's dtype; eager attention adds its s²-sized scores and
-probabilities per layer (``ClusterSpec.flash_attention``), for the micro-batches
-1F1B keeps in flight), fp32 logits, and for generation the KV cache of every sequence
-of the replica (of one wave) at prompt + maximum length; transient bytes are multiplied
-by ``Efficiency.memory_scale`` and a running model-stage also holds
-``Efficiency.memory_fixed_bytes`` (both calibrated against measured peaks: the
-proportional and the fixed term of what the model does not count). Resident bytes stay
-on a device while the model-stage is idle; transient bytes exist only while it runs.
-
 Refuses (``ConfigError``): efficiency factors outside (0, 1.5], a memory scale outside
 [0.25, 8], a fixed memory term outside [0, 1 TiB]. Layouts are not checked here: the
 search and ``explain`` do that.
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

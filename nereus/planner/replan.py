@@ -1,35 +1,22 @@
-"""The planner's loop at safe boundaries: triggers -> search -> admission (DESIGN §6).
+"""The planner's loop at safe boundaries: triggers -> search -> admission (docs/design.md §6).
 
-``Replanner`` is what the controller and the simulator both drive, at the end of an RL
-step (synchronous mode) or at a weight sync (asynchronous mode):
-
-1. ``on_boundary(step, lengths=..., cluster=...)`` re-evaluates the current plan (the
-   job's, given at construction and kept since) under the job as it is now (response
-   lengths drift; the next step's cap may not fit; the device pool may have changed),
-   and asks the ``TriggerMonitor`` what fired: devices lost or drained or a predicted
-   memory violation (hard), devices joined or length drifting past its threshold
-   (soft; a join's horizon is the moving interval between pool changes).
-2. If something fired, it searches the best plan and its alternatives, relabels each
-   onto the devices the current plan uses (``relabel``: the search lays pools out from
-   device 0), adds the current layout rescaled to the pool (``rescale.rescaled``: DP
-   follows the pool), prices the move to each with ``transition_seconds(current,
-   target)`` (the transition DAG's estimate, supplied by the caller; ``inf`` when
-   impossible), and applies admission: the payback rule with H from the triggering
-   signal, or the urgent path when the trigger is hard or the current plan can no longer
-   run. The plan it adopts is the relabelled one it priced.
-3. Whatever was decided, the drift references are reset to the current values. When the
-   admitted move was a compromise (a faster target's transition was impossible from
-   the plan then), the next boundary searches again as a soft "follow-up" trigger: from
-   the new plan the faster one may be reachable. Each admitted move saves predicted
-   time, so follow-ups end.
+``Replanner`` is what the controller and the simulator both drive at the end of an RL
+step. ``on_boundary(step, lengths=..., cluster=...)`` re-evaluates the current plan
+under the job as it is now, asks the ``TriggerMonitor`` what fired (hard: devices lost
+or drained, a predicted memory violation; soft: devices joined, length drift), and if
+anything did: searches, relabels each candidate onto the current plan's devices, adds
+the current layout rescaled to the pool, prices each move with the caller's
+``transition_seconds`` and applies admission (payback, or the urgent path). The plan it
+adopts is the relabelled one it priced; drift references are reset whatever it decided.
 
 ``observe_stage_seconds``, ``observe_memory_peaks`` and ``observe_device_peaks`` feed
-measured model-stage times and memory peaks to the ``Calibrator``; the refitted factors are used from the next
-boundary on (a plan that no longer fits under them is a memory trigger).
+the ``Calibrator``; refitted factors apply from the next boundary on.
 
 Raises ``InfeasiblePlan`` when the current plan can no longer run and no plan fits.
 Pure: the caller supplies steps, lengths, clusters and transition estimates; nothing
 here reads a clock or does I/O.
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Boundary reports as data, and the Replanner run again over them (DESIGN §6).
+"""Boundary reports as data, and the Replanner run again over them (docs/design.md §6).
 
 A running job's controller hands the ``Replanner`` one boundary report per step: the
 lengths the step ran at and the next step's cap, the device pool, the job's plan over

@@ -1,4 +1,4 @@
-"""A plan's layout rescaled to another device count: DP follows the pool (DESIGN §6).
+"""A plan's layout rescaled to another device count: DP follows the pool (docs/design.md §6).
 
 ``rescaled(plan, work, cluster)`` keeps every model-stage's TP, PP and recompute
 setting, its generation engines' concurrency (the sequences a replica decodes at once)

@@ -1,24 +1,4 @@
-"""Plan search: the fastest feasible plan of a workload on a device budget (DESIGN §6).
-
-The space (the brute-force test enumerates exactly this):
-
-- Model-stages are grouped into *pools* (any set partition of the model-stages). A
-  pool owns a contiguous range of devices; every model-stage of the pool spans the whole
-  range (tp·pp·dp = pool size). One pool holding everything is the colocated placement;
-  one pool per model-stage is the separated one; everything in between is in the space.
-- Pool sizes are powers of two that divide the node, or multiples of the node; pools
-  are laid out from device 0 in decreasing size, so no pool and no EMU straddles a node
-  boundary it should not. The pools' sizes add up to at most the device budget.
-- A model-stage's candidates at pool size n: power-of-two tp and pp, tp within a node
-  and dividing the attention heads, pp at most the layer count, dp = n/(tp·pp) dividing
-  the optimizer batch, and tp·pp either dividing the node or a multiple of it; training
-  with or without activation recomputation; generation in 1, 2, 4 or 8 waves (no more
-  than its sequences per replica).
-- A pool is feasible when on each of its devices workspace + the resident bytes of all
-  its model-stages + the largest transient bytes of one of them fit in memory less
-  10% headroom (co-resident idle model-stages count).
-- Step time: phases (dependency levels) run one after another; within a phase, pools
-  overlap and the model-stages of one pool serialize. Step = Σ_phase max_pool Σ_stage.
+"""Plan search: the fastest feasible plan of a workload on a device budget (docs/design.md §6).
 
 The search: per (model-stage, size) candidates, dropping the infeasible and the
 dominated (slower and no smaller); per (pool, size) the Pareto set of per-phase time
@@ -34,6 +14,8 @@ and the quick plan, then 80% of the way (exact whenever a plan is found under it
 else the quick plan.
 
 Raises ``InfeasiblePlan`` when no plan fits (names the budget and the usable memory).
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triggers: when to consider a new plan (DESIGN §6).
+"""Triggers: when to consider a new plan (docs/design.md §6).
 
 Hard triggers (``hard=True``) demand a replan now: devices lost or drained from the
 pool, or a predicted memory violation of the current plan (the caller passes the

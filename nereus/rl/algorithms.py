@@ -13,19 +13,12 @@ scores into advantages:
   ``kl_mode = "penalty"``), GAE over the critic's values, whitened advantages; the
   critic is trained with the clipped value loss.
 
-With ``reward.kind = "model"`` a rollout's score is the reward model's (``reward_inference``);
-the task's rule score is still computed and reported as ``task_reward_mean``, so a run
-shows whether the reward model agrees with the task.
-
-A critic's ``values[b, t]`` is the value head on the hidden state after token ``t``; the
-value of the state in which response token ``t`` is chosen is therefore
-``values[b, t - 1]`` (``action_values``). The loss ``critic_loss`` applies the same shift,
-so the critic is trained on exactly what GAE reads.
-
 Every step returns a flat record (``nereus.job.report``): stage times, reward and length
 statistics, the policy version of the rollouts, and the losses' metrics. Sampling is
 seeded from ``(run.seed, step)``, so a step's rollouts depend only on the weights and the
 step number: what makes resume exact.
+
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

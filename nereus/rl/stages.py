@@ -22,6 +22,8 @@ Promises (both backends):
   parameters, AdamW moments, update counters, policy version) as safetensors plus a
   JSON manifest; ``load(dir)`` restores it in place and re-syncs generation, so the
   next step is the one the saved job would have taken.
+
+More (how it works): docs/rl-jobs.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""nereus.sim: the simulated cluster (DESIGN §9).
+"""nereus.sim: the simulated cluster (docs/design.md §9).
 
 The real planner (``nereus.planner``: search, Replanner, admission, calibration) and the
 real transition DAG (``nereus.transition``: build_dag, simulate) driven by a clock and a

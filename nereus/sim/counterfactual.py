@@ -13,18 +13,14 @@ reached the horizon sooner. ``delta_lost_s`` is the part lost to the device trac
 branches meet the trace's losses inside other steps); ``delta_work_s``, the rest
 (compute, transitions, waiting), is what the payback test predicts.
 
-Both branches share everything up to the boundary (traces, ground truth and its seed,
-the planner's calibration, the plan), so the delta is the value of that one decision
-over the horizon, including how it shifts the clock against the device trace. Whole
-runs of two policies compared by their mean step time mix that with the drift of two
-runs that part at their first differing decision.
-
 Promises: the parent's run is the adaptive policy's run, step for step (the result
 equals ``run_policy``'s on a fresh ``adaptive`` policy); a child never returns into the
 caller (it ends with ``os._exit``). Needs ``os.fork`` (POSIX) and runs children
 concurrently with the parent. Refuses ``horizon < 1`` (``ConfigError``). A branch that
 stops early (a ``SimulationError`` in the child) is counted in ``failed_branches``,
 never compared. No boundary within ``horizon`` steps of the end forks.
+
+More (how it works): docs/simulation.md.
 """
 
 from __future__ import annotations

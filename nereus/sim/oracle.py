@@ -2,34 +2,19 @@
 
 Not a policy a system can run: a reference that says how much any policy built on
 ``nereus.planner.search`` could gain on a scenario, so a policy's gap to a target can be
-told apart from the scenario's headroom. At every step it knows what no policy knows:
+told apart from the scenario's headroom. At every step it knows the step's true
+efficiencies and sampled lengths, runs the search's best plan and each alternative under
+the ground truth and takes the fastest that fits; every transition and restart is free,
+and no step aborts or runs out of memory.
 
-- the step's true efficiencies (the drift applied) and its sampled lengths (the maximum
-  that sets decode, not the previous step's), so the search ranks plans for the step
-  itself, memory planned at the step's true maximum, not at the cap, with the truth's
-  fragmentation and extra workspace as its memory terms (the larger fragmentation on
-  every transient byte: an upper envelope, as calibration fits one);
-- the truth of every candidate: the search's best plan and each of its alternatives (one
-  per named placement) run under the ground truth (stragglers, congestion,
-  fragmentation included), and the fastest that does not overflow memory is taken;
-
-and it pays for nothing but the steps: every transition and restart is free, a device
-loss inside a step does not abort it (the pool is the one at the step's boundary), and
-no step runs out of memory. Paused time (no device) is reported as for every policy.
-Its ``mean_step_s`` is therefore below what a policy of the simulator choosing among the
-same search's plans reaches on the same traces, except for where its clock meets the
-device trace: it runs its steps at other times than a policy does, so it can meet a
-smaller pool at some step. That makes it a reference, not a proof. It is not a bound over
-every plan either: a plan the search never proposes might run faster under the truth.
-``transitions`` counts its plan changes, which cost nothing.
-
-``matched_compute`` puts the oracle on a policy's own steps instead: each completed step
-on the pool that run met at its boundary, with its straggler draw. Beside the run's
-``compute_s`` (``PolicyResult.plan_gap``), it says how far that run's plans were from
-the best the search proposes, with the device trace's timing taken out; the rest of a
-run's time is what it paid to move, restart, redo and wait.
+It is a reference, not a proof: its clock meets the device trace at other times than a
+policy's, and a plan the search never proposes might run faster under the truth.
+``matched_compute`` puts it on a policy's own steps and pools instead
+(``PolicyResult.plan_gap``).
 
 Deterministic under the scenario's seed (the truth draws from the step and the attempt).
+
+More (how it works): docs/simulation.md.
 """
 
 from __future__ import annotations

@@ -1,58 +1,26 @@
 """The policies the simulator compares, each driving the real planner calls.
 
 At every step boundary the simulator hands a policy a ``Boundary`` (the live devices,
-what left and joined since the last one, the previous step's lengths, whether the last
-attempt ran out of memory) and the job's plan (global device ids); the policy answers a
-``Move``: keep, transition to a target plan, restart from a checkpoint on a target plan,
-or wait (no plan fits the pool). Plans reach the planner through ``DevicePool`` (the one
-map between device ids and the planner's slots). Policies are documented policies of
-this simulator, not claims about the systems they are named after:
+what left and joined, the previous step's lengths, whether the last attempt ran out of
+memory) and the job's plan; the policy answers a ``Move``: keep, transition to a target
+plan, restart from a checkpoint on a target plan, or wait (no plan fits the pool).
+Plans reach the planner through ``DevicePool`` (the one map between device ids and the
+planner's slots).
 
-- ``adaptive`` (nereus): ``nereus.planner.Replanner`` -- triggers, search, the transition
-  DAG's estimate, admission with the payback rule (gamma) or the urgent path.
-- ``dynarl``: the same Replanner and triggers, admitting any predicted saving > 0
-  (gamma = inf: no payback test).
-- ``every-k``: every k steps a search, admitting any improvement (``choose`` with an
-  unbounded horizon); losses, predicted memory violations and memory failures take the
-  urgent path at once.
-- ``static``: the first plan's TP/PP per model-stage (with its recompute setting and its
-  generation engines' maximum of concurrent sequences) and its pools, DP scaled with the
-  pool (a generation replica with more sequences than its engine runs at once decodes
-  them in more waves, as a serving engine with a fixed concurrency cap does);
-  ``colocated``: one pool holding every model-stage (the search's best colocated plan;
-  verl-like); ``separated``: one pool per model-stage (OpenRLHF-like). These fixed-layout
-  policies check nothing while the pool and the job's cap stay as they are (a step that
-  runs out of memory then is a memory failure). When the pool changes, each pool of the
-  layout takes the largest valid size up to its share of the new pool (DP reduced until
-  it fits the devices); that layout, and the current one when the cap schedule raises the
-  cap, is checked against the calibrated memory model at the next step's cap. When it
-  does not fit (or no DP of it fits the pool) and after a memory failure, they restart
-  from a checkpoint (counted) on the search's plan of their placement for the pool and
-  the cap as they are (under the calibrated model), which becomes their layout; when a
-  model-stage lost every replica, or no transition reaches the rescaled layout, they
-  restart on the rescaled layout.
+``POLICIES``: ``adaptive`` (the Replanner with the payback rule), ``dynarl`` (any
+predicted saving), ``every-k`` (a search every k steps), ``static``, ``colocated`` and
+``separated`` (fixed layouts; DP follows the pool; restart when they no longer fit).
+``EXTRA_POLICIES`` (run only when named): ``static-max-cap`` and the ``oracle``
+reference. These are documented policies of this simulator, not claims about the
+systems they are named after.
 
-  What ``static`` provisions for: the plan the search picks for the job's first step,
-  with memory at that step's cap. The issue defines it as "the initial TP/PP per
-  model-stage ... when its plan no longer fits, it falls back to the smallest DP that
-  fits, and if none does, it restarts from a checkpoint": the initial plan is the one
-  chosen for the job as it starts, and "no longer fits" presupposes a plan that can stop
-  fitting as the job goes on, which under a growing cap is the plan sized for the first
-  cap. ``static-max-cap`` (run only when named, ``EXTRA_POLICIES``) is the other reading:
-  the same fixed-layout policy provisioned from the first step for the run's largest cap
-  (memory always planned at it), so a raised cap never forces it to restart.
+Promises: every policy plans, calibrates and restarts as the job's controller loop
+does (step time at the last step's lengths, memory at the next step's cap); the truth
+reaches a policy only through those measurements.
 
-Every policy plans as the job's controller loop (``nereus.job.adapt``) does: step time
-at the lengths the last step generated, memory at the next step's cap (any response may
-reach it: ``LengthStats(cap, cap, cap)``). Every policy calibrates through a
-``Replanner``'s own observers, as that loop does: measured model-stage seconds, device
-peaks against the plan as it ran (training padded to the step's longest response, the KV
-cache at its longest), and measured transition nodes; a device that ran out of memory is
-learned from whatever its share of transient bytes. The truth reaches a policy only
-through those measurements. Every policy restarts from a checkpoint when a model-stage
-lost every EMU (only a checkpoint holds its state). Starting plan: the search's best (or
-best of the placement) under the planner's conservative efficiencies, at the lengths of
-one warm-up rollout.
+Refuses (``ConfigError``): a policy name outside ``POLICIES + EXTRA_POLICIES``.
+
+More (how it works): docs/simulation.md.
 """
 
 from __future__ import annotations

@@ -5,31 +5,12 @@ schedule, ground truth) once; ``nereus.sim.compare.simulate`` runs every policy 
 ``config.policies`` on it (and the ``oracle`` reference, ``nereus.sim.oracle``, when
 named); ``run_policy`` is one run:
 
-- the job's generation cap follows ``config.cap_schedule`` (``nereus.sim.traces``:
-  ``stepped`` by default, raised in stages as the length trace grows, or ``fixed``); it
-  is the job's config, so every policy plans memory at the next step's cap, and the
-  ground truth caps each step's sampled maximum response length by that step's cap.
-
-- at each step boundary the policy sees the live devices (from the device trace at the
-  clock's time, or at the step for a growth trace), what left and joined since its last
-  boundary and the previous step's lengths, and answers a move. A transition takes what
-  the real DAG of the move takes under the ground truth's link model (a move the DAG
-  cannot schedule becomes a checkpoint restart); a restart takes the ground truth's
-  fixed restart time and is counted. Both are counted in the run time, before the step.
-- the step then runs for its ground-truth time. A device loss that lands inside it
-  aborts it: the time until the loss is wasted and the step is redone after the policy
-  reacts (the urgent path); a gain waits for the next boundary. A step whose ground-truth
-  memory overflows a device is a memory failure: the whole step is counted as wasted,
-  the policy learns the peaks, and the step is redone.
-- when no device is available the job is paused until one is (``paused_s``: left out of
-  ``mean_step_s``, counted in the throughput); when devices are available but the
-  policy finds no plan that fits them, the job waits for the pool to change
-  (``waiting_s``: the policy's doing, so it counts in ``mean_step_s`` too).
-
 Times are simulated seconds; ``planner_s`` and ``dag_s`` are the wall seconds this
 process spent in planner calls and in building and scheduling DAGs (reported, never
 added to the clock, so a run is deterministic under its seed). Everything here is a
 simulation: labels say so.
+
+More (how it works): docs/simulation.md.
 """
 
 from __future__ import annotations

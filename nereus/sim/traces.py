@@ -3,41 +3,20 @@
 Traces are read from the paths given (``../shared/traces/...``); nothing here copies
 one into the project.
 
-Device availability (``device_trace``), as sets of the cluster's node ids:
-
-- a spot-availability file, ``{"metadata": {"gap_seconds": 300}, "data": [count, ...]}``:
-  the number of single-GPU instances (0-16) available at each tick. A count is worth
-  ``pool_scale`` devices (default: the cluster's devices over 16), rounded down to whole
-  nodes and capped at the cluster. The run starts on the lowest-numbered nodes; a drop
-  removes nodes chosen at random, a rise adds the lowest-numbered free ones. Every
-  tick's membership is fixed once per (trace, seed), so every policy sees the same nodes
-  leave at the same time. Time-based: time ``t`` is tick ``t // gap``; past the end the
-  trace starts again from its first tick.
-- ``growth:LO:HI``: LO devices at the first step to HI at the last, linear in steps,
-  rounded down to whole nodes, on the lowest-numbered nodes. It never loses a node.
-
-Response lengths (``length_trace``): the mean response length of every step of the run.
-
-- a response-length file (``steps`` and ``mean`` arrays): resampled onto the run's steps
-  by linear interpolation (the trace's first step maps to the run's first, its last to
-  the run's last); ``length_range=(LO, HI)`` first rescales the trace linearly so its
-  minimum and maximum become LO and HI;
-- ``growth:LO:HI``: linear growth from LO tokens at the first step to HI at the last
-  (the paper's shape: 500 to 8,000 over 1,000 steps).
-
-The job's generation cap at every step (``cap_schedule``), part of the job's config, so
-every policy knows the next step's cap; a step's sampled maximum never exceeds it:
-
-- ``stepped`` (the default): the cap is raised in stages as responses grow, as RL
-  practice does (DeepScaleR trains at 8k, then 16k, then 24k tokens): at each step the
-  smallest power of two at least twice that step's mean length, never lowered, and never
-  above the job's ``max_length`` when one is given;
-- ``fixed``: one cap for the whole run, ``max_length`` or twice the trace's largest mean
-  rounded up to a power of two (what the longest responses need from the first step).
+- ``device_trace``: a spot-availability file (the count of single-GPU instances at each
+  tick, scaled by ``pool_scale``; every policy sees the same nodes leave at the same
+  time for a given seed) or ``growth:LO:HI`` devices;
+- ``length_trace``: a response-length file (resampled onto the run's steps, optionally
+  rescaled to ``length_range``) or ``growth:LO:HI`` tokens;
+- ``cap_schedule``: the job's generation cap at every step, ``stepped`` (raised in
+  powers of two as responses grow, never lowered) or ``fixed``; a step's sampled
+  maximum never exceeds it.
 
 Refuses (``ConfigError``): a spec that is neither an existing file nor ``growth:LO:HI``,
 counts that are not integers in [0, 16], lengths below 1 token, bad ranges, a cap
 schedule other than ``stepped`` or ``fixed``.
+
+More (how it works): docs/simulation.md.
 """
 
 from __future__ import annotations

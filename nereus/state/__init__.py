@@ -1,5 +1,5 @@
 """nereus.state: layouts, shard specs, EMUs, reshard plans, the four primitives, logical
-state, the per-device memory ledger and checkpoints (DESIGN §4).
+state, the per-device memory ledger and checkpoints (docs/design.md §4).
 
 The planning modules (spec, layout, emu, reshard, memory, primitives, transition) are pure:
 descriptions in, plans out. ``apply`` runs a plan over tensors in one process or in one

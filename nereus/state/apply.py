@@ -4,25 +4,13 @@
 executes (msgpack-ready: lists, ints, strings): the target tensors to allocate, the
 shards to adopt, the local copies, and the ordered sends and receives per peer device.
 
-``run_part(part, sources, exchange)`` executes it over ``dict[str, Tensor]`` stores, so
-engines can call it on their own tensors: it allocates the target shards (on ``tensor_device``:
-the worker's own, ``cuda:0`` on a GPU worker, the CPU by default), adopts kept
-shards (no copy), does local copies, then calls ``exchange(sends, recvs)`` once with
-``{peer_device: [tensor views]}`` in plan order (the i-th send from A to B is the
-i-th receive of B from A; a target tensor that one receive fills whole is passed as
-the tensor itself, not a view, so an adopting exchange may give it the received memory
-as storage), and returns ``{key: tensor}`` of the target. With ``alloc``, the new
-target shards are views of ONE buffer ``alloc(nbytes)`` returns (64-byte aligned
-each; e.g. an arena peers write into directly); with ``local_in_exchange`` the local
-copies are not done first but handed to the exchange as a third argument, a list of
-``(src view, dst view)`` pairs it must copy (so they overlap the peers' work). It never
-modifies or frees a source tensor: freeing is the caller's, after every device is done.
-
 ``apply_plan(plan, stores)`` runs every device's part in one process, matching sends
 with receives by direct copy: the reference executor for tests and the simulator.
 
 Refuses (``StateError``): a source tensor the part names that is missing or has the
 wrong shape or dtype, sends and receives that do not pair up.
+
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

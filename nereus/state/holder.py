@@ -5,32 +5,6 @@
 (logical state). Engines are built over its tensors (``nereus.engines.EngineHost`` is a
 ``ShardHolder``), so what a reshard writes is what they compute with. Its endpoints:
 
-- ``put_shards`` / ``get_shards`` / ``drop_shards`` / ``held`` / ``rename`` /
-  ``get_state`` / ``set_state`` / ``stamp_states``: fill, read, free, list, rename, and
-  read or write logical state;
-- ``run_plan(part, group, free)``: this worker's part of a ``ReshardPlan`` in one call --
-  keeps, local copies and one exchange over the group's communicator -- stores the
-  target's tensors and state, then frees the EMUs in ``free``. Between processes of one
-  host the new shards are views of one arena (``nereus.transfer.arena_empty``: pooled,
-  pre-faulted shared memory) that the senders copy into directly (``exchange_direct``,
-  one copy per moved byte, local copies overlapping the peers'); otherwise (or with
-  ``direct=False``) a bucketed ``exchange`` (adopting: a target shard received whole
-  keeps the received bucket as its memory, no unpack copy). Returns stats (the
-  transfer counters ``bytes_sent``/``bytes_received``, ``seconds``, ``exchange_s``,
-  ``prepare_s``, ``cpu_s``: this process's CPU time, readable on a loaded machine);
-- ``run_into(parts, group)``: parts of several plans whose targets exist already,
-  written into their tensors in place, in one exchange (weight and critic syncs);
-- ``save_checkpoint`` / ``load_checkpoint``: the fallback, each worker writing or
-  reading only its own files and slices (a checkpoint loads into any layout);
-- ``ledger_report``: the device's memory account.
-
-Device: every tensor the store holds lives on the worker's own device
-(``tensor_device``: ``cuda:0`` on a GPU worker, which sees exactly that one GPU, else
-the CPU), so the groups made for those devices (NCCL for CUDA devices, gloo otherwise)
-get tensors they can move. Loaded shards, checkpoint reads and ``put_shards`` are
-moved there; plan targets are allocated there; ``get_shards`` answers with CPU copies
-(the wire carries no CUDA tensors).
-
 Memory: the store reserves every EMU's bytes in the device's ``MemoryLedger``
 (``nereus.state.ledger``; keys ``shards/<emu>``, a tensor two EMUs share counted once)
 *before* allocating them, and, while it exchanges through buckets, one bucket (no
@@ -45,10 +19,7 @@ worker's event loop right after the reply has left, so the caller does not wait 
 hundreds of MiB to be unmapped (a call already waiting in the actor's mailbox may run
 before the release; a message that arrives later never does).
 
-``await execute(plan, holders, cluster)`` on the driver sends each worker of the plan
-ONE message (its part) and makes the group the parts exchange over; ``execute_step``
-runs a primitive ``Step`` (its plans, then its frees); ``execute_into`` runs in-place
-syncs. All return ``ExecuteStats`` with the plans' bytes and the measured ones.
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """Layouts and boxes: which part of every tensor each (pp_rank, tp_rank) holds.
 
-A ``Layout`` is the TP x PP shape of one replica plus its layer cuts. Given a
-``ModelSpec`` it maps every position (pp_rank, tp_rank) to the *shard* of every
-parameter that position holds. A shard is a tuple of ``Piece``s: each piece is a box
-(a half-open ``(start, stop)`` range per dim) in the parameter's global coordinates,
-and the box in the local shard tensor where it lives. A plain split parameter has one
-piece per rank; a fused QKV or gate-up weight has one piece per component (adjacent
-pieces are merged), so it is split per component, never as one block.
-
 Promises:
 - Boxes tile the global tensor: for every parameter, the union of the shards of one
   pipeline stage's TP ranks is the whole tensor; shards of different ranks are either
@@ -23,6 +15,8 @@ Refuses:
   divide the attention heads; with GQA, tp must divide the kv heads when tp <= kv heads,
   and be a multiple of them otherwise (kv heads are then replicated); every split dim
   must divide; pp must be <= the number of layers. The message names the constraint.
+
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

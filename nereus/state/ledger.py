@@ -1,14 +1,5 @@
 """Each device's memory account: the one thing memory budgets are enforced against.
 
-On a GPU the allocator fails when memory runs out; on a CPU-only machine a "device" is a
-worker process with a configured budget (``--memory-per-device``), and nothing fails by
-itself. So everything a device holds is reserved, *before* it is allocated, in the
-process's ``MemoryLedger`` for that device: the shard store's tensors (every EMU's
-parameters and optimizer slots), gradients, KV caches, activations of a step, transfer
-buckets. A reservation that would take the device past its budget raises
-``nereus.errors.OutOfMemory`` naming the device, the bytes the device would then need
-and the budget, before anything is allocated.
-
 Promises:
 - One ledger per device per process (``device_ledger()``), shared by the shard store and
   every engine in the worker, so co-resident model-stages count against one budget.
@@ -26,6 +17,8 @@ the earlier reservation under that key, if any, is kept).
 
 Never: measures the process's real RSS (that includes the interpreter and torch's
 allocator caches and is not what the planner's memory model predicts). No torch here.
+
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""The four primitives as pure planners: Split, Merge, Extend, Destroy (DESIGN §4).
+"""The four primitives as pure planners: Split, Merge, Extend, Destroy (docs/design.md §4).
 
 Each returns a ``Step``: the EMUs it reads, creates and frees, one ``ReshardPlan`` per
 created EMU (what moves where, by box intersection), and its ``MemoryEffect`` per
 device. Nothing runs here; the runtime executes steps, the simulator replays them.
 
 - ``split(emu, sub)``: cut one EMU into EMUs of the smaller layout ``sub`` on its
-  devices (by default ``emu.size / sub.size`` of them; ``placements`` may name fewer:
-  each is a whole replica, so one is enough to keep everything). Moves only what the
-  smaller shards lack; keeps a shard in place when it does not change. Frees ``emu``
-  when done.
-- ``merge(emus, layout, devices)``: fuse replicas into one larger layout on devices
-  that include at least one of theirs; shards already on a target device are copied
-  locally or kept, never sent; target devices that hold none receive what they need
-  from the replicas. Frees the merged EMUs when done.
+  devices; moves only what the smaller shards lack. Frees ``emu`` when done.
+- ``merge(emus, layout, devices)``: fuse replicas into one larger layout; shards already
+  on a target device are copied locally or kept, never sent. Frees the merged EMUs.
 - ``extend(emu, devices, layout=...)``: a new replica on new devices, disjoint from the
-  sources': in the source's layout, rank-aligned pairs (each source position sends its
-  shards to the same position), each shard sent once; in another layout, each target
-  box from the least loaded source that holds it. Frees nothing.
-- ``destroy(emu, others)``: frees ``emu``; only ever a redundant copy: refused unless
-  ``others`` hold every element of every tensor ``emu`` holds.
+  sources'; each shard sent once. Frees nothing.
+- ``destroy(emu, others)``: frees ``emu``; only ever a redundant copy.
 
 ``sub_layout(a, b)`` is T_sub: the largest layout both ``a`` and ``b`` can be split
 into (power-of-two layouts: ``(min tp, min pp)``, cut like whichever has the smaller pp).
@@ -26,6 +18,8 @@ into (power-of-two layouts: ``(min tp, min pp)``, cut like whichever has the sma
 Refuses (``StateError``, nothing freed): a layout that does not divide, destroying the
 last copy, Extend onto devices that are not disjoint; (``OutOfMemory``) a step whose
 peak does not fit a device's budget, when the ``DeviceSet`` has budgets.
+
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

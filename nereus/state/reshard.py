@@ -9,27 +9,13 @@ every target device, where each of its elements comes from:
 - a local ``Move`` (source device == target device): a memcpy, no bytes on any link;
 - a remote ``Move``: ``nbytes`` cross from the source device to the target device.
 
-All of it is computed in global coordinates: each target piece first takes what the
-sources on its own device hold; only the rest is fetched, each remaining box from
-the source whose device is best by tier (same host, then another host), then
-rank-aligned (the same (pp, tp) position in the same layout: Extend's pairs), then
-least loaded so far (load-balanced across source replicas). So ``bytes_moved`` equals
-``bytes_minimum``: the bytes of every target box not already on its device. Target
-shards cut alike (every layer's ``q_proj``) are worked out once per call and replayed
-where the load allows: the plan is the one planning each shard afresh would give.
-
 The plan also carries the logical state (update counter, policy version, sample
 position), which all sources must agree on, to the target.
 
-Plans are memoized: the same sources and target (names, specs, layouts, devices,
-slots), hosts and ``reuse`` give the same moves and keeps, so a repeated transition
-(weight sync every step, a layout switched back and forth) is planned once; the
-``PLAN_CACHE_SIZE`` most recent geometries are kept. A plan from the memo carries the
-sources and target it was asked for (their logical state included) and shares the
-memo's moves, keeps and per-device parts (``nereus.state.apply.plan_part``): read-only.
-
 Pure: no I/O, no torch. Refuses (``StateError``): sources that disagree on logical
 state, a target tensor no source holds (or holds with another shape or dtype).
+
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

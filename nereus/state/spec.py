@@ -12,25 +12,10 @@ Shard rules (weights use torch's ``[out_features, in_features]`` convention):
 - ``vocab``: split along dim 0 (the vocabulary) of an embedding or LM head.
 - ``replicated``: every TP rank holds all of it (norms, row-parallel biases).
 
-A fused weight (QKV, gate-up) is split per *component*, not as one block: each
-component is a contiguous range along the split dim with its own number of indivisible
-units (attention heads for q/k/v, rows for gate/up). With ``tp <= units`` a rank holds
-``units / tp`` units of each component; with ``tp > units`` (GQA: more TP ranks than kv
-heads) each unit is replicated on ``tp / units`` consecutive ranks.
-
-Pipeline position: ``stage`` is ``"embed"`` (before layer 0), ``"layer"`` with a
-``layer`` index, or ``"head"`` (final norm and LM head). A tied embedding is one
-parameter whose ``tied_head`` is true: with ``pp > 1`` it is held by the first and the
-last pipeline stage.
-
-Optimizer bytes (one rule for the state layer, the training engine and the planner):
-a trained parameter carries the AdamW moments ``exp_avg`` and ``exp_avg_sq`` in float32
-and, when the parameter itself is not float32, a float32 ``master`` copy that the
-optimizer steps (``optimizer_slots``); its gradient lives in the parameter's dtype, plus
-a float32 one for the master copy (``grad_bytes_per_param``).
-
 Refuses (``ConfigError``): shapes that are empty or negative, a rule that does not
 match the rank of the tensor, components whose sizes do not add up to the split dim.
+
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

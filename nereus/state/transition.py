@@ -2,33 +2,11 @@
 
 ``stage_ops(current, target)`` turns the replicas a model-stage has now into the
 replicas it should have (layouts and device tuples; DP is how many) as an ordered list
-of primitive ``Op``s (DESIGN §4), through T_sub (``sub_layout`` of the current and
+of primitive ``Op``s (docs/design.md §4), through T_sub (``sub_layout`` of the current and
 target layouts). It looks only at names, layouts and devices, so the runtime (which
 turns every op into a ``Step`` with its exact reshard plans: ``plan_stage_transition``)
 and the transition DAG (which prices ops analytically at any scale: ``nereus.transition``)
 share one structure:
-
-1. Split every current EMU that is larger than T_sub into the T_sub replicas a target
-   wants inside its devices (placed where the target wants them); replicas nobody
-   needs are never built: the split frees the EMU once they exist;
-2. Destroy the EMUs no target needs -- except one that a target still has to be built
-   from, which is destroyed once that target exists;
-3. build every target with one primitive from the replicas it may use:
-   - the replica that already is it: nothing moves;
-   - the T_sub replicas inside its devices: Merge them into its layout, fetching what
-     its other devices lack from them (freed once it exists);
-   - none inside: Extend from an EMU on disjoint devices (a replica or a current EMU of
-     any layout) onto its devices, in its layout (rank-aligned when the layouts are
-     equal), load-balanced across up to ``DONORS`` disjoint EMUs, taken round robin
-     in the order the EMUs came to exist (never by name: the order, hence the DAG's
-     structure, is the same for every DP degree).
-
-Every plan moves only the bytes its target lacks on each device (box intersection), so
-the whole transition moves what a target does not already hold where it needs it.
-Where a target has no replica inside it and no EMU sits on devices disjoint from it, the
-transition retries with a smaller T_sub (halving tp, then pp: more, smaller replicas
-fit inside a target) before declaring it infeasible. The work is linear in the
-replicas (devices are indexed), so a model-stage of thousands of EMUs is planned alike.
 
 ``plan_stage_transition`` also simulates the model-stage's memory through the steps:
 each is checked against the devices' budgets counting the other live EMUs of the
@@ -37,6 +15,8 @@ model-stage plus ``used`` (everything else on the device), so an infeasible orde
 
 Refuses: ``StateError`` for mixed layouts or model-stages, overlapping targets;
 ``InfeasiblePlan`` when no T_sub leaves a target a source (use the checkpoint fallback).
+
+More (how it works): docs/state.md.
 """
 
 from __future__ import annotations

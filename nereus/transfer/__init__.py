@@ -1,4 +1,4 @@
-"""nereus.transfer: the tensor data plane (see DESIGN.md sections 2 and 7).
+"""nereus.transfer: the tensor data plane (see docs/design.md §2, §7).
 
 Public API:
 - ``Communicator``, ``P2POp``, ``ReduceOp``: the contract every backend implements.

@@ -6,18 +6,6 @@ with its pages populated. A peer process of the same user maps it through
 hand-off segment, no name in ``/dev/shm`` (nothing can leak: the memory goes away
 with the last mapping or descriptor).
 
-Receiver side (``arena_empty``, ``describe``): ``arena_empty(nbytes)`` returns a
-uint8 tensor on an arena from this process's pool; when that tensor and every view
-of it are freed, the arena returns to the pool, so later calls reuse memory whose
-pages are already populated (fresh pages cost faults and zeroing: about half the
-speed of a copy into ready memory). ``describe(view)`` says where a view lives (the
-arena's serial, descriptor, size and the view's byte offset) or None for memory
-that is not an arena's.
-
-Writer side (``map_peer``): maps a peer's arena and keeps the mapping for reuse
-(populating a mapping's page tables costs about a third of a copy through it); at
-most ``_MAPS_PER_PEER`` mappings per peer are kept, least recently used dropped.
-
 Promises: an arena is never handed out twice while a tensor on it lives; serials
 are unique within the process, so a cached mapping is never of the wrong arena.
 The pool keeps at most ``keep_free_bytes`` of free arenas (1 GiB unless
@@ -26,6 +14,8 @@ holder's shards. A writer's kept mappings hold their arenas' memory alive after 
 owner dropped them, at most ``_MAPS_PER_PEER`` per peer.
 Refuses: nothing; ``map_peer`` raises ``OSError`` when the peer's arena cannot be
 opened (another user, a sandbox without ``/proc`` access): callers fall back.
+
+More (how it works): docs/transfer.md.
 """
 
 from __future__ import annotations

@@ -5,33 +5,13 @@ contiguous pairs are copied: pairs of the same dtype, both contiguous and at lea
 ``MEMMOVE_MIN_BYTES`` long, go through the C library's ``memmove`` (the call releases
 the GIL), everything else through ``torch``'s ``copy_``.
 
-Why: torch's CPU copy kernel stores through the cache, so every destination line is
-read before it is written: a copy of memory larger than the cache moves three bytes
-for each byte copied. glibc's ``memmove`` uses non-temporal stores (no read of the
-destination) above its ``x86_non_temporal_threshold`` tunable, which the node daemon
-sets to 256 KiB for CPU workers unless the environment already sets it
-(``nereus.node``): the shards a reshard writes are far larger than the cache and are
-not read again soon. Measured with two workers copying at once (1-2 MiB pieces,
-238 MiB each): ~7.8 GB/s per worker with ``copy_``, ~9.9 GB/s with non-temporal
-``memmove`` (BENCHMARKS.md). Without the tunable (another C library, or a process not
-started by a node), ``memmove`` copies at about ``copy_``'s speed.
-
-``copy_pairs(pairs)`` copies many ``(src, dst)`` pairs. Pairs whose sources are column
-blocks of the same rows of one tensor (a row-parallel weight cut for several peers:
-each block alone is a strided box, and copying the blocks one after the other reads
-every source row once per block at about half the contiguous rate) go through one
-native pass over those rows (``nereus/transfer/_rows.c``, built at install; non-temporal
-stores), which copies the blocks of one source in about the time of a contiguous copy
-(24 groups of two blocks, 49 MiB: 2.9 ms against 6.5-7.2 ms). The rest go through
-``copy_into``. ``source_rows(src)`` is the key that groups them. Without the native
-library (no C compiler at install) or with ``NEREUS_ROW_BLOCKS=0``, every pair goes
-through ``copy_into``.
-
 Promises: the bytes of ``src`` are in ``dst`` when a call returns; ``src`` is not
 changed. Refuses what ``copy_`` refuses (shapes that do not broadcast); the memmove and
 row-block paths are taken only for pairs of one shape and dtype, so they never write
 outside ``dst``. ``copy_pairs`` assumes the destinations do not overlap (the order of
 its copies is its own).
+
+More (why, and how): docs/transfer.md; measured speeds in BENCHMARKS.md.
 """
 
 from __future__ import annotations

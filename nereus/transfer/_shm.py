@@ -1,40 +1,26 @@
 """Intra-host point-to-point through shared memory: a ring of slots per directed pair,
 plus hand-off segments the receiver adopts.
 
-A ``ShmP2P`` belongs to one rank of one group. For every peer on the same host it
-holds two channels (to the peer, from the peer). A channel is a ring segment of
-``slots * slot_bytes`` bytes plus two FIFOs: ``full`` carries fixed-size records
-from sender to receiver (total bytes, bytes in this chunk, hand-off segment or -1,
-its capacity), ``back`` carries fixed-size messages from receiver to sender (a slot
-credit, the mode of the next large transfer, the release of a hand-off segment).
-
-Two ways to receive:
-- into a tensor (``recv``): the sender copies chunks into free slots while the
-  receiver copies earlier chunks out, in two processes at once;
-- into a fresh tensor (``recv_new``): for a large transfer the sender copies the
-  whole tensor ONCE into a hand-off segment and the receiver wraps that memory as
-  its tensor (zero copy). When the receiver's tensor (and every view of it) is
-  freed, the segment goes back to the sender's pool, so later hand-offs reuse
-  memory whose pages are already mapped.
-A transfer larger than one slot starts with the receiver telling the sender which
-of the two it wants (one small message); smaller ones go through the ring eagerly.
+A ``ShmP2P`` belongs to one rank of one group and holds two channels (a ring segment
+plus two FIFOs) per same-host peer. A receive goes into a given tensor (``recv``: the
+sender fills slots while the receiver empties earlier ones) or into a fresh tensor
+(``recv_new``: one copy by the sender into a pooled hand-off segment the receiver
+wraps as its tensor).
 
 Promises:
-- ``run(sends, recvs, deadline)`` progresses every send and receive of one batch in
-  one loop that never blocks on a single peer, so any set of pairwise transfers
-  completes without deadlock whatever order the ranks listed them in. Transfers
-  between one ordered pair happen in list order on both sides.
-- Waiting is ``select`` on the FIFOs, an abort pipe and the peers' pidfds: no polling;
-  a peer that exits wakes the waiter at once, an abort wakes it at once.
-- Ring names exist only while the group is being built (``unlink_names`` after the
-  rendezvous); a hand-off segment's name exists from its creation until the
-  receiver maps it (a sender may close first: the receiver still finds it), and
-  whichever end closes last removes any left. Only two ends killed mid-hand-off
+- ``run(sends, recvs, deadline)`` progresses a whole batch in one loop that never
+  blocks on a single peer: no deadlock whatever order the ranks listed their
+  transfers in; transfers between one ordered pair keep list order;
+- waiting is ``select`` on FIFOs, an abort pipe and the peers' pidfds: no polling, and a
+  peer that exits or an abort wakes the waiter at once;
+- ring names are unlinked after the rendezvous; only two ends killed mid-hand-off
   leak a segment.
 
 Refuses: a record whose total size differs from the receiver's tensor
 (``TransferError``); use after ``close``. Sizes that disagree about being larger
 than one slot are only detected at the deadline.
+
+More (how it works): docs/transfer.md.
 """
 
 from __future__ import annotations

@@ -8,21 +8,6 @@ must list the same byte sizes in the same order (the state layer derives both li
 from the same box intersection). The transfer layer works on views only; turning
 boxes into views is the state layer's job.
 
-How: per peer, the views are laid out back to back (16-byte aligned) in a sequence of
-contiguous buckets of ``bucket_bytes`` (default 64 MiB on CPU, 256 MiB on GPU); a
-view larger than a bucket is cut across several. Both sides compute the same layout
-from the sizes alone. Round k moves bucket k of every peer in ONE ``batch_p2p_new``
-(one group of operations, never one call per tensor), while a helper thread unpacks
-round k-1 and packs round k+1 into the other of two send buffers (double
-buffering). A bucket that is one piece of a contiguous view (a large view cut across
-buckets, or one as large as a bucket) is sent from the view's memory, not packed.
-Received buckets are fresh tensors: between processes of one host they are the
-sender's hand-off segments, adopted without a copy and returned to its pool once
-unpacked. With ``adopt=True`` a received view that is a whole tensor owning its
-storage, arriving in one piece, is not unpacked: the bucket becomes its storage
-(``Tensor.set_``), and the segment returns to the sender's pool only when every tensor
-on it is freed.
-
 Promises: every received view holds the sender's bytes when ``exchange`` returns; one
 ``transfer_bucket`` tap event per bucket with bytes, seconds, gbps, src and dst (cluster
 devices when the group was made for devices, else ranks), src_rank, dst_rank; a
@@ -30,6 +15,8 @@ devices when the group was made for devices, else ranks), src_rank, dst_rank; a
 ``StuckCollective``) propagate unchanged; on error, received views are unspecified.
 Refuses: views on different devices within one call, a peer equal to this rank
 (``ConfigError``).
+
+More (how it works): docs/transfer.md.
 """
 
 from __future__ import annotations

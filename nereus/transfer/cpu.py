@@ -1,50 +1,26 @@
 """CpuCommunicator: gloo collectives plus shared-memory p2p between ranks on one host.
 
-One instance is one rank's handle on one group for one layout epoch. It is built
-from a group id, the rank, the size and the address of a TCPStore served by someone
-outside the group (the controller, a test, a benchmark); nothing here calls
-``torch.distributed.init_process_group`` and no global state is touched, so any
-number of groups over any subsets of processes can live side by side.
-
-Construction is the rendezvous (blocking, with a deadline, never a polling loop):
-every rank publishes its host key and pid under ``nereus/<token>/<group>/<epoch>/``
-(``store_token``: a key-derived prefix from ``make_group``), waits
-for the others' keys, opens shared-memory channels to same-host peers, then builds
-a torch ``ProcessGroupGloo`` on a ``PrefixStore``. Once gloo's full mesh is up every
-rank has opened its channels, so their names are unlinked at once: a process killed
-later leaks no segment.
+One instance is one rank's handle on one group for one layout epoch, built from a group
+id, rank, size and the address of a TCPStore served outside the group; nothing here
+calls ``torch.distributed.init_process_group`` or touches global state, so any number
+of groups over any subsets of processes live side by side. Construction is the
+rendezvous (blocking, with a deadline, never a polling loop).
 
 Promises (beyond the Communicator contract):
-- Collectives (broadcast, all_reduce, all_gather, reduce_scatter, barrier) are
-  gloo's, with gloo's per-operation timeout set to the deadline. Any dtype travels
-  (float32, bfloat16, float16, int64, bool, ...); data-only operations move raw bytes.
-  Non-contiguous tensors are staged through a contiguous copy.
-- ``batch_p2p`` moves same-host pairs through shared memory (a ring of slots per
-  directed pair: the sender copies in while the receiver copies out) and other
-  pairs through gloo send/recv (with a size header), all progressed together.
-- ``local_pids`` maps each same-host peer (when shared memory is on) to its pid:
-  ``exchange_direct`` writes into those peers' arenas.
-- ``eager_bytes``: a send of at most this many bytes to a same-host peer completes
-  without that peer (it fits one ring slot); 0 without shared memory.
-- ``recv_new`` receives into a fresh tensor; from a same-host peer, a transfer
-  larger than one slot is handed off: one copy by the sender into a pooled segment
-  that the receiver adopts as its tensor (zero copy on the reading side). The
-  segment returns to the sender's pool when that tensor is freed; pools live until
-  ``destroy``.
-- Watchdog: before each operation a rank records its entry in the store (one
-  fire-and-forget ``set``). When an operation outlives its deadline, the caller
-  reads those entries and raises ``StuckCollective`` naming the ranks that have not
-  entered it, emits a ``stuck_collective`` tap event, and aborts the group. A peer
-  that dies makes the others fail at once (gloo's closed connection, the peer's
-  pidfd for shared memory) and at the latest at the deadline, with ``PeerDied``
-  naming its rank and device (``_liveness``).
-- ``abort()`` wakes every waiting caller with ``TransferError`` at once; any later
-  operation raises ``TransferError``. ``destroy()`` releases sockets, threads,
-  mappings and FIFOs; both are idempotent.
+- collectives are gloo's, with gloo's timeout set to the deadline; any dtype travels;
+- ``batch_p2p`` moves same-host pairs through shared memory and other pairs through
+  gloo, all progressed together; ``recv_new`` adopts a sender's hand-off segment;
+- an operation that outlives its deadline raises ``StuckCollective`` naming the ranks
+  that never entered it (and emits ``stuck_collective``); a dead peer raises
+  ``PeerDied`` at once, at the latest at the deadline;
+- no shared-memory name outlives the rendezvous; ``abort`` and ``destroy`` are
+  idempotent.
 
 Refuses: tensors that are not on the CPU, mismatched sizes (``TransferError``);
 ``avg`` on non-floating dtypes (``ConfigError``). Operations on one communicator are
 serialized by a lock; all ranks must issue the group's operations in the same order.
+
+More (how it works): docs/transfer.md.
 """
 
 from __future__ import annotations

@@ -9,22 +9,6 @@ be) into the receiver's memory, through a mapping the sender keeps for reuse. No
 bucket, no hand-off segment, no unpack: each moved byte is copied once
 (``copy_into``: large contiguous pieces with stores that bypass the cache).
 
-How, in three small messages per pair of ranks:
-1. every receiver sends each of its senders one record per view: where the view lives
-   (arena, byte offset, shape, strides; or "not on an arena"); then this rank copies
-   its ``local`` pairs ``(src, dst)`` while its own senders' records arrive, so its
-   copies overlap its peers' (when every record fits the communicator's
-   ``eager_bytes``, posting them never waits for a peer; otherwise records go both
-   ways in one batch first);
-2. every sender copies each view it can into the receiver's memory and sends one
-   flag per view (done, or left for the fallback). The copies of all peers go in one
-   ``copy_pairs`` call: column blocks of the same source rows (a row-parallel weight
-   cut for two peers) in one pass over those rows, together with the local pairs that
-   read the same rows (held back from step 1 for that);
-3. views left over (not on an arena, shapes that differ and are not both contiguous,
-   a peer whose arena this process may not open, a peer on another host) go through
-   the bucketed ``exchange`` (the same pairs, in the same order, on both sides).
-
 Promises: when ``exchange_direct`` returns, every receive view holds the sender's
 bytes and every local pair is copied; a ``transfer_bucket`` tap event per pair and
 direction that moved bytes directly (``round`` -1), and the bucketed exchange's own
@@ -32,6 +16,8 @@ events for the rest; a ``TransferStats`` summary of both. Errors of the communic
 propagate unchanged (on error, receive views are unspecified). Refuses what
 ``exchange`` refuses, a view record that points outside its arena or a byte size that
 disagrees with the sender's view (``TransferError``).
+
+More (how it works): docs/transfer.md.
 """
 
 from __future__ import annotations

@@ -15,30 +15,11 @@ members build their communicators concurrently (construction is the rendezvous: 
 blocking wait with a deadline, never a polling loop, run off the worker's event
 loop). Ranks follow the order of ``devices``.
 
-The store (``_Rendezvous``) listens only on the interface that reaches the members
-(loopback when they all share this host), keeps every entry under a prefix derived
-from the cluster key (``store_token``: a stranger who connects finds and overwrites
-nothing the members read), and stops accepting connections once every member has
-joined: the members keep their connections for the watchdog, nobody else gets one.
-torch's TCPStore has no authentication of its own; gloo and NCCL traffic itself
-assumes a private network (README, "Trust model").
-
-Groups are cached by (devices, backend, epoch): asking again for the same group
-returns the same live handle. Set-ups of groups that share a device never overlap in
-time (a lock per device, taken in device order): concurrent rendezvous over shared
-devices could stall for seconds; one after another each takes milliseconds. A set-up
-that still takes more than ``SLOW_SETUP_S`` is named in the log (torch's store client
-looks the store's address up in reverse DNS first; a resolver that drops the query
-costs its 5 s timeout). ``GroupHandle.destroy`` and ``release_groups(cluster,
-epoch)`` tear them down on every member (sockets, threads, shared memory, the store).
-
-Worker side: ``get_communicator(group_id)`` returns this process's communicator of a
-live group (``TransferError`` if unknown or destroyed); ``release_epoch(epoch)``
-destroys every communicator of that epoch in this process.
-
 Refuses: repeated devices, unknown devices, ``backend="nccl"`` on non-CUDA devices
 (``ConfigError``). A member that cannot join (dead, rendezvous timeout) makes
 ``make_group`` raise after telling the others to drop the group.
+
+More (how it works): docs/transfer.md.
 """
 
 from __future__ import annotations
@@ -390,7 +371,7 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     took = handle.setup_span[1] - handle.setup_span[0]
     if took > SLOW_SETUP_S:
         log.warning("group %s over devices %s took %.1f s to set up (at 5 s: a member's resolver dropped "
-                    "the reverse lookup of the store's address; README, 'Group set-ups that take 5 s')",
+                    "the reverse lookup of the store's address; docs/clusters.md, 'Group set-ups that take 5 s')",
                     group_id, list(handle.devices), took)
     state.cache[key] = handle
     return handle

@@ -6,29 +6,17 @@ as 128 raw bytes (made by ``unique_id()`` on one member and sent in msgpack), pl
 optionally a TCPStore address used only for the watchdog's records.
 
 Promises (beyond the Communicator contract):
-- The device: a worker sees exactly one GPU, ``cuda:0`` (its node sets
-  ``CUDA_VISIBLE_DEVICES``), and that is the default; ``device=`` picks another in a
-  process that sees several (tests). Tensors on any other device are refused.
-- Deadlines cover everything: the communicator is non-blocking, so creating it
-  (NCCL's rendezvous on the unique id), enqueueing an operation and ending a group
-  never block past the deadline; a rank that never joins makes the others raise
-  ``StuckCollective`` (op ``create``) naming it, after ``ncclCommAbort``.
-- Operations enqueue on torch's current CUDA stream of the device; each returns once
-  its work there completed: a watcher thread synchronizes a CUDA event recorded after
-  it; if that does not happen by the deadline (counted from before the enqueue), the
-  communicator is aborted (``ncclCommAbort`` frees the stuck kernels),
-  ``StuckCollective`` names the ranks that never entered (from the store records, if
-  a store was given) and a ``stuck_collective`` tap event is emitted.
-- Counts are ``size_t`` element counts: broadcast and all_gather move the tensor's
-  own dtype (bytes for dtypes NCCL lacks), send/recv move bytes (sender and receiver
-  may view one buffer with different dtypes); reductions use NCCL's dtype codes,
-  bfloat16 included, bool as uint8 with max (or) / min (and).
-- ``batch_p2p`` wraps its sends and receives in ``ncclGroupStart``/``ncclGroupEnd``.
-- Callers run operations from worker threads (``asyncio.to_thread``), never on an
-  event loop thread: the waits block.
+- the device is the worker's one GPU, ``cuda:0``, unless ``device=`` says otherwise;
+- deadlines cover everything (creation, enqueueing, group end): a rank that never joins
+  or an operation that never completes makes the others raise ``StuckCollective``
+  naming it, after ``ncclCommAbort``, and emit a ``stuck_collective`` tap event;
+- operations run on torch's current CUDA stream and return once their work completed;
+  callers run them from worker threads, never on an event loop thread.
 
 Refuses: tensors not on this communicator's CUDA device, mismatched sizes
 (``TransferError``); ``avg`` on non-floating dtypes (``ConfigError``).
+
+More (how it works): docs/transfer.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""nereus.transition: the global transition DAG (DESIGN §5, §10).
+"""nereus.transition: the global transition DAG (docs/design.md §5, §10).
 
 ``build_dag`` joins every model-stage's primitives into one DAG with analytic bytes and
 exact per-device memory effects; ``simulate`` is the one list scheduler (the estimate,

@@ -11,18 +11,9 @@ primitive's memory effect and traffic depend on, for one position of one layout
 - ``kept(a, pos_a, b, pos_b)``: bytes of ``b``'s shards identical to ``a``'s (a target
   adopts those when its source is freed: nothing is allocated for them).
 
-Parameters are grouped into classes (a decoder layer's ``qkv_proj`` is one class over
-every layer that holds it) and classes into groups that sit in the same layers, so a
-question costs one pass over a dozen classes, not over every parameter. A shard is
-computed, not built: along its split dim a TP rank holds one interval per component
-(``nereus.state.layout.param_shard``'s placement: ``units / tp`` units each, or one
-unit replicated on ``tp / units`` consecutive ranks), so intersections and equality
-are interval arithmetic. Answers are memoized per question within one ``SpecBytes``;
-``with_slots`` shares the classes between the slots of one spec. The answers equal
-``nereus.state.plan_reshard``'s ``bytes_moved`` and the state layer's memory effects
-(a property test holds them to it).
-
 Pure: no torch, no I/O.
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""The global transition DAG: every model-stage's primitives, joined (DESIGN §5).
+"""The global transition DAG: every model-stage's primitives, joined (docs/design.md §5).
 
 ``build_dag(current, target, specs, devices)`` (``nereus.transition.build``) takes two
 plans (model-stage -> ``StagePlan``), each model-stage's ``ModelSpec`` and the devices
 (hosts and memory caps) and returns a ``TransitionDAG``:
-
-- per model-stage that moves, the state layer's local structure (``nereus.state.
-  transition.stage_ops``: Split -> Destroy -> Extend/Merge through T_sub, retrying with a
-  smaller T_sub where a target has no source), one node per primitive -- or per set of
-  identical primitives of one model-stage on device-disjoint DP replicas (``Node.ops``),
-  which run at once; every device's memory effect stays exact;
-- data edges by EMU (a primitive waits for the ones that create what it reads) and
-  reader edges (a primitive that frees an EMU waits for every one that reads it);
-- across model-stages, release before acquire and ties broken generation, inference,
-  training: the priority the one list scheduler (``nereus.transition.schedule``) starts
-  ready nodes in; and, when an acquisition is blocked on a device's memory, a resource
-  edge from a Destroy on that device that is not reachable from the blocked node. With
-  no such Destroy the target is infeasible: ``InfeasibleTransition`` names the node, the
-  device, the need and the cap.
 
 Nodes carry their devices, per-device allocation (target shards not adopted, one
 transfer bucket) and release (freed sources, the bucket), bytes per link (intra- and
@@ -26,6 +12,8 @@ device (``_regular``); devices alike for the whole DAG form classes (``_classes`
 the scheduler counts memory over. So 1,024 devices stay cheap: per-device views and the
 ops of a node are made on first use (the executor builds the exact reshard plans when a
 node runs). Pure: no I/O.
+
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations

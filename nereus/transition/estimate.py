@@ -1,4 +1,4 @@
-"""What a transition costs: the makespan of its scheduled DAG (DESIGN §5, §6).
+"""What a transition costs: the makespan of its scheduled DAG (docs/design.md §5, §6).
 
 ``transition_seconds(current, target, specs, devices, link)`` builds the transition DAG
 and returns the makespan of its one list schedule under ``link`` (per-link bandwidth,

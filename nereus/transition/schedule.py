@@ -1,5 +1,5 @@
 """The one list scheduler of a transition DAG: the estimate, the executor's dispatch order
-and the simulator's timing are all this (DESIGN §5).
+and the simulator's timing are all this (docs/design.md §5).
 
 ``Dispatcher(dag)`` holds the state a schedule moves through: which nodes are ready
 (every dependency finished), which devices are busy (a device runs one primitive at a
@@ -14,21 +14,7 @@ and its released bytes back. It counts per class of alike devices (``dag.classes
 only the classes whose cap some order could break; ``used``, ``peak`` and ``busy`` are
 per-device views made when asked for (from the sequence of starts and ends).
 
-``simulate(dag, duration)`` runs the dispatcher against a clock, each node taking
-``duration(node)`` seconds: a ``Schedule`` of start and end times, the start order, the
-makespan and every device's peak. A node that can never start (nothing running,
-nothing else startable) raises ``InfeasibleTransition``. Where devices share cores (a
-CPU cluster: ``LinkModel.sharing``), nodes running at once share them: each progresses
-at ``ClusterSpec.rate_share`` of the devices then busy; ``full_rate_seconds`` is the
-inverse, what measured nodes would have taken alone (what calibration learns from).
-
-``LinkModel`` turns a node into seconds: per primitive, the most any device receives
-over its link's bandwidth times the calibrated p2p efficiency, plus one group set-up
-for a primitive that moves bytes, a fixed cost per primitive call and the bytes a device
-copies from a source it holds (a Split or Merge slicing what is there); the primitives of
-a node run at once. A transition's estimate is its makespan plus its costs outside the
-nodes: a fixed ``transition_s`` and ``group_release_s`` per group its nodes made
-(``LinkModel.total``). Pure: no I/O, no clock of its own.
+More (how it works): docs/plans-and-adaptation.md.
 """
 
 from __future__ import annotations
