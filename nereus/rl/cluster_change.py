@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nereus.config import require
+from nereus.planner.plan_text import plan_changes, plan_text
 from nereus.rl.change import STAGE_KINDS, check_after, emu_name, stage_changed, stage_emus
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 
@@ -113,7 +114,7 @@ class PlanChanges:
         try:
             dag, seconds = self.plan_change(target, inputs)
         except (InfeasiblePlan, OutOfMemory) as e:
-            log.info("a change to %s cannot run: %s", target.to_dict(), e)
+            log.info("a change to %s cannot run: %s", plan_text(target), e)
             return math.inf, 0
         restarted = [s for s in self._plan.names if self._plan[s] != target[s]]
         return seconds + len(restarted) * self.restart_seconds, dag.bytes
@@ -273,7 +274,8 @@ class PlanChanges:
             self._restart_s.append((report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned]))
         _emit_transition(report, dag)
         log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
-                 report["changed"], report["bytes"], report["seconds"], report["predicted_seconds"])
+                 "; ".join(f"{n} {c}" for n, c in plan_changes(report["from"], report["to"])), report["bytes"],
+                 report["seconds"], report["predicted_seconds"])
         return report
 
     async def _build_missing(self, missing: list[str]) -> None:

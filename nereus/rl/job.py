@@ -47,7 +47,7 @@ from nereus.rl.data import PromptDataset
 from nereus.rl.loggers import check_loggers, make_loggers
 from nereus.rl.report import (
     StepProgress,
-    changes_table,
+    changes_summary,
     faults_table,
     plot_metrics,
     read_metrics,
@@ -258,8 +258,10 @@ class RLJob:
                 console = Console()
                 console.print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"))
                 if cfg.adapt.enabled:
-                    console.print(changes_table(history, title=f"plan changes ({sum(1 for r in history if r.get('transition'))}; "
-                                                               f"every decision is on the tap: {self.out_dir / 'tap.jsonl'})"))
+                    title = (f"plan changes: {sum(1 for r in history if r.get('transition'))} "
+                             f"(every decision is on the tap: {self.out_dir / 'tap.jsonl'})")
+                    console.print(changes_summary(history, title=title, width=console.width), markup=False,
+                                  highlight=False)
                 if self.faults:
                     console.print(faults_table([f.as_record() for f in self.faults]))
         return self.records
