@@ -7,7 +7,9 @@ holds and can change between steps.
 whose workers outlive the job), spawns one ``EngineHost`` per device (the worker's shard
 store and the engines over it), and for every model-stage of the plan fills the stores
 with its EMUs' shards (each rank reads only its slices) and starts their engines
-(``nereus.engines.spawn_model_stage``); a ``plan`` event on the tap says where they are.
+(``nereus.engines.spawn_model_stage``); a ``plan`` event on the tap says where they are
+and every live device's memory budget. ``on_cluster(cluster)``, if given, is awaited once
+the cluster runs and before any model-stage starts (the job starts its tap recording there).
 
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``; ``await apply_plan(target)`` changes it at a step
@@ -60,6 +62,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +119,8 @@ class ClusterStages(PlanChanges, ModelStages):
     # --- start ------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path, cluster: Any = None) -> ClusterStages:
+    async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path, cluster: Any = None,
+                    on_cluster: Callable[[Any], Awaitable[None]] | None = None) -> ClusterStages:
         """Start (or use) a cluster, its engine hosts, and every model-stage of the plan."""
         owns = cluster is None
         if cluster is None:
@@ -137,6 +141,8 @@ class ClusterStages(PlanChanges, ModelStages):
         self._owns_cluster = owns
         cluster.on_failure(self._on_failure)
         try:
+            if on_cluster is not None:
+                await on_cluster(cluster)
             await self._start_all()
         except BaseException:
             await self.close()
@@ -256,8 +262,10 @@ class ClusterStages(PlanChanges, ModelStages):
         await self._plan_syncs()
         if "critic_inference" in self.emus:
             await self._run_sync("critic_inference")
-        # the plan the job starts in; it was given ([plan]), not searched: no prediction
-        emit_event("plan", plan=self._plan.to_dict(), predicted_step_seconds=None)
+        # the plan the job starts in; it was given ([plan]), not searched: no prediction. The
+        # budgets too: a subscriber that came after the devices joined has not seen them
+        emit_event("plan", plan=self._plan.to_dict(), predicted_step_seconds=None,
+                   device_memory_bytes={str(d.index): d.memory_bytes for d in self.cluster.devices})
 
     # --- weight syncs -------------------------------------------------------------
 

@@ -111,8 +111,14 @@ class RLJob:
         else:
             from nereus.rl.cluster import ClusterStages
 
-            self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
-            await self._record_tap()
+            try:
+                self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster,
+                                                        on_cluster=self._record_tap)
+            except BaseException:
+                if self.tap is not None:  # the cluster is gone: nothing more can reach the recording
+                    tap, self.tap = self.tap, None
+                    await tap.stop(flush=False)
+                raise
             if self.cfg.adapt.enabled:
                 from nereus.rl.adapt import Adapter
 
@@ -131,12 +137,12 @@ class RLJob:
         n = min(samples, self.dataset.size)
         return max(len(self.task.prompt_ids(self.dataset.at(i), self.codec)) for i in range(n))
 
-    async def _record_tap(self) -> None:
-        """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl)."""
+    async def _record_tap(self, cluster: Any) -> None:
+        """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl),
+        from before the first model-stage starts."""
         from nereus.actors import emit
         from nereus.monitor.tap import TapRecorder
 
-        cluster = getattr(self.stages, "cluster", None)
         address = getattr(cluster, "tap_address", "")
         if not address:
             return
