@@ -10,11 +10,14 @@ view as one that watched live. Kinds:
                 model-stage, the weight syncs inside it), reward, lengths and cap,
                 each device's ledger peak, the epoch
     placement   which model-stage holds which device from time ``t`` on: the plan, and
-                per device its holders (model-stage, layout ``tpN·ppM``, EMU index)
-    transition  one change of plan: start and end, epochs, moved model-stages, bytes,
-                predicted vs measured seconds, and its DAG nodes
-    decision    a replanning decision: triggers, step seconds now and at the target,
-                saving, transition estimate, payback against its limit, admitted, why
+                per device its holders (model-stage, layout ``tpN·ppM``, EMU index);
+                from a ``plan`` event also every pool device's memory budget
+    transition  one change of plan: start and end, epochs, moved model-stages and each
+                one's change as text (``nereus.planner.plan_text``: tp, pp, dp,
+                devices), bytes, predicted vs measured seconds, and its DAG nodes
+    decision    a replanning decision: triggers, the proposed change as text, step
+                seconds now and at the target, saving, transition estimate, payback
+                against its limit, admitted, why
     device      a device joined, was drained, retired, left, died, or its node was lost;
                 its memory budget when known
     memory      one device's ledger reading (used and budget bytes)
@@ -35,6 +38,8 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from typing import Any
+
+from nereus.planner.plan_text import stage_change_text
 
 __all__ = ["DashboardView", "layout_label"]
 
@@ -97,9 +102,20 @@ def _plan(value: Any, field: str) -> dict[str, dict[str, Any]]:
                 isinstance(e, list) and e and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in e) for e in emus):
             raise _Bad(f"{field}.{stage}.devices={emus!r} must be a list of EMUs, each a list of device indices")
+        recompute, waves = sp.get("recompute", False), sp.get("waves", 1)
+        if not isinstance(recompute, bool):
+            raise _Bad(f"{field}.{stage}.recompute={recompute!r} must be true or false")
+        if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
+            raise _Bad(f"{field}.{stage}.waves={waves!r} must be an integer >= 1")
         out[str(stage)] = {"tp": tp, "pp": pp, "dp": len(emus), "devices": [list(e) for e in emus],
-                           "layout": layout_label(tp, pp)}
+                           "recompute": recompute, "waves": waves, "layout": layout_label(tp, pp)}
     return out
+
+
+def _changes(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]] | None,
+             stages: list[str]) -> list[list[str]]:
+    """``[model-stage, "tp1·pp1·dp2 [0,1] → tp1·pp1·dp2 [2,3]"]`` for each of ``stages``."""
+    return [[s, stage_change_text(before.get(s), (after or {}).get(s))] for s in stages]
 
 
 def _holders(plan: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -177,8 +193,14 @@ class DashboardView:
     def _on_plan(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
         plan = _plan(event.get("plan"), "plan")
         predicted = _num(event, "predicted_step_seconds", optional=True)
+        budgets = _map_of_numbers(event, "device_memory_bytes")
+        for d, b in budgets.items():
+            if not d.isdigit():
+                raise _Bad(f"device_memory_bytes has key {d!r}; it must be a device index")
+            self._budgets[int(d)] = int(b)
         out = self._place(plan, t, event.get("epoch"), "plan")
         out["predicted_step_seconds"] = predicted
+        out["budget_bytes"] = {str(d): b for d, b in sorted(self._budgets.items())}
         return [out]
 
     def _inferred(self, plan_value: Any, field: str) -> list[dict[str, Any]]:
@@ -218,8 +240,7 @@ class DashboardView:
                     "bytes_measured": _int(event, "bytes_measured", optional=True),
                     "predicted_seconds": _num(event, "predicted_seconds", optional=True),
                     "measured_seconds": measured, "nodes": nodes, "ok": ok,
-                    "from_layouts": {s: sp["layout"] for s, sp in before.items()},
-                    "to_layouts": {s: sp["layout"] for s, sp in after.items()}})
+                    "changes": _changes(before, after, [str(s) for s in changed])})
         if ok:  # a change that stopped part way leaves the job in its old plan
             out.append(self._place(after, t, event.get("epoch"), "transition"))
         return out
@@ -243,9 +264,7 @@ class DashboardView:
             "payback_steps": _num(event, "payback_steps", optional=True),
             "limit_steps": _num(event, "limit_steps", optional=True),
             "admitted": bool(event.get("admitted", False)), "reason": str(event.get("reason", "")),
-            "changed": changed,
-            "current_layouts": {s: sp["layout"] for s, sp in current.items()},
-            "target_layouts": {s: sp["layout"] for s, sp in target.items()} if target else None})
+            "changed": changed, "changes": _changes(current, target, changed)})
         return out
 
     # --- steps and memory ----------------------------------------------------------
