@@ -28,9 +28,9 @@ import zmq
 from nereus.actors import _session, _wire
 from nereus.monitor import Dashboard, DashboardView, check_event
 from nereus.monitor.dashboard import READY_PREFIX, events_from_jsonl, read_jsonl
+from nereus.planner.plan_text import stage_change_text
 from tests._leaks import children, wait_gone
 from tests.monitor._chromium import BrowserError, Chromium
-from nereus.planner.plan_text import stage_change_text
 from tests.monitor.test_view import ASSET, JOB_ASSET, holders_of, recorded
 
 pytestmark = pytest.mark.timeout(180)

@@ -6,7 +6,13 @@ import io
 
 from rich.console import Console
 
-from nereus.rl.report import MetricsWriter, changes_summary, plot_metrics, read_metrics, summary_table
+from nereus.rl.report import (
+    MetricsWriter,
+    changes_summary,
+    plot_metrics,
+    read_metrics,
+    summary_table,
+)
 
 
 def _records(n):
