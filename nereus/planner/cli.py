@@ -153,9 +153,10 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
             worst = max(zip(aex.phases, ex.phases, strict=True), key=lambda pair: pair[0].seconds - pair[1].seconds)
             a_ph, c_ph = worst
             slow = max((s for s in aex.stages if s.phase == a_ph.phase), key=lambda s: s.cost.seconds)
+            chosen = ex.stage(slow.name)
             why = (f"phase {a_ph.phase} {a_ph.seconds:.3f} s vs {c_ph.seconds:.3f} s; its slowest model-stage "
                    f"{slow.name} runs {stage_plan_text(slow.plan)} in {slow.cost.seconds:.3f} s "
-                   f"(chosen: {stage_plan_text(ex.stage(slow.name).plan)} in {ex.stage(slow.name).cost.seconds:.3f} s)")
+                   f"(chosen: {stage_plan_text(chosen.plan)} in {chosen.cost.seconds:.3f} s)")
             t.add_row(alt.label, f"{alt.step_seconds:.3f}", f"+{alt.step_seconds - result.step_seconds:.3f} s", why,
                       plan_text(alt.plan))
         console.print(t)

@@ -22,7 +22,8 @@ from typing import Any
 
 from nereus.planner.plan import Plan, StagePlan
 
-__all__ = ["ARROW", "devices_text", "stage_plan_text", "stage_change_text", "plan_text", "plan_changes"]
+__all__ = ["ARROW", "devices_text", "stage_plan_text", "stage_change_text", "plan_text",
+           "plan_changes"]
 
 ARROW = "→"
 
@@ -35,8 +36,8 @@ def _fields(sp: StageLike) -> tuple[int, int, int, list[list[int]], bool, int]:
     if isinstance(sp, StagePlan):
         return sp.tp, sp.pp, sp.dp, [list(e) for e in sp.devices], sp.recompute, sp.waves
     emus = [list(e) for e in sp.get("devices") or []]
-    return (sp.get("tp", 1), sp.get("pp", 1), sp.get("dp", len(emus)), emus, bool(sp.get("recompute", False)),
-            sp.get("waves", 1) or 1)
+    recompute, waves = bool(sp.get("recompute", False)), sp.get("waves", 1) or 1
+    return sp.get("tp", 1), sp.get("pp", 1), sp.get("dp", len(emus)), emus, recompute, waves
 
 
 def devices_text(devices: Iterable[int]) -> str:

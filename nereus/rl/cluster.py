@@ -119,7 +119,8 @@ class ClusterStages(PlanChanges, ModelStages):
     # --- start ------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path, cluster: Any = None,
+    async def start(cls, cfg: JobConfig, model_config: Any, model_dir: str | Path,
+                    cluster: Any = None,
                     on_cluster: Callable[[Any], Awaitable[None]] | None = None) -> ClusterStages:
         """Start (or use) a cluster, its engine hosts, and every model-stage of the plan."""
         owns = cluster is None

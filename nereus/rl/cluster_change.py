@@ -273,9 +273,9 @@ class PlanChanges:
         if moving or retuned:
             self._restart_s.append((report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned]))
         _emit_transition(report, dag)
-        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
-                 "; ".join(f"{n} {c}" for n, c in plan_changes(report["from"], report["to"])), report["bytes"],
-                 report["seconds"], report["predicted_seconds"])
+        moved = "; ".join(f"{n} {c}" for n, c in plan_changes(report["from"], report["to"]))
+        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)",
+                 self.epoch, moved, report["bytes"], report["seconds"], report["predicted_seconds"])
         return report
 
     async def _build_missing(self, missing: list[str]) -> None:

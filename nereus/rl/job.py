@@ -112,10 +112,11 @@ class RLJob:
             from nereus.rl.cluster import ClusterStages
 
             try:
-                self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster,
+                self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir,
+                                                        cluster=cluster,
                                                         on_cluster=self._record_tap)
             except BaseException:
-                if self.tap is not None:  # the cluster is gone: nothing more can reach the recording
+                if self.tap is not None:  # the cluster is gone: nothing more reaches the file
                     tap, self.tap = self.tap, None
                     await tap.stop(flush=False)
                 raise
@@ -266,8 +267,8 @@ class RLJob:
                 if cfg.adapt.enabled:
                     title = (f"plan changes: {sum(1 for r in history if r.get('transition'))} "
                              f"(every decision is on the tap: {self.out_dir / 'tap.jsonl'})")
-                    console.print(changes_summary(history, title=title, width=console.width), markup=False,
-                                  highlight=False)
+                    summary = changes_summary(history, title=title, width=console.width)
+                    console.print(summary, markup=False, highlight=False)
                 if self.faults:
                     console.print(faults_table([f.as_record() for f in self.faults]))
         return self.records

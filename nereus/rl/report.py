@@ -31,7 +31,8 @@ from typing import Any
 
 from nereus.planner.plan_text import ARROW, plan_changes
 
-__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "changes_summary", "plot_metrics"]
+__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "changes_summary",
+           "plot_metrics"]
 
 log = logging.getLogger("nereus.rl")
 
@@ -137,7 +138,8 @@ def summary_table(records: Sequence[dict[str, Any]], title: str = "RL job summar
     return table
 
 
-def changes_summary(records: Sequence[dict[str, Any]], title: str = "plan changes", width: int = 80) -> str:
+def changes_summary(records: Sequence[dict[str, Any]], title: str = "plan changes",
+                    width: int = 80) -> str:
     """The plan changes the records carry (``transition``), each on its own lines: the
     step it ran before and its triggers, then one line per model-stage it moved
     (``nereus.planner.plan_text``: tp, pp, dp and devices, before and after), then its
@@ -148,8 +150,8 @@ def changes_summary(records: Sequence[dict[str, Any]], title: str = "plan change
         t = r.get("transition")
         if not t:
             continue
-        lines += textwrap.wrap(f"before step {t['step']}: " + (", ".join(t["triggers"]) or "no trigger"), width,
-                               subsequent_indent="    ", break_on_hyphens=False)
+        head = f"before step {t['step']}: " + (", ".join(t["triggers"]) or "no trigger")
+        lines += textwrap.wrap(head, width, subsequent_indent="    ", break_on_hyphens=False)
         moved = plan_changes(t["from"], t["to"])
         pad = max((len(name) for name, _ in moved), default=0)
         for name, change in moved:
@@ -161,8 +163,8 @@ def changes_summary(records: Sequence[dict[str, Any]], title: str = "plan change
             lines += [f"  {name:<{pad}}  {before}", f"  {'':<{pad}}  {ARROW} {after}"]
         if not moved:
             lines.append("  no model-stage moved")
-        lines.append(f"  predicted {t['predicted_seconds']:.3f} s, measured {t['measured_seconds']:.3f} s, "
-                     f"{t['bytes'] / 1e6:.2f} MB moved")
+        lines.append(f"  predicted {t['predicted_seconds']:.3f} s, "
+                     f"measured {t['measured_seconds']:.3f} s, {t['bytes'] / 1e6:.2f} MB moved")
     return "\n".join(lines)
 
 

@@ -123,7 +123,8 @@ async def _story(rl: RLJob, cluster: Cluster) -> None:
     await steps(STEPS - 5)
 
 
-async def record(out: str | Path, work_dir: str | Path, job_out: str | Path | None = None) -> list[dict[str, Any]]:
+async def record(out: str | Path, work_dir: str | Path,
+                 job_out: str | Path | None = None) -> list[dict[str, Any]]:
     """Run the story and write its tap to ``out`` (and the job's own recording of it to
     ``job_out``); returns the events written to ``out``."""
     key = b"record-tap-key-0123456789abcdef"
@@ -184,9 +185,9 @@ async def record(out: str | Path, work_dir: str | Path, job_out: str | Path | No
         for event in events:
             fh.write(to_json(event) + "\n")
     if job_out is not None:
-        lines = (Path(cfg.run.out_dir) / "tap.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
-        Path(job_out).write_text("".join(line for line in lines if json.loads(line)["type"] not in LEFT_OUT),
-                                 encoding="utf-8")
+        lines = (Path(cfg.run.out_dir) / "tap.jsonl").read_text(encoding="utf-8").splitlines(True)
+        kept = [line for line in lines if json.loads(line)["type"] not in LEFT_OUT]
+        Path(job_out).write_text("".join(kept), encoding="utf-8")
     return [json.loads(to_json(e)) for e in events]
 
 
@@ -194,7 +195,8 @@ def main(argv: list[str]) -> int:
     import tempfile
 
     if len(argv) not in (1, 2):
-        print("usage: python -m tests.monitor.record_tap OUT.jsonl [JOB_OUT.jsonl]", file=sys.stderr)
+        print("usage: python -m tests.monitor.record_tap OUT.jsonl [JOB_OUT.jsonl]",
+              file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="nereus-record-") as work:
         events = asyncio.run(record(argv[0], work, argv[1] if len(argv) == 2 else None))
