@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,9 @@ class ClusterStages(PlanChanges, ModelStages):
 
     @classmethod
     async def start(cls, cfg: JobConfig, model_config: ModelConfig, model_dir: str | Path,
-                    cluster: Cluster | None = None) -> ClusterStages:
+                    cluster: Cluster | None = None,
+                    on_cluster: Callable[[Cluster], Awaitable[None]] | None = None,
+                    ) -> ClusterStages:
         """Start (or use) a cluster, its engine hosts, and every model-stage of the plan."""
         owns = cluster is None
         if cluster is None:
@@ -124,6 +127,8 @@ class ClusterStages(PlanChanges, ModelStages):
         self._owns_cluster = owns
         cluster.on_failure(self._on_failure)
         try:
+            if on_cluster is not None:
+                await on_cluster(cluster)
             await self._start_all()
         except BaseException:
             await self.close()
@@ -230,8 +235,10 @@ class ClusterStages(PlanChanges, ModelStages):
         await self._plan_syncs()
         if "critic_inference" in self.emus:
             await self._run_sync("critic_inference")
-        # the plan the job starts in; it was given ([plan]), not searched: no prediction
-        emit_event("plan", plan=self._plan.to_dict(), predicted_step_seconds=None)
+        # the plan the job starts in; it was given ([plan]), not searched: no prediction. The
+        # budgets too: a subscriber that came after the devices joined has not seen them
+        emit_event("plan", plan=self._plan.to_dict(), predicted_step_seconds=None,
+                   device_memory_bytes={str(d.index): d.memory_bytes for d in self.cluster.devices})
 
     # --- weight syncs -------------------------------------------------------------
 

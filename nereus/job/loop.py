@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from nereus.actors import emit
+from nereus.actors import Cluster, emit
 from nereus.config import to_dict
 from nereus.data.filedata import FileTask
 from nereus.data.prompts import PromptDataset
@@ -53,7 +53,7 @@ from nereus.job.recovery import (
 )
 from nereus.job.report import (
     StepProgress,
-    changes_table,
+    changes_summary,
     faults_table,
     plot_metrics,
     read_metrics,
@@ -105,8 +105,15 @@ class RLJob:
         if self.cfg.cluster.mode == "in_process":
             self.stages = InProcessStages(self.cfg, self.model_config, self.model_dir)
         else:
-            self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
-            await self._record_tap()
+            try:
+                self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir,
+                                                        cluster=cluster,
+                                                        on_cluster=self._record_tap)
+            except BaseException:
+                if self.tap is not None:  # the cluster is gone: nothing more reaches the file
+                    tap, self.tap = self.tap, None
+                    await tap.stop(flush=False)
+                raise
             if self.cfg.adapt.enabled:
                 reward = self.stages._models.get("reward", (None,))[0]
                 self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)
@@ -123,9 +130,9 @@ class RLJob:
         n = min(samples, self.dataset.size)
         return max(len(self.task.prompt_ids(self.dataset.at(i), self.codec)) for i in range(n))
 
-    async def _record_tap(self) -> None:
-        """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl)."""
-        cluster = getattr(self.stages, "cluster", None)
+    async def _record_tap(self, cluster: Cluster) -> None:
+        """Every tap event of the run into ``out_dir/tap.jsonl`` (next to metrics.jsonl),
+        from before the first model-stage starts."""
         address = getattr(cluster, "tap_address", "")
         if not address:
             return
@@ -246,8 +253,10 @@ class RLJob:
                 console = Console()
                 console.print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"))
                 if cfg.adapt.enabled:
-                    console.print(changes_table(history, title=f"plan changes ({sum(1 for r in history if r.get('transition'))}; "
-                                                               f"every decision is on the tap: {self.out_dir / 'tap.jsonl'})"))
+                    title = (f"plan changes: {sum(1 for r in history if r.get('transition'))} "
+                             f"(every decision is on the tap: {self.out_dir / 'tap.jsonl'})")
+                    summary = changes_summary(history, title=title, width=console.width)
+                    console.print(summary, markup=False, highlight=False)
                 if self.faults:
                     console.print(faults_table([f.as_record() for f in self.faults]))
         return self.records

@@ -31,6 +31,7 @@ from nereus.errors import InfeasiblePlan, OutOfMemory
 from nereus.job.change import STAGE_KINDS, check_after, emu_name, stage_changed, stage_emus
 from nereus.job.recovery import is_fault, salvage
 from nereus.planner.plan import Plan
+from nereus.planner.plan_text import plan_changes, plan_text
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 from nereus.transfer import release_groups
 from nereus.transition import LinkModel, TransitionDAG, build_dag, full_rate_seconds
@@ -101,7 +102,7 @@ class PlanChanges:
         try:
             dag, seconds = self.plan_change(target, inputs)
         except (InfeasiblePlan, OutOfMemory) as e:
-            log.info("a change to %s cannot run: %s", target.to_dict(), e)
+            log.info("a change to %s cannot run: %s", plan_text(target), e)
             return math.inf, 0
         restarted = [s for s in self._plan.names if self._plan[s] != target[s]]
         return seconds + len(restarted) * self.restart_seconds, dag.bytes
@@ -251,8 +252,9 @@ class PlanChanges:
         if moving or retuned:
             self._restart_s.append((report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned]))
         _emit_transition(report, dag)
-        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)", self.epoch,
-                 report["changed"], report["bytes"], report["seconds"], report["predicted_seconds"])
+        moved = "; ".join(f"{n} {c}" for n, c in plan_changes(report["from"], report["to"]))
+        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)",
+                 self.epoch, moved, report["bytes"], report["seconds"], report["predicted_seconds"])
         return report
 
     async def _build_missing(self, missing: list[str]) -> None:

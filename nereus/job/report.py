@@ -7,9 +7,10 @@
 - ``StepProgress`` is a rich progress bar over steps whose description shows the
   step's stage times, mean reward and mean response length; it is a no-op when
   disabled (tests, non-interactive runs log instead).
-- ``summary_table`` renders the per-step records as a rich table; ``changes_table``
-  lists the plan changes an adapting job made (step, trigger, from -> to, predicted and
-  measured seconds, bytes); ``plot_metrics`` writes a PNG of reward, response length
+- ``summary_table`` renders the per-step records as a rich table; ``changes_summary``
+  writes the plan changes an adapting job made, each on its own lines (step, triggers,
+  per model-stage from -> to with tp, pp, dp and devices, predicted and measured
+  seconds, MB) so they read in 80 columns; ``plot_metrics`` writes a PNG of reward, response length
   and stage times per step, with every plan change marked (matplotlib, Agg backend: no
   display is ever needed).
 
@@ -23,11 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "changes_table", "plan_text",
+from nereus.planner.plan_text import ARROW, plan_changes
+
+__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "changes_summary",
            "plot_metrics"]
 
 log = logging.getLogger("nereus.rl")
@@ -134,32 +138,34 @@ def summary_table(records: Sequence[dict[str, Any]], title: str = "RL job summar
     return table
 
 
-def plan_text(plan: dict[str, Any] | None) -> str:
-    """A plan as one short line: ``stage tp x pp x dp [devices]`` per model-stage."""
-    if not plan:
-        return "-"
-    parts = []
-    for name, sp in plan.items():
-        devices = sorted({d for emu in sp["devices"] for d in emu})
-        extra = (f" w{sp['waves']}" if sp.get("waves", 1) > 1 else "") + (" rc" if sp.get("recompute") else "")
-        parts.append(f"{name.replace('_', '-')} {sp['tp']}x{sp['pp']}x{sp['dp']}{devices}{extra}")
-    return "; ".join(parts)
-
-
-def changes_table(records: Sequence[dict[str, Any]], title: str = "plan changes") -> Any:
-    """A rich Table with one row per plan change the records carry (``transition``)."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    for c in ("before step", "trigger", "from", "to", "predicted s", "measured s", "MB moved"):
-        table.add_column(c, justify="right" if c.endswith(("s", "step", "moved")) else "left")
+def changes_summary(records: Sequence[dict[str, Any]], title: str = "plan changes",
+                    width: int = 80) -> str:
+    """The plan changes the records carry (``transition``), each on its own lines: the
+    step it ran before and its triggers, then one line per model-stage it moved
+    (``nereus.planner.plan_text``: tp, pp, dp and devices, before and after), then its
+    predicted and measured seconds and the MB it moved. Lines fit in ``width`` columns
+    where the words allow (a model-stage's change too long for one line goes on two)."""
+    lines = textwrap.wrap(title, width, break_on_hyphens=False) or [""]
     for r in records:
         t = r.get("transition")
         if not t:
             continue
-        table.add_row(str(t["step"]), ", ".join(t["triggers"]), plan_text(t["from"]), plan_text(t["to"]),
-                      f"{t['predicted_seconds']:.3f}", f"{t['measured_seconds']:.3f}", f"{t['bytes'] / 1e6:.2f}")
-    return table
+        head = f"before step {t['step']}: " + (", ".join(t["triggers"]) or "no trigger")
+        lines += textwrap.wrap(head, width, subsequent_indent="    ", break_on_hyphens=False)
+        moved = plan_changes(t["from"], t["to"])
+        pad = max((len(name) for name, _ in moved), default=0)
+        for name, change in moved:
+            one = f"  {name:<{pad}}  {change}"
+            if len(one) <= width:
+                lines.append(one)
+                continue
+            before, after = change.split(f" {ARROW} ", 1)
+            lines += [f"  {name:<{pad}}  {before}", f"  {'':<{pad}}  {ARROW} {after}"]
+        if not moved:
+            lines.append("  no model-stage moved")
+        lines.append(f"  predicted {t['predicted_seconds']:.3f} s, "
+                     f"measured {t['measured_seconds']:.3f} s, {t['bytes'] / 1e6:.2f} MB moved")
+    return "\n".join(lines)
 
 
 def faults_table(faults: Sequence[dict[str, Any]], title: str = "faults recovered from") -> Any:

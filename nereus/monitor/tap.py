@@ -141,7 +141,8 @@ class TapRecorder:
     ``await start()`` returns once the subscription is live (a marker event the recorder
     emits itself has come back), so what is emitted afterwards is recorded; ``stop()``
     first waits, up to ``timeout_s``, for a second marker, so events emitted before it
-    are in the file. ``emit`` is the cluster's emit function (``nereus.actors.emit``)."""
+    are in the file (``stop(flush=False)`` does not: for a cluster that is already gone).
+    ``emit`` is the cluster's emit function (``nereus.actors.emit``)."""
 
     def __init__(self, address: str, key: bytes | None, path: str, emit: Any, timeout_s: float = 10.0,
                  curve: CurveKey | None = None) -> None:
@@ -183,9 +184,9 @@ class TapRecorder:
         await self._mark("start")
         return self
 
-    async def stop(self) -> None:
+    async def stop(self, *, flush: bool = True) -> None:
         try:
-            if self._task is not None and not self._task.done():
+            if flush and self._task is not None and not self._task.done():
                 await self._mark("stop")
         finally:
             if self._task is not None:

@@ -24,6 +24,8 @@ import math
 from collections import Counter, deque
 from typing import Any
 
+from nereus.planner.plan_text import stage_change_text
+
 __all__ = ["DashboardView", "layout_label"]
 
 _DEVICE_STATES = {"worker_join": "joined", "device_drain": "draining", "worker_retire": "retired",
@@ -85,9 +87,20 @@ def _plan(value: Any, field: str) -> dict[str, dict[str, Any]]:
                 isinstance(e, list) and e and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in e) for e in emus):
             raise _Bad(f"{field}.{stage}.devices={emus!r} must be a list of EMUs, each a list of device indices")
+        recompute, waves = sp.get("recompute", False), sp.get("waves", 1)
+        if not isinstance(recompute, bool):
+            raise _Bad(f"{field}.{stage}.recompute={recompute!r} must be true or false")
+        if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
+            raise _Bad(f"{field}.{stage}.waves={waves!r} must be an integer >= 1")
         out[str(stage)] = {"tp": tp, "pp": pp, "dp": len(emus), "devices": [list(e) for e in emus],
-                           "layout": layout_label(tp, pp)}
+                           "recompute": recompute, "waves": waves, "layout": layout_label(tp, pp)}
     return out
+
+
+def _changes(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]] | None,
+             stages: list[str]) -> list[list[str]]:
+    """``[model-stage, "tp1·pp1·dp2 [0,1] → tp1·pp1·dp2 [2,3]"]`` for each of ``stages``."""
+    return [[s, stage_change_text(before.get(s), (after or {}).get(s))] for s in stages]
 
 
 def _holders(plan: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -165,8 +178,14 @@ class DashboardView:
     def _on_plan(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
         plan = _plan(event.get("plan"), "plan")
         predicted = _num(event, "predicted_step_seconds", optional=True)
+        budgets = _map_of_numbers(event, "device_memory_bytes")
+        for d, b in budgets.items():
+            if not d.isdigit():
+                raise _Bad(f"device_memory_bytes has key {d!r}; it must be a device index")
+            self._budgets[int(d)] = int(b)
         out = self._place(plan, t, event.get("epoch"), "plan")
         out["predicted_step_seconds"] = predicted
+        out["budget_bytes"] = {str(d): b for d, b in sorted(self._budgets.items())}
         return [out]
 
     def _inferred(self, plan_value: Any, field: str) -> list[dict[str, Any]]:
@@ -206,8 +225,7 @@ class DashboardView:
                     "bytes_measured": _int(event, "bytes_measured", optional=True),
                     "predicted_seconds": _num(event, "predicted_seconds", optional=True),
                     "measured_seconds": measured, "nodes": nodes, "ok": ok,
-                    "from_layouts": {s: sp["layout"] for s, sp in before.items()},
-                    "to_layouts": {s: sp["layout"] for s, sp in after.items()}})
+                    "changes": _changes(before, after, [str(s) for s in changed])})
         if ok:  # a change that stopped part way leaves the job in its old plan
             out.append(self._place(after, t, event.get("epoch"), "transition"))
         return out
@@ -231,9 +249,7 @@ class DashboardView:
             "payback_steps": _num(event, "payback_steps", optional=True),
             "limit_steps": _num(event, "limit_steps", optional=True),
             "admitted": bool(event.get("admitted", False)), "reason": str(event.get("reason", "")),
-            "changed": changed,
-            "current_layouts": {s: sp["layout"] for s, sp in current.items()},
-            "target_layouts": {s: sp["layout"] for s, sp in target.items()} if target else None})
+            "changed": changed, "changes": _changes(current, target, changed)})
         return out
 
     # --- steps and memory ----------------------------------------------------------

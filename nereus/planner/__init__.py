@@ -24,6 +24,7 @@ from nereus.planner.cost import (
 )
 from nereus.planner.explain import DeviceMemory, Explanation, PhaseTime, StageExplanation, explain
 from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.plan_text import plan_changes, plan_text, stage_change_text, stage_plan_text
 from nereus.planner.pool import DevicePool
 from nereus.planner.relabel import relabel
 from nereus.planner.replan import BoundaryOutcome, Replanner
@@ -58,4 +59,5 @@ __all__ = [
     "local_cpu_cluster", "local_cpu_cluster_probed", "local_cpu_efficiency", "model_preset", "phases", "pool_sizes", "relabel", "replay", "search",
     "stage_candidates", "stage_cost", "stage_memory",
     "usable_bytes",
+    "plan_changes", "plan_text", "stage_change_text", "stage_plan_text",
 ]

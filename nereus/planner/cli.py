@@ -26,6 +26,7 @@ from nereus.errors import InfeasiblePlan, exit_status
 from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset
 from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.explain import Explanation, explain
+from nereus.planner.plan_text import plan_text, stage_plan_text
 from nereus.planner.search import SearchResult, search, stage_candidates
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS, LengthStats, Workload, model_preset
 
@@ -99,11 +100,10 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
     console.print("[bold]efficiency[/] " + ", ".join(f"{k}={v:.2f}" for k, v in eff.as_dict().items()))
 
     t = Table(title=f"plan: {result.step_seconds:.3f} s/step predicted")
-    for col in ("model-stage", "phase", "layout", "devices", "links (pp, dp)", "seconds"):
+    for col in ("model-stage", "phase", "plan", "devices", "links (pp, dp)", "seconds"):
         t.add_column(col)
     for s in ex.stages:
-        devs = sorted(s.plan.device_set)
-        t.add_row(s.name, str(s.phase), s.plan.layout(), f"{devs[0]}-{devs[-1]} ({len(devs)})",
+        t.add_row(s.name, str(s.phase), stage_plan_text(s.plan), str(s.plan.num_devices),
                   f"{'inter' if s.pp_inter else 'intra'}, {'inter' if s.dp_inter else 'intra'}", f"{s.cost.seconds:.3f}")
     console.print(t)
 
@@ -153,11 +153,12 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
             worst = max(zip(aex.phases, ex.phases, strict=True), key=lambda pair: pair[0].seconds - pair[1].seconds)
             a_ph, c_ph = worst
             slow = max((s for s in aex.stages if s.phase == a_ph.phase), key=lambda s: s.cost.seconds)
+            chosen = ex.stage(slow.name)
             why = (f"phase {a_ph.phase} {a_ph.seconds:.3f} s vs {c_ph.seconds:.3f} s; its slowest model-stage "
-                   f"{slow.name} runs {slow.plan.layout()} in {slow.cost.seconds:.3f} s "
-                   f"(chosen: {ex.stage(slow.name).plan.layout()} in {ex.stage(slow.name).cost.seconds:.3f} s)")
+                   f"{slow.name} runs {stage_plan_text(slow.plan)} in {slow.cost.seconds:.3f} s "
+                   f"(chosen: {stage_plan_text(chosen.plan)} in {chosen.cost.seconds:.3f} s)")
             t.add_row(alt.label, f"{alt.step_seconds:.3f}", f"+{alt.step_seconds - result.step_seconds:.3f} s", why,
-                      alt.plan.describe().replace("\n", "; "))
+                      plan_text(alt.plan))
         console.print(t)
 
 

@@ -1,6 +1,7 @@
 """Record a real job's monitoring tap as JSONL: the dashboard tests' recorded stream.
 
-    python -m tests.monitor.record_tap tests/assets/tap/grpo_live_layouts.jsonl
+    python -m tests.monitor.record_tap tests/assets/tap/grpo_live_layouts.jsonl \
+        tests/assets/tap/grpo_job_recording.jsonl
 
 What it runs: a controller with its tap, a subscriber attached before anything joins
 (so the stream holds every ``worker_join`` with its budget), two node daemons of two
@@ -16,6 +17,10 @@ that makes them is not part of a plain job) with the saving and cost a planner w
 report, and a ``memory`` event per device after every step, read from the devices'
 ledgers. ``call_span`` and ``transfer_bucket`` events are left out of the file (the
 dashboard does not show them; they are most of the volume).
+
+The second file is the job's own recording of the same run (``out_dir/tap.jsonl``, as
+``make demo`` leaves it), with the same types left out: its recorder subscribed when the
+job started, after the devices had joined, so it holds no ``worker_join`` of them.
 
 The file is committed; ``tests/monitor/test_dashboard.py`` replays it and checks the
 recorder still runs (``record``). Timings differ from run to run; the story does not.
@@ -116,8 +121,10 @@ async def _story(rl: RLJob, cluster: Cluster) -> None:
     await steps(STEPS - 5)
 
 
-async def record(out: str | Path, work_dir: str | Path) -> list[dict[str, Any]]:
-    """Run the story and write its tap to ``out``; returns the events written."""
+async def record(out: str | Path, work_dir: str | Path,
+                 job_out: str | Path | None = None) -> list[dict[str, Any]]:
+    """Run the story and write its tap to ``out`` (and the job's own recording of it to
+    ``job_out``); returns the events written to ``out``."""
     key = b"record-tap-key-0123456789abcdef"
     controller = await Controller(key, heartbeat_timeout_s=30.0).start()
     sub = Subscriber(controller.tap_address, key)
@@ -175,17 +182,22 @@ async def record(out: str | Path, work_dir: str | Path) -> list[dict[str, Any]]:
     with open(out, "w", encoding="utf-8") as fh:
         for event in events:
             fh.write(to_json(event) + "\n")
+    if job_out is not None:
+        lines = (Path(cfg.run.out_dir) / "tap.jsonl").read_text(encoding="utf-8").splitlines(True)
+        kept = [line for line in lines if json.loads(line)["type"] not in LEFT_OUT]
+        Path(job_out).write_text("".join(kept), encoding="utf-8")
     return [json.loads(to_json(e)) for e in events]
 
 
 def main(argv: list[str]) -> int:
     import tempfile
 
-    if len(argv) != 1:
-        print("usage: python -m tests.monitor.record_tap OUT.jsonl", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: python -m tests.monitor.record_tap OUT.jsonl [JOB_OUT.jsonl]",
+              file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="nereus-record-") as work:
-        events = asyncio.run(record(argv[0], work))
+        events = asyncio.run(record(argv[0], work, argv[1] if len(argv) == 2 else None))
     kinds: dict[str, int] = {}
     for e in events:
         kinds[e["type"]] = kinds.get(e["type"], 0) + 1

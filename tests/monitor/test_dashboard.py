@@ -28,9 +28,10 @@ import zmq
 from nereus.actors import _session, _wire
 from nereus.monitor import Dashboard, DashboardView, check_event
 from nereus.monitor.dashboard import READY_PREFIX, events_from_jsonl, read_jsonl
+from nereus.planner.plan_text import stage_change_text
 from tests._leaks import children, wait_gone
 from tests.monitor._chromium import BrowserError, Chromium
-from tests.monitor.test_view import ASSET, holders_of, recorded
+from tests.monitor.test_view import ASSET, JOB_ASSET, holders_of, recorded
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -375,6 +376,12 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
         assert [r[0] for r in rows] == [d["step"] for d in reversed(decisions)]
         assert [r[4] for r in rows] == ["admitted" if d["admitted"] else "rejected" for d in reversed(decisions)]
         assert [r[5] for r in rows] == [d["reason"] for d in reversed(decisions)]
+        # the proposed change with dp and devices: the rejected one only regroups generation's devices
+        proposed = await page.evaluate("[...document.querySelectorAll('#decisions tbody tr')].map(r => r.children[2].textContent)")
+        assert proposed[1] == "policy_generation: tp2·pp1·dp2 [0-3] → tp1·pp1·dp4 [0-3]"
+        assert proposed == ["; ".join(f"{st}: {stage_change_text(d['current_plan'][st], d['target_plan'][st])}"
+                                      for st in sorted(d["target_plan"])
+                                      if d["target_plan"][st] != d["current_plan"][st]) for d in reversed(decisions)]
         for r, d in zip(rows, reversed(decisions), strict=True):
             assert _seconds(r[2]) == pytest.approx(d["saving_seconds"], rel=6e-3)
             assert _seconds(r[3]) == pytest.approx(d["transition_seconds"], rel=6e-3)
@@ -382,7 +389,7 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
         # the transitions, newest first: predicted against measured, and their DAG nodes per device
         rows = await page.evaluate("""[...document.querySelectorAll('#transitions tbody tr')].map(r =>
             [r.querySelector('.predicted').textContent, r.querySelector('.measured').textContent,
-             r.querySelectorAll('rect.node').length])""")
+             r.querySelectorAll('rect.node').length, r.children[2].textContent])""")
         nodes = [e for e in events if e["type"] == "transition_node"]
         cuts = [events.index(t) for t in transitions]
         per = [[n for n in nodes if (cuts[i - 1] if i else -1) < events.index(n) < cuts[i]] for i in range(len(cuts))]
@@ -390,6 +397,9 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
             assert _seconds(r[0]) == pytest.approx(t["predicted_seconds"], rel=6e-3)
             assert _seconds(r[1]) == pytest.approx(t["measured_seconds"], rel=6e-3)
             assert r[2] == sum(len(n["devices"]) for n in ns)
+            assert r[3] == "; ".join(f"{st}: {stage_change_text(t['from_plan'][st], t['to_plan'][st])}"
+                                     for st in t["changed"])
+        assert rows[-1][3].startswith("policy_generation: tp1·pp1·dp4 [0-3] → tp2·pp1·dp2 [0-3]; ")
 
         # the picture: every band colour the page drew is on the screenshot
         shot = tmp_path / "dashboard.png"
@@ -406,6 +416,32 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 20)
         pub.close(linger=0)
+    assert proc.returncode == 0, (await proc.stderr.read()).decode()
+
+
+async def test_the_page_over_a_job_recording_shows_every_device_budget_in_chromium(tmp_path, chromium):
+    """``make demo``'s tap.jsonl, written by the job's own recorder: no ``worker_join`` of
+    the starting devices (it subscribed after them), no ``memory`` events (the job emits
+    none; the ones in the recording are the recorder script's, taken out here)."""
+    lines = [line for line in JOB_ASSET.read_text().splitlines(keepends=True) if json.loads(line)["type"] != "memory"]
+    assert not [line for line in lines if json.loads(line)["type"] == "worker_join"]
+    path = tmp_path / "tap.jsonl"
+    path.write_text("".join(lines))
+    budget = next(e for e in recorded() if e["type"] == "worker_join")["memory_bytes"]
+    proc, url = await _start_dashboard("--jsonl", str(path), "--port", "0")
+    try:
+        page = await chromium.new_page(width=1400, height=1000)
+        await page.goto(url)
+        assert await page.wait_for(f"{_header('transitions')} === '2' && document.body.dataset.steps === '7'")
+        memory = await page.evaluate("""[...document.querySelectorAll('#memory .memrow')].map(r =>
+            [Number(r.dataset.device), Number(r.dataset.budget), r.querySelector('.memtext').textContent])""")
+        assert [m[0] for m in memory] == [0, 1, 2, 3]
+        assert all(m[1] == budget and f"/ {budget / 2**20:.2f} MiB" in m[2] and "unknown" not in m[2]
+                   for m in memory), memory
+        assert page.errors == [], page.errors
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 20)
     assert proc.returncode == 0, (await proc.stderr.read()).decode()
 
 

@@ -12,6 +12,8 @@ import pytest
 from nereus.monitor import DashboardView
 
 ASSET = Path(__file__).parents[1] / "assets" / "tap" / "grpo_live_layouts.jsonl"
+# the same run as the job's own recorder wrote it (out_dir/tap.jsonl): it subscribed after the devices joined
+JOB_ASSET = ASSET.with_name("grpo_job_recording.jsonl")
 
 
 def recorded() -> list[dict]:
@@ -69,6 +71,15 @@ def test_the_recorded_job_folds_into_steps_placements_transitions_and_decisions(
     assert decisions[2]["triggers"] == [{"kind": "device-pool", "detail": "drained", "device": 3}]
     assert decisions[2]["payback_steps"] is None and decisions[1]["payback_steps"] == pytest.approx(26.0)
     assert decisions[0]["changed"] == ["policy_generation", "policy_training", "reference_inference"]
+    # each change written with tp, pp, dp and devices (nereus.planner.plan_text)
+    assert decisions[1]["changes"] == [["policy_generation", "tp2·pp1·dp2 [0-3] → tp1·pp1·dp4 [0-3]"]]
+    assert transitions[0]["changes"] == [
+        ["policy_generation", "tp1·pp1·dp4 [0-3] → tp2·pp1·dp2 [0-3]"],
+        ["reference_inference", "tp1·pp1·dp1 [3] → tp1·pp2·dp1 [0,1]"],
+        ["policy_training", "tp2·pp1·dp1 [0,1] → tp1·pp1·dp1 [2]"]]
+    assert transitions[1]["changes"] == [
+        ["policy_generation", "tp2·pp1·dp2 [0-3] → tp1·pp1·dp2 [0,1]"],
+        ["reference_inference", "tp1·pp2·dp1 [0,1] → tp1·pp1·dp1 [0]"]]
 
     # every step carries the weight sync that ran inside it, and each device's ledger peak
     steps = by_kind["step"]
@@ -98,6 +109,51 @@ def test_without_a_plan_event_the_first_change_gives_the_placement_before_it():
             for d, hs in placements[0]["holders"].items()} == holders_of(first["from_plan"])
 
 
+def page_budgets(updates: list[dict]) -> dict[str, int | None]:
+    """Each device's memory budget as the page ends up with it (dashboard.html ``apply``:
+    a placement's ``budget_bytes`` map, a device's or memory reading's ``budget_bytes``)."""
+    out: dict[str, int | None] = {}
+    for u in updates:
+        if u["kind"] == "placement":
+            for d in u["holders"]:
+                out.setdefault(d, None)
+            out.update(u.get("budget_bytes") or {})
+        elif u["kind"] == "step":
+            for d in u["device_peak_bytes"]:
+                out.setdefault(d, None)
+        elif u["kind"] in ("device", "memory"):
+            out.setdefault(str(u["device"]), None)
+            if u["budget_bytes"] is not None:
+                out[str(u["device"])] = u["budget_bytes"]
+    return out
+
+
+def test_a_recording_begun_after_the_devices_joined_still_shows_every_budget():
+    """``make demo``'s tap.jsonl: the job's recorder subscribed after the starting
+    devices joined, so no ``worker_join`` says their budgets; the ``plan`` event does.
+    (The recording's ``memory`` events are the recorder script's own, not the job's:
+    left out here, as the demo's tap has none.)"""
+    job_events = [json.loads(line) for line in JOB_ASSET.read_text().splitlines()]
+    assert not [e for e in job_events if e["type"] == "worker_join"]
+    budget = next(e for e in recorded() if e["type"] == "worker_join")["memory_bytes"]
+    events = [e for e in job_events if e["type"] != "memory"]
+    view = DashboardView()
+    for event in events:
+        view.add(event)
+    assert view.rejected == 0
+    budgets = page_budgets(view.updates)
+    assert budgets == {"0": budget, "1": budget, "2": budget, "3": budget}
+    plan = next(u for u in view.updates if u["kind"] == "placement")
+    assert plan["why"] == "plan" and plan["budget_bytes"] == {d: budget for d in "0123"}
+
+    # the same stream with the plan event's budgets taken out: nothing else says them
+    bare = [{k: v for k, v in e.items() if k != "device_memory_bytes"} for e in events]
+    view = DashboardView()
+    for event in bare:
+        view.add(event)
+    assert page_budgets(view.updates) == {"0": None, "1": None, "2": None, "3": None}
+
+
 def _event(type_: str, t: float, **fields) -> dict:
     return {"type": type_, "v": 1, "seq": 1, "time_monotonic_seconds": t, "epoch": 1, "source": "driver"} | fields
 
@@ -123,6 +179,18 @@ def test_a_change_that_stopped_part_way_leaves_the_placement_as_it_was():
     assert len(placements) == 1 and placements[0]["predicted_step_seconds"] == 1.5
 
 
+def test_dp_and_placement_changes_read_as_changes_in_decisions_and_transitions():
+    view = DashboardView()
+    view.add(_event("plan", 10.0, plan=PLAN, predicted_step_seconds=1.5))
+    decision = view.add(_event("decision", 10.5, step=4, triggers=[{"kind": "drift", "detail": "length"}],
+                               current_plan=PLAN, target_plan=MOVED, admitted=True, reason="payback"))[0]
+    transition = view.add(_event("transition", 11.5, from_plan=PLAN, to_plan=MOVED, bytes=10, measured_seconds=1.0,
+                                 changed=["policy_generation", "policy_training"], epoch_from=1, ok=True))[0]
+    expected = [["policy_generation", "tp2·pp1·dp1 [0,1] → tp1·pp1·dp2 [0,1]"],
+                ["policy_training", "tp1·pp1·dp1 [1] → tp1·pp1·dp1 [2]"]]
+    assert decision["changes"] == expected and transition["changes"] == expected
+
+
 @pytest.mark.parametrize("event, problem", [
     (_event("step", 1.0, step="three"), "step=\'three\' must be an integer"),
     (_event("step", 1.0, step=3, reward=float("nan")), "reward=nan must be a finite number"),
@@ -132,6 +200,9 @@ def test_a_change_that_stopped_part_way_leaves_the_placement_as_it_was():
     (_event("plan", 1.0, plan={"policy_generation": {"tp": 1, "pp": 1, "devices": [0]}}),
      "plan.policy_generation.devices=[0] must be a list of EMUs"),
     (_event("memory", 1.0, device=0, used_bytes="lots"), "used_bytes='lots' must be an integer"),
+    (_event("plan", 1.0, plan=PLAN, device_memory_bytes={"gpu0": 1}), "key 'gpu0'; it must be a device index"),
+    (_event("plan", 1.0, plan={"policy_generation": {"tp": 1, "pp": 1, "devices": [[0]], "waves": 0}}),
+     "plan.policy_generation.waves=0 must be an integer >= 1"),
     (_event("transition", 1.0, from_plan=PLAN, to_plan=MOVED), "measured_seconds=None must be a finite number"),
     ({"no": "type"}, "must be a map with a string 'type'"),
 ])
