@@ -69,7 +69,7 @@ from nereus.config import require
 from nereus.errors import ActorDied
 from nereus.rl.change import STAGE_KINDS, stage_emus
 from nereus.rl.cluster_change import PlanChanges, emit_event
-from nereus.rl.config import JobConfig
+from nereus.rl.config import JobConfig, resolve_model_dtype
 from nereus.rl.stages import ModelStages, engine_optim, last_token_scores, reward_model
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
@@ -133,6 +133,7 @@ class ClusterStages(PlanChanges, ModelStages):
                 # can miss the default 3 s, and a lost node ends the job.
                 cluster = Cluster.local(devices=c.devices, memory_per_device=c.memory_per_device, heartbeat_timeout_s=30.0)
             await cluster.start()
+        cfg = resolve_model_dtype(cfg, [d.kind for d in cluster.devices[:cfg.cluster.devices]])
         self = cls(cfg, cluster, model_config, Path(model_dir))
         self._owns_cluster = owns
         cluster.on_failure(self._on_failure)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from nereus.engines.precision import resolve_dtype
 from nereus.errors import ConfigError, StateError
 from nereus.models.export import export_hf
 from nereus.models.spec import model_spec
@@ -43,7 +44,7 @@ def policy_tensors(checkpoint: str | Path, cfg: Any, model_config: Any) -> dict[
     from nereus.state.checkpoint import MANIFEST, load_shards
 
     folder = Path(checkpoint)
-    spec = model_spec(model_config, dtype=cfg.model.dtype)
+    spec = model_spec(model_config, dtype=_dtype(cfg))
     single = folder / f"{_STAGE}.safetensors"
     if single.is_file():
         names = {p.name for p in spec}
@@ -58,7 +59,13 @@ def policy_tensors(checkpoint: str | Path, cfg: Any, model_config: Any) -> dict[
 def export_checkpoint(checkpoint: str | Path, cfg: Any, model_config: Any, model_dir: str | Path, out: str | Path) -> Path:
     """Write the policy of ``checkpoint`` to ``out`` as a Hugging Face folder; returns ``out``."""
     params = policy_tensors(checkpoint, cfg, model_config)
-    return export_hf(out, model_config, params, tokenizer_dir=model_dir, dtype=cfg.model.dtype)
+    return export_hf(out, model_config, params, tokenizer_dir=model_dir, dtype=_dtype(cfg))
+
+
+def _dtype(cfg: Any) -> str:
+    # A job writes its config.json again once "auto" is resolved for its devices; one
+    # still saying "auto" never ran on GPUs (nereus.engines.precision).
+    return resolve_dtype(cfg.model.dtype, ["cpu"])
 
 
 def _model_folder(cfg: Any, run_dir: Path) -> Path:

@@ -112,6 +112,11 @@ class RLJob:
             from nereus.rl.cluster import ClusterStages
 
             self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir, cluster=cluster)
+        resolved = getattr(self.stages, "cfg", self.cfg)
+        if resolved is not self.cfg:  # model.dtype "auto" resolved for the devices
+            self.cfg = resolved
+            (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+        if self.cfg.cluster.mode != "in_process":
             await self._record_tap()
             if self.cfg.adapt.enabled:
                 from nereus.rl.adapt import Adapter

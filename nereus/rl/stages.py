@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 
 from nereus.config import require
 from nereus.errors import ConfigError, StateError
-from nereus.rl.config import JobConfig
+from nereus.rl.config import JobConfig, resolve_model_dtype
 from nereus.rl.vocab import Codec
 
 __all__ = ["ModelStages", "InProcessStages", "prepare_model", "reward_model", "last_token_scores", "engine_optim"]
@@ -84,7 +84,7 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
         num_key_value_heads=m.num_kv_heads,
         max_position_embeddings=m.max_seq_len,
         tie_word_embeddings=False,
-        torch_dtype=m.dtype,
+        torch_dtype="float32" if m.dtype == "auto" else m.dtype,  # the stages cast on load
         bos_token_id=codec.bos_id,
         eos_token_id=codec.eos_id,
     )
@@ -225,7 +225,7 @@ class InProcessStages(ModelStages):
 
         for name, p in cfg.plan.items():
             require(p.tp == p.pp == p.dp == 1, f"plan.{name}", f"tp={p.tp} pp={p.pp} dp={p.dp}", "must be 1 x 1 x 1 with cluster.mode='in_process'")
-        self.cfg = cfg
+        cfg = self.cfg = resolve_model_dtype(cfg, ["cpu"])  # in the driver: on its CPU
         budget = cfg.cluster.memory_bytes
         ledgers: dict[int, MemoryLedger] = {}
 
