@@ -49,7 +49,7 @@ from nereus.errors import ConfigError
 from nereus.transfer import _tap
 from nereus.transfer.communicator import Communicator, P2POp
 
-__all__ = ["exchange", "TransferStats", "bucket_layout", "DEFAULT_BUCKET_BYTES_CPU",
+__all__ = ["exchange", "TransferStats", "bucket_layout", "pack_buckets", "DEFAULT_BUCKET_BYTES_CPU",
            "DEFAULT_BUCKET_BYTES_GPU"]
 
 DEFAULT_BUCKET_BYTES_CPU = 64 * 2**20
@@ -204,6 +204,28 @@ class _Side:
                     v.copy_(self.flat[p.index])
             else:
                 v.copy_(buf[p.offset : p.offset + p.stop].view(v.dtype).view(v.shape))
+
+
+def pack_buckets(views: Sequence[torch.Tensor], bucket_bytes: int) -> list[torch.Tensor]:
+    """``views`` laid out in contiguous uint8 buckets of ``bucket_bytes`` exactly as
+    ``exchange`` sends them to one peer (``bucket_layout``), copied on the current stream
+    of their device. A bucket that is one piece of a contiguous view is that view's own
+    memory (``exchange`` sends it without a copy), so it is returned as a view of it."""
+    require(isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN, "bucket_bytes",
+            bucket_bytes, f"must be an int >= {_ALIGN}")
+    devices = {v.device for v in views}
+    require(len(devices) <= 1, "views", sorted(map(str, devices)), "must be on one device")
+    device = devices.pop() if devices else torch.device("cpu")
+    side = _Side(list(views), bucket_bytes)
+    out = []
+    for k, n in enumerate(side.used):
+        if k in side.direct:
+            out.append(side.direct[k])
+            continue
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+        side.pack(k, buf)
+        out.append(buf)
+    return out
 
 
 def exchange(
