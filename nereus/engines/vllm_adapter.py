@@ -141,6 +141,7 @@ def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
         record[0] = len(text)
         record[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     comm.broadcast(record, 0)
+    comm.synchronize()  # the host reads it next: wait within the group's deadline
     data = bytes(record.cpu().tolist())
     host, port, pid = data[1:1 + data[0]].decode().split("\n")
     return {**launcher_env(ctx.tp_rank, ctx.tp_size, host, "127.0.0.1", int(port)), _SHM_GROUP_ENV: f"{port}-{pid}"}

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from nereus.actors.gpu_memory import VLLM_WORKSPACE_BYTES
 from nereus.config import require
 from nereus.errors import ActorDied
 from nereus.rl.change import STAGE_KINDS, stage_emus
@@ -405,9 +406,12 @@ class ClusterStages(PlanChanges, ModelStages):
             params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
             return params * grad_bytes_per_param(self.cfg.model.dtype)
         if kind == "generation" and self.cfg.sampling.engine == "vllm":
-            # vLLM's own copy of the weights and the KV cache it is given
+            # vLLM's own copy of the weights, the KV cache it is given and, on a GPU, its
+            # workspace (what VllmGenerationEngine reserves)
             params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
-            return params * DTYPE_BYTES[self.cfg.model.dtype] + self._vllm_cache_bytes(sp)
+            on_gpu = any(d.index == device and d.kind == "cuda" for d in self.cluster.devices)
+            return (params * DTYPE_BYTES[self.cfg.model.dtype] + self._vllm_cache_bytes(sp)
+                    + (VLLM_WORKSPACE_BYTES if on_gpu else 0))
         if kind == "generation" and self._cache_slots:
             c = self.model_config
             pp_rank, tp_rank = emu.position(device)

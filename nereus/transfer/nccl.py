@@ -308,6 +308,9 @@ class NcclCommunicator(Communicator):
                 if not self._pending:
                     return
                 head = self._pending[0]
+            if self._aborted:  # aborted from outside: what is pending may never end
+                raise TransferError(f"group {self.group_id!r}: the group was aborted with "
+                                    f"{head.op} pending")
             if cap is not None and now >= cap:
                 self._fail(_Failure(head.op, head.seq, now - head.t0))
                 continue

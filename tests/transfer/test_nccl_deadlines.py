@@ -176,3 +176,11 @@ def test_the_loop_stops_polling_once_nothing_is_pending():
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
+
+
+def test_synchronize_on_a_group_aborted_from_outside_raises_at_once():
+    comm = communicator()
+    comm._pending.append(pending("all_reduce", 1, False, 60.0))
+    comm.abort()
+    with pytest.raises(TransferError, match="aborted with all_reduce pending"):
+        comm.synchronize()
