@@ -70,7 +70,8 @@ print(" ".join(want))
 PYCHECK
 )
 mkdir -p "$SITE"
-export PYTHONPATH="$PWD:$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}"
+case $SITE in /*) ;; *) SITE="$PWD/$SITE" ;; esac
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "$missing" ]; then
     files=()
     for dist in $missing; do
