@@ -42,6 +42,10 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     exit 2
 fi
 
+mkdir -p "$SITE"
+case $SITE in /*) ;; *) SITE="$PWD/$SITE" ;; esac
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
 # 2. What is missing, from the carried wheels: module -> distribution, and the
 #    distributions each one needs (installed without resolving: no index here).
 missing=$("$PYTHON" - <<'PYCHECK'
@@ -69,9 +73,6 @@ while todo:
 print(" ".join(want))
 PYCHECK
 )
-mkdir -p "$SITE"
-case $SITE in /*) ;; *) SITE="$PWD/$SITE" ;; esac
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "$missing" ]; then
     files=()
     for dist in $missing; do
