@@ -260,6 +260,7 @@ def _release_parallel_state() -> None:
     parallel_state.destroy_model_parallel()
     parallel_state.destroy_distributed_environment()
 
+
 def _vocab_slabs(worker: Any) -> dict[str, tuple[int, int, int]]:
     """Runs inside vLLM's worker: per vocabulary-parallel weight (the embedding, an untied
     LM head), this rank's rows of the real vocabulary (start, end) and the rows every
@@ -353,8 +354,12 @@ class VllmGenerationEngine:
         self._reserved = {"weights": weights, "kv_cache": kv_cache_bytes}
         if not self.on_cpu:  # its profiling pass, sampler and logits (gpu_memory)
             self._reserved["workspace"] = VLLM_WORKSPACE_BYTES
-        for part, nbytes in self._reserved.items():
-            self.ledger.reserve(f"{name}/{part}", nbytes)
+        try:
+            for part, nbytes in self._reserved.items():
+                self.ledger.reserve(f"{name}/{part}", nbytes)
+        except BaseException:  # OutOfMemory: nothing of this engine stays reserved
+            self.ledger.release_prefix(f"{name}/")
+            raise
         if gpu_memory_utilization is None:
             # On a GPU: exactly what the ledger holds for this engine; vLLM's CPU backend
             # sizes nothing by it.
