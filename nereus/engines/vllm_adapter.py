@@ -388,9 +388,11 @@ class VllmGenerationEngine:
                 enable_sleep_mode=self.sleep_mode, on_cpu=self.on_cpu)
             kwargs.update(vllm_kwargs)
             self._count_live(+1)
+            self._live = True
             try:
                 self.llm = LLM(**kwargs)
             except BaseException:
+                self._live = False
                 self._count_live(-1)
                 raise
             if self.ctx.tp_size > 1 and self.on_cpu:
@@ -577,7 +579,9 @@ class VllmGenerationEngine:
                     shutdown()
                 del llm, engine
             finally:
-                self._count_live(-1)
+                if getattr(self, "_live", False):
+                    self._live = False
+                    self._count_live(-1)
             if not self.on_cpu:
                 gc.collect()  # vLLM's model and cache hold reference cycles
                 torch.cuda.empty_cache()  # so the next engine's free-memory check sees it
