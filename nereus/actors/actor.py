@@ -39,7 +39,8 @@ _ENDPOINT_ATTR = "__nereus_endpoint__"
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
     """One device of the cluster. ``index`` is cluster-global; ``memory_bytes`` is the
-    GPU's memory, or on CPU the ``--memory-per-device`` budget engines must respect."""
+    budget engines must respect: a GPU's memory less the CUDA context's and NCCL's
+    reserve (``gpu_memory``), or ``--memory-per-device``."""
 
     index: int
     host: str

@@ -45,7 +45,7 @@ from nereus.models.layers import ColumnParallelLinear, ShardedModule
 from nereus.state.emu import tensor_key
 from nereus.state.spec import grad_bytes_per_param, optimizer_bytes_per_param, optimizer_slots
 
-__all__ = ["OptimConfig", "TrainingEngine", "MOMENTS"]
+__all__ = ["OptimConfig", "TrainingEngine", "MOMENTS", "adamw_kernel"]
 
 log = logging.getLogger("nereus.engines")
 
@@ -86,6 +86,14 @@ class OptimConfig:
 
         return from_dict(cls, dict(value), "optim")
 
+
+
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """How AdamW steps on ``device``: on CUDA with its multi-tensor kernels (``foreach``:
+    a few launches per step instead of several per parameter; the step counters stay on
+    the CPU, as torch keeps them); on CPU one parameter at a time, which is no slower
+    there and allocates no temporaries for all parameters at once."""
+    return {"foreach": device.type == "cuda"}
 
 class TrainingEngine(EngineBase):
     """One rank of a training EMU (see the module docstring)."""
@@ -133,7 +141,8 @@ class TrainingEngine(EngineBase):
             oc = self.optim_config
             self.optimizer = torch.optim.AdamW(
                 stepped, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps,
-                weight_decay=oc.weight_decay, foreach=False,
+                weight_decay=oc.weight_decay,
+                **adamw_kernel(stepped[0].device if stepped else torch.device("cpu")),
             )
             for (k, _), p in zip(params.items(), stepped, strict=True):
                 self.optimizer.state[p] = {

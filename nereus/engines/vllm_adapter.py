@@ -18,19 +18,29 @@ Refuses (``ConfigError``): TP > 1 without the EMU's TP group or across hosts, sl
 mode on CPU, ``sleep()`` when sleep mode is off. Sets
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before vLLM is imported.
 
+- on GPUs at TP > 1 vLLM's custom all-reduce is off (each rank sees one GPU), and the
+  last engine of a process to close tears down vLLM's process-wide parallel state, so a
+  plan change can rebuild one in the same worker;
+- vLLM's ``gpu_memory_utilization`` is the ledger reservation's share of the GPU
+  (``vllm_memory_utilization``), never vLLM's own default.
+
 More (how it works): docs/engines.md.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import math
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nereus.actors.gpu_memory import VLLM_WORKSPACE_BYTES
 from nereus.config import require
 from nereus.engines._base import stage_param_bytes
 from nereus.engines.context import EmuContext
@@ -43,7 +53,7 @@ from nereus.models.decoder import torch_dtype
 from nereus.models.parallel import ParallelContext
 from nereus.transfer import SHM_DIR
 
-__all__ = ["VllmGenerationEngine"]
+__all__ = ["VllmGenerationEngine", "vllm_engine_args", "vllm_memory_utilization"]
 
 log = logging.getLogger("nereus.engines")
 
@@ -81,6 +91,7 @@ def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
         record[0] = len(text)
         record[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     comm.broadcast(record, 0)
+    comm.synchronize()  # the host reads it next: wait within the group's deadline
     data = bytes(record.cpu().tolist())
     host, port, pid = data[1:1 + data[0]].decode().split("\n")
     return {**launcher_env(ctx.tp_rank, ctx.tp_size, host, "127.0.0.1", int(port)), _SHM_GROUP_ENV: f"{port}-{pid}"}
@@ -139,6 +150,66 @@ def _unlink_cpu_shm() -> list[str]:
 
 def _free_device_bytes() -> int:
     return int(torch.cuda.mem_get_info()[0])
+
+
+def vllm_memory_utilization(total_bytes: int, reserved_bytes: int) -> float:
+    """The ``gpu_memory_utilization`` to give vLLM on a GPU of ``total_bytes`` when the
+    device's ledger reserved ``reserved_bytes`` for the engine (weights, KV cache and
+    workspace): vLLM refuses to start unless ``ceil(total x utilization)`` bytes are
+    free, so that is exactly what the ledger accounted for (rounded up to 1e-4 of the
+    GPU), not vLLM's assumption that it may take a fixed share of the whole GPU. The KV
+    cache itself is sized by ``kv_cache_memory_bytes``, never by this fraction."""
+    require(total_bytes > 0, "total_bytes", total_bytes, "must be the GPU's memory (> 0)")
+    require(0 < reserved_bytes <= total_bytes, "reserved_bytes", reserved_bytes,
+            f"must be in (0, total_bytes={total_bytes}]")
+    return min(math.ceil(reserved_bytes / total_bytes * 1e4) / 1e4, 1.0)
+
+
+def vllm_engine_args(*, model_dir: str, dtype: str, tp_size: int, max_model_len: int, seed: int,
+                     kv_cache_bytes: int, gpu_memory_utilization: float,
+                     enable_sleep_mode: bool, on_cpu: bool) -> dict[str, Any]:
+    """The arguments nereus starts ``vllm.LLM`` with (callers may add their own).
+
+    At TP > 1 the ranks are this EMU's workers under vLLM's ``external_launcher``; on
+    GPUs each of them sees one GPU, so vLLM's custom all-reduce, which opens peer
+    access to every GPU index of the TP group and reads ``CUDA_VISIBLE_DEVICES`` as
+    integers, is off (``disable_custom_all_reduce``): TP reductions go through vLLM's
+    NCCL group instead."""
+    args: dict[str, Any] = dict(
+        model=model_dir,
+        dtype=dtype,
+        tensor_parallel_size=tp_size,
+        max_model_len=max_model_len,
+        seed=seed,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_sleep_mode=enable_sleep_mode,
+        logprobs_mode="processed_logprobs",
+    )
+    if tp_size > 1:
+        args["distributed_executor_backend"] = "external_launcher"
+        if not on_cpu:
+            args["disable_custom_all_reduce"] = True
+    return args
+
+
+# Live vLLM engines of this process: vLLM's parallel state (its world and TP/PP groups)
+# is process-wide, torn down when the last one closes (``_release_parallel_state``).
+_LIVE_ENGINES = 0
+_LIVE_LOCK = threading.Lock()
+
+
+def _release_parallel_state() -> None:
+    """Tear down vLLM's process-wide parallel state (its TP/PP/DP groups, then its
+    world group and torch.distributed's default group), so an engine built later in this
+    worker, at another TP or with other ranks, starts from nothing."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
 
 def _vocab_slabs(worker: Any) -> dict[str, tuple[int, int, int]]:
     """Runs inside vLLM's worker: per vocabulary-parallel weight (the embedding, an untied
@@ -212,7 +283,7 @@ class VllmGenerationEngine:
         dtype: str = "float32",
         max_model_len: int | None = None,
         kv_cache_bytes: int = 256 << 20,
-        gpu_memory_utilization: float = 0.5,
+        gpu_memory_utilization: float | None = None,
         enable_sleep_mode: bool | None = None,
         seed: int = 0,
         ledger: MemoryLedger | None = None,
@@ -220,19 +291,33 @@ class VllmGenerationEngine:
         **vllm_kwargs: Any,
     ) -> None:
         require(kv_cache_bytes > 0, "VllmGenerationEngine.kv_cache_bytes", kv_cache_bytes, "must be > 0")
-        require(0 < gpu_memory_utilization <= 1, "VllmGenerationEngine.gpu_memory_utilization", gpu_memory_utilization, "must be in (0, 1]")
+        require(gpu_memory_utilization is None or 0 < gpu_memory_utilization <= 1,
+                "VllmGenerationEngine.gpu_memory_utilization", gpu_memory_utilization,
+                "must be in (0, 1], or None (what the ledger reserved, on a GPU)")
         self.config = config
         self.ctx = ctx or EmuContext(ParallelContext())
         require(self.ctx.pp_size == 1, "VllmGenerationEngine pp_size", self.ctx.pp_size, "must be 1 (the vLLM adapter runs TP only)")
         self.name = name
         self.ledger = ledger or device_ledger()
         weights = stage_param_bytes(config, self.ctx, torch_dtype(dtype))
-        self.ledger.reserve(f"{name}/weights", weights)
-        self.ledger.reserve(f"{name}/kv_cache", kv_cache_bytes)
+        self.on_cpu = not torch.cuda.is_available()
         self._reserved = {"weights": weights, "kv_cache": kv_cache_bytes}
+        if not self.on_cpu:  # its profiling pass, sampler and logits (gpu_memory)
+            self._reserved["workspace"] = VLLM_WORKSPACE_BYTES
+        try:
+            for part, nbytes in self._reserved.items():
+                self.ledger.reserve(f"{name}/{part}", nbytes)
+        except BaseException:  # OutOfMemory: nothing of this engine stays reserved
+            self.ledger.release_prefix(f"{name}/")
+            raise
+        if gpu_memory_utilization is None:
+            # On a GPU: exactly what the ledger holds for this engine; vLLM's CPU backend
+            # sizes nothing by it.
+            gpu_memory_utilization = 0.5 if self.on_cpu else vllm_memory_utilization(
+                torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+                sum(self._reserved.values()))
         self.is_sleeping = False
         self._slabs: dict[str, tuple[int, int, int]] | None = None  # vLLM's vocabulary rows, read once
-        self.on_cpu = not torch.cuda.is_available()
         # vLLM's sleep mode (its CUDA memory pool) is what sleep() frees through; the
         # CPU backend has none.
         self.sleep_mode = (not self.on_cpu) if enable_sleep_mode is None else bool(enable_sleep_mode)
@@ -246,23 +331,20 @@ class VllmGenerationEngine:
                     _name_cpu_shm_groups()
             from vllm import LLM
 
-            kwargs: dict[str, Any] = dict(
-                model=str(model_dir),
-                dtype=dtype,
-                tensor_parallel_size=self.ctx.tp_size,
-                max_model_len=max_model_len or config.max_position_embeddings,
-                seed=seed,
-                skip_tokenizer_init=True,
-                enforce_eager=True,
-                kv_cache_memory_bytes=kv_cache_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=self.sleep_mode,
-                logprobs_mode="processed_logprobs",
-            )
-            if self.ctx.tp_size > 1:
-                kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs = vllm_engine_args(
+                model_dir=str(model_dir), dtype=dtype, tp_size=self.ctx.tp_size,
+                max_model_len=max_model_len or config.max_position_embeddings, seed=seed,
+                kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=self.sleep_mode, on_cpu=self.on_cpu)
             kwargs.update(vllm_kwargs)
-            self.llm = LLM(**kwargs)
+            self._count_live(+1)
+            self._live = True
+            try:
+                self.llm = LLM(**kwargs)
+            except BaseException:
+                self._live = False
+                self._count_live(-1)
+                raise
             if self.ctx.tp_size > 1 and self.on_cpu:
                 log.debug("%s: unlinked %s", name, _unlink_cpu_shm())
         except BaseException:
@@ -414,8 +496,8 @@ class VllmGenerationEngine:
         if not self.is_sleeping:
             return
         self.ledger.release(f"{self.name}/asleep")
-        self.ledger.reserve(f"{self.name}/weights", self._reserved["weights"])
-        self.ledger.reserve(f"{self.name}/kv_cache", self._reserved["kv_cache"])
+        for part in ("weights", "kv_cache"):
+            self.ledger.reserve(f"{self.name}/{part}", self._reserved[part])
         self.llm.wake_up()
         self.is_sleeping = False
 
@@ -423,13 +505,34 @@ class VllmGenerationEngine:
         prefix = f"{self.name}/"
         return {k: v for k, v in self.ledger.breakdown().items() if k.startswith(prefix)}
 
+    @staticmethod
+    def _count_live(delta: int) -> None:
+        """Count this process's vLLM engines; the last one to go tears down vLLM's
+        process-wide parallel state (a plan change rebuilds engines in the same worker)."""
+        global _LIVE_ENGINES
+        with _LIVE_LOCK:
+            _LIVE_ENGINES += delta
+            last = delta < 0 and _LIVE_ENGINES == 0
+        if last:
+            _release_parallel_state()
+
     def close(self) -> None:
-        """Shut vLLM down and release every reservation."""
+        """Shut vLLM down, release every reservation and, with the process's last vLLM
+        engine, vLLM's parallel state."""
         llm = getattr(self, "llm", None)
         self.llm = None
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            try:
+                engine = getattr(llm, "llm_engine", None)
+                shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+                if shutdown is not None:
+                    shutdown()
+                del llm, engine
+            finally:
+                if getattr(self, "_live", False):
+                    self._live = False
+                    self._count_live(-1)
+            if not self.on_cpu:
+                gc.collect()  # vLLM's model and cache hold reference cycles
+                torch.cuda.empty_cache()  # so the next engine's free-memory check sees it
         self.ledger.release_prefix(f"{self.name}/")

@@ -31,6 +31,7 @@ from typing import Any
 
 from nereus.actors import Cluster, emit
 from nereus.config import require
+from nereus.engines.precision import resolve_dtype
 from nereus.errors import StateError
 from nereus.job.cluster_stages import ClusterStages
 from nereus.job.config import PLANNER_NAMES, JobConfig, from_planner_plan, to_planner_plan
@@ -67,13 +68,16 @@ def job_workload(cfg: JobConfig, model_config: ModelConfig, *, prompt_length: in
                  memory_lengths: LengthStats | None = None, reward_config: ModelConfig | None = None) -> Workload:
     """The planner's view of the job ``cfg`` (its model-stages, batch and lengths)."""
     a = cfg.algorithm
-    policy = planner_shape(model_config, cfg.model.dtype, "policy")
+    # A config not yet resolved for its devices (planning outside a running job, for CPU
+    # workers) is priced as what "auto" means there.
+    dtype = resolve_dtype(cfg.model.dtype, ["cpu"])
+    policy = planner_shape(model_config, dtype, "policy")
     models = {"policy": policy, "reference": policy}
     if a.name == "ppo":
         models["critic"] = policy.as_value_model()
     if cfg.reward.kind == "model":
         require(reward_config is not None, "reward_config", None, "must be given for a job with a reward model")
-        models["reward"] = planner_shape(reward_config, cfg.model.dtype, "reward", value_head=True)
+        models["reward"] = planner_shape(reward_config, dtype, "reward", value_head=True)
     return Workload(a.name, models, a.prompts_per_step, a.samples_per_prompt, max(1, int(prompt_length)), lengths,
                     micro_batch=min(cfg.optim.micro_batch_size, a.rollouts_per_step), epochs=a.epochs,
                     reference=cfg.uses_reference, memory_lengths=memory_lengths)

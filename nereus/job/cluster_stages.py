@@ -35,11 +35,12 @@ from typing import Any
 import torch
 
 from nereus.actors import Cluster, Failure
+from nereus.actors.gpu_memory import VLLM_WORKSPACE_BYTES
 from nereus.config import require
 from nereus.engines import spawn_hosts, spawn_model_stage, start_model_stage
 from nereus.errors import ActorDied
 from nereus.job.change import STAGE_KINDS, stage_emus
-from nereus.job.config import JobConfig
+from nereus.job.config import JobConfig, resolve_model_dtype
 from nereus.job.local_stages import reward_model
 from nereus.job.plan_changes import PlanChanges, emit_event
 from nereus.models import ModelConfig, model_spec
@@ -123,6 +124,7 @@ class ClusterStages(PlanChanges, ModelStages):
                 # can miss the default 3 s, and a lost node ends the job.
                 cluster = Cluster.local(devices=c.devices, memory_per_device=c.memory_per_device, heartbeat_timeout_s=30.0)
             await cluster.start()
+        cfg = resolve_model_dtype(cfg, [d.kind for d in cluster.devices[:cfg.cluster.devices]])
         self = cls(cfg, cluster, model_config, Path(model_dir))
         self._owns_cluster = owns
         cluster.on_failure(self._on_failure)
@@ -375,9 +377,12 @@ class ClusterStages(PlanChanges, ModelStages):
             params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
             return params * grad_bytes_per_param(self.cfg.model.dtype)
         if kind == "generation" and self.cfg.sampling.engine == "vllm":
-            # vLLM's own copy of the weights and the KV cache it is given
+            # vLLM's own copy of the weights, the KV cache it is given and, on a GPU, its
+            # workspace (what VllmGenerationEngine reserves)
             params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
-            return params * DTYPE_BYTES[self.cfg.model.dtype] + self._vllm_cache_bytes(sp)
+            on_gpu = any(d.index == device and d.kind == "cuda" for d in self.cluster.devices)
+            return (params * DTYPE_BYTES[self.cfg.model.dtype] + self._vllm_cache_bytes(sp)
+                    + (VLLM_WORKSPACE_BYTES if on_gpu else 0))
         if kind == "generation" and self._cache_slots:
             c = self.model_config
             pp_rank, tp_rank = emu.position(device)

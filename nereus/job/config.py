@@ -53,6 +53,7 @@ __all__ = [
     "PLANNER_NAMES",
     "from_planner_plan",
     "required_stages",
+    "resolve_model_dtype",
     "to_planner_plan",
 ]
 
@@ -81,9 +82,14 @@ class ModelConfigSection:
     num_kv_heads: int = 2
     intermediate_size: int = 128
     max_seq_len: int = 64
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """What the model-stages compute in. ``auto``: bfloat16 where every device of the job
+    is a GPU, float32 otherwise (``nereus.engines.precision``); training in bfloat16 keeps
+    float32 master weights and AdamW moments."""
 
     def __post_init__(self) -> None:
+        require(self.dtype in ("auto", "float32", "bfloat16"), "model.dtype", self.dtype,
+                "must be 'auto', 'float32' or 'bfloat16'")
         require(self.kind in ("tiny", "hf", "smollm2"), "model.kind", self.kind, "must be 'tiny', 'hf' or 'smollm2'")
         require(self.kind != "hf" or bool(self.path), "model.path", self.path, "must name a Hugging Face folder when kind='hf'")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
@@ -384,3 +390,16 @@ def from_planner_plan(plan):
     unknown = [n for n, _ in plan if n not in back]
     require(not unknown, "plan", unknown, f"must name model-stages among {sorted(back)}")
     return Plan(tuple((back[n], sp) for n, sp in plan))
+
+
+def resolve_model_dtype(cfg: JobConfig, device_kinds: list[str]) -> JobConfig:
+    """``cfg`` with ``model.dtype`` resolved for devices of ``device_kinds`` (``auto``:
+    bfloat16 on GPUs, float32 otherwise; ``nereus.engines.precision``)."""
+    import dataclasses
+
+    from nereus.engines.precision import resolve_dtype
+
+    dtype = resolve_dtype(cfg.model.dtype, device_kinds)
+    if dtype == cfg.model.dtype:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))

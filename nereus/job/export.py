@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from nereus.config import from_dict
+from nereus.engines.precision import resolve_dtype
 from nereus.errors import ConfigError, StateError, exit_status
 from nereus.job.config import JobConfig
 from nereus.models.config import ModelConfig
@@ -50,7 +51,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 def policy_tensors(checkpoint: str | Path, cfg: JobConfig, model_config: ModelConfig) -> dict[str, torch.Tensor]:
     """The policy's whole parameters in ``checkpoint`` (nereus names)."""
     folder = Path(checkpoint)
-    spec = model_spec(model_config, dtype=cfg.model.dtype)
+    spec = model_spec(model_config, dtype=_dtype(cfg))
     single = folder / f"{_STAGE}.safetensors"
     if single.is_file():
         names = {p.name for p in spec}
@@ -66,7 +67,13 @@ def export_checkpoint(checkpoint: str | Path, cfg: JobConfig, model_config: Mode
                       out: str | Path) -> Path:
     """Write the policy of ``checkpoint`` to ``out`` as a Hugging Face folder; returns ``out``."""
     params = policy_tensors(checkpoint, cfg, model_config)
-    return export_hf(out, model_config, params, tokenizer_dir=model_dir, dtype=cfg.model.dtype)
+    return export_hf(out, model_config, params, tokenizer_dir=model_dir, dtype=_dtype(cfg))
+
+
+def _dtype(cfg: JobConfig) -> str:
+    # A job writes its config.json again once "auto" is resolved for its devices; one
+    # still saying "auto" never ran on GPUs (nereus.engines.precision).
+    return resolve_dtype(cfg.model.dtype, ["cpu"])
 
 
 def _model_folder(cfg: JobConfig, run_dir: Path) -> Path:

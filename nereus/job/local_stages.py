@@ -31,7 +31,7 @@ from nereus.engines.inference import InferenceEngine
 from nereus.engines.memory import MemoryLedger
 from nereus.engines.training import TrainingEngine
 from nereus.errors import ConfigError, StateError
-from nereus.job.config import JobConfig
+from nereus.job.config import JobConfig, resolve_model_dtype
 from nereus.models import ModelConfig, save_tiny_model
 from nereus.rl.stages import ModelStages, last_token_scores
 
@@ -65,7 +65,7 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
         num_key_value_heads=m.num_kv_heads,
         max_position_embeddings=m.max_seq_len,
         tie_word_embeddings=False,
-        torch_dtype=m.dtype,
+        torch_dtype="float32" if m.dtype == "auto" else m.dtype,  # the stages cast on load
         bos_token_id=codec.bos_id,
         eos_token_id=codec.eos_id,
     )
@@ -109,7 +109,7 @@ class InProcessStages(ModelStages):
 
         for name, p in cfg.plan.items():
             require(p.tp == p.pp == p.dp == 1, f"plan.{name}", f"tp={p.tp} pp={p.pp} dp={p.dp}", "must be 1 x 1 x 1 with cluster.mode='in_process'")
-        self.cfg = cfg
+        cfg = self.cfg = resolve_model_dtype(cfg, ["cpu"])  # in the driver: on its CPU
         budget = cfg.cluster.memory_bytes
         ledgers: dict[int, MemoryLedger] = {}
 

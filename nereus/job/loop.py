@@ -114,6 +114,11 @@ class RLJob:
                     tap, self.tap = self.tap, None
                     await tap.stop(flush=False)
                 raise
+        resolved = getattr(self.stages, "cfg", self.cfg)
+        if resolved is not self.cfg:  # model.dtype "auto" resolved for the devices
+            self.cfg = resolved
+            (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+        if self.cfg.cluster.mode != "in_process":
             if self.cfg.adapt.enabled:
                 reward = self.stages._models.get("reward", (None,))[0]
                 self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)

@@ -4,8 +4,10 @@ Public API:
 - ``Communicator``, ``P2POp``, ``ReduceOp``: the contract every backend implements.
 - ``CpuCommunicator``: gloo collectives + shared-memory p2p for CPU tensors, built
   directly from a store address (no actor runtime needed).
-- ``NcclCommunicator`` (``nereus.transfer.nccl``, imported on use: needs libnccl).
-- ``exchange``, ``TransferStats``: bucketed, double-buffered transfers of tensor views.
+- ``NcclCommunicator`` (``nereus.transfer.nccl``, imported on use: needs libnccl): NCCL
+  on a CUDA stream of its own, ordered against the caller's by events (docs/gpu.md).
+- ``exchange``, ``TransferStats``: bucketed, double-buffered transfers of tensor views
+  (``nereus.transfer.bucket.pack_buckets``: the buckets it sends, packed).
 - ``exchange_direct``, ``arena_empty``: senders copy straight into receivers' arenas
   (pooled shared memory of the receiving process), one copy per moved byte;
   ``arena_pool_stats``: this process's pool of them (free and busy).

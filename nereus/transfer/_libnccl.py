@@ -31,7 +31,7 @@ from typing import Any
 from nereus.errors import TransferError
 
 __all__ = ["Timeout", "Comm", "library", "version", "unique_id", "group", "DTYPES", "OPS",
-           "UINT8"]
+           "UINT8", "SUCCESS", "IN_PROGRESS"]
 
 SUCCESS, IN_PROGRESS = 0, 7
 # ncclDataType_t and ncclRedOp_t (nccl.h)
@@ -106,8 +106,9 @@ def library() -> Any:
             except OSError as e:
                 errors.append(f"{path}: {e}")
         else:
-            raise TransferError("the nccl backend needs libnccl.so.2 (pip install "
-                                f"nvidia-nccl-cu12 or -cu13, or nereus[gpu]): {'; '.join(errors)}")
+            raise TransferError("the nccl backend needs libnccl.so.2 (a CUDA build of torch "
+                                "brings it; else nereus[nccl-cu12] or nereus[nccl-cu13], after "
+                                f"torch.version.cuda): {'; '.join(errors)}")
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is None:
@@ -189,6 +190,19 @@ class Comm:
                 raise Timeout(f"{what} was still in progress at its deadline")
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
+
+    def async_error(self) -> int:
+        """NCCL's asynchronous state of this communicator without waiting: ``SUCCESS``,
+        ``IN_PROGRESS`` or an error code (a peer failed, a network error). Safe to call
+        from another thread while operations run; an aborted communicator reads SUCCESS."""
+        if self.aborted:
+            return SUCCESS
+        state = _I(SUCCESS)
+        result = self._lib.ncclCommGetAsyncError(self.handle, ctypes.byref(state))
+        return result if result != SUCCESS else state.value
+
+    def error_text(self, code: int) -> str:
+        return self._lib.ncclGetErrorString(code).decode(errors="replace")
 
     def _usable(self, what: str) -> None:
         if self.aborted:  # the handle is freed: NCCL must never see it again

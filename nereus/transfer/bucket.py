@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from nereus.errors import ConfigError
 from nereus.transfer import _tap
 from nereus.transfer.communicator import Communicator, P2POp
 
-__all__ = ["exchange", "TransferStats", "bucket_layout", "DEFAULT_BUCKET_BYTES_CPU",
+__all__ = ["exchange", "TransferStats", "bucket_layout", "pack_buckets", "DEFAULT_BUCKET_BYTES_CPU",
            "DEFAULT_BUCKET_BYTES_GPU"]
 
 DEFAULT_BUCKET_BYTES_CPU = 64 * 2**20
@@ -190,6 +191,28 @@ class _Side:
                 v.copy_(buf[p.offset : p.offset + p.stop].view(v.dtype).view(v.shape))
 
 
+def pack_buckets(views: Sequence[torch.Tensor], bucket_bytes: int) -> list[torch.Tensor]:
+    """``views`` laid out in contiguous uint8 buckets of ``bucket_bytes`` exactly as
+    ``exchange`` sends them to one peer (``bucket_layout``), copied on the current stream
+    of their device. A bucket that is one piece of a contiguous view is that view's own
+    memory (``exchange`` sends it without a copy), so it is returned as a view of it."""
+    require(isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN, "bucket_bytes",
+            bucket_bytes, f"must be an int >= {_ALIGN}")
+    devices = {v.device for v in views}
+    require(len(devices) <= 1, "views", sorted(map(str, devices)), "must be on one device")
+    device = devices.pop() if devices else torch.device("cpu")
+    side = _Side(list(views), bucket_bytes)
+    out = []
+    for k, n in enumerate(side.used):
+        if k in side.direct:
+            out.append(side.direct[k])
+            continue
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+        side.pack(k, buf)
+        out.append(buf)
+    return out
+
+
 def exchange(
     comm: Communicator,
     sends: dict[int, list[torch.Tensor]],
@@ -220,6 +243,11 @@ def exchange(
     rounds = max([len(s.used) for s in [*out.values(), *inn.values()]] or [0])
     stats = TransferStats(rounds=rounds)
     t_start = time.perf_counter()
+
+    if device.type == "cuda" and comm.streamed:
+        _exchange_on_streams(comm, out, inn, rounds, bucket_bytes, device, timeout_s, adopt, stats)
+        stats.seconds = time.perf_counter() - t_start
+        return stats
 
     def alloc() -> dict[int, torch.Tensor]:
         return {p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in out}
@@ -290,3 +318,94 @@ def exchange(
         unpack(rounds - 1)
     stats.seconds = time.perf_counter() - t_start
     return stats
+
+
+def _round_ops(comm: Communicator, k: int, out: dict[int, _Side], inn: dict[int, _Side],
+               send_bufs: dict[int, torch.Tensor], stats: TransferStats
+               ) -> tuple[list[P2POp], list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """Round ``k``'s sends, fresh receives and (src, dst, bytes) records."""
+    ops, new, records = [], [], []
+    for p, side in out.items():
+        if k < len(side.used):
+            n = side.used[k]
+            ops.append(P2POp("send", side.direct[k] if k in side.direct else send_bufs[p][:n], p))
+            records.append((comm.rank, p, n))
+            stats.bytes_sent += n
+    for p, side in inn.items():
+        if k < len(side.used):
+            n = side.used[k]
+            new.append((p, n))
+            records.append((p, comm.rank, n))
+            stats.bytes_received += n
+    return ops, new, records
+
+
+def _exchange_on_streams(comm: Communicator, out: dict[int, _Side], inn: dict[int, _Side],
+                         rounds: int, bucket_bytes: int, device: torch.device,
+                         timeout_s: float | None, adopt: bool, stats: TransferStats) -> None:
+    """The CUDA path: packing and unpacking on a side stream, NCCL on the
+    communicator's stream, ordered by events only, so packing round k+1 and unpacking
+    round k-1 run while round k is on the wire. The host enqueues everything, then
+    waits once (deadlines enforced by ``comm.synchronize``) for the figures."""
+    caller = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(caller)
+    side.wait_event(start)  # the views' producers on the caller's stream come first
+    sets = [{p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in out}
+            for _ in range(min(rounds, 2))]
+    packed: list[Any] = []
+    done: list[Any] = []
+    fresh: dict[int, dict[int, torch.Tensor]] = {}
+    records: list[list[tuple[int, int, int]]] = []
+
+    def launch(k: int) -> None:
+        if k >= 2 and done[k - 2] is not None:
+            side.wait_event(done[k - 2])  # send buffers of round k-2 are free again
+        with torch.cuda.stream(side):
+            for p, s in out.items():
+                s.pack(k, sets[k % len(sets)][p])
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record(side)
+        packed.append(mark)
+        ops, new, recs = _round_ops(comm, k, out, inn, sets[k % len(sets)], stats)
+        records.append(recs)
+        bufs, event = comm.enqueue_p2p(ops, new, mark, timeout_s)  # type: ignore[attr-defined]
+        done.append(event)
+        fresh[k] = {p: t for (p, _), t in zip(new, bufs, strict=True)}
+
+    def unpack(k: int) -> None:
+        if done[k] is not None:
+            side.wait_event(done[k])
+        got = fresh.pop(k)
+        with torch.cuda.stream(side):
+            for p, s in inn.items():
+                if p in got:
+                    s.unpack(k, got[p], adopt)
+        for t in got.values():
+            t.record_stream(side)  # read there after this function lets go of it
+
+    if rounds:
+        launch(0)
+    for k in range(rounds):
+        if k + 1 < rounds:
+            launch(k + 1)  # packed and queued while round k moves
+        unpack(k)
+    end = torch.cuda.Event()
+    end.record(side)
+    caller.wait_event(end)  # received views are written
+    last = next((e for e in reversed(done) if e is not None), None)
+    if last is not None:
+        caller.wait_event(last)  # sources are not overwritten before they are sent
+    comm.synchronize(timeout_s)  # the one host wait: the figures below need the times
+    end_of: list[float] = []
+    for k in range(rounds):
+        t_done = start.elapsed_time(done[k]) / 1e3 if done[k] is not None else 0.0
+        t_begin = max(start.elapsed_time(packed[k]) / 1e3, end_of[-1] if end_of else 0.0)
+        end_of.append(max(t_done, end_of[-1] if end_of else 0.0))
+        seconds = max(t_done - t_begin, 0.0)
+        for src, dst, n in records[k]:
+            stats.buckets += 1
+            peer = dst if src == comm.rank else src
+            stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + n
+            emit_transfer(comm, src, dst, n, seconds, k)

@@ -6,8 +6,11 @@ ProcessGroupGloo, CPU, any host), shared memory for intra-host CPU p2p, and
 ``nccl`` (libnccl through ctypes on CUDA tensors).
 
 Promises:
-- Every operation is blocking and in place on the tensors given, like torch.distributed;
-  callers on an event loop run them in a thread (``asyncio.to_thread``).
+- Every operation is in place on the tensors given, like torch.distributed. CPU
+  backends block until it is done; the nccl backend is stream-ordered: it returns once
+  NCCL accepted the work, and later work on the caller's current CUDA stream sees the
+  result. ``synchronize`` waits on the host (where the host needs the data). Callers
+  on an event loop run operations in a thread (``asyncio.to_thread``).
 - Every operation has a deadline (``timeout_s``, default the group's); one that outlives
   it raises ``StuckCollective`` naming the ranks that never entered it, and the group
   is aborted; later operations on it raise ``TransferError``.
@@ -57,6 +60,9 @@ class Communicator(abc.ABC):
     # Cluster device index of each rank, when the group was made for devices
     # (make_group); None for groups built by hand. Used to label tap events.
     devices: tuple[int, ...] | None = None
+    # Whether operations run on a CUDA stream of the communicator's own and it offers
+    # ``enqueue_p2p(ops, new, after, timeout_s) -> (fresh tensors, done event)`` (nccl).
+    streamed: bool = False
 
     @abc.abstractmethod
     def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
@@ -133,6 +139,11 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self, timeout_s: float | None = None) -> None:
         """Return once every rank has entered."""
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Return once every operation this rank enqueued is done, raising what a failed
+        one raises. Backends whose operations block have nothing to wait for."""
+        return None
 
     @abc.abstractmethod
     def destroy(self) -> None:

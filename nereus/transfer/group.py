@@ -97,8 +97,9 @@ def release_epoch(epoch: int) -> int:
     return sum(_drop(g) for g in ids)
 
 
-def _build(spec: dict[str, Any]) -> Communicator:
-    """A communicator from the one message ``make_group`` sends (runs in a thread)."""
+def _build(spec: dict[str, Any], loop: asyncio.AbstractEventLoop | None = None) -> Communicator:
+    """A communicator from the one message ``make_group`` sends (runs in a thread;
+    ``loop``: the worker's event loop, which watches an NCCL group's deadlines)."""
     common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], devices=spec["devices"],
                   store_token=spec.get("store_token", ""), **spec.get("options", {}))
     if spec["backend"] == "nccl":
@@ -108,7 +109,7 @@ def _build(spec: dict[str, Any]) -> Communicator:
         # index on its node (the engines' tensors live there too).
         return NcclCommunicator(spec["group_id"], spec["rank"], spec["size"],
                                 bytes(spec["nccl_id"]), store_host=spec["store_host"],
-                                store_port=spec["store_port"], **common)
+                                store_port=spec["store_port"], loop=loop, **common)
     from nereus.transfer.cpu import CpuCommunicator
 
     return CpuCommunicator(spec["group_id"], spec["rank"], spec["size"], spec["store_host"],
@@ -120,7 +121,7 @@ class GroupAgent(Actor):
 
     @endpoint(concurrent=True)
     async def join(self, spec: dict) -> dict:
-        comm = await asyncio.to_thread(_build, spec)
+        comm = await asyncio.to_thread(_build, spec, asyncio.get_running_loop())
         with _registry_lock:
             old = _registry.pop(comm.group_id, None)
             _registry[comm.group_id] = comm

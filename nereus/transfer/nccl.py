@@ -1,32 +1,49 @@
-"""NcclCommunicator: NCCL (through ``_libnccl``, ctypes) on torch CUDA tensors.
+"""NcclCommunicator: NCCL (through ``_libnccl``, ctypes) on torch CUDA tensors, on a
+communication stream of its own.
 
 Imported only where used (``make_group`` with CUDA devices, GPU tests): importing
 nereus never loads libnccl. Built from the group id, rank, size and the NCCL unique id
-as 128 raw bytes (made by ``unique_id()`` on one member and sent in msgpack), plus
-optionally a TCPStore address used only for the watchdog's records.
+as 128 raw bytes (made by ``unique_id()`` on one member, sent in msgpack), optionally a
+TCPStore address (records of who entered what, to name missing ranks) and the worker's
+event loop (``loop``, which watches deadlines).
 
-Promises (beyond the Communicator contract):
-- the device is the worker's one GPU, ``cuda:0``, unless ``device=`` says otherwise;
-- deadlines cover everything (creation, enqueueing, group end): a rank that never joins
-  or an operation that never completes makes the others raise ``StuckCollective``
-  naming it, after ``ncclCommAbort``, and emit a ``stuck_collective`` tap event;
-- operations run on torch's current CUDA stream and return once their work completed;
-  callers run them from worker threads, never on an event loop thread.
+Promises (beyond the Communicator contract; docs/gpu.md says why):
+- Device: a worker sees one GPU, ``cuda:0``, the default; ``device=`` picks another in
+  a process that sees several (tests). Tensors elsewhere are refused.
+- Streams: NCCL runs on ``self.stream``, never on the caller's stream. An operation
+  starts after what the caller's current stream had enqueued when it was called (an
+  event recorded there, waited for on ``self.stream``); the caller's stream waits, on
+  the GPU, for an event recorded after it, so later work there sees the result. The
+  host does not wait: an operation returns once NCCL accepted it. Every tensor it
+  touches is ``record_stream``-ed on ``self.stream`` (the allocator keeps its memory
+  until NCCL is done). ``enqueue_p2p`` starts after a given event and returns the one
+  marking its end without making the caller's stream wait (bucketed transfers).
+- Host waits only where the host needs the data: ``synchronize``, ``barrier``,
+  ``destroy``. Accepting a call never blocks past its deadline (non-blocking NCCL).
+- Deadlines with no watcher thread: while operations are pending, ``loop`` (if given)
+  polls their events (``Event.query``) and ``ncclCommGetAsyncError`` at growing
+  intervals up to ``_POLL_MAX_S``; every later call checks them too. One not done by
+  its deadline, or an NCCL error, aborts the communicator (``ncclCommAbort`` frees the
+  stuck kernels, so streams waiting on them go on) and the next call raises
+  ``StuckCollective`` naming the ranks that never entered (store records), after a
+  ``stuck_collective`` tap event; without records, ``TransferError``. A rank that
+  never joins fails the others' start the same way (op ``create``).
+- Counts are ``size_t`` elements; bytes for dtypes NCCL lacks; bool reduces as uint8.
 
-Refuses: tensors not on this communicator's CUDA device, mismatched sizes
-(``TransferError``); ``avg`` on non-floating dtypes (``ConfigError``).
-
-More (how it works): docs/transfer.md.
+Refuses: tensors not on this device, mismatched sizes (``TransferError``); ``avg`` on
+non-floating dtypes (``ConfigError``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,51 +97,44 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-class _Watcher:
-    """One thread that waits for CUDA events, so a caller can wait with a deadline."""
+@dataclass
+class _Pending:
+    """One enqueued operation: done once ``done`` (recorded after it on the
+    communication stream) has completed."""
 
-    def __init__(self) -> None:
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="nereus-nccl-watch", daemon=True)
-        self._thread.start()
+    op: str
+    seq: int
+    done: Any  # torch.cuda.Event
+    t0: float
+    deadline: float
 
-    def _loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            event, done, errors = item
-            try:
-                event.synchronize()
-            except RuntimeError as e:  # a CUDA error: delivered to the waiting caller
-                errors.append(e)
-            done.set()
 
-    def wait(self, event: Any, timeout: float) -> bool:
-        """True once ``event`` completed, False at ``timeout``; raises a CUDA error."""
-        done = threading.Event()
-        errors: list[BaseException] = []
-        self._q.put((event, done, errors))
-        finished = done.wait(timeout)
-        if errors:
-            raise TransferError(f"CUDA error while waiting for an NCCL operation: {errors[0]}")
-        return finished
+@dataclass
+class _Failure:
+    """What went wrong with an operation; turned into the error raised at the next call
+    (reading the store to name the missing ranks may block: never on the event loop)."""
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._q.put(None)
-        self._thread.join(timeout)
+    op: str
+    seq: int
+    seconds: float
+    nccl_error: str = ""
+
+
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.02
 
 
 class NcclCommunicator(Communicator):
     """NCCL communicator for CUDA tensors (see the module docstring)."""
 
     backend = "nccl"
+    streamed = True
 
     def __init__(self, group_id: str, rank: int, size: int, nccl_id: bytes, *,
                  epoch: int = 0, timeout_s: float = 60.0, device: int | None = None,
                  store_host: str | None = None, store_port: int | None = None,
                  devices: tuple[int, ...] | list[int] | None = None,
-                 store_token: str = "") -> None:
+                 store_token: str = "", loop: asyncio.AbstractEventLoop | None = None) -> None:
         require(isinstance(size, int) and size >= 1, "size", size, "must be an int >= 1")
         require(isinstance(rank, int) and 0 <= rank < size, "rank", rank, f"must be in [0, {size})")
         require(isinstance(nccl_id, (bytes, bytearray)) and len(nccl_id) == 128, "nccl_id",
@@ -144,11 +154,16 @@ class NcclCommunicator(Communicator):
         self.timeout_s = float(timeout_s)
         # A worker sees one GPU: cuda:0 (module docstring).
         self.device = torch.device("cuda", 0 if device is None else device)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one caller enqueues at a time
         self._aborted = False
         self._destroyed = False
         self._seq = 0
         self._kv = None
+        self._loop = loop
+        self._pending: deque[_Pending] = deque()
+        self._pending_lock = threading.Lock()
+        self._polling = False
+        self._failure: _Failure | BaseException | None = None
         if store_host is not None and store_port is not None:
             from torch.distributed import PrefixStore, TCPStore
 
@@ -170,7 +185,9 @@ class NcclCommunicator(Communicator):
                 raise StuckCollective(group_id, "create", missing, seconds) from None
             raise TransferError(f"group {group_id!r} rank {rank}: NCCL could not form the "
                                 f"group within {self.timeout_s} s") from None
-        self._watch = _Watcher()
+        # The communication stream: NCCL's kernels never queue behind the caller's work
+        # (nor the caller's behind them) except where an event orders them.
+        self.stream = torch.cuda.Stream(device=self.device)
 
     def _never_joined(self) -> list[int]:
         if self._kv is None:
@@ -181,11 +198,132 @@ class NcclCommunicator(Communicator):
             log.error("group %s: cannot read who joined: %s", self.group_id, e)
             return []
 
+    # ---------------------------------------------------------------- deadlines
+
+    def _track(self, pending: _Pending) -> None:
+        with self._pending_lock:
+            self._pending.append(pending)
+            arm = not self._polling and self._loop is not None and not self._loop.is_closed()
+            if arm:
+                self._polling = True
+        if arm:
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._poll, _POLL_MIN_S)
+            except RuntimeError:  # the loop closed meanwhile: later calls check instead
+                with self._pending_lock:
+                    self._polling = False
+
+    def _poll(self, interval: float) -> None:
+        """On the event loop: look at the pending operations, then again later while
+        any is left (no thread, no blocking call)."""
+        self._reap(time.monotonic())
+        with self._pending_lock:
+            if not self._pending or self._failure is not None or self._destroyed:
+                self._polling = False
+                return
+        self._loop.call_later(interval, self._poll, min(interval * 2, _POLL_MAX_S))  # type: ignore[union-attr]
+
+    def _reap(self, now: float) -> None:
+        """Forget operations that completed; record a failure for one past its deadline
+        or an NCCL error, and abort (never blocks)."""
+        with self._pending_lock:
+            try:
+                # one stream: operations complete in the order they were enqueued
+                while self._pending and self._pending[0].done.query():
+                    self._pending.popleft()
+            except RuntimeError as e:  # a CUDA error: the next call raises it
+                if self._failure is None:
+                    self._failure = TransferError(f"group {self.group_id!r}: CUDA error while "
+                                                  f"NCCL operations were pending: {e}")
+                self._pending.clear()
+                return
+            if not self._pending or self._failure is not None or self._aborted:
+                return
+            late = next((p for p in self._pending if now >= p.deadline), None)
+            head = self._pending[0]
+        code = self._comm.async_error()
+        if code not in (_libnccl.SUCCESS, _libnccl.IN_PROGRESS):
+            self._fail(_Failure(head.op, head.seq, now - head.t0,
+                                f"NCCL error {code} ({self._comm.error_text(code)})"))
+        elif late is not None:
+            self._fail(_Failure(late.op, late.seq, now - late.t0))
+
+    def _fail(self, failure: _Failure) -> None:
+        with self._pending_lock:
+            if self._failure is not None:
+                return
+            self._failure = failure
+        log.error("group %s rank %d: %s %s after %.2f s; aborting", self.group_id, self.rank,
+                  failure.op, failure.nccl_error or "not done by its deadline", failure.seconds)
+        # A caller inside an NCCL call holds the lock and aborts itself when it sees the
+        # failure (right after that call); never free the handle under it.
+        if self._lock.acquire(blocking=False):
+            try:
+                self.abort()
+            finally:
+                self._lock.release()
+
+    def _raise_failure(self) -> None:
+        failure = self._failure
+        if failure is None:
+            return
+        if isinstance(failure, BaseException):
+            raise failure
+        self.abort()
+        missing = self._missing(failure.seq) if not failure.nccl_error else []
+        error: BaseException
+        if missing:
+            _tap.emit("stuck_collective", group=self.group_id, op=failure.op,
+                      missing_ranks=missing, seconds=failure.seconds, rank=self.rank,
+                      epoch=self.epoch)
+            error = StuckCollective(self.group_id, failure.op, missing, failure.seconds)
+        else:
+            why = failure.nccl_error or ("did not complete (no store records: ranks unknown, "
+                                         "or a peer died)")
+            error = TransferError(f"group {self.group_id!r} rank {self.rank}: {failure.op} "
+                                  f"{why} in {failure.seconds:.2f} s")
+        # Raised once; later calls find the group aborted (the Communicator contract).
+        self._failure = TransferError(f"group {self.group_id!r}: the group was aborted "
+                                      f"after {failure.op} failed")
+        raise error
+
+    def _missing(self, seq: int) -> list[int]:
+        if self._kv is None:
+            return []
+        vals = self._kv.multi_get([f"c/{r}" for r in range(self.size)])
+        return [r for r, v in enumerate(vals) if int(v) < seq]
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Wait on the host until every operation enqueued so far is done (each within
+        its own deadline, and within ``timeout_s`` when given); raises what a failed
+        operation raises (``StuckCollective``, ``TransferError``)."""
+        cap = None if timeout_s is None else time.monotonic() + float(timeout_s)
+        pause = 1e-4
+        while True:
+            now = time.monotonic()
+            self._reap(now)
+            self._raise_failure()
+            with self._pending_lock:
+                if not self._pending:
+                    return
+                head = self._pending[0]
+            if self._aborted:  # aborted from outside: what is pending may never end
+                raise TransferError(f"group {self.group_id!r}: the group was aborted with "
+                                    f"{head.op} pending")
+            if cap is not None and now >= cap:
+                self._fail(_Failure(head.op, head.seq, now - head.t0))
+                continue
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
     # ---------------------------------------------------------------- plumbing
 
     def _check(self, *tensors: torch.Tensor) -> None:
         if self._destroyed:
             raise TransferError(f"group {self.group_id!r}: used after destroy()")
+        self._reap(time.monotonic())
+        self._raise_failure()
         if self._aborted or self._comm.aborted:
             raise TransferError(f"group {self.group_id!r}: the group was aborted")
         for t in tensors:
@@ -193,52 +331,50 @@ class NcclCommunicator(Communicator):
                 where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
                 raise TransferError(f"group {self.group_id!r} works on {self.device}; got {where}")
 
-    def _run(self, op: str, timeout_s: float | None,
-             enqueue: Callable[[int, float], None], group: bool = False) -> None:
-        """Enqueue ``op`` (``enqueue(stream, deadline)``) and wait for it, all within
-        one deadline that starts before anything can block."""
+    def _launch(self, op: str, timeout_s: float | None, enqueue: Callable[[int, float], None],
+                touched: Sequence[torch.Tensor], *, group: bool = False, after: Any = None,
+                join_caller: bool = True) -> Any:
+        """Enqueue ``op`` (``enqueue(stream, deadline)``) on the communication stream
+        after ``after`` (default: the caller's current stream as it is now); returns the
+        event recorded after it. ``join_caller``: the caller's stream waits for that."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         require(timeout > 0, "timeout_s", timeout_s, "must be > 0 seconds")
         t0 = time.monotonic()
         deadline = t0 + timeout
         self._seq += 1
+        seq = self._seq
         if self._kv is not None:
-            self._kv.set(f"c/{self.rank}", str(self._seq))
-        stream = torch.cuda.current_stream(self.device)
+            self._kv.set(f"c/{self.rank}", str(seq))
+        caller = torch.cuda.current_stream(self.device)
+        if after is None:
+            after = torch.cuda.Event()
+            after.record(caller)
+        self.stream.wait_event(after)
         try:
-            if group:
-                with _libnccl.group(self._comm, deadline):
-                    enqueue(stream.cuda_stream, deadline)
-            else:
-                enqueue(stream.cuda_stream, deadline)
-        except _libnccl.Timeout:
-            self._stuck(op, t0)
+            with torch.cuda.device(self.device):
+                if group:
+                    with _libnccl.group(self._comm, deadline):
+                        enqueue(self.stream.cuda_stream, deadline)
+                else:
+                    enqueue(self.stream.cuda_stream, deadline)
+        except _libnccl.Timeout:  # NCCL did not even accept it in time (aborted already)
+            self._aborted = True
+            self._failure = _Failure(op, seq, time.monotonic() - t0)
+            self._raise_failure()
         except TransferError:
             self._aborted = True  # NCCL refused the call; the communicator is gone
             raise
-        event = torch.cuda.Event()
-        event.record(stream)
-        if self._watch.wait(event, max(deadline - time.monotonic(), 0.0)):
-            return
-        self._stuck(op, t0)
-
-    def _stuck(self, op: str, t0: float) -> None:
-        """``op`` outlived its deadline: abort, then name the ranks that never entered."""
-        seconds = time.monotonic() - t0
-        missing = self._missing(self._seq)
-        self.abort()
-        if missing:
-            _tap.emit("stuck_collective", group=self.group_id, op=op, missing_ranks=missing,
-                      seconds=seconds, rank=self.rank, epoch=self.epoch)
-            raise StuckCollective(self.group_id, op, missing, seconds)
-        raise TransferError(f"group {self.group_id!r} rank {self.rank}: {op} did not complete "
-                            f"in {seconds:.2f} s (no store records: ranks unknown, or a peer died)")
-
-    def _missing(self, seq: int) -> list[int]:
-        if self._kv is None:
-            return []
-        vals = self._kv.multi_get([f"c/{r}" for r in range(self.size)])
-        return [r for r, v in enumerate(vals) if int(v) < seq]
+        done = torch.cuda.Event(enable_timing=True)  # bucketed transfers time rounds by it
+        done.record(self.stream)
+        for t in touched:
+            if t.numel():
+                t.record_stream(self.stream)
+        if join_caller:
+            caller.wait_event(done)
+        self._track(_Pending(op, seq, done, t0, deadline))
+        if self._failure is not None:  # the loop saw a failure while we held the lock
+            self._raise_failure()
+        return done
 
     @staticmethod
     def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -257,18 +393,23 @@ class NcclCommunicator(Communicator):
 
     # ---------------------------------------------------------------- operations
 
-    def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
+    def _p2p(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], timeout_s: float | None,
+             after: Any, join_caller: bool) -> tuple[list[torch.Tensor], Any,
+                                                    list[tuple[P2POp, torch.Tensor]]]:
+        for o in ops:
+            if o.kind not in ("send", "recv"):
+                raise ConfigError(f"P2POp.kind={o.kind!r} must be 'send' or 'recv'")
+        peers = [o.peer for o in ops] + [p for p, _ in new]
+        for peer in peers:
+            if not (isinstance(peer, int) and 0 <= peer < self.size and peer != self.rank):
+                raise ConfigError(f"P2POp.peer={peer!r} must be another rank in [0, {self.size})")
         with self._lock:
             self._check(*(o.tensor for o in ops))
-            for o in ops:
-                if o.kind not in ("send", "recv"):
-                    raise ConfigError(f"P2POp.kind={o.kind!r} must be 'send' or 'recv'")
-                if not (isinstance(o.peer, int) and 0 <= o.peer < self.size and o.peer != self.rank):
-                    raise ConfigError(f"P2POp.peer={o.peer!r} must be another rank in "
-                                      f"[0, {self.size})")
-            if not ops:
-                return
+            fresh = [torch.empty(n, dtype=torch.uint8, device=self.device) for _, n in new]
             staged = [(o, self._contig(o.tensor)) for o in ops]
+            staged += [(P2POp("recv", t, p), t) for (p, _), t in zip(new, fresh, strict=True)]
+            if not staged:
+                return fresh, None, []
             comm = self._comm
             u8 = _libnccl.UINT8
 
@@ -279,10 +420,34 @@ class NcclCommunicator(Communicator):
                     comm.call(name, data.data_ptr(), data.numel(), u8, o.peer, comm.handle,
                               stream, deadline=deadline)
 
-            self._run("batch_p2p", timeout_s, enqueue, group=True)
-            for o, buf in staged:
-                if o.kind == "recv" and buf is not o.tensor:
-                    o.tensor.copy_(buf)
+            done = self._launch("batch_p2p", timeout_s, enqueue, [b for _, b in staged],
+                                group=True, after=after, join_caller=join_caller)
+        return fresh, done, staged
+
+    def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
+        _, _, staged = self._p2p(ops, (), timeout_s, None, True)
+        for o, buf in staged:
+            if o.kind == "recv" and buf is not o.tensor:
+                o.tensor.copy_(buf)  # on the caller's stream, after it waited for NCCL
+
+    def batch_p2p_new(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]],
+                      timeout_s: float | None = None) -> list[torch.Tensor]:
+        fresh, _, staged = self._p2p(ops, new, timeout_s, None, True)
+        for o, buf in staged:
+            if o.kind == "recv" and buf is not o.tensor:
+                o.tensor.copy_(buf)
+        return fresh
+
+    def enqueue_p2p(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], after: Any,
+                    timeout_s: float | None = None) -> tuple[list[torch.Tensor], Any]:
+        """``batch_p2p_new`` on the communication stream after event ``after`` (None: the
+        caller's current stream as it is now), without making the caller's stream wait:
+        returns the fresh receive buffers and the event marking the end (None when there
+        was nothing to do). Every tensor must be contiguous (no staging copies here)."""
+        bad = [o.peer for o in ops if not o.tensor.is_contiguous()]
+        require(not bad, "enqueue_p2p.ops", bad, "must hold contiguous tensors only")
+        fresh, done, _ = self._p2p(ops, new, timeout_s, after, False)
+        return fresh, done
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
         require(isinstance(src, int) and 0 <= src < self.size, "src", src,
@@ -292,9 +457,9 @@ class NcclCommunicator(Communicator):
             buf = self._contig(tensor)
             data, count, code = _elements(buf)
             comm = self._comm
-            self._run("broadcast", timeout_s, lambda s, d: comm.call(
+            self._launch("broadcast", timeout_s, lambda s, d: comm.call(
                 "ncclBroadcast", data.data_ptr(), data.data_ptr(), count, code, src,
-                comm.handle, s, deadline=d))
+                comm.handle, s, deadline=d), [buf])
             if buf is not tensor and self.rank != src:
                 tensor.copy_(buf)
 
@@ -307,9 +472,9 @@ class NcclCommunicator(Communicator):
             flat = buf.reshape(-1).view(torch.uint8) if buf.dtype == torch.bool else buf.reshape(-1)
             dt = _dtype_code(buf.dtype)
             comm = self._comm
-            self._run("all_reduce", timeout_s, lambda s, d: comm.call(
+            self._launch("all_reduce", timeout_s, lambda s, d: comm.call(
                 "ncclAllReduce", flat.data_ptr(), flat.data_ptr(), flat.numel(), dt, code,
-                comm.handle, s, deadline=d))
+                comm.handle, s, deadline=d), [buf])
             if op == "avg":
                 buf.div_(self.size)
             if buf is not tensor:
@@ -324,9 +489,9 @@ class NcclCommunicator(Communicator):
             out = self._contig(output)
             dst = _elements(out)[0]
             comm = self._comm
-            self._run("all_gather", timeout_s, lambda s, d: comm.call(
+            self._launch("all_gather", timeout_s, lambda s, d: comm.call(
                 "ncclAllGather", src.data_ptr(), dst.data_ptr(), count, code, comm.handle, s,
-                deadline=d))
+                deadline=d), [src, out])
             if out is not output:
                 output.copy_(out)
 
@@ -342,23 +507,25 @@ class NcclCommunicator(Communicator):
                           if src.dtype == torch.bool else (src.reshape(-1), out.reshape(-1)))
             dt = _dtype_code(src.dtype)
             comm = self._comm
-            self._run("reduce_scatter", timeout_s, lambda s, d: comm.call(
+            self._launch("reduce_scatter", timeout_s, lambda s, d: comm.call(
                 "ncclReduceScatter", fsrc.data_ptr(), fout.data_ptr(), fout.numel(), dt, code,
-                comm.handle, s, deadline=d))
+                comm.handle, s, deadline=d), [src, out])
             if op == "avg":
                 out.div_(self.size)
             if out is not output:
                 output.copy_(out)
 
     def barrier(self, timeout_s: float | None = None) -> None:
-        # NCCL has no barrier: a one-element all-reduce is the usual stand-in.
+        # NCCL has no barrier: a one-element all-reduce is the usual stand-in, waited for
+        # on the host (a barrier is for the host).
         with self._lock:
             self._check()
             one = torch.zeros(1, dtype=torch.float32, device=self.device)
             comm = self._comm
-            self._run("barrier", timeout_s, lambda s, d: comm.call(
+            self._launch("barrier", timeout_s, lambda s, d: comm.call(
                 "ncclAllReduce", one.data_ptr(), one.data_ptr(), 1, _libnccl.FLOAT32,
-                _libnccl.OPS["sum"], comm.handle, s, deadline=d))
+                _libnccl.OPS["sum"], comm.handle, s, deadline=d), [one])
+        self.synchronize()
 
     # ---------------------------------------------------------------- teardown
 
@@ -371,13 +538,19 @@ class NcclCommunicator(Communicator):
     def destroy(self) -> None:
         if self._destroyed:
             return
+        if not self._aborted:
+            try:
+                self.synchronize()  # what is in flight finishes (or fails) first
+            except (TransferError, StuckCollective) as e:  # aborted: nothing to flush
+                log.warning("group %s rank %d: destroyed after a failed operation: %s",
+                            self.group_id, self.rank, e)
         with self._lock:
             if not self._aborted:
-                torch.cuda.current_stream(self.device).synchronize()
                 try:
                     self._comm.destroy(time.monotonic() + self.timeout_s)
                 except TransferError as e:  # aborted instead: nothing is left to free
                     log.warning("group %s: %s", self.group_id, e)
             self._destroyed = True
-            self._watch.stop()
+            with self._pending_lock:
+                self._pending.clear()
             self._kv = None

@@ -33,6 +33,7 @@ def test_cuda_engines_match_cpu(tmp_path):
         train = TrainingEngine(CONFIG, device_ctx, model_dir=path, optim={"lr": 1e-3}, ledger=ledger, name=f"t-{tag}")
         lp = inf.logprobs(_batch())
         assert lp.device.type == "cpu"
+        assert train.optimizer.defaults["foreach"] is (tag == "cuda")  # multi-tensor AdamW on CUDA
         metrics = train.train_step(_batch(), micro_batch_size=2)
         state = {k: v.cpu() for k, v in train.named_state().items()}
         if tag == "cpu":

@@ -28,6 +28,9 @@ class _SharedBroadcast:
         else:
             tensor.copy_(self.board["record"])
 
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Nothing in flight: broadcast copies at once."""
+
 
 def _ctx(rank: int, size: int, board: dict | None) -> EmuContext:
     comm = _SharedBroadcast(rank, size, board) if board is not None else None
@@ -93,3 +96,43 @@ def test_the_ledger_gives_back_only_what_sleep_freed(monkeypatch, freed, given_b
     assert ledger.used_bytes == 1000 - given_back
     engine.wake_up()
     assert ledger.used_bytes == 1000 and not engine.is_sleeping
+
+
+class _Core:
+    def __init__(self) -> None:
+        self.shut = 0
+
+    def shutdown(self) -> None:
+        self.shut += 1
+
+
+class _Running:
+    """vLLM's LLM as far as close() reaches into it."""
+
+    def __init__(self) -> None:
+        self.llm_engine = type("E", (), {})()
+        self.llm_engine.engine_core = _Core()
+
+
+def test_the_last_engine_of_a_process_tears_down_vllms_parallel_state(monkeypatch):
+    from nereus.engines import vllm_adapter
+
+    torn: list[int] = []
+    monkeypatch.setattr(vllm_adapter, "_release_parallel_state", lambda: torn.append(1))
+    monkeypatch.setattr(vllm_adapter, "_LIVE_ENGINES", 0)
+    engines = []
+    for i in range(2):
+        e = _engine(MemoryLedger(f"dev-{i}", None), on_cpu=True, sleep_mode=False, llm=_Running())
+        vllm_adapter.VllmGenerationEngine._count_live(+1)  # as __init__ does around LLM(...)
+        e._live = True
+        engines.append(e)
+    cores = [e.llm.llm_engine.engine_core for e in engines]
+    engines[0].close()
+    assert cores[0].shut == 1 and torn == []  # another engine still uses vLLM's groups
+    engines[1].close()
+    assert cores[1].shut == 1 and torn == [1]  # the last one: a rebuilt engine starts clean
+    engines[1].close()
+    assert torn == [1] and vllm_adapter._LIVE_ENGINES == 0
+    built_bare = _engine(MemoryLedger("dev-x", None), on_cpu=True, sleep_mode=False, llm=_Running())
+    built_bare.close()  # never counted (it never started vLLM): nothing torn down
+    assert torn == [1] and vllm_adapter._LIVE_ENGINES == 0

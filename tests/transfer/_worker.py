@@ -211,6 +211,7 @@ def scenario_stuck(a: dict) -> dict:
 
     One group per operation kind, one after the other in the same processes."""
     r = a["rank"]
+    dev = torch.device(f"cuda:{r}") if a.get("backend") == "nccl" else torch.device("cpu")
     out = {}
     for op in a["ops"]:
         kw = {"use_shm": False} if op == "p2p_gloo" else {}
@@ -225,9 +226,10 @@ def scenario_stuck(a: dict) -> dict:
         t0 = time.monotonic()
         try:
             if op.startswith("p2p"):
-                comm.recv(torch.empty(1000), a["missing"], timeout_s=a["deadline_s"])
+                comm.recv(torch.empty(1000, device=dev), a["missing"], timeout_s=a["deadline_s"])
             else:
-                comm.all_reduce(torch.ones(1000), timeout_s=a["deadline_s"])
+                comm.all_reduce(torch.ones(1000, device=dev), timeout_s=a["deadline_s"])
+            comm.synchronize()  # NCCL returns once enqueued; the wait is where it fails
             raise AssertionError(f"{op} did not fail")
         except StuckCollective as e:
             took = time.monotonic() - t0
@@ -241,6 +243,27 @@ def scenario_stuck(a: dict) -> dict:
             out[op] = {"role": "waiter", "missing_ranks": e.missing_ranks, "seconds": took,
                        "op": e.op, "after": after}
     return out
+
+
+def scenario_big(a: dict) -> dict:
+    """More than 2 GiB in one broadcast and one send/recv between two ranks (counts past
+    a C int); both ranks take part and the receiver checks the ends and the middle."""
+    r = a["rank"]
+    comm = comm_from(a, a["group"], timeout_s=120.0)
+    dev = torch.device(f"cuda:{r}")
+    n = (2**31 + 4096) // 4
+    x = torch.full((n,), 7.0 if r == 0 else 0.0, dtype=torch.float32, device=dev)
+    comm.broadcast(x, 0)
+    raw = torch.full((2**31 + 8,), 5 if r == 0 else 0, dtype=torch.uint8, device=dev)
+    comm.send(raw, 1) if r == 0 else comm.recv(raw, 0)
+    comm.synchronize()
+    checked = 0
+    for t, want in ((x, 7.0), (raw, 5)):
+        for i in (0, t.numel() // 2, t.numel() - 1):
+            assert float(t[i]) == want, f"{t.dtype} element {i}: {float(t[i])} != {want}"
+            checked += 1
+    comm.destroy()
+    return {"checked": checked, "bytes": x.numel() * 4 + raw.numel()}
 
 
 def scenario_die(a: dict) -> dict:

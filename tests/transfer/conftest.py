@@ -35,7 +35,10 @@ class Workers:
     def run(self, scenario: str, size: int, timeout_s: float = 90.0, expect_rc=None,
             **args) -> list[dict]:
         group = args.pop("group", f"t-{uuid.uuid4().hex[:8]}")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        # the checkout first, then whatever else this process was given (make test-gpu
+        # puts the packages it installed there)
+        path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
         procs = []
         for rank in range(size):
             a = {"rank": rank, "size": size, "port": self.store.port, "group": group, **args}

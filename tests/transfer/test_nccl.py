@@ -138,17 +138,52 @@ def test_a_rank_that_never_joins_is_named_by_the_deadline():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
-def test_broadcast_and_p2p_of_more_than_2_gib():
+def test_single_rank_broadcast_of_more_than_2_gib():
     from nereus.transfer.nccl import NcclCommunicator, unique_id
 
     comm = NcclCommunicator("big", 0, 1, unique_id(), timeout_s=60.0)
     try:
         x = torch.ones((2**31 + 4096) // 4, dtype=torch.float32, device="cuda:0")
         comm.broadcast(x, 0)  # 2 GiB + 4 KiB: more bytes than a C int counts
+        comm.synchronize()
         assert x.numel() * 4 > 2**31 - 1 and bool(x[-1] == 1)
-        raw = torch.ones(2**31 + 8, dtype=torch.uint8, device="cuda:0")
-        comm.broadcast(raw, 0)
-        assert int(raw[-1]) == 1
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.gpu
+@_needs_gpus(2)
+@pytest.mark.timeout(240)
+def test_broadcast_and_p2p_of_more_than_2_gib_between_two_ranks(workers):
+    from nereus.transfer.nccl import unique_id
+
+    results = workers.run("big", 2, timeout_s=200.0, backend="nccl", nccl_id=unique_id().hex())
+    assert [r["checked"] for r in results] == [6, 6]
+    assert all(r["bytes"] > 2 * (2**31 - 1) for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_operations_run_on_the_communication_stream_without_a_host_wait():
+    """The caller's stream is busy (a sleep kernel); the all-reduce returns while its
+    event is still pending, runs after the caller's work, and the caller's later work
+    sees its result."""
+    from nereus.transfer.nccl import NcclCommunicator, unique_id
+
+    comm = NcclCommunicator("streams", 0, 1, unique_id(), timeout_s=60.0)
+    try:
+        caller = torch.cuda.current_stream()
+        assert comm.stream != caller and comm.stream.device == torch.device("cuda", 0)
+        x = torch.zeros(1 << 20, device="cuda:0")
+        torch.cuda._sleep(5_000_000_000)  # seconds of GPU time on the caller's stream
+        x.fill_(3.0)  # only after the sleep
+        comm.all_reduce(x)
+        pending = list(comm._pending)
+        assert pending and not pending[-1].done.query(), "the host waited for the GPU"
+        y = x * 2  # on the caller's stream: after the all-reduce's event
+        comm.synchronize()
+        assert not comm._pending
+        assert float(y[-1]) == 6.0 and float(x[0]) == 3.0
     finally:
         comm.destroy()
 
