@@ -47,6 +47,7 @@ from nereus.transition._classes import ClassEffect, DeviceClasses, DeviceMap
 from nereus.transition._regular import Hosts, regular_part
 from nereus.transition._stage import Runs, StagePart, general_part, unchanged_part
 from nereus.transition.analytic import SpecBytes
+from nereus.transition.rules import ALL_RULES, Rules
 
 if TYPE_CHECKING:
     from nereus.transition.schedule import Schedule
@@ -176,8 +177,9 @@ class TransitionDAG:
                  target: Plan, results: Mapping[str, tuple[Rep, ...]], host_of: Callable[[int], int], *,
                  classes: DeviceClasses | None = None, parts: Sequence[StagePart] = (),
                  duration: Callable[[Node], float] | None = None,
-                 share: Callable[[int], float] | None = None) -> None:
+                 share: Callable[[int], float] | None = None, rules: Rules = ALL_RULES) -> None:
         self.nodes, self.caps, self.initial = nodes, caps, initial
+        self.rules = rules
         self.current, self.target, self.results, self.host_of = current, target, results, host_of
         self._classes = classes
         self.duration, self.share = duration, share
@@ -341,6 +343,7 @@ def build_dag(
     bucket_bytes: int = 0,
     duration: Callable[[Node], float] | None = None,
     share: Callable[[int], float] | None = None,
+    rules: Rules = ALL_RULES,
 ) -> TransitionDAG:
     """The transition DAG from ``current`` to ``target`` (see the module docstring).
 
@@ -350,7 +353,9 @@ def build_dag(
     a ``DeviceSet`` (hosts and budgets) or a function device -> budget;
     ``resident``: bytes per device held besides the plans' EMUs; ``duration``: a node's
     modelled seconds for the resource-edge simulation (default: its bytes); ``share``:
-    the rate busy devices get when they share cores (``LinkModel.sharing``)."""
+    the rate busy devices get when they share cores (``LinkModel.sharing``); ``rules``:
+    the global rules it is built and scheduled under (``nereus.transition.rules``; all by
+    default: without ``resource_edges`` no resource edge is added)."""
     require(set(current.names) == set(target.names), "target plan", target.names,
             f"must place the same model-stages as the current plan {current.names}")
     missing = sorted(s for s in current.names if s not in specs)
@@ -418,7 +423,9 @@ def build_dag(
     dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),
                         DeviceMap(lambda: classes.counted_map(classes.initial)), current, target,
                         _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration,
-                        share=share)
+                        share=share, rules=rules)
+    if not rules.resource_edges:
+        return dag
     last = _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
     if duration is not None:
         dag._schedule = last  # the list schedule under duration (None: made when asked)
