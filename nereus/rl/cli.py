@@ -90,5 +90,5 @@ def main(argv: list[str]) -> int:
     records = asyncio.run(run_job(cfg))
     if records:
         last = records[-1]
-        print(f"done: {len(records)} steps, last reward {last['reward_mean']:.3f}; metrics in {cfg.run.out_dir}/metrics.jsonl, plot in {cfg.run.out_dir}/plot.png")
+        print(f"done: {last['step'] + 1} steps, last reward {last['reward_mean']:.3f}; metrics in {cfg.run.out_dir}/metrics.jsonl, plot in {cfg.run.out_dir}/plot.png")
     return 0

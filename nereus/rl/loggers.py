@@ -18,10 +18,15 @@ TensorBoard, W&B and MLflow take each numeric leaf as a metric at the record's `
 nested maps flattened with ``/`` (``model_stage_seconds/policy_generation``), booleans as
 0/1; strings and lists stay in ``metrics.jsonl`` only.
 
-Resume: ``metrics.jsonl`` drops the lines from the resume step on; TensorBoard purges
-the events from that step on; W&B (``out_dir/wandb/run_id``) and MLflow
-(``out_dir/mlflow_run_id``) continue the same run, so the steps redone after the
-checkpoint are logged again under their step numbers.
+Each step is recorded once, also when the job goes back to a checkpoint. ``rewind(step)``
+(a running job restored a checkpoint) and a resume both drop what came from ``step`` on:
+``metrics.jsonl`` its lines, TensorBoard its events (``SummaryWriter(purge_step=...)``).
+W&B and MLflow cannot take a step back, so ``StepLoggers`` hands them a record only once
+no restore can drop it: when a checkpoint at a later step is saved (``commit``; the job
+saves one at its last step); a rewind drops the held records instead, and so does a
+close before the next checkpoint (a resume redoes those steps). Their runs (``out_dir/wandb/run_id``,
+``out_dir/mlflow_run_id``) continue across a resume, which starts at the checkpoint
+that last handed them records.
 
 Refuses (``ConfigError``): a logger whose package is missing, with the command that
 installs it (checked when the job starts, before any step runs).
@@ -62,11 +67,17 @@ def numeric_leaves(record: Mapping[str, Any], prefix: str = "") -> Iterator[tupl
 
 
 class StepLogger:
-    """One destination of step records."""
+    """One destination of step records. ``final``: it cannot take a step back, so it
+    gets only records no restore can drop (``StepLoggers`` holds them until then)."""
 
     name = ""
+    final = False
 
     def log(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def rewind(self, step: int) -> None:
+        """Forget what was logged for ``step`` and later (only a logger that is not ``final``)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -82,6 +93,9 @@ class JsonlLogger(StepLogger):
     def log(self, record: dict[str, Any]) -> None:
         self.writer.write(record)
 
+    def rewind(self, step: int) -> None:
+        self.writer.rewind(step)
+
     def close(self) -> None:
         self.writer.close()
 
@@ -93,8 +107,13 @@ class TensorBoardLogger(StepLogger):
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = out_dir / "tensorboard"
+        self._writer = SummaryWriter
         # purge_step drops events a crashed run wrote past the checkpoint it resumes from.
         self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=resume_from_step)
+
+    def rewind(self, step: int) -> None:
+        self.writer.close()
+        self.writer = self._writer(log_dir=str(self.dir), purge_step=step)
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -109,6 +128,7 @@ class TensorBoardLogger(StepLogger):
 
 class WandbLogger(StepLogger):
     name = "wandb"
+    final = True  # a W&B run's step only grows
 
     def __init__(self, out_dir: Path, experiment: str, run_name: str, mode: str, config: dict[str, Any],
                  resume_from_step: int | None) -> None:
@@ -133,6 +153,7 @@ class WandbLogger(StepLogger):
 
 class MlflowLogger(StepLogger):
     name = "mlflow"
+    final = True  # a metric logged twice at one step keeps both values
 
     def __init__(self, out_dir: Path, experiment: str, run_name: str, uri: str, config: dict[str, Any],
                  resume_from_step: int | None) -> None:
@@ -176,16 +197,41 @@ def _flat_config(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[
 
 
 class StepLoggers:
-    """Every configured logger; ``log`` writes one record to each, in order."""
+    """Every configured logger; ``log`` writes one record to each, in order, holding the
+    records for ``final`` loggers until ``commit`` (or ``close``) says they stand."""
 
     def __init__(self, loggers: list[StepLogger]) -> None:
         self.loggers = loggers
+        self.held: list[dict[str, Any]] = []  # records not yet handed to the final loggers
 
     def log(self, record: dict[str, Any]) -> None:
         for logger in self.loggers:
-            logger.log(record)
+            if not logger.final:
+                logger.log(record)
+        if any(logger.final for logger in self.loggers):
+            self.held.append(record)
+
+    def commit(self, step: int) -> None:
+        """Records of steps before ``step`` stand (a checkpoint at ``step`` was saved):
+        the final loggers get them now."""
+        ready = [r for r in self.held if int(r["step"]) < step]
+        self.held = [r for r in self.held if int(r["step"]) >= step]
+        for record in ready:
+            for logger in self.loggers:
+                if logger.final:
+                    logger.log(record)
+
+    def rewind(self, step: int) -> None:
+        """The job went back to a checkpoint at ``step``: every logger forgets ``step``
+        and later (the final ones never saw them), so the redone steps are logged once."""
+        self.held = [r for r in self.held if int(r["step"]) < step]
+        for logger in self.loggers:
+            if not logger.final:
+                logger.rewind(step)
 
     def close(self) -> None:
+        # What is still held is dropped: a run that stops past its last checkpoint
+        # resumes from that checkpoint and logs those steps again.
         # Close all even when one fails; the first failure is raised after the rest closed.
         first: BaseException | None = None
         for logger in self.loggers:
