@@ -47,6 +47,7 @@ from nereus.planner import Plan, StagePlan
 from nereus.state import EMU, Layout, LogicalState, split_key, training_slots
 from nereus.state.apply import TORCH_DTYPES
 from nereus.state.holder import ShardHolder
+from nereus.transfer import release_groups
 from nereus.transition import TransitionDAG, build_dag
 from nereus.transition.execute import TransitionReport, execute_dag
 from nereus.transition.workers import WorkerRuntime
@@ -254,6 +255,8 @@ class Bench:
                 t.cancel()
             await asyncio.gather(*pending, *(n for _, _, rt in runs for n in rt.running()), return_exceptions=True)
             return Trial(False, seconds, "deadline", edges)
+        for _, _, rt in runs:  # every group the trial made (each holds sockets in every worker)
+            await release_groups(cluster, rt.epoch, tag=rt.group_tag)
         reports: list[TransitionReport] = [t.result() for t in tasks]
         errors = [r.error for r in reports if r.error is not None]
         if any(_conflict(e) for e in errors):
