@@ -52,16 +52,31 @@ from nereus.transition import TransitionDAG, build_dag
 from nereus.transition.execute import TransitionReport, execute_dag
 from nereus.transition.workers import WorkerRuntime
 
-SPEC = model_spec(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, architecture="qwen2",
-                              attention_bias=True), dtype="float32")
+SPEC = model_spec(
+    ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        architecture="qwen2",
+        attention_bias=True,
+    ),
+    dtype="float32",
+)
 TRAIN = training_slots("float32")
 LAUNCH_S = 0.2  # model-stages' launch times are drawn from 0 .. this
 DELAY_S = 0.04  # each worker waits 0 .. this before each plan part
 
 
 def _plan(**stages: tuple[int, int, list[list[int]]]) -> Plan:
-    return Plan(tuple((n, StagePlan(tp, pp, len(d), tuple(tuple(x) for x in d))) for n, (tp, pp, d) in stages.items()))
+    return Plan(
+        tuple(
+            (n, StagePlan(tp, pp, len(d), tuple(tuple(x) for x in d)))
+            for n, (tp, pp, d) in stages.items()
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -81,27 +96,60 @@ class Overlap:
 
     def on(self, perm: list[int]) -> tuple[Plan, Plan]:
         """Both plans with device ``d`` renamed ``perm[d]``."""
+
         def moved(p: Plan) -> Plan:
-            return Plan(tuple((n, StagePlan(sp.tp, sp.pp, sp.dp, tuple(tuple(perm[d] for d in r) for r in sp.devices)))
-                              for n, sp in p))
+            return Plan(
+                tuple(
+                    (
+                        n,
+                        StagePlan(
+                            sp.tp,
+                            sp.pp,
+                            sp.dp,
+                            tuple(tuple(perm[d] for d in r) for r in sp.devices),
+                        ),
+                    )
+                    for n, sp in p
+                )
+            )
+
         return moved(self.current), moved(self.target)
 
 
 TYPES = [
-    Overlap("same model, across stages",
-            _plan(policy_generation=(2, 1, [[0, 1]]), policy_training=(1, 2, [[2, 3]])),
-            _plan(policy_generation=(1, 1, [[2], [3]]), policy_training=(2, 1, [[0, 1]])),
-            {"policy_training": TRAIN}, 2.4),
-    Overlap("different models, one stage",
-            _plan(reference_inference=(2, 1, [[0, 1]]), critic_inference=(1, 1, [[2], [3]])),
-            _plan(reference_inference=(1, 1, [[2], [3]]), critic_inference=(2, 1, [[0, 1]])),
-            {}, 1.6),
-    Overlap("different models, across stages",
-            _plan(policy_generation=(1, 1, [[0], [1], [2], [3]]), reference_inference=(1, 1, [[2]]),
-                  critic_inference=(1, 1, [[3]]), policy_training=(2, 1, [[0, 1]]), critic_training=(2, 1, [[2, 3]])),
-            _plan(policy_generation=(2, 1, [[0, 1], [2, 3]]), reference_inference=(1, 1, [[0]]),
-                  critic_inference=(1, 1, [[1]]), policy_training=(2, 1, [[2, 3]]), critic_training=(2, 1, [[0, 1]])),
-            {"policy_training": TRAIN, "critic_training": TRAIN}, 4.4),
+    Overlap(
+        "same model, across stages",
+        _plan(policy_generation=(2, 1, [[0, 1]]), policy_training=(1, 2, [[2, 3]])),
+        _plan(policy_generation=(1, 1, [[2], [3]]), policy_training=(2, 1, [[0, 1]])),
+        {"policy_training": TRAIN},
+        2.4,
+    ),
+    Overlap(
+        "different models, one stage",
+        _plan(reference_inference=(2, 1, [[0, 1]]), critic_inference=(1, 1, [[2], [3]])),
+        _plan(reference_inference=(1, 1, [[2], [3]]), critic_inference=(2, 1, [[0, 1]])),
+        {},
+        1.6,
+    ),
+    Overlap(
+        "different models, across stages",
+        _plan(
+            policy_generation=(1, 1, [[0], [1], [2], [3]]),
+            reference_inference=(1, 1, [[2]]),
+            critic_inference=(1, 1, [[3]]),
+            policy_training=(2, 1, [[0, 1]]),
+            critic_training=(2, 1, [[2, 3]]),
+        ),
+        _plan(
+            policy_generation=(2, 1, [[0, 1], [2, 3]]),
+            reference_inference=(1, 1, [[0]]),
+            critic_inference=(1, 1, [[1]]),
+            policy_training=(2, 1, [[2, 3]]),
+            critic_training=(2, 1, [[0, 1]]),
+        ),
+        {"policy_training": TRAIN, "critic_training": TRAIN},
+        4.4,
+    ),
 ]
 
 
@@ -109,8 +157,14 @@ class JitterHolder(ShardHolder):
     """A shard store that waits a random 0-``DELAY_S`` before each plan part it runs."""
 
     @endpoint
-    async def run_plan(self, part: dict, group: str | None = None, group_devices=(), free=(),
-                       state: dict | None = None) -> dict:
+    async def run_plan(
+        self,
+        part: dict,
+        group: str | None = None,
+        group_devices=(),
+        free=(),
+        state: dict | None = None,
+    ) -> dict:
         await asyncio.sleep(random.uniform(0.0, DELAY_S))
         return await super().run_plan(part, group, group_devices, free, state)
 
@@ -139,14 +193,25 @@ STATE = LogicalState(3, 2, 40)
 
 
 def _emus(plan: Plan, slots: dict[str, tuple[str, ...]]) -> dict[str, list[EMU]]:
-    return {s: [EMU(f"{s}.{i}", s, SPEC, Layout(sp.tp, sp.pp), d, slots.get(s, ("param",))).with_(state=STATE)
-                for i, d in enumerate(sp.devices)] for s, sp in plan}
+    return {
+        s: [
+            EMU(f"{s}.{i}", s, SPEC, Layout(sp.tp, sp.pp), d, slots.get(s, ("param",))).with_(
+                state=STATE
+            )
+            for i, d in enumerate(sp.devices)
+        ]
+        for s, sp in plan
+    }
 
 
 def _full(emu: EMU, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {key: torch.randn(SPEC[split_key(key)[1]].shape, generator=gen).to(
-        TORCH_DTYPES[emu.slot_dtype(split_key(key)[0], SPEC[split_key(key)[1]])]) for key in emu.keys()}
+    return {
+        key: torch.randn(SPEC[split_key(key)[1]].shape, generator=gen).to(
+            TORCH_DTYPES[emu.slot_dtype(split_key(key)[0], SPEC[split_key(key)[1]])]
+        )
+        for key in emu.keys()
+    }
 
 
 async def _load(refs: dict, emus: dict[str, list[EMU]], seed: int) -> None:
@@ -155,8 +220,10 @@ async def _load(refs: dict, emus: dict[str, list[EMU]], seed: int) -> None:
         for e in stage_emus:
             for d in e.devices:
                 _, tp_rank = e.position(d)
-                shards = {k: shard_tensor(SPEC[split_key(k)[1]], full[k], tp_rank, e.layout.tp)
-                          for k in e.shards_on(d)}
+                shards = {
+                    k: shard_tensor(SPEC[split_key(k)[1]], full[k], tp_rank, e.layout.tp)
+                    for k in e.shards_on(d)
+                }
                 await refs[d].put_shards.call_one(e.name, shards, vars(STATE))
 
 
@@ -171,13 +238,17 @@ def _cross_edges(dag: TransitionDAG) -> int:
 
 
 def _reached(target: Plan, live: dict[str, EMU], stage: str) -> bool:
-    final = sorted((e.layout.tp, e.layout.pp, e.devices) for e in live.values() if e.model_stage == stage)
+    final = sorted(
+        (e.layout.tp, e.layout.pp, e.devices) for e in live.values() if e.model_stage == stage
+    )
     sp = target[stage]
     return final == sorted((sp.tp, sp.pp, tuple(d)) for d in sp.devices)
 
 
 def _conflict(error: BaseException | None) -> bool:
-    return isinstance(error, OutOfMemory) or (isinstance(error, RemoteError) and error.remote_type == "OutOfMemory")
+    return isinstance(error, OutOfMemory) or (
+        isinstance(error, RemoteError) and error.remote_type == "OutOfMemory"
+    )
 
 
 @dataclass
@@ -199,7 +270,9 @@ class Bench:
 
     async def fresh(self) -> None:
         await self.close()
-        self.cluster = await Cluster.local(devices=4, memory_per_device=self.budget, heartbeat_timeout_s=60.0).start()
+        self.cluster = await Cluster.local(
+            devices=4, memory_per_device=self.budget, heartbeat_timeout_s=60.0
+        ).start()
         mesh = await self.cluster.spawn("coordination", JitterHolder, devices=[0, 1, 2, 3])
         self.refs = {r.device: r for r in mesh.refs}
 
@@ -221,8 +294,15 @@ class Bench:
         if any(used):
             await self.fresh()
 
-    async def run(self, kind: Overlap, mode: str, perm: list[int], launch: dict[str, float], seed: int,
-                  deadline_s: float) -> Trial:
+    async def run(
+        self,
+        kind: Overlap,
+        mode: str,
+        perm: list[int],
+        launch: dict[str, float],
+        seed: int,
+        deadline_s: float,
+    ) -> Trial:
         current, target = kind.on(perm)
         cluster = self.cluster
         assert cluster is not None, "fresh() first"
@@ -235,25 +315,60 @@ class Bench:
         t0 = time.perf_counter()
         runs: list[tuple[str | None, TransitionDAG, LaunchedRuntime]] = []
         if mode == "nereus":
-            dag = build_dag(current, target, dict.fromkeys(current.names, SPEC), caps["devices"], slots=kind.slots)
-            runs.append((None, dag, LaunchedRuntime(by_name, self.refs, cluster, epoch=self.epoch,
-                                                    launch=launch, t0=t0)))
+            dag = build_dag(
+                current,
+                target,
+                dict.fromkeys(current.names, SPEC),
+                caps["devices"],
+                slots=kind.slots,
+            )
+            runs.append(
+                (
+                    None,
+                    dag,
+                    LaunchedRuntime(
+                        by_name, self.refs, cluster, epoch=self.epoch, launch=launch, t0=t0
+                    ),
+                )
+            )
         else:
             for i, stage in enumerate(current.names):
-                dag = build_dag(_local(current, stage), _local(target, stage), {stage: SPEC}, caps["devices"],
-                                slots=kind.slots)
-                runs.append((stage, dag, LaunchedRuntime(by_name, self.refs, cluster, epoch=self.epoch + 1 + i,
-                                                         launch=launch, t0=t0)))
+                dag = build_dag(
+                    _local(current, stage),
+                    _local(target, stage),
+                    {stage: SPEC},
+                    caps["devices"],
+                    slots=kind.slots,
+                )
+                runs.append(
+                    (
+                        stage,
+                        dag,
+                        LaunchedRuntime(
+                            by_name,
+                            self.refs,
+                            cluster,
+                            epoch=self.epoch + 1 + i,
+                            launch=launch,
+                            t0=t0,
+                        ),
+                    )
+                )
         self.epoch += 1 + len(current.names)
         rng = random.Random(seed)
-        tasks = [asyncio.ensure_future(execute_dag(dag, rt, rng=random.Random(rng.random()))) for _, dag, rt in runs]
+        tasks = [
+            asyncio.ensure_future(execute_dag(dag, rt, rng=random.Random(rng.random())))
+            for _, dag, rt in runs
+        ]
         done, pending = await asyncio.wait(tasks, timeout=deadline_s)
         seconds = time.perf_counter() - t0
         edges = sum(_cross_edges(dag) for _, dag, _ in runs)
         if pending:  # a deadlock (or a run past the deadline): stop waiting for its nodes
             for t in [*pending, *(n for _, _, rt in runs for n in rt.running())]:
                 t.cancel()
-            await asyncio.gather(*pending, *(n for _, _, rt in runs for n in rt.running()), return_exceptions=True)
+            await asyncio.gather(
+                *pending, *(n for _, _, rt in runs for n in rt.running()), return_exceptions=True
+            )
             return Trial(False, seconds, "deadline", edges)
         for _, _, rt in runs:  # every group the trial made (each holds sockets in every worker)
             await release_groups(cluster, rt.epoch, tag=rt.group_tag)
@@ -262,12 +377,16 @@ class Bench:
         if any(_conflict(e) for e in errors):
             return Trial(False, seconds, "budget", edges)
         if errors or not all(r.ok for r in reports):
-            return Trial(False, seconds, f"error: {type(errors[0]).__name__ if errors else 'not ok'}", edges)
+            return Trial(
+                False, seconds, f"error: {type(errors[0]).__name__ if errors else 'not ok'}", edges
+            )
         held = {d: await ref.held.call_one() for d, ref in self.refs.items()}
         for stage, _, rt in runs:
-            for s in ([stage] if stage is not None else list(current.names)):
+            for s in [stage] if stage is not None else list(current.names):
                 final = [e for e in rt.live.values() if e.model_stage == s]
-                if not _reached(target, rt.live, s) or any(e.name not in held[d] for e in final for d in e.devices):
+                if not _reached(target, rt.live, s) or any(
+                    e.name not in held[d] for e in final for d in e.devices
+                ):
                     return Trial(False, seconds, "target", edges)
         return Trial(True, seconds, "", edges)
 
@@ -284,7 +403,9 @@ async def measure(trials: int, deadline_s: float, seed: int) -> dict[str, Any]:
                 perm = rng.sample(range(4), 4)
                 launch = {s: rng.uniform(0.0, LAUNCH_S) for s in kind.current.names}
                 for mode in rows:
-                    trial = await bench.run(kind, mode, perm, launch, seed * 100_003 + t, deadline_s)
+                    trial = await bench.run(
+                        kind, mode, perm, launch, seed * 100_003 + t, deadline_s
+                    )
                     rows[mode].append(trial)
                     await bench.clear(trial)
             out[kind.name] = rows
@@ -295,8 +416,12 @@ async def measure(trials: int, deadline_s: float, seed: int) -> dict[str, Any]:
                     if not r.ok:
                         whys[r.why] = whys.get(r.why, 0) + 1
                 secs = statistics.median(r.seconds for r in ok) if ok else float("nan")
-                print(f"{kind.name:34} {mode:14} success {len(ok)}/{len(got)}  successful median {secs:.3f} s  "
-                      f"cross-stage edges {statistics.mean(r.edges for r in got):.2f}  failures {whys}", flush=True)
+                edges = statistics.mean(r.edges for r in got)
+                print(
+                    f"{kind.name:34} {mode:14} success {len(ok)}/{len(got)}  successful median "
+                    f"{secs:.3f} s  cross-stage edges {edges:.2f}  failures {whys}",
+                    flush=True,
+                )
     finally:
         await bench.close()
     return out
@@ -304,9 +429,15 @@ async def measure(trials: int, deadline_s: float, seed: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=100, help="trials per overlap type (each runs both ways)")
-    parser.add_argument("--deadline-s", type=float, default=5.0,
-                        help="a trial's DAGs must all finish within this (a successful one takes well under a second)")
+    parser.add_argument(
+        "--trials", type=int, default=100, help="trials per overlap type (each runs both ways)"
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=5.0,
+        help="a trial's DAGs must all finish within this (a successful one takes under a second)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -322,11 +453,21 @@ def main() -> None:
         "per_component_success": {k.name: rate(k.name, "per_component") for k in TYPES},
         "nereus_success_by_type": {k.name: rate(k.name, "nereus") for k in TYPES},
         "successful_seconds_median": {
-            k.name: {m: round(statistics.median([r.seconds for r in rows[k.name][m] if r.ok]), 3)
-                     if any(r.ok for r in rows[k.name][m]) else None for m in ("nereus", "per_component")}
-            for k in TYPES},
-        "edges_added": {k.name: round(statistics.mean(r.edges for r in rows[k.name]["nereus"]), 2) for k in TYPES},
-        "trials": args.trials, "deadline_s": args.deadline_s, "seed": args.seed,
+            k.name: {
+                m: round(statistics.median([r.seconds for r in rows[k.name][m] if r.ok]), 3)
+                if any(r.ok for r in rows[k.name][m])
+                else None
+                for m in ("nereus", "per_component")
+            }
+            for k in TYPES
+        },
+        "edges_added": {
+            k.name: round(statistics.mean(r.edges for r in rows[k.name]["nereus"]), 2)
+            for k in TYPES
+        },
+        "trials": args.trials,
+        "deadline_s": args.deadline_s,
+        "seed": args.seed,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(result))

@@ -35,7 +35,12 @@ class Rules:
 
     def without(self, rule: str) -> Rules:
         """These rules with ``rule`` (a field name) off; ``ConfigError`` for an unknown one."""
-        require(rule in self.__dataclass_fields__, "rule", rule, f"must be one of {sorted(self.__dataclass_fields__)}")
+        require(
+            rule in self.__dataclass_fields__,
+            "rule",
+            rule,
+            f"must be one of {sorted(self.__dataclass_fields__)}",
+        )
         return Rules(**{**vars(self), rule: False})
 
 

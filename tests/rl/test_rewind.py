@@ -30,14 +30,27 @@ def _pid(cluster, device: int) -> int:
 
 
 async def test_a_restore_after_the_last_copy_died_records_each_step_once(tmp_path):
-    cfg = job(str(tmp_path), STEPS, algorithm={"prompts_per_step": PROMPTS, "samples_per_prompt": 8},
-              sampling={"max_new_tokens": 8},
-              cluster={"mode": "local", "devices": 3, "memory_per_device": "256MiB"},
-              plan={"policy_generation": {"devices": [0, 1, 2], "dp": 3},
-                    "policy_training": {"devices": [0, 1], "dp": 2}},
-              adapt={"enabled": True, "pool_wait_s": 60, "join_horizon_steps": 1000},
-              run={"steps": STEPS, "out_dir": str(tmp_path), "progress": False, "seed": 0, "checkpoint_every": 4,
-                   "loggers": ["jsonl", "tensorboard", "wandb", "mlflow"], "experiment": "rewind"})
+    cfg = job(
+        str(tmp_path),
+        STEPS,
+        algorithm={"prompts_per_step": PROMPTS, "samples_per_prompt": 8},
+        sampling={"max_new_tokens": 8},
+        cluster={"mode": "local", "devices": 3, "memory_per_device": "256MiB"},
+        plan={
+            "policy_generation": {"devices": [0, 1, 2], "dp": 3},
+            "policy_training": {"devices": [0, 1], "dp": 2},
+        },
+        adapt={"enabled": True, "pool_wait_s": 60, "join_horizon_steps": 1000},
+        run={
+            "steps": STEPS,
+            "out_dir": str(tmp_path),
+            "progress": False,
+            "seed": 0,
+            "checkpoint_every": 4,
+            "loggers": ["jsonl", "tensorboard", "wandb", "mlflow"],
+            "experiment": "rewind",
+        },
+    )
     rl = RLJob(cfg)
     killed: list[tuple[int, int, list[int]]] = []  # (next step, device, devices of the plan then)
 
@@ -62,14 +75,18 @@ async def test_a_restore_after_the_last_copy_died_records_each_step_once(tmp_pat
     finally:
         await rl.close()
     assert [k[1] for k in killed] == [0, 1, 2]
-    assert killed[-1][2] == [2], killed  # the last victim was the only device left, holding both model-stages
+    assert killed[-1][2] == [2], (
+        killed
+    )  # the last victim was the only device left, holding both model-stages
     restores = [f for f in rl.faults if f.restored_from]
     assert [f.restored_from for f in restores] == ["step_4"], [f.as_record() for f in rl.faults]
     redone = [r["step"] for r in records]
     assert redone == list(range(STEPS))  # the job's records: each step once
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(STEPS))
-    assert rows == [json.loads(json.dumps(r)) for r in records]  # the redone steps' records, not the lost ones
+    assert rows == [
+        json.loads(json.dumps(r)) for r in records
+    ]  # the redone steps' records, not the lost ones
     want = [(r["step"], pytest.approx(r["reward_mean"])) for r in records]
     assert read_tensorboard(tmp_path / "tensorboard")["reward_mean"] == want
     assert read_wandb(tmp_path / "wandb")[0]["reward_mean"] == want
@@ -77,5 +94,8 @@ async def test_a_restore_after_the_last_copy_died_records_each_step_once(tmp_pat
     events = [json.loads(line) for line in (tmp_path / "tap.jsonl").read_text().splitlines()]
     rewinds = [e for e in events if e["type"] == "rewind"]
     assert len(rewinds) == 1 and rewinds[0]["step"] == 4 and rewinds[0]["checkpoint"] == "step_4"
-    assert rewinds[0]["discarded_steps"] == list(range(4, restores[0].step)), (rewinds, restores[0].step)
+    assert rewinds[0]["discarded_steps"] == list(range(4, restores[0].step)), (
+        rewinds,
+        restores[0].step,
+    )
     assert rewinds[0]["discarded_steps"], "the restore dropped no step: the test did not rewind"

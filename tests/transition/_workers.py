@@ -26,8 +26,14 @@ class DelayHolder(ShardHolder):
     """A shard store that waits a random 0-40 ms before each plan part it runs."""
 
     @endpoint
-    async def run_plan(self, part: dict, group: str | None = None, group_devices=(), free=(),
-                       state: dict | None = None) -> dict:
+    async def run_plan(
+        self,
+        part: dict,
+        group: str | None = None,
+        group_devices=(),
+        free=(),
+        state: dict | None = None,
+    ) -> dict:
         await asyncio.sleep(random.uniform(0.0, 0.04))
         return await super().run_plan(part, group, group_devices, free, state)
 
@@ -51,8 +57,18 @@ class Run:
     coverage: list[bool] = field(default_factory=list)
 
 
-async def run_case(case: Case, refs: dict, cluster, *, seed: int, epoch: int, dag: TransitionDAG | None = None,
-                   rng: random.Random | None = None, rules: Rules | None = None, check_caps: bool = True) -> Run:
+async def run_case(
+    case: Case,
+    refs: dict,
+    cluster,
+    *,
+    seed: int,
+    epoch: int,
+    dag: TransitionDAG | None = None,
+    rng: random.Random | None = None,
+    rules: Rules | None = None,
+    check_caps: bool = True,
+) -> Run:
     """Load ``case``'s current EMUs on the workers (budgets: the case's cap), run its DAG
     (``dag``, else built with every rule) and read every ledger's peak. The caller drops
     what the workers hold afterwards (``drop_all``), also when this raises."""
@@ -70,15 +86,24 @@ async def run_case(case: Case, refs: dict, cluster, *, seed: int, epoch: int, da
     for ref in refs.values():
         await ref.ledger_report.call_one(True)  # a new high-water mark from here
     dag = dag if dag is not None else case.dag(duration=MODEL.seconds)
-    runtime = WorkerRuntime({e.name: e for es in emus.values() for e in es}, refs, cluster, epoch=epoch)
+    runtime = WorkerRuntime(
+        {e.name: e for es in emus.values() for e in es}, refs, cluster, epoch=epoch
+    )
     coverage: list[bool] = []
 
     def on_node(node, result) -> None:
         for stage in case.current.names:
             coverage.append(covered([e for e in runtime.live.values() if e.model_stage == stage]))
 
-    report = await execute_dag(dag, runtime, duration=MODEL.seconds, rng=rng, on_node=on_node, rules=rules,
-                               check_caps=check_caps)
+    report = await execute_dag(
+        dag,
+        runtime,
+        duration=MODEL.seconds,
+        rng=rng,
+        on_node=on_node,
+        rules=rules,
+        check_caps=check_caps,
+    )
     peaks = {d: (await ref.ledger_report.call_one())["peak_bytes"] for d, ref in refs.items()}
     return Run(case, dag, report, runtime, full, state, peaks, coverage)
 
@@ -88,12 +113,15 @@ async def check_target(run: Run, refs: dict) -> None:
     for stage, sp in run.case.target:
         final: list[EMU] = [e for e in run.runtime.live.values() if e.model_stage == stage]
         assert sorted((e.layout.tp, e.layout.pp, e.devices) for e in final) == sorted(
-            (sp.tp, sp.pp, d) for d in sp.devices)
+            (sp.tp, sp.pp, d) for d in sp.devices
+        )
         for e in final:
             want = shard_store(e, run.full[stage])
             for d in e.devices:
                 got = await refs[d].get_shards.call_one(e.name)
-                assert set(got) == set(want[d]) and all(torch.equal(got[k], want[d][k]) for k in got)
+                assert set(got) == set(want[d]) and all(
+                    torch.equal(got[k], want[d][k]) for k in got
+                )
                 assert await refs[d].get_state.call_one(e.name) == vars(run.state)
 
 

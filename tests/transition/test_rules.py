@@ -32,7 +32,9 @@ RULES = sorted(RULE_CASES)
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def holders():
     before, segments = children(), shm_segments()
-    async with Cluster.local(devices=4, memory_per_device=BUDGET, heartbeat_timeout_s=30.0) as cluster:
+    async with Cluster.local(
+        devices=4, memory_per_device=BUDGET, heartbeat_timeout_s=30.0
+    ) as cluster:
         mesh = await cluster.spawn("ruled", DelayHolder, devices=[0, 1, 2, 3])
         yield cluster, {r.device: r for r in mesh.refs}
         await cluster.stop_mesh(mesh)
@@ -55,7 +57,9 @@ async def test_with_every_rule_the_case_finishes_within_budget_without_the_net(h
     cluster, refs = holders
     case = RULE_CASES[rule]
     try:
-        run = await run_case(case, refs, cluster, seed=1, epoch=300 + RULES.index(rule), check_caps=False)
+        run = await run_case(
+            case, refs, cluster, seed=1, epoch=300 + RULES.index(rule), check_caps=False
+        )
         assert run.report.ok, run.report.error
         assert all(run.coverage)
         assert all(p <= case.cap() for p in run.peaks.values()), (run.peaks, case.cap())
@@ -71,8 +75,16 @@ async def test_without_the_rule_a_worker_ledger_overflows_or_the_run_deadlocks(h
     build, dispatch = _without(rule)
     try:
         dag = case.dag(duration=MODEL.seconds, **build)
-        run = await run_case(case, refs, cluster, seed=2, epoch=310 + RULES.index(rule), dag=dag, rules=dispatch,
-                             check_caps=False)
+        run = await run_case(
+            case,
+            refs,
+            cluster,
+            seed=2,
+            epoch=310 + RULES.index(rule),
+            dag=dag,
+            rules=dispatch,
+            check_caps=False,
+        )
         error = run.report.error
         assert not run.report.ok
         assert _ledger_refused(error) or isinstance(error, InfeasibleTransition), repr(error)
