@@ -2,16 +2,19 @@
 on this machine's CPU workers.
 
 - ``prediction_error``: a GRPO job on 4 CPU workers whose policy-training cycles through
-  layouts (TP 2, PP 2, TP 4, DP 2, a move to other devices). The first ``calibrate``
-  changes (two passes of the cycle) teach the job's calibrator from their measured DAG
-  nodes (p2p efficiency, group set-up, call cost, local copy cost; each node at a
-  device's full rate, the cores shared between nodes running at once taken out) and
-  from their time outside the nodes (the per-transition fixed cost); then learning
-  stops and each of the next ``measure`` changes is predicted (the scheduled makespan
-  of its DAG, cores shared, plus the fixed cost, before it runs) and measured (the wall
-  time of the same span: the DAG's nodes, releasing the transition's groups, renaming
-  the EMUs): the median of |measured - predicted| / measured over those, none of which
-  taught the model anything.
+  layouts. The first ``calibrate`` changes go through ``CYCLE`` and teach the job's
+  calibrator from their measured DAG nodes (p2p efficiency, group set-up, call cost,
+  local copy cost; each node at a device's full rate, the cores shared between nodes
+  running at once taken out) and from their time outside the nodes (the per-transition
+  fixed cost); then learning stops, the job moves (untimed) into ``HELD_OUT`` -- layouts
+  that appear nowhere in ``CYCLE``, so no plan pair measured was ever calibrated on --
+  and each of the next ``measure`` changes, between held-out layouts, is predicted
+  before it runs and measured. Two spans: the moves (the DAG's nodes, releasing the
+  transition's groups, renaming the EMUs) against the DAG's scheduled makespan plus the
+  fixed cost, and the whole change with the engines' stop and restart against that plus
+  ``restart_seconds`` per restarted model-stage, frozen at its value when calibration
+  ended. ``prediction_error``: the median of |measured - predicted| / measured of the
+  whole change (``_p90``: its 90th percentile); ``..._moves``: the same over the moves.
 - ``overlap_ratio``: generation tokens per second on devices a transition does not
   touch while policy-training reshards on the others (``apply_plan(overlap=True)``),
   over tokens per second with no transition running. On 2 cores the workers that
@@ -54,6 +57,19 @@ CYCLE = [
 ]
 
 
+# held-out layouts of policy-training: none of them is in CYCLE (other PP depths, DP
+# widths, devices), so no change between two of them was calibrated on
+HELD_OUT = [
+    (1, 4, ((0, 1, 2, 3),)),
+    (2, 1, ((0, 1), (2, 3))),
+    (1, 1, ((1,),)),
+    (2, 2, ((0, 1, 2, 3),)),
+    (1, 1, ((0,), (1,), (2,), (3,))),
+    (1, 2, ((0, 1), (2, 3))),
+]
+assert not set(HELD_OUT) & set(CYCLE), "a held-out layout was calibrated on"
+
+
 # layouts of policy-training on devices 2 and 3 only: generation's devices stay untouched
 BESIDE = [
     (2, 1, ((2, 3),)),
@@ -78,6 +94,13 @@ def _config(out: str, hidden: int, layers: int) -> JobConfig:
     })
 
 
+def _errors(rows: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Median, 90th percentile and max of |measured - predicted| / measured."""
+    errors = sorted(abs(m - p) / m for p, m in rows)
+    p90 = statistics.quantiles(errors, n=10, method="inclusive")[8] if len(errors) > 1 else errors[0]
+    return statistics.median(errors), p90, errors[-1]
+
+
 async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int = 512, layers: int = 4) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-transition-")
     rl = RLJob(_config(out, hidden, layers))
@@ -86,27 +109,39 @@ async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int =
     try:
         await rl.run_step()
         k = 1
-        for i in range(calibrate + measure):
-            rl.stages.learn_transitions = i < calibrate
-            report = await rl.apply_plan(_plan(CYCLE[k % len(CYCLE)]))
+        for _ in range(calibrate):
+            rl.stages.learn_transitions = True
+            await rl.apply_plan(_plan(CYCLE[k % len(CYCLE)]))
             k += 1
-            if i >= calibrate:
-                rows.append((report["predicted_seconds"], report["measured_seconds"], report["bytes"], report["nodes"]))
+        rl.stages.learn_transitions = False
+        restart_s = rl.stages.restart_seconds  # frozen: later changes teach nothing
+        await rl.apply_plan(_plan(HELD_OUT[0]))  # into the held-out layouts, untimed
+        for i in range(measure):
+            report = await rl.apply_plan(_plan(HELD_OUT[(i + 1) % len(HELD_OUT)]))
+            restarted = len(report["changed"]) + len(report["retuned"])
+            rows.append((report["predicted_seconds"] + restarted * restart_s, report["seconds"],
+                         report["predicted_seconds"], report["measured_seconds"], report["bytes"], report["nodes"]))
         eff = rl.stages.calibrator.fit()
     finally:
         await rl.close()
         shutil.rmtree(out, ignore_errors=True)  # the job's model and tap: nothing read afterwards
-    errors = [abs(m - p) / m for p, m, _, _ in rows]
+    whole = _errors([(p, m) for p, m, _, _, _, _ in rows])
+    moves = _errors([(p, m) for _, _, p, m, _, _ in rows])
     return {
-        "prediction_error": statistics.median(errors),
-        "prediction_error_max": max(errors),
+        "prediction_error": whole[0],
+        "prediction_error_p90": whole[1],
+        "prediction_error_max": whole[2],
+        "prediction_error_moves": moves[0],
+        "prediction_error_moves_p90": moves[1],
+        "restart_seconds": restart_s,
         "transitions_calibrated": calibrate,
         "transitions_measured": len(rows),
         "calibrated": {"p2p_intra": eff.p2p_intra, "group_setup_s": eff.group_setup_s,
                        "transition_call_s": eff.transition_call_s, "transition_s": eff.transition_s,
                        "group_release_s": eff.group_release_s,
                        "copy_s_per_gb": eff.copy_s_per_gb, "host_s_per_gb": eff.host_s_per_gb},
-        "predicted_vs_measured_s": [[round(p, 4), round(m, 4), b, n] for p, m, b, n in rows],
+        "predicted_vs_measured_s": [[round(p, 4), round(m, 4), round(pm, 4), round(mm, 4), b, n]
+                                    for p, m, pm, mm, b, n in rows],
     }
 
 

@@ -87,5 +87,5 @@ def _run(cfg: JobConfig) -> int:
     records = asyncio.run(run_job(cfg))
     if records:
         last = records[-1]
-        print(f"done: {len(records)} steps, last reward {last['reward_mean']:.3f}; metrics in {cfg.run.out_dir}/metrics.jsonl, plot in {cfg.run.out_dir}/plot.png")
+        print(f"done: {last['step'] + 1} steps, last reward {last['reward_mean']:.3f}; metrics in {cfg.run.out_dir}/metrics.jsonl, plot in {cfg.run.out_dir}/plot.png")
     return 0

@@ -12,6 +12,11 @@ fans each record out to the loggers ``[run] loggers`` names:
 - ``mlflow``: an MLflow run in experiment ``run.experiment`` at ``run.mlflow_tracking_uri``
   (default a SQLite store, ``out_dir/mlflow.db``), the job's config as its parameters.
 
+Each step is recorded once, also when the job goes back to a checkpoint: ``rewind(step)``
+and a resume drop what came from ``step`` on (``metrics.jsonl`` lines, TensorBoard events
+through ``purge_step``); W&B and MLflow, which cannot take a step back, get a record only
+once a later checkpoint is saved (``commit``).
+
 Refuses (``ConfigError``): a logger whose package is missing, with the command that
 installs it (checked when the job starts, before any step runs).
 
@@ -53,11 +58,17 @@ def numeric_leaves(record: Mapping[str, Any], prefix: str = "") -> Iterator[tupl
 
 
 class StepLogger:
-    """One destination of step records."""
+    """One destination of step records. ``final``: it cannot take a step back, so it
+    gets only records no restore can drop (``StepLoggers`` holds them until then)."""
 
     name = ""
+    final = False
 
     def log(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def rewind(self, step: int) -> None:
+        """Forget what was logged for ``step`` and later (only a logger that is not ``final``)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -73,6 +84,9 @@ class JsonlLogger(StepLogger):
     def log(self, record: dict[str, Any]) -> None:
         self.writer.write(record)
 
+    def rewind(self, step: int) -> None:
+        self.writer.rewind(step)
+
     def close(self) -> None:
         self.writer.close()
 
@@ -84,8 +98,13 @@ class TensorBoardLogger(StepLogger):
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = out_dir / "tensorboard"
+        self._writer = SummaryWriter
         # purge_step drops events a crashed run wrote past the checkpoint it resumes from.
         self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=resume_from_step)
+
+    def rewind(self, step: int) -> None:
+        self.writer.close()
+        self.writer = self._writer(log_dir=str(self.dir), purge_step=step)
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -100,6 +119,7 @@ class TensorBoardLogger(StepLogger):
 
 class WandbLogger(StepLogger):
     name = "wandb"
+    final = True  # a W&B run's step only grows
 
     def __init__(self, out_dir: Path, experiment: str, run_name: str, mode: str, config: dict[str, Any],
                  resume_from_step: int | None) -> None:
@@ -124,6 +144,7 @@ class WandbLogger(StepLogger):
 
 class MlflowLogger(StepLogger):
     name = "mlflow"
+    final = True  # a metric logged twice at one step keeps both values
 
     def __init__(self, out_dir: Path, experiment: str, run_name: str, uri: str, config: dict[str, Any],
                  resume_from_step: int | None) -> None:
@@ -167,16 +188,41 @@ def _flat_config(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[
 
 
 class StepLoggers:
-    """Every configured logger; ``log`` writes one record to each, in order."""
+    """Every configured logger; ``log`` writes one record to each, in order, holding the
+    records for ``final`` loggers until ``commit`` (or ``close``) says they stand."""
 
     def __init__(self, loggers: list[StepLogger]) -> None:
         self.loggers = loggers
+        self.held: list[dict[str, Any]] = []  # records not yet handed to the final loggers
 
     def log(self, record: dict[str, Any]) -> None:
         for logger in self.loggers:
-            logger.log(record)
+            if not logger.final:
+                logger.log(record)
+        if any(logger.final for logger in self.loggers):
+            self.held.append(record)
+
+    def commit(self, step: int) -> None:
+        """Records of steps before ``step`` stand (a checkpoint at ``step`` was saved):
+        the final loggers get them now."""
+        ready = [r for r in self.held if int(r["step"]) < step]
+        self.held = [r for r in self.held if int(r["step"]) >= step]
+        for record in ready:
+            for logger in self.loggers:
+                if logger.final:
+                    logger.log(record)
+
+    def rewind(self, step: int) -> None:
+        """The job went back to a checkpoint at ``step``: every logger forgets ``step``
+        and later (the final ones never saw them), so the redone steps are logged once."""
+        self.held = [r for r in self.held if int(r["step"]) < step]
+        for logger in self.loggers:
+            if not logger.final:
+                logger.rewind(step)
 
     def close(self) -> None:
+        # What is still held is dropped: a run that stops past its last checkpoint
+        # resumes from that checkpoint and logs those steps again.
         # Close all even when one fails; the first failure is raised after the rest closed.
         first: BaseException | None = None
         for logger in self.loggers:

@@ -15,7 +15,9 @@ state: policy and critic parameters, AdamW moments and update counters, the poli
 version, the dataset position and the step number. Sampling seeds derive from
 ``(run.seed, step)``, so no RNG state needs saving. With ``run.resume`` the job starts
 from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the steps the
-uninterrupted job would have taken (same samples, same rollouts, same updates).
+uninterrupted job would have taken (same samples, same rollouts, same updates). A
+running job that restores a checkpoint after a fault rewinds its record with it: every
+step is recorded once (the redone one), and a ``rewind`` tap event names the dropped steps.
 
 More (how it works): docs/rl-jobs.md.
 """
@@ -42,7 +44,7 @@ from nereus.job.cluster_stages import ClusterStages
 from nereus.job.config import JobConfig
 from nereus.job.export import export_checkpoint, latest_checkpoint
 from nereus.job.local_stages import InProcessStages, prepare_model
-from nereus.job.loggers import check_loggers, make_loggers
+from nereus.job.loggers import StepLoggers, check_loggers, make_loggers
 from nereus.job.recovery import (
     Fault,
     dead_devices,
@@ -90,6 +92,7 @@ class RLJob:
         self.tap: Any = None  # the run's tap recorder (tap.jsonl) on a cluster
         self.step = 0
         self.records: list[dict[str, Any]] = []
+        self._loggers: StepLoggers | None = None  # while the step loop runs
         self.faults: list[Any] = []  # nereus.job.recovery.Fault, one per recovered fault
         self._checkpoints: list[Path] = []  # saved or loaded by this run (a restore uses no other)
         # called as ``await hook(job, record)`` after each step, before the controller loop
@@ -230,6 +233,7 @@ class RLJob:
         cfg = self.cfg
         resumed = self.step > 0
         loggers = make_loggers(cfg.run, self.out_dir, to_dict(cfg), resume_from_step=self.step if resumed else None)
+        self._loggers = loggers
         progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
         try:
             while self.step < cfg.run.steps:
@@ -237,14 +241,20 @@ class RLJob:
                 if record is None:
                     continue  # a fault: the step was redone or its committed update kept
                 await self._guarded(lambda record=record: self._boundary(record), "boundary")
+                if record["step"] >= self.step:
+                    continue  # the boundary's fault restored a checkpoint before this step: it is redone
                 self.records.append(record)
                 loggers.log(record)
                 progress.update(record)
                 every = cfg.run.checkpoint_every
                 if (every and self.step % every == 0) or self.step == cfg.run.steps:
+                    saved_at = self.step
                     await self._guarded(self.save_checkpoint, "boundary")
+                    if (self.out_dir / "checkpoints" / f"step_{saved_at}" / "job.json").is_file():
+                        loggers.commit(saved_at)  # no restore goes back past it: W&B and MLflow get them
         finally:
             progress.close()
+            self._loggers = None
             loggers.close()
         if cfg.run.export_hf:
             self.export_hf()
@@ -327,8 +337,10 @@ class RLJob:
                     if not done:
                         raise StateError("a training state lost its last copy and there is no checkpoint to restore")
                     ckpt = max(done, key=lambda c: int(c.name.split("_")[1]))
+                    reached = self.step
                     await self.load_checkpoint(ckpt)
                     fault.restored_from = ckpt.name
+                    self._rewind_record(ckpt.name, reached)
                 elif during == "step" and not fault.committed:
                     self.dataset.load_state_dict(dataset0)
                     self.step = step0
@@ -351,6 +363,16 @@ class RLJob:
         log.warning("recovered from the death of devices %s in %.2f s (%s)", fault.devices, fault.recover_seconds,
                     "checkpoint " + fault.restored_from if fault.restored_from else
                     "step redone" if fault.redone else "update kept")
+
+    def _rewind_record(self, checkpoint: str, reached: int) -> None:
+        """The job went back from step ``reached`` to ``checkpoint`` (now at ``self.step``):
+        its record goes back too, so each step the job redoes is recorded once
+        (``StepLoggers.rewind``); the tap says which steps' records were dropped."""
+        discarded = list(range(self.step, reached))
+        self.records = [r for r in self.records if r["step"] < self.step]
+        if self._loggers is not None:
+            self._loggers.rewind(self.step)
+        emit("rewind", step=self.step, checkpoint=checkpoint, discarded_steps=discarded)
 
     def export_hf(self, out: str | Path | None = None) -> Path:
         """Write the policy of the newest checkpoint as a Hugging Face folder (``out_dir/hf``

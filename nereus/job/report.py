@@ -56,6 +56,15 @@ class MetricsWriter:
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
 
+    def rewind(self, step: int) -> list[int]:
+        """Drop the lines of ``step`` and later (a restored checkpoint redoes them);
+        returns the steps dropped."""
+        self._fh.close()
+        records = read_metrics(self.path)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) < step))
+        self._fh = self.path.open("a")
+        return [r.get("step", 0) for r in records if r.get("step", 0) >= step]
+
     def close(self) -> None:
         self._fh.close()
 

@@ -119,6 +119,9 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
               "restored_from": "checkpoint loaded (a training state lost its last copy), else empty",
               "redone": "bool: the step runs again", "recover_seconds": "from the error to a runnable plan",
               "dropped": "EMUs lost with the devices", "missing": "model-stages rebuilt from scratch"},
+    "rewind": {"step": "the step the job goes on from (a restored checkpoint's)",
+               "checkpoint": "the checkpoint restored", "discarded_steps": "list: steps whose records were "
+               "dropped (metrics.jsonl, TensorBoard, loggers) to be redone"},
     "tap_recorder": {"marker": "start or stop: a recorder's own marker, to know its subscription is live"},
     "memory": {"device": "device index", "used_bytes": "int", "budget_bytes": "int"},
     "stuck_collective": {"group": "group id", "op": "collective", "missing_ranks": "list",

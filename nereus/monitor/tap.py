@@ -6,7 +6,10 @@
 With a cluster key (``--key-file`` or ``$NEREUS_CLUSTER_KEY``) every event's signature
 is checked and a forged one is counted and dropped, and so is a replayed one (each
 event carries the controller's sender id and sequence number under the signature: an
-event not newer than the last one from that controller is refused); without a key
+event not newer than the last one from that controller is refused). It keeps every
+sender's last sequence number for as long as it lives, never forgetting one: the tap
+is one-way, so nothing could tell a forgotten controller's fresh start from a replay
+of it (fail closed); only signed events make an entry; without a key
 the events are shown unverified and the tool says so once. ``--jsonl FILE`` appends one JSON object
 per event (bytes become hex strings). The printer uses rich when stdout is a terminal.
 """
@@ -59,7 +62,7 @@ class Subscriber:
         self.key = key
         self.types = set(types) if types else None
         self.rejected = 0
-        self._last: dict[bytes, int] = {}  # controller's tap id -> last event seq
+        self._last: dict[bytes, int] = {}  # controller's tap id -> last event seq (never evicted)
         self._ctx = zmq.asyncio.Context.shadow(zmq.Context.instance())
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -116,8 +119,8 @@ class Subscriber:
                 self.rejected += 1
                 log.warning("dropped a replayed tap event (seq %d)", seq)
                 return None
-            if sender not in self._last and len(self._last) >= 64:
-                self._last.pop(next(iter(self._last)))
+            # every sender stays: a sender is a controller incarnation that signed with the
+            # cluster key (a few a day), and one forgotten would accept its old events again
             self._last[sender] = seq
         try:
             event = msgpack.unpackb(body, raw=False, strict_map_key=False)

@@ -20,6 +20,7 @@ from nereus.transition.estimate import (
     scheduled,
     transition_seconds,
 )
+from nereus.transition.rules import ALL_RULES, Rules
 from nereus.transition.schedule import (
     Blocked,
     Dispatcher,
@@ -30,10 +31,12 @@ from nereus.transition.schedule import (
 )
 
 __all__ = [
+    "ALL_RULES",
     "Blocked",
     "Dispatcher",
     "LinkModel",
     "Node",
+    "Rules",
     "Schedule",
     "SpecBytes",
     "TransitionDAG",

@@ -19,6 +19,7 @@ from nereus.transition._regular import Hosts, regular_part
 from nereus.transition._stage import Runs, StagePart, general_part, unchanged_part
 from nereus.transition.analytic import SpecBytes
 from nereus.transition.dag import Node, Schedule, TransitionDAG, _Results, stage_moves, stage_rank
+from nereus.transition.rules import ALL_RULES, Rules
 from nereus.transition.schedule import Blocked, simulate
 
 __all__ = ["build_dag"]
@@ -65,6 +66,7 @@ def build_dag(
     bucket_bytes: int = 0,
     duration: Callable[[Node], float] | None = None,
     share: Callable[[int], float] | None = None,
+    rules: Rules = ALL_RULES,
 ) -> TransitionDAG:
     """The transition DAG from ``current`` to ``target`` (see the module docstring).
 
@@ -74,7 +76,9 @@ def build_dag(
     a ``DeviceSet`` (hosts and budgets) or a function device -> budget;
     ``resident``: bytes per device held besides the plans' EMUs; ``duration``: a node's
     modelled seconds for the resource-edge simulation (default: its bytes); ``share``:
-    the rate busy devices get when they share cores (``LinkModel.sharing``)."""
+    the rate busy devices get when they share cores (``LinkModel.sharing``); ``rules``:
+    the global rules it is built and scheduled under (``nereus.transition.rules``; all by
+    default: without ``resource_edges`` no resource edge is added)."""
     require(set(current.names) == set(target.names), "target plan", target.names,
             f"must place the same model-stages as the current plan {current.names}")
     missing = sorted(s for s in current.names if s not in specs)
@@ -142,8 +146,9 @@ def build_dag(
     dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),
                         DeviceMap(lambda: classes.counted_map(classes.initial)), current, target,
                         _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration,
-                        share=share)
-    last = _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
+                        share=share, rules=rules)
+    last = (_add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
+            if rules.resource_edges else None)
     if duration is not None:  # the list schedule under duration
         dag._schedule = last if last is not None else simulate(dag, duration, share=share)
     return dag

@@ -26,6 +26,7 @@ from nereus.planner.plan import Plan, StagePlan
 from nereus.state.transition import Op, Rep
 from nereus.transition._classes import ClassEffect, DeviceClasses
 from nereus.transition._stage import StagePart
+from nereus.transition.rules import ALL_RULES, Rules
 
 __all__ = ["Node", "Schedule", "TransitionDAG", "stage_rank", "stage_moves", "check_caps"]
 
@@ -168,8 +169,9 @@ class TransitionDAG:
                  target: Plan, results: Mapping[str, tuple[Rep, ...]], host_of: Callable[[int], int], *,
                  classes: DeviceClasses | None = None, parts: Sequence[StagePart] = (),
                  duration: Callable[[Node], float] | None = None,
-                 share: Callable[[int], float] | None = None) -> None:
+                 share: Callable[[int], float] | None = None, rules: Rules = ALL_RULES) -> None:
         self.nodes, self.caps, self.initial = nodes, caps, initial
+        self.rules = rules
         self.current, self.target, self.results, self.host_of = current, target, results, host_of
         self._classes = classes
         self.duration, self.share = duration, share

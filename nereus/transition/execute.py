@@ -33,6 +33,7 @@ from typing import Protocol
 
 from nereus.errors import InfeasibleTransition
 from nereus.transition.dag import Node, TransitionDAG
+from nereus.transition.rules import Rules
 from nereus.transition.schedule import Dispatcher
 
 __all__ = ["NodeResult", "Runtime", "SimulatedRuntime", "TransitionReport", "execute_dag"]
@@ -98,11 +99,15 @@ async def execute_dag(
     rng: random.Random | None = None,
     on_node: Callable[[Node, NodeResult], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    rules: Rules | None = None,
+    check_caps: bool = True,
 ) -> TransitionReport:
     """Run ``dag`` on ``runtime`` (see the module docstring). ``duration``: the modelled
     seconds recorded as each node's prediction; ``rng`` shuffles ties (tests);
-    ``on_node(node, result)`` hears of every node as it ends."""
-    disp = Dispatcher(dag, rng)
+    ``on_node(node, result)`` hears of every node as it ends; ``rules``: the global
+    rules it dispatches under (None: the DAG's); ``check_caps=False`` drops the
+    dispatcher's own cap check at start, leaving the workers' ledgers the only check."""
+    disp = Dispatcher(dag, rng, rules=rules, check_caps=check_caps)
     report = TransitionReport()
     t0 = clock()
     stop = False

@@ -10,7 +10,9 @@ generation, inference, training, then node id; with a random generator, ties dra
 random once per node), every ready node whose devices are free and whose allocation
 fits every device's cap counting what is in use (source buffers stay until their node
 ends; a node's transfer bucket counts while it runs); ``finish(node)`` gives its devices
-and its released bytes back. It counts per class of alike devices (``dag.classes``), and
+and its released bytes back (it orders by the DAG's global rules, ``nereus.transition.
+rules``, unless given others; ``check_caps=False`` drops its cap check at start, so only
+the rules and the workers' ledgers keep memory within budget). It counts per class of alike devices (``dag.classes``), and
 only the classes whose cap some order could break; ``used``, ``peak`` and ``busy`` are
 per-device views made when asked for (from the sequence of starts and ends).
 
@@ -32,6 +34,7 @@ from nereus.errors import InfeasibleTransition
 from nereus.planner.cluster import core_share
 from nereus.transition._classes import DeviceClasses, DeviceMap
 from nereus.transition.dag import Node, Schedule, TransitionDAG
+from nereus.transition.rules import Rules
 
 __all__ = ["Dispatcher", "Schedule", "simulate", "full_rate_seconds", "LinkModel", "Blocked"]
 
@@ -61,10 +64,15 @@ class Dispatcher:
     ``peak`` and ``busy`` are the per-device views."""
 
     def __init__(self, dag: TransitionDAG, rng: random.Random | None = None,
-                 on_blocked: Callable[[Blocked], bool] | None = None) -> None:
+                 on_blocked: Callable[[Blocked], bool] | None = None, *, rules: Rules | None = None,
+                 check_caps: bool = True) -> None:
         self.dag = dag
         self.rng = rng
         self.on_blocked = on_blocked
+        rules = dag.rules if rules is None else rules
+        # the safety net: a node whose allocation would pass a cap waits (off: it starts,
+        # and only the rules keep it within budget)
+        self.check_caps = check_caps
         classes = dag.classes
         self._classes = classes
         self._effects = classes.effects
@@ -78,8 +86,9 @@ class Dispatcher:
         self.children = children
         # release before acquire (a node that allocates nowhere), then generation,
         # inference, training, then node id (or a random tie, drawn once per node and schedule)
-        # queue entries: (priority, node, the classes it touches)
-        self._item = {n.id: ((1 if (e := effects[n.id]).acquires else 0, n.rank,
+        # queue entries: (priority, node, the classes it touches); a rule that is off ranks all alike
+        first, order = rules.release_first, rules.stage_order
+        self._item = {n.id: ((1 if (e := effects[n.id]).acquires and first else 0, n.rank if order else 0,
                               rng.random() if rng is not None else n.id), n.id, e.touches) for n in nodes}
         self.ready = {n.id for n in nodes if not n.deps}
         self._queue = sorted(self._item[i] for i in self.ready)  # the ready nodes, in priority order
@@ -128,7 +137,7 @@ class Dispatcher:
             item = free[0]
             nid = item[1]
             e = self._effects[nid]
-            over = self._over(nid) if e.alloc else None
+            over = self._over(nid) if e.alloc and self.check_caps else None
             if over is not None:
                 c, need, cap = over
                 info = Blocked(nid, c, need, cap, frozenset(self.finished), bool(self.running), self._classes)

@@ -105,6 +105,7 @@ def test_every_logger_writes_the_same_record(tmp_path):
     with make_loggers(run, tmp_path, config) as loggers:
         for step in range(3):
             loggers.log(_record(step))
+        loggers.commit(3)  # the job's last checkpoint: W&B and MLflow get what it covers
     expected = {k: [(s, v) for s in range(3) for k2, v in numeric_leaves(_record(s)) if k2 == k]
                 for k, _ in numeric_leaves(_record(0)) if k != "step"}
 
@@ -126,15 +127,40 @@ def test_resume_keeps_one_history(tmp_path):
     with make_loggers(run, tmp_path, {}) as loggers:
         for step in range(4):
             loggers.log(_record(step))
-    # The job resumes from a checkpoint at step 2: steps 2 and 3 run again.
+            if step == 1:
+                loggers.commit(2)  # a checkpoint at step 2; the process stops after step 3
+    # The job resumes from the checkpoint at step 2: steps 2 and 3 run again.
     with make_loggers(run, tmp_path, {}, resume_from_step=2) as loggers:
         for step in range(2, 5):
             loggers.log({**_record(step), "reward_mean": 100.0 + step})
-    assert [r["reward_mean"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 0.25, 102.0, 103.0, 104.0]
+        loggers.commit(5)
+    want = [(0, 0.0), (1, 0.25), (2, 102.0), (3, 103.0), (4, 104.0)]
+    assert [(r["step"], r["reward_mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == want
     tb = read_tensorboard(tmp_path / "tensorboard")
-    assert tb["reward_mean"] == [(0, 0.0), (1, 0.25), (2, 102.0), (3, 103.0), (4, 104.0)]
-    mf, _, _ = read_mlflow(tmp_path / "mlflow.db", "resume")  # the same MLflow run goes on
-    assert [v for s, v in mf["reward_mean"] if s == 4] == [104.0]
+    assert tb["reward_mean"] == want
+    mf, _, _ = read_mlflow(tmp_path / "mlflow.db", "resume")  # the same MLflow run goes on, each step once
+    assert mf["reward_mean"] == want
+
+
+@pytest.mark.timeout(120)
+def test_a_rewind_to_a_checkpoint_leaves_each_step_once_in_every_logger(tmp_path):
+    """A running job restores the checkpoint at step 4 after step 6: steps 4-6 are redone,
+    with other figures, and every logger holds each step once, the redone one."""
+    run = RunConfig(out_dir=str(tmp_path), loggers=ALL, experiment="rewind", run_name="rewind")
+    with make_loggers(run, tmp_path, {}) as loggers:
+        for step in range(7):
+            loggers.log(_record(step))
+            if step == 3:
+                loggers.commit(4)
+        loggers.rewind(4)
+        for step in range(4, 8):
+            loggers.log({**_record(step), "reward_mean": 100.0 + step})
+        loggers.commit(8)
+    want = [(s, 0.25 * s) for s in range(4)] + [(s, 100.0 + s) for s in range(4, 8)]
+    assert [(r["step"], r["reward_mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == want
+    assert read_tensorboard(tmp_path / "tensorboard")["reward_mean"] == want
+    assert read_wandb(tmp_path / "wandb")[0]["reward_mean"] == want
+    assert read_mlflow(tmp_path / "mlflow.db", "rewind")[0]["reward_mean"] == want
 
 
 def test_logger_config_errors(monkeypatch):

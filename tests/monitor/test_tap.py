@@ -118,6 +118,40 @@ async def test_subscriber_drops_replayed_events():
         pub.close(linger=0)
 
 
+async def test_subscriber_refuses_a_replay_after_65_other_senders():
+    """A bounded table that evicts its oldest sender would accept that sender's old events
+    again once 64 others had spoken: the subscriber keeps every sender's last seq."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", KEY)
+    try:
+        first_sender = b"\x00" * 15 + b"\x01"
+        captured = _frame(KEY, msgpack.packb(_event(device=1)), seq=7, sender=first_sender)
+
+        async def joined():
+            while True:  # PUB/SUB joins asynchronously: publish until one arrives
+                pub.send(captured)
+                try:
+                    return await sub.next(0.1)
+                except asyncio.TimeoutError:
+                    continue
+
+        assert (await asyncio.wait_for(joined(), 10))["device"] == 1
+        for i in range(65):  # 65 other controllers, each with its own fresh id
+            pub.send(_frame(KEY, msgpack.packb(_event(device=100 + i)), seq=1, sender=bytes([2, i]) * 8))
+            assert (await sub.next(10))["device"] == 100 + i
+        rejected = sub.rejected
+        pub.send(captured)  # the first sender's captured event, replayed
+        pub.send(_frame(KEY, msgpack.packb(_event(device=2)), seq=8, sender=first_sender))
+        assert (await sub.next(10))["device"] == 2  # its next event passes; the replay did not
+        assert sub.rejected == rejected + 1
+    finally:
+        sub.close()
+        pub.close(linger=0)
+
+
 @pytest.mark.integration
 def test_cli_schema_and_usage():
     out = subprocess.run([sys.executable, "-m", "nereus.cli", "tap", "--schema"], capture_output=True,

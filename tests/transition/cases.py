@@ -1,11 +1,10 @@
 """The paper's three overlap cases as plans on 4 devices, with caps that make model-stages
 compete for memory, and what the tests check a run against (coverage of every tensor,
-caps at every scheduler event). Also the negative control: the same per-model-stage
-primitive lists run without the global rules."""
+caps at every scheduler event). ``RULE_CASES``: for each global rule, a case that needs
+it (run without it and without the dispatcher's cap check, a worker's ledger overflows)."""
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +69,17 @@ CASES = [
 ]
 
 
+# a generation Merge frees more than it takes on devices 0-1; the training Extend onto
+# them fits only after it. The training model-stage is listed first (lower node ids), so
+# only the generation -> inference -> training tie order starts the Merge first.
+STAGE_ORDER = Case("generation before training on shared devices",
+                   plan(policy_training=(2, 1, [[2, 3]]), policy_generation=(1, 1, [[0], [1]])),
+                   plan(policy_training=(2, 1, [[0, 1]]), policy_generation=(2, 1, [[0, 1]])),
+                   {"policy_training": TRAIN}, 2.2)
+# the rule (a ``Rules`` field) -> a case that overflows a cap without it
+RULE_CASES = {"release_first": CASES[1], "stage_order": STAGE_ORDER, "resource_edges": CASES[0]}
+
+
 def covered(stage_emus: list[EMU]) -> bool:
     """Whether ``stage_emus`` together hold every tensor of their model-stage."""
     ref = stage_emus[0]
@@ -79,75 +89,6 @@ def covered(stage_emus: list[EMU]) -> bool:
 
 def random_duration(rng: random.Random) -> Callable[[object], float]:
     return lambda node: rng.uniform(0.1, 2.0)
-
-
-class NaiveRun:
-    """The negative control: every model-stage runs its primitives one after another, on
-    its own, as independent lists; a primitive's message reaches each of its devices'
-    queues at its own moment (a driver sends one message per worker) and takes its turn
-    there (a worker runs one at a time, in arrival order); it runs once it heads them
-    all; nothing checks memory. Deadlocks (a cycle of primitives each waiting at the head
-    of a queue the other holds) and cap violations are what the global rules prevent."""
-
-    def __init__(self, dag: TransitionDAG, rng: random.Random) -> None:
-        self.dag, self.rng = dag, rng
-
-    def run(self) -> tuple[bool, bool]:
-        """(deadlocked, broke a cap)."""
-        dag, rng = self.dag, self.rng
-        by_stage: dict[str, list[int]] = {}
-        for n in dag.nodes:
-            by_stage.setdefault(n.stage, []).append(n.id)
-        nxt = {s: 0 for s in by_stage}
-        queues: dict[int, list[int]] = {d: [] for d in dag.devices()}
-        used = dict(dag.initial)
-        broke = False
-        clock, events, running = 0.0, [], set()
-        arrivals: list[tuple[float, int, int]] = []
-
-        def submit(t: float, nid: int) -> None:
-            for d in dag.nodes[nid].devices:  # each worker's message arrives on its own
-                heapq.heappush(arrivals, (t + rng.uniform(0, 0.3), nid, d))
-
-        for s in by_stage:  # each list submits its first primitive after a random delay
-            submit(rng.uniform(0, 1), by_stage[s][0])
-        done = 0
-        while done < len(dag.nodes):
-            # arrivals join every device queue of their primitive
-            while arrivals and (not events or arrivals[0][0] <= events[0][0]):
-                t, nid, d = heapq.heappop(arrivals)
-                clock = max(clock, t)
-                queues[d].append(nid)
-            started = True
-            while started:
-                started = False
-                for nid in {q[0] for q in queues.values() if q}:
-                    node = dag.nodes[nid]
-                    if nid not in running and all(queues[d] and queues[d][0] == nid for d in node.devices):
-                        running.add(nid)
-                        for d, extra in node.alloc.items():
-                            used[d] = used.get(d, 0) + extra
-                            cap = dag.caps.get(d)
-                            broke |= cap is not None and used[d] > cap
-                        heapq.heappush(events, (clock + rng.uniform(0.1, 2.0), nid))
-                        started = True
-            if not events:
-                if arrivals:
-                    continue
-                return True, broke  # nothing runs, nothing comes: a circular wait
-            clock, nid = heapq.heappop(events)
-            running.discard(nid)
-            node = dag.nodes[nid]
-            for d, freed in node.release.items():
-                used[d] = used.get(d, 0) - freed
-            for d in node.devices:
-                queues[d].remove(nid)
-            done += 1
-            stage = node.stage
-            nxt[stage] += 1
-            if nxt[stage] < len(by_stage[stage]):
-                submit(clock + rng.uniform(0, 0.5), by_stage[stage][nxt[stage]])
-        return False, broke
 
 
 def table(case: Case, stage: str) -> SpecBytes:
