@@ -39,10 +39,10 @@ from nereus.sim.traces import (
     length_trace,
 )
 from nereus.sim.transitions import Transitions, intact, model_spec_of, transition_seconds
-from nereus.sim.truth import GroundTruth, Param, StepTruth, TruthParams, load_truth_params
+from nereus.sim.truth import GroundTruth, StepTruth, TruthParams, load_truth_params
 
 __all__ = [
-    "CAP_SCHEDULES", "Counterfactual", "CounterfactualReport", "EXTRA_POLICIES", "ORACLE", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
+    "CAP_SCHEDULES", "Counterfactual", "CounterfactualReport", "EXTRA_POLICIES", "ORACLE", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Policy",
     "PolicyResult", "Scenario", "SimConfig", "SimulationError", "SpotTrace", "StepRecord", "StepTruth", "Transitions",
     "TruthParams", "build_scenario", "device_trace", "intact", "length_trace", "load_truth_params", "make_policy",
     "admission_counterfactuals", "model_spec_of", "run_oracle", "run_policies", "run_policy", "simulate", "transition_seconds",
