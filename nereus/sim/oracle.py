@@ -4,11 +4,12 @@ Not a policy a system can run: a reference that says how much any policy built o
 ``nereus.planner.search`` could gain on a scenario, so a policy's gap to a target can be
 told apart from the scenario's headroom. At every step it knows what no policy knows:
 
-- the step's true efficiencies (the drift applied) and its sampled lengths (the maximum
-  that sets decode, not the previous step's), so the search ranks plans for the step
-  itself, memory planned at the step's true maximum, not at the cap, with the truth's
-  fragmentation and extra workspace as its memory terms (the larger fragmentation on
-  every transient byte: an upper envelope, as calibration fits one);
+- the truth's headline rates at the step (its training MFU, decode roofline share and
+  bus bandwidths, the drift applied) as the planner's efficiencies, and the step's
+  sampled lengths (the maximum that sets decode, not the previous step's), so the
+  search ranks plans for the step itself, memory planned at the step's true maximum,
+  not at the cap, with the truth's fragmentation at the cap and its workspace as its
+  memory terms (an upper envelope, as calibration fits one);
 - the truth of every candidate: the search's best plan and each of its alternatives (one
   per named placement) run under the ground truth (stragglers, congestion,
   fragmentation included), and the fastest that does not overflow memory is taken;
@@ -35,7 +36,7 @@ Deterministic under the scenario's seed (the truth draws from the step and the a
 from __future__ import annotations
 
 from nereus.errors import InfeasiblePlan
-from nereus.planner.cost import Efficiency
+from nereus.planner.cost import OP_CLASSES, Efficiency
 from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
 from nereus.planner.search import search
@@ -49,18 +50,18 @@ from nereus.sim.run import (
     pause_until_available,
     wait_for_change,
 )
-from nereus.sim.truth import GiB, StepTruth
+from nereus.sim.truth import StepTruth
 
 __all__ = ["ORACLE", "Oracle", "matched_compute", "run_oracle", "told_the_truth"]
 
 
 def told_the_truth(scn: Scenario, step: int) -> Efficiency:
-    """What the oracle's search plans with at ``step``: the truth's efficiencies there,
-    its fragmentation and extra workspace as the memory terms."""
-    mem = scn.truth.params.memory
-    scale = 1.0 + max(mem.activation_fragmentation.value, mem.kv_fragmentation.value)
-    return scn.truth.efficiency(step).replace(memory_scale=scale,
-                                              memory_fixed_bytes=mem.extra_workspace_gib.value * GiB)
+    """What the oracle's search plans with at ``step``: the truth's headline rates there
+    as the planner's efficiencies, its fragmentation and workspace as the memory terms."""
+    rates = scn.truth.reference_rates(step)
+    factors = {c: float(min(1.5, max(1e-3, rates[c]))) for c in OP_CLASSES}
+    return Efficiency(**factors).replace(memory_scale=rates["memory_scale"],
+                                         memory_fixed_bytes=rates["memory_fixed_bytes"])
 
 
 class Oracle:

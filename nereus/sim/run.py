@@ -11,10 +11,10 @@ schedule, ground truth) once and runs every policy of ``config.policies`` on it 
 
 - at each step boundary the policy sees the live devices (from the device trace at the
   clock's time, or at the step for a growth trace), what left and joined since its last
-  boundary and the previous step's lengths, and answers a move. A transition takes what
-  the real DAG of the move takes under the ground truth's link model (a move the DAG
-  cannot schedule becomes a checkpoint restart); a restart takes the ground truth's
-  fixed restart time and is counted. Both are counted in the run time, before the step.
+  boundary and the previous step's lengths, and answers a move. A transition takes the
+  ground truth's time for the move (the paper's Extend or resharding figure; a move the
+  real DAG cannot schedule becomes a checkpoint restart); a restart takes the ground
+  truth's restart time for its target's GPU count. Both are counted, before the step.
 - the step then runs for its ground-truth time. A device loss that lands inside it
   aborts it: the time until the loss is wasted and the step is redone after the policy
   reacts (the urgent path); a gain waits for the next boundary. A step whose ground-truth
@@ -51,6 +51,7 @@ from nereus.sim.policies import (
     _Ctx,
     make_policy,
 )
+from nereus.sim.presets import cap_for, pair_paths, paper_lengths, preset
 from nereus.sim.traces import (
     CAP_SCHEDULES,
     CapSchedule,
@@ -65,7 +66,7 @@ from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
 __all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy", "run_policies",
            "devices_of", "pause_until_available", "wait_for_change",
-           "simulate", "build_scenario"]
+           "simulate", "build_scenario", "preset_config"]
 
 
 class SimulationError(NereusError):
@@ -102,6 +103,11 @@ class SimConfig:
     join_horizon_steps: float = 20.0
     min_steps_between: int = 0
     truth_path: str | None = None
+    # a named scenario (``nereus.sim.presets``: its cluster allocation, traces and cap
+    # replace the fields above) and its trace pair; where the shared traces lie
+    scenario: str | None = None
+    pair: int = 0
+    traces_dir: str | None = None
 
     def __post_init__(self) -> None:
         require(self.algorithm in ALGORITHMS, "algo", self.algorithm, f"must be one of {list(ALGORITHMS)}")
@@ -136,17 +142,37 @@ class Scenario:
         return self.truth.caps
 
 
+def preset_config(name: str, pair: int = 0, *, traces_dir: str | None = None, seed: int = 0,
+                  policies: tuple[str, ...] | None = None) -> SimConfig:
+    """The ``SimConfig`` of preset ``name`` on its trace pair ``pair`` (``nereus.sim.presets``)."""
+    p = preset(name)
+    lengths, spot, _ = pair_paths(p, pair, traces_dir)
+    return SimConfig(p.cluster, p.model, p.algorithm, str(spot), str(lengths), p.steps, gamma=p.gamma, seed=seed,
+                     k=p.k, cap_schedule="fixed", policies=policies or p.policies, scenario=name, pair=pair,
+                     traces_dir=traces_dir)
+
+
 def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scenario:
     """The cluster, workload, traces and ground truth of ``config``."""
     cluster = cluster_preset(config.cluster)
-    lengths = length_trace(config.length_trace, config.steps, length_range=config.length_range)
-    caps = cap_schedule(config.cap_schedule, lengths, max_length=config.max_length)
+    if config.scenario is not None:
+        p = preset(config.scenario)
+        cluster = cluster.with_nodes(p.nodes)
+        lengths = paper_lengths(config.length_trace, p.steps, p.mean, p.p95)
+        caps = CapSchedule.fixed(cap_for(lengths), p.steps)
+        devices = device_trace(config.gpus_trace, cluster, config.steps, seed=config.seed, pool_range=p.pool_range,
+                               offset_ticks=p.pairs[config.pair].offset_ticks)
+    else:
+        lengths = length_trace(config.length_trace, config.steps, length_range=config.length_range)
+        caps = cap_schedule(config.cap_schedule, lengths, max_length=config.max_length)
+        devices = device_trace(config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale,
+                               seed=config.seed)
     first = min(lengths.mean_at(0), caps.cap_at(0))
     work = Workload.for_models(config.algorithm, model_preset(config.model), prompts_per_step=config.prompts_per_step,
                                samples_per_prompt=config.samples_per_prompt, prompt_length=config.prompt_length,
                                lengths=LengthStats(first, first, math.ceil(first)), micro_batch=config.micro_batch)
-    devices = device_trace(config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale, seed=config.seed)
-    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, caps=caps, seed=config.seed)
+    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, caps=caps, seed=config.seed,
+                        p95_ratio=lengths.p95_ratios())
     return Scenario(cluster, work, devices, lengths, config.steps, truth)
 
 
@@ -305,8 +331,9 @@ def run_policy(scn: Scenario, policy: Policy, *,
             elif move.action == "transition":
                 move.action = "restart"
             if move.action == "restart":
-                clock += scn.truth.restart_seconds
-                res.restart_s += scn.truth.restart_seconds
+                seconds = scn.truth.restart_seconds(move.plan)
+                clock += seconds
+                res.restart_s += seconds
                 res.restarts += 1
                 plan, restarted = move.plan, True
             elif move.action == "keep":
@@ -387,7 +414,7 @@ def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: 
         if oracle is not None and name == ORACLE:
             results.append(run_oracle(scn, oracle))
             continue
-        transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
+        transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds)
         ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
         policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
                              min_steps_between=min_steps_between)

@@ -132,7 +132,7 @@ def test_a_fixed_layout_keeps_tp_and_pp_and_scales_dp_with_the_pool():
     from nereus.sim import Boundary
 
     scn = small_scenario(memory_gib=24)
-    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model), scn.caps)
+    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds), scn.caps)
     policy = FixedLayoutPolicy(ctx, name="static")
     lengths = scn.truth.lengths(-1, 200)
     first = policy.start(Boundary(0, tuple(range(16)), (), (), lengths))
@@ -170,7 +170,7 @@ def test_config_errors_name_the_field():
 def test_on_step_sees_every_completed_step_and_the_counters_so_far(volatile):
     scn, results = volatile
     seen = []
-    transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
+    transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds)
     policy = make_policy("adaptive", _Ctx(scn.work, scn.cluster, transitions, scn.caps))
 
     def on_step(record, result):
