@@ -2,7 +2,8 @@
 
 The real planner (``nereus.planner``: search, Replanner, admission, calibration) and the
 real transition DAG (``nereus.transition``: build_dag, simulate) driven by a clock and a
-ground-truth cost model that differs from the planner's, replaying device-availability
+ground truth written apart from the planner (measured curves and the paper's component
+costs, ``nereus.sim.truth``), replaying device-availability
 and response-length traces, to compare layout policies at up to 1,024 devices. Every
 figure it produces is a simulation. Imports the planner, transition, state and models
 (ModelSpecs read off the model definition on the meta device) layers; never the runtime
@@ -23,6 +24,7 @@ from nereus.sim.run import (
     SimulationError,
     StepRecord,
     build_scenario,
+    preset_config,
     run_policies,
     run_policy,
     simulate,
@@ -45,5 +47,5 @@ __all__ = [
     "CAP_SCHEDULES", "Counterfactual", "CounterfactualReport", "EXTRA_POLICIES", "ORACLE", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Policy",
     "PolicyResult", "Scenario", "SimConfig", "SimulationError", "SpotTrace", "StepRecord", "StepTruth", "Transitions",
     "TruthParams", "build_scenario", "device_trace", "intact", "length_trace", "load_truth_params", "make_policy",
-    "admission_counterfactuals", "model_spec_of", "run_oracle", "run_policies", "run_policy", "simulate", "transition_seconds",
+    "preset_config", "admission_counterfactuals", "model_spec_of", "run_oracle", "run_policies", "run_policy", "simulate", "transition_seconds",
 ]
