@@ -6,13 +6,14 @@ Moving a model-stage to devices that hold none of its shards costs a whole copy,
 a transition is priced or built the target is relabelled: its nodes are permuted onto the
 available nodes, each target node onto the node that already holds most of what it
 will hold (per model-stage, the devices at the same place in the node that the
-model-stage uses now and will use then, and doubly the devices that hold the same shard:
-the same rank in an EMU of the same TP x PP, so an EMU spread over nodes is matched
-node for node), the most in place over all nodes (a min-cost flow over the kinds of
-nodes, so it is exact), then onto empty nodes before busy ones; within each kind of node
-the nodes keeping something go to the first target nodes, in ascending order, so the
-nodes of one current EMU become one target EMU and EMUs laid out back to back stay so; a
-target that already keeps as much in place stays as it is.
+model-stage uses now and will use then; between nodes that keep as much so, the
+devices that hold the same shard: the same rank in an EMU of the same TP x PP, so an EMU
+spread over nodes is matched node for node), the most in place over all nodes (a
+min-cost flow over the kinds of nodes, so it is exact), then onto empty nodes before
+busy ones; within each kind of node the nodes keeping something go to the first target
+nodes, in ascending order, so the nodes of one current EMU become one target EMU and
+EMUs laid out back to back stay so; a target that already keeps as much in place stays
+as it is.
 
 Promises: the result is the same plan -- every model-stage's tp, pp, dp, recompute and
 waves, and its EMUs' device order -- under a permutation of whole nodes that keeps every
