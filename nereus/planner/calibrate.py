@@ -3,7 +3,9 @@
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
 measurement weigh alike), with a weak pull toward the prior factors so that a class
-the data barely touches stays near its prior, and every unknown kept in its physical
+the data barely touches stays near its prior (an op class pulled at least as hard as
+the op classes' mean, so one that is a small share of its timings cannot swing between
+its bounds from one window to the next), and every unknown kept in its physical
 range (an active set: an unknown the unconstrained fit pushes out is pinned at the bound
 and the others are fitted again). A class no equation has touched keeps
 its prior, which for an unseen class is conservative (``CONSERVATIVE``).
@@ -220,8 +222,15 @@ class Calibrator:
                     ata[i][j] += ai * aj
         # Pull toward the prior: w · (x_c - prior_c)^2, scaled to the equations' size
         # (prior_c is 1/eff_c for an efficiency, the seconds themselves for a fixed cost).
+        # An op class is pulled at least as hard as the op classes' mean: scaled to its own
+        # size alone, a class that is a small share of every timing it is in (attention
+        # beside GEMMs, an inter-node all-reduce in a few steps) is barely held, takes up
+        # whatever the model does not describe, and swings between its bounds as the
+        # window moves.
+        ops = [i for c, i in idx.items() if c not in FIXED]
+        floor = sum(ata[i][i] for i in ops) / len(ops) if ops else 0.0
         for c, i in idx.items():
-            scale = max(ata[i][i], 1e-12)
+            scale = max(ata[i][i], 1e-12 if c in FIXED else floor, 1e-12)
             w = self.prior_weight * scale
             ata[i][i] += w
             atb[i] += w * (getattr(self.prior, FIXED[c]) if c in FIXED else 1.0 / self.prior[c])

@@ -2,7 +2,8 @@
 
 The real planner (``nereus.planner``: search, Replanner, admission, calibration) and the
 real transition DAG (``nereus.transition``: build_dag, simulate) driven by a clock and a
-ground-truth cost model that differs from the planner's, replaying device-availability
+ground truth written apart from the planner (measured curves and the paper's component
+costs, ``nereus.sim.truth``), replaying device-availability
 and response-length traces, to compare layout policies at up to 1,024 devices. Every
 figure it produces is a simulation. Imports the planner, transition, state and models
 (ModelSpecs read off the model definition on the meta device) layers; never the runtime
@@ -24,6 +25,7 @@ from nereus.sim.run import (
     SimulationError,
     StepRecord,
     build_scenario,
+    preset_config,
     run_policy,
 )
 from nereus.sim.traces import (
@@ -38,11 +40,11 @@ from nereus.sim.traces import (
     length_trace,
 )
 from nereus.sim.transitions import Transitions, intact, model_spec_of, transition_seconds
-from nereus.sim.truth import GroundTruth, Param, StepTruth, TruthParams, load_truth_params
+from nereus.sim.truth import GroundTruth, StepTruth, TruthParams, load_truth_params
 
 __all__ = [
-    "CAP_SCHEDULES", "Counterfactual", "CounterfactualReport", "EXTRA_POLICIES", "ORACLE", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Param", "Policy",
+    "CAP_SCHEDULES", "Counterfactual", "CounterfactualReport", "EXTRA_POLICIES", "ORACLE", "POLICIES", "Boundary", "CapSchedule", "cap_schedule", "DeviceTrace", "GroundTruth", "GrowthTrace", "LengthTrace", "Move", "Policy",
     "PolicyResult", "Scenario", "SimConfig", "SimulationError", "SpotTrace", "StepRecord", "StepTruth", "Transitions",
     "TruthParams", "build_scenario", "device_trace", "intact", "length_trace", "load_truth_params", "make_policy",
-    "admission_counterfactuals", "model_spec_of", "run_oracle", "run_policies", "run_policy", "simulate", "transition_seconds",
+    "preset_config", "admission_counterfactuals", "model_spec_of", "run_oracle", "run_policies", "run_policy", "simulate", "transition_seconds",
 ]

@@ -10,7 +10,9 @@ share of run time, restarts, memory failures, aborted steps, paused and waiting 
 DAG decision times) and the adaptive policy's reduction against static and against the
 best other policy, writes ``--json`` (a list, one object per policy) and ``--plot``
 (a PNG). ``--show-truth`` prints the ground truth's parameters with their reasons.
-Everything it prints is a simulation and says so.
+``--scenario paper-7.3.3 [--pair N]`` runs a named scenario (``nereus.sim.presets``) and
+prints its table beside the paper's figures. Everything it prints is a simulation and
+says so.
 
 Exit status: 0 after a simulation, 1 when the simulated job cannot go on
 (``SimulationError``), 2 on bad arguments (the message names the flag and the value).
@@ -19,19 +21,23 @@ Exit status: 0 after a simulation, 1 when the simulated job cannot go on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 from nereus.errors import ConfigError
 from nereus.planner.cluster import PRESETS
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS
 from nereus.sim.compare import simulate
 from nereus.sim.policies import EXTRA_POLICIES, ORACLE, POLICIES
-from nereus.sim.run import SimConfig, SimulationError, build_scenario
+from nereus.sim.presets import PAPER
+from nereus.sim.presets import PRESETS as SCENARIOS
+from nereus.sim.run import SimConfig, SimulationError, build_scenario, preset_config
 from nereus.sim.truth import load_truth_params
 
 __all__ = ["main"]
@@ -45,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="a100-256", help=f"one of {sorted(PRESETS)}")
     p.add_argument("--model", default="llama-8b", help=f"one of {sorted(MODEL_PRESETS)}")
     p.add_argument("--algo", default="ppo", choices=ALGORITHMS)
+    p.add_argument("--scenario", help=f"a named scenario ({', '.join(sorted(SCENARIOS))}): its cluster allocation, "
+                   "traces, cap and policies replace the flags above and below (flags given still set seed, "
+                   "policies and gamma)")
+    p.add_argument("--pair", type=int, default=0, help="the scenario's trace pair (0: the paper's first trace)")
+    p.add_argument("--traces-dir", help="the shared traces folder (default: ../shared/traces beside the project)")
     p.add_argument("--gpus-trace", help="a spot-availability JSON file, or growth:LO:HI devices over the run")
     p.add_argument("--length-trace", help="a response-length JSON file, or growth:LO:HI tokens over the run")
     p.add_argument("--length-range", nargs=2, type=float, metavar=("LO", "HI"),
@@ -55,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=float, default=0.5, help="admission's payback factor for adaptive")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--k", type=int, default=3, help="every-k: steps between searches")
-    p.add_argument("--policies", default=",".join(POLICIES),
+    p.add_argument("--policies", default=None,
                    help=f"comma-separated, from {','.join(POLICIES + EXTRA_POLICIES)} (default: the first six)")
     p.add_argument("--max-length", type=int, help="the job's largest generation cap (default: 2 x the largest "
                    "mean, rounded up to a power of two)")
@@ -72,7 +83,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _policies(args: argparse.Namespace) -> tuple[str, ...] | None:
+    if args.policies is None:
+        return None
+    return tuple(p.strip() for p in args.policies.split(",") if p.strip())
+
+
 def _config(args: argparse.Namespace) -> SimConfig:
+    if args.scenario:
+        config = preset_config(args.scenario, args.pair, traces_dir=args.traces_dir, seed=args.seed,
+                               policies=_policies(args))
+        return dataclasses.replace(config, gamma=args.gamma) if args.gamma != 0.5 else config
     for flag, value in (("--gpus-trace", args.gpus_trace), ("--length-trace", args.length_trace)):
         if not value:
             raise ConfigError(f"{flag} is required (a file path or growth:LO:HI)")
@@ -84,7 +105,25 @@ def _config(args: argparse.Namespace) -> SimConfig:
         length_range=tuple(args.length_range) if args.length_range else None, pool_scale=args.pool_scale,
         gamma=args.gamma, seed=args.seed, k=args.k, prompts_per_step=args.prompts, samples_per_prompt=args.samples,
         prompt_length=args.prompt_length, max_length=args.max_length, cap_schedule=args.cap_schedule,
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()), truth_path=args.truth)
+        policies=_policies(args) or POLICIES, truth_path=args.truth)
+
+
+def paper_table(data: list[dict], config: SimConfig) -> Table:
+    """Mean step seconds per policy beside the paper's (§7.3.3; its first trace's figures
+    for pair 0, the mean over its three traces otherwise)."""
+    which = "first" if config.pair == 0 else "three"
+    t = Table(title=f"beside the paper (§7.3.3, {'first trace' if which == 'first' else 'mean of its three traces'}; "
+                    "the paper measured, this is a simulation)", title_justify="left")
+    for name in ("policy", "simulated mean step s", "vs adaptive", "paper mean step s", "paper vs adaptive"):
+        t.add_column(name, justify="left" if name == "policy" else "right")
+    by = {r["policy"]: r["mean_step_s"] for r in data}
+    paper = PAPER[which]
+    for policy, mean in by.items():
+        ref = paper.get(policy)
+        rel = f"{mean / by['adaptive'] - 1:+.1%}" if "adaptive" in by else "-"
+        prel = f"{ref / paper['adaptive'] - 1:+.1%}" if ref is not None else "-"
+        t.add_row(policy, f"{mean:.1f}", rel, f"{ref:.1f}" if ref is not None else "-", prel)
+    return t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.show_truth:
             for name, value, reason in load_truth_params(args.truth).rows():
-                console.print(f"[bold]{name}[/] = {value:g}\n    {reason}")
+                shown = f"{value:g}" if isinstance(value, (int, float)) else str(value)
+                console.print(f"[bold]{name}[/] = {shown}\n    {reason}")
             return 0
         config = _config(args)
         scn = build_scenario(config)
@@ -102,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - t0
         from nereus.sim.report import plot, rows, table
 
-        scenario = {"cluster": config.cluster, "model": config.model, "algo": config.algorithm,
+        scenario = {"scenario": config.scenario, "pair": config.pair, "nodes": scn.cluster.nodes,
+                    "cluster": config.cluster, "model": config.model, "algo": config.algorithm,
                     "gpus_trace": config.gpus_trace, "length_trace": config.length_trace,
                     "length_range": list(config.length_range) if config.length_range else None,
                     "pool_scale": config.pool_scale, "steps": config.steps, "gamma": config.gamma, "seed": config.seed,
@@ -126,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if oracle is not None and "reduction_vs_static" in oracle:
             console.print(f"oracle (a reference, not a policy: the search's candidates chosen knowing the truth, "
                           f"transitions and restarts free): reduction_vs_static = {oracle['reduction_vs_static']:.4f}")
+        if config.scenario is not None:
+            console.print(paper_table(data, config))
         console.print(f"(simulated seconds; decision times are this machine's wall time; {wall:.1f} s to simulate)")
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

@@ -26,7 +26,7 @@ def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: 
         if oracle is not None and name == ORACLE:
             results.append(run_oracle(scn, oracle))
             continue
-        transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model)
+        transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds)
         ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
         policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
                              min_steps_between=min_steps_between)

@@ -200,7 +200,8 @@ def admission_counterfactuals(scn: Scenario, horizon: int = 100, *, gamma: float
     """The adaptive policy over ``scn`` with every differing decision's counterfactual
     over ``horizon`` steps (see the module docstring)."""
     require(isinstance(horizon, int) and horizon >= 1, "horizon", horizon, "must be an integer >= 1 (steps)")
-    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model), scn.caps)
+    transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds)
+    ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
     report = CounterfactualReport(PolicyResult("adaptive"), horizon)
     policy = _ForkingAdaptive(ctx, report, scn.steps, gamma)
     try:

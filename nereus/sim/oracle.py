@@ -2,10 +2,11 @@
 
 Not a policy a system can run: a reference that says how much any policy built on
 ``nereus.planner.search`` could gain on a scenario, so a policy's gap to a target can be
-told apart from the scenario's headroom. At every step it knows the step's true
-efficiencies and sampled lengths, runs the search's best plan and each alternative under
-the ground truth and takes the fastest that fits; every transition and restart is free,
-and no step aborts or runs out of memory.
+told apart from the scenario's headroom. At every step it knows the truth's headline
+rates (training MFU, decode roofline share, bus bandwidths, drift applied) as the
+planner's efficiencies and the step's sampled lengths, runs the search's best plan and
+each alternative under the ground truth and takes the fastest that fits; every
+transition and restart is free, and no step aborts or runs out of memory.
 
 It is a reference, not a proof: its clock meets the device trace at other times than a
 policy's, and a plan the search never proposes might run faster under the truth.
@@ -20,7 +21,7 @@ More (how it works): docs/simulation.md.
 from __future__ import annotations
 
 from nereus.errors import InfeasiblePlan
-from nereus.planner.cost import Efficiency
+from nereus.planner.cost import OP_CLASSES, Efficiency
 from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
 from nereus.planner.search import search
@@ -34,18 +35,18 @@ from nereus.sim.run import (
     pause_until_available,
     wait_for_change,
 )
-from nereus.sim.truth import GiB, StepTruth
+from nereus.sim.truth import StepTruth
 
 __all__ = ["ORACLE", "Oracle", "matched_compute", "run_oracle", "told_the_truth"]
 
 
 def told_the_truth(scn: Scenario, step: int) -> Efficiency:
-    """What the oracle's search plans with at ``step``: the truth's efficiencies there,
-    its fragmentation and extra workspace as the memory terms."""
-    mem = scn.truth.params.memory
-    scale = 1.0 + max(mem.activation_fragmentation.value, mem.kv_fragmentation.value)
-    return scn.truth.efficiency(step).replace(memory_scale=scale,
-                                              memory_fixed_bytes=mem.extra_workspace_gib.value * GiB)
+    """What the oracle's search plans with at ``step``: the truth's headline rates there
+    as the planner's efficiencies, its fragmentation and workspace as the memory terms."""
+    rates = scn.truth.reference_rates(step)
+    factors = {c: float(min(1.5, max(1e-3, rates[c]))) for c in OP_CLASSES}
+    return Efficiency(**factors).replace(memory_scale=rates["memory_scale"],
+                                         memory_fixed_bytes=rates["memory_fixed_bytes"])
 
 
 class Oracle:

@@ -3,7 +3,9 @@
 ``build_scenario(config)`` builds the scenario (cluster, workload, traces, the job's cap
 schedule, ground truth) once; ``nereus.sim.compare.simulate`` runs every policy of
 ``config.policies`` on it (and the ``oracle`` reference, ``nereus.sim.oracle``, when
-named); ``run_policy`` is one run:
+named); ``run_policy`` is one run. Moves cost the ground truth's time (the paper's Extend
+or resharding figure; a move the real DAG cannot schedule becomes a checkpoint restart at
+the truth's restart time).
 
 Times are simulated seconds; ``planner_s`` and ``dag_s`` are the wall seconds this
 process spent in planner calls and in building and scheduling DAGs (reported, never
@@ -30,6 +32,7 @@ from nereus.sim.policies import (
     Boundary,
     Policy,
 )
+from nereus.sim.presets import cap_for, pair_paths, paper_lengths, preset
 from nereus.sim.traces import (
     CAP_SCHEDULES,
     CapSchedule,
@@ -44,7 +47,7 @@ from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
 __all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy",
            "devices_of", "pause_until_available", "wait_for_change",
-           "build_scenario"]
+           "build_scenario", "preset_config"]
 
 
 class SimulationError(NereusError):
@@ -81,6 +84,11 @@ class SimConfig:
     join_horizon_steps: float = 20.0
     min_steps_between: int = 0
     truth_path: str | None = None
+    # a named scenario (``nereus.sim.presets``: its cluster allocation, traces and cap
+    # replace the fields above) and its trace pair; where the shared traces lie
+    scenario: str | None = None
+    pair: int = 0
+    traces_dir: str | None = None
 
     def __post_init__(self) -> None:
         require(self.algorithm in ALGORITHMS, "algo", self.algorithm, f"must be one of {list(ALGORITHMS)}")
@@ -115,17 +123,37 @@ class Scenario:
         return self.truth.caps
 
 
+def preset_config(name: str, pair: int = 0, *, traces_dir: str | None = None, seed: int = 0,
+                  policies: tuple[str, ...] | None = None) -> SimConfig:
+    """The ``SimConfig`` of preset ``name`` on its trace pair ``pair`` (``nereus.sim.presets``)."""
+    p = preset(name)
+    lengths, spot, _ = pair_paths(p, pair, traces_dir)
+    return SimConfig(p.cluster, p.model, p.algorithm, str(spot), str(lengths), p.steps, gamma=p.gamma, seed=seed,
+                     k=p.k, cap_schedule="fixed", policies=policies or p.policies, scenario=name, pair=pair,
+                     traces_dir=traces_dir)
+
+
 def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scenario:
     """The cluster, workload, traces and ground truth of ``config``."""
     cluster = cluster_preset(config.cluster)
-    lengths = length_trace(config.length_trace, config.steps, length_range=config.length_range)
-    caps = cap_schedule(config.cap_schedule, lengths, max_length=config.max_length)
+    if config.scenario is not None:
+        p = preset(config.scenario)
+        cluster = cluster.with_nodes(p.nodes)
+        lengths = paper_lengths(config.length_trace, p.steps, p.mean, p.p95)
+        caps = CapSchedule.fixed(cap_for(lengths), p.steps)
+        devices = device_trace(config.gpus_trace, cluster, config.steps, seed=config.seed, pool_range=p.pool_range,
+                               offset_ticks=p.pairs[config.pair].offset_ticks)
+    else:
+        lengths = length_trace(config.length_trace, config.steps, length_range=config.length_range)
+        caps = cap_schedule(config.cap_schedule, lengths, max_length=config.max_length)
+        devices = device_trace(config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale,
+                               seed=config.seed)
     first = min(lengths.mean_at(0), caps.cap_at(0))
     work = Workload.for_models(config.algorithm, model_preset(config.model), prompts_per_step=config.prompts_per_step,
                                samples_per_prompt=config.samples_per_prompt, prompt_length=config.prompt_length,
                                lengths=LengthStats(first, first, math.ceil(first)), micro_batch=config.micro_batch)
-    devices = device_trace(config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale, seed=config.seed)
-    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, caps=caps, seed=config.seed)
+    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, caps=caps, seed=config.seed,
+                        p95_ratio=lengths.p95_ratios())
     return Scenario(cluster, work, devices, lengths, config.steps, truth)
 
 
@@ -284,8 +312,9 @@ def run_policy(scn: Scenario, policy: Policy, *,
             elif move.action == "transition":
                 move.action = "restart"
             if move.action == "restart":
-                clock += scn.truth.restart_seconds
-                res.restart_s += scn.truth.restart_seconds
+                seconds = scn.truth.restart_seconds(move.plan)
+                clock += seconds
+                res.restart_s += seconds
                 res.restarts += 1
                 plan, restarted = move.plan, True
             elif move.action == "keep":

@@ -4,7 +4,7 @@ Traces are read from the paths given (``../shared/traces/...``); nothing here co
 one into the project.
 
 - ``device_trace``: a spot-availability file (the count of single-GPU instances at each
-  tick, scaled by ``pool_scale``; every policy sees the same nodes leave at the same
+  tick, scaled by ``pool_scale``, or mapped onto ``pool_range`` from ``offset_ticks`` on; every policy sees the same nodes leave at the same
   time for a given seed) or ``growth:LO:HI`` devices;
 - ``length_trace``: a response-length file (resampled onto the run's steps, optionally
   rescaled to ``length_range``) or ``growth:LO:HI`` tokens;
@@ -83,7 +83,7 @@ class SpotTrace(DeviceTrace):
     time_based = True
 
     def __init__(self, counts: list[int], gap_seconds: float, cluster: ClusterSpec, pool_scale: float,
-                 seed: int, name: str = "spot") -> None:
+                 seed: int, name: str = "spot", pool_range: tuple[int, int] | None = None) -> None:
         require(len(counts) >= 1, "spot trace data", counts, "must hold at least one count")
         for c in counts:
             require(isinstance(c, int) and 0 <= c <= SPOT_INSTANCES, "spot trace count", c,
@@ -93,7 +93,14 @@ class SpotTrace(DeviceTrace):
         self.name, self.gap, self.cluster = name, float(gap_seconds), cluster
         self.counts = counts
         per = cluster.devices_per_node
-        self.node_counts = [min(cluster.nodes, int(c * pool_scale) // per) for c in counts]
+        if pool_range is not None:
+            lo, hi = pool_range
+            require(per <= lo <= hi <= cluster.num_devices, "pool_range", pool_range,
+                    f"must be LO HI devices with {per} <= LO <= HI <= {cluster.num_devices}")
+            # a count of 0 is LO devices, a full count HI, whole nodes
+            self.node_counts = [int(lo + (hi - lo) * c / SPOT_INSTANCES) // per for c in counts]
+        else:
+            self.node_counts = [min(cluster.nodes, int(c * pool_scale) // per) for c in counts]
         rng = random.Random(seed)
         live: set[int] = set()
         self.members: list[frozenset[int]] = []
@@ -167,7 +174,7 @@ class GrowthTrace(DeviceTrace):
 
 
 def device_trace(spec: str, cluster: ClusterSpec, steps: int, *, pool_scale: float | None = None,
-                 seed: int = 0) -> DeviceTrace:
+                 seed: int = 0, pool_range: tuple[int, int] | None = None, offset_ticks: int = 0) -> DeviceTrace:
     """``growth:LO:HI`` or the path of a spot-availability JSON file (module docstring)."""
     growth = _parse_growth(spec, "--gpus-trace")
     if growth is not None:
@@ -181,7 +188,11 @@ def device_trace(spec: str, cluster: ClusterSpec, steps: int, *, pool_scale: flo
         raise ConfigError(f"--gpus-trace={spec!r} must hold {{\"metadata\": ..., \"data\": [count, ...]}}")
     gap = float(data.get("metadata", {}).get("gap_seconds", 300))
     scale = pool_scale if pool_scale is not None else cluster.num_devices / SPOT_INSTANCES
-    return SpotTrace(list(data["data"]), gap, cluster, scale, seed, name=path.stem)
+    counts = list(data["data"])
+    require(0 <= offset_ticks < len(counts), "offset_ticks", offset_ticks, f"must be in [0, {len(counts)})")
+    counts = counts[offset_ticks:] + counts[:offset_ticks]
+    name = path.stem if not offset_ticks else f"{path.stem}+{offset_ticks}"
+    return SpotTrace(counts, gap, cluster, scale, seed, name=name, pool_range=pool_range)
 
 
 @dataclass(frozen=True)
@@ -190,14 +201,25 @@ class LengthTrace:
 
     name: str
     means: tuple[float, ...]
+    # the 95th percentile of every step (None: the trace gives none)
+    p95s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         require(len(self.means) >= 1, "LengthTrace.means", self.means, "must hold at least one step")
         low = min(self.means)
         require(low >= 1, "LengthTrace.means", low, "must be >= 1 token at every step")
+        if self.p95s is not None:
+            require(len(self.p95s) == len(self.means) and all(p >= m for p, m in zip(self.p95s, self.means, strict=True)),
+                    "LengthTrace.p95s", self.p95s[:4], "must give every step a 95th percentile >= its mean")
 
     def mean_at(self, step: int) -> float:
         return self.means[min(step, len(self.means) - 1)]
+
+    def p95_ratios(self) -> tuple[float, ...] | None:
+        """Every step's 95th percentile over its mean (None: the trace gives none)."""
+        if self.p95s is None:
+            return None
+        return tuple(p / m for p, m in zip(self.p95s, self.means, strict=True))
 
     def default_max_length(self) -> int:
         """A job cap: twice the largest mean, rounded up to a power of two."""

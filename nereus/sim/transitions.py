@@ -4,10 +4,12 @@
 into seconds: ``nereus.transition.build_dag`` (analytic bytes, every device's memory
 cap, resource edges) then ``nereus.transition.simulate`` (the one list scheduler) with a
 ``LinkModel``; ``inf`` when the DAG is infeasible. ``Transitions`` prices every move of
-a run with it twice from one DAG: with the planner's link model under its calibrated
-efficiencies (what admission sees) and with the ground truth's (what the move really
-takes). DAGs are cached per (current, target) pair, since a policy prices the same
-candidate moves again at later boundaries.
+a run from one DAG: with the planner's link model under its calibrated efficiencies
+(what admission sees), and as the ground truth times it: ``actual_total(current,
+target, step)`` when given (the paper's figures), its nodes sharing that total as they
+share the DAG's time under the truth's link model (what calibration observes); without
+it, the DAG under the truth's link model. DAGs are cached per (current, target) pair,
+since a policy prices the same candidate moves again at later boundaries.
 
 Model-stages' ``ModelSpec``s are read off the model definition (``nereus.models.
 model_spec`` on the meta device: no weights), from the planner's ``ModelShape``, in one
@@ -114,8 +116,9 @@ class Transitions:
     transition over that many nodes. ``dag_seconds`` accumulates the wall time spent
     building and scheduling DAGs (the decision time the simulator reports)."""
 
-    def __init__(self, work: Workload, cluster: ClusterSpec, actual_link: Callable[[int, int], LinkModel]) -> None:
-        self.work, self.cluster, self.actual_link = work, cluster, actual_link
+    def __init__(self, work: Workload, cluster: ClusterSpec, actual_link: Callable[[int, int], LinkModel],
+                 actual_total: Callable[[Plan, Plan, int], float] | None = None) -> None:
+        self.work, self.cluster, self.actual_link, self.actual_total = work, cluster, actual_link, actual_total
         self.specs = stage_specs(work)
         self.slots = stage_slots(work)
         self._dags: dict[tuple[Plan, Plan], TransitionDAG | None] = {}
@@ -153,7 +156,10 @@ class Transitions:
     def actual(self, current: Plan, target: Plan, step: int) -> float:
         """What the move really takes at ``step`` (the ground truth's link model)."""
         per = self.cluster.devices_per_node
-        return self._seconds(current, target, lambda dag: self.actual_link(step, nodes_of(dag, per)))
+        seconds = self._seconds(current, target, lambda dag: self.actual_link(step, nodes_of(dag, per)))
+        if self.actual_total is None or not math.isfinite(seconds):
+            return seconds
+        return self.actual_total(current, target, step)
 
     def observed_nodes(self, current: Plan, target: Plan, step: int) -> list[tuple[dict[str, float], float]]:
         """Every node of an executed move as calibration sees it: the planner link model's
@@ -164,4 +170,10 @@ class Transitions:
         per = self.cluster.devices_per_node
         truth = self.actual_link(step, nodes_of(dag, per))
         planner = LinkModel.of(self.cluster, Efficiency())
-        return [(planner.ideal(n), truth.seconds(n)) for n in dag.nodes]
+        seconds = [truth.seconds(n) for n in dag.nodes]
+        if self.actual_total is not None:
+            # the move's true total, shared out as its nodes share the DAG's makespan
+            makespan = simulate(dag, truth.seconds).makespan
+            scale = self.actual_total(current, target, step) / makespan if makespan > 0 else 0.0
+            seconds = [s * scale for s in seconds]
+        return [(planner.ideal(n), s) for n, s in zip(dag.nodes, seconds, strict=True)]

@@ -104,3 +104,22 @@ def test_relabel_moves_whole_nodes_and_never_keeps_less_in_place(case):
     _check_moved(target, got, per, devices)
     assert _overlap(current, got) >= _overlap(current, target)
     assert relabel(current, got, devices_per_node=per, devices=devices) == got  # a fixed point
+
+
+def test_a_pipeline_over_nodes_keeps_its_nodes_stage_for_stage_when_dp_doubles():
+    # a TP 4 x PP 4 EMU on nodes 0, 1, 2 and 4 (node 3 was lost and came back): doubling
+    # DP must keep it whole where it is and put the new replica on the four other nodes;
+    # node by model-stage alone every node of the EMU looks alike and the target kept the
+    # layout from zero, whose second replica overlaps the EMU (no disjoint source to
+    # Extend from: the transition DAG fell back to a 1 x 1 T_sub that no device can hold)
+    emu = (*range(12), *range(16, 20))
+    current = Plan((("policy-generation", StagePlan(4, 1, 4, ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11),
+                                                               (16, 17, 18, 19)))),
+                    ("policy-training", StagePlan(4, 4, 1, (emu,)))))
+    target = Plan((("policy-generation", StagePlan.on_range(4, 1, 8, 0)),
+                   ("policy-training", StagePlan.on_range(4, 4, 2, 0))))
+    got = relabel(current, target, devices_per_node=4, devices=32)
+    _check_moved(target, got, 4, 32)
+    assert got["policy-training"].devices[0] == emu
+    assert set(got["policy-training"].devices[1]).isdisjoint(emu)
+    assert current["policy-generation"].device_set <= got["policy-generation"].device_set

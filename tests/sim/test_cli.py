@@ -71,4 +71,4 @@ def test_bad_arguments_name_the_flag(spot, capsys):
 def test_show_truth_prints_every_parameter_with_its_reason(capsys):
     assert nereus_main(["simulate", "--show-truth"]) == 0
     printed = capsys.readouterr().out
-    assert "efficiency.gemm" in printed and "restart.seconds" in printed and "Megatron" in printed
+    assert "training.mfu_by_tp" in printed and "restart.points" in printed and "Megatron" in printed

@@ -39,7 +39,7 @@ class _AdmitOnce(AdaptivePolicy):
 
 def _run(policy_of) -> dict[int, float]:
     scn = small_scenario(memory_gib=24, steps=24)
-    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model), scn.caps)
+    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds), scn.caps)
     seen: dict[int, tuple[float, float]] = {}
 
     def on_step(record, result):
