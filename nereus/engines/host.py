@@ -27,6 +27,8 @@ EMU name (so two EMUs of one model-stage may share a device during a transition)
   store holds the new values, every engine that copies the store's weights rather
   than adopting them (vLLM) loads the new shards in place before the call returns, so
   the next ``generate`` samples from the synced policy.
+- ``advance_rollout`` decodes an open request a few steps at a time
+  (``nereus.engines.stepped``), so a weight sync lands between decode steps.
 - ``generate``, ``logprobs``, ``values``, ``train_step``, ``free_cache`` run the named
   EMU's engine; every rank of the EMU must be called together (the engines run
   collectives), which an EMU mesh's ``.call`` does. A training step also advances the
@@ -62,6 +64,7 @@ import torch
 
 from nereus.actors import endpoint, in_thread
 from nereus.config import require
+from nereus.engines.stepped import SteppedRollout
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
 from nereus.state.emu import EMU, LogicalState, emu_from_plain, split_key, tensor_key
@@ -96,6 +99,7 @@ class EngineHost(ShardHolder):
         super().__init__(bucket_bytes=bucket_bytes, direct=direct)
         self.engines: dict[str, Any] = {}
         self.kinds: dict[str, str] = {}
+        self.rollouts: dict[str, Any] = {}  # EMU -> its open SteppedRollout (asynchronous RL)
         # imported now, so the first engine a change builds here costs what a rebuild costs
         import nereus.engines.generation  # noqa: F401
         import nereus.engines.inference  # noqa: F401
@@ -228,6 +232,7 @@ class EngineHost(ShardHolder):
     def _close(self, names: Sequence[str]) -> int:
         closed = 0
         for name in names:
+            self.rollouts.pop(name, None)
             engine = self.engines.pop(name, None)
             self.kinds.pop(name, None)
             if engine is not None:
@@ -267,6 +272,24 @@ class EngineHost(ShardHolder):
     async def generate(self, emu: str, prompts: list[list[int]], params: dict[str, Any] | None = None) -> dict[str, Any]:
         out = await run_engine_work(self._engine(emu, "generation").generate, prompts, params)
         return out.to_dict()
+
+    @endpoint
+    async def advance_rollout(self, emu: str, steps: int, prompts: list[list[int]] | None = None,
+                              params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Decode up to ``steps`` tokens of ``emu``'s open request (``prompts`` given: open
+        a new one first, ``nereus.engines.stepped``); a weight sync between two calls is
+        read by the next decode step, the KV cache kept. The request closes when every
+        row is done."""
+        engine = self._engine(emu, "generation")
+        if prompts is not None:
+            require(emu not in self.rollouts, "advance_rollout.prompts", len(prompts),
+                    f"must be None while EMU {emu!r} has an open request")
+            self.rollouts[emu] = SteppedRollout(engine, prompts, params)
+        require(emu in self.rollouts, "advance_rollout.emu", emu, "must have an open request (give prompts)")
+        out = await run_engine_work(self.rollouts[emu].advance, steps)
+        if out["finished"]:
+            del self.rollouts[emu]
+        return out
 
     @endpoint
     async def logprobs(self, emu: str, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:

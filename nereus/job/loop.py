@@ -17,6 +17,9 @@ version, the dataset position and the step number. Sampling seeds derive from
 from the newest checkpoint in ``out_dir/checkpoints`` and takes exactly the steps the
 uninterrupted job would have taken (same samples, same rollouts, same updates).
 
+With ``[rl] mode = "async"`` the steps are updates of ``nereus.job.async_loop.AsyncRun``
+(generation and training at once; its records carry the staleness histogram).
+
 With ``[adapt] enabled`` (a cluster job), after every step but the last the controller
 loop (``nereus.job.adapt.Adapter``) may change the plan at the step boundary; the step's
 record then carries ``decision`` and ``transition``, the summary lists every change and
@@ -44,6 +47,7 @@ from nereus.data.prompts import PromptDataset
 from nereus.data.tasks import Task, make_task
 from nereus.data.vocab import Codec
 from nereus.errors import StateError
+from nereus.job.async_loop import AsyncRun
 from nereus.job.config import JobConfig
 from nereus.job.export import export_checkpoint, latest_checkpoint
 from nereus.job.local_stages import InProcessStages, prepare_model
@@ -90,6 +94,7 @@ class RLJob:
         self.step = 0
         self.records: list[dict[str, Any]] = []
         self.faults: list[Any] = []  # nereus.job.recovery.Fault, one per recovered fault
+        self.async_run: AsyncRun | None = None  # [rl] mode = "async": the run that drives the steps
         self._checkpoints: list[Path] = []  # saved or loaded by this run (a restore uses no other)
         # called as ``await hook(job, record)`` after each step, before the controller loop
         # looks at the boundary (the environment: devices reclaimed or returned, faults)
@@ -228,6 +233,9 @@ class RLJob:
         loggers = make_loggers(cfg.run, self.out_dir, to_dict(cfg), resume_from_step=self.step if resumed else None)
         progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
         try:
+            if cfg.rl.is_async:
+                self.async_run = AsyncRun(self)
+                await self.async_run.run(lambda r: (loggers.log(r), progress.update(r)))
             while self.step < cfg.run.steps:
                 record = await self._guarded(self.run_step, "step")
                 if record is None:
