@@ -72,6 +72,7 @@ class _Worker:
     alive: bool = True
     busy_s: float = 0.0
     tokens: int = 0
+    current: list[int] = field(default_factory=list)  # positions of the request in flight
 
     @property
     def name(self) -> str:
@@ -98,6 +99,8 @@ class AsyncRun:
         self.tasks: list[asyncio.Task] = []
         self.records: list[dict[str, Any]] = []
         self.regenerated_rows = 0
+        # per trained group: (update version, position, sample index, per-row token versions)
+        self.trained_log: list[tuple[int, int, int, list[list[int]]]] = []
         self.t0 = time.perf_counter()
         self._resume_ledger()
 
@@ -217,6 +220,7 @@ class AsyncRun:
         released: set[int] = set()
         args: tuple = (rows, self._params(positions))
         whole = None if self.mode.partial_rollout else await w.lock.acquire()
+        w.current = list(positions)
         try:
             while True:
                 t0 = time.perf_counter()
@@ -240,6 +244,7 @@ class AsyncRun:
                 if out["finished"]:
                     return
         finally:
+            w.current = []
             if whole is not None:
                 w.lock.release()
 
@@ -299,6 +304,7 @@ class AsyncRun:
             record["train_seconds"] = time.perf_counter() - t0
             async with self.changed:
                 record["staleness_histogram"] = {str(s): n for s, n in self.ledger.commit(groups, self.version).items()}
+                self.trained_log += [(self.version, g.position, g.sample_index, g.versions) for g in groups]
                 self.version += 1
                 st.policy_version = self.version
                 self.changed.notify_all()
