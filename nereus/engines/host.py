@@ -277,13 +277,11 @@ class EngineHost(ShardHolder):
     async def advance_rollout(self, emu: str, steps: int, prompts: list[list[int]] | None = None,
                               params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Decode up to ``steps`` tokens of ``emu``'s open request (``prompts`` given: open
-        a new one first, ``nereus.engines.stepped``); a weight sync between two calls is
-        read by the next decode step, the KV cache kept. The request closes when every
-        row is done."""
+        a new one first, ``nereus.engines.stepped``; it replaces a request the caller
+        abandoned); a weight sync between two calls is read by the next decode step, the
+        KV cache kept. The request closes when every row is done."""
         engine = self._engine(emu, "generation")
         if prompts is not None:
-            require(emu not in self.rollouts, "advance_rollout.prompts", len(prompts),
-                    f"must be None while EMU {emu!r} has an open request")
             self.rollouts[emu] = SteppedRollout(engine, prompts, params)
         require(emu in self.rollouts, "advance_rollout.emu", emu, "must have an open request (give prompts)")
         out = await run_engine_work(self.rollouts[emu].advance, steps)

@@ -44,6 +44,7 @@ import torch
 
 from nereus.actors import emit
 from nereus.errors import ActorDied, DeadlineExceeded, StateError
+from nereus.job.async_adapt import AsyncAdapter
 from nereus.job.export import latest_checkpoint
 from nereus.job.recovery import is_fault
 from nereus.planner.plan import Plan, StagePlan
@@ -102,6 +103,8 @@ class AsyncRun:
         # per trained group: (update version, position, sample index, per-row token versions)
         self.trained_log: list[tuple[int, int, int, list[list[int]]]] = []
         self.t0 = time.perf_counter()
+        self.pausing = False  # producers stop at their next decode call (a plan change)
+        self.adapter: Any = None  # nereus.job.async_adapt.AsyncAdapter with [adapt] enabled
         self._resume_ledger()
 
     def _resume_ledger(self) -> None:
@@ -172,7 +175,7 @@ class AsyncRun:
         while True:
             async with self.changed:
                 while True:
-                    if not self.ledger.has_work():
+                    if not self.ledger.has_work() or self.pausing:
                         return []
                     behind = not self.mode.partial_rollout and w.version < self.version
                     if behind and not self.train_lock.locked():
@@ -243,6 +246,10 @@ class AsyncRun:
                                             logprobs[g * K:(g + 1) * K], versions[g * K:(g + 1) * K])
                 if out["finished"]:
                     return
+                if self.pausing:  # a plan change: what is unfinished starts again after it
+                    async with self.changed:
+                        self.ledger.lose([p for p in positions if p not in released], fault=False)
+                    return
         finally:
             w.current = []
             if whole is not None:
@@ -267,7 +274,7 @@ class AsyncRun:
         async with self.changed:
             while True:
                 for t in self.tasks:
-                    if t.done() and t.exception() is not None:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
                         raise t.exception()  # type: ignore[misc]
                 batch = self.ledger.batch_for(self.version)
                 if batch is not None:
@@ -353,12 +360,40 @@ class AsyncRun:
         st._plan = Plan(tuple((n, sp if n == "policy_generation" else p) for n, p in st.plan))
         self.workers = [w for w in self.workers if w.alive]
 
+    async def pause(self) -> None:
+        """Stop every producer at its next decode call (unfinished groups go back to the
+        ledger, finished ones stay in the buffer); ``resume`` starts them again."""
+        self.pausing = True
+        async with self.changed:
+            self.changed.notify_all()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for t in self.tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        for w in self.workers:
+            if w.group is not None:
+                await w.group.destroy()
+        self.workers, self.tasks = [], []
+
+    async def resume(self) -> None:
+        """Producers over the generation EMUs the job has now, each first given the
+        newest weights."""
+        self.pausing = False
+        await self._make_workers()
+        async with self.train_lock:
+            for w in self.workers:
+                async with w.lock:
+                    await self._sync_worker(w)
+        self.tasks = [asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers]
+
     async def run(self, on_record: Callable[[dict[str, Any]], Any] = lambda r: None) -> list[dict[str, Any]]:
         """The remaining updates (each record also to ``on_record`` and the job's
         records); returns their records."""
         job, cfg = self.job, self.cfg
         await self._make_workers()
         self.tasks = [asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers]
+        if cfg.adapt.enabled:
+            self.adapter = AsyncAdapter(self)
         every = cfg.run.checkpoint_every
         try:
             while job.step < cfg.run.steps:
@@ -372,6 +407,10 @@ class AsyncRun:
                                "generation_busy_seconds": {w.name: round(w.busy_s, 4) for w in self.workers}})
                 job.step += 1
                 self._drop_dead()
+                if self.adapter is not None and job.step < cfg.run.steps:
+                    change = await self.adapter.after_update(record)
+                    if change is not None:
+                        record["transition"] = change
                 emit("step", step=record["step"], stage_seconds={"train": record["train_seconds"],
                                                                  "wait": waited},
                      tokens=record["tokens_generated"], reward=record["reward_mean"],
@@ -405,5 +444,7 @@ class AsyncRun:
                 "samples_trained": trained * self.K,
                 "samples_discarded": len(self.ledger.finished) * self.K,
                 "regenerated_groups": self.ledger.regenerated_groups,
-                "regenerated_samples": self.regenerated_rows}
+                "regenerated_samples": self.regenerated_rows,
+                "restarted_groups": self.ledger.restarted_groups,
+                "plan_changes": len(self.adapter.changes) if self.adapter is not None else 0}
 

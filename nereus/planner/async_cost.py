@@ -76,8 +76,10 @@ def _stage_plan(c, devices: list[int]) -> StagePlan:
 
 
 def search_async(work: Workload, cluster: ClusterSpec, eff: Efficiency = CONSERVATIVE, *,
-                 budget: int | None = None) -> AsyncPlan:
-    """The fastest split of the first ``budget`` devices between generation and the rest."""
+                 budget: int | None = None, generation_devices: int | None = None) -> AsyncPlan:
+    """The fastest split of the first ``budget`` devices between generation and the rest
+    (only the split giving generation ``generation_devices``, when given: the price of
+    the split a job runs now)."""
     budget = cluster.num_devices if budget is None else budget
     if budget < 2:
         raise InfeasiblePlan(f"asynchronous RL needs at least 2 devices (generation apart), not {budget}")
@@ -85,6 +87,8 @@ def search_async(work: Workload, cluster: ClusterSpec, eff: Efficiency = CONSERV
     gen = names.index(GENERATION)
     best: AsyncPlan | None = None
     for g in range(1, budget):
+        if generation_devices is not None and g != generation_devices:
+            continue
         rest = budget - g
         gen_c = _fastest(work, cluster, eff, gen, g)
         others = {i: _fastest(work, cluster, eff, i, rest) for i in range(len(names)) if i != gen}

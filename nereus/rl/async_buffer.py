@@ -74,6 +74,7 @@ class AsyncLedger:
         self.finished: dict[int, Group] = {}
         self.trained: set[int] = set()
         self.regenerated_groups = 0
+        self.restarted_groups = 0
         self.staleness: Counter[int] = Counter()  # tokens trained at each staleness
 
     # --- generation side --------------------------------------------------------------
@@ -101,13 +102,18 @@ class AsyncLedger:
             out.append(p)
         return out
 
-    def lose(self, positions: list[int]) -> None:
-        """Unfinished positions whose worker died: issued again, counted."""
+    def lose(self, positions: list[int], *, fault: bool = True) -> None:
+        """Unfinished positions whose worker died (``fault``) or whose request a plan
+        change stopped: issued again, counted (``regenerated_groups`` or
+        ``restarted_groups``)."""
         for p in positions:
             if p in self.in_flight:
                 del self.in_flight[p]
                 heapq.heappush(self.pending, p)
-                self.regenerated_groups += 1
+                if fault:
+                    self.regenerated_groups += 1
+                else:
+                    self.restarted_groups += 1
 
     def finish(self, group: Group) -> None:
         p = group.position
