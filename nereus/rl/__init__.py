@@ -30,12 +30,20 @@ from nereus.rl.losses import (
     policy_loss,
     value_loss,
 )
+from nereus.rl.async_buffer import AsyncLedger, Group
+from nereus.rl.decoupled import decoupled_policy_loss, decoupled_policy_objective
+from nereus.rl.mode import RLModeConfig
 from nereus.rl.rollout import Rollouts, SamplingConfig, to_batch
 from nereus.rl.stages import ModelStages, last_token_scores
 
 __all__ = [
     "ALGORITHMS",
     "AlgorithmConfig",
+    "AsyncLedger",
+    "Group",
+    "RLModeConfig",
+    "decoupled_policy_loss",
+    "decoupled_policy_objective",
     "ModelStages",
     "Rollouts",
     "SamplingConfig",
