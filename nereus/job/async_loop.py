@@ -142,6 +142,8 @@ class AsyncRun:
                 f"weight sync to policy_generation EMU {w.name!r} on devices {list(w.emu.devices)} did not "
                 f"complete within rl.sync_timeout_s={self.mode.sync_timeout_s} s") from None
         w.version = self.version
+        async with self.changed:  # a producer waiting at the gate for these weights goes on
+            self.changed.notify_all()
         seconds = time.perf_counter() - t0
         nbytes = stats.bytes_moved + stats.bytes_local
         return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9}

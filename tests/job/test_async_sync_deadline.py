@@ -23,6 +23,7 @@ async def test_a_sync_that_hangs_fails_naming_the_peer(monkeypatch):
     run.mode = RLModeConfig(mode="async", sync_timeout_s=0.2)
     run.stages = types.SimpleNamespace(hosts={})
     run.version = 3
+    run.changed = asyncio.Condition()
     emu = types.SimpleNamespace(name="policy_generation.1", devices=(2, 3))
     worker = async_loop._Worker(emu, plan=None, group=None, version=2)
     with pytest.raises(DeadlineExceeded, match=r"'policy_generation.1' on devices \[2, 3\].*0.2 s"):
