@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL: one pinned GRPO job on this machine's 4 CPU devices.
 
-``python -m benchmarks.async_rl [--steps N] [--runs sync,k1-partial,...] [--trace PATH] [--plot PATH]``
+``python -m benchmarks.async_rl [--steps N] [--runs sync,k1-partial,...] [--trace P] [--plot P]``
 
 The job is pinned here (a tiny model reversing strings, 8 prompts x 8 samples per update,
 the same seeds everywhere) with its length cap following a long-tailed real log: the
@@ -83,40 +83,77 @@ def base_config(steps: int, out_dir: str, caps: list[list[int]]) -> dict[str, An
     if has_cores_field():
         cluster["cores_per_device"] = CORES_PER_DEVICE
     return {
-        "model": {"kind": "tiny", "hidden_size": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
-                  "intermediate_size": 128, "max_seq_len": 96},
-        "task": {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}, "dataset_size": 8192},
+        "model": {
+            "kind": "tiny",
+            "hidden_size": 64,
+            "num_layers": 4,
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "intermediate_size": 128,
+            "max_seq_len": 96,
+        },
+        "task": {
+            "name": "reverse",
+            "options": {"letters": "abc", "min_len": 2, "max_len": 3},
+            "dataset_size": 8192,
+        },
         "algorithm": {"name": "grpo", "prompts_per_step": 8, "samples_per_prompt": 8},
         "sampling": {"max_new_tokens": caps, "temperature": 1.0},
         "optim": {"lr": 3e-3, "micro_batch_size": 16},
         "cluster": cluster,
-        "run": {"steps": steps, "seed": 0, "out_dir": out_dir, "progress": False, "checkpoint_every": steps},
+        "run": {
+            "steps": steps,
+            "seed": 0,
+            "out_dir": out_dir,
+            "progress": False,
+            "checkpoint_every": steps,
+        },
     }
 
 
 def placement(sp: Any) -> dict[str, Any]:
-    return {"devices": [d for emu in sp.devices for d in emu], "tp": sp.tp, "pp": sp.pp, "dp": sp.dp,
-            "recompute": sp.recompute, "waves": sp.waves}
+    return {
+        "devices": [d for emu in sp.devices for d in emu],
+        "tp": sp.tp,
+        "pp": sp.pp,
+        "dp": sp.dp,
+        "recompute": sp.recompute,
+        "waves": sp.waves,
+    }
 
 
-def planned(data: dict[str, Any], out: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def planned(
+    data: dict[str, Any], out: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(best sync plan, best async plan, what the planner predicted) for the job ``data``."""
-    probe = from_dict(JobConfig, {**data, "plan": {"policy_generation": {"devices": [0]},
-                                                   "policy_training": {"devices": [0]}}})
+    probe = from_dict(
+        JobConfig,
+        {
+            **data,
+            "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
+        },
+    )
     job = RLJob(probe)
     model_config, _, _ = prepare_model(probe, job.codec, out)
     caps = [c for _, c in probe.sampling.max_new_tokens]
     mean_cap = statistics.fmean(caps)
-    work = job_workload(probe, model_config, prompt_length=job.max_prompt_tokens(),
-                        lengths=LengthStats(mean_cap, max(caps), max(caps)))
+    work = job_workload(
+        probe,
+        model_config,
+        prompt_length=job.max_prompt_tokens(),
+        lengths=LengthStats(mean_cap, max(caps), max(caps)),
+    )
     cluster = local_cpu_cluster_probed(4, probe.cluster.memory_bytes)
     eff = local_cpu_efficiency()
     best_sync = search(work, cluster, eff, alternatives=False)
     best_async = search_async(work, cluster, eff)
     sync_plan = {n: placement(sp) for n, sp in from_planner_plan(best_sync.plan)}
     async_plan = {n: placement(sp) for n, sp in from_planner_plan(best_async.plan)}
-    predicted = {"sync_step_s": round(best_sync.step_seconds, 4), "async_step_s": round(best_async.step_seconds, 4),
-                 "async_generation_devices": best_async.generation_devices}
+    predicted = {
+        "sync_step_s": round(best_sync.step_seconds, 4),
+        "async_step_s": round(best_async.step_seconds, 4),
+        "async_generation_devices": best_async.generation_devices,
+    }
     return sync_plan, async_plan, predicted
 
 
@@ -124,7 +161,11 @@ async def run_one(name: str, data: dict[str, Any], plan: dict[str, Any]) -> dict
     rl_mode: dict[str, Any] = {"mode": "sync"}
     if name != "sync":
         k, how = name.split("-")
-        rl_mode = {"mode": "async", "max_staleness": int(k[1:]), "partial_rollout": how == "partial"}
+        rl_mode = {
+            "mode": "async",
+            "max_staleness": int(k[1:]),
+            "partial_rollout": how == "partial",
+        }
     cfg = from_dict(JobConfig, {**data, "plan": plan, "rl": rl_mode})
     job = RLJob(cfg)
     await job.start()
@@ -143,19 +184,34 @@ async def run_one(name: str, data: dict[str, Any], plan: dict[str, Any]) -> dict
         await job.close()
     samples = [r["rollouts"] for r in records]
     out = {
-        "run": name, "plan": plan, "updates": len(records), "wall_s": round(wall, 3),
-        "samples_per_s": round(sum(samples) / wall, 3), "mean_update_s": round(wall / len(records), 4),
+        "run": name,
+        "plan": plan,
+        "updates": len(records),
+        "wall_s": round(wall, 3),
+        "samples_per_s": round(sum(samples) / wall, 3),
+        "mean_update_s": round(wall / len(records), 4),
         "reward": [round(r["reward_mean"], 4) for r in records],
         "reward_std": [round(r["reward_std"], 4) for r in records],
-        "samples": samples, "wall_at": [round(t - t0, 3) for t in stamps],
+        "samples": samples,
+        "wall_at": [round(t - t0, 3) for t in stamps],
         "response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in records), 2),
     }
     if summary:
-        out.update({k: summary[k] for k in ("staleness_histogram", "max_staleness_seen", "samples_discarded",
-                                             "regenerated_groups")})
+        out.update(
+            {
+                k: summary[k]
+                for k in (
+                    "staleness_histogram",
+                    "max_staleness_seen",
+                    "samples_discarded",
+                    "regenerated_groups",
+                )
+            }
+        )
         out["max_staleness"] = cfg.rl.max_staleness
-        out["importance_weight_mean"] = round(statistics.fmean(r.get("importance_weight_mean", 1.0)
-                                                               for r in records), 4)
+        out["importance_weight_mean"] = round(
+            statistics.fmean(r.get("importance_weight_mean", 1.0) for r in records), 4
+        )
     return out
 
 
@@ -166,8 +222,10 @@ def last_quarter(run: dict[str, Any]) -> tuple[float, float]:
     w = [run["samples"][i] for i in part]
     means = [run["reward"][i] for i in part]
     mean = sum(m * c for m, c in zip(means, w, strict=True)) / sum(w)
-    var = sum(c * (s ** 2 + (m - mean) ** 2) for m, s, c in zip(means, [run["reward_std"][i] for i in part], w,
-                                                                   strict=True)) / sum(w)
+    var = sum(
+        c * (s**2 + (m - mean) ** 2)
+        for m, s, c in zip(means, [run["reward_std"][i] for i in part], w, strict=True)
+    ) / sum(w)
     return mean, math.sqrt(var)
 
 
@@ -197,42 +255,77 @@ async def main_async(steps: int, names: list[str], trace: Path, plot_path: Path)
         data = base_config(steps, out, caps)
         sync_plan, async_plan, predicted = planned(data, f"{out}/probe")
         print(f"cap schedule from {trace.name}: {caps}", flush=True)
-        print(f"devices: {'cores_per_device = %.2f' % CORES_PER_DEVICE if has_cores_field() else 'shared cores (this tree has no cluster.cores_per_device)'}", flush=True)
-        print(f"planner: best sync plan {sync_plan}; best async plan {async_plan}; {predicted}", flush=True)
+        cores = (
+            f"cores_per_device = {CORES_PER_DEVICE:.2f}"
+            if has_cores_field()
+            else "shared cores (this tree has no cluster.cores_per_device)"
+        )
+        print(f"devices: {cores}", flush=True)
+        print(
+            f"planner: best sync plan {sync_plan}; best async plan {async_plan}; {predicted}",
+            flush=True,
+        )
         runs = []
         for name in names:
             d = {**data, "run": {**data["run"], "out_dir": f"{out}/{name}"}}
             r = await run_one(name, d, sync_plan if name == "sync" else async_plan)
             runs.append(r)
-            brief = {k: v for k, v in r.items() if k not in ("reward", "reward_std", "samples", "wall_at", "plan")}
+            brief = {
+                k: v
+                for k, v in r.items()
+                if k not in ("reward", "reward_std", "samples", "wall_at", "plan")
+            }
             print(f"{name}: {json.dumps(brief)}", flush=True)
         plot(runs, plot_path)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     sync = next((r for r in runs if r["run"] == "sync"), None)
     asyncs = [r for r in runs if r["run"] != "sync"]
-    result: dict[str, Any] = {"steps": steps, "trace": str(trace), "caps": caps, "predicted": predicted,
-                              "cores_per_device": CORES_PER_DEVICE if has_cores_field() else None,
-                              "plot": str(plot_path)}
+    result: dict[str, Any] = {
+        "steps": steps,
+        "trace": str(trace),
+        "caps": caps,
+        "predicted": predicted,
+        "cores_per_device": CORES_PER_DEVICE if has_cores_field() else None,
+        "plot": str(plot_path),
+    }
     if asyncs:
         best = max(asyncs, key=lambda r: r["samples_per_s"])
-        result.update({"best_async": best["run"], "max_staleness_seen": best["max_staleness_seen"],
-                       "max_staleness": best["max_staleness"],
-                       "samples_discarded": sum(r["samples_discarded"] for r in asyncs)})
+        result.update(
+            {
+                "best_async": best["run"],
+                "max_staleness_seen": best["max_staleness_seen"],
+                "max_staleness": best["max_staleness"],
+                "samples_discarded": sum(r["samples_discarded"] for r in asyncs),
+            }
+        )
         if sync is not None:
             (s_mean, s_std), (a_mean, _) = last_quarter(sync), last_quarter(best)
             result["speedup_vs_sync"] = round(best["samples_per_s"] / sync["samples_per_s"], 3)
             result["reward_gap"] = round((s_mean - a_mean) / max(s_std, 1e-9), 3)
-    result["runs"] = [{k: v for k, v in r.items() if k not in ("reward_std", "wall_at")} for r in runs]
+    result["runs"] = [
+        {k: v for k, v in r.items() if k not in ("reward_std", "wall_at")} for r in runs
+    ]
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=80, help="updates per run (default 80)")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs, comma-separated (default {','.join(RUNS)})")
-    parser.add_argument("--trace", type=Path, default=TRACE, help="response-length JSON (default %(default)s)")
-    parser.add_argument("--plot", type=Path, default=Path("runs/async_rl.png"), help="reward plot (default %(default)s)")
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help=f"which runs, comma-separated (default {','.join(RUNS)})",
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=TRACE, help="response-length JSON (default %(default)s)"
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("runs/async_rl.png"),
+        help="reward plot (default %(default)s)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     names = [n for n in args.runs.split(",") if n]

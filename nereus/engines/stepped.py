@@ -37,19 +37,36 @@ __all__ = ["SteppedRollout"]
 class SteppedRollout:
     """One open request on ``engine`` (see the module docstring)."""
 
-    def __init__(self, engine: GenerationEngine, prompts: list[list[int]],
-                 params: SamplingParams | dict[str, Any] | None, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        prompts: list[list[int]],
+        params: SamplingParams | dict[str, Any] | None,
+        seed: int | None = None,
+    ) -> None:
         self.params = SamplingParams.from_any(params)
-        require(not engine.is_sleeping, f"{engine.name}.advance_rollout", "sleeping", "call wake_up() first")
+        require(
+            not engine.is_sleeping,
+            f"{engine.name}.advance_rollout",
+            "sleeping",
+            "call wake_up() first",
+        )
         require(len(prompts) >= 1, "prompts", len(prompts), "must hold at least one prompt")
         vocab = engine.config.vocab_size
         for i, p in enumerate(prompts):
-            require(len(p) >= 1 and all(0 <= int(t) < vocab for t in p), f"prompts[{i}]", list(p)[:16],
-                    f"must be non-empty token ids in [0, vocab_size={vocab})")
+            require(
+                len(p) >= 1 and all(0 <= int(t) < vocab for t in p),
+                f"prompts[{i}]",
+                list(p)[:16],
+                f"must be non-empty token ids in [0, vocab_size={vocab})",
+            )
         self.engine = engine
         self.rows = len(prompts)
-        seed = seed if seed is not None else (self.params.seed if self.params.seed is not None
-                                              else random.getrandbits(62))
+        seed = (
+            seed
+            if seed is not None
+            else (self.params.seed if self.params.seed is not None else random.getrandbits(62))
+        )
         self.b = engine._prepare([list(map(int, p)) for p in prompts], self.params)
         self.noise = _Noise(seed, 0, engine.device)
         self.step = 0  # decode steps done (the first one includes the prefill)
@@ -73,13 +90,17 @@ class SteppedRollout:
                 if self.finished:
                     break
                 if self.step == 0:
-                    index = torch.full((self.rows,), b.width - 1, dtype=torch.long, device=engine.device)
+                    index = torch.full(
+                        (self.rows,), b.width - 1, dtype=torch.long, device=engine.device
+                    )
                     logits = engine._forward(b.ids, b.positions, b.cache, index)
                 else:
                     ids, pos = engine._decode_inputs(b, every, self.step)
                     index = torch.zeros(self.rows, dtype=torch.long, device=engine.device)
                     logits = engine._forward(ids, pos, b.cache, index)
-                tokens, logprobs = engine._sample_and_share(logits, every, self.rows, params, self.noise, self.step)
+                tokens, logprobs = engine._sample_and_share(
+                    logits, every, self.rows, params, self.noise, self.step
+                )
                 self.finished = engine._record(b, every, self.step, tokens, logprobs, params)
                 self.step += 1
         counts = self._counts()
@@ -87,7 +108,12 @@ class SteppedRollout:
         token_rows, logprob_rows = b.tokens.tolist(), b.logprobs.tolist()
         out_tokens, out_logprobs = [], []
         for r, n in enumerate(counts):
-            out_tokens.append(token_rows[r][self._sent[r]:n])
-            out_logprobs.append(logprob_rows[r][self._sent[r]:n])
+            out_tokens.append(token_rows[r][self._sent[r] : n])
+            out_logprobs.append(logprob_rows[r][self._sent[r] : n])
             self._sent[r] = n
-        return {"tokens": out_tokens, "logprobs": out_logprobs, "done": done, "finished": self.finished}
+        return {
+            "tokens": out_tokens,
+            "logprobs": out_logprobs,
+            "done": done,
+            "finished": self.finished,
+        }

@@ -2,23 +2,21 @@
 training when the planner's pipeline price says it pays.
 
 ``AsyncAdapter(run).after_update(record)`` runs after every update's weight sync (the
-async mode's safe boundary). Its trigger is the sync mode's soft one: the mean response
-length (over the last few updates) or the length cap drifting past ``adapt.length_drift``
-(relative) from its value at the last decision; the reference is reset at every
-decision, taken or not. On a trigger it prices, with the job's calibrated efficiencies
-(``ClusterStages.calibrator``), the split the job runs now and the best split
-(``nereus.planner.async_cost.search_async``: slower side plus the sync, per update), and
-the change (``ClusterStages.estimate_change``: the transition DAG's estimate plus engine
-restarts). The saving per update is the model's, scaled by measured over predicted seconds
-per update at the current split (the pipeline price is not calibrated per op class here). Admission is the sync mode's rule: take it when the saving per update is
-positive and ``change seconds / saving <= adapt.gamma * H``, H the updates left. An
-admitted change pauses the producers at their next decode call (finished groups stay in
-the buffer; unfinished ones start again after it, counted as ``restarted_groups``), runs
-``RLJob.apply_plan`` (the same transition DAG as sync mode), and resumes the producers on
+async mode's safe boundary). Trigger: the mean response length (last few updates) or the
+cap drifting past ``adapt.length_drift`` (relative) from its value at the last decision
+(reset at every decision, taken or not). On a trigger it prices the split the job runs
+now and the best one (``nereus.planner.async_cost.search_async``: the slower side plus
+the sync, per update; the model's saving scaled by measured over predicted seconds per
+update at the current split) and the change (``ClusterStages.estimate_change``: the DAG's
+estimate plus engine restarts). Admission is the sync mode's rule: saving > 0 and
+``change seconds / saving <= adapt.gamma * H``, H the updates left. An admitted change
+pauses the producers at their next decode call (finished groups stay in the buffer;
+unfinished ones restart after it, counted as ``restarted_groups``), runs
+``RLJob.apply_plan`` (the same transition DAG as sync mode) and resumes the producers on
 the new generation EMUs after a weight sync. A ``decision`` event goes on the tap.
 
-Refuses nothing; not handled here (sync mode's controller does them): device pool
-changes (drain, join) and the memory trigger.
+Not handled here (sync mode's controller does them): device-pool changes (drain, join)
+and the memory trigger.
 """
 
 from __future__ import annotations
@@ -62,7 +60,10 @@ class AsyncAdapter:
             return True  # the first boundary prices the starting split
         ref_len, ref_cap = self.reference
         limit = self.cfg.adapt.length_drift
-        return abs(length - ref_len) > limit * max(ref_len, 1.0) or abs(cap - ref_cap) > limit * ref_cap
+        return (
+            abs(length - ref_len) > limit * max(ref_len, 1.0)
+            or abs(cap - ref_cap) > limit * ref_cap
+        )
 
     async def after_update(self, record: dict[str, Any]) -> dict[str, Any] | None:
         """Decide at this weight sync; returns the executed change's report, or None."""
@@ -78,19 +79,29 @@ class AsyncAdapter:
         plan = st.plan
         devices = len(plan.devices)
         lengths = LengthStats(length, float(max(record["response_len_max"], length)), cap)
-        work = job_workload(self.cfg, st.model_config, prompt_length=self.prompt_length, lengths=lengths,
-                            memory_lengths=LengthStats(float(cap), float(cap), cap))
+        work = job_workload(
+            self.cfg,
+            st.model_config,
+            prompt_length=self.prompt_length,
+            lengths=lengths,
+            memory_lengths=LengthStats(float(cap), float(cap), cap),
+        )
         budget = min((d.memory_bytes for d in st.cluster.devices), default=2**30)
         cluster = local_cpu_cluster_probed(devices, budget, headroom=self.cfg.adapt.headroom)
         eff = st.calibrator.fit()
         now_g = len(plan["policy_generation"].devices)
         current = search_async(work, cluster, eff, generation_devices=now_g)
         best = search_async(work, cluster, eff)
-        decision: dict[str, Any] = {"step": step, "triggers": [{"kind": "drift", "detail": "length",
-                                                                "length": length, "cap": cap}],
-                                    "current_plan": plan.to_dict(), "current_step_seconds": current.step_seconds,
-                                    "target_step_seconds": best.step_seconds, "admitted": False,
-                                    "target_plan": None, "action": "keep"}
+        decision: dict[str, Any] = {
+            "step": step,
+            "triggers": [{"kind": "drift", "detail": "length", "length": length, "cap": cap}],
+            "current_plan": plan.to_dict(),
+            "current_step_seconds": current.step_seconds,
+            "target_step_seconds": best.step_seconds,
+            "admitted": False,
+            "target_plan": None,
+            "action": "keep",
+        }
         # the model's seconds against what updates take here: the saving in measured seconds
         measured = statistics.fmean(self.update_s[-WINDOW:])
         scale = measured / current.step_seconds if current.step_seconds > 0 else 1.0
@@ -107,11 +118,19 @@ class AsyncAdapter:
         limit = self.cfg.adapt.gamma * horizon
         payback = seconds / saving
         admitted = payback <= limit
-        decision.update(target_plan=target.to_dict(), saving_seconds=saving, transition_seconds=seconds,
-                        transition_bytes=nbytes, payback_steps=payback, limit_steps=limit, admitted=admitted,
-                        action="transition" if admitted else "keep",
-                        reason=f"generation {now_g} -> {best.generation_devices} devices saves {saving:.4f} s per "
-                               f"update; pays back in {payback:.1f} of {limit:.1f} updates")
+        decision.update(
+            target_plan=target.to_dict(),
+            saving_seconds=saving,
+            transition_seconds=seconds,
+            transition_bytes=nbytes,
+            payback_steps=payback,
+            limit_steps=limit,
+            admitted=admitted,
+            action="transition" if admitted else "keep",
+            reason=f"generation {now_g} -> {best.generation_devices} devices saves "
+            f"{saving:.4f} s per "
+            f"update; pays back in {payback:.1f} of {limit:.1f} updates",
+        )
         if not admitted:
             emit("decision", **decision)
             return None
@@ -119,12 +138,24 @@ class AsyncAdapter:
         await self.run.pause()
         report = await self.job.apply_plan(target)
         await self.run.resume()
-        change = {"step": step, "triggers": ["drift:length"], "from": plan.to_dict(), "to": target.to_dict(),
-                  "predicted_seconds": seconds, "measured_seconds": time.perf_counter() - t0,
-                  "bytes": report.get("bytes", 0), "generation_devices": [now_g, best.generation_devices]}
+        change = {
+            "step": step,
+            "triggers": ["drift:length"],
+            "from": plan.to_dict(),
+            "to": target.to_dict(),
+            "predicted_seconds": seconds,
+            "measured_seconds": time.perf_counter() - t0,
+            "bytes": report.get("bytes", 0),
+            "generation_devices": [now_g, best.generation_devices],
+        }
         decision["transition"] = change
         emit("decision", **decision)
         self.changes.append(change)
-        log.info("async: generation %d -> %d devices at update %d (%s)", now_g, best.generation_devices, step,
-                 decision["reason"])
+        log.info(
+            "async: generation %d -> %d devices at update %d (%s)",
+            now_g,
+            best.generation_devices,
+            step,
+            decision["reason"],
+        )
         return change

@@ -37,13 +37,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from nereus.actors import emit
-from nereus.errors import ActorDied, DeadlineExceeded, StateError
+from nereus.errors import DeadlineExceeded, StateError
 from nereus.job.async_adapt import AsyncAdapter
 from nereus.job.export import latest_checkpoint
 from nereus.job.recovery import is_fault
@@ -91,8 +90,13 @@ class AsyncRun:
         a = job.cfg.algorithm
         self.B, self.K = a.prompts_per_step, a.samples_per_prompt
         start = job.dataset.position
-        self.ledger = AsyncLedger(self.B, self.mode.max_staleness, start,
-                                  start + (job.cfg.run.steps - job.step) * self.B, origin=start - job.step * self.B)
+        self.ledger = AsyncLedger(
+            self.B,
+            self.mode.max_staleness,
+            start,
+            start + (job.cfg.run.steps - job.step) * self.B,
+            origin=start - job.step * self.B,
+        )
         self.version = job.step
         self.changed = asyncio.Condition()
         self.train_lock = asyncio.Lock()
@@ -115,7 +119,9 @@ class AsyncRun:
             return
         state = json.loads((ckpt / "job.json").read_text()).get("async")
         if state is None:
-            raise StateError(f"checkpoint {str(ckpt)!r} was saved by a synchronous run; it has no async ledger")
+            raise StateError(
+                f"checkpoint {str(ckpt)!r} was saved by a synchronous run; it has no async ledger"
+            )
         self.ledger.end = int(state["end"])
         self.ledger.load_state_dict(state)
 
@@ -124,23 +130,30 @@ class AsyncRun:
     async def _make_workers(self) -> None:
         st = self.stages
         sources = st.emus["policy_training"]
-        for emu_handle, emu in zip(st.handles["policy_generation"].emus, st.emus["policy_generation"], strict=True):
+        for emu_handle, emu in zip(
+            st.handles["policy_generation"].emus, st.emus["policy_generation"], strict=True
+        ):
             plan = plan_reshard(sources, emu, st._host_of)
             group = None
             if plan.remote_moves():
-                group = await make_group(st.cluster, devices=sorted(plan.devices()), epoch=st.epoch, tag=emu.name)
+                group = await make_group(
+                    st.cluster, devices=sorted(plan.devices()), epoch=st.epoch, tag=emu.name
+                )
             self.workers.append(_Worker(emu_handle, plan, group, self.version))
 
     async def _sync_worker(self, w: _Worker) -> dict[str, Any]:
         """The newest weights into ``w`` (its lock held by the caller)."""
         t0 = time.perf_counter()
         try:
-            stats = await asyncio.wait_for(execute_into([w.plan], self.stages.hosts, w.group),
-                                           self.mode.sync_timeout_s)
+            stats = await asyncio.wait_for(
+                execute_into([w.plan], self.stages.hosts, w.group), self.mode.sync_timeout_s
+            )
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
-                f"weight sync to policy_generation EMU {w.name!r} on devices {list(w.emu.devices)} did not "
-                f"complete within rl.sync_timeout_s={self.mode.sync_timeout_s} s") from None
+                f"weight sync to policy_generation EMU {w.name!r} on devices "
+                f"{list(w.emu.devices)} did not "
+                f"complete within rl.sync_timeout_s={self.mode.sync_timeout_s} s"
+            ) from None
         w.version = self.version
         async with self.changed:  # a producer waiting at the gate for these weights goes on
             self.changed.notify_all()
@@ -159,15 +172,23 @@ class AsyncRun:
                 return await self._sync_worker(w)
 
         out = await asyncio.gather(*(one(w) for w in self.workers))
-        return {"bytes": sum(o["bytes"] for o in out), "seconds": max((o["seconds"] for o in out), default=0.0)}
+        return {
+            "bytes": sum(o["bytes"] for o in out),
+            "seconds": max((o["seconds"] for o in out), default=0.0),
+        }
 
     # --- generation -------------------------------------------------------------------
 
     def _params(self, positions: list[int]) -> dict[str, Any]:
         s = self.cfg.sampling
-        return {"max_tokens": s.cap_at(self.version), "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "stop_token_ids": [] if s.ignore_eos else [self.job.codec.eos_id],
-                "seed": sampling_seed(self.cfg.run.seed, positions[0])}
+        return {
+            "max_tokens": s.cap_at(self.version),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "stop_token_ids": [] if s.ignore_eos else [self.job.codec.eos_id],
+            "seed": sampling_seed(self.cfg.run.seed, positions[0]),
+        }
 
     async def _positions(self, w: _Worker) -> list[int]:
         """The next positions ``w`` may start (waits at the gate); [] when none are left.
@@ -208,10 +229,26 @@ class AsyncRun:
                     self.ledger.lose(lost)
                     self.regenerated_rows += len(lost) * self.K
                     self.changed.notify_all()
-                log.warning("generation EMU %s died (%s): %d unfinished groups issued again", w.name, e, len(lost))
-                emit("fault", step=self.version, devices=list(w.emu.devices), during="generation",
-                     error=f"{type(e).__name__}: {e}"[:400], committed=False, restored_from="", redone=False,
-                     recover_seconds=0.0, dropped=[w.name], missing=[], regenerated_groups=len(lost))
+                log.warning(
+                    "generation EMU %s died (%s): %d unfinished groups issued again",
+                    w.name,
+                    e,
+                    len(lost),
+                )
+                emit(
+                    "fault",
+                    step=self.version,
+                    devices=list(w.emu.devices),
+                    during="generation",
+                    error=f"{type(e).__name__}: {e}"[:400],
+                    committed=False,
+                    restored_from="",
+                    redone=False,
+                    recover_seconds=0.0,
+                    dropped=[w.name],
+                    missing=[],
+                    regenerated_groups=len(lost),
+                )
                 return
 
     async def _request(self, w: _Worker, positions: list[int]) -> None:
@@ -242,10 +279,16 @@ class AsyncRun:
                     versions[r] += [version] * len(tk)
                     w.tokens += len(tk)
                 for g, p in enumerate(positions):
-                    if p not in released and all(out["done"][g * K:(g + 1) * K]):
+                    if p not in released and all(out["done"][g * K : (g + 1) * K]):
                         released.add(p)
-                        await self._release(p, samples[p], prompts[p], tokens[g * K:(g + 1) * K],
-                                            logprobs[g * K:(g + 1) * K], versions[g * K:(g + 1) * K])
+                        await self._release(
+                            p,
+                            samples[p],
+                            prompts[p],
+                            tokens[g * K : (g + 1) * K],
+                            logprobs[g * K : (g + 1) * K],
+                            versions[g * K : (g + 1) * K],
+                        )
                 if out["finished"]:
                     return
                 if self.pausing:  # a plan change: what is unfinished starts again after it
@@ -258,16 +301,27 @@ class AsyncRun:
                 w.lock.release()
 
     async def _advance(self, w: _Worker, args: tuple) -> dict[str, Any]:
-        results = await w.emu.mesh.advance_rollout.call(w.name, self.mode.decode_steps_per_call, *args)
+        results = await w.emu.mesh.advance_rollout.call(
+            w.name, self.mode.decode_steps_per_call, *args
+        )
         return results[w.emu.last_stage_rank]
 
-    async def _release(self, position: int, sample: Any, prompt: list[int], tokens: list[list[int]],
-                       logprobs: list[list[float]], versions: list[list[int]]) -> None:
+    async def _release(
+        self,
+        position: int,
+        sample: Any,
+        prompt: list[int],
+        tokens: list[list[int]],
+        logprobs: list[list[float]],
+        versions: list[list[int]],
+    ) -> None:
         job = self.job
         scores = [job.task.reward(sample, job.codec.decode(t)) for t in tokens]
         async with self.changed:
             start = self.ledger.in_flight[position]
-            self.ledger.finish(Group(position, sample.index, prompt, tokens, logprobs, versions, start, scores))
+            self.ledger.finish(
+                Group(position, sample.index, prompt, tokens, logprobs, versions, start, scores)
+            )
             self.changed.notify_all()
 
     # --- training ---------------------------------------------------------------------
@@ -290,10 +344,13 @@ class AsyncRun:
 
     async def _update(self, groups: list[Group]) -> dict[str, Any]:
         job, st, a = self.job, self.stages, self.cfg.algorithm
-        rollouts = Rollouts([g.prompt_ids for g in groups for _ in range(g.rows)],
-                            [r for g in groups for r in g.response_ids], [lp for g in groups for lp in g.logprobs],
-                            [g.sample_index for g in groups for _ in range(g.rows)],
-                            [min(v, default=g.start_version) for g in groups for v in g.versions])
+        rollouts = Rollouts(
+            [g.prompt_ids for g in groups for _ in range(g.rows)],
+            [r for g in groups for r in g.response_ids],
+            [lp for g in groups for lp in g.logprobs],
+            [g.sample_index for g in groups for _ in range(g.rows)],
+            [min(v, default=g.start_version) for g in groups for v in g.versions],
+        )
         rollouts.scores = [s for g in groups for s in g.scores]
         batch = to_batch(rollouts, job.codec.pad_id)
         record: dict[str, Any] = {}
@@ -302,18 +359,28 @@ class AsyncRun:
             batch["prox_logprobs"] = await st.proximal_logprobs(batch)
             if a.kl_coef > 0:
                 batch["ref_logprobs"] = await st.reference_logprobs(batch)
-            adv = grpo_advantages(torch.tensor(rollouts.scores, dtype=torch.float32), self.K, a.scale_by_std)
+            adv = grpo_advantages(
+                torch.tensor(rollouts.scores, dtype=torch.float32), self.K, a.scale_by_std
+            )
             batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
-            kw = {"clip_eps": a.clip_eps, "importance_cap": self.mode.importance_cap,
-                  "kl_coef": a.kl_coef if a.kl_mode == "loss" else 0.0, "kl_kind": a.kl_kind,
-                  "aggregation": a.aggregation}
+            kw = {
+                "clip_eps": a.clip_eps,
+                "importance_cap": self.mode.importance_cap,
+                "kl_coef": a.kl_coef if a.kl_mode == "loss" else 0.0,
+                "kl_kind": a.kl_kind,
+                "aggregation": a.aggregation,
+            }
             metrics: dict[str, Any] = {}
             for _ in range(a.epochs):
                 metrics = await st.train_policy(batch, DECOUPLED_LOSS, kw)
             record["train_seconds"] = time.perf_counter() - t0
             async with self.changed:
-                record["staleness_histogram"] = {str(s): n for s, n in self.ledger.commit(groups, self.version).items()}
-                self.trained_log += [(self.version, g.position, g.sample_index, g.versions) for g in groups]
+                record["staleness_histogram"] = {
+                    str(s): n for s, n in self.ledger.commit(groups, self.version).items()
+                }
+                self.trained_log += [
+                    (self.version, g.position, g.sample_index, g.versions) for g in groups
+                ]
                 self.version += 1
                 st.policy_version = self.version
                 self.changed.notify_all()
@@ -322,15 +389,27 @@ class AsyncRun:
                 sync = await self._sync_all()
                 record["sync_seconds"] = time.perf_counter() - t1
                 record["sync_bytes"] = sync["bytes"]
-        record.update({("updates" if k == "step" else k): v for k, v in metrics.items() if isinstance(v, (int, float))})
+        record.update(
+            {
+                ("updates" if k == "step" else k): v
+                for k, v in metrics.items()
+                if isinstance(v, (int, float))
+            }
+        )
         lengths = rollouts.response_lengths
-        record.update({
-            "reward_mean": statistics.fmean(rollouts.scores), "reward_std": statistics.pstdev(rollouts.scores),
-            "response_len_mean": statistics.fmean(lengths), "response_len_max": max(lengths),
-            "tokens_generated": sum(lengths), "rollouts": len(rollouts),
-            "positions": [g.position for g in groups], "policy_version": min(rollouts.policy_version),
-            "max_staleness_seen": max(int(s) for s in record["staleness_histogram"]),
-        })
+        record.update(
+            {
+                "reward_mean": statistics.fmean(rollouts.scores),
+                "reward_std": statistics.pstdev(rollouts.scores),
+                "response_len_mean": statistics.fmean(lengths),
+                "response_len_max": max(lengths),
+                "tokens_generated": sum(lengths),
+                "rollouts": len(rollouts),
+                "positions": [g.position for g in groups],
+                "policy_version": min(rollouts.policy_version),
+                "max_staleness_seen": max(int(s) for s in record["staleness_histogram"]),
+            }
+        )
         return record
 
     async def _checkpoint(self) -> None:
@@ -338,8 +417,12 @@ class AsyncRun:
         folder = job.out_dir / "checkpoints" / f"step_{job.step}"
         self.stages.sample_position = self.ledger.next_new
         await self.stages.save(folder)
-        state = {"step": job.step, "dataset": {**job.dataset.state_dict(), "position": self.ledger.next_new},
-                 "policy_version": self.version, "async": self.ledger.state_dict()}
+        state = {
+            "step": job.step,
+            "dataset": {**job.dataset.state_dict(), "position": self.ledger.next_new},
+            "policy_version": self.version,
+            "async": self.ledger.state_dict(),
+        }
         (folder / "job.json").write_text(json.dumps(state))
         job._checkpoints.append(folder)
 
@@ -351,14 +434,18 @@ class AsyncRun:
         if not dead:
             return
         names = {w.name for w in dead}
-        st.emus["policy_generation"] = [e for e in st.emus["policy_generation"] if e.name not in names]
+        st.emus["policy_generation"] = [
+            e for e in st.emus["policy_generation"] if e.name not in names
+        ]
         handle = st.handles["policy_generation"]
         handle.emus = [e for e in handle.emus if e.name not in names]
         for w in dead:
             for d in w.emu.devices:
                 st.hosts.pop(d, None)
         emus = st.emus["policy_generation"]
-        sp = StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
+        sp = StagePlan(
+            emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus)
+        )
         st._plan = Plan(tuple((n, sp if n == "policy_generation" else p) for n, p in st.plan))
         self.workers = [w for w in self.workers if w.alive]
 
@@ -386,14 +473,20 @@ class AsyncRun:
             for w in self.workers:
                 async with w.lock:
                     await self._sync_worker(w)
-        self.tasks = [asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers]
+        self.tasks = [
+            asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers
+        ]
 
-    async def run(self, on_record: Callable[[dict[str, Any]], Any] = lambda r: None) -> list[dict[str, Any]]:
+    async def run(
+        self, on_record: Callable[[dict[str, Any]], Any] = lambda r: None
+    ) -> list[dict[str, Any]]:
         """The remaining updates (each record also to ``on_record`` and the job's
         records); returns their records."""
         job, cfg = self.job, self.cfg
         await self._make_workers()
-        self.tasks = [asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers]
+        self.tasks = [
+            asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers
+        ]
         if cfg.adapt.enabled:
             self.adapter = AsyncAdapter(self)
         every = cfg.run.checkpoint_every
@@ -403,24 +496,38 @@ class AsyncRun:
                 groups = await self._batch()
                 waited = time.perf_counter() - t0
                 record = await self._update(groups)
-                record.update({"step": job.step, "wait_seconds": waited,
-                               "update_seconds": time.perf_counter() - t0, "wall_seconds": time.perf_counter() - self.t0,
-                               "regenerated_groups": self.ledger.regenerated_groups,
-                               "generation_busy_seconds": {w.name: round(w.busy_s, 4) for w in self.workers}})
+                record.update(
+                    {
+                        "step": job.step,
+                        "wait_seconds": waited,
+                        "update_seconds": time.perf_counter() - t0,
+                        "wall_seconds": time.perf_counter() - self.t0,
+                        "regenerated_groups": self.ledger.regenerated_groups,
+                        "generation_busy_seconds": {
+                            w.name: round(w.busy_s, 4) for w in self.workers
+                        },
+                    }
+                )
                 job.step += 1
                 self._drop_dead()
                 if self.adapter is not None and job.step < cfg.run.steps:
                     change = await self.adapter.after_update(record)
                     if change is not None:
                         record["transition"] = change
-                emit("step", step=record["step"], stage_seconds={"train": record["train_seconds"],
-                                                                 "wait": waited},
-                     tokens=record["tokens_generated"], reward=record["reward_mean"],
-                     response_length_tokens=record["response_len_mean"], max_new_tokens=cfg.sampling.cap_at(job.step),
-                     policy_version=record["policy_version"], staleness_histogram=record["staleness_histogram"],
-                     importance_weight_mean=record.get("importance_weight_mean", 1.0),
-                     importance_clipped_frac=record.get("importance_clipped_frac", 0.0),
-                     regenerated_groups=self.ledger.regenerated_groups)
+                emit(
+                    "step",
+                    step=record["step"],
+                    stage_seconds={"train": record["train_seconds"], "wait": waited},
+                    tokens=record["tokens_generated"],
+                    reward=record["reward_mean"],
+                    response_length_tokens=record["response_len_mean"],
+                    max_new_tokens=cfg.sampling.cap_at(job.step),
+                    policy_version=record["policy_version"],
+                    staleness_histogram=record["staleness_histogram"],
+                    importance_weight_mean=record.get("importance_weight_mean", 1.0),
+                    importance_clipped_frac=record.get("importance_clipped_frac", 0.0),
+                    regenerated_groups=self.ledger.regenerated_groups,
+                )
                 self.records.append(record)
                 job.records.append(record)
                 on_record(record)
@@ -441,12 +548,13 @@ class AsyncRun:
     def summary(self) -> dict[str, Any]:
         """What the run did as a whole: staleness histogram, discarded and regenerated work."""
         trained = len(self.ledger.trained)
-        return {"staleness_histogram": {str(k): v for k, v in sorted(self.ledger.staleness.items())},
-                "max_staleness_seen": max(self.ledger.staleness, default=0),
-                "samples_trained": trained * self.K,
-                "samples_discarded": len(self.ledger.finished) * self.K,
-                "regenerated_groups": self.ledger.regenerated_groups,
-                "regenerated_samples": self.regenerated_rows,
-                "restarted_groups": self.ledger.restarted_groups,
-                "plan_changes": len(self.adapter.changes) if self.adapter is not None else 0}
-
+        return {
+            "staleness_histogram": {str(k): v for k, v in sorted(self.ledger.staleness.items())},
+            "max_staleness_seen": max(self.ledger.staleness, default=0),
+            "samples_trained": trained * self.K,
+            "samples_discarded": len(self.ledger.finished) * self.K,
+            "regenerated_groups": self.ledger.regenerated_groups,
+            "regenerated_samples": self.regenerated_rows,
+            "restarted_groups": self.ledger.restarted_groups,
+            "plan_changes": len(self.adapter.changes) if self.adapter is not None else 0,
+        }

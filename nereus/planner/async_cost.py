@@ -13,11 +13,11 @@ serialize), and the sync is the policy's bytes over the intra-node (or inter-nod
 the split crosses nodes) link at the calibrated ``p2p`` efficiency.
 
 ``search_async(work, cluster, eff)`` prices every split of the budget (generation gets
-``g`` devices, the rest ``budget - g``) and
-returns the fastest as an ``AsyncPlan`` (any split whose sides have a valid layout:
-``stage_candidates`` keeps only those whose DP divides the batch): longer responses make generation the slower
-side, so the best split moves devices to it. Pure: numbers in, a plan out; the same
-cost model as ``search`` (no fork).
+``g`` devices, the rest ``budget - g``; a split counts when both sides have a valid
+layout: ``stage_candidates`` keeps only those whose DP divides the batch) and returns the
+fastest as an ``AsyncPlan``: longer responses make generation the slower side, so the
+best split moves devices to it. Pure: numbers in, a plan out; the same cost model as
+``search`` (no fork).
 
 Refuses (``InfeasiblePlan``): a budget under two devices, or no split where both sides fit.
 """
@@ -55,12 +55,17 @@ def async_step_seconds(generation_seconds: float, training_seconds: float, sync:
     return max(generation_seconds, training_seconds) + sync
 
 
-def sync_seconds(work: Workload, cluster: ClusterSpec, eff: Efficiency, crosses_nodes: bool) -> float:
+def sync_seconds(
+    work: Workload, cluster: ClusterSpec, eff: Efficiency, crosses_nodes: bool
+) -> float:
     """One weight sync: the policy's bytes over the link between the two sides."""
     policy = work.models["policy"]
     nbytes = policy.num_params * policy.bytes_per_param
     if crosses_nodes:
-        return nbytes / (cluster.inter_node_bandwidth * eff["p2p_inter"]) + cluster.inter_node_latency_s
+        return (
+            nbytes / (cluster.inter_node_bandwidth * eff["p2p_inter"])
+            + cluster.inter_node_latency_s
+        )
     return nbytes / (cluster.intra_node_bandwidth * eff["p2p_intra"]) + cluster.intra_node_latency_s
 
 
@@ -71,18 +76,32 @@ def _fastest(work: Workload, cluster: ClusterSpec, eff: Efficiency, index: int, 
 
 def _stage_plan(c, devices: list[int]) -> StagePlan:
     size = c.tp * c.pp
-    return StagePlan(c.tp, c.pp, c.dp, tuple(tuple(devices[i * size:(i + 1) * size]) for i in range(c.dp)),
-                     recompute=c.recompute, waves=c.waves)
+    return StagePlan(
+        c.tp,
+        c.pp,
+        c.dp,
+        tuple(tuple(devices[i * size : (i + 1) * size]) for i in range(c.dp)),
+        recompute=c.recompute,
+        waves=c.waves,
+    )
 
 
-def search_async(work: Workload, cluster: ClusterSpec, eff: Efficiency = CONSERVATIVE, *,
-                 budget: int | None = None, generation_devices: int | None = None) -> AsyncPlan:
+def search_async(
+    work: Workload,
+    cluster: ClusterSpec,
+    eff: Efficiency = CONSERVATIVE,
+    *,
+    budget: int | None = None,
+    generation_devices: int | None = None,
+) -> AsyncPlan:
     """The fastest split of the first ``budget`` devices between generation and the rest
     (only the split giving generation ``generation_devices``, when given: the price of
     the split a job runs now)."""
     budget = cluster.num_devices if budget is None else budget
     if budget < 2:
-        raise InfeasiblePlan(f"asynchronous RL needs at least 2 devices (generation apart), not {budget}")
+        raise InfeasiblePlan(
+            f"asynchronous RL needs at least 2 devices (generation apart), not {budget}"
+        )
     names = [s.name for s in work.stages]
     gen = names.index(GENERATION)
     best: AsyncPlan | None = None
@@ -106,5 +125,7 @@ def search_async(work: Workload, cluster: ClusterSpec, eff: Efficiency = CONSERV
             plan = Plan(tuple(sorted(stages, key=lambda s: order[s[0]])))
             best = AsyncPlan(plan, step, gen_c.seconds, train_s, sync, g)
     if best is None:
-        raise InfeasiblePlan(f"no split of {budget} devices of {cluster.name} fits generation apart from training")
+        raise InfeasiblePlan(
+            f"no split of {budget} devices of {cluster.name} fits generation apart from training"
+        )
     return best

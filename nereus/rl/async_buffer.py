@@ -62,7 +62,9 @@ class Group:
 class AsyncLedger:
     """See the module docstring."""
 
-    def __init__(self, batch_groups: int, max_staleness: int, start: int, end: int, origin: int = 0) -> None:
+    def __init__(
+        self, batch_groups: int, max_staleness: int, start: int, end: int, origin: int = 0
+    ) -> None:
         require(batch_groups >= 1, "AsyncLedger.batch_groups", batch_groups, "must be >= 1")
         require(max_staleness >= 0, "AsyncLedger.max_staleness", max_staleness, "must be >= 0")
         require(start <= end, "AsyncLedger.end", end, f"must be >= start={start}")
@@ -94,7 +96,11 @@ class AsyncLedger:
         while len(out) < most:
             if self.pending and self.is_allowed(self.pending[0], weights_version):
                 p = heapq.heappop(self.pending)
-            elif not self.pending and self.next_new < self.end and self.is_allowed(self.next_new, weights_version):
+            elif (
+                not self.pending
+                and self.next_new < self.end
+                and self.is_allowed(self.next_new, weights_version)
+            ):
                 p, self.next_new = self.next_new, self.next_new + 1
             else:
                 break
@@ -133,14 +139,19 @@ class AsyncLedger:
         due = [p for p, v in self.in_flight.items() if v + self.k <= version]
         if due or want == 0:
             return None
-        due_done = sorted(p for p, g in self.finished.items() if g.oldest_version + self.k <= version)
+        due_done = sorted(
+            p for p, g in self.finished.items() if g.oldest_version + self.k <= version
+        )
         if len(due_done) > want:
-            raise StateError(f"{len(due_done)} groups are due at version {version}, more than a batch of {want}: "
-                             "the gate was bypassed")
+            raise StateError(
+                f"{len(due_done)} groups are due at version {version}, "
+                f"more than a batch of {want}: "
+                "the gate was bypassed"
+            )
         rest = sorted(p for p in self.finished if p not in set(due_done))
         if len(due_done) + len(rest) < want:
             return None
-        chosen = sorted(due_done + rest[:want - len(due_done)])
+        chosen = sorted(due_done + rest[: want - len(due_done)])
         return [self.finished[p] for p in chosen]
 
     def commit(self, groups: list[Group], version: int) -> dict[int, int]:
@@ -154,8 +165,10 @@ class AsyncLedger:
                 for v in row:
                     s = version - v
                     if s > self.k or s < 0:
-                        raise StateError(f"position {g.position} holds a token of version {v}, "
-                                         f"staleness {s} at update {version} (bound {self.k})")
+                        raise StateError(
+                            f"position {g.position} holds a token of version {v}, "
+                            f"staleness {s} at update {version} (bound {self.k})"
+                        )
                     hist[s] += 1
             del self.finished[g.position]
             self.trained.add(g.position)
@@ -168,9 +181,14 @@ class AsyncLedger:
         frontier = self.start
         while frontier in self.trained:
             frontier += 1
-        return {"frontier": frontier, "trained": sorted(p for p in self.trained if p >= frontier),
-                "next_new": self.next_new, "end": self.end, "origin": self.origin,
-                "regenerated_groups": self.regenerated_groups}
+        return {
+            "frontier": frontier,
+            "trained": sorted(p for p in self.trained if p >= frontier),
+            "next_new": self.next_new,
+            "end": self.end,
+            "origin": self.origin,
+            "regenerated_groups": self.regenerated_groups,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Back to a saved ledger: what was in flight or finished but not trained is

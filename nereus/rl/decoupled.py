@@ -34,13 +34,19 @@ from nereus.config import require
 from nereus.rl.advantages import KLKind, kl_estimate, masked_mean
 from nereus.rl.losses import Aggregation, aggregate
 
-__all__ = ["DECOUPLED_LOSS", "decoupled_policy_objective", "decoupled_policy_loss", "importance_weights"]
+__all__ = [
+    "DECOUPLED_LOSS",
+    "decoupled_policy_objective",
+    "decoupled_policy_loss",
+    "importance_weights",
+]
 
 DECOUPLED_LOSS = "nereus.rl.decoupled:decoupled_policy_loss"
 
 
-def importance_weights(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
-                       cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(truncated weights ``min(pi_prox / pi_behav, cap)``, mask of truncated tokens)."""
     require(cap >= 1, "importance_cap", cap, "must be >= 1")
     raw = torch.exp((prox_logprobs - behav_logprobs).clamp(max=20.0))
@@ -104,7 +110,15 @@ def decoupled_policy_loss(
     dt = logprobs.dtype
     ref = _need(batch, "ref_logprobs").to(dt) if kl_coef else None
     return decoupled_policy_objective(
-        logprobs, _need(batch, "prox_logprobs").to(dt), _need(batch, "old_logprobs").to(dt),
-        _need(batch, "advantages").to(dt), _need(batch, "response_mask").to(dt),
-        clip_eps=clip_eps, importance_cap=importance_cap, ref_logprobs=ref, kl_coef=kl_coef,
-        kl_kind=kl_kind, aggregation=aggregation)
+        logprobs,
+        _need(batch, "prox_logprobs").to(dt),
+        _need(batch, "old_logprobs").to(dt),
+        _need(batch, "advantages").to(dt),
+        _need(batch, "response_mask").to(dt),
+        clip_eps=clip_eps,
+        importance_cap=importance_cap,
+        ref_logprobs=ref,
+        kl_coef=kl_coef,
+        kl_kind=kl_kind,
+        aggregation=aggregation,
+    )

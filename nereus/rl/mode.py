@@ -44,11 +44,21 @@ class RLModeConfig:
 
     def __post_init__(self) -> None:
         require(self.mode in ("sync", "async"), "rl.mode", self.mode, "must be 'sync' or 'async'")
-        require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "rl.max_staleness",
-                self.max_staleness, "must be an integer >= 0")
-        require(isinstance(self.decode_steps_per_call, int) and self.decode_steps_per_call >= 1,
-                "rl.decode_steps_per_call", self.decode_steps_per_call, "must be an integer >= 1")
-        require(self.sync_timeout_s > 0, "rl.sync_timeout_s", self.sync_timeout_s, "must be > 0 seconds")
+        require(
+            isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+            "rl.max_staleness",
+            self.max_staleness,
+            "must be an integer >= 0",
+        )
+        require(
+            isinstance(self.decode_steps_per_call, int) and self.decode_steps_per_call >= 1,
+            "rl.decode_steps_per_call",
+            self.decode_steps_per_call,
+            "must be an integer >= 1",
+        )
+        require(
+            self.sync_timeout_s > 0, "rl.sync_timeout_s", self.sync_timeout_s, "must be > 0 seconds"
+        )
         require(self.importance_cap >= 1, "rl.importance_cap", self.importance_cap, "must be >= 1")
 
     @property

@@ -9,9 +9,18 @@ from nereus.engines.generation import GenerationEngine
 from nereus.engines.stepped import SteppedRollout
 from nereus.models import ModelConfig, save_tiny_model
 
-CONFIG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+CONFIG = ModelConfig(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 PARAMS = {"max_tokens": 12, "temperature": 1.0, "stop_token_ids": [2], "seed": 5}
 

@@ -25,8 +25,20 @@ CLUSTER = {"mode": "local", "devices": 3, "memory_per_device": "256MiB"}
 
 
 def _config(out: str, steps: int, **rl):
-    return job(out, steps, cluster=CLUSTER, plan=PLAN, rl={"mode": "async", **rl},
-               run={"steps": steps, "out_dir": out, "progress": False, "seed": 0, "checkpoint_every": steps // 2})
+    return job(
+        out,
+        steps,
+        cluster=CLUSTER,
+        plan=PLAN,
+        rl={"mode": "async", **rl},
+        run={
+            "steps": steps,
+            "out_dir": out,
+            "progress": False,
+            "seed": 0,
+            "checkpoint_every": steps // 2,
+        },
+    )
 
 
 def _check_tokens(run: AsyncRun, k: int) -> None:
@@ -37,7 +49,9 @@ def _check_tokens(run: AsyncRun, k: int) -> None:
             assert row == sorted(row), row
 
 
-async def _run(cfg, straggler: int | None = None, delay_s: float = 0.0, hook=None) -> tuple[RLJob, AsyncRun]:
+async def _run(
+    cfg, straggler: int | None = None, delay_s: float = 0.0, hook=None
+) -> tuple[RLJob, AsyncRun]:
     rl = RLJob(cfg)
     await rl.start()
     try:
@@ -106,14 +120,18 @@ async def test_async_bound_order_straggler_and_resume(tmp_path, no_leaks):
     # resume from the checkpoint in the middle: the same positions, each once, same samples
     half = tmp_path / "b"
     (half / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "a" / "checkpoints" / f"step_{steps // 2}",
-                    half / "checkpoints" / f"step_{steps // 2}")
+    shutil.copytree(
+        tmp_path / "a" / "checkpoints" / f"step_{steps // 2}",
+        half / "checkpoints" / f"step_{steps // 2}",
+    )
     cfg_b = _config(str(half), steps, max_staleness=k, partial_rollout=True)
-    cfg_b = type(cfg_b)(**{**cfg_b.__dict__, "run": type(cfg_b.run)(**{**cfg_b.run.__dict__, "resume": True})})
+    cfg_b = type(cfg_b)(
+        **{**cfg_b.__dict__, "run": type(cfg_b.run)(**{**cfg_b.run.__dict__, "resume": True})}
+    )
     rl_b, run_b = await _run(cfg_b)
     assert len(run_b.records) == steps - steps // 2
     before = {p for r in records[: steps // 2] for p in r["positions"]}
-    after_a = sorted(p for r in records[steps // 2:] for p in r["positions"])
+    after_a = sorted(p for r in records[steps // 2 :] for p in r["positions"])
     after_b = sorted(p for r in run_b.records for p in r["positions"])
     assert after_b == after_a and not before & set(after_b)
     sample_a = {p: s for _, p, s, _ in run.trained_log}
@@ -126,7 +144,9 @@ def _pid(cluster, device: int) -> int:
 
 
 @pytest.mark.timeout(240)
-async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_reward_rises(tmp_path, no_leaked_processes):
+async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_reward_rises(
+    tmp_path, no_leaked_processes
+):
     steps, k = 100, 1
     cfg = _config(str(tmp_path), steps, max_staleness=k, partial_rollout=False)
     killed: dict[str, list[int]] = {}
@@ -149,8 +169,13 @@ async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_r
         rl.async_run = run
         rl.boundary_hooks.append(kill)
         await run.run()
-        counts = await asyncio.gather(*(rl.stages.hosts[d].get_state.call_one(e.name)
-                                        for e in rl.stages.emus["policy_training"] for d in e.devices[:1]))
+        counts = await asyncio.gather(
+            *(
+                rl.stages.hosts[d].get_state.call_one(e.name)
+                for e in rl.stages.emus["policy_training"]
+                for d in e.devices[:1]
+            )
+        )
     finally:
         await rl.close()
     assert killed["in_flight"], "the victim had nothing in flight"
@@ -158,7 +183,9 @@ async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_r
     assert sorted(positions) == list(range(steps * B))
     assert run.ledger.regenerated_groups >= 1 and run.summary["samples_discarded"] == 0
     assert [w.emu.devices for w in run.workers] == [(1,)]
-    assert [c["update_count"] for c in counts] == [steps]  # logical state intact: one update per step
+    assert [c["update_count"] for c in counts] == [
+        steps
+    ]  # logical state intact: one update per step
     _check_tokens(run, k)
     quarter = steps // 4
     early = sum(r["reward_mean"] for r in run.records[:quarter]) / quarter

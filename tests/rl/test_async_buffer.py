@@ -12,12 +12,29 @@ from nereus.rl.async_buffer import AsyncLedger, Group
 
 
 def _group(position: int, versions: list[list[int]], start: int) -> Group:
-    return Group(position, position, [1], [[0] * len(v) for v in versions], [[0.0] * len(v) for v in versions],
-                 versions, start, [0.0] * len(versions))
+    return Group(
+        position,
+        position,
+        [1],
+        [[0] * len(v) for v in versions],
+        [[0.0] * len(v) for v in versions],
+        versions,
+        start,
+        [0.0] * len(versions),
+    )
 
 
-def _simulate(seed: int, k: int, B: int = 4, updates: int = 30, workers: int = 3, partial: bool = True,
-              straggler: int | None = None, ledger: AsyncLedger | None = None, version: int = 0):
+def _simulate(
+    seed: int,
+    k: int,
+    B: int = 4,
+    updates: int = 30,
+    workers: int = 3,
+    partial: bool = True,
+    straggler: int | None = None,
+    ledger: AsyncLedger | None = None,
+    version: int = 0,
+):
     """Random producers and one trainer over a ledger; returns (batches, ledger)."""
     rng = random.Random(seed)
     led = ledger or AsyncLedger(B, k, 0, B * updates)

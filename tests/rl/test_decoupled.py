@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from nereus.errors import ConfigError
-from nereus.rl.decoupled import decoupled_policy_loss, decoupled_policy_objective, importance_weights
+from nereus.rl.decoupled import (
+    decoupled_policy_loss,
+    decoupled_policy_objective,
+    importance_weights,
+)
 from nereus.rl.losses import clipped_policy_objective
 
 
@@ -35,7 +39,11 @@ def test_stale_tokens_are_weighted_by_prox_over_behaviour_truncated_at_the_cap()
     behav[1, 3] = prox[1, 3] - 3.0  # weight e^3 > cap 2: truncated
     behav[2, 1] = prox[2, 1] + 0.5  # weight e^-0.5
     w, cut = importance_weights(prox, behav, 2.0)
-    assert w[1, 3] == 2.0 and bool(cut[1, 3]) and w[2, 1] == pytest.approx(float(torch.exp(torch.tensor(-0.5))))
+    assert (
+        w[1, 3] == 2.0
+        and bool(cut[1, 3])
+        and w[2, 1] == pytest.approx(float(torch.exp(torch.tensor(-0.5))))
+    )
     lp = logp.clone().requires_grad_(True)
     loss, m = decoupled_policy_objective(lp, prox, behav, adv, mask, importance_cap=2.0)
     expected = -(w * adv * mask).sum() / mask.sum()  # ratio 1 at logp == prox
@@ -49,4 +57,6 @@ def test_stale_tokens_are_weighted_by_prox_over_behaviour_truncated_at_the_cap()
 def test_the_batch_must_carry_the_proximal_logprobs():
     logp, adv, mask = _data()
     with pytest.raises(ConfigError, match="prox_logprobs"):
-        decoupled_policy_loss({"logprobs": logp}, {"old_logprobs": logp, "advantages": adv, "response_mask": mask})
+        decoupled_policy_loss(
+            {"logprobs": logp}, {"old_logprobs": logp, "advantages": adv, "response_mask": mask}
+        )
