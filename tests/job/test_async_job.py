@@ -66,6 +66,7 @@ async def _run(
                 return await advance(w, args)
 
             run._advance = slowed
+        rl.async_run = run
         if hook is not None:
             rl.boundary_hooks.append(hook)
         await run.run()
@@ -100,10 +101,34 @@ def no_leaked_processes():
 
 
 @pytest.mark.timeout(240)
-async def test_async_bound_order_straggler_and_resume(tmp_path, no_leaks):
+async def test_async_bound_order_straggler_plan_change_and_resume(tmp_path, no_leaks):
     steps, k, straggler = 60, 2, 13
     cfg = _config(str(tmp_path / "a"), steps, max_staleness=k, partial_rollout=True)
-    rl, run = await _run(cfg, straggler=straggler, delay_s=0.25)
+    moved: dict[str, object] = {}
+
+    async def move(job: RLJob, record) -> None:
+        # a plan change at a weight sync, mid-run: generation from devices 1-2 to 2, training
+        # from 0 to 0-1 (the mechanism the async adapter uses: pause, transition, resume)
+        if record["step"] != 40:
+            return
+        target = {
+            "policy_generation": {"devices": [2]},
+            "policy_training": {"devices": [0, 1], "dp": 2},
+        }
+        plan = type(cfg)(
+            **{
+                **cfg.__dict__,
+                "plan": {n: type(cfg.plan["policy_training"])(**p) for n, p in target.items()},
+            }
+        ).job_plan()
+        await job.async_run.pause()
+        moved["report"] = await job.apply_plan(plan)
+        await job.async_run.resume()
+        moved["plan"] = job.stages.plan
+
+    rl, run = await _run(cfg, straggler=straggler, delay_s=0.25, hook=move)
+    assert [e for sp in [moved["plan"]["policy_generation"]] for e in sp.devices] == [(2,)]
+    assert [w.emu.devices for w in run.workers] == [(2,)]
     records = run.records
     assert len(records) == steps and rl.step == steps
     positions = [p for r in records for p in r["positions"]]
