@@ -15,6 +15,11 @@ plan change (step, trigger, from -> to, predicted and measured seconds, bytes mo
 ``runs/demo/plot.png`` marks them; ``runs/demo/tap.jsonl`` holds every tap event
 (``decision``, ``transition``, ``transition_node``, ...) next to ``metrics.jsonl``.
 
+``python -m examples.demo --async`` runs examples/demo_async.toml instead: the same task
+in asynchronous mode (generation and training at once, a staleness bound, partial
+rollouts), the planner moving devices between generation and training at weight syncs
+as the length cap grows; the summary adds the staleness histogram.
+
 ``python -m examples.demo --no-adapt`` runs the same job on its starting layout: it
 stops with OutOfMemory when the cap first exceeds what that layout holds.
 """
@@ -34,6 +39,7 @@ from nereus.job.cli import parse_job
 from nereus.job.loop import RLJob
 
 CONFIG = Path(__file__).with_name("demo_adaptive.toml")
+ASYNC_CONFIG = Path(__file__).with_name("demo_async.toml")
 log = logging.getLogger("examples.demo")
 
 
@@ -81,17 +87,21 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.splitlines()[0])
     p.add_argument("--reclaim-at", type=int, default=50, help="step before which a device is reclaimed (0: never)")
     p.add_argument("--return-at", type=int, default=60, help="step before which a fresh device joins (0: never)")
+    p.add_argument("--async", dest="is_async", action="store_true",
+                   help="asynchronous RL (examples/demo_async.toml): generation and training at once; "
+                        "no pool events")
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("nereus.actors", "nereus.transfer", "nereus.engines", "nereus.controller", "nereus.node"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        cfg = parse_job([str(CONFIG), *rest])
+        cfg = parse_job([str(ASYNC_CONFIG if args.is_async else CONFIG), *rest])
     except ConfigError as e:
         print(f"demo: config error: {e}", file=sys.stderr)
         return 2
     job = RLJob(cfg)
-    job.boundary_hooks.append(pool_events(args.reclaim_at, args.return_at))
+    if not args.is_async:
+        job.boundary_hooks.append(pool_events(args.reclaim_at, args.return_at))
     predicted: list[PredictedFailure | None] = []
     try:
         records = asyncio.run(run(job, predicted))
@@ -104,6 +114,12 @@ def main(argv: list[str]) -> int:
         print(f"demo: the job stopped with OutOfMemory at step {job.step}; {said}: {e}", file=sys.stderr)
         return 1
     changes = [r["transition"] for r in records if r.get("transition")]
+    if args.is_async and job.async_run is not None:
+        s = job.async_run.summary
+        print(f"async: staleness histogram (tokens per versions behind) {s['staleness_histogram']}, "
+              f"max {s['max_staleness_seen']} of {cfg.rl.max_staleness}; samples discarded "
+              f"{s['samples_discarded']}; generation/training split changes: "
+              f"{[c['generation_devices'] for c in changes]}")
     print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> {records[-1]['reward_mean']:.3f}, "
           f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png")
     return 0

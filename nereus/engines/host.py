@@ -6,6 +6,9 @@ parameter and optimizer tensors, its logical state, the reshard and sync endpoin
 device's memory ledger) and, beside it, the engines of the EMUs on this device, keyed by
 EMU name (so two EMUs of one model-stage may share a device during a transition):
 
+- ``advance_rollout`` decodes an open request a few steps at a time
+  (``nereus.engines.stepped``), so a weight sync lands between decode steps.
+
 Device: shards and engines live on the worker's device (``tensor_device``: ``cuda:0``
 on a GPU worker, else the CPU); the engines' ``EmuContext.device`` is that device, so
 their TP/PP/DP groups (NCCL between GPUs, gloo between CPU workers) get tensors of
@@ -30,6 +33,7 @@ import torch
 
 from nereus.actors import endpoint, in_thread
 from nereus.config import require
+from nereus.engines.stepped import SteppedRollout
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
 from nereus.state.emu import EMU, LogicalState, emu_from_plain, split_key, tensor_key
@@ -64,6 +68,7 @@ class EngineHost(ShardHolder):
         super().__init__(bucket_bytes=bucket_bytes, direct=direct)
         self.engines: dict[str, Any] = {}
         self.kinds: dict[str, str] = {}
+        self.rollouts: dict[str, Any] = {}  # EMU -> its open SteppedRollout (asynchronous RL)
         # imported now, so the first engine a change builds here costs what a rebuild costs
         import nereus.engines.generation  # noqa: F401
         import nereus.engines.inference  # noqa: F401
@@ -196,6 +201,7 @@ class EngineHost(ShardHolder):
     def _close(self, names: Sequence[str]) -> int:
         closed = 0
         for name in names:
+            self.rollouts.pop(name, None)
             engine = self.engines.pop(name, None)
             self.kinds.pop(name, None)
             if engine is not None:
@@ -235,6 +241,22 @@ class EngineHost(ShardHolder):
     async def generate(self, emu: str, prompts: list[list[int]], params: dict[str, Any] | None = None) -> dict[str, Any]:
         out = await run_engine_work(self._engine(emu, "generation").generate, prompts, params)
         return out.to_dict()
+
+    @endpoint
+    async def advance_rollout(self, emu: str, steps: int, prompts: list[list[int]] | None = None,
+                              params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Decode up to ``steps`` tokens of ``emu``'s open request (``prompts`` given: open
+        a new one first, ``nereus.engines.stepped``; it replaces a request the caller
+        abandoned); a weight sync between two calls is read by the next decode step, the
+        KV cache kept. The request closes when every row is done."""
+        engine = self._engine(emu, "generation")
+        if prompts is not None:
+            self.rollouts[emu] = SteppedRollout(engine, prompts, params)
+        require(emu in self.rollouts, "advance_rollout.emu", emu, "must have an open request (give prompts)")
+        out = await run_engine_work(self.rollouts[emu].advance, steps)
+        if out["finished"]:
+            del self.rollouts[emu]
+        return out
 
     @endpoint
     async def logprobs(self, emu: str, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:

@@ -329,6 +329,14 @@ class ClusterStages(PlanChanges, ModelStages):
         with self.timed("reference_inference"):
             return await handle.logprobs(batch, self.cfg.sampling.temperature)
 
+    async def proximal_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token log-probabilities of ``batch`` under policy-training's weights now (the
+        proximal policy of the decoupled objective, ``nereus.rl.decoupled``)."""
+        await self._ready("policy_training")
+        handle = self._handle("policy_training")
+        with self.timed("policy_training"):
+            return await handle.logprobs(batch, self.cfg.sampling.temperature)
+
     async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         await self._ready("critic_inference")
         handle = self._handle("critic_inference")

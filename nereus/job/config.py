@@ -10,7 +10,8 @@ synthetic task) or ``[data]`` (prompts and ground truth from a file), ``[algorit
 rule or a reward model), ``[sampling]``,
 ``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
 placement each model-stage starts from, as EMUs on devices), ``[adapt]`` (whether and
-how the job changes that placement while it runs) and ``[run]`` (steps, seed, output
+how the job changes that placement while it runs), ``[rl]`` (sync or async mode,
+``nereus.rl.mode``) and ``[run]`` (steps, seed, output
 directory, checkpoints, loggers, export).
 
 Model-stages: ``policy_generation``, ``reference_inference``, ``critic_inference``,
@@ -31,6 +32,7 @@ from nereus.data.tasks import TASKS
 from nereus.engines.training import OptimConfig
 from nereus.planner.plan import Plan, StagePlan, is_power_of_two
 from nereus.rl.algorithms import AlgorithmConfig
+from nereus.rl.mode import RLModeConfig
 from nereus.rl.rollout import SamplingConfig
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -331,6 +333,7 @@ class JobConfig:
     plan: dict[str, Placement] = field(default_factory=_default_plan)
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    rl: RLModeConfig = field(default_factory=RLModeConfig)
 
     def __post_init__(self) -> None:
         if self.data is not None:
@@ -363,7 +366,22 @@ class JobConfig:
             require(self.cluster.mode != "in_process", "sampling.engine", self.sampling.engine,
                     "needs cluster.mode 'local' or 'connect' (vLLM runs in the workers that hold the generation EMUs)")
             require(gen.pp == 1, "plan.policy_generation.pp", gen.pp, "must be 1 with sampling.engine='vllm' (vLLM runs TP only)")
+        if self.rl.is_async:
+            self._check_async()
         require(self.algorithm.prompts_per_step % gen.dp == 0, "plan.policy_generation.dp", gen.dp, f"must divide algorithm.prompts_per_step={self.algorithm.prompts_per_step}")
+
+    def _check_async(self) -> None:
+        """``[rl] mode = "async"``: GRPO on a cluster, generation on devices of its own."""
+        require(self.algorithm.name == "grpo", "rl.mode", self.rl.mode,
+                f"supports algorithm.name='grpo' (not {self.algorithm.name!r}) in async mode")
+        require(self.cluster.mode != "in_process", "rl.mode", self.rl.mode,
+                "needs cluster.mode 'local' or 'connect' (generation runs on devices of its own)")
+        require(self.sampling.engine == "builtin", "sampling.engine", self.sampling.engine,
+                "must be 'builtin' in async mode (it decodes between weight syncs)")
+        gen = set(self.plan["policy_generation"].devices)
+        shared = sorted(gen & {d for n, p in self.plan.items() if n != "policy_generation" for d in p.devices})
+        require(not shared, "plan.policy_generation.devices", sorted(gen),
+                f"must not share devices {shared} with another model-stage in async mode")
 
     @property
     def uses_reference(self) -> bool:

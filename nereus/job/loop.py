@@ -19,6 +19,9 @@ uninterrupted job would have taken (same samples, same rollouts, same updates). 
 running job that restores a checkpoint after a fault rewinds its record with it: every
 step is recorded once (the redone one), and a ``rewind`` tap event names the dropped steps.
 
+With ``[rl] mode = "async"`` the steps are updates of ``nereus.job.async_loop.AsyncRun``
+(generation and training at once; its records carry the staleness histogram).
+
 More (how it works): docs/rl-jobs.md.
 """
 
@@ -40,6 +43,7 @@ from nereus.data.tasks import Task, make_task
 from nereus.data.vocab import Codec
 from nereus.errors import StateError
 from nereus.job.adapt import Adapter
+from nereus.job.async_loop import AsyncRun
 from nereus.job.cluster_stages import ClusterStages
 from nereus.job.config import JobConfig
 from nereus.job.export import export_checkpoint, latest_checkpoint
@@ -94,6 +98,7 @@ class RLJob:
         self.records: list[dict[str, Any]] = []
         self._loggers: StepLoggers | None = None  # while the step loop runs
         self.faults: list[Any] = []  # nereus.job.recovery.Fault, one per recovered fault
+        self.async_run: AsyncRun | None = None  # [rl] mode = "async": the run that drives the steps
         self._checkpoints: list[Path] = []  # saved or loaded by this run (a restore uses no other)
         # called as ``await hook(job, record)`` after each step, before the controller loop
         # looks at the boundary (the environment: devices reclaimed or returned, faults)
@@ -236,6 +241,9 @@ class RLJob:
         self._loggers = loggers
         progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
         try:
+            if cfg.rl.is_async:
+                self.async_run = AsyncRun(self)
+                await self.async_run.run(lambda r: (loggers.log(r), progress.update(r)))
             while self.step < cfg.run.steps:
                 record = await self._guarded(self.run_step, "step")
                 if record is None:

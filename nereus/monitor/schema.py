@@ -71,7 +71,11 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
              "reward": "mean reward", "response_length_tokens": "mean length",
              "max_new_tokens": "the length cap the step used",
              "device_peak_bytes": "map device -> its ledger's high-water mark during the step",
-             "policy_version": "version of the policy that generated the step's rollouts"},
+             "policy_version": "version of the policy that generated the step's rollouts",
+             "staleness_histogram": "async mode: map staleness (versions behind the update) -> trained tokens",
+             "importance_weight_mean": "async mode: mean pi_prox / pi_behav over response tokens",
+             "importance_clipped_frac": "async mode: share of tokens whose importance weight was truncated",
+             "regenerated_groups": "async mode: groups issued again after their generation worker died"},
     "weight_sync": {"bytes": "bytes of the synced model", "bytes_between_devices":
                     "bytes that crossed devices (the rest stayed resident)",
                     "seconds": "wall time", "gbps": "bytes / seconds / 1e9",
@@ -118,7 +122,8 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
               "error": "what the driver saw", "committed": "bool: the step's update had been committed",
               "restored_from": "checkpoint loaded (a training state lost its last copy), else empty",
               "redone": "bool: the step runs again", "recover_seconds": "from the error to a runnable plan",
-              "dropped": "EMUs lost with the devices", "missing": "model-stages rebuilt from scratch"},
+              "dropped": "EMUs lost with the devices", "missing": "model-stages rebuilt from scratch",
+              "regenerated_groups": "async mode: unfinished groups issued again from the same positions"},
     "rewind": {"step": "the step the job goes on from (a restored checkpoint's)",
                "checkpoint": "the checkpoint restored", "discarded_steps": "list: steps whose records were "
                "dropped (metrics.jsonl, TensorBoard, loggers) to be redone"},

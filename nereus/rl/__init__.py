@@ -24,18 +24,26 @@ from nereus.rl.algorithms import (
     ppo_step,
     remax_step,
 )
+from nereus.rl.async_buffer import AsyncLedger, Group
+from nereus.rl.decoupled import decoupled_policy_loss, decoupled_policy_objective
 from nereus.rl.losses import (
     clipped_policy_objective,
     clipped_value_objective,
     policy_loss,
     value_loss,
 )
+from nereus.rl.mode import RLModeConfig
 from nereus.rl.rollout import Rollouts, SamplingConfig, to_batch
 from nereus.rl.stages import ModelStages, last_token_scores
 
 __all__ = [
     "ALGORITHMS",
     "AlgorithmConfig",
+    "AsyncLedger",
+    "Group",
+    "RLModeConfig",
+    "decoupled_policy_loss",
+    "decoupled_policy_objective",
     "ModelStages",
     "Rollouts",
     "SamplingConfig",

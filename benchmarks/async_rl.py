@@ -1,0 +1,340 @@
+"""Asynchronous against synchronous RL: one pinned GRPO job on this machine's 4 CPU devices.
+
+``python -m benchmarks.async_rl [--steps N] [--runs sync,k1-partial,...] [--trace P] [--plot P]``
+
+The job is pinned here (a tiny model reversing strings, 8 prompts x 8 samples per update,
+the same seeds everywhere) with its length cap following a long-tailed real log: the
+per-step ``seq_len_max`` of ``../shared/traces/response-length/areal-fork-qwen2.5-0.5b-
+grpo-gsm8k-h200.json`` (the tail of each step), resampled onto the run's steps and scaled
+so its largest value is ``CAP_MAX`` tokens (``ignore_eos`` off: each response stops where
+the model stops, at most at the cap). Runs, one after another on a fresh local cluster:
+
+- ``sync``: ``[rl] mode = "sync"`` on the planner's best sync plan (``nereus.planner.search``
+  for the job at the trace's mean cap, the model-stages' layouts and placement as it
+  chose them);
+- ``k1-partial``, ``k1-whole``, ``k2-partial``, ``k2-whole``: ``mode = "async"`` with
+  ``max_staleness`` 1 or 2 and ``partial_rollout`` on or off, on the planner's best async
+  split (``nereus.planner.async_cost.search_async``).
+
+Devices: ``cluster.cores_per_device = 0.45`` when the job config has that field (a
+kernel-enforced CPU quota per device); otherwise the devices share the machine's cores
+and the output says so. Each run's wall time is its step loop's (start-up excluded);
+trained samples per second = rollouts trained / that wall time; mean update seconds =
+wall / updates. ``reward_gap``: mean reward over the last quarter of trained samples,
+sync minus best async, in units of the sync run's per-sample reward standard deviation
+over that quarter (pooled from each step's mean and std). Last line: one JSON object
+with ``speedup_vs_sync`` (best async samples/s over sync), ``max_staleness_seen`` and
+``max_staleness`` (of that run), ``reward_gap``, ``samples_discarded`` (all async runs),
+and every run's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from nereus.config import from_dict
+from nereus.job.adapt import job_workload
+from nereus.job.config import ClusterConfig, JobConfig, from_planner_plan
+from nereus.job.local_stages import prepare_model
+from nereus.job.loop import RLJob
+from nereus.planner import LengthStats, search
+from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
+from nereus.planner.async_cost import search_async
+
+TRACE = Path("../shared/traces/response-length/areal-fork-qwen2.5-0.5b-grpo-gsm8k-h200.json")
+CAP_MAX = 48
+CORES_PER_DEVICE = 0.45
+RUNS = ("sync", "k1-partial", "k1-whole", "k2-partial", "k2-whole")
+
+
+def cap_schedule(trace: Path, steps: int) -> list[list[int]]:
+    """The trace's per-step maximum length resampled onto ``steps`` and scaled to CAP_MAX."""
+    data = json.loads(trace.read_text())
+    tail = data.get("seq_len_max") or data.get("max") or data["mean"]
+    top = max(tail)
+    caps = []
+    for s in range(steps):
+        x = tail[min(len(tail) - 1, int(s * len(tail) / steps))]
+        caps.append(max(4, round(CAP_MAX * x / top)))
+    sched = [[0, caps[0]]]
+    for s, c in enumerate(caps):
+        if c != sched[-1][1]:
+            sched.append([s, c])
+    return sched
+
+
+def has_cores_field() -> bool:
+    return any(f.name == "cores_per_device" for f in dataclasses.fields(ClusterConfig))
+
+
+def base_config(steps: int, out_dir: str, caps: list[list[int]]) -> dict[str, Any]:
+    cluster: dict[str, Any] = {"mode": "local", "devices": 4, "memory_per_device": "256MiB"}
+    if has_cores_field():
+        cluster["cores_per_device"] = CORES_PER_DEVICE
+    return {
+        "model": {
+            "kind": "tiny",
+            "hidden_size": 64,
+            "num_layers": 4,
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "intermediate_size": 128,
+            "max_seq_len": 96,
+        },
+        "task": {
+            "name": "reverse",
+            "options": {"letters": "abc", "min_len": 2, "max_len": 3},
+            "dataset_size": 8192,
+        },
+        "algorithm": {"name": "grpo", "prompts_per_step": 8, "samples_per_prompt": 8},
+        "sampling": {"max_new_tokens": caps, "temperature": 1.0},
+        "optim": {"lr": 3e-3, "micro_batch_size": 16},
+        "cluster": cluster,
+        "run": {
+            "steps": steps,
+            "seed": 0,
+            "out_dir": out_dir,
+            "progress": False,
+            "checkpoint_every": steps,
+        },
+    }
+
+
+def placement(sp: Any) -> dict[str, Any]:
+    return {
+        "devices": [d for emu in sp.devices for d in emu],
+        "tp": sp.tp,
+        "pp": sp.pp,
+        "dp": sp.dp,
+        "recompute": sp.recompute,
+        "waves": sp.waves,
+    }
+
+
+def planned(
+    data: dict[str, Any], out: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(best sync plan, best async plan, what the planner predicted) for the job ``data``."""
+    probe = from_dict(
+        JobConfig,
+        {
+            **data,
+            "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
+        },
+    )
+    job = RLJob(probe)
+    model_config, _, _ = prepare_model(probe, job.codec, out)
+    caps = [c for _, c in probe.sampling.max_new_tokens]
+    mean_cap = statistics.fmean(caps)
+    work = job_workload(
+        probe,
+        model_config,
+        prompt_length=job.max_prompt_tokens(),
+        lengths=LengthStats(mean_cap, max(caps), max(caps)),
+    )
+    cluster = local_cpu_cluster_probed(4, probe.cluster.memory_bytes)
+    eff = local_cpu_efficiency()
+    best_sync = search(work, cluster, eff, alternatives=False)
+    best_async = search_async(work, cluster, eff)
+    sync_plan = {n: placement(sp) for n, sp in from_planner_plan(best_sync.plan)}
+    async_plan = {n: placement(sp) for n, sp in from_planner_plan(best_async.plan)}
+    predicted = {
+        "sync_step_s": round(best_sync.step_seconds, 4),
+        "async_step_s": round(best_async.step_seconds, 4),
+        "async_generation_devices": best_async.generation_devices,
+    }
+    return sync_plan, async_plan, predicted
+
+
+async def run_one(name: str, data: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    rl_mode: dict[str, Any] = {"mode": "sync"}
+    if name != "sync":
+        k, how = name.split("-")
+        rl_mode = {
+            "mode": "async",
+            "max_staleness": int(k[1:]),
+            "partial_rollout": how == "partial",
+        }
+    cfg = from_dict(JobConfig, {**data, "plan": plan, "rl": rl_mode})
+    job = RLJob(cfg)
+    await job.start()
+    stamps: list[float] = []
+
+    async def stamp(_job: RLJob, _record: dict[str, Any]) -> None:
+        stamps.append(time.perf_counter())
+
+    job.boundary_hooks.append(stamp)
+    t0 = time.perf_counter()
+    try:
+        records = await job._loop()
+        wall = time.perf_counter() - t0
+        summary = job.async_run.summary if job.async_run is not None else {}
+    finally:
+        await job.close()
+    samples = [r["rollouts"] for r in records]
+    out = {
+        "run": name,
+        "plan": plan,
+        "updates": len(records),
+        "wall_s": round(wall, 3),
+        "samples_per_s": round(sum(samples) / wall, 3),
+        "mean_update_s": round(wall / len(records), 4),
+        "reward": [round(r["reward_mean"], 4) for r in records],
+        "reward_std": [round(r["reward_std"], 4) for r in records],
+        "samples": samples,
+        "wall_at": [round(t - t0, 3) for t in stamps],
+        "response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in records), 2),
+    }
+    if summary:
+        out.update(
+            {
+                k: summary[k]
+                for k in (
+                    "staleness_histogram",
+                    "max_staleness_seen",
+                    "samples_discarded",
+                    "regenerated_groups",
+                )
+            }
+        )
+        out["max_staleness"] = cfg.rl.max_staleness
+        out["importance_weight_mean"] = round(
+            statistics.fmean(r.get("importance_weight_mean", 1.0) for r in records), 4
+        )
+    return out
+
+
+def last_quarter(run: dict[str, Any]) -> tuple[float, float]:
+    """Mean reward and per-sample std over the last quarter of the run's samples."""
+    n = len(run["reward"])
+    part = range(n - max(1, n // 4), n)
+    w = [run["samples"][i] for i in part]
+    means = [run["reward"][i] for i in part]
+    mean = sum(m * c for m, c in zip(means, w, strict=True)) / sum(w)
+    var = sum(
+        c * (s**2 + (m - mean) ** 2)
+        for m, s, c in zip(means, [run["reward_std"][i] for i in part], w, strict=True)
+    ) / sum(w)
+    return mean, math.sqrt(var)
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        cum = [sum(r["samples"][: i + 1]) for i in range(len(r["samples"]))]
+        a.plot(cum, r["reward"], label=r["run"])
+        b.plot(r["wall_at"][: len(r["reward"])], r["reward"][: len(r["wall_at"])], label=r["run"])
+    a.set_xlabel("trained samples"), a.set_ylabel("reward (mean per update)")
+    b.set_xlabel("wall seconds"), b.set_ylabel("reward (mean per update)")
+    a.legend(), b.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+async def main_async(steps: int, names: list[str], trace: Path, plot_path: Path) -> dict[str, Any]:
+    out = tempfile.mkdtemp(prefix="nereus-bench-async-")
+    try:
+        caps = cap_schedule(trace, steps)
+        data = base_config(steps, out, caps)
+        sync_plan, async_plan, predicted = planned(data, f"{out}/probe")
+        print(f"cap schedule from {trace.name}: {caps}", flush=True)
+        cores = (
+            f"cores_per_device = {CORES_PER_DEVICE:.2f}"
+            if has_cores_field()
+            else "shared cores (this tree has no cluster.cores_per_device)"
+        )
+        print(f"devices: {cores}", flush=True)
+        print(
+            f"planner: best sync plan {sync_plan}; best async plan {async_plan}; {predicted}",
+            flush=True,
+        )
+        runs = []
+        for name in names:
+            d = {**data, "run": {**data["run"], "out_dir": f"{out}/{name}"}}
+            r = await run_one(name, d, sync_plan if name == "sync" else async_plan)
+            runs.append(r)
+            brief = {
+                k: v
+                for k, v in r.items()
+                if k not in ("reward", "reward_std", "samples", "wall_at", "plan")
+            }
+            print(f"{name}: {json.dumps(brief)}", flush=True)
+        plot(runs, plot_path)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    sync = next((r for r in runs if r["run"] == "sync"), None)
+    asyncs = [r for r in runs if r["run"] != "sync"]
+    result: dict[str, Any] = {
+        "steps": steps,
+        "trace": str(trace),
+        "caps": caps,
+        "predicted": predicted,
+        "cores_per_device": CORES_PER_DEVICE if has_cores_field() else None,
+        "plot": str(plot_path),
+    }
+    if asyncs:
+        best = max(asyncs, key=lambda r: r["samples_per_s"])
+        result.update(
+            {
+                "best_async": best["run"],
+                "max_staleness_seen": best["max_staleness_seen"],
+                "max_staleness": best["max_staleness"],
+                "samples_discarded": sum(r["samples_discarded"] for r in asyncs),
+            }
+        )
+        if sync is not None:
+            (s_mean, s_std), (a_mean, _) = last_quarter(sync), last_quarter(best)
+            result["speedup_vs_sync"] = round(best["samples_per_s"] / sync["samples_per_s"], 3)
+            result["reward_gap"] = round((s_mean - a_mean) / max(s_std, 1e-9), 3)
+    result["runs"] = [
+        {k: v for k, v in r.items() if k not in ("reward_std", "wall_at")} for r in runs
+    ]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=80, help="updates per run (default 80)")
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help=f"which runs, comma-separated (default {','.join(RUNS)})",
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=TRACE, help="response-length JSON (default %(default)s)"
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("runs/async_rl.png"),
+        help="reward plot (default %(default)s)",
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"--runs={args.runs!r} names {unknown}; choose from {list(RUNS)}")
+    result = asyncio.run(main_async(args.steps, names, args.trace, args.plot))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

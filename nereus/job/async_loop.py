@@ -1,0 +1,560 @@
+"""Asynchronous RL: generation runs continuously while training consumes finished groups.
+
+``AsyncRun(job).run()`` drives a started ``RLJob`` on a cluster (``[rl] mode = "async"``):
+
+- Generation: one producer task per policy-generation EMU, started with
+  ``asyncio.create_task`` and never awaited by the training loop. Each takes the next
+  positions of the global sample order the gate allows (``nereus.rl.async_buffer``),
+  opens a request on its EMU and decodes it ``decode_steps_per_call`` steps per call
+  (``EngineHost.advance_rollout``); every returned token is tagged with the policy
+  version its EMU held during the call. A group whose rows are all done is scored (the
+  task's rule) and enters the buffer at once; its request goes on for the others.
+- Training: for update u it waits only for a batch (``AsyncLedger.batch_for``): B finished
+  groups in sample order, plus any group whose staleness deadline is u. It recomputes the
+  proximal log-probs on policy-training, trains with the decoupled objective
+  (``nereus.rl.decoupled``) and advances the version.
+- Weight sync: the same in-place reshard plans as sync mode (``nereus.state.plan_reshard``
+  / ``execute_into``, policy-training's EMUs to each generation EMU), one EMU at a time
+  under that EMU's lock, each bounded by ``sync_timeout_s`` (``DeadlineExceeded`` names
+  the EMU and its devices). With ``partial_rollout`` the trainer syncs every EMU after each
+  update; the lock is held per decode call, so a request in flight reads the new weights
+  at its next call with its KV cache kept. Without it an EMU holds its lock for a whole
+  request and takes the newest weights itself between requests (while no update runs).
+- A generation worker that dies loses only its unfinished groups: they are issued again
+  from the same positions (``regenerated_groups`` on the tap); the run goes on with the
+  EMUs left. Checkpoints hold the ledger, so a resumed run trains the same positions.
+
+Refuses (``ConfigError``): algorithms other than GRPO, generation sharing a device with
+training, the in-process backend (checked by the job config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nereus.actors import emit
+from nereus.errors import DeadlineExceeded, StateError
+from nereus.job.async_adapt import AsyncAdapter
+from nereus.job.export import latest_checkpoint
+from nereus.job.recovery import is_fault
+from nereus.planner.plan import Plan, StagePlan
+from nereus.rl.advantages import broadcast_to_tokens, grpo_advantages
+from nereus.rl.algorithms import sampling_seed
+from nereus.rl.async_buffer import AsyncLedger, Group
+from nereus.rl.decoupled import DECOUPLED_LOSS
+from nereus.rl.rollout import Rollouts, to_batch
+from nereus.state import execute_into, plan_reshard
+from nereus.transfer import make_group
+
+__all__ = ["AsyncRun"]
+
+log = logging.getLogger("nereus.rl")
+
+
+@dataclass
+class _Worker:
+    """One policy-generation EMU as the producer sees it."""
+
+    emu: Any  # nereus.engines.EmuHandle
+    plan: Any  # the reshard plan policy-training -> this EMU
+    group: Any  # the transfer group of that plan (None when no byte crosses hosts)
+    version: int
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    alive: bool = True
+    busy_s: float = 0.0
+    tokens: int = 0
+    current: list[int] = field(default_factory=list)  # positions of the request in flight
+
+    @property
+    def name(self) -> str:
+        return self.emu.name
+
+
+class AsyncRun:
+    """See the module docstring."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.cfg = job.cfg
+        self.stages = job.stages
+        self.mode = job.cfg.rl
+        a = job.cfg.algorithm
+        self.B, self.K = a.prompts_per_step, a.samples_per_prompt
+        start = job.dataset.position
+        self.ledger = AsyncLedger(
+            self.B,
+            self.mode.max_staleness,
+            start,
+            start + (job.cfg.run.steps - job.step) * self.B,
+            origin=start - job.step * self.B,
+        )
+        self.version = job.step
+        self.changed = asyncio.Condition()
+        self.train_lock = asyncio.Lock()
+        self.workers: list[_Worker] = []
+        self.tasks: list[asyncio.Task] = []
+        self.records: list[dict[str, Any]] = []
+        self.regenerated_rows = 0
+        # per trained group: (update version, position, sample index, per-row token versions)
+        self.trained_log: list[tuple[int, int, int, list[list[int]]]] = []
+        self.t0 = time.perf_counter()
+        self.pausing = False  # producers stop at their next decode call (a plan change)
+        self.adapter: Any = None  # nereus.job.async_adapt.AsyncAdapter with [adapt] enabled
+        self._resume_ledger()
+
+    def _resume_ledger(self) -> None:
+        if not self.cfg.run.resume:
+            return
+        ckpt = latest_checkpoint(self.job.out_dir)
+        if ckpt is None:
+            return
+        state = json.loads((ckpt / "job.json").read_text()).get("async")
+        if state is None:
+            raise StateError(
+                f"checkpoint {str(ckpt)!r} was saved by a synchronous run; it has no async ledger"
+            )
+        self.ledger.end = int(state["end"])
+        self.ledger.load_state_dict(state)
+
+    # --- weight syncs -----------------------------------------------------------------
+
+    async def _make_workers(self) -> None:
+        st = self.stages
+        sources = st.emus["policy_training"]
+        for emu_handle, emu in zip(
+            st.handles["policy_generation"].emus, st.emus["policy_generation"], strict=True
+        ):
+            plan = plan_reshard(sources, emu, st._host_of)
+            group = None
+            if plan.remote_moves():
+                group = await make_group(
+                    st.cluster, devices=sorted(plan.devices()), epoch=st.epoch, tag=emu.name
+                )
+            self.workers.append(_Worker(emu_handle, plan, group, self.version))
+
+    async def _sync_worker(self, w: _Worker) -> dict[str, Any]:
+        """The newest weights into ``w`` (its lock held by the caller)."""
+        t0 = time.perf_counter()
+        try:
+            stats = await asyncio.wait_for(
+                execute_into([w.plan], self.stages.hosts, w.group), self.mode.sync_timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"weight sync to policy_generation EMU {w.name!r} on devices "
+                f"{list(w.emu.devices)} did not "
+                f"complete within rl.sync_timeout_s={self.mode.sync_timeout_s} s"
+            ) from None
+        w.version = self.version
+        async with self.changed:  # a producer waiting at the gate for these weights goes on
+            self.changed.notify_all()
+        seconds = time.perf_counter() - t0
+        nbytes = stats.bytes_moved + stats.bytes_local
+        return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+    async def _sync_all(self) -> dict[str, Any]:
+        """After an update (partial rollouts): every live EMU takes the new weights at its
+        next decode call."""
+
+        async def one(w: _Worker) -> dict[str, Any]:
+            async with w.lock:
+                if not w.alive:
+                    return {"bytes": 0, "seconds": 0.0}
+                return await self._sync_worker(w)
+
+        out = await asyncio.gather(*(one(w) for w in self.workers))
+        return {
+            "bytes": sum(o["bytes"] for o in out),
+            "seconds": max((o["seconds"] for o in out), default=0.0),
+        }
+
+    # --- generation -------------------------------------------------------------------
+
+    def _params(self, positions: list[int]) -> dict[str, Any]:
+        s = self.cfg.sampling
+        return {
+            "max_tokens": s.cap_at(self.version),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "stop_token_ids": [] if s.ignore_eos else [self.job.codec.eos_id],
+            "seed": sampling_seed(self.cfg.run.seed, positions[0]),
+        }
+
+    async def _positions(self, w: _Worker) -> list[int]:
+        """The next positions ``w`` may start (waits at the gate); [] when none are left.
+        Without partial rollouts this is where an EMU takes newer weights: at once when no
+        update is running, else when the gate needs them (after that update)."""
+        most = max(1, -(-self.B // max(1, sum(x.alive for x in self.workers))))
+        while True:
+            async with self.changed:
+                while True:
+                    if not self.ledger.has_work() or self.pausing:
+                        return []
+                    behind = not self.mode.partial_rollout and w.version < self.version
+                    if behind and not self.train_lock.locked():
+                        break
+                    got = self.ledger.take(w.version, most)
+                    if got:
+                        return got
+                    if behind:
+                        break
+                    await self.changed.wait()
+            async with w.lock, self.train_lock:
+                await self._sync_worker(w)
+
+    async def _produce(self, w: _Worker) -> None:
+        """``w``'s producer loop (see the module docstring)."""
+        while True:
+            positions = await self._positions(w)
+            if not positions:
+                return
+            try:
+                await self._request(w, positions)
+            except Exception as e:
+                if not is_fault(e):
+                    raise
+                w.alive = False
+                async with self.changed:
+                    lost = [p for p in positions if p in self.ledger.in_flight]
+                    self.ledger.lose(lost)
+                    self.regenerated_rows += len(lost) * self.K
+                    self.changed.notify_all()
+                log.warning(
+                    "generation EMU %s died (%s): %d unfinished groups issued again",
+                    w.name,
+                    e,
+                    len(lost),
+                )
+                emit(
+                    "fault",
+                    step=self.version,
+                    devices=list(w.emu.devices),
+                    during="generation",
+                    error=f"{type(e).__name__}: {e}"[:400],
+                    committed=False,
+                    restored_from="",
+                    redone=False,
+                    recover_seconds=0.0,
+                    dropped=[w.name],
+                    missing=[],
+                    regenerated_groups=len(lost),
+                )
+                return
+
+    async def _request(self, w: _Worker, positions: list[int]) -> None:
+        job, K = self.job, self.K
+        samples = {p: job.dataset.at(p) for p in positions}
+        prompts = {p: job.task.prompt_ids(samples[p], job.codec) for p in positions}
+        rows = [prompts[p] for p in positions for _ in range(K)]
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        versions: list[list[int]] = [[] for _ in rows]
+        released: set[int] = set()
+        args: tuple = (rows, self._params(positions))
+        whole = None if self.mode.partial_rollout else await w.lock.acquire()
+        w.current = list(positions)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if self.mode.partial_rollout:
+                    async with w.lock:
+                        out, version = await self._advance(w, args), w.version
+                else:
+                    out, version = await self._advance(w, args), w.version
+                w.busy_s += time.perf_counter() - t0
+                args = ()
+                for r, (tk, lp) in enumerate(zip(out["tokens"], out["logprobs"], strict=True)):
+                    tokens[r] += tk
+                    logprobs[r] += lp
+                    versions[r] += [version] * len(tk)
+                    w.tokens += len(tk)
+                for g, p in enumerate(positions):
+                    if p not in released and all(out["done"][g * K : (g + 1) * K]):
+                        released.add(p)
+                        await self._release(
+                            p,
+                            samples[p],
+                            prompts[p],
+                            tokens[g * K : (g + 1) * K],
+                            logprobs[g * K : (g + 1) * K],
+                            versions[g * K : (g + 1) * K],
+                        )
+                if out["finished"]:
+                    return
+                if self.pausing:  # a plan change: what is unfinished starts again after it
+                    async with self.changed:
+                        self.ledger.lose([p for p in positions if p not in released], fault=False)
+                    return
+        finally:
+            w.current = []
+            if whole is not None:
+                w.lock.release()
+
+    async def _advance(self, w: _Worker, args: tuple) -> dict[str, Any]:
+        results = await w.emu.mesh.advance_rollout.call(
+            w.name, self.mode.decode_steps_per_call, *args
+        )
+        return results[w.emu.last_stage_rank]
+
+    async def _release(
+        self,
+        position: int,
+        sample: Any,
+        prompt: list[int],
+        tokens: list[list[int]],
+        logprobs: list[list[float]],
+        versions: list[list[int]],
+    ) -> None:
+        job = self.job
+        scores = [job.task.reward(sample, job.codec.decode(t)) for t in tokens]
+        async with self.changed:
+            start = self.ledger.in_flight[position]
+            self.ledger.finish(
+                Group(position, sample.index, prompt, tokens, logprobs, versions, start, scores)
+            )
+            self.changed.notify_all()
+
+    # --- training ---------------------------------------------------------------------
+
+    async def _batch(self) -> list[Group]:
+        async with self.changed:
+            while True:
+                for t in self.tasks:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+                batch = self.ledger.batch_for(self.version)
+                if batch is not None:
+                    return batch
+                if not any(w.alive for w in self.workers):
+                    raise StateError("every policy-generation EMU died; the async run cannot go on")
+                try:
+                    await asyncio.wait_for(self.changed.wait(), 5.0)
+                except asyncio.TimeoutError:
+                    pass  # look at the producers again
+
+    async def _update(self, groups: list[Group]) -> dict[str, Any]:
+        job, st, a = self.job, self.stages, self.cfg.algorithm
+        rollouts = Rollouts(
+            [g.prompt_ids for g in groups for _ in range(g.rows)],
+            [r for g in groups for r in g.response_ids],
+            [lp for g in groups for lp in g.logprobs],
+            [g.sample_index for g in groups for _ in range(g.rows)],
+            [min(v, default=g.start_version) for g in groups for v in g.versions],
+        )
+        rollouts.scores = [s for g in groups for s in g.scores]
+        batch = to_batch(rollouts, job.codec.pad_id)
+        record: dict[str, Any] = {}
+        async with self.train_lock:
+            t0 = time.perf_counter()
+            batch["prox_logprobs"] = await st.proximal_logprobs(batch)
+            if a.kl_coef > 0:
+                batch["ref_logprobs"] = await st.reference_logprobs(batch)
+            adv = grpo_advantages(
+                torch.tensor(rollouts.scores, dtype=torch.float32), self.K, a.scale_by_std
+            )
+            batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
+            kw = {
+                "clip_eps": a.clip_eps,
+                "importance_cap": self.mode.importance_cap,
+                "kl_coef": a.kl_coef if a.kl_mode == "loss" else 0.0,
+                "kl_kind": a.kl_kind,
+                "aggregation": a.aggregation,
+            }
+            metrics: dict[str, Any] = {}
+            for _ in range(a.epochs):
+                metrics = await st.train_policy(batch, DECOUPLED_LOSS, kw)
+            record["train_seconds"] = time.perf_counter() - t0
+            async with self.changed:
+                record["staleness_histogram"] = {
+                    str(s): n for s, n in self.ledger.commit(groups, self.version).items()
+                }
+                self.trained_log += [
+                    (self.version, g.position, g.sample_index, g.versions) for g in groups
+                ]
+                self.version += 1
+                st.policy_version = self.version
+                self.changed.notify_all()
+            if self.mode.partial_rollout:
+                t1 = time.perf_counter()
+                sync = await self._sync_all()
+                record["sync_seconds"] = time.perf_counter() - t1
+                record["sync_bytes"] = sync["bytes"]
+        record.update(
+            {
+                ("updates" if k == "step" else k): v
+                for k, v in metrics.items()
+                if isinstance(v, (int, float))
+            }
+        )
+        lengths = rollouts.response_lengths
+        record.update(
+            {
+                "reward_mean": statistics.fmean(rollouts.scores),
+                "reward_std": statistics.pstdev(rollouts.scores),
+                "response_len_mean": statistics.fmean(lengths),
+                "response_len_max": max(lengths),
+                "tokens_generated": sum(lengths),
+                "rollouts": len(rollouts),
+                "positions": [g.position for g in groups],
+                "policy_version": min(rollouts.policy_version),
+                "max_staleness_seen": max(int(s) for s in record["staleness_histogram"]),
+            }
+        )
+        return record
+
+    async def _checkpoint(self) -> None:
+        job = self.job
+        folder = job.out_dir / "checkpoints" / f"step_{job.step}"
+        self.stages.sample_position = self.ledger.next_new
+        await self.stages.save(folder)
+        state = {
+            "step": job.step,
+            "dataset": {**job.dataset.state_dict(), "position": self.ledger.next_new},
+            "policy_version": self.version,
+            "async": self.ledger.state_dict(),
+        }
+        (folder / "job.json").write_text(json.dumps(state))
+        job._checkpoints.append(folder)
+
+    def _drop_dead(self) -> None:
+        """Forget generation EMUs whose worker died (their devices' hosts too), so the
+        stages' own calls (checkpoints, close) skip them."""
+        st = self.stages
+        dead = [w for w in self.workers if not w.alive]
+        if not dead:
+            return
+        names = {w.name for w in dead}
+        st.emus["policy_generation"] = [
+            e for e in st.emus["policy_generation"] if e.name not in names
+        ]
+        handle = st.handles["policy_generation"]
+        handle.emus = [e for e in handle.emus if e.name not in names]
+        for w in dead:
+            for d in w.emu.devices:
+                st.hosts.pop(d, None)
+        emus = st.emus["policy_generation"]
+        sp = StagePlan(
+            emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus)
+        )
+        st._plan = Plan(tuple((n, sp if n == "policy_generation" else p) for n, p in st.plan))
+        self.workers = [w for w in self.workers if w.alive]
+
+    async def pause(self) -> None:
+        """Stop every producer at its next decode call (unfinished groups go back to the
+        ledger, finished ones stay in the buffer); ``resume`` starts them again."""
+        self.pausing = True
+        async with self.changed:
+            self.changed.notify_all()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for t in self.tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        for w in self.workers:
+            if w.group is not None:
+                await w.group.destroy()
+        self.workers, self.tasks = [], []
+
+    async def resume(self) -> None:
+        """Producers over the generation EMUs the job has now, each first given the
+        newest weights."""
+        self.pausing = False
+        await self._make_workers()
+        async with self.train_lock:
+            for w in self.workers:
+                async with w.lock:
+                    await self._sync_worker(w)
+        self.tasks = [
+            asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers
+        ]
+
+    async def run(
+        self, on_record: Callable[[dict[str, Any]], Any] = lambda r: None
+    ) -> list[dict[str, Any]]:
+        """The remaining updates (each record also to ``on_record`` and the job's
+        records); returns their records."""
+        job, cfg = self.job, self.cfg
+        await self._make_workers()
+        self.tasks = [
+            asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers
+        ]
+        if cfg.adapt.enabled:
+            self.adapter = AsyncAdapter(self)
+        every = cfg.run.checkpoint_every
+        try:
+            while job.step < cfg.run.steps:
+                t0 = time.perf_counter()
+                groups = await self._batch()
+                waited = time.perf_counter() - t0
+                record = await self._update(groups)
+                record.update(
+                    {
+                        "step": job.step,
+                        "wait_seconds": waited,
+                        "update_seconds": time.perf_counter() - t0,
+                        "wall_seconds": time.perf_counter() - self.t0,
+                        "regenerated_groups": self.ledger.regenerated_groups,
+                        "generation_busy_seconds": {
+                            w.name: round(w.busy_s, 4) for w in self.workers
+                        },
+                    }
+                )
+                job.step += 1
+                self._drop_dead()
+                if self.adapter is not None and job.step < cfg.run.steps:
+                    change = await self.adapter.after_update(record)
+                    if change is not None:
+                        record["transition"] = change
+                emit(
+                    "step",
+                    step=record["step"],
+                    stage_seconds={"train": record["train_seconds"], "wait": waited},
+                    tokens=record["tokens_generated"],
+                    reward=record["reward_mean"],
+                    response_length_tokens=record["response_len_mean"],
+                    max_new_tokens=cfg.sampling.cap_at(job.step),
+                    policy_version=record["policy_version"],
+                    staleness_histogram=record["staleness_histogram"],
+                    importance_weight_mean=record.get("importance_weight_mean", 1.0),
+                    importance_clipped_frac=record.get("importance_clipped_frac", 0.0),
+                    regenerated_groups=self.ledger.regenerated_groups,
+                )
+                self.records.append(record)
+                job.records.append(record)
+                on_record(record)
+                for hook in job.boundary_hooks:
+                    await hook(job, record)
+                if (every and job.step % every == 0) or job.step == cfg.run.steps:
+                    await self._checkpoint()
+        finally:
+            for t in self.tasks:
+                t.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            for w in self.workers:
+                if w.group is not None:
+                    await w.group.destroy()
+        return self.records
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """What the run did as a whole: staleness histogram, discarded and regenerated work."""
+        trained = len(self.ledger.trained)
+        return {
+            "staleness_histogram": {str(k): v for k, v in sorted(self.ledger.staleness.items())},
+            "max_staleness_seen": max(self.ledger.staleness, default=0),
+            "samples_trained": trained * self.K,
+            "samples_discarded": len(self.ledger.finished) * self.K,
+            "regenerated_groups": self.ledger.regenerated_groups,
+            "regenerated_samples": self.regenerated_rows,
+            "restarted_groups": self.ledger.restarted_groups,
+            "plan_changes": len(self.adapter.changes) if self.adapter is not None else 0,
+        }

@@ -1,0 +1,67 @@
+"""Async plans priced as a pipeline: the slower side plus the sync; longer responses move
+devices from training to generation."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.errors import InfeasiblePlan
+from nereus.planner import ClusterSpec
+from nereus.planner.async_cost import async_step_seconds, search_async
+from nereus.planner.cost import CONSERVATIVE
+from nereus.planner.search import stage_candidates
+from nereus.planner.workload import LengthStats, ModelShape, Workload
+
+GiB = 2**30
+CLUSTER = ClusterSpec(
+    name="test-1x8",
+    nodes=1,
+    devices_per_node=8,
+    device_memory_bytes=80 * GiB,
+    peak_flops=100e12,
+    memory_bandwidth=1.5e12,
+    intra_node_bandwidth=300e9,
+    inter_node_bandwidth=25e9,
+    workspace_bytes=GiB // 4,
+)
+MODEL = ModelShape("m24x2048", 2048, 24, 16, 4, 32000, 2048 * 3)
+
+
+def _work(length: int) -> Workload:
+    return Workload.for_models(
+        "grpo",
+        MODEL,
+        prompts_per_step=24,
+        samples_per_prompt=8,
+        prompt_length=256,
+        lengths=LengthStats(length * 0.5, length * 0.9, length),
+        reward_model=False,
+        value=None,
+    )
+
+
+def test_the_price_is_the_slower_side_plus_the_sync():
+    assert async_step_seconds(3.0, 2.0, 0.5) == 3.5
+    assert async_step_seconds(1.0, 2.0, 0.5) == 2.5
+    got = search_async(_work(1024), CLUSTER)
+    gen = got.plan["policy-generation"]
+    assert got.step_seconds == pytest.approx(
+        max(got.generation_seconds, got.training_seconds) + got.sync_seconds
+    )
+    assert gen.device_set.isdisjoint(got.plan["policy-training"].device_set)
+    # the generation side's price is the fastest candidate of the same cost model on its devices
+    fastest = min(
+        c.seconds
+        for c in stage_candidates(_work(1024), CLUSTER, CONSERVATIVE, 0, got.generation_devices)
+    )
+    assert got.generation_seconds == pytest.approx(fastest)
+
+
+def test_longer_responses_move_devices_to_generation():
+    splits = [search_async(_work(n), CLUSTER).generation_devices for n in (64, 512, 4096, 16384)]
+    assert splits == sorted(splits) and splits[-1] > splits[0], splits
+
+
+def test_one_device_cannot_run_generation_apart():
+    with pytest.raises(InfeasiblePlan, match="at least 2 devices"):
+        search_async(_work(256), CLUSTER, budget=1)

@@ -1,0 +1,62 @@
+"""The decoupled PPO objective: PPO's surrogate on-policy, behaviour weights truncated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nereus.errors import ConfigError
+from nereus.rl.decoupled import (
+    decoupled_policy_loss,
+    decoupled_policy_objective,
+    importance_weights,
+)
+from nereus.rl.losses import clipped_policy_objective
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.randn(3, 6, generator=g) * 0.1 - 1.0
+    adv = torch.randn(3, 6, generator=g)
+    mask = torch.ones(3, 6)
+    mask[0, :2] = 0
+    return logp, adv, mask
+
+
+def test_on_policy_it_is_ppos_clipped_surrogate():
+    logp, adv, mask = _data()
+    old = logp - 0.15 * torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    ours, m = decoupled_policy_objective(logp, old, old, adv, mask)
+    ref, _ = clipped_policy_objective(logp, old, adv, mask)
+    assert torch.allclose(ours, ref)
+    assert m["importance_weight_mean"] == pytest.approx(1.0) and m["importance_clipped_frac"] == 0.0
+
+
+def test_stale_tokens_are_weighted_by_prox_over_behaviour_truncated_at_the_cap():
+    logp, adv, mask = _data()
+    prox = logp.detach().clone()
+    behav = prox.clone()
+    behav[1, 3] = prox[1, 3] - 3.0  # weight e^3 > cap 2: truncated
+    behav[2, 1] = prox[2, 1] + 0.5  # weight e^-0.5
+    w, cut = importance_weights(prox, behav, 2.0)
+    assert (
+        w[1, 3] == 2.0
+        and bool(cut[1, 3])
+        and w[2, 1] == pytest.approx(float(torch.exp(torch.tensor(-0.5))))
+    )
+    lp = logp.clone().requires_grad_(True)
+    loss, m = decoupled_policy_objective(lp, prox, behav, adv, mask, importance_cap=2.0)
+    expected = -(w * adv * mask).sum() / mask.sum()  # ratio 1 at logp == prox
+    assert torch.allclose(loss, expected)
+    assert m["importance_clipped_frac"] == pytest.approx(1 / float(mask.sum()))
+    loss.backward()
+    # the behaviour weight scales the gradient of its token
+    assert torch.allclose(lp.grad[1, 3], -2.0 * adv[1, 3] / mask.sum())
+
+
+def test_the_batch_must_carry_the_proximal_logprobs():
+    logp, adv, mask = _data()
+    with pytest.raises(ConfigError, match="prox_logprobs"):
+        decoupled_policy_loss(
+            {"logprobs": logp}, {"old_logprobs": logp, "advantages": adv, "response_mask": mask}
+        )
