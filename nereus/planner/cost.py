@@ -25,7 +25,10 @@ a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
   activations (8·N FLOPs per token, 6 TP all-reduces per layer, only layer inputs kept).
 - Devices that share cores (``ClusterSpec.cores``, processes on one CPU): a model-stage
   on n devices gets ``rate_share(n)`` of each device's FLOP/s and bandwidths, and its
-  fixed costs (CPU time too) take 1/``rate_share(n)`` as long.
+  fixed costs (CPU time too) take 1/``rate_share(n)`` as long. Devices of a fixed CPU
+  capacity (``ClusterSpec.device_cores``) get their replica's ``capacity`` in cores
+  (its slowest device's), by the same rule; their small all-reduces are a ring of
+  process wake-ups (``ClusterSpec.collective_latency_steps``).
 - Links: TP never leaves a node. PP sends and DP all-reduces take the inter-node path
   when their group spans nodes, with one device's share of the node's NICs.
 
@@ -286,11 +289,6 @@ def _ring(n: int, nbytes: float, bw: float) -> float:
     return 2.0 * (n - 1) / n * nbytes / bw
 
 
-def _hops(n: int) -> int:
-    """Latency steps of one small all-reduce among n ranks (recursive doubling: 2·log2 n)."""
-    return 2 * max(1, (n - 1).bit_length())
-
-
 def stage_cost(
     stage: ModelStage,
     model: ModelShape,
@@ -307,6 +305,7 @@ def stage_cost(
     waves: int = 1,
     formulas: bool = False,
     keep_terms: bool = True,
+    capacity: float | None = None,
 ) -> StageCost:
     """Time of one replica of ``stage`` at layout tp x pp with dp replicas.
 
@@ -315,8 +314,12 @@ def stage_cost(
     ``recompute`` (training) adds a second forward: 8·N instead of 6·N FLOPs per token
     and 6 TP all-reduces per layer instead of 4.
     ``formulas`` fills each term's formula text (for ``explain``; the search skips it);
-    ``keep_terms=False`` returns only the total seconds (terms empty), for the search."""
-    busy = cluster.rate_share(tp * pp * dp)  # devices sharing cores slow each other down
+    ``keep_terms=False`` returns only the total seconds (terms empty), for the search.
+    ``capacity``: the cores of the replica's slowest device, on a cluster with
+    ``device_cores`` (default: the cluster's slowest device)."""
+    # devices sharing cores slow each other down; a capped device has its quota's worth
+    busy = cluster.rate_share(tp * pp * dp, capacity)
+    _hops = cluster.collective_latency_steps
     peak, mem_bw = cluster.peak_flops * busy, cluster.memory_bandwidth * busy
     bw_tp, a_tp = cluster.intra_node_bandwidth * busy, cluster.intra_node_latency_s
     share = cluster.device_share_of_inter_node()

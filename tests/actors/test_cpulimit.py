@@ -61,8 +61,10 @@ async def test_quarter_core_does_less_work_than_a_full_core_and_groups_go_on_clo
         assert slow["threads"] == fast["threads"] == 1
         # the quota bounds the CPU time: 0.25 core over 2 s is 0.5 s (plus a period)
         assert slow["cpu_s"] <= 0.25 * 2.0 + 0.15, slow
-        # wide margin: the machine is shared, a full core may get less than a core
-        assert fast["count"] >= 2 * slow["count"], (slow, fast)
+        # 4x by the quotas; a wide margin: the machine is shared (a full core may get
+        # much less than a core when other processes keep it busy)
+        assert fast["count"] >= 1.5 * slow["count"], (slow, fast)
+        assert fast["cpu_s"] >= 1.5 * slow["cpu_s"], (slow, fast)
         stat = cluster.nodes[0].limits.throttled(0)
         assert stat["nr_throttled"] > 0, stat
     assert _groups(parent, os.getpid()) == []
