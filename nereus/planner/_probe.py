@@ -31,7 +31,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from nereus.actors import CpuLimits
 from nereus.errors import ConfigError
 from nereus.planner.cluster import ClusterSpec, local_cpu_cluster
 from nereus.planner.cost import CONSERVATIVE, Efficiency
@@ -171,6 +170,10 @@ def capped_probe(cores: float, refresh: bool = False, cache: Path | None = None,
     table = _read_cache(path)
     if not refresh and isinstance(table.get(key), dict) and set(table[key]) >= set(_FIGURES):
         return table[key]
+    # here, not at the top: importing the actor runtime brings numpy, and the planner
+    # must stay importable without it (as _measure imports torch only to measure)
+    from nereus.actors import CpuLimits
+
     limits = CpuLimits([cores], owner="probe", root=cgroup_root)
     try:
         out = subprocess.run([sys.executable, "-m", "nereus.planner._probe", "--sustained"],

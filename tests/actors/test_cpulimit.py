@@ -61,10 +61,13 @@ async def test_quarter_core_does_less_work_than_a_full_core_and_groups_go_on_clo
         assert slow["threads"] == fast["threads"] == 1
         # the quota bounds the CPU time: 0.25 core over 2 s is 0.5 s (plus a period)
         assert slow["cpu_s"] <= 0.25 * 2.0 + 0.15, slow
-        # 4x by the quotas; a wide margin: the machine is shared (a full core may get
-        # much less than a core when other processes keep it busy)
-        assert fast["count"] >= 1.5 * slow["count"], (slow, fast)
-        assert fast["cpu_s"] >= 1.5 * slow["cpu_s"], (slow, fast)
+        # the work a quarter core allows, with the full-core worker's work per CPU second
+        # as the yardstick: holds however busy the shared machine is
+        per_cpu_s = fast["count"] / fast["cpu_s"]
+        assert slow["count"] <= 1.3 * per_cpu_s * 0.25 * 2.0, (slow, fast)
+        # 4x by the quotas on an idle machine; a wide margin, as other processes may keep
+        # the cores busy and leave the full-core worker far less than a core
+        assert fast["count"] >= 1.2 * slow["count"], (slow, fast)
         stat = cluster.nodes[0].limits.throttled(0)
         assert stat["nr_throttled"] > 0, stat
     assert _groups(parent, os.getpid()) == []
