@@ -27,12 +27,13 @@ failures), ``_wire`` (the format), ``nereus.node`` and ``nereus.controller``.
 
 Public API: ``Actor``, ``endpoint``, ``Cluster``, ``ActorMesh``, ``ActorRef``,
 ``Endpoint``, ``DeviceInfo``, ``Failure``, ``current_device``, ``emit``, ``run``,
-``in_thread`` (blocking work off the loop), ``CpuLimits`` (one cgroup CPU quota per device), ``device_threads`` (the torch threads a
+``in_thread`` (blocking work off the loop), ``CpuLimits`` (one cgroup CPU quota per device; ``check_cpu_limits`` says whether
+they can be set here), ``device_threads`` (the torch threads a
 worker's device gives it: one, or ``ceil(cores)`` under a CPU limit).
 """
 
 from nereus.actors._client import emit
-from nereus.actors._cpulimit import CpuLimits, device_threads
+from nereus.actors._cpulimit import CpuLimits, check_cpu_limits, device_threads
 from nereus.actors._loop import in_thread, run
 from nereus.actors.actor import Actor, DeviceInfo, Failure, current_device, endpoint
 from nereus.actors.cluster import Cluster
@@ -41,6 +42,7 @@ from nereus.actors.mesh import ActorMesh, ActorRef, Endpoint
 __all__ = [
     "device_threads",
     "CpuLimits",
+    "check_cpu_limits",
     "Actor",
     "ActorMesh",
     "ActorRef",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from nereus.errors import ConfigError
 
-__all__ = ["CpuLimits", "find_controller", "worker_threads", "device_threads", "parse_cores",
+__all__ = ["CpuLimits", "find_controller", "check_cpu_limits", "worker_threads", "device_threads", "parse_cores",
            "PERIOD_US"]
 
 log = logging.getLogger("nereus.node")
@@ -138,6 +138,13 @@ def find_controller(root: str | os.PathLike | None = None) -> tuple[str, Path]:
         f"cores_per_device is set but no writable CPU controller was found (cgroup v2 with "
         f"cpu delegated under {', '.join(map(str, V2_MOUNTS))}, or v1 at {V1_ROOT}) for uid "
         f"{os.getuid()}: the CPU limit cannot be set; " + _HOW)
+
+
+def check_cpu_limits(root: str | os.PathLike | None = None) -> str:
+    """Where CPU limits would be set (e.g. ``"cgroup v1 at /sys/fs/cgroup/cpu"``); raises
+    ``ConfigError`` (naming ``cores_per_device``, saying why) where they cannot be."""
+    kind, parent = find_controller(root)
+    return f"cgroup {kind} at {parent}"
 
 
 def _pid_alive(pid: int) -> bool:

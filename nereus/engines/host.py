@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from nereus.actors import endpoint, in_thread
+from nereus.actors import device_threads, endpoint, in_thread
 from nereus.config import require
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
