@@ -105,20 +105,20 @@ def _dp(plan: dict[str, Any] | None) -> str:
     return ", ".join(f"{name} DP{sp['dp']}" for name, sp in sorted((plan or {}).items()))
 
 
-def describe_join(decisions: list[dict[str, Any]], return_at: int) -> str:
-    """What the job's own admission decided when the device returned: the first decision
-    from then on triggered by devices joining (payback against its limit, DP before and
-    after)."""
+def describe_pool_change(decisions: list[dict[str, Any]], at: int, word: str) -> str:
+    """What the job decided when the pool changed at step ``at`` (``word``: "joined" or
+    "drained"): the first decision from then on with that trigger, its payback against
+    its limit (a drained device skips the test: it must go), DP before and after."""
     for d in decisions:
-        joined = any(t["kind"] == "device-pool" and "joined" in t.get("text", "") for t in d["triggers"])
-        if d["step"] < return_at or not joined:
+        hit = any(t["kind"] == "device-pool" and word in t.get("text", "") for t in d["triggers"])
+        if d["step"] < at or not hit:
             continue
         after = d["target_plan"] if d["admitted"] and d["target_plan"] else d["current_plan"]
         payback = "n/a" if d["payback_steps"] is None else f"{d['payback_steps']:.2f}"
         limit = "n/a" if d["limit_steps"] is None else f"{d['limit_steps']:.1f}"
         return (f"step {d['step']}: payback {payback} steps against a limit of {limit} -> {'admitted' if d['admitted'] else 'turned down'} ({d['reason']}); "
                 f"before: {_dp(d['current_plan'])}; after: {_dp(after)}")
-    return "no decision on the returning device was recorded"
+    return f"no decision on devices {word} was recorded"
 
 
 def main(argv: list[str]) -> int:
@@ -153,9 +153,11 @@ def main(argv: list[str]) -> int:
     print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> {records[-1]['reward_mean']:.3f}, "
           f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png")
     print(f"devices: {capacity}")
+    decisions = job.adapter.decisions if job.adapter is not None else []
+    if args.reclaim_at:
+        print(f"the reclaimed device: {describe_pool_change(decisions, args.reclaim_at, 'drained')}")
     if args.return_at:
-        decisions = job.adapter.decisions if job.adapter is not None else []
-        print(f"the returning device: {describe_join(decisions, args.return_at)}")
+        print(f"the returning device: {describe_pool_change(decisions, args.return_at, 'joined')}")
     return 0
 
 
