@@ -2,10 +2,11 @@
 
 ``CpuLimits(cores, owner=...)`` finds a writable CPU controller (cgroup v2 ``cpu.max``
 where mounted and delegated to this process, else v1 ``cpu.cfs_quota_us``), makes one
-group per device named ``nereus-<owner pid>-<node>-d<local index>`` with a quota of that
-device's cores (``quota = cores x period``), and hands out ``preexec(i)``: a function the
-worker's child process runs before it executes Python, so the worker is inside its group
-before it imports torch or starts a thread. ``remove(i)`` deletes a group once its worker
+group per device named ``nereus-<owner pid>-<node>-<random>-d<local index>`` with a
+quota of that device's cores (``quota = cores x period``) and the scheduling weight of
+that many nice-0 tasks (contended devices keep their capacities' ratio), and hands out
+``preexec(i)``: what the worker's child process runs before it executes Python, so the
+worker is inside its group before it imports torch or starts a thread. ``remove(i)`` deletes a group once its worker
 exited; ``close()`` deletes all of them.
 
 Promises:
@@ -196,6 +197,12 @@ def sweep_stale(parent: Path) -> list[str]:
     return removed
 
 
+def _weight(cores: float, per_core: int, low: int, high: int) -> int:
+    """The group's scheduling weight: ``cores`` times a nice-0 task's, so on a contended
+    host devices keep the ratio of their capacities (the quota only caps from above)."""
+    return max(low, min(high, int(round(cores * per_core))))
+
+
 class CpuLimits:
     """The CPU groups of one node's devices (see the module docstring)."""
 
@@ -222,9 +229,11 @@ class CpuLimits:
             quota = max(1000, int(round(self.cores[i] * PERIOD_US)))
             if self.kind == "v2":
                 (path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+                (path / "cpu.weight").write_text(str(_weight(self.cores[i], 100, 1, 10000)))
             else:
                 (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
                 (path / "cpu.cfs_quota_us").write_text(str(quota))
+                (path / "cpu.shares").write_text(str(_weight(self.cores[i], 1024, 2, 262144)))
         except OSError as e:
             raise ConfigError(f"cores_per_device={self.cores[i]}: cannot set the CPU limit in "
                               f"{path}: {e.strerror}; " + _HOW) from None

@@ -65,11 +65,13 @@ async def test_quarter_core_does_less_work_than_a_full_core_and_groups_go_on_clo
         # as the yardstick: holds however busy the shared machine is
         per_cpu_s = fast["count"] / fast["cpu_s"]
         assert slow["count"] <= 1.3 * per_cpu_s * 0.25 * 2.0, (slow, fast)
-        # 4x by the quotas on an idle machine; a wide margin, as other processes may keep
-        # the cores busy and leave the full-core worker far less than a core
-        assert fast["count"] >= 1.2 * slow["count"], (slow, fast)
+        # 4x by the quotas on an idle machine and by the groups' weights on a busy one;
+        # a wide margin, as other processes may leave the full-core worker less than a core
+        assert fast["count"] >= 2 * slow["count"], (slow, fast)
+        # the quota is live: the kernel counts the group's periods (it throttles the group
+        # when it reaches its quota; on a busy host its weight may hold it below that)
         stat = cluster.nodes[0].limits.throttled(0)
-        assert stat["nr_throttled"] > 0, stat
+        assert stat["nr_periods"] > 0, stat
     assert _groups(parent, os.getpid()) == []
 
 
