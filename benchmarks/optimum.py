@@ -13,9 +13,10 @@ A setting is ``CAPxDEVICES``.
    counts the benchmark does not measure), the demo's starting plan and
    ``--calibration-plans`` plans drawn at random from each setting's valid plans run
    once each; every model-stage's measured seconds fit the cost model's efficiency per
-   operation class (``Calibrator``, from the probe's priors under the limit), and the
-   step's time outside the model-stages (weight sync, rewards, the step loop) is fitted
-   as one constant, the median over those runs. Nothing measured later changes them.
+   operation class (``Calibrator``, from the probe's priors under the limit, weighed
+   against them as the live job does), and the step's time outside the model-stages
+   (weight sync, rewards, the step loop: step seconds less the model-stages' seconds)
+   is one constant, its median over those runs. Nothing measured later changes them.
 2. **Measurement**: at every setting, every valid plan of the planner's space (the
    model-stages in one pool or apart, every pool size, layout, recompute and decode
    waves that fit; or, where more than ``top + random``, the ``top`` it predicts fastest
@@ -116,10 +117,9 @@ async def calibrate(ctx: Context, settings: list[tuple[int, int]], per_setting: 
     for r in done:
         _observe(cal, r, ctx, prior)
     eff = cal.fit()
-    rest = []
-    for r in done:
-        work, cluster = ctx.view(r["cfg"])
-        rest.append(r["step_s"] - explain(Plan.from_dict(r["plan"]), work, cluster, eff).step_seconds)
+    # measured directly, not as the model's residual: the step's seconds beyond its
+    # model-stages' (generation and training are dependency phases: they add up)
+    rest = [r["step_s"] - sum(r["stage_s"].values()) for r in done]
     overhead = max(0.0, statistics.median(rest)) if rest else 0.0
     return eff, overhead, runs
 
