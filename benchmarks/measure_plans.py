@@ -45,8 +45,9 @@ from nereus.rl.job import RLJob
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo_adaptive.toml"
 
 
-def job_config(devices: int, cap: int, cores: float | str, steps: int, out_dir: str,
-               plan: Plan | None = None) -> JobConfig:
+def job_config(
+    devices: int, cap: int, cores: float | str, steps: int, out_dir: str, plan: Plan | None = None
+) -> JobConfig:
     """The pinned job on ``devices`` devices of ``cores``, the cap held at ``cap``."""
     data = copy.deepcopy(tomllib.loads(CONFIG.read_text()))
     data["sampling"].update(max_new_tokens=cap, ignore_eos=True)  # exactly the cap: fixed work
@@ -56,23 +57,41 @@ def job_config(devices: int, cap: int, cores: float | str, steps: int, out_dir: 
     if plan is not None:
         data["plan"] = {n: _placement(sp) for n, sp in from_planner_plan(plan)}
     else:  # the demo's starting plan, on the devices there are
-        data["plan"] = {n: {**p, "devices": p["devices"][:devices], "dp": min(p.get("dp", 1), devices)}
-                        for n, p in data["plan"].items()}
+        data["plan"] = {
+            n: {**p, "devices": p["devices"][:devices], "dp": min(p.get("dp", 1), devices)}
+            for n, p in data["plan"].items()
+        }
     return from_dict(JobConfig, data)
 
 
 def _placement(sp: StagePlan) -> dict[str, Any]:
-    return {"devices": [d for emu in sp.devices for d in emu], "tp": sp.tp, "pp": sp.pp, "dp": sp.dp,
-            "recompute": sp.recompute, "waves": sp.waves}
+    return {
+        "devices": [d for emu in sp.devices for d in emu],
+        "tp": sp.tp,
+        "pp": sp.pp,
+        "dp": sp.dp,
+        "recompute": sp.recompute,
+        "waves": sp.waves,
+    }
 
 
-def setting_view(cfg: JobConfig, model_config: Any, prompt_length: int) -> tuple[Workload, ClusterSpec]:
+def setting_view(
+    cfg: JobConfig, model_config: Any, prompt_length: int
+) -> tuple[Workload, ClusterSpec]:
     """The planner's workload (lengths at the cap) and cluster for ``cfg``'s setting."""
     cap = cfg.sampling.cap_at(0)
-    work = job_workload(cfg, model_config, prompt_length=prompt_length,
-                        lengths=LengthStats(float(cap), float(cap), cap))
-    cluster = local_cpu_cluster_probed(cfg.cluster.devices, cfg.cluster.memory_bytes,
-                                       headroom=cfg.adapt.headroom, device_cores=cfg.cluster.device_cores)
+    work = job_workload(
+        cfg,
+        model_config,
+        prompt_length=prompt_length,
+        lengths=LengthStats(float(cap), float(cap), cap),
+    )
+    cluster = local_cpu_cluster_probed(
+        cfg.cluster.devices,
+        cfg.cluster.memory_bytes,
+        headroom=cfg.adapt.headroom,
+        device_cores=cfg.cluster.device_cores,
+    )
     return work, cluster
 
 
@@ -89,20 +108,29 @@ def valid_plans(work: Workload, cluster: ClusterSpec, eff: Efficiency) -> list[t
     names = [s.name for s in work.stages]
     devices = cluster.num_devices
     sizes = [n for n in (1, 2, 4, 8, 16) if n <= devices]
-    layouts: list[tuple[tuple[int, ...], ...]] = [tuple(tuple(range(n)) for _ in names) for n in sizes]
+    layouts: list[tuple[tuple[int, ...], ...]] = [
+        tuple(tuple(range(n)) for _ in names) for n in sizes
+    ]
     for split in itertools.product(sizes, repeat=len(names)):
         if sum(split) <= devices:
             starts = [sum(split[:i]) for i in range(len(split))]
-            layouts.append(tuple(tuple(range(s, s + n)) for s, n in zip(starts, split, strict=True)))
+            layouts.append(
+                tuple(tuple(range(s, s + n)) for s, n in zip(starts, split, strict=True))
+            )
     seen: dict[Plan, float] = {}
     for ranges in layouts:
-        options = [stage_candidates(work, cluster, eff, i, len(r), prune=False) for i, r in enumerate(ranges)]
+        options = [
+            stage_candidates(work, cluster, eff, i, len(r), prune=False)
+            for i, r in enumerate(ranges)
+        ]
         for combo in itertools.product(*options):
             stages = []
             for name, r, c in zip(names, ranges, combo, strict=True):
                 size = c.tp * c.pp
-                emus = tuple(r[i * size:(i + 1) * size] for i in range(c.dp))
-                stages.append((name, StagePlan(c.tp, c.pp, c.dp, emus, recompute=c.recompute, waves=c.waves)))
+                emus = tuple(r[i * size : (i + 1) * size] for i in range(c.dp))
+                stages.append(
+                    (name, StagePlan(c.tp, c.pp, c.dp, emus, recompute=c.recompute, waves=c.waves))
+                )
             plan = Plan(tuple(stages))
             ex = explain(plan, work, cluster, eff)
             if ex.fits:
@@ -147,10 +175,17 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     try:
         for i, plan in enumerate(plans):
-            cfg = job_config(args.devices, args.cap, cores, args.warmup + args.steps, f"{out}/{i}", plan)
+            cfg = job_config(
+                args.devices, args.cap, cores, args.warmup + args.steps, f"{out}/{i}", plan
+            )
             view: list[Any] = []
-            r = await run_plan(cfg, args.warmup, on_start=lambda job: view.append(
-                setting_view(job.cfg, job.model_config, job.max_prompt_tokens())))
+            r = await run_plan(
+                cfg,
+                args.warmup,
+                on_start=lambda job, view=view: view.append(
+                    setting_view(job.cfg, job.model_config, job.max_prompt_tokens())
+                ),
+            )
             work, cluster = view[0]
             r["predicted_s"] = explain(plan, work, cluster, prior_efficiency(cfg)).step_seconds
             r["plan"] = plan.to_dict()
@@ -162,7 +197,9 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.measure_plans", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.measure_plans", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--cap", type=int, default=32, help="response length cap (tokens), held")
     p.add_argument("--cores", default="0.45", help="cores per device, or 'shared'")
@@ -174,7 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = asyncio.run(_main(args))
     for r in rows:
         if r["completed"]:
-            print(f"{r['step_s']:.4f} s/step measured, {r['predicted_s']:.4f} predicted: {r['plan']}")
+            print(
+                f"{r['step_s']:.4f} s/step measured, {r['predicted_s']:.4f} predicted: {r['plan']}"
+            )
         else:
             print(f"OutOfMemory at step {r['failed_at_step']}: {r['plan']}")
 

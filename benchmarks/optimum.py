@@ -73,7 +73,9 @@ class Context:
 
     def config(self, cap: int, devices: int, plan: Plan | None) -> JobConfig:
         self.runs += 1
-        return job_config(devices, cap, self.cores, self.warmup + self.steps, f"{self.out}/run{self.runs}", plan)
+        return job_config(
+            devices, cap, self.cores, self.warmup + self.steps, f"{self.out}/run{self.runs}", plan
+        )
 
     def view(self, cfg: JobConfig) -> tuple[Any, Any]:
         return setting_view(cfg, self.model_config, self.prompt_length)
@@ -99,8 +101,9 @@ def _observe(cal: Calibrator, r: dict[str, Any], ctx: Context, prior: Efficiency
             cal.observe_stage(st.cost, seconds)
 
 
-async def calibrate(ctx: Context, settings: list[tuple[int, int]], per_setting: int,
-                    rng: random.Random) -> tuple[Efficiency, float, list[dict[str, Any]]]:
+async def calibrate(
+    ctx: Context, settings: list[tuple[int, int]], per_setting: int, rng: random.Random
+) -> tuple[Efficiency, float, list[dict[str, Any]]]:
     """Efficiency factors and the step overhead from runs at ``settings`` (see step 1)."""
     runs = []
     first_cap, first_devices = settings[0]
@@ -127,11 +130,21 @@ async def calibrate(ctx: Context, settings: list[tuple[int, int]], per_setting: 
 def _brief(r: dict[str, Any]) -> str:
     if not r["completed"]:
         return f"OutOfMemory at step {r['failed_at_step']}"
-    return f"{r['step_s']:.4f} s/step ({', '.join(f'{k} {v:.3f}' for k, v in sorted(r['stage_s'].items()))})"
+    stages = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["stage_s"].items()))
+    return f"{r['step_s']:.4f} s/step ({stages})"
 
 
-async def measure_setting(ctx: Context, cap: int, devices: int, eff: Efficiency, overhead: float,
-                          rounds: int, top: int, extra: int, rng: random.Random) -> dict[str, Any]:
+async def measure_setting(
+    ctx: Context,
+    cap: int,
+    devices: int,
+    eff: Efficiency,
+    overhead: float,
+    rounds: int,
+    top: int,
+    extra: int,
+    rng: random.Random,
+) -> dict[str, Any]:
     cfg = ctx.config(cap, devices, None)
     work, cluster = ctx.view(cfg)
     ranked = valid_plans(work, cluster, eff)
@@ -161,19 +174,36 @@ async def measure_setting(ctx: Context, cap: int, devices: int, eff: Efficiency,
         ok = [r for r in runs[i] if r["completed"]]
         predicted = explain(plan, work, cluster, eff).step_seconds + overhead
         measured = statistics.median(r["step_s"] for r in ok) if len(ok) == len(runs[i]) else None
-        rows.append({"plan": plan.to_dict(), "predicted_s": round(predicted, 4),
-                     "measured_s": round(measured, 4) if measured is not None else None,
-                     "runs_s": [round(r["step_s"], 4) if r["completed"] else None for r in runs[i]],
-                     "is_pick": plan == pick})
+        rows.append(
+            {
+                "plan": plan.to_dict(),
+                "predicted_s": round(predicted, 4),
+                "measured_s": round(measured, 4) if measured is not None else None,
+                "runs_s": [round(r["step_s"], 4) if r["completed"] else None for r in runs[i]],
+                "is_pick": plan == pick,
+            }
+        )
     measured = [r for r in rows if r["measured_s"] is not None]
     best = min(measured, key=lambda r: r["measured_s"]) if measured else None
     mine = next(r for r in rows if r["is_pick"])
-    gap = (mine["measured_s"] / best["measured_s"] - 1) if best and mine["measured_s"] is not None else None
-    return {"setting": f"{cap}x{devices}", "plans": how, "pick_listed": pick_listed,
-            "best_s": best["measured_s"] if best else None, "best_plan": best["plan"] if best else None,
-            "pick_s": mine["measured_s"], "pick_plan": mine["plan"], "pick_predicted_s": mine["predicted_s"],
-            "gap": round(gap, 4) if gap is not None else None,
-            "exact": best is not None and best["plan"] == mine["plan"], "rows": rows}
+    gap = (
+        (mine["measured_s"] / best["measured_s"] - 1)
+        if best and mine["measured_s"] is not None
+        else None
+    )
+    return {
+        "setting": f"{cap}x{devices}",
+        "plans": how,
+        "pick_listed": pick_listed,
+        "best_s": best["measured_s"] if best else None,
+        "best_plan": best["plan"] if best else None,
+        "pick_s": mine["measured_s"],
+        "pick_plan": mine["plan"],
+        "pick_predicted_s": mine["predicted_s"],
+        "gap": round(gap, 4) if gap is not None else None,
+        "exact": best is not None and best["plan"] == mine["plan"],
+        "rows": rows,
+    }
 
 
 def _p95(values: list[float]) -> float:
@@ -187,41 +217,72 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     ctx = Context(out, cores, args.steps, args.warmup)
     try:
-        eff, overhead, cal_runs = await calibrate(ctx, parse_settings(args.calibration), args.calibration_plans, rng)
-        print(f"calibrated on {len(cal_runs)} runs: {eff}; step overhead {overhead:.4f} s", flush=True)
+        eff, overhead, cal_runs = await calibrate(
+            ctx, parse_settings(args.calibration), args.calibration_plans, rng
+        )
+        print(
+            f"calibrated on {len(cal_runs)} runs: {eff}; step overhead {overhead:.4f} s", flush=True
+        )
         results = []
         for cap, devices in parse_settings(args.settings):
-            res = await measure_setting(ctx, cap, devices, eff, overhead, args.rounds, args.top, args.random, rng)
-            print(f"setting {res['setting']}: best {res['best_s']} s/step, pick {res['pick_s']} s/step "
-                  f"(predicted {res['pick_predicted_s']}), gap {res['gap']}, exact {res['exact']}", flush=True)
+            res = await measure_setting(
+                ctx, cap, devices, eff, overhead, args.rounds, args.top, args.random, rng
+            )
+            print(
+                f"setting {res['setting']}: best {res['best_s']} s/step, pick {res['pick_s']} s/step "
+                f"(predicted {res['pick_predicted_s']}), gap {res['gap']}, exact {res['exact']}",
+                flush=True,
+            )
             results.append(res)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     gaps = [r["gap"] for r in results if r["gap"] is not None]
-    errors = [abs(row["predicted_s"] - row["measured_s"]) / row["measured_s"]
-              for r in results for row in r["rows"] if row["measured_s"]]
+    errors = [
+        abs(row["predicted_s"] - row["measured_s"]) / row["measured_s"]
+        for r in results
+        for row in r["rows"]
+        if row["measured_s"]
+    ]
     return {
         "settings": len(results),
-        "plans_measured": sum(1 for r in results for row in r["rows"] if row["measured_s"] is not None),
-        "exact_share": round(sum(r["exact"] for r in results) / len(results), 4) if results else None,
-        "within_5pct_share": round(sum(1 for g in gaps if g <= 0.05) / len(results), 4) if results else None,
+        "plans_measured": sum(
+            1 for r in results for row in r["rows"] if row["measured_s"] is not None
+        ),
+        "exact_share": round(sum(r["exact"] for r in results) / len(results), 4)
+        if results
+        else None,
+        "within_5pct_share": round(sum(1 for g in gaps if g <= 0.05) / len(results), 4)
+        if results
+        else None,
         "median_gap": round(statistics.median(gaps), 4) if gaps else None,
         "p95_gap": round(_p95(gaps), 4) if gaps else None,
         "prediction_mape": round(statistics.mean(errors), 4) if errors else None,
-        "cores_per_device": cores, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-        "calibration_runs": len(cal_runs), "calibration_settings": args.calibration,
-        "step_overhead_s": round(overhead, 4), "efficiency": eff.as_dict() | {"layer_pass_s": eff.layer_pass_s},
+        "cores_per_device": cores,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "calibration_runs": len(cal_runs),
+        "calibration_settings": args.calibration,
+        "step_overhead_s": round(overhead, 4),
+        "efficiency": eff.as_dict() | {"layer_pass_s": eff.layer_pass_s},
         "per_setting": [{k: v for k, v in r.items() if k != "rows"} for r in results],
         "rows": {r["setting"]: r["rows"] for r in results},
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.optimum", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.optimum", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--settings", default="16x2,32x2,64x2,16x4,32x4,64x4", help="CAPxDEVICES,...")
-    p.add_argument("--calibration", default="24x2,48x2,24x4,48x4",
-                   help="CAPxDEVICES,... the calibration runs use (not measured settings)")
-    p.add_argument("--calibration-plans", type=int, default=3, help="random plans per calibration setting")
+    p.add_argument(
+        "--calibration",
+        default="24x2,48x2,24x4,48x4",
+        help="CAPxDEVICES,... the calibration runs use (not measured settings)",
+    )
+    p.add_argument(
+        "--calibration-plans", type=int, default=3, help="random plans per calibration setting"
+    )
     p.add_argument("--cores", default="0.45", help="cores per device ('shared': no limit)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1, help="steps per run before measuring")

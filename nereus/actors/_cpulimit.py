@@ -6,8 +6,8 @@ group per device named ``nereus-<owner pid>-<node>-<random>-d<local index>`` wit
 quota of that device's cores (``quota = cores x period``) and the scheduling weight of
 that many nice-0 tasks (contended devices keep their capacities' ratio), and hands out
 ``preexec(i)``: what the worker's child process runs before it executes Python, so the
-worker is inside its group before it imports torch or starts a thread. ``remove(i)`` deletes a group once its worker
-exited; ``close()`` deletes all of them.
+worker is inside its group before it imports torch or starts a thread. ``remove(i)``
+deletes a group once its worker exited; ``close()`` deletes all of them.
 
 Promises:
 - a node that starts first removes groups whose owner pid is dead (a node that was
@@ -36,8 +36,8 @@ from pathlib import Path
 
 from nereus.errors import ConfigError
 
-__all__ = ["CpuLimits", "find_controller", "check_cpu_limits", "worker_threads", "device_threads", "parse_cores",
-           "PERIOD_US"]
+__all__ = ["CpuLimits", "find_controller", "check_cpu_limits", "worker_threads",
+           "device_threads", "parse_cores", "PERIOD_US"]
 
 log = logging.getLogger("nereus.node")
 

@@ -38,8 +38,14 @@ class Spinner(Actor):
                 x += i * i
             count += 1
         own = Path(f"/proc/{os.getpid()}/cgroup").read_text()
-        return {"count": count, "cpu_s": time.process_time() - cpu0, "pid": os.getpid(),
-                "cgroup": own, "threads": device_threads(), "device": current_device().index}
+        return {
+            "count": count,
+            "cpu_s": time.process_time() - cpu0,
+            "pid": os.getpid(),
+            "cgroup": own,
+            "threads": device_threads(),
+            "device": current_device().index,
+        }
 
 
 def _groups(parent: Path, pid: int) -> list[str]:
@@ -48,8 +54,9 @@ def _groups(parent: Path, pid: int) -> list[str]:
 
 async def test_quarter_core_does_less_work_than_a_full_core_and_groups_go_on_close(no_leaks):
     kind, parent = find_controller()
-    async with Cluster.local(devices=2, memory_per_device="64MiB",
-                             cores_per_device=[0.25, 1.0]) as cluster:
+    async with Cluster.local(
+        devices=2, memory_per_device="64MiB", cores_per_device=[0.25, 1.0]
+    ) as cluster:
         assert [cluster.cores_of(d.index) for d in cluster.devices] == [0.25, 1.0]
         groups = _groups(parent, os.getpid())
         assert len(groups) == 2
@@ -82,9 +89,22 @@ async def test_groups_of_a_killed_node_are_swept_by_the_next_one(no_leaks):
     try:
         env = os.environ | {"NEREUS_CLUSTER_KEY": KEY}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "nereus.node", "--controller", controller.address,
-            "--devices", "1", "--memory-per-device", "64MiB", "--cores-per-device", "0.5",
-            "--node-id", "killed", stdout=asyncio.subprocess.PIPE, env=env)
+            sys.executable,
+            "-m",
+            "nereus.node",
+            "--controller",
+            controller.address,
+            "--devices",
+            "1",
+            "--memory-per-device",
+            "64MiB",
+            "--cores-per-device",
+            "0.5",
+            "--node-id",
+            "killed",
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
         try:
             while True:
                 line = await asyncio.wait_for(proc.stdout.readline(), 60)
@@ -101,8 +121,14 @@ async def test_groups_of_a_killed_node_are_swept_by_the_next_one(no_leaks):
                 await proc.wait()
             proc._transport.close()
         assert _groups(parent, proc.pid) == left  # a killed node removes nothing
-        node = NodeDaemon(controller.address, KEY.encode(), devices=1, cores_per_device=0.5,
-                          memory_per_device="64MiB", node_id="next")
+        node = NodeDaemon(
+            controller.address,
+            KEY.encode(),
+            devices=1,
+            cores_per_device=0.5,
+            memory_per_device="64MiB",
+            node_id="next",
+        )
         await node.start()
         assert _groups(parent, proc.pid) == []
         assert len(_groups(parent, os.getpid())) == 1
@@ -125,8 +151,9 @@ async def test_a_limit_that_cannot_be_set_is_refused_naming_the_field(tmp_path, 
         if os.access(where, os.W_OK):  # root ignores the mode bits: a read-only bind
             where = Path("/proc/sys")  # a read-only folder even for root
     with pytest.raises(ConfigError, match="cores_per_device") as info:
-        async with Cluster.local(devices=1, memory_per_device="64MiB", cores_per_device=0.5,
-                                 cgroup_root=str(where)):
+        async with Cluster.local(
+            devices=1, memory_per_device="64MiB", cores_per_device=0.5, cgroup_root=str(where)
+        ):
             pass
     assert '"shared"' in str(info.value)
 

@@ -11,7 +11,10 @@ from nereus.rl.config import ClusterConfig
 
 def test_cores_per_device_reads_as_each_devices_cores():
     assert from_dict(ClusterConfig, {"devices": 3}).device_cores is None
-    assert from_dict(ClusterConfig, {"devices": 3, "cores_per_device": 0.45}).device_cores == [0.45] * 3
+    assert (
+        from_dict(ClusterConfig, {"devices": 3, "cores_per_device": 0.45}).device_cores
+        == [0.45] * 3
+    )
     got = from_dict(ClusterConfig, {"devices": 2, "cores_per_device": [0.25, 0.5]})
     assert got.device_cores == [0.25, 0.5]
 
