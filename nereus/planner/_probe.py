@@ -43,8 +43,9 @@ _EXCHANGE_OVER_MEMCPY = 0.85
 _FIGURES = ("flops_per_device", "memory_bandwidth", "exchange_bandwidth", "layer_pass_s")
 # part of the cache key: figures measured by an earlier probe are measured again (2: the
 # matmul and the layer pass on torch at one thread, as workers run, not numpy's BLAS and
-# torch's default threads, which put the fixed cost of a layer pass at 3-8x a worker's)
-_PROBE_VERSION = 2
+# torch's default threads, which put the fixed cost of a layer pass at 3-8x a worker's;
+# 3: the figures under a CPU limit copy 64 MiB as the unlimited ones do, not 8 MiB)
+_PROBE_VERSION = 3
 
 
 def _cache_path() -> Path:
@@ -141,7 +142,7 @@ def _sustained() -> dict[str, float]:
         a @ a
         count += 1
     flops = 2 * n**3 * count / (time.perf_counter() - t)
-    src = np.ones(8 * 2**20, dtype=np.uint8)
+    src = np.ones(64 * 2**20, dtype=np.uint8)  # as _measure: past the caches
     dst = np.empty_like(src)
     t, end, count = time.perf_counter(), time.perf_counter() + _SUSTAIN_S, 0
     while time.perf_counter() < end:
