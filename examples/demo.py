@@ -1,5 +1,12 @@
 """`make demo`: a GRPO job on 4 CPU devices that changes its own layout while it runs.
 
+Each device is a fixed amount of compute, as a GPU is: its worker process runs under a
+kernel-enforced CPU limit (``[cluster] cores_per_device``, 0.45 of a core). So a device
+that leaves takes its compute with it and one that joins brings some: whether the job
+takes a returning device up is the planner's payback test to decide. Where limits
+cannot be set here (not root and no delegated cgroup) the demo says so on its first
+line and in its summary, and runs on shared cores.
+
 Runs examples/demo_adaptive.toml (a tiny model learning to reverse strings) with the
 controller loop on (``[adapt] enabled``). Nothing in this script tells the job what to
 change or when: the job's length cap grows on the config's schedule, and this script
@@ -28,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+from nereus.actors import check_cpu_limits
 from nereus.errors import ConfigError, OutOfMemory, RemoteError
 from nereus.job.adapt import PredictedFailure, predict_memory_failure
 from nereus.job.cli import parse_job
@@ -83,6 +92,41 @@ async def run(job: RLJob, predicted: list[PredictedFailure | None]) -> list[dict
         await job.close()
 
 
+def capacity_line(cfg: Any) -> tuple[Any, str]:
+    """The config to run (on shared cores where limits cannot be set here) and what the
+    demo says about its devices' compute."""
+    cores = cfg.cluster.device_cores
+    if cores is None or cfg.cluster.mode != "local":
+        return cfg, "devices share this machine's cores (cluster.cores_per_device = \"shared\")"
+    try:
+        where = check_cpu_limits()
+    except ConfigError as e:
+        shared = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, cores_per_device="shared"))
+        return shared, (f"CPU LIMITS COULD NOT BE SET, running on shared cores instead of "
+                        f"{cfg.cluster.cores_per_device} cores per device: {e}")
+    return cfg, f"each device is capped at {cfg.cluster.cores_per_device} CPU cores ({where})"
+
+
+def _dp(plan: dict[str, Any] | None) -> str:
+    return ", ".join(f"{name} DP{sp['dp']}" for name, sp in sorted((plan or {}).items()))
+
+
+def describe_pool_change(decisions: list[dict[str, Any]], at: int, word: str) -> str:
+    """What the job decided when the pool changed at step ``at`` (``word``: "joined" or
+    "drained"): the first decision from then on with that trigger, its payback against
+    its limit (a drained device skips the test: it must go), DP before and after."""
+    for d in decisions:
+        hit = any(t["kind"] == "device-pool" and word in t.get("text", "") for t in d["triggers"])
+        if d["step"] < at or not hit:
+            continue
+        after = d["target_plan"] if d["admitted"] and d["target_plan"] else d["current_plan"]
+        payback = "n/a" if d["payback_steps"] is None else f"{d['payback_steps']:.2f}"
+        limit = "n/a" if d["limit_steps"] is None else f"{d['limit_steps']:.1f}"
+        return (f"step {d['step']}: payback {payback} steps against a limit of {limit} -> {'admitted' if d['admitted'] else 'turned down'} ({d['reason']}); "
+                f"before: {_dp(d['current_plan'])}; after: {_dp(after)}")
+    return f"no decision on devices {word} was recorded"
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.splitlines()[0])
     p.add_argument("--reclaim-at", type=int, default=50, help="step before which a device is reclaimed (0: never)")
@@ -99,6 +143,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"demo: config error: {e}", file=sys.stderr)
         return 2
+    cfg, capacity = capacity_line(cfg)
+    print(f"demo: {capacity}", flush=True)
     job = RLJob(cfg)
     if not args.is_async:
         job.boundary_hooks.append(pool_events(args.reclaim_at, args.return_at))
@@ -122,6 +168,12 @@ def main(argv: list[str]) -> int:
               f"{[c['generation_devices'] for c in changes]}")
     print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> {records[-1]['reward_mean']:.3f}, "
           f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png")
+    print(f"devices: {capacity}")
+    decisions = job.adapter.decisions if job.adapter is not None else []
+    if args.reclaim_at:
+        print(f"the reclaimed device: {describe_pool_change(decisions, args.reclaim_at, 'drained')}")
+    if args.return_at:
+        print(f"the returning device: {describe_pool_change(decisions, args.return_at, 'joined')}")
     return 0
 
 

@@ -11,7 +11,9 @@ the controller's monitoring tap needs.
 
 Public API: ``Actor``, ``endpoint``, ``Cluster``, ``ActorMesh``, ``ActorRef``,
 ``Endpoint``, ``DeviceInfo``, ``Failure``, ``current_device``, ``emit``, ``run``,
-``in_thread`` (blocking work off the loop); the runtime's processes: ``Controller``,
+``in_thread`` (blocking work off the loop), ``CpuLimits`` (one cgroup CPU quota per
+device; ``check_cpu_limits`` says whether they can be set here), ``device_threads``
+(the torch threads a worker's device gives it); the runtime's processes: ``Controller``,
 ``NodeDaemon``, their entries ``controller_main`` and ``node_main`` and the lines
 (``CONTROLLER_READY``, ``NODE_READY``) each prints once it serves.
 
@@ -22,6 +24,7 @@ from nereus.actors._client import emit
 from nereus.actors._controller import READY_PREFIX as CONTROLLER_READY
 from nereus.actors._controller import Controller
 from nereus.actors._controller import main as controller_main
+from nereus.actors._cpulimit import CpuLimits, check_cpu_limits, device_threads
 from nereus.actors._loop import in_thread, run
 from nereus.actors._node import READY_PREFIX as NODE_READY
 from nereus.actors._node import NodeDaemon
@@ -33,6 +36,9 @@ from nereus.actors.mesh import ActorMesh, ActorRef, Endpoint
 __all__ = [
     "CONTROLLER_READY",
     "NODE_READY",
+    "device_threads",
+    "CpuLimits",
+    "check_cpu_limits",
     "Actor",
     "ActorMesh",
     "ActorRef",

@@ -43,6 +43,7 @@ import zmq
 
 from nereus.actors import _protocol as P
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters
+from nereus.actors._cpulimit import device_threads
 from nereus.actors._stream import IDENT_PREFIX, StreamChannel
 from nereus.actors.actor import Actor, DeviceInfo, Failure, endpoint_spec, endpoints_of
 from nereus.errors import ProtocolError
@@ -506,7 +507,7 @@ class ActorHost:
                                 f"{self.device.index}; stop it first")
         cls = import_actor_class(body.get("cls", ""))
         if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(body.get("torch_threads", 1))
+            sys.modules["torch"].set_num_threads(body.get("torch_threads", device_threads()))
         args = body.get("args") or []
         kwargs = body.get("kwargs") or {}
         max_pending = body.get("max_pending", DEFAULT_MAX_PENDING)

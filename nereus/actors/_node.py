@@ -24,6 +24,13 @@ count within the daemon's own ``CUDA_VISIBLE_DEVICES`` when it is set (a Slurm s
 or a container has already narrowed it to the GPUs this node may use): the daemon
 maps within it and never widens it to the host's raw GPU ids.
 
+``--cores-per-device q`` (one number, or one per device: ``0.25,0.5``) caps each CPU
+worker at ``q`` cores by a cgroup CPU quota (``nereus.actors._cpulimit``): the worker
+joins its group before it runs Python, torch gets ``ceil(q)`` threads, and the group
+goes when the worker or the node ends (a starting node removes those of killed nodes).
+Where no CPU controller is writable the node refuses to start (``ConfigError``);
+without it (``"shared"``, the default) workers share the host's cores.
+
 The key comes from ``--key-file`` or ``$NEREUS_CLUSTER_KEY``; workers get it through
 their environment. Workers get the daemon's ``sys.path`` as ``PYTHONPATH`` and its
 working directory, so they import the same actor modules.
@@ -54,6 +61,7 @@ from collections.abc import Mapping
 
 from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
+from nereus.actors._cpulimit import CpuLimits, parse_cores
 from nereus.actors._curve import CurveKey, load_curve
 from nereus.actors._keys import CURVE_ENV, KEY_ENV, load_key
 from nereus.actors._loop import run
@@ -165,7 +173,9 @@ class NodeDaemon:
                  start_timeout_s: float = 60.0, stop_grace_s: float = 3.0,
                  log_level: str = "WARNING",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 curve: CurveKey | None = None) -> None:
+                 curve: CurveKey | None = None,
+                 cores_per_device: float | str | list[float] | None = None,
+                 cgroup_root: str | None = None) -> None:
         if (devices is None) == (gpus is None):
             raise ConfigError(f"devices={devices!r}, gpus={gpus!r}: give exactly one of them")
         if devices is not None and (not isinstance(devices, int) or devices < 1):
@@ -189,6 +199,13 @@ class NodeDaemon:
         else:
             self.memory_bytes = [parse_size(memory_per_device, "memory_per_device")] * count
         self.count = count
+        if cores_per_device not in (None, "shared") and self.kind != "cpu":
+            raise ConfigError(f"cores_per_device={cores_per_device!r} caps CPU workers; "
+                              "GPU devices are one GPU each")
+        # per local device, None: shared cores; groups are made in start()
+        self.cores = parse_cores(cores_per_device, count)
+        self.cgroup_root = cgroup_root
+        self.limits: CpuLimits | None = None
         self.transport = transport
         self.bind_host = bind_host
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -249,6 +266,8 @@ class NodeDaemon:
         self._tmpdir = tempfile.mkdtemp(prefix=f"nereus-{os.getpid()}-")
         os.mkdir(os.path.join(self._tmpdir, "tmp"))
         try:
+            if self.cores is not None:
+                self.limits = CpuLimits(self.cores, owner=self.node_id, root=self.cgroup_root)
             await asyncio.wait_for(asyncio.gather(*(self._spawn(w) for w in self.workers)),
                                    self.start_timeout_s)
         except asyncio.TimeoutError:
@@ -273,7 +292,10 @@ class NodeDaemon:
             env[CURVE_ENV] = self.curve.secret.decode()
         else:
             env.pop(CURVE_ENV, None)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        if self.limits is not None:
+            env["OMP_NUM_THREADS"] = str(self.limits.threads(w.local_index))
+        else:
+            env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")  # actors' prints show up as they happen
         if self._tmpdir is not None:  # made by start(), removed by stop()
             env["TMPDIR"] = os.path.join(self._tmpdir, "tmp")
@@ -300,8 +322,11 @@ class NodeDaemon:
                "--node-id", self.node_id, "--parent-pid", str(os.getpid()),
                "--log-level", self.log_level,
                "--max-message-bytes", str(self.max_message_bytes)]
+        # a capped worker is in its group before it executes Python (so before torch)
+        join = self.limits.preexec(w.local_index) if self.limits is not None else None
         w.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, env=self._env(w), cwd=os.getcwd())
+            *cmd, stdout=asyncio.subprocess.PIPE, env=self._env(w), cwd=os.getcwd(),
+            preexec_fn=join)
         while True:
             line = await w.proc.stdout.readline()
             if not line:
@@ -325,6 +350,8 @@ class NodeDaemon:
 
     async def _watch(self, w: _Worker) -> None:
         rc = await w.proc.wait()
+        if self.limits is not None and not self.stopping:
+            self.limits.remove(w.local_index)
         if self.stopping or w.retired:
             return
         reason = death_reason(rc)
@@ -409,6 +436,8 @@ class NodeDaemon:
                 p._transport.close()
         if self._client is not None:
             self._client.close()
+        if self.limits is not None:
+            self.limits.close()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -421,6 +450,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     group.add_argument("--gpus", help="'all' or GPU ids like 0,1")
     ap.add_argument("--memory-per-device", default=None,
                     help="budget per device, e.g. 2GiB (CPU default 1GiB; GPU: its memory)")
+    ap.add_argument("--cores-per-device", default="shared",
+                    help="CPU cores each worker may use (cgroup quota): a number, one per "
+                         "device like 0.25,0.5, or 'shared' (no limit; the default)")
+    ap.add_argument("--cgroup-root", default=None,
+                    help="make the CPU groups in this cgroup folder (default: found)")
     ap.add_argument("--key-file", default=None, help="cluster key file (else $NEREUS_CLUSTER_KEY)")
     ap.add_argument("--curve-key-file", default=None,
                     help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)")
@@ -436,6 +470,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _cores_arg(text: str) -> float | str | list[float]:
+    """``--cores-per-device``: 'shared', one number, or a comma-separated list."""
+    if text == "shared":
+        return text
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"cores_per_device={text!r} must be 'shared', a number or a "
+                          "comma-separated list of numbers") from None
+    return values[0] if len(values) == 1 else values
+
+
 async def _serve(args: argparse.Namespace) -> None:
     key = load_key(key_file=args.key_file)
     node = NodeDaemon(args.controller, key, devices=args.devices, gpus=args.gpus,
@@ -444,6 +490,8 @@ async def _serve(args: argparse.Namespace) -> None:
                       start_timeout_s=args.start_timeout_s,
                       max_message_bytes=parse_size(args.max_message_bytes, "max_message_bytes"),
                       curve=load_curve(args.curve_key_file) if args.curve_key_file else None,
+                      cores_per_device=_cores_arg(args.cores_per_device),
+                      cgroup_root=args.cgroup_root,
                       log_level="WARNING" if args.log_level.upper() == "INFO" else args.log_level)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()

@@ -6,8 +6,11 @@
 
 Promises:
 - ``Cluster.local`` embeds a controller and node daemons in the driver's event loop
-  (workers are real processes) with a fresh random key; ``Cluster.connect`` attaches to
-  a running controller, and ``close`` stops only the meshes this driver spawned.
+  (workers are real processes) with a fresh random key; ``cores_per_device=q`` (a
+  number, or one per device) caps each worker at ``q`` CPU cores by a cgroup quota
+  (``"shared"``, the default: no limit; ``cores_of(device)`` says a device's cap);
+  ``Cluster.connect`` attaches to a running controller, and ``close`` stops only the
+  meshes this driver spawned.
 - A device that dies is reported to its owner: in-flight calls to it fail with
   ``ActorDied``, every ``on_failure`` callback gets one ``Failure`` per actor this
   driver had there, every surviving actor of an affected mesh gets ``__supervise__``,
@@ -36,6 +39,7 @@ from typing import Any
 from nereus.actors import _client
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES
 from nereus.actors._controller import Controller
+from nereus.actors._cpulimit import parse_cores
 from nereus.actors._curve import CurveKey, load_curve
 from nereus.actors._host import DEFAULT_MAX_PENDING
 from nereus.actors._keys import generate_key, load_key
@@ -59,8 +63,12 @@ class Cluster:
                  heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
                  span_sample_every: int = 100,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 curve: CurveKey | None = None) -> None:
+                 curve: CurveKey | None = None,
+                 cores_per_device: float | str | Sequence[float] = "shared",
+                 cgroup_root: str | None = None) -> None:
         self.key = key
+        self._cores = cores_per_device
+        self._cgroup_root = cgroup_root
         self.curve = curve
         self._max_message_bytes = max_message_bytes
         self.address = address or ""
@@ -94,9 +102,14 @@ class Cluster:
               heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
               span_sample_every: int = 100,
               max_message_bytes: int | str = DEFAULT_MAX_MESSAGE_BYTES,
-              curve_key_file: str | None = None) -> Cluster:
+              curve_key_file: str | None = None,
+              cores_per_device: float | str | Sequence[float] = "shared",
+              cgroup_root: str | None = None) -> Cluster:
         """A controller and node daemon(s) in this event loop, ``devices`` workers in all.
-        ``curve_key_file``: encrypt the tcp sockets (``nereus curve-key FILE``)."""
+        ``curve_key_file``: encrypt the tcp sockets (``nereus curve-key FILE``).
+        ``cores_per_device``: each worker's CPU cap in cores (a number, one per device in
+        device order, or ``"shared"``: no cap); ``cgroup_root``: where to make the groups
+        (default: found; refused with ``ConfigError`` where none is writable)."""
         if isinstance(devices, int):
             if devices < 1 or nodes < 1 or devices < nodes:
                 raise ConfigError(f"devices={devices}, nodes={nodes}: need 1 <= nodes <= devices")
@@ -113,7 +126,9 @@ class Cluster:
                    heartbeat_timeout_s=heartbeat_timeout_s, transport=transport,
                    span_sample_every=span_sample_every,
                    max_message_bytes=parse_size(max_message_bytes, "max_message_bytes"),
-                   curve=load_curve(curve_key_file) if curve_key_file else None)
+                   curve=load_curve(curve_key_file) if curve_key_file else None,
+                   cores_per_device=_check_cores(cores_per_device, sum(per_node)),
+                   cgroup_root=cgroup_root)
 
     @classmethod
     def connect(cls, address: str, key: str | bytes | None = None, *,
@@ -179,18 +194,39 @@ class Cluster:
         self.controller = await Controller(
             self.key, heartbeat_timeout_s=self._heartbeat_timeout_s, curve=self.curve).start()
         self.address = self.controller.address
+        first = 0
         for i, n in enumerate(self._local_devices):
             node = NodeDaemon(self.address, self.key, devices=n,
                               memory_per_device=self._memory_per_device,
+                              cores_per_device=self._node_cores(first, n),
+                              cgroup_root=self._cgroup_root,
                               transport=self._transport, node_id=f"local{i}",
                               heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
                               start_timeout_s=self._timeout_s,
                               max_message_bytes=self._max_message_bytes, curve=self.curve)
             self.nodes.append(node)
+            first += n
         for node in self.nodes:  # one after the other: node i's devices come before node i+1's
             await node.register()
         await asyncio.gather(*(node.start() for node in self.nodes))
         await self.controller.wait_devices(sum(self._local_devices), self._timeout_s)
+
+    def _node_cores(self, first: int, count: int) -> float | str | list[float]:
+        """The ``cores_per_device`` of a node holding local devices first..first+count-1."""
+        if isinstance(self._cores, (list, tuple)):
+            return list(self._cores[first:first + count])
+        return self._cores
+
+    def cores_of(self, device: int) -> float | None:
+        """The CPU cores device ``device`` is capped at (a device of a node this cluster
+        started), or None: shared cores, a GPU, or a device of a node started elsewhere."""
+        info = next((d for d in self.devices if d.index == device), None)
+        if info is None:
+            return None
+        node = next((n for n in self.nodes if n.node_id == info.node_id), None)
+        if node is None or node.cores is None:
+            return None
+        return node.cores[info.local_index]
 
     def _set_view(self, view: dict) -> None:
         self.tap_address = view["tap_address"]
@@ -255,9 +291,12 @@ class Cluster:
                 self._retiring.pop(d, None)
                 self._draining.discard(d)
 
-    async def add_node(self, devices: int, memory_per_device: int | str | None = None) -> list[int]:
+    async def add_node(self, devices: int, memory_per_device: int | str | None = None,
+                       cores_per_device: float | str | None = None) -> list[int]:
         """Start one more node daemon with ``devices`` worker processes (a local cluster
-        only); returns the indices its devices were given."""
+        only); returns the indices its devices were given. Its workers get
+        ``cores_per_device`` (default: the cluster's, the first device's where it gives
+        one per device)."""
         if self.controller is None:
             raise ConfigError("add_node starts node daemons of a local cluster; on a running cluster start "
                               "`python -m nereus.node --controller ...` on the new host instead")
@@ -265,6 +304,9 @@ class Cluster:
             raise ConfigError(f"devices={devices!r} must be an int >= 1")
         node = NodeDaemon(self.address, self.key, devices=devices,
                           memory_per_device=memory_per_device or self._memory_per_device,
+                          cores_per_device=(cores_per_device if cores_per_device is not None
+                                            else self._added_cores()),
+                          cgroup_root=self._cgroup_root,
                           transport=self._transport, node_id=f"local{len(self.nodes)}",
                           heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
                           start_timeout_s=self._timeout_s, max_message_bytes=self._max_message_bytes)
@@ -272,6 +314,11 @@ class Cluster:
         await node.start()
         await self.refresh_devices()
         return list(node.indices)
+
+    def _added_cores(self) -> float | str:
+        if isinstance(self._cores, (list, tuple)):
+            return self._cores[0]
+        return self._cores
 
     def _forget_device(self, index: int) -> None:
         self._addresses.pop(index, None)
@@ -424,3 +471,11 @@ class Cluster:
             await node.stop()
         if self.controller is not None:
             await self.controller.close()
+
+
+def _check_cores(value: float | str | Sequence[float], devices: int) -> float | str | list[float]:
+    """``cores_per_device`` as given, refused early (``ConfigError``) when malformed."""
+    parsed = parse_cores(value, devices)
+    if parsed is None:
+        return "shared"
+    return list(value) if isinstance(value, (list, tuple)) else float(value)

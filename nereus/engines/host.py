@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nereus.actors import endpoint, in_thread
+from nereus.actors import device_threads, endpoint, in_thread
 from nereus.config import require
 from nereus.engines.stepped import SteppedRollout
 from nereus.errors import StateError
@@ -51,13 +51,15 @@ GENERATION_ENGINES = ("builtin", "vllm")
 
 def _one_thread(fn: Any, *args: Any) -> Any:
     # OpenMP's thread count is per calling thread: executor threads start at the default.
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
+    # One thread, or ceil(cores) on a device with a CPU limit (nereus.actors.device_threads).
+    threads = device_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     return fn(*args)
 
 
 async def run_engine_work(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a thread (the worker's event loop keeps answering), one torch thread."""
+    """``fn(*args)`` in a thread (the worker's event loop keeps answering), the device's torch threads."""
     return await in_thread(_one_thread, fn, *args)
 
 

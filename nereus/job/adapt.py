@@ -200,7 +200,12 @@ class Adapter:
 
     def _cluster_spec(self, devices: int) -> ClusterSpec:
         budget = min((d.memory_bytes for d in self.stages.cluster.devices), default=2**30)
-        return local_cpu_cluster_probed(max(1, devices), budget, headroom=self.cfg.adapt.headroom)
+        # the pool's slots in order: each slot's CPU cores (None: shared cores)
+        cores = self.stages.device_cores(list(self.pool.ids))
+        if cores is not None and len(cores) != devices:
+            cores = [min(cores)] * devices
+        return local_cpu_cluster_probed(max(1, devices), budget, headroom=self.cfg.adapt.headroom,
+                                        device_cores=cores)
 
     def _workload(self, lengths: LengthStats, memory_lengths: LengthStats | None = None) -> Workload:
         return job_workload(self.cfg, self.model_config, prompt_length=self.prompt_length, lengths=lengths,

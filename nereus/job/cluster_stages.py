@@ -122,7 +122,8 @@ class ClusterStages(PlanChanges, ModelStages):
             else:
                 # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
                 # can miss the default 3 s, and a lost node ends the job.
-                cluster = Cluster.local(devices=c.devices, memory_per_device=c.memory_per_device, heartbeat_timeout_s=30.0)
+                cluster = Cluster.local(devices=c.devices, memory_per_device=c.memory_per_device, heartbeat_timeout_s=30.0,
+                                        cores_per_device=c.cores_per_device)
             await cluster.start()
         cfg = resolve_model_dtype(cfg, [d.kind for d in cluster.devices[:cfg.cluster.devices]])
         self = cls(cfg, cluster, model_config, Path(model_dir))
@@ -204,13 +205,23 @@ class ClusterStages(PlanChanges, ModelStages):
             idle = [d for d in sorted(devices) if d in self.hosts and d not in training]
             await asyncio.gather(*(self.hosts[d].warm_up.call_one() for d in idle))
 
+    def device_cores(self, devices: list[int]) -> list[float] | None:
+        """The CPU cores of each of ``devices`` (cluster ids) where every one has a limit
+        (``Cluster.cores_of``), else None: shared cores."""
+        cores_of = getattr(self.cluster, "cores_of", None)
+        cores = [cores_of(d) for d in devices] if cores_of is not None else [None]
+        return None if not cores or any(c is None for c in cores) else cores
+
     async def _start_all(self) -> None:
         # what transitions are priced with: this machine's rates (probed once, cached),
         # refitted from every measured transition node
         budget = min((d.memory_bytes for d in self.cluster.devices), default=2**30)
-        self.cluster_spec = local_cpu_cluster_probed(max(1, len(self.cluster.devices)), max(budget, 2))
+        cores = self.device_cores([d.index for d in self.cluster.devices])
+        self.cluster_spec = local_cpu_cluster_probed(max(1, len(self.cluster.devices)), max(budget, 2),
+                                                     device_cores=cores)
         # firm priors: one plan's timings cannot tell apart classes that scale together
-        self.calibrator = Calibrator(prior=local_cpu_efficiency(), prior_weight=0.05)
+        self.calibrator = Calibrator(prior=local_cpu_efficiency(cores=min(cores) if cores else None),
+                                     prior_weight=0.05)
         self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
         self._models["policy"] = (self.model_config, str(self.model_dir))

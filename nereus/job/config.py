@@ -177,6 +177,11 @@ class ClusterConfig:
     mode: Literal["local", "connect", "in_process"] = "local"
     devices: int = 4
     memory_per_device: str = "1GiB"
+    cores_per_device: float | list[float] | str = "shared"
+    """``local``: each device's CPU cores, kernel-enforced (a cgroup quota per worker;
+    nereus.node): one number, or one per device; ``"shared"``: no limit, the workers
+    share the host's cores. A limit that cannot be set stops the job (never ignored).
+    A running cluster's nodes set their own (``--cores-per-device``)."""
     address: str = ""
     key_file: str = ""
     curve_key_file: str = ""
@@ -187,6 +192,23 @@ class ClusterConfig:
                 "must be the controller's address ('tcp://HOST:PORT') when mode='connect'")
         require(self.devices >= 1, "cluster.devices", self.devices, "must be >= 1")
         parse_size(self.memory_per_device, "cluster.memory_per_device")
+        c = self.cores_per_device
+        if isinstance(c, str):
+            require(c == "shared", "cluster.cores_per_device", c, 'must be "shared", a number or one per device')
+        else:
+            values = c if isinstance(c, list) else [c]
+            require(all(0.01 <= v <= 4096 for v in values), "cluster.cores_per_device", c,
+                    "must be in [0.01, 4096] cores")
+            require(not isinstance(c, list) or len(c) == self.devices, "cluster.cores_per_device", c,
+                    f"must give one number per device (cluster.devices={self.devices})")
+
+    @property
+    def device_cores(self) -> list[float] | None:
+        """Each device's CPU cores, or None (shared cores)."""
+        c = self.cores_per_device
+        if isinstance(c, str):
+            return None
+        return [float(v) for v in c] if isinstance(c, list) else [float(c)] * self.devices
 
     @property
     def memory_bytes(self) -> int:

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nereus.config import parse_size
-from nereus.errors import InfeasiblePlan, exit_status
+from nereus.errors import ConfigError, InfeasiblePlan, exit_status
 from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset
 from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.explain import Explanation, explain
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="device budget (default: every device of the cluster)")
     p.add_argument("--local-devices", type=int, default=4, help="local-cpu: worker processes")
     p.add_argument("--memory", default="2GiB", help="local-cpu: memory budget per worker")
+    p.add_argument("--cores-per-device", default="shared",
+                   help="local-cpu: each worker's CPU cores (a number, one per worker like 0.25,0.5, "
+                        "or 'shared')")
     p.add_argument("--model", default="llama-8b", help=f"policy and reference: one of {sorted(MODEL_PRESETS)}")
     p.add_argument("--value-model", help="critic and reward trunk (default: the policy's)")
     p.add_argument("--algo", default="ppo", choices=ALGORITHMS)
@@ -62,8 +65,23 @@ def _cluster(args: argparse.Namespace) -> ClusterSpec:
     if args.cluster == "local-cpu":
         from nereus.planner._probe import local_cpu_cluster_probed
 
-        return local_cpu_cluster_probed(args.local_devices, parse_size(args.memory, "--memory"))
+        return local_cpu_cluster_probed(args.local_devices, parse_size(args.memory, "--memory"),
+                                        device_cores=_device_cores(args.cores_per_device, args.local_devices))
     return cluster_preset(args.cluster, args.nodes)
+
+
+def _device_cores(text: str, devices: int) -> list[float] | None:
+    if text == "shared":
+        return None
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--cores-per-device={text!r} must be 'shared', a number or one per worker") from None
+    if len(values) == 1:
+        values *= devices
+    if len(values) != devices or min(values) <= 0:
+        raise ConfigError(f"--cores-per-device={text!r} must give {devices} numbers > 0 (one per worker)")
+    return values
 
 
 def _workload(args: argparse.Namespace) -> Workload:

@@ -13,6 +13,9 @@ Promises:
   module never measures anything).
 - ``with_nodes(n)`` is the same hardware with another node count (a device-pool change
   of whole nodes).
+- Devices of a fixed CPU capacity (``device_cores``: a kernel-enforced quota per worker,
+  one number per device, possibly unlike): rates are one full core's, a device gets its
+  cores' worth (``rate_share``), and a replica runs at its slowest device's.
 
 Refuses (``ConfigError``): non-positive counts, sizes or rates, and unknown preset names
 (the message lists the known ones).
@@ -70,6 +73,15 @@ class ClusterSpec:
     # own. With c shared cores, a model-stage busy on n devices gets min(1, c/n) of each
     # device's rates (``rate_share``).
     cores: int | None = None
+    # Each device's CPU capacity in cores (a cgroup quota per worker process), or None.
+    # With it, ``peak_flops``, ``memory_bandwidth`` and the link bandwidths are one full
+    # core's sustained rates (measured under the limit and divided by it), and a device
+    # of q cores gets q of them; ``cores`` is then the host's core count (None: enough).
+    device_cores: tuple[float, ...] | None = None
+    # Latency steps of a small all-reduce among n ranks: "tree" (recursive doubling,
+    # 2·log2 n: NCCL's and fabric collectives) or "ring" (2·(n-1): gloo's ring between
+    # processes on one CPU host, where every step is a process wake-up).
+    collective_steps: str = "tree"
 
     def __post_init__(self) -> None:
         require(bool(self.name), "ClusterSpec.name", self.name, "must be non-empty")
@@ -85,6 +97,13 @@ class ClusterSpec:
         require(0 <= self.headroom < 1, "ClusterSpec.headroom", self.headroom, "must be in [0, 1)")
         require(self.cores is None or (isinstance(self.cores, int) and self.cores >= 1), "ClusterSpec.cores",
                 self.cores, "must be None or an integer >= 1")
+        if self.device_cores is not None:
+            require(len(self.device_cores) == self.nodes * self.devices_per_node, "ClusterSpec.device_cores",
+                    self.device_cores, f"must give one capacity per device ({self.nodes * self.devices_per_node})")
+            require(all(c > 0 for c in self.device_cores), "ClusterSpec.device_cores", self.device_cores,
+                    "must be > 0 cores each")
+        require(self.collective_steps in ("tree", "ring"), "ClusterSpec.collective_steps",
+                self.collective_steps, "must be 'tree' or 'ring'")
         require(
             0 <= self.workspace_bytes < self.device_memory_bytes,
             "ClusterSpec.workspace_bytes",
@@ -92,10 +111,39 @@ class ClusterSpec:
             f"must be >= 0 and below device_memory_bytes={self.device_memory_bytes}",
         )
 
-    def rate_share(self, busy_devices: int) -> float:
+    def rate_share(self, busy_devices: int, capacity: float | None = None) -> float:
         """The share of a device's compute and bandwidth each of ``busy_devices`` devices
-        working at once gets (1.0 unless the devices share ``cores``)."""
-        return core_share(self.cores, busy_devices)
+        working at once gets (1.0 unless the devices share ``cores``). With
+        ``device_cores``: ``capacity`` (default: the slowest device's) cores, less where
+        the busy devices' quotas add up to more than the host's ``cores``."""
+        if self.device_cores is None:
+            return core_share(self.cores, busy_devices)
+        q = self.capacity() if capacity is None else capacity
+        if self.cores is None:
+            return q
+        return q * min(1.0, self.cores / (busy_devices * q))
+
+    def capacity(self, devices: object = None) -> float | None:
+        """The cores a replica on ``devices`` (global indices; default: any device) runs
+        at: its slowest device's (None without ``device_cores``)."""
+        if self.device_cores is None:
+            return None
+        if devices is None:
+            return min(self.device_cores)
+        ids = [d for d in devices if 0 <= d < len(self.device_cores)]  # type: ignore[union-attr]
+        return min((self.device_cores[d] for d in ids), default=min(self.device_cores))
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        return self.device_cores is not None and len(set(self.device_cores)) > 1
+
+    def collective_latency_steps(self, n: int) -> int:
+        """Latency steps of one small all-reduce among ``n`` ranks (``collective_steps``)."""
+        if n <= 1:
+            return 0
+        if self.collective_steps == "ring":
+            return 2 * (n - 1)
+        return 2 * max(1, (n - 1).bit_length())
 
     @property
     def num_devices(self) -> int:
@@ -168,6 +216,7 @@ def local_cpu_cluster(
     workspace_bytes: int = 0,
     cores: int | None = None,
     headroom: float = 0.10,
+    device_cores: tuple[float, ...] | list[float] | None = None,
 ) -> ClusterSpec:
     """This machine as ``devices`` worker processes, each with a ``memory_bytes`` budget.
 
@@ -177,10 +226,18 @@ def local_cpu_cluster(
     a model-stage busy on more devices than cores gets each device's share of them (4
     worker processes on 2 cores run about half as fast each as one alone, 2 run at full
     speed: ``ClusterSpec.rate_share``). One node: every collective takes the intra-node
-    path."""
+    path.
+
+    ``device_cores`` (one per device): each worker's CPU quota; the rates are then one
+    full core's (the probe's figures under the limit, divided by it), each device gets
+    its cores' worth, and ``cores`` is the host's core count, limiting only where the
+    quotas add up to more. Small all-reduces are priced as gloo runs them there: a ring
+    of 2·(n-1) process wake-ups."""
     require(isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1")
     require(memory_bytes > workspace_bytes, "memory_bytes", memory_bytes, f"must exceed workspace_bytes={workspace_bytes}")
     require(cores is None or (isinstance(cores, int) and cores >= 1), "cores", cores, "must be an integer >= 1")
+    require(device_cores is None or len(device_cores) == devices, "device_cores", device_cores,
+            f"must give one capacity per device ({devices})")
     return ClusterSpec(
         name=f"local-cpu-{devices}",
         nodes=1,
@@ -195,5 +252,16 @@ def local_cpu_cluster(
         workspace_bytes=int(workspace_bytes),
         headroom=headroom,
         flash_attention=False,
-        cores=cores if cores is not None and cores < devices else None,
+        cores=_shared_cores(cores, devices, device_cores),
+        device_cores=tuple(float(c) for c in device_cores) if device_cores is not None else None,
+        collective_steps="ring" if device_cores is not None else "tree",
     )
+
+
+def _shared_cores(cores: int | None, devices: int, device_cores: object) -> int | None:
+    """``cores`` where it limits the devices, else None."""
+    if cores is None:
+        return None
+    if device_cores is not None:
+        return cores if sum(device_cores) > cores else None  # type: ignore[arg-type]
+    return cores if cores < devices else None

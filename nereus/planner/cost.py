@@ -8,6 +8,10 @@ streaming of weights, KV cache and optimizer state / memory bandwidth),
 ``allreduce_intra``/``allreduce_inter`` (ring all-reduce bytes / link bandwidth plus
 a per-step latency) and ``p2p_intra``/``p2p_inter`` (pipeline sends).
 
+Devices of a fixed CPU capacity (``ClusterSpec.device_cores``) get their replica's
+capacity in cores (its slowest device's); their small all-reduces are a ring of process
+wake-ups (``ClusterSpec.collective_latency_steps``).
+
 Refuses (``ConfigError``): efficiency factors outside (0, 1.5], a memory scale outside
 [0.25, 8], a fixed memory term outside [0, 1 TiB]. Layouts are not checked here: the
 search and ``explain`` do that.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -252,11 +257,6 @@ def _ring(n: int, nbytes: float, bw: float) -> float:
     return 2.0 * (n - 1) / n * nbytes / bw
 
 
-def _hops(n: int) -> int:
-    """Latency steps of one small all-reduce among n ranks (recursive doubling: 2·log2 n)."""
-    return 2 * max(1, (n - 1).bit_length())
-
-
 class _Terms:
     """A stage's terms as they are added: each term's seconds at the efficiencies, their
     running total, and (``keep``) the terms themselves, formulas filled when asked."""
@@ -299,16 +299,19 @@ class _Links:
     bw_dp: float
     a_dp: float
     dp_cls: str
+    hops: Callable[[int], int]  # latency steps of one small all-reduce among n ranks
 
     @classmethod
-    def of(cls, cluster: ClusterSpec, devices: int, pp_inter: bool, dp_inter: bool) -> _Links:
-        busy = cluster.rate_share(devices)  # devices sharing cores slow each other down
+    def of(cls, cluster: ClusterSpec, devices: int, pp_inter: bool, dp_inter: bool,
+           capacity: float | None = None) -> _Links:
+        # devices sharing cores slow each other down; a capped device has its quota's worth
+        busy = cluster.rate_share(devices, capacity)
         bw_tp, a_tp = cluster.intra_node_bandwidth * busy, cluster.intra_node_latency_s
         share = cluster.device_share_of_inter_node()
         bw_pp, a_pp, pp_cls = (share, cluster.inter_node_latency_s, "p2p_inter") if pp_inter else (bw_tp, a_tp, "p2p_intra")
         bw_dp, a_dp, dp_cls = (share, cluster.inter_node_latency_s, "allreduce_inter") if dp_inter else (bw_tp, a_tp, "allreduce_intra")
         return cls(busy, cluster.peak_flops * busy, cluster.memory_bandwidth * busy, bw_tp, a_tp,
-                   bw_pp, a_pp, pp_cls, bw_dp, a_dp, dp_cls)
+                   bw_pp, a_pp, pp_cls, bw_dp, a_dp, dp_cls, cluster.collective_latency_steps)
 
 
 def stage_cost(
@@ -327,6 +330,7 @@ def stage_cost(
     waves: int = 1,
     formulas: bool = False,
     keep_terms: bool = True,
+    capacity: float | None = None,
 ) -> StageCost:
     """Time of one replica of ``stage`` at layout tp x pp with dp replicas.
 
@@ -335,8 +339,10 @@ def stage_cost(
     ``recompute`` (training) adds a second forward: 8·N instead of 6·N FLOPs per token
     and 6 TP all-reduces per layer instead of 4.
     ``formulas`` fills each term's formula text (for ``explain``; the search skips it);
-    ``keep_terms=False`` returns only the total seconds (terms empty), for the search."""
-    links = _Links.of(cluster, tp * pp * dp, pp_inter, dp_inter)
+    ``keep_terms=False`` returns only the total seconds (terms empty), for the search.
+    ``capacity``: the cores of the replica's slowest device, on a cluster with
+    ``device_cores`` (default: the cluster's slowest device)."""
+    links = _Links.of(cluster, tp * pp * dp, pp_inter, dp_inter, capacity)
     n_r = _ceil_div(work.sequences, dp)
     terms = _Terms(eff, keep_terms, formulas)
     if stage.kind == "generation":
@@ -374,7 +380,7 @@ def _generation_terms(terms: _Terms, model: ModelShape, work: Workload, eff: Eff
         ("{} waves·{} forward passes·{} layers·{:.2g} s fixed cost", (waves, 1 + steps, L, eff.layer_pass_s)))
     if tp > 1:
         nbytes = 2 * L * (t_prompt + t_gen) * h * b
-        add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * _hops(tp) * a_tp),),
+        add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * links.hops(tp) * a_tp),),
             ("ring 2(tp-1)/tp·{:.3g} B/{:.3g} B/s + {} all-reduces·2·log2(tp)·{:.1e} s", (nbytes, bw_tp, 2 * L * waves * (1 + steps), a_tp)))
     if pp > 1:
         nbytes = (pp - 1) * (t_prompt + t_gen) * h * b
@@ -414,7 +420,7 @@ def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2
         nbytes = per_layer * layers * tokens * h * b
-        add_body("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + per_layer * layers * micro_total * _hops(tp) * a_tp),),
+        add_body("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + per_layer * layers * micro_total * links.hops(tp) * a_tp),),
                  ("ring 2(tp-1)/tp·{}·{} layers·{:.3g} tok·h·b/{:.3g} B/s", (per_layer, layers, tokens, bw_tp)))
     if pp > 1:
         dirs = 2 if training else 1
@@ -431,7 +437,7 @@ def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload
         p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
         if dp > 1:
             nbytes = p_dev * b  # the engines all-reduce gradients in the parameters' dtype
-            add("dp sync", ((links.dp_cls, opt_steps * (_ring(dp, nbytes, links.bw_dp) + _hops(dp) * links.a_dp)),),
+            add("dp sync", ((links.dp_cls, opt_steps * (_ring(dp, nbytes, links.bw_dp) + links.hops(dp) * links.a_dp)),),
                 ("{} updates·ring 2(dp-1)/dp·{:.3g} B grads/{:.3g} B/s", (opt_steps, nbytes, links.bw_dp)))
         add("optimizer", (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),
             ("{} updates·{:.3g} params·{} B/{:.3g} B/s", (opt_steps, p_dev, UPDATE_BYTES, mem_bw)))

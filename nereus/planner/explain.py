@@ -163,7 +163,8 @@ def explain(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency = 
         model = work.models[stage.model]
         pp_inter, dp_inter = links_of(sp, cluster, stage.name)
         cost = stage_cost(stage, model, work, cluster, eff, sp.tp, sp.pp, sp.dp, pp_inter=pp_inter,
-                          dp_inter=dp_inter, recompute=sp.recompute, waves=sp.waves, formulas=True)
+                          dp_inter=dp_inter, recompute=sp.recompute, waves=sp.waves, formulas=True,
+                          capacity=cluster.capacity([d for emu in sp.devices for d in emu]))
         mem = stage_memory(stage, model, work, sp.tp, sp.pp, sp.dp, recompute=sp.recompute, waves=sp.waves,
                            scale=eff.memory_scale, fixed=eff.memory_fixed_bytes, flash_attention=cluster.flash_attention)
         out.append(StageExplanation(stage.name, level, sp, cost, mem, pp_inter, dp_inter))

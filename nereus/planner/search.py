@@ -13,6 +13,12 @@ left) is slower than a bound is dropped; the bound is first halfway between that
 and the quick plan, then 80% of the way (exact whenever a plan is found under it),
 else the quick plan.
 
+Devices of unlike capacity (``ClusterSpec.device_cores``, one node): the search above
+prices every pool at the slowest device's capacity; the chosen pools are then placed
+on the devices by trying every order of the pools over the devices sorted fastest
+first, each model-stage priced at its own devices' capacity (``explain``), so the
+heavier pool gets the faster devices where that pays.
+
 Raises ``InfeasiblePlan`` when no plan fits (names the budget and the usable memory).
 
 More (how it works): docs/plans-and-adaptation.md.
@@ -20,6 +26,7 @@ More (how it works): docs/plans-and-adaptation.md.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from bisect import bisect_right
@@ -31,10 +38,12 @@ from nereus.config import require
 from nereus.errors import InfeasiblePlan
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency, stage_cost, stage_memory, usable_bytes
+from nereus.planner.explain import explain
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.workload import Workload, phases
 
-__all__ = ["Candidate", "SearchResult", "Alternative", "pool_sizes", "stage_candidates", "search", "NAMED_PLACEMENTS"]
+__all__ = ["Candidate", "SearchResult", "Alternative", "pool_sizes", "stage_candidates", "search",
+           "place_by_capacity", "NAMED_PLACEMENTS"]
 
 log = logging.getLogger("nereus.planner")
 
@@ -419,6 +428,38 @@ class _Searcher:
         return plan, tuple(names)
 
 
+def place_by_capacity(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency,
+                      budget: int | None = None) -> tuple[Plan, float]:
+    """``plan``'s pools (model-stages on the same devices) placed on the first ``budget``
+    devices of a one-node cluster, in the order of pools that makes the step fastest
+    with each device's own capacity; the devices are taken fastest first."""
+    budget = cluster.num_devices if budget is None else budget
+    pools: list[tuple[int, ...]] = []
+    for _, sp in plan:
+        devs = tuple(sorted(d for emu in sp.devices for d in emu))
+        if devs not in pools:
+            pools.append(devs)
+    cores = cluster.device_cores or (1.0,) * cluster.num_devices
+    fastest = sorted(range(budget), key=lambda d: (-cores[d], d))
+    best: tuple[float, str, Plan] | None = None
+    for order in itertools.permutations(range(len(pools))):
+        onto: dict[int, int] = {}
+        at = 0
+        for k in order:
+            for d in pools[k]:
+                onto[d] = fastest[at]
+                at += 1
+        moved = Plan(tuple((name, StagePlan(sp.tp, sp.pp, sp.dp,
+                                            tuple(tuple(onto[d] for d in emu) for emu in sp.devices),
+                                            recompute=sp.recompute, waves=sp.waves))
+                           for name, sp in plan))
+        seconds = explain(moved, work, cluster, eff).step_seconds
+        if best is None or (seconds, str(moved)) < best[:2]:
+            best = (seconds, str(moved), moved)
+    assert best is not None
+    return best[2], best[0]
+
+
 def _named_partitions(work: Workload) -> dict[str, list[int]]:
     n = len(work.stages)
     every = (1 << n) - 1
@@ -495,6 +536,8 @@ def search(
         )
     step, pools = found
     plan, groups = s.to_plan(pools)
+    if cluster.is_heterogeneous and cluster.nodes == 1:
+        plan, step = place_by_capacity(plan, work, cluster, eff, budget)
     alts: list[Alternative] = []
     if alternatives:
         chosen = sorted(sorted(g) for g in groups)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from nereus.actors import Actor, ActorRef, endpoint, in_thread
+from nereus.actors import Actor, ActorRef, device_threads, endpoint, in_thread
 from nereus.errors import StateError
 from nereus.state import checkpoint as ckpt
 from nereus.state.apply import TORCH_DTYPES, plan_part, run_part
@@ -84,7 +84,7 @@ class ShardHolder(Actor):
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, direct: bool = True) -> None:
         """``direct=False`` moves every plan through buckets, even between processes
         that could write into each other's arenas (a baseline, and for comparison)."""
-        torch.set_num_threads(1)
+        torch.set_num_threads(device_threads())
         self.shards = {}
         self.states = {}
         self.bucket_bytes = int(bucket_bytes)

@@ -359,9 +359,11 @@ class LinkModel:
         ``Efficiency``; None: its conservative defaults): a device's bandwidth within its
         node, its share of its node's NICs across nodes (every device of a node sends at
         once during a transition), the cores its devices share, its local copy cost,
-        what a host's devices share."""
+        what a host's devices share. Devices of a fixed CPU capacity move bytes at their
+        cores' worth of one core's rates (the slowest device's)."""
         if eff is None:
             from nereus.planner.cost import CONSERVATIVE as eff
-        return cls(cluster.intra_node_bandwidth, cluster.device_share_of_inter_node(), eff.p2p_intra,
+        q = cluster.capacity() if getattr(cluster, "device_cores", None) is not None else 1.0
+        return cls(cluster.intra_node_bandwidth * q, cluster.device_share_of_inter_node() * q, eff.p2p_intra,
                    eff.p2p_inter, eff.group_setup_s, eff.transition_call_s, eff.transition_s, cluster.cores,
                    eff.copy_s_per_gb, eff.group_release_s, eff.host_s_per_gb, cluster.devices_per_node)
