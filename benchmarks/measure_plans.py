@@ -29,9 +29,13 @@ import shutil
 import statistics
 import tempfile
 from pathlib import Path
+import sys
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the project claims Python 3.10
+    import tomli as tomllib
 
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError

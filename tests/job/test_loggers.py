@@ -142,6 +142,7 @@ def test_resume_keeps_one_history(tmp_path):
     assert mf["reward_mean"] == want
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_rewind_to_a_checkpoint_leaves_each_step_once_in_every_logger(tmp_path):
     """A running job restores the checkpoint at step 4 after step 6: steps 4-6 are redone,

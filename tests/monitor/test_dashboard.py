@@ -419,6 +419,7 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
     assert proc.returncode == 0, (await proc.stderr.read()).decode()
 
 
+@pytest.mark.integration
 async def test_the_page_over_a_job_recording_shows_every_device_budget_in_chromium(tmp_path, chromium):
     """``make demo``'s tap.jsonl, written by the job's own recorder: no ``worker_join`` of
     the starting devices (it subscribed after them), no ``memory`` events (the job emits
