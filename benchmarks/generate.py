@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from nereus.engines import GenerationEngine, SamplingParams
     from nereus.engines.memory import MemoryLedger
+    from nereus.engines.options import EngineOptions
     from nereus.models import save_tiny_model, tiny_config
 
     # vLLM's CPU attention needs head_dim >= 32: two heads of 32 at the default hidden 64.
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(save_tiny_model(tmp, config, seed=0))
 
-        engine = GenerationEngine(config, model_dir=model_dir, ledger=MemoryLedger("bench", None))
+        engine = GenerationEngine(
+            config, options=EngineOptions(model_dir=model_dir, ledger=MemoryLedger("bench", None))
+        )
         params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)
 
         def run_nereus() -> int:

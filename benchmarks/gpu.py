@@ -232,18 +232,27 @@ def weight_load(reps: int = 3) -> dict[str, Any]:
         return {"weight_load_s": None, "weight_load_skipped": "vllm is not importable"}
     from nereus.engines import GenerationEngine
     from nereus.engines.memory import MemoryLedger
+    from nereus.engines.options import EngineOptions
     from nereus.engines.vllm_adapter import VllmGenerationEngine
     from nereus.models import save_tiny_model, tiny_config
 
     config = tiny_config(num_hidden_layers=2, hidden_size=128, tie_word_embeddings=True)
     folder = save_tiny_model(Path(tempfile.mkdtemp(prefix="nereus-vllm-")) / "m", config, seed=1)
-    engine = VllmGenerationEngine(config, folder, dtype="bfloat16", max_model_len=64,
-                                  kv_cache_bytes=64 << 20,
-                                  ledger=MemoryLedger("gpu-bench-vllm", None))
+    engine = VllmGenerationEngine(
+        config,
+        folder,
+        options=EngineOptions(dtype="bfloat16", ledger=MemoryLedger("gpu-bench-vllm", None)),
+        max_model_len=64,
+        kv_cache_bytes=64 << 20,
+    )
     try:
         # the built-in engine names weights as vLLM does (fused qkv and gate_up)
-        reference = GenerationEngine(config, model_dir=folder,
-                                     ledger=MemoryLedger("gpu-bench-ref", None), name="ref")
+        reference = GenerationEngine(
+            config,
+            options=EngineOptions(
+                model_dir=folder, ledger=MemoryLedger("gpu-bench-ref", None), name="ref"
+            ),
+        )
         shards = {k: v.to("cuda:0", torch.bfloat16) for k, v in reference.named_weights().items()}
         times = []
         for _ in range(reps):

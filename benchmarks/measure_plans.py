@@ -27,9 +27,9 @@ import json
 import logging
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
-import sys
 from typing import Any
 
 if sys.version_info >= (3, 11):

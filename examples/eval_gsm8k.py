@@ -20,6 +20,7 @@ from nereus.data.rewards import math_reward
 from nereus.data.vocab import Codec
 from nereus.engines.generation import GenerationEngine
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.models import ModelConfig
 
 
@@ -32,7 +33,10 @@ def main() -> None:
     config, codec = ModelConfig.from_hf(args.model), Codec.from_dir(args.model)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     prompts = [codec.encode_messages(r["prompt"]) for r in rows]
-    engine = GenerationEngine(config, model_dir=args.model, ledger=MemoryLedger("eval", None), name="eval")
+    engine = GenerationEngine(
+        config,
+        options=EngineOptions(model_dir=args.model, ledger=MemoryLedger("eval", None), name="eval"),
+    )
     params = {"max_tokens": args.max_tokens, "temperature": 0.0, "stop_token_ids": [codec.eos_id]}
     out = engine.generate(prompts, params).token_ids
     engine.close()

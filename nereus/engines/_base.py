@@ -18,7 +18,6 @@ More (how it works): docs/engines.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ from nereus.config import require
 from nereus.engines._pipeline import activation_bytes, forward_only, token_logprobs
 from nereus.engines.context import EmuContext
 from nereus.engines.losses import normalize_batch, split_batch
-from nereus.engines.memory import MemoryLedger, device_ledger, tensors_bytes
+from nereus.engines.memory import device_ledger, tensors_bytes
+from nereus.engines.options import EngineOptions
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import DecoderStage, build_stage, torch_dtype
@@ -53,21 +53,17 @@ class EngineBase:
         config: ModelConfig,
         ctx: EmuContext | None = None,
         *,
-        model_dir: str | Path | None = None,
-        tensors: Mapping[str, torch.Tensor] | None = None,
-        dtype: str | torch.dtype = "float32",
+        options: EngineOptions | None = None,
         value_head: bool = False,
-        seed: int = 0,
-        ledger: MemoryLedger | None = None,
-        name: str = "engine",
+        default_name: str = "engine",
     ) -> None:
-        require(tensors is None or model_dir is None, "engine weights", "tensors and model_dir",
-                "give one of them: tensors (a shard store's) or model_dir")
+        options = options or EngineOptions()
+        name, tensors, model_dir = options.named(default_name), options.tensors, options.model_dir
         self.config = config
         self.ctx = ctx or EmuContext(ParallelContext())
-        self.dtype = torch_dtype(dtype)
+        self.dtype = torch_dtype(options.dtype)
         self.name = name
-        self.ledger = ledger or device_ledger()
+        self.ledger = options.ledger or device_ledger()
         self.owns_weights = tensors is None
         require(
             not self.ledger.breakdown().keys() & {f"{name}/weights", f"{name}/grads", f"{name}/kv_cache"},
@@ -83,7 +79,7 @@ class EngineBase:
                 self.stage: DecoderStage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device,
                                                        value_head=value_head, tensors=tensors)
             else:
-                torch.manual_seed(seed)
+                torch.manual_seed(options.seed)
                 self.stage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device,
                                          value_head=value_head)
                 if model_dir is not None:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +35,7 @@ from nereus.config import require
 from nereus.engines._base import EngineBase
 from nereus.engines.context import EmuContext
 from nereus.engines.losses import even_slices
-from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.engines.sampling import SamplingParams, sample_next, step_noise
 from nereus.models.config import ModelConfig
 from nereus.models.decoder import KVCache
@@ -82,21 +80,17 @@ class GenerationEngine(EngineBase):
         config: ModelConfig,
         ctx: EmuContext | None = None,
         *,
-        model_dir: str | Path | None = None,
-        tensors: Mapping[str, torch.Tensor] | None = None,
-        dtype: str | torch.dtype = "float32",
+        options: EngineOptions | None = None,
         max_batch: int = 256,
         wavefront: bool = False,
-        seed: int = 0,
-        ledger: MemoryLedger | None = None,
-        name: str = "generation",
     ) -> None:
         require(max_batch >= 1, "GenerationEngine.max_batch", max_batch, "must be >= 1")
-        super().__init__(config, ctx, model_dir=model_dir, tensors=tensors, dtype=dtype, seed=seed, ledger=ledger,
-                         name=name)
+        options = options or EngineOptions()
+        super().__init__(config, ctx, options=options, default_name="generation")
+        name = self.name
         self.max_batch = max_batch
         self.wavefront = wavefront
-        self.model_dir = model_dir
+        self.model_dir = options.model_dir
         self.is_sleeping = False
         self._weight_bytes = self.ledger.held(f"{name}/weights")
         self._cache: KVCache | None = None

@@ -33,6 +33,7 @@ import torch
 
 from nereus.actors import device_threads, endpoint, in_thread
 from nereus.config import require
+from nereus.engines.options import EngineOptions
 from nereus.engines.stepped import SteppedRollout
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
@@ -166,21 +167,33 @@ class EngineHost(ShardHolder):
         if kind == "training":
             from nereus.engines.training import TrainingEngine
 
-            return TrainingEngine(config, ctx, tensors=held, step=self.states[emu.name].update_count, dtype=dtype,
-                                  critic=value_head, name=emu.name, **options)
+            return TrainingEngine(
+                config,
+                ctx,
+                options=EngineOptions(tensors=held, dtype=dtype, name=emu.name),
+                step=self.states[emu.name].update_count,
+                critic=value_head,
+                **options,
+            )
         if kind == "inference":
             from nereus.engines.inference import InferenceEngine
 
-            return InferenceEngine(config, ctx, tensors=params, dtype=dtype, value_head=value_head,
-                                   name=emu.name, **options)
+            return InferenceEngine(
+                config,
+                ctx,
+                options=EngineOptions(tensors=params, dtype=dtype, name=emu.name),
+                value_head=value_head,
+                **options,
+            )
         if options.pop("engine", "builtin") == "vllm":
             from nereus.engines.vllm_adapter import VllmGenerationEngine
 
             model_dir = options.pop("model_dir")
+            shared = EngineOptions(dtype=dtype, seed=options.pop("seed", 0), name=emu.name)
             options.setdefault("load_format", "dummy")  # every weight comes from the EMU's shards next
             # a job never puts this engine to sleep: its memory stays in torch's own allocator
             options.setdefault("enable_sleep_mode", False)
-            engine = VllmGenerationEngine(config, model_dir, ctx, dtype=dtype, name=emu.name, **options)
+            engine = VllmGenerationEngine(config, model_dir, ctx, options=shared, **options)
             try:
                 engine.load_named(params)
             except BaseException:
@@ -189,7 +202,12 @@ class EngineHost(ShardHolder):
             return engine
         from nereus.engines.generation import GenerationEngine
 
-        return GenerationEngine(config, ctx, tensors=params, dtype=dtype, name=emu.name, **options)
+        return GenerationEngine(
+            config,
+            ctx,
+            options=EngineOptions(tensors=params, dtype=dtype, name=emu.name),
+            **options,
+        )
 
     def _engine(self, emu: str, kind: str | None = None) -> Any:
         engine = self.engines.get(emu)

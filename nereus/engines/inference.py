@@ -25,8 +25,6 @@ reward function that returns the wrong number of scores.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +34,7 @@ from nereus.engines._base import EngineBase
 from nereus.engines._pipeline import activation_bytes, token_logprobs
 from nereus.engines.context import EmuContext
 from nereus.engines.losses import normalize_batch, resolve_callable
-from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.models.config import ModelConfig
 
 __all__ = ["InferenceEngine", "activation_bytes", "token_logprobs"]
@@ -50,18 +48,14 @@ class InferenceEngine(EngineBase):
         config: ModelConfig,
         ctx: EmuContext | None = None,
         *,
-        model_dir: str | Path | None = None,
-        tensors: Mapping[str, torch.Tensor] | None = None,
-        dtype: str | torch.dtype = "float32",
+        options: EngineOptions | None = None,
         value_head: bool = False,
         micro_batch_size: int = 16,
-        seed: int = 0,
-        ledger: MemoryLedger | None = None,
-        name: str = "inference",
     ) -> None:
         require(micro_batch_size >= 1, "InferenceEngine.micro_batch_size", micro_batch_size, "must be >= 1")
-        super().__init__(config, ctx, model_dir=model_dir, tensors=tensors, dtype=dtype, value_head=value_head,
-                         seed=seed, ledger=ledger, name=name)
+        super().__init__(
+            config, ctx, options=options, value_head=value_head, default_name="inference"
+        )
         self.micro_batch_size = micro_batch_size
         self.stage.eval()
 

@@ -22,7 +22,6 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -38,7 +37,7 @@ from nereus.engines._pipeline import (
 )
 from nereus.engines.context import EmuContext
 from nereus.engines.losses import normalize_batch, resolve_callable, split_batch
-from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.errors import StateError
 from nereus.models.config import ModelConfig
 from nereus.models.layers import ColumnParallelLinear, ShardedModule
@@ -103,26 +102,22 @@ class TrainingEngine(EngineBase):
         config: ModelConfig,
         ctx: EmuContext | None = None,
         *,
-        model_dir: str | Path | None = None,
-        tensors: Mapping[str, torch.Tensor] | None = None,
+        options: EngineOptions | None = None,
         step: int = 0,
-        dtype: str | torch.dtype = "float32",
         optim: OptimConfig | dict[str, Any] | None = None,
         critic: bool = False,
         schedule: str = "1f1b",
         recompute: bool = False,
-        seed: int = 0,
-        ledger: MemoryLedger | None = None,
-        name: str = "training",
     ) -> None:
+        options = options or EngineOptions()
         self.optim_config = OptimConfig.from_any(optim)
         require(isinstance(recompute, bool), "TrainingEngine.recompute", recompute, "must be true or false")
         self.recompute = recompute
         require(schedule in ("1f1b", "gpipe"), "TrainingEngine.schedule", schedule, "must be '1f1b' or 'gpipe'")
         require(isinstance(step, int) and step >= 0, "TrainingEngine.step", step, "must be an integer >= 0")
         self.schedule = schedule
-        super().__init__(config, ctx, model_dir=model_dir, tensors=tensors, dtype=dtype, value_head=critic,
-                         seed=seed, ledger=ledger, name=name)
+        super().__init__(config, ctx, options=options, value_head=critic, default_name="training")
+        name, tensors = self.name, options.tensors
         try:
             self.critic = critic
             self.stage.recompute_activations = recompute

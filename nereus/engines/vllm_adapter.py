@@ -45,7 +45,8 @@ from nereus.config import require
 from nereus.engines._base import stage_param_bytes
 from nereus.engines.context import EmuContext
 from nereus.engines.generation import GenerationOutput
-from nereus.engines.memory import MemoryLedger, device_ledger
+from nereus.engines.memory import device_ledger
+from nereus.engines.options import EngineOptions
 from nereus.engines.sampling import SamplingParams
 from nereus.errors import ConfigError, TransferError
 from nereus.models.config import ModelConfig
@@ -280,16 +281,21 @@ class VllmGenerationEngine:
         model_dir: str | Path,
         ctx: EmuContext | None = None,
         *,
-        dtype: str = "float32",
+        options: EngineOptions | None = None,
         max_model_len: int | None = None,
         kv_cache_bytes: int = 256 << 20,
         gpu_memory_utilization: float | None = None,
         enable_sleep_mode: bool | None = None,
-        seed: int = 0,
-        ledger: MemoryLedger | None = None,
-        name: str = "vllm-generation",
         **vllm_kwargs: Any,
     ) -> None:
+        options = options or EngineOptions()
+        require(
+            options.model_dir is None and options.tensors is None,
+            "VllmGenerationEngine.options",
+            "model_dir or tensors",
+            "must be empty: vLLM reads the model folder given as model_dir",
+        )
+        dtype, seed, name = options.dtype, options.seed, options.named("vllm-generation")
         require(kv_cache_bytes > 0, "VllmGenerationEngine.kv_cache_bytes", kv_cache_bytes, "must be > 0")
         require(gpu_memory_utilization is None or 0 < gpu_memory_utilization <= 1,
                 "VllmGenerationEngine.gpu_memory_utilization", gpu_memory_utilization,
@@ -298,7 +304,7 @@ class VllmGenerationEngine:
         self.ctx = ctx or EmuContext(ParallelContext())
         require(self.ctx.pp_size == 1, "VllmGenerationEngine pp_size", self.ctx.pp_size, "must be 1 (the vLLM adapter runs TP only)")
         self.name = name
-        self.ledger = ledger or device_ledger()
+        self.ledger = options.ledger or device_ledger()
         weights = stage_param_bytes(config, self.ctx, torch_dtype(dtype))
         self.on_cpu = not torch.cuda.is_available()
         self._reserved = {"weights": weights, "kv_cache": kv_cache_bytes}

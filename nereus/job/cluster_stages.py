@@ -4,8 +4,9 @@ holds and can change between steps.
 The plan (``plan``): a ``nereus.planner.Plan`` under the job's model-stage names,
 converted from the TOML ``[plan]``; ``await apply_plan(target)`` changes it at a step
 boundary over the state the workers hold, through one transition DAG across every
-model-stage that moves (``nereus.job.plan_changes.PlanChanges``, which this class is
-made of: pricing, checking and running a change).
+model-stage that moves (``nereus.job.plan_changes.PlanChanges``, held as ``changes``:
+pricing, checking and running a change). Both read and write the placement through one
+``nereus.job.stages_state.StagesState`` (``state``).
 
 Devices: every live device gets an engine host at start; a device the cluster drains
 (``Cluster.drain``) may not appear in a target and is retired once the change leaves it
@@ -27,7 +28,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from nereus.job.change import STAGE_KINDS, stage_emus
 from nereus.job.config import JobConfig, resolve_model_dtype
 from nereus.job.local_stages import reward_model
 from nereus.job.plan_changes import PlanChanges, emit_event
+from nereus.job.stages_state import StagesState
 from nereus.models import ModelConfig, model_spec
 from nereus.planner import Calibrator, local_cpu_cluster_probed, local_cpu_efficiency
 from nereus.planner.plan import Plan, StagePlan
@@ -60,7 +61,7 @@ from nereus.state import (
 )
 from nereus.state.spec import DTYPE_BYTES, ModelSpec, grad_bytes_per_param
 from nereus.transfer import make_group, release_groups
-from nereus.transition import LinkModel
+from nereus.transition import LinkModel, TransitionDAG
 
 __all__ = ["ClusterStages", "STAGE_KINDS"]
 
@@ -69,39 +70,75 @@ log = logging.getLogger("nereus.rl")
 _VALUE_HEAD = ("critic_inference", "critic_training", "reward_inference")
 
 
-class ClusterStages(PlanChanges, ModelStages):
+def _shared(name: str) -> Any:
+    """An attribute of ``ClusterStages`` kept in its ``StagesState`` (read and written there)."""
+
+    def get(self: ClusterStages) -> Any:
+        return getattr(self.state, name)
+
+    def set_(self: ClusterStages, value: Any) -> None:
+        setattr(self.state, name, value)
+
+    return property(get, set_, doc=f"``StagesState.{name}``")
+
+
+class ClusterStages(ModelStages):
     """See the module docstring. Build with ``await ClusterStages.start(...)``."""
+
+    # what plan changes share with the work (nereus.job.stages_state)
+    cfg = _shared("cfg")
+    cluster = _shared("cluster")
+    model_config = _shared("model_config")
+    epoch = _shared("epoch")
+    hosts = _shared("hosts")
+    emus = _shared("emus")
+    handles = _shared("handles")
+    _plan = _shared("plan")
+    _sync = _shared("sync")
+    _models = _shared("models")
+    _missing = _shared("missing")
+    _cache_slots = _shared("cache_slots")
+    _spawn_s = _shared("spawn_s")
+    last_transition = _shared("last_transition")
+    learn_transitions = _shared("learn_transitions")
+    cluster_spec = _shared("cluster_spec")
+    calibrator = _shared("calibrator")
+    link = _shared("link")
 
     def __init__(self, cfg: JobConfig, cluster: Cluster, model_config: ModelConfig, model_dir: Path) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.cluster = cluster
-        self.model_config = model_config
+        self.state = StagesState(cfg, cluster, model_config, cfg.job_plan())
+        self.changes = PlanChanges(self.state, self)  # pricing, checking and running a change
         self.model_dir = Path(model_dir)
         self.policy_version = 0
-        self.epoch = 0
-        self.hosts: dict[int, Any] = {}
-        self.emus: dict[str, list[EMU]] = {}  # model-stage -> its EMUs (DP order)
-        self.handles: dict[str, Any] = {}  # model-stage -> ModelStageHandle of its engines
         self.failures: list[Failure] = []
         self.failure_event = asyncio.Event()
-        self._plan = cfg.job_plan()
         self._host_meshes: list[Any] = []
-        self._cache_slots = 0  # slots of the generation KV caches before a change
-        self._transition: asyncio.Future | None = None  # a change running in the background
-        self._waiting: set[str] = set()  # model-stages that wait for it
-        self.last_transition: dict[str, Any] | None = None  # the report of the last change
-        self.learn_transitions = True  # measured transition nodes refit the link model
-        self._sync: dict[str, tuple[list[Any], Any]] = {}  # target model-stage -> (plans, group)
         self._owns_cluster = False
-        self._models: dict[str, tuple[ModelConfig, str]] = {}
-        # seconds a change spends per model-stage it restarts beyond the DAG's moves
-        # (engines stopped and started, their groups, the sync plans): measured
-        self._restart_s: deque[float] = deque(maxlen=4)
-        # model-stages a fault left without an intact EMU: the next change builds them
-        # (nereus.job.recovery)
-        self._missing: set[str] = set()
-        self._spawn_s: list[float] = []  # spawning each model-stage at start: the guess before any change
+
+    # --- plan changes (nereus.job.plan_changes) --------------------------------------
+
+    async def change_inputs(self) -> dict[str, Any]:
+        return await self.changes.change_inputs()
+
+    def plan_change(self, target: Plan, inputs: dict[str, Any]) -> tuple[TransitionDAG, float]:
+        return self.changes.plan_change(target, inputs)
+
+    @property
+    def restart_seconds(self) -> float:
+        return self.changes.restart_seconds
+
+    def estimate_change(self, target: Plan, inputs: dict[str, Any]) -> tuple[float, int]:
+        return self.changes.estimate_change(target, inputs)
+
+    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+        return await self.changes.apply_plan(target, overlap=overlap)
+
+    async def transition_done(self) -> dict[str, Any] | None:
+        return await self.changes.transition_done()
+
+    async def _ready(self, stage: str) -> None:
+        await self.changes.ready(stage)
 
     # --- start ------------------------------------------------------------------
 
@@ -480,7 +517,7 @@ class ClusterStages(PlanChanges, ModelStages):
         """Close the engines, stop the engine hosts (their stores go with them), release
         the epoch's groups, and stop the cluster if the job started it."""
         errors: list[BaseException] = []
-        if self._transition is not None:
+        if self.changes.running:
             try:
                 await self.transition_done()
             except Exception as e:  # keep closing; raised at the end

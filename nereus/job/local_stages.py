@@ -29,6 +29,7 @@ from nereus.data.vocab import Codec
 from nereus.engines.generation import GenerationEngine
 from nereus.engines.inference import InferenceEngine
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.engines.training import TrainingEngine
 from nereus.errors import ConfigError, StateError
 from nereus.job.config import JobConfig, resolve_model_dtype
@@ -120,23 +121,46 @@ class InProcessStages(ModelStages):
             return ledgers[device]
 
         self.ledgers = ledgers
-        common = {"model_dir": model_dir, "dtype": cfg.model.dtype}
+
+        def options(stage: str, folder: str | Path = model_dir) -> EngineOptions:
+            return EngineOptions(
+                model_dir=folder, dtype=cfg.model.dtype, ledger=ledger(stage), name=stage
+            )
+
         mbs = cfg.optim.micro_batch_size
-        self.generation = GenerationEngine(model_config, ledger=ledger("policy_generation"), name="policy_generation", **common)
-        self.policy = TrainingEngine(model_config, optim=cfg.optim.for_engine(), ledger=ledger("policy_training"), name="policy_training", **common)
+        self.generation = GenerationEngine(model_config, options=options("policy_generation"))
+        self.policy = TrainingEngine(
+            model_config, options=options("policy_training"), optim=cfg.optim.for_engine()
+        )
         self.reference = None
         if "reference_inference" in cfg.plan:
-            self.reference = InferenceEngine(model_config, micro_batch_size=mbs, ledger=ledger("reference_inference"), name="reference_inference", **common)
+            self.reference = InferenceEngine(
+                model_config, options=options("reference_inference"), micro_batch_size=mbs
+            )
         self.critic = self.critic_inference = None
         if "critic_training" in cfg.plan:
-            self.critic = TrainingEngine(model_config, optim=cfg.optim.for_engine(critic=True), critic=True, ledger=ledger("critic_training"), name="critic_training", **common)
-            self.critic_inference = InferenceEngine(model_config, value_head=True, micro_batch_size=mbs, ledger=ledger("critic_inference"), name="critic_inference", **common)
+            self.critic = TrainingEngine(
+                model_config,
+                options=options("critic_training"),
+                optim=cfg.optim.for_engine(critic=True),
+                critic=True,
+            )
+            self.critic_inference = InferenceEngine(
+                model_config,
+                options=options("critic_inference"),
+                value_head=True,
+                micro_batch_size=mbs,
+            )
             self._sync_critic()
         self.reward = None
         if "reward_inference" in cfg.plan:
             rm_config, rm_dir = reward_model(cfg, model_config)
-            self.reward = InferenceEngine(rm_config, model_dir=rm_dir, dtype=cfg.model.dtype, value_head=True, micro_batch_size=mbs,
-                                          ledger=ledger("reward_inference"), name="reward_inference")
+            self.reward = InferenceEngine(
+                rm_config,
+                options=options("reward_inference", rm_dir),
+                value_head=True,
+                micro_batch_size=mbs,
+            )
         self.policy_version = 0
 
     def _sync_critic(self) -> None:

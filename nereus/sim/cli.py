@@ -30,7 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from nereus.errors import ConfigError
+from nereus.errors import ConfigError, exit_status
 from nereus.planner.cluster import PRESETS
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS
 from nereus.sim.compare import simulate
@@ -128,59 +128,56 @@ def paper_table(data: list[dict], config: SimConfig) -> Table:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 150)
-    try:
-        if args.show_truth:
-            for name, value, reason in load_truth_params(args.truth).rows():
-                shown = f"{value:g}" if isinstance(value, (int, float)) else str(value)
-                console.print(f"[bold]{name}[/] = {shown}\n    {reason}")
-            return 0
-        config = _config(args)
-        scn = build_scenario(config)
-        t0 = time.perf_counter()
-        results = simulate(config, scenario=scn)
-        wall = time.perf_counter() - t0
-        from nereus.sim.report import plot, rows, table
+    return exit_status("nereus simulate", lambda: _simulate(args), failure=(SimulationError,))
 
-        scenario = {"scenario": config.scenario, "pair": config.pair, "nodes": scn.cluster.nodes,
-                    "cluster": config.cluster, "model": config.model, "algo": config.algorithm,
-                    "gpus_trace": config.gpus_trace, "length_trace": config.length_trace,
-                    "length_range": list(config.length_range) if config.length_range else None,
-                    "pool_scale": config.pool_scale, "steps": config.steps, "gamma": config.gamma, "seed": config.seed,
-                    "max_length": scn.truth.max_length, "cap_schedule": config.cap_schedule,
-                    "cap_changes": scn.caps.changes(), "prompts_per_step": config.prompts_per_step,
-                    "samples_per_prompt": config.samples_per_prompt}
-        data = rows(results, scenario)
-        title = (f"SIMULATION (not a measurement): {config.algorithm} {config.model} on {config.cluster}, "
-                 f"devices {scn.devices.name}, lengths {scn.lengths.name}, {config.steps} steps, "
-                 f"caps {config.cap_schedule} {'/'.join(str(c) for _, c in scn.caps.changes())}, "
-                 f"gamma {config.gamma}, seed {config.seed}")
-        console.print(table(data, title))
-        adaptive = next((r for r in data if r["policy"] == "adaptive"), None)
-        if adaptive is not None:
-            parts = [f"{key} = {adaptive[key]:.4f}" for key in ("reduction_vs_static", "reduction_vs_best_baseline",
-                                                                  "share_of_oracle_headroom") if key in adaptive]
-            if "best_baseline" in adaptive:
-                parts.append(f"best baseline: {adaptive['best_baseline']}")
-            console.print("adaptive: " + ", ".join(parts))
-        oracle = next((r for r in data if r["policy"] == ORACLE), None)
-        if oracle is not None and "reduction_vs_static" in oracle:
-            console.print(f"oracle (a reference, not a policy: the search's candidates chosen knowing the truth, "
-                          f"transitions and restarts free): reduction_vs_static = {oracle['reduction_vs_static']:.4f}")
-        if config.scenario is not None:
-            console.print(paper_table(data, config))
-        console.print(f"(simulated seconds; decision times are this machine's wall time; {wall:.1f} s to simulate)")
-        if args.json:
-            Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
-        if args.plot:
-            plot(results, args.plot, title.replace("SIMULATION (not a measurement): ", ""), caps=scn.caps)
+
+def _simulate(args: argparse.Namespace) -> int:
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    if args.show_truth:
+        for name, value, reason in load_truth_params(args.truth).rows():
+            shown = f"{value:g}" if isinstance(value, (int, float)) else str(value)
+            console.print(f"[bold]{name}[/] = {shown}\n    {reason}")
         return 0
-    except ConfigError as e:
-        print(f"nereus simulate: {e}", file=sys.stderr)
-        return 2
-    except SimulationError as e:
-        print(f"nereus simulate: the simulated job cannot go on: {e}", file=sys.stderr)
-        return 1
+    config = _config(args)
+    scn = build_scenario(config)
+    t0 = time.perf_counter()
+    results = simulate(config, scenario=scn)
+    wall = time.perf_counter() - t0
+    from nereus.sim.report import plot, rows, table
+
+    scenario = {"scenario": config.scenario, "pair": config.pair, "nodes": scn.cluster.nodes,
+                "cluster": config.cluster, "model": config.model, "algo": config.algorithm,
+                "gpus_trace": config.gpus_trace, "length_trace": config.length_trace,
+                "length_range": list(config.length_range) if config.length_range else None,
+                "pool_scale": config.pool_scale, "steps": config.steps, "gamma": config.gamma, "seed": config.seed,
+                "max_length": scn.truth.max_length, "cap_schedule": config.cap_schedule,
+                "cap_changes": scn.caps.changes(), "prompts_per_step": config.prompts_per_step,
+                "samples_per_prompt": config.samples_per_prompt}
+    data = rows(results, scenario)
+    title = (f"SIMULATION (not a measurement): {config.algorithm} {config.model} on {config.cluster}, "
+             f"devices {scn.devices.name}, lengths {scn.lengths.name}, {config.steps} steps, "
+             f"caps {config.cap_schedule} {'/'.join(str(c) for _, c in scn.caps.changes())}, "
+             f"gamma {config.gamma}, seed {config.seed}")
+    console.print(table(data, title))
+    adaptive = next((r for r in data if r["policy"] == "adaptive"), None)
+    if adaptive is not None:
+        parts = [f"{key} = {adaptive[key]:.4f}" for key in ("reduction_vs_static", "reduction_vs_best_baseline",
+                                                              "share_of_oracle_headroom") if key in adaptive]
+        if "best_baseline" in adaptive:
+            parts.append(f"best baseline: {adaptive['best_baseline']}")
+        console.print("adaptive: " + ", ".join(parts))
+    oracle = next((r for r in data if r["policy"] == ORACLE), None)
+    if oracle is not None and "reduction_vs_static" in oracle:
+        console.print(f"oracle (a reference, not a policy: the search's candidates chosen knowing the truth, "
+                      f"transitions and restarts free): reduction_vs_static = {oracle['reduction_vs_static']:.4f}")
+    if config.scenario is not None:
+        console.print(paper_table(data, config))
+    console.print(f"(simulated seconds; decision times are this machine's wall time; {wall:.1f} s to simulate)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    if args.plot:
+        plot(results, args.plot, title.replace("SIMULATION (not a measurement): ", ""), caps=scn.caps)
+    return 0
 
 
 if __name__ == "__main__":

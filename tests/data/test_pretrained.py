@@ -28,6 +28,7 @@ def test_convert_load_and_generate_like_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from nereus.engines.generation import GenerationEngine
+    from nereus.engines.options import EngineOptions
     from nereus.models import ModelConfig
 
     folder = convert_smollm2(tmp_path / "smollm2")
@@ -39,7 +40,7 @@ def test_convert_load_and_generate_like_transformers(tmp_path):
     task = ArithmeticTask(style="natural", max_operand=9)
     sample = task.sample(0, seed=0)
     prompt = codec.encode(sample.prompt)
-    engine = GenerationEngine(config, model_dir=folder)
+    engine = GenerationEngine(config, options=EngineOptions(model_dir=folder))
     ours = engine.generate([prompt], {"max_tokens": 8, "temperature": 0.0, "stop_token_ids": [codec.eos_id]}).token_ids[0]
     engine.close()
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -32,6 +32,7 @@ from nereus.engines import (
     TrainingEngine,
 )
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.models import ModelConfig, ParallelContext
 
 
@@ -71,7 +72,9 @@ def main(argv: list[str]) -> int:
     out: dict[str, torch.Tensor] = {}
 
     if dp == 1:
-        gen = GenerationEngine(config, ctx, model_dir=args.model_dir, ledger=ledger)
+        gen = GenerationEngine(
+            config, ctx, options=EngineOptions(model_dir=args.model_dir, ledger=ledger)
+        )
         greedy = gen.generate(prompts, SamplingParams(**settings["greedy"]))
         sampled = gen.generate(prompts, SamplingParams(**settings["sampled"]))
         for i, (toks, lps) in enumerate(zip(greedy.token_ids, greedy.logprobs, strict=True)):
@@ -80,20 +83,35 @@ def main(argv: list[str]) -> int:
         for i, toks in enumerate(sampled.token_ids):
             out[f"sampled.tokens.{i}"] = torch.tensor(toks, dtype=torch.long)
         gen.close()
-        inf = InferenceEngine(config, ctx, model_dir=args.model_dir, micro_batch_size=3, ledger=ledger)
+        inf = InferenceEngine(
+            config,
+            ctx,
+            options=EngineOptions(model_dir=args.model_dir, ledger=ledger),
+            micro_batch_size=3,
+        )
         out["inference.logprobs"] = inf.logprobs({"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]})
         inf.close()
 
     rows = inputs["input_ids"].shape[0]
     share = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
     batch = {"input_ids": inputs["input_ids"][share], "attention_mask": inputs["attention_mask"][share]}
-    train = TrainingEngine(config, ctx, model_dir=args.model_dir, optim=settings["optim"], ledger=ledger)
+    train = TrainingEngine(
+        config,
+        ctx,
+        options=EngineOptions(model_dir=args.model_dir, ledger=ledger),
+        optim=settings["optim"],
+    )
     metrics = train.train_step(batch, micro_batch_size=settings["micro_batch_size"])
     for name, tensor in train.named_state().items():
         out[f"state.{name}"] = tensor.contiguous()
     if pp > 1:  # the other pipeline schedule must land on the same parameters
-        gpipe = TrainingEngine(config, ctx, model_dir=args.model_dir, optim=settings["optim"], ledger=ledger,
-                               schedule="gpipe", name="training-gpipe")
+        gpipe = TrainingEngine(
+            config,
+            ctx,
+            options=EngineOptions(model_dir=args.model_dir, ledger=ledger, name="training-gpipe"),
+            optim=settings["optim"],
+            schedule="gpipe",
+        )
         gpipe.train_step(batch, micro_batch_size=settings["micro_batch_size"])
         for name, tensor in gpipe.named_state().items():
             out[f"gpipe.{name}"] = tensor.contiguous()

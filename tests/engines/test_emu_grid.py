@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from nereus.engines import GenerationEngine, InferenceEngine, SamplingParams, TrainingEngine
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.models import model_spec, save_tiny_model, shard_tensor, tiny_config
 
 pytestmark = pytest.mark.integration
@@ -54,12 +55,20 @@ def setup(tmp_path_factory):
 
     ledger = MemoryLedger("reference", None)
     plist = [row[row >= 0].tolist() for row in prompts]
-    ref_gen = GenerationEngine(config, model_dir=model_dir, ledger=ledger, name="ref-gen")
+    ref_gen = GenerationEngine(
+        config, options=EngineOptions(model_dir=model_dir, ledger=ledger, name="ref-gen")
+    )
     greedy = ref_gen.generate(plist, SamplingParams(**SETTINGS["greedy"]))
     sampled = ref_gen.generate(plist, SamplingParams(**SETTINGS["sampled"]))
-    ref_inf = InferenceEngine(config, model_dir=model_dir, ledger=ledger, name="ref-inf")
+    ref_inf = InferenceEngine(
+        config, options=EngineOptions(model_dir=model_dir, ledger=ledger, name="ref-inf")
+    )
     logprobs = ref_inf.logprobs({"input_ids": input_ids, "attention_mask": attention_mask})
-    ref_train = TrainingEngine(config, model_dir=model_dir, optim=SETTINGS["optim"], ledger=ledger, name="ref-train")
+    ref_train = TrainingEngine(
+        config,
+        options=EngineOptions(model_dir=model_dir, ledger=ledger, name="ref-train"),
+        optim=SETTINGS["optim"],
+    )
     metrics = ref_train.train_step({"input_ids": input_ids, "attention_mask": attention_mask}, micro_batch_size=SETTINGS["micro_batch_size"])
     ref = {
         "greedy": greedy,

@@ -12,6 +12,7 @@ from nereus.engines import GenerationEngine, SamplingParams, kv_cache_bytes
 from nereus.engines._base import stage_param_bytes
 from nereus.engines.context import EmuContext
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.errors import ConfigError, OutOfMemory
 from nereus.models import ModelConfig, ParallelContext, save_tiny_model, tiny_config
 
@@ -23,10 +24,14 @@ def model(tmp_path_factory):
     return config, path
 
 
-def _engine(model, **kw) -> GenerationEngine:
+def _engine(
+    model, *, ledger: MemoryLedger | None = None, name: str | None = None, **kw
+) -> GenerationEngine:
     config, path = model
-    kw.setdefault("ledger", MemoryLedger("gen-test", None))
-    return GenerationEngine(config, model_dir=path, **kw)
+    options = EngineOptions(
+        model_dir=path, ledger=ledger or MemoryLedger("gen-test", None), name=name
+    )
+    return GenerationEngine(config, options=options, **kw)
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
@@ -113,10 +118,14 @@ def test_out_of_memory_fires_exactly_at_the_budget(model):
     batch, max_tokens = len(PROMPTS), 5
     weights = stage_param_bytes(config, ctx, torch.float32)
     cache = kv_cache_bytes(config, ctx, batch, max(map(len, PROMPTS)) + max_tokens, torch.float32)
-    fits = GenerationEngine(config, model_dir=path, ledger=MemoryLedger(7, weights + cache))
+    fits = GenerationEngine(
+        config, options=EngineOptions(model_dir=path, ledger=MemoryLedger(7, weights + cache))
+    )
     fits.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     assert fits.ledger.used_bytes == weights + cache
-    tight = GenerationEngine(config, model_dir=path, ledger=MemoryLedger(7, weights + cache - 1))
+    tight = GenerationEngine(
+        config, options=EngineOptions(model_dir=path, ledger=MemoryLedger(7, weights + cache - 1))
+    )
     with pytest.raises(OutOfMemory) as info:
         tight.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     err = info.value
@@ -125,7 +134,9 @@ def test_out_of_memory_fires_exactly_at_the_budget(model):
     assert tight.ledger.used_bytes == weights  # nothing of the cache was kept
     # Weights alone that do not fit fail at construction, before anything is built.
     with pytest.raises(OutOfMemory, match="weights"):
-        GenerationEngine(config, model_dir=path, ledger=MemoryLedger(8, weights - 1))
+        GenerationEngine(
+            config, options=EngineOptions(model_dir=path, ledger=MemoryLedger(8, weights - 1))
+        )
 
 
 def test_cache_is_reused_and_freed(model):
@@ -180,7 +191,9 @@ def test_sleep_frees_weights_and_cache_and_wake_up_restores_them(model):
     eng.wake_up()  # from the model directory
     assert eng.generate(PROMPTS, params).token_ids == before.token_ids
     # waking with other weights (a weight sync) gives their tokens
-    other = GenerationEngine(model[0], ledger=MemoryLedger("other", None), seed=5, name="other")
+    other = GenerationEngine(
+        model[0], options=EngineOptions(seed=5, ledger=MemoryLedger("other", None), name="other")
+    )
     eng.sleep()
     eng.wake_up(other.named_weights())
     assert eng.generate(PROMPTS, params).token_ids == other.generate(PROMPTS, params).token_ids

@@ -9,6 +9,7 @@ import torch
 
 from nereus.engines import EmuContext, InferenceEngine, TrainingEngine
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.models import ParallelContext, save_tiny_model, tiny_config
 
 pytestmark = pytest.mark.gpu
@@ -29,8 +30,17 @@ def test_cuda_engines_match_cpu(tmp_path):
     cuda = EmuContext(ParallelContext(), device="cuda")
     for device_ctx, tag in ((None, "cpu"), (cuda, "cuda")):
         ledger = MemoryLedger(f"gpu-test-{tag}", None)
-        inf = InferenceEngine(CONFIG, device_ctx, model_dir=path, ledger=ledger, name=f"i-{tag}")
-        train = TrainingEngine(CONFIG, device_ctx, model_dir=path, optim={"lr": 1e-3}, ledger=ledger, name=f"t-{tag}")
+        inf = InferenceEngine(
+            CONFIG,
+            device_ctx,
+            options=EngineOptions(model_dir=path, ledger=ledger, name=f"i-{tag}"),
+        )
+        train = TrainingEngine(
+            CONFIG,
+            device_ctx,
+            options=EngineOptions(model_dir=path, ledger=ledger, name=f"t-{tag}"),
+            optim={"lr": 1e-3},
+        )
         lp = inf.logprobs(_batch())
         assert lp.device.type == "cpu"
         assert train.optimizer.defaults["foreach"] is (tag == "cuda")  # multi-tensor AdamW on CUDA

@@ -19,6 +19,7 @@ from nereus.engines import (
     start_model_stage,
 )
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.errors import ConfigError, RemoteError
 from nereus.models import model_spec, save_tiny_model, tiny_config
 from nereus.state import EMU, Layout, training_slots
@@ -60,15 +61,23 @@ def _emu(name: str, stage: str, layout: Layout, devices, spec=SPEC, slots=("para
 async def test_emus_at_tp_pp_and_dp_over_shard_stores_match_one_process(model_dir):
     ledger = MemoryLedger("hosts-ref", None)
     params = SamplingParams(max_tokens=5, temperature=0.0)
-    ref_gen = GenerationEngine(CONFIG, model_dir=model_dir, ledger=ledger, name="g")
+    ref_gen = GenerationEngine(
+        CONFIG, options=EngineOptions(model_dir=model_dir, ledger=ledger, name="g")
+    )
     ref_tokens = ref_gen.generate(PROMPTS, params).token_ids
     stop = ref_tokens[1][1]  # row 1 stops after two tokens; the others run on
     stop_params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(stop,))
     ref_stop = ref_gen.generate(PROMPTS * 2, stop_params)
     sampled_params = SamplingParams(max_tokens=5, temperature=0.9, top_p=0.9, seed=21)
     ref_sampled = ref_gen.generate(PROMPTS * 2, sampled_params)
-    ref_lp = InferenceEngine(CONFIG, model_dir=model_dir, ledger=ledger, name="i").logprobs(_batch())
-    ref_train = TrainingEngine(CONFIG, model_dir=model_dir, ledger=ledger, name="t", optim={"lr": 1e-3})
+    ref_lp = InferenceEngine(
+        CONFIG, options=EngineOptions(model_dir=model_dir, ledger=ledger, name="i")
+    ).logprobs(_batch())
+    ref_train = TrainingEngine(
+        CONFIG,
+        options=EngineOptions(model_dir=model_dir, ledger=ledger, name="t"),
+        optim={"lr": 1e-3},
+    )
     ref_metrics = ref_train.train_step(_batch(), micro_batch_size=1)
 
     before = children()
@@ -172,7 +181,11 @@ async def test_bad_model_stages_are_refused_before_anything_starts(model_dir):
 
 @pytest.mark.timeout(120)
 async def test_a_dp_critic_stage_splits_rows_and_concatenates_values(model_dir):
-    ref = InferenceEngine(CONFIG, model_dir=model_dir, value_head=True, ledger=MemoryLedger("v-ref", None), name="v")
+    ref = InferenceEngine(
+        CONFIG,
+        options=EngineOptions(model_dir=model_dir, ledger=MemoryLedger("v-ref", None), name="v"),
+        value_head=True,
+    )
     batch = _batch()
     spec = model_spec(CONFIG, value_head=True)
     async with Cluster.local(devices=2, memory_per_device="256MiB") as cluster:

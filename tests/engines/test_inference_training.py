@@ -7,6 +7,7 @@ import torch
 
 from nereus.engines import InferenceEngine, TrainingEngine
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.errors import ConfigError, OutOfMemory, StateError
 from nereus.models import save_tiny_model, tiny_config
 
@@ -44,7 +45,11 @@ def _hf_logprobs(hf, batch, temperature=1.0):
 def test_logprobs_match_transformers(model):
     config, path = model
     batch = _batch()
-    eng = InferenceEngine(config, model_dir=path, micro_batch_size=2, ledger=MemoryLedger("i", None))
+    eng = InferenceEngine(
+        config,
+        options=EngineOptions(model_dir=path, ledger=MemoryLedger("i", None)),
+        micro_batch_size=2,
+    )
     with torch.no_grad():
         for temperature in (1.0, 0.7):
             ref = _hf_logprobs(_hf(path).eval(), batch, temperature)
@@ -63,7 +68,9 @@ def test_train_step_matches_torch_adamw_with_clipping_and_accumulation(model):
     config, path = model
     batch = _batch()
     optim = {"lr": 1e-3, "weight_decay": 0.01, "grad_clip": 0.3}
-    eng = TrainingEngine(config, model_dir=path, optim=optim, ledger=MemoryLedger("t", None))
+    eng = TrainingEngine(
+        config, options=EngineOptions(model_dir=path, ledger=MemoryLedger("t", None)), optim=optim
+    )
     metrics = eng.train_step(batch, micro_batch_size=2)
 
     hf = _hf(path).train()
@@ -92,8 +99,16 @@ def test_train_step_matches_torch_adamw_with_clipping_and_accumulation(model):
 def test_micro_batches_accumulate_to_one_batch(model):
     config, path = model
     batch = _batch(rows=6)
-    a = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, ledger=MemoryLedger("a", None))
-    b = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, ledger=MemoryLedger("b", None))
+    a = TrainingEngine(
+        config,
+        options=EngineOptions(model_dir=path, ledger=MemoryLedger("a", None)),
+        optim={"lr": 1e-3},
+    )
+    b = TrainingEngine(
+        config,
+        options=EngineOptions(model_dir=path, ledger=MemoryLedger("b", None)),
+        optim={"lr": 1e-3},
+    )
     ma = a.train_step(batch)
     mb = b.train_step(batch, micro_batch_size=4)  # 4 + 2 rows, unequal token counts
     assert abs(ma["loss"] - mb["loss"]) < 1e-6
@@ -107,7 +122,12 @@ def test_loss_by_import_path_and_state_roundtrip(model):
     config, path = model
     batch = _batch()
     batch["returns"] = torch.linspace(-1, 1, 10).expand(5, 10).contiguous()
-    critic = TrainingEngine(config, model_dir=path, critic=True, optim={"lr": 1e-2}, ledger=MemoryLedger("c", None))
+    critic = TrainingEngine(
+        config,
+        options=EngineOptions(model_dir=path, ledger=MemoryLedger("c", None)),
+        critic=True,
+        optim={"lr": 1e-2},
+    )
     first = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
     for _ in range(4):
         last = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
@@ -115,7 +135,12 @@ def test_loss_by_import_path_and_state_roundtrip(model):
     state = critic.named_state()
     assert {"value_head.weight", "value_head.weight:exp_avg", "value_head.weight:exp_avg_sq"} <= set(state)
     # the state moves into a fresh engine in place, and both continue identically
-    twin = TrainingEngine(config, critic=True, optim={"lr": 1e-2}, ledger=MemoryLedger("c2", None), seed=9)
+    twin = TrainingEngine(
+        config,
+        options=EngineOptions(seed=9, ledger=MemoryLedger("c2", None)),
+        critic=True,
+        optim={"lr": 1e-2},
+    )
     twin.load_named_state({k: v.clone() for k, v in state.items()}, step=critic.step)
     ma = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
     mb = twin.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
@@ -133,7 +158,11 @@ def test_loss_by_import_path_and_state_roundtrip(model):
 def test_values_rewards_and_rule_rewards(model):
     config, path = model
     batch = _batch()
-    eng = InferenceEngine(config, model_dir=path, value_head=True, ledger=MemoryLedger("v", None))
+    eng = InferenceEngine(
+        config,
+        options=EngineOptions(model_dir=path, ledger=MemoryLedger("v", None)),
+        value_head=True,
+    )
     with torch.no_grad():
         eng.value_head.weight.normal_()
         eng.value_head.bias.fill_(0.5)
@@ -145,7 +174,9 @@ def test_values_rewards_and_rule_rewards(model):
     scores = eng.rule_rewards(batch, "tests.engines.test_inference_training:count_rule", token=3)
     expect = ((batch["input_ids"] == 3) & batch["response_mask"].bool()).sum(1).float()
     torch.testing.assert_close(scores, expect)
-    plain = InferenceEngine(config, model_dir=path, ledger=MemoryLedger("p", None))
+    plain = InferenceEngine(
+        config, options=EngineOptions(model_dir=path, ledger=MemoryLedger("p", None))
+    )
     with pytest.raises(ConfigError, match="value_head"):
         plain.values(batch)
 
@@ -156,7 +187,9 @@ def count_rule(input_ids, attention_mask, response_mask, token):
 
 def test_bad_batches_are_refused(model):
     config, path = model
-    eng = InferenceEngine(config, model_dir=path, ledger=MemoryLedger("b", None))
+    eng = InferenceEngine(
+        config, options=EngineOptions(model_dir=path, ledger=MemoryLedger("b", None))
+    )
     with pytest.raises(ConfigError, match="input_ids"):
         eng.logprobs({"tokens": torch.zeros(2, 3, dtype=torch.long)})
     with pytest.raises(ConfigError, match="right padding"):
@@ -168,15 +201,17 @@ def test_bad_batches_are_refused(model):
 def test_training_memory_is_accounted_and_refused_past_the_budget(model):
     config, path = model
     ledger = MemoryLedger(4, None)
-    eng = TrainingEngine(config, model_dir=path, ledger=ledger)
+    eng = TrainingEngine(config, options=EngineOptions(model_dir=path, ledger=ledger))
     held = eng.memory()
     weights = held["training/weights"]
     assert held["training/grads"] == weights and held["training/optimizer"] == 2 * weights
     with pytest.raises(OutOfMemory) as info:
-        TrainingEngine(config, model_dir=path, ledger=MemoryLedger(5, 3 * weights))
+        TrainingEngine(
+            config, options=EngineOptions(model_dir=path, ledger=MemoryLedger(5, 3 * weights))
+        )
     assert info.value.device == 5 and "training/optimizer" in str(info.value)
     small = MemoryLedger(6, 4 * weights + 1024)
-    tight = TrainingEngine(config, model_dir=path, ledger=small)
+    tight = TrainingEngine(config, options=EngineOptions(model_dir=path, ledger=small))
     with pytest.raises(OutOfMemory, match="activations"):
         tight.train_step(_batch())
     assert small.used_bytes == 4 * weights  # the failed step gave its reservation back
@@ -186,7 +221,9 @@ def test_the_value_head_is_part_of_the_critics_model_spec(model):
     from nereus.models import model_spec
 
     config, path = model
-    critic = TrainingEngine(config, model_dir=path, critic=True, ledger=MemoryLedger("cs", None))
+    critic = TrainingEngine(
+        config, options=EngineOptions(model_dir=path, ledger=MemoryLedger("cs", None)), critic=True
+    )
     spec = model_spec(config, value_head=True)
     params = critic.named_weights()
     assert {p.name for p in spec} == set(params)
@@ -200,7 +237,11 @@ def test_bfloat16_training_steps_float32_master_copies_with_the_state_layers_slo
     from nereus.state import EMU, Layout, training_slots
 
     config, path = model
-    eng = TrainingEngine(config, model_dir=path, dtype="bfloat16", optim={"lr": 1e-2}, ledger=MemoryLedger("bf", None))
+    eng = TrainingEngine(
+        config,
+        options=EngineOptions(model_dir=path, dtype="bfloat16", ledger=MemoryLedger("bf", None)),
+        optim={"lr": 1e-2},
+    )
     batch = _batch()
     first = eng.train_step(batch)
     for _ in range(3):
@@ -225,8 +266,15 @@ def test_recompute_gives_the_same_step_with_fewer_activation_bytes(model):
     config, path = model
     batch = _batch(rows=6, length=12)
     keep_ledger, rec_ledger = MemoryLedger("k", None), MemoryLedger("r", None)
-    keep = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, ledger=keep_ledger)
-    rec = TrainingEngine(config, model_dir=path, optim={"lr": 1e-3}, recompute=True, ledger=rec_ledger)
+    keep = TrainingEngine(
+        config, options=EngineOptions(model_dir=path, ledger=keep_ledger), optim={"lr": 1e-3}
+    )
+    rec = TrainingEngine(
+        config,
+        options=EngineOptions(model_dir=path, ledger=rec_ledger),
+        optim={"lr": 1e-3},
+        recompute=True,
+    )
     keep_ledger.reset_peak()
     rec_ledger.reset_peak()
     mk, mr = keep.train_step(batch, micro_batch_size=3), rec.train_step(batch, micro_batch_size=3)
@@ -237,4 +285,8 @@ def test_recompute_gives_the_same_step_with_fewer_activation_bytes(model):
     # what each reserved for activations shows in its peak (the resident bytes are equal)
     assert rec_ledger.peak_bytes < keep_ledger.peak_bytes
     with pytest.raises(ConfigError, match="TrainingEngine.recompute"):
-        TrainingEngine(config, model_dir=path, recompute="yes", ledger=MemoryLedger("x", None))
+        TrainingEngine(
+            config,
+            options=EngineOptions(model_dir=path, ledger=MemoryLedger("x", None)),
+            recompute="yes",
+        )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nereus.config import from_dict
+from nereus.engines.options import EngineOptions
 from nereus.engines.precision import resolve_dtype
 from nereus.engines.training import TrainingEngine, adamw_kernel
 from nereus.errors import ConfigError
@@ -44,8 +45,11 @@ def test_bfloat16_training_keeps_float32_master_weights_and_moments():
     slots = training_slots("bfloat16")
     assert "master" in slots and {"exp_avg", "exp_avg_sq"} <= set(slots)
     assert "master" not in training_slots("float32")
-    engine = TrainingEngine(tiny_config(num_hidden_layers=1), dtype="bfloat16", optim={"lr": 1e-3},
-                            name="bf16-train")
+    engine = TrainingEngine(
+        tiny_config(num_hidden_layers=1),
+        options=EngineOptions(dtype="bfloat16", name="bf16-train"),
+        optim={"lr": 1e-3},
+    )
     try:
         state = engine.named_state()
         masters = {k: v for k, v in state.items() if k.endswith(":master")}
@@ -61,7 +65,11 @@ def test_bfloat16_training_keeps_float32_master_weights_and_moments():
 def test_adamw_uses_the_multi_tensor_kernels_on_cuda_only():
     assert adamw_kernel(torch.device("cuda", 0)) == {"foreach": True}
     assert adamw_kernel(torch.device("cpu")) == {"foreach": False}
-    engine = TrainingEngine(tiny_config(num_hidden_layers=1), optim={"lr": 1e-3}, name="cpu-train")
+    engine = TrainingEngine(
+        tiny_config(num_hidden_layers=1),
+        options=EngineOptions(name="cpu-train"),
+        optim={"lr": 1e-3},
+    )
     try:
         assert engine.optimizer.defaults["foreach"] is False
     finally:

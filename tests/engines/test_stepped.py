@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from nereus.engines.generation import GenerationEngine
+from nereus.engines.options import EngineOptions
 from nereus.engines.stepped import SteppedRollout
 from nereus.models import ModelConfig, save_tiny_model
 
@@ -43,7 +44,7 @@ def _run(r: SteppedRollout, steps: int, between=None):
 
 def test_stepped_equals_one_generate_call(tmp_path):
     save_tiny_model(tmp_path, CONFIG, seed=0)
-    engine = GenerationEngine(CONFIG, model_dir=tmp_path)
+    engine = GenerationEngine(CONFIG, options=EngineOptions(model_dir=tmp_path))
     ref = engine.generate(PROMPTS, PARAMS)
     for steps in (1, 3, 12):
         assert _run(SteppedRollout(engine, PROMPTS, PARAMS), steps) == (ref.token_ids, ref.logprobs)
@@ -53,8 +54,8 @@ def test_stepped_equals_one_generate_call(tmp_path):
 def test_new_weights_are_read_at_the_next_step_with_the_cache_kept(tmp_path):
     save_tiny_model(tmp_path / "a", CONFIG, seed=0)
     save_tiny_model(tmp_path / "b", CONFIG, seed=1)
-    engine = GenerationEngine(CONFIG, model_dir=tmp_path / "a", name="live")
-    other = GenerationEngine(CONFIG, model_dir=tmp_path / "b", name="next")
+    engine = GenerationEngine(CONFIG, options=EngineOptions(model_dir=tmp_path / "a", name="live"))
+    other = GenerationEngine(CONFIG, options=EngineOptions(model_dir=tmp_path / "b", name="next"))
     new = {k: v.clone() for k, v in other.named_weights().items()}
     other.close()
     swapped = {}
@@ -68,7 +69,9 @@ def test_new_weights_are_read_at_the_next_step_with_the_cache_kept(tmp_path):
     r = SteppedRollout(engine, PROMPTS, {**PARAMS, "stop_token_ids": []})
     tokens, _ = _run(r, 2, swap)
     engine.close()
-    engine_a = GenerationEngine(CONFIG, model_dir=tmp_path / "a", name="reference")
+    engine_a = GenerationEngine(
+        CONFIG, options=EngineOptions(model_dir=tmp_path / "a", name="reference")
+    )
     ref_a = engine_a.generate(PROMPTS, {**PARAMS, "stop_token_ids": []})
     engine_a.close()
     at = swapped["at"]

@@ -9,6 +9,7 @@ import torch
 
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.models import save_tiny_model, tiny_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -26,13 +27,21 @@ def setup(tmp_path_factory):
     from nereus.engines.vllm_adapter import VllmGenerationEngine
 
     ledger = MemoryLedger("vllm-test", None)
-    engine = VllmGenerationEngine(CONFIG, first, ledger=ledger, max_model_len=64, kv_cache_bytes=32 << 20)
+    engine = VllmGenerationEngine(
+        CONFIG,
+        first,
+        options=EngineOptions(ledger=ledger),
+        max_model_len=64,
+        kv_cache_bytes=32 << 20,
+    )
     yield engine, first, second, ledger
     engine.close()
 
 
 def _builtin(path, name):
-    return GenerationEngine(CONFIG, model_dir=path, ledger=MemoryLedger(name, None), name=name)
+    return GenerationEngine(
+        CONFIG, options=EngineOptions(model_dir=path, ledger=MemoryLedger(name, None), name=name)
+    )
 
 
 def test_greedy_matches_the_builtin_engine(setup):

@@ -8,6 +8,7 @@ import pytest
 
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.models import build_stage, export_hf, load_stage_weights, save_tiny_model, tiny_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -23,7 +24,9 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19, 20, 21, 22], [1
 
 
 def _builtin(config, path, name):
-    return GenerationEngine(config, model_dir=path, ledger=MemoryLedger(name, None), name=name)
+    return GenerationEngine(
+        config, options=EngineOptions(model_dir=path, ledger=MemoryLedger(name, None), name=name)
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
@@ -36,8 +39,13 @@ def test_exported_folder_serves_and_takes_shards_by_name(tmp_path, kind):
     load_stage_weights(model, source)
     exported = export_hf(tmp_path / "hf", config, {n: p.detach() for n, p in model.named_parameters()})
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    engine = VllmGenerationEngine(config, exported, ledger=MemoryLedger(f"vllm-{kind}", None), max_model_len=64,
-                                  kv_cache_bytes=32 << 20)
+    engine = VllmGenerationEngine(
+        config,
+        exported,
+        options=EngineOptions(ledger=MemoryLedger(f"vllm-{kind}", None)),
+        max_model_len=64,
+        kv_cache_bytes=32 << 20,
+    )
     try:
         served = engine.generate(PROMPTS, params).token_ids
         assert served == _builtin(config, source, "ref-a").generate(PROMPTS, params).token_ids

@@ -4,12 +4,12 @@ demo says when limits cannot be set."""
 from __future__ import annotations
 
 import pytest
-from nereus.job.cli import parse_job
 
 import nereus.actors._cpulimit as cpulimit
 from examples import demo
 from nereus.config import from_dict
 from nereus.errors import ConfigError
+from nereus.job.cli import parse_job
 from nereus.job.config import ClusterConfig
 
 

@@ -16,6 +16,7 @@ import torch
 
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.job.loop import RLJob
 from nereus.planner.plan import Plan, StagePlan
 from tests.job._jobs import job
@@ -71,7 +72,12 @@ async def test_a_grpo_job_generates_on_vllm_whose_weights_follow_every_sync(tmp_
         greedy1 = (await gen_host.generate.call_one(gen, prompts, GREEDY))["token_ids"]
         assert greedy1 != greedy0
         synced = {k: t for k, t in (await train_host.get_shards.call_one(train)).items() if ":" not in k}
-        builtin = GenerationEngine(rl.model_config, tensors=synced, ledger=MemoryLedger("vllm-job-ref", None), name="ref")
+        builtin = GenerationEngine(
+            rl.model_config,
+            options=EngineOptions(
+                tensors=synced, ledger=MemoryLedger("vllm-job-ref", None), name="ref"
+            ),
+        )
         assert greedy1 == builtin.generate(prompts, SamplingParams(**GREEDY)).token_ids
 
         memory = await gen_host.memory.call_one()

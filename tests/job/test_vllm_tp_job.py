@@ -25,6 +25,7 @@ import torch
 
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
+from nereus.engines.options import EngineOptions
 from nereus.job.loop import RLJob
 from nereus.planner.plan import Plan, StagePlan
 from tests.job._jobs import job
@@ -89,7 +90,12 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
         greedy, other = await on_vllm("generate", prompts, GREEDY)
         assert greedy["token_ids"] == other["token_ids"]
         synced = {k: t for k, t in (await stages.hosts[0].get_shards.call_one(train)).items() if ":" not in k}
-        builtin = GenerationEngine(rl.model_config, tensors=synced, ledger=MemoryLedger("vllm-tp-ref", None), name="ref")
+        builtin = GenerationEngine(
+            rl.model_config,
+            options=EngineOptions(
+                tensors=synced, ledger=MemoryLedger("vllm-tp-ref", None), name="ref"
+            ),
+        )
         assert greedy["token_ids"] == builtin.generate(prompts, SamplingParams(**GREEDY)).token_ids
 
         for host in ranks:  # each rank's ledger holds its half of vLLM's weights beside its shards
