@@ -15,4 +15,5 @@ fresh=$(count fresh "$builds")
 warm=$(count warm "$builds")
 ebase=$(count edges 0)
 edges=$(count edges "$builds")
-echo "{\"ir_fresh\": $(( (fresh - base) / builds )), \"ir_warm\": $(( (warm - base) / builds )), \"ir_edges\": $(( (edges - ebase) / builds ))}"
+printf '{"ir_fresh": %d, "ir_warm": %d, "ir_edges": %d}\n' \
+  $(( (fresh - base) / builds )) $(( (warm - base) / builds )) $(( (edges - ebase) / builds ))
