@@ -13,8 +13,11 @@ node (the first-fit grouping of consecutive, device-disjoint Extends), which rep
 each node reads, and every device's role, by tiling per-period and per-EMU patterns.
 So the work grows with the number of distinct roles, not with devices or EMUs.
 
+A model-stage that keeps its layout and moves to devices disjoint from its own, with as
+many EMUs or more (a swap of halves of the cluster), is priced alike, by EMUs.
+
 ``regular_part`` returns None -- the caller then lists the ops (``general_part``) --
-whenever a premise fails: plans not back to back from one device, an overlap that is not
+whenever a premise fails: plans not back to back, an overlap that is not
 whole periods, hosts that do not repeat with the period, a period whose ops would not
 be the same in the whole (an Extend or, beside a growing target, a Destroy). The part
 it returns equals ``general_part``'s node for node and device for device (a property
@@ -89,8 +92,10 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
     """The part of a model-stage whose plans repeat (see the module docstring), or None.
     ``layout(tp, pp)`` makes (or reuses) a ``Layout``."""
     x = a.start
-    if x is None or x != b.start:
+    if x is None or b.start is None:
         return None
+    if x != b.start:
+        return _moved_part(stage, a, b, table, hosts, bucket, size, names)
     la, lb = layout(a.tp, a.pp), layout(b.tp, b.pp)
     same = (a.tp, a.pp) == (b.tp, b.pp)
     sa, sb = a.tp * a.pp, b.tp * b.pp
@@ -205,6 +210,84 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
         if [(n.kind, n.count) for n in part.nodes] != [(n.kind, n.count) for n in nodes]:
             raise AssertionError(f"{stage}: the listed ops group as {[(n.kind, n.count) for n in part.nodes]}, "
                                  f"the regular part as {[(n.kind, n.count) for n in nodes]}")
+        return [n.ops for n in part.nodes], part.results
+
+    return StagePart(stage, nodes, codes, roles, materialize)
+
+
+def _moved_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts: Hosts, bucket: int,
+                size: int, names: Sequence[str] | None) -> StagePart | None:
+    """The part of a model-stage that keeps its layout and moves to devices disjoint from
+    the ones it is on, with at least as many EMUs (else None): no target has a replica
+    inside it, so every target is Extended from ``DONORS`` current EMUs taken round robin
+    (the k-th reads ``k .. k+W-1`` mod their number, all of them kept until read) and
+    every current EMU is destroyed once its readers are done. Node for node, device for
+    device what ``general_part`` lists, with the work in EMUs rather than primitives."""
+    if (a.tp, a.pp) != (b.tp, b.pp):
+        return None
+    xa, xb, s = a.start, b.start, a.tp * a.pp
+    na, nb = s * a.dp, s * b.dp
+    # overlapping ranges, or fewer targets than donors (some destroyed before they are read)
+    if not (xa + na <= xb or xb + nb <= xa) or b.dp < a.dp:
+        return None
+    pool, grow = a.dp, b.dp
+    groups, group_of = _extend_groups(grow, pool)
+    w = min(DONORS, pool)
+    held = _per_device(table, Layout(a.tp, a.pp))
+    total = sum(held)
+    bkt = bucket if total else 0  # an Extend that moves nothing takes no bucket
+    at = hosts.hosts if hosts.hosts is not None else [hosts.of(d) for d in range(size)]
+    src_hosts = [set(at[xa + i * s:xa + (i + 1) * s]) for i in range(pool)]
+    # which group each target is in: listed, or by rounds of ``pool`` targets (W groups each)
+    of = group_of or [(k // pool) * w + (k % pool) % w for k in range(grow)]
+    nodes = [NodeSpec("extend", count, count * total, {"intra": 0, "inter": 0},
+                      count if total else 0) for count, _ in groups]
+    for k in range(grow):
+        links = nodes[of[k]].links
+        sources = src_hosts[k % pool].union(*(src_hosts[(k + i) % pool] for i in range(1, w)))
+        if len(sources) > 1:
+            links["inter"] += total
+            continue
+        (h,) = sources
+        t = xb + k * s
+        intra = sum(v for o, v in enumerate(held) if at[t + o] == h)
+        links["intra"] += intra
+        links["inter"] += total - intra
+    for n in nodes:
+        n.max_moved, n.acquires = max(held), total > 0
+    last = len(nodes)
+    nodes.append(NodeSpec("destroy", pool, 0, {"intra": 0, "inter": 0}, 0, set(range(last))))
+    # every device's role: a current EMU's devices are read by the groups that read it,
+    # then destroyed; a target's devices are made by its group
+    roles = Roles()
+    readers: list[list[int]] = [[] for _ in range(pool)]
+    for g, (_, read) in enumerate(groups):
+        for lo, hi in read:
+            for i in range(lo, hi):
+                readers[i].append(g)
+    by_readers: dict[tuple[int, ...], list[int]] = {}
+    source_codes: list[int] = []
+    for r in readers:
+        key = tuple(r)
+        got = by_readers.get(key)
+        if got is None:
+            reads = tuple((g, bkt, bkt, 0) for g in key)
+            got = by_readers[key] = [roles.code(h, (*reads, (last, 0, h, 0))) for h in held]
+        source_codes += got
+    made = [[roles.code(0, ((g, h + bkt, bkt, h),) if h else ((g, 0, 0, 0),)) for h in held]
+            for g in range(last)]
+    target_codes = list(chain.from_iterable(map(made.__getitem__, of)))
+    first, second = (source_codes, target_codes) if xa < xb else (target_codes, source_codes)
+    lo, hi = min(xa, xb), max(xa, xb)
+    codes: Runs = [([0], lo), (first, 1), ([0], hi - lo - len(first)), (second, 1),
+                   ([0], size - hi - len(second))]
+
+    def materialize():
+        part = general_part(stage, a, b, table, hosts.of, bucket, size, names)
+        listed, moved = [(n.kind, n.count) for n in part.nodes], [(n.kind, n.count) for n in nodes]
+        if listed != moved:
+            raise AssertionError(f"{stage}: the listed ops group as {listed}, "
+                                 f"the moved part as {moved}")
         return [n.ops for n in part.nodes], part.results
 
     return StagePart(stage, nodes, codes, roles, materialize)

@@ -115,3 +115,56 @@ def test_hosts_repeat_exactly_when_every_host_holds_as_many_consecutive_devices(
     assert got.single == single
     if not single:
         assert got.per_host == _per_host_by_definition(hosts)
+
+
+@st.composite
+def moves(draw):
+    """A model-stage that keeps its layout and moves to devices disjoint from its own
+    (either side, any gap, as many EMUs or more: pools of 1 to 7 replicas, so the Extends
+    group both in closed form and first fit), beside one that stays."""
+    tp, pp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2]))
+    s = tp * pp
+    dp_a = draw(st.integers(1, 7))
+    dp_b = draw(st.integers(dp_a, dp_a + 9))
+    gap = draw(st.integers(0, 5))
+    first, second = (dp_a, dp_b) if draw(st.booleans()) else (dp_b, dp_a)
+    x0 = draw(st.integers(0, 3))
+    x1 = x0 + first * s + gap
+    xa, xb = (x0, x1) if first == dp_a else (x1, x0)
+    devices = x1 + second * s + draw(st.integers(0, 4))
+    per_host = draw(st.sampled_from([1, 2, 4, 8, devices]))
+    budget = draw(st.sampled_from([None, 10**9]))
+    ds = DeviceSet(tuple(d // per_host for d in range(devices)),
+                   (budget,) * devices if budget else ())
+    cur = (("policy-training", StagePlan.on_range(tp, pp, dp_a, xa)),
+           ("reference-inference", StagePlan.on_range(1, 1, 1, 0)))
+    tgt = (("policy-training", StagePlan.on_range(tp, pp, dp_b, xb)),
+           ("reference-inference", StagePlan.on_range(1, 1, 1, 0)))
+    return Plan(cur), Plan(tgt), ds, draw(st.sampled_from([0, 1000]))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(moves())
+def test_a_model_stage_moved_to_other_devices_is_priced_as_if_its_ops_were_listed(case):
+    current, target, devices, bucket = case
+    specs = {"policy-training": SPEC, "reference-inference": SPEC}
+    want = _listed(current, target, specs, devices, slots=SLOTS, bucket_bytes=bucket)
+    got = build_dag(current, target, specs, devices, slots=SLOTS, bucket_bytes=bucket)
+    assert_same_dag(got, want)
+    last = got.nodes[-1]
+    assert (last.kind, last.count) == ("destroy", current["policy-training"].dp)
+
+
+def test_the_moved_path_takes_the_swap_and_leaves_the_rest_listed():
+    """It prices a move to disjoint devices in the layout it has (not from the ops), and
+    declines an overlapping move, a change of layout and a shrinking one."""
+    table = dag_module.SpecBytes(SPEC, ("param",))
+    hosts = Hosts(lambda d: d // 8, [d // 8 for d in range(64)], 64)
+    taken = dag_module.regular_part("policy-generation", StagePlan.on_range(2, 1, 8, 32),
+                                    StagePlan.on_range(2, 1, 8, 0), table, hosts, 0, 64, None)
+    assert taken is not None and taken.results is None  # not listed: the ops come on first use
+    declined = (((2, 1, 8, 8), (2, 1, 8, 0)), ((2, 1, 8, 32), (1, 1, 16, 0)),
+                ((2, 1, 8, 32), (2, 1, 4, 0)))
+    for a, b in declined:
+        assert dag_module.regular_part("policy-generation", StagePlan.on_range(*a),
+                                       StagePlan.on_range(*b), table, hosts, 0, 64, None) is None
