@@ -1,0 +1,87 @@
+"""Device-pool events in an asynchronous run, handled at weight syncs by the async adapter:
+a device of the plan that drains is left at the next sync (its worker stops), a device
+that joins is priced and taken when the pipeline price says it pays; over the run every
+position is trained once, every token within the staleness bound, and the training
+EMUs hold one update per step (logical state intact)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nereus.job.async_loop import AsyncRun
+from nereus.job.loop import RLJob
+from tests.job._jobs import job
+from tests.job.test_async_job import B, _check_tokens, no_leaks  # noqa: F401 (a fixture)
+
+PLAN = {"policy_generation": {"devices": [1, 2], "dp": 2}, "policy_training": {"devices": [0]}}
+CLUSTER = {"mode": "local", "devices": 3, "memory_per_device": "256MiB"}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+async def test_a_drain_and_a_join_during_an_async_run(tmp_path, no_leaks):  # noqa: F811
+    steps, k, drain_at, join_at = 30, 1, 6, 14
+    cfg = job(
+        str(tmp_path),
+        steps,
+        cluster=CLUSTER,
+        plan=PLAN,
+        rl={"mode": "async", "max_staleness": k, "partial_rollout": True},
+        # a large gamma: any change the pipeline price says saves time is admitted, so the
+        # joined device is taken if the planner prefers a plan with it
+        adapt={"enabled": True, "gamma": 1000.0, "length_drift": 5.0},
+        run={"steps": steps, "out_dir": str(tmp_path), "progress": False, "seed": 0},
+    )
+    seen: dict[str, object] = {}
+
+    async def pool_events(rl: RLJob, record) -> None:
+        cluster = rl.stages.cluster
+        if record["step"] == drain_at:
+            cluster.drain(2)
+        elif record["step"] == join_at:
+            seen["joined"] = await cluster.add_node(devices=1)
+        elif record["step"] == join_at + 1:
+            seen["plan_after_join"] = rl.stages.plan
+
+    rl = RLJob(cfg)
+    await rl.start()
+    try:
+        run = AsyncRun(rl)
+        rl.async_run = run
+        rl.boundary_hooks.append(pool_events)
+        await run.run()
+        counts = await asyncio.gather(
+            *(
+                rl.stages.hosts[d].get_state.call_one(e.name)
+                for e in rl.stages.emus["policy_training"]
+                for d in e.devices[:1]
+            )
+        )
+        live = {d.index for d in rl.stages.cluster.devices}
+    finally:
+        await rl.close()
+    decisions = run.adapter.decisions
+    kinds = [[t["kind"] for t in d["triggers"]] for d in decisions]
+    # the drain fired at the next weight sync (a decision names the update after it: the
+    # hook of update n runs after that sync's decision, so update n + 1's sync sees it)
+    # and the plan left device 2
+    drain = next(d for d, ks in zip(decisions, kinds, strict=True) if "drain" in ks)
+    assert drain["step"] == drain_at + 2 and drain["admitted"]
+    assert 2 not in live, "the drained device's worker did not stop"
+    # the join fired at the next weight sync and was priced on the larger pool
+    assert seen["joined"] == [3]
+    join = next(d for d, ks in zip(decisions, kinds, strict=True) if "join" in ks)
+    assert join["step"] == join_at + 2
+    after = seen["plan_after_join"]  # the plan after the join's sync
+    assert 2 not in after.devices
+    assert (3 in after.devices) == join["admitted"], (join, after)
+    # the run as a whole: each position once, every token within k, one update per step
+    records = run.records
+    assert len(records) == steps and rl.step == steps
+    positions = [p for r in records for p in r["positions"]]
+    assert sorted(positions) == list(range(steps * B)), "a position was trained twice or skipped"
+    _check_tokens(run, k)
+    assert run.summary["max_staleness_seen"] <= k and run.summary["samples_discarded"] == 0
+    assert [c["update_count"] for c in counts] == [steps] * len(counts)
