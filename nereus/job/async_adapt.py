@@ -11,8 +11,9 @@ those draining) and fires on:
 - ``join`` / ``fault`` (soft): a device joined the pool, or a generation EMU died since
   the last boundary (the run went on with the EMUs left); the best split over the pool
   may rebuild the lost EMU on a spare or a joined device.
-- ``drift`` (soft): the mean response length (last few updates) or the cap drifted past
-  ``adapt.length_drift`` (relative) from its value at the last decision.
+- ``drift`` (soft): the mean response length (last few updates whose batches were
+  generated wholly at the current cap) or that cap drifted past ``adapt.length_drift``
+  (relative) from its value at the last decision.
 
 Each prices the current split and the best split over the pool (``search_async``: the
 slower side plus the sync, on the devices' CPU cores where they have a limit; the
@@ -64,6 +65,8 @@ class AsyncAdapter:
         self.reference: tuple[float, int] | None = None  # (mean length, cap) at the last decision
         self.lengths: list[float] = []
         self.update_s: list[float] = []
+        self.window_cap: int | None = None  # the cap the updates in the window ran at
+        self.measured = 0.0  # seconds per update over the window
         self.changes: list[dict[str, Any]] = []
         self.decisions: list[dict[str, Any]] = []
         self.pool_ids: set[int] = set(self.stages.plan.devices)  # the pool at the last boundary
@@ -116,15 +119,29 @@ class AsyncAdapter:
 
     async def after_update(self, record: dict[str, Any]) -> dict[str, Any] | None:
         """Decide at this weight sync; returns the executed change's report, or None."""
-        self.lengths.append(float(record["response_len_mean"]))
-        self.update_s.append(float(record["update_seconds"]))
-        length = statistics.fmean(self.lengths[-WINDOW:])
         step = self.job.step
-        cap = self.cfg.sampling.cap_at(step)
+        sampling = self.cfg.sampling
+        ran_cap = sampling.cap_at(step - 1)
+        # the window holds only batches generated wholly at one cap, the last update's: a
+        # batch whose oldest tokens came under an older cap (generation runs ahead of
+        # training) or lengths under an older cap would price a mix of two regimes
+        if self.window_cap != ran_cap:
+            self.lengths, self.update_s, self.window_cap = [], [], ran_cap
+        mixed = sampling.cap_at(int(record["policy_version"])) != ran_cap
+        if not mixed:
+            self.lengths.append(float(record["response_len_mean"]))
+            self.update_s.append(float(record["update_seconds"]))
+        length = statistics.fmean(self.lengths[-WINDOW:] or [record["response_len_mean"]])
+        self.measured = statistics.fmean(self.update_s[-WINDOW:] or [record["update_seconds"]])
+        cap = self.cfg.sampling.cap_at(step)  # the next update's: what memory must hold
         st = self.stages
         plan = st.plan
         pool, triggers = await self._pool()
-        lengths = LengthStats(length, float(max(record["response_len_max"], length)), cap)
+        # priced as measured: the window's mean, its longest, and the cap it ran at (a
+        # batch decodes until its longest row); a cap that rises is priced once updates
+        # ran at it, with the lengths it gave
+        longest = float(max(record["response_len_max"], length))
+        lengths = LengthStats(length, longest, max(ran_cap, int(longest)))
         work = job_workload(
             self.cfg,
             st.model_config,
@@ -140,11 +157,11 @@ class AsyncAdapter:
             if over:
                 devices = [pool.device(m.device) for m in over]
                 triggers.append({"kind": "memory", "detail": f"cap {cap}", "devices": devices})
-        if self._drifted(length, cap):
-            triggers.append({"kind": "drift", "detail": "length", "length": length, "cap": cap})
+        if not mixed and self._drifted(length, ran_cap):
+            triggers.append({"kind": "drift", "detail": "length", "length": length, "cap": ran_cap})
         if not triggers:
             return None
-        self.reference = (length, cap)
+        self.reference = (length, ran_cap)
         return await self._decide(step, triggers, work, cluster, pool, slots)
 
     async def _decide(
@@ -177,7 +194,7 @@ class AsyncAdapter:
             current = search_async(work, cluster, eff, budget=now_n, generation_devices=now_g)
             decision["current_step_seconds"] = current.step_seconds
         # the model's seconds against what updates take here: the saving in measured seconds
-        measured = statistics.fmean(self.update_s[-WINDOW:])
+        measured = self.measured
         decision["measured_step_seconds"] = measured
         if current is not None and current.step_seconds > 0:
             saving = (current.step_seconds - best.step_seconds) * measured / current.step_seconds
