@@ -39,8 +39,7 @@ from nereus.actors import emit
 from nereus.errors import StateError
 from nereus.job.adapt import job_workload, usable_devices
 from nereus.job.config import from_planner_plan, to_planner_plan
-from nereus.planner import LengthStats, explain
-from nereus.planner._probe import local_cpu_cluster_probed
+from nereus.planner import LengthStats, explain, local_cpu_cluster_probed
 from nereus.planner.async_cost import search_async
 from nereus.planner.pool import DevicePool
 from nereus.planner.relabel import relabel
