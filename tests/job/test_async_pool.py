@@ -175,3 +175,50 @@ async def test_a_lost_generation_emu_is_rebuilt_on_a_replacement_device(
     assert run.ledger.regenerated_groups >= 1 and run.summary["samples_discarded"] == 0
     _check_tokens(run, k)
     assert [c["update_count"] for c in counts] == [steps] * len(counts)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+async def test_the_memory_trigger_moves_training_before_a_cap_it_cannot_hold(
+    tmp_path,
+    no_leaks,  # noqa: F811
+):
+    # training on one device of 12 MiB holds the cap of 6 tokens, not the cap of 12 the
+    # schedule reaches at update 8 (the memory model: about 14 MB); on two it does
+    steps, k, rise = 12, 1, 8
+    cfg = job(
+        str(tmp_path),
+        steps,
+        cluster={**CLUSTER, "memory_per_device": "12MiB"},
+        plan={"policy_generation": {"devices": [1]}, "policy_training": {"devices": [0]}},
+        sampling={"max_new_tokens": [[0, 6], [rise, 12]], "ignore_eos": True},
+        rl={"mode": "async", "max_staleness": k, "partial_rollout": True},
+        # a gamma so small that no soft trigger is admitted: only the hard one moves
+        adapt={"enabled": True, "gamma": 1e-9, "length_drift": 5.0},
+        run={"steps": steps, "out_dir": str(tmp_path), "progress": False, "seed": 0},
+    )
+    rl = RLJob(cfg)
+    await rl.start()
+    try:
+        run = AsyncRun(rl)
+        rl.async_run = run
+        await run.run()
+        counts = await asyncio.gather(
+            *(
+                rl.stages.hosts[d].get_state.call_one(e.name)
+                for e in rl.stages.emus["policy_training"]
+                for d in e.devices[:1]
+            )
+        )
+        plan = rl.stages.plan
+    finally:
+        await rl.close()
+    memory = [d for d in run.adapter.decisions if any(t["kind"] == "memory" for t in d["triggers"])]
+    assert memory, run.adapter.decisions
+    assert memory[0]["step"] == rise and memory[0]["admitted"], memory[0]
+    assert [c["step"] for c in run.adapter.changes] == [rise]  # nothing soft was admitted
+    assert plan["policy_training"].dp == 2, plan
+    positions = [p for r in run.records for p in r["positions"]]
+    assert sorted(positions) == list(range(steps * B))
+    _check_tokens(run, k)
+    assert [c["update_count"] for c in counts] == [steps] * len(counts)
