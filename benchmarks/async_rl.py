@@ -143,7 +143,10 @@ def planned(
         prompt_length=job.max_prompt_tokens(),
         lengths=LengthStats(mean_cap, max(caps), max(caps)),
     )
-    cluster = local_cpu_cluster_probed(4, probe.cluster.memory_bytes)
+    # priced on the devices the runs use: each one's CPU limit where it has one
+    cluster = local_cpu_cluster_probed(
+        4, probe.cluster.memory_bytes, device_cores=probe.cluster.device_cores
+    )
     eff = local_cpu_efficiency()
     best_sync = search(work, cluster, eff, alternatives=False)
     best_async = search_async(work, cluster, eff)

@@ -170,9 +170,9 @@ def main(argv: list[str]) -> int:
           f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png")
     print(f"devices: {capacity}")
     decisions = job.adapter.decisions if job.adapter is not None else []
-    if args.reclaim_at:
+    if args.reclaim_at and not args.is_async:
         print(f"the reclaimed device: {describe_pool_change(decisions, args.reclaim_at, 'drained')}")
-    if args.return_at:
+    if args.return_at and not args.is_async:
         print(f"the returning device: {describe_pool_change(decisions, args.return_at, 'joined')}")
     return 0
 

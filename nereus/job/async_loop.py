@@ -22,7 +22,9 @@
   request and takes the newest weights itself between requests (while no update runs).
 - A generation worker that dies loses only its unfinished groups: they are issued again
   from the same positions (``regenerated_groups`` on the tap); the run goes on with the
-  EMUs left. Checkpoints hold the ledger, so a resumed run trains the same positions.
+  EMUs left, and with ``[adapt]`` the next weight sync prices rebuilding it on a spare or
+  joined device (``nereus.job.async_adapt``: also drains, joins and the memory trigger).
+  Checkpoints hold the ledger, so a resumed run trains the same positions.
 
 Refuses (``ConfigError``): algorithms other than GRPO, generation sharing a device with
 training, the in-process backend (checked by the job config).
@@ -104,6 +106,7 @@ class AsyncRun:
         self.tasks: list[asyncio.Task] = []
         self.records: list[dict[str, Any]] = []
         self.regenerated_rows = 0
+        self.lost_workers: list[tuple[str, list[int]]] = []  # (EMU, devices) of dead producers
         # per trained group: (update version, position, sample index, per-row token versions)
         self.trained_log: list[tuple[int, int, int, list[list[int]]]] = []
         self.t0 = time.perf_counter()
@@ -224,6 +227,7 @@ class AsyncRun:
                 if not is_fault(e):
                     raise
                 w.alive = False
+                self.lost_workers.append((w.name, list(w.emu.devices)))
                 async with self.changed:
                     lost = [p for p in positions if p in self.ledger.in_flight]
                     self.ledger.lose(lost)
