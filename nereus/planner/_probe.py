@@ -2,7 +2,7 @@
 
 ``local_cpu_probe()`` times a float32 matmul (FLOP/s), a large memcpy (bytes/s) and
 the fixed cost of one layer pass of the project's decoder in training (and the passes a
-recomputed layer adds) in this process, torch at one thread as every worker runs, a few
+recomputed layer and a micro-batch's ends add) in this process, torch at one thread as every worker runs, a few
 seconds in all, and caches the figures as JSON under
 ``$XDG_CACHE_HOME/nereus`` (``~/.cache/nereus``) keyed by host name and CPU count, so
 later calls read the file. The exchange bandwidth between worker processes (shared
@@ -10,8 +10,8 @@ memory hand-off) is not timed here (it needs two processes); it is taken as 0.85
 the memcpy rate, the ratio measured on the project's machines (PLATFORM.md).
 
 ``local_cpu_cluster_probed(devices, memory_bytes)`` builds the ``local-cpu`` preset;
-``local_cpu_efficiency()`` is the prior ``Efficiency`` with the measured layer-pass cost
-and recompute passes.
+``local_cpu_efficiency()`` is the prior ``Efficiency`` with the measured layer-pass cost,
+recompute passes and micro-batch passes.
 
 Devices with a CPU limit (``device_cores``): the figures are measured in a child process
 under that limit (a cgroup quota, as a worker runs), sustained over about a second of
@@ -43,14 +43,14 @@ log = logging.getLogger("nereus.planner")
 _EXCHANGE_OVER_MEMCPY = 0.85
 # what a cached entry must hold (an older cache without one is measured again)
 _FIGURES = ("flops_per_device", "memory_bandwidth", "exchange_bandwidth", "layer_pass_s",
-            "recompute_passes")
+            "recompute_passes", "micro_batch_passes")
 # part of the cache key: figures measured by an earlier probe are measured again (2: the
 # matmul and the layer pass on torch at one thread, as workers run, not numpy's BLAS and
 # torch's default threads, which put the fixed cost of a layer pass at 3-8x a worker's;
 # 3: the figures under a CPU limit copy 64 MiB as the unlimited ones do, not 8 MiB;
 # 4: the layer pass timed on the project's decoder in training, not a one-token imitation
 # of a layer's forward, which put it at a fifth of what the engines pay, and the layer
-# passes recompute adds)
+# passes recompute adds and a micro-batch's ends cost)
 _PROBE_VERSION = 4
 
 
@@ -143,21 +143,26 @@ def _seconds_per_call(fn: Callable[[], None], sustain_s: float | None, warm: int
 
 
 def _layer_costs(sustain_s: float | None = None) -> dict[str, float]:
-    """The fixed cost of one layer pass and what recomputing a layer adds, timed on the
-    project's decoder: a 1-layer and a 3-layer stage's micro-batch step differ by two
-    layers' forward and backward (the embedding, head and loss cancel), which the cost
-    model counts as 3 layer passes each (a forward, a backward of twice its FLOPs). The
-    same difference with activation checkpointing, over the plain one's, gives the
-    layer passes a recomputed layer costs beyond those 3 (``recompute_passes``): a bare
-    second forward would be 1; checkpointing's saved-tensor hooks make it more."""
-    per_layer = {}
+    """The fixed cost of one layer pass, what recomputing a layer adds, and what a
+    micro-batch costs beyond its layers, timed on the project's decoder: a 1-layer and a
+    3-layer stage's micro-batch step differ by two layers' forward and backward (the
+    embedding, head and loss cancel), which the cost model counts as 3 layer passes each
+    (a forward, a backward of twice its FLOPs). The same difference with activation
+    checkpointing, over the plain one's, gives the layer passes a recomputed layer costs
+    beyond those 3 (``recompute_passes``): a bare second forward would be 1;
+    checkpointing's saved-tensor hooks make it more. The 1-layer step less its layer is
+    the micro-batch's ends (embedding, LM head, loss, their backward), in layer passes
+    (``micro_batch_passes``)."""
+    step = {}
     for rec in (False, True):
-        one = _seconds_per_call(_stage_step(1, rec), sustain_s)
-        three = _seconds_per_call(_stage_step(3, rec), sustain_s)
-        per_layer[rec] = max(three - one, 1e-7) / 2
+        step[rec, 1] = _seconds_per_call(_stage_step(1, rec), sustain_s)
+        step[rec, 3] = _seconds_per_call(_stage_step(3, rec), sustain_s)
+    per_layer = {rec: max(step[rec, 3] - step[rec, 1], 1e-7) / 2 for rec in (False, True)}
     layer_pass = per_layer[False] / 3
     extra = (per_layer[True] - per_layer[False]) / layer_pass
-    return {"layer_pass_s": layer_pass, "recompute_passes": min(20.0, max(1.0, extra))}
+    ends = max(0.0, step[False, 1] - per_layer[False]) / layer_pass
+    return {"layer_pass_s": layer_pass, "recompute_passes": min(20.0, max(1.0, extra)),
+            "micro_batch_passes": min(50.0, ends)}
 
 
 _SUSTAIN_S = 1.0  # wall seconds each sustained figure spans (ten quota periods)
@@ -218,7 +223,8 @@ def capped_probe(cores: float, refresh: bool = False, cache: Path | None = None,
                "memory_bandwidth": got["memory_bandwidth"] / cores,
                "exchange_bandwidth": got["exchange_bandwidth"] / cores,
                "layer_pass_s": got["layer_pass_s"] * cores,
-               "recompute_passes": got["recompute_passes"]}
+               "recompute_passes": got["recompute_passes"],
+               "micro_batch_passes": got["micro_batch_passes"]}
     table[key] = figures
     _write_cache(path, table)
     log.info("local CPU probe under %g cores (per full core): %s", cores, figures)
@@ -231,7 +237,8 @@ def local_cpu_efficiency(prior: Efficiency = CONSERVATIVE, refresh: bool = False
     measured under a limit of ``cores`` where given)."""
     p = local_cpu_probe(refresh) if cores is None else capped_probe(cores, refresh)
     return prior.replace(layer_pass_s=min(10.0, float(p["layer_pass_s"])),
-                         recompute_passes=float(p["recompute_passes"]))
+                         recompute_passes=float(p["recompute_passes"]),
+                         micro_batch_passes=float(p["micro_batch_passes"]))
 
 
 def local_cpu_probe(refresh: bool = False, cache: Path | None = None) -> dict[str, float]:

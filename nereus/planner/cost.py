@@ -103,6 +103,11 @@ class Efficiency:
     # checkpointing's saved-tensor hooks cost more on small CPU layers (the local probe
     # measures it; 1 until measured).
     recompute_passes: float = 1.0
+    # What one micro-batch of a forward and backward costs beyond its layers, in layer
+    # passes: the embedding, the LM head, the loss and their backward (a forward-only
+    # pass pays a third); on small CPU models as much as a layer or more (the local
+    # probe measures it; 0 until measured).
+    micro_batch_passes: float = 0.0
 
     def __post_init__(self) -> None:
         for c in OP_CLASSES:
@@ -110,6 +115,8 @@ class Efficiency:
         require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
         require(0 <= self.memory_fixed_bytes <= MAX_MEMORY_FIXED_BYTES, "Efficiency.memory_fixed_bytes",
                 self.memory_fixed_bytes, f"must be in [0, {MAX_MEMORY_FIXED_BYTES}] bytes")
+        require(0.0 <= self.micro_batch_passes <= 50.0, "Efficiency.micro_batch_passes",
+                self.micro_batch_passes, "must be in [0, 50] layer passes")
         require(1.0 <= self.recompute_passes <= 20.0, "Efficiency.recompute_passes",
                 self.recompute_passes, "must be in [1, 20] layer passes")
         for f in ("group_setup_s", "transition_call_s", "transition_s", "group_release_s", "copy_s_per_gb",
@@ -424,9 +431,11 @@ def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload
              ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
     # a recomputed layer costs its checkpointing's fixed cost, not one bare forward
     fixed_passes = (3 + eff.recompute_passes if recompute else 3) if training else 1
-    add_body("layer passes", (("layer_passes", micro_total * fixed_passes * layers / links.busy),),
-             ("{} micro-batches·{:.3g} passes·{} layers·{:.2g} s fixed cost",
-              (micro_total, fixed_passes, layers, eff.layer_pass_s)))
+    # every micro-batch's embedding, head and loss (a forward-only pass: a third of them)
+    ends = eff.micro_batch_passes * (1.0 if training else 1.0 / 3)
+    add_body("layer passes", (("layer_passes", micro_total * (fixed_passes * layers + ends) / links.busy),),
+             ("{} micro-batches·({:.3g} passes·{} layers + {:.3g} ends)·{:.2g} s fixed cost",
+              (micro_total, fixed_passes, layers, ends, eff.layer_pass_s)))
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2
         nbytes = per_layer * layers * tokens * h * b
