@@ -8,8 +8,7 @@ import json
 import pytest
 
 from nereus.errors import ConfigError
-from nereus.planner import CONSERVATIVE, LengthStats, ModelShape, Workload
-from nereus.planner import _probe
+from nereus.planner import CONSERVATIVE, LengthStats, ModelShape, Workload, _probe
 from nereus.planner.cluster import local_cpu_cluster
 from nereus.planner.cost import stage_cost
 
