@@ -45,6 +45,7 @@ import random
 import shutil
 import statistics
 import tempfile
+import time
 from typing import Any
 
 from benchmarks.measure_plans import (
@@ -245,6 +246,7 @@ def _p95(values: list[float]) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
     out = tempfile.mkdtemp(prefix="nereus-bench-optimum-")
     cores: float | str = args.cores if args.cores == "shared" else float(args.cores)
     rng = random.Random(args.seed)
@@ -300,7 +302,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "calibration_settings": args.calibration,
         "step_overhead_s": round(overhead, 4),
         "efficiency": eff.as_dict()
-        | {"layer_pass_s": eff.layer_pass_s, "recompute_passes": eff.recompute_passes},
+        | {
+            "layer_pass_s": eff.layer_pass_s,
+            "recompute_passes": eff.recompute_passes,
+            "micro_batch_passes": eff.micro_batch_passes,
+        },
+        "plan_runs": len(cal_runs) + sum(len(row["runs_s"]) for r in results for row in r["rows"]),
+        "wall_s": round(time.perf_counter() - t0, 1),
         "per_setting": [{k: v for k, v in r.items() if k != "rows"} for r in results],
         "rows": {r["setting"]: r["rows"] for r in results},
     }
