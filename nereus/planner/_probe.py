@@ -2,8 +2,8 @@
 
 ``local_cpu_probe()`` times a float32 matmul (FLOP/s), a large memcpy (bytes/s) and
 the fixed cost of one layer pass of the project's decoder in training (and the passes a
-recomputed layer and a micro-batch's ends add) in this process, torch at one thread as every worker runs, a few
-seconds in all, and caches the figures as JSON under
+recomputed layer and a micro-batch's ends add) in this process, torch at one thread as
+every worker runs, a few seconds in all, and caches the figures as JSON under
 ``$XDG_CACHE_HOME/nereus`` (``~/.cache/nereus``) keyed by host name and CPU count, so
 later calls read the file. The exchange bandwidth between worker processes (shared
 memory hand-off) is not timed here (it needs two processes); it is taken as 0.85 x
@@ -16,8 +16,9 @@ recompute passes and micro-batch passes.
 Devices with a CPU limit (``device_cores``): the figures are measured in a child process
 under that limit (a cgroup quota, as a worker runs), sustained over about a second of
 wall time (many quota periods: a best-of time would catch the quota's unthrottled
-bursts), and divided by the limit, so the cluster spec holds one full core's rates and
-each device gets its cores' worth. Cached per limit. This is the only planner module that
+bursts), and divided by the limit (the recompute and micro-batch passes, ratios, as
+measured), so the cluster spec holds one full core's rates and each device gets its
+cores' worth. Cached per limit. This is the only planner module that
 reads a clock, touches a file or starts a process.
 """
 

@@ -433,7 +433,8 @@ def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload
     fixed_passes = (3 + eff.recompute_passes if recompute else 3) if training else 1
     # every micro-batch's embedding, head and loss (a forward-only pass: a third of them)
     ends = eff.micro_batch_passes * (1.0 if training else 1.0 / 3)
-    add_body("layer passes", (("layer_passes", micro_total * (fixed_passes * layers + ends) / links.busy),),
+    passes = micro_total * (fixed_passes * layers + ends)
+    add_body("layer passes", (("layer_passes", passes / links.busy),),
              ("{} micro-batches·({:.3g} passes·{} layers + {:.3g} ends)·{:.2g} s fixed cost",
               (micro_total, fixed_passes, layers, ends, eff.layer_pass_s)))
     if tp > 1:
