@@ -14,7 +14,8 @@ probe's figures under the limit, uncalibrated).
 
 The functions here are what ``benchmarks.optimum`` measures with: ``job_config``,
 ``setting_view`` (the planner's workload and cluster for a setting), ``valid_plans``
-(every plan of the planner's space that fits), ``run_plan``.
+(every plan of the planner's space that fits), ``run_plan`` and ``run_plans`` (many
+plans on one started job, each put in place by the job's own ``apply_plan``).
 """
 
 from __future__ import annotations
@@ -50,11 +51,20 @@ CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo_adaptive.toml"
 
 
 def job_config(
-    devices: int, cap: int, cores: float | str, steps: int, out_dir: str, plan: Plan | None = None
+    devices: int,
+    cap: int,
+    cores: float | str,
+    steps: int,
+    out_dir: str,
+    plan: Plan | None = None,
+    prompts: int | None = None,
 ) -> JobConfig:
-    """The pinned job on ``devices`` devices of ``cores``, the cap held at ``cap``."""
+    """The pinned job on ``devices`` devices of ``cores``, the cap held at ``cap``
+    (``prompts``: prompts per step, default the demo's 16)."""
     data = copy.deepcopy(tomllib.loads(CONFIG.read_text()))
     data["sampling"].update(max_new_tokens=cap, ignore_eos=True)  # exactly the cap: fixed work
+    if prompts is not None:
+        data["algorithm"]["prompts_per_step"] = prompts
     data["adapt"]["enabled"] = False
     data["cluster"].update(devices=devices, cores_per_device=cores)
     data["run"].update(steps=steps, out_dir=out_dir, progress=False, checkpoint_every=steps + 1)
@@ -159,6 +169,61 @@ async def run_plan(cfg: JobConfig, warmup: int, on_start: Any = None) -> dict[st
     finally:
         await job.close()
     measured = records[warmup:]
+    stages: dict[str, list[float]] = {}
+    for r in measured:
+        for name, secs in r["model_stage_seconds"].items():
+            stages.setdefault(name, []).append(secs)
+    return {
+        "completed": True,
+        "step_s": statistics.median(r["step_seconds"] for r in measured),
+        "steps_s": [round(r["step_seconds"], 4) for r in measured],
+        "stage_s": {n: statistics.median(v) for n, v in stages.items()},
+        "response_len_mean": statistics.mean(r["response_len_mean"] for r in measured),
+    }
+
+
+async def run_plans(
+    cfg: JobConfig, plans: list[Plan], warmup: int, steps: int, on_start: Any = None
+) -> list[dict[str, Any]]:
+    """Run every plan of ``plans`` in turn on ONE started job (one cluster, ``cfg`` with
+    its plan the first of them): each is put in place by the job's own ``apply_plan`` (a
+    transition at a step boundary, not timed), then runs ``warmup`` + ``steps`` steps;
+    the figures are ``run_plan``'s over the measured steps. A plan that runs out of
+    memory ends the job; the plans after it run on a fresh one."""
+    out: list[dict[str, Any]] = []
+    todo = list(plans)
+    while todo:
+        job = RLJob(cfg)
+        await job.start()
+        try:
+            if on_start is not None:
+                on_start(job)
+                on_start = None
+            fresh = True
+            while todo:
+                plan = todo.pop(0)
+                target = from_planner_plan(plan)
+                if target != job.stages.plan:
+                    await job.apply_plan(target)
+                records = []
+                try:
+                    for _ in range(warmup + steps):
+                        records.append(await job.run_step())
+                except (OutOfMemory, RemoteError) as e:
+                    if isinstance(e, RemoteError) and e.remote_type != "OutOfMemory":
+                        raise
+                    out.append(
+                        {"completed": False, "failed_at_step": len(records), "fresh_job": fresh}
+                    )
+                    break  # the job's state is gone: a fresh one for the rest
+                out.append(_figures(records[warmup:]) | {"fresh_job": fresh})
+                fresh = False
+        finally:
+            await job.close()
+    return out
+
+
+def _figures(measured: list[dict[str, Any]]) -> dict[str, Any]:
     stages: dict[str, list[float]] = {}
     for r in measured:
         for name, secs in r["model_stage_seconds"].items():

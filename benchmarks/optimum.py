@@ -1,13 +1,16 @@
 """The planner's pick against the measured optimum, on devices of a fixed CPU capacity.
 
 ``python -m benchmarks.optimum [--settings 16x2,32x2,64x2,16x4,32x4,64x4] [--cores 0.45]``
-``[--steps 3] [--warmup 1] [--rounds 3] [--calibration 24x2,48x2,24x4,48x4]``
+``[--prompts 8] [--steps 2] [--warmup 1] [--rounds 3] [--calibration 24x2,48x2,24x4,48x4]``
 ``[--calibration-plans 3] [--top 20] [--random 5] [--seed 0]``
 
-The job is pinned: the demo's GRPO job (``examples/demo_adaptive.toml``: a tiny model,
-11.5 MiB per device), each device capped at ``--cores`` cores by the kernel, generation
-running to exactly the length cap (``ignore_eos``), adaptation off (one plan per run).
-A setting is ``CAPxDEVICES``.
+The job is pinned: the demo's GRPO model (``examples/demo_adaptive.toml``: a tiny model,
+11.5 MiB per device) at ``--prompts`` prompts of 8 samples per step, each device capped
+at ``--cores`` cores by the kernel, generation running to exactly the length cap
+(``ignore_eos``), adaptation off. A setting is ``CAPxDEVICES``. A *run* of a plan is
+``warmup`` + ``steps`` steps under it; the runs of one setting in one round share one
+started job (one cluster): each plan is put in place by the job's own ``apply_plan``
+(a transition at a step boundary, not timed), so a run costs its steps, not a cluster.
 
 1. **Calibration, on other runs**: at the ``--calibration`` settings (caps and device
    counts the benchmark does not measure), the demo's starting plan and
@@ -20,15 +23,16 @@ A setting is ``CAPxDEVICES``.
 2. **Measurement**: at every setting, every valid plan of the planner's space (the
    model-stages in one pool or apart, every pool size, layout, recompute and decode
    waves that fit; or, where more than ``top + random``, the ``top`` it predicts fastest
-   plus ``random`` drawn from the rest, said in the output), each run for ``warmup`` +
-   ``steps`` steps in a fresh job, in ``rounds`` rounds with the order rotated; a plan's
-   figure is the median over rounds of its runs' median step time. The planner's pick
-   is ``search`` with the calibrated factors (added to the list if the list lacks it).
+   plus ``random`` drawn from the rest, said in the output), each run once per round,
+   in ``rounds`` rounds with the order rotated; a plan's figure is the median over
+   rounds of its runs' median step time. The planner's pick is ``search`` with the
+   calibrated factors (added to the list if the list lacks it).
 
 Per setting: the measured best, the pick, the gap (pick over best, minus 1). Last line:
 one JSON object with ``settings``, ``plans_measured``, ``exact_share``,
 ``within_5pct_share``, ``median_gap``, ``p95_gap``, ``prediction_mape`` (over every
-measured plan, with the factors fitted in step 1 only) and the details.
+measured plan, with the factors fitted in step 1 only) and the details (each row has
+every model-stage's predicted and measured seconds).
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ import random
 import shutil
 import statistics
 import tempfile
+import time
 from typing import Any
 
 from benchmarks.measure_plans import (
     job_config,
     prior_efficiency,
-    run_plan,
+    run_plans,
     setting_view,
     valid_plans,
 )
@@ -65,31 +70,43 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
 class Context:
     """What every run of the benchmark shares: the model as the job sees it."""
 
-    def __init__(self, out: str, cores: float | str, steps: int, warmup: int) -> None:
+    def __init__(
+        self, out: str, cores: float | str, steps: int, warmup: int, prompts: int
+    ) -> None:
         self.out, self.cores, self.steps, self.warmup = out, cores, steps, warmup
+        self.prompts = prompts
         self.model_config: Any = None
         self.prompt_length = 0
-        self.runs = 0
+        self.jobs = 0
+        self.jobs_started = 0
 
     def config(self, cap: int, devices: int, plan: Plan | None) -> JobConfig:
-        self.runs += 1
+        self.jobs += 1
         return job_config(
-            devices, cap, self.cores, self.warmup + self.steps, f"{self.out}/run{self.runs}", plan
+            devices, cap, self.cores, 10**6, f"{self.out}/job{self.jobs}", plan, self.prompts
         )
 
     def view(self, cfg: JobConfig) -> tuple[Any, Any]:
         return setting_view(cfg, self.model_config, self.prompt_length)
 
-    async def run(self, cap: int, devices: int, plan: Plan | None) -> dict[str, Any]:
-        cfg = self.config(cap, devices, plan)
+    async def run(self, cap: int, devices: int, plans: list[Plan | None]) -> list[dict[str, Any]]:
+        """Each of ``plans`` (None: the demo's starting plan) in turn on one started job
+        (``run_plans``: the job's own ``apply_plan`` between them)."""
+        start = self.config(cap, devices, None)
+        named = [p or to_planner_plan(start.job_plan()) for p in plans]
+        cfg = self.config(cap, devices, named[0])
 
         def learn(job: Any) -> None:
             self.model_config, self.prompt_length = job.model_config, job.max_prompt_tokens()
 
-        r = await run_plan(cfg, self.warmup, on_start=learn if self.model_config is None else None)
-        r["plan"] = (plan or to_planner_plan(cfg.job_plan())).to_dict()
-        r["cfg"] = cfg
-        return r
+        got = await run_plans(
+            cfg, named, self.warmup, self.steps, on_start=learn if self.model_config is None else None
+        )
+        self.jobs_started += sum(1 for r in got if r.get("fresh_job"))
+        for r, plan in zip(got, named, strict=True):
+            r["plan"] = plan.to_dict()
+            r["cfg"] = cfg
+        return got
 
 
 def _observe(cal: Calibrator, r: dict[str, Any], ctx: Context, prior: Efficiency) -> None:
@@ -105,16 +122,19 @@ async def calibrate(
     ctx: Context, settings: list[tuple[int, int]], per_setting: int, rng: random.Random
 ) -> tuple[Efficiency, float, list[dict[str, Any]]]:
     """Efficiency factors and the step overhead from runs at ``settings`` (see step 1)."""
-    runs = []
-    first_cap, first_devices = settings[0]
-    runs.append(await ctx.run(first_cap, first_devices, None))  # also learns the model
-    prior = prior_efficiency(runs[0]["cfg"])
-    for cap, devices in settings:
+    runs: list[dict[str, Any]] = []
+    for k, (cap, devices) in enumerate(settings):
+        if k == 0 or ctx.model_config is None:  # the starting plan first: it learns the model
+            runs += await ctx.run(cap, devices, [None])
+            print(f"calibration {cap}x{devices}: {_brief(runs[-1])}", flush=True)
+        prior = prior_efficiency(runs[0]["cfg"])
         work, cluster = ctx.view(ctx.config(cap, devices, None))
         plans = [p for _, p in valid_plans(work, cluster, prior)]
-        for plan in rng.sample(plans, min(per_setting, len(plans))):
-            runs.append(await ctx.run(cap, devices, plan))
-            print(f"calibration {cap}x{devices}: {_brief(runs[-1])}", flush=True)
+        chosen: list[Plan | None] = list(rng.sample(plans, min(per_setting, len(plans))))
+        for r in await ctx.run(cap, devices, chosen):
+            runs.append(r)
+            print(f"calibration {cap}x{devices}: {_brief(r)}", flush=True)
+    prior = prior_efficiency(runs[0]["cfg"])
     done = [r for r in runs if r["completed"]]
     cal = Calibrator(prior=prior, prior_weight=0.05)
     for r in done:
@@ -163,10 +183,10 @@ async def measure_setting(
     print(f"setting {cap}x{devices}: {how}{'' if pick_listed else ' + the pick'}", flush=True)
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(plans))}
     order = list(range(len(plans)))
-    for rnd in range(rounds):
+    for rnd in range(rounds):  # one job per round; every plan through its apply_plan
         shift = rnd % len(order)
-        for i in order[shift:] + order[:shift]:
-            r = await ctx.run(cap, devices, plans[i])
+        turn = order[shift:] + order[:shift]
+        for i, r in zip(turn, await ctx.run(cap, devices, [plans[i] for i in turn]), strict=True):
             runs[i].append(r)
             print(f"  round {rnd} plan {i}: {_brief(r)}", flush=True)
     rows = []
@@ -181,6 +201,8 @@ async def measure_setting(
                 "measured_s": round(measured, 4) if measured is not None else None,
                 "runs_s": [round(r["step_s"], 4) if r["completed"] else None for r in runs[i]],
                 "is_pick": plan == pick,
+                # model-stage -> [predicted, measured median] seconds: where a gap comes from
+                "stages": _stage_rows(plan, work, cluster, eff, ok),
             }
         )
     measured = [r for r in rows if r["measured_s"] is not None]
@@ -206,16 +228,29 @@ async def measure_setting(
     }
 
 
+def _stage_rows(
+    plan: Plan, work: Any, cluster: Any, eff: Efficiency, ok: list[dict[str, Any]]
+) -> dict[str, list[float | None]]:
+    out: dict[str, list[float | None]] = {}
+    for st in explain(plan, work, cluster, eff).stages:
+        got = [r["stage_s"].get(st.name.replace("-", "_")) for r in ok]
+        seen = [g for g in got if g is not None]
+        measured = round(statistics.median(seen), 4) if seen else None
+        out[st.name] = [round(st.cost.seconds, 4), measured]
+    return out
+
+
 def _p95(values: list[float]) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
     out = tempfile.mkdtemp(prefix="nereus-bench-optimum-")
     cores: float | str = args.cores if args.cores == "shared" else float(args.cores)
     rng = random.Random(args.seed)
-    ctx = Context(out, cores, args.steps, args.warmup)
+    ctx = Context(out, cores, args.steps, args.warmup, args.prompts)
     try:
         eff, overhead, cal_runs = await calibrate(
             ctx, parse_settings(args.calibration), args.calibration_plans, rng
@@ -261,10 +296,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "prompts_per_step": args.prompts,
+        "jobs_started": ctx.jobs_started,
         "calibration_runs": len(cal_runs),
         "calibration_settings": args.calibration,
         "step_overhead_s": round(overhead, 4),
-        "efficiency": eff.as_dict() | {"layer_pass_s": eff.layer_pass_s},
+        "efficiency": eff.as_dict()
+        | {
+            "layer_pass_s": eff.layer_pass_s,
+            "recompute_passes": eff.recompute_passes,
+            "micro_batch_passes": eff.micro_batch_passes,
+        },
+        "plan_runs": len(cal_runs) + sum(len(row["runs_s"]) for r in results for row in r["rows"]),
+        "wall_s": round(time.perf_counter() - t0, 1),
         "per_setting": [{k: v for k, v in r.items() if k != "rows"} for r in results],
         "rows": {r["setting"]: r["rows"] for r in results},
     }
@@ -284,7 +328,10 @@ def main(argv: list[str] | None = None) -> None:
         "--calibration-plans", type=int, default=3, help="random plans per calibration setting"
     )
     p.add_argument("--cores", default="0.45", help="cores per device ('shared': no limit)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per run")
+    p.add_argument(
+        "--prompts", type=int, default=8, help="prompts per step (8 samples each; demo: 16)"
+    )
+    p.add_argument("--steps", type=int, default=2, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1, help="steps per run before measuring")
     p.add_argument("--rounds", type=int, default=3, help="runs of each plan, order rotated")
     p.add_argument("--top", type=int, default=20)

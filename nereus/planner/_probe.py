@@ -1,21 +1,24 @@
 """The thin shell around the pure planner: measure this CPU machine once and cache it.
 
 ``local_cpu_probe()`` times a float32 matmul (FLOP/s), a large memcpy (bytes/s) and
-the fixed cost of one small decoder layer's operations (seconds per layer pass) in this
-process, torch at one thread as every worker runs, about a second in all, and caches the figures as JSON under
+the fixed cost of one layer pass of the project's decoder in training (and the passes a
+recomputed layer and a micro-batch's ends add) in this process, torch at one thread as
+every worker runs, a few seconds in all, and caches the figures as JSON under
 ``$XDG_CACHE_HOME/nereus`` (``~/.cache/nereus``) keyed by host name and CPU count, so
 later calls read the file. The exchange bandwidth between worker processes (shared
 memory hand-off) is not timed here (it needs two processes); it is taken as 0.85 x
 the memcpy rate, the ratio measured on the project's machines (PLATFORM.md).
 
 ``local_cpu_cluster_probed(devices, memory_bytes)`` builds the ``local-cpu`` preset;
-``local_cpu_efficiency()`` is the prior ``Efficiency`` with the measured layer-pass cost.
+``local_cpu_efficiency()`` is the prior ``Efficiency`` with the measured layer-pass cost,
+recompute passes and micro-batch passes.
 
 Devices with a CPU limit (``device_cores``): the figures are measured in a child process
 under that limit (a cgroup quota, as a worker runs), sustained over about a second of
 wall time (many quota periods: a best-of time would catch the quota's unthrottled
-bursts), and divided by the limit, so the cluster spec holds one full core's rates and
-each device gets its cores' worth. Cached per limit. This is the only planner module that
+bursts), and divided by the limit (the recompute and micro-batch passes, ratios, as
+measured), so the cluster spec holds one full core's rates and each device gets its
+cores' worth. Cached per limit. This is the only planner module that
 reads a clock, touches a file or starts a process.
 """
 
@@ -28,7 +31,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nereus.errors import ConfigError
@@ -40,12 +43,16 @@ __all__ = ["local_cpu_probe", "local_cpu_cluster_probed", "local_cpu_efficiency"
 log = logging.getLogger("nereus.planner")
 _EXCHANGE_OVER_MEMCPY = 0.85
 # what a cached entry must hold (an older cache without one is measured again)
-_FIGURES = ("flops_per_device", "memory_bandwidth", "exchange_bandwidth", "layer_pass_s")
+_FIGURES = ("flops_per_device", "memory_bandwidth", "exchange_bandwidth", "layer_pass_s",
+            "recompute_passes", "micro_batch_passes")
 # part of the cache key: figures measured by an earlier probe are measured again (2: the
 # matmul and the layer pass on torch at one thread, as workers run, not numpy's BLAS and
 # torch's default threads, which put the fixed cost of a layer pass at 3-8x a worker's;
-# 3: the figures under a CPU limit copy 64 MiB as the unlimited ones do, not 8 MiB)
-_PROBE_VERSION = 3
+# 3: the figures under a CPU limit copy 64 MiB as the unlimited ones do, not 8 MiB;
+# 4: the layer pass timed on the project's decoder in training, not a one-token imitation
+# of a layer's forward, which put it at a fifth of what the engines pay, and the layer
+# passes recompute adds and a micro-batch's ends cost)
+_PROBE_VERSION = 4
 
 
 def _cache_path() -> Path:
@@ -70,7 +77,7 @@ def _measure() -> dict[str, float]:
             a @ b
             best = min(best, time.perf_counter() - t)
         flops = 2 * n**3 / best
-        layer_pass = _layer_pass_seconds()
+        layers = _layer_costs()
     finally:
         torch.set_num_threads(threads)
     src = np.ones(64 * 2**20, dtype=np.uint8)
@@ -82,47 +89,81 @@ def _measure() -> dict[str, float]:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t)
     memcpy = src.nbytes / best
-    return {"flops_per_device": flops, "memory_bandwidth": memcpy, "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
-            "layer_pass_s": layer_pass}
+    return {"flops_per_device": flops, "memory_bandwidth": memcpy,
+            "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY, **layers}
 
 
-def _layer() -> tuple:
-    """One small decoder layer and its input, to time what a layer pass costs here beyond
-    its FLOPs: the ~25 framework operations of a layer (7 projections, 2 RMS norms, rotary, attention,
-    SwiGLU, residuals) on one token, with autograd recording, timed with torch."""
+# The probe's decoder: the project's own layers (nereus.models.decoder) at the demo's
+# width, on one training micro-batch of 2 rows x 16 tokens, where FLOPs are a small part.
+_PROBE_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "vocab_size": 32}
+_PROBE_ROWS, _PROBE_TOKENS = 2, 16
+
+
+def _stage_step(layers: int, recompute: bool) -> Callable[[], None]:
+    """One forward and backward of a training micro-batch through a ``layers``-layer
+    stage of the project's decoder (``recompute``: activation checkpointing, as a
+    training engine with ``recompute`` runs it)."""
+    # here, as _measure imports torch: the planner stays importable without torch
     import torch
 
+    from nereus.models import build_stage
+    from nereus.models.tiny import tiny_config
+
     torch.manual_seed(0)
-    h, heads = 64, 4
-    w = [torch.randn(h, h, requires_grad=True) for _ in range(7)]
-    x = torch.randn(1, 1, h)
+    stage = build_stage(tiny_config(num_hidden_layers=layers, **_PROBE_MODEL))
+    stage.recompute_activations = recompute
+    x = torch.randint(0, _PROBE_MODEL["vocab_size"], (_PROBE_ROWS, _PROBE_TOKENS))
+    pos = torch.arange(_PROBE_TOKENS).expand(_PROBE_ROWS, _PROBE_TOKENS)
 
-    def layer(x: torch.Tensor) -> torch.Tensor:
-        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        q, k, v = (torch.nn.functional.linear(n, w[i]).view(1, 1, heads, h // heads).transpose(1, 2) for i in range(3))
-        q, k = q * 0.5 + q.flip(-1) * 0.5, k * 0.5 + k.flip(-1) * 0.5
-        a = torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1) @ v
-        x = x + torch.nn.functional.linear(a.transpose(1, 2).reshape(1, 1, h), w[3])
-        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        g = torch.nn.functional.silu(torch.nn.functional.linear(n, w[4])) * torch.nn.functional.linear(n, w[5])
-        return x + torch.nn.functional.linear(g, w[6])
+    def step() -> None:
+        stage(x, pos).float().mean().backward()
 
-    return layer, x
+    return step
 
 
-def _layer_pass_seconds(passes: int = 50, rounds: int = 5, warm: int = 20) -> float:
-    """One layer pass's best time over ``rounds`` of ``passes`` (see ``_layer``)."""
-    layer, x = _layer()
-
+def _seconds_per_call(fn: Callable[[], None], sustain_s: float | None, warm: int = 3,
+                      calls: int = 8, rounds: int = 3) -> float:
+    """``fn``'s time per call: the best of ``rounds`` x ``calls`` (one unthrottled core),
+    or, with ``sustain_s``, the mean over that much wall time (what a quota sustains)."""
     for _ in range(warm):
-        layer(x)
+        fn()
+    if sustain_s is not None:
+        t, end, count = time.perf_counter(), time.perf_counter() + sustain_s, 0
+        while time.perf_counter() < end:
+            fn()
+            count += 1
+        return (time.perf_counter() - t) / count
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()
-        for _ in range(passes):
-            layer(x)
-        best = min(best, (time.perf_counter() - t) / passes)
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls)
     return best
+
+
+def _layer_costs(sustain_s: float | None = None) -> dict[str, float]:
+    """The fixed cost of one layer pass, what recomputing a layer adds, and what a
+    micro-batch costs beyond its layers, timed on the project's decoder: a 1-layer and a
+    3-layer stage's micro-batch step differ by two layers' forward and backward (the
+    embedding, head and loss cancel), which the cost model counts as 3 layer passes each
+    (a forward, a backward of twice its FLOPs). The same difference with activation
+    checkpointing, over the plain one's, gives the layer passes a recomputed layer costs
+    beyond those 3 (``recompute_passes``): a bare second forward would be 1;
+    checkpointing's saved-tensor hooks make it more. The 1-layer step less its layer is
+    the micro-batch's ends (embedding, LM head, loss, their backward), in layer passes
+    (``micro_batch_passes``)."""
+    step = {}
+    for rec in (False, True):
+        step[rec, 1] = _seconds_per_call(_stage_step(1, rec), sustain_s)
+        step[rec, 3] = _seconds_per_call(_stage_step(3, rec), sustain_s)
+    per_layer = {rec: max(step[rec, 3] - step[rec, 1], 1e-7) / 2 for rec in (False, True)}
+    layer_pass = per_layer[False] / 3
+    extra = (per_layer[True] - per_layer[False]) / layer_pass
+    ends = max(0.0, step[False, 1] - per_layer[False]) / layer_pass
+    return {"layer_pass_s": layer_pass, "recompute_passes": min(20.0, max(1.0, extra)),
+            "micro_batch_passes": min(50.0, ends)}
 
 
 _SUSTAIN_S = 1.0  # wall seconds each sustained figure spans (ten quota periods)
@@ -149,16 +190,9 @@ def _sustained() -> dict[str, float]:
         np.copyto(dst, src)
         count += 1
     memcpy = src.nbytes * count / (time.perf_counter() - t)
-    best = _layer_pass_seconds()  # one core's unthrottled cost, then what the quota sustains:
-    layer, x = _layer()
-    t, end, count = time.perf_counter(), time.perf_counter() + _SUSTAIN_S, 0
-    while time.perf_counter() < end:
-        layer(x)
-        count += 1
-    per_pass = (time.perf_counter() - t) / count
     return {"flops_per_device": flops, "memory_bandwidth": memcpy,
             "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
-            "layer_pass_s": max(per_pass, best)}
+            **_layer_costs(_SUSTAIN_S / 4)}
 
 
 def capped_probe(cores: float, refresh: bool = False, cache: Path | None = None,
@@ -189,7 +223,9 @@ def capped_probe(cores: float, refresh: bool = False, cache: Path | None = None,
     figures = {"flops_per_device": got["flops_per_device"] / cores,
                "memory_bandwidth": got["memory_bandwidth"] / cores,
                "exchange_bandwidth": got["exchange_bandwidth"] / cores,
-               "layer_pass_s": got["layer_pass_s"] * cores}
+               "layer_pass_s": got["layer_pass_s"] * cores,
+               "recompute_passes": got["recompute_passes"],
+               "micro_batch_passes": got["micro_batch_passes"]}
     table[key] = figures
     _write_cache(path, table)
     log.info("local CPU probe under %g cores (per full core): %s", cores, figures)
@@ -201,7 +237,9 @@ def local_cpu_efficiency(prior: Efficiency = CONSERVATIVE, refresh: bool = False
     """``prior`` with this machine's measured fixed cost per layer pass (one full core's,
     measured under a limit of ``cores`` where given)."""
     p = local_cpu_probe(refresh) if cores is None else capped_probe(cores, refresh)
-    return prior.replace(layer_pass_s=min(10.0, float(p["layer_pass_s"])))
+    return prior.replace(layer_pass_s=min(10.0, float(p["layer_pass_s"])),
+                         recompute_passes=float(p["recompute_passes"]),
+                         micro_batch_passes=float(p["micro_batch_passes"]))
 
 
 def local_cpu_probe(refresh: bool = False, cache: Path | None = None) -> dict[str, float]:

@@ -98,6 +98,16 @@ class Efficiency:
     # what makes small decode steps and small micro-batches slower than their FLOPs
     # (learned from measured model-stage times).
     layer_pass_s: float = 5e-5
+    # The layer passes recomputing one layer adds to its forward and backward (3 passes)
+    # in a training step with ``recompute``: 1 for a bare second forward; activation
+    # checkpointing's saved-tensor hooks cost more on small CPU layers (the local probe
+    # measures it; 1 until measured).
+    recompute_passes: float = 1.0
+    # What one micro-batch of a forward and backward costs beyond its layers, in layer
+    # passes: the embedding, the LM head, the loss and their backward (a forward-only
+    # pass pays a third); on small CPU models as much as a layer or more (the local
+    # probe measures it; 0 until measured).
+    micro_batch_passes: float = 0.0
 
     def __post_init__(self) -> None:
         for c in OP_CLASSES:
@@ -105,6 +115,10 @@ class Efficiency:
         require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
         require(0 <= self.memory_fixed_bytes <= MAX_MEMORY_FIXED_BYTES, "Efficiency.memory_fixed_bytes",
                 self.memory_fixed_bytes, f"must be in [0, {MAX_MEMORY_FIXED_BYTES}] bytes")
+        require(0.0 <= self.micro_batch_passes <= 50.0, "Efficiency.micro_batch_passes",
+                self.micro_batch_passes, "must be in [0, 50] layer passes")
+        require(1.0 <= self.recompute_passes <= 20.0, "Efficiency.recompute_passes",
+                self.recompute_passes, "must be in [1, 20] layer passes")
         for f in ("group_setup_s", "transition_call_s", "transition_s", "group_release_s", "copy_s_per_gb",
                   "host_s_per_gb", "layer_pass_s"):
             require(0 <= getattr(self, f) <= 10.0, f"Efficiency.{f}", getattr(self, f), "must be in [0, 10] seconds")
@@ -415,8 +429,14 @@ def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload
     add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
                          ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
              ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
-    add_body("layer passes", (("layer_passes", micro_total * mult * layers / links.busy),),
-             ("{} micro-batches·{} passes·{} layers·{:.2g} s fixed cost", (micro_total, mult, layers, eff.layer_pass_s)))
+    # a recomputed layer costs its checkpointing's fixed cost, not one bare forward
+    fixed_passes = (3 + eff.recompute_passes if recompute else 3) if training else 1
+    # every micro-batch's embedding, head and loss (a forward-only pass: a third of them)
+    ends = eff.micro_batch_passes * (1.0 if training else 1.0 / 3)
+    passes = micro_total * (fixed_passes * layers + ends)
+    add_body("layer passes", (("layer_passes", passes / links.busy),),
+             ("{} micro-batches·({:.3g} passes·{} layers + {:.3g} ends)·{:.2g} s fixed cost",
+              (micro_total, fixed_passes, layers, ends, eff.layer_pass_s)))
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2
         nbytes = per_layer * layers * tokens * h * b
