@@ -2,7 +2,8 @@
 
 ``local_cpu_probe()`` times a float32 matmul (FLOP/s), a large memcpy (bytes/s) and
 the fixed cost of one small decoder layer's operations (seconds per layer pass) in this
-process, torch at one thread as every worker runs, about a second in all, and caches the figures as JSON under
+process, torch at one thread as every worker runs, about a second in all, and caches the figures as
+JSON under
 ``$XDG_CACHE_HOME/nereus`` (``~/.cache/nereus``) keyed by host name and CPU count, so
 later calls read the file. The exchange bandwidth between worker processes (shared
 memory hand-off) is not timed here (it needs two processes); it is taken as 0.85 x
@@ -88,7 +89,8 @@ def _measure() -> dict[str, float]:
 
 def _layer() -> tuple:
     """One small decoder layer and its input, to time what a layer pass costs here beyond
-    its FLOPs: the ~25 framework operations of a layer (7 projections, 2 RMS norms, rotary, attention,
+    its FLOPs: the ~25 framework operations of a layer (7 projections, 2 RMS norms, rotary,
+    attention,
     SwiGLU, residuals) on one token, with autograd recording, timed with torch."""
     import torch
 
