@@ -21,8 +21,7 @@ same without the time lost to the device trace (``keep_better_work``,
 restarts left out, what the payback test predicts), ``largest_deltas_s`` over every run,
 ``by_payback_over_limit`` (the same counts by how
 far past the payback test's limit each turned-down move was), and ``runs`` (each run's figures with
-adaptive's
-``mean_step_s``).
+adaptive's ``mean_step_s``).
 """
 
 from __future__ import annotations

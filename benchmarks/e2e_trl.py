@@ -17,8 +17,7 @@ Each side runs in its own process and gets the same ``--cores`` CPU cores:
 - TRL 1.16: one process at its fastest on CPU: run with ``--cores`` threads and with 1
   thread (on a busy machine extra intra-op threads can make small ops much slower) and
   keep the faster; float32, gradient checkpointing off, no gradient accumulation so old logprobs
-  are not
-  recomputed, plain ``generate`` with its KV cache; ``min_new_tokens`` = 128.
+  are not recomputed, plain ``generate`` with its KV cache; ``min_new_tokens`` = 128.
 
 A warm-up step first, then ``--steps`` measured steps; per side the median step time,
 its spread (min-max), the median generation time and generated tokens per second.

@@ -29,14 +29,14 @@ Every result is verified element by element against the deterministic content th
 sources were filled with, after the warm-up and again after the last timed run. Next
 to the plan's ``bytes_moved`` each case reports ``bytes_sent_counted``: what the
 workers' exchanges counted sending in the last timed run. The floor of each case (``floor_s``) is
-one copy of every byte
-its target must have written (moved from another device, or copied within one: a target
+one copy of every byte its target must have written (moved from another device, or copied within
+one: a target
 shard that differs from every source shard on its device is new memory either way),
 between ready buffers, half on each of two workers (the cores here); the
 checkpoint time over it (``speedup_ceiling_vs_checkpoint``, the minimum over cases) is
 the most any reshard could reach against the checkpoint on this machine. Warm-up first (one run per
-method per case, which also
-makes the cached groups), then ``--reps`` timed runs; medians and min-max spread.
+method per case, which also makes the cached groups), then ``--reps`` timed runs; medians and
+min-max spread.
 Workers use 1 torch thread each; the driver process runs the controller, node daemon
 and planning. Workers inherit ``THP_MEM_ALLOC_ENABLE=1`` (torch's CPU allocator then
 asks for transparent huge pages for large tensors: a fresh 240 MB tensor is written

@@ -2,8 +2,7 @@
 
 Options override the file (``--steps``, ``--out``, ``--seed``, ``--resume``,
 ``--in-process``, ``--no-progress``, ``--adapt``/``--no-adapt``). ``--connect ADDRESS`` (with
-``--key-file`` and
-``--cluster-devices``) attaches the job to a running cluster whatever the file's
+``--key-file`` and ``--cluster-devices``) attaches the job to a running cluster whatever the file's
 ``[cluster]`` says: a launcher that started the cluster (``nereus slurm run``, a
 Kubernetes Job) knows its address only then. A config error is printed as one line
 naming the field, the value and the rule, and the command exits with status 2; nothing

@@ -7,8 +7,7 @@ value and the rule (``algorithm.samples_per_prompt=1 must be >= 2 for grpo``).
 
 Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]`` (a
 synthetic task) or ``[data]`` (prompts and ground truth from a file), ``[algorithm]`` (grpo, ppo or
-remax and their coefficients), ``[reward]`` (the task's
-rule or a reward model), ``[sampling]``,
+remax and their coefficients), ``[reward]`` (the task's rule or a reward model), ``[sampling]``,
 ``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
 placement each model-stage starts from, as EMUs on devices), ``[adapt]`` (whether and
 how the job changes that placement while it runs), ``[rl]`` (sync or async mode,

@@ -3,8 +3,7 @@
 ``local_cpu_probe()`` times a float32 matmul (FLOP/s), a large memcpy (bytes/s) and
 the fixed cost of one small decoder layer's operations (seconds per layer pass) in this
 process, torch at one thread as every worker runs, about a second in all, and caches the figures as
-JSON under
-``$XDG_CACHE_HOME/nereus`` (``~/.cache/nereus``) keyed by host name and CPU count, so
+JSON under ``$XDG_CACHE_HOME/nereus`` (``~/.cache/nereus``) keyed by host name and CPU count, so
 later calls read the file. The exchange bandwidth between worker processes (shared
 memory hand-off) is not timed here (it needs two processes); it is taken as 0.85 x
 the memcpy rate, the ratio measured on the project's machines (PLATFORM.md).

@@ -371,8 +371,8 @@ def _generation_terms(terms: _Terms, model: ModelShape, work: Workload, eff: Eff
     attn = 4 * L * h * ctx * t_gen / (tp * peak)
     if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
         add("decode", (("decode", stream),),
-            ("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} "
-                "ctx·{:.3g} B KV)/{:.3g} B/s", (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
+            (("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} "
+              "ctx·{:.3g} B KV)/{:.3g} B/s"), (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
     else:
         add("decode", (("gemm", compute), ("attention", attn)),
             ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))
@@ -415,8 +415,8 @@ def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload
     kind = str(2 * mult)
     add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
                          ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
-             ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} "
-                 "seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
+             (("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} "
+               "seq/(tp·peak), s={:.0f}"), (kind, p_compute, tokens, mult, layers, n_r, seq)))
     add_body("layer passes", (("layer_passes", micro_total * mult * layers / links.busy),),
              ("{} micro-batches·{} passes·{} layers·{:.2g} s fixed cost", (micro_total, mult, layers, eff.layer_pass_s)))
     if tp > 1:

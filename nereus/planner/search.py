@@ -496,8 +496,7 @@ def search(
     require(1 <= budget <= cluster.num_devices, "budget", budget, f"must be in [1, {cluster.num_devices}] devices")
     # The named placements with each model-stage's fastest and smallest layouts give
     # valid plans quickly; the best of them bounds the exact search, which skips what cannot beat
-    # it.
-    # Without alternatives, each named placement is searched under the best so far.
+    # it. Without alternatives, each named placement is searched under the best so far.
     quick = quick_named = _Searcher(work, cluster, eff, budget, keep=2)
     named: dict[str, tuple[float, tuple] | None] = {}
     incumbent = None

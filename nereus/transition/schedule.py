@@ -13,8 +13,8 @@ ends; a node's transfer bucket counts while it runs); ``finish(node)`` gives its
 and its released bytes back (it orders by the DAG's global rules, ``nereus.transition.
 rules``, unless given others; ``check_caps=False`` drops its cap check at start, so only
 the rules and the workers' ledgers keep memory within budget). It counts per class of alike devices
-(``dag.classes``), and
-only the classes whose cap some order could break; ``used``, ``peak`` and ``busy`` are
+(``dag.classes``), and only the classes whose cap some order could break; ``used``, ``peak`` and
+``busy`` are
 per-device views made when asked for (from the sequence of starts and ends).
 
 More (how it works): docs/plans-and-adaptation.md.

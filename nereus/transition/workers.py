@@ -8,8 +8,7 @@ workers (``nereus.state.execute_step``: one message per worker and plan, a group
 given epoch per plan that moves bytes); the ops of one node sit on disjoint devices and
 run at once; their groups are of the given epoch and tag ``"transition"``, so they are
 released apart from the engines' -- and ``next_done()`` waits for the next node to end. ``live`` is
-the set
-of EMUs after every node that finished (created ones in, freed ones out); a node that
+the set of EMUs after every node that finished (created ones in, freed ones out); a node that
 fails leaves it as it was (a primitive frees its sources only after its target exists).
 
 This is the shell around the pure DAG: it makes actor calls; it never decides what runs

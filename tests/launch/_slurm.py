@@ -101,8 +101,7 @@ class OneHostSlurm:
             f"SlurmctldLogFile={d}/slurmctld.log",
             f"SlurmdLogFile={d}/slurmd.log",
             f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory=1024 "
-            f"Gres=gpu:{self.gpus} "
-            "State=UNKNOWN",
+            f"Gres=gpu:{self.gpus} State=UNKNOWN",
             f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
             "",
         ]))
