@@ -1,6 +1,7 @@
 """End-to-end GRPO: nereus against TRL's GRPOTrainer, same configuration, same machine.
 
-    python -m benchmarks.e2e_trl [--steps 4] [--warmup 1] [--cores 2] [--hidden 256 --layers 4 --intermediate 768]
+    python -m benchmarks.e2e_trl [--steps 4] [--warmup 1] [--cores 2] [--hidden 256 --layers 4
+    --intermediate 768]
 
 Both sides run the same GRPO step: a Llama-style decoder (by default 3.4M parameters:
 hidden 256, 4 layers, 4 heads, SwiGLU 768), the shipped reverse task with its character vocabulary,
@@ -15,8 +16,8 @@ Each side runs in its own process and gets the same ``--cores`` CPU cores:
   less CPU per training step than 64), weight sync through the state layer's plans every step;
 - TRL 1.16: one process at its fastest on CPU: run with ``--cores`` threads and with 1
   thread (on a busy machine extra intra-op threads can make small ops much slower) and
-  keep the faster; float32, gradient checkpointing off, no gradient accumulation so old logprobs are not
-  recomputed, plain ``generate`` with its KV cache; ``min_new_tokens`` = 128.
+  keep the faster; float32, gradient checkpointing off, no gradient accumulation so old logprobs
+  are not recomputed, plain ``generate`` with its KV cache; ``min_new_tokens`` = 128.
 
 A warm-up step first, then ``--steps`` measured steps; per side the median step time,
 its spread (min-max), the median generation time and generated tokens per second.
@@ -390,8 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run(b)))
         return 0
     b = bench_config(args)
-    print(f"GRPO end to end: decoder hidden {args.hidden} x {args.layers} layers (SwiGLU {args.intermediate}), {b['prompts_per_step']} prompts x {b['samples_per_prompt']} samples x "
-          f"{b['max_new_tokens']} new tokens, {args.warmup} warm-up + {args.steps} measured steps, {args.cores} cores per side")
+    print(f"GRPO end to end: decoder hidden {args.hidden} x {args.layers} layers (SwiGLU "
+        f"{args.intermediate}), {b['prompts_per_step']} prompts x {b['samples_per_prompt']} "
+        "samples x "
+          f"{b['max_new_tokens']} new tokens, {args.warmup} warm-up + {args.steps} measured "
+          f"steps, {args.cores} cores per side")
     results = {"nereus": _side("nereus", b)}
     trl_runs = [_side("trl", {**b, "threads": t}) for t in sorted({args.cores, 1}, reverse=True)]
     for run in trl_runs:
@@ -400,13 +404,20 @@ def main(argv: list[str] | None = None) -> int:
     floor = floor_summary(b, _side("floor", b))
     sums = {k: _summary(v) for k, v in results.items()}
     for name, s in sums.items():
-        extra = f", train {statistics.median(results[name]['train_s']):.2f} s, sync {statistics.median(results[name]['sync_s']):.3f} s" if name == "nereus" else ""
-        print(f"{name:>6}: step {s['step_s']:.2f} s (min {s['step_min_s']:.2f}, max {s['step_max_s']:.2f}), "
-              f"generate {s['gen_s']:.2f} s = {s['gen_tok_s']:.0f} tok/s{extra}; threads: {results[name]['threads']}")
-    print(f" floor: {floor['train_gflop']:.1f} GFLOP training + {floor['gen_gflop']:.1f} GFLOP generation a step; at this machine's "
-          f"best one-core matmul rate on every core: train {floor['floor_train_s']:.2f} s; generation reads "
-          f"{floor['gen_gb_per_core']:.1f} GB per core at {floor['read_gb_s']:.1f} GB/s: {floor['floor_gen_memory_s']:.2f} s "
-          f"(compute {floor['floor_gen_compute_s']:.2f} s); floor {floor['floor_step_s']:.2f} s, so no implementation beats TRL "
+        extra = (f", train {statistics.median(results[name]['train_s']):.2f} s, sync "
+            f"{statistics.median(results[name]['sync_s']):.3f} s") if name == "nereus" else ""
+        print(f"{name:>6}: step {s['step_s']:.2f} s (min {s['step_min_s']:.2f}, max "
+            f"{s['step_max_s']:.2f}), "
+              f"generate {s['gen_s']:.2f} s = {s['gen_tok_s']:.0f} tok/s{extra}; threads: "
+              f"{results[name]['threads']}")
+    print(f" floor: {floor['train_gflop']:.1f} GFLOP training + {floor['gen_gflop']:.1f} GFLOP "
+        "generation a step; at this machine's "
+          f"best one-core matmul rate on every core: train {floor['floor_train_s']:.2f} s; "
+          "generation reads "
+          f"{floor['gen_gb_per_core']:.1f} GB per core at {floor['read_gb_s']:.1f} GB/s: "
+          f"{floor['floor_gen_memory_s']:.2f} s "
+          f"(compute {floor['floor_gen_compute_s']:.2f} s); floor {floor['floor_step_s']:.2f} "
+          "s, so no implementation beats TRL "
           f"by more than {sums['trl']['step_s'] / floor['floor_step_s']:.2f}x here")
     print(f"        one core's training phase in plain PyTorch: {floor['plain_torch_train_s']:.2f} s "
           f"(nereus's training phase: {statistics.median(results['nereus']['train_s']):.2f} s)")

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths = torch.randint(args.ragged, args.prompt_len + 1, (args.batch,), generator=g).tolist()
         prompts = [p[:n] for p, n in zip(prompts, lengths, strict=True)]
         shown = f"prompts of {args.ragged}-{args.prompt_len}"
-    print(f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, {heads} heads, "
+    print(f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"{heads} heads, "
           f"intermediate {config.intermediate_size}, vocab {config.vocab_size}; "
           f"batch {args.batch} x {args.new_tokens} new tokens, {shown}; "
           f"float32; torch threads per side: {args.threads}; reps {args.reps} after one warm-up")

@@ -226,7 +226,8 @@ async def _run(args) -> dict[str, Any]:
                                max_position_embeddings=64, tie_word_embeddings=False)
     spec = model_spec(config_probe)
     params = sum(p.numel for p in spec.params)
-    print(f"model: {params / 1e6:.1f}M parameters; a training EMU holds {3 * spec.nbytes / 2**20:.0f} MiB "
+    print(f"model: {params / 1e6:.1f}M parameters; a training EMU holds "
+        f"{3 * spec.nbytes / 2**20:.0f} MiB "
           f"(fp32 weights + AdamW moments); {DEVICES} worker processes, 1 torch thread each; "
           f"{args.reps} reps, checkpoint-restart {args.ckpt_reps} per medium; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
@@ -252,14 +253,17 @@ async def _run(args) -> dict[str, Any]:
         c["speedup_vs_checkpoint_restart"] = c["checkpoint_restart_s"] / c["seconds"]
         c["bytes_exact"] = all(m == n for m, n in zip(row["bytes_measured"], row["bytes_minimum"], strict=True))
         cases[case] = c
-        print(f"{case:9s} live {c['seconds']:.3f} s (plan {c['plan_s']:.3f}, engines stop {c['engines_stop_s']:.3f}, "
+        print(f"{case:9s} live {c['seconds']:.3f} s (plan {c['plan_s']:.3f}, engines stop "
+            f"{c['engines_stop_s']:.3f}, "
               f"copies {c['moves_s']:.3f}, groups {c['groups_s']:.3f}, engines {c['engines_s']:.3f}, "
               f"sync plans {c['sync_plans_s']:.3f})  standalone {c['standalone_s']:.3f} s "
-              f"(plan {c['standalone_parts']['plan_s']:.3f}, copies {c['standalone_parts']['moves_s']:.3f}, "
+              f"(plan {c['standalone_parts']['plan_s']:.3f}, copies "
+              f"{c['standalone_parts']['moves_s']:.3f}, "
               f"groups {c['standalone_parts']['groups_s']:.3f})  "
               f"checkpoint-restart disk {c['checkpoint_restart_disk_s']:.2f} s / tmpfs "
               f"{c['checkpoint_restart_tmpfs_s']:.2f} s  moved {c['bytes_measured'] / 2**20:.0f} MiB "
-              f"(minimum {c['bytes_minimum'] / 2**20:.0f} MiB)  x{c['ratio_vs_standalone']:.2f} of standalone, "
+              f"(minimum {c['bytes_minimum'] / 2**20:.0f} MiB)  x{c['ratio_vs_standalone']:.2f} "
+              "of standalone, "
               f"x{c['speedup_vs_checkpoint_restart']:.1f} vs checkpoint-restart", flush=True)
     return {
         "benchmark": "live_reshard",

@@ -264,7 +264,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 ctx, cap, devices, eff, overhead, args.rounds, args.top, args.random, rng
             )
             print(
-                f"setting {res['setting']}: best {res['best_s']} s/step, pick {res['pick_s']} s/step "
+                f"setting {res['setting']}: best {res['best_s']} s/step, pick {res['pick_s']} "
+                "s/step "
                 f"(predicted {res['pick_predicted_s']}), gap {res['gap']}, exact {res['exact']}",
                 flush=True,
             )

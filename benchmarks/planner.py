@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     out: dict[str, float | bool | int] = {}
-    print(f"{'devices':>7} {'model':>9} {'cpu ms':>8} {'min-max':>15} {'wall ms':>8} {'min-max':>15} {'step s':>9}"
+    print(f"{'devices':>7} {'model':>9} {'cpu ms':>8} {'min-max':>15} {'wall ms':>8} "
+        f"{'min-max':>15} {'step s':>9}"
           "   (1 thread, pure Python)")
     for devices, (name, nodes) in CLUSTERS.items():
         cluster = cluster_preset(name, nodes)
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             tag = model.split("-")[1]
             out[f"search_ms_{devices}_{tag}"] = round(med_cpu, 2)
             out[f"search_wall_ms_{devices}_{tag}"] = round(med_wall, 2)
-            print(f"{devices:>7} {model:>9} {med_cpu:>8.2f} {min(cpu):>7.2f}-{max(cpu):<7.2f} {med_wall:>8.2f} "
+            print(f"{devices:>7} {model:>9} {med_cpu:>8.2f} {min(cpu):>7.2f}-{max(cpu):<7.2f} "
+                f"{med_wall:>8.2f} "
                   f"{min(wall):>7.2f}-{max(wall):<7.2f} {step:>9.2f}")
         out[f"search_ms_{devices}"] = round(worst_cpu, 2)
         out[f"search_wall_ms_{devices}"] = round(worst_wall, 2)
@@ -111,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     tracemalloc.stop()
     out["peak_mb"] = round(peak / 2**20, 2)
     check = _brute_force_check()
-    print(f"brute force (8 devices, PPO, 6 model-stages): {check['brute_force_plans_8']} layout choices in "
-          f"{check['brute_force_ms_8']:.0f} ms; search {check['search_ms_8']:.2f} ms; agree: {check['brute_force_agrees']}")
+    print(f"brute force (8 devices, PPO, 6 model-stages): {check['brute_force_plans_8']} layout "
+        "choices in "
+          f"{check['brute_force_ms_8']:.0f} ms; search {check['search_ms_8']:.2f} ms; agree: "
+          f"{check['brute_force_agrees']}")
     out.update({k: (round(v, 2) if isinstance(v, float) else v) for k, v in check.items()})
     out["threads"] = 1
     print(json.dumps(out))

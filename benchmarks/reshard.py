@@ -28,13 +28,15 @@ which keeps it. Each is built by:
 Every result is verified element by element against the deterministic content the
 sources were filled with, after the warm-up and again after the last timed run. Next
 to the plan's ``bytes_moved`` each case reports ``bytes_sent_counted``: what the
-workers' exchanges counted sending in the last timed run. The floor of each case (``floor_s``) is one copy of every byte
-its target must have written (moved from another device, or copied within one: a target
+workers' exchanges counted sending in the last timed run. The floor of each case (``floor_s``) is
+one copy of every byte its target must have written (moved from another device, or copied within
+one: a target
 shard that differs from every source shard on its device is new memory either way),
 between ready buffers, half on each of two workers (the cores here); the
 checkpoint time over it (``speedup_ceiling_vs_checkpoint``, the minimum over cases) is
-the most any reshard could reach against the checkpoint on this machine. Warm-up first (one run per method per case, which also
-makes the cached groups), then ``--reps`` timed runs; medians and min-max spread.
+the most any reshard could reach against the checkpoint on this machine. Warm-up first (one run per
+method per case, which also makes the cached groups), then ``--reps`` timed runs; medians and
+min-max spread.
 Workers use 1 torch thread each; the driver process runs the controller, node daemon
 and planning. Workers inherit ``THP_MEM_ALLOC_ENABLE=1`` (torch's CPU allocator then
 asks for transparent huge pages for large tensors: a fresh 240 MB tensor is written
@@ -319,12 +321,16 @@ async def _run(args) -> dict:
                 case["speedup_vs_checkpoint_replan"] = case["checkpoint_s"] / (case["reshard_s"] + case["plan_s"])
                 case["speedup_vs_gather"] = case["gather_scatter_s"] / case["reshard_s"]
                 results[name] = case
-                print(f"{name:12s} reshard {case['reshard_s']:.3f} s  gather-scatter {case['gather_scatter_s']:.3f} s  "
-                      f"checkpoint {case['checkpoint_s']:.3f} s (tmpfs, no fsync {case['checkpoint_tmpfs_s']:.3f} s, "
+                print(f"{name:12s} reshard {case['reshard_s']:.3f} s  gather-scatter "
+                    f"{case['gather_scatter_s']:.3f} s  "
+                      f"checkpoint {case['checkpoint_s']:.3f} s (tmpfs, no fsync "
+                      f"{case['checkpoint_tmpfs_s']:.3f} s, "
                       f"x{case['speedup_vs_checkpoint_tmpfs']:.1f})  moved {moved / 2**20:.0f} MiB "
-                      f"(counted {counted / 2**20:.0f} MiB, minimum {case['bytes_minimum'] / 2**20:.0f} MiB)  "
+                      f"(counted {counted / 2**20:.0f} MiB, minimum "
+                      f"{case['bytes_minimum'] / 2**20:.0f} MiB)  "
                       f"x{case['speedup_vs_checkpoint']:.1f} "
-                      f"vs checkpoint, x{case['speedup_vs_gather']:.1f} vs gather; planning afresh {case['plan_s'] * 1e3:.1f} ms "
+                      f"vs checkpoint, x{case['speedup_vs_gather']:.1f} vs gather; planning "
+                      f"afresh {case['plan_s'] * 1e3:.1f} ms "
                       f"(x{case['speedup_vs_checkpoint_replan']:.1f}); floor {case['floor_s']:.3f} s "
                       f"(x{case['checkpoint_s'] / case['floor_s']:.1f} vs checkpoint at best)", flush=True)
             await cluster.stop_mesh(mesh)

@@ -13,8 +13,8 @@ quote it), every policy on the same traces, ground truth and seed; its JSON list
   every-3, dynarl, adaptive (gamma 0.5) and the oracle, each table printed beside the
   paper's figures (861.9 adaptive, ~884 every-3, 939.5 dynarl, 1,191.6 static on the
   first trace; 858.7 / 873.8 / 928.3 over three);
-- ``paper`` (only when named): PPO llama-8b on a100-256, the us-east-2b spot trace scaled to the cluster,
-  lengths growing 500 -> 8,000 tokens over 1,000 steps, the cap raised in stages with
+- ``paper`` (only when named): PPO llama-8b on a100-256, the us-east-2b spot trace scaled to the
+  cluster, lengths growing 500 -> 8,000 tokens over 1,000 steps, the cap raised in stages with
   them (the simulator's default cap schedule) (the paper: -27.7%, 861.9 s against
   1,191.6 s); with the six policies, ``static-max-cap`` (static provisioned for the
   run's largest cap: the other reading of static, reported beside it) and the
@@ -24,8 +24,8 @@ quote it), every policy on the same traces, ground truth and seed; its JSON list
   devices over the run (the paper: six transitions, 0.079% of run time);
 - ``gamma`` (only when named): the paper run's adaptive policy at gamma 0.1 ... 2.0 (the paper: best
   around 0.4-0.65);
-- ``traces`` (only when named): every policy on three real response-length traces rescaled to 500-8,000
-  tokens, each under both spot traces (chosen before any run: one that grows, one that
+- ``traces`` (only when named): every policy on three real response-length traces rescaled to
+  500-8,000 tokens, each under both spot traces (chosen before any run: one that grows, one that
   explodes and oscillates, one that shrinks), the oracle reference beside them.
 
 Everything is a simulation. The last line is one JSON object. For ``paper733``:

@@ -202,13 +202,17 @@ def dag_ms(reps: int) -> dict[str, float | int]:
     print(f"    fresh inputs: {_spread(cpu)}; wall {_spread(wall)}")
     print(f"    inputs reused (warm): {_spread(warm)}")
     emus = sum(sp.dp for _, sp in case.target)
-    print(f"    {len(dag.nodes)} nodes standing for {sum(n.count for n in dag.nodes)} primitives, {emus} EMUs at "
-          f"1,024 devices ({sum(sp.dp for _, sp in case.current)} at 512), {len(dag.classes.caps)} classes of "
+    print(f"    {len(dag.nodes)} nodes standing for {sum(n.count for n in dag.nodes)} "
+        f"primitives, {emus} EMUs at "
+          f"1,024 devices ({sum(sp.dp for _, sp in case.current)} at 512), "
+          f"{len(dag.classes.caps)} classes of "
           f"alike devices, {dag.resource_edges} resource edges, {dag.bytes / 1e12:.2f} TB moved, "
           f"estimate {schedule.makespan:.2f} s")
-    print(f"    edges case (policy-generation and policy-training swap halves; {RESIDENT_BYTES / 1e9:.1f} GB resident "
+    print("    edges case (policy-generation and policy-training swap halves; "
+        f"{RESIDENT_BYTES / 1e9:.1f} GB resident "
           f"on devices 0-511): {_spread(edges)}; wall {_spread(edges_wall)}")
-    print(f"    {len(edag.nodes)} nodes, {len(edag.classes.caps)} classes, {edag.resource_edges} resource edges, "
+    print(f"    {len(edag.nodes)} nodes, {len(edag.classes.caps)} classes, "
+        f"{edag.resource_edges} resource edges, "
           f"estimate {eschedule.makespan:.2f} s")
     assert edag.resource_edges >= 1, "the edges case inserted no resource edge"
     return {"dag_ms_1024": round(statistics.median(cpu), 3), "dag_wall_ms_1024": round(statistics.median(wall), 3),
@@ -236,13 +240,18 @@ def main() -> None:
 
         b = asyncio.run(live.prediction_error(calibrate=args.calibrate, measure=max(args.measure, 10)))
         print(f"(b) {b['transitions_measured']} transitions between held-out layouts predicted after "
-              f"{args.calibrate} calibrated on others: whole change (engine restarts in) median error "
-              f"{b['prediction_error']:.3f}, p90 {b['prediction_error_p90']:.3f}, max {b['prediction_error_max']:.3f}; "
-              f"moves alone median {b['prediction_error_moves']:.3f}, p90 {b['prediction_error_moves_p90']:.3f}")
+              f"{args.calibrate} calibrated on others: whole change (engine restarts in) median "
+              "error "
+              f"{b['prediction_error']:.3f}, p90 {b['prediction_error_p90']:.3f}, max "
+              f"{b['prediction_error_max']:.3f}; "
+              f"moves alone median {b['prediction_error_moves']:.3f}, p90 "
+              f"{b['prediction_error_moves_p90']:.3f}")
         print(f"    calibrated {b['calibrated']}; restart_seconds {b['restart_seconds']:.3f} (frozen)")
-        print(f"    predicted vs measured s (whole change, then moves), bytes, nodes: {b['predicted_vs_measured_s']}")
+        print("    predicted vs measured s (whole change, then moves), bytes, nodes: "
+            f"{b['predicted_vs_measured_s']}")
         c = asyncio.run(live.overlap_ratio(rounds=args.rounds))
-        print(f"(c) generation on untouched devices: {c['tokens_per_s_during']:.1f} tokens/s during a transition, "
+        print(f"(c) generation on untouched devices: {c['tokens_per_s_during']:.1f} tokens/s "
+            "during a transition, "
               f"{c['tokens_per_s_alone']:.1f} without one ({c['cores']} cores)")
         out.update(prediction_error=round(b["prediction_error"], 3),
                    prediction_error_p90=round(b["prediction_error_p90"], 3),

@@ -72,7 +72,8 @@ async def main(steps: int, samples_per_prompt: int = 8, keep_above: float = 0.3)
                 else:
                     metrics = {}
                 print(f"step {step:3d}  reward {rewards[-1]:.3f}  kept {len(keep)}/{len(samples)}  "
-                      f"nll {metrics.get('nll', float('nan')):.3f}  policy version {stages.policy_version}")
+                      f"nll {metrics.get('nll', float('nan')):.3f}  policy version "
+                      f"{stages.policy_version}")
         finally:
             await stages.close()
     return rewards
@@ -83,4 +84,5 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=40)
     torch.set_num_threads(1)
     r = asyncio.run(main(parser.parse_args().steps))
-    print(f"mean reward: first 5 steps {statistics.fmean(r[:5]):.3f}, last 5 steps {statistics.fmean(r[-5:]):.3f}")
+    print(f"mean reward: first 5 steps {statistics.fmean(r[:5]):.3f}, last 5 steps "
+        f"{statistics.fmean(r[-5:]):.3f}")

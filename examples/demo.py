@@ -84,7 +84,8 @@ async def run(job: RLJob, predicted: list[PredictedFailure | None]) -> list[dict
                                    budget_bytes=cfg.cluster.memory_bytes, devices=cfg.cluster.devices)
         predicted.append(p)
         if p is not None:
-            log.info("the starting plan is predicted to run out of memory at step %d (cap %d: device %d needs %d "
+            log.info("the starting plan is predicted to run out of memory at step %d (cap %d: "
+                "device %d needs %d "
                      "of %d bytes)%s", p.step, p.cap, p.device, p.need_bytes, p.budget_bytes,
                      "; the controller loop will move before that" if cfg.adapt.enabled else "")
         return await job._loop()
@@ -122,7 +123,8 @@ def describe_pool_change(decisions: list[dict[str, Any]], at: int, word: str) ->
         after = d["target_plan"] if d["admitted"] and d["target_plan"] else d["current_plan"]
         payback = "n/a" if d["payback_steps"] is None else f"{d['payback_steps']:.2f}"
         limit = "n/a" if d["limit_steps"] is None else f"{d['limit_steps']:.1f}"
-        return (f"step {d['step']}: payback {payback} steps against a limit of {limit} -> {'admitted' if d['admitted'] else 'turned down'} ({d['reason']}); "
+        return (f"step {d['step']}: payback {payback} steps against a limit of {limit} -> "
+            f"{'admitted' if d['admitted'] else 'turned down'} ({d['reason']}); "
                 f"before: {_dp(d['current_plan'])}; after: {_dp(after)}")
     return f"no decision on devices {word} was recorded"
 
@@ -155,7 +157,8 @@ def main(argv: list[str]) -> int:
         if isinstance(e, RemoteError) and e.remote_type != "OutOfMemory":
             raise
         p = predicted[0] if predicted else None
-        said = (f"the planner predicted step {p.step} (cap {p.cap}: device {p.device} needs {p.need_bytes} "
+        said = (f"the planner predicted step {p.step} (cap {p.cap}: device {p.device} needs "
+            f"{p.need_bytes} "
                 f"bytes of {p.budget_bytes})" if p else "the planner predicted no failure")
         print(f"demo: the job stopped with OutOfMemory at step {job.step}; {said}: {e}", file=sys.stderr)
         return 1
@@ -166,7 +169,8 @@ def main(argv: list[str]) -> int:
               f"max {s['max_staleness_seen']} of {cfg.rl.max_staleness}; samples discarded "
               f"{s['samples_discarded']}; generation/training split changes: "
               f"{[c['generation_devices'] for c in changes]}")
-    print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> {records[-1]['reward_mean']:.3f}, "
+    print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> "
+        f"{records[-1]['reward_mean']:.3f}, "
           f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png")
     print(f"devices: {capacity}")
     decisions = job.adapter.decisions if job.adapter is not None else []

@@ -129,7 +129,8 @@ class InfeasibleTransition(InfeasiblePlan):
         self.cap_bytes = int(cap_bytes)
         super().__init__(
             f"transition node {node} is blocked on device {device}: it needs {need_bytes} bytes "
-            f"({need_bytes / 2**20:.1f} MiB) and the cap is {cap_bytes} bytes ({cap_bytes / 2**20:.1f} MiB), "
+            f"({need_bytes / 2**20:.1f} MiB) and the cap is {cap_bytes} bytes "
+            f"({cap_bytes / 2**20:.1f} MiB), "
             "with no Destroy on that device left to wait for"
         )
 

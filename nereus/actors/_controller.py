@@ -15,8 +15,8 @@ callers talk to workers directly. It promises:
   epoch) and published; see ``nereus.monitor.schema``.
 - Bad frames are counted, logged and dropped (``nereus.actors._channel``).
 
-``nereus controller --bind tcp://0.0.0.0:5555 --key-file KEY`` runs one standalone; the key may also come from
-``$NEREUS_CLUSTER_KEY``. It prints ``NEREUS_CONTROLLER_READY <address> <tap_address>``
+``nereus controller --bind tcp://0.0.0.0:5555 --key-file KEY`` runs one standalone; the key may also
+come from ``$NEREUS_CLUSTER_KEY``. It prints ``NEREUS_CONTROLLER_READY <address> <tap_address>``
 when it is listening. ``Cluster.local`` embeds one in the driver's event loop.
 """
 

@@ -2,8 +2,9 @@
 
 A cluster key is a shared secret of at least 16 bytes used to sign every message
 (HMAC-SHA256). An optional CURVE key pair (``_curve``) encrypts tcp sockets; a node
-hands its secret to its workers as ``$NEREUS_CURVE_SECRET`` (``curve_from_env``). It comes from, in order: an explicit value, ``--key-file FILE`` (the
-file's contents, surrounding whitespace stripped), or the environment variable
+hands its secret to its workers as ``$NEREUS_CURVE_SECRET`` (``curve_from_env``). It comes from, in
+order: an explicit value, ``--key-file FILE`` (the file's contents, surrounding whitespace
+stripped), or the environment variable
 ``NEREUS_CLUSTER_KEY``. ``Cluster.local`` generates a random one. Workers receive the
 key through their environment, never on the command line (visible in ``ps``).
 """

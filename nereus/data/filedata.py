@@ -249,7 +249,8 @@ class FileTask(Task):
 
     @property
     def alphabet(self) -> str:
-        raise ConfigError("file data needs the model's own tokenizer; a character vocabulary (model.kind='tiny') cannot spell it")
+        raise ConfigError("file data needs the model's own tokenizer; a character vocabulary "
+            "(model.kind='tiny') cannot spell it")
 
     def sample(self, index: int, seed: int) -> Sample:
         row = self.rows[index]

@@ -72,7 +72,8 @@ def convert_smollm2(folder: str | Path) -> Path:
     # A tied LM head has no tensor of its own in the state dict; anything else is an error.
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise ConfigError(f"{gguf_file.name}: state dict does not match its config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ConfigError(f"{gguf_file.name}: state dict does not match its config (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})")
     out.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -106,7 +106,8 @@ class PromptDataset:
         require(state.get("size") == self.size, "PromptDataset.size", self.size, f"must equal the checkpoint's size={state.get('size')!r}")
         if self.fingerprint is not None:
             require(state.get("fingerprint") == self.fingerprint, "PromptDataset.fingerprint", self.fingerprint,
-                    f"must equal the checkpoint's fingerprint={state.get('fingerprint')!r} (the data file changed since it was saved)")
+                    f"must equal the checkpoint's fingerprint={state.get('fingerprint')!r} (the "
+                    "data file changed since it was saved)")
         position = state.get("position")
         require(isinstance(position, int) and position >= 0, "PromptDataset.position", position, "must be an integer >= 0")
         self.position = int(position)

@@ -212,7 +212,8 @@ class CountTask(Task):
         if self.style == "compact":
             prompt = f"#{target}:{word}="
         else:
-            prompt = f"How many times does the letter '{target}' occur in '{word}'? Answer with only the number."
+            prompt = (f"How many times does the letter '{target}' occur in '{word}'? Answer with only "
+                "the number.")
         return Sample(index, prompt, str(count))
 
     def extract(self, response: str) -> str:

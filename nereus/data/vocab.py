@@ -134,7 +134,8 @@ class Codec:
         with the generation prompt (the start of the assistant's turn). ``where`` names the
         messages' origin in errors (a file's row and column)."""
         if self.chat_template is None:
-            raise ConfigError(f"{where}: the prompt is chat messages but the model's tokenizer has no chat template "
+            raise ConfigError(f"{where}: the prompt is chat messages but the model's tokenizer has no chat "
+                "template "
                               "(chat_template.jinja or tokenizer_config.json 'chat_template')")
         text = render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt=True, where=where)
         return self.tokenizer.encode(text, add_special_tokens=False).ids

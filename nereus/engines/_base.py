@@ -69,7 +69,8 @@ class EngineBase:
             not self.ledger.breakdown().keys() & {f"{name}/weights", f"{name}/grads", f"{name}/kv_cache"},
             "engine name",
             name,
-            f"is already used by another engine on device {self.ledger.device}; give each engine its own name",
+            f"is already used by another engine on device {self.ledger.device}; give each "
+            "engine its own name",
         )
         if self.owns_weights:
             self.ledger.reserve(f"{name}/weights", stage_param_bytes(config, self.ctx, self.dtype, value_head))
@@ -166,7 +167,8 @@ class EngineBase:
         params = self.named_parameters()
         unknown = sorted(set(tensors) - set(params))
         if unknown:
-            raise StateError(f"{self.name}: no parameters named {unknown[:5]} on this rank (pp_rank={self.ctx.pp_rank}, tp_rank={self.ctx.tp_rank})")
+            raise StateError(f"{self.name}: no parameters named {unknown[:5]} on this rank "
+                f"(pp_rank={self.ctx.pp_rank}, tp_rank={self.ctx.tp_rank})")
         if strict:
             missing = sorted(set(params) - set(tensors))
             require(not missing, f"{self.name}.load_named", missing[:5], "strict load must give every parameter")
@@ -175,7 +177,8 @@ class EngineBase:
             for key, src in tensors.items():
                 dst = params[key]
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise StateError(f"{self.name}: shard {key!r} has shape {tuple(src.shape)}, this rank holds {tuple(dst.shape)}")
+                    raise StateError(f"{self.name}: shard {key!r} has shape {tuple(src.shape)}, this rank "
+                        f"holds {tuple(dst.shape)}")
                 dst.copy_(src)
                 written += src.numel() * src.element_size()
         return written

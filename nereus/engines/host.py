@@ -60,7 +60,8 @@ def _one_thread(fn: Any, *args: Any) -> Any:
 
 
 async def run_engine_work(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a thread (the worker's event loop keeps answering), the device's torch threads."""
+    """``fn(*args)`` in a thread (the worker's event loop keeps answering), the device's torch
+    threads."""
     return await in_thread(_one_thread, fn, *args)
 
 
@@ -364,7 +365,8 @@ def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int
     for key, (shard, _) in want.items():
         slot, name = split_key(key)
         if name not in params:
-            raise StateError(f"EMU {emu.name}: the model builds no parameter {name!r} at pp {pp_rank} tp {tp_rank}")
+            raise StateError(f"EMU {emu.name}: the model builds no parameter {name!r} at pp {pp_rank} tp "
+                f"{tp_rank}")
         p = params[name]
         if tuple(p.shape) != shard.shape:
             raise StateError(f"EMU {emu.name}: {name!r} is {tuple(p.shape)} here, its shard is {shard.shape}")

@@ -294,7 +294,8 @@ class TrainingEngine(EngineBase):
         grad_norm = self._global_grad_norm(params)
         max_norm = self.optim_config.grad_clip
         if not math.isfinite(grad_norm):
-            raise StateError(f"{self.name}: gradient norm is {grad_norm} at step {self.step}; the step was not applied")
+            raise StateError(f"{self.name}: gradient norm is {grad_norm} at step {self.step}; the step was "
+                "not applied")
         if max_norm > 0 and grad_norm > max_norm:
             coef = max_norm / (grad_norm + 1e-6)
             for p in params.values():
@@ -334,7 +335,8 @@ class TrainingEngine(EngineBase):
         return out
 
     def load_named_state(self, tensors: dict[str, torch.Tensor], step: int | None = None) -> int:
-        """Write parameters and/or optimizer slots in place (shapes checked); returns bytes written."""
+        """Write parameters and/or optimizer slots in place (shapes checked); returns bytes
+        written."""
         params = self.named_parameters()
         plain = {k: v for k, v in tensors.items() if k in params}
         written = self.load_named(plain)
@@ -347,7 +349,8 @@ class TrainingEngine(EngineBase):
                 if dst is None:
                     raise StateError(f"{self.name}: no state named {key!r} on this rank")
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise StateError(f"{self.name}: state {key!r} has shape {tuple(src.shape)}, this rank holds {tuple(dst.shape)}")
+                    raise StateError(f"{self.name}: state {key!r} has shape {tuple(src.shape)}, this rank "
+                        f"holds {tuple(dst.shape)}")
                 dst.copy_(src)
                 written += src.numel() * src.element_size()
         if step is not None:

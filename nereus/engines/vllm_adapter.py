@@ -258,7 +258,8 @@ def _write_in_place(worker: Any, shards: dict[str, torch.Tensor]) -> list[str]:
                 param.data[: shard.shape[0]].copy_(shard.to(param.dtype))  # padded vocabulary rows
                 written.add(param.data_ptr())
             else:
-                raise TransferError(f"{name}: shard shape {tuple(shard.shape)} does not fit vLLM's {tuple(param.shape)}")
+                raise TransferError(f"{name}: shard shape {tuple(shard.shape)} does not fit vLLM's "
+                    f"{tuple(param.shape)}")
         # vLLM's CPU backend also packs weights it keeps (the embedding, and through it a
         # tied LM head) for its GEMMs: repack every layer whose weight was just written.
         for module in model.modules():
@@ -438,7 +439,8 @@ class VllmGenerationEngine:
         shards = self._vocab_rows(shards)
         rest = self.llm.collective_rpc(_write_in_place, args=(shards,))[0]
         if rest:
-            raise TransferError(f"{self.name}: vLLM parameters {rest[:3]} can be neither written in place nor repacked")
+            raise TransferError(f"{self.name}: vLLM parameters {rest[:3]} can be neither written in place nor "
+                "repacked")
         # Cached prefixes hold keys and values of the old weights.
         self.llm.reset_prefix_cache()
         return sum(t.numel() * t.element_size() for t in shards.values())

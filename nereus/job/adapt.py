@@ -158,7 +158,8 @@ async def usable_devices(cluster: Cluster, wait_s: float) -> tuple[set[int], set
         if live - draining:
             return live, draining
         if time.monotonic() >= deadline:
-            raise StateError(f"no usable device: live {sorted(live)}, draining {sorted(draining & live)}; none joined "
+            raise StateError(f"no usable device: live {sorted(live)}, draining {sorted(draining & live)}; "
+                "none joined "
                              f"within adapt.pool_wait_s={wait_s} s")
         if not warned:
             log.warning("no usable device (live %s, draining %s): waiting up to %.0f s for one to join",

@@ -1,8 +1,8 @@
 """``nereus run CONFIG.toml``: run an RL job from its TOML config.
 
 Options override the file (``--steps``, ``--out``, ``--seed``, ``--resume``,
-``--in-process``, ``--no-progress``, ``--adapt``/``--no-adapt``). ``--connect ADDRESS`` (with ``--key-file`` and
-``--cluster-devices``) attaches the job to a running cluster whatever the file's
+``--in-process``, ``--no-progress``, ``--adapt``/``--no-adapt``). ``--connect ADDRESS`` (with
+``--key-file`` and ``--cluster-devices``) attaches the job to a running cluster whatever the file's
 ``[cluster]`` says: a launcher that started the cluster (``nereus slurm run``, a
 Kubernetes Job) knows its address only then. A config error is printed as one line
 naming the field, the value and the rule, and the command exits with status 2; nothing
@@ -87,5 +87,6 @@ def _run(cfg: JobConfig) -> int:
     records = asyncio.run(run_job(cfg))
     if records:
         last = records[-1]
-        print(f"done: {last['step'] + 1} steps, last reward {last['reward_mean']:.3f}; metrics in {cfg.run.out_dir}/metrics.jsonl, plot in {cfg.run.out_dir}/plot.png")
+        print(f"done: {last['step'] + 1} steps, last reward {last['reward_mean']:.3f}; metrics "
+            f"in {cfg.run.out_dir}/metrics.jsonl, plot in {cfg.run.out_dir}/plot.png")
     return 0

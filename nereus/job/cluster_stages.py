@@ -12,8 +12,8 @@ Devices: every live device gets an engine host at start; a device the cluster dr
 (``Cluster.drain``) may not appear in a target and is retired once the change leaves it
 empty; devices that join (``Cluster.add_node``, or a node joining a running controller)
 get an engine host when the controller loop sees them (``ensure_hosts``) or at the
-next change that uses them. Worker deaths and node departures are recorded (``failures``, ``failure_event``)
-through ``Cluster.on_failure``.
+next change that uses them. Worker deaths and node departures are recorded (``failures``,
+``failure_event``) through ``Cluster.on_failure``.
 
 Refuses (``ConfigError``): work for a model-stage the plan does not place, a DP larger
 than the batch's rows, training replicas whose update counters disagree; a change's

@@ -6,8 +6,8 @@ of the wrong type or out of range raises ``ConfigError`` naming the dotted field
 value and the rule (``algorithm.samples_per_prompt=1 must be >= 2 for grpo``).
 
 Tables: ``[model]`` (a tiny random model or a Hugging Face folder), ``[task]`` (a
-synthetic task) or ``[data]`` (prompts and ground truth from a file), ``[algorithm]`` (grpo, ppo or remax and their coefficients), ``[reward]`` (the task's
-rule or a reward model), ``[sampling]``,
+synthetic task) or ``[data]`` (prompts and ground truth from a file), ``[algorithm]`` (grpo, ppo or
+remax and their coefficients), ``[reward]`` (the task's rule or a reward model), ``[sampling]``,
 ``[optim]``, ``[cluster]`` (local devices and their memory budget), ``[plan]`` (the
 placement each model-stage starts from, as EMUs on devices), ``[adapt]`` (whether and
 how the job changes that placement while it runs), ``[rl]`` (sync or async mode,
@@ -361,15 +361,18 @@ class JobConfig:
         if self.data is not None:
             require(self.task == TaskConfig(), "task", self.task, "must be left out when [data] is given (the prompts come from data.path)")
             require(self.model.kind != "tiny", "model.kind", self.model.kind,
-                    "must be 'hf' or 'smollm2' with [data] (file prompts need the model's own tokenizer; 'tiny' has a character vocabulary)")
+                    "must be 'hf' or 'smollm2' with [data] (file prompts need the model's own "
+                    "tokenizer; 'tiny' has a character vocabulary)")
             require(self.reward.rule != "task", "reward.rule", self.reward.rule,
-                    "must be 'math', 'exact' or 'module:function' with [data] (file rows carry no task rule)")
+                    "must be 'math', 'exact' or 'module:function' with [data] (file rows carry "
+                    "no task rule)")
         else:
             require(self.reward.rule == "task", "reward.rule", self.reward.rule,
                     "must be 'task' for a synthetic task (other rules score file data: give [data])")
         needed = required_stages(self.algorithm.name, self.reward.kind)
         for name in self.plan:
-            require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} with reward.kind={self.reward.kind!r} does not use (it uses {list(needed)})")
+            require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} with "
+                f"reward.kind={self.reward.kind!r} does not use (it uses {list(needed)})")
         for name in needed:
             if name == "reference_inference" and self.algorithm.kl_coef == 0:
                 continue  # no KL term: the reference is never asked
@@ -382,11 +385,13 @@ class JobConfig:
                 require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
                 require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
         require(not self.adapt.enabled or self.cluster.mode != "in_process", "adapt.enabled", self.adapt.enabled,
-                "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan to change)")
+                "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan "
+                "to change)")
         gen = self.plan["policy_generation"]
         if self.sampling.engine == "vllm":
             require(self.cluster.mode != "in_process", "sampling.engine", self.sampling.engine,
-                    "needs cluster.mode 'local' or 'connect' (vLLM runs in the workers that hold the generation EMUs)")
+                    "needs cluster.mode 'local' or 'connect' (vLLM runs in the workers that hold "
+                    "the generation EMUs)")
             require(gen.pp == 1, "plan.policy_generation.pp", gen.pp, "must be 1 with sampling.engine='vllm' (vLLM runs TP only)")
         if self.rl.is_async:
             self._check_async()

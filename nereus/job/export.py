@@ -58,7 +58,8 @@ def policy_tensors(checkpoint: str | Path, cfg: JobConfig, model_config: ModelCo
         return {k: v for k, v in load_file(str(single)).items() if k in names}
     saved = folder / _STAGE
     if not (saved / MANIFEST).is_file():
-        raise StateError(f"checkpoint {str(folder)!r} holds neither {single.name} nor a complete {_STAGE}/ checkpoint")
+        raise StateError(f"checkpoint {str(folder)!r} holds neither {single.name} nor a complete {_STAGE}/ "
+            "checkpoint")
     whole = EMU("export", _STAGE, spec, Layout(1, 1), (0,))
     return load_shards(saved, whole, 0)
 

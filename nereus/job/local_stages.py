@@ -82,7 +82,8 @@ def reward_model(cfg: JobConfig, policy_config: Any) -> tuple[Any, Path]:
     require((path / "config.json").is_file(), "reward.path", cfg.reward.path, "must be a folder with config.json")
     config = ModelConfig.from_hf(path)
     require(config.vocab_size == policy_config.vocab_size, "reward.path", cfg.reward.path,
-            f"must hold a model over the policy's vocabulary (vocab_size={policy_config.vocab_size}), not {config.vocab_size}")
+            "must hold a model over the policy's vocabulary "
+            f"(vocab_size={policy_config.vocab_size}), not {config.vocab_size}")
     return config, path
 
 

@@ -246,7 +246,8 @@ def check_loggers(names: list[str]) -> None:
     for name in names:
         package = _PACKAGES.get(name)
         if package is not None and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"run.loggers includes {name!r} but the {package} package is not installed: {INSTALL}")
+            raise ConfigError(f"run.loggers includes {name!r} but the {package} package is not installed: "
+                f"{INSTALL}")
 
 
 def make_loggers(run: Any, out_dir: str | Path, config: dict[str, Any], resume_from_step: int | None = None) -> StepLoggers:

@@ -250,7 +250,8 @@ class RLJob:
                     continue  # a fault: the step was redone or its committed update kept
                 await self._guarded(lambda record=record: self._boundary(record), "boundary")
                 if record["step"] >= self.step:
-                    continue  # the boundary's fault restored a checkpoint before this step: it is redone
+                    # the boundary's fault restored a checkpoint before this step: it is redone
+                    continue
                 self.records.append(record)
                 loggers.log(record)
                 progress.update(record)
@@ -343,7 +344,8 @@ class RLJob:
                 if any(s in fault.missing for s in ("policy_training", "critic_training")):
                     done = [c for c in self._checkpoints if (c / "job.json").is_file()]
                     if not done:
-                        raise StateError("a training state lost its last copy and there is no checkpoint to restore")
+                        raise StateError("a training state lost its last copy and there is no checkpoint "
+                            "to restore")
                     ckpt = max(done, key=lambda c: int(c.name.split("_")[1]))
                     reached = self.step
                     await self.load_checkpoint(ckpt)

@@ -71,7 +71,8 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ConfigError(f"{where}: message {i} must be a map with string 'role' and 'content', got {m!r:.200}")
+            raise ConfigError(f"{where}: message {i} must be a map with string 'role' and 'content', got "
+                f"{m!r:.200}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

@@ -95,7 +95,8 @@ class _CheckpointReader:
         candidates = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
         if len(candidates) != 1:
             raise ConfigError(
-                f"model_dir={str(model_dir)!r} must hold {SINGLE_FILE}, {INDEX_FILE} or exactly one "
+                f"model_dir={str(model_dir)!r} must hold {SINGLE_FILE}, {INDEX_FILE} or "
+                "exactly one "
                 f"*.safetensors file; found {[p.name for p in candidates]}"
             )
         handle = self._open(candidates[0].name)
@@ -178,12 +179,14 @@ def load_stage_weights(
             for local, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{local}" if module_name else local
                 if not isinstance(module, ShardedModule):
-                    raise StateError(f"parameter {name!r} is owned by {type(module).__name__}, which declares no shard rule")
+                    raise StateError(f"parameter {name!r} is owned by {type(module).__name__}, which "
+                        "declares no shard rule")
                 if name in optional and not all(reader.has(src) for src in hf_tensor_names(name)):
                     continue
                 tensor = _read_param(reader, module, local, name, pc)
                 if tuple(tensor.shape) != tuple(param.shape):
-                    raise StateError(f"{name!r}: read a shard of shape {tuple(tensor.shape)} for a parameter of shape {tuple(param.shape)}")
+                    raise StateError(f"{name!r}: read a shard of shape {tuple(tensor.shape)} for a "
+                        f"parameter of shape {tuple(param.shape)}")
                 param.copy_(tensor.to(param.dtype))
                 reader.report.params += 1
         report = reader.report
@@ -210,7 +213,8 @@ def read_score_head(model_dir: str | Path, hidden_size: int) -> dict[str, torch.
 def hf_state_dict(model: DecoderStage) -> dict[str, torch.Tensor]:
     """A whole model's weights under Hugging Face names (fused tensors split)."""
     if model.pc.tp_size != 1 or model.pc.pp_size != 1:
-        raise StateError(f"hf_state_dict needs the whole model (tp=1, pp=1), got tp={model.pc.tp_size} pp={model.pc.pp_size}")
+        raise StateError(f"hf_state_dict needs the whole model (tp=1, pp=1), got tp={model.pc.tp_size} "
+            f"pp={model.pc.pp_size}")
     out: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         for local, param in module.named_parameters(recurse=False):

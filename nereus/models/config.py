@@ -74,7 +74,8 @@ class ModelConfig:
                     f"ModelConfig.{name}", value, "must be an integer >= 1")
         if self.head_dim == 0:
             require(self.hidden_size % self.num_attention_heads == 0, "ModelConfig.hidden_size",
-                    self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads} when head_dim is not given")
+                    self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads} when "
+                        "head_dim is not given")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         require(self.head_dim >= 2 and self.head_dim % 2 == 0, "ModelConfig.head_dim", self.head_dim,
                 "must be an even integer >= 2 (RoPE rotates pairs)")
@@ -172,7 +173,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise ConfigError(
-                f"{where}: RoPE scaling rope_type={rope_type!r} is not supported; expected one of {list(ROPE_TYPES)}"
+                f"{where}: RoPE scaling rope_type={rope_type!r} is not supported; expected "
+                f"one of {list(ROPE_TYPES)}"
             )
         scaling: dict[str, Any] = {}
         if rope_type != "default":

@@ -585,7 +585,8 @@ def _adopt(stage: DecoderStage, tensors: Mapping[str, torch.Tensor]) -> None:
     names = {f"{m}.{p}" if m else p for m, mod in stage.named_modules() for p, _ in mod.named_parameters(recurse=False)}
     missing = sorted(names - set(tensors))
     if missing:
-        raise StateError(f"building a stage over given tensors: no tensor for {missing[:5]} ({len(missing)} missing)")
+        raise StateError(f"building a stage over given tensors: no tensor for {missing[:5]} "
+            f"({len(missing)} missing)")
     for module_name, module in stage.named_modules():
         for local, meta in list(module.named_parameters(recurse=False)):
             name = f"{module_name}.{local}" if module_name else local

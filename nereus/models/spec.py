@@ -48,7 +48,8 @@ def model_spec(config: ModelConfig, dtype: str = "float32", value_head: bool = F
         for local, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{local}" if module_name else local
             if not isinstance(module, ShardedModule) or local not in module.shard_rules:
-                raise StateError(f"parameter {name!r} is owned by {type(module).__name__}, which declares no shard rule")
+                raise StateError(f"parameter {name!r} is owned by {type(module).__name__}, which declares "
+                    "no shard rule")
             rule, components = module.shard_rules[local]
             stage, layer = _position(name)
             params.append(

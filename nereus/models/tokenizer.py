@@ -87,7 +87,8 @@ def train_tiny_tokenizer(
 ) -> TextTokenizer:
     """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``; save it to ``directory``."""
     require(vocab_size >= 256 + len(SPECIAL_TOKENS), "vocab_size", vocab_size,
-            f"must be >= {256 + len(SPECIAL_TOKENS)} (256 byte symbols + {len(SPECIAL_TOKENS)} special tokens)")
+            f"must be >= {256 + len(SPECIAL_TOKENS)} (256 byte symbols + {len(SPECIAL_TOKENS)} "
+            "special tokens)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -65,16 +65,20 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
     "transfer_bucket": {"bytes": "bucket size", "seconds": "wall time", "gbps": "GB/s",
                         "src": "source device", "dst": "destination device",
                         "src_rank": "source rank in the group", "dst_rank": "destination rank",
-                        "group": "group id", "round": "bucket round of the exchange (-1: a direct write into the receiver's memory, one per peer)"},
+                        "group": "group id",
+                        "round": ("bucket round of the exchange (-1: a direct write into the "
+                                  "receiver's memory, one per peer)")},
     "step": {"step": "RL step", "stage_seconds": "map stage -> seconds", "tokens": "count",
              "model_stage_seconds": "map model-stage -> seconds it worked",
              "reward": "mean reward", "response_length_tokens": "mean length",
              "max_new_tokens": "the length cap the step used",
              "device_peak_bytes": "map device -> its ledger's high-water mark during the step",
              "policy_version": "version of the policy that generated the step's rollouts",
-             "staleness_histogram": "async mode: map staleness (versions behind the update) -> trained tokens",
+             "staleness_histogram": ("async mode: map staleness (versions behind the update) "
+                                     "-> trained tokens"),
              "importance_weight_mean": "async mode: mean pi_prox / pi_behav over response tokens",
-             "importance_clipped_frac": "async mode: share of tokens whose importance weight was truncated",
+             "importance_clipped_frac": ("async mode: share of tokens whose importance weight "
+                                         "was truncated"),
              "regenerated_groups": "async mode: groups issued again after their generation worker died"},
     "weight_sync": {"bytes": "bytes of the synced model", "bytes_between_devices":
                     "bytes that crossed devices (the rest stayed resident)",
@@ -91,7 +95,8 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
                    "resource_edges": "memory-ordering edges the DAG needed",
                    "epoch_from": "layout epoch before", "ok": "bool: every node finished",
                    "moves_seconds": "wall time of the DAG's moves (what predicted_seconds predicts)",
-                   "parts_seconds": "map part -> seconds: plan, engines_stop, moves, groups, engines, sync_plans"},
+                   "parts_seconds": ("map part -> seconds: plan, engines_stop, moves, groups, engines, "
+                                     "sync_plans")},
     "transition_node": {"node": "node id in its DAG", "kind": "split, destroy, extend or merge",
                         "model_stage": "its model-stage", "count": "identical primitives it stands for",
                         "devices": "devices it occupied", "bytes": "bytes it moves between devices",

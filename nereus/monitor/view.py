@@ -86,7 +86,8 @@ def _plan(value: Any, field: str) -> dict[str, dict[str, Any]]:
         if not isinstance(emus, list) or not all(
                 isinstance(e, list) and e and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in e) for e in emus):
-            raise _Bad(f"{field}.{stage}.devices={emus!r} must be a list of EMUs, each a list of device indices")
+            raise _Bad(f"{field}.{stage}.devices={emus!r} must be a list of EMUs, each a list of "
+                "device indices")
         recompute, waves = sp.get("recompute", False), sp.get("waves", 1)
         if not isinstance(recompute, bool):
             raise _Bad(f"{field}.{stage}.recompute={recompute!r} must be true or false")

@@ -11,8 +11,9 @@ signal that triggered the replan (``DriftSignal.horizon_steps``) and gamma defau
 ``choose`` applies it to the search's ranked targets: the fastest reachable first
 (a target whose transition is impossible is skipped); if it is refused, slightly
 slower targets (within ``slack`` of the fastest reachable) with cheaper transitions
-are tried in order of predicted step time before keeping the current plan. The urgent path (devices lost, the current plan no longer fits) skips the
-payback test and takes the fastest target whose transition is possible; when no
+are tried in order of predicted step time before keeping the current plan. The urgent path (devices
+lost, the current plan no longer fits) skips the payback test and takes the fastest target whose
+transition is possible; when no
 transition is possible the last resort is to checkpoint and restart on the fastest
 target.
 

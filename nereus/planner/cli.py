@@ -108,13 +108,19 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
                   eff: Efficiency) -> None:
     c = cluster
     console.print(f"[bold]cluster[/] {c.name}: {c.nodes} nodes x {c.devices_per_node} devices, "
-                  f"{_gib(c.device_memory_bytes)} GiB/device (usable {_gib(ex.memory[0].usable)} after 10% headroom), "
-                  f"peak {c.peak_flops:.3g} FLOP/s, memory {c.memory_bandwidth:.3g} B/s, intra-node {c.intra_node_bandwidth:.3g} B/s, "
-                  f"inter-node {c.inter_node_bandwidth:.3g} B/s per node ({c.device_share_of_inter_node():.3g} per device)")
+                  f"{_gib(c.device_memory_bytes)} GiB/device (usable {_gib(ex.memory[0].usable)} after "
+                  "10% headroom), "
+                  f"peak {c.peak_flops:.3g} FLOP/s, memory {c.memory_bandwidth:.3g} B/s, intra-node "
+                  f"{c.intra_node_bandwidth:.3g} B/s, "
+                  f"inter-node {c.inter_node_bandwidth:.3g} B/s per node "
+                  f"({c.device_share_of_inter_node():.3g} per device)")
     models = ", ".join(f"{role}={m.name} ({_count(m.num_params)} params)" for role, m in sorted(work.models.items()))
-    console.print(f"[bold]workload[/] {work.algorithm}: {models}; {work.prompts_per_step} prompts x {work.samples_per_prompt} "
-                  f"samples = {work.sequences} sequences, prompt {work.prompt_length} tok, response mean {work.lengths.mean:.0f} / "
-                  f"p95 {work.lengths.p95:.0f} / max {work.lengths.max} tok, optimizer batch {work.batch}, micro-batch {work.micro_batch}")
+    console.print(f"[bold]workload[/] {work.algorithm}: {models}; {work.prompts_per_step} prompts x "
+        f"{work.samples_per_prompt} "
+                  f"samples = {work.sequences} sequences, prompt {work.prompt_length} tok, response "
+                  f"mean {work.lengths.mean:.0f} / "
+                  f"p95 {work.lengths.p95:.0f} / max {work.lengths.max} tok, optimizer batch "
+                  f"{work.batch}, micro-batch {work.micro_batch}")
     console.print("[bold]efficiency[/] " + ", ".join(f"{k}={v:.2f}" for k, v in eff.as_dict().items()))
 
     t = Table(title=f"plan: {result.step_seconds:.3f} s/step predicted")
@@ -155,7 +161,8 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
         res = "; ".join(f"{n} {_gib(by_name[n].memory.params)}+{_gib(by_name[n].memory.grads)}+"
                         f"{_gib(by_name[n].memory.optimizer)}" for n, _ in resident)
         pm = by_name[peak_of].memory
-        tr = f"{peak_of}: act {_gib(pm.activations)} + KV {_gib(pm.kv_cache)} + logits {_gib(pm.logits)}"
+        tr = (f"{peak_of}: act {_gib(pm.activations)} + KV {_gib(pm.kv_cache)} + logits "
+            f"{_gib(pm.logits)}")
         t.add_row(f"{devs[0]}-{devs[-1]} ({len(devs)})", res, tr, _gib(m.workspace), _gib(m.total), _gib(m.usable),
                   "yes" if m.fits else "[red]NO[/]")
     console.print(t)
@@ -172,7 +179,8 @@ def _print_tables(console: Console, result: SearchResult, ex: Explanation, work:
             a_ph, c_ph = worst
             slow = max((s for s in aex.stages if s.phase == a_ph.phase), key=lambda s: s.cost.seconds)
             chosen = ex.stage(slow.name)
-            why = (f"phase {a_ph.phase} {a_ph.seconds:.3f} s vs {c_ph.seconds:.3f} s; its slowest model-stage "
+            why = (f"phase {a_ph.phase} {a_ph.seconds:.3f} s vs {c_ph.seconds:.3f} s; its "
+                "slowest model-stage "
                    f"{slow.name} runs {stage_plan_text(slow.plan)} in {slow.cost.seconds:.3f} s "
                    f"(chosen: {stage_plan_text(chosen.plan)} in {chosen.cost.seconds:.3f} s)")
             t.add_row(alt.label, f"{alt.step_seconds:.3f}", f"+{alt.step_seconds - result.step_seconds:.3f} s", why,
@@ -199,11 +207,13 @@ def _print_layouts(console: Console, ex: Explanation, work: Workload, cluster: C
         for c in sorted(cands, key=lambda c: c.seconds)[:3]:
             need = cluster.workspace_bytes + other_res + c.resident + max(other_tr, c.transient)
             if need > usable:
-                why = f"does not fit: {_gib(need)} GiB with workspace and co-residents > {_gib(usable)} usable"
+                why = (f"does not fit: {_gib(need)} GiB with workspace and co-residents > "
+                    f"{_gib(usable)} usable")
             elif c.seconds > s.cost.seconds:
                 why = f"slower by {c.seconds - s.cost.seconds:.3f} s"
             else:
-                why = "as fast or faster alone, but the plan as a whole is not (memory or the other phases)"
+                why = ("as fast or faster alone, but the plan as a whole is not (memory or the other "
+                    "phases)")
             extra = ("·recompute" if c.recompute else "") + (f"·{c.waves} waves" if c.waves > 1 else "")
             t.add_row(s.name, f"tp{c.tp}·pp{c.pp}·dp{c.dp}{extra}", f"{c.seconds:.3f}",
                       _gib(c.resident + c.transient), why)

@@ -385,7 +385,8 @@ def _generation_terms(terms: _Terms, model: ModelShape, work: Workload, eff: Eff
     attn = 4 * L * h * ctx * t_gen / (tp * peak)
     if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
         add("decode", (("decode", stream),),
-            ("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} ctx·{:.3g} B KV)/{:.3g} B/s", (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
+            (("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} "
+              "ctx·{:.3g} B KV)/{:.3g} B/s"), (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
     else:
         add("decode", (("gemm", compute), ("attention", attn)),
             ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))

@@ -65,7 +65,8 @@ def relabel(current: Plan, target: Plan, *, devices_per_node: int = 1, devices: 
     count = (devices if devices is not None else top + 1) // per
     require(len(want) <= count, "target plan", f"{len(want)} nodes of {per} devices",
             f"must fit the {count} nodes available")
-    # nodes alike for this question share a kind: (what the target puts there) and (what is there now)
+    # nodes alike for this question share a kind: (what the target puts there) and (what is there
+    # now)
     wanted: dict[frozenset, list[int]] = defaultdict(list)
     for n in sorted(want):
         wanted[want[n]].append(n)

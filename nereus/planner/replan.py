@@ -205,7 +205,8 @@ class Replanner:
         recent = self.last_change is not None and step - self.last_change < self.min_steps_between
         if not triggers or (recent and not hard):
             reason = "no trigger" if not triggers else (
-                f"within min_steps_between={self.min_steps_between} of the change at step {self.last_change}")
+                f"within min_steps_between={self.min_steps_between} of the change at step "
+                f"{self.last_change}")
             self.step_seconds = current if current is not None else math.inf
             return BoundaryOutcome(step, triggers, Decision("keep", None, reason), self.plan, self.step_seconds,
                                    current, previous)

@@ -495,8 +495,8 @@ def search(
     budget = cluster.num_devices if budget is None else budget
     require(1 <= budget <= cluster.num_devices, "budget", budget, f"must be in [1, {cluster.num_devices}] devices")
     # The named placements with each model-stage's fastest and smallest layouts give
-    # valid plans quickly; the best of them bounds the exact search, which skips what cannot beat it.
-    # Without alternatives, each named placement is searched under the best so far.
+    # valid plans quickly; the best of them bounds the exact search, which skips what cannot beat
+    # it. Without alternatives, each named placement is searched under the best so far.
     quick = quick_named = _Searcher(work, cluster, eff, budget, keep=2)
     named: dict[str, tuple[float, tuple] | None] = {}
     incumbent = None
@@ -531,8 +531,10 @@ def search(
         found, s = incumbent, quick
     if found is None:
         raise InfeasiblePlan(
-            f"no plan of {work.algorithm} with {sorted(work.models)} fits {budget} devices of {cluster.name} "
-            f"({usable_bytes(cluster) / 2**30:.1f} GiB usable per device after {cluster.headroom:.0%} headroom)"
+            f"no plan of {work.algorithm} with {sorted(work.models)} fits {budget} devices of "
+            f"{cluster.name} "
+            f"({usable_bytes(cluster) / 2**30:.1f} GiB usable per device after "
+            f"{cluster.headroom:.0%} headroom)"
         )
     step, pools = found
     plan, groups = s.to_plan(pools)

@@ -2,7 +2,8 @@
 
 A ``Rollouts`` holds, for every generated response, the prompt and response token ids,
 the per-token log-probabilities the generation engine sampled them with, the score
-(the rule reward, or the reward model's with the rule reward kept in ``task_scores``), the index of the prompt's sample in the global order and the *policy version*
+(the rule reward, or the reward model's with the rule reward kept in ``task_scores``), the index of
+the prompt's sample in the global order and the *policy version*
 that generated it (the number of weight syncs the generation EMU had received), so a
 rollout can always be traced to the weights that produced it.
 

@@ -45,8 +45,10 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nereus simulate", description=(
-        "Compare layout policies on a simulated cluster: the real planner and transition DAG against a "
-        "ground-truth cost model, replaying device-availability and response-length traces. Every figure is "
+        "Compare layout policies on a simulated cluster: the real planner and transition "
+        "DAG against a "
+        "ground-truth cost model, replaying device-availability and response-length "
+        "traces. Every figure is "
         "a simulation."))
     p.add_argument("--cluster", default="a100-256", help=f"one of {sorted(PRESETS)}")
     p.add_argument("--model", default="llama-8b", help=f"one of {sorted(MODEL_PRESETS)}")
@@ -67,11 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--k", type=int, default=3, help="every-k: steps between searches")
     p.add_argument("--policies", default=None,
-                   help=f"comma-separated, from {','.join(POLICIES + EXTRA_POLICIES)} (default: the first six)")
+                   help=f"comma-separated, from {','.join(POLICIES + EXTRA_POLICIES)} (default: the first "
+                       "six)")
     p.add_argument("--max-length", type=int, help="the job's largest generation cap (default: 2 x the largest "
                    "mean, rounded up to a power of two)")
     p.add_argument("--cap-schedule", default="stepped", metavar="stepped|fixed",
-                   help="stepped (default): the cap is raised as responses grow, at each step the smallest power "
+                   help="stepped (default): the cap is raised as responses grow, at each step the smallest "
+                       "power "
                    "of two >= 2 x its mean length, never lowered; fixed: the largest cap from the first step")
     p.add_argument("--prompts", type=int, default=256, help="prompts per step")
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
@@ -112,7 +116,8 @@ def paper_table(data: list[dict], config: SimConfig) -> Table:
     """Mean step seconds per policy beside the paper's (§7.3.3; its first trace's figures
     for pair 0, the mean over its three traces otherwise)."""
     which = "first" if config.pair == 0 else "three"
-    t = Table(title=f"beside the paper (§7.3.3, {'first trace' if which == 'first' else 'mean of its three traces'}; "
+    t = Table(title="beside the paper (§7.3.3, "
+        f"{'first trace' if which == 'first' else 'mean of its three traces'}; "
                     "the paper measured, this is a simulation)", title_justify="left")
     for name in ("policy", "simulated mean step s", "vs adaptive", "paper mean step s", "paper vs adaptive"):
         t.add_column(name, justify="left" if name == "policy" else "right")

@@ -85,7 +85,8 @@ PRESETS: dict[str, Preset] = {
         mean=(1150.0, 3700.0), p95=(1340.0, 4070.0),
         pairs=(
             TracePair("softgrpo-llama3.2-3b-grpo", "us-east-2b_v100_1", 0,
-                      "the paper's first trace: a Llama GRPO log (verl, 8k cap) whose mean grows over its run"),
+                      "the paper's first trace: a Llama GRPO log (verl, 8k cap) whose mean grows "
+                      "over its run"),
             TracePair("rasbt-qwen3-0.6b-base-grpo-clip", "us-west-2a_v100_1", 0,
                       "held out: a log that grows fast at first, then oscillates; the other spot trace"),
             TracePair("areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning", "us-east-2b_v100_1", 1600,

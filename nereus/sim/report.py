@@ -95,7 +95,8 @@ def plot(results: Sequence[PolicyResult], path: str | Path, title: str, caps: Ca
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ConfigError(f"--plot={str(path)!r} needs matplotlib, which is not importable ({e}); install it with "
+        raise ConfigError(f"--plot={str(path)!r} needs matplotlib, which is not importable ({e}); install "
+            "it with "
                           "`pip install matplotlib` (a dependency of nereus) or leave --plot out") from None
     fig, (ax_t, ax_d, ax_l) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True,
                                            gridspec_kw={"height_ratios": [3, 1.2, 1.2]})

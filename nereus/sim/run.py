@@ -319,7 +319,8 @@ def run_policy(scn: Scenario, policy: Policy, *,
                 plan, restarted = move.plan, True
             elif move.action == "keep":
                 if current is None:
-                    raise SimulationError(f"{policy.name} kept a plan that lost every EMU of a model-stage at step {step}")
+                    raise SimulationError(f"{policy.name} kept a plan that lost every EMU of a model-stage at "
+                        f"step {step}")
                 plan = current
             if move.action in ("transition", "restart"):
                 now = devices_of(scn.devices.nodes_at(clock, step), per)

@@ -4,8 +4,8 @@ Traces are read from the paths given (``../shared/traces/...``); nothing here co
 one into the project.
 
 - ``device_trace``: a spot-availability file (the count of single-GPU instances at each
-  tick, scaled by ``pool_scale``, or mapped onto ``pool_range`` from ``offset_ticks`` on; every policy sees the same nodes leave at the same
-  time for a given seed) or ``growth:LO:HI`` devices;
+  tick, scaled by ``pool_scale``, or mapped onto ``pool_range`` from ``offset_ticks`` on; every
+  policy sees the same nodes leave at the same time for a given seed) or ``growth:LO:HI`` devices;
 - ``length_trace``: a response-length file (resampled onto the run's steps, optionally
   rescaled to ``length_range``) or ``growth:LO:HI`` tokens;
 - ``cap_schedule``: the job's generation cap at every step, ``stepped`` (raised in

@@ -150,7 +150,8 @@ class ShardHolder(Actor):
 
     def _held_of(self, emu: str) -> dict[str, torch.Tensor]:
         if emu not in self.shards:
-            raise StateError(f"device {self.device.index} holds no shards of EMU {emu!r} (holds {sorted(self.shards)})")
+            raise StateError(f"device {self.device.index} holds no shards of EMU {emu!r} (holds "
+                f"{sorted(self.shards)})")
         return self.shards[emu]
 
     @endpoint

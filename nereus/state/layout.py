@@ -169,14 +169,16 @@ def check_layout(spec: ModelSpec, layout: Layout) -> None:
     if heads % tp:
         raise StateError(f"layout {layout} for {spec.name}: tp={tp} must divide num_attention_heads={heads}")
     if tp <= kv and kv % tp:
-        raise StateError(f"layout {layout} for {spec.name}: tp={tp} must divide num_kv_heads={kv} (tp <= kv heads)")
+        raise StateError(f"layout {layout} for {spec.name}: tp={tp} must divide num_kv_heads={kv} (tp <= "
+            "kv heads)")
     if tp > kv and tp % kv:
         raise StateError(
             f"layout {layout} for {spec.name}: tp={tp} must be a multiple of num_kv_heads={kv} "
             "(kv heads are replicated when tp > kv heads)"
         )
     if layout.pp > spec.num_layers:
-        raise StateError(f"layout {layout} for {spec.name}: pp={layout.pp} must be <= num_layers={spec.num_layers}")
+        raise StateError(f"layout {layout} for {spec.name}: pp={layout.pp} must be <= "
+            f"num_layers={spec.num_layers}")
     layer_bounds(layout, spec.num_layers)
     for p in spec.params:
         for c in p.effective_components():

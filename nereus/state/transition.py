@@ -174,7 +174,8 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
         t = set(target[j].devices)
         if all(not t.isdisjoint(e.devices) for e in current):
             raise InfeasiblePlan(
-                f"{target[j].name}: no {sub} replica sits inside its devices {list(target[j].devices)} and no "
+                f"{target[j].name}: no {sub} replica sits inside its devices "
+                f"{list(target[j].devices)} and no "
                 "EMU on devices disjoint from them to Extend from; use the checkpoint fallback"
             )
     # 1. Split (the EMUs no replica comes from are destroyed below, once no target needs them)

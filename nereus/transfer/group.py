@@ -372,7 +372,8 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     took = handle.setup_span[1] - handle.setup_span[0]
     if took > SLOW_SETUP_S:
         log.warning("group %s over devices %s took %.1f s to set up (at 5 s: a member's resolver dropped "
-                    "the reverse lookup of the store's address; docs/clusters.md, 'Group set-ups that take 5 s')",
+                    "the reverse lookup of the store's address; docs/clusters.md, 'Group set-ups "
+                    "that take 5 s')",
                     group_id, list(handle.devices), took)
     state.cache[key] = handle
     return handle

@@ -12,8 +12,8 @@ A class is *at risk* when its bytes before the transition plus every allocation 
 node that touches it could exceed its cap; only those need counting while scheduling
 (no order can break the cap of the others). Per node, ``ClassEffect`` holds the classes
 it touches (a device runs one primitive at a time), its allocation and release on the
-classes at risk, and the most any one device receives and copies locally. Everything else -- effects on
-every class, each class's devices, bytes in use after a sequence of starts and ends --
+classes at risk, and the most any one device receives and copies locally. Everything else -- effects
+on every class, each class's devices, bytes in use after a sequence of starts and ends --
 is made on first use (the per-device views a caller asks for). Pure: no I/O.
 """
 

@@ -12,8 +12,9 @@ fits every device's cap counting what is in use (source buffers stay until their
 ends; a node's transfer bucket counts while it runs); ``finish(node)`` gives its devices
 and its released bytes back (it orders by the DAG's global rules, ``nereus.transition.
 rules``, unless given others; ``check_caps=False`` drops its cap check at start, so only
-the rules and the workers' ledgers keep memory within budget). It counts per class of alike devices (``dag.classes``), and
-only the classes whose cap some order could break; ``used``, ``peak`` and ``busy`` are
+the rules and the workers' ledgers keep memory within budget). It counts per class of alike devices
+(``dag.classes``), and only the classes whose cap some order could break; ``used``, ``peak`` and
+``busy`` are
 per-device views made when asked for (from the sequence of starts and ends).
 
 More (how it works): docs/plans-and-adaptation.md.
@@ -86,7 +87,8 @@ class Dispatcher:
         self.children = children
         # release before acquire (a node that allocates nowhere), then generation,
         # inference, training, then node id (or a random tie, drawn once per node and schedule)
-        # queue entries: (priority, node, the classes it touches); a rule that is off ranks all alike
+        # queue entries: (priority, node, the classes it touches); a rule that is off ranks all
+        # alike
         first, order = rules.release_first, rules.stage_order
         self._item = {n.id: ((1 if (e := effects[n.id]).acquires and first else 0, n.rank if order else 0,
                               rng.random() if rng is not None else n.id), n.id, e.touches) for n in nodes}

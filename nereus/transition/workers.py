@@ -7,8 +7,8 @@ primitives as a task -- each op becomes its ``Step`` with exact reshard plans bu
 workers (``nereus.state.execute_step``: one message per worker and plan, a group of the
 given epoch per plan that moves bytes); the ops of one node sit on disjoint devices and
 run at once; their groups are of the given epoch and tag ``"transition"``, so they are
-released apart from the engines' -- and ``next_done()`` waits for the next node to end. ``live`` is the set
-of EMUs after every node that finished (created ones in, freed ones out); a node that
+released apart from the engines' -- and ``next_done()`` waits for the next node to end. ``live`` is
+the set of EMUs after every node that finished (created ones in, freed ones out); a node that
 fails leaves it as it was (a primitive frees its sources only after its target exists).
 
 This is the shell around the pure DAG: it makes actor calls; it never decides what runs

@@ -32,8 +32,10 @@ def test_unknown_name_is_an_attribute_error():
 @pytest.mark.integration
 def test_import_is_cheap_and_never_loads_gpu_packages():
     code = (
-        "import sys, nereus; print(sorted(m for m in ('torch', 'cupy', 'vllm') if m in sys.modules));"
-        "nereus.Cluster; nereus.GenerationEngine; print(sorted(m for m in ('cupy', 'vllm') if m in sys.modules))"
+        "import sys, nereus; print(sorted(m for m in ('torch', 'cupy', 'vllm') if m in "
+        "sys.modules));"
+        "nereus.Cluster; nereus.GenerationEngine; print(sorted(m for m in ('cupy', 'vllm') if "
+        "m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout + out.stderr

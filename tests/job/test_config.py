@@ -61,8 +61,11 @@ def test_ppo_needs_the_critic_stages_and_reference_only_with_kl(tmp_path):
         from_dict(JobConfig, {"plan": plan, "algorithm": {"kl_coef": 0.1}})
     toml = tmp_path / "job.toml"
     toml.write_text(
-        '[algorithm]\nname = "ppo"\nsamples_per_prompt = 2\n[plan.policy_generation]\ndevices = [0, 1]\ndp = 2\n'
-        '[plan.policy_training]\ndevices = [0]\n[plan.critic_inference]\ndevices = [1]\n[plan.critic_training]\ndevices = [1]\n'
+        '[algorithm]\nname = "ppo"\nsamples_per_prompt = 2\n'
+        '[plan.policy_generation]\ndevices = [0, 1]\ndp = 2\n'
+        '[plan.policy_training]\ndevices = [0]\n'
+        '[plan.critic_inference]\ndevices = [1]\n'
+        '[plan.critic_training]\ndevices = [1]\n'
     )
     cfg = load_toml(JobConfig, toml)
     assert cfg.plan["policy_generation"] == Placement(devices=[0, 1], dp=2)

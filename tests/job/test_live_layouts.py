@@ -115,7 +115,8 @@ GRPO_0 = {
     "policy_training": {"devices": [0, 1], "tp": 2},
 }
 CHANGES = [
-    # TP down and a move (training), TP up and DP down (generation), PP up onto disjoint devices (reference)
+    # TP down and a move (training), TP up and DP down (generation), PP up onto disjoint devices
+    # (reference)
     _plan(policy_generation=(2, 1, [[0, 1], [2, 3]]), reference_inference=(1, 2, [[0, 1]]),
           policy_training=(1, 1, [[2]])),
     # PP up (training), TP down and DP up (generation), PP down (reference)

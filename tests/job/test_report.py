@@ -73,7 +73,8 @@ def _ppo_changes():
 def test_the_plan_change_summary_reads_in_80_columns():
     out = io.StringIO()
     console = Console(file=out, width=80)
-    title = "plan changes: 2 (every decision is on the tap: runs/a-rather-long-output-folder-name/tap.jsonl)"
+    title = ("plan changes: 2 (every decision is on the tap: "
+        "runs/a-rather-long-output-folder-name/tap.jsonl)")
     console.print(changes_summary(_ppo_changes(), title=title, width=console.width), markup=False,
                   highlight=False)
     lines = out.getvalue().splitlines()

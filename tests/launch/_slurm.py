@@ -100,8 +100,8 @@ class OneHostSlurm:
             f"SlurmdPidFile={d}/slurmd.pid",
             f"SlurmctldLogFile={d}/slurmctld.log",
             f"SlurmdLogFile={d}/slurmd.log",
-            f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory=1024 Gres=gpu:{self.gpus} "
-            "State=UNKNOWN",
+            f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory=1024 "
+            f"Gres=gpu:{self.gpus} State=UNKNOWN",
             f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
             "",
         ]))

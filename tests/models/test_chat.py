@@ -14,8 +14,10 @@ from nereus.models.chat import CHATML_TEMPLATE, load_chat_template, render_chat
 SMOLLM2_LIKE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + message['role']) }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad "
+    "role ' + message['role']) }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 MESSAGES = [[{"role": "user", "content": "What is 2+3?"}],

@@ -134,7 +134,8 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
     _rewrite(tmp_path, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
     with pytest.raises(ConfigError, match="no tensor 'model.layers.2.mlp.up_proj.weight'"):
         load_stage_weights(build_stage(config), tmp_path)
-    with pytest.raises(ConfigError, match=r"'model.embed_tokens.weight' .* has shape \(256, 64\), but the model config expects \(128, 64\)"):
+    with pytest.raises(ConfigError, match=r"'model.embed_tokens.weight' .* has shape \(256, 64\), but the model config expects "
+        r"\(128, 64\)"):
         load_stage_weights(build_stage(config.replace(vocab_size=128)), tmp_path)
 
 

@@ -199,7 +199,8 @@ class Page:
         after every render of the dashboard (its ``nereus:rendered`` event)."""
         expression = f"""new Promise((resolve) => {{
             const check = () => {{ let v; try {{ v = ({condition}); }} catch (e) {{ v = null; }}
-                                   if (v) {{ document.removeEventListener("nereus:rendered", check); resolve(v); }} }};
+                                   if (v) {{ document.removeEventListener("nereus:rendered", check);
+                                             resolve(v); }} }};
             document.addEventListener("nereus:rendered", check); check(); }})"""
         try:
             return await asyncio.wait_for(self.evaluate(expression, timeout_s), timeout_s)

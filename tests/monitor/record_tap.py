@@ -55,7 +55,8 @@ def _plan(**stages: tuple[int, int, list[list[int]]]) -> Plan:
                       for name, (tp, pp, devs) in stages.items()))
 
 
-# after the length drift: generation TP 2 x 2 replicas, the reference PP 2, training moves to device 2
+# after the length drift: generation TP 2 x 2 replicas, the reference PP 2, training moves to device
+# 2
 WIDER = _plan(policy_generation=(2, 1, [[0, 1], [2, 3]]), reference_inference=(1, 2, [[0, 1]]),
               policy_training=(1, 1, [[2]]))
 # proposed at step 3 and rejected (payback too long)

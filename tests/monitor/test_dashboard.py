@@ -245,8 +245,10 @@ def _expected_rects(plan: dict) -> set[tuple[int, str, str, int]]:
 
 
 async def _shown_rects(page, epoch: int) -> set[tuple[int, str, str, int]]:
-    rows = await page.evaluate(f"""[...document.querySelectorAll('#chart-bands rect.band[data-epoch="{epoch}"]')]
-        .map(r => [Number(r.dataset.device), r.dataset.modelStage, r.dataset.layout, Number(r.dataset.emu)])""")
+    rows = await page.evaluate(f"""[...document.querySelectorAll(
+            '#chart-bands rect.band[data-epoch="{epoch}"]')]
+        .map(r => [Number(r.dataset.device), r.dataset.modelStage, r.dataset.layout,
+                   Number(r.dataset.emu)])""")
     return {tuple(r) for r in rows}
 
 
@@ -322,7 +324,8 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
         assert await page.evaluate(_header("decisions")) == "3"
 
         # step time by model-stage, reward and length: one point per step, values as recorded
-        series = await page.evaluate("""Object.fromEntries([...document.querySelectorAll('svg g.series')]
+        series = await page.evaluate("""Object.fromEntries(
+            [...document.querySelectorAll('svg g.series')]
             .map(g => [g.closest('svg').id + '/' + g.dataset.series, Number(g.dataset.points)]))""")
         stages = sorted({k for s in steps for k in s["model_stage_seconds"]})
         assert {f"chart-steptime/{s}" for s in stages} | {"chart-steptime/step", "chart-steptime/weight sync"} \
@@ -330,11 +333,13 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
         assert all(series[f"chart-steptime/{s}"] == len(steps) for s in stages + ["step"])
         assert series["chart-reward/reward"] == len(steps) == series["chart-length/response length"]
         assert series["chart-length/length cap"] == len(steps)
-        rewards = await page.evaluate("""[...document.querySelectorAll('#chart-reward circle title')]
+        rewards = await page.evaluate("""[...document.querySelectorAll(
+            '#chart-reward circle title')]
             .map(t => t.textContent)""")
         assert [r.split(":")[0] for r in rewards] == [f"reward, step {s['step']}" for s in steps]
         assert [float(r.rsplit(": ", 1)[1]) for r in rewards] == pytest.approx([s["reward"] for s in steps], rel=6e-3)
-        caps = await page.evaluate("""[...document.querySelectorAll('#chart-length g[data-series="length cap"] title')]
+        caps = await page.evaluate("""[...document.querySelectorAll(
+            '#chart-length g[data-series="length cap"] title')]
             .map(t => t.textContent)""")
         assert [float(c.split(": ")[1].split()[0]) for c in caps] == [s["max_new_tokens"] for s in steps]
 
@@ -345,10 +350,12 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
             assert await _shown_rects(page, t["epoch"]) == _expected_rects(t["to_plan"])
         devices = await page.evaluate("[...document.querySelectorAll('#chart-bands .device-label')].map(t => t.textContent)")
         assert devices == [f"device {d}" for d in range(4)]
-        marks = await page.evaluate("""[...document.querySelectorAll('#chart-bands g.transition-mark')]
+        marks = await page.evaluate("""[...document.querySelectorAll(
+            '#chart-bands g.transition-mark')]
             .map(g => [Number(g.dataset.epochFrom), Number(g.dataset.epochTo), g.dataset.ok])""")
         assert marks == [[t["epoch_from"], t["epoch"], "true"] for t in transitions]
-        states = await page.evaluate("""[...document.querySelectorAll('#chart-bands rect.device-state')]
+        states = await page.evaluate("""[...document.querySelectorAll(
+            '#chart-bands rect.device-state')]
             .map(r => [Number(r.dataset.device), r.dataset.state])""")
         assert [3, "draining"] in states and [3, "retired"] in states
         legend = await page.evaluate("""[...document.querySelectorAll('#legend-bands > span')]
@@ -359,8 +366,8 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
 
         # memory per device against its budget
         memory = await page.evaluate("""[...document.querySelectorAll('#memory .memrow')].map(r =>
-            [Number(r.dataset.device), Number(r.dataset.peak), Number(r.dataset.budget), r.dataset.state,
-             r.querySelector('.memtext').textContent])""")
+            [Number(r.dataset.device), Number(r.dataset.peak), Number(r.dataset.budget),
+             r.dataset.state, r.querySelector('.memtext').textContent])""")
         budget = next(e for e in events if e["type"] == "worker_join")["memory_bytes"]
         last_peak = {int(d): b for s in steps for d, b in s["device_peak_bytes"].items()}
         assert [m[0] for m in memory] == [0, 1, 2, 3]
@@ -372,12 +379,17 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
         decisions = [e for e in events if e["type"] == "decision"]
         rows = await page.evaluate("""[...document.querySelectorAll('#decisions tbody tr')].map(r =>
             [Number(r.dataset.step), r.dataset.admitted, r.querySelector('.saving').textContent,
-             r.querySelector('.cost').textContent, r.querySelector('.verdict').textContent, r.lastChild.textContent])""")
+             r.querySelector('.cost').textContent, r.querySelector('.verdict').textContent,
+             r.lastChild.textContent])""")
         assert [r[0] for r in rows] == [d["step"] for d in reversed(decisions)]
         assert [r[4] for r in rows] == ["admitted" if d["admitted"] else "rejected" for d in reversed(decisions)]
         assert [r[5] for r in rows] == [d["reason"] for d in reversed(decisions)]
-        # the proposed change with dp and devices: the rejected one only regroups generation's devices
-        proposed = await page.evaluate("[...document.querySelectorAll('#decisions tbody tr')].map(r => r.children[2].textContent)")
+        # the proposed change with dp and devices: the rejected one only regroups generation's
+        # devices
+        proposed = await page.evaluate(
+            "[...document.querySelectorAll('#decisions tbody tr')]"
+            ".map(r => r.children[2].textContent)"
+        )
         assert proposed[1] == "policy_generation: tp2·pp1·dp2 [0-3] → tp1·pp1·dp4 [0-3]"
         assert proposed == ["; ".join(f"{st}: {stage_change_text(d['current_plan'][st], d['target_plan'][st])}"
                                       for st in sorted(d["target_plan"])
@@ -387,7 +399,8 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
             assert _seconds(r[3]) == pytest.approx(d["transition_seconds"], rel=6e-3)
 
         # the transitions, newest first: predicted against measured, and their DAG nodes per device
-        rows = await page.evaluate("""[...document.querySelectorAll('#transitions tbody tr')].map(r =>
+        rows = await page.evaluate("""[...document.querySelectorAll('#transitions tbody tr')]
+            .map(r =>
             [r.querySelector('.predicted').textContent, r.querySelector('.measured').textContent,
              r.querySelectorAll('rect.node').length, r.children[2].textContent])""")
         nodes = [e for e in events if e["type"] == "transition_node"]
@@ -405,7 +418,10 @@ async def test_the_page_follows_a_recorded_tap_live_in_chromium(tmp_path, chromi
         shot = tmp_path / "dashboard.png"
         png = await page.screenshot(shot)
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
-        fills = await page.evaluate("[...new Set([...document.querySelectorAll('rect.band')].map(r => r.getAttribute('fill')))]")
+        fills = await page.evaluate(
+            "[...new Set([...document.querySelectorAll('rect.band')]"
+            ".map(r => r.getAttribute('fill')))]"
+        )
         image = _rgb(shot)
         assert image.shape[1] == 1400 and image.shape[0] > 1000
         for fill in fills:
@@ -435,7 +451,8 @@ async def test_the_page_over_a_job_recording_shows_every_device_budget_in_chromi
         await page.goto(url)
         assert await page.wait_for(f"{_header('transitions')} === '2' && document.body.dataset.steps === '7'")
         memory = await page.evaluate("""[...document.querySelectorAll('#memory .memrow')].map(r =>
-            [Number(r.dataset.device), Number(r.dataset.budget), r.querySelector('.memtext').textContent])""")
+            [Number(r.dataset.device), Number(r.dataset.budget),
+             r.querySelector('.memtext').textContent])""")
         assert [m[0] for m in memory] == [0, 1, 2, 3]
         assert all(m[1] == budget and f"/ {budget / 2**20:.2f} MiB" in m[2] and "unknown" not in m[2]
                    for m in memory), memory

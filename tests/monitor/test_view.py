@@ -12,7 +12,8 @@ import pytest
 from nereus.monitor import DashboardView
 
 ASSET = Path(__file__).parents[1] / "assets" / "tap" / "grpo_live_layouts.jsonl"
-# the same run as the job's own recorder wrote it (out_dir/tap.jsonl): it subscribed after the devices joined
+# the same run as the job's own recorder wrote it (out_dir/tap.jsonl): it subscribed after the
+# devices joined
 JOB_ASSET = ASSET.with_name("grpo_job_recording.jsonl")
 
 

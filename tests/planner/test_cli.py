@@ -1,4 +1,5 @@
-"""`nereus plan` prints a plan with its terms, memory and alternatives; --json is machine-readable."""
+"""`nereus plan` prints a plan with its terms, memory and alternatives; --json is
+machine-readable."""
 
 from __future__ import annotations
 

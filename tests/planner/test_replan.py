@@ -1,4 +1,5 @@
-"""The boundary loop: drift triggers with reference resets, admission, urgent device loss, calibration."""
+"""The boundary loop: drift triggers with reference resets, admission, urgent device loss,
+calibration."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The NCCL backend (GPU tier): the CPU tests' scenarios over NcclCommunicator.
 
-The GPU tests are marked ``gpu``: tests/conftest.py skips them only when CUDA or libnccl is absent. The
-multi-rank tests need one GPU per rank (NCCL refuses two ranks on one GPU) and skip
+The GPU tests are marked ``gpu``: tests/conftest.py skips them only when CUDA or libnccl is absent.
+The multi-rank tests need one GPU per rank (NCCL refuses two ranks on one GPU) and skip
 with that reason on a single-GPU machine; the single-rank test runs on any GPU."""
 
 from __future__ import annotations

@@ -131,7 +131,9 @@ def _answers(table: SpecBytes) -> list[int]:
     return out
 
 
-def test_layers_read_off_the_first_layer_give_every_answer_the_parameter_by_parameter_grouping_gives(monkeypatch):
+def test_layers_read_off_the_first_layer_give_every_answer_the_parameter_by_parameter_grouping_gives(  # noqa: E501
+    monkeypatch,
+):
     import nereus.transition.analytic as analytic
 
     spec = spec_for(kv_heads=2, tied=True, layers=6)

@@ -64,8 +64,12 @@ def test_build_dag_never_calls_feasible_what_no_order_fits():
             best = best_makespan(shape, caps, LINK.seconds)
             gaps.append(simulate(dag, LINK.seconds).makespan / best - 1.0)
     assert feasible and gaps
-    print(f"\nbrute force over {cases} DAGs of 2-8 nodes: {feasible} feasible, {infeasible} called infeasible, "
-          f"{false_infeasible} of them ({false_infeasible / max(infeasible, 1):.0%}) fit in some serial order "
-          f"(false-infeasible rate {false_infeasible / cases:.1%} of all); makespan gap to the best order over "
-          f"{len(gaps)} DAGs: median {statistics.median(gaps):.1%}, mean {statistics.fmean(gaps):.1%}, "
+    print(f"\nbrute force over {cases} DAGs of 2-8 nodes: {feasible} feasible, {infeasible} "
+        "called infeasible, "
+          f"{false_infeasible} of them ({false_infeasible / max(infeasible, 1):.0%}) fit in "
+          "some serial order "
+          f"(false-infeasible rate {false_infeasible / cases:.1%} of all); makespan gap to the "
+          "best order over "
+          f"{len(gaps)} DAGs: median {statistics.median(gaps):.1%}, mean "
+          f"{statistics.fmean(gaps):.1%}, "
           f"max {max(gaps):.1%}")

@@ -54,7 +54,8 @@ def _check_edges(dag, cap: int) -> None:
             # it frees bytes on a device the blocked node acquires bytes on
             assert any(src.release.get(d, 0) > 0 and n.alloc.get(d, 0) > 0 for d in n.devices), (n.label, src.label)
     s = simulate(dag, LINK.seconds)
-    # no start takes a device over its cap (one may start over it: a current plan that no longer fits)
+    # no start takes a device over its cap (one may start over it: a current plan that no longer
+    # fits)
     assert all(v <= max(cap, dag.initial.get(d, 0)) for d, v in s.peak.items())
     for n in dag.nodes:
         assert all(s.end[m] <= s.start[n.id] for m in n.deps)
