@@ -201,6 +201,7 @@ class Replanner:
             kind = p.kind if p.kind == "drift" else "device-pool"
             triggers = (Trigger(kind, p.signal, False, step, "follow-up", {"detail": "follow-up", "after": p.detail}),)
         self.pending = None
+        triggers = self._acted_on(step, triggers)
         hard = any(t.hard for t in triggers)
         recent = self.last_change is not None and step - self.last_change < self.min_steps_between
         if not triggers or (recent and not hard):
@@ -222,28 +223,39 @@ class Replanner:
         log.info("step %d: %s -> %s (%s)", step, [t.kind for t in triggers], decision.action, decision.reason)
         return BoundaryOutcome(step, triggers, decision, self.plan, self.step_seconds, current, previous)
 
+    def _acted_on(self, step: int, triggers: tuple[Trigger, ...]) -> tuple[Trigger, ...]:
+        """The triggers this policy acts on at ``step`` (here: every one that fired);
+        a policy of ``nereus.planner.policies`` narrows or widens them."""
+        return triggers
+
+    def _relabelled(self, plan: Plan) -> Plan:
+        return relabel(self.plan, plan, devices_per_node=self.cluster.devices_per_node,
+                       devices=self.cluster.num_devices)
+
+    def _candidates(self, current: float | None) -> list[tuple[str, Plan, float]]:
+        """The targets to price, relabelled onto the current plan's devices: the search's
+        best and alternatives, and the current layout rescaled to the pool."""
+        found = search(self.work, self.cluster, self.eff)
+        candidates = [("best", found.plan, found.step_seconds)] + [
+            (a.label, a.plan, a.step_seconds) for a in found.alternatives
+        ]
+        return [(label, self._relabelled(plan), seconds) for label, plan, seconds in candidates]
+
     def _decide(self, triggers: tuple[Trigger, ...], current: float | None,
                 transition_seconds: TransitionEstimate) -> Decision:
         hard = any(t.hard for t in triggers)
         try:
-            found = search(self.work, self.cluster, self.eff)
+            candidates = self._candidates(current)
         except InfeasiblePlan as e:
             if current is None:
                 raise  # the current plan cannot run and no plan fits: the job cannot go on
             return Decision("keep", None, f"no plan fits: {e}")
-        candidates = [("best", found.plan, found.step_seconds)] + [
-            (a.label, a.plan, a.step_seconds) for a in found.alternatives
-        ]
-        candidates = [(label, relabel(self.plan, plan, devices_per_node=self.cluster.devices_per_node,
-                                      devices=self.cluster.num_devices), seconds)
-                      for label, plan, seconds in candidates]
         # the current layout with DP following the pool: reachable by Extends and
         # Destroys alone, when the search's plans change TP or PP beyond what the
         # devices' memory allows mid-transition
         grown = rescaled(self.plan, self.work, self.cluster)
         if grown is not None:
-            grown = relabel(self.plan, grown, devices_per_node=self.cluster.devices_per_node,
-                            devices=self.cluster.num_devices)
+            grown = self._relabelled(grown)
         if grown is not None and grown != self.plan and all(grown != p for _, p, _ in candidates):
             ex = explain(grown, self.work, self.cluster, self.eff)
             if ex.fits:
@@ -255,4 +267,6 @@ class Replanner:
         self._fastest = min(t.step_seconds for t in targets)
         soft = next((t for t in triggers if not t.hard), None)
         horizon = self.monitor.horizon_steps(soft) if soft is not None else None
+        if math.isinf(self.gamma):
+            horizon = math.inf  # no payback limit: any predicted saving is admitted
         return choose(current, targets, horizon, gamma=self.gamma, urgent=hard, slack=self.slack)
