@@ -12,7 +12,8 @@ reports give the same decisions wherever they are replayed.
   drained, a predicted memory overflow) at once; any predicted saving is admitted. Its
   targets are relabelled onto the current devices like every other policy's.
 - ``static``: each model-stage keeps its TP, PP (and recompute) of the start; DP and
-  placement follow the pool (the current layout rescaled), taken without a payback
+  placement follow the pool (the current layout rescaled; all model-stages in one pool
+  when its pools no longer get a valid size each), taken without a payback
   test. When the memory model says the layout no longer fits, the generation
   model-stages decode in more waves, then training recomputes activations (never a
   TP/PP change). ``static_start`` picks its layout: the search's best for the first
@@ -36,16 +37,17 @@ from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import explain
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.replan import Replanner
-from nereus.planner.rescale import rescaled
+from nereus.planner.rescale import Layout, layout_of, rescaled_layout
 from nereus.planner.search import search
 from nereus.planner.triggers import Trigger
 from nereus.planner.workload import LengthStats, Workload
 
-__all__ = ["POLICIES", "SIM_NAMES", "PolicySpec", "make_replanner", "relieved", "spec_of", "static_start"]
+__all__ = ["POLICIES", "SIM_NAMES", "PolicySpec", "make_replanner", "relieved", "spec_of", "static_rescaled", "static_start"]
 
 POLICIES = ("payback", "always", "every-k", "static")
 # the simulator's names for the same policies (its reports predate these)
-SIM_NAMES = {"adaptive": "payback", "dynarl": "always", "every-k": "every-k", "static": "static"}
+SIM_NAMES = {"adaptive": "payback", "dynarl": "always", "every-k": "every-k", "static-fixed": "static",
+             "static": "static"}
 
 
 @dataclass(frozen=True)
@@ -82,30 +84,31 @@ class EveryKReplanner(Replanner):
         return triggers or (Trigger("periodic", "every-k", False, step, f"every {self.every_k} steps"),)
 
 
-def relieved(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency) -> list[tuple[str, Plan, float]]:
+def relieved(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency, *,
+             must_fit: bool = True) -> list[tuple[str, Plan, float]]:
     """``plan`` with less memory per device and the same devices, TP and PP: generation
     model-stages in 2, 4, ... times their waves, then also training with recompute;
-    each variant the memory model says fits, with its predicted seconds per step."""
+    of each kind the first variant the memory model says fits (``must_fit`` False: the
+    first variant), with its predicted seconds per step."""
     kinds = {s.name: s.kind for s in work.stages}
     out: list[tuple[str, Plan, float]] = []
     for recompute in (False, True):
-        factor = 1
+        factor, last = 1, None
         while True:
-            stages, grew = [], False
+            stages = []
             for name, sp in plan:
                 if kinds[name] == "generation":
-                    most = max(1, -(-work.sequences // sp.dp))
-                    waves = min(most, sp.waves * factor)
-                    grew |= waves > sp.waves or factor == 1
-                    stages.append((name, replace(sp, waves=waves)))
+                    most = max(sp.waves, -(-work.sequences // sp.dp))
+                    stages.append((name, replace(sp, waves=min(most, sp.waves * factor))))
                 else:
                     stages.append((name, replace(sp, recompute=sp.recompute or recompute)))
             variant = Plan(tuple(stages))
-            if not grew:
-                break
+            if variant == last:
+                break  # every generation model-stage decodes one sequence a wave
+            last = variant
             if variant != plan:
                 ex = explain(variant, work, cluster, eff)
-                if ex.fits:
+                if ex.fits or not must_fit:
                     out.append((f"waves x{factor}" + (" + recompute" if recompute else ""), variant,
                                 ex.step_seconds))
                     break  # the fewest waves that fit: more only cost time
@@ -116,23 +119,44 @@ def relieved(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency) 
 class StaticReplanner(Replanner):
     """``static`` (see the module docstring)."""
 
+    offers_rescaled = False
+
     def _acted_on(self, step: int, triggers: tuple[Trigger, ...]) -> tuple[Trigger, ...]:
         # the pool and memory move it; drift of the lengths does not
         return tuple(t for t in triggers if t.kind != "drift")
 
     def _candidates(self, current: float | None) -> list[tuple[str, Plan, float]]:
         out: list[tuple[str, Plan, float]] = []
-        grown = rescaled(self.plan, self.work, self.cluster)
+        grown = static_rescaled(layout_of(self.plan, self.work), self.work, self.cluster)
         if grown is not None:
             grown = self._relabelled(grown)
             ex = explain(grown, self.work, self.cluster, self.eff)
-            if ex.fits:
+            if self.failed:
+                # it ran out of memory where the model said it fits: less memory, whatever it
+                # says, on both sides (which model-stage overflowed is not known here)
+                both = relieved(grown, self.work, self.cluster, self.eff, must_fit=False)
+                out += both[-1:]
+            elif ex.fits:
                 out.append(("rescaled", grown, ex.step_seconds))
             else:
                 out += relieved(grown, self.work, self.cluster, self.eff)
-        if not out and current is None:
+        if grown is None:
             raise InfeasiblePlan(f"the static layout fits no DP of the {self.cluster.num_devices} devices")
+        if not out and current is None:
+            # no relief the model trusts: it runs as it is, and a measured failure relieves it
+            out.append(("as is", grown, explain(grown, self.work, self.cluster, self.eff).step_seconds))
         return out
+
+
+def static_rescaled(layout: Layout, work: Workload, cluster: ClusterSpec) -> Plan | None:
+    """``layout`` (its TP, PP, recompute and waves' concurrency) rescaled to ``cluster``;
+    when its pools no longer get a valid size each, every model-stage in one pool (a
+    placement change, never a TP/PP one); None when even that has no valid size."""
+    plan = rescaled_layout(layout, work, cluster)
+    if plan is None and len(layout.pools) > 1:
+        one = Layout(layout.stages, ((layout.order, layout.devices),), layout.order, layout.devices)
+        plan = rescaled_layout(one, work, cluster)
+    return plan
 
 
 def static_start(work: Workload, cluster: ClusterSpec, eff: Efficiency, largest_cap: int) -> Plan:

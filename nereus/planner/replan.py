@@ -70,6 +70,10 @@ class Replanner:
     two pool changes were seen; ``min_steps_between``: soft triggers are not acted on
     within that many steps of the last change."""
 
+    # the current layout rescaled to the pool joins the search's targets (a policy whose
+    # ``_candidates`` already decides about it turns this off)
+    offers_rescaled = True
+
     def __init__(
         self,
         work: Workload,
@@ -98,6 +102,7 @@ class Replanner:
             self.plan = plan
             self.step_seconds = self._seconds_of(plan) or math.inf
         self.last_change: int | None = None
+        self.failed = False  # the boundary being decided follows a step that ran out of memory
         # a follow-up: the last admitted move was a compromise (a faster target could not
         # be reached from the plan then); from the new plan it may be, so the next
         # boundary searches again, as a soft trigger, even if nothing else fires
@@ -164,6 +169,7 @@ class Replanner:
         lost: Sequence[int] = (),
         drained: Sequence[int] = (),
         joined: Sequence[int] = (),
+        failed: bool = False,
         transition_seconds: TransitionEstimate,
     ) -> BoundaryOutcome:
         """Re-evaluate, trigger, search and admit at a safe boundary (see the module doc).
@@ -173,7 +179,8 @@ class Replanner:
         ``lengths``); ``cluster``: the pool now; ``plan``: the job's plan over this pool's
         slots when the caller renumbered it (a plan on a slot the pool no longer has
         cannot run); ``lost``/``drained``/``joined``: what changed in the pool since the
-        last boundary (device ids, for the triggers' details)."""
+        last boundary (device ids, for the triggers' details); ``failed``: the last step
+        ran out of memory on the plan (a hard trigger, whatever the memory model says)."""
         if lengths is not None or memory_lengths is not None:
             # the search and the current plan's check see memory at memory_lengths
             self.work = self.work.with_lengths(lengths or self.work.lengths, memory_lengths)
@@ -196,6 +203,9 @@ class Replanner:
         triggers = tuple(self.monitor.observe(step, devices=set(range(self.cluster.num_devices)), values=values,
                                               memory_violations=violations, lost=lost, drained=drained,
                                               joined=joined))
+        self.failed = failed
+        if failed:
+            triggers += (Trigger("memory", "oom", True, step, "the last step ran out of memory", {"detail": "oom"}),)
         if not triggers and self.pending is not None:
             p = self.pending
             kind = p.kind if p.kind == "drift" else "device-pool"
@@ -253,7 +263,7 @@ class Replanner:
         # the current layout with DP following the pool: reachable by Extends and
         # Destroys alone, when the search's plans change TP or PP beyond what the
         # devices' memory allows mid-transition
-        grown = rescaled(self.plan, self.work, self.cluster)
+        grown = rescaled(self.plan, self.work, self.cluster) if self.offers_rescaled else None
         if grown is not None:
             grown = self._relabelled(grown)
         if grown is not None and grown != self.plan and all(grown != p for _, p, _ in candidates):

@@ -82,6 +82,7 @@ def boundary_record(rp: Replanner, outcome: BoundaryOutcome, *, eff: Efficiency,
         "plan": outcome.previous_plan.to_dict() if outcome.previous_plan is not None else rp.plan.to_dict(),
         "eff": dataclasses.asdict(eff),
         "lost": [int(x) for x in lost], "drained": [int(x) for x in drained], "joined": [int(x) for x in joined],
+        "failed": bool(rp.failed),
         "priced": [[p.to_dict(), _finite(s)] for p, s in (priced or {}).items()],
         "triggers": [t.kind for t in outcome.triggers],
         "action": d.action,
@@ -133,5 +134,6 @@ def replay(records: Sequence[Mapping[str, Any]], *, gamma: float | None = None) 
         outcomes.append(rp.on_boundary(step, lengths=work.lengths, memory_lengths=work.memory_lengths,
                                        cluster=ClusterSpec(**r["cluster"]), plan=Plan.from_dict(r["plan"]),
                                        lost=r["lost"], drained=r["drained"], joined=r["joined"],
+                                       failed=bool(r.get("failed", False)),
                                        transition_seconds=price))
     return rp, outcomes

@@ -7,11 +7,12 @@ plan, restart from a checkpoint on a target plan, or wait (no plan fits the pool
 Plans reach the planner through ``DevicePool`` (the one map between device ids and the
 planner's slots).
 
-``POLICIES``: ``adaptive``, ``dynarl``, ``every-k`` and ``static`` are the planner's
-``payback``, ``always``, ``every-k`` and ``static`` (``nereus.planner.policies``: one
-definition, which the running job uses too; each boundary is recorded for
-``nereus.planner.replay``); ``colocated`` and ``separated`` are fixed layouts (DP
-follows the pool; restart when they no longer fit).
+``POLICIES``: ``adaptive``, ``dynarl`` and ``every-k`` are the planner's ``payback``,
+``always`` and ``every-k`` (``nereus.planner.policies``: one definition, which the
+running job uses too; each boundary is recorded for ``nereus.planner.replay``);
+``static-fixed`` (run when named) is the planner's ``static``. ``static``,
+``colocated`` and ``separated`` are this simulator's fixed layouts (DP follows the
+pool; a new layout is searched when they no longer fit).
 ``EXTRA_POLICIES`` (run only when named): ``static-max-cap`` and the ``oracle``
 reference. These are documented policies of this simulator, not claims about the
 systems they are named after.
@@ -39,7 +40,7 @@ from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import explain
 from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
-from nereus.planner.policies import SIM_NAMES, PolicySpec, make_replanner
+from nereus.planner.policies import SIM_NAMES, PolicySpec, make_replanner, static_rescaled
 from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.replay import boundary_record
 from nereus.planner.rescale import Layout, layout_of, rescaled_layout
@@ -57,7 +58,11 @@ POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
 # ``oracle`` reference (``nereus.sim.oracle``: not a policy, what the search could reach
 # knowing the truth, with transitions free)
 ORACLE = "oracle"
-EXTRA_POLICIES = ("static-max-cap", ORACLE)
+# the planner's ``static`` (``nereus.planner.policies``: TP/PP never change, memory
+# failures relieved by waves and recompute), which the running job runs as ``static``;
+# the simulator's ``static`` re-searches its layout when the layout no longer fits
+SHARED_STATIC = "static-fixed"
+EXTRA_POLICIES = ("static-max-cap", SHARED_STATIC, ORACLE)
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,7 @@ class AdaptivePolicy(Policy):
         work = self.ctx.work_at(b.lengths, b.step)
         plan = None
         if self.layout is not None:
-            plan = rescaled_layout(self.layout, self.ctx.work, cluster)
+            plan = static_rescaled(self.layout, self.ctx.work, cluster)
             if plan is None:
                 raise InfeasiblePlan(f"the static layout fits no DP of {len(b.devices)} devices")
         self.replanner = make_replanner(self.spec, work, cluster, plan=plan, eff=self.eff,
@@ -243,7 +248,8 @@ class AdaptivePolicy(Policy):
 
             outcome = rp.on_boundary(
                 b.step, lengths=b.lengths, memory_lengths=self.ctx.cap_lengths(b.step), cluster=cluster,
-                plan=pool.to_slots(current), lost=b.lost, joined=b.joined, transition_seconds=price)
+                plan=pool.to_slots(current), lost=b.lost, joined=b.joined, failed=b.failed,
+                transition_seconds=price)
             self.boundaries.append(boundary_record(rp, outcome, eff=eff, lost=b.lost, joined=b.joined,
                                                    priced=priced, first=not self.boundaries,
                                                    initial=self._initial))
@@ -252,6 +258,8 @@ class AdaptivePolicy(Policy):
             return self._timed(Move("wait", None, str(e)), t0, dag0)
         self.eff = self.replanner.eff
         self.outcome = outcome
+        if self.layout is not None:  # static: a restart keeps the layout it runs now
+            self.layout = layout_of(outcome.plan, self.ctx.work)
         d = outcome.decision
         target = pool.to_devices(outcome.plan)
         if d.action == "keep":
@@ -348,10 +356,10 @@ class FixedLayoutPolicy(Policy):
 def make_policy(name: str, ctx: _Ctx, *, gamma: float = 0.5, k: int = 3, join_horizon_steps: float = 20.0,
                 min_steps_between: int = 0) -> Policy:
     """The policy called ``name`` (one of ``POLICIES`` or ``EXTRA_POLICIES``)."""
-    if name in SIM_NAMES:
+    if name in SIM_NAMES and name != "static" or name == SHARED_STATIC:
         return AdaptivePolicy(ctx, name=name, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
                               min_steps_between=min_steps_between)
-    if name in ("colocated", "separated"):
+    if name in ("static", "colocated", "separated"):
         return FixedLayoutPolicy(ctx, name=name)
     if name == "static-max-cap":
         return FixedLayoutPolicy(replace(ctx, caps=CapSchedule.fixed(ctx.caps.largest)), name=name)
