@@ -35,7 +35,7 @@ from nereus.planner.calibrate import Calibrator
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import explain
-from nereus.planner.plan import Plan, StagePlan
+from nereus.planner.plan import Plan
 from nereus.planner.replan import Replanner
 from nereus.planner.rescale import Layout, layout_of, rescaled_layout
 from nereus.planner.search import search

@@ -26,10 +26,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nereus.errors import ConfigError
+from nereus.planner.admission import DEFAULT_GAMMA
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import Efficiency
 from nereus.planner.plan import Plan
-from nereus.planner.admission import DEFAULT_GAMMA
 from nereus.planner.policies import PolicySpec, make_replanner, spec_of
 from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.workload import LengthStats, ModelShape, Workload

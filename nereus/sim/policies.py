@@ -33,14 +33,13 @@ import time
 from dataclasses import dataclass, replace
 
 from nereus.errors import InfeasiblePlan
-from nereus.planner.admission import Target, choose
 from nereus.planner.calibrate import Calibrator
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import explain
 from nereus.planner.plan import Plan
-from nereus.planner.pool import DevicePool
 from nereus.planner.policies import SIM_NAMES, PolicySpec, make_replanner, static_rescaled
+from nereus.planner.pool import DevicePool
 from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.replay import boundary_record
 from nereus.planner.rescale import Layout, layout_of, rescaled_layout
