@@ -261,7 +261,8 @@ class AdaptConfig:
 
 @dataclass
 class TraceConfig:
-    """The environment a running job meets (``nereus.job.traces``): ``pool``, a
+    """The environment a running job meets (``nereus.job.traces``): ``lengths`` (below);
+    ``pool``, a
     spot-availability file of ``../shared/traces/spot-availability/`` or
     ``growth:LO:HI``, played one tick a step from ``pool_offset`` on and scaled onto
     ``pool_range`` devices (default: half the cluster's to all of them) by draining
@@ -270,6 +271,11 @@ class TraceConfig:
     pool: str | None = None
     pool_offset: int = 0
     pool_range: list[int] | None = None
+    lengths: str | None = None
+    """A response-length log of ``../shared/traces/response-length/`` or ``growth:LO:HI``:
+    each step's responses are as long as the log's mean at that point of its run, rescaled
+    so its longest step is the job's cap (``sampling.max_new_tokens``, a number): the cap
+    follows the trace and generation ignores the end-of-sequence token until it."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.pool_offset, int) and self.pool_offset >= 0, "trace.pool_offset", self.pool_offset,
@@ -410,6 +416,8 @@ class JobConfig:
             if self.model.kind == "tiny" and name != "reward_inference":  # the reward model has its own shape
                 require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
                 require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
+        require(self.trace.lengths is None or isinstance(self.sampling.max_new_tokens, int), "trace.lengths",
+                self.trace.lengths, "needs sampling.max_new_tokens as one number (the cap the trace is scaled to)")
         require(self.trace.pool is None or self.cluster.mode == "local", "trace.pool", self.trace.pool,
                 "needs cluster.mode = 'local' (the trace adds nodes to the job's own cluster)")
         if self.trace.pool is not None and self.trace.pool_range is not None:

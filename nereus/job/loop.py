@@ -65,7 +65,7 @@ from nereus.job.report import (
     read_metrics,
     summary_table,
 )
-from nereus.job.traces import PoolTrace
+from nereus.job.traces import PoolTrace, with_lengths
 from nereus.monitor.tap import TapRecorder
 from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.stages import ModelStages
@@ -79,6 +79,7 @@ class RLJob:
     """One RL job (see the module docstring)."""
 
     def __init__(self, cfg: JobConfig) -> None:
+        cfg = with_lengths(cfg)  # [trace] lengths: the cap follows the trace
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
         check_loggers(cfg.run.loggers)

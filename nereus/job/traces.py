@@ -1,4 +1,10 @@
-"""A device-pool trace played on a running job, as a spot market would (design §6, §9).
+"""Traces played on a running job: response lengths and a device pool (design §6, §9).
+
+``with_lengths(cfg)``: ``[trace] lengths`` as the job's sampling: each step's length is
+the log's mean at that point of its run (``nereus.sim.traces.length_trace``, the reader
+the simulator uses) scaled so the longest step is the job's cap; the cap follows it as
+a schedule and generation ignores the end-of-sequence token (every response of a step
+is that long: the per-step mean, not the log's spread within a step).
 
 ``PoolTrace`` is a boundary hook (``RLJob.boundary_hooks``): after each step it reads
 the number of devices the trace leaves live for the next step (``nereus.sim.traces.
@@ -19,14 +25,35 @@ file nor ``growth:LO:HI``.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from nereus.job.config import JobConfig
-from nereus.sim.traces import pool_at_steps
+from nereus.sim.traces import length_trace, pool_at_steps
 
-__all__ = ["PoolTrace"]
+__all__ = ["PoolTrace", "length_schedule", "with_lengths"]
 
 log = logging.getLogger("nereus.rl")
+
+
+def length_schedule(spec: str, steps: int, cap: int) -> list[list[int]]:
+    """``[[step, tokens], ...]`` (from step 0, where the length changes): ``spec``'s mean
+    per step scaled so its longest step is ``cap`` tokens, at least one."""
+    means = length_trace(spec, steps).means
+    top = max(means)
+    tokens = [max(1, round(m * cap / top)) for m in means]
+    return [[s, t] for s, t in enumerate(tokens) if s == 0 or t != tokens[s - 1]]
+
+
+def with_lengths(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with ``[trace] lengths`` turned into its sampling (module docstring)."""
+    if cfg.trace.lengths is None:
+        return cfg
+    cap = cfg.sampling.max_new_tokens
+    assert isinstance(cap, int)  # JobConfig refuses a schedule with a length trace
+    schedule = length_schedule(cfg.trace.lengths, cfg.run.steps, cap)
+    return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=schedule, ignore_eos=True),
+                   trace=replace(cfg.trace, lengths=None))
 
 
 class PoolTrace:
