@@ -29,8 +29,7 @@ from typing import Any
 from nereus.actors import emit
 from nereus.job.adapt import job_workload
 from nereus.job.config import from_planner_plan
-from nereus.planner import LengthStats
-from nereus.planner import local_cpu_cluster_probed
+from nereus.planner import LengthStats, local_cpu_cluster_probed
 from nereus.planner.async_cost import search_async
 from nereus.planner.relabel import relabel
 
