@@ -47,10 +47,9 @@ from nereus.job.config import JobConfig
 from nereus.job.loop import RLJob
 from nereus.planner import LengthStats, local_cpu_cluster_probed
 from nereus.planner.policies import POLICIES
-from nereus.sim.policies import _Ctx, make_policy
-from nereus.sim.run import Scenario, run_policy
+from nereus.sim.compare import run_policies
+from nereus.sim.run import Scenario
 from nereus.sim.traces import CapSchedule, DeviceTrace, LengthTrace, pool_at_steps
-from nereus.sim.transitions import Transitions
 from nereus.sim.truth import GroundTruth, load_truth_params
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
@@ -134,12 +133,11 @@ def simulate(rl: RLJob, policy: str, pair: Pair, steps: int, cores: float) -> fl
     budget = cfg.cluster.memory_bytes
     cluster = local_cpu_cluster_probed(1, budget, headroom=cfg.adapt.headroom, device_cores=[cores]).with_nodes(4)
     counts = pool_at_steps(pair.pool, 4, steps, offset_ticks=pair.offset)
-    schedule = CapSchedule(tuple(caps))
+    schedule = CapSchedule(pair.name, tuple(caps))
     truth = GroundTruth(load_truth_params(None), cluster, work, caps=schedule, seed=0)
     scn = Scenario(cluster, work, StepPool(counts, pair.name), LengthTrace(pair.name, tuple(map(float, caps))),
                    steps, truth)
-    ctx = _Ctx(work, cluster, Transitions(scn), schedule)
-    return run_policy(scn, make_policy(SIM_NAME[policy], ctx, gamma=0.5, k=3)).mean_step_s
+    return run_policies(scn, (SIM_NAME[policy],), gamma=0.5, k=3)[0].mean_step_s
 
 
 async def run_one(policy: str, pair: Pair, steps: int, cores: float, with_sim: bool) -> dict[str, Any]:
