@@ -48,7 +48,7 @@ from nereus.job.loop import RLJob
 from nereus.planner import LengthStats, local_cpu_cluster_probed
 from nereus.planner.policies import POLICIES
 from nereus.sim.compare import run_policies
-from nereus.sim.run import Scenario
+from nereus.sim.run import Scenario, SimulationError
 from nereus.sim.traces import CapSchedule, DeviceTrace, LengthTrace, pool_at_steps
 from nereus.sim.truth import GroundTruth, load_truth_params
 
@@ -124,8 +124,9 @@ class StepPool(DeviceTrace):
         return None
 
 
-def simulate(rl: RLJob, policy: str, pair: Pair, steps: int, cores: float) -> float:
-    """The simulator's mean step seconds for the same job, traces and cluster shape."""
+def simulate(rl: RLJob, policy: str, pair: Pair, steps: int, cores: float) -> tuple[float | None, str]:
+    """The simulator's mean step seconds for the same job, traces and cluster shape, or
+    None and why when its ground truth cannot run it."""
     cfg = rl.cfg
     caps = [cfg.sampling.cap_at(s) for s in range(steps)]
     first = LengthStats(float(caps[0]), float(caps[0]), caps[0])
@@ -133,11 +134,16 @@ def simulate(rl: RLJob, policy: str, pair: Pair, steps: int, cores: float) -> fl
     budget = cfg.cluster.memory_bytes
     cluster = local_cpu_cluster_probed(1, budget, headroom=cfg.adapt.headroom, device_cores=[cores]).with_nodes(4)
     counts = pool_at_steps(pair.pool, 4, steps, offset_ticks=pair.offset)
-    schedule = CapSchedule(pair.name, tuple(caps))
+    # the simulator's cap bounds memory and never falls: the largest so far; the lengths
+    # are the live job's (every response of a step as long as its cap there)
+    schedule = CapSchedule(pair.name, tuple(max(caps[: s + 1]) for s in range(steps)))
     truth = GroundTruth(load_truth_params(None), cluster, work, caps=schedule, seed=0)
     scn = Scenario(cluster, work, StepPool(counts, pair.name), LengthTrace(pair.name, tuple(map(float, caps))),
                    steps, truth)
-    return run_policies(scn, (SIM_NAME[policy],), gamma=0.5, k=3)[0].mean_step_s
+    try:
+        return run_policies(scn, (SIM_NAME[policy],), gamma=0.5, k=3)[0].mean_step_s, ""
+    except SimulationError as e:  # the shipped truth cannot run this job: said, not hidden
+        return None, str(e)
 
 
 async def run_one(policy: str, pair: Pair, steps: int, cores: float, with_sim: bool) -> dict[str, Any]:
@@ -159,14 +165,14 @@ async def run_one(policy: str, pair: Pair, steps: int, cores: float, with_sim: b
                     raise
                 restarts, records = 1, list(rl.records)
             wall = time.perf_counter() - t0
-            sim = simulate(rl, policy, pair, steps, cores) if with_sim else None
+            sim, sim_error = simulate(rl, policy, pair, steps, cores) if with_sim else (None, "")
         finally:
             await rl.close()
     moved = [r["transition"] for r in records if r.get("transition")]
     done = max(1, len(records))
     return {"policy": policy, "pair": pair.name, "steps": len(records), "mean_step_s": wall / done,
             "transitions": len(moved), "transition_s": sum(t["measured_seconds"] for t in moved),
-            "restarts": restarts, "memory_failures": failed, "sim_mean_step_s": sim}
+            "restarts": restarts, "memory_failures": failed, "sim_mean_step_s": sim, "sim_error": sim_error}
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
@@ -212,6 +218,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     errors = [abs(t["sim_mean_step_s"] - t["mean_step_s"]) / t["mean_step_s"] for t in table
               if not math.isnan(t["sim_mean_step_s"])]
     out["sim_vs_live_error"] = statistics.mean(errors) if errors else None
+    out["sim_errors"] = sorted({r["sim_error"] for r in runs if r.get("sim_error")})
     out.update(steps=args.steps, rounds=args.rounds, cores=args.cores, pairs=[p.name for p in pairs], table=table)
     return out
 
