@@ -81,7 +81,8 @@ class EveryKReplanner(Replanner):
             return triggers
         if step % self.every_k:
             return ()
-        return triggers or (Trigger("periodic", "every-k", False, step, f"every {self.every_k} steps"),)
+        return triggers or (Trigger("periodic", "every-k", False, step, f"every {self.every_k} steps",
+                                    {"detail": "periodic"}),)
 
 
 def relieved(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency, *,
