@@ -42,7 +42,7 @@ async def test_a_ppo_job_runs_a_pool_trace_under_each_policy(tmp_path, policy):
     cfg = job(str(tmp_path), 5, algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01,
                                            "kl_mode": "penalty"},
               cluster={"mode": "local", "devices": 4, "memory_per_device": "512MiB"}, plan=PPO_PLAN,
-              adapt={"enabled": True, "policy": policy, "every_k": 2, "join_horizon_steps": 1000},
+              adapt={"enabled": True, "policy": policy, "every_k": 3, "join_horizon_steps": 1000},
               trace={"pool": str(SPOT), "pool_offset": OFFSET})
     rl = RLJob(cfg)
     await rl.start()
@@ -69,3 +69,6 @@ async def test_a_ppo_job_runs_a_pool_trace_under_each_policy(tmp_path, policy):
     assert_replays(events)
     boundaries = [e for e in events if e["type"] == "boundary"]
     assert boundaries[0]["replanner"]["policy"] == policy
+    if policy == "every-k":  # step 3: nothing fired, the period searches; the join at 4 waits for 6
+        by_step = {b["step"]: b for b in boundaries}
+        assert by_step[3]["triggers"] == ["periodic"] and by_step[4]["action"] == "keep"
