@@ -13,7 +13,8 @@ import nereus
 
 # Bottom to top: a module imports only modules of its own layer and the layers below.
 # ``monitor`` sits below the job (the job records the tap); ``data`` below ``rl`` (a
-# step draws samples from a task and encodes them with a codec).
+# step draws samples from a task and encodes them with a codec); ``sim`` below the job
+# (a running job replays the simulator's traces through ``nereus.sim.traces``).
 LAYERS: list[tuple[str, ...]] = [
     ("nereus.errors",),
     ("nereus.config",),
@@ -27,8 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("nereus.monitor",),
     ("nereus.data",),
     ("nereus.rl",),
-    ("nereus.job",),
     ("nereus.sim",),
+    ("nereus.job",),
     ("nereus.launch",),
     ("nereus", "nereus.cli", "nereus.node"),
 ]

@@ -1,6 +1,7 @@
 """Online adaptation: the controller loop of a running job (docs/design.md §6, §10).
 
-The Replanner triggers, searches and admits (the payback rule, or the urgent path for a
+The Replanner of ``[adapt] policy`` (``nereus.planner.policies``, the definition the
+simulator runs too) triggers, searches and admits (the payback rule, or the urgent path for a
 lost or drained device or a predicted memory overflow); an admitted target goes to
 ``ClusterStages.apply_plan`` at this boundary. Every boundary where a trigger fired puts
 a ``decision`` event on the tap (each trigger with its detail, the current and target
@@ -48,6 +49,7 @@ from nereus.planner import (
 )
 from nereus.planner.cluster import local_cpu_cluster
 from nereus.planner.plan import Plan
+from nereus.planner.policies import PolicySpec, make_replanner
 from nereus.planner.pool import DevicePool
 from nereus.planner.replay import boundary_record
 
@@ -220,10 +222,10 @@ class Adapter:
 
     def _new_replanner(self, work: Workload, cluster: ClusterSpec, plan: Plan) -> None:
         eff = self.stages.calibrator.fit()
-        self.replanner = Replanner(work, cluster, plan=plan, eff=eff, gamma=self.cfg.adapt.gamma,
-                                   length_threshold=self.cfg.adapt.length_drift, calibrator=self.stages.calibrator,
-                                   join_horizon_steps=self.cfg.adapt.join_horizon_steps,
-                                   min_steps_between=self.cfg.adapt.min_steps_between)
+        a = self.cfg.adapt
+        self.replanner = make_replanner(PolicySpec(a.policy, a.gamma, a.every_k), work, cluster, plan=plan, eff=eff,
+                                        length_threshold=a.length_drift, calibrator=self.stages.calibrator,
+                                        join_horizon_steps=a.join_horizon_steps, min_steps_between=a.min_steps_between)
         self._initial = (work, cluster, plan, eff)
 
     def _on_boundary(self, step: int, priced: dict[Any, tuple[float, int]], **given: Any) -> Any:

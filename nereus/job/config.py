@@ -31,6 +31,7 @@ from nereus.data.rewards import RULES, is_function_spec
 from nereus.data.tasks import TASKS
 from nereus.engines.training import OptimConfig
 from nereus.planner.plan import Plan, StagePlan, is_power_of_two
+from nereus.planner.policies import PolicySpec
 from nereus.rl.algorithms import AlgorithmConfig
 from nereus.rl.mode import RLModeConfig
 from nereus.rl.rollout import SamplingConfig
@@ -49,6 +50,7 @@ __all__ = [
     "TrainingConfig",
     "ClusterConfig",
     "AdaptConfig",
+    "TraceConfig",
     "Placement",
     "RunConfig",
     "JobConfig",
@@ -240,8 +242,14 @@ class AdaptConfig:
     pool_wait_s: float = 60.0
     """How long a job left with no usable device (every live one draining, the rest
     dead) waits for one to join before it stops with an error."""
+    policy: str = "payback"
+    """Which policy decides (``nereus.planner.policies``, the simulator's too):
+    "payback" (gamma), "always" (any predicted saving), "every-k" (soft triggers every
+    ``every_k`` steps), "static" (TP/PP kept; DP and placement follow the pool)."""
+    every_k: int = 3
 
     def __post_init__(self) -> None:
+        PolicySpec(self.policy, self.gamma, self.every_k)  # names the bad field
         require(self.gamma > 0, "adapt.gamma", self.gamma, "must be > 0")
         require(0 < self.length_drift < 10, "adapt.length_drift", self.length_drift, "must be in (0, 10)")
         require(0 <= self.headroom < 1, "adapt.headroom", self.headroom, "must be in [0, 1)")
@@ -249,6 +257,32 @@ class AdaptConfig:
                 self.min_steps_between, "must be an integer >= 0")
         require(self.join_horizon_steps >= 1, "adapt.join_horizon_steps", self.join_horizon_steps, "must be >= 1")
         require(self.pool_wait_s >= 0, "adapt.pool_wait_s", self.pool_wait_s, "must be >= 0 seconds")
+
+
+@dataclass
+class TraceConfig:
+    """The environment a running job meets (``nereus.job.traces``): ``lengths`` (below);
+    ``pool``, a
+    spot-availability file of ``../shared/traces/spot-availability/`` or
+    ``growth:LO:HI``, played one tick a step from ``pool_offset`` on and scaled onto
+    ``pool_range`` devices (default: half the cluster's to all of them) by draining
+    devices and adding nodes through the cluster API (``nereus.sim.traces`` reads it)."""
+
+    pool: str | None = None
+    pool_offset: int = 0
+    pool_range: list[int] | None = None
+    lengths: str | None = None
+    """A response-length log of ``../shared/traces/response-length/`` or ``growth:LO:HI``:
+    each step's responses are as long as the log's mean at that point of its run, rescaled
+    so its longest step is the job's cap (``sampling.max_new_tokens``, a number): the cap
+    follows the trace and generation ignores the end-of-sequence token until it."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.pool_offset, int) and self.pool_offset >= 0, "trace.pool_offset", self.pool_offset,
+                "must be an integer >= 0")
+        if self.pool_range is not None:
+            require(len(self.pool_range) == 2 and 1 <= self.pool_range[0] <= self.pool_range[1], "trace.pool_range",
+                    self.pool_range, "must be [LO, HI] devices with 1 <= LO <= HI")
 
 
 @dataclass(frozen=True)
@@ -354,6 +388,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: dict[str, Placement] = field(default_factory=_default_plan)
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     run: RunConfig = field(default_factory=RunConfig)
     rl: RLModeConfig = field(default_factory=RLModeConfig)
 
@@ -384,6 +419,13 @@ class JobConfig:
             if self.model.kind == "tiny" and name != "reward_inference":  # the reward model has its own shape
                 require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
                 require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
+        require(self.trace.lengths is None or isinstance(self.sampling.max_new_tokens, int), "trace.lengths",
+                self.trace.lengths, "needs sampling.max_new_tokens as one number (the cap the trace is scaled to)")
+        require(self.trace.pool is None or self.cluster.mode == "local", "trace.pool", self.trace.pool,
+                "needs cluster.mode = 'local' (the trace adds nodes to the job's own cluster)")
+        if self.trace.pool is not None and self.trace.pool_range is not None:
+            require(self.trace.pool_range[1] <= self.cluster.devices, "trace.pool_range", self.trace.pool_range,
+                    f"must not exceed cluster.devices={self.cluster.devices}")
         require(not self.adapt.enabled or self.cluster.mode != "in_process", "adapt.enabled", self.adapt.enabled,
                 "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan "
                 "to change)")

@@ -65,6 +65,7 @@ from nereus.job.report import (
     read_metrics,
     summary_table,
 )
+from nereus.job.traces import PoolTrace, with_lengths
 from nereus.monitor.tap import TapRecorder
 from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.stages import ModelStages
@@ -78,6 +79,7 @@ class RLJob:
     """One RL job (see the module docstring)."""
 
     def __init__(self, cfg: JobConfig) -> None:
+        cfg = with_lengths(cfg)  # [trace] lengths: the cap follows the trace
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
         check_loggers(cfg.run.loggers)
@@ -103,6 +105,7 @@ class RLJob:
         # called as ``await hook(job, record)`` after each step, before the controller loop
         # looks at the boundary (the environment: devices reclaimed or returned, faults)
         self.boundary_hooks: list[Callable[[RLJob, dict[str, Any]], Awaitable[None]]] = []
+        self.pool_trace: PoolTrace | None = None  # [trace] pool, played at the boundaries
 
     async def start(self, cluster: Any = None) -> None:
         """Prepare the model, start the model-stages (on ``cluster`` if given, a started
@@ -127,6 +130,10 @@ class RLJob:
             self.cfg = resolved
             (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
         if self.cfg.cluster.mode != "in_process":
+            pool_trace = PoolTrace.of(self.cfg)
+            if pool_trace is not None:  # the environment: devices drained and returned on the trace
+                self.pool_trace = pool_trace
+                self.boundary_hooks.insert(0, pool_trace)
             if self.cfg.adapt.enabled:
                 reward = self.stages._models.get("reward", (None,))[0]
                 self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)

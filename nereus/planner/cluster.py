@@ -159,8 +159,14 @@ class ClusterSpec:
         return self.inter_node_bandwidth / self.devices_per_node
 
     def with_nodes(self, nodes: int) -> ClusterSpec:
-        """The same hardware with ``nodes`` nodes (whole nodes joined or lost)."""
-        return dataclasses.replace(self, nodes=nodes)
+        """The same hardware with ``nodes`` nodes (whole nodes joined or lost); devices of
+        one capacity keep it (devices of different capacities name which left: refused)."""
+        cores = self.device_cores
+        if cores is not None and len(cores) != nodes * self.devices_per_node:
+            require(len(set(cores)) == 1, "ClusterSpec.device_cores", cores,
+                    "must be one capacity for every device to change the node count")
+            cores = (cores[0],) * (nodes * self.devices_per_node)
+        return dataclasses.replace(self, nodes=nodes, device_cores=cores)
 
 
 def _preset_table() -> dict[str, ClusterSpec]:

@@ -70,6 +70,10 @@ class Replanner:
     two pool changes were seen; ``min_steps_between``: soft triggers are not acted on
     within that many steps of the last change."""
 
+    # the current layout rescaled to the pool joins the search's targets (a policy whose
+    # ``_candidates`` already decides about it turns this off)
+    offers_rescaled = True
+
     def __init__(
         self,
         work: Workload,
@@ -98,6 +102,7 @@ class Replanner:
             self.plan = plan
             self.step_seconds = self._seconds_of(plan) or math.inf
         self.last_change: int | None = None
+        self.failed = False  # the boundary being decided follows a step that ran out of memory
         # a follow-up: the last admitted move was a compromise (a faster target could not
         # be reached from the plan then); from the new plan it may be, so the next
         # boundary searches again, as a soft trigger, even if nothing else fires
@@ -164,6 +169,7 @@ class Replanner:
         lost: Sequence[int] = (),
         drained: Sequence[int] = (),
         joined: Sequence[int] = (),
+        failed: bool = False,
         transition_seconds: TransitionEstimate,
     ) -> BoundaryOutcome:
         """Re-evaluate, trigger, search and admit at a safe boundary (see the module doc).
@@ -173,7 +179,8 @@ class Replanner:
         ``lengths``); ``cluster``: the pool now; ``plan``: the job's plan over this pool's
         slots when the caller renumbered it (a plan on a slot the pool no longer has
         cannot run); ``lost``/``drained``/``joined``: what changed in the pool since the
-        last boundary (device ids, for the triggers' details)."""
+        last boundary (device ids, for the triggers' details); ``failed``: the last step
+        ran out of memory on the plan (a hard trigger, whatever the memory model says)."""
         if lengths is not None or memory_lengths is not None:
             # the search and the current plan's check see memory at memory_lengths
             self.work = self.work.with_lengths(lengths or self.work.lengths, memory_lengths)
@@ -196,11 +203,15 @@ class Replanner:
         triggers = tuple(self.monitor.observe(step, devices=set(range(self.cluster.num_devices)), values=values,
                                               memory_violations=violations, lost=lost, drained=drained,
                                               joined=joined))
+        self.failed = failed
+        if failed:
+            triggers += (Trigger("memory", "oom", True, step, "the last step ran out of memory", {"detail": "oom"}),)
         if not triggers and self.pending is not None:
             p = self.pending
             kind = p.kind if p.kind == "drift" else "device-pool"
             triggers = (Trigger(kind, p.signal, False, step, "follow-up", {"detail": "follow-up", "after": p.detail}),)
         self.pending = None
+        triggers = self._acted_on(step, triggers)
         hard = any(t.hard for t in triggers)
         recent = self.last_change is not None and step - self.last_change < self.min_steps_between
         if not triggers or (recent and not hard):
@@ -223,28 +234,39 @@ class Replanner:
         log.info("step %d: %s -> %s (%s)", step, [t.kind for t in triggers], decision.action, decision.reason)
         return BoundaryOutcome(step, triggers, decision, self.plan, self.step_seconds, current, previous)
 
+    def _acted_on(self, step: int, triggers: tuple[Trigger, ...]) -> tuple[Trigger, ...]:
+        """The triggers this policy acts on at ``step`` (here: every one that fired);
+        a policy of ``nereus.planner.policies`` narrows or widens them."""
+        return triggers
+
+    def _relabelled(self, plan: Plan) -> Plan:
+        return relabel(self.plan, plan, devices_per_node=self.cluster.devices_per_node,
+                       devices=self.cluster.num_devices)
+
+    def _candidates(self, current: float | None) -> list[tuple[str, Plan, float]]:
+        """The targets to price, relabelled onto the current plan's devices: the search's
+        best and alternatives, and the current layout rescaled to the pool."""
+        found = search(self.work, self.cluster, self.eff)
+        candidates = [("best", found.plan, found.step_seconds)] + [
+            (a.label, a.plan, a.step_seconds) for a in found.alternatives
+        ]
+        return [(label, self._relabelled(plan), seconds) for label, plan, seconds in candidates]
+
     def _decide(self, triggers: tuple[Trigger, ...], current: float | None,
                 transition_seconds: TransitionEstimate) -> Decision:
         hard = any(t.hard for t in triggers)
         try:
-            found = search(self.work, self.cluster, self.eff)
+            candidates = self._candidates(current)
         except InfeasiblePlan as e:
             if current is None:
                 raise  # the current plan cannot run and no plan fits: the job cannot go on
             return Decision("keep", None, f"no plan fits: {e}")
-        candidates = [("best", found.plan, found.step_seconds)] + [
-            (a.label, a.plan, a.step_seconds) for a in found.alternatives
-        ]
-        candidates = [(label, relabel(self.plan, plan, devices_per_node=self.cluster.devices_per_node,
-                                      devices=self.cluster.num_devices), seconds)
-                      for label, plan, seconds in candidates]
         # the current layout with DP following the pool: reachable by Extends and
         # Destroys alone, when the search's plans change TP or PP beyond what the
         # devices' memory allows mid-transition
-        grown = rescaled(self.plan, self.work, self.cluster)
+        grown = rescaled(self.plan, self.work, self.cluster) if self.offers_rescaled else None
         if grown is not None:
-            grown = relabel(self.plan, grown, devices_per_node=self.cluster.devices_per_node,
-                            devices=self.cluster.num_devices)
+            grown = self._relabelled(grown)
         if grown is not None and grown != self.plan and all(grown != p for _, p, _ in candidates):
             ex = explain(grown, self.work, self.cluster, self.eff)
             if ex.fits:
@@ -256,4 +278,6 @@ class Replanner:
         self._fastest = min(t.step_seconds for t in targets)
         soft = next((t for t in triggers if not t.hard), None)
         horizon = self.monitor.horizon_steps(soft) if soft is not None else None
+        if math.isinf(self.gamma):
+            horizon = math.inf  # no payback limit: any predicted saving is admitted
         return choose(current, targets, horizon, gamma=self.gamma, urgent=hard, slack=self.slack)

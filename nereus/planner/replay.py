@@ -8,7 +8,8 @@ far, and the price of every target the search offered (the transition DAG's esti
 and msgpack safe: the job puts it on the tap as a ``boundary`` event); the first
 record of a run also holds how its Replanner was built.
 
-``replay(records)`` builds a Replanner as the first record says and feeds it every
+``replay(records)`` builds a Replanner as the first record says (its policy too,
+``nereus.planner.policies``) and feeds it every
 record in order, with each target priced as recorded: the same triggers, references,
 pool horizons, searches and admissions run again, so a decision sequence can be checked
 against what the job did, or re-decided under another ``gamma``. A target the recording
@@ -25,9 +26,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nereus.errors import ConfigError
+from nereus.planner.admission import DEFAULT_GAMMA
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import Efficiency
 from nereus.planner.plan import Plan
+from nereus.planner.policies import PolicySpec, make_replanner, spec_of
 from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.workload import LengthStats, ModelShape, Workload
 
@@ -79,6 +82,7 @@ def boundary_record(rp: Replanner, outcome: BoundaryOutcome, *, eff: Efficiency,
         "plan": outcome.previous_plan.to_dict() if outcome.previous_plan is not None else rp.plan.to_dict(),
         "eff": dataclasses.asdict(eff),
         "lost": [int(x) for x in lost], "drained": [int(x) for x in drained], "joined": [int(x) for x in joined],
+        "failed": bool(rp.failed),
         "priced": [[p.to_dict(), _finite(s)] for p, s in (priced or {}).items()],
         "triggers": [t.kind for t in outcome.triggers],
         "action": d.action,
@@ -93,6 +97,7 @@ def boundary_record(rp: Replanner, outcome: BoundaryOutcome, *, eff: Efficiency,
             "eff": dataclasses.asdict(eff0), "gamma": rp.gamma, "slack": rp.slack,
             "length_threshold": rp.monitor.signals["length"].threshold,
             "join_horizon_steps": rp.monitor.pool.initial, "min_steps_between": rp.min_steps_between,
+            "policy": spec_of(rp).name, "every_k": spec_of(rp).every_k,
         }
     return record
 
@@ -103,10 +108,15 @@ def replay(records: Sequence[Mapping[str, Any]], *, gamma: float | None = None) 
     if not records or "replanner" not in records[0]:
         raise ConfigError("records[0] must be a run's first boundary record (with 'replanner')")
     init = records[0]["replanner"]
-    rp = Replanner(workload_from_dict(init["work"]), ClusterSpec(**init["cluster"]), plan=Plan.from_dict(init["plan"]),
-                   eff=Efficiency(**init["eff"]), gamma=init["gamma"] if gamma is None else gamma,
-                   slack=init["slack"], length_threshold=init["length_threshold"],
-                   join_horizon_steps=init["join_horizon_steps"], min_steps_between=init["min_steps_between"])
+    name = init.get("policy", "payback" if math.isfinite(init["gamma"]) else "always")
+    if gamma is not None:
+        name = "payback"  # re-decided under another payback limit
+    recorded = init["gamma"] if math.isfinite(init["gamma"]) else DEFAULT_GAMMA
+    spec = PolicySpec(name, gamma=recorded if gamma is None else gamma, every_k=int(init.get("every_k", 3)))
+    rp = make_replanner(spec, workload_from_dict(init["work"]), ClusterSpec(**init["cluster"]),
+                        plan=Plan.from_dict(init["plan"]), eff=Efficiency(**init["eff"]), slack=init["slack"],
+                        length_threshold=init["length_threshold"], join_horizon_steps=init["join_horizon_steps"],
+                        min_steps_between=init["min_steps_between"])
     outcomes = []
     for r in records:
         step = int(r["step"])
@@ -124,5 +134,6 @@ def replay(records: Sequence[Mapping[str, Any]], *, gamma: float | None = None) 
         outcomes.append(rp.on_boundary(step, lengths=work.lengths, memory_lengths=work.memory_lengths,
                                        cluster=ClusterSpec(**r["cluster"]), plan=Plan.from_dict(r["plan"]),
                                        lost=r["lost"], drained=r["drained"], joined=r["joined"],
+                                       failed=bool(r.get("failed", False)),
                                        transition_seconds=price))
     return rp, outcomes

@@ -7,9 +7,12 @@ plan, restart from a checkpoint on a target plan, or wait (no plan fits the pool
 Plans reach the planner through ``DevicePool`` (the one map between device ids and the
 planner's slots).
 
-``POLICIES``: ``adaptive`` (the Replanner with the payback rule), ``dynarl`` (any
-predicted saving), ``every-k`` (a search every k steps), ``static``, ``colocated`` and
-``separated`` (fixed layouts; DP follows the pool; restart when they no longer fit).
+``POLICIES``: ``adaptive``, ``dynarl`` and ``every-k`` are the planner's ``payback``,
+``always`` and ``every-k`` (``nereus.planner.policies``: one definition, which the
+running job uses too; each boundary is recorded for ``nereus.planner.replay``);
+``static-fixed`` (run when named) is the planner's ``static``. ``static``,
+``colocated`` and ``separated`` are this simulator's fixed layouts (DP follows the
+pool; a new layout is searched when they no longer fit).
 ``EXTRA_POLICIES`` (run only when named): ``static-max-cap`` and the ``oracle``
 reference. These are documented policies of this simulator, not claims about the
 systems they are named after.
@@ -30,14 +33,15 @@ import time
 from dataclasses import dataclass, replace
 
 from nereus.errors import InfeasiblePlan
-from nereus.planner.admission import Target, choose
 from nereus.planner.calibrate import Calibrator
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency
 from nereus.planner.explain import explain
 from nereus.planner.plan import Plan
+from nereus.planner.policies import SIM_NAMES, PolicySpec, make_replanner, static_rescaled
 from nereus.planner.pool import DevicePool
 from nereus.planner.replan import BoundaryOutcome, Replanner
+from nereus.planner.replay import boundary_record
 from nereus.planner.rescale import Layout, layout_of, rescaled_layout
 from nereus.planner.search import SearchResult, search
 from nereus.planner.workload import LengthStats, Workload
@@ -45,7 +49,7 @@ from nereus.sim.traces import CapSchedule
 from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import StepTruth
 
-__all__ = ["Boundary", "Move", "Policy", "AdaptivePolicy", "EveryKPolicy", "FixedLayoutPolicy", "POLICIES",
+__all__ = ["Boundary", "Move", "Policy", "AdaptivePolicy", "FixedLayoutPolicy", "POLICIES",
            "EXTRA_POLICIES", "ORACLE", "make_policy"]
 
 POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
@@ -53,7 +57,11 @@ POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
 # ``oracle`` reference (``nereus.sim.oracle``: not a policy, what the search could reach
 # knowing the truth, with transitions free)
 ORACLE = "oracle"
-EXTRA_POLICIES = ("static-max-cap", ORACLE)
+# the planner's ``static`` (``nereus.planner.policies``: TP/PP never change, memory
+# failures relieved by waves and recompute), which the running job runs as ``static``;
+# the simulator's ``static`` re-searches its layout when the layout no longer fits
+SHARED_STATIC = "static-fixed"
+EXTRA_POLICIES = ("static-max-cap", SHARED_STATIC, ORACLE)
 
 
 @dataclass(frozen=True)
@@ -180,23 +188,41 @@ class Policy:
 
 
 class AdaptivePolicy(Policy):
-    """``adaptive`` (gamma as given) and ``dynarl`` (gamma = inf): the planner's Replanner."""
+    """``adaptive``, ``dynarl``, ``every-k`` and ``static``: the planner's policies
+    (``nereus.planner.policies``), each a Replanner built by ``make_replanner``, the one
+    definition the running job uses too."""
 
-    def __init__(self, ctx: _Ctx, *, name: str = "adaptive", gamma: float = 0.5, join_horizon_steps: float = 20.0,
-                 min_steps_between: int = 0) -> None:
+    def __init__(self, ctx: _Ctx, *, name: str = "adaptive", gamma: float = 0.5, k: int = 3,
+                 join_horizon_steps: float = 20.0, min_steps_between: int = 0) -> None:
         super().__init__(ctx)
-        self.name, self.gamma = name, gamma
+        self.name = name
+        self.spec = PolicySpec(SIM_NAMES[name], gamma=gamma, every_k=k)
+        self.gamma = self.spec.admission_gamma
         self.join_horizon_steps, self.min_steps_between = join_horizon_steps, min_steps_between
         self.replanner: Replanner | None = None
         self.outcome: BoundaryOutcome | None = None  # the last boundary's, for reports
+        self.layout: Layout | None = None  # static: the layout a restart keeps
+        self.boundaries: list[dict] = []  # every boundary report (nereus.planner.replay)
+        self._initial: tuple | None = None
 
     def _fresh(self, b: Boundary) -> Plan:
-        """A (re)started job: a new Replanner on the pool, keeping what calibration learned."""
+        """A (re)started job: a new Replanner on the pool, keeping what calibration learned
+        (``static`` keeps its layout: DP follows the pool)."""
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        self.replanner = Replanner(self.ctx.work_at(b.lengths, b.step), cluster, eff=self.eff, gamma=self.gamma,
-                                   calibrator=self.calibrator,
-                                           join_horizon_steps=self.join_horizon_steps,
-                                           min_steps_between=self.min_steps_between)
+        work = self.ctx.work_at(b.lengths, b.step)
+        plan = None
+        if self.layout is not None:
+            plan = static_rescaled(self.layout, self.ctx.work, cluster)
+            if plan is None:
+                raise InfeasiblePlan(f"the static layout fits no DP of {len(b.devices)} devices")
+        self.replanner = make_replanner(self.spec, work, cluster, plan=plan, eff=self.eff,
+                                        calibrator=self.calibrator, join_horizon_steps=self.join_horizon_steps,
+                                        min_steps_between=self.min_steps_between,
+                                        largest_cap=self.ctx.caps.largest)
+        if self.spec.name == "static" and self.layout is None:
+            self.layout = layout_of(self.replanner.plan, self.ctx.work)
+        self._initial = (work, cluster, self.replanner.plan, self.eff)
+        self.boundaries = []
         return pool.to_devices(self.replanner.plan)
 
     def start(self, b: Boundary) -> Plan:
@@ -211,15 +237,28 @@ class AdaptivePolicy(Policy):
                 target = self._fresh(b)
                 return self._timed(Move("restart", target, "a model-stage lost every EMU"), t0, dag0)
             pool, cluster = self.ctx.pool_cluster(b.devices)
-            outcome = self.replanner.on_boundary(
+            rp, eff = self.replanner, self.replanner.eff
+            priced: dict[Plan, float] = {}
+            estimate = self._estimate(pool, rp.eff, current)
+
+            def price(cur: Plan, target: Plan) -> float:
+                priced[target] = estimate(cur, target)
+                return priced[target]
+
+            outcome = rp.on_boundary(
                 b.step, lengths=b.lengths, memory_lengths=self.ctx.cap_lengths(b.step), cluster=cluster,
-                plan=pool.to_slots(current), lost=b.lost, joined=b.joined,
-                transition_seconds=self._estimate(pool, self.replanner.eff, current))
+                plan=pool.to_slots(current), lost=b.lost, joined=b.joined, failed=b.failed,
+                transition_seconds=price)
+            self.boundaries.append(boundary_record(rp, outcome, eff=eff, lost=b.lost, joined=b.joined,
+                                                   priced=priced, first=not self.boundaries,
+                                                   initial=self._initial))
         except InfeasiblePlan as e:
             self.replanner = None
             return self._timed(Move("wait", None, str(e)), t0, dag0)
         self.eff = self.replanner.eff
         self.outcome = outcome
+        if self.layout is not None:  # static: a restart keeps the layout it runs now
+            self.layout = layout_of(outcome.plan, self.ctx.work)
         d = outcome.decision
         target = pool.to_devices(outcome.plan)
         if d.action == "keep":
@@ -232,55 +271,6 @@ class AdaptivePolicy(Policy):
         move.dag_s = self.ctx.transitions.dag_seconds - dag0
         move.planner_s = max(0.0, time.perf_counter() - t0 - move.dag_s)
         return move
-
-class EveryKPolicy(Policy):
-    """``every-k``: a search every k steps admitting any improvement; urgent moves at once."""
-
-    name = "every-k"
-
-    def __init__(self, ctx: _Ctx, *, k: int = 3) -> None:
-        super().__init__(ctx)
-        self.k = k
-
-    def start(self, b: Boundary) -> Plan:
-        pool, cluster = self.ctx.pool_cluster(b.devices)
-        plan = pool.to_devices(self._search(self.ctx.work_at(b.lengths, b.step), cluster).plan)
-        self._track(plan, b)
-        return plan
-
-    def decide(self, b: Boundary, plan: Plan | None) -> Move:
-        t0 = time.perf_counter()
-        dag0 = self.ctx.transitions.dag_seconds
-        pool, cluster = self.ctx.pool_cluster(b.devices)
-        work = self.ctx.work_at(b.lengths, b.step)
-        current = intact(plan, b.devices) if plan is not None else None
-        move = self._decide(b, pool, cluster, work, current)
-        move.dag_s = self.ctx.transitions.dag_seconds - dag0
-        move.planner_s = max(0.0, time.perf_counter() - t0 - move.dag_s)
-        return move
-
-    def _decide(self, b: Boundary, pool: DevicePool, cluster: ClusterSpec, work: Workload, current: Plan | None) -> Move:
-        try:
-            if current is None:
-                return Move("restart", pool.to_devices(self._search(work, cluster).plan), "a model-stage lost every EMU")
-            ex = explain(pool.to_slots(current), work, cluster, self.eff)
-            urgent = bool(b.lost) or not ex.fits or b.failed
-            if not urgent and b.step % self.k:
-                return Move("keep", None, f"not a multiple of k={self.k}")
-            found = self._search(work, cluster)
-        except InfeasiblePlan as e:
-            return Move("wait", None, str(e))
-        estimate = self._estimate(pool, self.eff, current)
-        targets = [Target(p, s, estimate(None, p), label) for label, p, s in
-                   [("best", found.plan, found.step_seconds)]
-                   + [(a.label, a.plan, a.step_seconds) for a in found.alternatives]]
-        d = choose(None if urgent else ex.step_seconds, targets, math.inf, gamma=1.0, urgent=urgent)
-        if d.target is None:
-            return Move("keep", None, d.reason)
-        target = pool.to_devices(d.target.plan)
-        if d.action == "restart":
-            return Move("restart", target, d.reason)
-        return Move("transition" if target != current else "keep", target, d.reason)
 
 
 class FixedLayoutPolicy(Policy):
@@ -365,14 +355,9 @@ class FixedLayoutPolicy(Policy):
 def make_policy(name: str, ctx: _Ctx, *, gamma: float = 0.5, k: int = 3, join_horizon_steps: float = 20.0,
                 min_steps_between: int = 0) -> Policy:
     """The policy called ``name`` (one of ``POLICIES`` or ``EXTRA_POLICIES``)."""
-    if name == "adaptive":
-        return AdaptivePolicy(ctx, gamma=gamma, join_horizon_steps=join_horizon_steps,
+    if name in SIM_NAMES and name != "static" or name == SHARED_STATIC:
+        return AdaptivePolicy(ctx, name=name, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
                               min_steps_between=min_steps_between)
-    if name == "dynarl":
-        return AdaptivePolicy(ctx, name="dynarl", gamma=math.inf, join_horizon_steps=join_horizon_steps,
-                              min_steps_between=min_steps_between)
-    if name == "every-k":
-        return EveryKPolicy(ctx, k=k)
     if name in ("static", "colocated", "separated"):
         return FixedLayoutPolicy(ctx, name=name)
     if name == "static-max-cap":

@@ -8,6 +8,9 @@ one into the project.
   policy sees the same nodes leave at the same time for a given seed) or ``growth:LO:HI`` devices;
 - ``length_trace``: a response-length file (resampled onto the run's steps, optionally
   rescaled to ``length_range``) or ``growth:LO:HI`` tokens;
+- ``pool_at_steps``: the same device specs as a live device count at each step (one
+  tick of a spot trace a step, scaled to the cluster's devices, at least one), for a
+  running job's environment (``nereus.job.traces``);
 - ``cap_schedule``: the job's generation cap at every step, ``stepped`` (raised in
   powers of two as responses grow, never lowered) or ``fixed``; a step's sampled
   maximum never exceeds it.
@@ -31,10 +34,10 @@ import numpy as np
 
 from nereus.config import require
 from nereus.errors import ConfigError
-from nereus.planner.cluster import ClusterSpec
+from nereus.planner.cluster import ClusterSpec, local_cpu_cluster
 
 __all__ = ["DeviceTrace", "SpotTrace", "GrowthTrace", "LengthTrace", "CapSchedule", "device_trace",
-           "length_trace", "cap_schedule", "SPOT_INSTANCES", "CAP_SCHEDULES"]
+           "length_trace", "cap_schedule", "pool_at_steps", "SPOT_INSTANCES", "CAP_SCHEDULES"]
 
 SPOT_INSTANCES = 16  # the spot traces count instances of a 16-node job
 CAP_SCHEDULES = ("stepped", "fixed")
@@ -313,3 +316,21 @@ def length_trace(spec: str, steps: int, *, length_range: tuple[float, float] | N
         run = x[0] + (x[-1] - x[0]) * (np.arange(steps) / max(1, steps - 1))
         means = np.interp(run, x, y)
     return LengthTrace(path.stem, tuple(float(max(1.0, v)) for v in means))
+
+
+def pool_at_steps(spec: str, devices: int, steps: int, *, offset_ticks: int = 0,
+                  pool_range: tuple[int, int] | None = None) -> list[int]:
+    """How many of ``devices`` are live at each of ``steps`` steps under ``spec``: a
+    spot-availability file, one tick a step from ``offset_ticks`` on, its counts of 0 to
+    ``SPOT_INSTANCES`` instances mapped onto ``pool_range`` devices (default: half the
+    devices, at least one, to all of them: a live job never pauses with none); or
+    ``growth:LO:HI``."""
+    require(isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1")
+    shape = local_cpu_cluster(1, 2**30, flops_per_device=1e9, memory_bandwidth=1e9,
+                              exchange_bandwidth=1e9).with_nodes(devices)
+    lo_hi = pool_range if pool_range is not None else (max(1, devices // 2), devices)
+    trace = device_trace(spec, shape, steps, offset_ticks=offset_ticks, pool_range=lo_hi)
+    if isinstance(trace, GrowthTrace):
+        return [max(1, trace.devices_at_step(s)) for s in range(steps)]
+    assert isinstance(trace, SpotTrace)
+    return [max(1, trace.node_counts[s % len(trace.node_counts)]) for s in range(steps)]

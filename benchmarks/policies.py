@@ -1,0 +1,242 @@
+"""The four adaptation policies on a live job under real length and device traces (§7.3.3).
+
+``python -m benchmarks.policies [--steps 40] [--rounds 3] [--cores 0.45]``
+``[--lengths PATH --pool PATH [--pool-offset N]]... [--policies payback,always,every-k,static]``
+
+One pinned PPO job (critic and reference included; a tiny decoder of ``MODEL``), four
+local devices of ``--cores`` cores each (a kernel quota) and ``MEMORY`` each, the same
+seeds for every run. Each trace pair gives the job ``[trace] lengths`` (the cap follows
+the log, scaled to ``CAP`` tokens, end-of-sequence ignored) and ``[trace] pool`` (the spot
+trace from ``offset`` on, one tick a step, mapped onto 2..4 devices, drained and returned
+through the cluster API). Every policy runs on every pair, ``--rounds`` rounds with the
+order rotated; figures are medians over rounds.
+
+Per policy and pair: mean step seconds (the loop's wall time over its steps: transitions,
+waits and the trace's joins included), transitions and their measured seconds, restarts
+(checkpoint restarts: none of these policies restarts a live job; a decision to restart
+stops it and is counted), memory failures (a run that died of OutOfMemory: the steps it
+finished are reported), and the simulator's prediction of the same run (``nereus.sim``
+with the same policies, traces, cluster shape and workload; its ground truth as shipped,
+not fitted to these devices) beside it.
+
+Last line: one JSON object with ``ratio_vs_static``, ``ratio_vs_always``,
+``ratio_vs_every_k`` (payback's mean step over the other's, averaged over the pairs),
+``payback_best_on_every_trace``, ``memory_failures`` (per policy), ``sim_vs_live_error``
+(mean absolute relative error of the simulator's mean step against the live one, over
+policies and pairs) and the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nereus.config import from_dict
+from nereus.errors import OutOfMemory, RemoteError, StateError
+from nereus.job.adapt import job_workload
+from nereus.job.config import JobConfig
+from nereus.job.loop import RLJob
+from nereus.planner import LengthStats, local_cpu_cluster_probed
+from nereus.planner.policies import POLICIES
+from nereus.sim.compare import run_policies
+from nereus.sim.run import Scenario, SimulationError
+from nereus.sim.traces import CapSchedule, DeviceTrace, LengthTrace, pool_at_steps
+from nereus.sim.truth import GroundTruth, load_truth_params
+
+TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
+
+# Chosen before the first measured run (and committed so): three length logs of different
+# shapes and the two spot traces, at offsets where the pool changes within 40 steps.
+PAIRS: list[tuple[str, str, int]] = [
+    ("response-length/rasbt-qwen3-0.6b-base-grpo-clip.json", "spot-availability/us-west-2a_v100_1.json", 0),
+    ("response-length/cogbehav-countdown-qwen2.5-3b-base-ppo.json", "spot-availability/us-east-2b_v100_1.json", 0),
+    ("response-length/unsloth-llama3.1-8b-grpo-gsm8k.json", "spot-availability/us-east-2b_v100_1.json", 40),
+]
+MODEL = {"kind": "tiny", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
+         "intermediate_size": 256, "max_seq_len": 96}
+CAP = 48
+MEMORY = "64MiB"
+PLAN = {
+    "policy_generation": {"devices": [0, 1], "dp": 2},
+    "reference_inference": {"devices": [2]},
+    "critic_inference": {"devices": [3]},
+    "policy_training": {"devices": [0, 1], "dp": 2},
+    "critic_training": {"devices": [2, 3], "dp": 2},
+}
+SIM_NAME = {"payback": "adaptive", "always": "dynarl", "every-k": "every-k", "static": "static-fixed"}
+
+
+@dataclass(frozen=True)
+class Pair:
+    lengths: str
+    pool: str
+    offset: int
+
+    @property
+    def name(self) -> str:
+        return f"{Path(self.lengths).stem}|{Path(self.pool).stem}+{self.offset}"
+
+
+def job_config(policy: str, pair: Pair, steps: int, cores: float, out_dir: str) -> JobConfig:
+    data = {
+        "model": MODEL,
+        "task": {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}, "dataset_size": 4096},
+        "algorithm": {"name": "ppo", "prompts_per_step": 8, "samples_per_prompt": 4, "kl_coef": 0.01,
+                      "kl_mode": "penalty"},
+        "sampling": {"max_new_tokens": CAP},
+        "optim": {"lr": 3e-3, "micro_batch_size": 2},
+        "cluster": {"mode": "local", "devices": 4, "memory_per_device": MEMORY, "cores_per_device": cores},
+        "plan": PLAN,
+        "adapt": {"enabled": True, "policy": policy, "every_k": 3, "gamma": 0.5},
+        "trace": {"lengths": pair.lengths, "pool": pair.pool, "pool_offset": pair.offset},
+        "run": {"steps": steps, "out_dir": out_dir, "progress": False, "seed": 0, "checkpoint_every": steps + 1},
+    }
+    return from_dict(JobConfig, data)
+
+
+class StepPool(DeviceTrace):
+    """The live job's pool as the simulator reads it: ``counts[s]`` one-device nodes for step s."""
+
+    time_based = False
+
+    def __init__(self, counts: list[int], name: str) -> None:
+        self.counts, self.name = counts, name
+
+    def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
+        return frozenset(range(self.counts[min(step, len(self.counts) - 1)]))
+
+    def first_loss(self, start: float, end: float, nodes: frozenset[int]) -> float | None:
+        return None
+
+    def next_available(self, seconds: float, step: int) -> float | None:
+        return seconds
+
+    def next_change(self, seconds: float, step: int) -> float | None:
+        return None
+
+
+def simulate(rl: RLJob, policy: str, pair: Pair, steps: int, cores: float) -> tuple[float | None, str]:
+    """The simulator's mean step seconds for the same job, traces and cluster shape, or
+    None and why when its ground truth cannot run it."""
+    cfg = rl.cfg
+    caps = [cfg.sampling.cap_at(s) for s in range(steps)]
+    first = LengthStats(float(caps[0]), float(caps[0]), caps[0])
+    work = job_workload(cfg, rl.model_config, prompt_length=rl.max_prompt_tokens(), lengths=first)
+    budget = cfg.cluster.memory_bytes
+    cluster = local_cpu_cluster_probed(1, budget, headroom=cfg.adapt.headroom, device_cores=[cores]).with_nodes(4)
+    counts = pool_at_steps(pair.pool, 4, steps, offset_ticks=pair.offset)
+    # the simulator's cap bounds memory and never falls: the largest so far; the lengths
+    # are the live job's (every response of a step as long as its cap there)
+    schedule = CapSchedule(pair.name, tuple(max(caps[: s + 1]) for s in range(steps)))
+    truth = GroundTruth(load_truth_params(None), cluster, work, caps=schedule, seed=0)
+    scn = Scenario(cluster, work, StepPool(counts, pair.name), LengthTrace(pair.name, tuple(map(float, caps))),
+                   steps, truth)
+    try:
+        return run_policies(scn, (SIM_NAME[policy],), gamma=0.5, k=3)[0].mean_step_s, ""
+    except SimulationError as e:  # the shipped truth cannot run this job: said, not hidden
+        return None, str(e)
+
+
+async def run_one(policy: str, pair: Pair, steps: int, cores: float, with_sim: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="nereus-policies-") as out:
+        rl = RLJob(job_config(policy, pair, steps, cores, out))
+        await rl.start()
+        failed = 0
+        restarts = 0
+        try:
+            t0 = time.perf_counter()
+            try:
+                records = await rl._loop()
+            except (OutOfMemory, RemoteError) as e:
+                if isinstance(e, RemoteError) and e.remote_type != "OutOfMemory":
+                    raise
+                failed, records = 1, list(rl.records)
+            except StateError as e:  # a decision to restart: a live job stops there
+                if "no change reaches a runnable plan" not in str(e):
+                    raise
+                restarts, records = 1, list(rl.records)
+            wall = time.perf_counter() - t0
+            sim, sim_error = simulate(rl, policy, pair, steps, cores) if with_sim else (None, "")
+        finally:
+            await rl.close()
+    moved = [r["transition"] for r in records if r.get("transition")]
+    done = max(1, len(records))
+    return {"policy": policy, "pair": pair.name, "steps": len(records), "mean_step_s": wall / done,
+            "transitions": len(moved), "transition_s": sum(t["measured_seconds"] for t in moved),
+            "restarts": restarts, "memory_failures": failed, "sim_mean_step_s": sim, "sim_error": sim_error}
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    vals = [r[key] for r in rows if r[key] is not None]
+    return statistics.median(vals) if vals else math.nan
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    pairs = [Pair(str(TRACES / a), str(TRACES / b), o) for a, b, o in PAIRS]
+    if args.lengths or args.pool:
+        if len(args.lengths) != len(args.pool):
+            raise SystemExit("--lengths and --pool come in pairs")
+        offsets = args.pool_offset or [0] * len(args.pool)
+        pairs = [Pair(a, b, o) for a, b, o in zip(args.lengths, args.pool, offsets, strict=True)]
+    pairs = pairs[: args.pairs] if args.pairs else pairs
+    policies = args.policies.split(",")
+    runs: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        order = policies[rnd % len(policies):] + policies[: rnd % len(policies)]
+        for pair in pairs:
+            for policy in order:
+                row = await run_one(policy, pair, args.steps, args.cores, with_sim=rnd == 0)
+                row["round"] = rnd
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    table = []
+    for pair in pairs:
+        for policy in policies:
+            rows = [r for r in runs if r["pair"] == pair.name and r["policy"] == policy]
+            table.append({"pair": pair.name, "policy": policy, **{k: _median(rows, k) for k in (
+                "mean_step_s", "transitions", "transition_s", "restarts", "memory_failures", "sim_mean_step_s")}})
+    def step(pair: Pair, policy: str) -> float:
+        return next(t["mean_step_s"] for t in table if t["pair"] == pair.name and t["policy"] == policy)
+
+    out: dict[str, Any] = {}
+    for other, key in (("static", "ratio_vs_static"), ("always", "ratio_vs_always"), ("every-k", "ratio_vs_every_k")):
+        if "payback" in policies and other in policies:
+            out[key] = statistics.mean(step(p, "payback") / step(p, other) for p in pairs)
+    if "payback" in policies:
+        out["payback_best_on_every_trace"] = all(step(p, "payback") <= min(step(p, q) for q in policies)
+                                                 for p in pairs)
+    out["memory_failures"] = {q: sum(r["memory_failures"] for r in runs if r["policy"] == q) for q in policies}
+    errors = [abs(t["sim_mean_step_s"] - t["mean_step_s"]) / t["mean_step_s"] for t in table
+              if not math.isnan(t["sim_mean_step_s"])]
+    out["sim_vs_live_error"] = statistics.mean(errors) if errors else None
+    out["sim_errors"] = sorted({r["sim_error"] for r in runs if r.get("sim_error")})
+    out.update(steps=args.steps, rounds=args.rounds, cores=args.cores, pairs=[p.name for p in pairs], table=table)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.policies", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cores", type=float, default=0.45)
+    ap.add_argument("--lengths", action="append", default=[])
+    ap.add_argument("--pool", action="append", default=[])
+    ap.add_argument("--pool-offset", action="append", type=int, default=[])
+    ap.add_argument("--pairs", type=int, default=0, help="only the first N pairs (smoke runs)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    print(json.dumps(asyncio.run(_main(args))))
+
+
+if __name__ == "__main__":
+    main()
