@@ -111,6 +111,7 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check nereus tests benchmarks examples
+	$(VENV)/bin/ruff format --check nereus tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis

@@ -41,8 +41,12 @@ GEN = ((0,), (1,))
 
 def _plan(train: tuple[int, int, tuple[tuple[int, ...], ...]], gen=GEN) -> Plan:
     tp, pp, devs = train
-    return Plan((("policy_generation", StagePlan(1, 1, len(gen), gen)),
-                 ("policy_training", StagePlan(tp, pp, len(devs), devs))))
+    return Plan(
+        (
+            ("policy_generation", StagePlan(1, 1, len(gen), gen)),
+            ("policy_training", StagePlan(tp, pp, len(devs), devs)),
+        )
+    )
 
 
 # policy-training's layouts, visited in a cycle: each change moves bytes differently
@@ -80,28 +84,42 @@ BESIDE = [
 
 
 def _config(out: str, hidden: int, layers: int) -> JobConfig:
-    return from_dict(JobConfig, {
-        "task": {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}},
-        "model": {"hidden_size": hidden, "num_layers": layers, "num_heads": 4, "num_kv_heads": 2,
-                  "intermediate_size": 2 * hidden},
-        "algorithm": {"prompts_per_step": 8, "samples_per_prompt": 4},
-        "sampling": {"max_new_tokens": 16},
-        "optim": {"micro_batch_size": 8},
-        "cluster": {"mode": "local", "devices": 4, "memory_per_device": "2GiB"},
-        "plan": {"policy_generation": {"devices": [0, 1], "dp": 2},
-                 "policy_training": {"devices": [2, 3], "tp": 2}},
-        "run": {"steps": 1000, "out_dir": out, "progress": False},
-    })
+    return from_dict(
+        JobConfig,
+        {
+            "task": {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}},
+            "model": {
+                "hidden_size": hidden,
+                "num_layers": layers,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+                "intermediate_size": 2 * hidden,
+            },
+            "algorithm": {"prompts_per_step": 8, "samples_per_prompt": 4},
+            "sampling": {"max_new_tokens": 16},
+            "optim": {"micro_batch_size": 8},
+            "cluster": {"mode": "local", "devices": 4, "memory_per_device": "2GiB"},
+            "plan": {
+                "policy_generation": {"devices": [0, 1], "dp": 2},
+                "policy_training": {"devices": [2, 3], "tp": 2},
+            },
+            "run": {"steps": 1000, "out_dir": out, "progress": False},
+        },
+    )
 
 
 def _errors(rows: list[tuple[float, float]]) -> tuple[float, float, float]:
     """Median, 90th percentile and max of |measured - predicted| / measured."""
     errors = sorted(abs(m - p) / m for p, m in rows)
-    p90 = statistics.quantiles(errors, n=10, method="inclusive")[8] if len(errors) > 1 else errors[0]
+    p90 = (
+        statistics.quantiles(errors, n=10, method="inclusive")[8] if len(errors) > 1 else errors[0]
+    )
     return statistics.median(errors), p90, errors[-1]
 
 
-async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int = 512, layers: int = 4) -> dict[str, Any]:
+async def prediction_error(
+    calibrate: int = 14, measure: int = 12, hidden: int = 512, layers: int = 4
+) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-transition-")
     rl = RLJob(_config(out, hidden, layers))
     await rl.start()
@@ -119,8 +137,16 @@ async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int =
         for i in range(measure):
             report = await rl.apply_plan(_plan(HELD_OUT[(i + 1) % len(HELD_OUT)]))
             restarted = len(report["changed"]) + len(report["retuned"])
-            rows.append((report["predicted_seconds"] + restarted * restart_s, report["seconds"],
-                         report["predicted_seconds"], report["measured_seconds"], report["bytes"], report["nodes"]))
+            rows.append(
+                (
+                    report["predicted_seconds"] + restarted * restart_s,
+                    report["seconds"],
+                    report["predicted_seconds"],
+                    report["measured_seconds"],
+                    report["bytes"],
+                    report["nodes"],
+                )
+            )
         eff = rl.stages.calibrator.fit()
     finally:
         await rl.close()
@@ -136,17 +162,25 @@ async def prediction_error(calibrate: int = 14, measure: int = 12, hidden: int =
         "restart_seconds": restart_s,
         "transitions_calibrated": calibrate,
         "transitions_measured": len(rows),
-        "calibrated": {"p2p_intra": eff.p2p_intra, "group_setup_s": eff.group_setup_s,
-                       "transition_call_s": eff.transition_call_s, "transition_s": eff.transition_s,
-                       "group_release_s": eff.group_release_s,
-                       "copy_s_per_gb": eff.copy_s_per_gb, "host_s_per_gb": eff.host_s_per_gb},
-        "predicted_vs_measured_s": [[round(p, 4), round(m, 4), round(pm, 4), round(mm, 4), b, n]
-                                    for p, m, pm, mm, b, n in rows],
+        "calibrated": {
+            "p2p_intra": eff.p2p_intra,
+            "group_setup_s": eff.group_setup_s,
+            "transition_call_s": eff.transition_call_s,
+            "transition_s": eff.transition_s,
+            "group_release_s": eff.group_release_s,
+            "copy_s_per_gb": eff.copy_s_per_gb,
+            "host_s_per_gb": eff.host_s_per_gb,
+        },
+        "predicted_vs_measured_s": [
+            [round(p, 4), round(m, 4), round(pm, 4), round(mm, 4), b, n]
+            for p, m, pm, mm, b, n in rows
+        ],
     }
 
 
-async def _tokens_per_second(rl: RLJob, prompts: list[list[int]], params: dict, until: asyncio.Future | None,
-                             rounds: int) -> float:
+async def _tokens_per_second(
+    rl: RLJob, prompts: list[list[int]], params: dict, until: asyncio.Future | None, rounds: int
+) -> float:
     tokens, t0, n = 0, time.perf_counter(), 0
     while (until is not None and not until.done()) or (until is None and n < rounds):
         out = await rl.stages.generate(prompts, params)
@@ -175,6 +209,9 @@ async def overlap_ratio(rounds: int = 6, hidden: int = 512, layers: int = 4) -> 
     finally:
         await rl.close()
         shutil.rmtree(out, ignore_errors=True)
-    return {"overlap_ratio": statistics.median(during) / statistics.median(alone),
-            "tokens_per_s_alone": statistics.median(alone), "tokens_per_s_during": statistics.median(during),
-            "cores": os.cpu_count()}
+    return {
+        "overlap_ratio": statistics.median(during) / statistics.median(alone),
+        "tokens_per_s_alone": statistics.median(alone),
+        "tokens_per_s_during": statistics.median(during),
+        "cores": os.cpu_count(),
+    }

@@ -93,8 +93,12 @@ async def _nereus_rep(mesh, calls: int, pipelined: int, tensor: torch.Tensor) ->
     back = await mesh.echo.call_one(tensor)
     tensor_s = time.perf_counter() - t0
     assert back.shape == tensor.shape and back[-1] == tensor[-1]
-    return {"rtt": statistics.median(lat), "p99": _percentile(lat, 0.99), "rate": rate,
-            "tensor_s": tensor_s}
+    return {
+        "rtt": statistics.median(lat),
+        "p99": _percentile(lat, 0.99),
+        "rate": rate,
+        "tensor_s": tensor_s,
+    }
 
 
 def _ray_rep(ray, actor, calls: int, pipelined: int, tensor: torch.Tensor) -> dict:
@@ -111,8 +115,12 @@ def _ray_rep(ray, actor, calls: int, pipelined: int, tensor: torch.Tensor) -> di
     back = ray.get(actor.echo.remote(tensor))
     tensor_s = time.perf_counter() - t0
     assert back.shape == tensor.shape and back[-1] == tensor[-1]
-    return {"rtt": statistics.median(lat), "p99": _percentile(lat, 0.99), "rate": rate,
-            "tensor_s": tensor_s}
+    return {
+        "rtt": statistics.median(lat),
+        "p99": _percentile(lat, 0.99),
+        "rate": rate,
+        "tensor_s": tensor_s,
+    }
 
 
 def _summary(reps: list[dict]) -> dict:
@@ -133,8 +141,7 @@ def _summary(reps: list[dict]) -> dict:
 async def _nereus_side(args: argparse.Namespace) -> None:
     tensor = torch.arange(TENSOR_BYTES // 4, dtype=torch.float32)
     loop = asyncio.get_running_loop()
-    async with Cluster.local(devices=1, heartbeat_timeout_s=120,
-                             span_sample_every=0) as cluster:
+    async with Cluster.local(devices=1, heartbeat_timeout_s=120, span_sample_every=0) as cluster:
         mesh = await cluster.spawn("bench", Noop, devices=[0])
         for _ in range(args.warmup):
             await mesh.noop.call_one()
@@ -166,19 +173,29 @@ class _Side:
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         self.name = name
-        cmd = [sys.executable, "-m", "benchmarks.actor_rpc", "--side", name,
-               "--calls", str(args.calls), "--pipelined", str(args.pipelined),
-               "--warmup", str(args.warmup)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.actor_rpc",
+            "--side",
+            name,
+            "--calls",
+            str(args.calls),
+            "--pipelined",
+            str(args.pipelined),
+            "--warmup",
+            str(args.warmup),
+        ]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._expect("ready")
 
     def _expect(self, what: str) -> str:
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"the {self.name} side exited ({self.proc.wait()}) "
-                                   f"before saying {what!r}")
+                raise RuntimeError(
+                    f"the {self.name} side exited ({self.proc.wait()}) before saying {what!r}"
+                )
             if what == "json" and line.startswith("{") or line.strip() == what:
                 return line
 
@@ -202,8 +219,10 @@ def compare(args: argparse.Namespace) -> int:
     try:
         import ray  # noqa: F401 - only to fail early with a clear message
     except ImportError as e:
-        print(f"Ray cannot be imported ({e}); install it with `pip install nereus[bench]`",
-              file=sys.stderr)
+        print(
+            f"Ray cannot be imported ({e}); install it with `pip install nereus[bench]`",
+            file=sys.stderr,
+        )
         return 1
     load_at_start = round(os.getloadavg()[0], 2)
     sides = {}
@@ -218,11 +237,14 @@ def compare(args: argparse.Namespace) -> int:
             ours.append(got["nereus"])
             theirs.append(got["ray"])
             o, t = got["nereus"], got["ray"]
-            print(f"rep {rep} ({order[0]} first): nereus rtt {o['rtt'] * 1e6:7.1f} us p99 "
-                  f"{o['p99'] * 1e6:7.1f} | {o['rate']:8.0f} calls/s | 64MiB "
-                  f"{o['tensor_s'] * 1e3:6.1f} ms   ray rtt {t['rtt'] * 1e6:7.1f} us p99 "
-                  f"{t['p99'] * 1e6:7.1f} | {t['rate']:8.0f} calls/s | 64MiB "
-                  f"{t['tensor_s'] * 1e3:6.1f} ms", flush=True)
+            print(
+                f"rep {rep} ({order[0]} first): nereus rtt {o['rtt'] * 1e6:7.1f} us p99 "
+                f"{o['p99'] * 1e6:7.1f} | {o['rate']:8.0f} calls/s | 64MiB "
+                f"{o['tensor_s'] * 1e3:6.1f} ms   ray rtt {t['rtt'] * 1e6:7.1f} us p99 "
+                f"{t['p99'] * 1e6:7.1f} | {t['rate']:8.0f} calls/s | 64MiB "
+                f"{t['tensor_s'] * 1e3:6.1f} ms",
+                flush=True,
+            )
     finally:
         for side in sides.values():
             side.close()
@@ -243,9 +265,11 @@ def compare(args: argparse.Namespace) -> int:
         "nereus_tensor_64mib_s": round(n["tensor_s"], 4),
         "ray_tensor_64mib_s": round(r["tensor_s"], 4),
         "tensor_ratio": round(r["tensor_s"] / n["tensor_s"], 2),
-        "calls": args.calls, "pipelined": args.pipelined, "reps": args.reps,
+        "calls": args.calls,
+        "pipelined": args.pipelined,
+        "reps": args.reps,
         "threads": "1 torch/OMP thread per actor process on each side; each driver in a "
-                   "process of its own, single-threaded; sides alternate going first",
+        "process of its own, single-threaded; sides alternate going first",
         "load_avg_1min": load_at_start,
     }
     print(json.dumps(result))

@@ -64,7 +64,9 @@ CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo_adaptive.toml"
 TOP = 5
 
 
-def job_config(steps: int, out_dir: str, *, adapt: bool, plan: dict[str, Any] | None = None) -> JobConfig:
+def job_config(
+    steps: int, out_dir: str, *, adapt: bool, plan: dict[str, Any] | None = None
+) -> JobConfig:
     """The pinned job: the demo's, with the cap doubling at 1/3 and 2/3 of ``steps``."""
     data = tomllib.loads(CONFIG.read_text())
     data = copy.deepcopy(data)
@@ -77,11 +79,19 @@ def job_config(steps: int, out_dir: str, *, adapt: bool, plan: dict[str, Any] | 
 
 
 def placement(sp: StagePlan) -> dict[str, Any]:
-    return {"devices": [d for emu in sp.devices for d in emu], "tp": sp.tp, "pp": sp.pp, "dp": sp.dp,
-            "recompute": sp.recompute, "waves": sp.waves}
+    return {
+        "devices": [d for emu in sp.devices for d in emu],
+        "tp": sp.tp,
+        "pp": sp.pp,
+        "dp": sp.dp,
+        "recompute": sp.recompute,
+        "waves": sp.waves,
+    }
 
 
-def fastest_fixed_plans(cfg: JobConfig, model_config: Any, prompt_length: int, top: int = TOP) -> list[tuple[float, Plan]]:
+def fastest_fixed_plans(
+    cfg: JobConfig, model_config: Any, prompt_length: int, top: int = TOP
+) -> list[tuple[float, Plan]]:
     """The ``top`` plans the planner predicts fastest among those that fit the last cap:
     every split of the 4 devices into a shared pool or two disjoint ones, every layout and
     variant each model-stage admits there, priced by ``explain``."""
@@ -91,25 +101,36 @@ def fastest_fixed_plans(cfg: JobConfig, model_config: Any, prompt_length: int, t
     at_cap = LengthStats(float(cap), float(cap), cap)
     work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=at_cap)
     devices = cfg.cluster.devices
-    cluster = local_cpu_cluster_probed(devices, cfg.cluster.memory_bytes, headroom=cfg.adapt.headroom)
+    cluster = local_cpu_cluster_probed(
+        devices, cfg.cluster.memory_bytes, headroom=cfg.adapt.headroom
+    )
     eff = local_cpu_efficiency()
     names = [s.name for s in work.stages]
     sizes = [n for n in (1, 2, 4, 8) if n <= devices]
     # pools: one shared range, or one range per model-stage laid out back to back
-    layouts: list[tuple[tuple[int, ...], ...]] = [tuple(tuple(range(n)) for _ in names) for n in sizes]
+    layouts: list[tuple[tuple[int, ...], ...]] = [
+        tuple(tuple(range(n)) for _ in names) for n in sizes
+    ]
     for split in itertools.product(sizes, repeat=len(names)):
         if sum(split) <= devices:
             starts = [sum(split[:i]) for i in range(len(split))]
-            layouts.append(tuple(tuple(range(s, s + n)) for s, n in zip(starts, split, strict=True)))
+            layouts.append(
+                tuple(tuple(range(s, s + n)) for s, n in zip(starts, split, strict=True))
+            )
     seen: dict[Plan, float] = {}
     for ranges in layouts:
-        options = [stage_candidates(work, cluster, eff, i, len(r), prune=False) for i, r in enumerate(ranges)]
+        options = [
+            stage_candidates(work, cluster, eff, i, len(r), prune=False)
+            for i, r in enumerate(ranges)
+        ]
         for combo in itertools.product(*options):
             stages = []
             for name, r, c in zip(names, ranges, combo, strict=True):
                 size = c.tp * c.pp
-                emus = tuple(r[i * size:(i + 1) * size] for i in range(c.dp))
-                stages.append((name, StagePlan(c.tp, c.pp, c.dp, emus, recompute=c.recompute, waves=c.waves)))
+                emus = tuple(r[i * size : (i + 1) * size] for i in range(c.dp))
+                stages.append(
+                    (name, StagePlan(c.tp, c.pp, c.dp, emus, recompute=c.recompute, waves=c.waves))
+                )
             plan = Plan(tuple(stages))
             ex = explain(plan, work, cluster, eff)
             if ex.fits:
@@ -149,9 +170,16 @@ async def run_job(cfg: JobConfig, after_start: Any = None) -> dict[str, Any]:
         "mean_step_s": round(wall / steps, 4) if failed_at is None else None,
         "transitions": len(changes),
         "transition_s": round(transition_s, 3),
-        "changes": [{"step": c.step, "triggers": c.triggers, "bytes": c.bytes,
-                     "predicted_s": round(c.predicted_seconds, 3), "measured_s": round(c.measured_seconds, 3)}
-                    for c in changes],
+        "changes": [
+            {
+                "step": c.step,
+                "triggers": c.triggers,
+                "bytes": c.bytes,
+                "predicted_s": round(c.predicted_seconds, 3),
+                "measured_s": round(c.measured_seconds, 3),
+            }
+            for c in changes
+        ],
         "reward_last": records[-1]["reward_mean"] if records else None,
     }
 
@@ -170,11 +198,15 @@ async def _runs(out: str, steps: int, rounds: int) -> dict[str, Any]:
 
     def rank(job: RLJob) -> None:  # the model config and prompt length, as the job sees them
         ranked.extend(fastest_fixed_plans(job.cfg, job.model_config, job.max_prompt_tokens()))
-        print(f"fixed candidates (predicted fastest that fit the last cap): {len(ranked)}", flush=True)
+        print(
+            f"fixed candidates (predicted fastest that fit the last cap): {len(ranked)}", flush=True
+        )
         for s, p in ranked:
             print(f"  {s:.4f} s/step predicted: {p}", flush=True)
 
-    static_initial = await run_job(job_config(steps, f"{out}/static-initial", adapt=False), after_start=rank)
+    static_initial = await run_job(
+        job_config(steps, f"{out}/static-initial", adapt=False), after_start=rank
+    )
     print("static at the starting layout:", json.dumps(static_initial), flush=True)
     # Rounds: every run once per round, the order rotated from round to round, so a slow
     # spell of the machine falls on all of them alike; each figure is the median over
@@ -191,7 +223,9 @@ async def _runs(out: str, steps: int, rounds: int) -> dict[str, Any]:
             else:
                 i = int(name.split("-")[1])
                 job_plan = {n: placement(sp) for n, sp in from_planner_plan(ranked[i][1])}
-                r = await run_job(job_config(steps, f"{out}/r{rnd}-{name}", adapt=False, plan=job_plan))
+                r = await run_job(
+                    job_config(steps, f"{out}/r{rnd}-{name}", adapt=False, plan=job_plan)
+                )
                 r["predicted_step_s"] = round(ranked[i][0], 4)
                 fixed.setdefault(i, []).append(r)
             print(f"round {rnd} {name}:", json.dumps(r), flush=True)
@@ -199,7 +233,11 @@ async def _runs(out: str, steps: int, rounds: int) -> dict[str, Any]:
     medians = {i: statistics.median(r["mean_step_s"] for r in runs) for i, runs in done.items()}
     best = min(medians, key=lambda i: medians[i]) if medians else None
     completed = [r for r in adaptive if r["completed"]]
-    adaptive_s = statistics.median(r["mean_step_s"] for r in completed) if len(completed) == len(adaptive) else None
+    adaptive_s = (
+        statistics.median(r["mean_step_s"] for r in completed)
+        if len(completed) == len(adaptive)
+        else None
+    )
     share = statistics.median(r["transition_s"] / r["wall_s"] for r in adaptive if r["wall_s"])
     return {
         "steps": steps,
@@ -211,19 +249,31 @@ async def _runs(out: str, steps: int, rounds: int) -> dict[str, Any]:
         "static_initial_fail_step": static_initial["failed_at_step"],
         "best_static_mean_step_s": round(medians[best], 4) if best is not None else None,
         "best_static_plan": fixed[best][0]["plan"] if best is not None else None,
-        "ratio_vs_best_static": (round(adaptive_s / medians[best], 4)
-                                 if best is not None and adaptive_s else None),
+        "ratio_vs_best_static": (
+            round(adaptive_s / medians[best], 4) if best is not None and adaptive_s else None
+        ),
         "transition_share": round(share, 4),
         "memory_failures": len(adaptive) - len(completed),
         "fixed_completed": len(done),
-        "fixed_mean_step_s": {f"fixed-{i}": [r["mean_step_s"] for r in runs] for i, runs in sorted(fixed.items())},
+        "fixed_mean_step_s": {
+            f"fixed-{i}": [r["mean_step_s"] for r in runs] for i, runs in sorted(fixed.items())
+        },
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=48, help="steps per run (the cap doubles at 1/3 and 2/3)")
-    p.add_argument("--rounds", type=int, default=3, help="runs of each layout, interleaved; figures are medians")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.adaptive", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--steps", type=int, default=48, help="steps per run (the cap doubles at 1/3 and 2/3)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs of each layout, interleaved; figures are medians",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     result = asyncio.run(main_async(args.steps, args.rounds))

@@ -45,34 +45,57 @@ def _rounded(t: dict) -> dict:
     return {k: round(v, 1) if isinstance(v, float) else v for k, v in t.items()}
 
 
-def one_run(spot: str, seed: int, trace: str, horizon: int, steps: int = 1000) -> tuple[dict, list[Counterfactual]]:
+def one_run(
+    spot: str, seed: int, trace: str, horizon: int, steps: int = 1000
+) -> tuple[dict, list[Counterfactual]]:
     growth = trace.startswith("growth:")  # the paper's shape, as ``nereus simulate`` takes it
-    config = SimConfig("a100-256", "llama-8b", "ppo", str(TRACES / "spot-availability" / f"{spot}_v100_1.json"),
-                       trace if growth else str(TRACES / "response-length" / f"{trace}.json"), steps,
-                       length_range=None if growth else (500, 8000), seed=seed, policies=("adaptive",))
+    config = SimConfig(
+        "a100-256",
+        "llama-8b",
+        "ppo",
+        str(TRACES / "spot-availability" / f"{spot}_v100_1.json"),
+        trace if growth else str(TRACES / "response-length" / f"{trace}.json"),
+        steps,
+        length_range=None if growth else (500, 8000),
+        seed=seed,
+        policies=("adaptive",),
+    )
     t0 = time.perf_counter()
     rep = admission_counterfactuals(build_scenario(config), horizon)
     for r in rep.rows:
-        print(f"  step {r.step:4d}: {r.action:10s} delta {r.delta_s:+9.1f} s, without the time "
+        print(
+            f"  step {r.step:4d}: {r.action:10s} delta {r.delta_s:+9.1f} s, without the time "
             "lost to the device "
-              f"trace {r.delta_work_s:+8.1f} s  (saving {r.saving_s:.3g} s/step, payback "
-              f"{r.payback_steps:.3g} "
-              f"steps, limit {r.limit_steps:.3g})")
+            f"trace {r.delta_work_s:+8.1f} s  (saving {r.saving_s:.3g} s/step, payback "
+            f"{r.payback_steps:.3g} "
+            f"steps, limit {r.limit_steps:.3g})"
+        )
     t = rep.tally()
-    print(f"{spot} seed {seed}: adaptive {rep.result.mean_step_s:.1f} s/step; {t['decisions']} "
+    print(
+        f"{spot} seed {seed}: adaptive {rep.result.mean_step_s:.1f} s/step; {t['decisions']} "
         "decisions differ "
-          f"from admitting; turning down reached step +{horizon} sooner {t['keep_better']} "
-          "times, admitting "
-          f"{t['admit_better']} (without the time lost to the device trace: "
-          f"{t['keep_better_work']} and "
-          f"{t['admit_better_work']}); median delta {t['median_delta_s']:+.1f} s, sum "
-          f"{t['sum_delta_s']:+.0f} s; "
-          f"{rep.failed_branches} branches stopped early; {time.perf_counter() - t0:.0f} s", flush=True)
-    summary = {"spot": spot, "seed": seed, "mean_step_s": round(rep.result.mean_step_s, 2),
-               "keep_better": t["keep_better"], "admit_better": t["admit_better"], "decisions": t["decisions"],
-               "keep_better_work": t["keep_better_work"], "admit_better_work": t["admit_better_work"],
-               "median_delta_s": round(t["median_delta_s"], 1), "sum_delta_s": round(t["sum_delta_s"], 1),
-               "failed_branches": rep.failed_branches}
+        f"from admitting; turning down reached step +{horizon} sooner {t['keep_better']} "
+        "times, admitting "
+        f"{t['admit_better']} (without the time lost to the device trace: "
+        f"{t['keep_better_work']} and "
+        f"{t['admit_better_work']}); median delta {t['median_delta_s']:+.1f} s, sum "
+        f"{t['sum_delta_s']:+.0f} s; "
+        f"{rep.failed_branches} branches stopped early; {time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
+    summary = {
+        "spot": spot,
+        "seed": seed,
+        "mean_step_s": round(rep.result.mean_step_s, 2),
+        "keep_better": t["keep_better"],
+        "admit_better": t["admit_better"],
+        "decisions": t["decisions"],
+        "keep_better_work": t["keep_better_work"],
+        "admit_better_work": t["admit_better_work"],
+        "median_delta_s": round(t["median_delta_s"], 1),
+        "sum_delta_s": round(t["sum_delta_s"], 1),
+        "failed_branches": rep.failed_branches,
+    }
     return summary, rep.rows
 
 
@@ -104,16 +127,27 @@ def main(argv: list[str] | None = None) -> int:
     for name, lo, hi in BANDS:
         b = tally([r for r in rows if lo <= _over_limit(r) < hi])
         by_ratio[name] = {k: v for k, v in _rounded(b).items() if not k.startswith("median")}
-        print(f"payback / limit {name}: {b['decisions']} decisions; turning down better "
+        print(
+            f"payback / limit {name}: {b['decisions']} decisions; turning down better "
             f"{b['keep_better']}, admitting "
-              f"{b['admit_better']}, sum {b['sum_delta_s']:+.0f} s; without the time lost to "
-              "the device trace "
-              f"{b['keep_better_work']} and {b['admit_better_work']}, sum "
-              f"{b['sum_delta_work_s']:+.0f} s")
+            f"{b['admit_better']}, sum {b['sum_delta_s']:+.0f} s; without the time lost to "
+            "the device trace "
+            f"{b['keep_better_work']} and {b['admit_better_work']}, sum "
+            f"{b['sum_delta_work_s']:+.0f} s"
+        )
     deltas = [r.delta_s for r in rows]
-    print(json.dumps({"horizon_steps": args.horizon, "length_trace": args.length_trace, **_rounded(tally(rows)),
-                      "by_payback_over_limit": by_ratio,
-                      "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]], "runs": runs}))
+    print(
+        json.dumps(
+            {
+                "horizon_steps": args.horizon,
+                "length_trace": args.length_trace,
+                **_rounded(tally(rows)),
+                "by_payback_over_limit": by_ratio,
+                "largest_deltas_s": [round(d) for d in sorted(deltas, key=abs)[-5:][::-1]],
+                "runs": runs,
+            }
+        )
+    )
     return 0
 
 

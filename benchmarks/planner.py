@@ -39,8 +39,15 @@ from nereus.planner import (
 
 
 def _work(model: str) -> Workload:
-    return Workload.for_models("ppo", model_preset(model), prompts_per_step=256, samples_per_prompt=4, prompt_length=512,
-                               lengths=LengthStats(2048, 3686, 4096), micro_batch=1)
+    return Workload.for_models(
+        "ppo",
+        model_preset(model),
+        prompts_per_step=256,
+        samples_per_prompt=4,
+        prompt_length=512,
+        lengths=LengthStats(2048, 3686, 4096),
+        micro_batch=1,
+    )
 
 
 CLUSTERS = {32: ("h200-64", 4), 256: ("a100-256", None), 1024: ("mi250x-1024", None)}
@@ -54,7 +61,9 @@ def _search_step(work: Workload, cluster: ClusterSpec) -> float:
         return float("inf")
 
 
-def _time_search(work: Workload, cluster: ClusterSpec, reps: int) -> tuple[list[float], list[float], float]:
+def _time_search(
+    work: Workload, cluster: ClusterSpec, reps: int
+) -> tuple[list[float], list[float], float]:
     """(CPU ms per search, wall ms per search, predicted step seconds)."""
     step = _search_step(work, cluster)  # warm-up
     cpu, wall = [], []
@@ -70,17 +79,29 @@ def _brute_force_check() -> dict[str, float | bool]:
     from tests.planner._brute import brute_force
 
     model = ModelShape("bench-1layer", 4096, 1, 32, 8, 32000, 11008)
-    work = Workload.for_models("ppo", model, prompts_per_step=2, samples_per_prompt=2, prompt_length=256,
-                               lengths=LengthStats(1024, 1843, 2048))
-    cluster = ClusterSpec("bench-2x4", 2, 4, 3 * 2**30, 100e12, 1.5e12, 300e9, 25e9, workspace_bytes=2**28)
+    work = Workload.for_models(
+        "ppo",
+        model,
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        prompt_length=256,
+        lengths=LengthStats(1024, 1843, 2048),
+    )
+    cluster = ClusterSpec(
+        "bench-2x4", 2, 4, 3 * 2**30, 100e12, 1.5e12, 300e9, 25e9, workspace_bytes=2**28
+    )
     t = time.perf_counter()
     want, _, count = brute_force(work, cluster, CONSERVATIVE)
     brute_ms = (time.perf_counter() - t) * 1000
     t = time.perf_counter()
     got = search(work, cluster, alternatives=False)
     search_ms = (time.perf_counter() - t) * 1000
-    return {"brute_force_ms_8": brute_ms, "brute_force_plans_8": count, "search_ms_8": search_ms,
-            "brute_force_agrees": abs(got.step_seconds - want) <= 1e-9 * want}
+    return {
+        "brute_force_ms_8": brute_ms,
+        "brute_force_plans_8": count,
+        "search_ms_8": search_ms,
+        "brute_force_agrees": abs(got.step_seconds - want) <= 1e-9 * want,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     out: dict[str, float | bool | int] = {}
-    print(f"{'devices':>7} {'model':>9} {'cpu ms':>8} {'min-max':>15} {'wall ms':>8} "
+    print(
+        f"{'devices':>7} {'model':>9} {'cpu ms':>8} {'min-max':>15} {'wall ms':>8} "
         f"{'min-max':>15} {'step s':>9}"
-          "   (1 thread, pure Python)")
+        "   (1 thread, pure Python)"
+    )
     for devices, (name, nodes) in CLUSTERS.items():
         cluster = cluster_preset(name, nodes)
         worst_cpu = worst_wall = 0.0
@@ -101,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             tag = model.split("-")[1]
             out[f"search_ms_{devices}_{tag}"] = round(med_cpu, 2)
             out[f"search_wall_ms_{devices}_{tag}"] = round(med_wall, 2)
-            print(f"{devices:>7} {model:>9} {med_cpu:>8.2f} {min(cpu):>7.2f}-{max(cpu):<7.2f} "
+            print(
+                f"{devices:>7} {model:>9} {med_cpu:>8.2f} {min(cpu):>7.2f}-{max(cpu):<7.2f} "
                 f"{med_wall:>8.2f} "
-                  f"{min(wall):>7.2f}-{max(wall):<7.2f} {step:>9.2f}")
+                f"{min(wall):>7.2f}-{max(wall):<7.2f} {step:>9.2f}"
+            )
         out[f"search_ms_{devices}"] = round(worst_cpu, 2)
         out[f"search_wall_ms_{devices}"] = round(worst_wall, 2)
     tracemalloc.start()
@@ -113,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     tracemalloc.stop()
     out["peak_mb"] = round(peak / 2**20, 2)
     check = _brute_force_check()
-    print(f"brute force (8 devices, PPO, 6 model-stages): {check['brute_force_plans_8']} layout "
+    print(
+        f"brute force (8 devices, PPO, 6 model-stages): {check['brute_force_plans_8']} layout "
         "choices in "
-          f"{check['brute_force_ms_8']:.0f} ms; search {check['search_ms_8']:.2f} ms; agree: "
-          f"{check['brute_force_agrees']}")
+        f"{check['brute_force_ms_8']:.0f} ms; search {check['search_ms_8']:.2f} ms; agree: "
+        f"{check['brute_force_agrees']}"
+    )
     out.update({k: (round(v, 2) if isinstance(v, float) else v) for k, v in check.items()})
     out["threads"] = 1
     print(json.dumps(out))

@@ -57,12 +57,31 @@ TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 # Chosen before the first measured run (and committed so): three length logs of different
 # shapes and the two spot traces, at offsets where the pool changes within 40 steps.
 PAIRS: list[tuple[str, str, int]] = [
-    ("response-length/rasbt-qwen3-0.6b-base-grpo-clip.json", "spot-availability/us-west-2a_v100_1.json", 0),
-    ("response-length/cogbehav-countdown-qwen2.5-3b-base-ppo.json", "spot-availability/us-east-2b_v100_1.json", 0),
-    ("response-length/unsloth-llama3.1-8b-grpo-gsm8k.json", "spot-availability/us-east-2b_v100_1.json", 40),
+    (
+        "response-length/rasbt-qwen3-0.6b-base-grpo-clip.json",
+        "spot-availability/us-west-2a_v100_1.json",
+        0,
+    ),
+    (
+        "response-length/cogbehav-countdown-qwen2.5-3b-base-ppo.json",
+        "spot-availability/us-east-2b_v100_1.json",
+        0,
+    ),
+    (
+        "response-length/unsloth-llama3.1-8b-grpo-gsm8k.json",
+        "spot-availability/us-east-2b_v100_1.json",
+        40,
+    ),
 ]
-MODEL = {"kind": "tiny", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
-         "intermediate_size": 256, "max_seq_len": 96}
+MODEL = {
+    "kind": "tiny",
+    "hidden_size": 128,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "intermediate_size": 256,
+    "max_seq_len": 96,
+}
 CAP = 48
 MEMORY = "64MiB"
 PLAN = {
@@ -72,7 +91,12 @@ PLAN = {
     "policy_training": {"devices": [0, 1], "dp": 2},
     "critic_training": {"devices": [2, 3], "dp": 2},
 }
-SIM_NAME = {"payback": "adaptive", "always": "dynarl", "every-k": "every-k", "static": "static-fixed"}
+SIM_NAME = {
+    "payback": "adaptive",
+    "always": "dynarl",
+    "every-k": "every-k",
+    "static": "static-fixed",
+}
 
 
 @dataclass(frozen=True)
@@ -89,16 +113,36 @@ class Pair:
 def job_config(policy: str, pair: Pair, steps: int, cores: float, out_dir: str) -> JobConfig:
     data = {
         "model": MODEL,
-        "task": {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}, "dataset_size": 4096},
-        "algorithm": {"name": "ppo", "prompts_per_step": 8, "samples_per_prompt": 4, "kl_coef": 0.01,
-                      "kl_mode": "penalty"},
+        "task": {
+            "name": "reverse",
+            "options": {"letters": "abc", "min_len": 2, "max_len": 3},
+            "dataset_size": 4096,
+        },
+        "algorithm": {
+            "name": "ppo",
+            "prompts_per_step": 8,
+            "samples_per_prompt": 4,
+            "kl_coef": 0.01,
+            "kl_mode": "penalty",
+        },
         "sampling": {"max_new_tokens": CAP},
         "optim": {"lr": 3e-3, "micro_batch_size": 2},
-        "cluster": {"mode": "local", "devices": 4, "memory_per_device": MEMORY, "cores_per_device": cores},
+        "cluster": {
+            "mode": "local",
+            "devices": 4,
+            "memory_per_device": MEMORY,
+            "cores_per_device": cores,
+        },
         "plan": PLAN,
         "adapt": {"enabled": True, "policy": policy, "every_k": 3, "gamma": 0.5},
         "trace": {"lengths": pair.lengths, "pool": pair.pool, "pool_offset": pair.offset},
-        "run": {"steps": steps, "out_dir": out_dir, "progress": False, "seed": 0, "checkpoint_every": steps + 1},
+        "run": {
+            "steps": steps,
+            "out_dir": out_dir,
+            "progress": False,
+            "seed": 0,
+            "checkpoint_every": steps + 1,
+        },
     }
     return from_dict(JobConfig, data)
 
@@ -124,7 +168,9 @@ class StepPool(DeviceTrace):
         return None
 
 
-def simulate(rl: RLJob, policy: str, pair: Pair, steps: int, cores: float) -> tuple[float | None, str]:
+def simulate(
+    rl: RLJob, policy: str, pair: Pair, steps: int, cores: float
+) -> tuple[float | None, str]:
     """The simulator's mean step seconds for the same job, traces and cluster shape, or
     None and why when its ground truth cannot run it."""
     cfg = rl.cfg
@@ -132,21 +178,31 @@ def simulate(rl: RLJob, policy: str, pair: Pair, steps: int, cores: float) -> tu
     first = LengthStats(float(caps[0]), float(caps[0]), caps[0])
     work = job_workload(cfg, rl.model_config, prompt_length=rl.max_prompt_tokens(), lengths=first)
     budget = cfg.cluster.memory_bytes
-    cluster = local_cpu_cluster_probed(1, budget, headroom=cfg.adapt.headroom, device_cores=[cores]).with_nodes(4)
+    cluster = local_cpu_cluster_probed(
+        1, budget, headroom=cfg.adapt.headroom, device_cores=[cores]
+    ).with_nodes(4)
     counts = pool_at_steps(pair.pool, 4, steps, offset_ticks=pair.offset)
     # the simulator's cap bounds memory and never falls: the largest so far; the lengths
     # are the live job's (every response of a step as long as its cap there)
     schedule = CapSchedule(pair.name, tuple(max(caps[: s + 1]) for s in range(steps)))
     truth = GroundTruth(load_truth_params(None), cluster, work, caps=schedule, seed=0)
-    scn = Scenario(cluster, work, StepPool(counts, pair.name), LengthTrace(pair.name, tuple(map(float, caps))),
-                   steps, truth)
+    scn = Scenario(
+        cluster,
+        work,
+        StepPool(counts, pair.name),
+        LengthTrace(pair.name, tuple(map(float, caps))),
+        steps,
+        truth,
+    )
     try:
         return run_policies(scn, (SIM_NAME[policy],), gamma=0.5, k=3)[0].mean_step_s, ""
     except SimulationError as e:  # the shipped truth cannot run this job: said, not hidden
         return None, str(e)
 
 
-async def run_one(policy: str, pair: Pair, steps: int, cores: float, with_sim: bool) -> dict[str, Any]:
+async def run_one(
+    policy: str, pair: Pair, steps: int, cores: float, with_sim: bool
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="nereus-policies-") as out:
         rl = RLJob(job_config(policy, pair, steps, cores, out))
         await rl.start()
@@ -170,9 +226,18 @@ async def run_one(policy: str, pair: Pair, steps: int, cores: float, with_sim: b
             await rl.close()
     moved = [r["transition"] for r in records if r.get("transition")]
     done = max(1, len(records))
-    return {"policy": policy, "pair": pair.name, "steps": len(records), "mean_step_s": wall / done,
-            "transitions": len(moved), "transition_s": sum(t["measured_seconds"] for t in moved),
-            "restarts": restarts, "memory_failures": failed, "sim_mean_step_s": sim, "sim_error": sim_error}
+    return {
+        "policy": policy,
+        "pair": pair.name,
+        "steps": len(records),
+        "mean_step_s": wall / done,
+        "transitions": len(moved),
+        "transition_s": sum(t["measured_seconds"] for t in moved),
+        "restarts": restarts,
+        "memory_failures": failed,
+        "sim_mean_step_s": sim,
+        "sim_error": sim_error,
+    }
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
@@ -191,7 +256,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     policies = args.policies.split(",")
     runs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
-        order = policies[rnd % len(policies):] + policies[: rnd % len(policies)]
+        order = policies[rnd % len(policies) :] + policies[: rnd % len(policies)]
         for pair in pairs:
             for policy in order:
                 row = await run_one(policy, pair, args.steps, args.cores, with_sim=rnd == 0)
@@ -202,29 +267,65 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     for pair in pairs:
         for policy in policies:
             rows = [r for r in runs if r["pair"] == pair.name and r["policy"] == policy]
-            table.append({"pair": pair.name, "policy": policy, **{k: _median(rows, k) for k in (
-                "mean_step_s", "transitions", "transition_s", "restarts", "memory_failures", "sim_mean_step_s")}})
+            table.append(
+                {
+                    "pair": pair.name,
+                    "policy": policy,
+                    **{
+                        k: _median(rows, k)
+                        for k in (
+                            "mean_step_s",
+                            "transitions",
+                            "transition_s",
+                            "restarts",
+                            "memory_failures",
+                            "sim_mean_step_s",
+                        )
+                    },
+                }
+            )
+
     def step(pair: Pair, policy: str) -> float:
-        return next(t["mean_step_s"] for t in table if t["pair"] == pair.name and t["policy"] == policy)
+        return next(
+            t["mean_step_s"] for t in table if t["pair"] == pair.name and t["policy"] == policy
+        )
 
     out: dict[str, Any] = {}
-    for other, key in (("static", "ratio_vs_static"), ("always", "ratio_vs_always"), ("every-k", "ratio_vs_every_k")):
+    for other, key in (
+        ("static", "ratio_vs_static"),
+        ("always", "ratio_vs_always"),
+        ("every-k", "ratio_vs_every_k"),
+    ):
         if "payback" in policies and other in policies:
             out[key] = statistics.mean(step(p, "payback") / step(p, other) for p in pairs)
     if "payback" in policies:
-        out["payback_best_on_every_trace"] = all(step(p, "payback") <= min(step(p, q) for q in policies)
-                                                 for p in pairs)
-    out["memory_failures"] = {q: sum(r["memory_failures"] for r in runs if r["policy"] == q) for q in policies}
-    errors = [abs(t["sim_mean_step_s"] - t["mean_step_s"]) / t["mean_step_s"] for t in table
-              if not math.isnan(t["sim_mean_step_s"])]
+        out["payback_best_on_every_trace"] = all(
+            step(p, "payback") <= min(step(p, q) for q in policies) for p in pairs
+        )
+    out["memory_failures"] = {
+        q: sum(r["memory_failures"] for r in runs if r["policy"] == q) for q in policies
+    }
+    errors = [
+        abs(t["sim_mean_step_s"] - t["mean_step_s"]) / t["mean_step_s"]
+        for t in table
+        if not math.isnan(t["sim_mean_step_s"])
+    ]
     out["sim_vs_live_error"] = statistics.mean(errors) if errors else None
     out["sim_errors"] = sorted({r["sim_error"] for r in runs if r.get("sim_error")})
-    out.update(steps=args.steps, rounds=args.rounds, cores=args.cores, pairs=[p.name for p in pairs], table=table)
+    out.update(
+        steps=args.steps,
+        rounds=args.rounds,
+        cores=args.cores,
+        pairs=[p.name for p in pairs],
+        table=table,
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.policies", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.policies", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cores", type=float, default=0.45)

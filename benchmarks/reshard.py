@@ -116,7 +116,10 @@ class BenchHolder(ShardHolder):
         (pages already faulted in), the fastest way this worker copies (``copy_into``):
         the floor for moving those bytes."""
         if getattr(self, "_floor", None) is None or self._floor[0].numel() < nbytes:
-            self._floor = (torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8))
+            self._floor = (
+                torch.ones(nbytes, dtype=torch.uint8),
+                torch.zeros(nbytes, dtype=torch.uint8),
+            )
         src, dst = self._floor
         t0 = time.perf_counter()
         copy_into(dst[:nbytes], src[:nbytes])
@@ -127,11 +130,21 @@ class BenchHolder(ShardHolder):
         self._floor = None
 
     @endpoint
-    async def gather_scatter(self, src: dict, dst: dict, root: int, group: str, group_devices: list[int]) -> int:
-        return await asyncio.to_thread(self._gather_scatter, emu_from_plain(src), emu_from_plain(dst),
-                                       root, group, group_devices)
+    async def gather_scatter(
+        self, src: dict, dst: dict, root: int, group: str, group_devices: list[int]
+    ) -> int:
+        return await asyncio.to_thread(
+            self._gather_scatter,
+            emu_from_plain(src),
+            emu_from_plain(dst),
+            root,
+            group,
+            group_devices,
+        )
 
-    def _gather_scatter(self, src: EMU, dst: EMU, root: int, group: str, group_devices: list[int]) -> int:
+    def _gather_scatter(
+        self, src: EMU, dst: EMU, root: int, group: str, group_devices: list[int]
+    ) -> int:
         comm = get_communicator(group)
         rank = {d: r for r, d in enumerate(group_devices)}
         me = self.device.index
@@ -161,7 +174,9 @@ class BenchHolder(ShardHolder):
             elif any(d == me for d, _ in holders):
                 comm.batch_p2p([P2POp("send", mine[key].contiguous(), rank[root])])
             # scatter: the root cuts and sends each target rank its shard
-            targets = [(d, dst.shards_on(d)[key][0]) for d in dst.devices if key in dst.shards_on(d)]
+            targets = [
+                (d, dst.shards_on(d)[key][0]) for d in dst.devices if key in dst.shards_on(d)
+            ]
             if me == root:
                 ops = []
                 for d, shard in targets:
@@ -186,6 +201,7 @@ class BenchHolder(ShardHolder):
 
 def _cases(spec) -> list[tuple[str, EMU, EMU, bool]]:
     """(name, source, target, whether the source is freed once the target is built)."""
+
     def emu(name, tp, pp, devices):
         return EMU(name, "policy-training", spec, Layout(tp, pp), tuple(devices))
 
@@ -202,23 +218,38 @@ def _summary(times: list[float]) -> dict[str, float]:
 
 
 async def _run(args) -> dict:
-    config = ModelConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=12, num_key_value_heads=4,
-                         tie_word_embeddings=False)
+    config = ModelConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     spec = model_spec(config)
     params = sum(p.numel for p in spec.params)
-    print(f"model: {spec.name}, {params / 1e6:.1f}M parameters, {spec.nbytes / 2**20:.0f} MiB fp32; "
-          f"{DEVICES} worker processes, 1 torch thread each; {args.reps} reps after 1 warm-up; "
-          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    print(
+        f"model: {spec.name}, {params / 1e6:.1f}M parameters, {spec.nbytes / 2**20:.0f} MiB fp32; "
+        f"{DEVICES} worker processes, 1 torch thread each; {args.reps} reps after 1 warm-up; "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
     results: dict[str, Any] = {}
     ckpt_root = tempfile.mkdtemp(prefix="nereus-bench-ckpt-")
     # not "nereus-*": test suites running beside it count those names as leaked segments
     tmpfs_root = tempfile.mkdtemp(prefix="bench-ckpt-tmpfs-", dir="/dev/shm")
     try:
-        async with Cluster.local(devices=DEVICES, memory_per_device="6GiB", heartbeat_timeout_s=60.0) as cluster:
-            mesh = await cluster.spawn("bench", BenchHolder, devices=list(range(DEVICES)),
-                                       kwargs={"bucket_bytes": args.bucket_mib << 20})
+        async with Cluster.local(
+            devices=DEVICES, memory_per_device="6GiB", heartbeat_timeout_s=60.0
+        ) as cluster:
+            mesh = await cluster.spawn(
+                "bench",
+                BenchHolder,
+                devices=list(range(DEVICES)),
+                kwargs={"bucket_bytes": args.bucket_mib << 20},
+            )
             refs = {r.device: r for r in mesh.refs}
             everyone = sorted(refs)
             for name, src, dst, frees in _cases(spec):
@@ -229,16 +260,24 @@ async def _run(args) -> dict:
 
                 async def drop_src(src=src, frees=frees):
                     if frees:
-                        await asyncio.gather(*(refs[d].drop_shards.call_one([src.name]) for d in src.devices))
+                        await asyncio.gather(
+                            *(refs[d].drop_shards.call_one([src.name]) for d in src.devices)
+                        )
 
                 await fill()
                 group_devices = sorted(set(src.devices) | set(dst.devices))
 
                 async def drop_dst(dst=dst):
-                    await asyncio.gather(*(refs[d].drop_shards.call_one([dst.name]) for d in everyone))
+                    await asyncio.gather(
+                        *(refs[d].drop_shards.call_one([dst.name]) for d in everyone)
+                    )
 
                 async def check(method: str, dst=dst, dst_plain=dst_plain, name=name) -> None:
-                    bad = sum(await asyncio.gather(*(refs[d].verify.call_one(dst_plain) for d in dst.devices)))
+                    bad = sum(
+                        await asyncio.gather(
+                            *(refs[d].verify.call_one(dst_plain) for d in dst.devices)
+                        )
+                    )
                     if bad:
                         raise SystemExit(f"{name}: {method} produced {bad} wrong elements")
 
@@ -247,11 +286,22 @@ async def _run(args) -> dict:
                     plan = plan_reshard([src], dst, reuse=frees)
                     return await execute(plan, refs, cluster, epoch=1, free=[src] if frees else [])
 
-                async def gather(src_plain=src_plain, dst_plain=dst_plain, group_devices=group_devices):
+                async def gather(
+                    src_plain=src_plain, dst_plain=dst_plain, group_devices=group_devices
+                ):
                     group = await make_group(cluster, devices=group_devices, epoch=1)
-                    await asyncio.gather(*(refs[d].gather_scatter.call_one(src_plain, dst_plain, group_devices[0],
-                                                                           group.group_id, group_devices)
-                                           for d in group_devices))
+                    await asyncio.gather(
+                        *(
+                            refs[d].gather_scatter.call_one(
+                                src_plain,
+                                dst_plain,
+                                group_devices[0],
+                                group.group_id,
+                                group_devices,
+                            )
+                            for d in group_devices
+                        )
+                    )
                     await drop_src()
 
                 async def checkpoint(src=src, dst=dst, root=ckpt_root, durable=True):
@@ -266,14 +316,20 @@ async def _run(args) -> dict:
                 async def checkpoint_tmpfs(checkpoint=checkpoint):
                     await checkpoint(root=tmpfs_root, durable=False)
 
-                methods = {"reshard": ours, "gather_scatter": gather, "checkpoint": checkpoint,
-                           "checkpoint_tmpfs": checkpoint_tmpfs}
+                methods = {
+                    "reshard": ours,
+                    "gather_scatter": gather,
+                    "checkpoint": checkpoint,
+                    "checkpoint_tmpfs": checkpoint_tmpfs,
+                }
                 times: dict[str, list[float]] = {m: [] for m in methods}
                 moved = local = counted = 0
                 for rep in range(args.reps + 1):
                     for method, fn in methods.items():
                         if frees:
-                            await fill()  # untimed: every method starts from the same resident source
+                            await (
+                                fill()
+                            )  # untimed: every method starts from the same resident source
                         t0 = time.perf_counter()
                         got = await fn()
                         dt = time.perf_counter() - t0
@@ -298,7 +354,12 @@ async def _run(args) -> dict:
                 floor = []
                 for rep in range(args.reps + 1):
                     half = [written // 2, written - written // 2]
-                    got = await asyncio.gather(*(refs[d].memcpy_s.call_one(n) for d, n in zip(everyone[:2], half, strict=True)))
+                    got = await asyncio.gather(
+                        *(
+                            refs[d].memcpy_s.call_one(n)
+                            for d, n in zip(everyone[:2], half, strict=True)
+                        )
+                    )
                     if rep:
                         floor.append(max(got))
                 await asyncio.gather(*(refs[d].drop_floor.call_one() for d in everyone))
@@ -318,28 +379,44 @@ async def _run(args) -> dict:
                 }
                 case["speedup_vs_checkpoint"] = case["checkpoint_s"] / case["reshard_s"]
                 case["speedup_vs_checkpoint_tmpfs"] = case["checkpoint_tmpfs_s"] / case["reshard_s"]
-                case["speedup_vs_checkpoint_replan"] = case["checkpoint_s"] / (case["reshard_s"] + case["plan_s"])
+                case["speedup_vs_checkpoint_replan"] = case["checkpoint_s"] / (
+                    case["reshard_s"] + case["plan_s"]
+                )
                 case["speedup_vs_gather"] = case["gather_scatter_s"] / case["reshard_s"]
                 results[name] = case
-                print(f"{name:12s} reshard {case['reshard_s']:.3f} s  gather-scatter "
+                print(
+                    f"{name:12s} reshard {case['reshard_s']:.3f} s  gather-scatter "
                     f"{case['gather_scatter_s']:.3f} s  "
-                      f"checkpoint {case['checkpoint_s']:.3f} s (tmpfs, no fsync "
-                      f"{case['checkpoint_tmpfs_s']:.3f} s, "
-                      f"x{case['speedup_vs_checkpoint_tmpfs']:.1f})  moved {moved / 2**20:.0f} MiB "
-                      f"(counted {counted / 2**20:.0f} MiB, minimum "
-                      f"{case['bytes_minimum'] / 2**20:.0f} MiB)  "
-                      f"x{case['speedup_vs_checkpoint']:.1f} "
-                      f"vs checkpoint, x{case['speedup_vs_gather']:.1f} vs gather; planning "
-                      f"afresh {case['plan_s'] * 1e3:.1f} ms "
-                      f"(x{case['speedup_vs_checkpoint_replan']:.1f}); floor {case['floor_s']:.3f} s "
-                      f"(x{case['checkpoint_s'] / case['floor_s']:.1f} vs checkpoint at best)", flush=True)
+                    f"checkpoint {case['checkpoint_s']:.3f} s (tmpfs, no fsync "
+                    f"{case['checkpoint_tmpfs_s']:.3f} s, "
+                    f"x{case['speedup_vs_checkpoint_tmpfs']:.1f})  moved {moved / 2**20:.0f} MiB "
+                    f"(counted {counted / 2**20:.0f} MiB, minimum "
+                    f"{case['bytes_minimum'] / 2**20:.0f} MiB)  "
+                    f"x{case['speedup_vs_checkpoint']:.1f} "
+                    f"vs checkpoint, x{case['speedup_vs_gather']:.1f} vs gather; planning "
+                    f"afresh {case['plan_s'] * 1e3:.1f} ms "
+                    f"(x{case['speedup_vs_checkpoint_replan']:.1f}); floor {case['floor_s']:.3f} s "
+                    f"(x{case['checkpoint_s'] / case['floor_s']:.1f} vs checkpoint at best)",
+                    flush=True,
+                )
             await cluster.stop_mesh(mesh)
     finally:
         shutil.rmtree(ckpt_root, ignore_errors=True)
         shutil.rmtree(tmpfs_root, ignore_errors=True)
-    total = {k: sum(c[k] for c in results.values()) for k in
-             ("reshard_s", "gather_scatter_s", "checkpoint_s", "checkpoint_tmpfs_s", "bytes_moved",
-              "bytes_sent_counted", "bytes_minimum", "floor_s", "plan_s")}
+    total = {
+        k: sum(c[k] for c in results.values())
+        for k in (
+            "reshard_s",
+            "gather_scatter_s",
+            "checkpoint_s",
+            "checkpoint_tmpfs_s",
+            "bytes_moved",
+            "bytes_sent_counted",
+            "bytes_minimum",
+            "floor_s",
+            "plan_s",
+        )
+    }
     return {
         "benchmark": "reshard",
         "model_params": params,
@@ -351,12 +428,20 @@ async def _run(args) -> dict:
         "load_average": os.getloadavg()[0],
         **total,
         "speedup_vs_checkpoint": min(c["speedup_vs_checkpoint"] for c in results.values()),
-        "speedup_vs_checkpoint_tmpfs": min(c["speedup_vs_checkpoint_tmpfs"] for c in results.values()),
+        "speedup_vs_checkpoint_tmpfs": min(
+            c["speedup_vs_checkpoint_tmpfs"] for c in results.values()
+        ),
         "speedup_vs_gather": min(c["speedup_vs_gather"] for c in results.values()),
-        "speedup_vs_checkpoint_replan": min(c["speedup_vs_checkpoint_replan"] for c in results.values()),
+        "speedup_vs_checkpoint_replan": min(
+            c["speedup_vs_checkpoint_replan"] for c in results.values()
+        ),
         # what speedup_vs_checkpoint would be if the reshard cost only one copy of the moved bytes
-        "speedup_ceiling_vs_checkpoint": min(c["checkpoint_s"] / c["floor_s"] for c in results.values()),
-        "bytes_minimal_every_case": all(c["bytes_moved"] == c["bytes_minimum"] for c in results.values()),
+        "speedup_ceiling_vs_checkpoint": min(
+            c["checkpoint_s"] / c["floor_s"] for c in results.values()
+        ),
+        "bytes_minimal_every_case": all(
+            c["bytes_moved"] == c["bytes_minimum"] for c in results.values()
+        ),
         "cases": results,
     }
 
@@ -367,9 +452,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--bucket-mib", type=int, default=32, help="exchange bucket size of the nereus reshard")
-    ap.add_argument("--no-thp", action="store_true",
-                    help="do not set THP_MEM_ALLOC_ENABLE=1 for the workers (4 KiB pages)")
+    ap.add_argument(
+        "--bucket-mib", type=int, default=32, help="exchange bucket size of the nereus reshard"
+    )
+    ap.add_argument(
+        "--no-thp",
+        action="store_true",
+        help="do not set THP_MEM_ALLOC_ENABLE=1 for the workers (4 KiB pages)",
+    )
     args = ap.parse_args()
     if not args.no_thp:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by the workers' torch at start

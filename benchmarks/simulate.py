@@ -55,16 +55,28 @@ from pathlib import Path
 from nereus.sim.policies import POLICIES
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-SPOT = {"us-east-2b": TRACES / "spot-availability" / "us-east-2b_v100_1.json",
-        "us-west-2a": TRACES / "spot-availability" / "us-west-2a_v100_1.json"}
+SPOT = {
+    "us-east-2b": TRACES / "spot-availability" / "us-east-2b_v100_1.json",
+    "us-west-2a": TRACES / "spot-availability" / "us-west-2a_v100_1.json",
+}
 LENGTHS = {
     "softgrpo-llama3.2-3b-grpo": "grows in its second half",
     "rasbt-qwen3-0.6b-base-grpo-clip": "explodes from ~40 tokens, oscillates",
     "verl-training-log-deepseek-llm-7b-ppo-gsm8k": "drops fast, then flat",
 }
 GAMMAS = (0.1, 0.25, 0.4, 0.5, 0.65, 0.8, 1.0, 2.0)
-PAPER = ["--cluster", "a100-256", "--model", "llama-8b", "--algo", "ppo", "--length-trace", "growth:500:8000",
-         "--steps", "1000"]
+PAPER = [
+    "--cluster",
+    "a100-256",
+    "--model",
+    "llama-8b",
+    "--algo",
+    "ppo",
+    "--length-trace",
+    "growth:500:8000",
+    "--steps",
+    "1000",
+]
 
 
 def _rel(path: Path) -> str:
@@ -82,33 +94,82 @@ def runs(only: set[str]) -> dict[str, list[str]]:
         for pair in range(PAIRS):
             out[f"paper733-{pair}"] = ["--scenario", "paper-7.3.3", "--pair", str(pair)]
     if "paper" in only:
-        out["paper"] = [*PAPER, "--gpus-trace", _rel(SPOT["us-east-2b"]), "--policies",
-                        "adaptive,static,every-k,dynarl,colocated,separated,static-max-cap,oracle"]
+        out["paper"] = [
+            *PAPER,
+            "--gpus-trace",
+            _rel(SPOT["us-east-2b"]),
+            "--policies",
+            "adaptive,static,every-k,dynarl,colocated,separated,static-max-cap,oracle",
+        ]
     if "growth1024" in only:
-        out["growth1024"] = ["--cluster", "mi250x-1024", "--model", "llama-8b", "--algo", "ppo", "--gpus-trace",
-                             "growth:512:1024", "--length-trace", "growth:500:8000", "--steps", "1000"]
+        out["growth1024"] = [
+            "--cluster",
+            "mi250x-1024",
+            "--model",
+            "llama-8b",
+            "--algo",
+            "ppo",
+            "--gpus-trace",
+            "growth:512:1024",
+            "--length-trace",
+            "growth:500:8000",
+            "--steps",
+            "1000",
+        ]
     if "gamma" in only:
         for g in GAMMAS:
-            out[f"gamma-{g}"] = [*PAPER, "--gpus-trace", _rel(SPOT["us-east-2b"]), "--gamma", str(g),
-                                 "--policies", "adaptive"]
+            out[f"gamma-{g}"] = [
+                *PAPER,
+                "--gpus-trace",
+                _rel(SPOT["us-east-2b"]),
+                "--gamma",
+                str(g),
+                "--policies",
+                "adaptive",
+            ]
     if "traces" in only:
         for spot, path in SPOT.items():
             for name in LENGTHS:
                 trace = _rel(TRACES / "response-length" / f"{name}.json")
-                out[f"{name}@{spot}"] = ["--cluster", "a100-256", "--model", "llama-8b", "--algo", "ppo",
-                                         "--gpus-trace", _rel(path), "--length-trace", trace,
-                                         "--length-range", "500", "8000", "--steps", "1000",
-                                         "--policies", f"{','.join(POLICIES)},oracle"]
+                out[f"{name}@{spot}"] = [
+                    "--cluster",
+                    "a100-256",
+                    "--model",
+                    "llama-8b",
+                    "--algo",
+                    "ppo",
+                    "--gpus-trace",
+                    _rel(path),
+                    "--length-trace",
+                    trace,
+                    "--length-range",
+                    "500",
+                    "8000",
+                    "--steps",
+                    "1000",
+                    "--policies",
+                    f"{','.join(POLICIES)},oracle",
+                ]
     return out
 
 
 def _run(name: str, args: list[str], out: Path) -> tuple[str, float, int]:
-    cmd = [sys.executable, "-m", "nereus.cli", "simulate", *args, "--json", str(out / f"{name}.json"),
-           "--plot", str(out / f"{name}.png")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nereus.cli",
+        "simulate",
+        *args,
+        "--json",
+        str(out / f"{name}.json"),
+        "--plot",
+        str(out / f"{name}.png"),
+    ]
     t0 = time.perf_counter()
     with (out / f"{name}.txt").open("w") as fh:
-        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+        code = subprocess.run(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        ).returncode
     return name, time.perf_counter() - t0, code
 
 
@@ -127,55 +188,78 @@ def summary(out: Path, names: list[str]) -> dict[str, object]:
             paper733_mean_step_s={p: [round(x, 1) for x in v] for p, v in means.items()},
             paper733_mean_over_pairs={p: round(v, 1) for p, v in over.items()},
             # strictly lowest: a tie (dynarl admitting exactly what adaptive admits) is not best
-            adaptive_best_on_every_trace=all(rows["adaptive"]["mean_step_s"] < rows[p]["mean_step_s"]
-                                             for rows in pairs for p in FOUR if p != "adaptive"),
+            adaptive_best_on_every_trace=all(
+                rows["adaptive"]["mean_step_s"] < rows[p]["mean_step_s"]
+                for rows in pairs
+                for p in FOUR
+                if p != "adaptive"
+            ),
             ordering_as_paper=over["adaptive"] < over["every-k"] < over["dynarl"] < over["static"],
             reduction_vs_static=round(first["adaptive"]["reduction_vs_static"], 4),
             paper_reduction_vs_static=0.277,
-            reduction_vs_static_by_pair=[round(rows["adaptive"]["reduction_vs_static"], 4) for rows in pairs],
+            reduction_vs_static_by_pair=[
+                round(rows["adaptive"]["reduction_vs_static"], 4) for rows in pairs
+            ],
             memory_failures=sum(rows[p]["memory_failures"] for rows in pairs for p in FOUR),
-            memory_failures_adaptive=sum(rows["adaptive"]["memory_failures"] for rows in pairs))
+            memory_failures_adaptive=sum(rows["adaptive"]["memory_failures"] for rows in pairs),
+        )
         if "oracle" in first:
             result["oracle_reduction_vs_static"] = round(first["oracle"]["reduction_vs_static"], 4)
-            result["oracle_reduction_vs_static_by_pair"] = [round(r["oracle"]["reduction_vs_static"], 4)
-                                                           for r in pairs]
+            result["oracle_reduction_vs_static_by_pair"] = [
+                round(r["oracle"]["reduction_vs_static"], 4) for r in pairs
+            ]
     paper = load("paper")
     if paper:
         a = paper["adaptive"]
-        result.update(reduction_vs_static=round(a["reduction_vs_static"], 4),
-                      adaptive_mean_step_s=round(a["mean_step_s"], 1),
-                      static_mean_step_s=round(paper["static"]["mean_step_s"], 1),
-                      adaptive_ahead_of_every_k=a["mean_step_s"] < paper["every-k"]["mean_step_s"],
-                      adaptive_ahead_of_dynarl=a["mean_step_s"] < paper["dynarl"]["mean_step_s"],
-                      memory_failures=a["memory_failures"])
+        result.update(
+            reduction_vs_static=round(a["reduction_vs_static"], 4),
+            adaptive_mean_step_s=round(a["mean_step_s"], 1),
+            static_mean_step_s=round(paper["static"]["mean_step_s"], 1),
+            adaptive_ahead_of_every_k=a["mean_step_s"] < paper["every-k"]["mean_step_s"],
+            adaptive_ahead_of_dynarl=a["mean_step_s"] < paper["dynarl"]["mean_step_s"],
+            memory_failures=a["memory_failures"],
+        )
         if "oracle" in paper:
             result["oracle_reduction_vs_static"] = round(paper["oracle"]["reduction_vs_static"], 4)
             if "share_of_oracle_headroom" in a:
                 result["share_of_oracle_headroom"] = round(a["share_of_oracle_headroom"], 4)
-            gaps = {p: round(d["plan_gap"], 4) for p, d in paper.items() if d.get("plan_gap") is not None}
+            gaps = {
+                p: round(d["plan_gap"], 4)
+                for p, d in paper.items()
+                if d.get("plan_gap") is not None
+            }
             if gaps:
                 result["plan_gap"] = gaps
         if "static-max-cap" in paper:
             m = paper["static-max-cap"]["mean_step_s"]
-            result.update(static_max_cap_mean_step_s=round(m, 1),
-                          reduction_vs_static_max_cap=round(1 - a["mean_step_s"] / m, 4))
+            result.update(
+                static_max_cap_mean_step_s=round(m, 1),
+                reduction_vs_static_max_cap=round(1 - a["mean_step_s"] / m, 4),
+            )
     grown = load("growth1024")
     if grown:
         a = grown["adaptive"]
-        result.update(transition_overhead_pct=round(a["transition_overhead_pct"], 4),
-                      transition_overhead_pct_1024=round(a["transition_overhead_pct"], 4),
-                      transitions_1024=a["transitions"])
+        result.update(
+            transition_overhead_pct=round(a["transition_overhead_pct"], 4),
+            transition_overhead_pct_1024=round(a["transition_overhead_pct"], 4),
+            transitions_1024=a["transitions"],
+        )
     gammas = {g: load(f"gamma-{g}").get("adaptive") for g in GAMMAS}
     if all(gammas.values()):
-        result["gamma_mean_step_s"] = {str(g): round(d["mean_step_s"], 1) for g, d in gammas.items()}
+        result["gamma_mean_step_s"] = {
+            str(g): round(d["mean_step_s"], 1) for g, d in gammas.items()
+        }
         result["best_gamma"] = min(gammas, key=lambda g: gammas[g]["mean_step_s"])
     table = [n for n in names if "@" in n]
     if table and all(load(n) for n in table):
         ahead, headroom = {}, {}
         for n in table:
             rows = load(n)
-            ahead[n] = all(rows["adaptive"]["mean_step_s"] < d["mean_step_s"] for p, d in rows.items()
-                           if p in POLICIES and p != "adaptive")
+            ahead[n] = all(
+                rows["adaptive"]["mean_step_s"] < d["mean_step_s"]
+                for p, d in rows.items()
+                if p in POLICIES and p != "adaptive"
+            )
             if "oracle" in rows:
                 headroom[n] = round(rows["oracle"]["reduction_vs_static"], 4)
         result["adaptive_ahead"] = ahead
@@ -187,11 +271,16 @@ def summary(out: Path, names: list[str]) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="paper733,growth1024",
-                   help="comma-separated runs: paper733, growth1024, paper, gamma, traces")
+    p.add_argument(
+        "--only",
+        default="paper733,growth1024",
+        help="comma-separated runs: paper733, growth1024, paper, gamma, traces",
+    )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default="sim-results")
-    p.add_argument("--summary", action="store_true", help="only summarize the JSON files already in --out")
+    p.add_argument(
+        "--summary", action="store_true", help="only summarize the JSON files already in --out"
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,8 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, cmd in todo.items():
             print(f"{name}: nereus simulate {' '.join(cmd)}", flush=True)
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for name, seconds, code in pool.map(lambda item: _run(item[0], item[1], out), todo.items()):
-                print(f"{name}: exit {code} after {seconds:.0f} s (tables in {out}/{name}.txt)", flush=True)
+            for name, seconds, code in pool.map(
+                lambda item: _run(item[0], item[1], out), todo.items()
+            ):
+                print(
+                    f"{name}: exit {code} after {seconds:.0f} s (tables in {out}/{name}.txt)",
+                    flush=True,
+                )
     for name in todo:  # each paper733 table beside the paper's, as the run printed it
         if name.startswith("paper733") and (out / f"{name}.txt").exists():
             print((out / f"{name}.txt").read_text(), flush=True)

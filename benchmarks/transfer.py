@@ -62,13 +62,23 @@ def _summary(xs: list[float]) -> dict:
 # ------------------------------------------------------------------ worker side
 
 
-def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int, slot: int,
-            slots: int) -> None:
+def _worker(
+    rank: int, port: int, mode: str, sizes: list[int], reps: int, slot: int, slots: int
+) -> None:
     from nereus.transfer import CpuCommunicator
 
     torch.set_num_threads(1)
-    comm = CpuCommunicator(f"bench-{mode}", rank, 2, "127.0.0.1", port, timeout_s=120.0,
-                           use_shm=(mode != "gloo"), slot_bytes=slot, slots=slots)
+    comm = CpuCommunicator(
+        f"bench-{mode}",
+        rank,
+        2,
+        "127.0.0.1",
+        port,
+        timeout_s=120.0,
+        use_shm=(mode != "gloo"),
+        slot_bytes=slot,
+        slots=slots,
+    )
     into_tensor = mode != "handoff"
     out = {}
     stamp = torch.zeros(1, dtype=torch.float64)
@@ -115,17 +125,39 @@ def _worker(rank: int, port: int, mode: str, sizes: list[int], reps: int, slot: 
         print(json.dumps({str(k): v for k, v in out.items()}), flush=True)
 
 
-def run_p2p(mode: str, sizes: list[int], reps: int, slot: int = DEFAULT_SLOT_BYTES,
-            slots: int = DEFAULT_SLOTS) -> dict[int, dict[str, list[float]]]:
+def run_p2p(
+    mode: str,
+    sizes: list[int],
+    reps: int,
+    slot: int = DEFAULT_SLOT_BYTES,
+    slots: int = DEFAULT_SLOTS,
+) -> dict[int, dict[str, list[float]]]:
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=120))
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=120),
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.transfer", "--worker", mode, str(store.port),
-           ",".join(map(str, sizes)), str(reps), str(slot), str(slots)]
-    procs = [subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, text=True, env=env)
-             for r in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.transfer",
+        "--worker",
+        mode,
+        str(store.port),
+        ",".join(map(str, sizes)),
+        str(reps),
+        str(slot),
+        str(slots),
+    ]
+    procs = [
+        subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, text=True, env=env)
+        for r in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
@@ -146,9 +178,15 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict, dict, dict]:
     import numpy as np
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=2 * 2**30, logging_level="ERROR")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=2 * 2**30,
+        logging_level="ERROR",
+    )
     try:
+
         @ray.remote(num_cpus=1)
         class Reader:
             def __init__(self) -> None:
@@ -205,22 +243,36 @@ def run_ray(sizes: list[int], reps: int) -> tuple[dict, dict, dict]:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         mode, port, sizes, reps, slot, slots, rank = sys.argv[2:9]
-        _worker(int(rank), int(port), mode, [int(s) for s in sizes.split(",")], int(reps),
-                int(slot), int(slots))
+        _worker(
+            int(rank),
+            int(port),
+            mode,
+            [int(s) for s in sizes.split(",")],
+            int(reps),
+            int(slot),
+            int(slots),
+        )
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sizes-mib", default="1,16,64,256")
     ap.add_argument("--no-ray", action="store_true")
-    ap.add_argument("--slot-kib", type=int, default=DEFAULT_SLOT_BYTES // 1024,
-                    help="shared-memory ring slot size (CpuCommunicator slot_bytes)")
+    ap.add_argument(
+        "--slot-kib",
+        type=int,
+        default=DEFAULT_SLOT_BYTES // 1024,
+        help="shared-memory ring slot size (CpuCommunicator slot_bytes)",
+    )
     ap.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="slots per ring")
     args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     load_at_start = round(os.getloadavg()[0], 2)
-    print(f"transfer benchmark: {os.cpu_count()} cores, load {load_at_start}, reps={args.reps}, "
-          "one thread per side; "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
+    print(
+        f"transfer benchmark: {os.cpu_count()} cores, load {load_at_start}, reps={args.reps}, "
+        "one thread per side; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        flush=True,
+    )
     handoff = run_p2p("handoff", sizes, args.reps, args.slot_kib * 1024, args.slots)
     ring = run_p2p("ring", sizes, args.reps, args.slot_kib * 1024, args.slots)
     gloo = run_p2p("gloo", sizes, args.reps)
@@ -234,7 +286,8 @@ def main() -> None:
     }
     if not args.no_ray:
         results["ray_numpy"], results["ray_torch"], results["memcpy_during_ray"] = run_ray(
-            sizes, args.reps)
+            sizes, args.reps
+        )
     print(f"{'GB/s median [min, max]':<24}" + "".join(f"{n // MiB:>8} MiB{'':13}" for n in sizes))
     for name, per in results.items():
         cells = []
@@ -243,8 +296,9 @@ def main() -> None:
             cells.append(f"{s['median']:7.2f} [{s['min']:5.2f},{s['max']:6.2f}]")
         print(f"{name:<24}" + "  ".join(cells), flush=True)
     top = sizes[-1]
-    med = {name: {n // MiB: statistics.median(per[n]) for n in sizes}
-           for name, per in results.items()}
+    med = {
+        name: {n // MiB: statistics.median(per[n]) for n in sizes} for name, per in results.items()
+    }
     top_mib = top // MiB
     summary = {
         f"p2p_{top_mib}MiB_GBps": med["nereus_p2p"][top_mib],
@@ -256,12 +310,14 @@ def main() -> None:
         "gloo_p2p_GBps": med["gloo_p2p"][top_mib],
     }
     if not args.no_ray:
-        summary.update({
-            "ray_GBps": med["ray_numpy"][top_mib],
-            "ratio_vs_ray": med["nereus_p2p"][top_mib] / med["ray_numpy"][top_mib],
-            "ray_torch_GBps": med["ray_torch"][top_mib],
-            "ratio_vs_ray_torch": med["nereus_p2p"][top_mib] / med["ray_torch"][top_mib],
-        })
+        summary.update(
+            {
+                "ray_GBps": med["ray_numpy"][top_mib],
+                "ratio_vs_ray": med["nereus_p2p"][top_mib] / med["ray_numpy"][top_mib],
+                "ray_torch_GBps": med["ray_torch"][top_mib],
+                "ratio_vs_ray_torch": med["nereus_p2p"][top_mib] / med["ray_torch"][top_mib],
+            }
+        )
     summary["median_GBps_by_size_MiB"] = med
     summary["threads_per_side"] = 1
     summary["timing"] = "one way on every side: sender start to data in the receiver's hand"

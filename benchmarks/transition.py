@@ -81,35 +81,72 @@ class Case:
 # when the figure was first recorded: (tp, pp, dp) per model-stage, every model-stage on
 # devices 0 .. n-1. Pinned as data so the figure measures the DAG, not whatever the
 # search's model picks today (``search_pair_feasible`` says whether today's pair is).
-PLAN_512 = {"policy-generation": (8, 1, 64), "reference-inference": (4, 1, 128), "critic-inference": (2, 1, 256),
-            "reward-inference": (2, 1, 256), "policy-training": (8, 1, 64), "critic-training": (8, 2, 32)}
-PLAN_1024 = {"policy-generation": (8, 1, 128), "reference-inference": (2, 1, 512), "critic-inference": (2, 1, 512),
-             "reward-inference": (1, 1, 1024), "policy-training": (8, 2, 64), "critic-training": (8, 2, 64)}
+PLAN_512 = {
+    "policy-generation": (8, 1, 64),
+    "reference-inference": (4, 1, 128),
+    "critic-inference": (2, 1, 256),
+    "reward-inference": (2, 1, 256),
+    "policy-training": (8, 1, 64),
+    "critic-training": (8, 2, 32),
+}
+PLAN_1024 = {
+    "policy-generation": (8, 1, 128),
+    "reference-inference": (2, 1, 512),
+    "critic-inference": (2, 1, 512),
+    "reward-inference": (1, 1, 1024),
+    "policy-training": (8, 2, 64),
+    "critic-training": (8, 2, 64),
+}
 
 
 def _workload() -> Workload:
     policy = model_preset("llama-8b")
-    return Workload.for_models("ppo", policy, prompts_per_step=256, samples_per_prompt=4, prompt_length=512,
-                               lengths=LengthStats(2048, 3686, 4096), micro_batch=1)
+    return Workload.for_models(
+        "ppo",
+        policy,
+        prompts_per_step=256,
+        samples_per_prompt=4,
+        prompt_length=512,
+        lengths=LengthStats(2048, 3686, 4096),
+        micro_batch=1,
+    )
 
 
 def _plan(names: tuple[str, ...], shape: dict[str, tuple[int, int, int]]) -> Plan:
     return Plan(tuple((name, StagePlan.on_range(*shape[name], 0)) for name in names))
 
 
-def _case(work: Workload, current: Plan, target: Plan, *, relabelled: bool = True,
-          resident: dict[int, int] | None = None) -> Case:
+def _case(
+    work: Workload,
+    current: Plan,
+    target: Plan,
+    *,
+    relabelled: bool = True,
+    resident: dict[int, int] | None = None,
+) -> Case:
     cluster = cluster_preset(CLUSTER)
     if relabelled:
-        target = relabel(current, target, devices_per_node=cluster.devices_per_node, devices=cluster.num_devices)
+        target = relabel(
+            current, target, devices_per_node=cluster.devices_per_node, devices=cluster.num_devices
+        )
     # one ModelSpec per architecture, as a job holds them: the reference is the policy's
     # model, the reward model the critic's
     specs: dict[ModelShape, ModelSpec] = {}
     for shape in work.models.values():
         specs.setdefault(shape, model_spec_of(shape))
-    return Case(current, target, {s.name: specs[work.models[s.model]] for s in work.stages},
-                {s.name: training_slots(work.models[s.model].dtype) for s in work.stages if s.kind == "training"},
-                cluster_devices(cluster), LinkModel.of(cluster), resident)
+    return Case(
+        current,
+        target,
+        {s.name: specs[work.models[s.model]] for s in work.stages},
+        {
+            s.name: training_slots(work.models[s.model].dtype)
+            for s in work.stages
+            if s.kind == "training"
+        },
+        cluster_devices(cluster),
+        LinkModel.of(cluster),
+        resident,
+    )
 
 
 def pinned_case() -> Case:
@@ -134,10 +171,17 @@ def edges_case() -> Case:
     names = tuple(s.name for s in work.stages)
 
     def plan(moved: dict[str, tuple[int, int, int, int]]) -> Plan:
-        return Plan(tuple((n, StagePlan.on_range(*moved.get(n, (*PLAN_1024[n], 0)))) for n in names))
+        return Plan(
+            tuple((n, StagePlan.on_range(*moved.get(n, (*PLAN_1024[n], 0)))) for n in names)
+        )
 
-    return _case(work, plan(SWAP_CURRENT), plan(SWAP_TARGET), relabelled=False,
-                 resident={d: RESIDENT_BYTES for d in range(512)})
+    return _case(
+        work,
+        plan(SWAP_CURRENT),
+        plan(SWAP_TARGET),
+        relabelled=False,
+        resident={d: RESIDENT_BYTES for d in range(512)},
+    )
 
 
 def search_pair_feasible() -> str:
@@ -145,8 +189,11 @@ def search_pair_feasible() -> str:
     devices) are one transition apart within the caps, and if not, why."""
     work = _workload()
     cluster = cluster_preset(CLUSTER)
-    case = _case(work, search(work, cluster, budget=512, alternatives=False).plan,
-                 search(work, cluster, budget=1024, alternatives=False).plan)
+    case = _case(
+        work,
+        search(work, cluster, budget=512, alternatives=False).plan,
+        search(work, cluster, budget=1024, alternatives=False).plan,
+    )
     try:
         _build_and_schedule(case)
     except InfeasiblePlan as e:
@@ -155,8 +202,15 @@ def search_pair_feasible() -> str:
 
 
 def _build_and_schedule(case: Case):
-    return scheduled(case.current, case.target, case.specs, case.devices, case.link, slots=case.slots,
-                     resident=case.resident)
+    return scheduled(
+        case.current,
+        case.target,
+        case.specs,
+        case.devices,
+        case.link,
+        slots=case.slots,
+        resident=case.resident,
+    )
 
 
 def _cold() -> None:
@@ -165,7 +219,9 @@ def _cold() -> None:
     layer_bounds.cache_clear()
 
 
-def _timed(make: Callable[[], Case], reps: int, fresh: bool) -> tuple[list[float], list[float], Case, object, object]:
+def _timed(
+    make: Callable[[], Case], reps: int, fresh: bool
+) -> tuple[list[float], list[float], Case, object, object]:
     """CPU and wall milliseconds of ``reps`` cold builds plus schedules after a warm-up;
     with ``fresh`` each run gets the inputs ``make()`` returns anew (made untimed)."""
     case = make()
@@ -197,39 +253,64 @@ def dag_ms(reps: int) -> dict[str, float | int]:
     warm, _, _, _, _ = _timed(pinned_case, reps, fresh=False)
     edges, edges_wall, ecase, edag, eschedule = _timed(edges_case, reps, fresh=True)
     changed = sum(1 for name, sp in case.current if sp != case.target[name])
-    print(f"(a) {CLUSTER}: PPO llama-8b, plan at 512 -> plan at 1,024 devices ({changed} of "
-          f"{len(case.current.names)} model-stages change), {reps} runs each, CPU ms of this thread")
+    print(
+        f"(a) {CLUSTER}: PPO llama-8b, plan at 512 -> plan at 1,024 devices ({changed} of "
+        f"{len(case.current.names)} model-stages change), {reps} runs each, CPU ms of this thread"
+    )
     print(f"    fresh inputs: {_spread(cpu)}; wall {_spread(wall)}")
     print(f"    inputs reused (warm): {_spread(warm)}")
     emus = sum(sp.dp for _, sp in case.target)
-    print(f"    {len(dag.nodes)} nodes standing for {sum(n.count for n in dag.nodes)} "
+    print(
+        f"    {len(dag.nodes)} nodes standing for {sum(n.count for n in dag.nodes)} "
         f"primitives, {emus} EMUs at "
-          f"1,024 devices ({sum(sp.dp for _, sp in case.current)} at 512), "
-          f"{len(dag.classes.caps)} classes of "
-          f"alike devices, {dag.resource_edges} resource edges, {dag.bytes / 1e12:.2f} TB moved, "
-          f"estimate {schedule.makespan:.2f} s")
-    print("    edges case (policy-generation and policy-training swap halves; "
+        f"1,024 devices ({sum(sp.dp for _, sp in case.current)} at 512), "
+        f"{len(dag.classes.caps)} classes of "
+        f"alike devices, {dag.resource_edges} resource edges, {dag.bytes / 1e12:.2f} TB moved, "
+        f"estimate {schedule.makespan:.2f} s"
+    )
+    print(
+        "    edges case (policy-generation and policy-training swap halves; "
         f"{RESIDENT_BYTES / 1e9:.1f} GB resident "
-          f"on devices 0-511): {_spread(edges)}; wall {_spread(edges_wall)}")
-    print(f"    {len(edag.nodes)} nodes, {len(edag.classes.caps)} classes, "
+        f"on devices 0-511): {_spread(edges)}; wall {_spread(edges_wall)}"
+    )
+    print(
+        f"    {len(edag.nodes)} nodes, {len(edag.classes.caps)} classes, "
         f"{edag.resource_edges} resource edges, "
-          f"estimate {eschedule.makespan:.2f} s")
+        f"estimate {eschedule.makespan:.2f} s"
+    )
     assert edag.resource_edges >= 1, "the edges case inserted no resource edge"
-    return {"dag_ms_1024": round(statistics.median(cpu), 3), "dag_wall_ms_1024": round(statistics.median(wall), 3),
-            "dag_ms_1024_warm": round(statistics.median(warm), 3),
-            "dag_ms_1024_edges": round(statistics.median(edges), 3), "resource_edges_1024": edag.resource_edges,
-            "nodes_1024": len(dag.nodes), "emus_1024": emus}
+    return {
+        "dag_ms_1024": round(statistics.median(cpu), 3),
+        "dag_wall_ms_1024": round(statistics.median(wall), 3),
+        "dag_ms_1024_warm": round(statistics.median(warm), 3),
+        "dag_ms_1024_edges": round(statistics.median(edges), 3),
+        "resource_edges_1024": edag.resource_edges,
+        "nodes_1024": len(dag.nodes),
+        "emus_1024": emus,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=30, help="timed runs of part (a) per figure, at least 20")
-    parser.add_argument("--calibrate", type=int, default=14,
-                        help="part (b): transitions that teach the calibrator (two passes of the cycle)")
+    parser.add_argument(
+        "--reps", type=int, default=30, help="timed runs of part (a) per figure, at least 20"
+    )
+    parser.add_argument(
+        "--calibrate",
+        type=int,
+        default=14,
+        help="part (b): transitions that teach the calibrator (two passes of the cycle)",
+    )
     parser.add_argument("--skip-dag", action="store_true", help="parts (b) and (c) only")
-    parser.add_argument("--measure", type=int, default=12, help="part (b): transitions predicted, at least 10")
-    parser.add_argument("--rounds", type=int, default=6, help="part (c): transitions generation overlaps")
-    parser.add_argument("--only-dag", action="store_true", help="part (a) only (no worker processes)")
+    parser.add_argument(
+        "--measure", type=int, default=12, help="part (b): transitions predicted, at least 10"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=6, help="part (c): transitions generation overlaps"
+    )
+    parser.add_argument(
+        "--only-dag", action="store_true", help="part (a) only (no worker processes)"
+    )
     args = parser.parse_args()
     out: dict[str, object] = {}
     if not args.skip_dag:
@@ -238,27 +319,39 @@ def main() -> None:
     if not args.only_dag:
         from benchmarks import _transition_live as live
 
-        b = asyncio.run(live.prediction_error(calibrate=args.calibrate, measure=max(args.measure, 10)))
-        print(f"(b) {b['transitions_measured']} transitions between held-out layouts predicted after "
-              f"{args.calibrate} calibrated on others: whole change (engine restarts in) median "
-              "error "
-              f"{b['prediction_error']:.3f}, p90 {b['prediction_error_p90']:.3f}, max "
-              f"{b['prediction_error_max']:.3f}; "
-              f"moves alone median {b['prediction_error_moves']:.3f}, p90 "
-              f"{b['prediction_error_moves_p90']:.3f}")
-        print(f"    calibrated {b['calibrated']}; restart_seconds {b['restart_seconds']:.3f} (frozen)")
-        print("    predicted vs measured s (whole change, then moves), bytes, nodes: "
-            f"{b['predicted_vs_measured_s']}")
+        b = asyncio.run(
+            live.prediction_error(calibrate=args.calibrate, measure=max(args.measure, 10))
+        )
+        print(
+            f"(b) {b['transitions_measured']} transitions between held-out layouts predicted after "
+            f"{args.calibrate} calibrated on others: whole change (engine restarts in) median "
+            "error "
+            f"{b['prediction_error']:.3f}, p90 {b['prediction_error_p90']:.3f}, max "
+            f"{b['prediction_error_max']:.3f}; "
+            f"moves alone median {b['prediction_error_moves']:.3f}, p90 "
+            f"{b['prediction_error_moves_p90']:.3f}"
+        )
+        print(
+            f"    calibrated {b['calibrated']}; restart_seconds {b['restart_seconds']:.3f} (frozen)"
+        )
+        print(
+            "    predicted vs measured s (whole change, then moves), bytes, nodes: "
+            f"{b['predicted_vs_measured_s']}"
+        )
         c = asyncio.run(live.overlap_ratio(rounds=args.rounds))
-        print(f"(c) generation on untouched devices: {c['tokens_per_s_during']:.1f} tokens/s "
+        print(
+            f"(c) generation on untouched devices: {c['tokens_per_s_during']:.1f} tokens/s "
             "during a transition, "
-              f"{c['tokens_per_s_alone']:.1f} without one ({c['cores']} cores)")
-        out.update(prediction_error=round(b["prediction_error"], 3),
-                   prediction_error_p90=round(b["prediction_error_p90"], 3),
-                   prediction_error_max=round(b["prediction_error_max"], 3),
-                   prediction_error_moves=round(b["prediction_error_moves"], 3),
-                   prediction_error_moves_p90=round(b["prediction_error_moves_p90"], 3),
-                   overlap_ratio=round(c["overlap_ratio"], 3))
+            f"{c['tokens_per_s_alone']:.1f} without one ({c['cores']} cores)"
+        )
+        out.update(
+            prediction_error=round(b["prediction_error"], 3),
+            prediction_error_p90=round(b["prediction_error_p90"], 3),
+            prediction_error_max=round(b["prediction_error_max"], 3),
+            prediction_error_moves=round(b["prediction_error_moves"], 3),
+            prediction_error_moves_p90=round(b["prediction_error_moves_p90"], 3),
+            overlap_ratio=round(c["overlap_ratio"], 3),
+        )
     print(json.dumps(out))
 
 

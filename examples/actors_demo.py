@@ -64,8 +64,10 @@ class Worker(Actor):
 
 async def main() -> int:
     async with Cluster.local(devices=4, memory_per_device="512MiB") as cluster:
-        print(f"devices: {[(d.index, d.kind, d.memory_bytes >> 20) for d in cluster.devices]} "
-              f"(index, kind, MiB); tap at {cluster.tap_address}")
+        print(
+            f"devices: {[(d.index, d.kind, d.memory_bytes >> 20) for d in cluster.devices]} "
+            f"(index, kind, MiB); tap at {cluster.tap_address}"
+        )
         tap = Subscriber(cluster.tap_address, cluster.key)
         events: list[dict] = []
 
@@ -77,8 +79,9 @@ async def main() -> int:
         failures: list[Failure] = []
         cluster.on_failure(failures.append)
 
-        mesh = await cluster.spawn("workers", Worker, devices=[0, 1, 2, 3], args=(10,),
-                                   axes={"dp": 2, "tp": 2})
+        mesh = await cluster.spawn(
+            "workers", Worker, devices=[0, 1, 2, 3], args=(10,), axes={"dp": 2, "tp": 2}
+        )
         print("call      ->", await mesh.add.call(1))
         print("slice     ->", [w["coords"] for w in await mesh.slice(tp=0).whoami.call()])
         print("call_one  ->", await mesh.slice(dp=1, tp=1).add.call_one(x=2))
@@ -88,15 +91,17 @@ async def main() -> int:
         try:
             await mesh.slice(dp=0, tp=1).divide.call_one(1.0, 0.0)
         except RemoteError as e:
-            print(f"error     -> {e.remote_type}: {e.remote_message} (actor {e.actor}, "
-                  f"device {e.device}); remote traceback has "
-                  f"{len(e.traceback_text.splitlines())} lines")
+            print(
+                f"error     -> {e.remote_type}: {e.remote_message} (actor {e.actor}, "
+                f"device {e.device}); remote traceback has "
+                f"{len(e.traceback_text.splitlines())} lines"
+            )
         try:
             await mesh.slice(dp=0, tp=0).slow.options(timeout_s=0.1).call_one(5.0)
         except DeadlineExceeded as e:
             print(f"deadline  -> {e}")
 
-        victim = (await mesh.slice(dp=1, tp=0).whoami.call_one())
+        victim = await mesh.slice(dp=1, tp=0).whoami.call_one()
         in_flight = mesh.slice(dp=1, tp=0).slow.call_one(60.0)
         os.kill(victim["pid"], signal.SIGKILL)
         try:

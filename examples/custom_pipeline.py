@@ -34,15 +34,18 @@ from nereus.rl import Rollouts, to_batch
 async def main(steps: int, samples_per_prompt: int = 8, keep_above: float = 0.3) -> list[float]:
     task = make_task("reverse", letters="abc", min_len=2, max_len=3)
     codec = Codec.for_alphabet(task.alphabet)
-    cfg = from_dict(JobConfig, {
-        "task": {"name": "reverse"},
-        "cluster": {"mode": "local", "devices": 3, "memory_per_device": "256MiB"},
-        "plan": {
-            "policy_generation": {"devices": [0, 1], "dp": 2},
-            "policy_training": {"devices": [2]},
+    cfg = from_dict(
+        JobConfig,
+        {
+            "task": {"name": "reverse"},
+            "cluster": {"mode": "local", "devices": 3, "memory_per_device": "256MiB"},
+            "plan": {
+                "policy_generation": {"devices": [0, 1], "dp": 2},
+                "policy_training": {"devices": [2]},
+            },
+            "optim": {"lr": 3e-3},
         },
-        "optim": {"lr": 3e-3},
-    })
+    )
     dataset = PromptDataset(task, size=2048, seed=0)
     rewards: list[float] = []
     with tempfile.TemporaryDirectory() as out:
@@ -51,10 +54,25 @@ async def main(steps: int, samples_per_prompt: int = 8, keep_above: float = 0.3)
         try:
             for step in range(steps):
                 samples = dataset.take(8)
-                prompts = [codec.encode(s.prompt) for s in samples for _ in range(samples_per_prompt)]
-                out_ = await stages.generate(prompts, {"max_tokens": 6, "temperature": 1.0, "stop_token_ids": [codec.eos_id], "seed": step})
+                prompts = [
+                    codec.encode(s.prompt) for s in samples for _ in range(samples_per_prompt)
+                ]
+                out_ = await stages.generate(
+                    prompts,
+                    {
+                        "max_tokens": 6,
+                        "temperature": 1.0,
+                        "stop_token_ids": [codec.eos_id],
+                        "seed": step,
+                    },
+                )
                 texts = [codec.decode(t) for t in out_["token_ids"]]
-                scores = [task.reward(s, t) for s, t in zip((s for s in samples for _ in range(samples_per_prompt)), texts, strict=True)]
+                scores = [
+                    task.reward(s, t)
+                    for s, t in zip(
+                        (s for s in samples for _ in range(samples_per_prompt)), texts, strict=True
+                    )
+                ]
                 # Keep the best answer per prompt when it is good enough.
                 keep = []
                 for g in range(len(samples)):
@@ -64,16 +82,23 @@ async def main(steps: int, samples_per_prompt: int = 8, keep_above: float = 0.3)
                         keep.append(best)
                 rewards.append(statistics.fmean(scores))
                 if keep:
-                    kept = Rollouts([prompts[r] for r in keep], [out_["token_ids"][r] for r in keep], [out_["logprobs"][r] for r in keep],
-                                    [samples[r // samples_per_prompt].index for r in keep], [out_["policy_version"][r] for r in keep])
+                    kept = Rollouts(
+                        [prompts[r] for r in keep],
+                        [out_["token_ids"][r] for r in keep],
+                        [out_["logprobs"][r] for r in keep],
+                        [samples[r // samples_per_prompt].index for r in keep],
+                        [out_["policy_version"][r] for r in keep],
+                    )
                     batch = to_batch(kept, codec.pad_id)
                     metrics = await stages.train_policy(batch, "nereus.engines.losses:nll_loss", {})
                     await stages.sync_policy()
                 else:
                     metrics = {}
-                print(f"step {step:3d}  reward {rewards[-1]:.3f}  kept {len(keep)}/{len(samples)}  "
-                      f"nll {metrics.get('nll', float('nan')):.3f}  policy version "
-                      f"{stages.policy_version}")
+                print(
+                    f"step {step:3d}  reward {rewards[-1]:.3f}  kept {len(keep)}/{len(samples)}  "
+                    f"nll {metrics.get('nll', float('nan')):.3f}  policy version "
+                    f"{stages.policy_version}"
+                )
         finally:
             await stages.close()
     return rewards
@@ -84,5 +109,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=40)
     torch.set_num_threads(1)
     r = asyncio.run(main(parser.parse_args().steps))
-    print(f"mean reward: first 5 steps {statistics.fmean(r[:5]):.3f}, last 5 steps "
-        f"{statistics.fmean(r[-5:]):.3f}")
+    print(
+        f"mean reward: first 5 steps {statistics.fmean(r[:5]):.3f}, last 5 steps "
+        f"{statistics.fmean(r[-5:]):.3f}"
+    )

@@ -80,14 +80,27 @@ async def run(job: RLJob, predicted: list[PredictedFailure | None]) -> list[dict
     await job.start()
     try:
         cfg = job.cfg
-        p = predict_memory_failure(cfg, job.model_config, cfg.job_plan(), prompt_length=job.max_prompt_tokens(),
-                                   budget_bytes=cfg.cluster.memory_bytes, devices=cfg.cluster.devices)
+        p = predict_memory_failure(
+            cfg,
+            job.model_config,
+            cfg.job_plan(),
+            prompt_length=job.max_prompt_tokens(),
+            budget_bytes=cfg.cluster.memory_bytes,
+            devices=cfg.cluster.devices,
+        )
         predicted.append(p)
         if p is not None:
-            log.info("the starting plan is predicted to run out of memory at step %d (cap %d: "
+            log.info(
+                "the starting plan is predicted to run out of memory at step %d (cap %d: "
                 "device %d needs %d "
-                     "of %d bytes)%s", p.step, p.cap, p.device, p.need_bytes, p.budget_bytes,
-                     "; the controller loop will move before that" if cfg.adapt.enabled else "")
+                "of %d bytes)%s",
+                p.step,
+                p.cap,
+                p.device,
+                p.need_bytes,
+                p.budget_bytes,
+                "; the controller loop will move before that" if cfg.adapt.enabled else "",
+            )
         return await job._loop()
     finally:
         await job.close()
@@ -98,13 +111,17 @@ def capacity_line(cfg: Any) -> tuple[Any, str]:
     demo says about its devices' compute."""
     cores = cfg.cluster.device_cores
     if cores is None or cfg.cluster.mode != "local":
-        return cfg, "devices share this machine's cores (cluster.cores_per_device = \"shared\")"
+        return cfg, 'devices share this machine\'s cores (cluster.cores_per_device = "shared")'
     try:
         where = check_cpu_limits()
     except ConfigError as e:
-        shared = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, cores_per_device="shared"))
-        return shared, (f"CPU LIMITS COULD NOT BE SET, running on shared cores instead of "
-                        f"{cfg.cluster.cores_per_device} cores per device: {e}")
+        shared = dataclasses.replace(
+            cfg, cluster=dataclasses.replace(cfg.cluster, cores_per_device="shared")
+        )
+        return shared, (
+            f"CPU LIMITS COULD NOT BE SET, running on shared cores instead of "
+            f"{cfg.cluster.cores_per_device} cores per device: {e}"
+        )
     return cfg, f"each device is capped at {cfg.cluster.cores_per_device} CPU cores ({where})"
 
 
@@ -123,22 +140,44 @@ def describe_pool_change(decisions: list[dict[str, Any]], at: int, word: str) ->
         after = d["target_plan"] if d["admitted"] and d["target_plan"] else d["current_plan"]
         payback = "n/a" if d["payback_steps"] is None else f"{d['payback_steps']:.2f}"
         limit = "n/a" if d["limit_steps"] is None else f"{d['limit_steps']:.1f}"
-        return (f"step {d['step']}: payback {payback} steps against a limit of {limit} -> "
+        return (
+            f"step {d['step']}: payback {payback} steps against a limit of {limit} -> "
             f"{'admitted' if d['admitted'] else 'turned down'} ({d['reason']}); "
-                f"before: {_dp(d['current_plan'])}; after: {_dp(after)}")
+            f"before: {_dp(d['current_plan'])}; after: {_dp(after)}"
+        )
     return f"no decision on devices {word} was recorded"
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--reclaim-at", type=int, default=50, help="step before which a device is reclaimed (0: never)")
-    p.add_argument("--return-at", type=int, default=60, help="step before which a fresh device joins (0: never)")
-    p.add_argument("--async", dest="is_async", action="store_true",
-                   help="asynchronous RL (examples/demo_async.toml): generation and training at once; "
-                        "no pool events")
+    p.add_argument(
+        "--reclaim-at",
+        type=int,
+        default=50,
+        help="step before which a device is reclaimed (0: never)",
+    )
+    p.add_argument(
+        "--return-at",
+        type=int,
+        default=60,
+        help="step before which a fresh device joins (0: never)",
+    )
+    p.add_argument(
+        "--async",
+        dest="is_async",
+        action="store_true",
+        help="asynchronous RL (examples/demo_async.toml): generation and training at once; "
+        "no pool events",
+    )
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("nereus.actors", "nereus.transfer", "nereus.engines", "nereus.controller", "nereus.node"):
+    for noisy in (
+        "nereus.actors",
+        "nereus.transfer",
+        "nereus.engines",
+        "nereus.controller",
+        "nereus.node",
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         cfg = parse_job([str(ASYNC_CONFIG if args.is_async else CONFIG), *rest])
@@ -157,25 +196,38 @@ def main(argv: list[str]) -> int:
         if isinstance(e, RemoteError) and e.remote_type != "OutOfMemory":
             raise
         p = predicted[0] if predicted else None
-        said = (f"the planner predicted step {p.step} (cap {p.cap}: device {p.device} needs "
+        said = (
+            f"the planner predicted step {p.step} (cap {p.cap}: device {p.device} needs "
             f"{p.need_bytes} "
-                f"bytes of {p.budget_bytes})" if p else "the planner predicted no failure")
-        print(f"demo: the job stopped with OutOfMemory at step {job.step}; {said}: {e}", file=sys.stderr)
+            f"bytes of {p.budget_bytes})"
+            if p
+            else "the planner predicted no failure"
+        )
+        print(
+            f"demo: the job stopped with OutOfMemory at step {job.step}; {said}: {e}",
+            file=sys.stderr,
+        )
         return 1
     changes = [r["transition"] for r in records if r.get("transition")]
     if args.is_async and job.async_run is not None:
         s = job.async_run.summary
-        print(f"async: staleness histogram (tokens per versions behind) {s['staleness_histogram']}, "
-              f"max {s['max_staleness_seen']} of {cfg.rl.max_staleness}; samples discarded "
-              f"{s['samples_discarded']}; generation/training split changes: "
-              f"{[c['generation_devices'] for c in changes]}")
-    print(f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> "
+        print(
+            f"async: staleness histogram (tokens per versions behind) {s['staleness_histogram']}, "
+            f"max {s['max_staleness_seen']} of {cfg.rl.max_staleness}; samples discarded "
+            f"{s['samples_discarded']}; generation/training split changes: "
+            f"{[c['generation_devices'] for c in changes]}"
+        )
+    print(
+        f"done: {len(records)} steps, reward {records[0]['reward_mean']:.3f} -> "
         f"{records[-1]['reward_mean']:.3f}, "
-          f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png")
+        f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png"
+    )
     print(f"devices: {capacity}")
     decisions = job.adapter.decisions if job.adapter is not None else []
     if args.reclaim_at and not args.is_async:
-        print(f"the reclaimed device: {describe_pool_change(decisions, args.reclaim_at, 'drained')}")
+        print(
+            f"the reclaimed device: {describe_pool_change(decisions, args.reclaim_at, 'drained')}"
+        )
     if args.return_at and not args.is_async:
         print(f"the returning device: {describe_pool_change(decisions, args.return_at, 'joined')}")
     return 0

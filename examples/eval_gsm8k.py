@@ -26,8 +26,12 @@ from nereus.models import ModelConfig
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="a Hugging Face folder (config.json, *.safetensors, tokenizer files)")
-    ap.add_argument("data", help="a JSONL file in verl's columns (prompt, reward_model.ground_truth)")
+    ap.add_argument(
+        "model", help="a Hugging Face folder (config.json, *.safetensors, tokenizer files)"
+    )
+    ap.add_argument(
+        "data", help="a JSONL file in verl's columns (prompt, reward_model.ground_truth)"
+    )
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     config, codec = ModelConfig.from_hf(args.model), Codec.from_dir(args.model)
@@ -41,9 +45,14 @@ def main() -> None:
     out = engine.generate(prompts, params).token_ids
     engine.close()
     texts = [codec.decode(ids) for ids in out]
-    correct = sum(math_reward(t, str(r["reward_model"]["ground_truth"])) for t, r in zip(texts, rows, strict=True))
-    print(f"{args.model}: greedy accuracy {correct / len(rows):.3f} ({int(correct)}/{len(rows)}), "
-          f"mean response length {sum(map(len, out)) / len(out):.1f} tokens")
+    correct = sum(
+        math_reward(t, str(r["reward_model"]["ground_truth"]))
+        for t, r in zip(texts, rows, strict=True)
+    )
+    print(
+        f"{args.model}: greedy accuracy {correct / len(rows):.3f} ({int(correct)}/{len(rows)}), "
+        f"mean response length {sum(map(len, out)) / len(out):.1f} tokens"
+    )
     for t in texts[:2]:
         print(f"  {t!r}")
 

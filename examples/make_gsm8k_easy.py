@@ -29,19 +29,28 @@ def _problem(r: random.Random) -> tuple[str, int]:
     kind = r.choice(["add", "sub", "mul", "add2"])
     if kind == "add":
         a, b = r.randint(2, 20), r.randint(2, 20)
-        return (f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does "
-            f"{name} have now?"), a + b
+        return (
+            f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does "
+            f"{name} have now?"
+        ), a + b
     if kind == "sub":
         a = r.randint(5, 30)
         b = r.randint(1, a - 1)
-        return (f"{name} has {a} {item} and gives {b} of them to a friend. How many {item} does "
-            f"{name} have left?"), a - b
+        return (
+            f"{name} has {a} {item} and gives {b} of them to a friend. How many {item} does "
+            f"{name} have left?"
+        ), a - b
     if kind == "mul":
         a, b = r.randint(2, 6), r.randint(2, 6)
-        return f"There are {a} boxes with {b} {item} in each box. How many {item} are there in total?", a * b
+        return (
+            f"There are {a} boxes with {b} {item} in each box. How many {item} are there in total?",
+            a * b,
+        )
     a, b = r.randint(2, 20), r.randint(2, 20)
-    return (f"{name} read {a} pages on Monday and {b} pages on Tuesday. How many pages did "
-        f"{name} read in total?"), a + b
+    return (
+        f"{name} read {a} pages on Monday and {b} pages on Tuesday. How many pages did "
+        f"{name} read in total?"
+    ), a + b
 
 
 def rows(n: int, seed: int) -> list[dict]:
@@ -49,13 +58,15 @@ def rows(n: int, seed: int) -> list[dict]:
     out = []
     for i in range(n):
         question, answer = _problem(r)
-        out.append({
-            "data_source": "gsm8k_easy",
-            "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"split": "train", "index": i, "question": question},
-        })
+        out.append(
+            {
+                "data_source": "gsm8k_easy",
+                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": "train", "index": i, "question": question},
+            }
+        )
     return out
 
 

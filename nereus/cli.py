@@ -16,16 +16,36 @@ __all__ = ["main"]
 _COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("nereus.job.cli", "run an RL job from a TOML config (e.g. examples/grpo_tiny.toml)"),
     "export": ("nereus.job.export", "write a job's trained policy as a Hugging Face folder"),
-    "plan": ("nereus.planner.cli", "search a plan for a cluster, model and algorithm and explain it"),
-    "simulate": ("nereus.sim.cli", "compare layout policies on a simulated cluster replaying device and length traces"),
-    "tap": ("nereus.monitor.tap", "print (or write as JSONL) the live monitoring tap of a controller"),
-    "dashboard": ("nereus.monitor.dashboard", "serve a local web page that follows a run's tap (or a recorded one) live"),
-    "controller": ("nereus.actors._controller", "run a standalone controller that node daemons join"),
+    "plan": (
+        "nereus.planner.cli",
+        "search a plan for a cluster, model and algorithm and explain it",
+    ),
+    "simulate": (
+        "nereus.sim.cli",
+        "compare layout policies on a simulated cluster replaying device and length traces",
+    ),
+    "tap": (
+        "nereus.monitor.tap",
+        "print (or write as JSONL) the live monitoring tap of a controller",
+    ),
+    "dashboard": (
+        "nereus.monitor.dashboard",
+        "serve a local web page that follows a run's tap (or a recorded one) live",
+    ),
+    "controller": (
+        "nereus.actors._controller",
+        "run a standalone controller that node daemons join",
+    ),
     "node": ("nereus.node", "run the per-host node daemon (one worker process per device)"),
-    "curve-key": ("nereus.actors._curve", "write a CURVE secret key file that encrypts tcp sockets"),
-
+    "curve-key": (
+        "nereus.actors._curve",
+        "write a CURVE secret key file that encrypts tcp sockets",
+    ),
     "slurm": ("nereus.launch.slurm_cli", "start a cluster (and an RL job) in a Slurm allocation"),
-    "k8s": ("nereus.launch.k8s_cli", "render the Kubernetes manifests of a cluster (and an RL job)"),
+    "k8s": (
+        "nereus.launch.k8s_cli",
+        "render the Kubernetes manifests of a cluster (and an RL job)",
+    ),
 }
 
 

@@ -37,11 +37,24 @@ T = TypeVar("T")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10,
-    "m": 1000**2, "mb": 1000**2, "mib": 2**20, "mi": 2**20,
-    "g": 1000**3, "gb": 1000**3, "gib": 2**30, "gi": 2**30,
-    "t": 1000**4, "tb": 1000**4, "tib": 2**40, "ti": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 2**10,
+    "ki": 2**10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 2**20,
+    "mi": 2**20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 2**30,
+    "gi": 2**30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 2**40,
+    "ti": 2**40,
 }
 
 
@@ -105,7 +118,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{path}={value!r} must have {len(args)} items")
-            return tuple(_convert(v, a, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+            return tuple(
+                _convert(v, a, f"{path}[{i}]")
+                for i, (a, v) in enumerate(zip(args, value, strict=True))
+            )
         item = args[0] if args else Any
         out = [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
@@ -113,7 +129,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}={value!r} must be a table")
         kt, vt = get_args(tp) or (Any, Any)
-        return {_convert(k, kt, f"{path}.<key>"): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
+        return {
+            _convert(k, kt, f"{path}.<key>"): _convert(v, vt, f"{path}.{k}")
+            for k, v in value.items()
+        }
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -152,9 +171,7 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = path or cls.__name__
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; expected some of {sorted(fields)}"
-        )
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(fields)}")
     kwargs = {}
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name

@@ -101,7 +101,9 @@ class OutOfMemory(NereusError, MemoryError):
 
     Names the device, the bytes needed and the budget."""
 
-    def __init__(self, device: str | int, need_bytes: int, budget_bytes: int, what: str = "") -> None:
+    def __init__(
+        self, device: str | int, need_bytes: int, budget_bytes: int, what: str = ""
+    ) -> None:
         self.device = device
         self.need_bytes = int(need_bytes)
         self.budget_bytes = int(budget_bytes)
@@ -158,8 +160,15 @@ class PeerDied(TransferError):
     and device (``dead``: their process is gone; ``silent``: on another host and no
     sign of life within a short grace)."""
 
-    def __init__(self, group: str, op: str, dead: list[int], silent: list[int],
-                 devices: tuple[int, ...] | None, seconds: float) -> None:
+    def __init__(
+        self,
+        group: str,
+        op: str,
+        dead: list[int],
+        silent: list[int],
+        devices: tuple[int, ...] | None,
+        seconds: float,
+    ) -> None:
         self.group = group
         self.op = op
         self.dead_ranks = list(dead)
@@ -175,8 +184,9 @@ class PeerDied(TransferError):
             parts.append(", ".join(map(name, dead)) + " died")
         if silent:
             parts.append(", ".join(map(name, silent)) + " stopped answering (presumed dead)")
-        super().__init__(f"{op!r} in group {group!r} failed after {seconds:.2f} s: "
-                         + "; ".join(parts))
+        super().__init__(
+            f"{op!r} in group {group!r} failed after {seconds:.2f} s: " + "; ".join(parts)
+        )
 
 
 class StateError(NereusError):
@@ -184,9 +194,13 @@ class StateError(NereusError):
     copy, extending onto devices that are not disjoint). Nothing was freed."""
 
 
-def exit_status(command: str, body: Callable[[], int | None], *,
-                usage: tuple[type[BaseException], ...] = (ConfigError,),
-                failure: tuple[type[BaseException], ...] = ()) -> int:
+def exit_status(
+    command: str,
+    body: Callable[[], int | None],
+    *,
+    usage: tuple[type[BaseException], ...] = (ConfigError,),
+    failure: tuple[type[BaseException], ...] = (),
+) -> int:
     """What a ``nereus`` command exits with: ``body()``'s status (None: 0), or, when it
     raises one of ``usage`` (a bad argument or config), 2 after ``command: message`` on
     stderr, or for one of ``failure`` (the command could not do its work) 1, printed

@@ -42,9 +42,12 @@ def _has_vllm() -> tuple[bool, str]:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slurm", action="store_true",
-                     help="run the tests marked slurm: they start a real Slurm on this machine "
-                          "(root, Debian's slurm-wlm and munge; `make test-slurm`)")
+    parser.addoption(
+        "--slurm",
+        action="store_true",
+        help="run the tests marked slurm: they start a real Slurm on this machine "
+        "(root, Debian's slurm-wlm and munge; `make test-slurm`)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -56,7 +59,8 @@ def pytest_collection_modifyitems(config, items):
         chosen = [item for item in items if item.get_closest_marker("slurm") is None]
         if len(chosen) != len(items):
             config.hook.pytest_deselected(
-                items=[i for i in items if i.get_closest_marker("slurm") is not None])
+                items=[i for i in items if i.get_closest_marker("slurm") is not None]
+            )
             items[:] = chosen
     gpu_ok, gpu_why = _has_cuda_and_nccl()
     vllm_ok, vllm_why = _has_vllm()
@@ -122,6 +126,8 @@ def pytest_runtest_makereport(item, call):
     through = sorted(_SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())))
     if started or through:
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} starts processes"
-                           f"{' through fixtures ' + ', '.join(through) if through else ''}"
-                           " but is not marked integration (pytest.mark.integration)")
+        report.longrepr = (
+            f"{item.nodeid} starts processes"
+            f"{' through fixtures ' + ', '.join(through) if through else ''}"
+            " but is not marked integration (pytest.mark.integration)"
+        )

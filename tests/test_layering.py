@@ -37,8 +37,15 @@ LAYERS: list[tuple[str, ...]] = [
 TOP_LEVEL = {"__init__", "cli", "config", "errors", "node"}
 
 # the simulator replays the planner and the transition DAG: never the runtime
-SIM_MAY_IMPORT = {"nereus.errors", "nereus.config", "nereus.planner", "nereus.transition",
-                  "nereus.state", "nereus.models", "nereus.sim"}
+SIM_MAY_IMPORT = {
+    "nereus.errors",
+    "nereus.config",
+    "nereus.planner",
+    "nereus.transition",
+    "nereus.state",
+    "nereus.models",
+    "nereus.sim",
+}
 
 
 def _module_name(path: Path, root: Path, package: str) -> str:
@@ -125,7 +132,7 @@ def _cycle_in(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
         nxt = sorted(w for w in graph[path[-1]] if w in comp)
         back = [w for w in nxt if w in seen]
         if back:
-            return path[path.index(back[0]):] + [back[0]]
+            return path[path.index(back[0]) :] + [back[0]]
         path.append(nxt[0])
         seen.add(nxt[0])
 
@@ -208,31 +215,39 @@ def _plant(root: Path, files: dict[str, str]) -> dict[str, set[str]]:
 
 
 def test_the_checks_find_a_planted_cycle_private_import_and_upward_import(tmp_path):
-    graph = _plant(tmp_path, {
-        "__init__.py": "",
-        "low/__init__.py": "",
-        "low/_inner.py": "",
-        "low/a.py": "def f():\n    from pkg.high.b import g\n",  # function-level, upward
-        "high/__init__.py": "",
-        "high/b.py": "from pkg.low import a\nfrom pkg.low._inner import x\n",
-    })
+    graph = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "low/__init__.py": "",
+            "low/_inner.py": "",
+            "low/a.py": "def f():\n    from pkg.high.b import g\n",  # function-level, upward
+            "high/__init__.py": "",
+            "high/b.py": "from pkg.low import a\nfrom pkg.low._inner import x\n",
+        },
+    )
     assert graph["pkg.low.a"] == {"pkg.high.b", "pkg.high"}
     assert graph["pkg.high.b"] == {"pkg.low.a", "pkg.low._inner", "pkg.low"}
     assert cycles(graph) == [["pkg.high.b", "pkg.low.a", "pkg.high.b"]]
     assert private_imports(graph) == ["pkg.high.b -> pkg.low._inner"]
     layers = [("pkg.low",), ("pkg.high",)]
     assert upward_imports(graph, layers) == [
-        "pkg.low.a (layer 0) -> pkg.high (layer 1)", "pkg.low.a (layer 0) -> pkg.high.b (layer 1)"]
+        "pkg.low.a (layer 0) -> pkg.high (layer 1)",
+        "pkg.low.a (layer 0) -> pkg.high.b (layer 1)",
+    ]
 
 
 def test_a_cycle_through_a_package_init_is_found(tmp_path):
     # rl.algorithms -> job.config runs job/__init__, which imports job.loop -> rl.algorithms
-    graph = _plant(tmp_path, {
-        "__init__.py": "",
-        "rl/__init__.py": "",
-        "rl/algorithms.py": "from pkg.job.config import JobConfig\n",
-        "job/__init__.py": "from pkg.job.loop import run\n",
-        "job/config.py": "",
-        "job/loop.py": "import pkg.rl.algorithms\n",
-    })
+    graph = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "rl/__init__.py": "",
+            "rl/algorithms.py": "from pkg.job.config import JobConfig\n",
+            "job/__init__.py": "from pkg.job.loop import run\n",
+            "job/config.py": "",
+            "job/loop.py": "import pkg.rl.algorithms\n",
+        },
+    )
     assert cycles(graph) == [["pkg.job", "pkg.job.loop", "pkg.rl.algorithms", "pkg.job"]]

@@ -55,8 +55,11 @@ def _too_new(path: Path, oldest: tuple[int, int]) -> list[str]:
             names = [node.module]
         for name in names:
             since = NEWER_STDLIB.get(name)
-            guarded = any(isinstance(p, ast.Try) or (isinstance(p, ast.If) and "version_info" in ast.unparse(p.test))
-                          for p in _parents(tree, node))
+            guarded = any(
+                isinstance(p, ast.Try)
+                or (isinstance(p, ast.If) and "version_info" in ast.unparse(p.test))
+                for p in _parents(tree, node)
+            )
             if since is not None and since > oldest and not guarded:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     return found

@@ -62,8 +62,9 @@ _raw_get = _RawSocket.get
 _TRAFFIC = frozenset({"messages", "batches", "stream_messages", "handshakes", "welcomes"})
 
 
-def configure(sock: zmq.Socket, max_message_bytes: int,
-              receive_hwm: int = RECEIVE_HWM) -> zmq.Socket:
+def configure(
+    sock: zmq.Socket, max_message_bytes: int, receive_hwm: int = RECEIVE_HWM
+) -> zmq.Socket:
     """Bound what ``sock`` buffers for its peers before anything is verified: frames
     up to ``max_message_bytes`` (a larger one disconnects its sender) and ``receive_hwm``
     messages per peer. Sends stay unbounded (our own messages, never refused)."""
@@ -123,8 +124,7 @@ class Channel:
     ) -> None:
         self.sock = sock
         self.is_router = sock.type == zmq.ROUTER
-        self._init_common(key, handler, counters, loop, max_message_bytes,
-                          serving=self.is_router)
+        self._init_common(key, handler, counters, loop, max_message_bytes, serving=self.is_router)
         self._fd = sock.getsockopt(zmq.FD)
         self.loop.add_reader(self._fd, self._on_readable)
         if not self.is_router:
@@ -132,9 +132,15 @@ class Channel:
         # Messages may already be waiting (edge already fired before add_reader).
         self.loop.call_soon(self._drain)
 
-    def _init_common(self, key: bytes, handler: Callable[[bytes | None, Any], None],
-                     counters: Counters, loop: asyncio.AbstractEventLoop | None,
-                     max_message_bytes: int, serving: bool) -> None:
+    def _init_common(
+        self,
+        key: bytes,
+        handler: Callable[[bytes | None, Any], None],
+        counters: Counters,
+        loop: asyncio.AbstractEventLoop | None,
+        max_message_bytes: int,
+        serving: bool,
+    ) -> None:
         """The state every channel has, whatever carries its bytes (``_stream`` too)."""
         self.session = Session(serving)
         self._held: list[tuple[bytes | None, bytes, Sequence[Any]]] = []  # before WELCOME
@@ -158,7 +164,9 @@ class Channel:
         header, buffers = self._encoder.encode(obj)
         self.send_encoded(header, buffers, ident)
 
-    def send_encoded(self, header: bytes, buffers: Sequence[Any], ident: bytes | None = None) -> None:
+    def send_encoded(
+        self, header: bytes, buffers: Sequence[Any], ident: bytes | None = None
+    ) -> None:
         if self.closed:
             raise ProtocolError("channel is closed")
         if not self.session.bound:
@@ -173,8 +181,13 @@ class Channel:
             self.loop.call_soon(self._flush)
         self._send_now(ident, header, buffers)
 
-    def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any],
-                  envelope: bytes | None = None) -> None:
+    def _send_now(
+        self,
+        ident: bytes | None,
+        header: bytes,
+        buffers: Sequence[Any],
+        envelope: bytes | None = None,
+    ) -> None:
         if envelope is None:
             envelope = self.session.outgoing(ident)
             if envelope is None:
@@ -337,8 +350,13 @@ class Channel:
         if session.server is None:
             try:
                 welcome = msgpack.unpackb(header, raw=False)
-            except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
-                    msgpack.StackError) as e:
+            except (
+                ValueError,
+                TypeError,
+                msgpack.ExtraData,
+                msgpack.FormatError,
+                msgpack.StackError,
+            ) as e:
                 raise Refused("header", f"malformed WELCOME: {e}") from None
             if type(welcome) is not list or len(welcome) != 2 or welcome[0] != WELCOME:
                 raise Refused("unbound", "a message before the WELCOME")
@@ -359,19 +377,27 @@ class Channel:
         try:
             batch = msgpack.unpackb(header, raw=False)
             _, headers, counts = batch
-            if (len(headers) != len(counts) or sum(counts) != len(buffers)
-                    or not all(type(h) is bytes for h in headers)
-                    or not all(type(c) is int and c >= 0 for c in counts)):
+            if (
+                len(headers) != len(counts)
+                or sum(counts) != len(buffers)
+                or not all(type(h) is bytes for h in headers)
+                or not all(type(c) is int and c >= 0 for c in counts)
+            ):
                 raise ValueError("batch headers, counts and buffers do not line up")
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
-                msgpack.StackError) as e:
+        except (
+            ValueError,
+            TypeError,
+            msgpack.ExtraData,
+            msgpack.FormatError,
+            msgpack.StackError,
+        ) as e:
             self.counters.reject("header", f"malformed batch: {e}")
             return
         self.counters.add("batches")
         start = 0
         for sub, n in zip(headers, counts, strict=True):
             try:
-                msg = _wire.decode(sub, buffers[start:start + n])
+                msg = _wire.decode(sub, buffers[start : start + n])
             except ProtocolError as e:
                 self.counters.reject("header", str(e))
                 msg = None
@@ -385,8 +411,10 @@ class Channel:
         except Exception:
             # A handler bug must not kill the channel; it is logged with its traceback.
             self.counters.add("handler_error")
-            log.exception("message handler failed on a message of kind %r",
-                          msg[0] if isinstance(msg, list) and msg else type(msg).__name__)
+            log.exception(
+                "message handler failed on a message of kind %r",
+                msg[0] if isinstance(msg, list) and msg else type(msg).__name__,
+            )
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket. With ``linger_ms`` > 0, what was sent or queued still goes

@@ -69,8 +69,9 @@ def current_client() -> Client:
     return _CLIENT
 
 
-def make_error(kind: str, remote_type: str, message: str, tb: str, actor: str,
-               device: int | None) -> NereusError:
+def make_error(
+    kind: str, remote_type: str, message: str, tb: str, actor: str, device: int | None
+) -> NereusError:
     """The caller-side exception for an ERR reply."""
     if kind == P.ERR_REMOTE:
         return RemoteError(remote_type, message, tb, actor, device)
@@ -84,8 +85,19 @@ def make_error(kind: str, remote_type: str, message: str, tb: str, actor: str,
 
 
 class _Pending:
-    __slots__ = ("fut", "address", "actor", "inc", "method", "device", "timed", "t0", "stream",
-                 "waiter", "cid")
+    __slots__ = (
+        "fut",
+        "address",
+        "actor",
+        "inc",
+        "method",
+        "device",
+        "timed",
+        "t0",
+        "stream",
+        "waiter",
+        "cid",
+    )
 
     def __init__(self, fut, address, actor, inc, method, device):
         self.fut = fut
@@ -104,8 +116,14 @@ class _Pending:
 class Client:
     """See the module docstring."""
 
-    def __init__(self, key: bytes, *, source: str, span_sample_every: int = 100,
-                 curve: CurveKey | None = None) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        source: str,
+        span_sample_every: int = 100,
+        curve: CurveKey | None = None,
+    ) -> None:
         self.key = key
         self.curve = curve  # CURVE for tcp connections (``_curve``)
         self.source = source
@@ -137,8 +155,13 @@ class Client:
         sock = configure(self.ctx.socket(zmq.DEALER), DEFAULT_MAX_MESSAGE_BYTES)
         secure(sock, self.curve, address, server=False)
         sock.connect(address)
-        return Channel(sock, self.key, lambda _ident, msg: self._on_message(address, msg),
-                       self.counters, loop=self.loop)
+        return Channel(
+            sock,
+            self.key,
+            lambda _ident, msg: self._on_message(address, msg),
+            self.counters,
+            loop=self.loop,
+        )
 
     def conn(self, address: str) -> Channel:
         ch = self._conns.get(address)
@@ -157,9 +180,13 @@ class Client:
             return None
         try:
             return StreamChannel.connect(
-                path, self.key, lambda _ident, msg: self._on_message(address, msg),
-                self.counters, loop=self.loop,
-                on_lost=lambda ch: self._stream_lost(address, ch))
+                path,
+                self.key,
+                lambda _ident, msg: self._on_message(address, msg),
+                self.counters,
+                loop=self.loop,
+                on_lost=lambda ch: self._stream_lost(address, ch),
+            )
         except OSError as e:
             log.debug("no stream socket for %s (%s): using ZeroMQ", address, e)
             return None
@@ -172,8 +199,18 @@ class Client:
 
     # -- calls -----------------------------------------------------------------------
 
-    def call(self, address: str, actor: str, inc: int, method: str, args: Any, kwargs: Any,
-             timeout_s: float | None, mode: int, device: int | None) -> asyncio.Future:
+    def call(
+        self,
+        address: str,
+        actor: str,
+        inc: int,
+        method: str,
+        args: Any,
+        kwargs: Any,
+        timeout_s: float | None,
+        mode: int,
+        device: int | None,
+    ) -> asyncio.Future:
         """Send one call; the future resolves with its result (see module docstring)."""
         fut = self.loop.create_future()
         reason = self.dead.get(address)
@@ -203,8 +240,17 @@ class Client:
             raise
         return fut
 
-    def open_stream(self, address: str, actor: str, inc: int, method: str, args: Any,
-                    kwargs: Any, timeout_s: float | None, device: int | None) -> _Pending:
+    def open_stream(
+        self,
+        address: str,
+        actor: str,
+        inc: int,
+        method: str,
+        args: Any,
+        kwargs: Any,
+        timeout_s: float | None,
+        device: int | None,
+    ) -> _Pending:
         """Send a STREAM call; read it with ``next_item``. Raises ActorDied for a dead worker."""
         reason = self.dead.get(address)
         if reason is not None:
@@ -217,8 +263,9 @@ class Client:
             self._add_deadline(p, cid, timeout_s)
         self.pending[cid] = p
         try:
-            self.conn(address).send([P.CALL, cid, actor, inc, method, timeout_s, args, kwargs,
-                                     P.STREAM])
+            self.conn(address).send(
+                [P.CALL, cid, actor, inc, method, timeout_s, args, kwargs, P.STREAM]
+            )
         except BaseException:
             self._finish(cid)
             raise
@@ -245,8 +292,9 @@ class Client:
         elif not p.fut.cancelled():
             p.fut.exception()  # seen by next_item or moot: do not warn "never retrieved"
 
-    async def request(self, address: str | None, op: str, body: Any,
-                      timeout_s: float | None = 30.0) -> Any:
+    async def request(
+        self, address: str | None, op: str, body: Any, timeout_s: float | None = 30.0
+    ) -> Any:
         """A control request (``CTRL``) to a worker, or to the controller if address is None."""
         cid = next(self._ids)
         fut = self.loop.create_future()
@@ -328,7 +376,9 @@ class Client:
         p = self._finish(cid)
         if p is not None and not p.fut.done():
             what = f"{p.actor}.{p.method}" if p.actor else p.method
-            p.fut.set_exception(DeadlineExceeded(f"call {what} missed its deadline of {timeout_s} s"))
+            p.fut.set_exception(
+                DeadlineExceeded(f"call {what} missed its deadline of {timeout_s} s")
+            )
             if p.stream is not None:
                 _end_stream(p)
 
@@ -400,9 +450,16 @@ class Client:
             _end_stream(p)
 
     def _span(self, p: _Pending, ok: bool) -> None:
-        self.emit_event({"type": "call_span", "actor": p.actor, "method": p.method,
-                         "device": p.device, "latency_seconds": time.perf_counter() - p.t0,
-                         "ok": ok})
+        self.emit_event(
+            {
+                "type": "call_span",
+                "actor": p.actor,
+                "method": p.method,
+                "device": p.device,
+                "latency_seconds": time.perf_counter() - p.t0,
+                "ok": ok,
+            }
+        )
 
     # -- failures --------------------------------------------------------------------
 

@@ -61,9 +61,15 @@ def _bind(sock: zmq.Socket, address: str) -> str:
 class Controller:
     """See the module docstring."""
 
-    def __init__(self, key: bytes, *, bind: str = "tcp://127.0.0.1:0",
-                 tap_bind: str = "tcp://127.0.0.1:0", heartbeat_timeout_s: float = 10.0,
-                 curve: CurveKey | None = None) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        bind: str = "tcp://127.0.0.1:0",
+        tap_bind: str = "tcp://127.0.0.1:0",
+        heartbeat_timeout_s: float = 10.0,
+        curve: CurveKey | None = None,
+    ) -> None:
         if heartbeat_timeout_s <= 0:
             raise ConfigError(f"heartbeat_timeout_s={heartbeat_timeout_s!r} must be > 0")
         self.key = key
@@ -100,12 +106,19 @@ class Controller:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         secure(sock, self.curve, self._bind_address, server=True)
         self.address = _bind(sock, self._bind_address)
-        self._channel = Channel(sock, self.key, self._on_message, self.counters, loop=loop,
-                                max_message_bytes=MAX_MESSAGE_BYTES)
+        self._channel = Channel(
+            sock,
+            self.key,
+            self._on_message,
+            self.counters,
+            loop=loop,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+        )
         self._tasks.append(loop.create_task(self._watch_heartbeats()))
         self._tasks.append(loop.create_task(self._report_counters()))
-        self.publish({"type": "controller_start", "address": self.address,
-                      "tap_address": self.tap_address})
+        self.publish(
+            {"type": "controller_start", "address": self.address, "tap_address": self.tap_address}
+        )
         log.info("controller at %s, tap at %s", self.address, self.tap_address)
         return self
 
@@ -133,8 +146,10 @@ class Controller:
         # an event that is not newer than the last one from this controller.
         envelope = _session.envelope(self._tap_id, _session.ANY, self._seq)
         try:
-            self._pub.send(b"".join((_wire.sign(self.key, header, (), envelope), envelope,
-                                     header)), zmq.NOBLOCK)
+            self._pub.send(
+                b"".join((_wire.sign(self.key, header, (), envelope), envelope, header)),
+                zmq.NOBLOCK,
+            )
         except zmq.Again:
             self.counters.add("events_dropped")
 
@@ -174,8 +189,11 @@ class Controller:
     def _answer(self, ident: bytes, cid: Any, value: Any, error: str | None) -> None:
         if type(cid) is not int or cid == 0:
             return
-        msg = ([P.OK, cid, 0, value] if error is None
-               else [P.ERR, cid, 0, P.ERR_PROTOCOL, "ProtocolError", error, ""])
+        msg = (
+            [P.OK, cid, 0, value]
+            if error is None
+            else [P.ERR, cid, 0, P.ERR_PROTOCOL, "ProtocolError", error, ""]
+        )
         self._send(ident, msg)
 
     def _send(self, ident: bytes, msg: list) -> bool:
@@ -221,15 +239,32 @@ class Controller:
             index = self._next_index
             self._next_index += 1
             self.devices[index] = {
-                "index": index, "host": str(body.get("host", "")), "kind": dev["kind"],
-                "memory_bytes": int(dev["memory_bytes"]), "node_id": node_id,
-                "local_index": int(dev["local_index"]), "address": "", "pid": 0, "alive": True,
+                "index": index,
+                "host": str(body.get("host", "")),
+                "kind": dev["kind"],
+                "memory_bytes": int(dev["memory_bytes"]),
+                "node_id": node_id,
+                "local_index": int(dev["local_index"]),
+                "address": "",
+                "pid": 0,
+                "alive": True,
             }
             indices.append(index)
-        self.nodes[node_id] = {"ident": ident, "host": body.get("host", ""), "alive": True,
-                               "last_heartbeat": time.monotonic(), "devices": indices}
-        self.publish({"type": "node_join", "node_id": node_id, "host": body.get("host", ""),
-                      "devices": indices})
+        self.nodes[node_id] = {
+            "ident": ident,
+            "host": body.get("host", ""),
+            "alive": True,
+            "last_heartbeat": time.monotonic(),
+            "devices": indices,
+        }
+        self.publish(
+            {
+                "type": "node_join",
+                "node_id": node_id,
+                "host": body.get("host", ""),
+                "devices": indices,
+            }
+        )
         return {"indices": indices}
 
     def _op_workers_ready(self, ident: bytes, body: dict) -> dict:
@@ -240,9 +275,17 @@ class Controller:
                 raise ValueError(f"device {w['index']} does not belong to {body['node_id']!r}")
             dev["address"] = str(w["address"])
             dev["pid"] = int(w["pid"])
-            self.publish({"type": "worker_join", "device": dev["index"], "node_id": dev["node_id"],
-                          "pid": dev["pid"], "address": dev["address"], "kind": dev["kind"],
-                          "memory_bytes": dev["memory_bytes"]})
+            self.publish(
+                {
+                    "type": "worker_join",
+                    "device": dev["index"],
+                    "node_id": dev["node_id"],
+                    "pid": dev["pid"],
+                    "address": dev["address"],
+                    "kind": dev["kind"],
+                    "memory_bytes": dev["memory_bytes"],
+                }
+            )
         node["last_heartbeat"] = time.monotonic()
         self._changed.set()
         return {}
@@ -258,8 +301,9 @@ class Controller:
         return {}
 
     def _op_worker_died(self, ident: bytes, body: dict) -> dict:
-        self._device_died(int(body["index"]), str(body.get("reason", "died")),
-                          body.get("returncode"))
+        self._device_died(
+            int(body["index"]), str(body.get("reason", "died")), body.get("returncode")
+        )
         return {}
 
     def _op_node_leave(self, ident: bytes, body: dict) -> dict:
@@ -272,8 +316,14 @@ class Controller:
             dev = self.devices[index]
             if dev["alive"]:
                 dev["alive"] = False
-                self.publish({"type": "worker_leave", "device": index, "node_id": dev["node_id"],
-                              "pid": dev["pid"]})
+                self.publish(
+                    {
+                        "type": "worker_leave",
+                        "device": index,
+                        "node_id": dev["node_id"],
+                        "pid": dev["pid"],
+                    }
+                )
                 # its owners learn it as they learn a death: work on it is gone
                 self._notify_death(dev, f"node left ({reason})")
         self.publish({"type": "node_leave", "node_id": body["node_id"], "reason": reason})
@@ -298,17 +348,35 @@ class Controller:
 
     def _op_worker_retired(self, ident: bytes, body: dict) -> dict:
         dev = self.devices[int(body["index"])]
-        self.publish({"type": "worker_retire", "device": dev["index"], "node_id": dev["node_id"], "pid": dev["pid"]})
-        notice = [P.NOTE, "device_retired", {"device": dev["index"], "address": dev["address"],
-                                             "reason": "retired"}]
+        self.publish(
+            {
+                "type": "worker_retire",
+                "device": dev["index"],
+                "node_id": dev["node_id"],
+                "pid": dev["pid"],
+            }
+        )
+        notice = [
+            P.NOTE,
+            "device_retired",
+            {"device": dev["index"], "address": dev["address"], "reason": "retired"},
+        ]
         for client in list(self.clients):
             self._send(client, notice)
         return {}
 
     def _notify_death(self, dev: dict[str, Any], reason: str) -> None:
-        notice = [P.NOTE, "worker_died", {"device": dev["index"], "address": dev["address"],
-                                          "node_id": dev["node_id"], "pid": dev["pid"],
-                                          "reason": reason}]
+        notice = [
+            P.NOTE,
+            "worker_died",
+            {
+                "device": dev["index"],
+                "address": dev["address"],
+                "node_id": dev["node_id"],
+                "pid": dev["pid"],
+                "reason": reason,
+            },
+        ]
         for ident in list(self.clients):
             self._send(ident, notice)
 
@@ -317,10 +385,19 @@ class Controller:
         if dev is None or not dev["alive"]:
             return
         dev["alive"] = False
-        log.warning("device %d (pid %d on node %s) died: %s", index, dev["pid"], dev["node_id"],
-                    reason)
-        self.publish({"type": "worker_death", "device": index, "node_id": dev["node_id"],
-                      "pid": dev["pid"], "reason": reason, "returncode": returncode})
+        log.warning(
+            "device %d (pid %d on node %s) died: %s", index, dev["pid"], dev["node_id"], reason
+        )
+        self.publish(
+            {
+                "type": "worker_death",
+                "device": index,
+                "node_id": dev["node_id"],
+                "pid": dev["pid"],
+                "reason": reason,
+                "returncode": returncode,
+            }
+        )
         self._notify_death(dev, reason)
         self._changed.set()
 
@@ -345,8 +422,9 @@ class Controller:
                 if node["alive"] and silence > self.heartbeat_timeout_s:
                     node["alive"] = False
                     log.warning("node %s lost: no heartbeat for %.1f s", node_id, silence)
-                    self.publish({"type": "node_lost", "node_id": node_id,
-                                  "silence_seconds": silence})
+                    self.publish(
+                        {"type": "node_lost", "node_id": node_id, "silence_seconds": silence}
+                    )
                     for index in node["devices"]:
                         self._device_died(index, "node lost")
 
@@ -370,12 +448,15 @@ class Controller:
                 return devices
             alive = sum(1 for d in self.devices.values() if d["alive"])
             if alive < count:
-                raise NereusError(f"only {alive} devices are alive; {count} were expected "
-                                  "(see the worker_death / node_lost events)")
+                raise NereusError(
+                    f"only {alive} devices are alive; {count} were expected "
+                    "(see the worker_death / node_lost events)"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DeadlineExceeded(f"only {len(devices)} of {count} devices became ready "
-                                       f"within {timeout_s} s")
+                raise DeadlineExceeded(
+                    f"only {len(devices)} of {count} devices became ready within {timeout_s} s"
+                )
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), left)
@@ -397,18 +478,33 @@ class Controller:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="nereus controller",
-                                 description="Run a standalone nereus controller.")
-    ap.add_argument("--bind", default="tcp://127.0.0.1:5555",
-                    help="ROUTER address nodes and drivers connect to (port 0: any free port)")
-    ap.add_argument("--tap-bind", default="tcp://127.0.0.1:0",
-                    help="PUB address of the monitoring tap (port 0: any free port)")
-    ap.add_argument("--key-file", default=None,
-                    help="file holding the cluster key (else $NEREUS_CLUSTER_KEY)")
-    ap.add_argument("--curve-key-file", default=None,
-                    help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)")
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
-                    help="declare a node lost after this long without a heartbeat")
+    ap = argparse.ArgumentParser(
+        prog="nereus controller", description="Run a standalone nereus controller."
+    )
+    ap.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5555",
+        help="ROUTER address nodes and drivers connect to (port 0: any free port)",
+    )
+    ap.add_argument(
+        "--tap-bind",
+        default="tcp://127.0.0.1:0",
+        help="PUB address of the monitoring tap (port 0: any free port)",
+    )
+    ap.add_argument(
+        "--key-file", default=None, help="file holding the cluster key (else $NEREUS_CLUSTER_KEY)"
+    )
+    ap.add_argument(
+        "--curve-key-file",
+        default=None,
+        help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)",
+    )
+    ap.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=10.0,
+        help="declare a node lost after this long without a heartbeat",
+    )
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -416,9 +512,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace) -> None:
     key = load_key(key_file=args.key_file)
     curve = load_curve(args.curve_key_file) if args.curve_key_file else None
-    controller = await Controller(key, bind=args.bind, tap_bind=args.tap_bind,
-                                  heartbeat_timeout_s=args.heartbeat_timeout_s,
-                                  curve=curve).start()
+    controller = await Controller(
+        key,
+        bind=args.bind,
+        tap_bind=args.tap_bind,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        curve=curve,
+    ).start()
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -433,8 +533,10 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s controller %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s controller %(name)s %(levelname)s %(message)s",
+    )
     return exit_status("nereus controller", lambda: run(_serve(args)))
 
 

@@ -36,8 +36,15 @@ from pathlib import Path
 
 from nereus.errors import ConfigError
 
-__all__ = ["CpuLimits", "find_controller", "check_cpu_limits", "worker_threads",
-           "device_threads", "parse_cores", "PERIOD_US"]
+__all__ = [
+    "CpuLimits",
+    "find_controller",
+    "check_cpu_limits",
+    "worker_threads",
+    "device_threads",
+    "parse_cores",
+    "PERIOD_US",
+]
 
 log = logging.getLogger("nereus.node")
 
@@ -46,8 +53,10 @@ V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_MOUNTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 _PREFIX = "nereus-"
 _STALE = re.compile(r"^nereus-(\d+)-")
-_HOW = ('run without CPU limits with cores_per_device = "shared" (each worker then shares '
-        'the host\'s cores), or run as root / in a cgroup subtree delegated to this user')
+_HOW = (
+    'run without CPU limits with cores_per_device = "shared" (each worker then shares '
+    "the host's cores), or run as root / in a cgroup subtree delegated to this user"
+)
 
 
 def worker_threads(cores: float | None) -> int:
@@ -72,14 +81,17 @@ def parse_cores(value: object, devices: int, field: str = "cores_per_device") ->
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         values = [float(value)] * devices
     elif isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
         values = [float(v) for v in value]
         if len(values) != devices:
-            raise ConfigError(f"{field}={list(value)!r} must give one number per device "
-                              f"({devices} devices)")
+            raise ConfigError(
+                f"{field}={list(value)!r} must give one number per device ({devices} devices)"
+            )
     else:
-        raise ConfigError(f'{field}={value!r} must be "shared", a number of cores, or one '
-                          "number per device")
+        raise ConfigError(
+            f'{field}={value!r} must be "shared", a number of cores, or one number per device'
+        )
     bad = [v for v in values if not (0.01 <= v <= 4096)]
     if bad:
         raise ConfigError(f"{field}={value!r}: each device's cores must be in [0.01, 4096]")
@@ -125,7 +137,8 @@ def find_controller(root: str | os.PathLike | None = None) -> tuple[str, Path]:
         raise ConfigError(
             f"cores_per_device is set but the cgroup root {str(path)!r} is missing, not a CPU "
             f"controller, or not writable by uid {os.getuid()}: the CPU limit cannot be set; "
-            + _HOW)
+            + _HOW
+        )
     for mount in V2_MOUNTS:
         if not (mount / "cgroup.controllers").exists():
             continue
@@ -138,7 +151,8 @@ def find_controller(root: str | os.PathLike | None = None) -> tuple[str, Path]:
     raise ConfigError(
         f"cores_per_device is set but no writable CPU controller was found (cgroup v2 with "
         f"cpu delegated under {', '.join(map(str, V2_MOUNTS))}, or v1 at {V1_ROOT}) for uid "
-        f"{os.getuid()}: the CPU limit cannot be set; " + _HOW)
+        f"{os.getuid()}: the CPU limit cannot be set; " + _HOW
+    )
 
 
 def check_cpu_limits(root: str | os.PathLike | None = None) -> str:
@@ -206,8 +220,9 @@ def _weight(cores: float, per_core: int, low: int, high: int) -> int:
 class CpuLimits:
     """The CPU groups of one node's devices (see the module docstring)."""
 
-    def __init__(self, cores: Sequence[float], *, owner: str,
-                 root: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self, cores: Sequence[float], *, owner: str, root: str | os.PathLike | None = None
+    ) -> None:
         for c in cores:
             if not c > 0:
                 raise ConfigError(f"cores_per_device={list(cores)!r}: each must be > 0")
@@ -235,8 +250,10 @@ class CpuLimits:
                 (path / "cpu.cfs_quota_us").write_text(str(quota))
                 (path / "cpu.shares").write_text(str(_weight(self.cores[i], 1024, 2, 262144)))
         except OSError as e:
-            raise ConfigError(f"cores_per_device={self.cores[i]}: cannot set the CPU limit in "
-                              f"{path}: {e.strerror}; " + _HOW) from None
+            raise ConfigError(
+                f"cores_per_device={self.cores[i]}: cannot set the CPU limit in "
+                f"{path}: {e.strerror}; " + _HOW
+            ) from None
         self.groups[i] = path
         return path
 

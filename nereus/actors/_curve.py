@@ -52,8 +52,7 @@ class CurveKey:
 
 def _require_curve() -> None:
     if not zmq.has("curve"):
-        raise ConfigError("CURVE encryption was asked for, but this libzmq was built "
-                          "without it")
+        raise ConfigError("CURVE encryption was asked for, but this libzmq was built without it")
 
 
 def curve_from_secret(secret: bytes, where: str) -> CurveKey:
@@ -63,8 +62,10 @@ def curve_from_secret(secret: bytes, where: str) -> CurveKey:
     try:
         public = zmq.curve_public(secret)
     except (ValueError, zmq.ZMQError) as e:
-        raise ConfigError(f"{where} does not hold a CURVE secret key ({_Z85_KEY_CHARS} z85 "
-                          f"characters, e.g. from `nereus curve-key FILE`): {e}") from None
+        raise ConfigError(
+            f"{where} does not hold a CURVE secret key ({_Z85_KEY_CHARS} z85 "
+            f"characters, e.g. from `nereus curve-key FILE`): {e}"
+        ) from None
     return CurveKey(secret, public)
 
 

@@ -54,8 +54,14 @@ log = logging.getLogger("nereus.actors")
 
 DEFAULT_MAX_PENDING = 10_000
 _SIMPLE_TYPES: dict[Any, tuple[type, ...]] = {
-    int: (int,), float: (int, float), str: (str,), bytes: (bytes,), bool: (bool,),
-    list: (list,), dict: (dict,), tuple: (tuple,),
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+    bytes: (bytes,),
+    bool: (bool,),
+    list: (list,),
+    dict: (dict,),
+    tuple: (tuple,),
 }
 _EP_CORO, _EP_AGEN, _EP_SYNC = 0, 1, 2
 # The idle fast path needs create_task(context=...) to give the consumer a context
@@ -73,7 +79,7 @@ def import_actor_class(path: str) -> type:
     if not sep or not module_name or not qual:
         raise ProtocolError(f"actor class path {path!r} must look like 'module:QualName'")
     if module_name.startswith("file:"):
-        module = _import_file(module_name[len("file:"):])
+        module = _import_file(module_name[len("file:") :])
     else:
         module = importlib.import_module(module_name)
     obj: Any = module
@@ -93,8 +99,9 @@ def _import_file(file: str) -> types.ModuleType:
     try:
         stat = os.stat(file)
     except OSError as e:
-        raise ProtocolError(f"cannot import actor module from file {file!r}: {e.strerror}") \
-            from None
+        raise ProtocolError(
+            f"cannot import actor module from file {file!r}: {e.strerror}"
+        ) from None
     digest = hashlib.sha256(f"{os.path.abspath(file)}\0{stat.st_mtime_ns}".encode())
     name = f"__nereus_main_{digest.hexdigest()[:16]}__"
     module = sys.modules.get(name)
@@ -127,8 +134,7 @@ class _Endpoint:
             self.kind = _EP_SYNC
         self.sig = inspect.signature(fn)
         params = list(self.sig.parameters.values())
-        positional = [p for p in params
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.nmin = sum(1 for p in positional if p.default is p.empty)
         has_var = any(p.kind == p.VAR_POSITIONAL for p in params)
         self.nmax = None if has_var else len(positional)
@@ -162,8 +168,10 @@ class _Endpoint:
 
     def _type_msg(self, name: str, value: Any, types: tuple[type, ...]) -> str:
         want = " or ".join(t.__name__ for t in types)
-        return (f"wrong argument type for {self.qualname}: {name}={_short(value)} is a "
-                f"{type(value).__name__}, expected {want}")
+        return (
+            f"wrong argument type for {self.qualname}: {name}={_short(value)} is a "
+            f"{type(value).__name__}, expected {want}"
+        )
 
 
 def _fits(value: Any, types: tuple[type, ...]) -> bool:
@@ -178,8 +186,22 @@ def _short(value: Any) -> str:
 
 
 class _Slot:
-    __slots__ = ("name", "instance", "incarnation", "endpoints", "mailbox", "wake", "pending",
-                 "max_pending", "consumer", "tasks", "cls", "context", "idle", "resume")
+    __slots__ = (
+        "name",
+        "instance",
+        "incarnation",
+        "endpoints",
+        "mailbox",
+        "wake",
+        "pending",
+        "max_pending",
+        "consumer",
+        "tasks",
+        "cls",
+        "context",
+        "idle",
+        "resume",
+    )
 
     def __init__(self, name: str, instance: Actor, incarnation: int, max_pending: int) -> None:
         self.name = name
@@ -189,8 +211,11 @@ class _Slot:
         self.endpoints: dict[str, _Endpoint] = {}
         for ep_name, fn in endpoints_of(type(instance)).items():
             spec = endpoint_spec(fn)
-            self.endpoints[ep_name] = _Endpoint(getattr(instance, ep_name), spec.concurrent,
-                                                f"{type(instance).__qualname__}.{ep_name}")
+            self.endpoints[ep_name] = _Endpoint(
+                getattr(instance, ep_name),
+                spec.concurrent,
+                f"{type(instance).__qualname__}.{ep_name}",
+            )
         self.mailbox: deque = deque()
         self.wake: asyncio.Future | None = None
         self.pending = 0
@@ -209,8 +234,15 @@ class ActorHost:
     the owner adds to ``extra_control`` (op -> ``handler(body) -> reply``; the worker
     adds shutdown)."""
 
-    def __init__(self, sock: zmq.Socket, key: bytes, device: DeviceInfo, counters: Counters,
-                 emit: Any = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        key: bytes,
+        device: DeviceInfo,
+        counters: Counters,
+        emit: Any = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.device = device
         self.counters = counters
@@ -218,16 +250,27 @@ class ActorHost:
         self.actors: dict[str, _Slot] = {}
         self.incarnations: dict[str, int] = {}
         self.extra_control: dict[str, Any] = {}
-        self.channel = Channel(sock, key, self._on_message, counters, loop=self.loop,
-                               max_message_bytes=max_message_bytes)
+        self.channel = Channel(
+            sock,
+            key,
+            self._on_message,
+            counters,
+            loop=self.loop,
+            max_message_bytes=max_message_bytes,
+        )
         self.stream: StreamChannel | None = None
         self._key = key
         self._max_message_bytes = max_message_bytes
 
     async def listen_stream(self, path: str) -> None:
         """Also take calls on a same-host stream socket at ``path`` (``_stream``)."""
-        self.stream = await StreamChannel.serve(path, self._key, self._on_message, self.counters,
-                                                max_message_bytes=self._max_message_bytes)
+        self.stream = await StreamChannel.serve(
+            path,
+            self._key,
+            self._on_message,
+            self.counters,
+            max_message_bytes=self._max_message_bytes,
+        )
 
     def _out(self, ident: bytes) -> Channel:
         """The channel a reply to ``ident`` leaves on: the one its call came in on."""
@@ -266,33 +309,70 @@ class ActorHost:
         slot = self.actors.get(name) if type(name) is str else None
         if slot is None:
             self.counters.reject("unknown_actor", f"{name!r}")
-            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
-                            f"no actor {name!r} on device {self.device.index}", "")
+            self._reply_err(
+                ident,
+                cid,
+                inc,
+                P.ERR_PROTOCOL,
+                "ProtocolError",
+                f"no actor {name!r} on device {self.device.index}",
+                "",
+            )
             return
         if inc != slot.incarnation:
             self.counters.add("stale_calls")
-            self._reply_err(ident, cid, inc, P.ERR_DIED, "ActorDied",
-                            f"incarnation {inc!r} of {name!r} is gone "
-                            f"(now {slot.incarnation})", "")
+            self._reply_err(
+                ident,
+                cid,
+                inc,
+                P.ERR_DIED,
+                "ActorDied",
+                f"incarnation {inc!r} of {name!r} is gone (now {slot.incarnation})",
+                "",
+            )
             return
         ep = slot.endpoints.get(method) if type(method) is str else None
         if ep is None:
             self.counters.reject("unknown_method", f"{name}.{method!r}")
-            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
-                            f"actor {name!r} ({slot.cls.__qualname__}) has no endpoint "
-                            f"{method!r}; endpoints: {sorted(slot.endpoints)}", "")
+            self._reply_err(
+                ident,
+                cid,
+                inc,
+                P.ERR_PROTOCOL,
+                "ProtocolError",
+                f"actor {name!r} ({slot.cls.__qualname__}) has no endpoint "
+                f"{method!r}; endpoints: {sorted(slot.endpoints)}",
+                "",
+            )
             return
-        if type(args) is not list or type(kwargs) is not dict or mode not in (0, 1, 2) or not (
-                timeout_s is None or type(timeout_s) in (int, float)):
+        if (
+            type(args) is not list
+            or type(kwargs) is not dict
+            or mode not in (0, 1, 2)
+            or not (timeout_s is None or type(timeout_s) in (int, float))
+        ):
             self.counters.reject("header", "CALL args/kwargs/mode/timeout of the wrong type")
-            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
-                            "CALL needs args as a list, kwargs as a map, mode 0-2, "
-                            "timeout_s a number or nil", "")
+            self._reply_err(
+                ident,
+                cid,
+                inc,
+                P.ERR_PROTOCOL,
+                "ProtocolError",
+                "CALL needs args as a list, kwargs as a map, mode 0-2, timeout_s a number or nil",
+                "",
+            )
             return
         if kwargs and not all(type(k) is str for k in kwargs):
             self.counters.reject("arguments", "non-string keyword")
-            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
-                            "keyword argument names must be strings", "")
+            self._reply_err(
+                ident,
+                cid,
+                inc,
+                P.ERR_PROTOCOL,
+                "ProtocolError",
+                "keyword argument names must be strings",
+                "",
+            )
             return
         problem = ep.check(args, kwargs)
         if problem is not None:
@@ -300,17 +380,27 @@ class ActorHost:
             self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError", problem, "")
             return
         if (mode == P.STREAM) != (ep.kind == _EP_AGEN):
-            what = ("is not a stream: use call" if ep.kind != _EP_AGEN
-                    else "is a stream (async generator): use .stream(...)")
+            what = (
+                "is not a stream: use call"
+                if ep.kind != _EP_AGEN
+                else "is a stream (async generator): use .stream(...)"
+            )
             self.counters.reject("arguments", f"{ep.qualname} {what}")
-            self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError",
-                            f"{ep.qualname} {what}", "")
+            self._reply_err(
+                ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError", f"{ep.qualname} {what}", ""
+            )
             return
         if slot.pending >= slot.max_pending:
             self.counters.add("backpressure")
-            self._reply_err(ident, cid, inc, P.ERR_BACKPRESSURE, "Backpressure",
-                            f"actor {name!r} has {slot.pending} pending calls "
-                            f"(cap {slot.max_pending})", "")
+            self._reply_err(
+                ident,
+                cid,
+                inc,
+                P.ERR_BACKPRESSURE,
+                "Backpressure",
+                f"actor {name!r} has {slot.pending} pending calls (cap {slot.max_pending})",
+                "",
+            )
             return
         slot.pending += 1
         deadline = None if timeout_s is None else self.loop.time() + timeout_s
@@ -394,19 +484,41 @@ class ActorHost:
         log.exception("actor %r: failure outside the endpoint", slot.name)
         _, ep, ident, cid, _, _, _, mode = item
         if mode != P.NO_REPLY:
-            self._reply_err(ident, cid, slot.incarnation, P.ERR_PROTOCOL,
-                            "ProtocolError", "internal error while serving the call "
-                            "(see the worker's log)", "")
+            self._reply_err(
+                ident,
+                cid,
+                slot.incarnation,
+                P.ERR_PROTOCOL,
+                "ProtocolError",
+                "internal error while serving the call (see the worker's log)",
+                "",
+            )
 
-    async def _run(self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, args: list,
-                   kwargs: dict, deadline: float | None, mode: int) -> None:
+    async def _run(
+        self,
+        slot: _Slot,
+        ep: _Endpoint,
+        ident: bytes,
+        cid: int,
+        args: list,
+        kwargs: dict,
+        deadline: float | None,
+        mode: int,
+    ) -> None:
         inc = slot.incarnation
         try:
             if deadline is not None and self.loop.time() > deadline:
                 self.counters.add("expired_calls")
                 if mode != P.NO_REPLY:
-                    self._reply_err(ident, cid, inc, P.ERR_DEADLINE, "DeadlineExceeded",
-                                    f"{ep.qualname} was not started before its deadline", "")
+                    self._reply_err(
+                        ident,
+                        cid,
+                        inc,
+                        P.ERR_DEADLINE,
+                        "DeadlineExceeded",
+                        f"{ep.qualname} was not started before its deadline",
+                        "",
+                    )
                 return
             if ep.kind == _EP_CORO:
                 value = await ep.fn(*args, **kwargs)
@@ -424,8 +536,9 @@ class ActorHost:
                 value = ep.fn(*args, **kwargs)
         except asyncio.CancelledError:
             if mode != P.NO_REPLY:
-                self._reply_err(ident, cid, inc, P.ERR_DIED, "ActorDied",
-                                f"actor {slot.name!r} was stopped", "")
+                self._reply_err(
+                    ident, cid, inc, P.ERR_DIED, "ActorDied", f"actor {slot.name!r} was stopped", ""
+                )
             raise
         except Exception as e:
             self._remote_error(slot, ep, ident, cid, inc, mode, e)
@@ -435,15 +548,24 @@ class ActorHost:
         if mode == P.REPLY:
             self._send(ident, [P.OK, cid, inc, value], ep)
 
-    def _remote_error(self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, inc: int,
-                      mode: int, e: Exception) -> None:
+    def _remote_error(
+        self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, inc: int, mode: int, e: Exception
+    ) -> None:
         tb = traceback.format_exc()
         rtype = type(e).__qualname__
         if mode == P.NO_REPLY:
             log.error("broadcast call %s on %r failed:\n%s", ep.qualname, slot.name, tb)
-            self.emit({"type": "error", "actor": slot.name, "method": ep.qualname,
-                       "device": self.device.index, "remote_type": rtype,
-                       "message": str(e), "traceback": tb})
+            self.emit(
+                {
+                    "type": "error",
+                    "actor": slot.name,
+                    "method": ep.qualname,
+                    "device": self.device.index,
+                    "remote_type": rtype,
+                    "message": str(e),
+                    "traceback": tb,
+                }
+            )
             return
         self._reply_err(ident, cid, inc, P.ERR_REMOTE, rtype, str(e), tb)
 
@@ -453,15 +575,23 @@ class ActorHost:
             self._out(ident).send(msg, ident)
             return True
         except ProtocolError as e:  # the value cannot cross the wire
-            self._reply_err(ident, msg[1], msg[2], P.ERR_PROTOCOL, "ProtocolError",
-                            f"result of {ep.qualname} cannot be sent: {e}", "")
+            self._reply_err(
+                ident,
+                msg[1],
+                msg[2],
+                P.ERR_PROTOCOL,
+                "ProtocolError",
+                f"result of {ep.qualname} cannot be sent: {e}",
+                "",
+            )
         except zmq.ZMQError as e:
             self.counters.add("reply_send_failed")
             log.warning("could not send a reply of %s: %s", ep.qualname, e)
         return False
 
-    def _reply_err(self, ident: bytes, cid: int, inc: Any, kind: str, rtype: str, message: str,
-                   tb: str) -> None:
+    def _reply_err(
+        self, ident: bytes, cid: int, inc: Any, kind: str, rtype: str, message: str, tb: str
+    ) -> None:
         if self.channel.closed:  # shutting down: the callers learn from the controller
             return
         try:
@@ -473,12 +603,17 @@ class ActorHost:
     # -- control ---------------------------------------------------------------------
 
     def _on_control(self, ident: bytes, cid: int, op: str, body: Any) -> None:
-        handler = {"spawn": self._spawn, "stop": self._stop, "supervise": self._supervise,
-                   "stats": self._stats}.get(op) or self.extra_control.get(op)
+        handler = {
+            "spawn": self._spawn,
+            "stop": self._stop,
+            "supervise": self._supervise,
+            "stats": self._stats,
+        }.get(op) or self.extra_control.get(op)
         if handler is None:
             self.counters.reject("unknown_method", f"control op {op!r}")
-            self._reply_err(ident, cid, 0, P.ERR_PROTOCOL, "ProtocolError",
-                            f"unknown control op {op!r}", "")
+            self._reply_err(
+                ident, cid, 0, P.ERR_PROTOCOL, "ProtocolError", f"unknown control op {op!r}", ""
+            )
             return
         try:
             value = handler(body)
@@ -487,8 +622,9 @@ class ActorHost:
             self._reply_err(ident, cid, 0, P.ERR_PROTOCOL, "ProtocolError", str(e), "")
             return
         except Exception as e:
-            self._reply_err(ident, cid, 0, P.ERR_REMOTE, type(e).__qualname__, str(e),
-                            traceback.format_exc())
+            self._reply_err(
+                ident, cid, 0, P.ERR_REMOTE, type(e).__qualname__, str(e), traceback.format_exc()
+            )
             return
         try:
             self._out(ident).send([P.OK, cid, 0, value], ident)
@@ -503,8 +639,10 @@ class ActorHost:
         if type(name) is not str or not name:
             raise ProtocolError(f"spawn: name={name!r} must be a non-empty string")
         if name in self.actors:
-            raise ProtocolError(f"spawn: an actor named {name!r} already lives on device "
-                                f"{self.device.index}; stop it first")
+            raise ProtocolError(
+                f"spawn: an actor named {name!r} already lives on device "
+                f"{self.device.index}; stop it first"
+            )
         cls = import_actor_class(body.get("cls", ""))
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(body.get("torch_threads", device_threads()))
@@ -531,8 +669,15 @@ class ActorHost:
         # The actor's imports (torch: ~150k objects) would otherwise be rescanned by every
         # full cyclic collection, which costs more than the call path itself.
         gc.freeze()
-        self.emit({"type": "actor_spawn", "actor": name, "device": self.device.index,
-                   "incarnation": inc, "class": body.get("cls", "")})
+        self.emit(
+            {
+                "type": "actor_spawn",
+                "actor": name,
+                "device": self.device.index,
+                "incarnation": inc,
+                "class": body.get("cls", ""),
+            }
+        )
         return {"incarnation": inc, "endpoints": sorted(slot.endpoints)}
 
     def _stop(self, body: Any) -> dict:
@@ -556,8 +701,15 @@ class ActorHost:
             _, ep, ident, cid, _, _, _, mode = slot.mailbox.popleft()
             slot.pending -= 1
             if mode != P.NO_REPLY:
-                self._reply_err(ident, cid, slot.incarnation, P.ERR_DIED, "ActorDied",
-                                f"actor {slot.name!r} was {reason}", "")
+                self._reply_err(
+                    ident,
+                    cid,
+                    slot.incarnation,
+                    P.ERR_DIED,
+                    "ActorDied",
+                    f"actor {slot.name!r} was {reason}",
+                    "",
+                )
 
     def _supervise(self, body: Any) -> dict:
         name = body.get("name") if type(body) is dict else None
@@ -572,9 +724,13 @@ class ActorHost:
         return {"handled": True}
 
     def _stats(self, body: Any) -> dict:
-        return {"counters": self.counters.snapshot(),
-                "actors": {n: {"incarnation": s.incarnation, "pending": s.pending}
-                           for n, s in self.actors.items()}}
+        return {
+            "counters": self.counters.snapshot(),
+            "actors": {
+                n: {"incarnation": s.incarnation, "pending": s.pending}
+                for n, s in self.actors.items()
+            },
+        }
 
     def close(self) -> None:
         for slot in list(self.actors.values()):

@@ -18,8 +18,7 @@ from typing import Any
 
 from nereus.errors import ConfigError
 
-__all__ = ["KEY_ENV", "CURVE_ENV", "MIN_KEY_BYTES", "load_key", "generate_key",
-           "curve_from_env"]
+__all__ = ["KEY_ENV", "CURVE_ENV", "MIN_KEY_BYTES", "load_key", "generate_key", "curve_from_env"]
 
 KEY_ENV = "NEREUS_CLUSTER_KEY"
 CURVE_ENV = "NEREUS_CURVE_SECRET"
@@ -51,8 +50,9 @@ def load_key(key: str | bytes | None = None, key_file: str | None = None) -> byt
             "print(secrets.token_hex(32))'`)"
         )
     if len(value) < MIN_KEY_BYTES:
-        raise ConfigError(f"{where} holds a key of {len(value)} bytes; it must have at least "
-                          f"{MIN_KEY_BYTES}")
+        raise ConfigError(
+            f"{where} holds a key of {len(value)} bytes; it must have at least {MIN_KEY_BYTES}"
+        )
     return value
 
 

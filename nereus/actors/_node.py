@@ -146,7 +146,8 @@ def _gpu_ids(spec: str, environ: Mapping[str, str] | None = None) -> list[tuple[
             raise ConfigError(
                 f"gpus={spec!r} names GPU {max(ids)}, but CUDA_VISIBLE_DEVICES="
                 f"{environ['CUDA_VISIBLE_DEVICES']!r} shows this node {len(visible)}: ids count "
-                f"within it (0..{len(visible) - 1})")
+                f"within it (0..{len(visible) - 1})"
+            )
     return [(i, visible[i] if visible is not None else str(i)) for i in ids]
 
 
@@ -166,16 +167,26 @@ class _Worker:
 class NodeDaemon:
     """See the module docstring."""
 
-    def __init__(self, controller: str, key: bytes, *, devices: int | None = None,
-                 gpus: str | None = None, memory_per_device: int | str | None = None,
-                 transport: str = "tcp", bind_host: str = "127.0.0.1",
-                 node_id: str | None = None, heartbeat_s: float = 0.5,
-                 start_timeout_s: float = 60.0, stop_grace_s: float = 3.0,
-                 log_level: str = "WARNING",
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 curve: CurveKey | None = None,
-                 cores_per_device: float | str | list[float] | None = None,
-                 cgroup_root: str | None = None) -> None:
+    def __init__(
+        self,
+        controller: str,
+        key: bytes,
+        *,
+        devices: int | None = None,
+        gpus: str | None = None,
+        memory_per_device: int | str | None = None,
+        transport: str = "tcp",
+        bind_host: str = "127.0.0.1",
+        node_id: str | None = None,
+        heartbeat_s: float = 0.5,
+        start_timeout_s: float = 60.0,
+        stop_grace_s: float = 3.0,
+        log_level: str = "WARNING",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        curve: CurveKey | None = None,
+        cores_per_device: float | str | list[float] | None = None,
+        cgroup_root: str | None = None,
+    ) -> None:
         if (devices is None) == (gpus is None):
             raise ConfigError(f"devices={devices!r}, gpus={gpus!r}: give exactly one of them")
         if devices is not None and (not isinstance(devices, int) or devices < 1):
@@ -194,14 +205,17 @@ class NodeDaemon:
         count = devices if devices is not None else len(gpu_pairs)
         if memory_per_device is None:
             # A GPU's budget leaves out its CUDA context and NCCL's buffers (gpu_memory).
-            self.memory_bytes = ([gpu_budget_bytes(self._gpu_memory(i)) for i in self.gpu_ids]
-                                 or [2**30] * count)
+            self.memory_bytes = [gpu_budget_bytes(self._gpu_memory(i)) for i in self.gpu_ids] or [
+                2**30
+            ] * count
         else:
             self.memory_bytes = [parse_size(memory_per_device, "memory_per_device")] * count
         self.count = count
         if cores_per_device not in (None, "shared") and self.kind != "cpu":
-            raise ConfigError(f"cores_per_device={cores_per_device!r} caps CPU workers; "
-                              "GPU devices are one GPU each")
+            raise ConfigError(
+                f"cores_per_device={cores_per_device!r} caps CPU workers; "
+                "GPU devices are one GPU each"
+            )
         # per local device, None: shared cores; groups are made in start()
         self.cores = parse_cores(cores_per_device, count)
         self.cgroup_root = cgroup_root
@@ -240,22 +254,29 @@ class NodeDaemon:
         calling it for several nodes one after the other fixes their order."""
         if self._client is not None:
             return
-        self._client = _client.Client(self.key, source=f"node:{self.node_id}",
-                                      span_sample_every=0, curve=self.curve)
+        self._client = _client.Client(
+            self.key, source=f"node:{self.node_id}", span_sample_every=0, curve=self.curve
+        )
         self._client.connect_controller(self.controller)
         self._client.notice_listeners.append(self._on_notice)
-        devices = [{"local_index": i, "kind": self.kind, "memory_bytes": self.memory_bytes[i]}
-                   for i in range(self.count)]
+        devices = [
+            {"local_index": i, "kind": self.kind, "memory_bytes": self.memory_bytes[i]}
+            for i in range(self.count)
+        ]
         try:
-            reply = await self._client.request(None, "node_register", {
-                "node_id": self.node_id, "host": self.host, "devices": devices},
-                timeout_s=self.start_timeout_s)
+            reply = await self._client.request(
+                None,
+                "node_register",
+                {"node_id": self.node_id, "host": self.host, "devices": devices},
+                timeout_s=self.start_timeout_s,
+            )
         except DeadlineExceeded:
             self._client.close()
             self._client = None
             raise DeadlineExceeded(
                 f"the controller at {self.controller} did not answer within "
-                f"{self.start_timeout_s} s: is it running, and does it hold this key?") from None
+                f"{self.start_timeout_s} s: is it running, and does it hold this key?"
+            ) from None
         self.workers = [_Worker(g, i) for i, g in enumerate(reply["indices"])]
 
     async def start(self) -> NodeDaemon:
@@ -268,19 +289,28 @@ class NodeDaemon:
         try:
             if self.cores is not None:
                 self.limits = CpuLimits(self.cores, owner=self.node_id, root=self.cgroup_root)
-            await asyncio.wait_for(asyncio.gather(*(self._spawn(w) for w in self.workers)),
-                                   self.start_timeout_s)
+            await asyncio.wait_for(
+                asyncio.gather(*(self._spawn(w) for w in self.workers)), self.start_timeout_s
+            )
         except asyncio.TimeoutError:
             await self.stop()
-            raise DeadlineExceeded(f"node {self.node_id}: workers not ready within "
-                                   f"{self.start_timeout_s} s") from None
+            raise DeadlineExceeded(
+                f"node {self.node_id}: workers not ready within {self.start_timeout_s} s"
+            ) from None
         except BaseException:
             await self.stop()
             raise
-        await self._client.request(None, "workers_ready", {
-            "node_id": self.node_id,
-            "workers": [{"index": w.index, "address": w.address, "pid": w.proc.pid}
-                        for w in self.workers]})
+        await self._client.request(
+            None,
+            "workers_ready",
+            {
+                "node_id": self.node_id,
+                "workers": [
+                    {"index": w.index, "address": w.address, "pid": w.proc.pid}
+                    for w in self.workers
+                ],
+            },
+        )
         for w in self.workers:
             w.watch = asyncio.get_running_loop().create_task(self._watch(w))
         return self
@@ -315,27 +345,49 @@ class NodeDaemon:
             bind = f"ipc://{self._tmpdir}/w{w.index}"
         else:
             bind = f"tcp://{self.bind_host}:0"
-        cmd = [sys.executable, "-m", "nereus.actors._worker", "--controller", self.controller,
-               "--bind", bind, "--device-index", str(w.index), "--local-index", str(w.local_index),
-               "--host", self.host, "--kind", self.kind,
-               "--memory-bytes", str(self.memory_bytes[w.local_index]),
-               "--node-id", self.node_id, "--parent-pid", str(os.getpid()),
-               "--log-level", self.log_level,
-               "--max-message-bytes", str(self.max_message_bytes)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nereus.actors._worker",
+            "--controller",
+            self.controller,
+            "--bind",
+            bind,
+            "--device-index",
+            str(w.index),
+            "--local-index",
+            str(w.local_index),
+            "--host",
+            self.host,
+            "--kind",
+            self.kind,
+            "--memory-bytes",
+            str(self.memory_bytes[w.local_index]),
+            "--node-id",
+            self.node_id,
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            self.log_level,
+            "--max-message-bytes",
+            str(self.max_message_bytes),
+        ]
         # a capped worker is in its group before it executes Python (so before torch)
         join = self.limits.preexec(w.local_index) if self.limits is not None else None
         w.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, env=self._env(w), cwd=os.getcwd(),
-            preexec_fn=join)
+            *cmd, stdout=asyncio.subprocess.PIPE, env=self._env(w), cwd=os.getcwd(), preexec_fn=join
+        )
         while True:
             line = await w.proc.stdout.readline()
             if not line:
                 rc = await w.proc.wait()
-                raise ConfigError(f"worker for device {w.index} exited before it was ready "
-                                  f"({death_reason(rc)}); see its stderr above")
+                raise ConfigError(
+                    f"worker for device {w.index} exited before it was ready "
+                    f"({death_reason(rc)}); see its stderr above"
+                )
             text = line.decode(errors="replace").rstrip()
             if text.startswith(WORKER_READY):
-                w.address = text[len(WORKER_READY):]
+                w.address = text[len(WORKER_READY) :]
                 break
             sys.stdout.write(f"[device {w.index}] {text}\n")
         w.reader = asyncio.get_running_loop().create_task(self._forward(w))
@@ -357,9 +409,16 @@ class NodeDaemon:
         reason = death_reason(rc)
         log.warning("worker of device %d (pid %d) died: %s", w.index, w.proc.pid, reason)
         try:
-            self._client.tell("worker_died", {"node_id": self.node_id, "index": w.index,
-                                              "pid": w.proc.pid, "reason": reason,
-                                              "returncode": rc})
+            self._client.tell(
+                "worker_died",
+                {
+                    "node_id": self.node_id,
+                    "index": w.index,
+                    "pid": w.proc.pid,
+                    "reason": reason,
+                    "returncode": rc,
+                },
+            )
         except Exception:
             log.exception("could not report the death of device %d", w.index)
             raise
@@ -376,8 +435,11 @@ class NodeDaemon:
                 asyncio.get_running_loop().create_task(self._retire(w))
             return
         if op == "node_lost" and body.get("node_id") == self.node_id and not self.stopping:
-            log.error("the controller declared node %s lost (heartbeats came too late); "
-                      "stopping its workers", self.node_id)
+            log.error(
+                "the controller declared node %s lost (heartbeats came too late); "
+                "stopping its workers",
+                self.node_id,
+            )
             self.fenced.set()
             asyncio.get_running_loop().create_task(self.stop())
 
@@ -448,24 +510,42 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--devices", type=int, help="CPU worker processes, one per device")
     group.add_argument("--gpus", help="'all' or GPU ids like 0,1")
-    ap.add_argument("--memory-per-device", default=None,
-                    help="budget per device, e.g. 2GiB (CPU default 1GiB; GPU: its memory)")
-    ap.add_argument("--cores-per-device", default="shared",
-                    help="CPU cores each worker may use (cgroup quota): a number, one per "
-                         "device like 0.25,0.5, or 'shared' (no limit; the default)")
-    ap.add_argument("--cgroup-root", default=None,
-                    help="make the CPU groups in this cgroup folder (default: found)")
+    ap.add_argument(
+        "--memory-per-device",
+        default=None,
+        help="budget per device, e.g. 2GiB (CPU default 1GiB; GPU: its memory)",
+    )
+    ap.add_argument(
+        "--cores-per-device",
+        default="shared",
+        help="CPU cores each worker may use (cgroup quota): a number, one per "
+        "device like 0.25,0.5, or 'shared' (no limit; the default)",
+    )
+    ap.add_argument(
+        "--cgroup-root",
+        default=None,
+        help="make the CPU groups in this cgroup folder (default: found)",
+    )
     ap.add_argument("--key-file", default=None, help="cluster key file (else $NEREUS_CLUSTER_KEY)")
-    ap.add_argument("--curve-key-file", default=None,
-                    help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)")
-    ap.add_argument("--bind-host", default="127.0.0.1",
-                    help="address workers listen on (drivers must reach it)")
+    ap.add_argument(
+        "--curve-key-file",
+        default=None,
+        help="encrypt tcp sockets with this CURVE secret key (nereus curve-key)",
+    )
+    ap.add_argument(
+        "--bind-host", default="127.0.0.1", help="address workers listen on (drivers must reach it)"
+    )
     ap.add_argument("--node-id", default=None)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
-    ap.add_argument("--start-timeout-s", type=float, default=60.0,
-                    help="how long to wait for the controller and the workers")
-    ap.add_argument("--max-message-bytes", default="4GiB",
-                    help="workers reject (and count) larger messages")
+    ap.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=60.0,
+        help="how long to wait for the controller and the workers",
+    )
+    ap.add_argument(
+        "--max-message-bytes", default="4GiB", help="workers reject (and count) larger messages"
+    )
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -477,22 +557,31 @@ def _cores_arg(text: str) -> float | str | list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"cores_per_device={text!r} must be 'shared', a number or a "
-                          "comma-separated list of numbers") from None
+        raise ConfigError(
+            f"cores_per_device={text!r} must be 'shared', a number or a "
+            "comma-separated list of numbers"
+        ) from None
     return values[0] if len(values) == 1 else values
 
 
 async def _serve(args: argparse.Namespace) -> None:
     key = load_key(key_file=args.key_file)
-    node = NodeDaemon(args.controller, key, devices=args.devices, gpus=args.gpus,
-                      memory_per_device=args.memory_per_device, bind_host=args.bind_host,
-                      node_id=args.node_id, heartbeat_s=args.heartbeat_s,
-                      start_timeout_s=args.start_timeout_s,
-                      max_message_bytes=parse_size(args.max_message_bytes, "max_message_bytes"),
-                      curve=load_curve(args.curve_key_file) if args.curve_key_file else None,
-                      cores_per_device=_cores_arg(args.cores_per_device),
-                      cgroup_root=args.cgroup_root,
-                      log_level="WARNING" if args.log_level.upper() == "INFO" else args.log_level)
+    node = NodeDaemon(
+        args.controller,
+        key,
+        devices=args.devices,
+        gpus=args.gpus,
+        memory_per_device=args.memory_per_device,
+        bind_host=args.bind_host,
+        node_id=args.node_id,
+        heartbeat_s=args.heartbeat_s,
+        start_timeout_s=args.start_timeout_s,
+        max_message_bytes=parse_size(args.max_message_bytes, "max_message_bytes"),
+        curve=load_curve(args.curve_key_file) if args.curve_key_file else None,
+        cores_per_device=_cores_arg(args.cores_per_device),
+        cgroup_root=args.cgroup_root,
+        log_level="WARNING" if args.log_level.upper() == "INFO" else args.log_level,
+    )
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -511,9 +600,12 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s node %(name)s %(levelname)s %(message)s")
-    return exit_status("nereus node", lambda: run(_serve(args)), usage=(ConfigError, DeadlineExceeded))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s node %(name)s %(levelname)s %(message)s"
+    )
+    return exit_status(
+        "nereus node", lambda: run(_serve(args)), usage=(ConfigError, DeadlineExceeded)
+    )
 
 
 if __name__ == "__main__":

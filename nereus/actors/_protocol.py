@@ -25,9 +25,25 @@ backpressure -> Backpressure, deadline -> DeadlineExceeded, died -> ActorDied.
 from __future__ import annotations
 
 __all__ = [
-    "CALL", "OK", "ERR", "ITEM", "END", "CTRL", "NOTE", "BATCH", "HELLO", "WELCOME", "READY",
-    "NO_REPLY", "REPLY", "STREAM",
-    "ERR_REMOTE", "ERR_PROTOCOL", "ERR_BACKPRESSURE", "ERR_DEADLINE", "ERR_DIED",
+    "CALL",
+    "OK",
+    "ERR",
+    "ITEM",
+    "END",
+    "CTRL",
+    "NOTE",
+    "BATCH",
+    "HELLO",
+    "WELCOME",
+    "READY",
+    "NO_REPLY",
+    "REPLY",
+    "STREAM",
+    "ERR_REMOTE",
+    "ERR_PROTOCOL",
+    "ERR_BACKPRESSURE",
+    "ERR_DEADLINE",
+    "ERR_DIED",
 ]
 
 CALL, OK, ERR, ITEM, END, CTRL, NOTE, BATCH = 1, 2, 3, 4, 5, 10, 11, 6

@@ -52,8 +52,11 @@ def envelope(sender: bytes, receiver: bytes, seq: int) -> bytes:
 def parse(head: Any) -> tuple[bytes, bytes, int, Any]:
     """``(sender, receiver, seq, header)`` of a verified head; ``Refused`` if too short."""
     if len(head) <= ENVELOPE_BYTES:
-        raise Refused("short", f"a head of {len(head)} bytes cannot hold the "
-                               f"{ENVELOPE_BYTES}-byte envelope and a header")
+        raise Refused(
+            "short",
+            f"a head of {len(head)} bytes cannot hold the "
+            f"{ENVELOPE_BYTES}-byte envelope and a header",
+        )
     sender, receiver, seq = _ENVELOPE.unpack_from(head)
     return sender, receiver, seq, head[ENVELOPE_BYTES:]
 
@@ -61,8 +64,19 @@ def parse(head: Any) -> tuple[bytes, bytes, int, Any]:
 class Session:
     """One channel's side of the protocol above (see the module docstring)."""
 
-    __slots__ = ("id", "serving", "seq", "ticket", "server", "last", "_prefix", "_issued",
-                 "_floor", "_tickets", "reply_to")
+    __slots__ = (
+        "id",
+        "serving",
+        "seq",
+        "ticket",
+        "server",
+        "last",
+        "_prefix",
+        "_issued",
+        "_floor",
+        "_tickets",
+        "reply_to",
+    )
 
     def __init__(self, serving: bool) -> None:
         self.id = os.urandom(16)
@@ -125,12 +139,16 @@ class Session:
             self.last = seq
             return
         if receiver[:8] != self._prefix:
-            raise Refused("receiver", "a ticket of another channel, or of an earlier "
-                                      "incarnation of this one")
+            raise Refused(
+                "receiver", "a ticket of another channel, or of an earlier incarnation of this one"
+            )
         n = _TICKET_NUMBER.unpack_from(receiver, 8)[0]
         if not self._floor <= n <= self._issued:
-            raise Refused("receiver", f"ticket {n} was never issued or was forgotten "
-                                      f"(honoured: {self._floor}..{self._issued})")
+            raise Refused(
+                "receiver",
+                f"ticket {n} was never issued or was forgotten "
+                f"(honoured: {self._floor}..{self._issued})",
+            )
         entry = self._tickets.get(n)
         if entry is None:
             if len(self._tickets) >= MAX_SESSIONS:
@@ -141,8 +159,9 @@ class Session:
         elif entry[0] != sender:
             raise Refused("receiver", f"ticket {n} belongs to another sender")
         if seq <= entry[1]:
-            raise Refused("replay", f"seq {seq} under ticket {n} is not above the last "
-                                    f"one, {entry[1]}")
+            raise Refused(
+                "replay", f"seq {seq} under ticket {n} is not above the last one, {entry[1]}"
+            )
         entry[1] = seq
         routes = self.reply_to
         if ident is not None and routes.get(ident) != sender:

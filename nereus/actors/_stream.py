@@ -62,7 +62,7 @@ def stream_path(address: str) -> str | None:
     """The stream socket path of a worker's ``ipc://`` address; None for other addresses."""
     if not address.startswith("ipc://"):
         return None
-    return address[len("ipc://"):] + ".s"
+    return address[len("ipc://") :] + ".s"
 
 
 class _Peer(asyncio.BufferedProtocol):
@@ -127,10 +127,10 @@ class _Peer(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big_view is not None:
-            return self._big_view[self._big_pos:]
+            return self._big_view[self._big_pos :]
         if self._end == len(self._buf):
             self._make_room(len(self._buf) - self._start + 1)
-        return self._view[self._end:]
+        return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.lost:
@@ -152,11 +152,11 @@ class _Peer(asyncio.BufferedProtocol):
             return
         if need > len(buf):
             new = bytearray(max(need, 2 * len(buf)))
-            new[:end - start] = self._view[start:end]
+            new[: end - start] = self._view[start:end]
             self._view.release()
             self._buf, self._view = new, memoryview(new)
         else:
-            buf[:end - start] = self._view[start:end]
+            buf[: end - start] = self._view[start:end]
         self._start, self._end = 0, end - start
 
     def _parse(self) -> None:
@@ -170,8 +170,11 @@ class _Peer(asyncio.BufferedProtocol):
                 n = _COUNT.unpack_from(buf, start)[0]
                 table = 4 + 8 * n
                 limit = ch.max_message_bytes if self.trusted else PRE_AUTH_BYTES
-                if (n == 0 or n > (_MAX_FRAMES if self.trusted else _PRE_AUTH_FRAMES)
-                        or table > limit):
+                if (
+                    n == 0
+                    or n > (_MAX_FRAMES if self.trusted else _PRE_AUTH_FRAMES)
+                    or table > limit
+                ):
                     self._violation("header", f"message declares {n} frames")
                     return
                 if end - start < table:
@@ -191,7 +194,7 @@ class _Peer(asyncio.BufferedProtocol):
                 need = lens[len(frames)]
                 avail = end - start
                 if need <= avail:
-                    frames.append(buf[start:start + need])  # a writable copy
+                    frames.append(buf[start : start + need])  # a writable copy
                     start += need
                     continue
                 if need >= _BIG:
@@ -232,13 +235,18 @@ class StreamChannel(Channel):
     """A ``Channel`` over Unix stream connections (see the module docstring). Built by
     ``connect`` (a client: one connection, ``ident`` None) or ``serve`` (a worker)."""
 
-    def __init__(self, key: bytes, handler: Callable[[bytes | None, Any], None],
-                 counters: Counters, *, loop: asyncio.AbstractEventLoop | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 on_lost: Callable[[StreamChannel], None] | None = None,
-                 _connecting: bool = False) -> None:
-        self._init_common(key, handler, counters, loop, max_message_bytes,
-                          serving=not _connecting)
+    def __init__(
+        self,
+        key: bytes,
+        handler: Callable[[bytes | None, Any], None],
+        counters: Counters,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        on_lost: Callable[[StreamChannel], None] | None = None,
+        _connecting: bool = False,
+    ) -> None:
+        self._init_common(key, handler, counters, loop, max_message_bytes, serving=not _connecting)
         self.is_router = False
         self.peers: dict[bytes, _Peer] = {}
         self.on_lost = on_lost
@@ -249,9 +257,16 @@ class StreamChannel(Channel):
         self._ids = itertools.count(1)
 
     @classmethod
-    def connect(cls, path: str, key: bytes, handler: Callable[[bytes | None, Any], None],
-                counters: Counters, *, loop: asyncio.AbstractEventLoop | None = None,
-                on_lost: Callable[[StreamChannel], None] | None = None) -> StreamChannel:
+    def connect(
+        cls,
+        path: str,
+        key: bytes,
+        handler: Callable[[bytes | None, Any], None],
+        counters: Counters,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        on_lost: Callable[[StreamChannel], None] | None = None,
+    ) -> StreamChannel:
         """Connect to a worker's stream socket; raises ``OSError`` if nothing listens.
         Messages sent before the loop has set the connection up wait in order."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -265,7 +280,8 @@ class StreamChannel(Channel):
         ch = cls(key, handler, counters, loop=loop, on_lost=on_lost, _connecting=True)
         peer = ch._peer = _Peer(ch, None)
         ch._connecting = ch.loop.create_task(
-            ch.loop.create_unix_connection(lambda: peer, sock=sock))
+            ch.loop.create_unix_connection(lambda: peer, sock=sock)
+        )
         ch._connecting.add_done_callback(ch._connected)
         ch._send_now(None, _HELLO, ())  # waits with the peer until the connection is made
         return ch
@@ -279,9 +295,15 @@ class StreamChannel(Channel):
             self._peer.connection_lost(task.exception())
 
     @classmethod
-    async def serve(cls, path: str, key: bytes, handler: Callable[[bytes | None, Any], None],
-                    counters: Counters, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                    ) -> StreamChannel:
+    async def serve(
+        cls,
+        path: str,
+        key: bytes,
+        handler: Callable[[bytes | None, Any], None],
+        counters: Counters,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> StreamChannel:
         """Listen on ``path`` (mode 0600); every connection feeds ``handler``."""
         ch = cls(key, handler, counters, max_message_bytes=max_message_bytes)
         ch._server = await ch.loop.create_unix_server(ch._accept, path)
@@ -301,8 +323,11 @@ class StreamChannel(Channel):
         untrusted = sum(1 for p in self.peers.values() if not p.trusted)
         if len(self.peers) >= MAX_CONNECTIONS or untrusted >= MAX_UNTRUSTED:
             self.counters.add("messages")
-            self.counters.reject("connection", f"{len(self.peers)} connections, {untrusted} "
-                                               "not yet authenticated: refusing another")
+            self.counters.reject(
+                "connection",
+                f"{len(self.peers)} connections, {untrusted} "
+                "not yet authenticated: refusing another",
+            )
             peer.drop()
             return
         self.peers[peer.ident] = peer
@@ -336,8 +361,13 @@ class StreamChannel(Channel):
 
     # -- Channel's transport hooks -------------------------------------------------------
 
-    def _send_now(self, ident: bytes | None, header: bytes, buffers: Sequence[Any],
-                  envelope: bytes | None = None) -> None:
+    def _send_now(
+        self,
+        ident: bytes | None,
+        header: bytes,
+        buffers: Sequence[Any],
+        envelope: bytes | None = None,
+    ) -> None:
         peer = self._peer if ident is None else self.peers.get(ident)
         if envelope is None:
             envelope = self.session.outgoing(ident)

@@ -59,8 +59,9 @@ _EXT_BY_TYPE: dict[type, int] = {}
 _TORCH_DTYPES: dict[str, Any] = {}
 
 
-def register_ext(code: int, cls: type, to_plain: Callable[[Any], Any],
-                 from_plain: Callable[[Any], Any]) -> None:
+def register_ext(
+    code: int, cls: type, to_plain: Callable[[Any], Any], from_plain: Callable[[Any], Any]
+) -> None:
     """Let instances of ``cls`` cross the wire as ``to_plain(obj)`` (plain data)."""
     if code in (_EXT_BUF, _EXT_TUPLE) or not 0 <= code < 128:
         raise ValueError(f"ext code {code} is reserved or out of range 0..127")
@@ -91,8 +92,7 @@ class Encoder:
         self._buffers: list[Any] = []
         self._torch: Any = None
         self._busy = False
-        self._packer = msgpack.Packer(default=self._default, use_bin_type=True,
-                                      strict_types=True)
+        self._packer = msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True)
 
     def encode(self, obj: Any) -> tuple[bytes, list[Any]]:
         """``(header, buffers)`` for ``obj``; buffers are zero-copy views (bytes/memoryview)."""
@@ -188,6 +188,7 @@ def decode(header: bytes, buffers: Sequence[Any] = ()) -> Any:
     Raises ``ProtocolError`` for malformed msgpack, unknown ext codes, bad buffer
     indices, or a declared size that does not match the frame."""
     if buffers:
+
         def hook(code: int, data: bytes) -> Any:
             return _ext(code, data, hook, buffers)
     else:
@@ -196,8 +197,17 @@ def decode(header: bytes, buffers: Sequence[Any] = ()) -> Any:
         return _unpackb(header, hook)
     except ProtocolError:
         raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
-            msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as e:
         raise ProtocolError(f"malformed header: {type(e).__name__}: {e}") from None
 
 
@@ -209,8 +219,7 @@ def _plain_hook(code: int, data: bytes) -> Any:
     return _ext(code, data, _plain_hook, ())
 
 
-def _ext(code: int, data: bytes, hook: Callable[[int, bytes], Any],
-         buffers: Sequence[Any]) -> Any:
+def _ext(code: int, data: bytes, hook: Callable[[int, bytes], Any], buffers: Sequence[Any]) -> Any:
     if code == _EXT_TUPLE:
         return tuple(_unpackb(data, hook))
     if code == _EXT_BUF:
@@ -223,7 +232,9 @@ def _ext(code: int, data: bytes, hook: Callable[[int, bytes], Any],
 
 def _buffer(meta: Any, buffers: Sequence[Any]) -> Any:
     if not (isinstance(meta, list) and len(meta) == 5):
-        raise ProtocolError(f"buffer descriptor {meta!r} must be [kind, dtype, shape, index, nbytes]")
+        raise ProtocolError(
+            f"buffer descriptor {meta!r} must be [kind, dtype, shape, index, nbytes]"
+        )
     kind, dtype, shape, index, nbytes = meta
     if not isinstance(index, int) or not 0 <= index < len(buffers):
         raise ProtocolError(f"buffer index {index!r} out of range 0..{len(buffers) - 1}")
@@ -249,8 +260,11 @@ def _buffer(meta: Any, buffers: Sequence[Any]) -> Any:
             raise ProtocolError(f"unknown numpy dtype {dtype!r}: {e}") from None
         if dt.hasobject or count * dt.itemsize != nbytes:
             raise ProtocolError(f"array {dtype}{shape} does not match {nbytes} bytes")
-        return (np.frombuffer(mv, dtype=np.uint8).view(dt).reshape(tuple(shape)) if count
-                else np.empty(tuple(shape), dt))
+        return (
+            np.frombuffer(mv, dtype=np.uint8).view(dt).reshape(tuple(shape))
+            if count
+            else np.empty(tuple(shape), dt)
+        )
     if kind == _KIND_TORCH:
         if not isinstance(dtype, str):
             raise ProtocolError(f"torch dtype {dtype!r} must be a string")
@@ -291,8 +305,14 @@ class Signer:
         inner = self._inner.copy()
         head_bytes = len(prefix) + _nbytes(header)
         if buffers:
-            inner.update(struct.pack(f"<I{len(buffers) + 1}Q", len(buffers) + 1, head_bytes,
-                                     *[_nbytes(b) for b in buffers]))
+            inner.update(
+                struct.pack(
+                    f"<I{len(buffers) + 1}Q",
+                    len(buffers) + 1,
+                    head_bytes,
+                    *[_nbytes(b) for b in buffers],
+                )
+            )
         else:
             inner.update(_ONE_FRAME.pack(1, head_bytes))
         if prefix:
@@ -315,14 +335,17 @@ class Signer:
         first = frames[0]
         first = first.buffer if hasattr(first, "buffer") else memoryview(first)
         if first.nbytes <= SIGNATURE_BYTES:
-            raise ProtocolError(f"first frame has {first.nbytes} bytes; it must hold a "
-                                f"{SIGNATURE_BYTES}-byte signature followed by a header")
+            raise ProtocolError(
+                f"first frame has {first.nbytes} bytes; it must hold a "
+                f"{SIGNATURE_BYTES}-byte signature followed by a header"
+            )
         header = first[SIGNATURE_BYTES:]
         if len(frames) == 1:
             signature = self.sign(header)
         else:
-            signature = self.sign(header, [f.buffer if hasattr(f, "buffer") else f
-                                           for f in frames[1:]])
+            signature = self.sign(
+                header, [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
+            )
         if not hmac.compare_digest(first[:SIGNATURE_BYTES], signature):
             raise AuthenticationError("signature does not match the cluster key")
         return header
@@ -355,8 +378,9 @@ def sign(key: bytes, header: bytes, buffers: Sequence[Any] = (), prefix: bytes =
     return _signer(key).sign(header, buffers, prefix)
 
 
-def message(key: bytes, header: bytes, buffers: Sequence[Any] = (),
-            prefix: bytes = b"") -> list[Any]:
+def message(
+    key: bytes, header: bytes, buffers: Sequence[Any] = (), prefix: bytes = b""
+) -> list[Any]:
     """The frames of one signed message: ``[signature + prefix + header, *buffers]``."""
     return [sign(key, header, buffers, prefix) + prefix + header, *buffers]
 

@@ -69,8 +69,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace) -> None:
     key = load_key()
     curve = curve_from_env()
-    device = DeviceInfo(args.device_index, args.host, args.kind, args.memory_bytes,
-                        args.node_id, args.local_index)
+    device = DeviceInfo(
+        args.device_index, args.host, args.kind, args.memory_bytes, args.node_id, args.local_index
+    )
     _set_current_device(device)
     loop = asyncio.get_running_loop()
     ctx = zmq.Context.instance()
@@ -83,8 +84,14 @@ async def _serve(args: argparse.Namespace) -> None:
     client = _client.Client(key, source=f"worker:{device.index}", curve=curve)
     client.connect_controller(args.controller)
     _client.set_current_client(client)
-    host = ActorHost(sock, key, device, client.counters, emit=client.emit_event,
-                     max_message_bytes=args.max_message_bytes)
+    host = ActorHost(
+        sock,
+        key,
+        device,
+        client.counters,
+        emit=client.emit_event,
+        max_message_bytes=args.max_message_bytes,
+    )
     stream = _stream.stream_path(address) if _stream.stream_enabled() else None
     if stream is not None:
         try:
@@ -112,7 +119,7 @@ async def _serve(args: argparse.Namespace) -> None:
         _client.set_current_client(None)
         if address.startswith("ipc://"):
             try:
-                os.unlink(address[len("ipc://"):])
+                os.unlink(address[len("ipc://") :])
             except FileNotFoundError:
                 pass
         _exit_now()
@@ -135,16 +142,18 @@ async def _report_counters(client: _client.Client, device: int) -> None:
         await asyncio.sleep(_COUNTER_EVENT_PERIOD_S)
         now = client.counters.problems()
         if now != last:
-            client.emit_event({"type": "counters", "device": device,
-                               "counters": client.counters.snapshot()})
+            client.emit_event(
+                {"type": "counters", "device": device, "counters": client.counters.snapshot()}
+            )
             last = now
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s worker{args.device_index} %(name)s %(levelname)s "
-                               "%(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s worker{args.device_index} %(name)s %(levelname)s %(message)s",
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _die_with_parent(args.parent_pid)
     run(_serve(args))

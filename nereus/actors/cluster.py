@@ -57,15 +57,23 @@ log = logging.getLogger("nereus.actors")
 class Cluster:
     """See the module docstring. Build with ``Cluster.local`` or ``Cluster.connect``."""
 
-    def __init__(self, *, key: bytes, address: str | None = None,
-                 local_devices: Sequence[int] = (), memory_per_device: int | str = "1GiB",
-                 min_devices: int = 1, timeout_s: float = 60.0,
-                 heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
-                 span_sample_every: int = 100,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 curve: CurveKey | None = None,
-                 cores_per_device: float | str | Sequence[float] = "shared",
-                 cgroup_root: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        key: bytes,
+        address: str | None = None,
+        local_devices: Sequence[int] = (),
+        memory_per_device: int | str = "1GiB",
+        min_devices: int = 1,
+        timeout_s: float = 60.0,
+        heartbeat_timeout_s: float = 10.0,
+        transport: str = "ipc",
+        span_sample_every: int = 100,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        curve: CurveKey | None = None,
+        cores_per_device: float | str | Sequence[float] = "shared",
+        cgroup_root: str | None = None,
+    ) -> None:
         self.key = key
         self._cores = cores_per_device
         self._cgroup_root = cgroup_root
@@ -97,14 +105,22 @@ class Cluster:
     # -- construction ----------------------------------------------------------------
 
     @classmethod
-    def local(cls, devices: int | Sequence[int] = 4, memory_per_device: int | str = "1GiB", *,
-              nodes: int = 1, key: str | bytes | None = None, timeout_s: float = 60.0,
-              heartbeat_timeout_s: float = 10.0, transport: str = "ipc",
-              span_sample_every: int = 100,
-              max_message_bytes: int | str = DEFAULT_MAX_MESSAGE_BYTES,
-              curve_key_file: str | None = None,
-              cores_per_device: float | str | Sequence[float] = "shared",
-              cgroup_root: str | None = None) -> Cluster:
+    def local(
+        cls,
+        devices: int | Sequence[int] = 4,
+        memory_per_device: int | str = "1GiB",
+        *,
+        nodes: int = 1,
+        key: str | bytes | None = None,
+        timeout_s: float = 60.0,
+        heartbeat_timeout_s: float = 10.0,
+        transport: str = "ipc",
+        span_sample_every: int = 100,
+        max_message_bytes: int | str = DEFAULT_MAX_MESSAGE_BYTES,
+        curve_key_file: str | None = None,
+        cores_per_device: float | str | Sequence[float] = "shared",
+        cgroup_root: str | None = None,
+    ) -> Cluster:
         """A controller and node daemon(s) in this event loop, ``devices`` workers in all.
         ``curve_key_file``: encrypt the tcp sockets (``nereus curve-key FILE``).
         ``cores_per_device``: each worker's CPU cap in cores (a number, one per device in
@@ -120,28 +136,45 @@ class Cluster:
                 raise ConfigError(f"devices={devices!r} must be an int or a list of ints >= 1")
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport={transport!r} must be 'ipc' or 'tcp'")
-        return cls(key=load_key(key) if key is not None else generate_key(),
-                   local_devices=per_node, memory_per_device=memory_per_device,
-                   min_devices=sum(per_node), timeout_s=timeout_s,
-                   heartbeat_timeout_s=heartbeat_timeout_s, transport=transport,
-                   span_sample_every=span_sample_every,
-                   max_message_bytes=parse_size(max_message_bytes, "max_message_bytes"),
-                   curve=load_curve(curve_key_file) if curve_key_file else None,
-                   cores_per_device=_check_cores(cores_per_device, sum(per_node)),
-                   cgroup_root=cgroup_root)
+        return cls(
+            key=load_key(key) if key is not None else generate_key(),
+            local_devices=per_node,
+            memory_per_device=memory_per_device,
+            min_devices=sum(per_node),
+            timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            transport=transport,
+            span_sample_every=span_sample_every,
+            max_message_bytes=parse_size(max_message_bytes, "max_message_bytes"),
+            curve=load_curve(curve_key_file) if curve_key_file else None,
+            cores_per_device=_check_cores(cores_per_device, sum(per_node)),
+            cgroup_root=cgroup_root,
+        )
 
     @classmethod
-    def connect(cls, address: str, key: str | bytes | None = None, *,
-                key_file: str | None = None, min_devices: int = 1,
-                timeout_s: float = 30.0, span_sample_every: int = 100,
-                curve_key_file: str | None = None) -> Cluster:
+    def connect(
+        cls,
+        address: str,
+        key: str | bytes | None = None,
+        *,
+        key_file: str | None = None,
+        min_devices: int = 1,
+        timeout_s: float = 30.0,
+        span_sample_every: int = 100,
+        curve_key_file: str | None = None,
+    ) -> Cluster:
         """Attach to the controller at ``address``; waits for ``min_devices`` devices.
         ``curve_key_file``: the cluster's CURVE key, when its tcp sockets are encrypted."""
         if not isinstance(address, str) or "://" not in address:
             raise ConfigError(f"address={address!r} must look like 'tcp://HOST:PORT'")
-        return cls(key=load_key(key, key_file), address=address, min_devices=min_devices,
-                   timeout_s=timeout_s, span_sample_every=span_sample_every,
-                   curve=load_curve(curve_key_file) if curve_key_file else None)
+        return cls(
+            key=load_key(key, key_file),
+            address=address,
+            min_devices=min_devices,
+            timeout_s=timeout_s,
+            span_sample_every=span_sample_every,
+            curve=load_curve(curve_key_file) if curve_key_file else None,
+        )
 
     async def __aenter__(self) -> Cluster:
         await self.start()
@@ -157,27 +190,34 @@ class Cluster:
         try:
             if self._local_devices:
                 await self._start_local()
-            client = _client.Client(self.key, source="driver",
-                                    span_sample_every=self._span_sample_every, curve=self.curve)
+            client = _client.Client(
+                self.key,
+                source="driver",
+                span_sample_every=self._span_sample_every,
+                curve=self.curve,
+            )
             self._client = client
             client.connect_controller(self.address)
             client.notice_listeners.append(self._on_notice)
             self._previous_client = _client._CLIENT
             _client.set_current_client(client)
             try:
-                view = await client.request(None, "hello", {"source": "driver"},
-                                            timeout_s=self._timeout_s)
+                view = await client.request(
+                    None, "hello", {"source": "driver"}, timeout_s=self._timeout_s
+                )
             except DeadlineExceeded:
                 raise DeadlineExceeded(
                     f"no answer from the controller at {self.address} within "
                     f"{self._timeout_s} s: is it running, and is this the cluster's key? "
-                    "(frames signed with another key are dropped unanswered)") from None
+                    "(frames signed with another key are dropped unanswered)"
+                ) from None
             deadline = time.monotonic() + self._timeout_s
             while len(view["devices"]) < self._min_devices:
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(
                         f"the controller at {self.address} has {len(view['devices'])} ready "
-                        f"devices; waited {self._timeout_s} s for {self._min_devices}")
+                        f"devices; waited {self._timeout_s} s for {self._min_devices}"
+                    )
                 await asyncio.sleep(0.05)  # a remote controller: poll until the nodes joined
                 view = await client.request(None, "devices", {}, timeout_s=self._timeout_s)
             self._set_view(view)
@@ -192,18 +232,25 @@ class Cluster:
 
     async def _start_local(self) -> None:
         self.controller = await Controller(
-            self.key, heartbeat_timeout_s=self._heartbeat_timeout_s, curve=self.curve).start()
+            self.key, heartbeat_timeout_s=self._heartbeat_timeout_s, curve=self.curve
+        ).start()
         self.address = self.controller.address
         first = 0
         for i, n in enumerate(self._local_devices):
-            node = NodeDaemon(self.address, self.key, devices=n,
-                              memory_per_device=self._memory_per_device,
-                              cores_per_device=self._node_cores(first, n),
-                              cgroup_root=self._cgroup_root,
-                              transport=self._transport, node_id=f"local{i}",
-                              heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
-                              start_timeout_s=self._timeout_s,
-                              max_message_bytes=self._max_message_bytes, curve=self.curve)
+            node = NodeDaemon(
+                self.address,
+                self.key,
+                devices=n,
+                memory_per_device=self._memory_per_device,
+                cores_per_device=self._node_cores(first, n),
+                cgroup_root=self._cgroup_root,
+                transport=self._transport,
+                node_id=f"local{i}",
+                heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
+                start_timeout_s=self._timeout_s,
+                max_message_bytes=self._max_message_bytes,
+                curve=self.curve,
+            )
             self.nodes.append(node)
             first += n
         for node in self.nodes:  # one after the other: node i's devices come before node i+1's
@@ -214,7 +261,7 @@ class Cluster:
     def _node_cores(self, first: int, count: int) -> float | str | list[float]:
         """The ``cores_per_device`` of a node holding local devices first..first+count-1."""
         if isinstance(self._cores, (list, tuple)):
-            return list(self._cores[first:first + count])
+            return list(self._cores[first : first + count])
         return self._cores
 
     def cores_of(self, device: int) -> float | None:
@@ -232,8 +279,12 @@ class Cluster:
         self.tap_address = view["tap_address"]
         self.epoch = int(view.get("epoch", 0))
         devs = sorted(view["devices"], key=lambda d: d["index"])
-        self.devices = [DeviceInfo(d["index"], d["host"], d["kind"], d["memory_bytes"],
-                                   d["node_id"], d["local_index"]) for d in devs]
+        self.devices = [
+            DeviceInfo(
+                d["index"], d["host"], d["kind"], d["memory_bytes"], d["node_id"], d["local_index"]
+            )
+            for d in devs
+        ]
         self._addresses = {d["index"]: d["address"] for d in devs}
 
     async def refresh_devices(self) -> list[DeviceInfo]:
@@ -265,7 +316,9 @@ class Cluster:
         """Mark ``device`` to be emptied by the next change of plan of whoever uses it;
         ``retire_drained`` then stops its worker. A ``device_drain`` event goes on the tap."""
         if device not in self._addresses:
-            raise ConfigError(f"device={device!r} is not a live device of the cluster {sorted(self._addresses)}")
+            raise ConfigError(
+                f"device={device!r} is not a live device of the cluster {sorted(self._addresses)}"
+            )
         self._draining.add(device)
         self._need_client().emit_event({"type": "device_drain", "device": device})
 
@@ -275,7 +328,9 @@ class Cluster:
         exited, and they leave the cluster's view without a failure."""
         for d in devices:
             if d not in self._draining:
-                raise ConfigError(f"device={d!r} is not draining (draining: {sorted(self._draining)})")
+                raise ConfigError(
+                    f"device={d!r} is not draining (draining: {sorted(self._draining)})"
+                )
         client = self._need_client()
         loop = asyncio.get_running_loop()
         waits = [self._retiring.setdefault(d, loop.create_future()) for d in devices]
@@ -285,31 +340,46 @@ class Cluster:
         try:
             await asyncio.wait_for(asyncio.gather(*waits), self._timeout_s)
         except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"drained devices {list(devices)} did not stop within {self._timeout_s} s") from None
+            raise DeadlineExceeded(
+                f"drained devices {list(devices)} did not stop within {self._timeout_s} s"
+            ) from None
         finally:
             for d in devices:
                 self._retiring.pop(d, None)
                 self._draining.discard(d)
 
-    async def add_node(self, devices: int, memory_per_device: int | str | None = None,
-                       cores_per_device: float | str | None = None) -> list[int]:
+    async def add_node(
+        self,
+        devices: int,
+        memory_per_device: int | str | None = None,
+        cores_per_device: float | str | None = None,
+    ) -> list[int]:
         """Start one more node daemon with ``devices`` worker processes (a local cluster
         only); returns the indices its devices were given. Its workers get
         ``cores_per_device`` (default: the cluster's, the first device's where it gives
         one per device)."""
         if self.controller is None:
-            raise ConfigError("add_node starts node daemons of a local cluster; on a running cluster start "
-                              "`python -m nereus.node --controller ...` on the new host instead")
+            raise ConfigError(
+                "add_node starts node daemons of a local cluster; on a running cluster start "
+                "`python -m nereus.node --controller ...` on the new host instead"
+            )
         if not isinstance(devices, int) or devices < 1:
             raise ConfigError(f"devices={devices!r} must be an int >= 1")
-        node = NodeDaemon(self.address, self.key, devices=devices,
-                          memory_per_device=memory_per_device or self._memory_per_device,
-                          cores_per_device=(cores_per_device if cores_per_device is not None
-                                            else self._added_cores()),
-                          cgroup_root=self._cgroup_root,
-                          transport=self._transport, node_id=f"local{len(self.nodes)}",
-                          heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
-                          start_timeout_s=self._timeout_s, max_message_bytes=self._max_message_bytes)
+        node = NodeDaemon(
+            self.address,
+            self.key,
+            devices=devices,
+            memory_per_device=memory_per_device or self._memory_per_device,
+            cores_per_device=(
+                cores_per_device if cores_per_device is not None else self._added_cores()
+            ),
+            cgroup_root=self._cgroup_root,
+            transport=self._transport,
+            node_id=f"local{len(self.nodes)}",
+            heartbeat_s=min(0.5, self._heartbeat_timeout_s / 4),
+            start_timeout_s=self._timeout_s,
+            max_message_bytes=self._max_message_bytes,
+        )
         self.nodes.append(node)
         await node.start()
         await self.refresh_devices()
@@ -326,10 +396,17 @@ class Cluster:
 
     # -- spawning --------------------------------------------------------------------
 
-    async def spawn(self, name: str, actor_class: type[Actor],
-                    devices: Sequence[int | DeviceInfo] | None = None, *, args: Sequence = (),
-                    kwargs: dict[str, Any] | None = None, axes: dict[str, int] | None = None,
-                    max_pending: int = DEFAULT_MAX_PENDING) -> ActorMesh:
+    async def spawn(
+        self,
+        name: str,
+        actor_class: type[Actor],
+        devices: Sequence[int | DeviceInfo] | None = None,
+        *,
+        args: Sequence = (),
+        kwargs: dict[str, Any] | None = None,
+        axes: dict[str, int] | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> ActorMesh:
         """One actor of ``actor_class`` per entry of ``devices`` (default: every device),
         constructed in its worker with ``args``/``kwargs``. A device may repeat (several
         actors in one worker). Raises RemoteError if a constructor raised (the actors
@@ -340,12 +417,16 @@ class Cluster:
         if name in self._meshes:
             raise ConfigError(f"name={name!r} is already a live mesh; stop it or pick another")
         path = class_path(actor_class)
-        indices = [d.index if isinstance(d, DeviceInfo) else d
-                   for d in (devices if devices is not None else self.devices)]
+        indices = [
+            d.index if isinstance(d, DeviceInfo) else d
+            for d in (devices if devices is not None else self.devices)
+        ]
         for i in indices:
             if isinstance(i, bool) or not isinstance(i, int) or i not in self._addresses:
-                raise ConfigError(f"devices contains {i!r}, which is not a live device of the "
-                                  f"cluster {sorted(self._addresses)}")
+                raise ConfigError(
+                    f"devices contains {i!r}, which is not a live device of the "
+                    f"cluster {sorted(self._addresses)}"
+                )
         if not indices:
             raise ConfigError("devices=[] must name at least one device")
         axes = dict(axes) if axes is not None else {"dp": len(indices)}
@@ -354,19 +435,43 @@ class Cluster:
         shape = ActorMesh(name, [None] * len(indices), axes)  # validates axes
         bodies = []
         for rank in range(len(indices)):
-            bodies.append({"name": f"{name}/{rank}", "cls": path, "args": list(args),
-                           "kwargs": dict(kwargs or {}), "mesh": name, "rank": rank,
-                           "coords": shape.coords(rank), "max_pending": max_pending})
+            bodies.append(
+                {
+                    "name": f"{name}/{rank}",
+                    "cls": path,
+                    "args": list(args),
+                    "kwargs": dict(kwargs or {}),
+                    "mesh": name,
+                    "rank": rank,
+                    "coords": shape.coords(rank),
+                    "max_pending": max_pending,
+                }
+            )
         results = await asyncio.gather(
-            *(client.request(self._addresses[i], "spawn", b, timeout_s=self._timeout_s)
-              for i, b in zip(indices, bodies, strict=True)), return_exceptions=True)
+            *(
+                client.request(self._addresses[i], "spawn", b, timeout_s=self._timeout_s)
+                for i, b in zip(indices, bodies, strict=True)
+            ),
+            return_exceptions=True,
+        )
         refs = []
         for index, body, res in zip(indices, bodies, results, strict=True):
             if isinstance(res, BaseException):
                 continue
-            refs.append(ActorRef(self._addresses[index], body["name"], res["incarnation"],
-                                 index, name, body["rank"], path))
-        failed = [(i, r) for i, r in zip(indices, results, strict=True) if isinstance(r, BaseException)]
+            refs.append(
+                ActorRef(
+                    self._addresses[index],
+                    body["name"],
+                    res["incarnation"],
+                    index,
+                    name,
+                    body["rank"],
+                    path,
+                )
+            )
+        failed = [
+            (i, r) for i, r in zip(indices, results, strict=True) if isinstance(r, BaseException)
+        ]
         if failed:
             if refs:
                 await ActorMesh(name, refs, {"dp": len(refs)}).stop()
@@ -405,12 +510,35 @@ class Cluster:
         for mesh, _path in self._meshes.values():
             for ref in mesh.refs:
                 if ref.device == index:
-                    failures.append((mesh, Failure(index, ref.name, ref.incarnation,
-                                                   body.get("reason", ""), body.get("node_id", ""),
-                                                   body.get("pid", 0), mesh.name, ref.rank)))
+                    failures.append(
+                        (
+                            mesh,
+                            Failure(
+                                index,
+                                ref.name,
+                                ref.incarnation,
+                                body.get("reason", ""),
+                                body.get("node_id", ""),
+                                body.get("pid", 0),
+                                mesh.name,
+                                ref.rank,
+                            ),
+                        )
+                    )
         if not failures:
-            failures.append((None, Failure(index, "", 0, body.get("reason", ""),
-                                           body.get("node_id", ""), body.get("pid", 0))))
+            failures.append(
+                (
+                    None,
+                    Failure(
+                        index,
+                        "",
+                        0,
+                        body.get("reason", ""),
+                        body.get("node_id", ""),
+                        body.get("pid", 0),
+                    ),
+                )
+            )
         client = self._client
         for mesh, failure in failures:
             event = {"type": "failure", **dataclasses.asdict(failure)}
@@ -430,14 +558,24 @@ class Cluster:
 
     async def _supervise(self, ref: ActorRef, failure: Failure) -> None:
         try:
-            await self._client.request(ref.address, "supervise",
-                                       {"name": ref.name, "failure": dataclasses.asdict(failure)},
-                                       timeout_s=self._timeout_s)
+            await self._client.request(
+                ref.address,
+                "supervise",
+                {"name": ref.name, "failure": dataclasses.asdict(failure)},
+                timeout_s=self._timeout_s,
+            )
         except (RemoteError, ActorDied, DeadlineExceeded) as e:
             log.error("__supervise__ of %s failed: %s", ref.name, e)
-            self._client.emit_event({"type": "error", "actor": ref.name,
-                                     "method": "__supervise__", "device": ref.device,
-                                     "remote_type": type(e).__name__, "message": str(e)})
+            self._client.emit_event(
+                {
+                    "type": "error",
+                    "actor": ref.name,
+                    "method": "__supervise__",
+                    "device": ref.device,
+                    "remote_type": type(e).__name__,
+                    "message": str(e),
+                }
+            )
 
     def _track(self, task: asyncio.Future) -> None:
         self._tasks.add(task)

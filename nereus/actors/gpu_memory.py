@@ -19,8 +19,14 @@ from dataclasses import dataclass
 
 from nereus.config import require
 
-__all__ = ["GpuReserve", "gpu_budget_bytes", "CUDA_CONTEXT_BYTES", "NCCL_BYTES",
-           "VLLM_WORKSPACE_BYTES", "MIN_BUDGET_BYTES"]
+__all__ = [
+    "GpuReserve",
+    "gpu_budget_bytes",
+    "CUDA_CONTEXT_BYTES",
+    "NCCL_BYTES",
+    "VLLM_WORKSPACE_BYTES",
+    "MIN_BUDGET_BYTES",
+]
 
 GIB = 1 << 30
 # The CUDA context of a worker with torch, cuBLAS and cuDNN loaded is 0.5-0.8 GiB on
@@ -46,8 +52,12 @@ class GpuReserve:
     def __post_init__(self) -> None:
         for name in ("cuda_context_bytes", "nccl_bytes"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value >= 0, f"GpuReserve.{name}", value,
-                    "must be an int >= 0 bytes")
+            require(
+                isinstance(value, int) and value >= 0,
+                f"GpuReserve.{name}",
+                value,
+                "must be an int >= 0 bytes",
+            )
 
     @property
     def total_bytes(self) -> int:
@@ -58,10 +68,18 @@ def gpu_budget_bytes(total_bytes: int, reserve: GpuReserve | None = None) -> int
     """The budget of a GPU with ``total_bytes`` of memory: its memory less ``reserve``
     (default ``GpuReserve()``)."""
     reserve = reserve or GpuReserve()
-    require(isinstance(total_bytes, int) and total_bytes > 0, "total_bytes", total_bytes,
-            "must be the GPU's memory in bytes (> 0)")
+    require(
+        isinstance(total_bytes, int) and total_bytes > 0,
+        "total_bytes",
+        total_bytes,
+        "must be the GPU's memory in bytes (> 0)",
+    )
     budget = total_bytes - reserve.total_bytes
-    require(budget >= MIN_BUDGET_BYTES, "GpuReserve", reserve,
-            f"leaves {budget} of the GPU's {total_bytes} bytes; at least {MIN_BUDGET_BYTES} "
-            "must remain for the device's budget")
+    require(
+        budget >= MIN_BUDGET_BYTES,
+        "GpuReserve",
+        reserve,
+        f"leaves {budget} of the GPU's {total_bytes} bytes; at least {MIN_BUDGET_BYTES} "
+        "must remain for the device's budget",
+    )
     return budget

@@ -47,8 +47,16 @@ class ActorRef:
 
     __slots__ = ("address", "name", "incarnation", "device", "mesh", "rank", "cls")
 
-    def __init__(self, address: str, name: str, incarnation: int, device: int,
-                 mesh: str = "", rank: int = 0, cls: str = "") -> None:
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        incarnation: int,
+        device: int,
+        mesh: str = "",
+        rank: int = 0,
+        cls: str = "",
+    ) -> None:
         self.address = address
         self.name = name
         self.incarnation = incarnation
@@ -58,8 +66,15 @@ class ActorRef:
         self.cls = cls
 
     def _plain(self) -> list:
-        return [self.address, self.name, self.incarnation, self.device, self.mesh, self.rank,
-                self.cls]
+        return [
+            self.address,
+            self.name,
+            self.incarnation,
+            self.device,
+            self.mesh,
+            self.rank,
+            self.cls,
+        ]
 
     @classmethod
     def _from_plain(cls, plain: Any) -> ActorRef:
@@ -74,8 +89,10 @@ class ActorRef:
         return hash((self.address, self.name, self.incarnation))
 
     def __repr__(self) -> str:
-        return (f"ActorRef({self.name!r}, device={self.device}, "
-                f"incarnation={self.incarnation}, address={self.address!r})")
+        return (
+            f"ActorRef({self.name!r}, device={self.device}, "
+            f"incarnation={self.incarnation}, address={self.address!r})"
+        )
 
     def endpoint(self, method: str) -> Endpoint:
         return Endpoint((self,), method)
@@ -131,26 +148,58 @@ class Endpoint:
         return Endpoint(self.refs, self.method, timeout_s)
 
     def _send(self, ref: ActorRef, args: tuple, kwargs: dict, mode: int) -> asyncio.Future:
-        return current_client().call(ref.address, ref.name, ref.incarnation, self.method,
-                                     list(args), kwargs, self.timeout_s, mode, ref.device)
+        return current_client().call(
+            ref.address,
+            ref.name,
+            ref.incarnation,
+            self.method,
+            list(args),
+            kwargs,
+            self.timeout_s,
+            mode,
+            ref.device,
+        )
 
     def call(self, *args: Any, **kwargs: Any) -> asyncio.Future:
         client = current_client()
-        futs = [client.call(r.address, r.name, r.incarnation, self.method, list(args), kwargs,
-                            self.timeout_s, P.REPLY, r.device) for r in self.refs]
+        futs = [
+            client.call(
+                r.address,
+                r.name,
+                r.incarnation,
+                self.method,
+                list(args),
+                kwargs,
+                self.timeout_s,
+                P.REPLY,
+                r.device,
+            )
+            for r in self.refs
+        ]
         return _gather(client.loop, futs)
 
     def _one(self, style: str) -> ActorRef:
         if len(self.refs) != 1:
-            raise ConfigError(f"mesh size={len(self.refs)} must be 1 for .{style}() on "
-                              f"{self.method!r}; slice the mesh or use .call()")
+            raise ConfigError(
+                f"mesh size={len(self.refs)} must be 1 for .{style}() on "
+                f"{self.method!r}; slice the mesh or use .call()"
+            )
         return self.refs[0]
 
     def call_one(self, *args: Any, **kwargs: Any) -> asyncio.Future:
         refs = self.refs
         r = refs[0] if len(refs) == 1 else self._one("call_one")  # _one raises
-        return current_client().call(r.address, r.name, r.incarnation, self.method,
-                                     list(args), kwargs, self.timeout_s, P.REPLY, r.device)
+        return current_client().call(
+            r.address,
+            r.name,
+            r.incarnation,
+            self.method,
+            list(args),
+            kwargs,
+            self.timeout_s,
+            P.REPLY,
+            r.device,
+        )
 
     def choose(self, *args: Any, **kwargs: Any) -> asyncio.Future:
         refs = self.refs
@@ -183,8 +232,16 @@ class Endpoint:
     async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         ref = self._one("stream")
         client = current_client()
-        p = client.open_stream(ref.address, ref.name, ref.incarnation, self.method, list(args),
-                               kwargs, self.timeout_s, ref.device)
+        p = client.open_stream(
+            ref.address,
+            ref.name,
+            ref.incarnation,
+            self.method,
+            list(args),
+            kwargs,
+            self.timeout_s,
+            ref.device,
+        )
         try:
             while True:
                 has, item = await client.next_item(p)
@@ -205,8 +262,9 @@ class ActorMesh:
                 raise ConfigError(f"axes[{a!r}]={n!r} must be an int >= 1")
             size *= n
         if size != len(refs):
-            raise ConfigError(f"axes={axes} hold {size} positions but the mesh has "
-                              f"{len(refs)} actors")
+            raise ConfigError(
+                f"axes={axes} hold {size} positions but the mesh has {len(refs)} actors"
+            )
         self.name = name
         self.refs = list(refs)
         self.axes = dict(axes)
@@ -235,8 +293,9 @@ class ActorMesh:
         """Sub-mesh: an int drops the axis (fixes it), a slice keeps it, narrowed."""
         for axis, sel in selection.items():
             if axis not in self.axes:
-                raise ConfigError(f"slice axis {axis!r} is not one of the mesh axes "
-                                  f"{list(self.axes)}")
+                raise ConfigError(
+                    f"slice axis {axis!r} is not one of the mesh axes {list(self.axes)}"
+                )
             n = self.axes[axis]
             if isinstance(sel, bool) or not isinstance(sel, (int, slice)):
                 raise ConfigError(f"slice {axis}={sel!r} must be an int or a slice")
@@ -251,9 +310,14 @@ class ActorMesh:
                 keep[axis] = list(range(n))[sel]
                 if not keep[axis]:
                     raise ConfigError(f"slice {axis}={sel} selects no position of {n}")
-        refs = [r for rank, r in enumerate(self.refs)
-                if all(c == selection[a] if isinstance(selection.get(a), int)
-                       else c in keep[a] for a, c in self.coords(rank).items())]
+        refs = [
+            r
+            for rank, r in enumerate(self.refs)
+            if all(
+                c == selection[a] if isinstance(selection.get(a), int) else c in keep[a]
+                for a, c in self.coords(rank).items()
+            )
+        ]
         return ActorMesh(self.name, refs, {a: len(v) for a, v in keep.items()})
 
     def endpoint(self, method: str) -> Endpoint:
@@ -268,8 +332,11 @@ class ActorMesh:
         """Stop every actor of the mesh (their workers keep running). Queued calls fail
         with ActorDied; actors on dead devices are skipped."""
         client = current_client()
-        futs = [client.request(r.address, "stop", {"name": r.name}) for r in self.refs
-                if r.address not in client.dead]
+        futs = [
+            client.request(r.address, "stop", {"name": r.name})
+            for r in self.refs
+            if r.address not in client.dead
+        ]
         results = await asyncio.gather(*futs, return_exceptions=True)
         for r in results:
             if isinstance(r, ActorDied):

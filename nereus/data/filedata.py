@@ -68,11 +68,27 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path", self.path, "must name a JSONL or Parquet file")
-        require(self.format in ("auto", "jsonl", "parquet"), "data.format", self.format, "must be 'auto', 'jsonl' or 'parquet'")
+        require(
+            self.format in ("auto", "jsonl", "parquet"),
+            "data.format",
+            self.format,
+            "must be 'auto', 'jsonl' or 'parquet'",
+        )
         for name in ("prompt_key", "answer_key"):
             value = getattr(self, name)
-            require(bool(value) and all(value.split(".")), f"data.{name}", value, "must be a column name (dots for nested columns)")
-        require(self.max_samples >= 0, "data.max_samples", self.max_samples, "must be >= 0 (0 = all rows)")
+            require(
+                bool(value) and all(value.split(".")),
+                f"data.{name}",
+                value,
+                "must be a column name (dots for nested columns)",
+            )
+        require(
+            self.max_samples >= 0,
+            "data.max_samples",
+            self.max_samples,
+            "must be >= 0 (0 = all rows)",
+        )
+
 
 log = logging.getLogger("nereus.rl")
 
@@ -105,8 +121,10 @@ def file_format(path: Path, declared: str) -> str:
         return declared
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise ConfigError(f"data.path={str(path)!r}: cannot tell the format from the suffix {path.suffix!r}; "
-                          f"name it with data.format = 'jsonl' or 'parquet' (or use one of {sorted(_FORMATS)})")
+        raise ConfigError(
+            f"data.path={str(path)!r}: cannot tell the format from the suffix {path.suffix!r}; "
+            f"name it with data.format = 'jsonl' or 'parquet' (or use one of {sorted(_FORMATS)})"
+        )
     return fmt
 
 
@@ -121,7 +139,9 @@ def _json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
             try:
                 row = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"data.path={str(path)!r}: line {number} is not valid JSON ({e})") from None
+                raise ConfigError(
+                    f"data.path={str(path)!r}: line {number} is not valid JSON ({e})"
+                ) from None
             if not isinstance(row, dict):
                 raise ConfigError(f"data.path={str(path)!r}: line {number} is not a JSON object")
             out.append((number, row))
@@ -137,7 +157,9 @@ def _load_table(path: Path, fmt: str, data: DataConfig) -> list[dict[str, Any]]:
     ds_logging.disable_progress_bar()
     try:
         with tempfile.TemporaryDirectory(prefix="nereus-datasets-") as cache:
-            table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True)
+            table = datasets.load_dataset(
+                builder, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True
+            )
             return table.to_list()
     except Exception as e:  # datasets and pyarrow raise many types for a bad file
         if fmt == "jsonl":
@@ -145,8 +167,10 @@ def _load_table(path: Path, fmt: str, data: DataConfig) -> list[dict[str, Any]]:
             # seen; read the lines directly to name the row and column that broke it.
             for i, (_, row) in enumerate(_json_lines(path)):
                 _check_row(row, i, data, str(path))
-        raise ConfigError(f"data.path={str(path)!r} could not be read as {fmt} (a column must keep one type "
-                          f"across rows): {type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"data.path={str(path)!r} could not be read as {fmt} (a column must keep one type "
+            f"across rows): {type(e).__name__}: {e}"
+        ) from e
     finally:
         if bars:
             ds_logging.enable_progress_bar()
@@ -163,12 +187,18 @@ def _dig(row: dict[str, Any], key: str) -> tuple[bool, Any]:
 
 def _check_row(row: dict[str, Any], i: int, data: DataConfig, where: str) -> FileRow:
     def bad(column: str, expected: str, value: Any) -> ConfigError:
-        return ConfigError(f"{where}: row {i} column {column!r}: expected {expected}, got {value!r:.200}")
+        return ConfigError(
+            f"{where}: row {i} column {column!r}: expected {expected}, got {value!r:.200}"
+        )
 
     # Arrow fills a column a row lacks with null: missing and null read the same.
     found, prompt = _dig(row, data.prompt_key)
     if not found or prompt is None:
-        raise bad(data.prompt_key, "a prompt (chat messages or a string); the column is missing or null", None)
+        raise bad(
+            data.prompt_key,
+            "a prompt (chat messages or a string); the column is missing or null",
+            None,
+        )
     messages = text = None
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -176,12 +206,20 @@ def _check_row(row: dict[str, Any], i: int, data: DataConfig, where: str) -> Fil
         text = prompt
     elif isinstance(prompt, (list, tuple)):
         if not data.apply_chat_template:
-            raise bad(data.prompt_key, "a string (chat messages need data.apply_chat_template = true)", prompt)
+            raise bad(
+                data.prompt_key,
+                "a string (chat messages need data.apply_chat_template = true)",
+                prompt,
+            )
         if not prompt:
             raise bad(data.prompt_key, "a non-empty list of chat messages", prompt)
         for m in prompt:
             # (Arrow gives every message the union of the keys; extra keys are null.)
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise bad(data.prompt_key, "chat messages with string 'role' and 'content'", m)
         messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
     else:
@@ -189,7 +227,11 @@ def _check_row(row: dict[str, Any], i: int, data: DataConfig, where: str) -> Fil
     found, truth = _dig(row, data.answer_key)
     if not found or truth is None:
         raise bad(data.answer_key, "a ground truth; the column is missing or null", None)
-    if isinstance(truth, bool) or not isinstance(truth, (str, int, float)) or (isinstance(truth, float) and not math.isfinite(truth)):
+    if (
+        isinstance(truth, bool)
+        or not isinstance(truth, (str, int, float))
+        or (isinstance(truth, float) and not math.isfinite(truth))
+    ):
         raise bad(data.answer_key, "a string or a number", truth)
     truth = truth if isinstance(truth, str) else str(truth)
     source = row.get("data_source")
@@ -228,8 +270,15 @@ class FileTask(Task):
 
     name = "file"
 
-    def __init__(self, rows: list[FileRow], reward: RewardFunction, source: str, fingerprint: str,
-                 answer_key: str = "reward_model.ground_truth", apply_chat_template: bool = True) -> None:
+    def __init__(
+        self,
+        rows: list[FileRow],
+        reward: RewardFunction,
+        source: str,
+        fingerprint: str,
+        answer_key: str = "reward_model.ground_truth",
+        apply_chat_template: bool = True,
+    ) -> None:
         if not rows:
             raise ConfigError(f"data.path={source!r} holds no rows")
         self.rows = rows
@@ -249,8 +298,10 @@ class FileTask(Task):
 
     @property
     def alphabet(self) -> str:
-        raise ConfigError("file data needs the model's own tokenizer; a character vocabulary "
-            "(model.kind='tiny') cannot spell it")
+        raise ConfigError(
+            "file data needs the model's own tokenizer; a character vocabulary "
+            "(model.kind='tiny') cannot spell it"
+        )
 
     def sample(self, index: int, seed: int) -> Sample:
         row = self.rows[index]
@@ -266,9 +317,13 @@ class FileTask(Task):
     def reward(self, sample: Sample, response: str) -> float:
         row = self.rows[sample.index]
         try:
-            return self.reward_fn(RewardInput(row.prompt, response, row.ground_truth, row.data_source, row.extra_info))
+            return self.reward_fn(
+                RewardInput(row.prompt, response, row.ground_truth, row.data_source, row.extra_info)
+            )
         except ConfigError as e:
-            raise ConfigError(f"{self.source}: row {sample.index} column {self.answer_key!r}: {e}") from e
+            raise ConfigError(
+                f"{self.source}: row {sample.index} column {self.answer_key!r}: {e}"
+            ) from e
         except Exception as e:
             add_note(e, f"scoring {self.source}: row {sample.index}")
             raise

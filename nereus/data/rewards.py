@@ -35,7 +35,16 @@ from typing import Any
 
 from nereus.errors import ConfigError
 
-__all__ = ["add_note", "RULES", "RewardInput", "RewardFunction", "math_reward", "exact_reward", "load_reward", "is_function_spec"]
+__all__ = [
+    "add_note",
+    "RULES",
+    "RewardInput",
+    "RewardFunction",
+    "math_reward",
+    "exact_reward",
+    "load_reward",
+    "is_function_spec",
+]
 
 RULES = ("task", "math", "exact")
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -87,7 +96,9 @@ def _user_function(spec: str) -> RewardFunction:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"reward.rule={spec!r}: module {module_name!r} does not import: {e}") from e
+        raise ConfigError(
+            f"reward.rule={spec!r}: module {module_name!r} does not import: {e}"
+        ) from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"reward.rule={spec!r}: {module_name} has no callable {attr!r}")
@@ -105,7 +116,9 @@ def _user_function(spec: str) -> RewardFunction:
         if isinstance(value, bool):
             return float(value)
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"reward function {spec} returned {value!r}; expected a finite real number")
+            raise ConfigError(
+                f"reward function {spec} returned {value!r}; expected a finite real number"
+            )
         return float(value)
 
     call.__name__ = spec

@@ -106,7 +106,12 @@ class Task(abc.ABC):
         return float(self.score(self.extract(response), sample))
 
     def _check_style(self) -> None:
-        require(self.style in ("compact", "natural"), f"{type(self).__name__}.style", self.style, "must be 'compact' or 'natural'")
+        require(
+            self.style in ("compact", "natural"),
+            f"{type(self).__name__}.style",
+            self.style,
+            "must be 'compact' or 'natural'",
+        )
 
 
 @dataclass
@@ -120,8 +125,15 @@ class ArithmeticTask(Task):
     name: str = "arithmetic"
 
     def __post_init__(self) -> None:
-        require(self.max_operand >= 1, "ArithmeticTask.max_operand", self.max_operand, "must be >= 1")
-        require(len(self.ops) >= 1 and set(self.ops) <= set("+-*"), "ArithmeticTask.ops", self.ops, "must be a non-empty string of '+', '-', '*'")
+        require(
+            self.max_operand >= 1, "ArithmeticTask.max_operand", self.max_operand, "must be >= 1"
+        )
+        require(
+            len(self.ops) >= 1 and set(self.ops) <= set("+-*"),
+            "ArithmeticTask.ops",
+            self.ops,
+            "must be a non-empty string of '+', '-', '*'",
+        )
         self._check_style()
 
     @property
@@ -158,9 +170,19 @@ class ReverseTask(Task):
     name: str = "reverse"
 
     def __post_init__(self) -> None:
-        require(len(self.letters) >= 2 and self.letters.isalpha(), "ReverseTask.letters", self.letters, "must be >= 2 letters")
+        require(
+            len(self.letters) >= 2 and self.letters.isalpha(),
+            "ReverseTask.letters",
+            self.letters,
+            "must be >= 2 letters",
+        )
         require(self.min_len >= 1, "ReverseTask.min_len", self.min_len, "must be >= 1")
-        require(self.max_len >= self.min_len, "ReverseTask.max_len", self.max_len, f"must be >= min_len={self.min_len}")
+        require(
+            self.max_len >= self.min_len,
+            "ReverseTask.max_len",
+            self.max_len,
+            f"must be >= min_len={self.min_len}",
+        )
         self._check_style()
 
     @property
@@ -173,7 +195,9 @@ class ReverseTask(Task):
         if self.style == "compact":
             prompt = f"{word}>"
         else:
-            prompt = f"Reverse the letters of the word '{word}'. Answer with only the reversed word."
+            prompt = (
+                f"Reverse the letters of the word '{word}'. Answer with only the reversed word."
+            )
         return Sample(index, prompt, word[::-1])
 
     def extract(self, response: str) -> str:
@@ -195,9 +219,19 @@ class CountTask(Task):
     name: str = "count"
 
     def __post_init__(self) -> None:
-        require(len(self.letters) >= 2 and self.letters.isalpha(), "CountTask.letters", self.letters, "must be >= 2 letters")
+        require(
+            len(self.letters) >= 2 and self.letters.isalpha(),
+            "CountTask.letters",
+            self.letters,
+            "must be >= 2 letters",
+        )
         require(self.min_len >= 1, "CountTask.min_len", self.min_len, "must be >= 1")
-        require(9 >= self.max_len >= self.min_len, "CountTask.max_len", self.max_len, f"must be in [min_len={self.min_len}, 9]")
+        require(
+            9 >= self.max_len >= self.min_len,
+            "CountTask.max_len",
+            self.max_len,
+            f"must be in [min_len={self.min_len}, 9]",
+        )
         self._check_style()
 
     @property
@@ -212,8 +246,10 @@ class CountTask(Task):
         if self.style == "compact":
             prompt = f"#{target}:{word}="
         else:
-            prompt = (f"How many times does the letter '{target}' occur in '{word}'? Answer with only "
-                "the number.")
+            prompt = (
+                f"How many times does the letter '{target}' occur in '{word}'? Answer with only "
+                "the number."
+            )
         return Sample(index, prompt, str(count))
 
     def extract(self, response: str) -> str:
@@ -231,7 +267,11 @@ class CountTask(Task):
         return max(0.0, 1.0 - abs(int(guess) - int(sample.answer)) / (length + 1)) * 0.5
 
 
-TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "reverse": ReverseTask, "count": CountTask}
+TASKS: dict[str, type[Task]] = {
+    "arithmetic": ArithmeticTask,
+    "reverse": ReverseTask,
+    "count": CountTask,
+}
 
 
 def make_task(name: str, **options: object) -> Task:
@@ -242,4 +282,6 @@ def make_task(name: str, **options: object) -> Task:
     try:
         return cls(**options)  # type: ignore[arg-type]
     except TypeError as e:
-        raise ConfigError(f"task.options={options!r} are not options of task {name!r}: {e}") from None
+        raise ConfigError(
+            f"task.options={options!r} are not options of task {name!r}: {e}"
+        ) from None

@@ -39,7 +39,9 @@ _FILLERS = "~^_|&%$@!?;,.'`" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 def char_tokenizer(alphabet: str) -> Tokenizer:
     """One token per character of ``alphabet`` (ids 3..), after the three special tokens."""
     require(len(alphabet) >= 1, "alphabet", alphabet, "must not be empty")
-    require(len(set(alphabet)) == len(alphabet), "alphabet", alphabet, "must not repeat a character")
+    require(
+        len(set(alphabet)) == len(alphabet), "alphabet", alphabet, "must not repeat a character"
+    )
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in alphabet:
         vocab[ch] = len(vocab)
@@ -68,7 +70,9 @@ class Codec:
         self.special_tokens = dict(special_tokens or {})
         self.eos_id = eos_id if eos_id is not None else tokenizer.token_to_id("<eos>")
         if self.eos_id is None:
-            raise ConfigError("tokenizer has no end-of-sequence token: pass eos_id (e.g. from config.json)")
+            raise ConfigError(
+                "tokenizer has no end-of-sequence token: pass eos_id (e.g. from config.json)"
+            )
         self.bos_id = bos_id if bos_id is not None else tokenizer.token_to_id("<bos>")
         pad = pad_id if pad_id is not None else tokenizer.token_to_id("<pad>")
         self.pad_id = pad if pad is not None else self.eos_id
@@ -108,7 +112,14 @@ class Codec:
                 eos = eos if eos is not None else _first(cfg.get("eos_token_id"))
                 bos = bos if bos is not None else _first(cfg.get("bos_token_id"))
                 pad = pad if pad is not None else _first(cfg.get("pad_token_id"))
-        return cls(tok, eos_id=eos, bos_id=bos, pad_id=pad, chat_template=load_chat_template(folder), special_tokens=special)
+        return cls(
+            tok,
+            eos_id=eos,
+            bos_id=bos,
+            pad_id=pad,
+            chat_template=load_chat_template(folder),
+            special_tokens=special,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -129,15 +140,25 @@ class Codec:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
-    def encode_messages(self, messages: Sequence[dict[str, str]], where: str = "prompt") -> list[int]:
+    def encode_messages(
+        self, messages: Sequence[dict[str, str]], where: str = "prompt"
+    ) -> list[int]:
         """Token ids of chat ``messages`` rendered with the tokenizer's chat template, ending
         with the generation prompt (the start of the assistant's turn). ``where`` names the
         messages' origin in errors (a file's row and column)."""
         if self.chat_template is None:
-            raise ConfigError(f"{where}: the prompt is chat messages but the model's tokenizer has no chat "
+            raise ConfigError(
+                f"{where}: the prompt is chat messages but the model's tokenizer has no chat "
                 "template "
-                              "(chat_template.jinja or tokenizer_config.json 'chat_template')")
-        text = render_chat(self.chat_template, messages, self.special_tokens, add_generation_prompt=True, where=where)
+                "(chat_template.jinja or tokenizer_config.json 'chat_template')"
+            )
+        text = render_chat(
+            self.chat_template,
+            messages,
+            self.special_tokens,
+            add_generation_prompt=True,
+            where=where,
+        )
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -39,7 +39,9 @@ __all__ = ["EngineBase", "stage_param_bytes"]
 log = logging.getLogger("nereus.engines")
 
 
-def stage_param_bytes(config: ModelConfig, ctx: EmuContext, dtype: torch.dtype, value_head: bool = False) -> int:
+def stage_param_bytes(
+    config: ModelConfig, ctx: EmuContext, dtype: torch.dtype, value_head: bool = False
+) -> int:
     """Bytes of this rank's stage parameters, computed on the meta device (no memory)."""
     meta = build_stage(config, ctx.parallel, dtype, device="meta", value_head=value_head)
     return tensors_bytes(meta.parameters())
@@ -66,23 +68,33 @@ class EngineBase:
         self.ledger = options.ledger or device_ledger()
         self.owns_weights = tensors is None
         require(
-            not self.ledger.breakdown().keys() & {f"{name}/weights", f"{name}/grads", f"{name}/kv_cache"},
+            not self.ledger.breakdown().keys()
+            & {f"{name}/weights", f"{name}/grads", f"{name}/kv_cache"},
             "engine name",
             name,
             f"is already used by another engine on device {self.ledger.device}; give each "
             "engine its own name",
         )
         if self.owns_weights:
-            self.ledger.reserve(f"{name}/weights", stage_param_bytes(config, self.ctx, self.dtype, value_head))
+            self.ledger.reserve(
+                f"{name}/weights", stage_param_bytes(config, self.ctx, self.dtype, value_head)
+            )
         try:
             self.device = torch.device(self.ctx.device)
             if tensors is not None:
-                self.stage: DecoderStage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device,
-                                                       value_head=value_head, tensors=tensors)
+                self.stage: DecoderStage = build_stage(
+                    config,
+                    self.ctx.parallel,
+                    self.dtype,
+                    device=self.device,
+                    value_head=value_head,
+                    tensors=tensors,
+                )
             else:
                 torch.manual_seed(options.seed)
-                self.stage = build_stage(config, self.ctx.parallel, self.dtype, device=self.device,
-                                         value_head=value_head)
+                self.stage = build_stage(
+                    config, self.ctx.parallel, self.dtype, device=self.device, value_head=value_head
+                )
                 if model_dir is not None:
                     self._load(model_dir, value_head)
         except BaseException:
@@ -107,18 +119,24 @@ class EngineBase:
 
     micro_batch_size = 16
 
-    def _run(self, batch: dict[str, Any], head, output: str, micro_batch_size: int | None) -> torch.Tensor:
+    def _run(
+        self, batch: dict[str, Any], head, output: str, micro_batch_size: int | None
+    ) -> torch.Tensor:
         data = {k: v.to(self.device) for k, v in normalize_batch(batch).items()}
         mbs = split_batch(data, micro_batch_size or self.micro_batch_size)
         rows = mbs[0]["input_ids"].shape[0]
-        need = activation_bytes(self.config, self.ctx, rows, data["input_ids"].shape[1], self.dtype, training=False)
+        need = activation_bytes(
+            self.config, self.ctx, rows, data["input_ids"].shape[1], self.dtype, training=False
+        )
         self.ledger.reserve(f"{self.name}/activations", need)
         try:
             return forward_only(self.stage, self.ctx, mbs, head, output=output).cpu()
         finally:
             self.ledger.release(f"{self.name}/activations")
 
-    def logprobs(self, batch: dict[str, Any], temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
+    def logprobs(
+        self, batch: dict[str, Any], temperature: float = 1.0, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
         """Per-token log-probabilities ``[B, T]`` float32: ``out[b, t] = log softmax(logits /
         temperature)[input_ids[b, t]]`` given the tokens before ``t`` (``out[:, 0] = 0``),
         computed vocab-parallel (never full logits)."""
@@ -131,8 +149,12 @@ class EngineBase:
 
     def values(self, batch: dict[str, Any], micro_batch_size: int | None = None) -> torch.Tensor:
         """Per-token values ``[B, T]`` from the value head."""
-        require(self.value_head is not None or not self.ctx.is_last_stage, f"{self.name}.values", "no value head",
-                "needs an engine of a critic or reward model (value_head=True)")
+        require(
+            self.value_head is not None or not self.ctx.is_last_stage,
+            f"{self.name}.values",
+            "no value head",
+            "needs an engine of a critic or reward model (value_head=True)",
+        )
 
         def head(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
             assert self.value_head is not None
@@ -152,7 +174,9 @@ class EngineBase:
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters by ModelSpec name (value head: ``value_head.*``)."""
         if self.stage is None:
-            raise StateError(f"{self.name}: the engine is asleep and holds no weights (wake_up first)")
+            raise StateError(
+                f"{self.name}: the engine is asleep and holds no weights (wake_up first)"
+            )
         return dict(self.stage.named_parameters())
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -167,18 +191,27 @@ class EngineBase:
         params = self.named_parameters()
         unknown = sorted(set(tensors) - set(params))
         if unknown:
-            raise StateError(f"{self.name}: no parameters named {unknown[:5]} on this rank "
-                f"(pp_rank={self.ctx.pp_rank}, tp_rank={self.ctx.tp_rank})")
+            raise StateError(
+                f"{self.name}: no parameters named {unknown[:5]} on this rank "
+                f"(pp_rank={self.ctx.pp_rank}, tp_rank={self.ctx.tp_rank})"
+            )
         if strict:
             missing = sorted(set(params) - set(tensors))
-            require(not missing, f"{self.name}.load_named", missing[:5], "strict load must give every parameter")
+            require(
+                not missing,
+                f"{self.name}.load_named",
+                missing[:5],
+                "strict load must give every parameter",
+            )
         written = 0
         with torch.no_grad():
             for key, src in tensors.items():
                 dst = params[key]
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise StateError(f"{self.name}: shard {key!r} has shape {tuple(src.shape)}, this rank "
-                        f"holds {tuple(dst.shape)}")
+                    raise StateError(
+                        f"{self.name}: shard {key!r} has shape {tuple(src.shape)}, this rank "
+                        f"holds {tuple(dst.shape)}"
+                    )
                 dst.copy_(src)
                 written += src.numel() * src.element_size()
         return written

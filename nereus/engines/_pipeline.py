@@ -43,8 +43,16 @@ __all__ = [
     "in_flight_micro_batches",
 ]
 
-def activation_bytes(config: ModelConfig, ctx: EmuContext, rows: int, length: int, dtype: torch.dtype, training: bool,
-                     recompute: bool = False) -> int:
+
+def activation_bytes(
+    config: ModelConfig,
+    ctx: EmuContext,
+    rows: int,
+    length: int,
+    dtype: torch.dtype,
+    training: bool,
+    recompute: bool = False,
+) -> int:
     """An estimate of the activation bytes one micro-batch of ``rows x length`` needs on
     this rank: per local layer the residual stream, attention and MLP intermediates (kept
     for backward when training; with ``recompute`` only each layer's input is kept, and
@@ -54,10 +62,14 @@ def activation_bytes(config: ModelConfig, ctx: EmuContext, rows: int, length: in
 
     c = config
     elem = torch.empty((), dtype=dtype).element_size()
-    layers = len(stage_layer_range(c.num_hidden_layers, ctx.pp_size, ctx.pp_rank, ctx.parallel.layer_cuts))
+    layers = len(
+        stage_layer_range(c.num_hidden_layers, ctx.pp_size, ctx.pp_rank, ctx.parallel.layer_cuts)
+    )
     tokens = rows * length
     qkv = (c.q_size + 2 * c.kv_size) // ctx.tp_size
-    per_layer = tokens * (4 * c.hidden_size + 2 * qkv + 3 * c.intermediate_size // ctx.tp_size) * elem
+    per_layer = (
+        tokens * (4 * c.hidden_size + 2 * qkv + 3 * c.intermediate_size // ctx.tp_size) * elem
+    )
     per_layer += rows * (c.num_attention_heads // ctx.tp_size) * length * length * elem  # scores
     live_layers = layers if training and not recompute else 1
     total = per_layer * live_layers + 2 * tokens * c.hidden_size * elem
@@ -68,7 +80,9 @@ def activation_bytes(config: ModelConfig, ctx: EmuContext, rows: int, length: in
     return total
 
 
-def token_logprobs(local_logits: torch.Tensor, input_ids: torch.Tensor, ctx: EmuContext, temperature: float) -> torch.Tensor:
+def token_logprobs(
+    local_logits: torch.Tensor, input_ids: torch.Tensor, ctx: EmuContext, temperature: float
+) -> torch.Tensor:
     """``[B, T]`` log-probabilities of ``input_ids`` from ``[B, T, V/tp]`` logits (first
     column 0), differentiable, replicated over TP."""
     lp = vocab_parallel_logprobs(local_logits[:, :-1], input_ids[:, 1:], ctx.parallel, temperature)
@@ -82,11 +96,17 @@ Head = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 def right_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """``positions[b, t] = t`` on real tokens, ``-1`` on (right) padding."""
     t = attention_mask.shape[1]
-    pos = torch.arange(t, dtype=torch.long, device=attention_mask.device).unsqueeze(0).expand_as(attention_mask)
+    pos = (
+        torch.arange(t, dtype=torch.long, device=attention_mask.device)
+        .unsqueeze(0)
+        .expand_as(attention_mask)
+    )
     return torch.where(attention_mask.bool(), pos, torch.full_like(pos, -1))
 
 
-def _stage_input(ctx: EmuContext, stage: DecoderStage, mb: dict[str, torch.Tensor], requires_grad: bool) -> torch.Tensor:
+def _stage_input(
+    ctx: EmuContext, stage: DecoderStage, mb: dict[str, torch.Tensor], requires_grad: bool
+) -> torch.Tensor:
     ids = mb["input_ids"]
     if ctx.is_first_stage:
         return ids
@@ -120,7 +140,11 @@ def forward_only(
                 results.append(head(out, mb).float())
         rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
         length = micro_batches[0]["input_ids"].shape[1]
-        result = torch.cat(results, dim=0).contiguous() if results else torch.empty(rows, length, dtype=torch.float32, device=ctx.device)
+        result = (
+            torch.cat(results, dim=0).contiguous()
+            if results
+            else torch.empty(rows, length, dtype=torch.float32, device=ctx.device)
+        )
         ctx.broadcast_from_last(result)
     return result
 

@@ -50,17 +50,52 @@ class EmuContext:
     def __post_init__(self) -> None:
         pc = self.parallel
         if pc.pp_size > 1:
-            require(self.pp_comm is not None, "EmuContext.pp_comm", None, f"is required when pp_size={pc.pp_size} > 1")
+            require(
+                self.pp_comm is not None,
+                "EmuContext.pp_comm",
+                None,
+                f"is required when pp_size={pc.pp_size} > 1",
+            )
             assert self.pp_comm is not None
-            require(self.pp_comm.size == pc.pp_size, "EmuContext.pp_comm.size", self.pp_comm.size, f"must equal pp_size={pc.pp_size}")
-            require(self.pp_comm.rank == pc.pp_rank, "EmuContext.pp_comm.rank", self.pp_comm.rank, f"must equal pp_rank={pc.pp_rank}")
+            require(
+                self.pp_comm.size == pc.pp_size,
+                "EmuContext.pp_comm.size",
+                self.pp_comm.size,
+                f"must equal pp_size={pc.pp_size}",
+            )
+            require(
+                self.pp_comm.rank == pc.pp_rank,
+                "EmuContext.pp_comm.rank",
+                self.pp_comm.rank,
+                f"must equal pp_rank={pc.pp_rank}",
+            )
         require(self.dp_size >= 1, "EmuContext.dp_size", self.dp_size, "must be >= 1")
-        require(0 <= self.dp_rank < self.dp_size, "EmuContext.dp_rank", self.dp_rank, f"must be in [0, dp_size={self.dp_size})")
+        require(
+            0 <= self.dp_rank < self.dp_size,
+            "EmuContext.dp_rank",
+            self.dp_rank,
+            f"must be in [0, dp_size={self.dp_size})",
+        )
         if self.dp_size > 1:
-            require(self.dp_comm is not None, "EmuContext.dp_comm", None, f"is required when dp_size={self.dp_size} > 1")
+            require(
+                self.dp_comm is not None,
+                "EmuContext.dp_comm",
+                None,
+                f"is required when dp_size={self.dp_size} > 1",
+            )
             assert self.dp_comm is not None
-            require(self.dp_comm.size == self.dp_size, "EmuContext.dp_comm.size", self.dp_comm.size, f"must equal dp_size={self.dp_size}")
-            require(self.dp_comm.rank == self.dp_rank, "EmuContext.dp_comm.rank", self.dp_comm.rank, f"must equal dp_rank={self.dp_rank}")
+            require(
+                self.dp_comm.size == self.dp_size,
+                "EmuContext.dp_comm.size",
+                self.dp_comm.size,
+                f"must equal dp_size={self.dp_size}",
+            )
+            require(
+                self.dp_comm.rank == self.dp_rank,
+                "EmuContext.dp_comm.rank",
+                self.dp_comm.rank,
+                f"must equal dp_rank={self.dp_rank}",
+            )
 
     # --- position ------------------------------------------------------------------
 
@@ -118,19 +153,27 @@ class EmuContext:
         self._pp().recv(out, self.pp_rank + 1, self.timeout_s)
         return out
 
-    def send_next_recv_next(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def send_next_recv_next(
+        self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """Send ``tensor`` to the next stage and receive one from it, as one batch (the
         1F1B steady state: an activation goes forward while a gradient comes back)."""
         out = torch.empty(shape, dtype=dtype, device=self.device)
         peer = self.pp_rank + 1
-        self._pp().batch_p2p([P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s)
+        self._pp().batch_p2p(
+            [P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s
+        )
         return out
 
-    def send_prev_recv_prev(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def send_prev_recv_prev(
+        self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """Send ``tensor`` to the previous stage and receive one from it, as one batch."""
         out = torch.empty(shape, dtype=dtype, device=self.device)
         peer = self.pp_rank - 1
-        self._pp().batch_p2p([P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s)
+        self._pp().batch_p2p(
+            [P2POp("send", tensor.contiguous(), peer), P2POp("recv", out, peer)], self.timeout_s
+        )
         return out
 
     def broadcast_from_last(self, tensor: torch.Tensor) -> None:
@@ -143,7 +186,9 @@ class EmuContext:
         gradients); returns ``tensor`` summed in place. Other stages must not call it."""
         peer = self.pp_size - 1 if self.is_first_stage else 0
         other = torch.empty_like(tensor)
-        self._pp().batch_p2p([P2POp("send", tensor.contiguous(), peer), P2POp("recv", other, peer)], self.timeout_s)
+        self._pp().batch_p2p(
+            [P2POp("send", tensor.contiguous(), peer), P2POp("recv", other, peer)], self.timeout_s
+        )
         # Add in a fixed order so both ends hold bit-identical sums.
         first, last = (tensor, other) if self.is_first_stage else (other, tensor)
         summed = first + last

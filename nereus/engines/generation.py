@@ -46,11 +46,17 @@ __all__ = ["GenerationEngine", "GenerationOutput", "kv_cache_bytes"]
 log = logging.getLogger("nereus.engines")
 
 
-def kv_cache_bytes(config: ModelConfig, ctx: EmuContext, batch: int, max_len: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes(
+    config: ModelConfig, ctx: EmuContext, batch: int, max_len: int, dtype: torch.dtype
+) -> int:
     """Bytes of the KV cache this rank holds for ``batch`` rows of ``max_len`` tokens."""
     from nereus.models.parallel import stage_layer_range
 
-    layers = len(stage_layer_range(config.num_hidden_layers, ctx.pp_size, ctx.pp_rank, ctx.parallel.layer_cuts))
+    layers = len(
+        stage_layer_range(
+            config.num_hidden_layers, ctx.pp_size, ctx.pp_rank, ctx.parallel.layer_cuts
+        )
+    )
     kv_local = max(1, config.num_key_value_heads // ctx.tp_size)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * layers * batch * kv_local * max_len * config.head_dim * elem
@@ -65,7 +71,11 @@ class GenerationOutput:
     finish_reasons: list[str]  # "stop" (a stop token) or "length" (max_tokens)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "logprobs": self.logprobs, "finish_reasons": self.finish_reasons}
+        return {
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+            "finish_reasons": self.finish_reasons,
+        }
 
     @property
     def num_tokens(self) -> int:
@@ -156,8 +166,12 @@ class GenerationEngine(EngineBase):
         from nereus.models.checkpoint import load_stage_weights
         from nereus.models.decoder import build_stage
 
-        require(weights is not None or self.model_dir is not None, f"{self.name}.wake_up", None,
-                "needs weights when the engine was not built from a model_dir")
+        require(
+            weights is not None or self.model_dir is not None,
+            f"{self.name}.wake_up",
+            None,
+            "needs weights when the engine was not built from a model_dir",
+        )
         self.ledger.reserve(f"{self.name}/weights", self._weight_bytes)
         try:
             self.stage = build_stage(self.config, self.ctx.parallel, self.dtype, device=self.device)
@@ -173,7 +187,9 @@ class GenerationEngine(EngineBase):
 
     # --- generation -------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None) -> GenerationOutput:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None
+    ) -> GenerationOutput:
         """Sample a continuation of every prompt. See the module docstring."""
         params = SamplingParams.from_any(params)
         require(not self.is_sleeping, f"{self.name}.generate", "sleeping", "call wake_up() first")
@@ -181,7 +197,12 @@ class GenerationEngine(EngineBase):
         vocab = self.config.vocab_size
         for i, p in enumerate(prompts):
             require(len(p) >= 1, f"prompts[{i}]", list(p), "must not be empty")
-            require(all(0 <= int(t) < vocab for t in p), f"prompts[{i}]", list(p)[:16], f"token ids must be in [0, vocab_size={vocab})")
+            require(
+                all(0 <= int(t) < vocab for t in p),
+                f"prompts[{i}]",
+                list(p)[:16],
+                f"token ids must be in [0, vocab_size={vocab})",
+            )
         # Only the sampling rank uses the seed, so an unseeded request may pick its own.
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         out = GenerationOutput([], [], [])
@@ -206,8 +227,12 @@ class GenerationEngine(EngineBase):
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(lengths.max())
         max_len = width + params.max_tokens
-        require(max_len <= self.config.max_position_embeddings, "prompt length + max_tokens", max_len,
-                f"must be <= max_position_embeddings={self.config.max_position_embeddings}")
+        require(
+            max_len <= self.config.max_position_embeddings,
+            "prompt length + max_tokens",
+            max_len,
+            f"must be <= max_position_embeddings={self.config.max_position_embeddings}",
+        )
         cache = self._kv_cache(batch, max_len)
         if self._cache_batch > batch:
             # Rows beyond this batch exist in a reused cache; use only the first ``batch``.
@@ -215,23 +240,40 @@ class GenerationEngine(EngineBase):
         pad = width - lengths
         ids = torch.zeros(batch, width, dtype=torch.long)
         for b, p in enumerate(prompts):
-            ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         cols = torch.arange(width).unsqueeze(0)
-        positions = torch.where(cols >= pad.unsqueeze(1), cols - pad.unsqueeze(1), torch.full_like(cols, -1))
+        positions = torch.where(
+            cols >= pad.unsqueeze(1), cols - pad.unsqueeze(1), torch.full_like(cols, -1)
+        )
         return _Batch(
-            ids=ids.to(dev), positions=positions.to(dev), lengths=lengths.to(dev), width=width, cache=cache,
+            ids=ids.to(dev),
+            positions=positions.to(dev),
+            lengths=lengths.to(dev),
+            width=width,
+            cache=cache,
             stops=torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev),
             tokens=torch.zeros(batch, params.max_tokens, dtype=torch.long, device=dev),
             logprobs=torch.zeros(batch, params.max_tokens, dtype=torch.float32, device=dev),
             done=torch.zeros(batch, dtype=torch.bool, device=dev),
             stopped=torch.zeros(batch, dtype=torch.bool, device=dev),
             # Without stop tokens every row runs to max_tokens: counted up front, not per step.
-            n_out=torch.full((batch,), 0 if params.stop_token_ids else params.max_tokens, dtype=torch.long,
-                             device=dev),
+            n_out=torch.full(
+                (batch,),
+                0 if params.stop_token_ids else params.max_tokens,
+                dtype=torch.long,
+                device=dev,
+            ),
         )
 
-    def _sample_and_share(self, logits: torch.Tensor | None, rows: slice, batch: int, params: SamplingParams,
-                          noise: _Noise, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_and_share(
+        self,
+        logits: torch.Tensor | None,
+        rows: slice,
+        batch: int,
+        params: SamplingParams,
+        noise: _Noise,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample on the last stage's TP rank 0, then hand the tokens to every rank of the
         EMU (TP broadcast, then pipeline broadcast): (tokens, logprobs) of ``rows``."""
         ctx = self.ctx
@@ -255,8 +297,14 @@ class GenerationEngine(EngineBase):
         return packed[0].to(torch.long), packed[1].to(torch.float32)
 
     @staticmethod
-    def _record(b: _Batch, rows: slice, step: int, tokens: torch.Tensor, logprobs: torch.Tensor,
-                params: SamplingParams) -> bool:
+    def _record(
+        b: _Batch,
+        rows: slice,
+        step: int,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        params: SamplingParams,
+    ) -> bool:
         """Store step ``step`` of ``rows``; returns whether all of them are now finished."""
         b.tokens[rows, step] = tokens
         b.logprobs[rows, step] = logprobs
@@ -289,18 +337,24 @@ class GenerationEngine(EngineBase):
 
     # --- one batch, stage after stage ---------------------------------------------------
 
-    def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, index: torch.Tensor) -> torch.Tensor | None:
+    def _forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, index: torch.Tensor
+    ) -> torch.Tensor | None:
         """This stage's part of one forward (receiving from / sending to its neighbours);
         the full logits on the last stage, None elsewhere."""
         ctx = self.ctx
         if not ctx.is_first_stage:
-            x = ctx.recv_prev((positions.shape[0], positions.shape[1], self.config.hidden_size), self.dtype)
+            x = ctx.recv_prev(
+                (positions.shape[0], positions.shape[1], self.config.hidden_size), self.dtype
+            )
         if not ctx.is_last_stage:
             ctx.send_next(self.stage(x, positions, kv_cache=cache))
             return None
         return self.stage(x, positions, kv_cache=cache, logits_index=index, gather_logits=True)
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int) -> GenerationOutput:
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int
+    ) -> GenerationOutput:
         b = self._prepare(prompts, params)
         batch = len(prompts)
         every = slice(0, batch)
@@ -320,7 +374,9 @@ class GenerationEngine(EngineBase):
 
     # --- one batch, pipelined over the stages -----------------------------------------
 
-    def _generate_pipelined(self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int) -> GenerationOutput:
+    def _generate_pipelined(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int
+    ) -> GenerationOutput:
         """The batch cut into ``pp`` groups of rows that move through the pipeline as a
         wavefront: at tick ``t`` stage ``s`` runs the forward of group ``g`` for step ``k``
         where ``t - s = k * pp + g``, so every stage works on a different group at once.
@@ -367,7 +423,9 @@ class GenerationEngine(EngineBase):
                     x = ids if ctx.is_first_stage else inbox
                     assert x is not None
                     if ctx.is_last_stage:
-                        out = self.stage(x, pos, kv_cache=caches[g], logits_index=index, gather_logits=True)
+                        out = self.stage(
+                            x, pos, kv_cache=caches[g], logits_index=index, gather_logits=True
+                        )
                     else:
                         out = self.stage(x, pos, kv_cache=caches[g])
                 ops = []
@@ -379,8 +437,13 @@ class GenerationEngine(EngineBase):
                 if prev is not None:
                     g, step = prev
                     rows = groups[g]
-                    inbox = torch.empty(rows.stop - rows.start, b.width if step == 0 else 1, hidden, dtype=self.dtype,
-                                        device=dev)
+                    inbox = torch.empty(
+                        rows.stop - rows.start,
+                        b.width if step == 0 else 1,
+                        hidden,
+                        dtype=self.dtype,
+                        device=dev,
+                    )
                     ops.append(P2POp("recv", inbox, me - 1))
                 if ops:
                     assert ctx.pp_comm is not None
@@ -389,7 +452,9 @@ class GenerationEngine(EngineBase):
                 if sampled is not None:
                     g, step = sampled
                     logits = out if ctx.is_last_stage else None
-                    tokens, logprobs = self._sample_and_share(logits, groups[g], batch, params, noise, step)
+                    tokens, logprobs = self._sample_and_share(
+                        logits, groups[g], batch, params, noise, step
+                    )
                     if self._record(b, groups[g], step, tokens, logprobs, params):
                         final[g] = step
                 tick += 1

@@ -94,18 +94,33 @@ class EngineHost(ShardHolder):
     # --- filling the store ------------------------------------------------------------
 
     @endpoint
-    async def load_weights(self, emu: dict, model_config: dict, model_dir: str | None = None,
-                           seed: int = 0) -> int:
+    async def load_weights(
+        self, emu: dict, model_config: dict, model_dir: str | None = None, seed: int = 0
+    ) -> int:
         """Fill the store with this device's shards of ``emu`` (see the module docstring);
         returns the bytes now held on this device."""
         desc = emu_from_plain(emu)
         device = self.device.index
         pp_rank, tp_rank = desc.position(device)
-        require(desc.name not in self.shards, "load_weights.emu", desc.name, "is already held on this device")
+        require(
+            desc.name not in self.shards,
+            "load_weights.emu",
+            desc.name,
+            "is already held on this device",
+        )
         self._reserve_new(desc.name, desc.bytes_on(device))
         try:
-            tensors = await run_engine_work(_load_shards, desc, ModelConfig(**model_config), model_dir, seed,
-                                            pp_rank, tp_rank, device, self.tensor_device)
+            tensors = await run_engine_work(
+                _load_shards,
+                desc,
+                ModelConfig(**model_config),
+                model_dir,
+                seed,
+                pp_rank,
+                tp_rank,
+                device,
+                self.tensor_device,
+            )
         except BaseException:
             self._account()
             raise
@@ -117,8 +132,15 @@ class EngineHost(ShardHolder):
     # --- engines ----------------------------------------------------------------------
 
     @endpoint
-    async def build_engine(self, emu: dict, kind: str, model_config: dict, options: dict | None = None,
-                           groups: dict | None = None, cache: list[int] | None = None) -> dict[str, int]:
+    async def build_engine(
+        self,
+        emu: dict,
+        kind: str,
+        model_config: dict,
+        options: dict | None = None,
+        groups: dict | None = None,
+        cache: list[int] | None = None,
+    ) -> dict[str, int]:
         """Build ``emu``'s engine of ``kind`` on this device over the store's tensors.
 
         ``groups``: ``tp`` (one group id per pipeline stage), ``pp`` (one per TP rank),
@@ -128,40 +150,81 @@ class EngineHost(ShardHolder):
         reservations."""
         require(kind in KINDS, "build_engine.kind", kind, f"must be one of {KINDS}")
         engine_name = (options or {}).get("engine", "builtin")
-        require(engine_name in GENERATION_ENGINES and (kind == "generation" or engine_name == "builtin"),
-                "build_engine.options.engine", engine_name,
-                f"must be one of {GENERATION_ENGINES} for a generation EMU ('builtin' for other kinds)")
-        require(engine_name != "vllm" or bool((options or {}).get("model_dir")), "build_engine.options.model_dir",
-                (options or {}).get("model_dir"), "must name the model's folder (its config.json) for a vLLM engine")
+        require(
+            engine_name in GENERATION_ENGINES
+            and (kind == "generation" or engine_name == "builtin"),
+            "build_engine.options.engine",
+            engine_name,
+            f"must be one of {GENERATION_ENGINES} for a generation EMU ('builtin' for other kinds)",
+        )
+        require(
+            engine_name != "vllm" or bool((options or {}).get("model_dir")),
+            "build_engine.options.model_dir",
+            (options or {}).get("model_dir"),
+            "must name the model's folder (its config.json) for a vLLM engine",
+        )
         desc = emu_from_plain(emu)
         if desc.name in self.engines:
-            raise StateError(f"device {self.device.index} already runs an engine of EMU {desc.name!r}")
+            raise StateError(
+                f"device {self.device.index} already runs an engine of EMU {desc.name!r}"
+            )
         held = self._held_of(desc.name)
-        engine = await run_engine_work(self._make_engine, desc, kind, ModelConfig(**model_config),
-                                       dict(options or {}), dict(groups or {}), held)
+        engine = await run_engine_work(
+            self._make_engine,
+            desc,
+            kind,
+            ModelConfig(**model_config),
+            dict(options or {}),
+            dict(groups or {}),
+            held,
+        )
         self.engines[desc.name], self.kinds[desc.name] = engine, kind
         if cache and kind == "generation" and engine_name == "builtin":
             await run_engine_work(engine.reserve_cache, int(cache[0]), int(cache[1]))
         return engine.memory()
 
-    def _make_engine(self, emu: EMU, kind: str, config: ModelConfig, options: dict, groups: dict,
-                     held: dict[str, torch.Tensor]) -> Any:
+    def _make_engine(
+        self,
+        emu: EMU,
+        kind: str,
+        config: ModelConfig,
+        options: dict,
+        groups: dict,
+        held: dict[str, torch.Tensor],
+    ) -> Any:
         from nereus.engines.context import EmuContext
         from nereus.models.parallel import ParallelContext
         from nereus.transfer import get_communicator
 
         pp_rank, tp_rank = emu.position(self.device.index)
         tp, pp = emu.layout.tp, emu.layout.pp
-        tp_ids, pp_ids, dp_ids = groups.get("tp") or [], groups.get("pp") or [], groups.get("dp") or []
+        tp_ids, pp_ids, dp_ids = (
+            groups.get("tp") or [],
+            groups.get("pp") or [],
+            groups.get("dp") or [],
+        )
         dp_rank, dp_size = int(groups.get("dp_rank", 0)), int(groups.get("dp_size", 1))
         timeout_s = float(groups.get("timeout_s", 120.0))
         tp_comm = get_communicator(tp_ids[pp_rank]) if tp > 1 else None
         pp_comm = get_communicator(pp_ids[tp_rank]) if pp > 1 else None
         dp_comm = get_communicator(dp_ids[pp_rank * tp + tp_rank]) if dp_size > 1 else None
-        pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, tp_comm=tp_comm,
-                             layer_cuts=emu.layout.cuts or None)
-        ctx = EmuContext(pc, pp_comm=pp_comm, dp_rank=dp_rank, dp_size=dp_size, dp_comm=dp_comm,
-                         timeout_s=timeout_s, device=str(self.tensor_device))
+        pc = ParallelContext(
+            tp_rank=tp_rank,
+            tp_size=tp,
+            pp_rank=pp_rank,
+            pp_size=pp,
+            tp_comm=tp_comm,
+            layer_cuts=emu.layout.cuts or None,
+        )
+        ctx = EmuContext(
+            pc,
+            pp_comm=pp_comm,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            dp_comm=dp_comm,
+            timeout_s=timeout_s,
+            device=str(self.tensor_device),
+        )
         dtype = emu.spec.params[0].dtype if emu.spec.params else "float32"
         params = {k: t for k, t in held.items() if split_key(k)[0] == "param"}
         value_head = any(p.name.startswith("value_head.") for p in emu.spec.params)
@@ -191,7 +254,9 @@ class EngineHost(ShardHolder):
 
             model_dir = options.pop("model_dir")
             shared = EngineOptions(dtype=dtype, seed=options.pop("seed", 0), name=emu.name)
-            options.setdefault("load_format", "dummy")  # every weight comes from the EMU's shards next
+            options.setdefault(
+                "load_format", "dummy"
+            )  # every weight comes from the EMU's shards next
             # a job never puts this engine to sleep: its memory stays in torch's own allocator
             options.setdefault("enable_sleep_mode", False)
             engine = VllmGenerationEngine(config, model_dir, ctx, options=shared, **options)
@@ -213,8 +278,10 @@ class EngineHost(ShardHolder):
     def _engine(self, emu: str, kind: str | None = None) -> Any:
         engine = self.engines.get(emu)
         if engine is None:
-            raise StateError(f"device {self.device.index} runs no engine of EMU {emu!r} "
-                             f"(engines: {sorted(self.engines)})")
+            raise StateError(
+                f"device {self.device.index} runs no engine of EMU {emu!r} "
+                f"(engines: {sorted(self.engines)})"
+            )
         if kind is not None and self.kinds[emu] != kind:
             raise StateError(f"EMU {emu!r} runs a {self.kinds[emu]} engine, not a {kind} one")
         return engine
@@ -241,8 +308,13 @@ class EngineHost(ShardHolder):
         super()._free(emus)
 
     @endpoint
-    async def run_into(self, parts: list[dict], group: str | None = None, group_devices: Sequence[int] = (),
-                       bucket_bytes: int | None = None) -> dict:
+    async def run_into(
+        self,
+        parts: list[dict],
+        group: str | None = None,
+        group_devices: Sequence[int] = (),
+        bucket_bytes: int | None = None,
+    ) -> dict:
         """``ShardHolder.run_into`` (the EMUs' shards written in place), then every engine
         that holds its own copy of the weights (vLLM) loads its EMU's new shards in place;
         ``reloaded_bytes`` and ``reload_s`` say what that took."""
@@ -259,13 +331,20 @@ class EngineHost(ShardHolder):
         return stats
 
     @endpoint
-    async def generate(self, emu: str, prompts: list[list[int]], params: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def generate(
+        self, emu: str, prompts: list[list[int]], params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         out = await run_engine_work(self._engine(emu, "generation").generate, prompts, params)
         return out.to_dict()
 
     @endpoint
-    async def advance_rollout(self, emu: str, steps: int, prompts: list[list[int]] | None = None,
-                              params: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def advance_rollout(
+        self,
+        emu: str,
+        steps: int,
+        prompts: list[list[int]] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Decode up to ``steps`` tokens of ``emu``'s open request (``prompts`` given: open
         a new one first, ``nereus.engines.stepped``; it replaces a request the caller
         abandoned); a weight sync between two calls is read by the next decode step, the
@@ -273,14 +352,21 @@ class EngineHost(ShardHolder):
         engine = self._engine(emu, "generation")
         if prompts is not None:
             self.rollouts[emu] = SteppedRollout(engine, prompts, params)
-        require(emu in self.rollouts, "advance_rollout.emu", emu, "must have an open request (give prompts)")
+        require(
+            emu in self.rollouts,
+            "advance_rollout.emu",
+            emu,
+            "must have an open request (give prompts)",
+        )
         out = await run_engine_work(self.rollouts[emu].advance, steps)
         if out["finished"]:
             del self.rollouts[emu]
         return out
 
     @endpoint
-    async def logprobs(self, emu: str, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    async def logprobs(
+        self, emu: str, batch: dict[str, torch.Tensor], temperature: float = 1.0
+    ) -> torch.Tensor:
         """Per-token log-probabilities of ``batch`` under ``emu``'s weights (any kind of
         engine evaluates forward-only: the inference engine's work, and a probe)."""
         return await run_engine_work(self._engine(emu).logprobs, batch, temperature)
@@ -294,11 +380,19 @@ class EngineHost(ShardHolder):
         return await run_engine_work(self._engine(emu).rewards, batch)
 
     @endpoint
-    async def train_step(self, emu: str, batch: dict[str, torch.Tensor], loss: str = "nereus.engines.losses:nll_loss",
-                         loss_kwargs: dict[str, Any] | None = None, micro_batch_size: int | None = None,
-                         temperature: float = 1.0) -> dict[str, float]:
+    async def train_step(
+        self,
+        emu: str,
+        batch: dict[str, torch.Tensor],
+        loss: str = "nereus.engines.losses:nll_loss",
+        loss_kwargs: dict[str, Any] | None = None,
+        micro_batch_size: int | None = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
         engine = self._engine(emu, "training")
-        metrics = await run_engine_work(engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature)
+        metrics = await run_engine_work(
+            engine.train_step, batch, loss, loss_kwargs, micro_batch_size, temperature
+        )
         state = self.states.get(emu, LogicalState())
         self.states[emu] = LogicalState(engine.step, state.policy_version, state.sample_position)
         return metrics
@@ -336,8 +430,16 @@ class _NoCollectives:
         raise StateError(f"a stage built to load weights cannot run collectives ({name})")
 
 
-def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int, pp_rank: int, tp_rank: int,
-                 device: int, place: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def _load_shards(
+    emu: EMU,
+    config: ModelConfig,
+    model_dir: str | None,
+    seed: int,
+    pp_rank: int,
+    tp_rank: int,
+    device: int,
+    place: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     """This device's tensors of ``emu`` on ``place`` (the worker's torch device): a stage
     built at its place on the CPU (random from ``seed``, then read from ``model_dir``),
     its parameters taken as they are, plus the EMU's optimizer slots."""
@@ -347,9 +449,14 @@ def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int
     dtype = emu.spec.params[0].dtype if emu.spec.params else "float32"
     value_head = any(p.name.startswith("value_head.") for p in emu.spec.params)
     tp = emu.layout.tp
-    pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=emu.layout.pp,
-                         tp_comm=_NoCollectives(tp_rank, tp) if tp > 1 else None,  # type: ignore[arg-type]
-                         layer_cuts=emu.layout.cuts or None)
+    pc = ParallelContext(
+        tp_rank=tp_rank,
+        tp_size=tp,
+        pp_rank=pp_rank,
+        pp_size=emu.layout.pp,
+        tp_comm=_NoCollectives(tp_rank, tp) if tp > 1 else None,  # type: ignore[arg-type]
+        layer_cuts=emu.layout.cuts or None,
+    )
     torch.manual_seed(seed)
     stage = build_stage(config, pc, dtype, value_head=value_head)
     if model_dir is not None:
@@ -365,11 +472,15 @@ def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int
     for key, (shard, _) in want.items():
         slot, name = split_key(key)
         if name not in params:
-            raise StateError(f"EMU {emu.name}: the model builds no parameter {name!r} at pp {pp_rank} tp "
-                f"{tp_rank}")
+            raise StateError(
+                f"EMU {emu.name}: the model builds no parameter {name!r} at pp {pp_rank} tp "
+                f"{tp_rank}"
+            )
         p = params[name]
         if tuple(p.shape) != shard.shape:
-            raise StateError(f"EMU {emu.name}: {name!r} is {tuple(p.shape)} here, its shard is {shard.shape}")
+            raise StateError(
+                f"EMU {emu.name}: {name!r} is {tuple(p.shape)} here, its shard is {shard.shape}"
+            )
         if slot == "param":
             out[key] = p.to(place)
         elif slot == "master":
@@ -378,6 +489,8 @@ def _load_shards(emu: EMU, config: ModelConfig, model_dir: str | None, seed: int
             out[key] = torch.zeros(shard.shape, dtype=torch.float32, device=place)
     extra = sorted(set(params) - {split_key(k)[1] for k in want})
     if extra:
-        raise StateError(f"EMU {emu.name}: the stage holds {extra[:5]} that its ModelSpec does not list")
+        raise StateError(
+            f"EMU {emu.name}: the stage holds {extra[:5]} that its ModelSpec does not list"
+        )
     assert all(tensor_key("param", n) in out for n in params)
     return out

@@ -52,7 +52,12 @@ class InferenceEngine(EngineBase):
         value_head: bool = False,
         micro_batch_size: int = 16,
     ) -> None:
-        require(micro_batch_size >= 1, "InferenceEngine.micro_batch_size", micro_batch_size, "must be >= 1")
+        require(
+            micro_batch_size >= 1,
+            "InferenceEngine.micro_batch_size",
+            micro_batch_size,
+            "must be >= 1",
+        )
         super().__init__(
             config, ctx, options=options, value_head=value_head, default_name="inference"
         )
@@ -63,7 +68,15 @@ class InferenceEngine(EngineBase):
         """Scores ``[B]`` from a rule function named by import path (no model involved)."""
         data = normalize_batch(batch)
         rule = resolve_callable(fn, "reward fn")
-        scores = torch.as_tensor(rule(data["input_ids"], data["attention_mask"], data["response_mask"], **kwargs), dtype=torch.float32)
+        scores = torch.as_tensor(
+            rule(data["input_ids"], data["attention_mask"], data["response_mask"], **kwargs),
+            dtype=torch.float32,
+        )
         rows = data["input_ids"].shape[0]
-        require(tuple(scores.shape) == (rows,), f"reward fn {fn}", tuple(scores.shape), f"must return {rows} scores")
+        require(
+            tuple(scores.shape) == (rows,),
+            f"reward fn {fn}",
+            tuple(scores.shape),
+            f"must return {rows} scores",
+        )
         return scores

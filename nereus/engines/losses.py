@@ -51,7 +51,12 @@ def resolve_callable(path: str, field: str = "loss") -> Callable[..., Any]:
     """Import ``"module:qualname"`` and return the callable it names (cached)."""
     if path in _CACHE:
         return _CACHE[path]
-    require(isinstance(path, str) and ":" in path, field, path, "must be an import path 'module:function'")
+    require(
+        isinstance(path, str) and ":" in path,
+        field,
+        path,
+        "must be an import path 'module:function'",
+    )
     module_name, _, qualname = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -59,7 +64,9 @@ def resolve_callable(path: str, field: str = "loss") -> Callable[..., Any]:
         raise ConfigError(f"{field}={path!r}: cannot import module {module_name!r}: {e}") from e
     for part in qualname.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{field}={path!r}: module {module_name!r} has no attribute {qualname!r}")
+            raise ConfigError(
+                f"{field}={path!r}: module {module_name!r} has no attribute {qualname!r}"
+            )
         obj = getattr(obj, part)
     require(callable(obj), field, path, "must name a callable")
     _CACHE[path] = obj
@@ -68,7 +75,12 @@ def resolve_callable(path: str, field: str = "loss") -> Callable[..., Any]:
 
 def normalize_batch(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Check a batch and fill in the default masks (see the module docstring)."""
-    require(isinstance(batch, dict) and "input_ids" in batch, "batch", sorted(batch) if isinstance(batch, dict) else type(batch).__name__, "must be a dict with 'input_ids'")
+    require(
+        isinstance(batch, dict) and "input_ids" in batch,
+        "batch",
+        sorted(batch) if isinstance(batch, dict) else type(batch).__name__,
+        "must be a dict with 'input_ids'",
+    )
     out: dict[str, torch.Tensor] = {}
     for key, value in batch.items():
         out[key] = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
@@ -77,14 +89,29 @@ def normalize_batch(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     out["input_ids"] = ids.long()
     rows = ids.shape[0]
     for key, value in out.items():
-        require(value.dim() >= 1 and value.shape[0] == rows, f"batch.{key}", tuple(value.shape), f"must have first dim B={rows}")
+        require(
+            value.dim() >= 1 and value.shape[0] == rows,
+            f"batch.{key}",
+            tuple(value.shape),
+            f"must have first dim B={rows}",
+        )
     if "attention_mask" not in out:
         out["attention_mask"] = torch.ones_like(ids)
     mask = out["attention_mask"]
-    require(tuple(mask.shape) == tuple(ids.shape), "batch.attention_mask", tuple(mask.shape), f"must match input_ids {tuple(ids.shape)}")
+    require(
+        tuple(mask.shape) == tuple(ids.shape),
+        "batch.attention_mask",
+        tuple(mask.shape),
+        f"must match input_ids {tuple(ids.shape)}",
+    )
     lengths = mask.sum(dim=1)
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    require(bool(((positions < lengths.unsqueeze(1)) == mask.bool()).all()), "batch.attention_mask", "left or inner padding", "must be right padding (ones then zeros per row)")
+    require(
+        bool(((positions < lengths.unsqueeze(1)) == mask.bool()).all()),
+        "batch.attention_mask",
+        "left or inner padding",
+        "must be right padding (ones then zeros per row)",
+    )
     if "response_mask" not in out:
         resp = mask.clone()
         resp[:, 0] = 0
@@ -92,7 +119,9 @@ def normalize_batch(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def split_batch(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+def split_batch(
+    batch: dict[str, torch.Tensor], micro_batch_size: int
+) -> list[dict[str, torch.Tensor]]:
     """Cut a batch into consecutive micro-batches of ``micro_batch_size`` rows (the last
     may be shorter)."""
     require(micro_batch_size >= 1, "micro_batch_size", micro_batch_size, "must be >= 1")
@@ -121,7 +150,9 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def nll_loss(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+def nll_loss(
+    outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Supervised fine-tuning: mean negative log-likelihood of the response tokens."""
     logprobs = outputs["logprobs"]
     mask = batch["response_mask"]
@@ -129,7 +160,9 @@ def nll_loss(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -
     return loss, {"nll": float(loss.detach())}
 
 
-def value_mse_loss(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+def value_mse_loss(
+    outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Critic regression without clipping: 0.5 * mean (value - returns)^2 over response tokens."""
     require("returns" in batch, "batch", sorted(batch), "must hold 'returns' for value_mse_loss")
     err = outputs["values"] - batch["returns"].to(outputs["values"].dtype)

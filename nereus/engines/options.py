@@ -41,13 +41,25 @@ class EngineOptions:
     name: str | None = None
 
     def __post_init__(self) -> None:
-        require(self.tensors is None or self.model_dir is None, "engine weights", "tensors and model_dir",
-                "give one of them: tensors (a shard store's) or model_dir")
+        require(
+            self.tensors is None or self.model_dir is None,
+            "engine weights",
+            "tensors and model_dir",
+            "give one of them: tensors (a shard store's) or model_dir",
+        )
         torch_dtype(self.dtype)  # raises ConfigError for a dtype no engine knows
-        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "engine seed", self.seed,
-                "must be an integer")
-        require(self.name is None or (isinstance(self.name, str) and self.name != ""), "engine name",
-                self.name, "must be a non-empty string (or None for the engine's default)")
+        require(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool),
+            "engine seed",
+            self.seed,
+            "must be an integer",
+        )
+        require(
+            self.name is None or (isinstance(self.name, str) and self.name != ""),
+            "engine name",
+            self.name,
+            "must be a non-empty string (or None for the engine's default)",
+        )
 
     def named(self, default: str) -> str:
         """The engine's name: ``name``, or ``default`` when none was given."""

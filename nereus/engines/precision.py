@@ -29,10 +29,16 @@ def resolve_dtype(requested: str, device_kinds: Iterable[str]) -> str:
     """The dtype a job computes in: ``requested`` unless it is ``auto``; then bfloat16
     where every device in ``device_kinds`` (``DeviceInfo.kind``: ``cuda``, ``cpu``) is a
     GPU, else float32."""
-    require(requested == AUTO or requested in DTYPES, "model.dtype", requested,
-            f"must be {AUTO!r} or one of {list(DTYPES)}")
+    require(
+        requested == AUTO or requested in DTYPES,
+        "model.dtype",
+        requested,
+        f"must be {AUTO!r} or one of {list(DTYPES)}",
+    )
     if requested != AUTO:
         return requested
     kinds = set(device_kinds)
-    require(bool(kinds), "device_kinds", sorted(kinds), "must name the job's devices to resolve 'auto'")
+    require(
+        bool(kinds), "device_kinds", sorted(kinds), "must name the job's devices to resolve 'auto'"
+    )
     return "bfloat16" if kinds <= set(GPU_KINDS) else "float32"

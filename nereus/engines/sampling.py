@@ -46,11 +46,21 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         require(self.max_tokens >= 1, "SamplingParams.max_tokens", self.max_tokens, "must be >= 1")
-        require(self.temperature >= 0.0, "SamplingParams.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        require(
+            self.temperature >= 0.0,
+            "SamplingParams.temperature",
+            self.temperature,
+            "must be >= 0 (0 = greedy)",
+        )
         require(0.0 < self.top_p <= 1.0, "SamplingParams.top_p", self.top_p, "must be in (0, 1]")
         require(self.top_k >= 0, "SamplingParams.top_k", self.top_k, "must be >= 0 (0 = off)")
         stops = tuple(int(t) for t in self.stop_token_ids)
-        require(all(t >= 0 for t in stops), "SamplingParams.stop_token_ids", stops, "must be token ids >= 0")
+        require(
+            all(t >= 0 for t in stops),
+            "SamplingParams.stop_token_ids",
+            stops,
+            "must be token ids >= 0",
+        )
         object.__setattr__(self, "stop_token_ids", stops)
 
     @property
@@ -75,7 +85,12 @@ class SamplingParams:
             return cls()
         if isinstance(value, cls):
             return value
-        require(isinstance(value, dict), "SamplingParams", type(value).__name__, "must be SamplingParams or a dict")
+        require(
+            isinstance(value, dict),
+            "SamplingParams",
+            type(value).__name__,
+            "must be SamplingParams or a dict",
+        )
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         require(not unknown, "SamplingParams", unknown, f"unknown keys; known: {sorted(known)}")
@@ -113,7 +128,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def step_noise(seed: int, chunk: int, step: int, rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def step_noise(
+    seed: int, chunk: int, step: int, rows: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """The uniform noise ``[rows]`` of one decode step of one chunk of a request:
     a function of (seed, chunk, step) only, so any grouping of the rows (pipeline
     micro-batches) draws the same tokens. ``generator`` (a CPU generator) is reseeded

@@ -38,31 +38,48 @@ from nereus.errors import ActorDied
 from nereus.models.config import ModelConfig
 from nereus.state.emu import EMU, emu_to_plain
 
-__all__ = ["EmuHandle", "ModelStageHandle", "spawn_hosts", "spawn_model_stage", "start_model_stage", "stage_groups"]
+__all__ = [
+    "EmuHandle",
+    "ModelStageHandle",
+    "spawn_hosts",
+    "spawn_model_stage",
+    "start_model_stage",
+    "stage_groups",
+]
 
 log = logging.getLogger("nereus.engines")
 
 
-async def spawn_hosts(cluster: Cluster, devices: Sequence[int] | None = None, *, name: str | None = None,
-                      bucket_bytes: int | None = None, host_class: type[EngineHost] = EngineHost) -> ActorMesh:
+async def spawn_hosts(
+    cluster: Cluster,
+    devices: Sequence[int] | None = None,
+    *,
+    name: str | None = None,
+    bucket_bytes: int | None = None,
+    host_class: type[EngineHost] = EngineHost,
+) -> ActorMesh:
     """One ``EngineHost`` on each of ``devices`` (default: every device of the cluster);
     returns their mesh (``{r.device: r for r in mesh.refs}`` is what the functions here
     take as ``hosts``; ``cluster.stop_mesh(mesh)`` stops them and frees their stores)."""
     devs = list(devices) if devices is not None else [d.index for d in cluster.devices]
     kwargs = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}
-    return await cluster.spawn(name or f"nereus-hosts-{uuid.uuid4().hex[:8]}", host_class, devices=devs,
-                               kwargs=kwargs)
+    return await cluster.spawn(
+        name or f"nereus-hosts-{uuid.uuid4().hex[:8]}", host_class, devices=devs, kwargs=kwargs
+    )
 
 
 def emu_mesh(emu: EMU, hosts: Mapping[int, ActorRef]) -> ActorMesh:
     """``emu`` as a pp x tp mesh of its devices' hosts (rank = pp_rank * tp + tp_rank)."""
     missing = [d for d in emu.devices if d not in hosts]
     require(not missing, f"EMU {emu.name} devices", missing, "must each have an engine host")
-    return ActorMesh(emu.name, [hosts[d] for d in emu.devices], {"pp": emu.layout.pp, "tp": emu.layout.tp})
+    return ActorMesh(
+        emu.name, [hosts[d] for d in emu.devices], {"pp": emu.layout.pp, "tp": emu.layout.tp}
+    )
 
 
-async def stage_groups(cluster: Cluster, kind: str, emus: Sequence[EMU], *, epoch: int,
-                       timeout_s: float = 120.0) -> tuple[list[dict[str, Any]], list[Any]]:
+async def stage_groups(
+    cluster: Cluster, kind: str, emus: Sequence[EMU], *, epoch: int, timeout_s: float = 120.0
+) -> tuple[list[dict[str, Any]], list[Any]]:
     """Per EMU, the group ids its ranks need (TP per pipeline stage, PP per TP rank, DP per
     position for training), and every group handle made."""
     from nereus.transfer import make_group
@@ -84,22 +101,39 @@ async def stage_groups(cluster: Cluster, kind: str, emus: Sequence[EMU], *, epoc
     out = []
     for i, emu in enumerate(emus):
         devs = list(emu.devices)
-        tp_ids = [await group(devs[s * tp:(s + 1) * tp]) for s in range(pp)] if tp > 1 else []
+        tp_ids = [await group(devs[s * tp : (s + 1) * tp]) for s in range(pp)] if tp > 1 else []
         pp_ids = [await group(devs[t::tp]) for t in range(tp)] if pp > 1 else []
         # only training replicas talk to each other (gradients); other EMUs are independent
         dp_rank, dp_size = (i, dp) if dp_ids else (0, 1)
-        out.append({"tp": tp_ids, "pp": pp_ids, "dp": dp_ids, "dp_rank": dp_rank, "dp_size": dp_size,
-                    "timeout_s": timeout_s})
+        out.append(
+            {
+                "tp": tp_ids,
+                "pp": pp_ids,
+                "dp": dp_ids,
+                "dp_rank": dp_rank,
+                "dp_size": dp_size,
+                "timeout_s": timeout_s,
+            }
+        )
     return out, handles
 
 
 def _check_stage(kind: str, emus: Sequence[EMU]) -> None:
     require(kind in KINDS, "kind", kind, f"must be one of {KINDS}")
     require(len(emus) >= 1, "emus", list(emus), "must list at least one EMU")
-    require(len({(e.model_stage, e.layout) for e in emus}) == 1, "emus", list(emus),
-            "must share one model-stage and one layout")
+    require(
+        len({(e.model_stage, e.layout) for e in emus}) == 1,
+        "emus",
+        list(emus),
+        "must share one model-stage and one layout",
+    )
     flat = [d for e in emus for d in e.devices]
-    require(len(set(flat)) == len(flat), "emus", list(emus), "must sit on disjoint devices (DP replicas)")
+    require(
+        len(set(flat)) == len(flat),
+        "emus",
+        list(emus),
+        "must sit on disjoint devices (DP replicas)",
+    )
 
 
 async def spawn_model_stage(
@@ -121,11 +155,24 @@ async def spawn_model_stage(
     _check_stage(kind, emus)
     plain_config = to_dict(model_config)
     folder = None if model_dir is None else str(model_dir)
-    await asyncio.gather(*(
-        hosts[d].load_weights.call_one(emu_to_plain(e), plain_config, folder, seed)
-        for e in emus for d in e.devices))
-    return await start_model_stage(cluster, hosts, name, kind, emus, model_config=model_config, options=options,
-                                   epoch=epoch, timeout_s=timeout_s)
+    await asyncio.gather(
+        *(
+            hosts[d].load_weights.call_one(emu_to_plain(e), plain_config, folder, seed)
+            for e in emus
+            for d in e.devices
+        )
+    )
+    return await start_model_stage(
+        cluster,
+        hosts,
+        name,
+        kind,
+        emus,
+        model_config=model_config,
+        options=options,
+        epoch=epoch,
+        timeout_s=timeout_s,
+    )
 
 
 async def start_model_stage(
@@ -145,14 +192,25 @@ async def start_model_stage(
     docstring); ``caches`` (EMU name -> ``[rows, slots]``) reserves generation KV caches."""
     _check_stage(kind, emus)
     groups, handles = await stage_groups(cluster, kind, emus, epoch=epoch, timeout_s=timeout_s)
-    handle = ModelStageHandle(name, kind, [EmuHandle(e, kind, emu_mesh(e, hosts)) for e in emus], handles)
+    handle = ModelStageHandle(
+        name, kind, [EmuHandle(e, kind, emu_mesh(e, hosts)) for e in emus], handles
+    )
     plain_config = to_dict(model_config)
     caches = caches or {}
     try:
-        await asyncio.gather(*(
-            h.mesh.build_engine.call(emu_to_plain(h.emu), kind, plain_config, options or {}, g,
-                                     list(caches[h.emu.name]) if h.emu.name in caches else None)
-            for h, g in zip(handle.emus, groups, strict=True)))
+        await asyncio.gather(
+            *(
+                h.mesh.build_engine.call(
+                    emu_to_plain(h.emu),
+                    kind,
+                    plain_config,
+                    options or {},
+                    g,
+                    list(caches[h.emu.name]) if h.emu.name in caches else None,
+                )
+                for h, g in zip(handle.emus, groups, strict=True)
+            )
+        )
     except BaseException:
         await handle.stop()
         raise
@@ -179,12 +237,16 @@ class EmuHandle:
     def last_stage_rank(self) -> int:
         return (self.emu.layout.pp - 1) * self.emu.layout.tp
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None) -> GenerationOutput:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None
+    ) -> GenerationOutput:
         p = SamplingParams.from_any(params).to_dict()
         out = (await self.mesh.generate.call(self.name, prompts, p))[0]
         return GenerationOutput(out["token_ids"], out["logprobs"], out["finish_reasons"])
 
-    async def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    async def logprobs(
+        self, batch: dict[str, torch.Tensor], temperature: float = 1.0
+    ) -> torch.Tensor:
         return (await self.mesh.logprobs.call(self.name, batch, temperature))[0]
 
     async def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -193,12 +255,18 @@ class EmuHandle:
     async def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return (await self.mesh.rewards.call(self.name, batch))[0]
 
-    async def train_step(self, batch: dict[str, torch.Tensor], loss: str = "nereus.engines.losses:nll_loss",
-                         loss_kwargs: dict[str, Any] | None = None, micro_batch_size: int | None = None,
-                         temperature: float = 1.0) -> dict[str, float]:
+    async def train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss: str = "nereus.engines.losses:nll_loss",
+        loss_kwargs: dict[str, Any] | None = None,
+        micro_batch_size: int | None = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
         """Metrics of the step, as the last pipeline stage reports them."""
-        results = await self.mesh.train_step.call(self.name, batch, loss, loss_kwargs or {}, micro_batch_size,
-                                                  temperature)
+        results = await self.mesh.train_step.call(
+            self.name, batch, loss, loss_kwargs or {}, micro_batch_size, temperature
+        )
         return results[self.last_stage_rank]
 
     async def free_cache(self) -> None:
@@ -226,11 +294,15 @@ class ModelStageHandle:
     def dp(self) -> int:
         return len(self.emus)
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None) -> GenerationOutput:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None
+    ) -> GenerationOutput:
         """Prompts cut across the EMUs; EMU ``i`` samples with ``seed + i``."""
         p = SamplingParams.from_any(params)
         calls = []
-        for i, (emu, s) in enumerate(zip(self.emus, even_slices(len(prompts), len(self.emus)), strict=True)):
+        for i, (emu, s) in enumerate(
+            zip(self.emus, even_slices(len(prompts), len(self.emus)), strict=True)
+        ):
             d = p.to_dict()
             if p.seed is not None:
                 d["seed"] = p.seed + i
@@ -243,27 +315,52 @@ class ModelStageHandle:
             merged.finish_reasons += o.finish_reasons
         return merged
 
-    async def train_step(self, batch: dict[str, torch.Tensor], loss: str = "nereus.engines.losses:nll_loss",
-                         loss_kwargs: dict[str, Any] | None = None, micro_batch_size: int | None = None,
-                         temperature: float = 1.0) -> dict[str, float]:
+    async def train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss: str = "nereus.engines.losses:nll_loss",
+        loss_kwargs: dict[str, Any] | None = None,
+        micro_batch_size: int | None = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
         """Rows cut across the DP replicas (see the module docstring); replica 0's
         (global) metrics."""
         rows = next(iter(batch.values())).shape[0]
-        require(rows >= len(self.emus), "batch rows", rows, f"must be >= the number of DP replicas ({len(self.emus)})")
-        outs = await asyncio.gather(*(
-            emu.train_step({k: v[s] for k, v in batch.items()}, loss, loss_kwargs, micro_batch_size, temperature)
-            for emu, s in zip(self.emus, even_slices(rows, len(self.emus)), strict=True)))
+        require(
+            rows >= len(self.emus),
+            "batch rows",
+            rows,
+            f"must be >= the number of DP replicas ({len(self.emus)})",
+        )
+        outs = await asyncio.gather(
+            *(
+                emu.train_step(
+                    {k: v[s] for k, v in batch.items()},
+                    loss,
+                    loss_kwargs,
+                    micro_batch_size,
+                    temperature,
+                )
+                for emu, s in zip(self.emus, even_slices(rows, len(self.emus)), strict=True)
+            )
+        )
         return outs[0]
 
     async def _split(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
         """Rows cut across the EMUs (none left empty), results concatenated in order."""
         rows = next(iter(batch.values())).shape[0]
         parts = [s for s in even_slices(rows, len(self.emus)) if s.stop > s.start]
-        outs = await asyncio.gather(*(getattr(emu, method)({k: v[s] for k, v in batch.items()}, *args)
-                                      for emu, s in zip(self.emus, parts, strict=False)))
+        outs = await asyncio.gather(
+            *(
+                getattr(emu, method)({k: v[s] for k, v in batch.items()}, *args)
+                for emu, s in zip(self.emus, parts, strict=False)
+            )
+        )
         return torch.cat(outs, dim=0)
 
-    async def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    async def logprobs(
+        self, batch: dict[str, torch.Tensor], temperature: float = 1.0
+    ) -> torch.Tensor:
         return await self._split("logprobs", batch, temperature)
 
     async def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -279,8 +376,9 @@ class ModelStageHandle:
         """Close the engines (their gradients, caches and activations leave the ledgers);
         the stores keep the EMUs' tensors. Groups belong to their layout epoch and are
         released with it (``nereus.transfer.release_groups``)."""
-        results = await asyncio.gather(*(emu.mesh.drop_engines.call([emu.name]) for emu in self.emus),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(emu.mesh.drop_engines.call([emu.name]) for emu in self.emus), return_exceptions=True
+        )
         errors = []
         for emu, r in zip(self.emus, results, strict=True):
             if isinstance(r, ActorDied):

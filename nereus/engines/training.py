@@ -86,13 +86,13 @@ class OptimConfig:
         return from_dict(cls, dict(value), "optim")
 
 
-
 def adamw_kernel(device: torch.device) -> dict[str, bool]:
     """How AdamW steps on ``device``: on CUDA with its multi-tensor kernels (``foreach``:
     a few launches per step instead of several per parameter; the step counters stay on
     the CPU, as torch keeps them); on CPU one parameter at a time, which is no slower
     there and allocates no temporaries for all parameters at once."""
     return {"foreach": device.type == "cuda"}
+
 
 class TrainingEngine(EngineBase):
     """One rank of a training EMU (see the module docstring)."""
@@ -111,10 +111,25 @@ class TrainingEngine(EngineBase):
     ) -> None:
         options = options or EngineOptions()
         self.optim_config = OptimConfig.from_any(optim)
-        require(isinstance(recompute, bool), "TrainingEngine.recompute", recompute, "must be true or false")
+        require(
+            isinstance(recompute, bool),
+            "TrainingEngine.recompute",
+            recompute,
+            "must be true or false",
+        )
         self.recompute = recompute
-        require(schedule in ("1f1b", "gpipe"), "TrainingEngine.schedule", schedule, "must be '1f1b' or 'gpipe'")
-        require(isinstance(step, int) and step >= 0, "TrainingEngine.step", step, "must be an integer >= 0")
+        require(
+            schedule in ("1f1b", "gpipe"),
+            "TrainingEngine.schedule",
+            schedule,
+            "must be '1f1b' or 'gpipe'",
+        )
+        require(
+            isinstance(step, int) and step >= 0,
+            "TrainingEngine.step",
+            step,
+            "must be an integer >= 0",
+        )
         self.schedule = schedule
         super().__init__(config, ctx, options=options, value_head=critic, default_name="training")
         name, tensors = self.name, options.tensors
@@ -127,15 +142,23 @@ class TrainingEngine(EngineBase):
             numel = sum(p.numel() for p in params.values())
             self.ledger.reserve(f"{name}/grads", numel * grad_bytes_per_param(dtype_name))
             if self.owns_weights:
-                self.ledger.reserve(f"{name}/optimizer", numel * optimizer_bytes_per_param(dtype_name))
+                self.ledger.reserve(
+                    f"{name}/optimizer", numel * optimizer_bytes_per_param(dtype_name)
+                )
             state = self._optimizer_state(params, tensors)
             # master copies (mixed precision) are what AdamW steps; else the parameters
-            self._master = {k: torch.nn.Parameter(st["master"], requires_grad=False)
-                            for k, st in state.items() if "master" in st}
+            self._master = {
+                k: torch.nn.Parameter(st["master"], requires_grad=False)
+                for k, st in state.items()
+                if "master" in st
+            }
             stepped = [self._master.get(k, p) for k, p in params.items()]
             oc = self.optim_config
             self.optimizer = torch.optim.AdamW(
-                stepped, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps,
+                stepped,
+                lr=oc.lr,
+                betas=(oc.beta1, oc.beta2),
+                eps=oc.eps,
                 weight_decay=oc.weight_decay,
                 **adamw_kernel(stepped[0].device if stepped else torch.device("cpu")),
             )
@@ -152,8 +175,9 @@ class TrainingEngine(EngineBase):
             self.close()
             raise
 
-    def _optimizer_state(self, params: dict[str, torch.nn.Parameter],
-                         tensors: Mapping[str, torch.Tensor] | None) -> dict[str, dict[str, torch.Tensor]]:
+    def _optimizer_state(
+        self, params: dict[str, torch.nn.Parameter], tensors: Mapping[str, torch.Tensor] | None
+    ) -> dict[str, dict[str, torch.Tensor]]:
         """Per parameter, its optimizer slots: the store's (checked), or new ones."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in params.items():
@@ -163,11 +187,15 @@ class TrainingEngine(EngineBase):
                 if tensors is not None:
                     t = tensors.get(key)
                     if t is None:
-                        raise StateError(f"{self.name}: the shard store holds no {key!r} (a training EMU "
-                                         f"of dtype {self.dtype} needs slots {list(self.slots)})")
+                        raise StateError(
+                            f"{self.name}: the shard store holds no {key!r} (a training EMU "
+                            f"of dtype {self.dtype} needs slots {list(self.slots)})"
+                        )
                     if tuple(t.shape) != tuple(p.shape) or t.dtype != torch.float32:
-                        raise StateError(f"{self.name}: {key!r} is {tuple(t.shape)} {t.dtype}, "
-                                         f"expected {tuple(p.shape)} torch.float32")
+                        raise StateError(
+                            f"{self.name}: {key!r} is {tuple(t.shape)} {t.dtype}, "
+                            f"expected {tuple(p.shape)} torch.float32"
+                        )
                 elif slot == "master":
                     t = p.detach().float().clone()
                 else:
@@ -192,11 +220,19 @@ class TrainingEngine(EngineBase):
                 full = f"{mod_name}.{local}" if mod_name else local
                 if rule == "replicated":
                     weights[full] = 1.0 / tp
-                elif isinstance(module, ColumnParallelLinear) and any(tp > c.units for c in module.components):
-                    rows = torch.cat([
-                        torch.full((size,), 1.0 / (tp // c.units) if tp > c.units else 1.0, device=self.device)
-                        for c, size in zip(module.components, module.local_sizes, strict=True)
-                    ])
+                elif isinstance(module, ColumnParallelLinear) and any(
+                    tp > c.units for c in module.components
+                ):
+                    rows = torch.cat(
+                        [
+                            torch.full(
+                                (size,),
+                                1.0 / (tp // c.units) if tp > c.units else 1.0,
+                                device=self.device,
+                            )
+                            for c, size in zip(module.components, module.local_sizes, strict=True)
+                        ]
+                    )
                     weights[full] = rows
                 else:
                     weights[full] = 1.0
@@ -213,7 +249,11 @@ class TrainingEngine(EngineBase):
             w = self._norm_weights.get(name, 1.0)
             sq = p.grad.double().pow(2)
             if isinstance(w, torch.Tensor):
-                total += (sq.sum(dim=tuple(range(1, sq.dim()))) * w.double()).sum() if sq.dim() > 1 else (sq * w.double()).sum()
+                total += (
+                    (sq.sum(dim=tuple(range(1, sq.dim()))) * w.double()).sum()
+                    if sq.dim() > 1
+                    else (sq * w.double()).sum()
+                )
             else:
                 total += sq.sum() * w
         self.ctx.tp_all_reduce(total)
@@ -225,7 +265,11 @@ class TrainingEngine(EngineBase):
     def _reduce_grads(self, params: dict[str, torch.nn.Parameter]) -> None:
         ctx = self.ctx
         self.stage.reduce_replicated_grads()
-        if self.config.tie_word_embeddings and ctx.pp_size > 1 and (ctx.is_first_stage or ctx.is_last_stage):
+        if (
+            self.config.tie_word_embeddings
+            and ctx.pp_size > 1
+            and (ctx.is_first_stage or ctx.is_last_stage)
+        ):
             emb = params["model.embed_tokens.weight"]
             if emb.grad is None:
                 emb.grad = torch.zeros_like(emb)
@@ -255,7 +299,12 @@ class TrainingEngine(EngineBase):
         kwargs = dict(loss_kwargs or {})
         data = {k: v.to(self.device) for k, v in normalize_batch(batch).items()}
         rows, length = data["input_ids"].shape
-        require(rows >= 1, "batch.input_ids", tuple(data["input_ids"].shape), "must hold at least one row")
+        require(
+            rows >= 1,
+            "batch.input_ids",
+            tuple(data["input_ids"].shape),
+            "must hold at least one row",
+        )
         mbs = split_batch(data, micro_batch_size or rows)
         ctx = self.ctx
         # Token weights over the global batch (all DP replicas).
@@ -272,7 +321,12 @@ class TrainingEngine(EngineBase):
             else:
                 outputs = {"logprobs": token_logprobs(out, mb["input_ids"], ctx, temperature)}
             value, metrics = loss_fn(outputs, mb, **kwargs)
-            require(isinstance(value, torch.Tensor) and value.dim() == 0, f"loss {loss}", type(value).__name__, "must return a scalar tensor first")
+            require(
+                isinstance(value, torch.Tensor) and value.dim() == 0,
+                f"loss {loss}",
+                type(value).__name__,
+                "must return a scalar tensor first",
+            )
             sums["loss"] = sums.get("loss", 0.0) + float(value.detach()) * scale[i]
             for key, v in (metrics or {}).items():
                 sums[key] = sums.get(key, 0.0) + float(v) * scale[i]
@@ -282,8 +336,18 @@ class TrainingEngine(EngineBase):
         for p in params.values():
             p.grad = None
         held = in_flight_micro_batches(ctx, len(mbs), self.schedule)
-        need = activation_bytes(self.config, ctx, mbs[0]["input_ids"].shape[0], length, self.dtype, training=True,
-                                recompute=self.recompute) * held
+        need = (
+            activation_bytes(
+                self.config,
+                ctx,
+                mbs[0]["input_ids"].shape[0],
+                length,
+                self.dtype,
+                training=True,
+                recompute=self.recompute,
+            )
+            * held
+        )
         self.ledger.reserve(f"{self.name}/activations", need)
         run = forward_backward_1f1b if self.schedule == "1f1b" else forward_backward_gpipe
         try:
@@ -294,8 +358,10 @@ class TrainingEngine(EngineBase):
         grad_norm = self._global_grad_norm(params)
         max_norm = self.optim_config.grad_clip
         if not math.isfinite(grad_norm):
-            raise StateError(f"{self.name}: gradient norm is {grad_norm} at step {self.step}; the step was "
-                "not applied")
+            raise StateError(
+                f"{self.name}: gradient norm is {grad_norm} at step {self.step}; the step was "
+                "not applied"
+            )
         if max_norm > 0 and grad_norm > max_norm:
             coef = max_norm / (grad_norm + 1e-6)
             for p in params.values():
@@ -311,7 +377,11 @@ class TrainingEngine(EngineBase):
                     params[name].copy_(master)
                     master.grad = None
         self.step += 1
-        result = {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"]), "step": float(self.step)}
+        result = {
+            "grad_norm": grad_norm,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "step": float(self.step),
+        }
         if ctx.is_last_stage:
             keys = sorted(sums)
             packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
@@ -349,8 +419,10 @@ class TrainingEngine(EngineBase):
                 if dst is None:
                     raise StateError(f"{self.name}: no state named {key!r} on this rank")
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise StateError(f"{self.name}: state {key!r} has shape {tuple(src.shape)}, this rank "
-                        f"holds {tuple(dst.shape)}")
+                    raise StateError(
+                        f"{self.name}: state {key!r} has shape {tuple(src.shape)}, this rank "
+                        f"holds {tuple(dst.shape)}"
+                    )
                 dst.copy_(src)
                 written += src.numel() * src.element_size()
         if step is not None:

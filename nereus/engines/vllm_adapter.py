@@ -61,17 +61,25 @@ log = logging.getLogger("nereus.engines")
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def launcher_env(tp_rank: int, tp_size: int, master_host: str, master_addr: str,
-                 master_port: int) -> dict[str, str]:
+def launcher_env(
+    tp_rank: int, tp_size: int, master_host: str, master_addr: str, master_port: int
+) -> dict[str, str]:
     """What vLLM's ``external_launcher`` reads (``env://``) for one TP rank of an EMU
     whose rank 0 listens at ``master_addr:master_port`` on host ``master_host``."""
     if master_host != socket.gethostname():
-        raise ConfigError(f"VllmGenerationEngine tp_size={tp_size}: TP rank 0 is on host "
-                          f"{master_host!r}, this rank on {socket.gethostname()!r}; a vLLM "
-                          "engine's TP ranks must share one host")
+        raise ConfigError(
+            f"VllmGenerationEngine tp_size={tp_size}: TP rank 0 is on host "
+            f"{master_host!r}, this rank on {socket.gethostname()!r}; a vLLM "
+            "engine's TP ranks must share one host"
+        )
     require(0 < master_port < 65536, "MASTER_PORT", master_port, "must be a TCP port")
-    return {"RANK": str(tp_rank), "WORLD_SIZE": str(tp_size), "LOCAL_RANK": "0",
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+    return {
+        "RANK": str(tp_rank),
+        "WORLD_SIZE": str(tp_size),
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
 
 
 def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
@@ -80,8 +88,10 @@ def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
     port and process id, the same on every rank, no other live engine's)."""
     comm = ctx.parallel.tp_comm
     if comm is None:
-        raise ConfigError(f"VllmGenerationEngine tp_size={ctx.tp_size} needs the EMU's TP group "
-                          "(ctx.parallel.tp_comm) to start vLLM's external_launcher")
+        raise ConfigError(
+            f"VllmGenerationEngine tp_size={ctx.tp_size} needs the EMU's TP group "
+            "(ctx.parallel.tp_comm) to start vLLM's external_launcher"
+        )
     record = torch.zeros(256, dtype=torch.uint8, device=getattr(comm, "device", "cpu"))
     if ctx.tp_rank == 0:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -90,12 +100,15 @@ def _agree_on_master(ctx: EmuContext) -> dict[str, str]:
         text = f"{socket.gethostname()}\n{port}\n{os.getpid()}".encode()
         require(len(text) <= 255, "hostname", socket.gethostname(), "is too long")
         record[0] = len(text)
-        record[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        record[1 : 1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     comm.broadcast(record, 0)
     comm.synchronize()  # the host reads it next: wait within the group's deadline
     data = bytes(record.cpu().tolist())
-    host, port, pid = data[1:1 + data[0]].decode().split("\n")
-    return {**launcher_env(ctx.tp_rank, ctx.tp_size, host, "127.0.0.1", int(port)), _SHM_GROUP_ENV: f"{port}-{pid}"}
+    host, port, pid = data[1 : 1 + data[0]].decode().split("\n")
+    return {
+        **launcher_env(ctx.tp_rank, ctx.tp_size, host, "127.0.0.1", int(port)),
+        _SHM_GROUP_ENV: f"{port}-{pid}",
+    }
 
 
 # vLLM's CPU backend gives a TP group's ranks shared-memory segments named after
@@ -161,14 +174,27 @@ def vllm_memory_utilization(total_bytes: int, reserved_bytes: int) -> float:
     GPU), not vLLM's assumption that it may take a fixed share of the whole GPU. The KV
     cache itself is sized by ``kv_cache_memory_bytes``, never by this fraction."""
     require(total_bytes > 0, "total_bytes", total_bytes, "must be the GPU's memory (> 0)")
-    require(0 < reserved_bytes <= total_bytes, "reserved_bytes", reserved_bytes,
-            f"must be in (0, total_bytes={total_bytes}]")
+    require(
+        0 < reserved_bytes <= total_bytes,
+        "reserved_bytes",
+        reserved_bytes,
+        f"must be in (0, total_bytes={total_bytes}]",
+    )
     return min(math.ceil(reserved_bytes / total_bytes * 1e4) / 1e4, 1.0)
 
 
-def vllm_engine_args(*, model_dir: str, dtype: str, tp_size: int, max_model_len: int, seed: int,
-                     kv_cache_bytes: int, gpu_memory_utilization: float,
-                     enable_sleep_mode: bool, on_cpu: bool) -> dict[str, Any]:
+def vllm_engine_args(
+    *,
+    model_dir: str,
+    dtype: str,
+    tp_size: int,
+    max_model_len: int,
+    seed: int,
+    kv_cache_bytes: int,
+    gpu_memory_utilization: float,
+    enable_sleep_mode: bool,
+    on_cpu: bool,
+) -> dict[str, Any]:
     """The arguments nereus starts ``vllm.LLM`` with (callers may add their own).
 
     At TP > 1 the ranks are this EMU's workers under vLLM's ``external_launcher``; on
@@ -220,8 +246,11 @@ def _vocab_slabs(worker: Any) -> dict[str, tuple[int, int, int]]:
     for name, module in worker.model_runner.model.named_modules():
         indices = getattr(module, "shard_indices", None)
         if indices is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
-            out[f"{name}.weight"] = (indices.org_vocab_start_index, indices.org_vocab_end_index,
-                                     indices.num_org_elements_padded)
+            out[f"{name}.weight"] = (
+                indices.org_vocab_start_index,
+                indices.org_vocab_end_index,
+                indices.num_org_elements_padded,
+            )
     return out
 
 
@@ -252,20 +281,34 @@ def _write_in_place(worker: Any, shards: dict[str, torch.Tensor]) -> list[str]:
                 # A weight repacked into a kernel layout (vLLM's CPU backend keeps a size-0
                 # placeholder): give the layer the new weight in vLLM's own storage and let
                 # vLLM repack it, as after its own loading.
-                module.weight = torch.nn.Parameter(shard.to(param.dtype).clone(), requires_grad=False)
+                module.weight = torch.nn.Parameter(
+                    shard.to(param.dtype).clone(), requires_grad=False
+                )
                 method.process_weights_after_loading(module)
-            elif param.dim() == 2 and param.shape[1] == shard.shape[1] and param.shape[0] > shard.shape[0]:
+            elif (
+                param.dim() == 2
+                and param.shape[1] == shard.shape[1]
+                and param.shape[0] > shard.shape[0]
+            ):
                 param.data[: shard.shape[0]].copy_(shard.to(param.dtype))  # padded vocabulary rows
                 written.add(param.data_ptr())
             else:
-                raise TransferError(f"{name}: shard shape {tuple(shard.shape)} does not fit vLLM's "
-                    f"{tuple(param.shape)}")
+                raise TransferError(
+                    f"{name}: shard shape {tuple(shard.shape)} does not fit vLLM's "
+                    f"{tuple(param.shape)}"
+                )
         # vLLM's CPU backend also packs weights it keeps (the embedding, and through it a
         # tied LM head) for its GEMMs: repack every layer whose weight was just written.
         for module in model.modules():
             weight = getattr(module, "weight", None)
             method = getattr(module, "quant_method", None)
-            if hasattr(module, "cpu_linear") and method is not None and isinstance(weight, torch.Tensor) and weight.numel() and weight.data_ptr() in written:
+            if (
+                hasattr(module, "cpu_linear")
+                and method is not None
+                and isinstance(weight, torch.Tensor)
+                and weight.numel()
+                and weight.data_ptr() in written
+            ):
                 method.process_weights_after_loading(module)
     return rest
 
@@ -297,13 +340,23 @@ class VllmGenerationEngine:
             "must be empty: vLLM reads the model folder given as model_dir",
         )
         dtype, seed, name = options.dtype, options.seed, options.named("vllm-generation")
-        require(kv_cache_bytes > 0, "VllmGenerationEngine.kv_cache_bytes", kv_cache_bytes, "must be > 0")
-        require(gpu_memory_utilization is None or 0 < gpu_memory_utilization <= 1,
-                "VllmGenerationEngine.gpu_memory_utilization", gpu_memory_utilization,
-                "must be in (0, 1], or None (what the ledger reserved, on a GPU)")
+        require(
+            kv_cache_bytes > 0, "VllmGenerationEngine.kv_cache_bytes", kv_cache_bytes, "must be > 0"
+        )
+        require(
+            gpu_memory_utilization is None or 0 < gpu_memory_utilization <= 1,
+            "VllmGenerationEngine.gpu_memory_utilization",
+            gpu_memory_utilization,
+            "must be in (0, 1], or None (what the ledger reserved, on a GPU)",
+        )
         self.config = config
         self.ctx = ctx or EmuContext(ParallelContext())
-        require(self.ctx.pp_size == 1, "VllmGenerationEngine pp_size", self.ctx.pp_size, "must be 1 (the vLLM adapter runs TP only)")
+        require(
+            self.ctx.pp_size == 1,
+            "VllmGenerationEngine pp_size",
+            self.ctx.pp_size,
+            "must be 1 (the vLLM adapter runs TP only)",
+        )
         self.name = name
         self.ledger = options.ledger or device_ledger()
         weights = stage_param_bytes(config, self.ctx, torch_dtype(dtype))
@@ -320,16 +373,29 @@ class VllmGenerationEngine:
         if gpu_memory_utilization is None:
             # On a GPU: exactly what the ledger holds for this engine; vLLM's CPU backend
             # sizes nothing by it.
-            gpu_memory_utilization = 0.5 if self.on_cpu else vllm_memory_utilization(
-                torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
-                sum(self._reserved.values()))
+            gpu_memory_utilization = (
+                0.5
+                if self.on_cpu
+                else vllm_memory_utilization(
+                    torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+                    sum(self._reserved.values()),
+                )
+            )
         self.is_sleeping = False
-        self._slabs: dict[str, tuple[int, int, int]] | None = None  # vLLM's vocabulary rows, read once
+        self._slabs: dict[str, tuple[int, int, int]] | None = (
+            None  # vLLM's vocabulary rows, read once
+        )
         # vLLM's sleep mode (its CUDA memory pool) is what sleep() frees through; the
         # CPU backend has none.
-        self.sleep_mode = (not self.on_cpu) if enable_sleep_mode is None else bool(enable_sleep_mode)
-        require(not (self.sleep_mode and self.on_cpu), "VllmGenerationEngine.enable_sleep_mode",
-                enable_sleep_mode, "must be False on CPU (vLLM's CPU backend has no sleep mode)")
+        self.sleep_mode = (
+            (not self.on_cpu) if enable_sleep_mode is None else bool(enable_sleep_mode)
+        )
+        require(
+            not (self.sleep_mode and self.on_cpu),
+            "VllmGenerationEngine.enable_sleep_mode",
+            enable_sleep_mode,
+            "must be False on CPU (vLLM's CPU backend has no sleep mode)",
+        )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             if self.ctx.tp_size > 1:
@@ -339,10 +405,16 @@ class VllmGenerationEngine:
             from vllm import LLM
 
             kwargs = vllm_engine_args(
-                model_dir=str(model_dir), dtype=dtype, tp_size=self.ctx.tp_size,
-                max_model_len=max_model_len or config.max_position_embeddings, seed=seed,
-                kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=self.sleep_mode, on_cpu=self.on_cpu)
+                model_dir=str(model_dir),
+                dtype=dtype,
+                tp_size=self.ctx.tp_size,
+                max_model_len=max_model_len or config.max_position_embeddings,
+                seed=seed,
+                kv_cache_bytes=kv_cache_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=self.sleep_mode,
+                on_cpu=self.on_cpu,
+            )
             kwargs.update(vllm_kwargs)
             self._count_live(+1)
             self._live = True
@@ -362,7 +434,9 @@ class VllmGenerationEngine:
 
     # --- generation -----------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None) -> GenerationOutput:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None
+    ) -> GenerationOutput:
         """Sample a continuation of every prompt (same contract as ``GenerationEngine``)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
@@ -373,14 +447,26 @@ class VllmGenerationEngine:
         vocab = self.config.vocab_size
         for i, prompt in enumerate(prompts):
             require(len(prompt) >= 1, f"prompts[{i}]", list(prompt), "must not be empty")
-            require(all(0 <= int(t) < vocab for t in prompt), f"prompts[{i}]", list(prompt)[:16], f"token ids must be in [0, vocab_size={vocab})")
+            require(
+                all(0 <= int(t) < vocab for t in prompt),
+                f"prompts[{i}]",
+                list(prompt)[:16],
+                f"token ids must be in [0, vocab_size={vocab})",
+            )
         per_request = []
         for i in range(len(prompts)):
-            per_request.append(VllmSamplingParams(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
-                stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0,
-                seed=None if p.seed is None else p.seed + i,
-            ))
+            per_request.append(
+                VllmSamplingParams(
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    max_tokens=p.max_tokens,
+                    stop_token_ids=list(p.stop_token_ids),
+                    ignore_eos=True,
+                    logprobs=0,
+                    seed=None if p.seed is None else p.seed + i,
+                )
+            )
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]
         outs = self.llm.generate(requests, per_request, use_tqdm=False)
         result = GenerationOutput([], [], [])
@@ -388,7 +474,10 @@ class VllmGenerationEngine:
         for out in outs:
             seq = out.outputs[0]
             tokens = list(seq.token_ids)
-            logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, seq.logprobs or [], strict=True)]
+            logprobs = [
+                float(step[tok].logprob)
+                for tok, step in zip(tokens, seq.logprobs or [], strict=True)
+            ]
             stopped = bool(tokens) and tokens[-1] in stops
             if stopped and not p.include_stop_token:
                 tokens, logprobs = tokens[:-1], logprobs[:-1]
@@ -407,13 +496,21 @@ class VllmGenerationEngine:
         from nereus.engines.losses import normalize_batch
 
         require(not self.is_sleeping, f"{self.name}.logprobs", "sleeping", "call wake_up() first")
-        require(temperature == 1.0, f"{self.name}.logprobs temperature", temperature,
-                "must be 1.0 (vLLM's prompt logprobs score the unscaled distribution)")
+        require(
+            temperature == 1.0,
+            f"{self.name}.logprobs temperature",
+            temperature,
+            "must be 1.0 (vLLM's prompt logprobs score the unscaled distribution)",
+        )
         data = normalize_batch(batch)
         ids, lengths = data["input_ids"], data["attention_mask"].sum(dim=1).tolist()
         rows = [ids[b, :n].tolist() for b, n in enumerate(lengths)]
-        params = VllmSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        params = VllmSamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True
+        )
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False
+        )
         result = torch.zeros(ids.shape, dtype=torch.float32)
         for b, (row, out) in enumerate(zip(rows, outs, strict=True)):
             scored = out.prompt_logprobs or []
@@ -439,8 +536,10 @@ class VllmGenerationEngine:
         shards = self._vocab_rows(shards)
         rest = self.llm.collective_rpc(_write_in_place, args=(shards,))[0]
         if rest:
-            raise TransferError(f"{self.name}: vLLM parameters {rest[:3]} can be neither written in place nor "
-                "repacked")
+            raise TransferError(
+                f"{self.name}: vLLM parameters {rest[:3]} can be neither written in place nor "
+                "repacked"
+            )
         # Cached prefixes hold keys and values of the old weights.
         self.llm.reset_prefix_cache()
         return sum(t.numel() * t.element_size() for t in shards.values())
@@ -463,10 +562,15 @@ class VllmGenerationEngine:
             start, end, _ = slab
             comm = self.ctx.parallel.tp_comm
             if comm is None:
-                raise ConfigError(f"{self.name}: vLLM's rows of {name} differ from this rank's shard; "
-                                  "gathering them needs the EMU's TP group (ctx.parallel.tp_comm)")
-            full = torch.empty((self.ctx.tp_size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
-                               device=shard.device)
+                raise ConfigError(
+                    f"{self.name}: vLLM's rows of {name} differ from this rank's shard; "
+                    "gathering them needs the EMU's TP group (ctx.parallel.tp_comm)"
+                )
+            full = torch.empty(
+                (self.ctx.tp_size * shard.shape[0], *shard.shape[1:]),
+                dtype=shard.dtype,
+                device=shard.device,
+            )
             comm.all_gather(full, shard.contiguous())
             out[name] = full[start:end].clone()
         return out
@@ -482,8 +586,10 @@ class VllmGenerationEngine:
             log.warning("%s: vLLM's CPU backend has no sleep mode; nothing was freed", self.name)
             return 0
         if not self.sleep_mode:
-            raise ConfigError(f"{self.name}: sleep() needs vLLM's sleep mode; this engine was "
-                              "made with enable_sleep_mode=False")
+            raise ConfigError(
+                f"{self.name}: sleep() needs vLLM's sleep mode; this engine was "
+                "made with enable_sleep_mode=False"
+            )
         if self.is_sleeping:
             return 0
         before = _free_device_bytes()
@@ -491,7 +597,8 @@ class VllmGenerationEngine:
         freed = max(_free_device_bytes() - before, 0)
         self.is_sleeping = True
         reserved = self.ledger.release(f"{self.name}/weights") + self.ledger.release(
-            f"{self.name}/kv_cache")
+            f"{self.name}/kv_cache"
+        )
         still_held = reserved - min(freed, reserved)
         if still_held:
             # vLLM kept part of it: the budget must still count that part.

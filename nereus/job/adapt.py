@@ -53,21 +53,45 @@ from nereus.planner.policies import PolicySpec, make_replanner
 from nereus.planner.pool import DevicePool
 from nereus.planner.replay import boundary_record
 
-__all__ = ["Adapter", "Change", "PredictedFailure", "job_workload", "planner_shape", "predict_memory_failure"]
+__all__ = [
+    "Adapter",
+    "Change",
+    "PredictedFailure",
+    "job_workload",
+    "planner_shape",
+    "predict_memory_failure",
+]
 
 log = logging.getLogger("nereus.rl")
 
-def planner_shape(config: ModelConfig, dtype: str, name: str, value_head: bool = False) -> ModelShape:
+
+def planner_shape(
+    config: ModelConfig, dtype: str, name: str, value_head: bool = False
+) -> ModelShape:
     """A ``nereus.models.ModelConfig`` as the planner's ``ModelShape``."""
-    shape = ModelShape(name, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-                       num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                       vocab_size=config.vocab_size, intermediate_size=config.intermediate_size, dtype=dtype,
-                       tied_embeddings=bool(config.tie_word_embeddings))
+    shape = ModelShape(
+        name,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        vocab_size=config.vocab_size,
+        intermediate_size=config.intermediate_size,
+        dtype=dtype,
+        tied_embeddings=bool(config.tie_word_embeddings),
+    )
     return shape.as_value_model() if value_head else shape
 
 
-def job_workload(cfg: JobConfig, model_config: ModelConfig, *, prompt_length: int, lengths: LengthStats,
-                 memory_lengths: LengthStats | None = None, reward_config: ModelConfig | None = None) -> Workload:
+def job_workload(
+    cfg: JobConfig,
+    model_config: ModelConfig,
+    *,
+    prompt_length: int,
+    lengths: LengthStats,
+    memory_lengths: LengthStats | None = None,
+    reward_config: ModelConfig | None = None,
+) -> Workload:
     """The planner's view of the job ``cfg`` (its model-stages, batch and lengths)."""
     a = cfg.algorithm
     # A config not yet resolved for its devices (planning outside a running job, for CPU
@@ -78,11 +102,25 @@ def job_workload(cfg: JobConfig, model_config: ModelConfig, *, prompt_length: in
     if a.name == "ppo":
         models["critic"] = policy.as_value_model()
     if cfg.reward.kind == "model":
-        require(reward_config is not None, "reward_config", None, "must be given for a job with a reward model")
+        require(
+            reward_config is not None,
+            "reward_config",
+            None,
+            "must be given for a job with a reward model",
+        )
         models["reward"] = planner_shape(reward_config, dtype, "reward", value_head=True)
-    return Workload(a.name, models, a.prompts_per_step, a.samples_per_prompt, max(1, int(prompt_length)), lengths,
-                    micro_batch=min(cfg.optim.micro_batch_size, a.rollouts_per_step), epochs=a.epochs,
-                    reference=cfg.uses_reference, memory_lengths=memory_lengths)
+    return Workload(
+        a.name,
+        models,
+        a.prompts_per_step,
+        a.samples_per_prompt,
+        max(1, int(prompt_length)),
+        lengths,
+        micro_batch=min(cfg.optim.micro_batch_size, a.rollouts_per_step),
+        epochs=a.epochs,
+        reference=cfg.uses_reference,
+        memory_lengths=memory_lengths,
+    )
 
 
 @dataclass(frozen=True)
@@ -96,15 +134,28 @@ class PredictedFailure:
     budget_bytes: int
 
 
-def predict_memory_failure(cfg: JobConfig, model_config: ModelConfig, plan: Plan, *, prompt_length: int,
-                           budget_bytes: int, devices: int,
-                           reward_config: ModelConfig | None = None) -> PredictedFailure | None:
+def predict_memory_failure(
+    cfg: JobConfig,
+    model_config: ModelConfig,
+    plan: Plan,
+    *,
+    prompt_length: int,
+    budget_bytes: int,
+    devices: int,
+    reward_config: ModelConfig | None = None,
+) -> PredictedFailure | None:
     """Walk the job's cap schedule on the fixed ``plan`` (device ids, ``0..devices-1``) and
     return the first step at which the memory model (uncalibrated, no headroom: the
     device's whole budget) puts some device over ``budget_bytes``; None if every cap fits.
     This is the prediction a job without adaptation is checked against."""
-    spec = local_cpu_cluster(devices, budget_bytes, flops_per_device=1e9, memory_bandwidth=1e9,
-                             exchange_bandwidth=1e9, headroom=0.0)
+    spec = local_cpu_cluster(
+        devices,
+        budget_bytes,
+        flops_per_device=1e9,
+        memory_bandwidth=1e9,
+        exchange_bandwidth=1e9,
+        headroom=0.0,
+    )
     slots = DevicePool.of(range(devices)).to_slots(to_planner_plan(plan))
     caps = cfg.sampling.max_new_tokens
     starts = [0] if isinstance(caps, int) else [start for start, _ in caps]
@@ -113,8 +164,13 @@ def predict_memory_failure(cfg: JobConfig, model_config: ModelConfig, plan: Plan
             break
         cap = cfg.sampling.cap_at(step)
         at_cap = LengthStats(float(cap), float(cap), cap)
-        work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=at_cap,
-                            reward_config=reward_config)
+        work = job_workload(
+            cfg,
+            model_config,
+            prompt_length=prompt_length,
+            lengths=at_cap,
+            reward_config=reward_config,
+        )
         over = explain(slots, work, spec).violations
         if over:
             worst = max(over, key=lambda m: m.total - m.usable)
@@ -141,9 +197,16 @@ class Change:
     report: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def as_record(self) -> dict[str, Any]:
-        return {"step": self.step, "triggers": self.triggers, "from": self.from_plan, "to": self.to_plan,
-                "predicted_seconds": self.predicted_seconds, "measured_seconds": self.measured_seconds,
-                "bytes": self.bytes, "reason": self.reason}
+        return {
+            "step": self.step,
+            "triggers": self.triggers,
+            "from": self.from_plan,
+            "to": self.to_plan,
+            "predicted_seconds": self.predicted_seconds,
+            "measured_seconds": self.measured_seconds,
+            "bytes": self.bytes,
+            "reason": self.reason,
+        }
 
 
 async def usable_devices(cluster: Cluster, wait_s: float) -> tuple[set[int], set[int]]:
@@ -160,12 +223,18 @@ async def usable_devices(cluster: Cluster, wait_s: float) -> tuple[set[int], set
         if live - draining:
             return live, draining
         if time.monotonic() >= deadline:
-            raise StateError(f"no usable device: live {sorted(live)}, draining {sorted(draining & live)}; "
+            raise StateError(
+                f"no usable device: live {sorted(live)}, draining {sorted(draining & live)}; "
                 "none joined "
-                             f"within adapt.pool_wait_s={wait_s} s")
+                f"within adapt.pool_wait_s={wait_s} s"
+            )
         if not warned:
-            log.warning("no usable device (live %s, draining %s): waiting up to %.0f s for one to join",
-                        sorted(live), sorted(draining & live), wait_s)
+            log.warning(
+                "no usable device (live %s, draining %s): waiting up to %.0f s for one to join",
+                sorted(live),
+                sorted(draining & live),
+                wait_s,
+            )
             warned = True
         await asyncio.sleep(0.1)
         await cluster.refresh_devices()
@@ -174,9 +243,19 @@ async def usable_devices(cluster: Cluster, wait_s: float) -> tuple[set[int], set
 class Adapter:
     """The controller loop of one job on ``stages`` (a started ``ClusterStages``)."""
 
-    def __init__(self, cfg: JobConfig, stages: ClusterStages, model_config: ModelConfig,
-                 reward_config: ModelConfig | None = None) -> None:
-        require(cfg.cluster.mode != "in_process", "cluster.mode", cfg.cluster.mode, "must be 'local' or 'connect' to adapt")
+    def __init__(
+        self,
+        cfg: JobConfig,
+        stages: ClusterStages,
+        model_config: ModelConfig,
+        reward_config: ModelConfig | None = None,
+    ) -> None:
+        require(
+            cfg.cluster.mode != "in_process",
+            "cluster.mode",
+            cfg.cluster.mode,
+            "must be 'local' or 'connect' to adapt",
+        )
         self.cfg = cfg
         self.stages = stages
         self.model_config = model_config
@@ -192,7 +271,9 @@ class Adapter:
         self._lengths: LengthStats | None = None  # the last step's
         self.boundaries: list[dict[str, Any]] = []  # every boundary report (nereus.planner.replay)
         self._initial: tuple[Any, ...] | None = None  # how the Replanner was built
-        self._counts: dict[str, list[int]] | None = None  # the training EMUs' update counters at the last boundary
+        self._counts: dict[str, list[int]] | None = (
+            None  # the training EMUs' update counters at the last boundary
+        )
 
     # --- the pool and the planner's view ------------------------------------------------
 
@@ -207,12 +288,21 @@ class Adapter:
         cores = self.stages.device_cores(list(self.pool.ids))
         if cores is not None and len(cores) != devices:
             cores = [min(cores)] * devices
-        return local_cpu_cluster_probed(max(1, devices), budget, headroom=self.cfg.adapt.headroom,
-                                        device_cores=cores)
+        return local_cpu_cluster_probed(
+            max(1, devices), budget, headroom=self.cfg.adapt.headroom, device_cores=cores
+        )
 
-    def _workload(self, lengths: LengthStats, memory_lengths: LengthStats | None = None) -> Workload:
-        return job_workload(self.cfg, self.model_config, prompt_length=self.prompt_length, lengths=lengths,
-                            memory_lengths=memory_lengths, reward_config=self.reward_config)
+    def _workload(
+        self, lengths: LengthStats, memory_lengths: LengthStats | None = None
+    ) -> Workload:
+        return job_workload(
+            self.cfg,
+            self.model_config,
+            prompt_length=self.prompt_length,
+            lengths=lengths,
+            memory_lengths=memory_lengths,
+            reward_config=self.reward_config,
+        )
 
     def _slots(self, plan: Any, pool: DevicePool) -> Any:
         """``plan`` (device ids) over ``pool``'s slots; devices that left it sit past the
@@ -223,9 +313,17 @@ class Adapter:
     def _new_replanner(self, work: Workload, cluster: ClusterSpec, plan: Plan) -> None:
         eff = self.stages.calibrator.fit()
         a = self.cfg.adapt
-        self.replanner = make_replanner(PolicySpec(a.policy, a.gamma, a.every_k), work, cluster, plan=plan, eff=eff,
-                                        length_threshold=a.length_drift, calibrator=self.stages.calibrator,
-                                        join_horizon_steps=a.join_horizon_steps, min_steps_between=a.min_steps_between)
+        self.replanner = make_replanner(
+            PolicySpec(a.policy, a.gamma, a.every_k),
+            work,
+            cluster,
+            plan=plan,
+            eff=eff,
+            length_threshold=a.length_drift,
+            calibrator=self.stages.calibrator,
+            join_horizon_steps=a.join_horizon_steps,
+            min_steps_between=a.min_steps_between,
+        )
         self._initial = (work, cluster, plan, eff)
 
     def _on_boundary(self, step: int, priced: dict[Any, tuple[float, int]], **given: Any) -> Any:
@@ -235,9 +333,17 @@ class Adapter:
         assert rp is not None
         eff = rp.eff
         outcome = rp.on_boundary(step, **given)
-        record = boundary_record(rp, outcome, eff=eff, lost=given.get("lost", ()), drained=given.get("drained", ()),
-                                 joined=given.get("joined", ()), priced={p: s for p, (s, _) in priced.items()},
-                                 first=not self.boundaries, initial=self._initial)
+        record = boundary_record(
+            rp,
+            outcome,
+            eff=eff,
+            lost=given.get("lost", ()),
+            drained=given.get("drained", ()),
+            joined=given.get("joined", ()),
+            priced={p: s for p, (s, _) in priced.items()},
+            first=not self.boundaries,
+            initial=self._initial,
+        )
         self.boundaries.append(record)
         _emit("boundary", **record)
         return outcome
@@ -271,16 +377,20 @@ class Adapter:
         self._lengths = ran
         pool_before = self.pool
         if self.replanner is None:
-            self._new_replanner(self._workload(ran), self._cluster_spec(len(pool_before)),
-                                self._slots(stages.plan, pool_before))
+            self._new_replanner(
+                self._workload(ran),
+                self._cluster_spec(len(pool_before)),
+                self._slots(stages.plan, pool_before),
+            )
         rp = self.replanner
         if self._calibrate_next:
             self._calibrate(record, ran, pool_before)
         self._calibrate_next = True
         # the pool now, what pricing a change needs and the update counters, read at once
         # (independent reads; the counters are the next step's, as a change keeps them)
-        _, inputs, self._counts = await asyncio.gather(stages.cluster.refresh_devices(), stages.change_inputs(),
-                                                       update_counts(stages))
+        _, inputs, self._counts = await asyncio.gather(
+            stages.cluster.refresh_devices(), stages.change_inputs(), update_counts(stages)
+        )
         live, draining = await usable_devices(stages.cluster, self.cfg.adapt.pool_wait_s)
         lost = sorted(set(pool_before.ids) - live)
         drained = sorted(set(pool_before.ids) & draining)
@@ -294,13 +404,24 @@ class Adapter:
         priced: dict[Any, tuple[float, int]] = {}
 
         def price(current: Any, target: Any) -> float:
-            seconds, nbytes = stages.estimate_change(from_planner_plan(self.pool.to_devices(target)), inputs)
+            seconds, nbytes = stages.estimate_change(
+                from_planner_plan(self.pool.to_devices(target)), inputs
+            )
             priced[target] = (seconds, nbytes)
             return seconds
 
-        outcome = self._on_boundary(nxt, priced, lengths=ran, memory_lengths=cap,
-                                    cluster=self._cluster_spec(len(self.pool)), plan=self._slots(stages.plan, self.pool),
-                                    lost=lost, drained=drained, joined=joined, transition_seconds=price)
+        outcome = self._on_boundary(
+            nxt,
+            priced,
+            lengths=ran,
+            memory_lengths=cap,
+            cluster=self._cluster_spec(len(self.pool)),
+            plan=self._slots(stages.plan, self.pool),
+            lost=lost,
+            drained=drained,
+            joined=joined,
+            transition_seconds=price,
+        )
         if not outcome.triggers:
             return None
         return await self._act(nxt, outcome, priced)
@@ -318,33 +439,55 @@ class Adapter:
         # the job's plan as the planner sees it: what survived, and where the lost
         # model-stages were (on devices that are gone: the plan cannot run)
 
-        current = Plan(tuple((name, stages.plan[name] if name in stages.plan.names else sp)
-                             for name, sp in self._full_plan))
+        current = Plan(
+            tuple(
+                (name, stages.plan[name] if name in stages.plan.names else sp)
+                for name, sp in self._full_plan
+            )
+        )
         lengths = self._lengths or self._cap_lengths(step)
         cap = self._cap_lengths(step)
         if self.replanner is None:
-            self._new_replanner(self._workload(lengths), self._cluster_spec(len(self.pool)),
-                                self._slots(current, self.pool))
+            self._new_replanner(
+                self._workload(lengths),
+                self._cluster_spec(len(self.pool)),
+                self._slots(current, self.pool),
+            )
         rp = self.replanner
         rp.work = self._workload(lengths, cap)
         inputs = await stages.change_inputs()
         priced: dict[Any, tuple[float, int]] = {}
 
         def price(_: Any, target: Any) -> float:
-            seconds, nbytes = stages.estimate_change(from_planner_plan(self.pool.to_devices(target)), inputs)
+            seconds, nbytes = stages.estimate_change(
+                from_planner_plan(self.pool.to_devices(target)), inputs
+            )
             priced[target] = (seconds, nbytes)
             return seconds
 
-        outcome = self._on_boundary(step, priced, lengths=lengths, memory_lengths=cap,
-                                    cluster=self._cluster_spec(len(self.pool)), plan=self._slots(current, self.pool),
-                                    lost=sorted(dead), transition_seconds=price)
+        outcome = self._on_boundary(
+            step,
+            priced,
+            lengths=lengths,
+            memory_lengths=cap,
+            cluster=self._cluster_spec(len(self.pool)),
+            plan=self._slots(current, self.pool),
+            lost=sorted(dead),
+            transition_seconds=price,
+        )
         self._calibrate_next = False
         decision = await self._act(step, outcome, priced)
-        require(decision is not None and decision.get("admitted"), "recovery", decision and decision.get("reason"),
-                "must reach a runnable plan after the fault")
+        require(
+            decision is not None and decision.get("admitted"),
+            "recovery",
+            decision and decision.get("reason"),
+            "must reach a runnable plan after the fault",
+        )
         return decision
 
-    async def _act(self, nxt: int, outcome: Any, priced: dict[Any, tuple[float, int]]) -> dict[str, Any]:
+    async def _act(
+        self, nxt: int, outcome: Any, priced: dict[Any, tuple[float, int]]
+    ) -> dict[str, Any]:
         """The decision event of a boundary where something fired, and the change when admitted."""
         stages = self.stages
         decision = self._decision_event(nxt, outcome, priced)
@@ -359,14 +502,30 @@ class Adapter:
             if self.cfg.adapt.overlap:
                 report = await stages.transition_done() or report
             self._calibrate_next = False
-            predicted = priced.get(d.target.plan, (float(report.get("predicted_seconds", 0.0)), 0))[0]
-            change = Change(nxt, [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]], report["from"],
-                            report["to"], float(predicted), float(report.get("seconds", 0.0)),
-                            int(report.get("bytes", 0)), d.reason, report)
+            predicted = priced.get(d.target.plan, (float(report.get("predicted_seconds", 0.0)), 0))[
+                0
+            ]
+            change = Change(
+                nxt,
+                [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]],
+                report["from"],
+                report["to"],
+                float(predicted),
+                float(report.get("seconds", 0.0)),
+                int(report.get("bytes", 0)),
+                d.reason,
+                report,
+            )
             self.changes.append(change)
             decision["transition"] = change.as_record()
-            log.info("step %d: %s -> changed the plan (%d bytes, %.3f s; predicted %.3f s)", nxt,
-                     change.triggers, change.bytes, change.measured_seconds, change.predicted_seconds)
+            log.info(
+                "step %d: %s -> changed the plan (%d bytes, %.3f s; predicted %.3f s)",
+                nxt,
+                change.triggers,
+                change.bytes,
+                change.measured_seconds,
+                change.predicted_seconds,
+            )
             self._full_plan = stages.plan
         return decision
 
@@ -374,39 +533,59 @@ class Adapter:
         """What the step measured, against the model of the plan it ran on."""
         rp = self.replanner
         assert rp is not None
-        measured = {PLANNER_NAMES[s]: float(v) for s, v in (record.get("model_stage_seconds") or {}).items()
-                    if s in PLANNER_NAMES and PLANNER_NAMES[s] in rp.plan.names and v > 0}
+        measured = {
+            PLANNER_NAMES[s]: float(v)
+            for s, v in (record.get("model_stage_seconds") or {}).items()
+            if s in PLANNER_NAMES and PLANNER_NAMES[s] in rp.plan.names and v > 0
+        }
         if measured:
             rp.observe_stage_seconds(measured)
-        peaks = {pool.slot(int(d)): int(b) for d, b in (record.get("device_peak_bytes") or {}).items()
-                 if int(d) in pool.ids}
+        peaks = {
+            pool.slot(int(d)): int(b)
+            for d, b in (record.get("device_peak_bytes") or {}).items()
+            if int(d) in pool.ids
+        }
         if peaks:
             # the KV cache is as long as the step's cap; training pads to the longest response
             cap = int(record.get("max_new_tokens", ran.max))
             shapes = LengthStats(float(ran.max), float(ran.max), max(cap, ran.max))
             rp.observe_device_peaks(peaks, lengths=shapes)
 
-    def _decision_event(self, step: int, outcome: Any, priced: dict[Any, tuple[float, int]]) -> dict[str, Any]:
+    def _decision_event(
+        self, step: int, outcome: Any, priced: dict[Any, tuple[float, int]]
+    ) -> dict[str, Any]:
         d = outcome.decision
         considered = d.target if d.target is not None else d.candidate
-        seconds, nbytes = priced.get(considered.plan, (math.inf, 0)) if considered is not None else (math.inf, 0)
+        seconds, nbytes = (
+            priced.get(considered.plan, (math.inf, 0)) if considered is not None else (math.inf, 0)
+        )
         triggers = []
         for t in outcome.triggers:
             info = {k: (list(v) if isinstance(v, tuple) else v) for k, v in t.info.items()}
-            if t.kind == "memory":  # the planner's slots -> device ids (pool changes name ids already)
+            if (
+                t.kind == "memory"
+            ):  # the planner's slots -> device ids (pool changes name ids already)
                 info["devices"] = [self._device_of(s) for s in info.get("devices", [])]
                 info["device"] = self._device_of(info.get("device"))
-            triggers.append({"kind": t.kind, "signal": t.signal, "hard": t.hard, "text": t.detail, **info})
+            triggers.append(
+                {"kind": t.kind, "signal": t.signal, "hard": t.hard, "text": t.detail, **info}
+            )
         return {
             "step": step,
             "triggers": triggers,
             "current_plan": self.stages.plan.to_dict(),
             "target_plan": self._plan_dict(considered.plan) if considered is not None else None,
             "current_step_seconds": _finite(outcome.current_seconds),
-            "target_step_seconds": _finite(considered.step_seconds) if considered is not None else None,
-            "saving_seconds": _finite(d.saving_seconds) if d.saving_seconds else (
+            "target_step_seconds": _finite(considered.step_seconds)
+            if considered is not None
+            else None,
+            "saving_seconds": _finite(d.saving_seconds)
+            if d.saving_seconds
+            else (
                 _finite(outcome.current_seconds - considered.step_seconds)
-                if considered is not None and outcome.current_seconds is not None else None),
+                if considered is not None and outcome.current_seconds is not None
+                else None
+            ),
             "transition_seconds": _finite(seconds),
             "transition_bytes": int(nbytes),
             "payback_steps": _finite(d.payback_steps),
@@ -418,7 +597,9 @@ class Adapter:
 
     def _device_of(self, slot: Any) -> Any:
         slot = int(slot)
-        return self.pool.device(slot) if slot < len(self.pool) else self._gone[slot - len(self.pool)]
+        return (
+            self.pool.device(slot) if slot < len(self.pool) else self._gone[slot - len(self.pool)]
+        )
 
     def _plan_dict(self, plan: Any) -> dict[str, Any] | None:
         return None if plan is None else from_planner_plan(self.pool.to_devices(plan)).to_dict()

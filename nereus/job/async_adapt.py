@@ -199,9 +199,7 @@ class AsyncAdapter:
             saving = (current.step_seconds - best.step_seconds) * measured / current.step_seconds
         else:
             saving = float("inf")  # the plan cannot be priced on the pool (it must leave)
-        target = from_planner_plan(
-            pool.to_devices(relabel(slots, best.plan, devices=len(pool)))
-        )
+        target = from_planner_plan(pool.to_devices(relabel(slots, best.plan, devices=len(pool))))
         if not hard and (target == plan or saving <= 0):
             decision["reason"] = "the current split is the planner's best"
             return self._keep(decision)

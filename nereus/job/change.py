@@ -49,12 +49,28 @@ def emu_name(stage: str, replica: int, tag: str = "") -> str:
     return f"{stage}.{tag}{replica}"
 
 
-def stage_emus(stage: str, sp: StagePlan, spec: ModelSpec, slots: Sequence[str], tag: str = "",
-               state: LogicalState | None = None) -> list[EMU]:
+def stage_emus(
+    stage: str,
+    sp: StagePlan,
+    spec: ModelSpec,
+    slots: Sequence[str],
+    tag: str = "",
+    state: LogicalState | None = None,
+) -> list[EMU]:
     """The EMUs of ``stage`` under ``sp``, one per DP replica (names: ``emu_name``)."""
     layout = Layout(sp.tp, sp.pp)
-    return [EMU(emu_name(stage, i, tag), stage, spec, layout, tuple(devs), tuple(slots), state or LogicalState())
-            for i, devs in enumerate(sp.devices)]
+    return [
+        EMU(
+            emu_name(stage, i, tag),
+            stage,
+            spec,
+            layout,
+            tuple(devs),
+            tuple(slots),
+            state or LogicalState(),
+        )
+        for i, devs in enumerate(sp.devices)
+    ]
 
 
 def stage_changed(a: StagePlan, b: StagePlan) -> bool:

@@ -105,7 +105,9 @@ class ClusterStages(ModelStages):
     calibrator = _shared("calibrator")
     link = _shared("link")
 
-    def __init__(self, cfg: JobConfig, cluster: Cluster, model_config: ModelConfig, model_dir: Path) -> None:
+    def __init__(
+        self, cfg: JobConfig, cluster: Cluster, model_config: ModelConfig, model_dir: Path
+    ) -> None:
         super().__init__()
         self.state = StagesState(cfg, cluster, model_config, cfg.job_plan())
         self.changes = PlanChanges(self.state, self)  # pricing, checking and running a change
@@ -143,10 +145,14 @@ class ClusterStages(ModelStages):
     # --- start ------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, cfg: JobConfig, model_config: ModelConfig, model_dir: str | Path,
-                    cluster: Cluster | None = None,
-                    on_cluster: Callable[[Cluster], Awaitable[None]] | None = None,
-                    ) -> ClusterStages:
+    async def start(
+        cls,
+        cfg: JobConfig,
+        model_config: ModelConfig,
+        model_dir: str | Path,
+        cluster: Cluster | None = None,
+        on_cluster: Callable[[Cluster], Awaitable[None]] | None = None,
+    ) -> ClusterStages:
         """Start (or use) a cluster, its engine hosts, and every model-stage of the plan."""
         owns = cluster is None
         if cluster is None:
@@ -154,15 +160,24 @@ class ClusterStages(ModelStages):
             if c.mode == "connect":
                 # The same deadline as a local cluster's: spawning a model-stage on a busy host
                 # takes longer than the 30 s an attach alone would allow.
-                cluster = Cluster.connect(c.address, key_file=c.key_file or None, min_devices=c.devices,
-                                          timeout_s=60.0, curve_key_file=c.curve_key_file or None)
+                cluster = Cluster.connect(
+                    c.address,
+                    key_file=c.key_file or None,
+                    min_devices=c.devices,
+                    timeout_s=60.0,
+                    curve_key_file=c.curve_key_file or None,
+                )
             else:
                 # A generous heartbeat timeout: on a loaded 2-core machine a busy worker host
                 # can miss the default 3 s, and a lost node ends the job.
-                cluster = Cluster.local(devices=c.devices, memory_per_device=c.memory_per_device, heartbeat_timeout_s=30.0,
-                                        cores_per_device=c.cores_per_device)
+                cluster = Cluster.local(
+                    devices=c.devices,
+                    memory_per_device=c.memory_per_device,
+                    heartbeat_timeout_s=30.0,
+                    cores_per_device=c.cores_per_device,
+                )
             await cluster.start()
-        cfg = resolve_model_dtype(cfg, [d.kind for d in cluster.devices[:cfg.cluster.devices]])
+        cfg = resolve_model_dtype(cfg, [d.kind for d in cluster.devices[: cfg.cluster.devices]])
         self = cls(cfg, cluster, model_config, Path(model_dir))
         self._owns_cluster = owns
         cluster.on_failure(self._on_failure)
@@ -189,7 +204,9 @@ class ClusterStages(ModelStages):
         return model_spec(config, dtype=self.cfg.model.dtype, value_head=stage in _VALUE_HEAD)
 
     def _slots(self, stage: str) -> tuple[str, ...]:
-        return training_slots(self.cfg.model.dtype) if STAGE_KINDS[stage] == "training" else ("param",)
+        return (
+            training_slots(self.cfg.model.dtype) if STAGE_KINDS[stage] == "training" else ("param",)
+        )
 
     def _generation_rows(self, sp: StagePlan) -> int:
         """Sequences one generation EMU decodes at once under ``sp``: its share of the
@@ -203,13 +220,20 @@ class ClusterStages(ModelStages):
         sp = sp if sp is not None else self._plan[stage]
         kind = STAGE_KINDS[stage]
         if kind == "generation" and cfg.sampling.engine == "vllm":
-            return {"engine": "vllm", "model_dir": self._models["policy"][1],
-                    "kv_cache_bytes": self._vllm_cache_bytes(sp), "seed": cfg.run.seed}
+            return {
+                "engine": "vllm",
+                "model_dir": self._models["policy"][1],
+                "kv_cache_bytes": self._vllm_cache_bytes(sp),
+                "seed": cfg.run.seed,
+            }
         if kind == "generation":
             return {"max_batch": self._generation_rows(sp)}
         if kind == "inference":
             return {"micro_batch_size": cfg.optim.micro_batch_size}
-        return {"optim": cfg.optim.for_engine(critic=stage == "critic_training"), "recompute": sp.recompute}
+        return {
+            "optim": cfg.optim.for_engine(critic=stage == "critic_training"),
+            "recompute": sp.recompute,
+        }
 
     def _vllm_cache_bytes(self, sp: StagePlan) -> int:
         """vLLM's KV cache per rank of a generation EMU under ``sp``: its rows at the
@@ -219,7 +243,9 @@ class ClusterStages(ModelStages):
         c = self.model_config
         slots = -(-c.max_position_embeddings // 128) * 128
         kv_local = max(1, c.num_key_value_heads // sp.tp)
-        per_token = 2 * c.num_hidden_layers * kv_local * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
+        per_token = (
+            2 * c.num_hidden_layers * kv_local * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
+        )
         return 2 * per_token * slots * self._generation_rows(sp)
 
     async def ensure_hosts(self, devices: set[int]) -> None:
@@ -231,14 +257,20 @@ class ClusterStages(ModelStages):
         """An engine host on every device of ``devices`` that has none yet."""
         missing = sorted(d for d in devices if d not in self.hosts)
         if missing:
-            mesh = await spawn_hosts(self.cluster, missing, name=f"nereus-hosts-e{self.epoch}-{missing[0]}")
+            mesh = await spawn_hosts(
+                self.cluster, missing, name=f"nereus-hosts-e{self.epoch}-{missing[0]}"
+            )
             self._host_meshes.append(mesh)
             self.hosts.update({r.device: r for r in mesh.refs})
         if self.cfg.adapt.enabled:
             # a job that changes its plan may build training engines on any of its
             # devices; their one-time process cost is paid here, not inside a change
-            training = {d for stage in ("policy_training", "critic_training") if stage in self._plan.names
-                        for d in self._plan[stage].devices}
+            training = {
+                d
+                for stage in ("policy_training", "critic_training")
+                if stage in self._plan.names
+                for d in self._plan[stage].devices
+            }
             idle = [d for d in sorted(devices) if d in self.hosts and d not in training]
             await asyncio.gather(*(self.hosts[d].warm_up.call_one() for d in idle))
 
@@ -254,11 +286,13 @@ class ClusterStages(ModelStages):
         # refitted from every measured transition node
         budget = min((d.memory_bytes for d in self.cluster.devices), default=2**30)
         cores = self.device_cores([d.index for d in self.cluster.devices])
-        self.cluster_spec = local_cpu_cluster_probed(max(1, len(self.cluster.devices)), max(budget, 2),
-                                                     device_cores=cores)
+        self.cluster_spec = local_cpu_cluster_probed(
+            max(1, len(self.cluster.devices)), max(budget, 2), device_cores=cores
+        )
         # firm priors: one plan's timings cannot tell apart classes that scale together
-        self.calibrator = Calibrator(prior=local_cpu_efficiency(cores=min(cores) if cores else None),
-                                     prior_weight=0.05)
+        self.calibrator = Calibrator(
+            prior=local_cpu_efficiency(cores=min(cores) if cores else None), prior_weight=0.05
+        )
         self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 
         self._models["policy"] = (self.model_config, str(self.model_dir))
@@ -271,14 +305,25 @@ class ClusterStages(ModelStages):
         await self.cluster.set_epoch(self.epoch)
         # a host on every live device, used or not: a change that takes one up pays for
         # the state it moves, not for starting a process's engines
-        await self._ensure_hosts({d.index for d in self.cluster.devices} - set(getattr(self.cluster, "draining", ())))
+        await self._ensure_hosts(
+            {d.index for d in self.cluster.devices} - set(getattr(self.cluster, "draining", ()))
+        )
         for stage, sp in self._plan:
             emus = stage_emus(stage, sp, self._spec(stage), self._slots(stage))
             config, folder = self._models["reward" if stage == "reward_inference" else "policy"]
             t = time.perf_counter()
             self.handles[stage] = await spawn_model_stage(
-                self.cluster, self.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
-                seed=self.cfg.run.seed, options=self._options(stage), epoch=self.epoch)
+                self.cluster,
+                self.hosts,
+                stage,
+                STAGE_KINDS[stage],
+                emus,
+                model_config=config,
+                model_dir=folder,
+                seed=self.cfg.run.seed,
+                options=self._options(stage),
+                epoch=self.epoch,
+            )
             # a first guess at what restarting a model-stage's engines costs in a change
             self._spawn_s.append(time.perf_counter() - t)
             self.emus[stage] = emus
@@ -287,8 +332,12 @@ class ClusterStages(ModelStages):
             await self._run_sync("critic_inference")
         # the plan the job starts in; it was given ([plan]), not searched: no prediction. The
         # budgets too: a subscriber that came after the devices joined has not seen them
-        emit_event("plan", plan=self._plan.to_dict(), predicted_step_seconds=None,
-                   device_memory_bytes={str(d.index): d.memory_bytes for d in self.cluster.devices})
+        emit_event(
+            "plan",
+            plan=self._plan.to_dict(),
+            predicted_step_seconds=None,
+            device_memory_bytes={str(d.index): d.memory_bytes for d in self.cluster.devices},
+        )
 
     # --- weight syncs -------------------------------------------------------------
 
@@ -301,7 +350,10 @@ class ClusterStages(ModelStages):
         """Plans (and a group of this epoch) for every in-place sync: policy-training ->
         policy-generation, critic-training -> critic-inference."""
         self._sync = {}
-        for source, target in (("policy_training", "policy_generation"), ("critic_training", "critic_inference")):
+        for source, target in (
+            ("policy_training", "policy_generation"),
+            ("critic_training", "critic_inference"),
+        ):
             if source not in self.emus or target not in self.emus:
                 continue
             plans = [plan_reshard(self.emus[source], t, self._host_of) for t in self.emus[target]]
@@ -317,8 +369,12 @@ class ClusterStages(ModelStages):
         stats = await execute_into(plans, self.hosts, group)
         seconds = time.perf_counter() - t0
         nbytes = stats.bytes_moved + stats.bytes_local
-        return {"bytes": nbytes, "bytes_between_devices": stats.bytes_sent_measured, "seconds": seconds,
-                "gbps": nbytes / max(seconds, 1e-9) / 1e9}
+        return {
+            "bytes": nbytes,
+            "bytes_between_devices": stats.bytes_sent_measured,
+            "seconds": seconds,
+            "gbps": nbytes / max(seconds, 1e-9) / 1e9,
+        }
 
     async def sync_policy(self) -> dict[str, Any]:
         await self._ready("policy_training")
@@ -340,14 +396,24 @@ class ClusterStages(ModelStages):
                     for d in e.devices:
                         names.setdefault(d, []).append(e.name)
         fields = {"policy_version": self.policy_version, "sample_position": self.sample_position}
-        await asyncio.gather(*(self.hosts[d].stamp_states.call_one(ns, fields) for d, ns in names.items()))
+        await asyncio.gather(
+            *(self.hosts[d].stamp_states.call_one(ns, fields) for d, ns in names.items())
+        )
 
     # --- the ModelStages calls ------------------------------------------------------
 
     def _cache_sharers(self) -> list[int]:
         """Generation EMUs that share a device with a training model-stage."""
-        trainers = {d for s, emus in self.emus.items() if STAGE_KINDS[s] == "training" for e in emus for d in e.devices}
-        return [i for i, e in enumerate(self.emus["policy_generation"]) if trainers & set(e.devices)]
+        trainers = {
+            d
+            for s, emus in self.emus.items()
+            if STAGE_KINDS[s] == "training"
+            for e in emus
+            for d in e.devices
+        }
+        return [
+            i for i, e in enumerate(self.emus["policy_generation"]) if trainers & set(e.devices)
+        ]
 
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
         await self._ready("policy_generation")
@@ -360,10 +426,16 @@ class ClusterStages(ModelStages):
             sharers = self._cache_sharers()
             if sharers:
                 await asyncio.gather(*(handle.emus[i].free_cache() for i in sharers))
-        return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": [self.policy_version] * len(prompts)}
+        return {
+            "token_ids": out.token_ids,
+            "logprobs": out.logprobs,
+            "policy_version": [self.policy_version] * len(prompts),
+        }
 
     def _handle(self, stage: str) -> Any:
-        require(stage in self.handles, "plan", sorted(self.handles), f"must place model-stage {stage!r}")
+        require(
+            stage in self.handles, "plan", sorted(self.handles), f"must place model-stage {stage!r}"
+        )
         return self.handles[stage]
 
     def _check_rows(self, stage: str, batch: dict[str, torch.Tensor]) -> None:
@@ -398,15 +470,24 @@ class ClusterStages(ModelStages):
             values = await handle.values(batch)
         return last_token_scores(values, batch["attention_mask"])
 
-    async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+    async def train_policy(
+        self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]:
         await self._ready("policy_training")
         handle = self._handle("policy_training")
         self._check_rows("policy_training", batch)
         with self.timed("policy_training"):
-            return await handle.train_step(batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size,
-                                           self.cfg.sampling.temperature)
+            return await handle.train_step(
+                batch,
+                loss,
+                loss_kwargs,
+                self.cfg.optim.micro_batch_size,
+                self.cfg.sampling.temperature,
+            )
 
-    async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+    async def train_critic(
+        self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]:
         await self._ready("critic_training")
         await self._ready("critic_inference")
         handle = self._handle("critic_training")
@@ -422,8 +503,10 @@ class ClusterStages(ModelStages):
         """Every live device's host and budget (indexed by cluster device id)."""
         devs = {d.index: d for d in self.cluster.devices}
         top = max([*devs, *self._plan.devices]) + 1
-        return DeviceSet(tuple(self._host_of(i) if i in devs else -1 for i in range(top)),
-                         tuple(devs[i].memory_bytes if i in devs else 1 for i in range(top)))
+        return DeviceSet(
+            tuple(self._host_of(i) if i in devs else -1 for i in range(top)),
+            tuple(devs[i].memory_bytes if i in devs else 1 for i in range(top)),
+        )
 
     def _engine_bytes(self, stage: str, sp: StagePlan, emu: EMU, device: int) -> int:
         """What ``stage``'s engine (under its plan ``sp``) adds on ``device`` beyond the
@@ -437,8 +520,11 @@ class ClusterStages(ModelStages):
             # workspace (what VllmGenerationEngine reserves)
             params = sum(s.numel for k, (s, _) in emu.shards_on(device).items() if ":" not in k)
             on_gpu = any(d.index == device and d.kind == "cuda" for d in self.cluster.devices)
-            return (params * DTYPE_BYTES[self.cfg.model.dtype] + self._vllm_cache_bytes(sp)
-                    + (VLLM_WORKSPACE_BYTES if on_gpu else 0))
+            return (
+                params * DTYPE_BYTES[self.cfg.model.dtype]
+                + self._vllm_cache_bytes(sp)
+                + (VLLM_WORKSPACE_BYTES if on_gpu else 0)
+            )
         if kind == "generation" and self._cache_slots:
             c = self.model_config
             pp_rank, tp_rank = emu.position(device)
@@ -446,7 +532,15 @@ class ClusterStages(ModelStages):
             layers = bounds[pp_rank + 1] - bounds[pp_rank]
             rows = self._generation_rows(sp)
             kv_local = max(1, c.num_key_value_heads // emu.layout.tp)
-            return 2 * layers * rows * kv_local * self._cache_slots * c.head_dim * DTYPE_BYTES[self.cfg.model.dtype]
+            return (
+                2
+                * layers
+                * rows
+                * kv_local
+                * self._cache_slots
+                * c.head_dim
+                * DTYPE_BYTES[self.cfg.model.dtype]
+            )
         return 0
 
     async def _stamp_states(self, stages: list[str] | None = None) -> None:
@@ -455,16 +549,31 @@ class ClusterStages(ModelStages):
         and kept in the descriptions."""
         for stage in stages if stages is not None else list(self.emus):
             emus = self.emus[stage]
-            states = await asyncio.gather(*(self.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus))
+            states = await asyncio.gather(
+                *(self.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus)
+            )
             counts = {s.get("update_count", 0) for s in states}
-            require(len(counts) == 1, f"{stage} update counters", sorted(counts), "must agree across replicas")
+            require(
+                len(counts) == 1,
+                f"{stage} update counters",
+                sorted(counts),
+                "must agree across replicas",
+            )
             state = LogicalState(counts.pop(), self.policy_version, self.sample_position)
-            await asyncio.gather(*(self.hosts[d].set_state.call_one(e.name, vars(state)) for e in emus for d in e.devices))
+            await asyncio.gather(
+                *(
+                    self.hosts[d].set_state.call_one(e.name, vars(state))
+                    for e in emus
+                    for d in e.devices
+                )
+            )
             self.emus[stage] = [e.with_(state=state) for e in emus]
 
     def _current_plan(self, stage: str) -> StagePlan:
         emus = self.emus[stage]
-        return StagePlan(emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus))
+        return StagePlan(
+            emus[0].layout.tp, emus[0].layout.pp, len(emus), tuple(e.devices for e in emus)
+        )
 
     # --- checkpoint -----------------------------------------------------------------
 
@@ -487,14 +596,23 @@ class ClusterStages(ModelStages):
                 continue
             await self.handles[stage].stop()
             emus = self.emus[stage]
-            await asyncio.gather(*(self.hosts[d].drop_shards.call_one([e.name]) for e in emus for d in e.devices))
+            await asyncio.gather(
+                *(self.hosts[d].drop_shards.call_one([e.name]) for e in emus for d in e.devices)
+            )
             loaded = [await load_from_disk(str(src / stage), e, self.hosts) for e in emus]
             self.emus[stage] = loaded
             state = loaded[0].state if stage == "policy_training" else state
 
             self.handles[stage] = await start_model_stage(
-                self.cluster, self.hosts, stage, "training", loaded, model_config=self.model_config,
-                options=self._options(stage), epoch=self.epoch)
+                self.cluster,
+                self.hosts,
+                stage,
+                "training",
+                loaded,
+                model_config=self.model_config,
+                options=self._options(stage),
+                epoch=self.epoch,
+            )
         if "critic_inference" in self.emus:
             await self._run_sync("critic_inference")
         await self.sync_policy()

@@ -92,14 +92,45 @@ class ModelConfigSection:
     float32 master weights and AdamW moments."""
 
     def __post_init__(self) -> None:
-        require(self.dtype in ("auto", "float32", "bfloat16"), "model.dtype", self.dtype,
-                "must be 'auto', 'float32' or 'bfloat16'")
-        require(self.kind in ("tiny", "hf", "smollm2"), "model.kind", self.kind, "must be 'tiny', 'hf' or 'smollm2'")
-        require(self.kind != "hf" or bool(self.path), "model.path", self.path, "must name a Hugging Face folder when kind='hf'")
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
+        require(
+            self.dtype in ("auto", "float32", "bfloat16"),
+            "model.dtype",
+            self.dtype,
+            "must be 'auto', 'float32' or 'bfloat16'",
+        )
+        require(
+            self.kind in ("tiny", "hf", "smollm2"),
+            "model.kind",
+            self.kind,
+            "must be 'tiny', 'hf' or 'smollm2'",
+        )
+        require(
+            self.kind != "hf" or bool(self.path),
+            "model.path",
+            self.path,
+            "must name a Hugging Face folder when kind='hf'",
+        )
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_seq_len",
+        ):
             require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
-        require(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads, f"must divide hidden_size={self.hidden_size}")
-        require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+        require(
+            self.hidden_size % self.num_heads == 0,
+            "model.num_heads",
+            self.num_heads,
+            f"must divide hidden_size={self.hidden_size}",
+        )
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            self.num_kv_heads,
+            f"must divide num_heads={self.num_heads}",
+        )
 
 
 @dataclass(frozen=True)
@@ -136,10 +167,21 @@ class RewardConfig:
     response and ground truth). File data (``[data]``) needs one of the last three."""
 
     def __post_init__(self) -> None:
-        require(self.kind in ("rule", "model"), "reward.kind", self.kind, "must be 'rule' or 'model'")
-        require(self.rule in RULES or is_function_spec(self.rule), "reward.rule", self.rule,
-                f"must be one of {list(RULES)} or 'module:function'")
-        require(self.kind != "model" or bool(self.path), "reward.path", self.path, "must name a reward model folder when kind='model'")
+        require(
+            self.kind in ("rule", "model"), "reward.kind", self.kind, "must be 'rule' or 'model'"
+        )
+        require(
+            self.rule in RULES or is_function_spec(self.rule),
+            "reward.rule",
+            self.rule,
+            f"must be one of {list(RULES)} or 'module:function'",
+        )
+        require(
+            self.kind != "model" or bool(self.path),
+            "reward.path",
+            self.path,
+            "must name a reward model folder when kind='model'",
+        )
 
 
 @dataclass(frozen=True)
@@ -157,13 +199,24 @@ class TrainingConfig(OptimConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.critic_lr > 0, "optim.critic_lr", self.critic_lr, "must be > 0")
-        require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1")
+        require(
+            self.micro_batch_size >= 1,
+            "optim.micro_batch_size",
+            self.micro_batch_size,
+            "must be >= 1",
+        )
 
     def for_engine(self, critic: bool = False) -> dict[str, Any]:
         """The policy's (or the critic's) training-engine optimizer settings, as a dict:
         they travel to the workers in msgpack."""
-        return {"lr": self.critic_lr if critic else self.lr, "beta1": self.beta1, "beta2": self.beta2,
-                "eps": self.eps, "weight_decay": self.weight_decay, "grad_clip": self.grad_clip}
+        return {
+            "lr": self.critic_lr if critic else self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "grad_clip": self.grad_clip,
+        }
 
 
 @dataclass(frozen=True)
@@ -189,20 +242,42 @@ class ClusterConfig:
     curve_key_file: str = ""
 
     def __post_init__(self) -> None:
-        require(self.mode in ("local", "connect", "in_process"), "cluster.mode", self.mode, "must be 'local', 'connect' or 'in_process'")
-        require(self.mode != "connect" or "://" in self.address, "cluster.address", self.address,
-                "must be the controller's address ('tcp://HOST:PORT') when mode='connect'")
+        require(
+            self.mode in ("local", "connect", "in_process"),
+            "cluster.mode",
+            self.mode,
+            "must be 'local', 'connect' or 'in_process'",
+        )
+        require(
+            self.mode != "connect" or "://" in self.address,
+            "cluster.address",
+            self.address,
+            "must be the controller's address ('tcp://HOST:PORT') when mode='connect'",
+        )
         require(self.devices >= 1, "cluster.devices", self.devices, "must be >= 1")
         parse_size(self.memory_per_device, "cluster.memory_per_device")
         c = self.cores_per_device
         if isinstance(c, str):
-            require(c == "shared", "cluster.cores_per_device", c, 'must be "shared", a number or one per device')
+            require(
+                c == "shared",
+                "cluster.cores_per_device",
+                c,
+                'must be "shared", a number or one per device',
+            )
         else:
             values = c if isinstance(c, list) else [c]
-            require(all(0.01 <= v <= 4096 for v in values), "cluster.cores_per_device", c,
-                    "must be in [0.01, 4096] cores")
-            require(not isinstance(c, list) or len(c) == self.devices, "cluster.cores_per_device", c,
-                    f"must give one number per device (cluster.devices={self.devices})")
+            require(
+                all(0.01 <= v <= 4096 for v in values),
+                "cluster.cores_per_device",
+                c,
+                "must be in [0.01, 4096] cores",
+            )
+            require(
+                not isinstance(c, list) or len(c) == self.devices,
+                "cluster.cores_per_device",
+                c,
+                f"must give one number per device (cluster.devices={self.devices})",
+            )
 
     @property
     def device_cores(self) -> list[float] | None:
@@ -251,12 +326,28 @@ class AdaptConfig:
     def __post_init__(self) -> None:
         PolicySpec(self.policy, self.gamma, self.every_k)  # names the bad field
         require(self.gamma > 0, "adapt.gamma", self.gamma, "must be > 0")
-        require(0 < self.length_drift < 10, "adapt.length_drift", self.length_drift, "must be in (0, 10)")
+        require(
+            0 < self.length_drift < 10,
+            "adapt.length_drift",
+            self.length_drift,
+            "must be in (0, 10)",
+        )
         require(0 <= self.headroom < 1, "adapt.headroom", self.headroom, "must be in [0, 1)")
-        require(isinstance(self.min_steps_between, int) and self.min_steps_between >= 0, "adapt.min_steps_between",
-                self.min_steps_between, "must be an integer >= 0")
-        require(self.join_horizon_steps >= 1, "adapt.join_horizon_steps", self.join_horizon_steps, "must be >= 1")
-        require(self.pool_wait_s >= 0, "adapt.pool_wait_s", self.pool_wait_s, "must be >= 0 seconds")
+        require(
+            isinstance(self.min_steps_between, int) and self.min_steps_between >= 0,
+            "adapt.min_steps_between",
+            self.min_steps_between,
+            "must be an integer >= 0",
+        )
+        require(
+            self.join_horizon_steps >= 1,
+            "adapt.join_horizon_steps",
+            self.join_horizon_steps,
+            "must be >= 1",
+        )
+        require(
+            self.pool_wait_s >= 0, "adapt.pool_wait_s", self.pool_wait_s, "must be >= 0 seconds"
+        )
 
 
 @dataclass
@@ -278,11 +369,19 @@ class TraceConfig:
     follows the trace and generation ignores the end-of-sequence token until it."""
 
     def __post_init__(self) -> None:
-        require(isinstance(self.pool_offset, int) and self.pool_offset >= 0, "trace.pool_offset", self.pool_offset,
-                "must be an integer >= 0")
+        require(
+            isinstance(self.pool_offset, int) and self.pool_offset >= 0,
+            "trace.pool_offset",
+            self.pool_offset,
+            "must be an integer >= 0",
+        )
         if self.pool_range is not None:
-            require(len(self.pool_range) == 2 and 1 <= self.pool_range[0] <= self.pool_range[1], "trace.pool_range",
-                    self.pool_range, "must be [LO, HI] devices with 1 <= LO <= HI")
+            require(
+                len(self.pool_range) == 2 and 1 <= self.pool_range[0] <= self.pool_range[1],
+                "trace.pool_range",
+                self.pool_range,
+                "must be [LO, HI] devices with 1 <= LO <= HI",
+            )
 
 
 @dataclass(frozen=True)
@@ -305,21 +404,46 @@ class Placement:
         for name in ("tp", "pp", "dp"):
             require(getattr(self, name) >= 1, f"plan.{name}", getattr(self, name), "must be >= 1")
         for name in ("tp", "pp"):
-            require(is_power_of_two(getattr(self, name)), f"plan.{name}", getattr(self, name),
-                    "must be a power of two (the layouts a plan holds)")
-        require(len(self.devices) == self.tp * self.pp * self.dp, "plan.devices", self.devices, f"must list tp*pp*dp={self.tp * self.pp * self.dp} devices")
-        require(len(set(self.devices)) == len(self.devices), "plan.devices", self.devices, "must not repeat a device")
-        require(isinstance(self.waves, int) and self.waves >= 1, "plan.waves", self.waves, "must be an integer >= 1")
+            require(
+                is_power_of_two(getattr(self, name)),
+                f"plan.{name}",
+                getattr(self, name),
+                "must be a power of two (the layouts a plan holds)",
+            )
+        require(
+            len(self.devices) == self.tp * self.pp * self.dp,
+            "plan.devices",
+            self.devices,
+            f"must list tp*pp*dp={self.tp * self.pp * self.dp} devices",
+        )
+        require(
+            len(set(self.devices)) == len(self.devices),
+            "plan.devices",
+            self.devices,
+            "must not repeat a device",
+        )
+        require(
+            isinstance(self.waves, int) and self.waves >= 1,
+            "plan.waves",
+            self.waves,
+            "must be an integer >= 1",
+        )
 
     def emu_devices(self) -> list[list[int]]:
         """The devices of each EMU (one list per DP replica)."""
         n = self.tp * self.pp
-        return [self.devices[i * n:(i + 1) * n] for i in range(self.dp)]
+        return [self.devices[i * n : (i + 1) * n] for i in range(self.dp)]
 
     def stage_plan(self):
         """This placement as the planner's ``StagePlan``."""
-        return StagePlan(self.tp, self.pp, self.dp, tuple(tuple(e) for e in self.emu_devices()),
-                         recompute=self.recompute, waves=self.waves)
+        return StagePlan(
+            self.tp,
+            self.pp,
+            self.dp,
+            tuple(tuple(e) for e in self.emu_devices()),
+            recompute=self.recompute,
+            waves=self.waves,
+        )
 
 
 @dataclass(frozen=True)
@@ -350,19 +474,44 @@ class RunConfig:
         require(self.steps >= 1, "run.steps", self.steps, "must be >= 1")
         bad = [x for x in self.loggers if x not in LOGGERS]
         require(not bad, "run.loggers", self.loggers, f"must name loggers from {list(LOGGERS)}")
-        require(len(set(self.loggers)) == len(self.loggers), "run.loggers", self.loggers, "must not repeat a logger")
-        require("jsonl" in self.loggers, "run.loggers", self.loggers,
-                "must include 'jsonl' (metrics.jsonl is what the job resumes and plots from)")
+        require(
+            len(set(self.loggers)) == len(self.loggers),
+            "run.loggers",
+            self.loggers,
+            "must not repeat a logger",
+        )
+        require(
+            "jsonl" in self.loggers,
+            "run.loggers",
+            self.loggers,
+            "must include 'jsonl' (metrics.jsonl is what the job resumes and plots from)",
+        )
         require(bool(self.experiment), "run.experiment", self.experiment, "must not be empty")
-        require(self.wandb_mode in ("offline", "online"), "run.wandb_mode", self.wandb_mode, "must be 'offline' or 'online'")
+        require(
+            self.wandb_mode in ("offline", "online"),
+            "run.wandb_mode",
+            self.wandb_mode,
+            "must be 'offline' or 'online'",
+        )
         require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
-        require(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, "must be >= 0 (0 = only at the end)")
+        require(
+            self.checkpoint_every >= 0,
+            "run.checkpoint_every",
+            self.checkpoint_every,
+            "must be >= 0 (0 = only at the end)",
+        )
 
 
 def required_stages(algorithm: str, reward: str = "rule") -> tuple[str, ...]:
     """The model-stages an algorithm needs (rule rewards need no reward model)."""
     if algorithm == "ppo":
-        stages = ("policy_generation", "reference_inference", "critic_inference", "policy_training", "critic_training")
+        stages = (
+            "policy_generation",
+            "reference_inference",
+            "critic_inference",
+            "policy_training",
+            "critic_training",
+        )
     else:
         stages = ("policy_generation", "reference_inference", "policy_training")
     return (*stages, "reward_inference") if reward == "model" else stages
@@ -394,63 +543,152 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         if self.data is not None:
-            require(self.task == TaskConfig(), "task", self.task, "must be left out when [data] is given (the prompts come from data.path)")
-            require(self.model.kind != "tiny", "model.kind", self.model.kind,
-                    "must be 'hf' or 'smollm2' with [data] (file prompts need the model's own "
-                    "tokenizer; 'tiny' has a character vocabulary)")
-            require(self.reward.rule != "task", "reward.rule", self.reward.rule,
-                    "must be 'math', 'exact' or 'module:function' with [data] (file rows carry "
-                    "no task rule)")
+            require(
+                self.task == TaskConfig(),
+                "task",
+                self.task,
+                "must be left out when [data] is given (the prompts come from data.path)",
+            )
+            require(
+                self.model.kind != "tiny",
+                "model.kind",
+                self.model.kind,
+                "must be 'hf' or 'smollm2' with [data] (file prompts need the model's own "
+                "tokenizer; 'tiny' has a character vocabulary)",
+            )
+            require(
+                self.reward.rule != "task",
+                "reward.rule",
+                self.reward.rule,
+                "must be 'math', 'exact' or 'module:function' with [data] (file rows carry "
+                "no task rule)",
+            )
         else:
-            require(self.reward.rule == "task", "reward.rule", self.reward.rule,
-                    "must be 'task' for a synthetic task (other rules score file data: give [data])")
+            require(
+                self.reward.rule == "task",
+                "reward.rule",
+                self.reward.rule,
+                "must be 'task' for a synthetic task (other rules score file data: give [data])",
+            )
         needed = required_stages(self.algorithm.name, self.reward.kind)
         for name in self.plan:
-            require(name in needed, "plan", sorted(self.plan), f"places {name!r}, which {self.algorithm.name} with "
-                f"reward.kind={self.reward.kind!r} does not use (it uses {list(needed)})")
+            require(
+                name in needed,
+                "plan",
+                sorted(self.plan),
+                f"places {name!r}, which {self.algorithm.name} with "
+                f"reward.kind={self.reward.kind!r} does not use (it uses {list(needed)})",
+            )
         for name in needed:
             if name == "reference_inference" and self.algorithm.kl_coef == 0:
                 continue  # no KL term: the reference is never asked
-            require(name in self.plan, "plan", sorted(self.plan), f"must place model-stage {name!r}")
+            require(
+                name in self.plan, "plan", sorted(self.plan), f"must place model-stage {name!r}"
+            )
         for name, p in self.plan.items():
             bad = [d for d in p.devices if not 0 <= d < self.cluster.devices]
-            require(not bad, f"plan.{name}.devices", p.devices, f"must be in [0, cluster.devices={self.cluster.devices})")
+            require(
+                not bad,
+                f"plan.{name}.devices",
+                p.devices,
+                f"must be in [0, cluster.devices={self.cluster.devices})",
+            )
             heads = self.model.num_heads
-            if self.model.kind == "tiny" and name != "reward_inference":  # the reward model has its own shape
-                require(heads % p.tp == 0, f"plan.{name}.tp", p.tp, f"must divide model.num_heads={heads}")
-                require(self.model.num_layers >= p.pp, f"plan.{name}.pp", p.pp, f"must be <= model.num_layers={self.model.num_layers}")
-        require(self.trace.lengths is None or isinstance(self.sampling.max_new_tokens, int), "trace.lengths",
-                self.trace.lengths, "needs sampling.max_new_tokens as one number (the cap the trace is scaled to)")
-        require(self.trace.pool is None or self.cluster.mode == "local", "trace.pool", self.trace.pool,
-                "needs cluster.mode = 'local' (the trace adds nodes to the job's own cluster)")
+            if (
+                self.model.kind == "tiny" and name != "reward_inference"
+            ):  # the reward model has its own shape
+                require(
+                    heads % p.tp == 0,
+                    f"plan.{name}.tp",
+                    p.tp,
+                    f"must divide model.num_heads={heads}",
+                )
+                require(
+                    self.model.num_layers >= p.pp,
+                    f"plan.{name}.pp",
+                    p.pp,
+                    f"must be <= model.num_layers={self.model.num_layers}",
+                )
+        require(
+            self.trace.lengths is None or isinstance(self.sampling.max_new_tokens, int),
+            "trace.lengths",
+            self.trace.lengths,
+            "needs sampling.max_new_tokens as one number (the cap the trace is scaled to)",
+        )
+        require(
+            self.trace.pool is None or self.cluster.mode == "local",
+            "trace.pool",
+            self.trace.pool,
+            "needs cluster.mode = 'local' (the trace adds nodes to the job's own cluster)",
+        )
         if self.trace.pool is not None and self.trace.pool_range is not None:
-            require(self.trace.pool_range[1] <= self.cluster.devices, "trace.pool_range", self.trace.pool_range,
-                    f"must not exceed cluster.devices={self.cluster.devices}")
-        require(not self.adapt.enabled or self.cluster.mode != "in_process", "adapt.enabled", self.adapt.enabled,
-                "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan "
-                "to change)")
+            require(
+                self.trace.pool_range[1] <= self.cluster.devices,
+                "trace.pool_range",
+                self.trace.pool_range,
+                f"must not exceed cluster.devices={self.cluster.devices}",
+            )
+        require(
+            not self.adapt.enabled or self.cluster.mode != "in_process",
+            "adapt.enabled",
+            self.adapt.enabled,
+            "needs cluster.mode 'local' or 'connect' (in_process has one device and no plan "
+            "to change)",
+        )
         gen = self.plan["policy_generation"]
         if self.sampling.engine == "vllm":
-            require(self.cluster.mode != "in_process", "sampling.engine", self.sampling.engine,
-                    "needs cluster.mode 'local' or 'connect' (vLLM runs in the workers that hold "
-                    "the generation EMUs)")
-            require(gen.pp == 1, "plan.policy_generation.pp", gen.pp, "must be 1 with sampling.engine='vllm' (vLLM runs TP only)")
+            require(
+                self.cluster.mode != "in_process",
+                "sampling.engine",
+                self.sampling.engine,
+                "needs cluster.mode 'local' or 'connect' (vLLM runs in the workers that hold "
+                "the generation EMUs)",
+            )
+            require(
+                gen.pp == 1,
+                "plan.policy_generation.pp",
+                gen.pp,
+                "must be 1 with sampling.engine='vllm' (vLLM runs TP only)",
+            )
         if self.rl.is_async:
             self._check_async()
-        require(self.algorithm.prompts_per_step % gen.dp == 0, "plan.policy_generation.dp", gen.dp, f"must divide algorithm.prompts_per_step={self.algorithm.prompts_per_step}")
+        require(
+            self.algorithm.prompts_per_step % gen.dp == 0,
+            "plan.policy_generation.dp",
+            gen.dp,
+            f"must divide algorithm.prompts_per_step={self.algorithm.prompts_per_step}",
+        )
 
     def _check_async(self) -> None:
         """``[rl] mode = "async"``: GRPO on a cluster, generation on devices of its own."""
-        require(self.algorithm.name == "grpo", "rl.mode", self.rl.mode,
-                f"supports algorithm.name='grpo' (not {self.algorithm.name!r}) in async mode")
-        require(self.cluster.mode != "in_process", "rl.mode", self.rl.mode,
-                "needs cluster.mode 'local' or 'connect' (generation runs on devices of its own)")
-        require(self.sampling.engine == "builtin", "sampling.engine", self.sampling.engine,
-                "must be 'builtin' in async mode (it decodes between weight syncs)")
+        require(
+            self.algorithm.name == "grpo",
+            "rl.mode",
+            self.rl.mode,
+            f"supports algorithm.name='grpo' (not {self.algorithm.name!r}) in async mode",
+        )
+        require(
+            self.cluster.mode != "in_process",
+            "rl.mode",
+            self.rl.mode,
+            "needs cluster.mode 'local' or 'connect' (generation runs on devices of its own)",
+        )
+        require(
+            self.sampling.engine == "builtin",
+            "sampling.engine",
+            self.sampling.engine,
+            "must be 'builtin' in async mode (it decodes between weight syncs)",
+        )
         gen = set(self.plan["policy_generation"].devices)
-        shared = sorted(gen & {d for n, p in self.plan.items() if n != "policy_generation" for d in p.devices})
-        require(not shared, "plan.policy_generation.devices", sorted(gen),
-                f"must not share devices {shared} with another model-stage in async mode")
+        shared = sorted(
+            gen & {d for n, p in self.plan.items() if n != "policy_generation" for d in p.devices}
+        )
+        require(
+            not shared,
+            "plan.policy_generation.devices",
+            sorted(gen),
+            f"must not share devices {shared} with another model-stage in async mode",
+        )
 
     @property
     def uses_reference(self) -> bool:
@@ -459,7 +697,11 @@ class JobConfig:
     def job_plan(self):
         """The ``[plan]`` tables as the planner's ``Plan`` (model-stages in
         ``MODEL_STAGES`` order, under the job's names)."""
-        return Plan(tuple((name, self.plan[name].stage_plan()) for name in MODEL_STAGES if name in self.plan))
+        return Plan(
+            tuple(
+                (name, self.plan[name].stage_plan()) for name in MODEL_STAGES if name in self.plan
+            )
+        )
 
 
 # The job's model-stage names and the planner's, mapped in this one place.

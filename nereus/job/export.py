@@ -48,7 +48,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def policy_tensors(checkpoint: str | Path, cfg: JobConfig, model_config: ModelConfig) -> dict[str, torch.Tensor]:
+def policy_tensors(
+    checkpoint: str | Path, cfg: JobConfig, model_config: ModelConfig
+) -> dict[str, torch.Tensor]:
     """The policy's whole parameters in ``checkpoint`` (nereus names)."""
     folder = Path(checkpoint)
     spec = model_spec(model_config, dtype=_dtype(cfg))
@@ -58,14 +60,21 @@ def policy_tensors(checkpoint: str | Path, cfg: JobConfig, model_config: ModelCo
         return {k: v for k, v in load_file(str(single)).items() if k in names}
     saved = folder / _STAGE
     if not (saved / MANIFEST).is_file():
-        raise StateError(f"checkpoint {str(folder)!r} holds neither {single.name} nor a complete {_STAGE}/ "
-            "checkpoint")
+        raise StateError(
+            f"checkpoint {str(folder)!r} holds neither {single.name} nor a complete {_STAGE}/ "
+            "checkpoint"
+        )
     whole = EMU("export", _STAGE, spec, Layout(1, 1), (0,))
     return load_shards(saved, whole, 0)
 
 
-def export_checkpoint(checkpoint: str | Path, cfg: JobConfig, model_config: ModelConfig, model_dir: str | Path,
-                      out: str | Path) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path,
+    cfg: JobConfig,
+    model_config: ModelConfig,
+    model_dir: str | Path,
+    out: str | Path,
+) -> Path:
     """Write the policy of ``checkpoint`` to ``out`` as a Hugging Face folder; returns ``out``."""
     params = policy_tensors(checkpoint, cfg, model_config)
     return export_hf(out, model_config, params, tokenizer_dir=model_dir, dtype=_dtype(cfg))
@@ -86,9 +95,13 @@ def _model_folder(cfg: JobConfig, run_dir: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="nereus export", description="Write a job's trained policy as a Hugging Face folder.")
+    p = argparse.ArgumentParser(
+        prog="nereus export", description="Write a job's trained policy as a Hugging Face folder."
+    )
     p.add_argument("run_dir", help="the job's output folder (run.out_dir)")
-    p.add_argument("--checkpoint", help="a checkpoints/step_N folder (default: the newest complete one)")
+    p.add_argument(
+        "--checkpoint", help="a checkpoints/step_N folder (default: the newest complete one)"
+    )
     p.add_argument("--out", help="where to write the folder (default: RUN_DIR/hf)")
     args = p.parse_args(argv)
 
@@ -102,7 +115,9 @@ def main(argv: list[str]) -> int:
         if checkpoint is None:
             raise StateError(f"{str(run_dir)!r} has no complete checkpoint")
         model_dir = _model_folder(cfg, run_dir)
-        out = export_checkpoint(checkpoint, cfg, ModelConfig.from_hf(model_dir), model_dir, args.out or run_dir / "hf")
+        out = export_checkpoint(
+            checkpoint, cfg, ModelConfig.from_hf(model_dir), model_dir, args.out or run_dir / "hf"
+        )
         print(f"wrote {out} from {checkpoint}")
 
     return exit_status("nereus export", export, usage=(ConfigError, StateError))

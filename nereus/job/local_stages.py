@@ -41,7 +41,9 @@ __all__ = ["InProcessStages", "prepare_model", "reward_model"]
 log = logging.getLogger("nereus.rl")
 
 
-def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> tuple[Any, Path, Codec]:
+def prepare_model(
+    cfg: JobConfig, codec: Codec | None, out_dir: str | Path
+) -> tuple[Any, Path, Codec]:
     """(ModelConfig, model folder, codec) of the job's initial policy.
 
     ``tiny``: a seeded random model sized by ``[model]`` whose vocabulary is ``codec``'s,
@@ -53,9 +55,19 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
         return ModelConfig.from_hf(path), path, codec or Codec.from_dir(path)
     if m.kind == "hf":
         path = Path(m.path)
-        require((path / "config.json").is_file(), "model.path", m.path, "must be a folder with config.json")
+        require(
+            (path / "config.json").is_file(),
+            "model.path",
+            m.path,
+            "must be a folder with config.json",
+        )
         return ModelConfig.from_hf(path), path, codec or Codec.from_dir(path)
-    require(codec is not None, "codec", None, "is required for a tiny model (its vocabulary sizes the model)")
+    require(
+        codec is not None,
+        "codec",
+        None,
+        "is required for a tiny model (its vocabulary sizes the model)",
+    )
     assert codec is not None
     config = ModelConfig(
         vocab_size=codec.vocab_size,
@@ -79,20 +91,32 @@ def prepare_model(cfg: JobConfig, codec: Codec | None, out_dir: str | Path) -> t
 def reward_model(cfg: JobConfig, policy_config: Any) -> tuple[Any, Path]:
     """(ModelConfig, folder) of the job's reward model (``reward.kind == "model"``)."""
     path = Path(cfg.reward.path)
-    require((path / "config.json").is_file(), "reward.path", cfg.reward.path, "must be a folder with config.json")
+    require(
+        (path / "config.json").is_file(),
+        "reward.path",
+        cfg.reward.path,
+        "must be a folder with config.json",
+    )
     config = ModelConfig.from_hf(path)
-    require(config.vocab_size == policy_config.vocab_size, "reward.path", cfg.reward.path,
-            "must hold a model over the policy's vocabulary "
-            f"(vocab_size={policy_config.vocab_size}), not {config.vocab_size}")
+    require(
+        config.vocab_size == policy_config.vocab_size,
+        "reward.path",
+        cfg.reward.path,
+        "must hold a model over the policy's vocabulary "
+        f"(vocab_size={policy_config.vocab_size}), not {config.vocab_size}",
+    )
     return config, path
 
 
-
-
-def write_state(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def write_state(
+    folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     """``name.safetensors`` (contiguous copies) and ``name.json``."""
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(folder / f"{name}.safetensors"))
+    save_file(
+        {k: v.detach().contiguous().clone() for k, v in tensors.items()},
+        str(folder / f"{name}.safetensors"),
+    )
     (folder / f"{name}.json").write_text(json.dumps(meta))
 
 
@@ -110,7 +134,12 @@ class InProcessStages(ModelStages):
         super().__init__()
 
         for name, p in cfg.plan.items():
-            require(p.tp == p.pp == p.dp == 1, f"plan.{name}", f"tp={p.tp} pp={p.pp} dp={p.dp}", "must be 1 x 1 x 1 with cluster.mode='in_process'")
+            require(
+                p.tp == p.pp == p.dp == 1,
+                f"plan.{name}",
+                f"tp={p.tp} pp={p.pp} dp={p.dp}",
+                "must be 1 x 1 x 1 with cluster.mode='in_process'",
+            )
         cfg = self.cfg = resolve_model_dtype(cfg, ["cpu"])  # in the driver: on its CPU
         budget = cfg.cluster.memory_bytes
         ledgers: dict[int, MemoryLedger] = {}
@@ -173,8 +202,10 @@ class InProcessStages(ModelStages):
         return self.cfg.job_plan()
 
     async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
-        raise ConfigError("cluster.mode='in_process' runs every model-stage in the driver at one fixed "
-                          "layout; its plan cannot change (use cluster.mode='local')")
+        raise ConfigError(
+            "cluster.mode='in_process' runs every model-stage in the driver at one fixed "
+            "layout; its plan cannot change (use cluster.mode='local')"
+        )
 
     async def memory(self) -> dict[int, dict[str, Any]]:
         return {d: ledger.report() for d, ledger in self.ledgers.items()}
@@ -182,35 +213,68 @@ class InProcessStages(ModelStages):
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
         with self.timed("policy_generation"):
             out = self.generation.generate(prompts, params)
-        return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": [self.policy_version] * len(prompts)}
+        return {
+            "token_ids": out.token_ids,
+            "logprobs": out.logprobs,
+            "policy_version": [self.policy_version] * len(prompts),
+        }
 
     async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        require(self.reference is not None, "plan", sorted(self.cfg.plan), "must place reference_inference to compute KL")
+        require(
+            self.reference is not None,
+            "plan",
+            sorted(self.cfg.plan),
+            "must place reference_inference to compute KL",
+        )
         assert self.reference is not None
         with self.timed("reference_inference"):
             return self.reference.logprobs(batch, temperature=self.cfg.sampling.temperature)
 
     async def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        require(self.critic_inference is not None, "plan", sorted(self.cfg.plan), "must place critic_inference for values")
+        require(
+            self.critic_inference is not None,
+            "plan",
+            sorted(self.cfg.plan),
+            "must place critic_inference for values",
+        )
         assert self.critic_inference is not None
         with self.timed("critic_inference"):
             return self.critic_inference.values(batch)
 
     async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        require(self.reward is not None, "plan", sorted(self.cfg.plan), "must place reward_inference for reward.kind='model'")
+        require(
+            self.reward is not None,
+            "plan",
+            sorted(self.cfg.plan),
+            "must place reward_inference for reward.kind='model'",
+        )
         assert self.reward is not None
         with self.timed("reward_inference"):
             return last_token_scores(self.reward.values(batch), batch["attention_mask"])
 
-    async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+    async def train_policy(
+        self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]:
         with self.timed("policy_training"):
-            return self.policy.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size,
-                                          temperature=self.cfg.sampling.temperature)
+            return self.policy.train_step(
+                batch,
+                loss=loss,
+                loss_kwargs=loss_kwargs,
+                micro_batch_size=self.cfg.optim.micro_batch_size,
+                temperature=self.cfg.sampling.temperature,
+            )
 
-    async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+    async def train_critic(
+        self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]:
         assert self.critic is not None
         with self.timed("critic_training"):
-            metrics = self.critic.train_step(batch, loss=loss, loss_kwargs=loss_kwargs, micro_batch_size=self.cfg.optim.micro_batch_size)
+            metrics = self.critic.train_step(
+                batch,
+                loss=loss,
+                loss_kwargs=loss_kwargs,
+                micro_batch_size=self.cfg.optim.micro_batch_size,
+            )
             self._sync_critic()
         return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in metrics.items()}
 
@@ -223,9 +287,16 @@ class InProcessStages(ModelStages):
 
     async def save(self, folder: str | Path) -> None:
         out = Path(folder)
-        write_state(out, "policy_training", self.policy.named_state(), {"step": self.policy.step, "policy_version": self.policy_version})
+        write_state(
+            out,
+            "policy_training",
+            self.policy.named_state(),
+            {"step": self.policy.step, "policy_version": self.policy_version},
+        )
         if self.critic is not None:
-            write_state(out, "critic_training", self.critic.named_state(), {"step": self.critic.step})
+            write_state(
+                out, "critic_training", self.critic.named_state(), {"step": self.critic.step}
+            )
 
     async def load(self, folder: str | Path) -> None:
         src = Path(folder)
@@ -239,6 +310,13 @@ class InProcessStages(ModelStages):
         self.policy_version = int(meta["policy_version"])
 
     async def close(self) -> None:
-        for engine in (self.generation, self.policy, self.reference, self.critic, self.critic_inference, self.reward):
+        for engine in (
+            self.generation,
+            self.policy,
+            self.reference,
+            self.critic,
+            self.critic_inference,
+            self.reward,
+        ):
             if engine is not None:
                 engine.close()

@@ -121,18 +121,37 @@ class WandbLogger(StepLogger):
     name = "wandb"
     final = True  # a W&B run's step only grows
 
-    def __init__(self, out_dir: Path, experiment: str, run_name: str, mode: str, config: dict[str, Any],
-                 resume_from_step: int | None) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        experiment: str,
+        run_name: str,
+        mode: str,
+        config: dict[str, Any],
+        resume_from_step: int | None,
+    ) -> None:
         import wandb
 
         root = out_dir / "wandb"
         root.mkdir(parents=True, exist_ok=True)
         id_file = root / "run_id"
-        run_id = id_file.read_text().strip() if resume_from_step is not None and id_file.is_file() else uuid.uuid4().hex[:8]
+        run_id = (
+            id_file.read_text().strip()
+            if resume_from_step is not None and id_file.is_file()
+            else uuid.uuid4().hex[:8]
+        )
         id_file.write_text(run_id + "\n")
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
-        self.run = wandb.init(project=experiment, name=run_name, id=run_id, dir=str(out_dir), mode=mode,
-                              config=config, resume="allow", settings=settings)
+        self.run = wandb.init(
+            project=experiment,
+            name=run_name,
+            id=run_id,
+            dir=str(out_dir),
+            mode=mode,
+            config=config,
+            resume="allow",
+            settings=settings,
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -146,15 +165,24 @@ class MlflowLogger(StepLogger):
     name = "mlflow"
     final = True  # a metric logged twice at one step keeps both values
 
-    def __init__(self, out_dir: Path, experiment: str, run_name: str, uri: str, config: dict[str, Any],
-                 resume_from_step: int | None) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        experiment: str,
+        run_name: str,
+        uri: str,
+        config: dict[str, Any],
+        resume_from_step: int | None,
+    ) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.uri = uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=self.uri)
         found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        experiment_id = (
+            found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        )
         id_file = out_dir / "mlflow_run_id"
         if resume_from_step is not None and id_file.is_file():
             self.run_id = id_file.read_text().strip()
@@ -246,11 +274,15 @@ def check_loggers(names: list[str]) -> None:
     for name in names:
         package = _PACKAGES.get(name)
         if package is not None and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"run.loggers includes {name!r} but the {package} package is not installed: "
-                f"{INSTALL}")
+            raise ConfigError(
+                f"run.loggers includes {name!r} but the {package} package is not installed: "
+                f"{INSTALL}"
+            )
 
 
-def make_loggers(run: Any, out_dir: str | Path, config: dict[str, Any], resume_from_step: int | None = None) -> StepLoggers:
+def make_loggers(
+    run: Any, out_dir: str | Path, config: dict[str, Any], resume_from_step: int | None = None
+) -> StepLoggers:
     """The loggers ``run.loggers`` names (a ``RunConfig``), writing under ``out_dir``.
     ``resume_from_step``: the step a resumed job starts at (None for a fresh job)."""
     check_loggers(list(run.loggers))
@@ -265,9 +297,15 @@ def make_loggers(run: Any, out_dir: str | Path, config: dict[str, Any], resume_f
             elif logger == "tensorboard":
                 made.append(TensorBoardLogger(out, resume_from_step))
             elif logger == "wandb":
-                made.append(WandbLogger(out, run.experiment, name, run.wandb_mode, config, resume_from_step))
+                made.append(
+                    WandbLogger(out, run.experiment, name, run.wandb_mode, config, resume_from_step)
+                )
             elif logger == "mlflow":
-                made.append(MlflowLogger(out, run.experiment, name, run.mlflow_tracking_uri, config, resume_from_step))
+                made.append(
+                    MlflowLogger(
+                        out, run.experiment, name, run.mlflow_tracking_uri, config, resume_from_step
+                    )
+                )
             else:
                 raise ConfigError(f"run.loggers: unknown logger {logger!r}")
     except BaseException:

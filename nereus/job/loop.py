@@ -87,12 +87,19 @@ class RLJob:
         if cfg.data is not None:
             task = FileTask.load(cfg.data, load_reward(cfg.reward.rule))
             self.task = task
-            self.dataset = PromptDataset(task, size=len(task), seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-                                         fingerprint=task.fingerprint)
+            self.dataset = PromptDataset(
+                task,
+                size=len(task),
+                seed=cfg.run.seed,
+                shuffle=cfg.data.shuffle,
+                fingerprint=task.fingerprint,
+            )
         else:
             self.task = make_task(cfg.task.name, **cfg.task.options)
             self.dataset = PromptDataset(self.task, size=cfg.task.dataset_size, seed=cfg.run.seed)
-        self.codec: Codec | None = Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
+        self.codec: Codec | None = (
+            Codec.for_alphabet(self.task.alphabet) if cfg.model.kind == "tiny" else None
+        )
         self.stages: ModelStages | None = None
         self.adapter: Any = None  # nereus.job.adapt.Adapter with [adapt] enabled
         self.tap: Any = None  # the run's tap recorder (tap.jsonl) on a cluster
@@ -112,14 +119,20 @@ class RLJob:
         ``nereus.Cluster`` the job does not own; else as ``[cluster]`` says), resume if asked."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
-        self.model_config, self.model_dir, self.codec = prepare_model(self.cfg, self.codec, self.out_dir)
+        self.model_config, self.model_dir, self.codec = prepare_model(
+            self.cfg, self.codec, self.out_dir
+        )
         if self.cfg.cluster.mode == "in_process":
             self.stages = InProcessStages(self.cfg, self.model_config, self.model_dir)
         else:
             try:
-                self.stages = await ClusterStages.start(self.cfg, self.model_config, self.model_dir,
-                                                        cluster=cluster,
-                                                        on_cluster=self._record_tap)
+                self.stages = await ClusterStages.start(
+                    self.cfg,
+                    self.model_config,
+                    self.model_dir,
+                    cluster=cluster,
+                    on_cluster=self._record_tap,
+                )
             except BaseException:
                 if self.tap is not None:  # the cluster is gone: nothing more reaches the file
                     tap, self.tap = self.tap, None
@@ -136,13 +149,17 @@ class RLJob:
                 self.boundary_hooks.insert(0, pool_trace)
             if self.cfg.adapt.enabled:
                 reward = self.stages._models.get("reward", (None,))[0]
-                self.adapter = Adapter(self.cfg, self.stages, self.model_config, reward_config=reward)
+                self.adapter = Adapter(
+                    self.cfg, self.stages, self.model_config, reward_config=reward
+                )
         if self.cfg.run.resume:
             ckpt = latest_checkpoint(self.out_dir)
             if ckpt is not None:
                 await self.load_checkpoint(ckpt)
         if self.adapter is not None and not self._checkpoints:
-            await self.save_checkpoint()  # what a training state that loses its last copy comes back to
+            await (
+                self.save_checkpoint()
+            )  # what a training state that loses its last copy comes back to
 
     def max_prompt_tokens(self, samples: int = 512) -> int:
         """The longest prompt, in tokens, among the first ``samples`` of the global order."""
@@ -159,14 +176,19 @@ class RLJob:
         path = self.out_dir / "tap.jsonl"
         if not self.cfg.run.resume:
             path.write_text("")
-        self.tap = await TapRecorder(address, cluster.key, str(path), emit,
-                                     curve=getattr(cluster, "curve", None)).start()
+        self.tap = await TapRecorder(
+            address, cluster.key, str(path), emit, curve=getattr(cluster, "curve", None)
+        ).start()
 
     async def save_checkpoint(self) -> Path:
         assert self.stages is not None
         folder = self.out_dir / "checkpoints" / f"step_{self.step}"
         await self.stages.save(folder)
-        job = {"step": self.step, "dataset": self.dataset.state_dict(), "policy_version": self.stages.policy_version}
+        job = {
+            "step": self.step,
+            "dataset": self.dataset.state_dict(),
+            "policy_version": self.stages.policy_version,
+        }
         # job.json last: a folder without it is an interrupted save and is never resumed.
         (folder / "job.json").write_text(json.dumps(job))
         self._checkpoints.append(folder)
@@ -182,7 +204,12 @@ class RLJob:
         self.dataset.load_state_dict(job["dataset"])
         self.step = int(job["step"])
         self._checkpoints.append(Path(folder))
-        log.info("resumed from %s at step %d (policy version %d)", folder, self.step, self.stages.policy_version)
+        log.info(
+            "resumed from %s at step %d (policy version %d)",
+            folder,
+            self.step,
+            self.stages.policy_version,
+        )
 
     async def run_step(self) -> dict[str, Any]:
         """One step of the algorithm over the next samples of the global order.
@@ -197,8 +224,16 @@ class RLJob:
         self.stages.take_stage_seconds()
         samples = self.dataset.take(a.prompts_per_step)
         self.stages.sample_position = self.dataset.position
-        ctx = StepContext(self.cfg.algorithm, self.cfg.sampling, self.cfg.run.seed, self.cfg.reward.kind == "model",
-                          self.task, self.codec, self.stages, self.step)
+        ctx = StepContext(
+            self.cfg.algorithm,
+            self.cfg.sampling,
+            self.cfg.run.seed,
+            self.cfg.reward.kind == "model",
+            self.task,
+            self.codec,
+            self.stages,
+            self.step,
+        )
         record = await ALGORITHMS[a.name](ctx, samples)
         record["step_seconds"] = time.perf_counter() - t0
         record["dataset_position"] = self.dataset.position
@@ -212,8 +247,11 @@ class RLJob:
             emit(
                 "step",
                 step=record["step"],
-                stage_seconds={k.removesuffix("_seconds"): v for k, v in record.items()
-                               if k.endswith("_seconds") and isinstance(v, float)},
+                stage_seconds={
+                    k.removesuffix("_seconds"): v
+                    for k, v in record.items()
+                    if k.endswith("_seconds") and isinstance(v, float)
+                },
                 model_stage_seconds=record["model_stage_seconds"],
                 tokens=record["tokens_generated"],
                 reward=record["reward_mean"],
@@ -244,9 +282,16 @@ class RLJob:
     async def _loop(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         resumed = self.step > 0
-        loggers = make_loggers(cfg.run, self.out_dir, to_dict(cfg), resume_from_step=self.step if resumed else None)
+        loggers = make_loggers(
+            cfg.run, self.out_dir, to_dict(cfg), resume_from_step=self.step if resumed else None
+        )
         self._loggers = loggers
-        progress = StepProgress(cfg.run.steps, start=self.step, enabled=cfg.run.progress, title=cfg.algorithm.name.upper())
+        progress = StepProgress(
+            cfg.run.steps,
+            start=self.step,
+            enabled=cfg.run.progress,
+            title=cfg.algorithm.name.upper(),
+        )
         try:
             if cfg.rl.is_async:
                 self.async_run = AsyncRun(self)
@@ -267,7 +312,9 @@ class RLJob:
                     saved_at = self.step
                     await self._guarded(self.save_checkpoint, "boundary")
                     if (self.out_dir / "checkpoints" / f"step_{saved_at}" / "job.json").is_file():
-                        loggers.commit(saved_at)  # no restore goes back past it: W&B and MLflow get them
+                        loggers.commit(
+                            saved_at
+                        )  # no restore goes back past it: W&B and MLflow get them
         finally:
             progress.close()
             self._loggers = None
@@ -277,15 +324,23 @@ class RLJob:
         history = read_metrics(self.out_dir / "metrics.jsonl")
         what = Path(cfg.data.path).name if cfg.data is not None else cfg.task.name
         if history:
-            plot_metrics(history, self.out_dir / "plot.png", title=f"{cfg.algorithm.name.upper()} on {what}")
+            plot_metrics(
+                history, self.out_dir / "plot.png", title=f"{cfg.algorithm.name.upper()} on {what}"
+            )
             if cfg.run.progress:
                 from rich.console import Console
 
                 console = Console()
-                console.print(summary_table(history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"))
+                console.print(
+                    summary_table(
+                        history, title=f"{cfg.algorithm.name.upper()} on {what}: {self.out_dir}"
+                    )
+                )
                 if cfg.adapt.enabled:
-                    title = (f"plan changes: {sum(1 for r in history if r.get('transition'))} "
-                             f"(every decision is on the tap: {self.out_dir / 'tap.jsonl'})")
+                    title = (
+                        f"plan changes: {sum(1 for r in history if r.get('transition'))} "
+                        f"(every decision is on the tap: {self.out_dir / 'tap.jsonl'})"
+                    )
                     summary = changes_summary(history, title=title, width=console.width)
                     console.print(summary, markup=False, highlight=False)
                 if self.faults:
@@ -300,7 +355,9 @@ class RLJob:
             decision = await self.adapter.after_step(record)
             if decision is not None:
                 record["decision"] = {k: decision[k] for k in ("action", "admitted", "reason")}
-                record["decision"]["triggers"] = [f"{t['kind']}:{t['detail']}" for t in decision["triggers"]]
+                record["decision"]["triggers"] = [
+                    f"{t['kind']}:{t['detail']}" for t in decision["triggers"]
+                ]
                 if "transition" in decision:
                     record["transition"] = decision["transition"]
 
@@ -315,7 +372,9 @@ class RLJob:
         start = (self.step, self.dataset.state_dict(), self.stages.policy_version, counts)
         try:
             if during == "step":
-                kept = self.adapter.take_counts()  # read at the boundary just before, with its other reads
+                kept = (
+                    self.adapter.take_counts()
+                )  # read at the boundary just before, with its other reads
                 counts.update(kept if kept is not None else await update_counts(self.stages))
             return await work()
         except Exception as e:
@@ -351,8 +410,10 @@ class RLJob:
                 if any(s in fault.missing for s in ("policy_training", "critic_training")):
                     done = [c for c in self._checkpoints if (c / "job.json").is_file()]
                     if not done:
-                        raise StateError("a training state lost its last copy and there is no checkpoint "
-                            "to restore")
+                        raise StateError(
+                            "a training state lost its last copy and there is no checkpoint "
+                            "to restore"
+                        )
                     ckpt = max(done, key=lambda c: int(c.name.split("_")[1]))
                     reached = self.step
                     await self.load_checkpoint(ckpt)
@@ -377,9 +438,16 @@ class RLJob:
         fault.recover_seconds = time.perf_counter() - t0
         self.faults.append(fault)
         emit("fault", **fault.as_record())
-        log.warning("recovered from the death of devices %s in %.2f s (%s)", fault.devices, fault.recover_seconds,
-                    "checkpoint " + fault.restored_from if fault.restored_from else
-                    "step redone" if fault.redone else "update kept")
+        log.warning(
+            "recovered from the death of devices %s in %.2f s (%s)",
+            fault.devices,
+            fault.recover_seconds,
+            "checkpoint " + fault.restored_from
+            if fault.restored_from
+            else "step redone"
+            if fault.redone
+            else "update kept",
+        )
 
     def _rewind_record(self, checkpoint: str, reached: int) -> None:
         """The job went back from step ``reached`` to ``checkpoint`` (now at ``self.step``):
@@ -398,7 +466,9 @@ class RLJob:
         ckpt = latest_checkpoint(self.out_dir)
         if ckpt is None:
             raise StateError(f"{str(self.out_dir)!r} has no complete checkpoint to export")
-        return export_checkpoint(ckpt, self.cfg, self.model_config, self.model_dir, out or self.out_dir / "hf")
+        return export_checkpoint(
+            ckpt, self.cfg, self.model_config, self.model_dir, out or self.out_dir / "hf"
+        )
 
     async def close(self) -> None:
         if self.tap is not None:

@@ -89,8 +89,14 @@ class PlanChanges:
         """What pricing a change needs from the workers, read once per boundary: every
         device's ledger (what it holds besides the job's EMUs) and the generation KV
         caches' slots."""
-        gen = self.state.handles["policy_generation"].emus if "policy_generation" in self.state.handles else []
-        memory, *shapes = await asyncio.gather(self.stages.memory(), *(h.cache_shape() for h in gen))
+        gen = (
+            self.state.handles["policy_generation"].emus
+            if "policy_generation" in self.state.handles
+            else []
+        )
+        memory, *shapes = await asyncio.gather(
+            self.stages.memory(), *(h.cache_shape() for h in gen)
+        )
         return {"memory": memory, "cache_slots": max((s[1] for s in shapes), default=0)}
 
     def plan_change(self, target: Any, inputs: dict[str, Any]) -> tuple[Any, float]:
@@ -99,26 +105,47 @@ class PlanChanges:
         ``inputs`` (``change_inputs``). Raises ``InfeasibleTransition`` when the DAG
         cannot keep a device under its cap and ``OutOfMemory`` when the restarted engines
         would not fit after it."""
-        moving = [s for s in self.state.plan.names if stage_changed(self.stages._current_plan(s), target[s])]
+        moving = [
+            s
+            for s in self.state.plan.names
+            if stage_changed(self.stages._current_plan(s), target[s])
+        ]
         if self.state.missing:  # the DAG moves what exists; a missing model-stage is built after it
             target = Plan(tuple((s, target[s]) for s in self.state.plan.names))
-        resident = _resident(inputs["memory"], [e.name for emus in self.state.emus.values() for e in emus],
-                             engines=[e.name for s in moving for e in self.state.emus[s]])
+        resident = _resident(
+            inputs["memory"],
+            [e.name for emus in self.state.emus.values() for e in emus],
+            engines=[e.name for s in moving for e in self.state.emus[s]],
+        )
         one_host = len({self.stages._host_of(d) for d in self.state.hosts}) == 1
         dag = build_dag(
-            self.state.plan, target, {s: es[0].spec for s, es in self.state.emus.items()}, self.stages._device_set(),
+            self.state.plan,
+            target,
+            {s: es[0].spec for s, es in self.state.emus.items()},
+            self.stages._device_set(),
             slots={s: es[0].slots for s, es in self.state.emus.items()},
-            names={s: [e.name for e in es] for s, es in self.state.emus.items()}, resident=resident,
-            host_of=self.stages._host_of, bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES, duration=self.state.link.seconds,
-            share=self.state.link.sharing)
-        slots, self.state.cache_slots = self.state.cache_slots, inputs["cache_slots"] if "policy_generation" in moving else 0
+            names={s: [e.name for e in es] for s, es in self.state.emus.items()},
+            resident=resident,
+            host_of=self.stages._host_of,
+            bucket_bytes=0 if one_host else DEFAULT_BUCKET_BYTES,
+            duration=self.state.link.seconds,
+            share=self.state.link.sharing,
+        )
+        slots, self.state.cache_slots = (
+            self.state.cache_slots,
+            inputs["cache_slots"] if "policy_generation" in moving else 0,
+        )
         try:
             engines: dict[int, int] = {}
             for stage in moving:
                 for rep in dag.results[stage]:
-                    emu = self.state.emus[stage][0].with_(name=rep.name, layout=rep.layout, devices=rep.devices)
+                    emu = self.state.emus[stage][0].with_(
+                        name=rep.name, layout=rep.layout, devices=rep.devices
+                    )
                     for d in rep.devices:
-                        engines[d] = engines.get(d, 0) + self.stages._engine_bytes(stage, target[stage], emu, d)
+                        engines[d] = engines.get(d, 0) + self.stages._engine_bytes(
+                            stage, target[stage], emu, d
+                        )
         finally:
             self.state.cache_slots = slots
         check_after(dag, engines)
@@ -162,17 +189,39 @@ class PlanChanges:
         the new ``epoch``."""
         await self.transition_done()
         t0 = time.perf_counter()
-        require(isinstance(target, Plan), "target", type(target).__name__, "must be a nereus.planner.Plan")
+        require(
+            isinstance(target, Plan),
+            "target",
+            type(target).__name__,
+            "must be a nereus.planner.Plan",
+        )
         stages = set(self.state.plan.names) | self.state.missing
-        require(set(target.names) == stages, "target plan", target.names,
-                f"must place exactly the job's model-stages {sorted(stages)}")
+        require(
+            set(target.names) == stages,
+            "target plan",
+            target.names,
+            f"must place exactly the job's model-stages {sorted(stages)}",
+        )
         await self.state.cluster.refresh_devices()
         live = {d.index for d in self.state.cluster.devices}
         draining = set(getattr(self.state.cluster, "draining", ()))
         bad = sorted(d for d in target.devices if d not in live or d in draining)
-        require(not bad, "target plan devices", bad, f"must be live devices that are not draining (live: {sorted(live - draining)})")
-        report: dict[str, Any] = {"from": self.state.plan.to_dict(), "to": target.to_dict(), "epoch_from": self.state.epoch}
-        moving = [s for s in self.state.plan.names if stage_changed(self.stages._current_plan(s), target[s])]
+        require(
+            not bad,
+            "target plan devices",
+            bad,
+            f"must be live devices that are not draining (live: {sorted(live - draining)})",
+        )
+        report: dict[str, Any] = {
+            "from": self.state.plan.to_dict(),
+            "to": target.to_dict(),
+            "epoch_from": self.state.epoch,
+        }
+        moving = [
+            s
+            for s in self.state.plan.names
+            if stage_changed(self.stages._current_plan(s), target[s])
+        ]
         # what the change moves, checked against every budget before anything moves; the
         # engines of model-stages that do not move stay as they are, with their groups
         await self.stages._stamp_states(moving)
@@ -181,13 +230,23 @@ class PlanChanges:
         self.state.cache_slots = inputs["cache_slots"] if "policy_generation" in moving else 0
         # model-stages that keep their EMUs but decode in other waves or (stop) recompute,
         # and those whose engines a fault stopped (nereus.job.recovery)
-        retuned = [s for s in self.state.plan.names
-                   if s not in moving and (self.state.plan[s] != target[s] or s not in self.state.handles)]
+        retuned = [
+            s
+            for s in self.state.plan.names
+            if s not in moving and (self.state.plan[s] != target[s] or s not in self.state.handles)
+        ]
         missing = sorted(self.state.missing)
         new_epoch = max(self.state.epoch, self.state.cluster.epoch) + 1
         t_plan = time.perf_counter()
-        report.update(changed=list(dag.results), retuned=retuned, rebuilt=missing, bytes=dag.bytes,
-                      predicted_seconds=predicted, nodes=len(dag.nodes), resource_edges=dag.resource_edges)
+        report.update(
+            changed=list(dag.results),
+            retuned=retuned,
+            rebuilt=missing,
+            bytes=dag.bytes,
+            predicted_seconds=predicted,
+            nodes=len(dag.nodes),
+            resource_edges=dag.resource_edges,
+        )
         # the moving model-stages' engines stop (gradients, KV caches and activations
         # leave the ledgers); their groups go once nothing else uses them
         retired = []
@@ -200,12 +259,23 @@ class PlanChanges:
         report.update(plan_s=t_plan - t0, engines_stop_s=t_stop - t_plan)
         await self.stages._ensure_hosts(set(target.devices))
         touched = dag.devices()
-        self._waiting = {s for s in self.state.plan.names
-                         if s in moving or s in retuned or not touched.isdisjoint(self.stages._current_plan(s).device_set)}
+        self._waiting = {
+            s
+            for s in self.state.plan.names
+            if s in moving
+            or s in retuned
+            or not touched.isdisjoint(self.stages._current_plan(s).device_set)
+        }
         self._waiting |= set(missing)
-        runtime = WorkerRuntime({e.name: e for es in self.state.emus.values() for e in es}, self.state.hosts, self.state.cluster,
-                                epoch=new_epoch)
-        work = self._finish_change(dag, runtime, target, moving, retuned, retired, new_epoch, report, t0, missing)
+        runtime = WorkerRuntime(
+            {e.name: e for es in self.state.emus.values() for e in es},
+            self.state.hosts,
+            self.state.cluster,
+            epoch=new_epoch,
+        )
+        work = self._finish_change(
+            dag, runtime, target, moving, retuned, retired, new_epoch, report, t0, missing
+        )
         if not overlap:
             self.state.last_transition = await work
             return self.state.last_transition
@@ -230,12 +300,24 @@ class PlanChanges:
         if self._transition is not None and stage in self._waiting:
             await self.transition_done()
 
-    async def _finish_change(self, dag: TransitionDAG, runtime: WorkerRuntime, target: Plan, moving: list[str], retuned: list[str],
-                             retired: list[Any], new_epoch: int, report: dict[str, Any], t0: float,
-                             missing: list[str] = ()) -> dict[str, Any]:
+    async def _finish_change(
+        self,
+        dag: TransitionDAG,
+        runtime: WorkerRuntime,
+        target: Plan,
+        moving: list[str],
+        retuned: list[str],
+        retired: list[Any],
+        new_epoch: int,
+        report: dict[str, Any],
+        t0: float,
+        missing: list[str] = (),
+    ) -> dict[str, Any]:
         t_moves0 = time.perf_counter()
         report["moves_started_at"] = t_moves0
-        result = await execute_dag(dag, runtime, duration=self.state.link.seconds, on_node=self._node_event(t_moves0))
+        result = await execute_dag(
+            dag, runtime, duration=self.state.link.seconds, on_node=self._node_event(t_moves0)
+        )
         report["moves_ended_at"] = time.perf_counter()
         # the transition's groups are its own
         await release_groups(self.state.cluster, new_epoch, tag="transition")
@@ -244,22 +326,36 @@ class PlanChanges:
             report.update(ok=False, seconds=time.perf_counter() - t0)
             _emit_transition(report, dag)
             await salvage(self.stages, runtime)  # what the DAG left, as the job's plan
-            raise result.error if result.error is not None else RuntimeError("the transition stopped part way")
+            raise (
+                result.error
+                if result.error is not None
+                else RuntimeError("the transition stopped part way")
+            )
         died: list[BaseException] = []
         for stage in moving:
             reps = dag.results[stage]
-            renames = {rep.name: emu_name(stage, i) for i, rep in enumerate(reps) if rep.name != emu_name(stage, i)}
+            renames = {
+                rep.name: emu_name(stage, i)
+                for i, rep in enumerate(reps)
+                if rep.name != emu_name(stage, i)
+            }
             if renames:
                 devices = sorted({d for rep in reps for d in rep.devices})
-                done = await asyncio.gather(*(self.state.hosts[d].rename.call_one(renames) for d in devices),
-                                            return_exceptions=True)
+                done = await asyncio.gather(
+                    *(self.state.hosts[d].rename.call_one(renames) for d in devices),
+                    return_exceptions=True,
+                )
                 for r in done:
                     if isinstance(r, BaseException):
                         if not is_fault(r):
                             raise r
                         died.append(r)
-            self.state.emus[stage] = [runtime.live[rep.name].with_(name=emu_name(stage, i)) for i, rep in enumerate(reps)]
-        t_moves = time.perf_counter()  # the span the estimate predicts: the nodes, the groups' release, the renames
+            self.state.emus[stage] = [
+                runtime.live[rep.name].with_(name=emu_name(stage, i)) for i, rep in enumerate(reps)
+            ]
+        t_moves = (
+            time.perf_counter()
+        )  # the span the estimate predicts: the nodes, the groups' release, the renames
         if self.state.learn_transitions and not died:
             self._learn_transition(dag, result, t_moves - report["moves_ended_at"])
         self.state.epoch = new_epoch
@@ -277,21 +373,38 @@ class PlanChanges:
         t_engines = time.perf_counter()
         retired += [group for _, group in self.state.sync.values() if group is not None]
         await self.stages._plan_syncs()
-        for stage in missing:  # built from the model folder: the in-place syncs give them today's weights
+        for (
+            stage
+        ) in missing:  # built from the model folder: the in-place syncs give them today's weights
             if stage in self.state.sync:
                 await self.stages._run_sync(stage)
         await self._release_unused(retired)
         await self._retire_drained()
         t_end = time.perf_counter()
-        report.update(ok=True, epoch=self.state.epoch, seconds=t_end - t0, moves_s=t_moves - t_moves0,
-                      groups_s=timing["groups_s"], engines_s=t_engines - t_moves - timing["groups_s"],
-                      sync_plans_s=t_end - t_engines, measured_seconds=t_moves - t_moves0)
+        report.update(
+            ok=True,
+            epoch=self.state.epoch,
+            seconds=t_end - t0,
+            moves_s=t_moves - t_moves0,
+            groups_s=timing["groups_s"],
+            engines_s=t_engines - t_moves - timing["groups_s"],
+            sync_plans_s=t_end - t_engines,
+            measured_seconds=t_moves - t_moves0,
+        )
         if moving or retuned:
-            self._restart_s.append((report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned]))
+            self._restart_s.append(
+                (report["seconds"] - report["measured_seconds"]) / len([*moving, *retuned])
+            )
         _emit_transition(report, dag)
         moved = "; ".join(f"{n} {c}" for n, c in plan_changes(report["from"], report["to"]))
-        log.info("plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)",
-                 self.state.epoch, moved, report["bytes"], report["seconds"], report["predicted_seconds"])
+        log.info(
+            "plan changed to epoch %d (%s): %d bytes moved in %.3f s (predicted %.3f s)",
+            self.state.epoch,
+            moved,
+            report["bytes"],
+            report["seconds"],
+            report["predicted_seconds"],
+        )
         return report
 
     async def _build_missing(self, missing: list[str]) -> None:
@@ -299,20 +412,43 @@ class PlanChanges:
         from the model folder (a training one holds the initial weights until the job
         restores a checkpoint into it)."""
         for stage in missing:
-            emus = stage_emus(stage, self.state.plan[stage], self.stages._spec(stage), self.stages._slots(stage))
-            config, folder = self.state.models["reward" if stage == "reward_inference" else "policy"]
+            emus = stage_emus(
+                stage, self.state.plan[stage], self.stages._spec(stage), self.stages._slots(stage)
+            )
+            config, folder = self.state.models[
+                "reward" if stage == "reward_inference" else "policy"
+            ]
             self.state.handles[stage] = await spawn_model_stage(
-                self.state.cluster, self.state.hosts, stage, STAGE_KINDS[stage], emus, model_config=config, model_dir=folder,
-                seed=self.state.cfg.run.seed, options=self.stages._options(stage), epoch=self.state.epoch)
+                self.state.cluster,
+                self.state.hosts,
+                stage,
+                STAGE_KINDS[stage],
+                emus,
+                model_config=config,
+                model_dir=folder,
+                seed=self.state.cfg.run.seed,
+                options=self.stages._options(stage),
+                epoch=self.state.epoch,
+            )
             self.state.emus[stage] = emus
             self.state.missing.discard(stage)
 
     def _node_event(self, t0: float) -> Callable[[Any, Any], None]:
         def emit_node(node: Any, result: Any) -> None:
-            emit_event("transition_node", node=node.id, kind=node.kind, model_stage=node.stage, count=node.count,
-                       devices=list(node.devices), bytes=node.bytes, predicted_seconds=self.state.link.seconds(node),
-                       measured_seconds=result.seconds, start_seconds=result.start - t0, end_seconds=result.end - t0,
-                       ok=result.ok)
+            emit_event(
+                "transition_node",
+                node=node.id,
+                kind=node.kind,
+                model_stage=node.stage,
+                count=node.count,
+                devices=list(node.devices),
+                bytes=node.bytes,
+                predicted_seconds=self.state.link.seconds(node),
+                measured_seconds=result.seconds,
+                start_seconds=result.start - t0,
+                end_seconds=result.end - t0,
+                ok=result.ok,
+            )
 
         return emit_node
 
@@ -320,10 +456,15 @@ class PlanChanges:
         """What a transition took teaches the next estimate: each node's time at a
         device's full rate (nodes that ran at once shared the cores), and the time
         spent outside the nodes (a fixed cost and releasing the groups the nodes made)."""
-        spans = {n.id: (result.results[n.id].start, result.results[n.id].end, len(n.devices)) for n in dag.nodes}
+        spans = {
+            n.id: (result.results[n.id].start, result.results[n.id].end, len(n.devices))
+            for n in dag.nodes
+        }
         alone = full_rate_seconds(spans, self.state.link.sharing)
         for node in dag.nodes:
-            self.state.calibrator.observe_transition(self.state.link.ideal(node), max(alone[node.id], 1e-6))
+            self.state.calibrator.observe_transition(
+                self.state.link.ideal(node), max(alone[node.id], 1e-6)
+            )
         self.state.calibrator.observe_transition(self.state.link.outside(dag), max(outside_s, 1e-6))
         self._refit_link()
 
@@ -342,7 +483,12 @@ class PlanChanges:
         """``stages``' engines over the EMUs the stores hold now, in this epoch."""
         t0 = time.perf_counter()
         for stage in stages:  # made one after another; start_model_stage finds them made
-            await stage_groups(self.state.cluster, STAGE_KINDS[stage], self.state.emus[stage], epoch=self.state.epoch)
+            await stage_groups(
+                self.state.cluster,
+                STAGE_KINDS[stage],
+                self.state.emus[stage],
+                epoch=self.state.epoch,
+            )
         groups_s = time.perf_counter() - t0
 
         async def start(stage: str, emus: list[Any]) -> None:
@@ -352,8 +498,16 @@ class PlanChanges:
                 rows = self.stages._generation_rows(self.state.plan[stage])
                 caches = {e.name: [rows, self.state.cache_slots] for e in emus}
             self.state.handles[stage] = await start_model_stage(
-                self.state.cluster, self.state.hosts, stage, STAGE_KINDS[stage], emus, model_config=config,
-                options=self.stages._options(stage), epoch=self.state.epoch, caches=caches)
+                self.state.cluster,
+                self.state.hosts,
+                stage,
+                STAGE_KINDS[stage],
+                emus,
+                model_config=config,
+                options=self.stages._options(stage),
+                epoch=self.state.epoch,
+                caches=caches,
+            )
 
         # every model-stage at once: a device's host builds its engines one after another
         await asyncio.gather(*(start(stage, self.state.emus[stage]) for stage in stages))
@@ -364,31 +518,52 @@ class PlanChanges:
         retire = getattr(self.state.cluster, "retire_drained", None)
         if retire is None:
             return
-        idle = [d for d in getattr(self.state.cluster, "draining", ()) if d not in self.state.plan.devices]
+        idle = [
+            d
+            for d in getattr(self.state.cluster, "draining", ())
+            if d not in self.state.plan.devices
+        ]
         for d in idle:
             host = self.state.hosts.pop(d, None)
             if host is not None:
                 held = await host.held.call_one()
-                require(not held, f"device {d}", sorted(held), "must hold nothing before it is retired")
+                require(
+                    not held, f"device {d}", sorted(held), "must hold nothing before it is retired"
+                )
         if idle:
             await retire(idle)
 
 
-def _resident(memory: dict[int, dict[str, Any]], names: list[str], engines: list[str]) -> dict[int, int]:
+def _resident(
+    memory: dict[int, dict[str, Any]], names: list[str], engines: list[str]
+) -> dict[int, int]:
     """Per device, what its ledger holds besides the job's EMUs (``shards/<name>``), the
     engines that stop for the change (``<name>/...``) and transfers in flight: what a
     change must work around."""
     mine = tuple(f"shards/{n}" for n in names) + tuple(f"{n}/" for n in engines) + ("transfer/",)
-    return {d: sum(v for k, v in m["breakdown"].items() if not k.startswith(mine)) for d, m in memory.items()}
+    return {
+        d: sum(v for k, v in m["breakdown"].items() if not k.startswith(mine))
+        for d, m in memory.items()
+    }
 
 
 def _emit_transition(report: dict[str, Any], dag: Any) -> None:
-    emit_event("transition", from_plan=report["from"], to_plan=report["to"], changed=report.get("changed", []),
-               bytes=report.get("bytes", 0), bytes_measured=report.get("bytes_measured", 0),
-               predicted_seconds=report.get("predicted_seconds", 0.0), measured_seconds=report.get("seconds", 0.0),
-               nodes=len(dag.nodes), resource_edges=dag.resource_edges, epoch_from=report["epoch_from"],
-               ok=report.get("ok", False), moves_seconds=report.get("measured_seconds", 0.0),
-               parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report})
+    emit_event(
+        "transition",
+        from_plan=report["from"],
+        to_plan=report["to"],
+        changed=report.get("changed", []),
+        bytes=report.get("bytes", 0),
+        bytes_measured=report.get("bytes_measured", 0),
+        predicted_seconds=report.get("predicted_seconds", 0.0),
+        measured_seconds=report.get("seconds", 0.0),
+        nodes=len(dag.nodes),
+        resource_edges=dag.resource_edges,
+        epoch_from=report["epoch_from"],
+        ok=report.get("ok", False),
+        moves_seconds=report.get("measured_seconds", 0.0),
+        parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report},
+    )
 
 
 _PARTS = ("plan_s", "engines_stop_s", "moves_s", "groups_s", "engines_s", "sync_plans_s")

@@ -30,10 +30,21 @@ from nereus.errors import ActorDied, NereusError, RemoteError
 from nereus.job.change import STAGE_KINDS
 from nereus.planner.plan import Plan, StagePlan
 
-__all__ = ["Fault", "Lost", "forget_dead", "salvage", "settle_updates", "update_counts", "is_fault", "dead_devices"]
+__all__ = [
+    "Fault",
+    "Lost",
+    "forget_dead",
+    "salvage",
+    "settle_updates",
+    "update_counts",
+    "is_fault",
+    "dead_devices",
+]
 
 # exception groups (Python 3.11+) that gather several workers' deaths
-_EXCEPTION_GROUPS: tuple[type, ...] = tuple(t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t)
+_EXCEPTION_GROUPS: tuple[type, ...] = tuple(
+    t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t
+)
 
 log = logging.getLogger("nereus.rl")
 
@@ -85,9 +96,18 @@ class Fault:
     missing: list[str] = field(default_factory=list)
 
     def as_record(self) -> dict[str, Any]:
-        return {"step": self.step, "devices": self.devices, "during": self.during, "error": self.error,
-                "committed": self.committed, "restored_from": self.restored_from, "redone": self.redone,
-                "recover_seconds": self.recover_seconds, "dropped": self.dropped, "missing": self.missing}
+        return {
+            "step": self.step,
+            "devices": self.devices,
+            "during": self.during,
+            "error": self.error,
+            "committed": self.committed,
+            "restored_from": self.restored_from,
+            "redone": self.redone,
+            "recover_seconds": self.recover_seconds,
+            "dropped": self.dropped,
+            "missing": self.missing,
+        }
 
 
 async def dead_devices(stages: Any, timeout_s: float = 10.0) -> set[int]:
@@ -143,14 +163,23 @@ async def forget_dead(stages: Any, dead: set[int]) -> Lost:
         stages.emus[stage] = intact
         if intact:
             layout = intact[0].layout
-            kept.append((stage, StagePlan(layout.tp, layout.pp, len(intact), tuple(e.devices for e in intact))))
+            kept.append(
+                (
+                    stage,
+                    StagePlan(layout.tp, layout.pp, len(intact), tuple(e.devices for e in intact)),
+                )
+            )
         else:
             lost.missing.append(stage)
             del stages.emus[stage]
     stages._missing = set(lost.missing)
     stages._plan = Plan(tuple(kept))
-    log.warning("devices %s died: dropped %s; model-stages without an intact EMU: %s", lost.dead, lost.dropped,
-                lost.missing)
+    log.warning(
+        "devices %s died: dropped %s; model-stages without an intact EMU: %s",
+        lost.dead,
+        lost.dropped,
+        lost.missing,
+    )
     return lost
 
 
@@ -160,7 +189,9 @@ async def update_counts(stages: Any) -> dict[str, list[int]]:
     for stage, emus in stages.emus.items():
         if STAGE_KINDS[stage] != "training":
             continue
-        states = await asyncio.gather(*(stages.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus))
+        states = await asyncio.gather(
+            *(stages.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus)
+        )
         out[stage] = [int(st.get("update_count", 0)) for st in states]
     return out
 
@@ -178,7 +209,9 @@ async def settle_updates(stages: Any, lost: Lost) -> dict[str, int]:
         behind = [e for e, c in zip(stages.emus[stage], values, strict=True) if c < top]
         for e in behind:
             lost.dropped.append(e.name)
-            await asyncio.gather(*(stages.hosts[d].drop_shards.call_one([e.name]) for d in e.devices))
+            await asyncio.gather(
+                *(stages.hosts[d].drop_shards.call_one([e.name]) for d in e.devices)
+            )
         if behind:
             stages.emus[stage] = [e for e in stages.emus[stage] if e not in behind]
             changed = True
@@ -186,7 +219,14 @@ async def settle_updates(stages: Any, lost: Lost) -> dict[str, int]:
         plan = []
         for stage, sp in stages.plan:
             emus = stages.emus[stage]
-            plan.append((stage, sp if len(emus) == sp.dp else StagePlan(sp.tp, sp.pp, len(emus), tuple(e.devices for e in emus))))
+            plan.append(
+                (
+                    stage,
+                    sp
+                    if len(emus) == sp.dp
+                    else StagePlan(sp.tp, sp.pp, len(emus), tuple(e.devices for e in emus)),
+                )
+            )
         stages._plan = Plan(tuple(plan))
     return out
 
@@ -216,11 +256,15 @@ async def salvage(stages: Any, runtime: Any) -> None:
         for e in emus:
             if e not in chosen:
                 alive = [d for d in e.devices if d in stages.hosts]
-                results = await asyncio.gather(*(stages.hosts[d].drop_shards.call_one([e.name]) for d in alive),
-                                               return_exceptions=True)
+                results = await asyncio.gather(
+                    *(stages.hosts[d].drop_shards.call_one([e.name]) for d in alive),
+                    return_exceptions=True,
+                )
                 for r in results:
                     if isinstance(r, BaseException) and not is_fault(r):
                         raise r
         stages.emus[stage] = chosen
-        kept.append((stage, StagePlan(layout.tp, layout.pp, len(chosen), tuple(e.devices for e in chosen))))
+        kept.append(
+            (stage, StagePlan(layout.tp, layout.pp, len(chosen), tuple(e.devices for e in chosen)))
+        )
     stages._plan = Plan(tuple(kept))

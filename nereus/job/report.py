@@ -31,8 +31,14 @@ from typing import Any
 
 from nereus.planner.plan_text import ARROW, plan_changes
 
-__all__ = ["MetricsWriter", "StepProgress", "read_metrics", "summary_table", "changes_summary",
-           "plot_metrics"]
+__all__ = [
+    "MetricsWriter",
+    "StepProgress",
+    "read_metrics",
+    "summary_table",
+    "changes_summary",
+    "plot_metrics",
+]
 
 log = logging.getLogger("nereus.rl")
 
@@ -48,7 +54,11 @@ class MetricsWriter:
         if resume_from_step is None:
             self.path.write_text("")
         else:
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) < resume_from_step] if self.path.exists() else []
+            kept = (
+                [r for r in read_metrics(self.path) if r.get("step", 0) < resume_from_step]
+                if self.path.exists()
+                else []
+            )
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._fh = self.path.open("a")
 
@@ -61,7 +71,9 @@ class MetricsWriter:
         returns the steps dropped."""
         self._fh.close()
         records = read_metrics(self.path)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) < step))
+        self.path.write_text(
+            "".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) < step)
+        )
         self._fh = self.path.open("a")
         return [r.get("step", 0) for r in records if r.get("step", 0) >= step]
 
@@ -83,7 +95,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 class StepProgress:
     """A rich progress bar over the job's steps (or nothing when ``enabled`` is False)."""
 
-    def __init__(self, total: int, start: int = 0, enabled: bool = True, title: str = "GRPO") -> None:
+    def __init__(
+        self, total: int, start: int = 0, enabled: bool = True, title: str = "GRPO"
+    ) -> None:
         self.enabled = enabled
         self._progress = None
         if not enabled:
@@ -137,7 +151,9 @@ def summary_table(records: Sequence[dict[str, Any]], title: str = "RL job summar
     cols = ["step", "reward_mean", "response_len_mean", *STAGE_KEYS, "step_seconds"]
     present = [c for c in cols if any(c in r for r in records)]
     for c in present:
-        table.add_column(c.removesuffix("_seconds") + (" s" if c.endswith("_seconds") else ""), justify="right")
+        table.add_column(
+            c.removesuffix("_seconds") + (" s" if c.endswith("_seconds") else ""), justify="right"
+        )
     stride = max(1, len(records) // 20)
     shown = list(records[::stride])
     if records and shown[-1] is not records[-1]:
@@ -147,8 +163,9 @@ def summary_table(records: Sequence[dict[str, Any]], title: str = "RL job summar
     return table
 
 
-def changes_summary(records: Sequence[dict[str, Any]], title: str = "plan changes",
-                    width: int = 80) -> str:
+def changes_summary(
+    records: Sequence[dict[str, Any]], title: str = "plan changes", width: int = 80
+) -> str:
     """The plan changes the records carry (``transition``), each on its own lines: the
     step it ran before and its triggers, then one line per model-stage it moved
     (``nereus.planner.plan_text``: tp, pp, dp and devices, before and after), then its
@@ -172,8 +189,10 @@ def changes_summary(records: Sequence[dict[str, Any]], title: str = "plan change
             lines += [f"  {name:<{pad}}  {before}", f"  {'':<{pad}}  {ARROW} {after}"]
         if not moved:
             lines.append("  no model-stage moved")
-        lines.append(f"  predicted {t['predicted_seconds']:.3f} s, "
-                     f"measured {t['measured_seconds']:.3f} s, {t['bytes'] / 1e6:.2f} MB moved")
+        lines.append(
+            f"  predicted {t['predicted_seconds']:.3f} s, "
+            f"measured {t['measured_seconds']:.3f} s, {t['bytes'] / 1e6:.2f} MB moved"
+        )
     return "\n".join(lines)
 
 
@@ -182,11 +201,26 @@ def faults_table(faults: Sequence[dict[str, Any]], title: str = "faults recovere
     from rich.table import Table
 
     table = Table(title=title)
-    for c in ("step", "devices", "during", "update committed", "step redone", "checkpoint restored", "recovery s"):
+    for c in (
+        "step",
+        "devices",
+        "during",
+        "update committed",
+        "step redone",
+        "checkpoint restored",
+        "recovery s",
+    ):
         table.add_column(c, justify="right" if c in ("step", "recovery s") else "left")
     for f in faults:
-        table.add_row(str(f["step"]), ", ".join(map(str, f["devices"])), f["during"], "yes" if f["committed"] else "no",
-                      "yes" if f["redone"] else "no", f["restored_from"] or "-", f"{f['recover_seconds']:.2f}")
+        table.add_row(
+            str(f["step"]),
+            ", ".join(map(str, f["devices"])),
+            f["during"],
+            "yes" if f["committed"] else "no",
+            "yes" if f["redone"] else "no",
+            f["restored_from"] or "-",
+            f"{f['recover_seconds']:.2f}",
+        )
     return table
 
 
@@ -211,24 +245,49 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
     mean = [r.get("reward_mean", float("nan")) for r in records]
     std = [r.get("reward_std", 0.0) for r in records]
     axes[0].plot(steps, mean, color="tab:blue", label="reward mean")
-    axes[0].fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, color="tab:blue")
+    axes[0].fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        alpha=0.2,
+        color="tab:blue",
+    )
     axes[0].set_ylabel("reward")
-    axes[1].plot(steps, [r.get("response_len_mean", float("nan")) for r in records], color="tab:orange")
+    axes[1].plot(
+        steps, [r.get("response_len_mean", float("nan")) for r in records], color="tab:orange"
+    )
     axes[1].set_ylabel("response length (tokens)")
     for key in STAGE_KEYS:
         if any(key in r for r in records):
-            axes[2].plot(steps, [r.get(key, float("nan")) for r in records], label=key.removesuffix("_seconds"))
+            axes[2].plot(
+                steps,
+                [r.get(key, float("nan")) for r in records],
+                label=key.removesuffix("_seconds"),
+            )
     axes[2].set_ylabel("stage time (s)")
     axes[2].set_xlabel("step")
     changes = [r["transition"] for r in records if r.get("transition")]
     for i, t in enumerate(changes):
         # a change runs between step t["step"] - 1 and t["step"]
         for ax in axes:
-            ax.axvline(t["step"] - 0.5, color="tab:red", linestyle="--", linewidth=0.9, alpha=0.7,
-                       label="plan change" if ax is axes[0] and i == 0 else None)
-        axes[0].annotate(t["triggers"][0] if t["triggers"] else "", (t["step"] - 0.5, 1.0),
-                         xycoords=("data", "axes fraction"), rotation=90, fontsize="x-small", va="top",
-                         ha="right", color="tab:red")
+            ax.axvline(
+                t["step"] - 0.5,
+                color="tab:red",
+                linestyle="--",
+                linewidth=0.9,
+                alpha=0.7,
+                label="plan change" if ax is axes[0] and i == 0 else None,
+            )
+        axes[0].annotate(
+            t["triggers"][0] if t["triggers"] else "",
+            (t["step"] - 0.5, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize="x-small",
+            va="top",
+            ha="right",
+            color="tab:red",
+        )
     axes[2].legend(loc="upper right", fontsize="small")
     axes[0].legend(loc="lower right")
     if title:

@@ -52,8 +52,11 @@ def with_lengths(cfg: JobConfig) -> JobConfig:
     cap = cfg.sampling.max_new_tokens
     assert isinstance(cap, int)  # JobConfig refuses a schedule with a length trace
     schedule = length_schedule(cfg.trace.lengths, cfg.run.steps, cap)
-    return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=schedule, ignore_eos=True),
-                   trace=replace(cfg.trace, lengths=None))
+    return replace(
+        cfg,
+        sampling=replace(cfg.sampling, max_new_tokens=schedule, ignore_eos=True),
+        trace=replace(cfg.trace, lengths=None),
+    )
 
 
 class PoolTrace:
@@ -70,8 +73,15 @@ class PoolTrace:
         if t.pool is None:
             return None
         lo_hi = tuple(t.pool_range) if t.pool_range is not None else None
-        return cls(pool_at_steps(t.pool, cfg.cluster.devices, cfg.run.steps, offset_ticks=t.pool_offset,
-                                 pool_range=lo_hi))
+        return cls(
+            pool_at_steps(
+                t.pool,
+                cfg.cluster.devices,
+                cfg.run.steps,
+                offset_ticks=t.pool_offset,
+                pool_range=lo_hi,
+            )
+        )
 
     def live_at(self, step: int) -> int:
         return self.counts[min(step, len(self.counts) - 1)]
@@ -86,7 +96,7 @@ class PoolTrace:
         usable = sorted(d.index for d in cluster.devices if d.index not in draining)
         want = self.live_at(nxt)
         if want < len(usable):
-            gone = usable[want - len(usable):]
+            gone = usable[want - len(usable) :]
             for d in gone:
                 cluster.drain(d)
             self.events.append((nxt, "drain", gone))

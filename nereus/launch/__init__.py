@@ -16,5 +16,10 @@ from __future__ import annotations
 from nereus.launch.kubernetes import KubernetesCluster, render_manifests
 from nereus.launch.slurm import SbatchOptions, SlurmCluster, render_sbatch
 
-__all__ = ["KubernetesCluster", "SbatchOptions", "SlurmCluster", "render_manifests",
-           "render_sbatch"]
+__all__ = [
+    "KubernetesCluster",
+    "SbatchOptions",
+    "SlurmCluster",
+    "render_manifests",
+    "render_sbatch",
+]

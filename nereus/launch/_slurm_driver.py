@@ -66,8 +66,9 @@ def make_key_dir(path: Path) -> Path:
     except FileExistsError:
         st = path.stat()
         if not path.is_dir() or st.st_uid != os.getuid():
-            raise ConfigError(f"key_dir={str(path)!r} exists and is not a folder of this user "
-                              f"(uid {os.getuid()})") from None
+            raise ConfigError(
+                f"key_dir={str(path)!r} exists and is not a folder of this user (uid {os.getuid()})"
+            ) from None
     os.chmod(path, 0o700)  # mkdir's mode passes through the umask; a reused folder keeps its own
     key_file = path / "key"
     key_file.unlink(missing_ok=True)  # a requeued job reuses its id: never reuse its key
@@ -105,8 +106,12 @@ class _Part:
         try:
             await asyncio.wait_for(self.proc.wait(), grace_s)
         except asyncio.TimeoutError:
-            log.warning("%s (pid %d) did not stop within %.0f s; killing it", self.name,
-                        self.proc.pid, grace_s)
+            log.warning(
+                "%s (pid %d) did not stop within %.0f s; killing it",
+                self.name,
+                self.proc.pid,
+                grace_s,
+            )
             self.proc.kill()
             await self.proc.wait()
 
@@ -129,29 +134,44 @@ async def _forward(stream: asyncio.StreamReader) -> None:
         sys.stdout.flush()
 
 
-async def _start_controller(cluster: SlurmCluster, bind_ip: str, key_file: Path,
-                            deadline: float) -> tuple[_Part, str, str]:
-    cmd = [sys.executable, "-m", "nereus.cli", "controller",
-           "--bind", f"tcp://{bind_ip}:{cluster.controller_port}",
-           "--tap-bind", f"tcp://{bind_ip}:{cluster.tap_port}",
-           "--key-file", str(key_file), "--heartbeat-timeout-s", str(cluster.heartbeat_timeout_s)]
-    part = _Part("the controller", await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE))
+async def _start_controller(
+    cluster: SlurmCluster, bind_ip: str, key_file: Path, deadline: float
+) -> tuple[_Part, str, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "nereus.cli",
+        "controller",
+        "--bind",
+        f"tcp://{bind_ip}:{cluster.controller_port}",
+        "--tap-bind",
+        f"tcp://{bind_ip}:{cluster.tap_port}",
+        "--key-file",
+        str(key_file),
+        "--heartbeat-timeout-s",
+        str(cluster.heartbeat_timeout_s),
+    ]
+    part = _Part(
+        "the controller", await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+    )
     loop = asyncio.get_running_loop()
     while True:
         try:
             line = await asyncio.wait_for(part.proc.stdout.readline(), deadline - loop.time())
         except asyncio.TimeoutError:
             await part.stop()
-            raise DeadlineExceeded(f"the controller was not ready within "
-                                   f"{cluster.start_timeout_s} s") from None
+            raise DeadlineExceeded(
+                f"the controller was not ready within {cluster.start_timeout_s} s"
+            ) from None
         if not line:
             rc = await part.proc.wait()
-            raise NereusError(f"the controller exited with status {rc} before it was ready "
-                              f"(its error is above): {shlex.join(cmd)}")
+            raise NereusError(
+                f"the controller exited with status {rc} before it was ready "
+                f"(its error is above): {shlex.join(cmd)}"
+            )
         text = line.decode(errors="replace").strip()
         if text.startswith(CONTROLLER_READY):
-            address, tap_address = text[len(CONTROLLER_READY):].split()
+            address, tap_address = text[len(CONTROLLER_READY) :].split()
             part.forward = loop.create_task(_forward(part.proc.stdout))
             return part, address, tap_address
         print(text, flush=True)
@@ -175,13 +195,17 @@ class _NodeStep:
             try:
                 line = await asyncio.wait_for(stdout.readline(), deadline - loop.time())
             except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"{len(self.nodes)} of {self.expected} node daemons were "
-                                       f"ready within {timeout_s} s") from None
+                raise DeadlineExceeded(
+                    f"{len(self.nodes)} of {self.expected} node daemons were "
+                    f"ready within {timeout_s} s"
+                ) from None
             if not line:
                 rc = await self.part.proc.wait()
-                raise NereusError(f"the node step (srun) exited with status {rc} after "
-                                  f"{len(self.nodes)} of {self.expected} node daemons were "
-                                  "ready; Slurm's and the daemons' errors are above")
+                raise NereusError(
+                    f"the node step (srun) exited with status {rc} after "
+                    f"{len(self.nodes)} of {self.expected} node daemons were "
+                    "ready; Slurm's and the daemons' errors are above"
+                )
             text = line.decode(errors="replace")
             sys.stdout.write(text)
             self._parse(text.strip())
@@ -197,8 +221,13 @@ class _NodeStep:
         elif NODE_READY in text:
             node_id, indices = text.split(NODE_READY, 1)[1].split()
             procid = node_id.rsplit("-", 1)[1]
-            self.nodes.append({"node_id": node_id, "host": self.hosts.get(procid, ""),
-                               "devices": [int(i) for i in indices.split(",")]})
+            self.nodes.append(
+                {
+                    "node_id": node_id,
+                    "host": self.hosts.get(procid, ""),
+                    "devices": [int(i) for i in indices.split(",")],
+                }
+            )
 
     async def stop(self) -> None:
         """SIGTERM to every daemon through Slurm (they leave the cluster and reap their
@@ -209,8 +238,12 @@ class _NodeStep:
             try:
                 await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
             except asyncio.TimeoutError:
-                log.warning("the node step %s.%s did not stop within %.0f s; cancelling it",
-                            self.job_id, self.step_id, STOP_GRACE_S)
+                log.warning(
+                    "the node step %s.%s did not stop within %.0f s; cancelling it",
+                    self.job_id,
+                    self.step_id,
+                    STOP_GRACE_S,
+                )
                 await _scancel([f"{self.job_id}.{self.step_id}"])
         await self.part.stop()
 
@@ -223,22 +256,44 @@ async def _scancel(args: list[str]) -> None:
 
 
 def _node_command(cluster: SlurmCluster, nnodes: int, address: str, key_file: Path) -> list[str]:
-    srun = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes * cluster.tasks_per_node}",
-            f"--ntasks-per-node={cluster.tasks_per_node}", "--kill-on-bad-exit=0", "--label",
-            "--job-name=nereus-nodes"]
+    srun = [
+        "srun",
+        f"--nodes={nnodes}",
+        f"--ntasks={nnodes * cluster.tasks_per_node}",
+        f"--ntasks-per-node={cluster.tasks_per_node}",
+        "--kill-on-bad-exit=0",
+        "--label",
+        "--job-name=nereus-nodes",
+    ]
     if cluster.uses_gpus:
         srun.append(f"--gpus-per-task={cluster.gpus_per_task}")
-    return [*srun, sys.executable, "-m", "nereus.cli", "slurm", "node", "--controller", address,
-            "--key-file", str(key_file), "--heartbeat-s", str(min(0.5, cluster.heartbeat_timeout_s / 4)),
-            "--start-timeout-s", str(cluster.start_timeout_s), *cluster.node_argv()]
+    return [
+        *srun,
+        sys.executable,
+        "-m",
+        "nereus.cli",
+        "slurm",
+        "node",
+        "--controller",
+        address,
+        "--key-file",
+        str(key_file),
+        "--heartbeat-s",
+        str(min(0.5, cluster.heartbeat_timeout_s / 4)),
+        "--start-timeout-s",
+        str(cluster.start_timeout_s),
+        *cluster.node_argv(),
+    ]
 
 
 async def run_cluster(cluster: SlurmCluster, task: SlurmTask) -> int:
     """See the module docstring. Returns the job's exit status (0 when a held cluster is
     stopped by SIGTERM or SIGINT)."""
     if not task.is_first_node:
-        raise ConfigError(f"`nereus slurm run` runs on the allocation's first node "
-                          f"{task.first_host!r} (the batch script's), not on {task.node_name!r}")
+        raise ConfigError(
+            f"`nereus slurm run` runs on the allocation's first node "
+            f"{task.first_host!r} (the batch script's), not on {task.node_name!r}"
+        )
     key_dir = Path(cluster.key_dir or Path(task.submit_dir) / ".nereus" / f"slurm-{task.job_id}")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -253,11 +308,18 @@ async def run_cluster(cluster: SlurmCluster, task: SlurmTask) -> int:
         key_file = make_key_dir(key_dir)
         deadline = loop.time() + cluster.start_timeout_s
         controller, address, tap_address = await _start_controller(
-            cluster, bind_ip, key_file, deadline)
+            cluster, bind_ip, key_file, deadline
+        )
         parts.append(controller)
         cmd = _node_command(cluster, len(task.hosts), address, key_file)
-        step = _NodeStep(_Part("the node step (srun)", await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE)), task.job_id, len(task.hosts) * cluster.tasks_per_node)
+        step = _NodeStep(
+            _Part(
+                "the node step (srun)",
+                await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE),
+            ),
+            task.job_id,
+            len(task.hosts) * cluster.tasks_per_node,
+        )
         ready = loop.create_task(step.wait_ready(deadline, cluster.start_timeout_s))
         stopped = loop.create_task(stop.wait())
         await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -268,21 +330,56 @@ async def run_cluster(cluster: SlurmCluster, task: SlurmTask) -> int:
             return 0
         ready.result()
         devices = sum(len(n["devices"]) for n in step.nodes)
-        info = {"job_id": task.job_id, "address": address, "tap_address": tap_address,
-                "key_file": str(key_file), "devices": devices, "nodes": step.nodes}
+        info = {
+            "job_id": task.job_id,
+            "address": address,
+            "tap_address": tap_address,
+            "key_file": str(key_file),
+            "devices": devices,
+            "nodes": step.nodes,
+        }
         _write_private(key_dir / "cluster.json", json.dumps(info, indent=1) + "\n")
-        print(f"nereus cluster ready: {devices} devices on {len(step.nodes)} node daemons; "
-              f"controller {address}, tap {tap_address}, key {key_file}", flush=True)
+        print(
+            f"nereus cluster ready: {devices} devices on {len(step.nodes)} node daemons; "
+            f"controller {address}, tap {tap_address}, key {key_file}",
+            flush=True,
+        )
         if not cluster.job:
-            print("attach a job with: nereus run JOB.toml " + shlex.join(
-                ["--connect", address, "--key-file", str(key_file), "--cluster-devices",
-                 str(devices)]), flush=True)
-        watched = {loop.create_task(controller.proc.wait()): "controller",
-                   loop.create_task(stop.wait()): "stop"}
+            print(
+                "attach a job with: nereus run JOB.toml "
+                + shlex.join(
+                    [
+                        "--connect",
+                        address,
+                        "--key-file",
+                        str(key_file),
+                        "--cluster-devices",
+                        str(devices),
+                    ]
+                ),
+                flush=True,
+            )
+        watched = {
+            loop.create_task(controller.proc.wait()): "controller",
+            loop.create_task(stop.wait()): "stop",
+        }
         if cluster.job:
-            job = _Part("the job", await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "nereus.cli", "run", cluster.job, "--connect", address,
-                "--key-file", str(key_file), "--cluster-devices", str(devices)))
+            job = _Part(
+                "the job",
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "nereus.cli",
+                    "run",
+                    cluster.job,
+                    "--connect",
+                    address,
+                    "--key-file",
+                    str(key_file),
+                    "--cluster-devices",
+                    str(devices),
+                ),
+            )
             watched[loop.create_task(job.proc.wait())] = "job"
         else:
             watched[loop.create_task(step.part.proc.wait())] = "nodes"
@@ -295,11 +392,15 @@ async def run_cluster(cluster: SlurmCluster, task: SlurmTask) -> int:
             log.info("the job ended with status %d", rc)
             return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
         if why == "controller":
-            raise NereusError(f"the controller exited with status {controller.proc.returncode}"
-                              " while the cluster ran; stopping everything")
+            raise NereusError(
+                f"the controller exited with status {controller.proc.returncode}"
+                " while the cluster ran; stopping everything"
+            )
         if why == "nodes":
-            raise NereusError(f"every node daemon has ended (srun exited with status "
-                              f"{step.part.proc.returncode}); stopping the controller")
+            raise NereusError(
+                f"every node daemon has ended (srun exited with status "
+                f"{step.part.proc.returncode}); stopping the controller"
+            )
         log.info("stopping the cluster (signal received)")
         return 0 if job is None else 143
     finally:
@@ -326,15 +427,35 @@ def _remove_key_dir(key_dir: Path) -> None:
         log.warning("kept %s: %s", key_dir, e)
 
 
-def node_main(controller: str, key_file: str, device_argv: list[str], *, heartbeat_s: float,
-              start_timeout_s: float, task: SlurmTask | None = None) -> None:
+def node_main(
+    controller: str,
+    key_file: str,
+    device_argv: list[str],
+    *,
+    heartbeat_s: float,
+    start_timeout_s: float,
+    task: SlurmTask | None = None,
+) -> None:
     """Become this task's node daemon (``os.execv``; returns only by raising)."""
     task = task or SlurmTask.from_environ()
     step = os.environ.get("SLURM_STEP_ID", "")
     print(f"{NODE_PREFIX}{step} {task.procid} {task.node_name}", flush=True)
-    argv = [sys.executable, "-m", "nereus.node", "--controller", controller,
-            "--key-file", key_file,
-            "--bind-host", host_address(task.node_name, alone=len(task.hosts) == 1),
-            "--node-id", f"slurm-{task.job_id}-{task.procid}", "--heartbeat-s", str(heartbeat_s),
-            "--start-timeout-s", str(start_timeout_s), *device_argv]
+    argv = [
+        sys.executable,
+        "-m",
+        "nereus.node",
+        "--controller",
+        controller,
+        "--key-file",
+        key_file,
+        "--bind-host",
+        host_address(task.node_name, alone=len(task.hosts) == 1),
+        "--node-id",
+        f"slurm-{task.job_id}-{task.procid}",
+        "--heartbeat-s",
+        str(heartbeat_s),
+        "--start-timeout-s",
+        str(start_timeout_s),
+        *device_argv,
+    ]
     os.execv(sys.executable, argv)

@@ -31,14 +31,23 @@ __all__ = ["SlurmTask", "expand_hostnames", "host_address"]
 def expand_hostnames(nodelist: str, scontrol: str = "scontrol") -> list[str]:
     """The node names of a Slurm host list, in Slurm's order (``scontrol show hostnames``)."""
     try:
-        done = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
-                              text=True, timeout=60, check=False)
+        done = subprocess.run(
+            [scontrol, "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     except FileNotFoundError:
-        raise ConfigError(f"cannot expand SLURM_JOB_NODELIST={nodelist!r}: {scontrol!r} is not "
-                          "on PATH (is this a Slurm node?)") from None
+        raise ConfigError(
+            f"cannot expand SLURM_JOB_NODELIST={nodelist!r}: {scontrol!r} is not "
+            "on PATH (is this a Slurm node?)"
+        ) from None
     if done.returncode != 0:
-        raise ConfigError(f"`{scontrol} show hostnames {nodelist}` failed with exit code "
-                          f"{done.returncode}: {done.stderr.strip()}")
+        raise ConfigError(
+            f"`{scontrol} show hostnames {nodelist}` failed with exit code "
+            f"{done.returncode}: {done.stderr.strip()}"
+        )
     hosts = done.stdout.split()
     if not hosts:
         raise ConfigError(f"`{scontrol} show hostnames {nodelist}` printed no host")
@@ -59,9 +68,11 @@ def host_address(name: str, alone: bool = False) -> str:
             return address
     if alone:
         return addresses[0]
-    raise ConfigError(f"node name {name!r} resolves only to loopback addresses {addresses}, "
-                      "which other nodes cannot reach: map it to the node's network address "
-                      "(/etc/hosts or DNS)")
+    raise ConfigError(
+        f"node name {name!r} resolves only to loopback addresses {addresses}, "
+        "which other nodes cannot reach: map it to the node's network address "
+        "(/etc/hosts or DNS)"
+    )
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -78,8 +89,10 @@ def _int(environ: Mapping[str, str], name: str) -> int:
 def _get(environ: Mapping[str, str], name: str) -> str:
     value = environ.get(name)
     if not value:
-        raise ConfigError(f"${name} is not set: run this inside a Slurm job (the batch script "
-                          "sbatch runs, or a task that srun starts)")
+        raise ConfigError(
+            f"${name} is not set: run this inside a Slurm job (the batch script "
+            "sbatch runs, or a task that srun starts)"
+        )
     return value
 
 
@@ -108,8 +121,10 @@ class SlurmTask:
         if not self.hosts:
             raise ConfigError("hosts=() must name the allocation's nodes")
         if self.node_name not in self.hosts:
-            raise ConfigError(f"SLURMD_NODENAME={self.node_name!r} is not one of the "
-                              f"allocation's nodes {list(self.hosts)}")
+            raise ConfigError(
+                f"SLURMD_NODENAME={self.node_name!r} is not one of the "
+                f"allocation's nodes {list(self.hosts)}"
+            )
 
     @property
     def first_host(self) -> str:
@@ -121,13 +136,19 @@ class SlurmTask:
         return self.node_name == self.hosts[0]
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None,
-                     scontrol: str = "scontrol") -> SlurmTask:
+    def from_environ(
+        cls, environ: Mapping[str, str] | None = None, scontrol: str = "scontrol"
+    ) -> SlurmTask:
         """Read the current process's Slurm environment (see the module docstring)."""
         environ = os.environ if environ is None else environ
         job_id = _get(environ, "SLURM_JOB_ID")
         hosts = tuple(expand_hostnames(_get(environ, "SLURM_JOB_NODELIST"), scontrol))
-        return cls(job_id=job_id, procid=_int(environ, "SLURM_PROCID"),
-                   nodeid=_int(environ, "SLURM_NODEID"), localid=_int(environ, "SLURM_LOCALID"),
-                   node_name=_get(environ, "SLURMD_NODENAME"), hosts=hosts,
-                   submit_dir=environ.get("SLURM_SUBMIT_DIR") or os.getcwd())
+        return cls(
+            job_id=job_id,
+            procid=_int(environ, "SLURM_PROCID"),
+            nodeid=_int(environ, "SLURM_NODEID"),
+            localid=_int(environ, "SLURM_LOCALID"),
+            node_name=_get(environ, "SLURMD_NODENAME"),
+            hosts=hosts,
+            submit_dir=environ.get("SLURM_SUBMIT_DIR") or os.getcwd(),
+        )

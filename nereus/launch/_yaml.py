@@ -28,7 +28,8 @@ MAX_KEY_CHARS = 253  # Kubernetes' longest names; YAML's simple keys stop at 1,0
 # Characters a literal block keeps as they are: YAML's printable set less its line breaks
 # (U+0085, U+2028, U+2029) and the byte-order mark.
 _PRINTABLE_LINE = re.compile(
-    r"[\t\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufefe\uff00-\ufffd\U00010000-\U0010ffff]*\Z")
+    r"[\t\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufefe\uff00-\ufffd\U00010000-\U0010ffff]*\Z"
+)
 
 
 def _scalar(value: Any) -> str:
@@ -77,9 +78,16 @@ def _block_text(value: str) -> bool:
     if "\n" not in value or value.endswith("\n\n") or "\r" in value:
         return False
     lines = value.rstrip("\n").split("\n")
-    return (not lines[0].startswith((" ", "\t")) and lines[0] != ""
-            and all(_PRINTABLE_LINE.match(line) and not line.endswith((" ", "\t"))
-                    and not line.startswith("\t") for line in lines))
+    return (
+        not lines[0].startswith((" ", "\t"))
+        and lines[0] != ""
+        and all(
+            _PRINTABLE_LINE.match(line)
+            and not line.endswith((" ", "\t"))
+            and not line.startswith("\t")
+            for line in lines
+        )
+    )
 
 
 def _lines(value: Any, indent: str) -> list[str]:
@@ -88,8 +96,10 @@ def _lines(value: Any, indent: str) -> list[str]:
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
-                raise TypeError(f"manifest keys must be strings of at most {MAX_KEY_CHARS} "
-                                f"characters (YAML's limit on simple keys), not {key!r:.80}")
+                raise TypeError(
+                    f"manifest keys must be strings of at most {MAX_KEY_CHARS} "
+                    f"characters (YAML's limit on simple keys), not {key!r:.80}"
+                )
             out += _entry(f"{indent}{_scalar(key)}:", item, indent + "  ")
     elif isinstance(value, (list, tuple)):
         for item in value:
@@ -109,8 +119,10 @@ def _entry(head: str, value: Any, indent: str) -> list[str]:
         return [head, *nested]
     if isinstance(value, str) and _block_text(value):
         chomp = "" if value.endswith("\n") else "-"
-        return [f"{head} |{chomp}", *(f"{indent}{line}" if line else ""
-                                      for line in value.rstrip("\n").split("\n"))]
+        return [
+            f"{head} |{chomp}",
+            *(f"{indent}{line}" if line else "" for line in value.rstrip("\n").split("\n")),
+        ]
     return [f"{head} {_scalar(value)}"]
 
 

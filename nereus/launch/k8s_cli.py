@@ -50,8 +50,9 @@ _HELP = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nereus k8s",
-                                 description="Run nereus clusters (and RL jobs) on Kubernetes.")
+    ap = argparse.ArgumentParser(
+        prog="nereus k8s", description="Run nereus clusters (and RL jobs) on Kubernetes."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render", help="print the manifests of a cluster (and its job)")
     for f in dataclasses.fields(KubernetesCluster):
@@ -59,13 +60,20 @@ def _parser() -> argparse.ArgumentParser:
         if f.default is dataclasses.MISSING:
             render.add_argument(flag, required=True, help=_HELP[f.name])
         else:
-            render.add_argument(flag, type=type(f.default), default=f.default,
-                                help=f"{_HELP[f.name]} (default {f.default!r})")
+            render.add_argument(
+                flag,
+                type=type(f.default),
+                default=f.default,
+                help=f"{_HELP[f.name]} (default {f.default!r})",
+            )
     keys = render.add_mutually_exclusive_group()
     keys.add_argument("--key-file", help="put this file's key in the Secret (default: a fresh one)")
-    keys.add_argument("--no-secret", action="store_true",
-                      help="leave the Secret out: `kubectl create secret generic NAME-key "
-                           "--from-file=key=FILE` made it")
+    keys.add_argument(
+        "--no-secret",
+        action="store_true",
+        help="leave the Secret out: `kubectl create secret generic NAME-key "
+        "--from-file=key=FILE` made it",
+    )
     render.add_argument("-o", "--out", default="-", help="file to write (default: stdout)")
     wait = sub.add_parser("wait", help="wait until a controller has this many ready devices")
     wait.add_argument("--controller", required=True, help="tcp://HOST:PORT of the controller")
@@ -76,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _render(args: argparse.Namespace) -> int:
-    cluster = KubernetesCluster(**{f.name: getattr(args, f.name)
-                                   for f in dataclasses.fields(KubernetesCluster)})
+    cluster = KubernetesCluster(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(KubernetesCluster)}
+    )
     if args.no_secret:
         key = None
     elif args.key_file:
@@ -109,11 +118,15 @@ def _header(cluster: KubernetesCluster, args: argparse.Namespace) -> str:
         if value != f.default:
             flags += ["--" + f.name.replace("_", "-"), str(value)]
     if args.no_secret:
-        return (f"# Rendered by: nereus k8s render {shlex.join(flags)} --no-secret\n"
-                f"# Needs the Secret {cluster.name}-key (kubectl create secret generic "
-                f"{cluster.name}-key --from-file=key=FILE).\n")
-    return (f"# Rendered by: nereus k8s render {shlex.join(flags)}\n"
-            "# Holds the cluster key (the Secret): keep this file private.\n")
+        return (
+            f"# Rendered by: nereus k8s render {shlex.join(flags)} --no-secret\n"
+            f"# Needs the Secret {cluster.name}-key (kubectl create secret generic "
+            f"{cluster.name}-key --from-file=key=FILE).\n"
+        )
+    return (
+        f"# Rendered by: nereus k8s render {shlex.join(flags)}\n"
+        "# Holds the cluster key (the Secret): keep this file private.\n"
+    )
 
 
 async def _wait(args: argparse.Namespace) -> int:
@@ -121,14 +134,16 @@ async def _wait(args: argparse.Namespace) -> int:
 
     if args.devices < 1:
         raise ConfigError(f"devices={args.devices!r} must be >= 1")
-    async with Cluster.connect(args.controller, key_file=args.key_file, min_devices=args.devices,
-                               timeout_s=args.timeout_s) as cluster:
+    async with Cluster.connect(
+        args.controller, key_file=args.key_file, min_devices=args.devices, timeout_s=args.timeout_s
+    ) as cluster:
         print(f"{len(cluster.devices)} devices ready at {args.controller}", flush=True)
     return 0
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+
     def command() -> int:
         return _render(args) if args.command == "render" else asyncio.run(_wait(args))
 

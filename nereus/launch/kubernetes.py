@@ -78,41 +78,86 @@ class KubernetesCluster:
     Job's working folder: ``run.out_dir`` and ``model.path`` must be on it."""
 
     def __post_init__(self) -> None:
-        require(bool(self.image) and not any(c.isspace() for c in self.image), "image",
-                self.image, "must name a container image with nereus installed")
-        require(len(self.name) <= 40 and bool(_DNS_LABEL.match(self.name)), "name", self.name,
-                "must be a DNS label of at most 40 characters ([a-z0-9-], a letter first)")
-        require(len(self.namespace) <= 63 and bool(_DNS_LABEL.match(self.namespace)),
-                "namespace", self.namespace, "must be a DNS label ([a-z0-9-], a letter first)")
+        require(
+            bool(self.image) and not any(c.isspace() for c in self.image),
+            "image",
+            self.image,
+            "must name a container image with nereus installed",
+        )
+        require(
+            len(self.name) <= 40 and bool(_DNS_LABEL.match(self.name)),
+            "name",
+            self.name,
+            "must be a DNS label of at most 40 characters ([a-z0-9-], a letter first)",
+        )
+        require(
+            len(self.namespace) <= 63 and bool(_DNS_LABEL.match(self.namespace)),
+            "namespace",
+            self.namespace,
+            "must be a DNS label ([a-z0-9-], a letter first)",
+        )
         require(self.nodes >= 1, "nodes", self.nodes, "must be >= 1")
         require(self.gpus_per_node >= 0, "gpus_per_node", self.gpus_per_node, "must be >= 0")
-        require(self.devices_per_node >= 0, "devices_per_node", self.devices_per_node,
-                "must be >= 0")
-        require((self.gpus_per_node > 0) != (self.devices_per_node > 0), "gpus_per_node",
-                self.gpus_per_node, f"and devices_per_node={self.devices_per_node} must be "
-                "exactly one > 0 (GPUs or CPU devices per node pod)")
+        require(
+            self.devices_per_node >= 0, "devices_per_node", self.devices_per_node, "must be >= 0"
+        )
+        require(
+            (self.gpus_per_node > 0) != (self.devices_per_node > 0),
+            "gpus_per_node",
+            self.gpus_per_node,
+            f"and devices_per_node={self.devices_per_node} must be "
+            "exactly one > 0 (GPUs or CPU devices per node pod)",
+        )
         if self.memory_per_device:
             parse_size(self.memory_per_device, "memory_per_device")
         for name in ("cpu_per_node", "memory_per_node", "shm_size"):
             value = getattr(self, name)
-            require(not value or bool(_QUANTITY.match(value)), name, value,
-                    "must be a Kubernetes quantity such as '8', '500m' or '64Gi'")
+            require(
+                not value or bool(_QUANTITY.match(value)),
+                name,
+                value,
+                "must be a Kubernetes quantity such as '8', '500m' or '64Gi'",
+            )
         for name in ("controller_port", "tap_port"):
             port = getattr(self, name)
             require(1 <= port <= 65535, name, port, "must be a TCP port in 1..65535")
-        require(self.controller_port != self.tap_port, "tap_port", self.tap_port,
-                "must differ from controller_port")
-        require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
-                "must be > 0")
-        require(self.run_as_user >= 1, "run_as_user", self.run_as_user,
-                "must be a user id >= 1 (pods run as non-root)")
-        require(not self.job or Path(self.job).is_file(), "job", self.job,
-                "must be an existing TOML file (the RL job's config)")
-        require(not self.shared_claim or bool(_DNS_LABEL.match(self.shared_claim)),
-                "shared_claim", self.shared_claim, "must name a PersistentVolumeClaim")
-        require(not self.job or bool(self.shared_claim), "shared_claim", self.shared_claim,
-                "must name a ReadWriteMany PersistentVolumeClaim when job is given: the job "
-                "writes its model to run.out_dir, which every node pod must read")
+        require(
+            self.controller_port != self.tap_port,
+            "tap_port",
+            self.tap_port,
+            "must differ from controller_port",
+        )
+        require(
+            self.heartbeat_timeout_s > 0,
+            "heartbeat_timeout_s",
+            self.heartbeat_timeout_s,
+            "must be > 0",
+        )
+        require(
+            self.run_as_user >= 1,
+            "run_as_user",
+            self.run_as_user,
+            "must be a user id >= 1 (pods run as non-root)",
+        )
+        require(
+            not self.job or Path(self.job).is_file(),
+            "job",
+            self.job,
+            "must be an existing TOML file (the RL job's config)",
+        )
+        require(
+            not self.shared_claim or bool(_DNS_LABEL.match(self.shared_claim)),
+            "shared_claim",
+            self.shared_claim,
+            "must name a PersistentVolumeClaim",
+        )
+        require(
+            not self.job or bool(self.shared_claim),
+            "shared_claim",
+            self.shared_claim,
+            "must name a ReadWriteMany PersistentVolumeClaim when job is given: the job "
+            "writes its model to run.out_dir, which every node pod must read",
+        )
 
     @property
     def devices(self) -> int:
@@ -125,49 +170,76 @@ class KubernetesCluster:
 
 
 def _labels(cluster: KubernetesCluster, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "nereus", "app.kubernetes.io/instance": cluster.name,
-            "app.kubernetes.io/component": component}
+    return {
+        "app.kubernetes.io/name": "nereus",
+        "app.kubernetes.io/instance": cluster.name,
+        "app.kubernetes.io/component": component,
+    }
 
 
 def _meta(cluster: KubernetesCluster, name: str, component: str) -> dict[str, Any]:
     return {"name": name, "namespace": cluster.namespace, "labels": _labels(cluster, component)}
 
 
-_POD_ENV = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "OMP_NUM_THREADS", "value": "1"}]
+_POD_ENV = [
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    {"name": "OMP_NUM_THREADS", "value": "1"},
+]
 
 
-def _pod_spec(cluster: KubernetesCluster, container: dict[str, Any], *,
-              config_map: str = "", init: dict[str, Any] | None = None,
-              restart: str = "Always") -> dict[str, Any]:
+def _pod_spec(
+    cluster: KubernetesCluster,
+    container: dict[str, Any],
+    *,
+    config_map: str = "",
+    init: dict[str, Any] | None = None,
+    restart: str = "Always",
+) -> dict[str, Any]:
     """A pod of ``container`` (and ``init`` before it) with the key, ``/dev/shm``, the
     shared claim (its working folder) and ``config_map`` mounted."""
-    mounts = [{"name": "key", "mountPath": KEY_PATH, "readOnly": True},
-              {"name": "shm", "mountPath": "/dev/shm"}]
-    volumes = [{"name": "key", "secret": {"secretName": f"{cluster.name}-key",
-                                          "defaultMode": 0o440}},
-               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}}]
+    mounts = [
+        {"name": "key", "mountPath": KEY_PATH, "readOnly": True},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    volumes = [
+        {"name": "key", "secret": {"secretName": f"{cluster.name}-key", "defaultMode": 0o440}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}},
+    ]
     extra: dict[str, Any] = {}
     if cluster.shared_claim:
         # Relative paths in a job's config (run.out_dir) name the same files in every pod.
         mounts.append({"name": "shared", "mountPath": SHARED_PATH})
-        volumes.append({"name": "shared",
-                        "persistentVolumeClaim": {"claimName": cluster.shared_claim}})
+        volumes.append(
+            {"name": "shared", "persistentVolumeClaim": {"claimName": cluster.shared_claim}}
+        )
         extra["workingDir"] = SHARED_PATH
     if config_map:
         mounts.append({"name": "job", "mountPath": JOB_PATH, "readOnly": True})
         volumes.append({"name": "job", "configMap": {"name": config_map}})
 
     def full(c: dict[str, Any]) -> dict[str, Any]:
-        return {"name": c["name"], "image": cluster.image, **c, "env": _POD_ENV, **extra,
-                "volumeMounts": mounts, "securityContext": {"allowPrivilegeEscalation": False}}
+        return {
+            "name": c["name"],
+            "image": cluster.image,
+            **c,
+            "env": _POD_ENV,
+            **extra,
+            "volumeMounts": mounts,
+            "securityContext": {"allowPrivilegeEscalation": False},
+        }
 
     spec: dict[str, Any] = {
         "restartPolicy": restart,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": cluster.run_as_user,
-                            "runAsGroup": cluster.run_as_user, "fsGroup": cluster.run_as_user},
-        "containers": [full(container)], "volumes": volumes}
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": cluster.run_as_user,
+            "runAsGroup": cluster.run_as_user,
+            "fsGroup": cluster.run_as_user,
+        },
+        "containers": [full(container)],
+        "volumes": volumes,
+    }
     if init is not None:
         spec["initContainers"] = [full(init)]
     return spec
@@ -176,37 +248,67 @@ def _pod_spec(cluster: KubernetesCluster, container: dict[str, Any], *,
 def _controller(cluster: KubernetesCluster) -> list[dict[str, Any]]:
     name = f"{cluster.name}-controller"
     labels = _labels(cluster, "controller")
-    ports = [{"name": "control", "containerPort": cluster.controller_port, "protocol": "TCP"},
-             {"name": "tap", "containerPort": cluster.tap_port, "protocol": "TCP"}]
+    ports = [
+        {"name": "control", "containerPort": cluster.controller_port, "protocol": "TCP"},
+        {"name": "tap", "containerPort": cluster.tap_port, "protocol": "TCP"},
+    ]
     container = {
         "name": "controller",
-        "command": [cluster.python, "-m", "nereus.cli", "controller",
-                    "--bind", f"tcp://$(POD_IP):{cluster.controller_port}",
-                    "--tap-bind", f"tcp://$(POD_IP):{cluster.tap_port}",
-                    "--key-file", f"{KEY_PATH}/key",
-                    "--heartbeat-timeout-s", str(cluster.heartbeat_timeout_s)],
+        "command": [
+            cluster.python,
+            "-m",
+            "nereus.cli",
+            "controller",
+            "--bind",
+            f"tcp://$(POD_IP):{cluster.controller_port}",
+            "--tap-bind",
+            f"tcp://$(POD_IP):{cluster.tap_port}",
+            "--key-file",
+            f"{KEY_PATH}/key",
+            "--heartbeat-timeout-s",
+            str(cluster.heartbeat_timeout_s),
+        ],
         "ports": ports,
         "readinessProbe": {"tcpSocket": {"port": "control"}, "periodSeconds": 2},
     }
     return [
-        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cluster, name, "controller"),
-         "spec": {"selector": labels,
-                  "ports": [{"name": p["name"], "port": p["containerPort"],
-                             "targetPort": p["name"], "protocol": "TCP"} for p in ports]}},
-        {"apiVersion": "apps/v1", "kind": "Deployment",
-         "metadata": _meta(cluster, name, "controller"),
-         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
-                  "selector": {"matchLabels": labels},
-                  "template": {"metadata": {"labels": labels},
-                               "spec": _pod_spec(cluster, container)}}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cluster, name, "controller"),
+            "spec": {
+                "selector": labels,
+                "ports": [
+                    {
+                        "name": p["name"],
+                        "port": p["containerPort"],
+                        "targetPort": p["name"],
+                        "protocol": "TCP",
+                    }
+                    for p in ports
+                ],
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(cluster, name, "controller"),
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": _pod_spec(cluster, container)},
+            },
+        },
     ]
 
 
 def _nodes(cluster: KubernetesCluster) -> list[dict[str, Any]]:
     name = f"{cluster.name}-node"
     labels = _labels(cluster, "node")
-    devices = (["--gpus", "all"] if cluster.gpus_per_node
-               else ["--devices", str(cluster.devices_per_node)])
+    devices = (
+        ["--gpus", "all"] if cluster.gpus_per_node else ["--devices", str(cluster.devices_per_node)]
+    )
     if cluster.memory_per_device:
         devices += ["--memory-per-device", cluster.memory_per_device]
     resources: dict[str, dict[str, Any]] = {}
@@ -218,19 +320,41 @@ def _nodes(cluster: KubernetesCluster) -> list[dict[str, Any]]:
         resources.setdefault("limits", {})["nvidia.com/gpu"] = cluster.gpus_per_node
     container = {
         "name": "node",
-        "command": [cluster.python, "-m", "nereus.node", "--controller",
-                    cluster.controller_address, "--key-file", f"{KEY_PATH}/key",
-                    "--node-id", "$(POD_NAME)", "--bind-host", "$(POD_IP)", *devices],
+        "command": [
+            cluster.python,
+            "-m",
+            "nereus.node",
+            "--controller",
+            cluster.controller_address,
+            "--key-file",
+            f"{KEY_PATH}/key",
+            "--node-id",
+            "$(POD_NAME)",
+            "--bind-host",
+            "$(POD_IP)",
+            *devices,
+        ],
         "resources": resources,
     }
     return [
-        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cluster, name, "node"),
-         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels}},
-        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(cluster, name, "node"),
-         "spec": {"serviceName": name, "replicas": cluster.nodes,
-                  "podManagementPolicy": "Parallel", "selector": {"matchLabels": labels},
-                  "template": {"metadata": {"labels": labels},
-                               "spec": _pod_spec(cluster, container)}}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cluster, name, "node"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": _meta(cluster, name, "node"),
+            "spec": {
+                "serviceName": name,
+                "replicas": cluster.nodes,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": _pod_spec(cluster, container)},
+            },
+        },
     ]
 
 
@@ -240,24 +364,60 @@ def _job(cluster: KubernetesCluster) -> list[dict[str, Any]]:
     attach = ["--key-file", f"{KEY_PATH}/key"]
     container = {
         "name": "job",
-        "command": [cluster.python, "-m", "nereus.cli", "run", f"{JOB_PATH}/job.toml",
-                    "--connect", cluster.controller_address, *attach,
-                    "--cluster-devices", str(cluster.devices), "--no-progress"],
+        "command": [
+            cluster.python,
+            "-m",
+            "nereus.cli",
+            "run",
+            f"{JOB_PATH}/job.toml",
+            "--connect",
+            cluster.controller_address,
+            *attach,
+            "--cluster-devices",
+            str(cluster.devices),
+            "--no-progress",
+        ],
     }
     # Node pods may take minutes to schedule and pull their image: wait for every device
     # here rather than within the job's own (short) connect deadline.
-    wait = {"name": "wait-for-devices",
-            "command": [cluster.python, "-m", "nereus.cli", "k8s", "wait", "--controller",
-                        cluster.controller_address, *attach, "--devices", str(cluster.devices),
-                        "--timeout-s", "1800"]}
+    wait = {
+        "name": "wait-for-devices",
+        "command": [
+            cluster.python,
+            "-m",
+            "nereus.cli",
+            "k8s",
+            "wait",
+            "--controller",
+            cluster.controller_address,
+            *attach,
+            "--devices",
+            str(cluster.devices),
+            "--timeout-s",
+            "1800",
+        ],
+    }
     return [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(cluster, name, "job"),
-         "data": {"job.toml": config}},
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(cluster, name, "job"),
-         "spec": {"backoffLimit": 0,
-                  "template": {"metadata": {"labels": _labels(cluster, "job")},
-                               "spec": _pod_spec(cluster, container, config_map=name,
-                                                 init=wait, restart="Never")}}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(cluster, name, "job"),
+            "data": {"job.toml": config},
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": _meta(cluster, name, "job"),
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"labels": _labels(cluster, "job")},
+                    "spec": _pod_spec(
+                        cluster, container, config_map=name, init=wait, restart="Never"
+                    ),
+                },
+            },
+        },
     ]
 
 
@@ -268,9 +428,15 @@ def render_manifests(cluster: KubernetesCluster, key: str | None) -> list[dict[s
     out: list[dict[str, Any]] = []
     if key is not None:
         require(len(key.strip()) >= 16, "key", "<hidden>", "must hold at least 16 characters")
-        out.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                    "metadata": _meta(cluster, f"{cluster.name}-key", "key"),
-                    "stringData": {"key": key}})
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "Opaque",
+                "metadata": _meta(cluster, f"{cluster.name}-key", "key"),
+                "stringData": {"key": key},
+            }
+        )
     out += _controller(cluster) + _nodes(cluster)
     if cluster.job:
         out += _job(cluster)

@@ -63,20 +63,34 @@ class SlurmCluster:
 
     def __post_init__(self) -> None:
         require(self.tasks_per_node >= 1, "tasks_per_node", self.tasks_per_node, "must be >= 1")
-        require(self.devices_per_task >= 0, "devices_per_task", self.devices_per_task, "must be >= 0")
+        require(
+            self.devices_per_task >= 0, "devices_per_task", self.devices_per_task, "must be >= 0"
+        )
         require(self.gpus_per_task >= 0, "gpus_per_task", self.gpus_per_task, "must be >= 0")
-        require((self.devices_per_task > 0) != (self.gpus_per_task > 0), "devices_per_task",
-                self.devices_per_task, f"and gpus_per_task={self.gpus_per_task} must be "
-                "exactly one > 0 (CPU devices or GPUs per node daemon)")
+        require(
+            (self.devices_per_task > 0) != (self.gpus_per_task > 0),
+            "devices_per_task",
+            self.devices_per_task,
+            f"and gpus_per_task={self.gpus_per_task} must be "
+            "exactly one > 0 (CPU devices or GPUs per node daemon)",
+        )
         if self.memory_per_device:
             parse_size(self.memory_per_device, "memory_per_device")
-        require(not self.job or Path(self.job).is_file(), "job", self.job,
-                "must be an existing TOML file (the RL job's config)")
+        require(
+            not self.job or Path(self.job).is_file(),
+            "job",
+            self.job,
+            "must be an existing TOML file (the RL job's config)",
+        )
         for name in ("controller_port", "tap_port"):
             port = getattr(self, name)
             require(0 <= port <= 65535, name, port, "must be a TCP port in 0..65535")
-        require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
-                "must be > 0")
+        require(
+            self.heartbeat_timeout_s > 0,
+            "heartbeat_timeout_s",
+            self.heartbeat_timeout_s,
+            "must be > 0",
+        )
         require(self.start_timeout_s > 0, "start_timeout_s", self.start_timeout_s, "must be > 0")
 
     @property
@@ -103,32 +117,63 @@ class SlurmCluster:
         """This cluster with ``job`` and ``key_dir`` absolute, as a batch script that may
         run in another folder must carry them."""
         return dataclasses.replace(
-            self, job=str(Path(self.job).resolve()) if self.job else "",
-            key_dir=str(Path(self.key_dir).resolve()) if self.key_dir else "")
+            self,
+            job=str(Path(self.job).resolve()) if self.job else "",
+            key_dir=str(Path(self.key_dir).resolve()) if self.key_dir else "",
+        )
 
 
 def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     """The flags of ``SlurmCluster``, one per field, for ``nereus slurm run`` and ``script``."""
-    ap.add_argument("--tasks-per-node", type=int, default=1,
-                    help="node daemons per node (default 1: one owns the node)")
-    ap.add_argument("--devices-per-task", type=int, default=0,
-                    help="CPU devices (worker processes) per node daemon")
-    ap.add_argument("--gpus-per-task", type=int, default=0,
-                    help="GPUs per node daemon (Slurm narrows CUDA_VISIBLE_DEVICES to them)")
-    ap.add_argument("--memory-per-device", default="",
-                    help="budget per device, e.g. 16GiB (CPU default 1GiB; GPU: its memory)")
-    ap.add_argument("--job", default="",
-                    help="RL job TOML to run on the cluster; without it the cluster is held "
-                         "until the allocation ends")
-    ap.add_argument("--key-dir", default="",
-                    help="folder for the key and cluster.json, seen by every node "
-                         "(default $SLURM_SUBMIT_DIR/.nereus/slurm-$SLURM_JOB_ID)")
+    ap.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=1,
+        help="node daemons per node (default 1: one owns the node)",
+    )
+    ap.add_argument(
+        "--devices-per-task",
+        type=int,
+        default=0,
+        help="CPU devices (worker processes) per node daemon",
+    )
+    ap.add_argument(
+        "--gpus-per-task",
+        type=int,
+        default=0,
+        help="GPUs per node daemon (Slurm narrows CUDA_VISIBLE_DEVICES to them)",
+    )
+    ap.add_argument(
+        "--memory-per-device",
+        default="",
+        help="budget per device, e.g. 16GiB (CPU default 1GiB; GPU: its memory)",
+    )
+    ap.add_argument(
+        "--job",
+        default="",
+        help="RL job TOML to run on the cluster; without it the cluster is held "
+        "until the allocation ends",
+    )
+    ap.add_argument(
+        "--key-dir",
+        default="",
+        help="folder for the key and cluster.json, seen by every node "
+        "(default $SLURM_SUBMIT_DIR/.nereus/slurm-$SLURM_JOB_ID)",
+    )
     ap.add_argument("--controller-port", type=int, default=0, help="controller port (0: any)")
     ap.add_argument("--tap-port", type=int, default=0, help="monitoring tap port (0: any)")
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
-                    help="declare a silent node lost after this long")
-    ap.add_argument("--start-timeout-s", type=float, default=300.0,
-                    help="how long the controller and the node daemons may take to start")
+    ap.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=10.0,
+        help="declare a silent node lost after this long",
+    )
+    ap.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long the controller and the node daemons may take to start",
+    )
 
 
 def cluster_from_args(args: argparse.Namespace) -> SlurmCluster:
@@ -175,8 +220,12 @@ class SbatchOptions:
             require("\n" not in value, name, value, "must be one line")
         require(bool(self.python), "python", self.python, "must name a Python interpreter")
         for option in self.extra:
-            require(option.startswith("-") and "\n" not in option, "extra", option,
-                    "must be one sbatch option per entry, like '--constraint=a100'")
+            require(
+                option.startswith("-") and "\n" not in option,
+                "extra",
+                option,
+                "must be one sbatch option per entry, like '--constraint=a100'",
+            )
 
     def argv(self) -> list[str]:
         """``nereus slurm script``'s flags for these options (defaults left out, but the
@@ -193,17 +242,22 @@ class SbatchOptions:
 
 def render_sbatch(cluster: SlurmCluster, options: SbatchOptions) -> str:
     """The batch script: ``#SBATCH`` lines, then ``nereus slurm run`` with ``cluster``."""
-    lines = ["#!/bin/bash",
-             "# Rendered by: nereus slurm script " + shlex.join(cluster.argv() + options.argv()),
-             "# A nereus cluster: the controller on the first node, "
-             f"{cluster.tasks_per_node} node daemon(s) per node,",
-             "# then " + (f"the RL job {cluster.job}." if cluster.job
-                          else "held until the allocation ends (attach jobs with "
-                               "`nereus run --connect`)."),
-             "# Relative paths start from the folder sbatch runs in: submit from there.",
-             f"#SBATCH --job-name={options.job_name}",
-             f"#SBATCH --nodes={options.nodes}",
-             f"#SBATCH --ntasks-per-node={cluster.tasks_per_node}"]
+    lines = [
+        "#!/bin/bash",
+        "# Rendered by: nereus slurm script " + shlex.join(cluster.argv() + options.argv()),
+        "# A nereus cluster: the controller on the first node, "
+        f"{cluster.tasks_per_node} node daemon(s) per node,",
+        "# then "
+        + (
+            f"the RL job {cluster.job}."
+            if cluster.job
+            else "held until the allocation ends (attach jobs with `nereus run --connect`)."
+        ),
+        "# Relative paths start from the folder sbatch runs in: submit from there.",
+        f"#SBATCH --job-name={options.job_name}",
+        f"#SBATCH --nodes={options.nodes}",
+        f"#SBATCH --ntasks-per-node={cluster.tasks_per_node}",
+    ]
     if cluster.uses_gpus:
         lines.append(f"#SBATCH --gpus-per-node={cluster.tasks_per_node * cluster.gpus_per_task}")
     if options.cpus_per_task:

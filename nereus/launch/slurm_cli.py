@@ -27,8 +27,9 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nereus slurm",
-                                 description="Start nereus clusters (and RL jobs) under Slurm.")
+    ap = argparse.ArgumentParser(
+        prog="nereus slurm", description="Start nereus clusters (and RL jobs) under Slurm."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     script = sub.add_parser("script", help="print the sbatch script of a cluster (and its job)")
     add_cluster_args(script)
@@ -37,13 +38,25 @@ def _parser() -> argparse.ArgumentParser:
     script.add_argument("--partition", default="")
     script.add_argument("--account", default="")
     script.add_argument("--time", default="", help="time limit, e.g. 04:00:00")
-    script.add_argument("--cpus-per-task", type=int, default=0,
-                        help="CPUs for each node daemon (0: Slurm's default)")
+    script.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=0,
+        help="CPUs for each node daemon (0: Slurm's default)",
+    )
     script.add_argument("--output", default="nereus-%j.out", help="the job's output file")
-    script.add_argument("--python", default=sys.executable,
-                        help="the Python with nereus that every node runs (default: this one)")
-    script.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                        help="one more #SBATCH option, e.g. --sbatch=--constraint=a100")
+    script.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the Python with nereus that every node runs (default: this one)",
+    )
+    script.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="one more #SBATCH option, e.g. --sbatch=--constraint=a100",
+    )
     script.add_argument("-o", "--out", default="-", help="file to write (default: stdout)")
     run = sub.add_parser("run", help="inside an allocation: start the cluster (and the job)")
     add_cluster_args(run)
@@ -61,10 +74,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _script(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args)
-    options = SbatchOptions(nodes=args.nodes, job_name=args.job_name, partition=args.partition,
-                            account=args.account, time=args.time,
-                            cpus_per_task=args.cpus_per_task, output=args.output,
-                            python=args.python, extra=tuple(args.sbatch))
+    options = SbatchOptions(
+        nodes=args.nodes,
+        job_name=args.job_name,
+        partition=args.partition,
+        account=args.account,
+        time=args.time,
+        cpus_per_task=args.cpus_per_task,
+        output=args.output,
+        python=args.python,
+        extra=tuple(args.sbatch),
+    )
     text = render_sbatch(cluster, options)
     if args.out == "-":
         sys.stdout.write(text)
@@ -85,18 +105,27 @@ def _run(args: argparse.Namespace) -> int:
 def _node(args: argparse.Namespace) -> int:
     from nereus.launch._slurm_driver import node_main
 
-    device_argv = (["--devices", str(args.devices)] if args.devices is not None
-                   else ["--gpus", args.gpus])
+    device_argv = (
+        ["--devices", str(args.devices)] if args.devices is not None else ["--gpus", args.gpus]
+    )
     if args.memory_per_device:
         device_argv += ["--memory-per-device", args.memory_per_device]
-    node_main(args.controller, args.key_file, device_argv, heartbeat_s=args.heartbeat_s,
-              start_timeout_s=args.start_timeout_s)
+    node_main(
+        args.controller,
+        args.key_file,
+        device_argv,
+        heartbeat_s=args.heartbeat_s,
+        start_timeout_s=args.start_timeout_s,
+    )
     return 0  # not reached: node_main execs the daemon
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s slurm %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s slurm %(name)s %(levelname)s %(message)s"
+    )
     command = {"script": _script, "run": _run, "node": _node}[args.command]
-    return exit_status(f"nereus slurm {args.command}", lambda: command(args), failure=(NereusError,))
+    return exit_status(
+        f"nereus slurm {args.command}", lambda: command(args), failure=(NereusError,)
+    )

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DecodeStep", "StepTables", "decode_step_plan", "layer_parts", "decode_layer", "attend_one", "rms_norm_rows"]
+__all__ = [
+    "DecodeStep",
+    "StepTables",
+    "decode_step_plan",
+    "layer_parts",
+    "decode_layer",
+    "attend_one",
+    "rms_norm_rows",
+]
 
 
 @dataclass
@@ -45,7 +53,15 @@ class StepTables:
     that turn the RoPE table's ``[cos, signed sin]`` into that head's pair, epsilon, and
     slot ids."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, eps: float, max_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        max_len: int,
+        device: torch.device,
+    ) -> None:
         total = heads + 2 * kv_heads
         self.scale = torch.ones(total, 2, 1, device=device)
         self.scale[:heads] = head_dim**-0.5
@@ -57,7 +73,12 @@ class StepTables:
 
 
 def decode_step_plan(
-    tables: StepTables, rope_table: torch.Tensor, positions: torch.Tensor, pair: torch.Tensor, low: int, high: int
+    tables: StepTables,
+    rope_table: torch.Tensor,
+    positions: torch.Tensor,
+    pair: torch.Tensor,
+    low: int,
+    high: int,
 ) -> DecodeStep:
     """The shared part of a decode step for ``positions`` ``[B]`` (all ``>= 0``) whose
     smallest and largest entries are ``low`` and ``high``, with pair buffers shaped and
@@ -69,7 +90,14 @@ def decode_step_plan(
     views = None
     if st[1] == kv_heads * st[2]:
         n = positions.shape[0] * kv_heads
-        views = (st, (n, d, kv_len), (st[2], st[4], st[3]), (n, kv_len, d), (st[2], st[3], st[4]), st[0])
+        views = (
+            st,
+            (n, d, kv_len),
+            (st[2], st[4], st[3]),
+            (n, kv_len, d),
+            (st[2], st[3], st[4]),
+            st[0],
+        )
     if low == high:
         rows = rope_table.narrow(0, low, 1)  # [1, 2, D]
         slot, index, bias = low, None, None
@@ -77,10 +105,14 @@ def decode_step_plan(
         rows = rope_table.index_select(0, positions)  # [B, 2, D]
         b = positions.shape[0]
         slot = None
-        starts = torch.arange(0, b * kv_heads * slots, slots, device=positions.device).view(b, kv_heads)
+        starts = torch.arange(0, b * kv_heads * slots, slots, device=positions.device).view(
+            b, kv_heads
+        )
         index = (starts + positions.view(b, 1)).view(-1)
         beyond = tables.slot_ids.narrow(0, 0, kv_len) > positions.view(b, 1)
-        bias = torch.where(beyond, float("-inf"), 0.0).repeat_interleave(kv_heads, dim=0).unsqueeze(1)
+        bias = (
+            torch.where(beyond, float("-inf"), 0.0).repeat_interleave(kv_heads, dim=0).unsqueeze(1)
+        )
     cos, sin = torch.addcmul(tables.offset, rows.unsqueeze(1), tables.scale).unbind(2)
     return DecodeStep(cos, sin, kv_len, slot, index, bias, tables.eps, views)
 
@@ -91,7 +123,9 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> t
     return torch.mul(x, torch.addcmul(eps, n, n, value=1.0 / x.shape[-1]).rsqrt_()).mul_(weight)
 
 
-def attend_one(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def attend_one(
+    q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """``softmax(q k^T + bias) v`` for ``q`` ``[B * kv_heads, rep, D]`` (already scaled),
     ``kt`` (``k^T``) ``[B * kv_heads, D, S]``, ``v`` ``[B * kv_heads, S, D]`` and ``bias``
     ``[B * kv_heads, 1, S]`` or None."""
@@ -123,16 +157,24 @@ def layer_parts(layer) -> tuple:
     norm1, attn, norm2, mlp = layer._parts
     o, down = attn.o_proj, mlp.down_proj
     return (
-        norm1._parameters, attn.qkv_proj._parameters, o._parameters,
-        norm2._parameters, mlp.gate_up_proj._parameters, down._parameters,
-        attn.heads_local, attn.kv_heads_local, attn.head_dim,
+        norm1._parameters,
+        attn.qkv_proj._parameters,
+        o._parameters,
+        norm2._parameters,
+        mlp.gate_up_proj._parameters,
+        down._parameters,
+        attn.heads_local,
+        attn.kv_heads_local,
+        attn.head_dim,
         None if o.bias is None and o.pc.tp_size == 1 else o,
         None if down.bias is None and down.pc.tp_size == 1 else down,
         None if attn.q_norm is None else (attn.q_norm._parameters, attn.k_norm._parameters),
     )
 
 
-def decode_layer(parts: tuple, h: torch.Tensor, step: DecodeStep, pair: torch.Tensor) -> torch.Tensor:
+def decode_layer(
+    parts: tuple, h: torch.Tensor, step: DecodeStep, pair: torch.Tensor
+) -> torch.Tensor:
     """One ``DecoderLayer`` (given as its ``layer_parts``) on rows ``h`` ``[B, hidden]``:
     writes this step's k/v into the layer's pair buffer and returns the layer's output
     ``[B, hidden]``. The norms and residual adds are inlined: at this size a Python call
@@ -152,12 +194,19 @@ def decode_layer(parts: tuple, h: torch.Tensor, step: DecodeStep, pair: torch.Te
         qkv.narrow(1, nq, nkv).mul_(qk_norms[1]["weight"])
     qkv = torch.addcmul(qkv * step.cos, torch.roll(qkv, d // 2, 2), step.sin)
     # The new k and v heads as [2, B, kv_heads, D]: one view of the fresh (contiguous) qkv.
-    _write(pair, qkv.as_strided((2, b, nkv, d), (nkv * d, heads * d, d, 1), qkv.storage_offset() + nq * d), step)
+    _write(
+        pair,
+        qkv.as_strided((2, b, nkv, d), (nkv * d, heads * d, d, 1), qkv.storage_offset() + nq * d),
+        step,
+    )
     q = qkv.narrow(1, 0, nq).reshape(b * nkv, nq // nkv, d)
     views = step.views
     if views is not None and pair.stride() == views[0]:
         base = pair.storage_offset()
-        kt, v = pair.as_strided(views[1], views[2], base), pair.as_strided(views[3], views[4], base + views[5])
+        kt, v = (
+            pair.as_strided(views[1], views[2], base),
+            pair.as_strided(views[3], views[4], base + views[5]),
+        )
     else:
         k, v = pair.narrow(3, 0, step.kv_len).reshape(2, b * nkv, step.kv_len, d).unbind(0)
         kt = k.transpose(1, 2)
@@ -167,4 +216,6 @@ def decode_layer(parts: tuple, h: torch.Tensor, step: DecodeStep, pair: torch.Te
     x = torch.mul(h, torch.addcmul(eps, n, n, value=inv_h).rsqrt_()).mul_(norm2["weight"])
     gate, up = F.linear(x, gate_up_p["weight"]).chunk(2, dim=-1)
     x = torch.mul(F.silu(gate, inplace=True), up)
-    return torch.addmm(h, x, down_p["weight"].t()) if down_proj is None else h + down_proj.forward(x)
+    return (
+        torch.addmm(h, x, down_p["weight"].t()) if down_proj is None else h + down_proj.forward(x)
+    )

@@ -67,12 +67,20 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     """``messages`` as a list of ``{"role": str, "content": str}``; ``ConfigError`` naming
     ``where`` otherwise."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ConfigError(f"{where}: expected a non-empty list of chat messages, got {messages!r:.200}")
+        raise ConfigError(
+            f"{where}: expected a non-empty list of chat messages, got {messages!r:.200}"
+        )
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ConfigError(f"{where}: message {i} must be a map with string 'role' and 'content', got "
-                f"{m!r:.200}")
+        if (
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ConfigError(
+                f"{where}: message {i} must be a map with string 'role' and 'content', got "
+                f"{m!r:.200}"
+            )
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -86,10 +94,20 @@ def _compile(template: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

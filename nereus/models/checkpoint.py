@@ -43,7 +43,16 @@ from nereus.models.decoder import DecoderStage, torch_dtype
 from nereus.models.layers import ShardedModule, component_range
 from nereus.models.parallel import ParallelContext
 
-__all__ = ["LoadReport", "load_stage_weights", "read_score_head", "save_checkpoint", "hf_state_dict", "hf_tensor_names", "INDEX_FILE", "SINGLE_FILE"]
+__all__ = [
+    "LoadReport",
+    "load_stage_weights",
+    "read_score_head",
+    "save_checkpoint",
+    "hf_state_dict",
+    "hf_tensor_names",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+]
 
 log = logging.getLogger("nereus.models")
 
@@ -88,7 +97,9 @@ class _CheckpointReader:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
-                raise ConfigError(f"{str(index)!r} is not a safetensors index (needs a 'weight_map'): {e}") from None
+                raise ConfigError(
+                    f"{str(index)!r} is not a safetensors index (needs a 'weight_map'): {e}"
+                ) from None
             self.files = dict(weight_map)
             return
         single = model_dir / SINGLE_FILE
@@ -106,7 +117,9 @@ class _CheckpointReader:
         if file not in self._handles:
             path = self.dir / file
             if not path.is_file():
-                raise ConfigError(f"checkpoint file {str(path)!r} (named by {INDEX_FILE}) does not exist")
+                raise ConfigError(
+                    f"checkpoint file {str(path)!r} (named by {INDEX_FILE}) does not exist"
+                )
             self._handles[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
             self.report.files.append(file)
         return self._handles[file]
@@ -114,7 +127,14 @@ class _CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def read(self, name: str, expected: tuple[int, ...], dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        expected: tuple[int, ...],
+        dim: int | None = None,
+        start: int = 0,
+        stop: int = 0,
+    ) -> torch.Tensor:
         """Tensor ``name`` (global shape must be ``expected``), or its ``[start, stop)``
         range along ``dim``; only those bytes are read."""
         if name not in self.files:
@@ -137,7 +157,9 @@ class _CheckpointReader:
         return tensor
 
 
-def _read_param(reader: _CheckpointReader, module: ShardedModule, local: str, name: str, pc: ParallelContext) -> torch.Tensor:
+def _read_param(
+    reader: _CheckpointReader, module: ShardedModule, local: str, name: str, pc: ParallelContext
+) -> torch.Tensor:
     rule, components = module.shard_rules[local]
     shape = module.global_shapes[local]
     sources = hf_tensor_names(name)
@@ -149,7 +171,9 @@ def _read_param(reader: _CheckpointReader, module: ShardedModule, local: str, na
     # column or vocab: split along dim 0, per component when fused
     comps = [(c.size, c.units) for c in components] or [(shape[0], shape[0])]
     if len(sources) != len(comps):
-        raise StateError(f"{name!r} has {len(comps)} components but maps to {len(sources)} checkpoint tensors")
+        raise StateError(
+            f"{name!r} has {len(comps)} components but maps to {len(sources)} checkpoint tensors"
+        )
     pieces = []
     for src, (size, units) in zip(sources, comps, strict=True):
         start, stop = component_range(size, units, pc.tp_rank, pc.tp_size, f"{name}:{src}")
@@ -168,7 +192,12 @@ def load_stage_weights(
     ``parallel_ctx`` defaults to the one the stage was built with (and must agree with it).
     Parameters named in ``optional`` that the checkpoint lacks keep their initial values."""
     pc = parallel_ctx or stage.pc
-    if (pc.tp_rank, pc.tp_size, pc.pp_rank, pc.pp_size) != (stage.pc.tp_rank, stage.pc.tp_size, stage.pc.pp_rank, stage.pc.pp_size):
+    if (pc.tp_rank, pc.tp_size, pc.pp_rank, pc.pp_size) != (
+        stage.pc.tp_rank,
+        stage.pc.tp_size,
+        stage.pc.pp_rank,
+        stage.pc.pp_size,
+    ):
         raise ConfigError(f"parallel_ctx={pc!r} disagrees with the stage's {stage.pc!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -179,20 +208,30 @@ def load_stage_weights(
             for local, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{local}" if module_name else local
                 if not isinstance(module, ShardedModule):
-                    raise StateError(f"parameter {name!r} is owned by {type(module).__name__}, which "
-                        "declares no shard rule")
+                    raise StateError(
+                        f"parameter {name!r} is owned by {type(module).__name__}, which "
+                        "declares no shard rule"
+                    )
                 if name in optional and not all(reader.has(src) for src in hf_tensor_names(name)):
                     continue
                 tensor = _read_param(reader, module, local, name, pc)
                 if tuple(tensor.shape) != tuple(param.shape):
-                    raise StateError(f"{name!r}: read a shard of shape {tuple(tensor.shape)} for a "
-                        f"parameter of shape {tuple(param.shape)}")
+                    raise StateError(
+                        f"{name!r}: read a shard of shape {tuple(tensor.shape)} for a "
+                        f"parameter of shape {tuple(param.shape)}"
+                    )
                 param.copy_(tensor.to(param.dtype))
                 reader.report.params += 1
         report = reader.report
     log.info(
         "loaded %d parameters (%.1f MiB) for tp %d/%d pp %d/%d from %s",
-        report.params, report.bytes_read / 2**20, pc.tp_rank, pc.tp_size, pc.pp_rank, pc.pp_size, model_dir,
+        report.params,
+        report.bytes_read / 2**20,
+        pc.tp_rank,
+        pc.tp_size,
+        pc.pp_rank,
+        pc.pp_size,
+        model_dir,
     )
     return report
 
@@ -206,15 +245,21 @@ def read_score_head(model_dir: str | Path, hidden_size: int) -> dict[str, torch.
         if not reader.has("score.weight"):
             return {}
         weight = reader.read("score.weight", (1, hidden_size))
-        bias = reader.read("score.bias", (1,)) if reader.has("score.bias") else torch.zeros(1, dtype=weight.dtype)
+        bias = (
+            reader.read("score.bias", (1,))
+            if reader.has("score.bias")
+            else torch.zeros(1, dtype=weight.dtype)
+        )
     return {"weight": weight, "bias": bias}
 
 
 def hf_state_dict(model: DecoderStage) -> dict[str, torch.Tensor]:
     """A whole model's weights under Hugging Face names (fused tensors split)."""
     if model.pc.tp_size != 1 or model.pc.pp_size != 1:
-        raise StateError(f"hf_state_dict needs the whole model (tp=1, pp=1), got tp={model.pc.tp_size} "
-            f"pp={model.pc.pp_size}")
+        raise StateError(
+            f"hf_state_dict needs the whole model (tp=1, pp=1), got tp={model.pc.tp_size} "
+            f"pp={model.pc.pp_size}"
+        )
     out: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         for local, param in module.named_parameters(recurse=False):
@@ -224,13 +269,20 @@ def hf_state_dict(model: DecoderStage) -> dict[str, torch.Tensor]:
                 out[name] = param.detach().contiguous()
                 continue
             _, components = module.shard_rules[local]
-            for src, piece in zip(sources, torch.split(param.detach(), [c.size for c in components], dim=0), strict=True):
+            for src, piece in zip(
+                sources,
+                torch.split(param.detach(), [c.size for c in components], dim=0),
+                strict=True,
+            ):
                 out[src] = piece.contiguous()
     return out
 
 
 def save_checkpoint(
-    model: DecoderStage, directory: str | Path, max_shard_bytes: int | None = None, dtype: str | None = None
+    model: DecoderStage,
+    directory: str | Path,
+    max_shard_bytes: int | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Write ``model`` (TP 1, PP 1) as a Hugging Face folder: config.json plus
     ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and the index

@@ -35,7 +35,11 @@ __all__ = ["ModelConfig", "ARCHITECTURES"]
 Architecture = Literal["llama", "qwen2", "qwen3"]
 
 # model_type -> the class name transformers writes into "architectures".
-ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 _DTYPES = ("float32", "float16", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -67,36 +71,90 @@ class ModelConfig:
     rope_original_max_position_embeddings: int = 0  # llama3: the pretraining context
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
-            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                    f"ModelConfig.{name}", value, "must be an integer >= 1")
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"ModelConfig.{name}",
+                value,
+                "must be an integer >= 1",
+            )
         if self.head_dim == 0:
-            require(self.hidden_size % self.num_attention_heads == 0, "ModelConfig.hidden_size",
-                    self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads} when "
-                        "head_dim is not given")
+            require(
+                self.hidden_size % self.num_attention_heads == 0,
+                "ModelConfig.hidden_size",
+                self.hidden_size,
+                f"must be divisible by num_attention_heads={self.num_attention_heads} when "
+                "head_dim is not given",
+            )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        require(self.head_dim >= 2 and self.head_dim % 2 == 0, "ModelConfig.head_dim", self.head_dim,
-                "must be an even integer >= 2 (RoPE rotates pairs)")
-        require(self.num_attention_heads % self.num_key_value_heads == 0, "ModelConfig.num_key_value_heads",
-                self.num_key_value_heads, f"must divide num_attention_heads={self.num_attention_heads}")
+        require(
+            self.head_dim >= 2 and self.head_dim % 2 == 0,
+            "ModelConfig.head_dim",
+            self.head_dim,
+            "must be an even integer >= 2 (RoPE rotates pairs)",
+        )
+        require(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "ModelConfig.num_key_value_heads",
+            self.num_key_value_heads,
+            f"must divide num_attention_heads={self.num_attention_heads}",
+        )
         require(self.rms_norm_eps > 0, "ModelConfig.rms_norm_eps", self.rms_norm_eps, "must be > 0")
         require(self.rope_theta > 0, "ModelConfig.rope_theta", self.rope_theta, "must be > 0")
-        require(self.torch_dtype in _DTYPES, "ModelConfig.torch_dtype", self.torch_dtype, f"must be one of {list(_DTYPES)}")
-        require(self.architecture in ARCHITECTURES, "ModelConfig.architecture", self.architecture,
-                f"must be one of {sorted(ARCHITECTURES)}")
+        require(
+            self.torch_dtype in _DTYPES,
+            "ModelConfig.torch_dtype",
+            self.torch_dtype,
+            f"must be one of {list(_DTYPES)}",
+        )
+        require(
+            self.architecture in ARCHITECTURES,
+            "ModelConfig.architecture",
+            self.architecture,
+            f"must be one of {sorted(ARCHITECTURES)}",
+        )
         if self.architecture == "qwen2":
-            require(self.attention_bias, "ModelConfig.attention_bias", self.attention_bias,
-                    "must be true for qwen2 (its q/k/v projections always have biases)")
-        require(self.rope_type in ROPE_TYPES, "ModelConfig.rope_type", self.rope_type, f"must be one of {list(ROPE_TYPES)}")
+            require(
+                self.attention_bias,
+                "ModelConfig.attention_bias",
+                self.attention_bias,
+                "must be true for qwen2 (its q/k/v projections always have biases)",
+            )
+        require(
+            self.rope_type in ROPE_TYPES,
+            "ModelConfig.rope_type",
+            self.rope_type,
+            f"must be one of {list(ROPE_TYPES)}",
+        )
         if self.rope_type != "default":
-            require(self.rope_factor >= 1.0, "ModelConfig.rope_factor", self.rope_factor, f"must be >= 1 for rope_type={self.rope_type!r}")
+            require(
+                self.rope_factor >= 1.0,
+                "ModelConfig.rope_factor",
+                self.rope_factor,
+                f"must be >= 1 for rope_type={self.rope_type!r}",
+            )
         if self.rope_type == "llama3":
-            require(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, "ModelConfig.rope_high_freq_factor",
-                    self.rope_high_freq_factor, f"must be > rope_low_freq_factor={self.rope_low_freq_factor} > 0")
-            require(self.rope_original_max_position_embeddings >= 1, "ModelConfig.rope_original_max_position_embeddings",
-                    self.rope_original_max_position_embeddings, "must be >= 1 for rope_type='llama3'")
+            require(
+                self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
+                "ModelConfig.rope_high_freq_factor",
+                self.rope_high_freq_factor,
+                f"must be > rope_low_freq_factor={self.rope_low_freq_factor} > 0",
+            )
+            require(
+                self.rope_original_max_position_embeddings >= 1,
+                "ModelConfig.rope_original_max_position_embeddings",
+                self.rope_original_max_position_embeddings,
+                "must be >= 1 for rope_type='llama3'",
+            )
 
     # --- derived numbers -------------------------------------------------------------
     @property
@@ -128,8 +186,11 @@ class ModelConfig:
             return None
         out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.rope_factor}
         if self.rope_type == "llama3":
-            out.update(low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
-                       original_max_position_embeddings=self.rope_original_max_position_embeddings)
+            out.update(
+                low_freq_factor=self.rope_low_freq_factor,
+                high_freq_factor=self.rope_high_freq_factor,
+                original_max_position_embeddings=self.rope_original_max_position_embeddings,
+            )
         return out
 
     # --- Hugging Face ----------------------------------------------------------------
@@ -155,16 +216,24 @@ class ModelConfig:
     def _from_hf_dict(cls, data: dict[str, Any], where: str) -> ModelConfig:
         arch = data.get("model_type")
         if arch not in ARCHITECTURES:
-            raise ConfigError(f"{where}: model_type={arch!r} must be one of {sorted(ARCHITECTURES)}")
+            raise ConfigError(
+                f"{where}: model_type={arch!r} must be one of {sorted(ARCHITECTURES)}"
+            )
         act = data.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{where}: hidden_act={act!r} must be 'silu' (SwiGLU)")
         if data.get("mlp_bias", False):
-            raise ConfigError(f"{where}: mlp_bias=True is not supported (the family has no MLP biases)")
+            raise ConfigError(
+                f"{where}: mlp_bias=True is not supported (the family has no MLP biases)"
+            )
         if data.get("use_sliding_window", False):
-            raise ConfigError(f"{where}: use_sliding_window=True is not supported (full attention only)")
+            raise ConfigError(
+                f"{where}: use_sliding_window=True is not supported (full attention only)"
+            )
         if data.get("layer_types") and any(t != "full_attention" for t in data["layer_types"]):
-            raise ConfigError(f"{where}: layer_types={data['layer_types']!r} must all be 'full_attention'")
+            raise ConfigError(
+                f"{where}: layer_types={data['layer_types']!r} must all be 'full_attention'"
+            )
         # transformers 5 writes rope_parameters; older files rope_theta and rope_scaling.
         old_style = dict(data.get("rope_scaling") or {})
         if "type" in old_style and "rope_type" not in old_style:
@@ -180,14 +249,29 @@ class ModelConfig:
         if rope_type != "default":
             scaling = {"rope_type": rope_type, "rope_factor": float(rope.get("factor", 1.0))}
         if rope_type == "llama3":
-            missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k not in rope]
+            missing = [
+                k
+                for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                if k not in rope
+            ]
             if missing:
-                raise ConfigError(f"{where}: rope_type 'llama3' needs {missing} in rope_scaling/rope_parameters")
-            scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]), rope_high_freq_factor=float(rope["high_freq_factor"]),
-                           rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+                raise ConfigError(
+                    f"{where}: rope_type 'llama3' needs {missing} in rope_scaling/rope_parameters"
+                )
+            scaling.update(
+                rope_low_freq_factor=float(rope["low_freq_factor"]),
+                rope_high_freq_factor=float(rope["high_freq_factor"]),
+                rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
         theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
         dtype = data.get("torch_dtype") or data.get("dtype") or "float32"
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
         missing = [k for k in required if k not in data]
         if missing:
             raise ConfigError(f"{where}: missing required key(s) {missing}")
@@ -229,7 +313,11 @@ class ModelConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
+            "rope_parameters": {
+                "rope_type": "default",
+                **(self.rope_scaling or {}),
+                "rope_theta": self.rope_theta,
+            },
             "rope_scaling": self.rope_scaling,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,

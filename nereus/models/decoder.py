@@ -65,12 +65,34 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def check_layout(config: ModelConfig, tp_size: int, pp_size: int) -> None:
     """Raise ``ConfigError`` unless the model can be cut into ``tp_size`` x ``pp_size``."""
     c = config
-    require(c.num_attention_heads % tp_size == 0, "tp_size", tp_size, f"must divide num_attention_heads={c.num_attention_heads}")
+    require(
+        c.num_attention_heads % tp_size == 0,
+        "tp_size",
+        tp_size,
+        f"must divide num_attention_heads={c.num_attention_heads}",
+    )
     kv = c.num_key_value_heads
-    require(kv % tp_size == 0 or tp_size % kv == 0, "tp_size", tp_size, f"must divide num_key_value_heads={kv} or be a multiple of it")
-    require(c.intermediate_size % tp_size == 0, "tp_size", tp_size, f"must divide intermediate_size={c.intermediate_size}")
-    require(c.vocab_size % tp_size == 0, "tp_size", tp_size, f"must divide vocab_size={c.vocab_size}")
-    require(pp_size <= c.num_hidden_layers, "pp_size", pp_size, f"must be <= num_hidden_layers={c.num_hidden_layers}")
+    require(
+        kv % tp_size == 0 or tp_size % kv == 0,
+        "tp_size",
+        tp_size,
+        f"must divide num_key_value_heads={kv} or be a multiple of it",
+    )
+    require(
+        c.intermediate_size % tp_size == 0,
+        "tp_size",
+        tp_size,
+        f"must divide intermediate_size={c.intermediate_size}",
+    )
+    require(
+        c.vocab_size % tp_size == 0, "tp_size", tp_size, f"must divide vocab_size={c.vocab_size}"
+    )
+    require(
+        pp_size <= c.num_hidden_layers,
+        "pp_size",
+        pp_size,
+        f"must be <= num_hidden_layers={c.num_hidden_layers}",
+    )
 
 
 @dataclass
@@ -90,29 +112,42 @@ class KVCache:
     @classmethod
     def of_pairs(cls, pairs: dict[int, torch.Tensor], max_len: int) -> KVCache:
         """The cache whose keys and values are the two halves of each pair buffer."""
-        return cls({i: p[0] for i, p in pairs.items()}, {i: p[1] for i, p in pairs.items()}, max_len, pairs)
+        return cls(
+            {i: p[0] for i, p in pairs.items()}, {i: p[1] for i, p in pairs.items()}, max_len, pairs
+        )
 
     def rows(self, rows: slice) -> KVCache:
         """A view of some rows (a slice of the batch) of this cache."""
         if self.pairs is None:
-            return KVCache({i: k[rows] for i, k in self.keys.items()}, {i: v[rows] for i, v in self.values.items()},
-                           self.max_len)
+            return KVCache(
+                {i: k[rows] for i, k in self.keys.items()},
+                {i: v[rows] for i, v in self.values.items()},
+                self.max_len,
+            )
         return KVCache.of_pairs({i: p[:, rows] for i, p in self.pairs.items()}, self.max_len)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        return sum(
+            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
+        )
 
 
 def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> torch.Tensor:
     """RoPE's inverse frequencies ``[head_dim / 2]`` (float32), scaled as ``config.rope_type``
     says, by the same formulas as transformers' ``ROPE_INIT_FUNCTIONS``."""
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    inv = 1.0 / (
+        config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+    )
     if config.rope_type == "linear":
         return inv / config.rope_factor
     if config.rope_type == "llama3":
-        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        factor, low, high = (
+            config.rope_factor,
+            config.rope_low_freq_factor,
+            config.rope_high_freq_factor,
+        )
         old = config.rope_original_max_position_embeddings
         wavelen = 2 * math.pi / inv
         # Long wavelengths (beyond the pretraining context / low) are stretched by factor,
@@ -152,7 +187,9 @@ class RotaryEmbedding(nn.Module):
                 table = self._build(key, length, table, dtype)
         return table
 
-    def _build(self, key: tuple, length: int, table: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def _build(
+        self, key: tuple, length: int, table: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
         # Grow geometrically so a decode loop rebuilds it O(log n) times.
         n = max(length, 64, 2 * (table.shape[0] if table is not None else 0))
         pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
@@ -165,7 +202,11 @@ class RotaryEmbedding(nn.Module):
         return table
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype, length: int | None = None, start: int | None = None
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        length: int | None = None,
+        start: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ``[B or 1, T, 1, head_dim]`` for ``positions`` ``[B, T]``
         (padding reads position 0); ``length`` bounds the positions (computed when None).
@@ -210,7 +251,9 @@ class _AttentionPlan:
     uniform: bool = False  # every row at the same positions (the first is ``low``)
 
 
-def _attention_plan(positions: torch.Tensor, kv_len: int | None, low: int, high: int) -> _AttentionPlan:
+def _attention_plan(
+    positions: torch.Tensor, kv_len: int | None, low: int, high: int
+) -> _AttentionPlan:
     """``kv_len``: None without a cache, else the cache slots attended over; ``low`` and
     ``high``: the smallest and largest entry of ``positions``."""
     t = positions.shape[1]
@@ -230,7 +273,9 @@ def _attention_plan(positions: torch.Tensor, kv_len: int | None, low: int, high:
         return _AttentionPlan(mask.unsqueeze(1))
     if uniform and kv_len == high + 1:
         # Prefill from slot 0 is causal; one decode step sees every written slot.
-        return _AttentionPlan(None, causal=low == 0 and t > 1, start=low, kv_len=kv_len, uniform=True)
+        return _AttentionPlan(
+            None, causal=low == 0 and t > 1, start=low, kv_len=kv_len, uniform=True
+        )
     rows, cols = valid.nonzero(as_tuple=True)
     slots = positions[rows, cols]
     slot_ids = torch.arange(kv_len, device=positions.device)
@@ -292,14 +337,20 @@ def _gate_up_components(c: ModelConfig) -> tuple[Component, ...]:
 class Attention(nn.Module):
     """GQA self-attention with fused, column-parallel q/k/v and a row-parallel output."""
 
-    def __init__(self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(
+        self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device
+    ) -> None:
         super().__init__()
         self.head_dim = c.head_dim
         self.heads_local = c.num_attention_heads // pc.tp_size
         self.kv_heads_local = max(1, c.num_key_value_heads // pc.tp_size)
         comps = _qkv_components(c)
-        self.qkv_proj = ColumnParallelLinear(c.hidden_size, comps, pc, bias=c.has_qkv_bias, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(c.q_size, c.hidden_size, pc, bias=c.has_o_bias, dtype=dtype, device=device)
+        self.qkv_proj = ColumnParallelLinear(
+            c.hidden_size, comps, pc, bias=c.has_qkv_bias, dtype=dtype, device=device
+        )
+        self.o_proj = RowParallelLinear(
+            c.q_size, c.hidden_size, pc, bias=c.has_o_bias, dtype=dtype, device=device
+        )
         self.q_norm = self.k_norm = None
         if c.has_qk_norm:
             self.q_norm = HeadRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
@@ -317,7 +368,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)
         qk = qkv.narrow(-1, 0, (h + kv) * d).view(b, t, h + kv, d)
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm.forward(qk.narrow(2, 0, h)), self.k_norm.forward(qk.narrow(2, h, kv))), dim=2)
+            qk = torch.cat(
+                (self.q_norm.forward(qk.narrow(2, 0, h)), self.k_norm.forward(qk.narrow(2, h, kv))),
+                dim=2,
+            )
         # q and k sit side by side in the fused output: rotate both with one set of ops.
         qk = _apply_rope(qk, *rope)
         q, k = qk.narrow(2, 0, h), qk.narrow(2, h, kv)
@@ -341,10 +395,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with fused, column-parallel gate/up."""
 
-    def __init__(self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(
+        self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device
+    ) -> None:
         super().__init__()
         i = c.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(c.hidden_size, _gate_up_components(c), pc, dtype=dtype, device=device)
+        self.gate_up_proj = ColumnParallelLinear(
+            c.hidden_size, _gate_up_components(c), pc, dtype=dtype, device=device
+        )
         self.down_proj = RowParallelLinear(i, c.hidden_size, pc, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -356,7 +414,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(
+        self, c: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.self_attn = Attention(c, pc, dtype, device)
@@ -364,7 +424,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c, pc, dtype, device)
         # Plain references (a tuple is not registered again): the hot path skips
         # nn.Module.__getattr__ for its submodules.
-        self._parts = (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+        self._parts = (
+            self.input_layernorm,
+            self.self_attn,
+            self.post_attention_layernorm,
+            self.mlp,
+        )
 
     def forward(self, x, rope, plan, cache=None):
         norm1, attn, norm2, mlp = self._parts
@@ -379,8 +444,14 @@ class _Body(nn.Module):
 class DecoderStage(nn.Module):
     """One pipeline stage of the decoder on one TP rank (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, pc: ParallelContext, dtype: torch.dtype, device: str | torch.device,
-                 value_head: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        pc: ParallelContext,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        value_head: bool = False,
+    ) -> None:
         super().__init__()
         self.config = config
         self.pc = pc
@@ -390,18 +461,26 @@ class DecoderStage(nn.Module):
         self.model = _Body()
         needs_embed = pc.is_first_stage or (pc.is_last_stage and c.tie_word_embeddings)
         if needs_embed:
-            self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, pc, dtype, device)
-        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(c, pc, dtype, device) for i in self.layer_ids})
+            self.model.embed_tokens = VocabParallelEmbedding(
+                c.vocab_size, c.hidden_size, pc, dtype, device
+            )
+        self.model.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(c, pc, dtype, device) for i in self.layer_ids}
+        )
         # A plain list (not registered twice) spares the hot loop the ModuleDict lookups.
         self._layers: list[DecoderLayer] = [self.model.layers[str(i)] for i in self.layer_ids]
         # training: recompute each layer's activations in backward (keep only its input)
         self.recompute_activations = False
         self.rotary = RotaryEmbedding(c, device)
-        self._decode_setup: tuple | None = None  # the decode path's constants and parts, made on first use
+        self._decode_setup: tuple | None = (
+            None  # the decode path's constants and parts, made on first use
+        )
         if pc.is_last_stage:
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
             tied = self.model.embed_tokens if c.tie_word_embeddings else None
-            self.lm_head = ParallelLMHead(c.hidden_size, c.vocab_size, pc, tied=tied, dtype=dtype, device=device)
+            self.lm_head = ParallelLMHead(
+                c.hidden_size, c.vocab_size, pc, tied=tied, dtype=dtype, device=device
+            )
         self.value_head: ValueHead | None = None
         if value_head and pc.is_last_stage:
             self.value_head = ValueHead(c.hidden_size, dtype, device)
@@ -414,12 +493,22 @@ class DecoderStage(nn.Module):
     def kv_heads_local(self) -> int:
         return max(1, self.config.num_key_value_heads // self.pc.tp_size)
 
-    def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> KVCache:
+    def new_kv_cache(
+        self,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> KVCache:
         """Zeroed k/v of ``[batch, kv_heads_local, max_len, head_dim]`` per local layer (the
         two halves of one pair buffer, see ``KVCache``)."""
         require(batch >= 1, "batch", batch, "must be >= 1")
-        require(1 <= max_len <= self.config.max_position_embeddings, "max_len", max_len,
-                f"must be in [1, max_position_embeddings={self.config.max_position_embeddings}]")
+        require(
+            1 <= max_len <= self.config.max_position_embeddings,
+            "max_len",
+            max_len,
+            f"must be in [1, max_position_embeddings={self.config.max_position_embeddings}]",
+        )
         dtype = dtype or self.dtype
         device = device or self.rotary.inv_freq.device
         shape = (2, batch, self.kv_heads_local, max_len, self.config.head_dim)
@@ -445,18 +534,33 @@ class DecoderStage(nn.Module):
         ``[B, V/tp]``. Other stages return hidden states ``[B, T, H]``."""
         require(output in ("logits", "hidden"), "output", output, "must be 'logits' or 'hidden'")
         if positions.shape != x.shape[:2]:  # checked before formatting: this runs every token
-            require(False, "positions.shape", tuple(positions.shape), f"must equal the batch shape {tuple(x.shape[:2])}")
+            require(
+                False,
+                "positions.shape",
+                tuple(positions.shape),
+                f"must equal the batch shape {tuple(x.shape[:2])}",
+            )
         # The plan and the RoPE table need both bounds (one reduction, read on the host).
         low, high = (int(m) for m in torch.aminmax(positions)) if positions.numel() else (0, 0)
         kv_len = None
         if kv_cache is not None:
             if high >= kv_cache.max_len:
-                require(False, "positions", high, f"must be < the KV cache's max_len={kv_cache.max_len}")
+                require(
+                    False, "positions", high, f"must be < the KV cache's max_len={kv_cache.max_len}"
+                )
             kv_len = max(high + 1, 1)
-        if (kv_cache is not None and kv_cache.pairs is not None and positions.shape[1] == 1 and low >= 0
-                and self.dtype == torch.float32 and not torch.is_grad_enabled()
-                and kv_cache.pairs[self.layer_ids[0]].dtype == torch.float32):
-            return self._decode(x, positions.view(-1), kv_cache, low, high, logits_index, output, gather_logits)
+        if (
+            kv_cache is not None
+            and kv_cache.pairs is not None
+            and positions.shape[1] == 1
+            and low >= 0
+            and self.dtype == torch.float32
+            and not torch.is_grad_enabled()
+            and kv_cache.pairs[self.layer_ids[0]].dtype == torch.float32
+        ):
+            return self._decode(
+                x, positions.view(-1), kv_cache, low, high, logits_index, output, gather_logits
+            )
         h = self.model.embed_tokens(x) if self.pc.is_first_stage else x
         plan = _attention_plan(positions, kv_len, low, high)
         rope = self.rotary(positions, h.dtype, max(high + 1, 1), low if plan.uniform else None)
@@ -464,7 +568,9 @@ class DecoderStage(nn.Module):
         for i, layer in zip(self.layer_ids, self._layers, strict=True):
             if recompute:
                 # keep only the layer's input; its activations are recomputed in backward
-                h = torch.utils.checkpoint.checkpoint(layer.forward, h, rope, plan, None, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(
+                    layer.forward, h, rope, plan, None, use_reentrant=False
+                )
                 continue
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
             h = layer.forward(h, rope, plan, cache)
@@ -472,7 +578,11 @@ class DecoderStage(nn.Module):
             return h
         if logits_index is not None:
             # With one token per row the only valid index is 0: a view, no gather.
-            h = h[:, 0] if h.shape[1] == 1 else h[torch.arange(h.shape[0], device=h.device), logits_index]
+            h = (
+                h[:, 0]
+                if h.shape[1] == 1
+                else h[torch.arange(h.shape[0], device=h.device), logits_index]
+            )
         h = self.model.norm(h)
         if output == "hidden":
             return h
@@ -521,13 +631,27 @@ class DecoderStage(nn.Module):
         else None). Modules and parameter dicts, never tensors derived from weights: a
         weight update (in place or by ``set_``) is seen by the next step."""
         c = self.config
-        tables = StepTables(self.heads_local, self.kv_heads_local, c.head_dim, c.rms_norm_eps,
-                            c.max_position_embeddings, self.rotary.inv_freq.device)
-        layers = [(i, layer_parts(layer)) for i, layer in zip(self.layer_ids, self._layers, strict=True)]
+        tables = StepTables(
+            self.heads_local,
+            self.kv_heads_local,
+            c.head_dim,
+            c.rms_norm_eps,
+            c.max_position_embeddings,
+            self.rotary.inv_freq.device,
+        )
+        layers = [
+            (i, layer_parts(layer)) for i, layer in zip(self.layer_ids, self._layers, strict=True)
+        ]
         embed = self.model.embed_tokens if self.pc.is_first_stage else None
         last = self.pc.is_last_stage
-        return (tables, self.rotary, layers, embed, self.model.norm._parameters if last else None,
-                self.lm_head if last else None)
+        return (
+            tables,
+            self.rotary,
+            layers,
+            embed,
+            self.model.norm._parameters if last else None,
+            self.lm_head if last else None,
+        )
 
     def reduce_replicated_grads(self) -> None:
         """After backward at ``tp > 1``: sum the partial gradients of replicated k/v rows
@@ -582,16 +706,24 @@ def _adopt(stage: DecoderStage, tensors: Mapping[str, torch.Tensor]) -> None:
     """Make every parameter of a meta-built ``stage`` the tensor ``tensors`` gives it."""
     from nereus.errors import StateError
 
-    names = {f"{m}.{p}" if m else p for m, mod in stage.named_modules() for p, _ in mod.named_parameters(recurse=False)}
+    names = {
+        f"{m}.{p}" if m else p
+        for m, mod in stage.named_modules()
+        for p, _ in mod.named_parameters(recurse=False)
+    }
     missing = sorted(names - set(tensors))
     if missing:
-        raise StateError(f"building a stage over given tensors: no tensor for {missing[:5]} "
-            f"({len(missing)} missing)")
+        raise StateError(
+            f"building a stage over given tensors: no tensor for {missing[:5]} "
+            f"({len(missing)} missing)"
+        )
     for module_name, module in stage.named_modules():
         for local, meta in list(module.named_parameters(recurse=False)):
             name = f"{module_name}.{local}" if module_name else local
             t = tensors[name]
             if tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype:
-                raise StateError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}; this rank's shard is "
-                                 f"{tuple(meta.shape)} {meta.dtype}")
+                raise StateError(
+                    f"tensor {name!r} is {tuple(t.shape)} {t.dtype}; this rank's shard is "
+                    f"{tuple(meta.shape)} {meta.dtype}"
+                )
             module._parameters[local] = nn.Parameter(t, requires_grad=meta.requires_grad)

@@ -68,9 +68,15 @@ def export_hf(
             raise StateError(f"export needs parameter {param.name!r}, which is missing")
         full = params[param.name]
         if tuple(full.shape) != param.shape:
-            raise StateError(f"{param.name!r} has shape {tuple(full.shape)}, expected {param.shape}")
+            raise StateError(
+                f"{param.name!r} has shape {tuple(full.shape)}, expected {param.shape}"
+            )
         names = hf_tensor_names(param.name)
-        pieces = [full] if len(names) == 1 else torch.split(full, [c.size for c in param.components], dim=0)
+        pieces = (
+            [full]
+            if len(names) == 1
+            else torch.split(full, [c.size for c in param.components], dim=0)
+        )
         for name, piece in zip(names, pieces, strict=True):
             tensors[name] = piece.detach().to(target).contiguous().clone()
     out = Path(directory)

@@ -37,15 +37,24 @@ __all__ = [
 ]
 
 
-def component_range(size: int, units: int, tp_rank: int, tp_size: int, what: str = "component") -> tuple[int, int]:
+def component_range(
+    size: int, units: int, tp_rank: int, tp_size: int, what: str = "component"
+) -> tuple[int, int]:
     """Rows ``[start, stop)`` of one component of ``size`` rows and ``units`` units that
     TP rank ``tp_rank`` holds (see the module docstring for replication)."""
     unit = size // units
     if tp_size <= units:
-        require(units % tp_size == 0, f"{what}.units", units, f"must be divisible by tp_size={tp_size}")
+        require(
+            units % tp_size == 0, f"{what}.units", units, f"must be divisible by tp_size={tp_size}"
+        )
         per = units // tp_size
         return tp_rank * per * unit, (tp_rank + 1) * per * unit
-    require(tp_size % units == 0, "tp_size", tp_size, f"must be a multiple of {what}.units={units} when larger than it")
+    require(
+        tp_size % units == 0,
+        "tp_size",
+        tp_size,
+        f"must be a multiple of {what}.units={units} when larger than it",
+    )
     u = tp_rank // (tp_size // units)
     return u * unit, (u + 1) * unit
 
@@ -84,13 +93,19 @@ class ColumnParallelLinear(ShardedModule):
         self.in_features = in_features
         self.components = components
         self.out_features = sum(c.size for c in components)
-        self.local_ranges = [component_range(c.size, c.units, pc.tp_rank, pc.tp_size, c.name) for c in components]
+        self.local_ranges = [
+            component_range(c.size, c.units, pc.tp_rank, pc.tp_size, c.name) for c in components
+        ]
         self.local_sizes = [b - a for a, b in self.local_ranges]
         out_local = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype, device=device))
         _init_normal(self.weight, init_std)
-        self.bias = nn.Parameter(torch.zeros(out_local, dtype=dtype, device=device)) if bias else None
-        comps = components if len(components) > 1 or components[0].units != components[0].size else ()
+        self.bias = (
+            nn.Parameter(torch.zeros(out_local, dtype=dtype, device=device)) if bias else None
+        )
+        comps = (
+            components if len(components) > 1 or components[0].units != components[0].size else ()
+        )
         self.shard_rules = {"weight": ("column", comps)}
         self.global_shapes = {"weight": (self.out_features, in_features)}
         if bias:
@@ -119,7 +134,9 @@ class ColumnParallelLinear(ShardedModule):
         if not self.has_replicated_units or self.pc.tp_size == 1:
             return
         offset_local = 0
-        for comp, (start, stop), size in zip(self.components, self.local_ranges, self.local_sizes, strict=True):
+        for comp, (start, stop), size in zip(
+            self.components, self.local_ranges, self.local_sizes, strict=True
+        ):
             if self.pc.tp_size > comp.units:
                 for param in (self.weight, self.bias):
                     if param is None or param.grad is None:
@@ -147,11 +164,20 @@ class RowParallelLinear(ShardedModule):
     ) -> None:
         super().__init__()
         self.pc = pc
-        require(in_features % pc.tp_size == 0, "RowParallelLinear.in_features", in_features, f"must be divisible by tp_size={pc.tp_size}")
+        require(
+            in_features % pc.tp_size == 0,
+            "RowParallelLinear.in_features",
+            in_features,
+            f"must be divisible by tp_size={pc.tp_size}",
+        )
         self.in_local = in_features // pc.tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(out_features, self.in_local, dtype=dtype, device=device)
+        )
         _init_normal(self.weight, init_std)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
         self.shard_rules = {"weight": ("row", ())}
         self.global_shapes = {"weight": (out_features, in_features)}
         if bias:
@@ -177,11 +203,18 @@ class VocabParallelEmbedding(ShardedModule):
     ) -> None:
         super().__init__()
         self.pc = pc
-        require(vocab_size % pc.tp_size == 0, "vocab_size", vocab_size, f"must be divisible by tp_size={pc.tp_size}")
+        require(
+            vocab_size % pc.tp_size == 0,
+            "vocab_size",
+            vocab_size,
+            f"must be divisible by tp_size={pc.tp_size}",
+        )
         self.vocab_size = vocab_size
         self.vocab_local = vocab_size // pc.tp_size
         self.vocab_start = pc.tp_rank * self.vocab_local
-        self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(self.vocab_local, hidden_size, dtype=dtype, device=device)
+        )
         _init_normal(self.weight, init_std)
         self.shard_rules = {"weight": ("vocab", ())}
         self.global_shapes = {"weight": (vocab_size, hidden_size)}
@@ -214,14 +247,21 @@ class ParallelLMHead(ShardedModule):
     ) -> None:
         super().__init__()
         self.pc = pc
-        require(vocab_size % pc.tp_size == 0, "vocab_size", vocab_size, f"must be divisible by tp_size={pc.tp_size}")
+        require(
+            vocab_size % pc.tp_size == 0,
+            "vocab_size",
+            vocab_size,
+            f"must be divisible by tp_size={pc.tp_size}",
+        )
         # A list keeps the embedding out of this module's children, so the tied weight is
         # registered (and named, and loaded) once: as model.embed_tokens.weight.
         self._tied = [tied] if tied is not None else []
         self.shard_rules = {}
         self.global_shapes = {}
         if tied is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size // pc.tp_size, hidden_size, dtype=dtype, device=device))
+            self.weight = nn.Parameter(
+                torch.empty(vocab_size // pc.tp_size, hidden_size, dtype=dtype, device=device)
+            )
             _init_normal(self.weight, init_std)
             self.shard_rules["weight"] = ("vocab", ())
             self.global_shapes["weight"] = (vocab_size, hidden_size)
@@ -237,7 +277,13 @@ class ParallelLMHead(ShardedModule):
 class RMSNorm(ShardedModule):
     """``w * x / sqrt(mean(x^2) + eps)``, computed in float32 like Hugging Face's."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
@@ -269,7 +315,12 @@ class ValueHead(ShardedModule):
     on every TP rank: ``value_head.weight`` ``[1, hidden]`` and ``value_head.bias``
     ``[1]`` (a sequence classifier's ``score`` head), zeros until loaded."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(1, dtype=dtype, device=device))

@@ -63,18 +63,53 @@ class ParallelContext:
     def __post_init__(self) -> None:
         require(self.tp_size >= 1, "ParallelContext.tp_size", self.tp_size, "must be >= 1")
         require(self.pp_size >= 1, "ParallelContext.pp_size", self.pp_size, "must be >= 1")
-        require(0 <= self.tp_rank < self.tp_size, "ParallelContext.tp_rank", self.tp_rank, f"must be in [0, tp_size={self.tp_size})")
-        require(0 <= self.pp_rank < self.pp_size, "ParallelContext.pp_rank", self.pp_rank, f"must be in [0, pp_size={self.pp_size})")
+        require(
+            0 <= self.tp_rank < self.tp_size,
+            "ParallelContext.tp_rank",
+            self.tp_rank,
+            f"must be in [0, tp_size={self.tp_size})",
+        )
+        require(
+            0 <= self.pp_rank < self.pp_size,
+            "ParallelContext.pp_rank",
+            self.pp_rank,
+            f"must be in [0, pp_size={self.pp_size})",
+        )
         if self.tp_size > 1:
-            require(self.tp_comm is not None, "ParallelContext.tp_comm", None, f"is required when tp_size={self.tp_size} > 1")
+            require(
+                self.tp_comm is not None,
+                "ParallelContext.tp_comm",
+                None,
+                f"is required when tp_size={self.tp_size} > 1",
+            )
             assert self.tp_comm is not None
-            require(self.tp_comm.size == self.tp_size, "ParallelContext.tp_comm.size", self.tp_comm.size, f"must equal tp_size={self.tp_size}")
-            require(self.tp_comm.rank == self.tp_rank, "ParallelContext.tp_comm.rank", self.tp_comm.rank, f"must equal tp_rank={self.tp_rank}")
+            require(
+                self.tp_comm.size == self.tp_size,
+                "ParallelContext.tp_comm.size",
+                self.tp_comm.size,
+                f"must equal tp_size={self.tp_size}",
+            )
+            require(
+                self.tp_comm.rank == self.tp_rank,
+                "ParallelContext.tp_comm.rank",
+                self.tp_comm.rank,
+                f"must equal tp_rank={self.tp_rank}",
+            )
         if self.layer_cuts is not None:
             cuts = tuple(self.layer_cuts)
             object.__setattr__(self, "layer_cuts", cuts)
-            require(len(cuts) == self.pp_size - 1, "ParallelContext.layer_cuts", cuts, f"must list pp_size-1={self.pp_size - 1} cut points")
-            require(all(b > a for a, b in zip((0, *cuts), cuts, strict=False)), "ParallelContext.layer_cuts", cuts, "must be strictly increasing and > 0")
+            require(
+                len(cuts) == self.pp_size - 1,
+                "ParallelContext.layer_cuts",
+                cuts,
+                f"must list pp_size-1={self.pp_size - 1} cut points",
+            )
+            require(
+                all(b > a for a, b in zip((0, *cuts), cuts, strict=False)),
+                "ParallelContext.layer_cuts",
+                cuts,
+                "must be strictly increasing and > 0",
+            )
 
     @property
     def is_first_stage(self) -> bool:
@@ -89,9 +124,16 @@ class ParallelContext:
         return stage_layer_range(num_layers, self.pp_size, self.pp_rank, self.layer_cuts)
 
 
-def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int, layer_cuts: Sequence[int] | None = None) -> range:
+def stage_layer_range(
+    num_layers: int, pp_size: int, pp_rank: int, layer_cuts: Sequence[int] | None = None
+) -> range:
     """Layers of stage ``pp_rank`` when ``num_layers`` are cut into ``pp_size`` stages."""
-    require(pp_size <= num_layers, "pp_size", pp_size, f"must be <= num_hidden_layers={num_layers} (every stage needs a layer)")
+    require(
+        pp_size <= num_layers,
+        "pp_size",
+        pp_size,
+        f"must be <= num_hidden_layers={num_layers} (every stage needs a layer)",
+    )
     if layer_cuts is None:
         base, extra = divmod(num_layers, pp_size)
         bounds = [0]
@@ -99,7 +141,12 @@ def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int, layer_cuts: S
             bounds.append(bounds[-1] + base + (1 if s < extra else 0))
     else:
         bounds = [0, *layer_cuts, num_layers]
-        require(bounds[-2] < num_layers, "layer_cuts", tuple(layer_cuts), f"must all be < num_hidden_layers={num_layers}")
+        require(
+            bounds[-2] < num_layers,
+            "layer_cuts",
+            tuple(layer_cuts),
+            f"must all be < num_hidden_layers={num_layers}",
+        )
     return range(bounds[pp_rank], bounds[pp_rank + 1])
 
 
@@ -177,7 +224,9 @@ def gather_vocab(local_logits: torch.Tensor, pc: ParallelContext) -> torch.Tenso
     return gather_from_tp(local_logits, pc)
 
 
-def _logsumexp(local_logits: torch.Tensor, pc: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
+def _logsumexp(
+    local_logits: torch.Tensor, pc: ParallelContext
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Global (max, logsumexp) over the split vocabulary, both ``[...]``; differentiable
     in the logits (the max is a constant shift and carries no gradient)."""
     logits = local_logits.float()

@@ -48,8 +48,10 @@ def model_spec(config: ModelConfig, dtype: str = "float32", value_head: bool = F
         for local, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{local}" if module_name else local
             if not isinstance(module, ShardedModule) or local not in module.shard_rules:
-                raise StateError(f"parameter {name!r} is owned by {type(module).__name__}, which declares "
-                    "no shard rule")
+                raise StateError(
+                    f"parameter {name!r} is owned by {type(module).__name__}, which declares "
+                    "no shard rule"
+                )
             rule, components = module.shard_rules[local]
             stage, layer = _position(name)
             params.append(
@@ -65,7 +67,8 @@ def model_spec(config: ModelConfig, dtype: str = "float32", value_head: bool = F
                 )
             )
     return ModelSpec(
-        name=f"{config.architecture}-{config.num_hidden_layers}x{config.hidden_size}" + ("-value" if value_head else ""),
+        name=f"{config.architecture}-{config.num_hidden_layers}x{config.hidden_size}"
+        + ("-value" if value_head else ""),
         num_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
@@ -78,14 +81,18 @@ def model_spec(config: ModelConfig, dtype: str = "float32", value_head: bool = F
 def shard_tensor(param: ParamSpec, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The shard of the global tensor ``full`` that TP rank ``tp_rank`` holds."""
     if tuple(full.shape) != param.shape:
-        raise StateError(f"tensor for {param.name!r} has shape {tuple(full.shape)}, expected {param.shape}")
+        raise StateError(
+            f"tensor for {param.name!r} has shape {tuple(full.shape)}, expected {param.shape}"
+        )
     dim = param.split_dim
     if dim is None or tp_size == 1:
         return full.clone()
     pieces = []
     offset = 0
     for comp in param.effective_components():
-        start, stop = component_range(comp.size, comp.units, tp_rank, tp_size, f"{param.name}:{comp.name}")
+        start, stop = component_range(
+            comp.size, comp.units, tp_rank, tp_size, f"{param.name}:{comp.name}"
+        )
         pieces.append(full.narrow(dim, offset + start, stop - start))
         offset += comp.size
     return torch.cat(pieces, dim=dim).clone()

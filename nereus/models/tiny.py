@@ -68,4 +68,6 @@ def save_tiny_model(
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(init_std * torch.randn(param.shape, generator=gen))
-    return save_checkpoint(model, directory, max_shard_bytes=max_shard_bytes, dtype=dtype or config.torch_dtype)
+    return save_checkpoint(
+        model, directory, max_shard_bytes=max_shard_bytes, dtype=dtype or config.torch_dtype
+    )

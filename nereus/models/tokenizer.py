@@ -36,7 +36,13 @@ _EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` with the ids an engine needs."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_token: str | None, bos_token: str | None = None, pad_token: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_token: str | None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = self._id(eos_token)
         self.bos_token_id = self._id(bos_token)
@@ -53,8 +59,13 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        return [
+            e.ids
+            for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        ]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -79,16 +90,25 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     eos = _token_text(cfg.get("eos_token"))
     if eos is None or tok.token_to_id(eos) is None:
         eos = next((t for t in _EOS_FALLBACKS if tok.token_to_id(t) is not None), None)
-    return TextTokenizer(tok, eos, _token_text(cfg.get("bos_token")), _token_text(cfg.get("pad_token")))
+    return TextTokenizer(
+        tok, eos, _token_text(cfg.get("bos_token")), _token_text(cfg.get("pad_token"))
+    )
 
 
 def train_tiny_tokenizer(
-    directory: str | Path, texts: Iterable[str], vocab_size: int = 512, chat_template: str | None = None
+    directory: str | Path,
+    texts: Iterable[str],
+    vocab_size: int = 512,
+    chat_template: str | None = None,
 ) -> TextTokenizer:
     """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``; save it to ``directory``."""
-    require(vocab_size >= 256 + len(SPECIAL_TOKENS), "vocab_size", vocab_size,
-            f"must be >= {256 + len(SPECIAL_TOKENS)} (256 byte symbols + {len(SPECIAL_TOKENS)} "
-            "special tokens)")
+    require(
+        vocab_size >= 256 + len(SPECIAL_TOKENS),
+        "vocab_size",
+        vocab_size,
+        f"must be >= {256 + len(SPECIAL_TOKENS)} (256 byte symbols + {len(SPECIAL_TOKENS)} "
+        "special tokens)",
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -116,5 +136,7 @@ def train_tiny_tokenizer(
     if chat_template is not None:
         config["chat_template"] = chat_template
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos, "pad_token": eos}, indent=2) + "\n")
+    (d / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": eos, "pad_token": eos}, indent=2) + "\n"
+    )
     return TextTokenizer(tok, eos, None, eos)

@@ -7,5 +7,14 @@ from nereus.monitor.schema import EVENT_TYPES, SCHEMA_VERSION, check_event, desc
 from nereus.monitor.tap import Subscriber, format_event, to_json
 from nereus.monitor.view import DashboardView
 
-__all__ = ["EVENT_TYPES", "SCHEMA_VERSION", "Dashboard", "DashboardView", "Subscriber", "check_event",
-           "describe", "format_event", "to_json"]
+__all__ = [
+    "EVENT_TYPES",
+    "SCHEMA_VERSION",
+    "Dashboard",
+    "DashboardView",
+    "Subscriber",
+    "check_event",
+    "describe",
+    "format_event",
+    "to_json",
+]

@@ -61,9 +61,11 @@ def _page_and_policy() -> tuple[bytes, str]:
     if len(scripts) != 1:
         raise RuntimeError(f"{PAGE} must hold exactly one inline <script>; it holds {len(scripts)}")
     digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
-    policy = (f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
-              "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-              "frame-ancestors 'none'")
+    policy = (
+        f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
     return html.encode(), policy
 
 
@@ -82,8 +84,15 @@ class Dashboard:
     ``source`` and ``verified`` are shown in the page's header. ``add(event)`` folds an
     event in and sends its updates; ``set_state(text)`` changes the source's state line."""
 
-    def __init__(self, *, source: str, verified: bool | None, host: str = "127.0.0.1",
-                 port: int = DEFAULT_PORT, view: DashboardView | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        source: str,
+        verified: bool | None,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        view: DashboardView | None = None,
+    ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"port={port!r} must be an integer in 0..65535 (0: any free port)")
         self.view = view or DashboardView()
@@ -115,9 +124,14 @@ class Dashboard:
             self._send([])
 
     def status(self) -> dict[str, Any]:
-        return {"source": self.source, "verified": self.verified, "state": self.state,
-                "rejected_by_source": self.rejected_by_source, "last_event_unix": self._last_event_unix,
-                **self.view.status()}
+        return {
+            "source": self.source,
+            "verified": self.verified,
+            "state": self.state,
+            "rejected_by_source": self.rejected_by_source,
+            "last_event_unix": self._last_event_unix,
+            **self.view.status(),
+        }
 
     def _send(self, updates: list[dict[str, Any]]) -> None:
         for q in list(self._queues):
@@ -135,6 +149,7 @@ class Dashboard:
             from aiohttp import web
         except ImportError:
             raise ConfigError(f"the dashboard needs aiohttp: {INSTALL}") from None
+
         @web.middleware
         async def guard(request: Any, handler: Any) -> Any:
             return await self._guard(request, handler)
@@ -151,11 +166,18 @@ class Dashboard:
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
-            raise ConfigError(f"host={self.host!r} port={self.port}: cannot listen there ({e.strerror})") from None
+            raise ConfigError(
+                f"host={self.host!r} port={self.port}: cannot listen there ({e.strerror})"
+            ) from None
         port = site._server.sockets[0].getsockname()[1]  # the port the OS gave for port 0
         shown = f"[{self.host}]" if ":" in self.host else self.host
         if _is_loopback(self.host):
-            self._allowed_hosts = {f"{shown}:{port}", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"}
+            self._allowed_hosts = {
+                f"{shown}:{port}",
+                f"localhost:{port}",
+                f"127.0.0.1:{port}",
+                f"[::1]:{port}",
+            }
         self.url = f"http://{shown}:{port}/"
         return self.url
 
@@ -171,7 +193,9 @@ class Dashboard:
         from aiohttp import web
 
         if self._allowed_hosts is not None and request.host not in self._allowed_hosts:
-            return web.Response(status=403, text=f"Host {request.host!r} is not this dashboard's address\n")
+            return web.Response(
+                status=403, text=f"Host {request.host!r} is not this dashboard's address\n"
+            )
         response = await handler(request)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("Referrer-Policy", "no-referrer")
@@ -180,13 +204,19 @@ class Dashboard:
     async def _index(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.Response(body=self._page, content_type="text/html", charset="utf-8",
-                            headers={"Content-Security-Policy": self._policy, "Cache-Control": "no-store"})
+        return web.Response(
+            body=self._page,
+            content_type="text/html",
+            charset="utf-8",
+            headers={"Content-Security-Policy": self._policy, "Cache-Control": "no-store"},
+        )
 
     async def _updates(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"status": self.status(), "updates": self.view.updates}, dumps=_dumps)
+        return web.json_response(
+            {"status": self.status(), "updates": self.view.updates}, dumps=_dumps
+        )
 
     async def _status(self, request: Any) -> Any:
         from aiohttp import web
@@ -196,8 +226,13 @@ class Dashboard:
     async def _events(self, request: Any) -> Any:
         from aiohttp import web
 
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
-                                               "X-Accel-Buffering": "no"})
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",
+            }
+        )
         await response.prepare(request)
         # the history and the live queue are taken together (no await between): no gap, no repeat
         history = list(self.view.updates)
@@ -206,7 +241,7 @@ class Dashboard:
         try:
             await response.write(_sse("reset", self.status()))
             for i in range(0, len(history), _CHUNK):
-                await response.write(_sse("updates", history[i:i + _CHUNK]))
+                await response.write(_sse("updates", history[i : i + _CHUNK]))
             await response.write(_sse("status", self.status()))
             ended = False
             while not ended:
@@ -225,7 +260,7 @@ class Dashboard:
                         break
                     batch += more
                 for i in range(0, len(batch), _CHUNK):
-                    await response.write(_sse("updates", batch[i:i + _CHUNK]))
+                    await response.write(_sse("updates", batch[i : i + _CHUNK]))
                 await response.write(_sse("status", self.status()))
         except ConnectionResetError:  # the page went away
             pass
@@ -243,6 +278,7 @@ def _sse(name: str, data: Any) -> bytes:
 
 
 # --- sources -------------------------------------------------------------------------
+
 
 def events_from_jsonl(line: str, where: str, clock: list[float]) -> dict[str, Any] | None:
     """The event one JSONL line holds: a tap event as ``nereus tap --jsonl`` wrote it, or a
@@ -263,19 +299,33 @@ def events_from_jsonl(line: str, where: str, clock: list[float]) -> dict[str, An
     if "step" in obj and "step_seconds" in obj:  # a metrics.jsonl record
         seconds = obj["step_seconds"] if isinstance(obj["step_seconds"], (int, float)) else 0.0
         clock[0] += seconds
-        stages = {k.removesuffix("_seconds"): v for k, v in obj.items()
-                  if k.endswith("_seconds") and isinstance(v, float)}
-        return {"type": "step", "step": obj["step"], "time_monotonic_seconds": clock[0],
-                "epoch": obj.get("epoch", 0), "stage_seconds": stages,
-                "model_stage_seconds": obj.get("model_stage_seconds") or {},
-                "reward": obj.get("reward_mean"), "response_length_tokens": obj.get("response_len_mean"),
-                "max_new_tokens": obj.get("max_new_tokens"), "tokens": obj.get("tokens_generated"),
-                "device_peak_bytes": obj.get("device_peak_bytes") or {},
-                "policy_version": obj.get("policy_version")}
-    raise ValueError(f"{where}: neither a tap event (no 'type') nor a metrics record ('step', 'step_seconds')")
+        stages = {
+            k.removesuffix("_seconds"): v
+            for k, v in obj.items()
+            if k.endswith("_seconds") and isinstance(v, float)
+        }
+        return {
+            "type": "step",
+            "step": obj["step"],
+            "time_monotonic_seconds": clock[0],
+            "epoch": obj.get("epoch", 0),
+            "stage_seconds": stages,
+            "model_stage_seconds": obj.get("model_stage_seconds") or {},
+            "reward": obj.get("reward_mean"),
+            "response_length_tokens": obj.get("response_len_mean"),
+            "max_new_tokens": obj.get("max_new_tokens"),
+            "tokens": obj.get("tokens_generated"),
+            "device_peak_bytes": obj.get("device_peak_bytes") or {},
+            "policy_version": obj.get("policy_version"),
+        }
+    raise ValueError(
+        f"{where}: neither a tap event (no 'type') nor a metrics record ('step', 'step_seconds')"
+    )
 
 
-async def read_jsonl(dashboard: Dashboard, path: str, *, follow: bool = False, poll_s: float = 0.5) -> None:
+async def read_jsonl(
+    dashboard: Dashboard, path: str, *, follow: bool = False, poll_s: float = 0.5
+) -> None:
     """Fold every line of ``path`` into ``dashboard``; with ``follow``, then the lines
     appended later, until cancelled."""
     clock = [0.0]
@@ -335,17 +385,33 @@ async def follow_tap(dashboard: Dashboard, address: str, key: bytes | None) -> N
 
 # --- the command ---------------------------------------------------------------------
 
+
 def _parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="nereus dashboard",
-                                 description="Serve a local web page that follows a run live.")
+    ap = argparse.ArgumentParser(
+        prog="nereus dashboard", description="Serve a local web page that follows a run live."
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--tap", metavar="ADDRESS", help="tcp://HOST:PORT of a controller's tap")
-    src.add_argument("--jsonl", metavar="FILE", help="a stream written by `nereus tap --jsonl`, or metrics.jsonl")
-    ap.add_argument("--key-file", default=None,
-                    help="cluster key that verifies the tap's events (else $NEREUS_CLUSTER_KEY)")
-    ap.add_argument("--follow", action="store_true", help="with --jsonl: read lines appended later too")
-    ap.add_argument("--host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
+    src.add_argument(
+        "--jsonl", metavar="FILE", help="a stream written by `nereus tap --jsonl`, or metrics.jsonl"
+    )
+    ap.add_argument(
+        "--key-file",
+        default=None,
+        help="cluster key that verifies the tap's events (else $NEREUS_CLUSTER_KEY)",
+    )
+    ap.add_argument(
+        "--follow", action="store_true", help="with --jsonl: read lines appended later too"
+    )
+    ap.add_argument(
+        "--host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1)"
+    )
+    ap.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT}; 0: any free port)",
+    )
     return ap.parse_args(argv)
 
 
@@ -362,18 +428,27 @@ async def _run(args: argparse.Namespace) -> int:
                 raise
             key = None
             print("nereus dashboard: no cluster key: events are NOT verified", file=sys.stderr)
-        dashboard = Dashboard(source=f"tap {args.tap}", verified=key is not None, host=args.host, port=args.port)
+        dashboard = Dashboard(
+            source=f"tap {args.tap}", verified=key is not None, host=args.host, port=args.port
+        )
         feed = follow_tap(dashboard, args.tap, key)
     else:
         if args.key_file:
-            raise ConfigError("--key-file verifies a live tap; a --jsonl file carries no signatures")
+            raise ConfigError(
+                "--key-file verifies a live tap; a --jsonl file carries no signatures"
+            )
         if not Path(args.jsonl).is_file():
             raise ConfigError(f"--jsonl={args.jsonl!r} is not a file")
-        dashboard = Dashboard(source=f"file {args.jsonl}", verified=None, host=args.host, port=args.port)
+        dashboard = Dashboard(
+            source=f"file {args.jsonl}", verified=None, host=args.host, port=args.port
+        )
         feed = read_jsonl(dashboard, args.jsonl, follow=args.follow)
     url = await dashboard.start()
     if not _is_loopback(args.host):
-        print(f"nereus dashboard: serving on {args.host}: anyone who reaches it can read the run", file=sys.stderr)
+        print(
+            f"nereus dashboard: serving on {args.host}: anyone who reaches it can read the run",
+            file=sys.stderr,
+        )
     print(f"nereus dashboard: {url} ({dashboard.source})", file=sys.stderr)
     print(f"{READY_PREFIX}{url}", flush=True)
     loop = asyncio.get_running_loop()

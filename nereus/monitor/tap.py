@@ -56,8 +56,13 @@ class Subscriber:
     is cannot be read without it). Call ``close()`` (or use ``async with``) to release
     the socket."""
 
-    def __init__(self, address: str, key: bytes | None, types: set[str] | None = None,
-                 curve: CurveKey | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        key: bytes | None,
+        types: set[str] | None = None,
+        curve: CurveKey | None = None,
+    ) -> None:
         self.address = address
         self.key = key
         self.types = set(types) if types else None
@@ -147,8 +152,15 @@ class TapRecorder:
     are in the file (``stop(flush=False)`` does not: for a cluster that is already gone).
     ``emit`` is the cluster's emit function (``nereus.actors.emit``)."""
 
-    def __init__(self, address: str, key: bytes | None, path: str, emit: Any, timeout_s: float = 10.0,
-                 curve: CurveKey | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        key: bytes | None,
+        path: str,
+        emit: Any,
+        timeout_s: float = 10.0,
+        curve: CurveKey | None = None,
+    ) -> None:
         self.path = path
         self._emit = emit
         self._timeout_s = timeout_s
@@ -179,7 +191,9 @@ class TapRecorder:
                 return True
             except asyncio.TimeoutError:
                 continue
-        log.warning("the tap recorder's marker %r did not come back within %.0f s", name, self._timeout_s)
+        log.warning(
+            "the tap recorder's marker %r did not come back within %.0f s", name, self._timeout_s
+        )
         return False
 
     async def start(self) -> TapRecorder:
@@ -234,19 +248,29 @@ def format_event(event: dict[str, Any]) -> str:
         if isinstance(v, float):
             v = f"{v:.6g}"
         fields.append(f"{k}={v}")
-    return (f"{t:14.3f} e{event.get('epoch', '?')} {str(event.get('source', '?')):<10} "
-            f"{str(event.get('type', '?')):<16} " + " ".join(fields))
+    return (
+        f"{t:14.3f} e{event.get('epoch', '?')} {str(event.get('source', '?')):<10} "
+        f"{str(event.get('type', '?')):<16} " + " ".join(fields)
+    )
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="nereus tap", description="Print a controller's monitoring tap.")
+    ap = argparse.ArgumentParser(
+        prog="nereus tap", description="Print a controller's monitoring tap."
+    )
     ap.add_argument("address", nargs="?", help="tcp://HOST:PORT of the tap (PUB socket)")
     ap.add_argument("--jsonl", default=None, help="append every event to FILE as JSON lines")
     ap.add_argument("--type", action="append", default=None, help="only these event types")
-    ap.add_argument("--key-file", default=None,
-                    help=f"cluster key to verify events (else ${KEY_ENV}; without: unverified)")
-    ap.add_argument("--curve-key-file", default=None,
-                    help="the cluster's CURVE secret key, when its tcp sockets are encrypted")
+    ap.add_argument(
+        "--key-file",
+        default=None,
+        help=f"cluster key to verify events (else ${KEY_ENV}; without: unverified)",
+    )
+    ap.add_argument(
+        "--curve-key-file",
+        default=None,
+        help="the cluster's CURVE secret key, when its tcp sockets are encrypted",
+    )
     ap.add_argument("--count", type=int, default=0, help="stop after N events (0: never)")
     ap.add_argument("--quiet", action="store_true", help="do not print (with --jsonl)")
     ap.add_argument("--schema", action="store_true", help="print the event schema and exit")
@@ -283,8 +307,13 @@ async def _run(args: argparse.Namespace) -> int:
             if not args.quiet:
                 line = format_event(event)
                 if console is not None:
-                    style = {"worker_death": "bold red", "failure": "bold red", "error": "red",
-                             "node_lost": "bold red", "counters": "yellow"}.get(event.get("type"))
+                    style = {
+                        "worker_death": "bold red",
+                        "failure": "bold red",
+                        "error": "red",
+                        "node_lost": "bold red",
+                        "counters": "yellow",
+                    }.get(event.get("type"))
                     console.print(line, style=style, markup=False)
                 else:
                     print(line, flush=True)

@@ -28,8 +28,13 @@ from nereus.planner.plan_text import stage_change_text
 
 __all__ = ["DashboardView", "layout_label"]
 
-_DEVICE_STATES = {"worker_join": "joined", "device_drain": "draining", "worker_retire": "retired",
-                  "worker_leave": "left", "worker_death": "died"}
+_DEVICE_STATES = {
+    "worker_join": "joined",
+    "device_drain": "draining",
+    "worker_retire": "retired",
+    "worker_leave": "left",
+    "worker_death": "died",
+}
 
 
 class _Bad(Exception):
@@ -74,7 +79,9 @@ def _map_of_numbers(event: dict[str, Any], field: str) -> dict[str, float]:
 def _plan(value: Any, field: str) -> dict[str, dict[str, Any]]:
     """A plan map (``Plan.to_dict``) checked to the shape the page draws."""
     if not isinstance(value, dict) or not value:
-        raise _Bad(f"{field}={value!r} must be a non-empty map of model-stage -> {{tp, pp, dp, devices}}")
+        raise _Bad(
+            f"{field}={value!r} must be a non-empty map of model-stage -> {{tp, pp, dp, devices}}"
+        )
     out = {}
     for stage, sp in value.items():
         if not isinstance(sp, dict):
@@ -84,22 +91,35 @@ def _plan(value: Any, field: str) -> dict[str, dict[str, Any]]:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise _Bad(f"{field}.{stage}.{name}={n!r} must be an integer >= 1")
         if not isinstance(emus, list) or not all(
-                isinstance(e, list) and e and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in e) for e in emus):
-            raise _Bad(f"{field}.{stage}.devices={emus!r} must be a list of EMUs, each a list of "
-                "device indices")
+            isinstance(e, list)
+            and e
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e)
+            for e in emus
+        ):
+            raise _Bad(
+                f"{field}.{stage}.devices={emus!r} must be a list of EMUs, each a list of "
+                "device indices"
+            )
         recompute, waves = sp.get("recompute", False), sp.get("waves", 1)
         if not isinstance(recompute, bool):
             raise _Bad(f"{field}.{stage}.recompute={recompute!r} must be true or false")
         if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
             raise _Bad(f"{field}.{stage}.waves={waves!r} must be an integer >= 1")
-        out[str(stage)] = {"tp": tp, "pp": pp, "dp": len(emus), "devices": [list(e) for e in emus],
-                           "recompute": recompute, "waves": waves, "layout": layout_label(tp, pp)}
+        out[str(stage)] = {
+            "tp": tp,
+            "pp": pp,
+            "dp": len(emus),
+            "devices": [list(e) for e in emus],
+            "recompute": recompute,
+            "waves": waves,
+            "layout": layout_label(tp, pp),
+        }
     return out
 
 
-def _changes(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]] | None,
-             stages: list[str]) -> list[list[str]]:
+def _changes(
+    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]] | None, stages: list[str]
+) -> list[list[str]]:
     """``[model-stage, "tp1·pp1·dp2 [0,1] → tp1·pp1·dp2 [2,3]"]`` for each of ``stages``."""
     return [[s, stage_change_text(before.get(s), (after or {}).get(s))] for s in stages]
 
@@ -110,7 +130,9 @@ def _holders(plan: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]
     for stage, sp in plan.items():
         for emu, devices in enumerate(sp["devices"]):
             for d in devices:
-                out.setdefault(str(d), []).append({"model_stage": stage, "layout": sp["layout"], "emu": emu})
+                out.setdefault(str(d), []).append(
+                    {"model_stage": stage, "layout": sp["layout"], "emu": emu}
+                )
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
@@ -152,8 +174,15 @@ class DashboardView:
 
     def status(self) -> dict[str, Any]:
         """Counts for the page's header: events by type, rejected, steps, epoch, last time."""
-        return {"events": sum(self.counts.values()), "by_type": dict(self.counts), "rejected": self.rejected,
-                "problems": list(self.problems), "steps": self.steps, "epoch": self.epoch, "t_last": self.t_last}
+        return {
+            "events": sum(self.counts.values()),
+            "by_type": dict(self.counts),
+            "rejected": self.rejected,
+            "problems": list(self.problems),
+            "steps": self.steps,
+            "epoch": self.epoch,
+            "t_last": self.t_last,
+        }
 
     def _reject(self, problem: str) -> list[dict[str, Any]]:
         self.rejected += 1
@@ -162,7 +191,11 @@ class DashboardView:
 
     def _time(self, event: dict[str, Any]) -> float:
         value = event.get("time_monotonic_seconds")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             return self.t_last  # an event without a clock happened "now"
         if self.t0 is None:
             self.t0 = float(value)
@@ -172,9 +205,18 @@ class DashboardView:
 
     # --- placement ---------------------------------------------------------------
 
-    def _place(self, plan: dict[str, dict[str, Any]], t: float, epoch: Any, why: str) -> dict[str, Any]:
+    def _place(
+        self, plan: dict[str, dict[str, Any]], t: float, epoch: Any, why: str
+    ) -> dict[str, Any]:
         self.plan = plan
-        return {"kind": "placement", "t": t, "epoch": epoch, "why": why, "plan": plan, "holders": _holders(plan)}
+        return {
+            "kind": "placement",
+            "t": t,
+            "epoch": epoch,
+            "why": why,
+            "plan": plan,
+            "holders": _holders(plan),
+        }
 
     def _on_plan(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
         plan = _plan(event.get("plan"), "plan")
@@ -199,14 +241,21 @@ class DashboardView:
         devices = event.get("devices") or []
         if not isinstance(devices, list) or not all(isinstance(d, int) for d in devices):
             raise _Bad(f"devices={devices!r} must be a list of device indices")
-        self._nodes.append({
-            "node": event.get("node"), "kind": str(event.get("kind", "?")),
-            "model_stage": str(event.get("model_stage", "?")), "count": event.get("count", 1),
-            "devices": devices, "bytes": _int(event, "bytes", optional=True) or 0,
-            "predicted_seconds": _num(event, "predicted_seconds", optional=True),
-            "measured_seconds": _num(event, "measured_seconds", optional=True),
-            "start_seconds": _num(event, "start_seconds"), "end_seconds": _num(event, "end_seconds"),
-            "ok": bool(event.get("ok", True))})
+        self._nodes.append(
+            {
+                "node": event.get("node"),
+                "kind": str(event.get("kind", "?")),
+                "model_stage": str(event.get("model_stage", "?")),
+                "count": event.get("count", 1),
+                "devices": devices,
+                "bytes": _int(event, "bytes", optional=True) or 0,
+                "predicted_seconds": _num(event, "predicted_seconds", optional=True),
+                "measured_seconds": _num(event, "measured_seconds", optional=True),
+                "start_seconds": _num(event, "start_seconds"),
+                "end_seconds": _num(event, "end_seconds"),
+                "ok": bool(event.get("ok", True)),
+            }
+        )
         return []
 
     def _on_transition(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
@@ -220,13 +269,23 @@ class DashboardView:
         if not isinstance(changed, list):
             raise _Bad(f"changed={changed!r} must be a list of model-stages")
         epoch_from = _int(event, "epoch_from", optional=True)
-        out.append({"kind": "transition", "t_start": max(0.0, t - measured), "t_end": t,
-                    "epoch_from": epoch_from, "epoch_to": event.get("epoch") if ok else epoch_from,
-                    "changed": [str(s) for s in changed], "bytes": _int(event, "bytes", optional=True) or 0,
-                    "bytes_measured": _int(event, "bytes_measured", optional=True),
-                    "predicted_seconds": _num(event, "predicted_seconds", optional=True),
-                    "measured_seconds": measured, "nodes": nodes, "ok": ok,
-                    "changes": _changes(before, after, [str(s) for s in changed])})
+        out.append(
+            {
+                "kind": "transition",
+                "t_start": max(0.0, t - measured),
+                "t_end": t,
+                "epoch_from": epoch_from,
+                "epoch_to": event.get("epoch") if ok else epoch_from,
+                "changed": [str(s) for s in changed],
+                "bytes": _int(event, "bytes", optional=True) or 0,
+                "bytes_measured": _int(event, "bytes_measured", optional=True),
+                "predicted_seconds": _num(event, "predicted_seconds", optional=True),
+                "measured_seconds": measured,
+                "nodes": nodes,
+                "ok": ok,
+                "changes": _changes(before, after, [str(s) for s in changed]),
+            }
+        )
         if ok:  # a change that stopped part way leaves the job in its old plan
             out.append(self._place(after, t, event.get("epoch"), "transition"))
         return out
@@ -241,16 +300,24 @@ class DashboardView:
         norm = [dict(tr) if isinstance(tr, dict) else {"kind": str(tr)} for tr in triggers]
         out = self._inferred(event.get("current_plan"), "current_plan")
         changed = sorted(s for s in target if target[s] != current.get(s)) if target else []
-        out.append({
-            "kind": "decision", "t": t, "step": _int(event, "step", optional=True), "triggers": norm,
-            "current_step_seconds": _num(event, "current_step_seconds", optional=True),
-            "target_step_seconds": _num(event, "target_step_seconds", optional=True),
-            "saving_seconds": _num(event, "saving_seconds", optional=True),
-            "transition_seconds": _num(event, "transition_seconds", optional=True),
-            "payback_steps": _num(event, "payback_steps", optional=True),
-            "limit_steps": _num(event, "limit_steps", optional=True),
-            "admitted": bool(event.get("admitted", False)), "reason": str(event.get("reason", "")),
-            "changed": changed, "changes": _changes(current, target, changed)})
+        out.append(
+            {
+                "kind": "decision",
+                "t": t,
+                "step": _int(event, "step", optional=True),
+                "triggers": norm,
+                "current_step_seconds": _num(event, "current_step_seconds", optional=True),
+                "target_step_seconds": _num(event, "target_step_seconds", optional=True),
+                "saving_seconds": _num(event, "saving_seconds", optional=True),
+                "transition_seconds": _num(event, "transition_seconds", optional=True),
+                "payback_steps": _num(event, "payback_steps", optional=True),
+                "limit_steps": _num(event, "limit_steps", optional=True),
+                "admitted": bool(event.get("admitted", False)),
+                "reason": str(event.get("reason", "")),
+                "changed": changed,
+                "changes": _changes(current, target, changed),
+            }
+        )
         return out
 
     # --- steps and memory ----------------------------------------------------------
@@ -267,23 +334,39 @@ class DashboardView:
             step_seconds = _num(event, "step_seconds", optional=True)
         self.steps += 1
         sync, self._sync_seconds = self._sync_seconds, 0.0
-        return [{"kind": "step", "t": t, "step": _int(event, "step"), "epoch": event.get("epoch"),
-                 "step_seconds": step_seconds, "stage_seconds": stages,
-                 "model_stage_seconds": _map_of_numbers(event, "model_stage_seconds"),
-                 "weight_sync_seconds": sync if sync else None,
-                 "reward": _num(event, "reward", optional=True),
-                 "response_length_tokens": _num(event, "response_length_tokens", optional=True),
-                 "max_new_tokens": _num(event, "max_new_tokens", optional=True),
-                 "tokens": _int(event, "tokens", optional=True), "device_peak_bytes": peaks,
-                 "policy_version": event.get("policy_version")}]
+        return [
+            {
+                "kind": "step",
+                "t": t,
+                "step": _int(event, "step"),
+                "epoch": event.get("epoch"),
+                "step_seconds": step_seconds,
+                "stage_seconds": stages,
+                "model_stage_seconds": _map_of_numbers(event, "model_stage_seconds"),
+                "weight_sync_seconds": sync if sync else None,
+                "reward": _num(event, "reward", optional=True),
+                "response_length_tokens": _num(event, "response_length_tokens", optional=True),
+                "max_new_tokens": _num(event, "max_new_tokens", optional=True),
+                "tokens": _int(event, "tokens", optional=True),
+                "device_peak_bytes": peaks,
+                "policy_version": event.get("policy_version"),
+            }
+        ]
 
     def _on_memory(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
         device = _int(event, "device")
         budget = _int(event, "budget_bytes", optional=True)
         if budget is not None:
             self._budgets[device] = budget
-        return [{"kind": "memory", "t": t, "device": device, "used_bytes": _int(event, "used_bytes"),
-                 "budget_bytes": budget if budget is not None else self._budgets.get(device)}]
+        return [
+            {
+                "kind": "memory",
+                "t": t,
+                "device": device,
+                "used_bytes": _int(event, "used_bytes"),
+                "budget_bytes": budget if budget is not None else self._budgets.get(device),
+            }
+        ]
 
     # --- the device pool and the log ---------------------------------------------------
 
@@ -293,35 +376,76 @@ class DashboardView:
         if budget is not None:
             self._budgets[device] = budget
         state = _DEVICE_STATES[event["type"]]
-        out = [{"kind": "device", "t": t, "device": device, "state": state, "node_id": event.get("node_id"),
-                "budget_bytes": self._budgets.get(device), "reason": event.get("reason")}]
+        out = [
+            {
+                "kind": "device",
+                "t": t,
+                "device": device,
+                "state": state,
+                "node_id": event.get("node_id"),
+                "budget_bytes": self._budgets.get(device),
+                "reason": event.get("reason"),
+            }
+        ]
         if state == "died":
             out.append(self._note(t, "error", f"device {device} died: {event.get('reason', '?')}"))
         return out
 
-    _on_worker_join = _on_device_drain = _on_worker_retire = _on_worker_leave = _on_worker_death = _device
+    _on_worker_join = _on_device_drain = _on_worker_retire = _on_worker_leave = _on_worker_death = (
+        _device
+    )
 
     def _on_node_lost(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
-        return [self._note(t, "error", f"node {event.get('node_id')} lost "
-                                       f"(silent for {event.get('silence_seconds', '?')} s)")]
+        return [
+            self._note(
+                t,
+                "error",
+                f"node {event.get('node_id')} lost "
+                f"(silent for {event.get('silence_seconds', '?')} s)",
+            )
+        ]
 
     def _on_failure(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
-        return [self._note(t, "error", f"actor {event.get('actor')} on device {event.get('device')} failed: "
-                                       f"{event.get('reason', '?')}")]
+        return [
+            self._note(
+                t,
+                "error",
+                f"actor {event.get('actor')} on device {event.get('device')} failed: "
+                f"{event.get('reason', '?')}",
+            )
+        ]
 
     def _on_stuck_collective(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
-        return [self._note(t, "error", f"collective {event.get('op')} of group {event.get('group')} stuck for "
-                                       f"{event.get('seconds', '?')} s, waiting for ranks {event.get('missing_ranks')}")]
+        return [
+            self._note(
+                t,
+                "error",
+                f"collective {event.get('op')} of group {event.get('group')} stuck for "
+                f"{event.get('seconds', '?')} s, waiting for ranks {event.get('missing_ranks')}",
+            )
+        ]
 
     def _on_error(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
-        return [self._note(t, "warn", f"{event.get('remote_type', 'error')} in {event.get('actor')}."
-                                      f"{event.get('method')}: {event.get('message', '')}")]
+        return [
+            self._note(
+                t,
+                "warn",
+                f"{event.get('remote_type', 'error')} in {event.get('actor')}."
+                f"{event.get('method')}: {event.get('message', '')}",
+            )
+        ]
 
     def _on_node_join(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
-        return [self._note(t, "info", f"node {event.get('node_id')} joined with devices {event.get('devices')}")]
+        return [
+            self._note(
+                t, "info", f"node {event.get('node_id')} joined with devices {event.get('devices')}"
+            )
+        ]
 
     def _on_node_leave(self, event: dict[str, Any], t: float) -> list[dict[str, Any]]:
-        return [self._note(t, "info", f"node {event.get('node_id')} left ({event.get('reason', '?')})")]
+        return [
+            self._note(t, "info", f"node {event.get('node_id')} left ({event.get('reason', '?')})")
+        ]
 
     def _note(self, t: float, level: str, text: str) -> dict[str, Any]:
         return {"kind": "note", "t": t, "level": level, "text": text[:500]}

@@ -43,8 +43,14 @@ __all__ = ["local_cpu_probe", "local_cpu_cluster_probed", "local_cpu_efficiency"
 log = logging.getLogger("nereus.planner")
 _EXCHANGE_OVER_MEMCPY = 0.85
 # what a cached entry must hold (an older cache without one is measured again)
-_FIGURES = ("flops_per_device", "memory_bandwidth", "exchange_bandwidth", "layer_pass_s",
-            "recompute_passes", "micro_batch_passes")
+_FIGURES = (
+    "flops_per_device",
+    "memory_bandwidth",
+    "exchange_bandwidth",
+    "layer_pass_s",
+    "recompute_passes",
+    "micro_batch_passes",
+)
 # part of the cache key: figures measured by an earlier probe are measured again (2: the
 # matmul and the layer pass on torch at one thread, as workers run, not numpy's BLAS and
 # torch's default threads, which put the fixed cost of a layer pass at 3-8x a worker's;
@@ -89,14 +95,23 @@ def _measure() -> dict[str, float]:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t)
     memcpy = src.nbytes / best
-    return {"flops_per_device": flops, "memory_bandwidth": memcpy,
-            "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY, **layers}
+    return {
+        "flops_per_device": flops,
+        "memory_bandwidth": memcpy,
+        "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
+        **layers,
+    }
 
 
 # The probe's decoder: the project's own layers (nereus.models.decoder) at the demo's
 # width, on one training micro-batch of 2 rows x 16 tokens, where FLOPs are a small part.
-_PROBE_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                "num_key_value_heads": 4, "vocab_size": 32}
+_PROBE_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 32,
+}
 _PROBE_ROWS, _PROBE_TOKENS = 2, 16
 
 
@@ -122,8 +137,9 @@ def _stage_step(layers: int, recompute: bool) -> Callable[[], None]:
     return step
 
 
-def _seconds_per_call(fn: Callable[[], None], sustain_s: float | None, warm: int = 3,
-                      calls: int = 8, rounds: int = 3) -> float:
+def _seconds_per_call(
+    fn: Callable[[], None], sustain_s: float | None, warm: int = 3, calls: int = 8, rounds: int = 3
+) -> float:
     """``fn``'s time per call: the best of ``rounds`` x ``calls`` (one unthrottled core),
     or, with ``sustain_s``, the mean over that much wall time (what a quota sustains)."""
     for _ in range(warm):
@@ -162,8 +178,11 @@ def _layer_costs(sustain_s: float | None = None) -> dict[str, float]:
     layer_pass = per_layer[False] / 3
     extra = (per_layer[True] - per_layer[False]) / layer_pass
     ends = max(0.0, step[False, 1] - per_layer[False]) / layer_pass
-    return {"layer_pass_s": layer_pass, "recompute_passes": min(20.0, max(1.0, extra)),
-            "micro_batch_passes": min(50.0, ends)}
+    return {
+        "layer_pass_s": layer_pass,
+        "recompute_passes": min(20.0, max(1.0, extra)),
+        "micro_batch_passes": min(50.0, ends),
+    }
 
 
 _SUSTAIN_S = 1.0  # wall seconds each sustained figure spans (ten quota periods)
@@ -190,13 +209,17 @@ def _sustained() -> dict[str, float]:
         np.copyto(dst, src)
         count += 1
     memcpy = src.nbytes * count / (time.perf_counter() - t)
-    return {"flops_per_device": flops, "memory_bandwidth": memcpy,
-            "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
-            **_layer_costs(_SUSTAIN_S / 4)}
+    return {
+        "flops_per_device": flops,
+        "memory_bandwidth": memcpy,
+        "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
+        **_layer_costs(_SUSTAIN_S / 4),
+    }
 
 
-def capped_probe(cores: float, refresh: bool = False, cache: Path | None = None,
-                 cgroup_root: str | None = None) -> dict[str, float]:
+def capped_probe(
+    cores: float, refresh: bool = False, cache: Path | None = None, cgroup_root: str | None = None
+) -> dict[str, float]:
     """One full core's figures measured under a limit of ``cores`` (see the module
     docstring): rates divided by ``cores``, the layer-pass cost multiplied by it.
     Raises ``ConfigError`` (naming ``cores_per_device``) where no limit can be set."""
@@ -211,35 +234,44 @@ def capped_probe(cores: float, refresh: bool = False, cache: Path | None = None,
 
     limits = CpuLimits([cores], owner="probe", root=cgroup_root)
     try:
-        out = subprocess.run([sys.executable, "-m", "nereus.planner._probe", "--sustained"],
-                             capture_output=True, text=True, timeout=120,
-                             preexec_fn=limits.preexec(0),
-                             env=os.environ | {"OMP_NUM_THREADS": "1"})
+        out = subprocess.run(
+            [sys.executable, "-m", "nereus.planner._probe", "--sustained"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=limits.preexec(0),
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
     finally:
         limits.close()
     if out.returncode != 0:
         raise ConfigError(f"the probe under cores_per_device={cores} failed: {out.stderr[-400:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    figures = {"flops_per_device": got["flops_per_device"] / cores,
-               "memory_bandwidth": got["memory_bandwidth"] / cores,
-               "exchange_bandwidth": got["exchange_bandwidth"] / cores,
-               "layer_pass_s": got["layer_pass_s"] * cores,
-               "recompute_passes": got["recompute_passes"],
-               "micro_batch_passes": got["micro_batch_passes"]}
+    figures = {
+        "flops_per_device": got["flops_per_device"] / cores,
+        "memory_bandwidth": got["memory_bandwidth"] / cores,
+        "exchange_bandwidth": got["exchange_bandwidth"] / cores,
+        "layer_pass_s": got["layer_pass_s"] * cores,
+        "recompute_passes": got["recompute_passes"],
+        "micro_batch_passes": got["micro_batch_passes"],
+    }
     table[key] = figures
     _write_cache(path, table)
     log.info("local CPU probe under %g cores (per full core): %s", cores, figures)
     return figures
 
 
-def local_cpu_efficiency(prior: Efficiency = CONSERVATIVE, refresh: bool = False,
-                         cores: float | None = None) -> Efficiency:
+def local_cpu_efficiency(
+    prior: Efficiency = CONSERVATIVE, refresh: bool = False, cores: float | None = None
+) -> Efficiency:
     """``prior`` with this machine's measured fixed cost per layer pass (one full core's,
     measured under a limit of ``cores`` where given)."""
     p = local_cpu_probe(refresh) if cores is None else capped_probe(cores, refresh)
-    return prior.replace(layer_pass_s=min(10.0, float(p["layer_pass_s"])),
-                         recompute_passes=float(p["recompute_passes"]),
-                         micro_batch_passes=float(p["micro_batch_passes"]))
+    return prior.replace(
+        layer_pass_s=min(10.0, float(p["layer_pass_s"])),
+        recompute_passes=float(p["recompute_passes"]),
+        micro_batch_passes=float(p["micro_batch_passes"]),
+    )
 
 
 def local_cpu_probe(refresh: bool = False, cache: Path | None = None) -> dict[str, float]:
@@ -274,9 +306,15 @@ def _write_cache(path: Path, table: dict[str, dict[str, float]]) -> None:
         log.warning("could not cache the CPU probe at %s: %s", path, e)
 
 
-def local_cpu_cluster_probed(devices: int, memory_bytes: int, *, refresh: bool = False,
-                             cores: int | None = None, headroom: float = 0.10,
-                             device_cores: Sequence[float] | None = None) -> ClusterSpec:
+def local_cpu_cluster_probed(
+    devices: int,
+    memory_bytes: int,
+    *,
+    refresh: bool = False,
+    cores: int | None = None,
+    headroom: float = 0.10,
+    device_cores: Sequence[float] | None = None,
+) -> ClusterSpec:
     """This machine as ``devices`` worker processes of ``memory_bytes`` each, sharing
     ``cores`` cores (default: this machine's); ``device_cores``: each one's CPU limit
     (the rates are then measured under the smallest of them)."""
@@ -284,10 +322,16 @@ def local_cpu_cluster_probed(devices: int, memory_bytes: int, *, refresh: bool =
         p = capped_probe(min(device_cores), refresh)
     else:
         p = local_cpu_probe(refresh)
-    return local_cpu_cluster(devices, memory_bytes, flops_per_device=p["flops_per_device"],
-                             memory_bandwidth=p["memory_bandwidth"], exchange_bandwidth=p["exchange_bandwidth"],
-                             cores=cores or os.cpu_count() or 1, headroom=headroom,
-                             device_cores=list(device_cores) if device_cores is not None else None)
+    return local_cpu_cluster(
+        devices,
+        memory_bytes,
+        flops_per_device=p["flops_per_device"],
+        memory_bandwidth=p["memory_bandwidth"],
+        exchange_bandwidth=p["exchange_bandwidth"],
+        cores=cores or os.cpu_count() or 1,
+        headroom=headroom,
+        device_cores=list(device_cores) if device_cores is not None else None,
+    )
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--sustained"]:

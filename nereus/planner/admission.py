@@ -79,15 +79,35 @@ def admit(
     saving = current_step_seconds - target_step_seconds
     limit = gamma * horizon_steps if horizon_steps is not None else 0.0
     if saving <= 0:
-        return Decision("keep", None, f"no saving: target {target_step_seconds:.4g} s/step vs current "
-                        f"{current_step_seconds:.4g} s/step", saving, math.inf, limit)
+        return Decision(
+            "keep",
+            None,
+            f"no saving: target {target_step_seconds:.4g} s/step vs current "
+            f"{current_step_seconds:.4g} s/step",
+            saving,
+            math.inf,
+            limit,
+        )
     payback = transition_seconds / saving
     if payback <= limit:
-        return Decision("transition", target, f"pays back in {payback:.3g} steps <= gamma*H = {gamma}*"
-                        f"{horizon_steps} = {limit:.3g} steps", saving, payback, limit)
+        return Decision(
+            "transition",
+            target,
+            f"pays back in {payback:.3g} steps <= gamma*H = {gamma}*"
+            f"{horizon_steps} = {limit:.3g} steps",
+            saving,
+            payback,
+            limit,
+        )
     h = "unknown (no crossing yet)" if horizon_steps is None else f"{horizon_steps:.3g}"
-    return Decision("keep", None, f"payback {payback:.3g} steps > gamma*H = {gamma}*{h} = {limit:.3g} steps",
-                    saving, payback, limit)
+    return Decision(
+        "keep",
+        None,
+        f"payback {payback:.3g} steps > gamma*H = {gamma}*{h} = {limit:.3g} steps",
+        saving,
+        payback,
+        limit,
+    )
 
 
 def choose(
@@ -111,13 +131,24 @@ def choose(
     if urgent:
         for t in ranked:
             if math.isfinite(t.transition_seconds):
-                return Decision("transition", t, f"urgent: fastest reachable target {t.label or ''} "
-                                f"{t.step_seconds:.4g} s/step, transition {t.transition_seconds:.3g} s")
-        return Decision("restart", ranked[0], "urgent and no transition is possible: checkpoint and restart "
-                        f"on the fastest target ({ranked[0].step_seconds:.4g} s/step)")
+                return Decision(
+                    "transition",
+                    t,
+                    f"urgent: fastest reachable target {t.label or ''} "
+                    f"{t.step_seconds:.4g} s/step, transition {t.transition_seconds:.3g} s",
+                )
+        return Decision(
+            "restart",
+            ranked[0],
+            "urgent and no transition is possible: checkpoint and restart "
+            f"on the fastest target ({ranked[0].step_seconds:.4g} s/step)",
+        )
     # slack is measured from the fastest target that can be reached: an impossible
     # transition to a faster plan must not hide a reachable one that saves time
-    best = next((t.step_seconds for t in ranked if math.isfinite(t.transition_seconds)), ranked[0].step_seconds)
+    best = next(
+        (t.step_seconds for t in ranked if math.isfinite(t.transition_seconds)),
+        ranked[0].step_seconds,
+    )
     tried = []
     first: Decision | None = None  # the fastest target's verdict, reported when keeping
     first_target = ranked[0]
@@ -129,12 +160,21 @@ def choose(
             continue
         d = admit(current_step_seconds, t.step_seconds, t.transition_seconds, horizon_steps, gamma)
         if d.admitted:
-            return Decision("transition", t, d.reason, d.saving_seconds, d.payback_steps, d.limit_steps)
+            return Decision(
+                "transition", t, d.reason, d.saving_seconds, d.payback_steps, d.limit_steps
+            )
         if first is None:
             first, first_target = d, t
         tried.append(f"{t.label or 'target'}: {d.reason}")
     reason = "kept the current plan; " + "; ".join(tried)
     if first is None:
         return Decision("keep", None, reason, candidate=ranked[0])
-    return Decision("keep", None, reason, first.saving_seconds, first.payback_steps, first.limit_steps,
-                    candidate=first_target)
+    return Decision(
+        "keep",
+        None,
+        reason,
+        first.saving_seconds,
+        first.payback_steps,
+        first.limit_steps,
+        candidate=first_target,
+    )

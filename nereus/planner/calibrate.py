@@ -70,7 +70,9 @@ def _bounds(c: str) -> tuple[float, float]:
     return (0.0, 10.0) if c in FIXED else (1.0 / _MAX_EFF, 1.0 / _MIN_EFF)
 
 
-def _bounded_solve(a: list[list[float]], b: list[float], bounds: list[tuple[float, float]]) -> list[float]:
+def _bounded_solve(
+    a: list[list[float]], b: list[float], bounds: list[tuple[float, float]]
+) -> list[float]:
     """The normal equations ``a x = b`` with each x_i kept in its bounds: solve, pin the
     unknowns that left their range at the bound they crossed, solve for the rest, until
     none leaves (an active-set pass; with few equations whose classes move together,
@@ -105,13 +107,17 @@ class Calibrator:
     ``prior_weight`` is the weight of the pull toward the prior, relative to one
     equation with relative error: small, so data wins as soon as it exists."""
 
-    def __init__(self, prior: Efficiency = CONSERVATIVE, window: int = 256, prior_weight: float = 1e-3) -> None:
+    def __init__(
+        self, prior: Efficiency = CONSERVATIVE, window: int = 256, prior_weight: float = 1e-3
+    ) -> None:
         require(window >= 1, "Calibrator.window", window, "must be >= 1")
         require(prior_weight > 0, "Calibrator.prior_weight", prior_weight, "must be > 0")
         self.prior = prior
         self.prior_weight = prior_weight
         self._rows: deque[tuple[dict[str, float], float]] = deque(maxlen=window)
-        self._memory: deque[tuple[float, float]] = deque(maxlen=window)  # (t, y): modelled transient, measured
+        self._memory: deque[tuple[float, float]] = deque(
+            maxlen=window
+        )  # (t, y): modelled transient, measured
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -121,11 +127,18 @@ class Calibrator:
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
         row: dict[str, float] = {}
         for c, t in ideal_by_class.items():
-            require(c in OP_CLASSES or c in FIXED, "op class", c, f"must be one of {list(OP_CLASSES) + list(FIXED)}")
+            require(
+                c in OP_CLASSES or c in FIXED,
+                "op class",
+                c,
+                f"must be one of {list(OP_CLASSES) + list(FIXED)}",
+            )
             require(t >= 0, f"ideal seconds of {c}", t, "must be >= 0")
             if t > 0:
                 row[c] = float(t)
-        require(bool(row), "ideal_by_class", dict(ideal_by_class), "must have some positive ideal time")
+        require(
+            bool(row), "ideal_by_class", dict(ideal_by_class), "must have some positive ideal time"
+        )
         self._rows.append((row, float(measured_seconds)))
 
     def observe_stage(self, cost: StageCost, measured_seconds: float) -> None:
@@ -143,8 +156,12 @@ class Calibrator:
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
         row: dict[str, float] = {}
         for c, t in ideal.items():
-            require(c in OP_CLASSES or c in FIXED, "transition class", c,
-                    f"must be one of {list(OP_CLASSES) + list(FIXED)}")
+            require(
+                c in OP_CLASSES or c in FIXED,
+                "transition class",
+                c,
+                f"must be one of {list(OP_CLASSES) + list(FIXED)}",
+            )
             require(t >= 0, f"ideal {c}", t, "must be >= 0")
             if t > 0:
                 row[c] = float(t)
@@ -167,7 +184,9 @@ class Calibrator:
         """A measured peak against modelled resident and (unscaled) transient bytes: one
         model-stage's, or a whole device's (its resident bytes and its largest transient)."""
         require(measured_peak_bytes > 0, "measured_peak_bytes", measured_peak_bytes, "must be > 0")
-        require(transient > 0, "modelled transient bytes", transient, "must be > 0 to calibrate against")
+        require(
+            transient > 0, "modelled transient bytes", transient, "must be > 0 to calibrate against"
+        )
         self._memory.append((float(transient), max(0.0, float(measured_peak_bytes - resident))))
 
     def memory_fit(self) -> tuple[float, float]:

@@ -95,15 +95,31 @@ class ClusterSpec:
             v = getattr(self, f)
             require(v >= 0, f"ClusterSpec.{f}", v, "must be >= 0 seconds")
         require(0 <= self.headroom < 1, "ClusterSpec.headroom", self.headroom, "must be in [0, 1)")
-        require(self.cores is None or (isinstance(self.cores, int) and self.cores >= 1), "ClusterSpec.cores",
-                self.cores, "must be None or an integer >= 1")
+        require(
+            self.cores is None or (isinstance(self.cores, int) and self.cores >= 1),
+            "ClusterSpec.cores",
+            self.cores,
+            "must be None or an integer >= 1",
+        )
         if self.device_cores is not None:
-            require(len(self.device_cores) == self.nodes * self.devices_per_node, "ClusterSpec.device_cores",
-                    self.device_cores, f"must give one capacity per device ({self.nodes * self.devices_per_node})")
-            require(all(c > 0 for c in self.device_cores), "ClusterSpec.device_cores", self.device_cores,
-                    "must be > 0 cores each")
-        require(self.collective_steps in ("tree", "ring"), "ClusterSpec.collective_steps",
-                self.collective_steps, "must be 'tree' or 'ring'")
+            require(
+                len(self.device_cores) == self.nodes * self.devices_per_node,
+                "ClusterSpec.device_cores",
+                self.device_cores,
+                f"must give one capacity per device ({self.nodes * self.devices_per_node})",
+            )
+            require(
+                all(c > 0 for c in self.device_cores),
+                "ClusterSpec.device_cores",
+                self.device_cores,
+                "must be > 0 cores each",
+            )
+        require(
+            self.collective_steps in ("tree", "ring"),
+            "ClusterSpec.collective_steps",
+            self.collective_steps,
+            "must be 'tree' or 'ring'",
+        )
         require(
             0 <= self.workspace_bytes < self.device_memory_bytes,
             "ClusterSpec.workspace_bytes",
@@ -151,7 +167,9 @@ class ClusterSpec:
 
     def node_of(self, device: int) -> int:
         """The node holding global device index ``device``."""
-        require(0 <= device < self.num_devices, "device", device, f"must be in [0, {self.num_devices})")
+        require(
+            0 <= device < self.num_devices, "device", device, f"must be in [0, {self.num_devices})"
+        )
         return device // self.devices_per_node
 
     def device_share_of_inter_node(self) -> float:
@@ -163,8 +181,12 @@ class ClusterSpec:
         one capacity keep it (devices of different capacities name which left: refused)."""
         cores = self.device_cores
         if cores is not None and len(cores) != nodes * self.devices_per_node:
-            require(len(set(cores)) == 1, "ClusterSpec.device_cores", cores,
-                    "must be one capacity for every device to change the node count")
+            require(
+                len(set(cores)) == 1,
+                "ClusterSpec.device_cores",
+                cores,
+                "must be one capacity for every device to change the node count",
+            )
             cores = (cores[0],) * (nodes * self.devices_per_node)
         return dataclasses.replace(self, nodes=nodes, device_cores=cores)
 
@@ -174,27 +196,47 @@ def _preset_table() -> dict[str, ClusterSpec]:
         # Frontier-class: 4 MI250X per node = 8 GCDs of 64 GB; Infinity Fabric 400 GB/s
         # between GCDs; 4x Slingshot-11 (25 GB/s each) per node.
         "mi250x-1024": ClusterSpec(
-            name="mi250x-1024", nodes=128, devices_per_node=8,
-            device_memory_bytes=64 * 2**30, peak_flops=191.5e12, memory_bandwidth=1.6e12,
-            intra_node_bandwidth=400 * GB, inter_node_bandwidth=4 * 25 * GB,
+            name="mi250x-1024",
+            nodes=128,
+            devices_per_node=8,
+            device_memory_bytes=64 * 2**30,
+            peak_flops=191.5e12,
+            memory_bandwidth=1.6e12,
+            intra_node_bandwidth=400 * GB,
+            inter_node_bandwidth=4 * 25 * GB,
         ),
         # 4 A100 64 GB per node, NVLink3 600 GB/s, 4x HDR100 (12.5 GB/s each).
         "a100-256": ClusterSpec(
-            name="a100-256", nodes=64, devices_per_node=4,
-            device_memory_bytes=64 * 2**30, peak_flops=312e12, memory_bandwidth=2.0e12,
-            intra_node_bandwidth=600 * GB, inter_node_bandwidth=4 * 12.5 * GB,
+            name="a100-256",
+            nodes=64,
+            devices_per_node=4,
+            device_memory_bytes=64 * 2**30,
+            peak_flops=312e12,
+            memory_bandwidth=2.0e12,
+            intra_node_bandwidth=600 * GB,
+            inter_node_bandwidth=4 * 12.5 * GB,
         ),
         # 8 H200 141 GB per node, NVLink4 900 GB/s, a single HDR link (25 GB/s) per node.
         "h200-64": ClusterSpec(
-            name="h200-64", nodes=8, devices_per_node=8,
-            device_memory_bytes=141 * 10**9, peak_flops=989e12, memory_bandwidth=4.8e12,
-            intra_node_bandwidth=900 * GB, inter_node_bandwidth=25 * GB,
+            name="h200-64",
+            nodes=8,
+            devices_per_node=8,
+            device_memory_bytes=141 * 10**9,
+            peak_flops=989e12,
+            memory_bandwidth=4.8e12,
+            intra_node_bandwidth=900 * GB,
+            inter_node_bandwidth=25 * GB,
         ),
         # One DGX-class 8xH100 80 GB node (NDR 400 Gb/s NIC if it ever gets a neighbour).
         "h100-8": ClusterSpec(
-            name="h100-8", nodes=1, devices_per_node=8,
-            device_memory_bytes=80 * 2**30, peak_flops=989e12, memory_bandwidth=3.35e12,
-            intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB,
+            name="h100-8",
+            nodes=1,
+            devices_per_node=8,
+            device_memory_bytes=80 * 2**30,
+            peak_flops=989e12,
+            memory_bandwidth=3.35e12,
+            intra_node_bandwidth=900 * GB,
+            inter_node_bandwidth=50 * GB,
         ),
     }
 
@@ -207,7 +249,9 @@ def cluster_preset(name: str, nodes: int | None = None) -> ClusterSpec:
 
     ``local-cpu`` is not here: it needs a probe (see ``local_cpu_cluster``)."""
     if name not in PRESETS:
-        raise ConfigError(f"cluster={name!r} is not a known preset; expected one of {sorted(PRESETS)}")
+        raise ConfigError(
+            f"cluster={name!r} is not a known preset; expected one of {sorted(PRESETS)}"
+        )
     spec = PRESETS[name]
     return spec if nodes is None else spec.with_nodes(nodes)
 
@@ -239,11 +283,27 @@ def local_cpu_cluster(
     its cores' worth, and ``cores`` is the host's core count, limiting only where the
     quotas add up to more. Small all-reduces are priced as gloo runs them there: a ring
     of 2·(n-1) process wake-ups."""
-    require(isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1")
-    require(memory_bytes > workspace_bytes, "memory_bytes", memory_bytes, f"must exceed workspace_bytes={workspace_bytes}")
-    require(cores is None or (isinstance(cores, int) and cores >= 1), "cores", cores, "must be an integer >= 1")
-    require(device_cores is None or len(device_cores) == devices, "device_cores", device_cores,
-            f"must give one capacity per device ({devices})")
+    require(
+        isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1"
+    )
+    require(
+        memory_bytes > workspace_bytes,
+        "memory_bytes",
+        memory_bytes,
+        f"must exceed workspace_bytes={workspace_bytes}",
+    )
+    require(
+        cores is None or (isinstance(cores, int) and cores >= 1),
+        "cores",
+        cores,
+        "must be an integer >= 1",
+    )
+    require(
+        device_cores is None or len(device_cores) == devices,
+        "device_cores",
+        device_cores,
+        f"must give one capacity per device ({devices})",
+    )
     return ClusterSpec(
         name=f"local-cpu-{devices}",
         nodes=1,

@@ -46,12 +46,26 @@ __all__ = [
     "usable_bytes",
 ]
 
-OP_CLASSES = ("gemm", "attention", "decode", "allreduce_intra", "allreduce_inter", "p2p_intra", "p2p_inter")
+OP_CLASSES = (
+    "gemm",
+    "attention",
+    "decode",
+    "allreduce_intra",
+    "allreduce_inter",
+    "p2p_intra",
+    "p2p_inter",
+)
 # Costs a term counts in units (its "ideal" is a count: layer passes, groups, calls,
 # transitions, GB copied locally), with the Efficiency field that holds the seconds per unit.
-FIXED_COSTS = {"layer_passes": "layer_pass_s", "groups": "group_setup_s", "calls": "transition_call_s",
-               "transitions": "transition_s", "groups_released": "group_release_s", "copy_gb": "copy_s_per_gb",
-               "host_gb": "host_s_per_gb"}
+FIXED_COSTS = {
+    "layer_passes": "layer_pass_s",
+    "groups": "group_setup_s",
+    "calls": "transition_call_s",
+    "transitions": "transition_s",
+    "groups_released": "group_release_s",
+    "copy_gb": "copy_s_per_gb",
+    "host_gb": "host_s_per_gb",
+}
 HEADROOM = 0.10
 MAX_MEMORY_FIXED_BYTES = 2**40  # Efficiency.memory_fixed_bytes: at most 1 TiB
 UPDATE_BYTES = 16  # bytes streamed per parameter by an AdamW step (read+write)
@@ -111,17 +125,51 @@ class Efficiency:
 
     def __post_init__(self) -> None:
         for c in OP_CLASSES:
-            require(0 < getattr(self, c) <= 1.5, f"Efficiency.{c}", getattr(self, c), "must be in (0, 1.5]")
-        require(0.25 <= self.memory_scale <= 8.0, "Efficiency.memory_scale", self.memory_scale, "must be in [0.25, 8]")
-        require(0 <= self.memory_fixed_bytes <= MAX_MEMORY_FIXED_BYTES, "Efficiency.memory_fixed_bytes",
-                self.memory_fixed_bytes, f"must be in [0, {MAX_MEMORY_FIXED_BYTES}] bytes")
-        require(0.0 <= self.micro_batch_passes <= 50.0, "Efficiency.micro_batch_passes",
-                self.micro_batch_passes, "must be in [0, 50] layer passes")
-        require(1.0 <= self.recompute_passes <= 20.0, "Efficiency.recompute_passes",
-                self.recompute_passes, "must be in [1, 20] layer passes")
-        for f in ("group_setup_s", "transition_call_s", "transition_s", "group_release_s", "copy_s_per_gb",
-                  "host_s_per_gb", "layer_pass_s"):
-            require(0 <= getattr(self, f) <= 10.0, f"Efficiency.{f}", getattr(self, f), "must be in [0, 10] seconds")
+            require(
+                0 < getattr(self, c) <= 1.5,
+                f"Efficiency.{c}",
+                getattr(self, c),
+                "must be in (0, 1.5]",
+            )
+        require(
+            0.25 <= self.memory_scale <= 8.0,
+            "Efficiency.memory_scale",
+            self.memory_scale,
+            "must be in [0.25, 8]",
+        )
+        require(
+            0 <= self.memory_fixed_bytes <= MAX_MEMORY_FIXED_BYTES,
+            "Efficiency.memory_fixed_bytes",
+            self.memory_fixed_bytes,
+            f"must be in [0, {MAX_MEMORY_FIXED_BYTES}] bytes",
+        )
+        require(
+            0.0 <= self.micro_batch_passes <= 50.0,
+            "Efficiency.micro_batch_passes",
+            self.micro_batch_passes,
+            "must be in [0, 50] layer passes",
+        )
+        require(
+            1.0 <= self.recompute_passes <= 20.0,
+            "Efficiency.recompute_passes",
+            self.recompute_passes,
+            "must be in [1, 20] layer passes",
+        )
+        for f in (
+            "group_setup_s",
+            "transition_call_s",
+            "transition_s",
+            "group_release_s",
+            "copy_s_per_gb",
+            "host_s_per_gb",
+            "layer_pass_s",
+        ):
+            require(
+                0 <= getattr(self, f) <= 10.0,
+                f"Efficiency.{f}",
+                getattr(self, f),
+                "must be in [0, 10] seconds",
+            )
 
     def __getitem__(self, op_class: str) -> float:
         if op_class in FIXED_COSTS:
@@ -217,15 +265,30 @@ def _stage_params(model: ModelShape, pp: int, *, for_memory: bool) -> int:
     layers = _ceil_div(model.num_layers, pp) * model.layer_params
     head_compute = model.hidden_size * model.output_width
     if for_memory:
-        ends = model.embed_params + model.head_params if pp == 1 else max(model.embed_params, model.head_params)
+        ends = (
+            model.embed_params + model.head_params
+            if pp == 1
+            else max(model.embed_params, model.head_params)
+        )
     else:
         ends = head_compute  # the embedding is a lookup; the head is a GEMM
     return layers + ends
 
 
-def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, pp: int, dp: int,
-                 *, recompute: bool = False, waves: int = 1, scale: float = 1.0, fixed: float = 0.0,
-                 flash_attention: bool = True) -> StageMemory:
+def stage_memory(
+    stage: ModelStage,
+    model: ModelShape,
+    work: Workload,
+    tp: int,
+    pp: int,
+    dp: int,
+    *,
+    recompute: bool = False,
+    waves: int = 1,
+    scale: float = 1.0,
+    fixed: float = 0.0,
+    flash_attention: bool = True,
+) -> StageMemory:
     """Bytes per device of ``stage`` at layout tp x pp with dp replicas (max over pp ranks).
 
     ``waves`` (generation): the replica decodes its sequences in that many successive
@@ -247,8 +310,17 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
     if stage.kind == "generation":
         kv_shards = min(tp, model.num_kv_heads)
         batch = _ceil_div(n_r, waves)
-        kv = batch * (work.prompt_length + lengths.max) * model.kv_bytes_per_token * layers / model.num_layers / kv_shards
-        return StageMemory(p_dev * b, 0, 0, 0, int(kv * scale), int(batch * logit_width * 4 * scale), extra)
+        kv = (
+            batch
+            * (work.prompt_length + lengths.max)
+            * model.kv_bytes_per_token
+            * layers
+            / model.num_layers
+            / kv_shards
+        )
+        return StageMemory(
+            p_dev * b, 0, 0, 0, int(kv * scale), int(batch * logit_width * 4 * scale), extra
+        )
     rows = min(work.micro_batch, n_r)
     t_mb = rows * seq
     per_layer = t_mb * model.hidden_size * (10 + 24 / tp) * model.bytes_per_param / 2
@@ -263,8 +335,15 @@ def stage_memory(stage: ModelStage, model: ModelShape, work: Workload, tp: int, 
         act = t_mb * model.hidden_size * 2 * layers * in_flight + per_layer
     else:
         act = per_layer * layers * in_flight
-    return StageMemory(p_dev * b, p_dev * grad_bytes_per_param(model.dtype), p_dev * optimizer_bytes_per_param(model.dtype),
-                       int(act * scale), 0, 2 * logits, extra)
+    return StageMemory(
+        p_dev * b,
+        p_dev * grad_bytes_per_param(model.dtype),
+        p_dev * optimizer_bytes_per_param(model.dtype),
+        int(act * scale),
+        0,
+        2 * logits,
+        extra,
+    )
 
 
 def _ring(n: int, nbytes: float, bw: float) -> float:
@@ -284,7 +363,12 @@ class _Terms:
         self.terms: list[Term] = []
         self.total = 0.0
 
-    def add(self, name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple] | None = None) -> bool:
+    def add(
+        self,
+        name: str,
+        ideal: tuple[tuple[str, float], ...],
+        formula: tuple[str, tuple] | None = None,
+    ) -> bool:
         # ``formula`` is (template, values): the search never pays for formatting text
         secs = 0.0
         for c, t in ideal:
@@ -292,7 +376,11 @@ class _Terms:
         if secs <= 0:
             return False
         if self.keep:
-            self.terms.append(Term(name, ideal, formula[0].format(*formula[1]) if self.formulas and formula else ""))
+            self.terms.append(
+                Term(
+                    name, ideal, formula[0].format(*formula[1]) if self.formulas and formula else ""
+                )
+            )
         self.total += secs
         return True
 
@@ -316,16 +404,42 @@ class _Links:
     hops: Callable[[int], int]  # latency steps of one small all-reduce among n ranks
 
     @classmethod
-    def of(cls, cluster: ClusterSpec, devices: int, pp_inter: bool, dp_inter: bool,
-           capacity: float | None = None) -> _Links:
+    def of(
+        cls,
+        cluster: ClusterSpec,
+        devices: int,
+        pp_inter: bool,
+        dp_inter: bool,
+        capacity: float | None = None,
+    ) -> _Links:
         # devices sharing cores slow each other down; a capped device has its quota's worth
         busy = cluster.rate_share(devices, capacity)
         bw_tp, a_tp = cluster.intra_node_bandwidth * busy, cluster.intra_node_latency_s
         share = cluster.device_share_of_inter_node()
-        bw_pp, a_pp, pp_cls = (share, cluster.inter_node_latency_s, "p2p_inter") if pp_inter else (bw_tp, a_tp, "p2p_intra")
-        bw_dp, a_dp, dp_cls = (share, cluster.inter_node_latency_s, "allreduce_inter") if dp_inter else (bw_tp, a_tp, "allreduce_intra")
-        return cls(busy, cluster.peak_flops * busy, cluster.memory_bandwidth * busy, bw_tp, a_tp,
-                   bw_pp, a_pp, pp_cls, bw_dp, a_dp, dp_cls, cluster.collective_latency_steps)
+        bw_pp, a_pp, pp_cls = (
+            (share, cluster.inter_node_latency_s, "p2p_inter")
+            if pp_inter
+            else (bw_tp, a_tp, "p2p_intra")
+        )
+        bw_dp, a_dp, dp_cls = (
+            (share, cluster.inter_node_latency_s, "allreduce_inter")
+            if dp_inter
+            else (bw_tp, a_tp, "allreduce_intra")
+        )
+        return cls(
+            busy,
+            cluster.peak_flops * busy,
+            cluster.memory_bandwidth * busy,
+            bw_tp,
+            a_tp,
+            bw_pp,
+            a_pp,
+            pp_cls,
+            bw_dp,
+            a_dp,
+            dp_cls,
+            cluster.collective_latency_steps,
+        )
 
 
 def stage_cost(
@@ -362,12 +476,23 @@ def stage_cost(
     if stage.kind == "generation":
         _generation_terms(terms, model, work, eff, links, tp, pp, n_r, waves)
     else:
-        _pass_terms(terms, stage.kind == "training", model, work, eff, links, tp, pp, dp, n_r, recompute)
+        _pass_terms(
+            terms, stage.kind == "training", model, work, eff, links, tp, pp, dp, n_r, recompute
+        )
     return StageCost(stage.name, tp, pp, dp, tuple(terms.terms), terms.total)
 
 
-def _generation_terms(terms: _Terms, model: ModelShape, work: Workload, eff: Efficiency, links: _Links,
-                      tp: int, pp: int, n_r: int, waves: int) -> None:
+def _generation_terms(
+    terms: _Terms,
+    model: ModelShape,
+    work: Workload,
+    eff: Efficiency,
+    links: _Links,
+    tp: int,
+    pp: int,
+    n_r: int,
+    waves: int,
+) -> None:
     """Prefill, decode (memory- or compute-bound, whichever is slower), the fixed cost
     of every forward pass, and the TP and PP traffic of one generation replica."""
     add, peak, mem_bw = terms.add, links.peak, links.mem_bw
@@ -376,35 +501,103 @@ def _generation_terms(terms: _Terms, model: ModelShape, work: Workload, eff: Eff
     n = model.num_params
     prompt, mean, steps = work.prompt_length, work.lengths.mean, work.lengths.max
     t_prompt, t_gen = n_r * prompt, n_r * mean
-    add("prefill", (("gemm", 2 * n * t_prompt / (tp * peak)), ("attention", 2 * L * h * prompt**2 * n_r / (tp * peak))),
-        ("2·N·{:.3g} tok/(tp·peak) + 2·L·h·s²·{} seq/(tp·peak), N={:.3g}, s={}", (t_prompt, n_r, n, prompt)))
+    add(
+        "prefill",
+        (
+            ("gemm", 2 * n * t_prompt / (tp * peak)),
+            ("attention", 2 * L * h * prompt**2 * n_r / (tp * peak)),
+        ),
+        (
+            "2·N·{:.3g} tok/(tp·peak) + 2·L·h·s²·{} seq/(tp·peak), N={:.3g}, s={}",
+            (t_prompt, n_r, n, prompt),
+        ),
+    )
     kv_shards = min(tp, model.num_kv_heads)
     ctx = prompt + mean / 2
-    stream = waves * steps * n * b / tp / mem_bw + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
+    stream = (
+        waves * steps * n * b / tp / mem_bw
+        + t_gen * ctx * model.kv_bytes_per_token / kv_shards / mem_bw
+    )
     compute = 2 * n * t_gen / (tp * peak)
     attn = 4 * L * h * ctx * t_gen / (tp * peak)
     if stream / eff.decode >= compute / eff.gemm + attn / eff.attention:
-        add("decode", (("decode", stream),),
-            (("memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} "
-              "ctx·{:.3g} B KV)/{:.3g} B/s"), (waves, steps, n * b / tp, t_gen, ctx, model.kv_bytes_per_token / kv_shards, mem_bw)))
+        add(
+            "decode",
+            (("decode", stream),),
+            (
+                (
+                    "memory-bound: ({} waves·{} steps·{:.3g} B weights + {:.3g} tok·{:.0f} "
+                    "ctx·{:.3g} B KV)/{:.3g} B/s"
+                ),
+                (
+                    waves,
+                    steps,
+                    n * b / tp,
+                    t_gen,
+                    ctx,
+                    model.kv_bytes_per_token / kv_shards,
+                    mem_bw,
+                ),
+            ),
+        )
     else:
-        add("decode", (("gemm", compute), ("attention", attn)),
-            ("compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)", (t_gen, ctx, t_gen)))
+        add(
+            "decode",
+            (("gemm", compute), ("attention", attn)),
+            (
+                "compute-bound: 2·N·{:.3g} tok/(tp·peak) + 4·L·h·{:.0f}·{:.3g}/(tp·peak)",
+                (t_gen, ctx, t_gen),
+            ),
+        )
     # the batch goes stage after stage: every layer runs once per forward pass
-    add("layer passes", (("layer_passes", waves * (1 + steps) * L / links.busy),),
-        ("{} waves·{} forward passes·{} layers·{:.2g} s fixed cost", (waves, 1 + steps, L, eff.layer_pass_s)))
+    add(
+        "layer passes",
+        (("layer_passes", waves * (1 + steps) * L / links.busy),),
+        (
+            "{} waves·{} forward passes·{} layers·{:.2g} s fixed cost",
+            (waves, 1 + steps, L, eff.layer_pass_s),
+        ),
+    )
     if tp > 1:
         nbytes = 2 * L * (t_prompt + t_gen) * h * b
-        add("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * links.hops(tp) * a_tp),),
-            ("ring 2(tp-1)/tp·{:.3g} B/{:.3g} B/s + {} all-reduces·2·log2(tp)·{:.1e} s", (nbytes, bw_tp, 2 * L * waves * (1 + steps), a_tp)))
+        add(
+            "tp collectives",
+            (
+                (
+                    "allreduce_intra",
+                    _ring(tp, nbytes, bw_tp) + 2 * L * waves * (1 + steps) * links.hops(tp) * a_tp,
+                ),
+            ),
+            (
+                "ring 2(tp-1)/tp·{:.3g} B/{:.3g} B/s + {} all-reduces·2·log2(tp)·{:.1e} s",
+                (nbytes, bw_tp, 2 * L * waves * (1 + steps), a_tp),
+            ),
+        )
     if pp > 1:
         nbytes = (pp - 1) * (t_prompt + t_gen) * h * b
-        add("pp p2p", ((links.pp_cls, nbytes / bw_pp + (pp - 1) * waves * (1 + steps) * a_pp),),
-            ("(pp-1)·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s", (t_prompt + t_gen, bw_pp, (pp - 1) * waves * (1 + steps), a_pp)))
+        add(
+            "pp p2p",
+            ((links.pp_cls, nbytes / bw_pp + (pp - 1) * waves * (1 + steps) * a_pp),),
+            (
+                "(pp-1)·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s",
+                (t_prompt + t_gen, bw_pp, (pp - 1) * waves * (1 + steps), a_pp),
+            ),
+        )
 
 
-def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload, eff: Efficiency, links: _Links,
-                tp: int, pp: int, dp: int, n_r: int, recompute: bool) -> None:
+def _pass_terms(
+    terms: _Terms,
+    training: bool,
+    model: ModelShape,
+    work: Workload,
+    eff: Efficiency,
+    links: _Links,
+    tp: int,
+    pp: int,
+    dp: int,
+    n_r: int,
+    recompute: bool,
+) -> None:
     """Forward (inference) or forward and backward (training) passes over the step's
     sequences: compute, the fixed cost of every pass, TP and PP traffic and the pipeline
     bubble; training adds the DP gradient sync and the optimizer update."""
@@ -422,43 +615,95 @@ def _pass_terms(terms: _Terms, training: bool, model: ModelShape, work: Workload
     micro_total = micro * opt_steps
     body: list[tuple[tuple[str, float], ...]] = []
 
-    def add_body(name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple]) -> None:
+    def add_body(
+        name: str, ideal: tuple[tuple[str, float], ...], formula: tuple[str, tuple]
+    ) -> None:
         if add(name, ideal, formula):
             body.append(ideal)
 
     kind = str(2 * mult)
-    add_body("compute", (("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
-                         ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak))),
-             ("{}·{:.3g} params/stage·{:.3g} tok/(tp·peak) + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}", (kind, p_compute, tokens, mult, layers, n_r, seq)))
+    add_body(
+        "compute",
+        (
+            ("gemm", mult * 2 * p_compute * tokens / (tp * peak)),
+            ("attention", mult * 2 * layers * h * seq**2 * n_r * passes / (tp * peak)),
+        ),
+        (
+            "{}·{:.3g} params/stage·{:.3g} tok/(tp·peak)"
+            " + attention {}·2·{}·h·s²·{} seq/(tp·peak), s={:.0f}",
+            (kind, p_compute, tokens, mult, layers, n_r, seq),
+        ),
+    )
     # a recomputed layer costs its checkpointing's fixed cost, not one bare forward
     fixed_passes = (3 + eff.recompute_passes if recompute else 3) if training else 1
     # every micro-batch's embedding, head and loss (a forward-only pass: a third of them)
     ends = eff.micro_batch_passes * (1.0 if training else 1.0 / 3)
     passes = micro_total * (fixed_passes * layers + ends)
-    add_body("layer passes", (("layer_passes", passes / links.busy),),
-             ("{} micro-batches·({:.3g} passes·{} layers + {:.3g} ends)·{:.2g} s fixed cost",
-              (micro_total, fixed_passes, layers, ends, eff.layer_pass_s)))
+    add_body(
+        "layer passes",
+        (("layer_passes", passes / links.busy),),
+        (
+            "{} micro-batches·({:.3g} passes·{} layers + {:.3g} ends)·{:.2g} s fixed cost",
+            (micro_total, fixed_passes, layers, ends, eff.layer_pass_s),
+        ),
+    )
     if tp > 1:
         per_layer = (6 if recompute else 4) if training else 2
         nbytes = per_layer * layers * tokens * h * b
-        add_body("tp collectives", (("allreduce_intra", _ring(tp, nbytes, bw_tp) + per_layer * layers * micro_total * links.hops(tp) * a_tp),),
-                 ("ring 2(tp-1)/tp·{}·{} layers·{:.3g} tok·h·b/{:.3g} B/s", (per_layer, layers, tokens, bw_tp)))
+        add_body(
+            "tp collectives",
+            (
+                (
+                    "allreduce_intra",
+                    _ring(tp, nbytes, bw_tp)
+                    + per_layer * layers * micro_total * links.hops(tp) * a_tp,
+                ),
+            ),
+            (
+                "ring 2(tp-1)/tp·{}·{} layers·{:.3g} tok·h·b/{:.3g} B/s",
+                (per_layer, layers, tokens, bw_tp),
+            ),
+        )
     if pp > 1:
         dirs = 2 if training else 1
         nbytes = dirs * tokens * h * b
-        add_body("pp p2p", ((links.pp_cls, nbytes / bw_pp + dirs * micro_total * a_pp),),
-                 ("{}·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s", (dirs, tokens, bw_pp, dirs * micro_total, a_pp)))
+        add_body(
+            "pp p2p",
+            ((links.pp_cls, nbytes / bw_pp + dirs * micro_total * a_pp),),
+            (
+                "{}·{:.3g} tok·h·b/{:.3g} B/s + {} sends·{:.1e} s",
+                (dirs, tokens, bw_pp, dirs * micro_total, a_pp),
+            ),
+        )
         frac = (pp - 1) / micro
         bubble: dict[str, float] = {}
         for ideal in body:
             for c, t in ideal:
                 bubble[c] = bubble.get(c, 0.0) + t * frac
-        add("pipeline bubble", tuple(bubble.items()), ("(pp-1)/M = {}/{} of the stage time above", (pp - 1, micro)))
+        add(
+            "pipeline bubble",
+            tuple(bubble.items()),
+            ("(pp-1)/M = {}/{} of the stage time above", (pp - 1, micro)),
+        )
     if training:
         p_dev = _ceil_div(_stage_params(model, pp, for_memory=True), tp)
         if dp > 1:
             nbytes = p_dev * b  # the engines all-reduce gradients in the parameters' dtype
-            add("dp sync", ((links.dp_cls, opt_steps * (_ring(dp, nbytes, links.bw_dp) + links.hops(dp) * links.a_dp)),),
-                ("{} updates·ring 2(dp-1)/dp·{:.3g} B grads/{:.3g} B/s", (opt_steps, nbytes, links.bw_dp)))
-        add("optimizer", (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),
-            ("{} updates·{:.3g} params·{} B/{:.3g} B/s", (opt_steps, p_dev, UPDATE_BYTES, mem_bw)))
+            add(
+                "dp sync",
+                (
+                    (
+                        links.dp_cls,
+                        opt_steps * (_ring(dp, nbytes, links.bw_dp) + links.hops(dp) * links.a_dp),
+                    ),
+                ),
+                (
+                    "{} updates·ring 2(dp-1)/dp·{:.3g} B grads/{:.3g} B/s",
+                    (opt_steps, nbytes, links.bw_dp),
+                ),
+            )
+        add(
+            "optimizer",
+            (("decode", opt_steps * p_dev * UPDATE_BYTES / mem_bw),),
+            ("{} updates·{:.3g} params·{} B/{:.3g} B/s", (opt_steps, p_dev, UPDATE_BYTES, mem_bw)),
+        )

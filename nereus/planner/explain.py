@@ -107,15 +107,22 @@ class Explanation:
         for s in self.stages:
             if s.name == name:
                 return s
-        raise ConfigError(f"model-stage {name!r} is not explained; known: {[s.name for s in self.stages]}")
+        raise ConfigError(
+            f"model-stage {name!r} is not explained; known: {[s.name for s in self.stages]}"
+        )
 
     def to_dict(self, eff: Efficiency = CONSERVATIVE) -> dict[str, Any]:
         """Plain data for the tap: per model-stage seconds by term, per device bytes."""
         return {
             "step_seconds": self.step_seconds,
             "stages": {
-                s.name: {"layout": s.plan.layout(), "seconds": s.cost.seconds, "terms_seconds": s.cost.term_seconds(eff),
-                         "resident_bytes": s.memory.resident, "transient_bytes": s.memory.transient}
+                s.name: {
+                    "layout": s.plan.layout(),
+                    "seconds": s.cost.seconds,
+                    "terms_seconds": s.cost.term_seconds(eff),
+                    "resident_bytes": s.memory.resident,
+                    "transient_bytes": s.memory.transient,
+                }
                 for s in self.stages
             },
             "memory_bytes": {m.device: m.total for m in self.memory},
@@ -129,7 +136,9 @@ def links_of(sp: StagePlan, cluster: ClusterSpec, name: str = "") -> tuple[bool,
     got = _links(sp, cluster.devices_per_node)
     if isinstance(got, tuple):
         return got
-    raise ConfigError(f"{name or 'model-stage'}: TP group {list(got)} spans nodes; TP must stay inside a node")
+    raise ConfigError(
+        f"{name or 'model-stage'}: TP group {list(got)} spans nodes; TP must stay inside a node"
+    )
 
 
 @lru_cache(maxsize=8192)
@@ -139,7 +148,7 @@ def _links(sp: StagePlan, per: int) -> tuple[bool, bool] | list[int]:
     pp_inter = False
     for emu in sp.devices:
         for j in range(sp.pp):
-            group = emu[j * sp.tp:(j + 1) * sp.tp]
+            group = emu[j * sp.tp : (j + 1) * sp.tp]
             if len({d // per for d in group}) > 1:
                 return list(group)
         if len({d // per for d in emu}) > 1:
@@ -148,11 +157,15 @@ def _links(sp: StagePlan, per: int) -> tuple[bool, bool] | list[int]:
     return pp_inter, dp_inter
 
 
-def explain(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency = CONSERVATIVE) -> Explanation:
+def explain(
+    plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency = CONSERVATIVE
+) -> Explanation:
     """Every model-stage's terms, the phase structure, and memory per device of ``plan``."""
     missing = [s.name for s in work.stages if s.name not in plan.names]
     if missing:
-        raise ConfigError(f"plan lacks model-stage(s) {missing} of {work.algorithm}; it has {plan.names}")
+        raise ConfigError(
+            f"plan lacks model-stage(s) {missing} of {work.algorithm}; it has {plan.names}"
+        )
     bad = sorted(d for d in plan.devices if d >= cluster.num_devices)
     if bad:
         raise ConfigError(f"plan uses device(s) {bad} but {cluster.name} has {cluster.num_devices}")
@@ -162,11 +175,35 @@ def explain(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency = 
         sp = plan[stage.name]
         model = work.models[stage.model]
         pp_inter, dp_inter = links_of(sp, cluster, stage.name)
-        cost = stage_cost(stage, model, work, cluster, eff, sp.tp, sp.pp, sp.dp, pp_inter=pp_inter,
-                          dp_inter=dp_inter, recompute=sp.recompute, waves=sp.waves, formulas=True,
-                          capacity=cluster.capacity([d for emu in sp.devices for d in emu]))
-        mem = stage_memory(stage, model, work, sp.tp, sp.pp, sp.dp, recompute=sp.recompute, waves=sp.waves,
-                           scale=eff.memory_scale, fixed=eff.memory_fixed_bytes, flash_attention=cluster.flash_attention)
+        cost = stage_cost(
+            stage,
+            model,
+            work,
+            cluster,
+            eff,
+            sp.tp,
+            sp.pp,
+            sp.dp,
+            pp_inter=pp_inter,
+            dp_inter=dp_inter,
+            recompute=sp.recompute,
+            waves=sp.waves,
+            formulas=True,
+            capacity=cluster.capacity([d for emu in sp.devices for d in emu]),
+        )
+        mem = stage_memory(
+            stage,
+            model,
+            work,
+            sp.tp,
+            sp.pp,
+            sp.dp,
+            recompute=sp.recompute,
+            waves=sp.waves,
+            scale=eff.memory_scale,
+            fixed=eff.memory_fixed_bytes,
+            flash_attention=cluster.flash_attention,
+        )
         out.append(StageExplanation(stage.name, level, sp, cost, mem, pp_inter, dp_inter))
     return Explanation(tuple(out), _phase_times(out), _device_memory(out, cluster))
 
@@ -192,12 +229,19 @@ def _phase_times(stages: list[StageExplanation]) -> tuple[PhaseTime, ...]:
         for i, s in enumerate(members):
             groups.setdefault(root(i), []).append(s)
         ordered = sorted(groups.values(), key=lambda g: members.index(g[0]))
-        result.append(PhaseTime(level, tuple(tuple(s.name for s in g) for g in ordered),
-                                tuple(sum(s.cost.seconds for s in g) for g in ordered)))
+        result.append(
+            PhaseTime(
+                level,
+                tuple(tuple(s.name for s in g) for g in ordered),
+                tuple(sum(s.cost.seconds for s in g) for g in ordered),
+            )
+        )
     return tuple(result)
 
 
-def _device_memory(stages: list[StageExplanation], cluster: ClusterSpec) -> tuple[DeviceMemory, ...]:
+def _device_memory(
+    stages: list[StageExplanation], cluster: ClusterSpec
+) -> tuple[DeviceMemory, ...]:
     on: dict[int, list[int]] = {}
     for i, s in enumerate(stages):
         for d in s.plan.device_set:
@@ -212,6 +256,10 @@ def _device_memory(stages: list[StageExplanation], cluster: ClusterSpec) -> tupl
         if kind is None:
             here = [stages[i] for i in key]
             peak = max(here, key=lambda s: s.memory.transient)
-            kind = kinds[key] = (tuple((s.name, s.memory.resident) for s in here), peak.name, peak.memory.transient)
+            kind = kinds[key] = (
+                tuple((s.name, s.memory.resident) for s in here),
+                peak.name,
+                peak.memory.transient,
+            )
         out.append(DeviceMemory(d, cluster.workspace_bytes, kind[0], kind[1], kind[2], usable))
     return tuple(out)

@@ -44,14 +44,31 @@ class StagePlan:
     waves: int = 1
 
     def __post_init__(self) -> None:
-        require(isinstance(self.waves, int) and self.waves >= 1, "StagePlan.waves", self.waves, "must be an integer >= 1")
+        require(
+            isinstance(self.waves, int) and self.waves >= 1,
+            "StagePlan.waves",
+            self.waves,
+            "must be an integer >= 1",
+        )
         require(is_power_of_two(self.tp), "StagePlan.tp", self.tp, "must be a power of two")
         require(is_power_of_two(self.pp), "StagePlan.pp", self.pp, "must be a power of two")
-        require(isinstance(self.dp, int) and self.dp >= 1, "StagePlan.dp", self.dp, "must be an integer >= 1")
-        require(len(self.devices) == self.dp, "StagePlan.devices", self.devices, f"must list dp={self.dp} EMUs")
+        require(
+            isinstance(self.dp, int) and self.dp >= 1,
+            "StagePlan.dp",
+            self.dp,
+            "must be an integer >= 1",
+        )
+        require(
+            len(self.devices) == self.dp,
+            "StagePlan.devices",
+            self.devices,
+            f"must list dp={self.dp} EMUs",
+        )
         size = self.tp * self.pp
         for emu in self.devices:
-            require(len(emu) == size, "StagePlan.devices", emu, f"each EMU needs tp*pp={size} devices")
+            require(
+                len(emu) == size, "StagePlan.devices", emu, f"each EMU needs tp*pp={size} devices"
+            )
         flat = [d for emu in self.devices for d in emu]
         if not all(isinstance(d, int) and d >= 0 for d in flat):
             bad = next(d for d in flat if not (isinstance(d, int) and d >= 0))
@@ -79,11 +96,15 @@ class StagePlan:
         return frozenset(d for emu in self.devices for d in emu)
 
     def layout(self) -> str:
-        extra = ("·recompute" if self.recompute else "") + (f"·{self.waves} waves" if self.waves > 1 else "")
+        extra = ("·recompute" if self.recompute else "") + (
+            f"·{self.waves} waves" if self.waves > 1 else ""
+        )
         return f"tp{self.tp}·pp{self.pp}·dp{self.dp}{extra}"
 
     @staticmethod
-    def on_range(tp: int, pp: int, dp: int, start: int, *, recompute: bool = False, waves: int = 1) -> StagePlan:
+    def on_range(
+        tp: int, pp: int, dp: int, start: int, *, recompute: bool = False, waves: int = 1
+    ) -> StagePlan:
         """EMUs laid out back to back on devices ``start .. start + tp*pp*dp - 1``."""
         size = tp * pp
         emus = tuple(tuple(range(start + r * size, start + (r + 1) * size)) for r in range(dp))
@@ -98,7 +119,9 @@ class Plan:
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.stages]
-        require(len(set(names)) == len(names), "Plan.stages", names, "must name each model-stage once")
+        require(
+            len(set(names)) == len(names), "Plan.stages", names, "must name each model-stage once"
+        )
 
     def __getitem__(self, name: str) -> StagePlan:
         for n, sp in self.stages:
@@ -126,25 +149,55 @@ class Plan:
         lines = []
         for n, sp in self.stages:
             devs = sorted(sp.device_set)
-            span = f"{devs[0]}-{devs[-1]}" if devs == list(range(devs[0], devs[-1] + 1)) else str(devs)
+            span = (
+                f"{devs[0]}-{devs[-1]}" if devs == list(range(devs[0], devs[-1] + 1)) else str(devs)
+            )
             lines.append(f"{n}: {sp.layout()} on devices {span}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {n: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "devices": [list(e) for e in s.devices],
-                    "recompute": s.recompute, "waves": s.waves} for n, s in self.stages}
+        return {
+            n: {
+                "tp": s.tp,
+                "pp": s.pp,
+                "dp": s.dp,
+                "devices": [list(e) for e in s.devices],
+                "recompute": s.recompute,
+                "waves": s.waves,
+            }
+            for n, s in self.stages
+        }
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Plan:
         if not isinstance(data, dict):
-            raise ConfigError(f"plan={data!r} must be a table of model-stage -> {{tp, pp, dp, devices}}")
+            raise ConfigError(
+                f"plan={data!r} must be a table of model-stage -> {{tp, pp, dp, devices}}"
+            )
         out = []
         for name, sp in data.items():
             keys = set(sp) if isinstance(sp, dict) else set()
-            if not {"tp", "pp", "dp", "devices"} <= keys <= {"tp", "pp", "dp", "devices", "recompute", "waves"}:
-                raise ConfigError(f"plan.{name}={sp!r} must have the keys tp, pp, dp, devices "
-                                  "(and optionally recompute, waves)")
+            if (
+                not {"tp", "pp", "dp", "devices"}
+                <= keys
+                <= {"tp", "pp", "dp", "devices", "recompute", "waves"}
+            ):
+                raise ConfigError(
+                    f"plan.{name}={sp!r} must have the keys tp, pp, dp, devices "
+                    "(and optionally recompute, waves)"
+                )
             emus = tuple(tuple(int(d) for d in e) for e in sp["devices"])
-            out.append((name, StagePlan(sp["tp"], sp["pp"], sp["dp"], emus, bool(sp.get("recompute", False)),
-                                        sp.get("waves", 1))))
+            out.append(
+                (
+                    name,
+                    StagePlan(
+                        sp["tp"],
+                        sp["pp"],
+                        sp["dp"],
+                        emus,
+                        bool(sp.get("recompute", False)),
+                        sp.get("waves", 1),
+                    ),
+                )
+            )
         return Plan(tuple(out))

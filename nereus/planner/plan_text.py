@@ -22,8 +22,14 @@ from typing import Any
 
 from nereus.planner.plan import Plan, StagePlan
 
-__all__ = ["ARROW", "devices_text", "stage_plan_text", "stage_change_text", "plan_text",
-           "plan_changes"]
+__all__ = [
+    "ARROW",
+    "devices_text",
+    "stage_plan_text",
+    "stage_change_text",
+    "plan_text",
+    "plan_changes",
+]
 
 ARROW = "→"
 
@@ -52,7 +58,7 @@ def devices_text(devices: Iterable[int]) -> str:
         if j - i >= 2:
             parts.append(f"{ds[i]}-{ds[j]}")
         else:
-            parts += [str(d) for d in ds[i:j + 1]]
+            parts += [str(d) for d in ds[i : j + 1]]
         i = j + 1
     return "[" + ",".join(parts) + "]"
 

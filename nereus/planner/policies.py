@@ -42,12 +42,26 @@ from nereus.planner.search import search
 from nereus.planner.triggers import Trigger
 from nereus.planner.workload import LengthStats, Workload
 
-__all__ = ["POLICIES", "SIM_NAMES", "PolicySpec", "make_replanner", "relieved", "spec_of", "static_rescaled", "static_start"]
+__all__ = [
+    "POLICIES",
+    "SIM_NAMES",
+    "PolicySpec",
+    "make_replanner",
+    "relieved",
+    "spec_of",
+    "static_rescaled",
+    "static_start",
+]
 
 POLICIES = ("payback", "always", "every-k", "static")
 # the simulator's names for the same policies (its reports predate these)
-SIM_NAMES = {"adaptive": "payback", "dynarl": "always", "every-k": "every-k", "static-fixed": "static",
-             "static": "static"}
+SIM_NAMES = {
+    "adaptive": "payback",
+    "dynarl": "always",
+    "every-k": "every-k",
+    "static-fixed": "static",
+    "static": "static",
+}
 
 
 @dataclass(frozen=True)
@@ -59,10 +73,16 @@ class PolicySpec:
     every_k: int = 3
 
     def __post_init__(self) -> None:
-        require(self.name in POLICIES, "adapt.policy", self.name, f"must be one of {list(POLICIES)}")
+        require(
+            self.name in POLICIES, "adapt.policy", self.name, f"must be one of {list(POLICIES)}"
+        )
         require(self.gamma > 0, "adapt.gamma", self.gamma, "must be > 0")
-        require(isinstance(self.every_k, int) and self.every_k >= 1, "adapt.every_k", self.every_k,
-                "must be an integer >= 1")
+        require(
+            isinstance(self.every_k, int) and self.every_k >= 1,
+            "adapt.every_k",
+            self.every_k,
+            "must be an integer >= 1",
+        )
 
     @property
     def admission_gamma(self) -> float:
@@ -81,12 +101,21 @@ class EveryKReplanner(Replanner):
             return triggers
         if step % self.every_k:
             return ()
-        return triggers or (Trigger("periodic", "every-k", False, step, f"every {self.every_k} steps",
-                                    {"detail": "periodic"}),)
+        return triggers or (
+            Trigger(
+                "periodic",
+                "every-k",
+                False,
+                step,
+                f"every {self.every_k} steps",
+                {"detail": "periodic"},
+            ),
+        )
 
 
-def relieved(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency, *,
-             must_fit: bool = True) -> list[tuple[str, Plan, float]]:
+def relieved(
+    plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency, *, must_fit: bool = True
+) -> list[tuple[str, Plan, float]]:
     """``plan`` with less memory per device and the same devices, TP and PP: generation
     model-stages in 2, 4, ... times their waves, then also training with recompute;
     of each kind the first variant the memory model says fits (``must_fit`` False: the
@@ -110,8 +139,13 @@ def relieved(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency, 
             if variant != plan:
                 ex = explain(variant, work, cluster, eff)
                 if ex.fits or not must_fit:
-                    out.append((f"waves x{factor}" + (" + recompute" if recompute else ""), variant,
-                                ex.step_seconds))
+                    out.append(
+                        (
+                            f"waves x{factor}" + (" + recompute" if recompute else ""),
+                            variant,
+                            ex.step_seconds,
+                        )
+                    )
                     break  # the fewest waves that fit: more only cost time
             factor *= 2
     return out
@@ -142,10 +176,14 @@ class StaticReplanner(Replanner):
             else:
                 out += relieved(grown, self.work, self.cluster, self.eff)
         if grown is None:
-            raise InfeasiblePlan(f"the static layout fits no DP of the {self.cluster.num_devices} devices")
+            raise InfeasiblePlan(
+                f"the static layout fits no DP of the {self.cluster.num_devices} devices"
+            )
         if not out and current is None:
             # no relief the model trusts: it runs as it is, and a measured failure relieves it
-            out.append(("as is", grown, explain(grown, self.work, self.cluster, self.eff).step_seconds))
+            out.append(
+                ("as is", grown, explain(grown, self.work, self.cluster, self.eff).step_seconds)
+            )
         return out
 
 
@@ -167,18 +205,35 @@ def static_start(work: Workload, cluster: ClusterSpec, eff: Efficiency, largest_
     return search(work.with_lengths(work.lengths, cap), cluster, eff, alternatives=False).plan
 
 
-def make_replanner(spec: PolicySpec, work: Workload, cluster: ClusterSpec, *, plan: Plan | None = None,
-                   eff: Efficiency = CONSERVATIVE, calibrator: Calibrator | None = None,
-                   length_threshold: float = 0.30, join_horizon_steps: float = 20.0,
-                   min_steps_between: int = 0, slack: float = 0.05,
-                   largest_cap: int | None = None) -> Replanner:
+def make_replanner(
+    spec: PolicySpec,
+    work: Workload,
+    cluster: ClusterSpec,
+    *,
+    plan: Plan | None = None,
+    eff: Efficiency = CONSERVATIVE,
+    calibrator: Calibrator | None = None,
+    length_threshold: float = 0.30,
+    join_horizon_steps: float = 20.0,
+    min_steps_between: int = 0,
+    slack: float = 0.05,
+    largest_cap: int | None = None,
+) -> Replanner:
     """The Replanner of policy ``spec`` over ``work`` and ``cluster``, from ``plan`` (the
     planner's slots; default: the policy's own start, ``static_start`` for ``static``
     when ``largest_cap`` is given, else the search's best)."""
     if plan is None and spec.name == "static" and largest_cap is not None:
         plan = static_start(work, cluster, eff, largest_cap)
-    kwargs = dict(plan=plan, eff=eff, gamma=spec.admission_gamma, slack=slack, length_threshold=length_threshold,
-                  calibrator=calibrator, join_horizon_steps=join_horizon_steps, min_steps_between=min_steps_between)
+    kwargs = dict(
+        plan=plan,
+        eff=eff,
+        gamma=spec.admission_gamma,
+        slack=slack,
+        length_threshold=length_threshold,
+        calibrator=calibrator,
+        join_horizon_steps=join_horizon_steps,
+        min_steps_between=min_steps_between,
+    )
     if spec.name == "every-k":
         return EveryKReplanner(work, cluster, every_k=spec.every_k, **kwargs)
     if spec.name == "static":

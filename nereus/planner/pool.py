@@ -31,7 +31,12 @@ class DevicePool:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ids", tuple(sorted(self.ids)))
-        require(len(set(self.ids)) == len(self.ids), "DevicePool.ids", self.ids, "must not repeat a device")
+        require(
+            len(set(self.ids)) == len(self.ids),
+            "DevicePool.ids",
+            self.ids,
+            "must not repeat a device",
+        )
 
     @classmethod
     def of(cls, ids: Iterable[int]) -> DevicePool:
@@ -47,23 +52,46 @@ class DevicePool:
             raise ConfigError(f"device={device} is not in the pool {list(self.ids)}") from None
 
     def device(self, slot: int) -> int:
-        require(0 <= slot < len(self.ids), "slot", slot, f"must be in [0, {len(self.ids)}) (the pool's size)")
+        require(
+            0 <= slot < len(self.ids),
+            "slot",
+            slot,
+            f"must be in [0, {len(self.ids)}) (the pool's size)",
+        )
         return self.ids[slot]
 
     def _map(self, plan: Plan, fn) -> Plan:
-        return Plan(tuple((name, StagePlan(sp.tp, sp.pp, sp.dp, tuple(tuple(fn(d) for d in emu) for emu in sp.devices),
-                                            sp.recompute, sp.waves)) for name, sp in plan))
+        return Plan(
+            tuple(
+                (
+                    name,
+                    StagePlan(
+                        sp.tp,
+                        sp.pp,
+                        sp.dp,
+                        tuple(tuple(fn(d) for d in emu) for emu in sp.devices),
+                        sp.recompute,
+                        sp.waves,
+                    ),
+                )
+                for name, sp in plan
+            )
+        )
 
     def to_slots(self, plan: Plan, *, gone: Sequence[int] = ()) -> Plan:
         """``plan`` over device ids -> the same plan over the planner's slots. ``gone``:
         devices that left the pool, put past its last slot in that order (a plan on them
         cannot run on the pool, which is what the planner must see)."""
         past = {d: len(self.ids) + i for i, d in enumerate(gone)}
-        require(not set(past) & set(self.ids), "gone", list(gone), f"must not name devices in the pool {list(self.ids)}")
+        require(
+            not set(past) & set(self.ids),
+            "gone",
+            list(gone),
+            f"must not name devices in the pool {list(self.ids)}",
+        )
         slots = {d: i for i, d in enumerate(self.ids)} | past  # one lookup a device, not a scan
         return self._map(plan, lambda d: slots[d] if d in slots else self.slot(d))
 
     def to_devices(self, plan: Plan) -> Plan:
         """``plan`` over the planner's slots -> the same plan over device ids."""
         return self._map(plan, self.device)
-

@@ -54,17 +54,25 @@ def _in_place(w: frozenset, h: frozenset, weight: int) -> int:
     return weight * (len(common) - shards) + shards
 
 
-def relabel(current: Plan, target: Plan, *, devices_per_node: int = 1, devices: int | None = None) -> Plan:
+def relabel(
+    current: Plan, target: Plan, *, devices_per_node: int = 1, devices: int | None = None
+) -> Plan:
     """``target`` with its nodes permuted onto the nodes ``current`` uses (see the module
     docstring). ``devices``: how many devices there are (default: enough for both plans)."""
     per = devices_per_node
     require(isinstance(per, int) and per >= 1, "devices_per_node", per, "must be an integer >= 1")
     want, have = _usage(target, per), _usage(current, per)
-    top = max([d for _, sp in target for e in sp.devices for d in e] +
-              [d for _, sp in current for e in sp.devices for d in e])
+    top = max(
+        [d for _, sp in target for e in sp.devices for d in e]
+        + [d for _, sp in current for e in sp.devices for d in e]
+    )
     count = (devices if devices is not None else top + 1) // per
-    require(len(want) <= count, "target plan", f"{len(want)} nodes of {per} devices",
-            f"must fit the {count} nodes available")
+    require(
+        len(want) <= count,
+        "target plan",
+        f"{len(want)} nodes of {per} devices",
+        f"must fit the {count} nodes available",
+    )
     # nodes alike for this question share a kind: (what the target puts there) and (what is there
     # now)
     wanted: dict[frozenset, list[int]] = defaultdict(list)
@@ -92,14 +100,19 @@ def relabel(current: Plan, target: Plan, *, devices_per_node: int = 1, devices: 
     if all(t == p for t, p in moved.items()):
         return target
     none: frozenset = frozenset()
-    kept = sum(_in_place(w, have.get(n, none), weight) for n, w in want.items()) if max(want) < count else -1
+    kept = (
+        sum(_in_place(w, have.get(n, none), weight) for n, w in want.items())
+        if max(want) < count
+        else -1
+    )
     if kept >= sum(_in_place(want[t], have.get(p, none), weight) for t, p in moved.items()):
         return target  # as much in place already: the target stays as it is (relabel is idempotent)
     return Plan(tuple((name, _moved(sp, moved, per)) for name, sp in target))
 
 
-def _most_in_place(wanted: dict[frozenset, list[int]], there: dict[frozenset, list[int]],
-                   weight: int) -> dict[frozenset, dict]:
+def _most_in_place(
+    wanted: dict[frozenset, list[int]], there: dict[frozenset, list[int]], weight: int
+) -> dict[frozenset, dict]:
     """How many nodes of each wanted kind go onto each kind of node there, keeping the
     most in place (``_in_place``), then using empty nodes before busy ones: a min-cost
     flow over the kinds (successive shortest paths; a handful of kinds)."""

@@ -93,7 +93,9 @@ class Replanner:
         self.work, self.cluster, self.eff = work, cluster, eff
         self.gamma, self.slack = gamma, slack
         self.min_steps_between = min_steps_between
-        self.monitor = TriggerMonitor({"length": length_threshold}, join_horizon_steps=join_horizon_steps)
+        self.monitor = TriggerMonitor(
+            {"length": length_threshold}, join_horizon_steps=join_horizon_steps
+        )
         self.calibrator = calibrator if calibrator is not None else Calibrator(prior=eff)
         if plan is None:
             found = search(work, cluster, eff, alternatives=False)
@@ -108,7 +110,9 @@ class Replanner:
         # boundary searches again, as a soft trigger, even if nothing else fires
         self.pending: Trigger | None = None
         self._fastest = math.inf
-        self.monitor.observe(0, devices=set(range(cluster.num_devices)), values={"length": work.lengths.mean})
+        self.monitor.observe(
+            0, devices=set(range(cluster.num_devices)), values={"length": work.lengths.mean}
+        )
 
     def _seconds_of(self, plan: Plan) -> float | None:
         if plan.devices and max(plan.devices) >= self.cluster.num_devices:
@@ -131,7 +135,9 @@ class Replanner:
         work = self.work if lengths is None else self.work.with_lengths(lengths)
         return explain(self.plan, work, self.cluster, self.eff.uncalibrated_memory())
 
-    def observe_memory_peaks(self, measured: dict[str, int], lengths: LengthStats | None = None) -> Efficiency:
+    def observe_memory_peaks(
+        self, measured: dict[str, int], lengths: LengthStats | None = None
+    ) -> Efficiency:
         """Measured peak bytes per model-stage (on one of its devices), under ``lengths``
         (default: the workload's); recalibrates the memory model's transient bytes
         (``Efficiency.memory_scale`` and ``memory_fixed_bytes``) against the
@@ -142,7 +148,9 @@ class Replanner:
         self.eff = self.calibrator.fit()
         return self.eff
 
-    def observe_device_peaks(self, measured: dict[int, int], lengths: LengthStats | None = None) -> Efficiency:
+    def observe_device_peaks(
+        self, measured: dict[int, int], lengths: LengthStats | None = None
+    ) -> Efficiency:
         """Measured peak bytes per device slot of the current plan over a step run at
         ``lengths`` (the ledger's high-water marks); devices the plan leaves empty are
         skipped, and so are devices whose modelled transient bytes are under a quarter of
@@ -154,7 +162,9 @@ class Replanner:
             m = by_slot.get(slot)
             if m is None or peak <= 0 or m.transient <= 0 or m.transient < 0.25 * m.total:
                 continue
-            self.calibrator.observe_memory_bytes(m.workspace + sum(b for _, b in m.resident), m.transient, peak)
+            self.calibrator.observe_memory_bytes(
+                m.workspace + sum(b for _, b in m.resident), m.transient, peak
+            )
         self.eff = self.calibrator.fit()
         return self.eff
 
@@ -198,41 +208,92 @@ class Replanner:
             violations = [(m.device, m.total, m.usable) for m in ex.violations]
         elif not (lost or drained):
             # the plan uses devices that are gone, and the caller did not say which left
-            violations = [(d, 0, 0) for d in sorted(d for d in self.plan.devices if d >= self.cluster.num_devices)]
+            violations = [
+                (d, 0, 0)
+                for d in sorted(d for d in self.plan.devices if d >= self.cluster.num_devices)
+            ]
         values = {"length": self.work.lengths.mean}
-        triggers = tuple(self.monitor.observe(step, devices=set(range(self.cluster.num_devices)), values=values,
-                                              memory_violations=violations, lost=lost, drained=drained,
-                                              joined=joined))
+        triggers = tuple(
+            self.monitor.observe(
+                step,
+                devices=set(range(self.cluster.num_devices)),
+                values=values,
+                memory_violations=violations,
+                lost=lost,
+                drained=drained,
+                joined=joined,
+            )
+        )
         self.failed = failed
         if failed:
-            triggers += (Trigger("memory", "oom", True, step, "the last step ran out of memory", {"detail": "oom"}),)
+            triggers += (
+                Trigger(
+                    "memory",
+                    "oom",
+                    True,
+                    step,
+                    "the last step ran out of memory",
+                    {"detail": "oom"},
+                ),
+            )
         if not triggers and self.pending is not None:
             p = self.pending
             kind = p.kind if p.kind == "drift" else "device-pool"
-            triggers = (Trigger(kind, p.signal, False, step, "follow-up", {"detail": "follow-up", "after": p.detail}),)
+            triggers = (
+                Trigger(
+                    kind,
+                    p.signal,
+                    False,
+                    step,
+                    "follow-up",
+                    {"detail": "follow-up", "after": p.detail},
+                ),
+            )
         self.pending = None
         triggers = self._acted_on(step, triggers)
         hard = any(t.hard for t in triggers)
         recent = self.last_change is not None and step - self.last_change < self.min_steps_between
         if not triggers or (recent and not hard):
-            reason = "no trigger" if not triggers else (
-                f"within min_steps_between={self.min_steps_between} of the change at step "
-                f"{self.last_change}")
+            reason = (
+                "no trigger"
+                if not triggers
+                else (
+                    f"within min_steps_between={self.min_steps_between} of the change at step "
+                    f"{self.last_change}"
+                )
+            )
             self.step_seconds = current if current is not None else math.inf
-            return BoundaryOutcome(step, triggers, Decision("keep", None, reason), self.plan, self.step_seconds,
-                                   current, previous)
+            return BoundaryOutcome(
+                step,
+                triggers,
+                Decision("keep", None, reason),
+                self.plan,
+                self.step_seconds,
+                current,
+                previous,
+            )
         decision = self._decide(triggers, current, transition_seconds)
         self.monitor.reset(step, values)  # even when the replan is rejected
         if decision.admitted and decision.target is not None:
             self.plan = decision.target.plan
             self.step_seconds = decision.target.step_seconds
             self.last_change = step
-            if decision.action == "transition" and decision.target.step_seconds > self._fastest * (1 + self.slack):
+            if decision.action == "transition" and decision.target.step_seconds > self._fastest * (
+                1 + self.slack
+            ):
                 self.pending = triggers[0]
         elif current is not None:
             self.step_seconds = current
-        log.info("step %d: %s -> %s (%s)", step, [t.kind for t in triggers], decision.action, decision.reason)
-        return BoundaryOutcome(step, triggers, decision, self.plan, self.step_seconds, current, previous)
+        log.info(
+            "step %d: %s -> %s (%s)",
+            step,
+            [t.kind for t in triggers],
+            decision.action,
+            decision.reason,
+        )
+        return BoundaryOutcome(
+            step, triggers, decision, self.plan, self.step_seconds, current, previous
+        )
 
     def _acted_on(self, step: int, triggers: tuple[Trigger, ...]) -> tuple[Trigger, ...]:
         """The triggers this policy acts on at ``step`` (here: every one that fired);
@@ -240,8 +301,12 @@ class Replanner:
         return triggers
 
     def _relabelled(self, plan: Plan) -> Plan:
-        return relabel(self.plan, plan, devices_per_node=self.cluster.devices_per_node,
-                       devices=self.cluster.num_devices)
+        return relabel(
+            self.plan,
+            plan,
+            devices_per_node=self.cluster.devices_per_node,
+            devices=self.cluster.num_devices,
+        )
 
     def _candidates(self, current: float | None) -> list[tuple[str, Plan, float]]:
         """The targets to price, relabelled onto the current plan's devices: the search's
@@ -252,8 +317,12 @@ class Replanner:
         ]
         return [(label, self._relabelled(plan), seconds) for label, plan, seconds in candidates]
 
-    def _decide(self, triggers: tuple[Trigger, ...], current: float | None,
-                transition_seconds: TransitionEstimate) -> Decision:
+    def _decide(
+        self,
+        triggers: tuple[Trigger, ...],
+        current: float | None,
+        transition_seconds: TransitionEstimate,
+    ) -> Decision:
         hard = any(t.hard for t in triggers)
         try:
             candidates = self._candidates(current)

@@ -46,7 +46,9 @@ def workload_to_dict(work: Workload) -> dict[str, Any]:
     out = {f.name: getattr(work, f.name) for f in dataclasses.fields(work) if f.init}
     out["models"] = {role: dataclasses.asdict(m) for role, m in work.models.items()}
     out["lengths"] = dataclasses.asdict(work.lengths)
-    out["memory_lengths"] = None if work.memory_lengths is None else dataclasses.asdict(work.memory_lengths)
+    out["memory_lengths"] = (
+        None if work.memory_lengths is None else dataclasses.asdict(work.memory_lengths)
+    )
     return out
 
 
@@ -66,10 +68,18 @@ def _finite(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def boundary_record(rp: Replanner, outcome: BoundaryOutcome, *, eff: Efficiency, lost: Sequence[int] = (),
-                    drained: Sequence[int] = (), joined: Sequence[int] = (),
-                    priced: Mapping[Plan, float] | None = None, first: bool = False,
-                    initial: tuple[Workload, ClusterSpec, Plan, Efficiency] | None = None) -> dict[str, Any]:
+def boundary_record(
+    rp: Replanner,
+    outcome: BoundaryOutcome,
+    *,
+    eff: Efficiency,
+    lost: Sequence[int] = (),
+    drained: Sequence[int] = (),
+    joined: Sequence[int] = (),
+    priced: Mapping[Plan, float] | None = None,
+    first: bool = False,
+    initial: tuple[Workload, ClusterSpec, Plan, Efficiency] | None = None,
+) -> dict[str, Any]:
     """One boundary as data: what ``rp`` was given (its workload, cluster and the plan it
     started from; ``eff``, the factors in force; the pool changes), the price of each
     target (``priced``), and the outcome. With ``first``, also how ``rp`` was built
@@ -79,9 +89,13 @@ def boundary_record(rp: Replanner, outcome: BoundaryOutcome, *, eff: Efficiency,
         "step": outcome.step,
         "work": workload_to_dict(rp.work),
         "cluster": dataclasses.asdict(rp.cluster),
-        "plan": outcome.previous_plan.to_dict() if outcome.previous_plan is not None else rp.plan.to_dict(),
+        "plan": outcome.previous_plan.to_dict()
+        if outcome.previous_plan is not None
+        else rp.plan.to_dict(),
         "eff": dataclasses.asdict(eff),
-        "lost": [int(x) for x in lost], "drained": [int(x) for x in drained], "joined": [int(x) for x in joined],
+        "lost": [int(x) for x in lost],
+        "drained": [int(x) for x in drained],
+        "joined": [int(x) for x in joined],
         "failed": bool(rp.failed),
         "priced": [[p.to_dict(), _finite(s)] for p, s in (priced or {}).items()],
         "triggers": [t.kind for t in outcome.triggers],
@@ -93,16 +107,24 @@ def boundary_record(rp: Replanner, outcome: BoundaryOutcome, *, eff: Efficiency,
         assert initial is not None, "the first record needs how the Replanner was built"
         work, cluster, plan, eff0 = initial
         record["replanner"] = {
-            "work": workload_to_dict(work), "cluster": dataclasses.asdict(cluster), "plan": plan.to_dict(),
-            "eff": dataclasses.asdict(eff0), "gamma": rp.gamma, "slack": rp.slack,
+            "work": workload_to_dict(work),
+            "cluster": dataclasses.asdict(cluster),
+            "plan": plan.to_dict(),
+            "eff": dataclasses.asdict(eff0),
+            "gamma": rp.gamma,
+            "slack": rp.slack,
             "length_threshold": rp.monitor.signals["length"].threshold,
-            "join_horizon_steps": rp.monitor.pool.initial, "min_steps_between": rp.min_steps_between,
-            "policy": spec_of(rp).name, "every_k": spec_of(rp).every_k,
+            "join_horizon_steps": rp.monitor.pool.initial,
+            "min_steps_between": rp.min_steps_between,
+            "policy": spec_of(rp).name,
+            "every_k": spec_of(rp).every_k,
         }
     return record
 
 
-def replay(records: Sequence[Mapping[str, Any]], *, gamma: float | None = None) -> tuple[Replanner, list[BoundaryOutcome]]:
+def replay(
+    records: Sequence[Mapping[str, Any]], *, gamma: float | None = None
+) -> tuple[Replanner, list[BoundaryOutcome]]:
     """Run a Replanner again over ``records`` (the first holds how it was built); with
     ``gamma``, under another admission limit. Returns the Replanner and each outcome."""
     if not records or "replanner" not in records[0]:
@@ -112,28 +134,53 @@ def replay(records: Sequence[Mapping[str, Any]], *, gamma: float | None = None) 
     if gamma is not None:
         name = "payback"  # re-decided under another payback limit
     recorded = init["gamma"] if math.isfinite(init["gamma"]) else DEFAULT_GAMMA
-    spec = PolicySpec(name, gamma=recorded if gamma is None else gamma, every_k=int(init.get("every_k", 3)))
-    rp = make_replanner(spec, workload_from_dict(init["work"]), ClusterSpec(**init["cluster"]),
-                        plan=Plan.from_dict(init["plan"]), eff=Efficiency(**init["eff"]), slack=init["slack"],
-                        length_threshold=init["length_threshold"], join_horizon_steps=init["join_horizon_steps"],
-                        min_steps_between=init["min_steps_between"])
+    spec = PolicySpec(
+        name, gamma=recorded if gamma is None else gamma, every_k=int(init.get("every_k", 3))
+    )
+    rp = make_replanner(
+        spec,
+        workload_from_dict(init["work"]),
+        ClusterSpec(**init["cluster"]),
+        plan=Plan.from_dict(init["plan"]),
+        eff=Efficiency(**init["eff"]),
+        slack=init["slack"],
+        length_threshold=init["length_threshold"],
+        join_horizon_steps=init["join_horizon_steps"],
+        min_steps_between=init["min_steps_between"],
+    )
     outcomes = []
     for r in records:
         step = int(r["step"])
-        prices = {_plan_key(Plan.from_dict(p)): (math.inf if s is None else float(s)) for p, s in r["priced"]}
+        prices = {
+            _plan_key(Plan.from_dict(p)): (math.inf if s is None else float(s))
+            for p, s in r["priced"]
+        }
 
-        def price(_: Plan, target: Plan, step: int = step, prices: dict[str, float] = prices) -> float:
+        def price(
+            _: Plan, target: Plan, step: int = step, prices: dict[str, float] = prices
+        ) -> float:
             key = _plan_key(target)
             if key not in prices:
-                raise ConfigError(f"step {step}: target {target.to_dict()} was never priced by the recorded run")
+                raise ConfigError(
+                    f"step {step}: target {target.to_dict()} was never priced by the recorded run"
+                )
             return prices[key]
 
         rp.eff = Efficiency(**r["eff"])
         work = workload_from_dict(r["work"])
         rp.work = work
-        outcomes.append(rp.on_boundary(step, lengths=work.lengths, memory_lengths=work.memory_lengths,
-                                       cluster=ClusterSpec(**r["cluster"]), plan=Plan.from_dict(r["plan"]),
-                                       lost=r["lost"], drained=r["drained"], joined=r["joined"],
-                                       failed=bool(r.get("failed", False)),
-                                       transition_seconds=price))
+        outcomes.append(
+            rp.on_boundary(
+                step,
+                lengths=work.lengths,
+                memory_lengths=work.memory_lengths,
+                cluster=ClusterSpec(**r["cluster"]),
+                plan=Plan.from_dict(r["plan"]),
+                lost=r["lost"],
+                drained=r["drained"],
+                joined=r["joined"],
+                failed=bool(r.get("failed", False)),
+                transition_seconds=price,
+            )
+        )
     return rp, outcomes

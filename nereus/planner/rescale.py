@@ -50,15 +50,27 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def layout_of(plan: Plan, work: Workload, pools: Sequence[Sequence[str]] | None = None,
-              devices: int | None = None) -> Layout:
+def layout_of(
+    plan: Plan,
+    work: Workload,
+    pools: Sequence[Sequence[str]] | None = None,
+    devices: int | None = None,
+) -> Layout:
     """The layout of ``plan``; ``pools`` (model-stage names per pool) default to the
     groups of model-stages whose device sets overlap; ``devices`` (the pool the plan was
     made for) defaults to the devices the plan uses."""
     kinds = {s.name: s.kind for s in work.stages}
-    stages = {n: (sp.tp, sp.pp, sp.recompute,
-                  _ceil_div(_ceil_div(work.sequences, sp.dp), sp.waves) if kinds[n] == "generation" else 0)
-              for n, sp in plan}
+    stages = {
+        n: (
+            sp.tp,
+            sp.pp,
+            sp.recompute,
+            _ceil_div(_ceil_div(work.sequences, sp.dp), sp.waves)
+            if kinds[n] == "generation"
+            else 0,
+        )
+        for n, sp in plan
+    }
     if pools is None:
         groups: list[tuple[set[str], set[int]]] = []
         for name, sp in plan:
@@ -71,10 +83,14 @@ def layout_of(plan: Plan, work: Workload, pools: Sequence[Sequence[str]] | None 
         sized = [(tuple(n for n in plan.names if n in g[0]), len(g[1])) for g in groups]
     else:
         sized = [(tuple(g), len(set().union(*(plan[n].device_set for n in g)))) for g in pools]
-    return Layout(stages, tuple(sized), tuple(plan.names), len(plan.devices) if devices is None else devices)
+    return Layout(
+        stages, tuple(sized), tuple(plan.names), len(plan.devices) if devices is None else devices
+    )
 
 
-def rescaled_layout(layout: Layout, work: Workload, cluster: ClusterSpec, devices: int | None = None) -> Plan | None:
+def rescaled_layout(
+    layout: Layout, work: Workload, cluster: ClusterSpec, devices: int | None = None
+) -> Plan | None:
     """``layout`` with each pool at the largest valid size up to its share of ``devices``
     (default: all of ``cluster``'s), idle devices given to the pools rounding served
     worst, on slots from 0, largest pool first; None when a pool gets no valid size."""
@@ -82,9 +98,15 @@ def rescaled_layout(layout: Layout, work: Workload, cluster: ClusterSpec, device
     sizes = pool_sizes(cluster, devices)
 
     def valid(names: tuple[str, ...]) -> list[int]:
-        return [n for n in sizes if all(
-            n % (layout.stages[s][0] * layout.stages[s][1]) == 0
-            and work.batch % (n // (layout.stages[s][0] * layout.stages[s][1])) == 0 for s in names)]
+        return [
+            n
+            for n in sizes
+            if all(
+                n % (layout.stages[s][0] * layout.stages[s][1]) == 0
+                and work.batch % (n // (layout.stages[s][0] * layout.stages[s][1])) == 0
+                for s in names
+            )
+        ]
 
     chosen: list[tuple[tuple[str, ...], int]] = []
     wanted: list[float] = []

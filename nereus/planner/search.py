@@ -42,8 +42,16 @@ from nereus.planner.explain import explain
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.workload import Workload, phases
 
-__all__ = ["Candidate", "SearchResult", "Alternative", "pool_sizes", "stage_candidates", "search",
-           "place_by_capacity", "NAMED_PLACEMENTS"]
+__all__ = [
+    "Candidate",
+    "SearchResult",
+    "Alternative",
+    "pool_sizes",
+    "stage_candidates",
+    "search",
+    "place_by_capacity",
+    "NAMED_PLACEMENTS",
+]
 
 log = logging.getLogger("nereus.planner")
 
@@ -91,11 +99,17 @@ def pool_sizes(cluster: ClusterSpec, budget: int) -> list[int]:
     below a node (dividing it, so pools pack into nodes; on a single node any power of
     two fits, e.g. 2 of 3 devices left after one died), then whole nodes."""
     per = cluster.devices_per_node
-    small = [s for s in _powers_of_two(per) if (per % s == 0 or cluster.nodes == 1) and s < per and s <= budget]
+    small = [
+        s
+        for s in _powers_of_two(per)
+        if (per % s == 0 or cluster.nodes == 1) and s < per and s <= budget
+    ]
     return small + [k * per for k in range(1, budget // per + 1)]
 
 
-def _is_valid_layout(work: Workload, model_heads: int, layers: int, per_node: int, tp: int, pp: int, n: int) -> bool:
+def _is_valid_layout(
+    work: Workload, model_heads: int, layers: int, per_node: int, tp: int, pp: int, n: int
+) -> bool:
     if n % (tp * pp):
         return False
     dp = n // (tp * pp)
@@ -139,7 +153,15 @@ def _variants(kind: str, sequences_per_replica: int) -> list[tuple[bool, int]]:
     return [(False, 1)]
 
 
-def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stage_index: int, n: int, *, prune: bool = True) -> list[Candidate]:
+def stage_candidates(
+    work: Workload,
+    cluster: ClusterSpec,
+    eff: Efficiency,
+    stage_index: int,
+    n: int,
+    *,
+    prune: bool = True,
+) -> list[Candidate]:
     """Valid layouts of model-stage ``stage_index`` on a pool of ``n`` devices.
 
     With ``prune``, drops layouts that do not fit alone and those dominated in
@@ -155,20 +177,50 @@ def stage_candidates(work: Workload, cluster: ClusterSpec, eff: Efficiency, stag
                 continue
             dp = n // (tp * pp)
             for recompute, waves in _variants(stage.kind, _ceil_div(work.sequences, dp)):
-                mem = stage_memory(stage, model, work, tp, pp, dp, recompute=recompute, waves=waves,
-                                   scale=eff.memory_scale, fixed=eff.memory_fixed_bytes,
-                                   flash_attention=cluster.flash_attention)
+                mem = stage_memory(
+                    stage,
+                    model,
+                    work,
+                    tp,
+                    pp,
+                    dp,
+                    recompute=recompute,
+                    waves=waves,
+                    scale=eff.memory_scale,
+                    fixed=eff.memory_fixed_bytes,
+                    flash_attention=cluster.flash_attention,
+                )
                 if prune and mem.resident + mem.transient > cap:
                     continue
-                cost = stage_cost(stage, model, work, cluster, eff, tp, pp, dp, pp_inter=tp * pp > per,
-                                  dp_inter=n > per, recompute=recompute, waves=waves, keep_terms=False)
-                out.append(Candidate(tp, pp, dp, cost.seconds, mem.resident, mem.transient, recompute, waves))
+                cost = stage_cost(
+                    stage,
+                    model,
+                    work,
+                    cluster,
+                    eff,
+                    tp,
+                    pp,
+                    dp,
+                    pp_inter=tp * pp > per,
+                    dp_inter=n > per,
+                    recompute=recompute,
+                    waves=waves,
+                    keep_terms=False,
+                )
+                out.append(
+                    Candidate(
+                        tp, pp, dp, cost.seconds, mem.resident, mem.transient, recompute, waves
+                    )
+                )
     if not prune:
         return out
     out.sort(key=lambda c: (c.seconds, c.resident, c.transient))
     kept: list[Candidate] = []
     for c in out:
-        if not any(k.seconds <= c.seconds and k.resident <= c.resident and k.transient <= c.transient for k in kept):
+        if not any(
+            k.seconds <= c.seconds and k.resident <= c.resident and k.transient <= c.transient
+            for k in kept
+        ):
             kept.append(c)
     return kept
 
@@ -204,15 +256,24 @@ class _Searcher:
     phases whose model-stages are all inside the pool (or subset) at hand: no other
     pool has time there, so the objective adds those phases as they are."""
 
-    def __init__(self, work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: int,
-                 keep: int | None = None, bound: float = float("inf"),
-                 cands: dict[tuple[int, int], list[Candidate]] | None = None) -> None:
+    def __init__(
+        self,
+        work: Workload,
+        cluster: ClusterSpec,
+        eff: Efficiency,
+        budget: int,
+        keep: int | None = None,
+        bound: float = float("inf"),
+        cands: dict[tuple[int, int], list[Candidate]] | None = None,
+    ) -> None:
         self.work, self.cluster, self.eff, self.budget = work, cluster, eff, budget
         self.keep, self.bound = keep, bound
         self.stages = work.stages
         self.phase = phases(work.stages)
         self.num_phases = max(self.phase) + 1
-        self.phase_masks = [sum(1 << i for i, p in enumerate(self.phase) if p == q) for q in range(self.num_phases)]
+        self.phase_masks = [
+            sum(1 << i for i, p in enumerate(self.phase) if p == q) for q in range(self.num_phases)
+        ]
         self.cap = usable_bytes(cluster) - cluster.workspace_bytes
         self.sizes = [n for n in pool_sizes(cluster, budget) if _admits_layout(n, work.batch)]
         self.cands = cands if cands is not None else {}
@@ -302,7 +363,9 @@ class _Searcher:
             if self._hopeless(low, floor):
                 continue  # even each member at its fastest cannot beat the incumbent
             if sum(c.resident for c in fastest) + max(c.transient for c in fastest) <= self.cap:
-                combos = [tuple(fastest)]  # each member at its fastest: dominates every other combination
+                combos = [
+                    tuple(fastest)
+                ]  # each member at its fastest: dominates every other combination
             else:
                 combos = self._fitting_combos(mask, members, lists, floor)
             for combo in combos:
@@ -311,12 +374,19 @@ class _Searcher:
                     vec[self.phase[i]] += c.seconds
                 if self._hopeless(vec, floor):
                     continue
-                entries.append((self._key(mask, (n,), vec), tuple(vec), (n, tuple(zip(members, combo, strict=False)))))
+                entries.append(
+                    (
+                        self._key(mask, (n,), vec),
+                        tuple(vec),
+                        (n, tuple(zip(members, combo, strict=False))),
+                    )
+                )
         self.pool_cache[mask] = _pareto(entries)
         return self.pool_cache[mask]
 
-    def _fitting_combos(self, mask: int, members: list[int], lists: list[list[Candidate]],
-                        floor: list[float]) -> list[tuple[Candidate, ...]]:
+    def _fitting_combos(
+        self, mask: int, members: list[int], lists: list[list[Candidate]], floor: list[float]
+    ) -> list[tuple[Candidate, ...]]:
         """Combinations that fit, Pareto-pruned member by member on (Σ resident, max
         transient, per-phase seconds): all only grow as members are added and the
         objective and the memory test are monotone in them, so pruning early is exact."""
@@ -358,7 +428,9 @@ class _Searcher:
                         res, trans = -1, -1  # fits whatever comes next
                     new = list(vec)
                     new[p] += c.seconds
-                    grown.append((self._key(mask, (res, trans), new), tuple(new), (res, trans, (*combo, c))))
+                    grown.append(
+                        (self._key(mask, (res, trans), new), tuple(new), (res, trans, (*combo, c)))
+                    )
             states = _pareto(grown)
         return [combo for _, _, (_, _, combo) in states]
 
@@ -421,15 +493,18 @@ class _Searcher:
         names: list[tuple[str, ...]] = []
         for n, choice in ordered:
             for i, c in choice:
-                by_stage[i] = StagePlan.on_range(c.tp, c.pp, c.dp, start, recompute=c.recompute, waves=c.waves)
+                by_stage[i] = StagePlan.on_range(
+                    c.tp, c.pp, c.dp, start, recompute=c.recompute, waves=c.waves
+                )
             names.append(tuple(self.stages[i].name for i, _ in sorted(choice)))
             start += n
         plan = Plan(tuple((self.stages[i].name, by_stage[i]) for i in range(len(self.stages))))
         return plan, tuple(names)
 
 
-def place_by_capacity(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency,
-                      budget: int | None = None) -> tuple[Plan, float]:
+def place_by_capacity(
+    plan: Plan, work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: int | None = None
+) -> tuple[Plan, float]:
     """``plan``'s pools (model-stages on the same devices) placed on the first ``budget``
     devices of a one-node cluster, in the order of pools that makes the step fastest
     with each device's own capacity; the devices are taken fastest first."""
@@ -449,10 +524,22 @@ def place_by_capacity(plan: Plan, work: Workload, cluster: ClusterSpec, eff: Eff
             for d in pools[k]:
                 onto[d] = fastest[at]
                 at += 1
-        moved = Plan(tuple((name, StagePlan(sp.tp, sp.pp, sp.dp,
-                                            tuple(tuple(onto[d] for d in emu) for emu in sp.devices),
-                                            recompute=sp.recompute, waves=sp.waves))
-                           for name, sp in plan))
+        moved = Plan(
+            tuple(
+                (
+                    name,
+                    StagePlan(
+                        sp.tp,
+                        sp.pp,
+                        sp.dp,
+                        tuple(tuple(onto[d] for d in emu) for emu in sp.devices),
+                        recompute=sp.recompute,
+                        waves=sp.waves,
+                    ),
+                )
+                for name, sp in plan
+            )
+        )
         seconds = explain(moved, work, cluster, eff).step_seconds
         if best is None or (seconds, str(moved)) < best[:2]:
             best = (seconds, str(moved), moved)
@@ -493,7 +580,12 @@ def search(
     one, searched over each model-stage's fastest and smallest layout per pool size.
     Raises InfeasiblePlan when nothing fits."""
     budget = cluster.num_devices if budget is None else budget
-    require(1 <= budget <= cluster.num_devices, "budget", budget, f"must be in [1, {cluster.num_devices}] devices")
+    require(
+        1 <= budget <= cluster.num_devices,
+        "budget",
+        budget,
+        f"must be in [1, {cluster.num_devices}] devices",
+    )
     # The named placements with each model-stage's fastest and smallest layouts give
     # valid plans quickly; the best of them bounds the exact search, which skips what cannot beat
     # it. Without alternatives, each named placement is searched under the best so far.
@@ -509,7 +601,15 @@ def search(
             incumbent = got
     quick.bound = float("inf")
     inf = float("inf")
-    quick_all = _Searcher(work, cluster, eff, budget, keep=QUICK_KEEP, bound=incumbent[0] if incumbent else inf, cands=quick.cands)
+    quick_all = _Searcher(
+        work,
+        cluster,
+        eff,
+        budget,
+        keep=QUICK_KEEP,
+        bound=incumbent[0] if incumbent else inf,
+        cands=quick.cands,
+    )
     got = quick_all.best()
     if got is not None and (incumbent is None or got[0] < incumbent[0]):
         incumbent, quick = got, quick_all
@@ -543,13 +643,22 @@ def search(
     alts: list[Alternative] = []
     if alternatives:
         chosen = sorted(sorted(g) for g in groups)
-        named_plans = {label: quick_named.to_plan(g[1])[0] for label, g in named.items() if g is not None}
+        named_plans = {
+            label: quick_named.to_plan(g[1])[0] for label, g in named.items() if g is not None
+        }
         for label, got in named.items():
-            same_placement = sorted(sorted(work.stages[i].name for i in range(len(work.stages)) if m >> i & 1)
-                                    for m in _named_partitions(work)[label]) == chosen
+            same_placement = (
+                sorted(
+                    sorted(work.stages[i].name for i in range(len(work.stages)) if m >> i & 1)
+                    for m in _named_partitions(work)[label]
+                )
+                == chosen
+            )
             if got is None or same_placement or any(a.plan == named_plans[label] for a in alts):
                 continue
             alts.append(Alternative(label, named_plans[label], got[0]))
         alts.sort(key=lambda a: a.step_seconds)
-    log.debug("search %s on %d devices: %.3f s/step, pools %s", work.algorithm, budget, step, groups)
+    log.debug(
+        "search %s on %d devices: %.3f s/step, pools %s", work.algorithm, budget, step, groups
+    )
     return SearchResult(plan, step, groups, tuple(alts))

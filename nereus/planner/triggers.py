@@ -84,11 +84,21 @@ class DriftSignal:
             since = self._last_crossing if self._last_crossing is not None else self._first_step
             self.intervals.append(max(1, step - since))
             self._last_crossing = step
-        return Trigger("drift", self.name, False, step,
-                       f"{self.name}={value:.4g} drifted {d:.0%} from its reference {self.reference:.4g} "
-                       f"(step {self.reference_step}); threshold {self.threshold:.0%}",
-                       {"detail": self.name, "value": value, "reference": self.reference, "drift": d,
-                        "threshold": self.threshold})
+        return Trigger(
+            "drift",
+            self.name,
+            False,
+            step,
+            f"{self.name}={value:.4g} drifted {d:.0%} from its reference {self.reference:.4g} "
+            f"(step {self.reference_step}); threshold {self.threshold:.0%}",
+            {
+                "detail": self.name,
+                "value": value,
+                "reference": self.reference,
+                "drift": d,
+                "threshold": self.threshold,
+            },
+        )
 
     def reset(self, step: int, value: float) -> None:
         """After a replan decision (admitted or not): the reference becomes ``value``."""
@@ -138,8 +148,12 @@ class PoolSignal:
 class TriggerMonitor:
     """The triggers of one job: the device pool, memory, and drifting signals."""
 
-    def __init__(self, signals: dict[str, float] | None = None, window: int = 8,
-                 join_horizon_steps: float = 20.0) -> None:
+    def __init__(
+        self,
+        signals: dict[str, float] | None = None,
+        window: int = 8,
+        join_horizon_steps: float = 20.0,
+    ) -> None:
         """``signals`` maps signal name -> relative threshold (default: length at 30%);
         ``join_horizon_steps``: the horizon of a join before two pool changes were seen."""
         thresholds = signals if signals is not None else {"length": 0.30}
@@ -174,18 +188,46 @@ class TriggerMonitor:
             self.pool.change(step)
         for detail, devs in (("lost", lost), ("drained", drained)):
             if devs:
-                out.append(Trigger("device-pool", "devices", True, step, f"devices {detail} {sorted(devs)}",
-                                   {"detail": detail, "devices": sorted(devs)}))
+                out.append(
+                    Trigger(
+                        "device-pool",
+                        "devices",
+                        True,
+                        step,
+                        f"devices {detail} {sorted(devs)}",
+                        {"detail": detail, "devices": sorted(devs)},
+                    )
+                )
         if memory_violations:
             items = [v if isinstance(v, tuple) else (v, 0, 0) for v in memory_violations]
             worst = max(items, key=lambda v: v[1] - v[2])
-            out.append(Trigger("memory", "memory", True, step,
-                               f"the current plan exceeds memory on devices {sorted(v[0] for v in items)}",
-                               {"detail": "over-budget", "devices": sorted(v[0] for v in items),
-                                "device": worst[0], "need_bytes": worst[1], "budget_bytes": worst[2]}))
+            out.append(
+                Trigger(
+                    "memory",
+                    "memory",
+                    True,
+                    step,
+                    f"the current plan exceeds memory on devices {sorted(v[0] for v in items)}",
+                    {
+                        "detail": "over-budget",
+                        "devices": sorted(v[0] for v in items),
+                        "device": worst[0],
+                        "need_bytes": worst[1],
+                        "budget_bytes": worst[2],
+                    },
+                )
+            )
         if joined:
-            out.append(Trigger("device-pool", "devices", False, step, f"devices joined {sorted(joined)}",
-                               {"detail": "joined", "devices": sorted(joined)}))
+            out.append(
+                Trigger(
+                    "device-pool",
+                    "devices",
+                    False,
+                    step,
+                    f"devices joined {sorted(joined)}",
+                    {"detail": "joined", "devices": sorted(joined)},
+                )
+            )
         unknown = sorted(set(values) - set(self.signals))
         require(not unknown, "values", unknown, f"are not monitored signals {sorted(self.signals)}")
         for name, value in values.items():

@@ -59,12 +59,39 @@ class ModelShape:
     value_head: bool = False
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
+        for f in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "vocab_size",
+            "intermediate_size",
+        ):
             v = getattr(self, f)
-            require(isinstance(v, int) and v >= 1, f"ModelShape({self.name}).{f}", v, "must be an integer >= 1")
-        require(self.hidden_size % self.num_heads == 0, f"ModelShape({self.name}).num_heads", self.num_heads, f"must divide hidden_size={self.hidden_size}")
-        require(self.num_heads % self.num_kv_heads == 0, f"ModelShape({self.name}).num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
-        require(self.dtype in _DTYPE_BYTES, f"ModelShape({self.name}).dtype", self.dtype, f"must be one of {sorted(_DTYPE_BYTES)}")
+            require(
+                isinstance(v, int) and v >= 1,
+                f"ModelShape({self.name}).{f}",
+                v,
+                "must be an integer >= 1",
+            )
+        require(
+            self.hidden_size % self.num_heads == 0,
+            f"ModelShape({self.name}).num_heads",
+            self.num_heads,
+            f"must divide hidden_size={self.hidden_size}",
+        )
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"ModelShape({self.name}).num_kv_heads",
+            self.num_kv_heads,
+            f"must divide num_heads={self.num_heads}",
+        )
+        require(
+            self.dtype in _DTYPE_BYTES,
+            f"ModelShape({self.name}).dtype",
+            self.dtype,
+            f"must be one of {sorted(_DTYPE_BYTES)}",
+        )
 
     @property
     def bytes_per_param(self) -> int:
@@ -89,7 +116,9 @@ class ModelShape:
         """Final norm + LM head (or the scalar value head of a critic/reward model)."""
         if self.value_head:
             return self.hidden_size + self.hidden_size
-        return self.hidden_size + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
+        return self.hidden_size + (
+            0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        )
 
     @property
     def output_width(self) -> int:
@@ -107,7 +136,9 @@ class ModelShape:
 
     def as_value_model(self) -> ModelShape:
         """The same trunk with a scalar head: a critic or reward model."""
-        return dataclasses.replace(self, name=f"{self.name}-value", value_head=True, tied_embeddings=False)
+        return dataclasses.replace(
+            self, name=f"{self.name}-value", value_head=True, tied_embeddings=False
+        )
 
 
 MODEL_PRESETS: dict[str, ModelShape] = {
@@ -122,7 +153,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 
 def model_preset(name: str) -> ModelShape:
     if name not in MODEL_PRESETS:
-        raise ConfigError(f"model={name!r} is not a known preset; expected one of {sorted(MODEL_PRESETS)}")
+        raise ConfigError(
+            f"model={name!r} is not a known preset; expected one of {sorted(MODEL_PRESETS)}"
+        )
     return MODEL_PRESETS[name]
 
 
@@ -150,7 +183,9 @@ def _ppo(reward_model: bool, reference: bool) -> tuple[ModelStage, ...]:
 
 def _critic_free(reward_model: bool, reference: bool) -> tuple[ModelStage, ...]:
     gen = "policy-generation"
-    scorers = (["reference-inference"] if reference else []) + (["reward-inference"] if reward_model else [])
+    scorers = (["reference-inference"] if reference else []) + (
+        ["reward-inference"] if reward_model else []
+    )
     out = [ModelStage(gen, "policy", "generation")]
     out += [ModelStage(s, s.split("-")[0], "inference", (gen,)) for s in scorers]
     # training always waits for the rollouts, scored or not
@@ -161,7 +196,9 @@ def _critic_free(reward_model: bool, reference: bool) -> tuple[ModelStage, ...]:
 ALGORITHMS = ("ppo", "grpo", "remax")
 
 
-def algorithm_stages(algorithm: str, reward_model: bool, reference: bool = True) -> tuple[ModelStage, ...]:
+def algorithm_stages(
+    algorithm: str, reward_model: bool, reference: bool = True
+) -> tuple[ModelStage, ...]:
     """The model-stages of ``algorithm`` in dependency order.
 
     ``reward_model`` adds reward-inference (PPO always scores with some reward; without
@@ -180,7 +217,9 @@ def phases(stages: tuple[ModelStage, ...]) -> tuple[int, ...]:
     for s in stages:
         missing = [d for d in s.deps if d not in level]
         if missing:
-            raise ConfigError(f"model-stage {s.name!r} depends on {missing}, which are not listed before it")
+            raise ConfigError(
+                f"model-stage {s.name!r} depends on {missing}, which are not listed before it"
+            )
         level[s.name] = 1 + max((level[d] for d in s.deps), default=-1)
     return tuple(level[s.name] for s in stages)
 
@@ -223,18 +262,39 @@ class Workload:
     stages: tuple[ModelStage, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        require(self.algorithm in ALGORITHMS, "Workload.algorithm", self.algorithm, f"must be one of {list(ALGORITHMS)}")
-        for f in ("prompts_per_step", "samples_per_prompt", "prompt_length", "micro_batch", "epochs"):
+        require(
+            self.algorithm in ALGORITHMS,
+            "Workload.algorithm",
+            self.algorithm,
+            f"must be one of {list(ALGORITHMS)}",
+        )
+        for f in (
+            "prompts_per_step",
+            "samples_per_prompt",
+            "prompt_length",
+            "micro_batch",
+            "epochs",
+        ):
             v = getattr(self, f)
             require(isinstance(v, int) and v >= 1, f"Workload.{f}", v, "must be an integer >= 1")
         stages = algorithm_stages(self.algorithm, "reward" in self.models, self.reference)
         object.__setattr__(self, "stages", stages)
         needed = sorted({s.model for s in stages})
         missing = [m for m in needed if m not in self.models]
-        require(not missing, "Workload.models", sorted(self.models), f"lacks {missing} needed by {self.algorithm}")
+        require(
+            not missing,
+            "Workload.models",
+            sorted(self.models),
+            f"lacks {missing} needed by {self.algorithm}",
+        )
         gb = self.global_batch
         if gb is not None:
-            require(gb >= 1 and self.sequences % gb == 0, "Workload.global_batch", gb, f"must divide the step's sequences={self.sequences}")
+            require(
+                gb >= 1 and self.sequences % gb == 0,
+                "Workload.global_batch",
+                gb,
+                f"must divide the step's sequences={self.sequences}",
+            )
 
     @cached_property
     def sequences(self) -> int:
@@ -256,7 +316,9 @@ class Workload:
         """The lengths the memory model uses (``memory_lengths``, else ``lengths``)."""
         return self.memory_lengths if self.memory_lengths is not None else self.lengths
 
-    def with_lengths(self, lengths: LengthStats, memory_lengths: LengthStats | None = None) -> Workload:
+    def with_lengths(
+        self, lengths: LengthStats, memory_lengths: LengthStats | None = None
+    ) -> Workload:
         """The same job after its response lengths drifted (memory checked at
         ``memory_lengths`` when given, else at ``lengths``)."""
         return dataclasses.replace(self, lengths=lengths, memory_lengths=memory_lengths)
@@ -282,4 +344,6 @@ class Workload:
             models["critic"] = value
         if reward_model:
             models["reward"] = value
-        return Workload(algorithm, models, prompts_per_step, samples_per_prompt, prompt_length, lengths, **kw)
+        return Workload(
+            algorithm, models, prompts_per_step, samples_per_prompt, prompt_length, lengths, **kw
+        )

@@ -50,7 +50,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
     """``x`` scaled to unit variance (and zero mean if ``shift_mean``) over the mask."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
@@ -60,9 +62,16 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return out * mask
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind = "k3") -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind = "k3"
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled-token logprobs."""
-    require(logprobs.shape == ref_logprobs.shape, "ref_logprobs.shape", tuple(ref_logprobs.shape), f"must equal logprobs.shape={tuple(logprobs.shape)}")
+    require(
+        logprobs.shape == ref_logprobs.shape,
+        "ref_logprobs.shape",
+        tuple(ref_logprobs.shape),
+        f"must equal logprobs.shape={tuple(logprobs.shape)}",
+    )
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
@@ -89,7 +98,12 @@ def token_rewards(
 ) -> torch.Tensor:
     """Per-token rewards: ``score`` on the last response token of each row, minus
     ``kl_coef * kl`` on every response token. Rows with an empty mask get nothing."""
-    require(scores.shape == (mask.shape[0],), "scores.shape", tuple(scores.shape), f"must be ({mask.shape[0]},)")
+    require(
+        scores.shape == (mask.shape[0],),
+        "scores.shape",
+        tuple(scores.shape),
+        f"must be ({mask.shape[0]},)",
+    )
     rewards = torch.zeros_like(mask, dtype=scores.dtype)
     last = _last_index(mask)
     rows = torch.nonzero(last >= 0).flatten()
@@ -110,7 +124,12 @@ def gae(
 
     The value after the last response token is 0 (the episode ends there); masked
     positions inside a row are skipped, so left or right padding both work."""
-    require(rewards.shape == values.shape == mask.shape, "values.shape", tuple(values.shape), f"must equal rewards.shape={tuple(rewards.shape)} and mask.shape={tuple(mask.shape)}")
+    require(
+        rewards.shape == values.shape == mask.shape,
+        "values.shape",
+        tuple(values.shape),
+        f"must equal rewards.shape={tuple(rewards.shape)} and mask.shape={tuple(mask.shape)}",
+    )
     B, T = rewards.shape
     adv = torch.zeros_like(rewards)
     next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
@@ -127,13 +146,20 @@ def gae(
     return adv, returns
 
 
-def grpo_advantages(scores: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    scores: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO: each score minus its group's mean, divided by the group's std if asked.
 
     Scores are laid out group after group: rows ``[g*k, (g+1)*k)`` are the ``k``
     samples of prompt ``g``. A group whose samples all score the same gets 0."""
     n = scores.shape[0]
-    require(group_size >= 1 and n % group_size == 0, "group_size", group_size, f"must be >= 1 and divide the number of scores {n}")
+    require(
+        group_size >= 1 and n % group_size == 0,
+        "group_size",
+        group_size,
+        f"must be >= 1 and divide the number of scores {n}",
+    )
     grouped = scores.reshape(n // group_size, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std and group_size > 1:
@@ -143,11 +169,21 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, scale_by_std: bool = 
 
 def remax_advantages(scores: torch.Tensor, greedy_scores: torch.Tensor) -> torch.Tensor:
     """ReMax: the score minus the greedy response's score for the same prompt."""
-    require(scores.shape == greedy_scores.shape, "greedy_scores.shape", tuple(greedy_scores.shape), f"must equal scores.shape={tuple(scores.shape)}")
+    require(
+        scores.shape == greedy_scores.shape,
+        "greedy_scores.shape",
+        tuple(greedy_scores.shape),
+        f"must equal scores.shape={tuple(scores.shape)}",
+    )
     return scores - greedy_scores
 
 
 def broadcast_to_tokens(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A per-sequence value ``[B]`` copied onto every response token ``[B, T]``."""
-    require(per_sequence.shape == (mask.shape[0],), "per_sequence.shape", tuple(per_sequence.shape), f"must be ({mask.shape[0]},)")
+    require(
+        per_sequence.shape == (mask.shape[0],),
+        "per_sequence.shape",
+        tuple(per_sequence.shape),
+        f"must be ({mask.shape[0]},)",
+    )
     return per_sequence[:, None].to(mask.dtype) * mask

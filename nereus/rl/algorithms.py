@@ -49,7 +49,17 @@ from nereus.rl.losses import value_loss
 from nereus.rl.rollout import Rollouts, SamplingConfig, to_batch
 from nereus.rl.stages import ModelStages
 
-__all__ = ["AlgorithmConfig", "StepContext", "ALGORITHMS", "grpo_step", "ppo_step", "remax_step", "action_values", "critic_loss", "sampling_seed"]
+__all__ = [
+    "AlgorithmConfig",
+    "StepContext",
+    "ALGORITHMS",
+    "grpo_step",
+    "ppo_step",
+    "remax_step",
+    "action_values",
+    "critic_loss",
+    "sampling_seed",
+]
 
 
 @dataclass(frozen=True)
@@ -75,12 +85,32 @@ class AlgorithmConfig:
     aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
 
     def __post_init__(self) -> None:
-        require(self.name in ("grpo", "ppo", "remax"), "algorithm.name", self.name, "must be 'grpo', 'ppo' or 'remax'")
-        require(self.prompts_per_step >= 1, "algorithm.prompts_per_step", self.prompts_per_step, "must be >= 1")
+        require(
+            self.name in ("grpo", "ppo", "remax"),
+            "algorithm.name",
+            self.name,
+            "must be 'grpo', 'ppo' or 'remax'",
+        )
+        require(
+            self.prompts_per_step >= 1,
+            "algorithm.prompts_per_step",
+            self.prompts_per_step,
+            "must be >= 1",
+        )
         if self.name == "grpo":
-            require(self.samples_per_prompt >= 2, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 2 for grpo")
+            require(
+                self.samples_per_prompt >= 2,
+                "algorithm.samples_per_prompt",
+                self.samples_per_prompt,
+                "must be >= 2 for grpo",
+            )
         else:
-            require(self.samples_per_prompt >= 1, "algorithm.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
+            require(
+                self.samples_per_prompt >= 1,
+                "algorithm.samples_per_prompt",
+                self.samples_per_prompt,
+                "must be >= 1",
+            )
         require(0 <= self.clip_eps < 1, "algorithm.clip_eps", self.clip_eps, "must be in [0, 1)")
         require(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0")
         require(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]")
@@ -91,6 +121,7 @@ class AlgorithmConfig:
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
+
 
 POLICY_LOSS = "nereus.rl.losses:policy_loss"
 CRITIC_LOSS = "nereus.rl.algorithms:critic_loss"
@@ -120,7 +151,9 @@ def action_values(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
 
 
-def critic_loss(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+def critic_loss(
+    outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], **kwargs: Any
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped value loss on action-aligned values (see the module docstring)."""
     return value_loss({"values": action_values(outputs["values"])}, batch, **kwargs)
 
@@ -135,7 +168,9 @@ def _timed(record: dict[str, Any], key: str) -> Iterator[None]:
         record[key] = record.get(key, 0.0) + time.perf_counter() - t0
 
 
-async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: bool = False) -> Rollouts:
+async def _generate(
+    ctx: StepContext, samples: list[Sample], k: int, greedy: bool = False
+) -> Rollouts:
     sampling = ctx.sampling
     prompts: list[list[int]] = []
     index: list[int] = []
@@ -155,24 +190,35 @@ async def _generate(ctx: StepContext, samples: list[Sample], k: int, greedy: boo
     rollouts = Rollouts(prompts, out["token_ids"], out["logprobs"], index, out["policy_version"])
     rollouts.texts = [ctx.codec.decode(r) for r in rollouts.response_ids]
     by_index = {s.index: s for s in samples}
-    rollouts.scores = [ctx.task.reward(by_index[i], t) for i, t in zip(index, rollouts.texts, strict=True)]
+    rollouts.scores = [
+        ctx.task.reward(by_index[i], t) for i, t in zip(index, rollouts.texts, strict=True)
+    ]
     return rollouts
 
 
-async def _score(ctx: StepContext, record: dict[str, Any], rollouts: Rollouts, batch: dict[str, torch.Tensor] | None = None) -> None:
+async def _score(
+    ctx: StepContext,
+    record: dict[str, Any],
+    rollouts: Rollouts,
+    batch: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Replace the rule scores with the reward model's when the job uses one (``batch``:
     the rollouts' training batch, when the step already built it)."""
     if not ctx.reward_model:
         return
     with _timed(record, "score_seconds"):
-        scores = await ctx.stages.reward_scores(batch if batch is not None else to_batch(rollouts, ctx.codec.pad_id))
+        scores = await ctx.stages.reward_scores(
+            batch if batch is not None else to_batch(rollouts, ctx.codec.pad_id)
+        )
     rollouts.task_scores, rollouts.scores = rollouts.scores, [float(x) for x in scores.tolist()]
 
 
 def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
     scores = rollouts.scores
     lengths = rollouts.response_lengths
-    task = {"task_reward_mean": statistics.fmean(rollouts.task_scores)} if rollouts.task_scores else {}
+    task = (
+        {"task_reward_mean": statistics.fmean(rollouts.task_scores)} if rollouts.task_scores else {}
+    )
     return {
         **task,
         "step": ctx.step,
@@ -180,7 +226,9 @@ def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
         "reward_std": statistics.pstdev(scores),
         "reward_max": max(scores),
         "response_len_mean": statistics.fmean(lengths),
-        "response_len_p95": sorted(lengths)[min(len(lengths) - 1, math.ceil(0.95 * len(lengths)) - 1)],
+        "response_len_p95": sorted(lengths)[
+            min(len(lengths) - 1, math.ceil(0.95 * len(lengths)) - 1)
+        ],
         "response_len_max": max(lengths),
         "prompt_len_max": max(len(p) for p in rollouts.prompt_ids),
         "policy_version": min(rollouts.policy_version),
@@ -200,7 +248,9 @@ def _policy_loss_kwargs(ctx: StepContext) -> dict[str, Any]:
     }
 
 
-async def _train_and_sync(ctx: StepContext, batch: dict[str, torch.Tensor], record: dict[str, Any], critic: bool = False) -> None:
+async def _train_and_sync(
+    ctx: StepContext, batch: dict[str, torch.Tensor], record: dict[str, Any], critic: bool = False
+) -> None:
     a = ctx.algorithm
     metrics: dict[str, float] = {}
     for _ in range(a.epochs):
@@ -211,14 +261,22 @@ async def _train_and_sync(ctx: StepContext, batch: dict[str, torch.Tensor], reco
             with _timed(record, "train_seconds"):
                 metrics.update(await ctx.stages.train_critic(batch, CRITIC_LOSS, kw))
     # The engine's own update counter is "updates" here: "step" is the RL step.
-    record.update({("updates" if k == "step" else k): v for k, v in metrics.items() if isinstance(v, (int, float))})
+    record.update(
+        {
+            ("updates" if k == "step" else k): v
+            for k, v in metrics.items()
+            if isinstance(v, (int, float))
+        }
+    )
     with _timed(record, "sync_seconds"):
         sync = await ctx.stages.sync_policy()
     record["sync_bytes"] = sync.get("bytes", 0)
     record["sync_gbps"] = sync.get("gbps", 0.0)
 
 
-async def _reference(ctx: StepContext, record: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
+async def _reference(
+    ctx: StepContext, record: dict[str, Any], batch: dict[str, torch.Tensor]
+) -> None:
     if ctx.algorithm.kl_coef > 0:
         with _timed(record, "score_seconds"):
             batch["ref_logprobs"] = await ctx.stages.reference_logprobs(batch)
@@ -235,7 +293,10 @@ async def grpo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     scores = torch.tensor(rollouts.scores, dtype=torch.float32)
     if a.kl_mode == "penalty" and a.kl_coef > 0:
         # KL as a penalty: in the sequence's reward, before the group normalisation.
-        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind) * batch["response_mask"]
+        kl = (
+            kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind)
+            * batch["response_mask"]
+        )
         scores = scores - a.kl_coef * kl.sum(dim=1)
     adv = grpo_advantages(scores, a.samples_per_prompt, a.scale_by_std)
     batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
@@ -254,7 +315,9 @@ async def remax_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     await _score(ctx, record, rollouts, batch)
     await _score(ctx, record, greedy)
     await _reference(ctx, record, batch)
-    baseline = torch.tensor(greedy.scores, dtype=torch.float32).repeat_interleave(a.samples_per_prompt)
+    baseline = torch.tensor(greedy.scores, dtype=torch.float32).repeat_interleave(
+        a.samples_per_prompt
+    )
     adv = remax_advantages(torch.tensor(rollouts.scores, dtype=torch.float32), baseline)
     batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
     record["greedy_reward_mean"] = statistics.fmean(greedy.scores)

@@ -51,17 +51,30 @@ class SamplingConfig:
     ``plan.policy_generation.pp = 1`` and ``cluster.mode`` ``local`` or ``connect``)."""
 
     def __post_init__(self) -> None:
-        require(self.engine in ("builtin", "vllm"), "sampling.engine", self.engine, "must be 'builtin' or 'vllm'")
+        require(
+            self.engine in ("builtin", "vllm"),
+            "sampling.engine",
+            self.engine,
+            "must be 'builtin' or 'vllm'",
+        )
         name = "sampling.max_new_tokens"
         if isinstance(self.max_new_tokens, int):
             require(self.max_new_tokens >= 1, name, self.max_new_tokens, "must be >= 1")
         else:
             sched = self.max_new_tokens
-            require(len(sched) >= 1 and all(len(e) == 2 for e in sched), name, sched,
-                    "must be a number or a list of [step, cap] pairs")
+            require(
+                len(sched) >= 1 and all(len(e) == 2 for e in sched),
+                name,
+                sched,
+                "must be a number or a list of [step, cap] pairs",
+            )
             steps = [e[0] for e in sched]
-            require(steps[0] == 0 and all(a < b for a, b in zip(steps, steps[1:], strict=False)), name, sched,
-                    "must start at step 0 with steps strictly increasing")
+            require(
+                steps[0] == 0 and all(a < b for a, b in zip(steps, steps[1:], strict=False)),
+                name,
+                sched,
+                "must start at step 0 with steps strictly increasing",
+            )
             require(all(e[1] >= 1 for e in sched), name, sched, "caps must be >= 1")
         require(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")
         require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
@@ -97,9 +110,19 @@ class Rollouts:
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
         for name in ("response_ids", "logprobs", "sample_index", "policy_version"):
-            require(len(getattr(self, name)) == n, f"Rollouts.{name}", len(getattr(self, name)), f"must have {n} rows")
+            require(
+                len(getattr(self, name)) == n,
+                f"Rollouts.{name}",
+                len(getattr(self, name)),
+                f"must have {n} rows",
+            )
         for i, (r, lp) in enumerate(zip(self.response_ids, self.logprobs, strict=True)):
-            require(len(r) == len(lp), f"Rollouts.logprobs[{i}]", len(lp), f"must have one logprob per response token ({len(r)})")
+            require(
+                len(r) == len(lp),
+                f"Rollouts.logprobs[{i}]",
+                len(lp),
+                f"must have one logprob per response token ({len(r)})",
+            )
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -113,17 +136,26 @@ def to_batch(rollouts: Rollouts, pad_id: int) -> dict[str, torch.Tensor]:
     """The training batch of ``rollouts`` (see the module docstring)."""
     rows = len(rollouts)
     require(rows >= 1, "rollouts", rows, "must hold at least one response")
-    lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
+    lengths = [
+        len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)
+    ]
     width = max(lengths)
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
     attention = torch.zeros(rows, width, dtype=torch.long)
     response = torch.zeros(rows, width, dtype=torch.float32)
     old = torch.zeros(rows, width, dtype=torch.float32)
-    for b, (p, r, lp) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.logprobs, strict=True)):
+    for b, (p, r, lp) in enumerate(
+        zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.logprobs, strict=True)
+    ):
         n = len(p) + len(r)
         input_ids[b, :n] = torch.tensor(p + r, dtype=torch.long)
         attention[b, :n] = 1
-        response[b, len(p):n] = 1.0
+        response[b, len(p) : n] = 1.0
         if r:
-            old[b, len(p):n] = torch.tensor(lp, dtype=torch.float32)
-    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response, "old_logprobs": old}
+            old[b, len(p) : n] = torch.tensor(lp, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "response_mask": response,
+        "old_logprobs": old,
+    }

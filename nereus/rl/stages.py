@@ -46,7 +46,6 @@ def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> tor
     return values.float().gather(1, last.unsqueeze(1)).squeeze(1)
 
 
-
 class ModelStages(abc.ABC):
     """The model-stages of one job (see the module docstring)."""
 
@@ -64,7 +63,9 @@ class ModelStages(abc.ABC):
         try:
             yield
         finally:
-            self._stage_seconds[stage] = self._stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
+            self._stage_seconds[stage] = (
+                self._stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
+            )
 
     def take_stage_seconds(self) -> dict[str, float]:
         """Seconds each model-stage worked since the last call (and start a new account)."""
@@ -93,7 +94,9 @@ class ModelStages(abc.ABC):
         return out
 
     @abc.abstractmethod
-    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]: ...
+    async def generate(
+        self, prompts: list[list[int]], params: dict[str, Any]
+    ) -> dict[str, Any]: ...
 
     @abc.abstractmethod
     async def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
@@ -105,10 +108,14 @@ class ModelStages(abc.ABC):
     async def reward_scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    async def train_policy(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]: ...
+    async def train_policy(
+        self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]: ...
 
     @abc.abstractmethod
-    async def train_critic(self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]) -> dict[str, float]: ...
+    async def train_critic(
+        self, batch: dict[str, torch.Tensor], loss: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]: ...
 
     @abc.abstractmethod
     async def sync_policy(self) -> dict[str, Any]: ...

@@ -14,8 +14,15 @@ from nereus.sim.truth import TruthParams
 __all__ = ["run_policies", "simulate"]
 
 
-def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: float = 0.5, k: int = 3,
-                 join_horizon_steps: float = 20.0, min_steps_between: int = 0) -> list[PolicyResult]:
+def run_policies(
+    scn: Scenario,
+    policies: tuple[str, ...] = POLICIES,
+    *,
+    gamma: float = 0.5,
+    k: int = 3,
+    join_horizon_steps: float = 20.0,
+    min_steps_between: int = 0,
+) -> list[PolicyResult]:
     """Every policy in ``policies`` on ``scn`` (the same traces, ground truth and seed),
     each with its own transition cache. ``oracle`` is run by ``nereus.sim.oracle``; when
     it runs, every other result gets ``oracle_compute_s`` (the oracle on its own steps,
@@ -26,10 +33,18 @@ def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: 
         if oracle is not None and name == ORACLE:
             results.append(run_oracle(scn, oracle))
             continue
-        transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds)
+        transitions = Transitions(
+            scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds
+        )
         ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
-        policy = make_policy(name, ctx, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
-                             min_steps_between=min_steps_between)
+        policy = make_policy(
+            name,
+            ctx,
+            gamma=gamma,
+            k=k,
+            join_horizon_steps=join_horizon_steps,
+            min_steps_between=min_steps_between,
+        )
         results.append(run_policy(scn, policy))
     if oracle is not None:
         for r in results:
@@ -38,9 +53,16 @@ def run_policies(scn: Scenario, policies: tuple[str, ...] = POLICIES, *, gamma: 
     return results
 
 
-def simulate(config: SimConfig, *, params: TruthParams | None = None,
-             scenario: Scenario | None = None) -> list[PolicyResult]:
+def simulate(
+    config: SimConfig, *, params: TruthParams | None = None, scenario: Scenario | None = None
+) -> list[PolicyResult]:
     """Every policy of ``config`` on its scenario (built from ``config`` unless given)."""
     scn = scenario or build_scenario(config, params)
-    return run_policies(scn, config.policies, gamma=config.gamma, k=config.k,
-                        join_horizon_steps=config.join_horizon_steps, min_steps_between=config.min_steps_between)
+    return run_policies(
+        scn,
+        config.policies,
+        gamma=config.gamma,
+        k=config.k,
+        join_horizon_steps=config.join_horizon_steps,
+        min_steps_between=config.min_steps_between,
+    )

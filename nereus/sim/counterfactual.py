@@ -67,7 +67,10 @@ def tally(rows: Sequence[Counterfactual]) -> dict[str, float | int]:
     ``median_delta_s`` and ``sum_delta_s``; and the same for ``delta_work_s`` (keys
     ending ``_work``, ``median_delta_work_s``, ``sum_delta_work_s``)."""
     out: dict[str, float | int] = {"decisions": len(rows)}
-    for suffix, values in (("", [r.delta_s for r in rows]), ("_work", [r.delta_work_s for r in rows])):
+    for suffix, values in (
+        ("", [r.delta_s for r in rows]),
+        ("_work", [r.delta_work_s for r in rows]),
+    ):
         out[f"keep_better{suffix}"] = sum(v > 0 for v in values)
         out[f"admit_better{suffix}"] = sum(v < 0 for v in values)
         out[f"median_delta{suffix}_s"] = statistics.median(values) if values else 0.0
@@ -119,7 +122,7 @@ def _read_all(fd: int) -> bytes:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _signature(move: Move) -> str:
@@ -137,7 +140,11 @@ class _ForkingAdaptive(AdaptivePolicy):
         self.pending: list[_Pending] = []
 
     def decide(self, b: Boundary, plan) -> Move:
-        if self.until is not None or self.replanner is None or b.step + self.report.horizon >= self.steps:
+        if (
+            self.until is not None
+            or self.replanner is None
+            or b.step + self.report.horizon >= self.steps
+        ):
             return super().decide(b, plan)
         from_parent, to_child = os.pipe()
         report_read, report_write = os.pipe()
@@ -155,18 +162,39 @@ class _ForkingAdaptive(AdaptivePolicy):
                 os._exit(1)
             if same:
                 os._exit(0)
-            self.until, self.report_fd, self.pending = b.step + self.report.horizon, report_write, []
+            self.until, self.report_fd, self.pending = (
+                b.step + self.report.horizon,
+                report_write,
+                [],
+            )
             return move
         os.close(from_parent)
         os.close(report_write)
         move = super().decide(b, plan)
-        _write_all(to_child, _signature(move).encode())  # a plan over 1,024 devices outgrows one pipe buffer
+        _write_all(
+            to_child, _signature(move).encode()
+        )  # a plan over 1,024 devices outgrows one pipe buffer
         os.close(to_child)
-        d = self.outcome.decision if self.outcome is not None and self.outcome.step == b.step else None
-        self.pending.append(_Pending(b.step, pid, report_read, {
-            "step": b.step, "action": move.action, "reason": move.reason,
-            "saving_s": d.saving_seconds if d else 0.0, "payback_steps": d.payback_steps if d else math.inf,
-            "limit_steps": d.limit_steps if d else math.inf}))
+        d = (
+            self.outcome.decision
+            if self.outcome is not None and self.outcome.step == b.step
+            else None
+        )
+        self.pending.append(
+            _Pending(
+                b.step,
+                pid,
+                report_read,
+                {
+                    "step": b.step,
+                    "action": move.action,
+                    "reason": move.reason,
+                    "saving_s": d.saving_seconds if d else 0.0,
+                    "payback_steps": d.payback_steps if d else math.inf,
+                    "limit_steps": d.limit_steps if d else math.inf,
+                },
+            )
+        )
         return move
 
     def on_step(self, record: StepRecord, result: PolicyResult) -> None:
@@ -191,16 +219,28 @@ class _ForkingAdaptive(AdaptivePolicy):
                 self.pending.remove(p)
             elif due:
                 got = json.loads(p.got)
-                self.report.rows.append(Counterfactual(**p.info, delta_s=got["run_s"] - run_s,
-                                                       delta_lost_s=got["lost_s"] - lost_s))
+                self.report.rows.append(
+                    Counterfactual(
+                        **p.info, delta_s=got["run_s"] - run_s, delta_lost_s=got["lost_s"] - lost_s
+                    )
+                )
                 self.pending.remove(p)
 
 
-def admission_counterfactuals(scn: Scenario, horizon: int = 100, *, gamma: float = 0.5) -> CounterfactualReport:
+def admission_counterfactuals(
+    scn: Scenario, horizon: int = 100, *, gamma: float = 0.5
+) -> CounterfactualReport:
     """The adaptive policy over ``scn`` with every differing decision's counterfactual
     over ``horizon`` steps (see the module docstring)."""
-    require(isinstance(horizon, int) and horizon >= 1, "horizon", horizon, "must be an integer >= 1 (steps)")
-    transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds)
+    require(
+        isinstance(horizon, int) and horizon >= 1,
+        "horizon",
+        horizon,
+        "must be an integer >= 1 (steps)",
+    )
+    transitions = Transitions(
+        scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds
+    )
     ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
     report = CounterfactualReport(PolicyResult("adaptive"), horizon)
     policy = _ForkingAdaptive(ctx, report, scn.steps, gamma)

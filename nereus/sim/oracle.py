@@ -45,8 +45,9 @@ def told_the_truth(scn: Scenario, step: int) -> Efficiency:
     as the planner's efficiencies, its fragmentation and workspace as the memory terms."""
     rates = scn.truth.reference_rates(step)
     factors = {c: float(min(1.5, max(1e-3, rates[c]))) for c in OP_CLASSES}
-    return Efficiency(**factors).replace(memory_scale=rates["memory_scale"],
-                                         memory_fixed_bytes=rates["memory_fixed_bytes"])
+    return Efficiency(**factors).replace(
+        memory_scale=rates["memory_scale"], memory_fixed_bytes=rates["memory_fixed_bytes"]
+    )
 
 
 class Oracle:
@@ -69,16 +70,23 @@ class Oracle:
             longest = LengthStats(float(lengths.max), float(lengths.max), lengths.max)
             cluster = scn.cluster.with_nodes(max(1, len(devices) // scn.cluster.devices_per_node))
             try:
-                result = search(scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step))
+                result = search(
+                    scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step)
+                )
             except InfeasiblePlan as e:
                 found = e
             else:
                 pool = DevicePool.of(devices)
-                found = [pool.to_devices(p) for p in [result.plan] + [a.plan for a in result.alternatives]]
+                found = [
+                    pool.to_devices(p)
+                    for p in [result.plan] + [a.plan for a in result.alternatives]
+                ]
             self._candidates[key] = found
         return found
 
-    def best(self, step: int, devices: tuple[int, ...], attempt: int = 0) -> tuple[Plan, StepTruth] | None:
+    def best(
+        self, step: int, devices: tuple[int, ...], attempt: int = 0
+    ) -> tuple[Plan, StepTruth] | None:
         """The fastest candidate of the search on ``devices`` at ``step`` under the truth
         (``attempt``: the straggler draw), with its truth; None when none fits. Raises
         ``InfeasiblePlan`` when the search finds no plan."""
@@ -136,14 +144,27 @@ def run_oracle(scn: Scenario, oracle: Oracle | None = None) -> PolicyResult:
             clock = wait_for_change(scn, res, clock, step, str(e), ORACLE)
             continue
         if best is None:
-            clock = wait_for_change(scn, res, clock, step, "no candidate of the search fits the truth's memory",
-                                    ORACLE)
+            clock = wait_for_change(
+                scn, res, clock, step, "no candidate of the search fits the truth's memory", ORACLE
+            )
             continue
         plan, truth = best
         moved = previous is not None and plan != previous
         res.transitions += moved
-        res.records.append(StepRecord(step, clock, truth.seconds, devices, len(plan.devices), truth.lengths.mean,
-                                      truth.lengths.max, truth.device_peak, moved, False))
+        res.records.append(
+            StepRecord(
+                step,
+                clock,
+                truth.seconds,
+                devices,
+                len(plan.devices),
+                truth.lengths.mean,
+                truth.lengths.max,
+                truth.device_peak,
+                moved,
+                False,
+            )
+        )
         clock += truth.seconds
         res.compute_s += truth.seconds
         res.tokens += scn.work.sequences * truth.lengths.mean

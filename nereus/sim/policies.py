@@ -49,8 +49,17 @@ from nereus.sim.traces import CapSchedule
 from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import StepTruth
 
-__all__ = ["Boundary", "Move", "Policy", "AdaptivePolicy", "FixedLayoutPolicy", "POLICIES",
-           "EXTRA_POLICIES", "ORACLE", "make_policy"]
+__all__ = [
+    "Boundary",
+    "Move",
+    "Policy",
+    "AdaptivePolicy",
+    "FixedLayoutPolicy",
+    "POLICIES",
+    "EXTRA_POLICIES",
+    "ORACLE",
+    "make_policy",
+]
 
 POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
 # run only when named (``--policies``): another reading of ``static``, and the
@@ -135,11 +144,22 @@ class Policy:
     def _track(self, plan: Plan, b: Boundary) -> None:
         """A Replanner holding ``plan`` over ``b``'s pool, for the observers."""
         pool, cluster = self.ctx.pool_cluster(b.devices)
-        self.replanner = Replanner(self.ctx.work_at(b.lengths, b.step), cluster, plan=pool.to_slots(plan), eff=self.eff,
-                                   calibrator=self.calibrator)
+        self.replanner = Replanner(
+            self.ctx.work_at(b.lengths, b.step),
+            cluster,
+            plan=pool.to_slots(plan),
+            eff=self.eff,
+            calibrator=self.calibrator,
+        )
 
-    def observe(self, plan: Plan, devices: tuple[int, ...], lengths: LengthStats, truth: StepTruth,
-                step: int) -> None:
+    def observe(
+        self,
+        plan: Plan,
+        devices: tuple[int, ...],
+        lengths: LengthStats,
+        truth: StepTruth,
+        step: int,
+    ) -> None:
         """Step ``step`` ran (or failed) on ``plan`` over the live ``devices``; the policy
         had planned it at ``lengths``: its model-stage seconds and device peaks."""
         rp = self.replanner
@@ -151,16 +171,22 @@ class Policy:
             rp.observe_stage_seconds(truth.stage_seconds)
         longest = truth.lengths.max
         ran = LengthStats(float(longest), float(longest), longest)
-        rp.observe_device_peaks({pool.slot(d): peak for d, peak in truth.device_peaks.items()}, lengths=ran)
+        rp.observe_device_peaks(
+            {pool.slot(d): peak for d, peak in truth.device_peaks.items()}, lengths=ran
+        )
         if truth.failed:
             # a device that ran out of memory is learned from whatever its share of
             # transient bytes (the observers skip devices where that share is small)
-            ex = explain(rp.plan, self.ctx.work.with_lengths(ran), cluster, rp.eff.uncalibrated_memory())
+            ex = explain(
+                rp.plan, self.ctx.work.with_lengths(ran), cluster, rp.eff.uncalibrated_memory()
+            )
             by_slot = {m.device: m for m in ex.memory}
             for device, need, _ in truth.overflow:
                 m = by_slot.get(pool.slot(device))
                 if m is not None and m.transient > 0:
-                    self.calibrator.observe_memory_bytes(m.workspace + sum(b for _, b in m.resident), m.transient, need)
+                    self.calibrator.observe_memory_bytes(
+                        m.workspace + sum(b for _, b in m.resident), m.transient, need
+                    )
             rp.eff = self.calibrator.fit()
         self.eff = rp.eff
 
@@ -192,8 +218,16 @@ class AdaptivePolicy(Policy):
     (``nereus.planner.policies``), each a Replanner built by ``make_replanner``, the one
     definition the running job uses too."""
 
-    def __init__(self, ctx: _Ctx, *, name: str = "adaptive", gamma: float = 0.5, k: int = 3,
-                 join_horizon_steps: float = 20.0, min_steps_between: int = 0) -> None:
+    def __init__(
+        self,
+        ctx: _Ctx,
+        *,
+        name: str = "adaptive",
+        gamma: float = 0.5,
+        k: int = 3,
+        join_horizon_steps: float = 20.0,
+        min_steps_between: int = 0,
+    ) -> None:
         super().__init__(ctx)
         self.name = name
         self.spec = PolicySpec(SIM_NAMES[name], gamma=gamma, every_k=k)
@@ -215,10 +249,17 @@ class AdaptivePolicy(Policy):
             plan = static_rescaled(self.layout, self.ctx.work, cluster)
             if plan is None:
                 raise InfeasiblePlan(f"the static layout fits no DP of {len(b.devices)} devices")
-        self.replanner = make_replanner(self.spec, work, cluster, plan=plan, eff=self.eff,
-                                        calibrator=self.calibrator, join_horizon_steps=self.join_horizon_steps,
-                                        min_steps_between=self.min_steps_between,
-                                        largest_cap=self.ctx.caps.largest)
+        self.replanner = make_replanner(
+            self.spec,
+            work,
+            cluster,
+            plan=plan,
+            eff=self.eff,
+            calibrator=self.calibrator,
+            join_horizon_steps=self.join_horizon_steps,
+            min_steps_between=self.min_steps_between,
+            largest_cap=self.ctx.caps.largest,
+        )
         if self.spec.name == "static" and self.layout is None:
             self.layout = layout_of(self.replanner.plan, self.ctx.work)
         self._initial = (work, cluster, self.replanner.plan, self.eff)
@@ -235,7 +276,9 @@ class AdaptivePolicy(Policy):
         try:
             if current is None or self.replanner is None:
                 target = self._fresh(b)
-                return self._timed(Move("restart", target, "a model-stage lost every EMU"), t0, dag0)
+                return self._timed(
+                    Move("restart", target, "a model-stage lost every EMU"), t0, dag0
+                )
             pool, cluster = self.ctx.pool_cluster(b.devices)
             rp, eff = self.replanner, self.replanner.eff
             priced: dict[Plan, float] = {}
@@ -246,12 +289,28 @@ class AdaptivePolicy(Policy):
                 return priced[target]
 
             outcome = rp.on_boundary(
-                b.step, lengths=b.lengths, memory_lengths=self.ctx.cap_lengths(b.step), cluster=cluster,
-                plan=pool.to_slots(current), lost=b.lost, joined=b.joined, failed=b.failed,
-                transition_seconds=price)
-            self.boundaries.append(boundary_record(rp, outcome, eff=eff, lost=b.lost, joined=b.joined,
-                                                   priced=priced, first=not self.boundaries,
-                                                   initial=self._initial))
+                b.step,
+                lengths=b.lengths,
+                memory_lengths=self.ctx.cap_lengths(b.step),
+                cluster=cluster,
+                plan=pool.to_slots(current),
+                lost=b.lost,
+                joined=b.joined,
+                failed=b.failed,
+                transition_seconds=price,
+            )
+            self.boundaries.append(
+                boundary_record(
+                    rp,
+                    outcome,
+                    eff=eff,
+                    lost=b.lost,
+                    joined=b.joined,
+                    priced=priced,
+                    first=not self.boundaries,
+                    initial=self._initial,
+                )
+            )
         except InfeasiblePlan as e:
             self.replanner = None
             return self._timed(Move("wait", None, str(e)), t0, dag0)
@@ -265,7 +324,9 @@ class AdaptivePolicy(Policy):
             return self._timed(Move("keep", None, d.reason), t0, dag0)
         if d.action == "restart":
             return self._timed(Move("restart", target, d.reason), t0, dag0)
-        return self._timed(Move("transition" if target != current else "keep", target, d.reason), t0, dag0)
+        return self._timed(
+            Move("transition" if target != current else "keep", target, d.reason), t0, dag0
+        )
 
     def _timed(self, move: Move, t0: float, dag0: float) -> Move:
         move.dag_s = self.ctx.transitions.dag_seconds - dag0
@@ -283,18 +344,27 @@ class FixedLayoutPolicy(Policy):
         self.layout: Layout | None = None
         self.cap = 0  # the cap its plan was last checked against
 
-    def _placement(self, work: Workload, cluster: ClusterSpec) -> tuple[Plan, tuple[tuple[str, ...], ...]]:
+    def _placement(
+        self, work: Workload, cluster: ClusterSpec
+    ) -> tuple[Plan, tuple[tuple[str, ...], ...]]:
         found = self._search(work, cluster)
         if self.placement == "static":
             return found.plan, found.pools
         names = work.stages
-        wanted = [tuple(s.name for s in names)] if self.placement == "colocated" else [(s.name,) for s in names]
+        wanted = (
+            [tuple(s.name for s in names)]
+            if self.placement == "colocated"
+            else [(s.name,) for s in names]
+        )
         if sorted(map(sorted, found.pools)) == sorted(map(sorted, wanted)):
             return found.plan, found.pools
         for alt in found.alternatives:
             if alt.label == self.placement:
                 return alt.plan, tuple(wanted)
-        return found.plan, found.pools  # the placement does not fit this pool: the best plan instead
+        return (
+            found.plan,
+            found.pools,
+        )  # the placement does not fit this pool: the best plan instead
 
     def _relayout(self, b: Boundary) -> Plan:
         pool, cluster = self.ctx.pool_cluster(b.devices)
@@ -339,7 +409,11 @@ class FixedLayoutPolicy(Policy):
             return Move("keep", None, "the pool and the cap are unchanged")
         target = self.scaled(len(b.devices), cluster)
         if target is None or not explain(target, work, cluster, self.eff).fits:
-            why = "no DP of the layout fits the pool" if target is None else "the rescaled layout does not fit memory"
+            why = (
+                "no DP of the layout fits the pool"
+                if target is None
+                else "the rescaled layout does not fit memory"
+            )
             return Move("restart", self._relayout(b), why)
         target_devices = pool.to_devices(target)
         if current is None:
@@ -348,20 +422,37 @@ class FixedLayoutPolicy(Policy):
             return Move("keep", None, "the layout fits")
         cost = self.ctx.transitions.estimate(current, target_devices, self.eff)
         if not math.isfinite(cost):
-            return Move("restart", target_devices, "no transition to the rescaled layout is possible")
+            return Move(
+                "restart", target_devices, "no transition to the rescaled layout is possible"
+            )
         return Move("transition", target_devices, "DP follows the pool")
 
 
-def make_policy(name: str, ctx: _Ctx, *, gamma: float = 0.5, k: int = 3, join_horizon_steps: float = 20.0,
-                min_steps_between: int = 0) -> Policy:
+def make_policy(
+    name: str,
+    ctx: _Ctx,
+    *,
+    gamma: float = 0.5,
+    k: int = 3,
+    join_horizon_steps: float = 20.0,
+    min_steps_between: int = 0,
+) -> Policy:
     """The policy called ``name`` (one of ``POLICIES`` or ``EXTRA_POLICIES``)."""
     if name in SIM_NAMES and name != "static" or name == SHARED_STATIC:
-        return AdaptivePolicy(ctx, name=name, gamma=gamma, k=k, join_horizon_steps=join_horizon_steps,
-                              min_steps_between=min_steps_between)
+        return AdaptivePolicy(
+            ctx,
+            name=name,
+            gamma=gamma,
+            k=k,
+            join_horizon_steps=join_horizon_steps,
+            min_steps_between=min_steps_between,
+        )
     if name in ("static", "colocated", "separated"):
         return FixedLayoutPolicy(ctx, name=name)
     if name == "static-max-cap":
         return FixedLayoutPolicy(replace(ctx, caps=CapSchedule.fixed(ctx.caps.largest)), name=name)
     from nereus.errors import ConfigError
 
-    raise ConfigError(f"policy={name!r} is not known; expected one of {list(POLICIES + EXTRA_POLICIES)}")
+    raise ConfigError(
+        f"policy={name!r} is not known; expected one of {list(POLICIES + EXTRA_POLICIES)}"
+    )

@@ -39,7 +39,16 @@ from nereus.config import require
 from nereus.errors import ConfigError
 from nereus.sim.traces import LengthTrace
 
-__all__ = ["TracePair", "Preset", "PRESETS", "PAPER", "preset", "paper_lengths", "default_traces_dir", "EDGE_STEPS"]
+__all__ = [
+    "TracePair",
+    "Preset",
+    "PRESETS",
+    "PAPER",
+    "preset",
+    "paper_lengths",
+    "default_traces_dir",
+    "EDGE_STEPS",
+]
 
 EDGE_STEPS = 3  # steps averaged at the start and at the end of a trace
 
@@ -81,24 +90,47 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "paper-7.3.3": Preset(
-        cluster="a100-256", nodes=8, model="llama-8b", algorithm="ppo", steps=26, pool_range=(8, 32),
-        mean=(1150.0, 3700.0), p95=(1340.0, 4070.0),
+        cluster="a100-256",
+        nodes=8,
+        model="llama-8b",
+        algorithm="ppo",
+        steps=26,
+        pool_range=(8, 32),
+        mean=(1150.0, 3700.0),
+        p95=(1340.0, 4070.0),
         pairs=(
-            TracePair("softgrpo-llama3.2-3b-grpo", "us-east-2b_v100_1", 0,
-                      "the paper's first trace: a Llama GRPO log (verl, 8k cap) whose mean grows "
-                      "over its run"),
-            TracePair("rasbt-qwen3-0.6b-base-grpo-clip", "us-west-2a_v100_1", 0,
-                      "held out: a log that grows fast at first, then oscillates; the other spot trace"),
-            TracePair("areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning", "us-east-2b_v100_1", 1600,
-                      "held out: a noisy, slowly growing log; the first spot trace from its middle"),
+            TracePair(
+                "softgrpo-llama3.2-3b-grpo",
+                "us-east-2b_v100_1",
+                0,
+                "the paper's first trace: a Llama GRPO log (verl, 8k cap) whose mean grows "
+                "over its run",
+            ),
+            TracePair(
+                "rasbt-qwen3-0.6b-base-grpo-clip",
+                "us-west-2a_v100_1",
+                0,
+                "held out: a log that grows fast at first, then oscillates; the other spot trace",
+            ),
+            TracePair(
+                "areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning",
+                "us-east-2b_v100_1",
+                1600,
+                "held out: a noisy, slowly growing log; the first spot trace from its middle",
+            ),
         ),
-        policies=("adaptive", "every-k", "dynarl", "static", "oracle"), k=3, gamma=0.5),
+        policies=("adaptive", "every-k", "dynarl", "static", "oracle"),
+        k=3,
+        gamma=0.5,
+    ),
 }
 
 
 def preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise ConfigError(f"--scenario={name!r} is not a known preset; expected one of {sorted(PRESETS)}")
+        raise ConfigError(
+            f"--scenario={name!r} is not a known preset; expected one of {sorted(PRESETS)}"
+        )
     return PRESETS[name]
 
 
@@ -107,14 +139,18 @@ def default_traces_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
-def _edge_solve(first: tuple[float, float], last: tuple[float, float], want: tuple[float, float]) -> tuple[float, float]:
+def _edge_solve(
+    first: tuple[float, float], last: tuple[float, float], want: tuple[float, float]
+) -> tuple[float, float]:
     """(a, b) with a x first[0] + b x first[1] = want[0] and likewise for ``last``."""
     m = np.array([first, last])
     a, b = np.linalg.solve(m, np.array(want))
     return float(a), float(b)
 
 
-def paper_lengths(path: str | Path, steps: int, mean: tuple[float, float], p95: tuple[float, float]) -> LengthTrace:
+def paper_lengths(
+    path: str | Path, steps: int, mean: tuple[float, float], p95: tuple[float, float]
+) -> LengthTrace:
     """The log at ``path`` as the module docstring says: ``steps`` steps whose first and
     last ``EDGE_STEPS`` average ``mean`` and ``p95`` at the start and the end."""
     data = json.loads(Path(path).read_text())
@@ -125,27 +161,49 @@ def paper_lengths(path: str | Path, steps: int, mean: tuple[float, float], p95: 
     slope, icept = np.polyfit(t, blocks, 1)
     shape = blocks / (icept + slope * t)
     e = EDGE_STEPS
-    a, b = _edge_solve((shape[:e].mean(), (t * shape)[:e].mean()), (shape[-e:].mean(), (t * shape)[-e:].mean()),
-                       mean)
+    a, b = _edge_solve(
+        (shape[:e].mean(), (t * shape)[:e].mean()),
+        (shape[-e:].mean(), (t * shape)[-e:].mean()),
+        mean,
+    )
     line = a + b * t
-    require(bool((line > 0).all()), "length log", str(path), "must keep a positive trend once rescaled")
+    require(
+        bool((line > 0).all()), "length log", str(path), "must keep a positive trend once rescaled"
+    )
     means = line * shape
-    c, d = _edge_solve((means[:e].mean(), (t * means)[:e].mean()), (means[-e:].mean(), (t * means)[-e:].mean()), p95)
+    c, d = _edge_solve(
+        (means[:e].mean(), (t * means)[:e].mean()),
+        (means[-e:].mean(), (t * means)[-e:].mean()),
+        p95,
+    )
     ratio = c + d * t
-    require(bool((ratio >= 1).all()), "p95 ratio", [float(ratio[0]), float(ratio[-1])], "must stay >= 1")
-    return LengthTrace(Path(path).stem, tuple(float(v) for v in means), tuple(float(v) for v in means * ratio))
+    require(
+        bool((ratio >= 1).all()), "p95 ratio", [float(ratio[0]), float(ratio[-1])], "must stay >= 1"
+    )
+    return LengthTrace(
+        Path(path).stem, tuple(float(v) for v in means), tuple(float(v) for v in means * ratio)
+    )
 
 
-def pair_paths(p: Preset, pair: int, traces_dir: str | Path | None = None) -> tuple[Path, Path, TracePair]:
+def pair_paths(
+    p: Preset, pair: int, traces_dir: str | Path | None = None
+) -> tuple[Path, Path, TracePair]:
     """The length log's and spot trace's paths of pair ``pair``."""
-    require(isinstance(pair, int) and 0 <= pair < len(p.pairs), "pair", pair, f"must be in [0, {len(p.pairs)})")
+    require(
+        isinstance(pair, int) and 0 <= pair < len(p.pairs),
+        "pair",
+        pair,
+        f"must be in [0, {len(p.pairs)})",
+    )
     root = Path(traces_dir) if traces_dir else default_traces_dir()
     tp = p.pairs[pair]
     lengths = root / "response-length" / f"{tp.lengths}.json"
     spot = root / "spot-availability" / f"{tp.spot}.json"
     for f in (lengths, spot):
         if not f.is_file():
-            raise ConfigError(f"trace {str(f)!r} does not exist (set --traces-dir to the shared traces folder)")
+            raise ConfigError(
+                f"trace {str(f)!r} does not exist (set --traces-dir to the shared traces folder)"
+            )
     return lengths, spot, tp
 
 

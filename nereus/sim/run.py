@@ -45,9 +45,19 @@ from nereus.sim.traces import (
 from nereus.sim.transitions import intact
 from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
-__all__ = ["SimConfig", "Scenario", "StepRecord", "PolicyResult", "SimulationError", "run_policy",
-           "devices_of", "pause_until_available", "wait_for_change",
-           "build_scenario", "preset_config"]
+__all__ = [
+    "SimConfig",
+    "Scenario",
+    "StepRecord",
+    "PolicyResult",
+    "SimulationError",
+    "run_policy",
+    "devices_of",
+    "pause_until_available",
+    "wait_for_change",
+    "build_scenario",
+    "preset_config",
+]
 
 
 class SimulationError(NereusError):
@@ -91,17 +101,45 @@ class SimConfig:
     traces_dir: str | None = None
 
     def __post_init__(self) -> None:
-        require(self.algorithm in ALGORITHMS, "algo", self.algorithm, f"must be one of {list(ALGORITHMS)}")
-        require(isinstance(self.steps, int) and self.steps >= 1, "steps", self.steps, "must be an integer >= 1")
+        require(
+            self.algorithm in ALGORITHMS,
+            "algo",
+            self.algorithm,
+            f"must be one of {list(ALGORITHMS)}",
+        )
+        require(
+            isinstance(self.steps, int) and self.steps >= 1,
+            "steps",
+            self.steps,
+            "must be an integer >= 1",
+        )
         require(self.gamma > 0, "gamma", self.gamma, "must be > 0")
-        require(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
+        require(
+            isinstance(self.seed, int) and self.seed >= 0,
+            "seed",
+            self.seed,
+            "must be an integer >= 0",
+        )
         require(isinstance(self.k, int) and self.k >= 1, "k", self.k, "must be an integer >= 1")
-        require(self.max_length is None or self.max_length >= 1, "max_length", self.max_length, "must be >= 1 token")
-        require(self.cap_schedule in CAP_SCHEDULES, "cap_schedule", self.cap_schedule,
-                f"must be one of {list(CAP_SCHEDULES)}")
+        require(
+            self.max_length is None or self.max_length >= 1,
+            "max_length",
+            self.max_length,
+            "must be >= 1 token",
+        )
+        require(
+            self.cap_schedule in CAP_SCHEDULES,
+            "cap_schedule",
+            self.cap_schedule,
+            f"must be one of {list(CAP_SCHEDULES)}",
+        )
         unknown = [p for p in self.policies if p not in POLICIES + EXTRA_POLICIES]
-        require(not unknown and len(self.policies) >= 1, "policies", list(self.policies),
-                f"must name some of {list(POLICIES + EXTRA_POLICIES)}")
+        require(
+            not unknown and len(self.policies) >= 1,
+            "policies",
+            list(self.policies),
+            f"must name some of {list(POLICIES + EXTRA_POLICIES)}",
+        )
 
 
 @dataclass
@@ -123,14 +161,33 @@ class Scenario:
         return self.truth.caps
 
 
-def preset_config(name: str, pair: int = 0, *, traces_dir: str | None = None, seed: int = 0,
-                  policies: tuple[str, ...] | None = None) -> SimConfig:
+def preset_config(
+    name: str,
+    pair: int = 0,
+    *,
+    traces_dir: str | None = None,
+    seed: int = 0,
+    policies: tuple[str, ...] | None = None,
+) -> SimConfig:
     """The ``SimConfig`` of preset ``name`` on its trace pair ``pair`` (``nereus.sim.presets``)."""
     p = preset(name)
     lengths, spot, _ = pair_paths(p, pair, traces_dir)
-    return SimConfig(p.cluster, p.model, p.algorithm, str(spot), str(lengths), p.steps, gamma=p.gamma, seed=seed,
-                     k=p.k, cap_schedule="fixed", policies=policies or p.policies, scenario=name, pair=pair,
-                     traces_dir=traces_dir)
+    return SimConfig(
+        p.cluster,
+        p.model,
+        p.algorithm,
+        str(spot),
+        str(lengths),
+        p.steps,
+        gamma=p.gamma,
+        seed=seed,
+        k=p.k,
+        cap_schedule="fixed",
+        policies=policies or p.policies,
+        scenario=name,
+        pair=pair,
+        traces_dir=traces_dir,
+    )
 
 
 def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scenario:
@@ -141,19 +198,38 @@ def build_scenario(config: SimConfig, params: TruthParams | None = None) -> Scen
         cluster = cluster.with_nodes(p.nodes)
         lengths = paper_lengths(config.length_trace, p.steps, p.mean, p.p95)
         caps = CapSchedule.fixed(cap_for(lengths), p.steps)
-        devices = device_trace(config.gpus_trace, cluster, config.steps, seed=config.seed, pool_range=p.pool_range,
-                               offset_ticks=p.pairs[config.pair].offset_ticks)
+        devices = device_trace(
+            config.gpus_trace,
+            cluster,
+            config.steps,
+            seed=config.seed,
+            pool_range=p.pool_range,
+            offset_ticks=p.pairs[config.pair].offset_ticks,
+        )
     else:
         lengths = length_trace(config.length_trace, config.steps, length_range=config.length_range)
         caps = cap_schedule(config.cap_schedule, lengths, max_length=config.max_length)
-        devices = device_trace(config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale,
-                               seed=config.seed)
+        devices = device_trace(
+            config.gpus_trace, cluster, config.steps, pool_scale=config.pool_scale, seed=config.seed
+        )
     first = min(lengths.mean_at(0), caps.cap_at(0))
-    work = Workload.for_models(config.algorithm, model_preset(config.model), prompts_per_step=config.prompts_per_step,
-                               samples_per_prompt=config.samples_per_prompt, prompt_length=config.prompt_length,
-                               lengths=LengthStats(first, first, math.ceil(first)), micro_batch=config.micro_batch)
-    truth = GroundTruth(params or load_truth_params(config.truth_path), cluster, work, caps=caps, seed=config.seed,
-                        p95_ratio=lengths.p95_ratios())
+    work = Workload.for_models(
+        config.algorithm,
+        model_preset(config.model),
+        prompts_per_step=config.prompts_per_step,
+        samples_per_prompt=config.samples_per_prompt,
+        prompt_length=config.prompt_length,
+        lengths=LengthStats(first, first, math.ceil(first)),
+        micro_batch=config.micro_batch,
+    )
+    truth = GroundTruth(
+        params or load_truth_params(config.truth_path),
+        cluster,
+        work,
+        caps=caps,
+        seed=config.seed,
+        p95_ratio=lengths.p95_ratios(),
+    )
     return Scenario(cluster, work, devices, lengths, config.steps, truth)
 
 
@@ -240,15 +316,29 @@ class PolicyResult:
     def to_dict(self) -> dict[str, Any]:
         ms = 1000.0 / max(1, self.decisions)
         out = {
-            "policy": self.policy, "simulated": True, "steps": self.steps, "mean_step_s": self.mean_step_s,
-            "throughput_steps_per_hour": self.throughput_steps_per_hour, "tokens_per_s": self.tokens_per_s,
-            "transitions": self.transitions, "transition_s": self.transition_s,
-            "transition_overhead_pct": self.transition_overhead_pct, "restarts": self.restarts,
-            "restart_s": self.restart_s, "memory_failures": self.memory_failures, "aborted_steps": self.aborted_steps,
-            "wasted_s": self.wasted_s, "paused_s": self.paused_s,
-            "waiting_s": self.waiting_s, "compute_s": self.compute_s, "total_s": self.total_s,
-            "decisions": self.decisions, "planner_ms_per_decision": self.planner_s * ms,
-            "dag_ms_per_decision": self.dag_s * ms, "planner_s": self.planner_s, "dag_s": self.dag_s,
+            "policy": self.policy,
+            "simulated": True,
+            "steps": self.steps,
+            "mean_step_s": self.mean_step_s,
+            "throughput_steps_per_hour": self.throughput_steps_per_hour,
+            "tokens_per_s": self.tokens_per_s,
+            "transitions": self.transitions,
+            "transition_s": self.transition_s,
+            "transition_overhead_pct": self.transition_overhead_pct,
+            "restarts": self.restarts,
+            "restart_s": self.restart_s,
+            "memory_failures": self.memory_failures,
+            "aborted_steps": self.aborted_steps,
+            "wasted_s": self.wasted_s,
+            "paused_s": self.paused_s,
+            "waiting_s": self.waiting_s,
+            "compute_s": self.compute_s,
+            "total_s": self.total_s,
+            "decisions": self.decisions,
+            "planner_ms_per_decision": self.planner_s * ms,
+            "dag_ms_per_decision": self.dag_s * ms,
+            "planner_s": self.planner_s,
+            "dag_s": self.dag_s,
         }
         if self.oracle_compute_s is not None:
             out.update(oracle_compute_s=self.oracle_compute_s, plan_gap=self.plan_gap)
@@ -260,8 +350,12 @@ def devices_of(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
     return tuple(d for n in sorted(nodes) for d in range(n * per_node, (n + 1) * per_node))
 
 
-def run_policy(scn: Scenario, policy: Policy, *,
-               on_step: Callable[[StepRecord, PolicyResult], None] | None = None) -> PolicyResult:
+def run_policy(
+    scn: Scenario,
+    policy: Policy,
+    *,
+    on_step: Callable[[StepRecord, PolicyResult], None] | None = None,
+) -> PolicyResult:
     """Run ``policy`` over ``scn`` (see the module docstring). ``on_step(record, result)``
     is called after each completed step with its record and the result so far (its
     counters up to and including that step; ``total_s`` is set only at the end)."""
@@ -279,8 +373,14 @@ def run_policy(scn: Scenario, policy: Policy, *,
         if not devices:
             clock = pause_until_available(scn, res, clock, step)
             continue
-        b = Boundary(step, devices, tuple(sorted(set(seen) - set(devices))), tuple(sorted(set(devices) - set(seen))),
-                     observed, failed)
+        b = Boundary(
+            step,
+            devices,
+            tuple(sorted(set(seen) - set(devices))),
+            tuple(sorted(set(devices) - set(seen))),
+            observed,
+            failed,
+        )
         seen, failed = devices, False
         if not started:
             try:
@@ -319,8 +419,10 @@ def run_policy(scn: Scenario, policy: Policy, *,
                 plan, restarted = move.plan, True
             elif move.action == "keep":
                 if current is None:
-                    raise SimulationError(f"{policy.name} kept a plan that lost every EMU of a model-stage at "
-                        f"step {step}")
+                    raise SimulationError(
+                        f"{policy.name} kept a plan that lost every EMU of a model-stage at "
+                        f"step {step}"
+                    )
                 plan = current
             if move.action in ("transition", "restart"):
                 now = devices_of(scn.devices.nodes_at(clock, step), per)
@@ -333,8 +435,10 @@ def run_policy(scn: Scenario, policy: Policy, *,
         if truth.failed or loss is not None:
             attempt += 1
             if attempt > scn.max_attempts:
-                raise SimulationError(f"{policy.name}: step {step} failed {attempt} times in a row "
-                                      f"(memory failures {res.memory_failures}, aborted {res.aborted_steps})")
+                raise SimulationError(
+                    f"{policy.name}: step {step} failed {attempt} times in a row "
+                    f"(memory failures {res.memory_failures}, aborted {res.aborted_steps})"
+                )
             if loss is not None and (not truth.failed or loss < clock + truth.seconds):
                 res.wasted_s += loss - clock
                 res.aborted_steps += 1
@@ -346,8 +450,19 @@ def run_policy(scn: Scenario, policy: Policy, *,
                 policy.observe(plan, devices, observed, truth, step)
                 failed = True
             continue
-        record = StepRecord(step, clock, truth.seconds, devices, len(plan.devices), truth.lengths.mean,
-                            truth.lengths.max, truth.device_peak, moved, restarted, attempt)
+        record = StepRecord(
+            step,
+            clock,
+            truth.seconds,
+            devices,
+            len(plan.devices),
+            truth.lengths.mean,
+            truth.lengths.max,
+            truth.device_peak,
+            moved,
+            restarted,
+            attempt,
+        )
         res.records.append(record)
         clock += truth.seconds
         res.compute_s += truth.seconds
@@ -367,15 +482,21 @@ def pause_until_available(scn: Scenario, res: PolicyResult, clock: float, step: 
     """No device is available: the job is paused (``paused_s``) until one is."""
     nxt = scn.devices.next_available(clock, step)
     if nxt is None or nxt <= clock:
-        raise SimulationError(f"{scn.devices.name}: no device is ever available again after {clock:.0f} s")
+        raise SimulationError(
+            f"{scn.devices.name}: no device is ever available again after {clock:.0f} s"
+        )
     res.paused_s += nxt - clock
     return nxt
 
 
-def wait_for_change(scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str, policy: str) -> float:
+def wait_for_change(
+    scn: Scenario, res: PolicyResult, clock: float, step: int, reason: str, policy: str
+) -> float:
     """No plan fits the pool: the job waits until the pool changes."""
     nxt = scn.devices.next_change(clock, step)
     if nxt is None or nxt <= clock:
-        raise SimulationError(f"{policy}: no plan fits the pool at step {step} and it never changes: {reason}")
+        raise SimulationError(
+            f"{policy}: no plan fits the pool at step {step} and it never changes: {reason}"
+        )
     res.waiting_s += nxt - clock
     return nxt

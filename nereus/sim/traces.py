@@ -36,8 +36,19 @@ from nereus.config import require
 from nereus.errors import ConfigError
 from nereus.planner.cluster import ClusterSpec, local_cpu_cluster
 
-__all__ = ["DeviceTrace", "SpotTrace", "GrowthTrace", "LengthTrace", "CapSchedule", "device_trace",
-           "length_trace", "cap_schedule", "pool_at_steps", "SPOT_INSTANCES", "CAP_SCHEDULES"]
+__all__ = [
+    "DeviceTrace",
+    "SpotTrace",
+    "GrowthTrace",
+    "LengthTrace",
+    "CapSchedule",
+    "device_trace",
+    "length_trace",
+    "cap_schedule",
+    "pool_at_steps",
+    "SPOT_INSTANCES",
+    "CAP_SCHEDULES",
+]
 
 SPOT_INSTANCES = 16  # the spot traces count instances of a 16-node job
 CAP_SCHEDULES = ("stepped", "fixed")
@@ -85,12 +96,24 @@ class SpotTrace(DeviceTrace):
 
     time_based = True
 
-    def __init__(self, counts: list[int], gap_seconds: float, cluster: ClusterSpec, pool_scale: float,
-                 seed: int, name: str = "spot", pool_range: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        counts: list[int],
+        gap_seconds: float,
+        cluster: ClusterSpec,
+        pool_scale: float,
+        seed: int,
+        name: str = "spot",
+        pool_range: tuple[int, int] | None = None,
+    ) -> None:
         require(len(counts) >= 1, "spot trace data", counts, "must hold at least one count")
         for c in counts:
-            require(isinstance(c, int) and 0 <= c <= SPOT_INSTANCES, "spot trace count", c,
-                    f"must be an integer in [0, {SPOT_INSTANCES}]")
+            require(
+                isinstance(c, int) and 0 <= c <= SPOT_INSTANCES,
+                "spot trace count",
+                c,
+                f"must be an integer in [0, {SPOT_INSTANCES}]",
+            )
         require(gap_seconds > 0, "spot trace gap_seconds", gap_seconds, "must be > 0")
         require(pool_scale > 0, "pool_scale", pool_scale, "must be > 0 devices per instance")
         self.name, self.gap, self.cluster = name, float(gap_seconds), cluster
@@ -98,8 +121,12 @@ class SpotTrace(DeviceTrace):
         per = cluster.devices_per_node
         if pool_range is not None:
             lo, hi = pool_range
-            require(per <= lo <= hi <= cluster.num_devices, "pool_range", pool_range,
-                    f"must be LO HI devices with {per} <= LO <= HI <= {cluster.num_devices}")
+            require(
+                per <= lo <= hi <= cluster.num_devices,
+                "pool_range",
+                pool_range,
+                f"must be LO HI devices with {per} <= LO <= HI <= {cluster.num_devices}",
+            )
             # a count of 0 is LO devices, a full count HI, whole nodes
             self.node_counts = [int(lo + (hi - lo) * c / SPOT_INSTANCES) // per for c in counts]
         else:
@@ -151,10 +178,21 @@ class GrowthTrace(DeviceTrace):
 
     time_based = False
 
-    def __init__(self, lo: float, hi: float, steps: int, cluster: ClusterSpec, name: str = "growth") -> None:
-        require(hi <= cluster.num_devices, "growth HI", hi, f"must be at most {cluster.name}'s {cluster.num_devices} devices")
-        require(lo >= cluster.devices_per_node, "growth LO", lo,
-                f"must be at least one node ({cluster.devices_per_node} devices)")
+    def __init__(
+        self, lo: float, hi: float, steps: int, cluster: ClusterSpec, name: str = "growth"
+    ) -> None:
+        require(
+            hi <= cluster.num_devices,
+            "growth HI",
+            hi,
+            f"must be at most {cluster.name}'s {cluster.num_devices} devices",
+        )
+        require(
+            lo >= cluster.devices_per_node,
+            "growth LO",
+            lo,
+            f"must be at least one node ({cluster.devices_per_node} devices)",
+        )
         self.name, self.lo, self.hi, self.steps, self.cluster = name, lo, hi, steps, cluster
 
     def devices_at_step(self, step: int) -> int:
@@ -176,23 +214,40 @@ class GrowthTrace(DeviceTrace):
         return None
 
 
-def device_trace(spec: str, cluster: ClusterSpec, steps: int, *, pool_scale: float | None = None,
-                 seed: int = 0, pool_range: tuple[int, int] | None = None, offset_ticks: int = 0) -> DeviceTrace:
+def device_trace(
+    spec: str,
+    cluster: ClusterSpec,
+    steps: int,
+    *,
+    pool_scale: float | None = None,
+    seed: int = 0,
+    pool_range: tuple[int, int] | None = None,
+    offset_ticks: int = 0,
+) -> DeviceTrace:
     """``growth:LO:HI`` or the path of a spot-availability JSON file (module docstring)."""
     growth = _parse_growth(spec, "--gpus-trace")
     if growth is not None:
         return GrowthTrace(growth[0], growth[1], steps, cluster, name=spec)
     path = Path(spec)
     if not path.is_file():
-        raise ConfigError(f"--gpus-trace={spec!r} must be growth:LO:HI or the path of a spot-availability "
-                          "JSON file ({\"metadata\": {\"gap_seconds\": ...}, \"data\": [...]})")
+        raise ConfigError(
+            f"--gpus-trace={spec!r} must be growth:LO:HI or the path of a spot-availability "
+            'JSON file ({"metadata": {"gap_seconds": ...}, "data": [...]})'
+        )
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or "data" not in data:
-        raise ConfigError(f"--gpus-trace={spec!r} must hold {{\"metadata\": ..., \"data\": [count, ...]}}")
+        raise ConfigError(
+            f'--gpus-trace={spec!r} must hold {{"metadata": ..., "data": [count, ...]}}'
+        )
     gap = float(data.get("metadata", {}).get("gap_seconds", 300))
     scale = pool_scale if pool_scale is not None else cluster.num_devices / SPOT_INSTANCES
     counts = list(data["data"])
-    require(0 <= offset_ticks < len(counts), "offset_ticks", offset_ticks, f"must be in [0, {len(counts)})")
+    require(
+        0 <= offset_ticks < len(counts),
+        "offset_ticks",
+        offset_ticks,
+        f"must be in [0, {len(counts)})",
+    )
     counts = counts[offset_ticks:] + counts[:offset_ticks]
     name = path.stem if not offset_ticks else f"{path.stem}+{offset_ticks}"
     return SpotTrace(counts, gap, cluster, scale, seed, name=name, pool_range=pool_range)
@@ -208,12 +263,19 @@ class LengthTrace:
     p95s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        require(len(self.means) >= 1, "LengthTrace.means", self.means, "must hold at least one step")
+        require(
+            len(self.means) >= 1, "LengthTrace.means", self.means, "must hold at least one step"
+        )
         low = min(self.means)
         require(low >= 1, "LengthTrace.means", low, "must be >= 1 token at every step")
         if self.p95s is not None:
-            require(len(self.p95s) == len(self.means) and all(p >= m for p, m in zip(self.p95s, self.means, strict=True)),
-                    "LengthTrace.p95s", self.p95s[:4], "must give every step a 95th percentile >= its mean")
+            require(
+                len(self.p95s) == len(self.means)
+                and all(p >= m for p, m in zip(self.p95s, self.means, strict=True)),
+                "LengthTrace.p95s",
+                self.p95s[:4],
+                "must give every step a 95th percentile >= its mean",
+            )
 
     def mean_at(self, step: int) -> float:
         return self.means[min(step, len(self.means) - 1)]
@@ -246,10 +308,18 @@ class CapSchedule:
 
     def __post_init__(self) -> None:
         require(len(self.caps) >= 1, "CapSchedule.caps", self.caps, "must hold at least one step")
-        require(all(isinstance(c, int) and c >= 1 for c in self.caps), "CapSchedule.caps", self.caps,
-                "must be integers >= 1 token")
-        require(all(a <= b for a, b in zip(self.caps, self.caps[1:], strict=False)), "CapSchedule.caps", self.caps,
-                "must never decrease (a job raises its cap as responses grow)")
+        require(
+            all(isinstance(c, int) and c >= 1 for c in self.caps),
+            "CapSchedule.caps",
+            self.caps,
+            "must be integers >= 1 token",
+        )
+        require(
+            all(a <= b for a, b in zip(self.caps, self.caps[1:], strict=False)),
+            "CapSchedule.caps",
+            self.caps,
+            "must never decrease (a job raises its cap as responses grow)",
+        )
 
     @classmethod
     def fixed(cls, cap: int, steps: int = 1) -> CapSchedule:
@@ -285,14 +355,18 @@ def _rescale(values: np.ndarray, length_range: tuple[float, float] | None) -> np
     if length_range is None:
         return values
     lo, hi = length_range
-    require(1 <= lo <= hi, "--length-range", length_range, "must be LO HI with 1 <= LO <= HI tokens")
+    require(
+        1 <= lo <= hi, "--length-range", length_range, "must be LO HI with 1 <= LO <= HI tokens"
+    )
     span = float(values.max() - values.min())
     if span == 0:
         return np.full_like(values, (lo + hi) / 2)
     return lo + (values - values.min()) * (hi - lo) / span
 
 
-def length_trace(spec: str, steps: int, *, length_range: tuple[float, float] | None = None) -> LengthTrace:
+def length_trace(
+    spec: str, steps: int, *, length_range: tuple[float, float] | None = None
+) -> LengthTrace:
     """``growth:LO:HI`` or the path of a response-length JSON file (module docstring)."""
     require(isinstance(steps, int) and steps >= 1, "steps", steps, "must be an integer >= 1")
     growth = _parse_growth(spec, "--length-trace")
@@ -301,12 +375,16 @@ def length_trace(spec: str, steps: int, *, length_range: tuple[float, float] | N
         return LengthTrace(spec, tuple(float(v) for v in _rescale(means, length_range)))
     path = Path(spec)
     if not path.is_file():
-        raise ConfigError(f"--length-trace={spec!r} must be growth:LO:HI or the path of a response-length "
-                          "JSON file (with 'steps' and 'mean' arrays)")
+        raise ConfigError(
+            f"--length-trace={spec!r} must be growth:LO:HI or the path of a response-length "
+            "JSON file (with 'steps' and 'mean' arrays)"
+        )
     data = json.loads(path.read_text())
     xs, ys = data.get("steps"), data.get("mean") if isinstance(data, dict) else None
     if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys) or len(xs) < 1:
-        raise ConfigError(f"--length-trace={spec!r} must hold 'steps' and 'mean' arrays of one length")
+        raise ConfigError(
+            f"--length-trace={spec!r} must hold 'steps' and 'mean' arrays of one length"
+        )
     pairs = sorted((float(x), float(y)) for x, y in zip(xs, ys, strict=True) if y is not None)
     x = np.array([p[0] for p in pairs])
     y = _rescale(np.array([p[1] for p in pairs]), length_range)
@@ -318,16 +396,25 @@ def length_trace(spec: str, steps: int, *, length_range: tuple[float, float] | N
     return LengthTrace(path.stem, tuple(float(max(1.0, v)) for v in means))
 
 
-def pool_at_steps(spec: str, devices: int, steps: int, *, offset_ticks: int = 0,
-                  pool_range: tuple[int, int] | None = None) -> list[int]:
+def pool_at_steps(
+    spec: str,
+    devices: int,
+    steps: int,
+    *,
+    offset_ticks: int = 0,
+    pool_range: tuple[int, int] | None = None,
+) -> list[int]:
     """How many of ``devices`` are live at each of ``steps`` steps under ``spec``: a
     spot-availability file, one tick a step from ``offset_ticks`` on, its counts of 0 to
     ``SPOT_INSTANCES`` instances mapped onto ``pool_range`` devices (default: half the
     devices, at least one, to all of them: a live job never pauses with none); or
     ``growth:LO:HI``."""
-    require(isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1")
-    shape = local_cpu_cluster(1, 2**30, flops_per_device=1e9, memory_bandwidth=1e9,
-                              exchange_bandwidth=1e9).with_nodes(devices)
+    require(
+        isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1"
+    )
+    shape = local_cpu_cluster(
+        1, 2**30, flops_per_device=1e9, memory_bandwidth=1e9, exchange_bandwidth=1e9
+    ).with_nodes(devices)
     lo_hi = pool_range if pool_range is not None else (max(1, devices // 2), devices)
     trace = device_trace(spec, shape, steps, offset_ticks=offset_ticks, pool_range=lo_hi)
     if isinstance(trace, GrowthTrace):

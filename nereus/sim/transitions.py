@@ -37,7 +37,15 @@ from nereus.planner.workload import ModelShape, Workload
 from nereus.state.spec import ModelSpec, training_slots
 from nereus.transition import LinkModel, TransitionDAG, build_dag, simulate
 
-__all__ = ["model_spec_of", "stage_specs", "stage_slots", "intact", "dag_of", "transition_seconds", "Transitions"]
+__all__ = [
+    "model_spec_of",
+    "stage_specs",
+    "stage_slots",
+    "intact",
+    "dag_of",
+    "transition_seconds",
+    "Transitions",
+]
 
 
 @lru_cache(maxsize=16)
@@ -45,10 +53,16 @@ def model_spec_of(shape: ModelShape) -> ModelSpec:
     """The ``ModelSpec`` of a planner model shape, read off the model definition."""
     from nereus.models import ModelConfig, model_spec  # torch: imported only when a DAG is needed
 
-    config = ModelConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-                         tie_word_embeddings=shape.tied_embeddings, torch_dtype=shape.dtype)
+    config = ModelConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        tie_word_embeddings=shape.tied_embeddings,
+        torch_dtype=shape.dtype,
+    )
     return model_spec(config, dtype=shape.dtype, value_head=shape.value_head)
 
 
@@ -59,7 +73,11 @@ def stage_specs(work: Workload) -> dict[str, ModelSpec]:
 
 def stage_slots(work: Workload) -> dict[str, tuple[str, ...]]:
     """Slots per model-stage: training holds its parameters' optimizer state too."""
-    return {s.name: training_slots(work.models[s.model].dtype) for s in work.stages if s.kind == "training"}
+    return {
+        s.name: training_slots(work.models[s.model].dtype)
+        for s in work.stages
+        if s.kind == "training"
+    }
 
 
 def intact(plan: Plan, devices: Iterable[int]) -> Plan | None:
@@ -70,7 +88,14 @@ def intact(plan: Plan, devices: Iterable[int]) -> Plan | None:
         kept = tuple(emu for emu in sp.devices if live.issuperset(emu))
         if not kept:
             return None
-        out.append((name, sp if len(kept) == sp.dp else StagePlan(sp.tp, sp.pp, len(kept), kept, sp.recompute, sp.waves)))
+        out.append(
+            (
+                name,
+                sp
+                if len(kept) == sp.dp
+                else StagePlan(sp.tp, sp.pp, len(kept), kept, sp.recompute, sp.waves),
+            )
+        )
     return Plan(tuple(out))
 
 
@@ -79,22 +104,39 @@ def nodes_of(dag: TransitionDAG, per_node: int) -> int:
     return len({d // per_node for d in dag.devices()}) or 1
 
 
-def dag_of(current: Plan, target: Plan, specs: Mapping[str, ModelSpec], slots: Mapping[str, tuple[str, ...]],
-           cluster: ClusterSpec) -> TransitionDAG | None:
+def dag_of(
+    current: Plan,
+    target: Plan,
+    specs: Mapping[str, ModelSpec],
+    slots: Mapping[str, tuple[str, ...]],
+    cluster: ClusterSpec,
+) -> TransitionDAG | None:
     """The transition DAG of the move over ``cluster``'s devices (every device capped at
     its usable memory, holding the workspace besides the EMUs); None when infeasible."""
     per = cluster.devices_per_node
     try:
-        return build_dag(current, target, specs, lambda d: usable_bytes(cluster), slots=slots,
-                         resident=dict.fromkeys(current.devices | target.devices, cluster.workspace_bytes),
-                         host_of=lambda d: d // per)
+        return build_dag(
+            current,
+            target,
+            specs,
+            lambda d: usable_bytes(cluster),
+            slots=slots,
+            resident=dict.fromkeys(current.devices | target.devices, cluster.workspace_bytes),
+            host_of=lambda d: d // per,
+        )
     except InfeasibleTransition:
         return None
 
 
-def transition_seconds(current: Plan, target: Plan, specs: Mapping[str, ModelSpec],
-                       slots: Mapping[str, tuple[str, ...]], cluster: ClusterSpec, link: LinkModel,
-                       dag: TransitionDAG | None = None) -> float:
+def transition_seconds(
+    current: Plan,
+    target: Plan,
+    specs: Mapping[str, ModelSpec],
+    slots: Mapping[str, tuple[str, ...]],
+    cluster: ClusterSpec,
+    link: LinkModel,
+    dag: TransitionDAG | None = None,
+) -> float:
     """Seconds of the move ``current`` -> ``target``: ``build_dag`` (or the given ``dag``
     of that move) then ``simulate`` with ``link``; ``inf`` when no schedule keeps every
     device under its cap."""
@@ -116,9 +158,19 @@ class Transitions:
     transition over that many nodes. ``dag_seconds`` accumulates the wall time spent
     building and scheduling DAGs (the decision time the simulator reports)."""
 
-    def __init__(self, work: Workload, cluster: ClusterSpec, actual_link: Callable[[int, int], LinkModel],
-                 actual_total: Callable[[Plan, Plan, int], float] | None = None) -> None:
-        self.work, self.cluster, self.actual_link, self.actual_total = work, cluster, actual_link, actual_total
+    def __init__(
+        self,
+        work: Workload,
+        cluster: ClusterSpec,
+        actual_link: Callable[[int, int], LinkModel],
+        actual_total: Callable[[Plan, Plan, int], float] | None = None,
+    ) -> None:
+        self.work, self.cluster, self.actual_link, self.actual_total = (
+            work,
+            cluster,
+            actual_link,
+            actual_total,
+        )
         self.specs = stage_specs(work)
         self.slots = stage_slots(work)
         self._dags: dict[tuple[Plan, Plan], TransitionDAG | None] = {}
@@ -137,14 +189,18 @@ class Transitions:
         self._dags[key] = dag
         return dag
 
-    def _seconds(self, current: Plan, target: Plan, link: Callable[[TransitionDAG], LinkModel]) -> float:
+    def _seconds(
+        self, current: Plan, target: Plan, link: Callable[[TransitionDAG], LinkModel]
+    ) -> float:
         if current == target:
             return 0.0
         dag = self.dag(current, target)
         if dag is None:
             return math.inf
         t0 = time.perf_counter()
-        seconds = transition_seconds(current, target, self.specs, self.slots, self.cluster, link(dag), dag)
+        seconds = transition_seconds(
+            current, target, self.specs, self.slots, self.cluster, link(dag), dag
+        )
         self.dag_seconds += time.perf_counter() - t0
         return seconds
 
@@ -156,12 +212,16 @@ class Transitions:
     def actual(self, current: Plan, target: Plan, step: int) -> float:
         """What the move really takes at ``step`` (the ground truth's link model)."""
         per = self.cluster.devices_per_node
-        seconds = self._seconds(current, target, lambda dag: self.actual_link(step, nodes_of(dag, per)))
+        seconds = self._seconds(
+            current, target, lambda dag: self.actual_link(step, nodes_of(dag, per))
+        )
         if self.actual_total is None or not math.isfinite(seconds):
             return seconds
         return self.actual_total(current, target, step)
 
-    def observed_nodes(self, current: Plan, target: Plan, step: int) -> list[tuple[dict[str, float], float]]:
+    def observed_nodes(
+        self, current: Plan, target: Plan, step: int
+    ) -> list[tuple[dict[str, float], float]]:
         """Every node of an executed move as calibration sees it: the planner link model's
         ideal terms and the node's true seconds."""
         dag = self.dag(current, target)

@@ -51,7 +51,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-__all__ = ["TruthParams", "load_truth_params", "GroundTruth", "StepTruth", "PARAMS_PATH", "GiB", "SCHEMA"]
+__all__ = [
+    "TruthParams",
+    "load_truth_params",
+    "GroundTruth",
+    "StepTruth",
+    "PARAMS_PATH",
+    "GiB",
+    "SCHEMA",
+]
 
 PARAMS_PATH = Path(__file__).with_name("ground_truth.toml")
 GiB = 2**30
@@ -64,8 +72,14 @@ SCHEMA: dict[str, dict[str, str]] = {
     "training": {"mfu_by_tp": "pts"},
     "short_batches": {"points": "pts"},
     "prefill": {"share_of_training_mfu": "n"},
-    "collectives": {"intra_node_bytes_per_s": "n", "inter_node_port_bytes_per_s": "n", "ports_per_node": "n",
-                    "size_share": "pts", "intra_latency_s": "n", "inter_latency_s": "n"},
+    "collectives": {
+        "intra_node_bytes_per_s": "n",
+        "inter_node_port_bytes_per_s": "n",
+        "ports_per_node": "n",
+        "size_share": "pts",
+        "intra_latency_s": "n",
+        "inter_latency_s": "n",
+    },
     "congestion": {"per_doubling": "n"},
     "optimizer": {"bytes_per_param": "n", "update_passes": "n"},
     "activations": {"replicated": "n", "recompute_bytes_per_h": "n", "logit_bytes": "n"},
@@ -101,17 +115,38 @@ class TruthParams:
 def _check(table: str, key: str, kind: str, value: Any) -> None:
     where = f"{table}.{key}"
     if kind == "n":
-        require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, where, value,
-                "must be a number >= 0")
+        require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+            where,
+            value,
+            "must be a number >= 0",
+        )
         return
     width = 3 if kind == "pts3" else 2
-    ok = isinstance(value, list) and len(value) >= 1 and all(
-        isinstance(p, list) and len(p) == width and all(isinstance(v, (int, float)) and v > 0 for v in p)
-        for p in value)
-    require(ok, where, value, f"must be a list of [{', '.join(['x'] * width)}] points of positive numbers")
+    ok = (
+        isinstance(value, list)
+        and len(value) >= 1
+        and all(
+            isinstance(p, list)
+            and len(p) == width
+            and all(isinstance(v, (int, float)) and v > 0 for v in p)
+            for p in value
+        )
+    )
+    require(
+        ok,
+        where,
+        value,
+        f"must be a list of [{', '.join(['x'] * width)}] points of positive numbers",
+    )
     if kind == "pts":
         xs = [p[0] for p in value]
-        require(xs == sorted(xs) and len(set(xs)) == len(xs), where, value, "must have increasing x values")
+        require(
+            xs == sorted(xs) and len(set(xs)) == len(xs),
+            where,
+            value,
+            "must have increasing x values",
+        )
 
 
 def truth_params_from(data: dict[str, Any]) -> TruthParams:
@@ -125,11 +160,17 @@ def truth_params_from(data: dict[str, Any]) -> TruthParams:
         got = data.get(table)
         require(isinstance(got, dict), table, got, "must be a table of the ground truth file")
         source = got.get("source")
-        require(isinstance(source, str) and bool(source.strip()), f"{table}.source", source,
-                "must name where the table's numbers come from")
+        require(
+            isinstance(source, str) and bool(source.strip()),
+            f"{table}.source",
+            source,
+            "must name where the table's numbers come from",
+        )
         extra = sorted(set(got) - set(keys) - {"source"})
         if extra:
-            raise ConfigError(f"ground truth table {table!r}: unknown key(s) {extra}; expected {sorted(keys)}")
+            raise ConfigError(
+                f"ground truth table {table!r}: unknown key(s) {extra}; expected {sorted(keys)}"
+            )
         for key, kind in keys.items():
             require(key in got, f"{table}.{key}", None, "must be given")
             _check(table, key, kind, got[key])
@@ -205,18 +246,35 @@ class GroundTruth:
     trace's 95th percentile over its mean at every step (None: the file's default
     spread)."""
 
-    def __init__(self, params: TruthParams, cluster: ClusterSpec, work: Workload, *, max_length: int | None = None,
-                 caps: CapSchedule | None = None, seed: int = 0, p95_ratio: Sequence[float] | None = None) -> None:
-        require(caps is not None or max_length is not None, "max_length", max_length,
-                "must be given when no cap schedule is")
+    def __init__(
+        self,
+        params: TruthParams,
+        cluster: ClusterSpec,
+        work: Workload,
+        *,
+        max_length: int | None = None,
+        caps: CapSchedule | None = None,
+        seed: int = 0,
+        p95_ratio: Sequence[float] | None = None,
+    ) -> None:
+        require(
+            caps is not None or max_length is not None,
+            "max_length",
+            max_length,
+            "must be given when no cap schedule is",
+        )
         if caps is None:
             assert max_length is not None
             require(max_length >= 1, "max_length", max_length, "must be >= 1 token")
             caps = CapSchedule.fixed(int(max_length))
         require(seed >= 0, "seed", seed, "must be >= 0")
         if p95_ratio is not None:
-            require(all(r >= 1 for r in p95_ratio) and len(p95_ratio) >= 1, "p95_ratio", list(p95_ratio)[:4],
-                    "must hold a ratio >= 1 for every step")
+            require(
+                all(r >= 1 for r in p95_ratio) and len(p95_ratio) >= 1,
+                "p95_ratio",
+                list(p95_ratio)[:4],
+                "must hold a ratio >= 1 for every step",
+            )
         self.params, self.cluster, self.work = params, cluster, work
         self.caps, self.max_length, self.seed = caps, caps.largest, seed
         self.p95_ratio = tuple(p95_ratio) if p95_ratio is not None else None
@@ -225,7 +283,9 @@ class GroundTruth:
         self.hbm = cluster.memory_bandwidth * t["decode"]["roofline_share"]
         rng = np.random.default_rng([seed, 0x7E5])
         self.phase = float(rng.uniform(0, 2 * math.pi))
-        self.device_speed = np.exp(t["stragglers"]["device_sigma"] * rng.normal(size=cluster.num_devices))
+        self.device_speed = np.exp(
+            t["stragglers"]["device_sigma"] * rng.normal(size=cluster.num_devices)
+        )
         # decode curve: t1 is the weight stream; what the second point adds beyond its KV
         # bytes is the per-sequence cost (compute, sampling), scaled to this device
         (b1, c1, t1), (b2, c2, t2) = sorted(t["decode"]["points"])[:2]
@@ -233,8 +293,11 @@ class GroundTruth:
         ref_kv = 131072  # the measured model (Llama-3.1-8B, bf16): K and V bytes per token
         per_seq = (t2 - t1) / (b2 - b1) - c2 * ref_kv / ref_hbm
         self.per_seq_s = max(0.0, per_seq) / self.flops_scale
-        self.decode_weight_s_per_byte = t1 / t["decode"]["weight_bytes"] * (
-            t["device"]["hbm_bytes_per_s"] / cluster.memory_bandwidth)
+        self.decode_weight_s_per_byte = (
+            t1
+            / t["decode"]["weight_bytes"]
+            * (t["device"]["hbm_bytes_per_s"] / cluster.memory_bandwidth)
+        )
 
     # --- draws -------------------------------------------------------------------------
 
@@ -258,10 +321,15 @@ class GroundTruth:
         n = self.work.sequences
         sigma = self._sigma(step)
         cap = self.caps.cap_at(step)
-        draws = np.exp(math.log(mean) - sigma * sigma / 2 + sigma * self._rng(step, 0, 1).standard_normal(n))
+        draws = np.exp(
+            math.log(mean) - sigma * sigma / 2 + sigma * self._rng(step, 0, 1).standard_normal(n)
+        )
         lengths = np.sort(np.clip(np.rint(draws), 1, cap))
-        stats = LengthStats(float(lengths.mean()), float(max(lengths.mean(), np.percentile(lengths, 95))),
-                            int(lengths[-1]))
+        stats = LengthStats(
+            float(lengths.mean()),
+            float(max(lengths.mean(), np.percentile(lengths, 95))),
+            int(lengths[-1]),
+        )
         return _Sample(stats, np.array([b.mean() for b in np.array_split(lengths, BUCKETS)]))
 
     def lengths(self, step: int, mean: float) -> LengthStats:
@@ -279,7 +347,9 @@ class GroundTruth:
         share = log_interp(c["size_share"], max(nbytes, 1.0))
         if not inter:
             return c["intra_node_bytes_per_s"] * share
-        per_device = c["inter_node_port_bytes_per_s"] * c["ports_per_node"] / self.cluster.devices_per_node
+        per_device = (
+            c["inter_node_port_bytes_per_s"] * c["ports_per_node"] / self.cluster.devices_per_node
+        )
         slow = 1 + self.params.tables["congestion"]["per_doubling"] * math.log2(max(1, nodes))
         return per_device * share / slow
 
@@ -289,7 +359,9 @@ class GroundTruth:
             return 0.0
         c = self.params.tables["collectives"]
         latency = c["inter_latency_s"] if inter else c["intra_latency_s"]
-        return latency + 2 * (ranks - 1) / ranks * nbytes / self._bus_bytes_per_s(nbytes, inter, nodes)
+        return latency + 2 * (ranks - 1) / ranks * nbytes / self._bus_bytes_per_s(
+            nbytes, inter, nodes
+        )
 
     def _send_s(self, nbytes: float, inter: bool) -> float:
         c = self.params.tables["collectives"]
@@ -300,7 +372,9 @@ class GroundTruth:
 
     def _mfu(self, tp: int, tokens: float) -> float:
         t = self.params.tables
-        return log_interp(t["training"]["mfu_by_tp"], tp) * log_interp(t["short_batches"]["points"], max(tokens, 1.0))
+        return log_interp(t["training"]["mfu_by_tp"], tp) * log_interp(
+            t["short_batches"]["points"], max(tokens, 1.0)
+        )
 
     @staticmethod
     def _stage_params(model: ModelShape, pp: int) -> tuple[float, float]:
@@ -308,8 +382,12 @@ class GroundTruth:
         first stage holds the embedding, the last the head."""
         layers = math.ceil(model.num_layers / pp) * model.layer_params
         if pp == 1:
-            return float(model.num_params), float(model.num_layers * model.layer_params + model.head_params)
-        return float(max(layers + model.embed_params, layers + model.head_params)), float(layers + model.head_params)
+            return float(model.num_params), float(
+                model.num_layers * model.layer_params + model.head_params
+            )
+        return float(max(layers + model.embed_params, layers + model.head_params)), float(
+            layers + model.head_params
+        )
 
     def _links(self, sp: StagePlan) -> tuple[bool, bool, int]:
         """Whether a pipeline crosses nodes, whether DP crosses nodes, nodes spanned."""
@@ -319,8 +397,15 @@ class GroundTruth:
         nodes = len({d // per for d in sp.device_set})
         return pp_inter, len(firsts) > 1 or (sp.dp > 1 and pp_inter), nodes
 
-    def _forward_pass_s(self, stage: ModelStage, model: ModelShape, sp: StagePlan, sample: _Sample,
-                        seqs: int, train: bool) -> float:
+    def _forward_pass_s(
+        self,
+        stage: ModelStage,
+        model: ModelShape,
+        sp: StagePlan,
+        sample: _Sample,
+        seqs: int,
+        train: bool,
+    ) -> float:
         """Inference or training of one replica's ``seqs`` sequences."""
         t = self.params.tables
         work, h, layers = self.work, model.hidden_size, model.num_layers
@@ -333,14 +418,20 @@ class GroundTruth:
         squares = float((s * s).sum()) * share
         if train:
             per_token, per_square, passes = (8, 16, 6) if sp.recompute else (6, 12, 4)
-            flops = work.epochs * (per_token * compute_params * tokens + per_square * stage_layers * h * squares)
+            flops = work.epochs * (
+                per_token * compute_params * tokens + per_square * stage_layers * h * squares
+            )
         else:
             per_token, per_square, passes = 2, 4, 2
             flops = per_token * compute_params * tokens + per_square * stage_layers * h * squares
         mb_tokens = work.micro_batch * (prompt + float(sample.stats.mean))
         rate = t["device"]["peak_flops"] * self.flops_scale * self._mfu(sp.tp, mb_tokens) * sp.tp
         micro = max(1, math.ceil(seqs / work.micro_batch)) * (work.epochs if train else 1)
-        tp_s = micro * stage_layers * passes * self.allreduce_s(mb_tokens * h * 2, sp.tp, False) if sp.tp > 1 else 0.0
+        tp_s = (
+            micro * stage_layers * passes * self.allreduce_s(mb_tokens * h * 2, sp.tp, False)
+            if sp.tp > 1
+            else 0.0
+        )
         body = flops / rate + tp_s
         pp_inter, dp_inter, nodes = self._links(sp)
         if sp.pp > 1:
@@ -358,14 +449,20 @@ class GroundTruth:
         update_s = steps * mem_params / sp.tp * o["bytes_per_param"] * o["update_passes"] / self.hbm
         return body + reduce_s + update_s
 
-    def _decode_step_s(self, model: ModelShape, sp: StagePlan, batch: float, context: float) -> float:
+    def _decode_step_s(
+        self, model: ModelShape, sp: StagePlan, batch: float, context: float
+    ) -> float:
         weights = 2.0 * model.num_params
         kv = model.kv_bytes_per_token
         params = model.num_params / 8.03e9
-        one = (weights * self.decode_weight_s_per_byte
-               + max(0.0, batch - 1) * (context * kv / self.hbm + self.per_seq_s * params)) / sp.tp
+        one = (
+            weights * self.decode_weight_s_per_byte
+            + max(0.0, batch - 1) * (context * kv / self.hbm + self.per_seq_s * params)
+        ) / sp.tp
         if sp.tp > 1:
-            one += 2 * model.num_layers * self.allreduce_s(batch * model.hidden_size * 2, sp.tp, False)
+            one += (
+                2 * model.num_layers * self.allreduce_s(batch * model.hidden_size * 2, sp.tp, False)
+            )
         if sp.pp > 1:
             pp_inter = self._links(sp)[0]
             one += (sp.pp - 1) * self._send_s(batch * model.hidden_size * 2, pp_inter)
@@ -378,11 +475,18 @@ class GroundTruth:
         waves = math.ceil(seqs / at_once)
         prompt = self.work.prompt_length
         pre_tokens = at_once * prompt
-        rate = (t["device"]["peak_flops"] * self.flops_scale * sp.tp * t["prefill"]["share_of_training_mfu"]
-                * self._mfu(sp.tp, pre_tokens))
+        rate = (
+            t["device"]["peak_flops"]
+            * self.flops_scale
+            * sp.tp
+            * t["prefill"]["share_of_training_mfu"]
+            * self._mfu(sp.tp, pre_tokens)
+        )
         compute_params = self._stage_params(model, 1)[1]
-        prefill = (2 * compute_params * pre_tokens + 4 * model.num_layers * model.hidden_size * at_once
-                   * prompt * prompt) / rate
+        prefill = (
+            2 * compute_params * pre_tokens
+            + 4 * model.num_layers * model.hidden_size * at_once * prompt * prompt
+        ) / rate
         # decode: between two bucket lengths the batch holds the sequences not yet ended
         ends = np.concatenate([sample.buckets, [float(sample.stats.max)]])
         seconds, done = 0.0, 0.0
@@ -390,8 +494,14 @@ class GroundTruth:
             steps = float(end) - done
             if steps <= 0:
                 continue
-            active = at_once * (len(sample.buckets) - j) / len(sample.buckets) if j < len(sample.buckets) else 1.0
-            seconds += steps * self._decode_step_s(model, sp, max(1.0, active), prompt + (done + end) / 2)
+            active = (
+                at_once * (len(sample.buckets) - j) / len(sample.buckets)
+                if j < len(sample.buckets)
+                else 1.0
+            )
+            seconds += steps * self._decode_step_s(
+                model, sp, max(1.0, active), prompt + (done + end) / 2
+            )
             done = float(end)
         return float(waves * (prefill + seconds))
 
@@ -426,11 +536,16 @@ class GroundTruth:
         per_layer = (a["replicated"] + split / sp.tp) * h
         logits = tokens * model.output_width * a["logit_bytes"] / sp.tp
         if stage.kind == "training":
-            micro = max(1, math.ceil(math.ceil(self.work.sequences / sp.dp) / self.work.micro_batch))
+            micro = max(
+                1, math.ceil(math.ceil(self.work.sequences / sp.dp) / self.work.micro_batch)
+            )
             in_flight = min(sp.pp, micro)
             layers = math.ceil(model.num_layers / sp.pp)
             if sp.recompute:
-                acts = in_flight * layers * tokens * a["recompute_bytes_per_h"] * h + tokens * per_layer
+                acts = (
+                    in_flight * layers * tokens * a["recompute_bytes_per_h"] * h
+                    + tokens * per_layer
+                )
             else:
                 acts = in_flight * layers * tokens * per_layer
             resident = mem_params * t["optimizer"]["bytes_per_param"]
@@ -461,7 +576,9 @@ class GroundTruth:
         for stage in self.work.stages:
             sp = plan[stage.name]
             devs = np.fromiter(sp.device_set, dtype=np.int64)
-            seconds[stage.name] = self._stage_seconds(stage, sp, sample) * slow * float(jitter[devs].max())
+            seconds[stage.name] = (
+                self._stage_seconds(stage, sp, sample) * slow * float(jitter[devs].max())
+            )
             resident[stage.name], transient[stage.name] = self._stage_bytes(stage, sp, sample)
         total = 0.0
         for members in self._levels():
@@ -491,7 +608,9 @@ class GroundTruth:
             if need > memory:
                 over += [(d, need, memory) for d in devices]
         peaks = {n: resident[n] + transient[n] for n in seconds}
-        return StepTruth(total, seconds, sample.stats, peaks, device_peaks, peak, tuple(sorted(over)))
+        return StepTruth(
+            total, seconds, sample.stats, peaks, device_peaks, peak, tuple(sorted(over))
+        )
 
     # --- moves ----------------------------------------------------------------------------
 
@@ -525,9 +644,17 @@ class GroundTruth:
         seconds out of the move's total (``transition_seconds``)."""
         c = self.params.tables["collectives"]
         big = 2.0**28
-        per_device = c["inter_node_port_bytes_per_s"] * c["ports_per_node"] / self.cluster.devices_per_node
-        return LinkModel(self._bus_bytes_per_s(big, False, 1), per_device, 1.0,
-                         self._bus_bytes_per_s(big, True, nodes) / per_device, 0.0, 0.0)
+        per_device = (
+            c["inter_node_port_bytes_per_s"] * c["ports_per_node"] / self.cluster.devices_per_node
+        )
+        return LinkModel(
+            self._bus_bytes_per_s(big, False, 1),
+            per_device,
+            1.0,
+            self._bus_bytes_per_s(big, True, nodes) / per_device,
+            0.0,
+            0.0,
+        )
 
     def reference_rates(self, step: int) -> dict[str, float]:
         """The truth's headline rates at ``step`` as shares of the cluster's nominal ones
@@ -538,11 +665,24 @@ class GroundTruth:
         d = self.drift(step)
         big = 2.0**28
         intra = self._bus_bytes_per_s(big, False, 1) / self.cluster.intra_node_bandwidth
-        inter = (self._bus_bytes_per_s(big, True, 2) * self.cluster.devices_per_node
-                 / self.cluster.inter_node_bandwidth)
+        inter = (
+            self._bus_bytes_per_s(big, True, 2)
+            * self.cluster.devices_per_node
+            / self.cluster.inter_node_bandwidth
+        )
         mfu = log_interp(t["training"]["mfu_by_tp"], 1)
-        return {"gemm": mfu * d, "attention": mfu * d, "decode": t["decode"]["roofline_share"] * d,
-                "allreduce_intra": intra, "allreduce_inter": inter, "p2p_intra": intra, "p2p_inter": inter,
-                "memory_scale": 1 + max(log_interp(t["fragmentation"]["points"], self.max_length),
-                                        t["fragmentation"]["kv_share"]),
-                "memory_fixed_bytes": float(t["workspace"]["gib"] * GiB)}
+        return {
+            "gemm": mfu * d,
+            "attention": mfu * d,
+            "decode": t["decode"]["roofline_share"] * d,
+            "allreduce_intra": intra,
+            "allreduce_inter": inter,
+            "p2p_intra": intra,
+            "p2p_inter": inter,
+            "memory_scale": 1
+            + max(
+                log_interp(t["fragmentation"]["points"], self.max_length),
+                t["fragmentation"]["kv_share"],
+            ),
+            "memory_fixed_bytes": float(t["workspace"]["gib"] * GiB),
+        }

@@ -26,7 +26,15 @@ from nereus.state.primitives import Step
 from nereus.state.reshard import ReshardPlan
 from nereus.transfer import copy_into
 
-__all__ = ["TORCH_DTYPES", "plan_part", "run_part", "apply_plan", "apply_step", "box_slices", "Exchange"]
+__all__ = [
+    "TORCH_DTYPES",
+    "plan_part",
+    "run_part",
+    "apply_plan",
+    "apply_step",
+    "box_slices",
+    "Exchange",
+]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -75,8 +83,15 @@ def _build_part(plan: ReshardPlan, device: int) -> dict[str, Any]:
             sends.append([m.dst_device, m.src_emu, m.key, box(m.src_box)])
         elif not m.is_local and m.dst_device == device:
             recvs.append([m.src_device, m.key, box(m.dst_box)])
-    return {"target": target.name, "device": device, "tensors": tensors, "keeps": keeps,
-            "copies": copies, "sends": sends, "recvs": recvs}
+    return {
+        "target": target.name,
+        "device": device,
+        "tensors": tensors,
+        "keeps": keeps,
+        "copies": copies,
+        "sends": sends,
+        "recvs": recvs,
+    }
 
 
 def _source(sources: Stores, emu: str, key: str, device: int) -> torch.Tensor:
@@ -103,8 +118,11 @@ def _view(t: torch.Tensor, box, what: str) -> torch.Tensor:
     return out
 
 
-def _allocate(new: list[tuple[str, list[int], torch.dtype]], alloc: Callable[[int], torch.Tensor] | None,
-              device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def _allocate(
+    new: list[tuple[str, list[int], torch.dtype]],
+    alloc: Callable[[int], torch.Tensor] | None,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     if alloc is None or not new:
         return {key: torch.empty(shape, dtype=dtype, device=device) for key, shape, dtype in new}
     spans, total = [], 0  # (offset, bytes) of each new shard in the one buffer
@@ -113,20 +131,29 @@ def _allocate(new: list[tuple[str, list[int], torch.dtype]], alloc: Callable[[in
         spans.append((total, nbytes))
         total += -(-nbytes // _ALIGN) * _ALIGN
     buf = alloc(total)
-    return {key: buf[offset : offset + nbytes].view(dtype).view(shape)
-            for (key, shape, dtype), (offset, nbytes) in zip(new, spans, strict=True)}
+    return {
+        key: buf[offset : offset + nbytes].view(dtype).view(shape)
+        for (key, shape, dtype), (offset, nbytes) in zip(new, spans, strict=True)
+    }
 
 
 def _check_tensor(t: torch.Tensor, shape: list[int], dtype: str, what: str) -> None:
     if list(t.shape) != list(shape) or t.dtype != TORCH_DTYPES[dtype]:
-        raise StateError(f"{what} has shape {tuple(t.shape)} {t.dtype}, the target needs {tuple(shape)} {dtype}")
+        raise StateError(
+            f"{what} has shape {tuple(t.shape)} {t.dtype}, the target needs {tuple(shape)} {dtype}"
+        )
 
 
-def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None, *,
-             alloc: Callable[[int], torch.Tensor] | None = None,
-             local_in_exchange: bool = False,
-             into: Mapping[str, torch.Tensor] | None = None,
-             tensor_device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def run_part(
+    part: Mapping[str, Any],
+    sources: Stores,
+    exchange: Exchange | None,
+    *,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+    local_in_exchange: bool = False,
+    into: Mapping[str, torch.Tensor] | None = None,
+    tensor_device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     """Build this device's target tensors from ``sources`` (emu name -> key -> tensor).
 
     Effects: allocates the target shards not kept (in one ``alloc`` buffer if given, else
@@ -138,11 +165,17 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
     out: dict[str, torch.Tensor] = {}
     if into is not None:
         if part["keeps"]:
-            raise StateError(f"a part writing into {part['target']!r} in place cannot keep source shards")
+            raise StateError(
+                f"a part writing into {part['target']!r} in place cannot keep source shards"
+            )
         for key, (shape, dtype) in part["tensors"].items():
             if key not in into:
-                raise StateError(f"device {device}: {part['target']!r} has no tensor {key!r} to write into")
-            _check_tensor(into[key], shape, dtype, f"{key!r} of {part['target']!r} on device {device}")
+                raise StateError(
+                    f"device {device}: {part['target']!r} has no tensor {key!r} to write into"
+                )
+            _check_tensor(
+                into[key], shape, dtype, f"{key!r} of {part['target']!r} on device {device}"
+            )
             out[key] = into[key]
     for src_emu, key in part["keeps"]:
         out[key] = _source(sources, src_emu, key, device)
@@ -164,7 +197,9 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
     sends: dict[int, list[torch.Tensor]] = defaultdict(list)
     recvs: dict[int, list[torch.Tensor]] = defaultdict(list)
     for peer, src_emu, key, src_box in part["sends"]:
-        sends[peer].append(_view(_source(sources, src_emu, key, device), src_box, f"send {key} from {src_emu}"))
+        sends[peer].append(
+            _view(_source(sources, src_emu, key, device), src_box, f"send {key} from {src_emu}")
+        )
     # A target tensor that one receive fills whole is handed over as the tensor itself
     # (not a view of it), so an adopting exchange can make the received memory its
     # storage instead of copying into it.
@@ -187,7 +222,9 @@ def run_part(part: Mapping[str, Any], sources: Stores, exchange: Exchange | None
     return out
 
 
-def apply_plan(plan: ReshardPlan, stores: Mapping[int, Stores]) -> dict[int, dict[str, torch.Tensor]]:
+def apply_plan(
+    plan: ReshardPlan, stores: Mapping[int, Stores]
+) -> dict[int, dict[str, torch.Tensor]]:
     """Run ``plan`` on in-memory stores (device -> emu name -> key -> tensor); returns
     device -> key -> tensor of the target. Sources are left as they were."""
     pending: dict[int, tuple[dict, dict]] = {}
@@ -195,6 +232,7 @@ def apply_plan(plan: ReshardPlan, stores: Mapping[int, Stores]) -> dict[int, dic
     def exchange_of(device: int) -> Exchange:
         def record(sends, recvs):
             pending[device] = (sends, recvs)
+
         return record
 
     out = {}
@@ -204,7 +242,9 @@ def apply_plan(plan: ReshardPlan, stores: Mapping[int, Stores]) -> dict[int, dic
         for b, tensors in sends.items():
             theirs = pending.get(b, ({}, {}))[1].get(a, [])
             if len(theirs) != len(tensors):
-                raise StateError(f"device {a} sends {len(tensors)} tensors to {b}, which receives {len(theirs)}")
+                raise StateError(
+                    f"device {a} sends {len(tensors)} tensors to {b}, which receives {len(theirs)}"
+                )
             for src, dst in zip(tensors, theirs, strict=False):
                 dst.copy_(src)
     return {d: t for d, t in out.items() if d in plan.target.devices}

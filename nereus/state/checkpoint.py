@@ -74,8 +74,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_shards(directory: str | Path, emu: EMU, device: int, tensors: Mapping[str, torch.Tensor],
-                *, durable: bool = True) -> Path:
+def save_shards(
+    directory: str | Path,
+    emu: EMU,
+    device: int,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    durable: bool = True,
+) -> Path:
     """Write the shards ``device`` holds in ``emu`` that no earlier position holds.
 
     ``durable``: fsync the file before it takes its name (a fallback checkpoint must
@@ -90,8 +96,12 @@ def save_shards(directory: str | Path, emu: EMU, device: int, tensors: Mapping[s
         shard, dtype = shards[key]
         if t is None or tuple(t.shape) != shard.shape or t.dtype != TORCH_DTYPES[dtype]:
             got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
-            raise StateError(f"save {emu.name} device {device}: {key} is {got}, expected {shard.shape} {dtype}")
-        out[key] = t.detach().cpu().contiguous()  # a GPU worker's shards are written from host copies
+            raise StateError(
+                f"save {emu.name} device {device}: {key} is {got}, expected {shard.shape} {dtype}"
+            )
+        out[key] = (
+            t.detach().cpu().contiguous()
+        )  # a GPU worker's shards are written from host copies
     path = directory / _file_name(pp_rank, tp_rank)
     tmp = path.with_suffix(".tmp")
     save_file(out, str(tmp))
@@ -110,7 +120,14 @@ def write_manifest(directory: str | Path, emu: EMU, *, durable: bool = True) -> 
         name = _file_name(pp_rank, tp_rank)
         if not (directory / name).exists():
             raise StateError(f"checkpoint {directory}: shard file {name} of {emu.name} is missing")
-        files.append({"pp_rank": pp_rank, "tp_rank": tp_rank, "file": name, "keys": _written_keys(emu, device)})
+        files.append(
+            {
+                "pp_rank": pp_rank,
+                "tp_rank": tp_rank,
+                "file": name,
+                "keys": _written_keys(emu, device),
+            }
+        )
     manifest = {
         "format": FORMAT,
         "model_stage": emu.model_stage,
@@ -118,8 +135,11 @@ def write_manifest(directory: str | Path, emu: EMU, *, durable: bool = True) -> 
         "params": [[p.name, list(p.shape), p.dtype] for p in emu.spec.params],
         "layout": {"tp": emu.layout.tp, "pp": emu.layout.pp, "cuts": list(emu.layout.cuts)},
         "slots": list(emu.slots),
-        "state": {"update_count": emu.state.update_count, "policy_version": emu.state.policy_version,
-                  "sample_position": emu.state.sample_position},
+        "state": {
+            "update_count": emu.state.update_count,
+            "policy_version": emu.state.policy_version,
+            "sample_position": emu.state.sample_position,
+        },
         "files": files,
     }
     path = directory / MANIFEST
@@ -139,7 +159,9 @@ def read_manifest(directory: str | Path) -> dict:
         raise StateError(f"{directory} is not a complete checkpoint: {MANIFEST} is missing")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
-        raise StateError(f"checkpoint {directory}: format={manifest.get('format')!r}, expected {FORMAT}")
+        raise StateError(
+            f"checkpoint {directory}: format={manifest.get('format')!r}, expected {FORMAT}"
+        )
     return manifest
 
 
@@ -148,10 +170,14 @@ def _check_model(manifest: dict, target: EMU, directory) -> None:
     mine = [(p.name, tuple(p.shape), p.dtype) for p in target.spec.params]
     if saved != mine:
         diff = sorted(set(saved) ^ set(mine))[:3]
-        raise StateError(f"checkpoint {directory} holds another model than {target.name}'s: e.g. {diff}")
+        raise StateError(
+            f"checkpoint {directory} holds another model than {target.name}'s: e.g. {diff}"
+        )
     missing = [s for s in target.slots if s not in manifest["slots"]]
     if missing:
-        raise StateError(f"checkpoint {directory} has no {missing} for {target.name} (saved {manifest['slots']})")
+        raise StateError(
+            f"checkpoint {directory} has no {missing} for {target.name} (saved {manifest['slots']})"
+        )
 
 
 def load_shards(directory: str | Path, target: EMU, device: int) -> dict[str, torch.Tensor]:
@@ -165,7 +191,9 @@ def load_shards(directory: str | Path, target: EMU, device: int) -> dict[str, to
     for f in manifest["files"]:
         for key in f["keys"]:
             param = target.spec[split_key(key)[1]]
-            holders.setdefault(key, []).append((f["file"], param_shard(param, saved.tp, f["tp_rank"])))
+            holders.setdefault(key, []).append(
+                (f["file"], param_shard(param, saved.tp, f["tp_rank"]))
+            )
     out: dict[str, torch.Tensor] = {}
     handles: dict[str, object] = {}
     try:
@@ -182,7 +210,9 @@ def load_shards(directory: str | Path, target: EMU, device: int) -> dict[str, to
                                 still.append(box)
                                 continue
                             if fname not in handles:
-                                handles[fname] = safe_open(str(Path(directory) / fname), framework="pt")
+                                handles[fname] = safe_open(
+                                    str(Path(directory) / fname), framework="pt"
+                                )
                             src = handles[fname].get_slice(key)[box_slices(sp.to_local(inter))]  # type: ignore[attr-defined]
                             t[box_slices(piece.to_local(inter))] = src
                             still.extend(box_subtract(box, inter))
@@ -195,14 +225,18 @@ def load_shards(directory: str | Path, target: EMU, device: int) -> dict[str, to
     return out
 
 
-def save_checkpoint(directory: str | Path, emu: EMU, stores: Mapping[int, Mapping[str, torch.Tensor]]) -> Path:
+def save_checkpoint(
+    directory: str | Path, emu: EMU, stores: Mapping[int, Mapping[str, torch.Tensor]]
+) -> Path:
     """Save ``emu`` from in-memory stores (device -> key -> tensor); returns the manifest."""
     for device in emu.devices:
         save_shards(directory, emu, device, stores[device])
     return write_manifest(directory, emu)
 
 
-def load_checkpoint(directory: str | Path, target: EMU) -> tuple[dict[int, dict[str, torch.Tensor]], EMU]:
+def load_checkpoint(
+    directory: str | Path, target: EMU
+) -> tuple[dict[int, dict[str, torch.Tensor]], EMU]:
     """Load every device of ``target``; returns the stores and ``target`` carrying the
     saved logical state."""
     state = LogicalState(**read_manifest(directory)["state"])

@@ -67,9 +67,15 @@ class DeviceSet:
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))
         object.__setattr__(self, "memory_bytes", tuple(self.memory_bytes))
-        require(len(self.hosts) >= 1, "DeviceSet.hosts", self.hosts, "must list at least one device")
-        require(not self.memory_bytes or len(self.memory_bytes) == len(self.hosts),
-                "DeviceSet.memory_bytes", self.memory_bytes, f"must be empty or list {len(self.hosts)} budgets")
+        require(
+            len(self.hosts) >= 1, "DeviceSet.hosts", self.hosts, "must list at least one device"
+        )
+        require(
+            not self.memory_bytes or len(self.memory_bytes) == len(self.hosts),
+            "DeviceSet.memory_bytes",
+            self.memory_bytes,
+            f"must be empty or list {len(self.hosts)} budgets",
+        )
 
     @classmethod
     def single_host(cls, n: int, memory_bytes: int | None = None) -> DeviceSet:
@@ -77,7 +83,9 @@ class DeviceSet:
 
     def host(self, device: int) -> int:
         if not 0 <= device < len(self.hosts):
-            raise ConfigError(f"device={device} is not in the DeviceSet of {len(self.hosts)} devices")
+            raise ConfigError(
+                f"device={device} is not in the DeviceSet of {len(self.hosts)} devices"
+            )
         return self.hosts[device]
 
     def budget(self, device: int) -> int | None:
@@ -99,7 +107,12 @@ class LogicalState:
     def __post_init__(self) -> None:
         for name in ("update_count", "policy_version", "sample_position"):
             v = getattr(self, name)
-            require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"LogicalState.{name}", v, "must be an integer >= 0")
+            require(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                f"LogicalState.{name}",
+                v,
+                "must be an integer >= 0",
+            )
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,18 +133,38 @@ class EMU:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "slots", tuple(self.slots))
         require(bool(self.name), "EMU.name", self.name, "must be non-empty")
-        require(len(self.devices) == self.layout.size, f"EMU({self.name}).devices", self.devices,
-                f"must list tp*pp={self.layout.size} devices for layout {self.layout}")
-        require(len(set(self.devices)) == len(self.devices), f"EMU({self.name}).devices", self.devices,
-                "must not list a device twice")
-        require(all(isinstance(d, int) for d in self.devices), f"EMU({self.name}).devices", self.devices, "must be integers")
-        require(self.slots[:1] == ("param",) and all(s in SLOTS for s in self.slots)
-                and len(set(self.slots)) == len(self.slots),
-                f"EMU({self.name}).slots", self.slots, f"must start with 'param' and be distinct names from {list(SLOTS)}")
+        require(
+            len(self.devices) == self.layout.size,
+            f"EMU({self.name}).devices",
+            self.devices,
+            f"must list tp*pp={self.layout.size} devices for layout {self.layout}",
+        )
+        require(
+            len(set(self.devices)) == len(self.devices),
+            f"EMU({self.name}).devices",
+            self.devices,
+            "must not list a device twice",
+        )
+        require(
+            all(isinstance(d, int) for d in self.devices),
+            f"EMU({self.name}).devices",
+            self.devices,
+            "must be integers",
+        )
+        require(
+            self.slots[:1] == ("param",)
+            and all(s in SLOTS for s in self.slots)
+            and len(set(self.slots)) == len(self.slots),
+            f"EMU({self.name}).slots",
+            self.slots,
+            f"must start with 'param' and be distinct names from {list(SLOTS)}",
+        )
         check_layout(self.spec, self.layout)
 
     def __repr__(self) -> str:
-        return f"EMU({self.name!r}, {self.model_stage}, {self.layout}, devices={list(self.devices)})"
+        return (
+            f"EMU({self.name!r}, {self.model_stage}, {self.layout}, devices={list(self.devices)})"
+        )
 
     def with_(self, **changes) -> EMU:
         """A copy with some fields changed (``name``, ``layout``, ``devices``, ``state``)."""
@@ -207,11 +240,27 @@ def _spec_from_plain(plain: dict[str, Any]) -> ModelSpec:
     engine host sees the same few specs in every message)."""
     params = plain.get("params") or []
     try:
-        key = (plain.get("name"), plain.get("num_layers"), plain.get("num_attention_heads"), plain.get("num_kv_heads"),
-               plain.get("vocab_size"), plain.get("hidden_size"),
-               tuple((p["name"], tuple(p["shape"]), p["dtype"], p["rule"], p["stage"], p.get("layer"),
-                      tuple((c["name"], c["size"], c["units"]) for c in p.get("components") or ()),
-                      p.get("tied_head", False)) for p in params))
+        key = (
+            plain.get("name"),
+            plain.get("num_layers"),
+            plain.get("num_attention_heads"),
+            plain.get("num_kv_heads"),
+            plain.get("vocab_size"),
+            plain.get("hidden_size"),
+            tuple(
+                (
+                    p["name"],
+                    tuple(p["shape"]),
+                    p["dtype"],
+                    p["rule"],
+                    p["stage"],
+                    p.get("layer"),
+                    tuple((c["name"], c["size"], c["units"]) for c in p.get("components") or ()),
+                    p.get("tied_head", False),
+                )
+                for p in params
+            ),
+        )
     except (KeyError, TypeError) as e:
         raise ConfigError(f"ModelSpec description is malformed: {e!r}") from None
     spec = _SPECS.get(key)

@@ -53,8 +53,15 @@ from nereus.transfer import (
     make_group,
 )
 
-__all__ = ["ShardHolder", "ExecuteStats", "execute", "execute_step", "execute_into", "save_to_disk",
-           "load_from_disk"]
+__all__ = [
+    "ShardHolder",
+    "ExecuteStats",
+    "execute",
+    "execute_step",
+    "execute_into",
+    "save_to_disk",
+    "load_from_disk",
+]
 
 log = logging.getLogger("nereus.state")
 
@@ -63,7 +70,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _part_traffic(part: Mapping[str, Any], sources: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
+def _part_traffic(
+    part: Mapping[str, Any], sources: Mapping[str, Mapping[str, torch.Tensor]]
+) -> int:
     """Bytes a plan part sends and receives (each box times its tensor's element size)."""
     sizes = {key: TORCH_DTYPES[dt].itemsize for key, (_, dt) in part["tensors"].items()}
     total = 0
@@ -71,7 +80,9 @@ def _part_traffic(part: Mapping[str, Any], sources: Mapping[str, Mapping[str, to
         total += sizes[key] * math.prod(hi - lo for lo, hi in box)
     for _, src_emu, key, box in part["sends"]:
         held = sources.get(src_emu, {}).get(key)
-        total += (held.element_size() if held is not None else 4) * math.prod(hi - lo for lo, hi in box)
+        total += (held.element_size() if held is not None else 4) * math.prod(
+            hi - lo for lo, hi in box
+        )
     return total
 
 
@@ -129,15 +140,25 @@ class ShardHolder(Actor):
     # --- filling, reading, freeing ---------------------------------------------------
 
     @endpoint
-    async def put_shards(self, emu: str, tensors: dict[str, torch.Tensor], state: dict | None = None) -> int:
+    async def put_shards(
+        self, emu: str, tensors: dict[str, torch.Tensor], state: dict | None = None
+    ) -> int:
         """Hold ``tensors`` as ``emu``'s shards on this device; returns bytes held.
 
         Raises ``OutOfMemory`` (nothing held) when they do not fit the device's budget."""
         old = self.shards.get(emu, {})
-        self._reserve_new(emu, sum(_nbytes(t) for t in tensors.values()) - sum(_nbytes(t) for t in old.values()))
+        self._reserve_new(
+            emu, sum(_nbytes(t) for t in tensors.values()) - sum(_nbytes(t) for t in old.values())
+        )
         dev = self.tensor_device
-        self.shards[emu] = {k: t.to(dev).contiguous() if t.device != dev else t.clone() if not t.is_contiguous() else t
-                            for k, t in tensors.items()}
+        self.shards[emu] = {
+            k: t.to(dev).contiguous()
+            if t.device != dev
+            else t.clone()
+            if not t.is_contiguous()
+            else t
+            for k, t in tensors.items()
+        }
         self.states[emu] = LogicalState(**state) if state else LogicalState()
         self._account()
         return self.held_bytes()
@@ -150,8 +171,10 @@ class ShardHolder(Actor):
 
     def _held_of(self, emu: str) -> dict[str, torch.Tensor]:
         if emu not in self.shards:
-            raise StateError(f"device {self.device.index} holds no shards of EMU {emu!r} (holds "
-                f"{sorted(self.shards)})")
+            raise StateError(
+                f"device {self.device.index} holds no shards of EMU {emu!r} (holds "
+                f"{sorted(self.shards)})"
+            )
         return self.shards[emu]
 
     @endpoint
@@ -169,7 +192,9 @@ class ShardHolder(Actor):
         """Set some fields of several EMUs' logical state (the others stay)."""
         for emu in emus:
             self._held_of(emu)
-            self.states[emu] = LogicalState(**{**vars(self.states.get(emu, LogicalState())), **fields})
+            self.states[emu] = LogicalState(
+                **{**vars(self.states.get(emu, LogicalState())), **fields}
+            )
 
     def _free(self, emus: Sequence[str]) -> None:
         """Take ``emus`` out of the holder now; release their memory after the reply."""
@@ -221,15 +246,24 @@ class ShardHolder(Actor):
     # --- running plans -------------------------------------------------------------
 
     @endpoint
-    async def run_plan(self, part: dict, group: str | None = None, group_devices: Sequence[int] = (),
-                       free: Sequence[str] = (), state: dict | None = None) -> dict:
+    async def run_plan(
+        self,
+        part: dict,
+        group: str | None = None,
+        group_devices: Sequence[int] = (),
+        free: Sequence[str] = (),
+        state: dict | None = None,
+    ) -> dict:
         """Run this device's ``part`` of a plan; store the target; then free ``free``.
 
         Raises ``OutOfMemory`` (nothing done) when the target does not fit the budget."""
         t_start, cpu_start = time.perf_counter(), time.process_time()
         kept = {key for _, key in part["keeps"]}
-        new = sum(torch.Size(shape).numel() * TORCH_DTYPES[dt].itemsize
-                  for key, (shape, dt) in part["tensors"].items() if key not in kept)
+        new = sum(
+            torch.Size(shape).numel() * TORCH_DTYPES[dt].itemsize
+            for key, (shape, dt) in part["tensors"].items()
+            if key not in kept
+        )
         moving = bool(part["sends"] or part["recvs"])
         target, bucket_key = part["target"], f"transfer/{part['target']}"
         comm = get_communicator(group) if group is not None else None
@@ -241,9 +275,15 @@ class ShardHolder(Actor):
         # bucket (no larger than what moves: the memory model's rule, nereus.state.memory)
         peers = {p for p, *_ in part["sends"]} | {p for p, *_ in part["recvs"]}
         local = getattr(comm, "local_pids", None) or {}
-        all_direct = direct and all(rank_of_peer in local for rank_of_peer in
-                                    (list(group_devices).index(p) for p in peers if p in group_devices))
-        bucket = 0 if all_direct or not moving else min(self.bucket_bytes, _part_traffic(part, self.shards))
+        all_direct = direct and all(
+            rank_of_peer in local
+            for rank_of_peer in (list(group_devices).index(p) for p in peers if p in group_devices)
+        )
+        bucket = (
+            0
+            if all_direct or not moving
+            else min(self.bucket_bytes, _part_traffic(part, self.shards))
+        )
         self.ledger.reserve(bucket_key, bucket)
         try:
             self._reserve_new(target, new)
@@ -270,9 +310,15 @@ class ShardHolder(Actor):
         try:
             if moving:
                 # the exchange blocks; run it off the event loop so the worker stays responsive
-                out = await in_thread(run_part, part, self.shards, do_exchange,
-                                      alloc=arena_empty if direct else None, local_in_exchange=direct,
-                                      tensor_device=self.tensor_device)
+                out = await in_thread(
+                    run_part,
+                    part,
+                    self.shards,
+                    do_exchange,
+                    alloc=arena_empty if direct else None,
+                    local_in_exchange=direct,
+                    tensor_device=self.tensor_device,
+                )
             else:
                 out = run_part(part, self.shards, None, tensor_device=self.tensor_device)
         except BaseException:
@@ -290,8 +336,13 @@ class ShardHolder(Actor):
         return stats
 
     @endpoint
-    async def run_into(self, parts: list[dict], group: str | None = None, group_devices: Sequence[int] = (),
-                       bucket_bytes: int | None = None) -> dict:
+    async def run_into(
+        self,
+        parts: list[dict],
+        group: str | None = None,
+        group_devices: Sequence[int] = (),
+        bucket_bytes: int | None = None,
+    ) -> dict:
         """Run this device's ``parts`` of several plans whose targets already exist,
         writing into the targets' tensors in place (a weight sync: engines that adopted
         those tensors see the new values). Every send and receive of every part moves in
@@ -312,21 +363,30 @@ class ShardHolder(Actor):
         for part in parts:
             into = self.shards.get(part["target"]) if part["tensors"] else None
             if part["tensors"] and into is None:
-                raise StateError(f"device {self.device.index} holds no EMU {part['target']!r} to write into")
+                raise StateError(
+                    f"device {self.device.index} holds no EMU {part['target']!r} to write into"
+                )
             run_part(part, self.shards, collect, into=into)
-            written += sum(torch.Size(shape).numel() * TORCH_DTYPES[dt].itemsize
-                           for shape, dt in part["tensors"].values())
+            written += sum(
+                torch.Size(shape).numel() * TORCH_DTYPES[dt].itemsize
+                for shape, dt in part["tensors"].values()
+            )
         stats = {"bytes_written": written, "bytes_sent": 0, "bytes_received": 0}
         if sends or recvs:
             if group is None:
-                raise StateError(f"device {self.device.index}: a sync part moves tensors but no group was given")
-            largest = max(sum(_nbytes(v) + 64 for v in vs) for vs in [*sends.values(), *recvs.values()])
+                raise StateError(
+                    f"device {self.device.index}: a sync part moves tensors but no group was given"
+                )
+            largest = max(
+                sum(_nbytes(v) + 64 for v in vs) for vs in [*sends.values(), *recvs.values()]
+            )
             # buckets no larger than what moves: a tiny model must not reserve 32 MiB per sync
             bucket = max(4096, min(bucket_bytes or self.bucket_bytes, largest))
             self.ledger.reserve("transfer/sync", bucket)
             try:
-                result = await in_thread(exchange, get_communicator(group), dict(sends), dict(recvs),
-                                         bucket_bytes=bucket)
+                result = await in_thread(
+                    exchange, get_communicator(group), dict(sends), dict(recvs), bucket_bytes=bucket
+                )
             finally:
                 self.ledger.release("transfer/sync")
             stats["bytes_sent"], stats["bytes_received"] = result.bytes_sent, result.bytes_received
@@ -340,8 +400,14 @@ class ShardHolder(Actor):
         """Write this device's shard file of ``emu`` (plain EMU description); ``durable``:
         fsync it (see ``checkpoint.save_shards``)."""
         desc = emu_from_plain(emu)
-        path = await asyncio.to_thread(ckpt.save_shards, directory, desc, self.device.index,
-                                       self._held_of(desc.name), durable=durable)
+        path = await asyncio.to_thread(
+            ckpt.save_shards,
+            directory,
+            desc,
+            self.device.index,
+            self._held_of(desc.name),
+            durable=durable,
+        )
         return str(path)
 
     @endpoint
@@ -350,7 +416,9 @@ class ShardHolder(Actor):
         returns bytes held. Raises ``OutOfMemory`` before reading when they do not fit."""
         desc = emu_from_plain(emu)
         old = self.shards.get(desc.name, {})
-        self._reserve_new(desc.name, desc.bytes_on(self.device.index) - sum(_nbytes(t) for t in old.values()))
+        self._reserve_new(
+            desc.name, desc.bytes_on(self.device.index) - sum(_nbytes(t) for t in old.values())
+        )
         try:
             tensors = await in_thread(ckpt.load_shards, directory, desc, self.device.index)
             if self.tensor_device.type != "cpu":
@@ -397,8 +465,12 @@ async def execute(
     makes the driver destroy the plan's group, so its peers fail at once instead of
     waiting for it, and nothing is freed anywhere. Raises the first worker's error."""
     if devices is not None:
-        check_fits(memory_effect([plan], plan.sources, free, bucket_bytes), devices, used,
-                   f"plan building {plan.target.name}")
+        check_fits(
+            memory_effect([plan], plan.sources, free, bucket_bytes),
+            devices,
+            used,
+            f"plan building {plan.target.name}",
+        )
     involved = set(plan.devices())
     frees: dict[int, list[str]] = {}
     for emu in free:
@@ -407,18 +479,30 @@ async def execute(
     involved |= set(frees)
     missing = sorted(d for d in involved if d not in holders)
     if missing:
-        raise StateError(f"no ShardHolder on devices {missing} for plan building {plan.target.name}")
+        raise StateError(
+            f"no ShardHolder on devices {missing} for plan building {plan.target.name}"
+        )
     group_devices = sorted(plan.devices()) if plan.remote_moves() else []
-    group = await make_group(cluster, devices=group_devices, epoch=epoch, tag=group_tag) if group_devices else None
+    group = (
+        await make_group(cluster, devices=group_devices, epoch=epoch, tag=group_tag)
+        if group_devices
+        else None
+    )
     state = vars(plan.state).copy()
     # Devices with the least to prepare (sends and local copies) first: receivers
     # publish where their views live before the senders are ready to write, so no
     # sender waits for a late record. Each part is built just before its message.
     work = Counter(m.src_device for m in plan.moves)
     tasks = [
-        asyncio.ensure_future(holders[d].run_plan.call_one(
-            plan_part(plan, d), group.group_id if group and d in group_devices else None,
-            group_devices, frees.get(d, []), state))
+        asyncio.ensure_future(
+            holders[d].run_plan.call_one(
+                plan_part(plan, d),
+                group.group_id if group and d in group_devices else None,
+                group_devices,
+                frees.get(d, []),
+                state,
+            )
+        )
         for d in sorted(involved, key=lambda d: (work[d], d))
     ]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -428,8 +512,14 @@ async def execute(
     results = await asyncio.gather(*tasks, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
-        root = [e for e in errors if "TransferError" not in str(getattr(e, "remote_type", type(e).__name__))]
-        log.warning("plan building %s failed on %d of %d workers", plan.target.name, len(errors), len(tasks))
+        root = [
+            e
+            for e in errors
+            if "TransferError" not in str(getattr(e, "remote_type", type(e).__name__))
+        ]
+        log.warning(
+            "plan building %s failed on %d of %d workers", plan.target.name, len(errors), len(tasks)
+        )
         raise (root or errors)[0]
     measured = sum(int(r.get("bytes_sent", 0)) for r in results)
     return ExecuteStats(plan.bytes_moved, plan.bytes_local, tuple(sorted(involved)), measured)
@@ -449,12 +539,22 @@ async def execute_step(
     a one-plan step frees its inputs in the same message), then free what it frees.
     A Destroy only drops shards. Returns the plans' bytes and the measured ones."""
     if len(step.plans) == 1:
-        return await execute(step.plans[0], holders, cluster, free=step.freed, epoch=epoch,
-                             devices=devices, used=used, group_tag=group_tag)
+        return await execute(
+            step.plans[0],
+            holders,
+            cluster,
+            free=step.freed,
+            epoch=epoch,
+            devices=devices,
+            used=used,
+            group_tag=group_tag,
+        )
     moved = local = measured = 0
     involved: set[int] = set()
     for plan in step.plans:
-        stats = await execute(plan, holders, cluster, epoch=epoch, devices=devices, used=used, group_tag=group_tag)
+        stats = await execute(
+            plan, holders, cluster, epoch=epoch, devices=devices, used=used, group_tag=group_tag
+        )
         moved, local = moved + stats.bytes_moved, local + stats.bytes_local
         measured += stats.bytes_sent_measured
         involved |= set(stats.devices)
@@ -483,21 +583,34 @@ async def execute_into(
     group_devices = list(group.devices) if group is not None else []
     missing = sorted(d for d in parts if d not in holders)
     if missing:
-        raise StateError(f"no ShardHolder on devices {missing} for {[p.target.name for p in plans]}")
-    results = await asyncio.gather(*(
-        holders[d].run_into.call_one(ps, group.group_id if group is not None else None, group_devices)
-        for d, ps in parts.items()))
-    return ExecuteStats(sum(p.bytes_moved for p in plans), sum(p.bytes_local for p in plans),
-                        tuple(sorted(parts)), sum(int(r["bytes_sent"]) for r in results))
+        raise StateError(
+            f"no ShardHolder on devices {missing} for {[p.target.name for p in plans]}"
+        )
+    results = await asyncio.gather(
+        *(
+            holders[d].run_into.call_one(
+                ps, group.group_id if group is not None else None, group_devices
+            )
+            for d, ps in parts.items()
+        )
+    )
+    return ExecuteStats(
+        sum(p.bytes_moved for p in plans),
+        sum(p.bytes_local for p in plans),
+        tuple(sorted(parts)),
+        sum(int(r["bytes_sent"]) for r in results),
+    )
 
 
-async def save_to_disk(directory: str, emu: EMU, holders: Mapping[int, ActorRef], *,
-                       durable: bool = True) -> None:
+async def save_to_disk(
+    directory: str, emu: EMU, holders: Mapping[int, ActorRef], *, durable: bool = True
+) -> None:
     """Every device of ``emu`` writes its file in parallel; then the manifest.
     ``durable``: fsync files and folder (a fallback must survive the machine)."""
     plain = emu_to_plain(emu)
-    await asyncio.gather(*(holders[d].save_checkpoint.call_one(str(directory), plain, durable)
-                           for d in emu.devices))
+    await asyncio.gather(
+        *(holders[d].save_checkpoint.call_one(str(directory), plain, durable) for d in emu.devices)
+    )
     ckpt.write_manifest(directory, emu, durable=durable)
 
 
@@ -505,5 +618,7 @@ async def load_from_disk(directory: str, target: EMU, holders: Mapping[int, Acto
     """Every device of ``target`` reads its slices in parallel; returns ``target`` with
     the saved logical state."""
     plain = emu_to_plain(target)
-    await asyncio.gather(*(holders[d].load_checkpoint.call_one(str(directory), plain) for d in target.devices))
+    await asyncio.gather(
+        *(holders[d].load_checkpoint.call_one(str(directory), plain) for d in target.devices)
+    )
     return target.with_(state=LogicalState(**ckpt.read_manifest(directory)["state"]))

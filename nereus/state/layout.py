@@ -81,9 +81,9 @@ def box_subtract(a: Box, b: Box) -> list[Box]:
     rest = list(a)
     for dim, ((lo, hi), (ilo, ihi)) in enumerate(zip(a, inter, strict=False)):
         if lo < ilo:
-            out.append(tuple(rest[:dim]) + ((lo, ilo),) + tuple(rest[dim + 1:]))
+            out.append(tuple(rest[:dim]) + ((lo, ilo),) + tuple(rest[dim + 1 :]))
         if ihi < hi:
-            out.append(tuple(rest[:dim]) + ((ihi, hi),) + tuple(rest[dim + 1:]))
+            out.append(tuple(rest[:dim]) + ((ihi, hi),) + tuple(rest[dim + 1 :]))
         rest[dim] = (ilo, ihi)
     return out
 
@@ -97,7 +97,10 @@ class Piece:
 
     def to_local(self, sub: Box) -> Box:
         """The local box of a global ``sub``-box of this piece."""
-        return tuple((l0 + s0 - g0, l0 + s1 - g0) for (s0, s1), (g0, _), (l0, _) in zip(sub, self.box, self.local, strict=False))
+        return tuple(
+            (l0 + s0 - g0, l0 + s1 - g0)
+            for (s0, s1), (g0, _), (l0, _) in zip(sub, self.box, self.local, strict=False)
+        )
 
 
 @dataclass(frozen=True)
@@ -122,13 +125,33 @@ class Layout:
     cuts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        require(isinstance(self.tp, int) and self.tp >= 1, "Layout.tp", self.tp, "must be an integer >= 1")
-        require(isinstance(self.pp, int) and self.pp >= 1, "Layout.pp", self.pp, "must be an integer >= 1")
+        require(
+            isinstance(self.tp, int) and self.tp >= 1,
+            "Layout.tp",
+            self.tp,
+            "must be an integer >= 1",
+        )
+        require(
+            isinstance(self.pp, int) and self.pp >= 1,
+            "Layout.pp",
+            self.pp,
+            "must be an integer >= 1",
+        )
         object.__setattr__(self, "cuts", tuple(self.cuts))
         if self.cuts:
-            require(len(self.cuts) == self.pp - 1, "Layout.cuts", self.cuts, f"must list pp-1={self.pp - 1} layer indices")
-            require(self.cuts[0] > 0 and all(a < b for a, b in zip(self.cuts, self.cuts[1:], strict=False)),
-                    "Layout.cuts", self.cuts, "must be strictly increasing and > 0")
+            require(
+                len(self.cuts) == self.pp - 1,
+                "Layout.cuts",
+                self.cuts,
+                f"must list pp-1={self.pp - 1} layer indices",
+            )
+            require(
+                self.cuts[0] > 0
+                and all(a < b for a, b in zip(self.cuts, self.cuts[1:], strict=False)),
+                "Layout.cuts",
+                self.cuts,
+                "must be strictly increasing and > 0",
+            )
 
     @property
     def size(self) -> int:
@@ -154,7 +177,9 @@ def layer_bounds(layout: Layout, num_layers: int) -> tuple[int, ...]:
     Cached: transition DAGs ask it for every shard class of every position."""
     if layout.cuts:
         if layout.cuts[-1] >= num_layers:
-            raise StateError(f"layout {layout}: cuts={list(layout.cuts)} must all be < num_layers={num_layers}")
+            raise StateError(
+                f"layout {layout}: cuts={list(layout.cuts)} must all be < num_layers={num_layers}"
+            )
         return (0, *layout.cuts, num_layers)
     base, extra = divmod(num_layers, layout.pp)
     bounds = [0]
@@ -167,22 +192,30 @@ def check_layout(spec: ModelSpec, layout: Layout) -> None:
     """Raise ``StateError`` naming the broken constraint if ``layout`` cannot hold ``spec``."""
     tp, heads, kv = layout.tp, spec.num_attention_heads, spec.num_kv_heads
     if heads % tp:
-        raise StateError(f"layout {layout} for {spec.name}: tp={tp} must divide num_attention_heads={heads}")
+        raise StateError(
+            f"layout {layout} for {spec.name}: tp={tp} must divide num_attention_heads={heads}"
+        )
     if tp <= kv and kv % tp:
-        raise StateError(f"layout {layout} for {spec.name}: tp={tp} must divide num_kv_heads={kv} (tp <= "
-            "kv heads)")
+        raise StateError(
+            f"layout {layout} for {spec.name}: tp={tp} must divide num_kv_heads={kv} (tp <= "
+            "kv heads)"
+        )
     if tp > kv and tp % kv:
         raise StateError(
             f"layout {layout} for {spec.name}: tp={tp} must be a multiple of num_kv_heads={kv} "
             "(kv heads are replicated when tp > kv heads)"
         )
     if layout.pp > spec.num_layers:
-        raise StateError(f"layout {layout} for {spec.name}: pp={layout.pp} must be <= "
-            f"num_layers={spec.num_layers}")
+        raise StateError(
+            f"layout {layout} for {spec.name}: pp={layout.pp} must be <= "
+            f"num_layers={spec.num_layers}"
+        )
     layer_bounds(layout, spec.num_layers)
     for p in spec.params:
         for c in p.effective_components():
-            if (c.units % tp if tp <= c.units else tp % c.units) or (not p.components and c.units % tp):
+            if (c.units % tp if tp <= c.units else tp % c.units) or (
+                not p.components and c.units % tp
+            ):
                 raise StateError(
                     f"layout {layout} for {spec.name}: tp={tp} must divide {p.name} component "
                     f"{c.name!r} units={c.units} (or be a multiple of them for replicated kv heads)"
@@ -228,7 +261,10 @@ def param_shard(param: ParamSpec, tp: int, tp_rank: int) -> Shard:
     local_at = 0
     for lo, hi in ranges:
         box = tuple((lo, hi) if d == dim else (0, n) for d, n in enumerate(param.shape))
-        local = tuple((local_at, local_at + hi - lo) if d == dim else (0, n) for d, n in enumerate(param.shape))
+        local = tuple(
+            (local_at, local_at + hi - lo) if d == dim else (0, n)
+            for d, n in enumerate(param.shape)
+        )
         pieces.append(Piece(box, local))
         local_at += hi - lo
     shape = tuple(local_at if d == dim else n for d, n in enumerate(param.shape))

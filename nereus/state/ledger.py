@@ -86,8 +86,13 @@ class MemoryLedger:
     def report(self) -> dict[str, object]:
         """Budget, used and peak bytes and the breakdown, as plain data (for endpoints)."""
         with self._lock:
-            return {"device": self.device, "budget_bytes": self.budget_bytes, "used_bytes": self._used,
-                    "peak_bytes": self._peak, "breakdown": dict(self._held)}
+            return {
+                "device": self.device,
+                "budget_bytes": self.budget_bytes,
+                "used_bytes": self._used,
+                "peak_bytes": self._peak,
+                "breakdown": dict(self._held),
+            }
 
     def fits(self, nbytes: int, key: str | None = None) -> bool:
         """Whether reserving ``nbytes`` under ``key`` (replacing its current size) fits."""

@@ -60,14 +60,20 @@ class Step:
 
     def __repr__(self) -> str:
         names = lambda es: [e.name for e in es]  # noqa: E731
-        return (f"Step({self.kind}, in={names(self.inputs)}, created={names(self.created)}, "
-                f"freed={names(self.freed)}, bytes_moved={self.bytes_moved})")
+        return (
+            f"Step({self.kind}, in={names(self.inputs)}, created={names(self.created)}, "
+            f"freed={names(self.freed)}, bytes_moved={self.bytes_moved})"
+        )
 
 
 def _finish(kind: Kind, inputs, created, freed, plans, devices, used, bucket_bytes) -> Step:
     effect = memory_effect(plans, inputs, freed, bucket_bytes)
-    check_fits(effect, devices if isinstance(devices, DeviceSet) else None, used,
-               f"{kind} of {[e.name for e in inputs]}")
+    check_fits(
+        effect,
+        devices if isinstance(devices, DeviceSet) else None,
+        used,
+        f"{kind} of {[e.name for e in inputs]}",
+    )
     return Step(kind, tuple(inputs), tuple(created), tuple(freed), tuple(plans), effect)
 
 
@@ -76,7 +82,9 @@ def sub_layout(a: Layout, b: Layout) -> Layout:
     for x, y, axis in ((a.tp, b.tp, "tp"), (a.pp, b.pp, "pp")):
         lo, hi = min(x, y), max(x, y)
         if hi % lo:
-            raise StateError(f"layouts {a} and {b}: the smaller {axis}={lo} must divide the larger {axis}={hi}")
+            raise StateError(
+                f"layouts {a} and {b}: the smaller {axis}={lo} must divide the larger {axis}={hi}"
+            )
     pp = min(a.pp, b.pp)
     cuts = a.cuts if a.pp == pp else b.cuts
     return Layout(min(a.tp, b.tp), pp, cuts)
@@ -92,8 +100,13 @@ def sub_placements(big: Layout, devices: Sequence[int], sub: Layout) -> list[tup
     out = []
     for k_pp in range(f_pp):
         for k_tp in range(f_tp):
-            out.append(tuple(devices[big.index(ps * f_pp + k_pp, ts * f_tp + k_tp)]
-                             for ps in range(sub.pp) for ts in range(sub.tp)))
+            out.append(
+                tuple(
+                    devices[big.index(ps * f_pp + k_pp, ts * f_tp + k_tp)]
+                    for ps in range(sub.pp)
+                    for ts in range(sub.tp)
+                )
+            )
     return out
 
 
@@ -111,16 +124,32 @@ def split(
     of them)."""
     check_layout(emu.spec, sub)
     if emu.layout.tp % sub.tp or emu.layout.pp % sub.pp or sub == emu.layout:
-        raise StateError(f"split of {emu.name}: {sub} must be smaller than {emu.layout} with tp and pp dividing")
-    places = [tuple(p) for p in placements] if placements is not None else sub_placements(emu.layout, emu.devices, sub)
+        raise StateError(
+            f"split of {emu.name}: {sub} must be smaller than {emu.layout} with tp and pp dividing"
+        )
+    places = (
+        [tuple(p) for p in placements]
+        if placements is not None
+        else sub_placements(emu.layout, emu.devices, sub)
+    )
     flat = [d for p in places for d in p]
-    if (not places or len(set(flat)) != len(flat) or not set(flat) <= set(emu.devices)
-            or any(len(p) != sub.size for p in places)):
-        raise StateError(f"split of {emu.name}: placements {places} must be disjoint tuples of {sub.size} of "
-                         f"its devices {list(emu.devices)}")
-    created = [emu.with_(name=f"{emu.name}.{i}", layout=sub, devices=p) for i, p in enumerate(places)]
+    if (
+        not places
+        or len(set(flat)) != len(flat)
+        or not set(flat) <= set(emu.devices)
+        or any(len(p) != sub.size for p in places)
+    ):
+        raise StateError(
+            f"split of {emu.name}: placements {places} must be disjoint tuples of {sub.size} of "
+            f"its devices {list(emu.devices)}"
+        )
+    created = [
+        emu.with_(name=f"{emu.name}.{i}", layout=sub, devices=p) for i, p in enumerate(places)
+    ]
     plans = [plan_reshard([emu], t, devices, reuse=True) for t in created]
-    return _finish("split", [emu], [p.target for p in plans], [emu], plans, devices, used, bucket_bytes)
+    return _finish(
+        "split", [emu], [p.target for p in plans], [emu], plans, devices, used, bucket_bytes
+    )
 
 
 def merge(
@@ -139,11 +168,17 @@ def merge(
         raise StateError("merge needs at least one EMU")
     held = {d for e in emus for d in e.devices}
     if held.isdisjoint(target_devices):
-        raise StateError(f"merge into {list(target_devices)}: no device holds any of {[e.name for e in emus]} "
-                         "(use extend)")
-    target = emus[0].with_(name=name or f"{emus[0].name}+", layout=layout, devices=tuple(target_devices))
+        raise StateError(
+            f"merge into {list(target_devices)}: no device holds any of {[e.name for e in emus]} "
+            "(use extend)"
+        )
+    target = emus[0].with_(
+        name=name or f"{emus[0].name}+", layout=layout, devices=tuple(target_devices)
+    )
     plan = plan_reshard(emus, target, devices, reuse=True)
-    return _finish("merge", list(emus), [plan.target], list(emus), [plan], devices, used, bucket_bytes)
+    return _finish(
+        "merge", list(emus), [plan.target], list(emus), [plan], devices, used, bucket_bytes
+    )
 
 
 def extend(
@@ -164,8 +199,10 @@ def extend(
     for src in sources:
         common = sorted(set(new_devices) & set(src.devices))
         if common:
-            raise StateError(f"extend of {emu.name} onto {list(new_devices)}: devices {common} "
-                             f"already hold {src.name}; Extend needs disjoint devices")
+            raise StateError(
+                f"extend of {emu.name} onto {list(new_devices)}: devices {common} "
+                f"already hold {src.name}; Extend needs disjoint devices"
+            )
     changes = {"layout": layout} if layout is not None else {}
     target = emu.with_(name=name or f"{emu.name}^", devices=tuple(new_devices), **changes)
     plan = plan_reshard(sources, target, devices)

@@ -30,8 +30,16 @@ from nereus.state.emu import EMU, DeviceSet, LogicalState
 from nereus.state.layout import Box, Piece, Shard, box_intersect, box_numel, box_subtract
 from nereus.state.spec import DTYPE_BYTES
 
-__all__ = ["Move", "Keep", "ReshardPlan", "plan_reshard", "bytes_minimum", "common_state", "host_lookup",
-           "PLAN_CACHE_SIZE"]
+__all__ = [
+    "Move",
+    "Keep",
+    "ReshardPlan",
+    "plan_reshard",
+    "bytes_minimum",
+    "common_state",
+    "host_lookup",
+    "PLAN_CACHE_SIZE",
+]
 
 HostOf = Callable[[int], int]
 PLAN_CACHE_SIZE = 64
@@ -136,7 +144,9 @@ _Step = tuple[int, Box, Box, Box, int, bool]
 _Guard = tuple[int, int, int, int]
 
 
-def _source_index(sources: Sequence[EMU], keys: Iterable[str]) -> tuple[list[_Slot], dict[str, list[_Held]]]:
+def _source_index(
+    sources: Sequence[EMU], keys: Iterable[str]
+) -> tuple[list[_Slot], dict[str, list[_Held]]]:
     """Every source device as a slot, and per wanted key what each slot holds of it
     (in source, then device order: the order sources are tried in)."""
     wanted = set(keys)
@@ -194,11 +204,15 @@ class _Planner:
         if self.reuse:
             for slot, src_shard, src_dtype in held:
                 if self.slots[slot][1] == device and src_shard == shard and src_dtype == dtype:
-                    self.keeps.append(Keep(self.slots[slot][0].name, device, key, shard.numel * itemsize))
+                    self.keeps.append(
+                        Keep(self.slots[slot][0].name, device, key, shard.numel * itemsize)
+                    )
                     return
         geometry = (t_index, itemsize, shard, self._source_geometry(key, dtype, held))
         variants = self.memo.setdefault(geometry, [])
-        steps = next((steps for guards, steps in variants if not guards or self._holds(guards)), None)
+        steps = next(
+            (steps for guards, steps in variants if not guards or self._holds(guards)), None
+        )
         if steps is None:
             guards, steps = self._steps(t_index, device, key, shard, held, itemsize)
             variants.append((guards, steps))
@@ -216,19 +230,27 @@ class _Planner:
         if gid is None:
             for slot, _, src_dtype in held:
                 if src_dtype != dtype:
-                    raise StateError(f"{key}: source {self.slots[slot][0].name} holds dtype {src_dtype}, "
-                                     f"target {self.target.name} needs {dtype}")
+                    raise StateError(
+                        f"{key}: source {self.slots[slot][0].name} holds dtype {src_dtype}, "
+                        f"target {self.target.name} needs {dtype}"
+                    )
             shards = tuple((slot, src_shard) for slot, src_shard, _ in held)
-            gid = self.source_geometry[key] = self.geometry_ids.setdefault(shards, len(self.geometry_ids))
+            gid = self.source_geometry[key] = self.geometry_ids.setdefault(
+                shards, len(self.geometry_ids)
+            )
         return gid
 
     def _holds(self, guards: list[_Guard]) -> bool:
         """Whether the current load makes the same choices these guards recorded."""
         load = self.load
-        return all((load[w] + w_pending, w) < (load[r] + r_pending, r) for w, w_pending, r, r_pending in guards)
+        return all(
+            (load[w] + w_pending, w) < (load[r] + r_pending, r)
+            for w, w_pending, r, r_pending in guards
+        )
 
-    def _steps(self, t_index: int, device: int, key: str, shard: Shard, held: list[_Held],
-               itemsize: int) -> tuple[list[_Guard], list[_Step]]:
+    def _steps(
+        self, t_index: int, device: int, key: str, shard: Shard, held: list[_Held], itemsize: int
+    ) -> tuple[list[_Guard], list[_Step]]:
         """The steps filling ``shard`` on ``device``, and the load comparisons they rest on."""
         target, slots = self.target, self.slots
         t_pos = target.layout.position(t_index)
@@ -250,7 +272,16 @@ class _Planner:
                     if inter is None:
                         still.append(box)
                         continue
-                    steps.append((h, inter, sp.to_local(inter), piece.to_local(inter), box_numel(inter), False))
+                    steps.append(
+                        (
+                            h,
+                            inter,
+                            sp.to_local(inter),
+                            piece.to_local(inter),
+                            box_numel(inter),
+                            False,
+                        )
+                    )
                     still.extend(box_subtract(box, inter))
                 need = still
             # 2. the rest from the best remote source
@@ -333,8 +364,11 @@ def _geometry_key(sources: Sequence[EMU], target: EMU, host_of: HostOf, reuse: b
     of every device involved, and ``reuse``."""
     emus = (*sources, target)
     devices = sorted({d for e in emus for d in e.devices})
-    return (tuple((e.name, e.spec, e.layout, e.devices, e.slots) for e in emus),
-            tuple(host_of(d) for d in devices), reuse)
+    return (
+        tuple((e.name, e.spec, e.layout, e.devices, e.slots) for e in emus),
+        tuple(host_of(d) for d in devices),
+        reuse,
+    )
 
 
 def bytes_minimum(sources: Sequence[EMU], target: EMU) -> int:
@@ -342,8 +376,13 @@ def bytes_minimum(sources: Sequence[EMU], target: EMU) -> int:
     some source (the bytes any plan must move between devices)."""
     total = 0
     for device in target.devices:
-        local = [(k, p.box) for s in sources if device in s.devices
-                 for k, (sh, _) in s.shards_on(device).items() for p in sh.pieces]
+        local = [
+            (k, p.box)
+            for s in sources
+            if device in s.devices
+            for k, (sh, _) in s.shards_on(device).items()
+            for p in sh.pieces
+        ]
         held: dict[str, list[Box]] = defaultdict(list)
         for k, b in local:
             held[k].append(b)

@@ -125,19 +125,66 @@ class ParamSpec:
     tied_head: bool = False
 
     def __post_init__(self) -> None:
-        require(len(self.shape) >= 1, f"ParamSpec({self.name}).shape", self.shape, "must have >= 1 dim")
-        require(all(d >= 0 for d in self.shape), f"ParamSpec({self.name}).shape", self.shape, "must be >= 0")
-        require(self.dtype in DTYPE_BYTES, f"ParamSpec({self.name}).dtype", self.dtype, f"must be one of {sorted(DTYPE_BYTES)}")
-        require(self.rule in ("column", "row", "vocab", "replicated"), f"ParamSpec({self.name}).rule", self.rule, "must be column, row, vocab or replicated")
-        require(self.stage in ("embed", "layer", "head"), f"ParamSpec({self.name}).stage", self.stage, "must be embed, layer or head")
-        require((self.stage == "layer") == (self.layer is not None), f"ParamSpec({self.name}).layer", self.layer, "must be set exactly when stage='layer'")
+        require(
+            len(self.shape) >= 1, f"ParamSpec({self.name}).shape", self.shape, "must have >= 1 dim"
+        )
+        require(
+            all(d >= 0 for d in self.shape),
+            f"ParamSpec({self.name}).shape",
+            self.shape,
+            "must be >= 0",
+        )
+        require(
+            self.dtype in DTYPE_BYTES,
+            f"ParamSpec({self.name}).dtype",
+            self.dtype,
+            f"must be one of {sorted(DTYPE_BYTES)}",
+        )
+        require(
+            self.rule in ("column", "row", "vocab", "replicated"),
+            f"ParamSpec({self.name}).rule",
+            self.rule,
+            "must be column, row, vocab or replicated",
+        )
+        require(
+            self.stage in ("embed", "layer", "head"),
+            f"ParamSpec({self.name}).stage",
+            self.stage,
+            "must be embed, layer or head",
+        )
+        require(
+            (self.stage == "layer") == (self.layer is not None),
+            f"ParamSpec({self.name}).layer",
+            self.layer,
+            "must be set exactly when stage='layer'",
+        )
         if self.rule == "row":
-            require(len(self.shape) == 2, f"ParamSpec({self.name}).rule", self.rule, f"needs a 2-d weight, shape is {self.shape}")
+            require(
+                len(self.shape) == 2,
+                f"ParamSpec({self.name}).rule",
+                self.rule,
+                f"needs a 2-d weight, shape is {self.shape}",
+            )
         if self.components:
-            require(self.rule == "column", f"ParamSpec({self.name}).components", [c.name for c in self.components], "are only allowed on column-parallel parameters")
+            require(
+                self.rule == "column",
+                f"ParamSpec({self.name}).components",
+                [c.name for c in self.components],
+                "are only allowed on column-parallel parameters",
+            )
             total = sum(c.size for c in self.components)
-            require(total == self.shape[0], f"ParamSpec({self.name}).components", [c.size for c in self.components], f"must add up to shape[0]={self.shape[0]}")
-        require(not self.tied_head or self.stage == "embed", f"ParamSpec({self.name}).tied_head", self.tied_head, "is only allowed on the embedding")
+            require(
+                total == self.shape[0],
+                f"ParamSpec({self.name}).components",
+                [c.size for c in self.components],
+                f"must add up to shape[0]={self.shape[0]}",
+            )
+        require(
+            not self.tied_head or self.stage == "embed",
+            f"ParamSpec({self.name}).tied_head",
+            self.tied_head,
+            "is only allowed on the embedding",
+        )
 
     @property
     def split_dim(self) -> int | None:
@@ -164,7 +211,11 @@ class ParamSpec:
         dim = self.split_dim
         if dim is None:
             return ()
-        return (Component(self.name, self.shape[dim], self.shape[dim] or 1),) if self.shape[dim] else ()
+        return (
+            (Component(self.name, self.shape[dim], self.shape[dim] or 1),)
+            if self.shape[dim]
+            else ()
+        )
 
 
 @dataclass(frozen=True)
@@ -181,7 +232,12 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         require(self.num_layers >= 1, "ModelSpec.num_layers", self.num_layers, "must be >= 1")
-        require(self.num_attention_heads >= 1, "ModelSpec.num_attention_heads", self.num_attention_heads, "must be >= 1")
+        require(
+            self.num_attention_heads >= 1,
+            "ModelSpec.num_attention_heads",
+            self.num_attention_heads,
+            "must be >= 1",
+        )
         require(
             self.num_kv_heads >= 1 and self.num_attention_heads % self.num_kv_heads == 0,
             "ModelSpec.num_kv_heads",
@@ -193,7 +249,12 @@ class ModelSpec:
         require(not dupes, "ModelSpec.params", dupes, "must have unique names")
         for p in self.params:
             if p.layer is not None:
-                require(0 <= p.layer < self.num_layers, f"ParamSpec({p.name}).layer", p.layer, f"must be in [0, {self.num_layers})")
+                require(
+                    0 <= p.layer < self.num_layers,
+                    f"ParamSpec({p.name}).layer",
+                    p.layer,
+                    f"must be in [0, {self.num_layers})",
+                )
 
     def __iter__(self) -> Iterator[ParamSpec]:
         return iter(self.params)

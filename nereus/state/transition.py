@@ -32,8 +32,17 @@ from nereus.state.layout import Layout
 from nereus.state.memory import DEFAULT_BUCKET_BYTES
 from nereus.state.primitives import Step, destroy, extend, merge, split, sub_layout, sub_placements
 
-__all__ = ["Rep", "Op", "StageOps", "StageTransition", "stage_ops", "op_step", "plan_stage_transition",
-           "smaller_subs", "DONORS"]
+__all__ = [
+    "Rep",
+    "Op",
+    "StageOps",
+    "StageTransition",
+    "stage_ops",
+    "op_step",
+    "plan_stage_transition",
+    "smaller_subs",
+    "DONORS",
+]
 
 # at most this many disjoint EMUs an Extend balances its reads across
 DONORS = 4
@@ -157,7 +166,9 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
             e = owner.get(x[0])
             if e is not None and e.layout != sub and all(owner.get(d) is e for d in x):
                 fits[e.name].append(x)
-    slot_at: dict[int, tuple[int, ...]] = {e.devices[0]: e.devices for e in current if e.layout == sub}
+    slot_at: dict[int, tuple[int, ...]] = {
+        e.devices[0]: e.devices for e in current if e.layout == sub
+    }
     for xs in fits.values():
         slot_at.update({x[0]: x for x in xs})
     taken: set[tuple[int, ...]] = set()
@@ -165,8 +176,14 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
     for j, t in enumerate(target):
         within = set(t.devices)
         mine = [x for x in desired[j] if slot_at.get(x[0]) == x and x not in taken]
-        mine += [x for d in t.devices if (x := slot_at.get(d)) is not None and x not in taken
-                 and x not in mine and within.issuperset(x)]
+        mine += [
+            x
+            for d in t.devices
+            if (x := slot_at.get(d)) is not None
+            and x not in taken
+            and x not in mine
+            and within.issuperset(x)
+        ]
         inside[j] = mine
         taken.update(mine)
     needs_donor = [j for j in range(len(target)) if not inside[j]]
@@ -181,7 +198,14 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
     # 1. Split (the EMUs no replica comes from are destroyed below, once no target needs them)
     for e in current:
         if e.layout != sub and fits[e.name]:
-            run(Op("split", (e,), tuple(Rep(f"{e.name}.{i}", sub, x) for i, x in enumerate(fits[e.name])), (e,)))
+            run(
+                Op(
+                    "split",
+                    (e,),
+                    tuple(Rep(f"{e.name}.{i}", sub, x) for i, x in enumerate(fits[e.name])),
+                    (e,),
+                )
+            )
     by_slot = {e.devices: e for e in live.values() if e.layout == sub}
     assigned = {by_slot[x].name: j for j, xs in inside.items() for x in xs}
     donors: dict[int, list[Replica]] = {}
@@ -219,7 +243,9 @@ def _ops_through(current: Sequence[Replica], target: Sequence[Replica], sub: Lay
         if len(parts) == 1 and parts[0].layout == t.layout and parts[0].devices == tuple(t.devices):
             built[j] = parts[0]
             return
-        made = Rep(t.name if t.name not in live else f"{t.name}@{len(ops)}", t.layout, tuple(t.devices))
+        made = Rep(
+            t.name if t.name not in live else f"{t.name}@{len(ops)}", t.layout, tuple(t.devices)
+        )
         if parts:
             run(Op("merge", tuple(parts), (made,), tuple(parts)))
         else:
@@ -249,20 +275,44 @@ def op_step(
     in ``devices`` counting ``used`` when given."""
     ins = [live[e.name] for e in op.inputs]
     if op.kind == "split":
-        step = split(ins[0], op.created[0].layout, devices, placements=[r.devices for r in op.created],
-                     used=used, bucket_bytes=bucket_bytes)
+        step = split(
+            ins[0],
+            op.created[0].layout,
+            devices,
+            placements=[r.devices for r in op.created],
+            used=used,
+            bucket_bytes=bucket_bytes,
+        )
     elif op.kind == "destroy":
         step = destroy(ins[0], list(live.values()), devices)
     elif op.kind == "merge":
         made = op.created[0]
-        step = merge(ins, made.layout, made.devices, devices, name=made.name, used=used, bucket_bytes=bucket_bytes)
+        step = merge(
+            ins,
+            made.layout,
+            made.devices,
+            devices,
+            name=made.name,
+            used=used,
+            bucket_bytes=bucket_bytes,
+        )
     else:
         made = op.created[0]
-        step = extend(ins[0], made.devices, devices, name=made.name, layout=made.layout, replicas=ins[1:],
-                      used=used, bucket_bytes=bucket_bytes)
+        step = extend(
+            ins[0],
+            made.devices,
+            devices,
+            name=made.name,
+            layout=made.layout,
+            replicas=ins[1:],
+            used=used,
+            bucket_bytes=bucket_bytes,
+        )
     if [e.name for e in step.created] != [r.name for r in op.created]:
-        raise AssertionError(f"{op.kind} made {[e.name for e in step.created]}, its op says "
-                             f"{[r.name for r in op.created]}")
+        raise AssertionError(
+            f"{op.kind} made {[e.name for e in step.created]}, its op says "
+            f"{[r.name for r in op.created]}"
+        )
     return step
 
 
@@ -282,7 +332,9 @@ def plan_stage_transition(
     _same(target, "target")
     stages = {e.model_stage for e in current} | {t.model_stage for t in target}
     if len(stages) > 1:
-        raise StateError(f"current and target EMUs must be of one model-stage, not {sorted(stages)}")
+        raise StateError(
+            f"current and target EMUs must be of one model-stage, not {sorted(stages)}"
+        )
     planned = stage_ops(current, target)
     live: dict[str, EMU] = {e.name: e for e in current}
     steps: list[Step] = []

@@ -29,8 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ArenaRef", "arena_empty", "describe", "map_peer", "forget_peer", "set_keep_free_bytes",
-           "pool_stats"]
+__all__ = [
+    "ArenaRef",
+    "arena_empty",
+    "describe",
+    "map_peer",
+    "forget_peer",
+    "set_keep_free_bytes",
+    "pool_stats",
+]
 
 _ROUND = 2**21  # arenas come in whole 2 MiB units so that best-fit reuse finds a home
 _MAPS_PER_PEER = 4
@@ -121,7 +128,9 @@ class _Pool:
             arena = self.busy.get(base)
         if arena is None:
             return None
-        return ArenaRef(os.getpid(), _token, arena.serial, arena.fd, arena.nbytes, view.data_ptr() - base)
+        return ArenaRef(
+            os.getpid(), _token, arena.serial, arena.fd, arena.nbytes, view.data_ptr() - base
+        )
 
 
 _pool = _Pool()
@@ -161,8 +170,12 @@ def set_keep_free_bytes(nbytes: int) -> None:
 
 def pool_stats() -> dict[str, int]:
     with _pool.lock:
-        return {"free_arenas": len(_pool.free), "free_bytes": sum(a.nbytes for a in _pool.free.values()),
-                "busy_arenas": len(_pool.busy), "busy_bytes": sum(a.nbytes for a in _pool.busy.values())}
+        return {
+            "free_arenas": len(_pool.free),
+            "free_bytes": sum(a.nbytes for a in _pool.free.values()),
+            "busy_arenas": len(_pool.busy),
+            "busy_bytes": sum(a.nbytes for a in _pool.busy.values()),
+        }
 
 
 def map_peer(ref: ArenaRef) -> torch.Tensor:

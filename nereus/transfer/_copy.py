@@ -35,9 +35,15 @@ _memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Copy ``src`` into ``dst`` (``dst.copy_(src)``); returns ``dst``."""
     nbytes = src.numel() * src.element_size()
-    if (nbytes >= MEMMOVE_MIN_BYTES and dst.dtype == src.dtype and dst.device.type == "cpu"
-            and src.device.type == "cpu" and dst.shape == src.shape
-            and dst.is_contiguous() and src.is_contiguous()):
+    if (
+        nbytes >= MEMMOVE_MIN_BYTES
+        and dst.dtype == src.dtype
+        and dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
         _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         return dst
     return dst.copy_(src)
@@ -52,8 +58,16 @@ def _load_row_blocks():
         if os.path.exists(path):
             fn = ctypes.CDLL(path).nereus_copy_row_blocks
             fn.restype = None
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+            ]
             return fn
     return None
 
@@ -70,8 +84,13 @@ def source_rows(src: torch.Tensor) -> tuple[int, int, int, int, int] | None:
     """Which rows of which tensor ``src`` is a column block of: (storage address, row
     bytes, first row, rows, item size), or None where ``src`` is not a strided 2-D CPU
     view with contiguous rows (nothing to gain from sharing its rows)."""
-    if (src.dim() != 2 or src.device.type != "cpu" or src.shape[0] < 2 or src.stride(1) != 1
-            or src.is_contiguous()):
+    if (
+        src.dim() != 2
+        or src.device.type != "cpu"
+        or src.shape[0] < 2
+        or src.stride(1) != 1
+        or src.is_contiguous()
+    ):
         return None
     item = src.element_size()
     base = src.untyped_storage().data_ptr()
@@ -86,8 +105,13 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     rest: list[tuple[torch.Tensor, torch.Tensor]] = []
     for src, dst in pairs:
         key = source_rows(src) if _row_blocks is not None else None
-        if key is None or dst.shape != src.shape or dst.dtype != src.dtype or dst.device.type != "cpu" \
-                or dst.stride(1) != 1:
+        if (
+            key is None
+            or dst.shape != src.shape
+            or dst.dtype != src.dtype
+            or dst.device.type != "cpu"
+            or dst.stride(1) != 1
+        ):
             rest.append((src, dst))
         else:
             groups.setdefault(key, []).append((src, dst))
@@ -97,10 +121,15 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
             continue
         k = len(members)
         start = base + first * row_bytes
-        _row_blocks(start, rows, row_bytes, k,
-                    (ctypes.c_void_p * k)(*[d.data_ptr() for _, d in members]),
-                    (ctypes.c_size_t * k)(*[d.stride(0) * item for _, d in members]),
-                    (ctypes.c_size_t * k)(*[s.data_ptr() - start for s, _ in members]),
-                    (ctypes.c_size_t * k)(*[s.shape[1] * item for s, _ in members]))
+        _row_blocks(
+            start,
+            rows,
+            row_bytes,
+            k,
+            (ctypes.c_void_p * k)(*[d.data_ptr() for _, d in members]),
+            (ctypes.c_size_t * k)(*[d.stride(0) * item for _, d in members]),
+            (ctypes.c_size_t * k)(*[s.data_ptr() - start for s, _ in members]),
+            (ctypes.c_size_t * k)(*[s.shape[1] * item for s, _ in members]),
+        )
     for src, dst in rest:
         copy_into(dst, src)

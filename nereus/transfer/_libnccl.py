@@ -30,14 +30,34 @@ from typing import Any
 
 from nereus.errors import TransferError
 
-__all__ = ["Timeout", "Comm", "library", "version", "unique_id", "group", "DTYPES", "OPS",
-           "UINT8", "SUCCESS", "IN_PROGRESS"]
+__all__ = [
+    "Timeout",
+    "Comm",
+    "library",
+    "version",
+    "unique_id",
+    "group",
+    "DTYPES",
+    "OPS",
+    "UINT8",
+    "SUCCESS",
+    "IN_PROGRESS",
+]
 
 SUCCESS, IN_PROGRESS = 0, 7
 # ncclDataType_t and ncclRedOp_t (nccl.h)
 INT8, UINT8, INT32, UINT32, INT64, UINT64, FLOAT16, FLOAT32, FLOAT64, BFLOAT16 = range(10)
-DTYPES = {"int8": INT8, "uint8": UINT8, "bool": UINT8, "int32": INT32, "int64": INT64,
-          "float16": FLOAT16, "float32": FLOAT32, "float64": FLOAT64, "bfloat16": BFLOAT16}
+DTYPES = {
+    "int8": INT8,
+    "uint8": UINT8,
+    "bool": UINT8,
+    "int32": INT32,
+    "int64": INT64,
+    "float16": FLOAT16,
+    "float32": FLOAT32,
+    "float64": FLOAT64,
+    "bfloat16": BFLOAT16,
+}
 OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 _MIN_VERSION = 21400  # 2.14: ncclConfig_t.blocking
 _API_MAGIC = 0xCAFEBEEF
@@ -55,8 +75,12 @@ class _UniqueId(ctypes.Structure):
 class _Config(ctypes.Structure):
     # The head of ncclConfig_t as of NCCL 2.14 (size, magic, version, blocking): NCCL
     # reads ``size`` bytes and gives every field a later version added its default.
-    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint),
-                ("version", ctypes.c_uint), ("blocking", ctypes.c_int)]
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+    ]
 
 
 _P = ctypes.c_void_p
@@ -106,9 +130,11 @@ def library() -> Any:
             except OSError as e:
                 errors.append(f"{path}: {e}")
         else:
-            raise TransferError("the nccl backend needs libnccl.so.2 (a CUDA build of torch "
-                                "brings it; else nereus[nccl-cu12] or nereus[nccl-cu13], after "
-                                f"torch.version.cuda): {'; '.join(errors)}")
+            raise TransferError(
+                "the nccl backend needs libnccl.so.2 (a CUDA build of torch "
+                "brings it; else nereus[nccl-cu12] or nereus[nccl-cu13], after "
+                f"torch.version.cuda): {'; '.join(errors)}"
+            )
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is None:
@@ -120,8 +146,9 @@ def library() -> Any:
         code = _I()
         _check(lib, lib.ncclGetVersion(ctypes.byref(code)), "ncclGetVersion")
         if code.value < _MIN_VERSION:
-            raise TransferError(f"{lib._name} is NCCL {code.value}; >= 2.14 is needed "
-                                "(non-blocking communicators)")
+            raise TransferError(
+                f"{lib._name} is NCCL {code.value}; >= 2.14 is needed (non-blocking communicators)"
+            )
         lib.nereus_version = code.value
         _LIB = lib
         return lib
@@ -129,8 +156,10 @@ def library() -> Any:
 
 def _check(lib: Any, result: int, what: str) -> None:
     if result not in (SUCCESS, IN_PROGRESS):
-        raise TransferError(f"{what} failed: NCCL error {result} "
-                            f"({lib.ncclGetErrorString(result).decode(errors='replace')})")
+        raise TransferError(
+            f"{what} failed: NCCL error {result} "
+            f"({lib.ncclGetErrorString(result).decode(errors='replace')})"
+        )
 
 
 def version() -> int:
@@ -160,8 +189,9 @@ class Comm:
         config = _Config(ctypes.sizeof(_Config), _API_MAGIC, _MIN_VERSION, 0)
         raw = _UniqueId()
         ctypes.memmove(ctypes.byref(raw), uid, 128)
-        result = lib.ncclCommInitRankConfig(ctypes.byref(self.handle), nranks, raw, rank,
-                                            ctypes.byref(config))
+        result = lib.ncclCommInitRankConfig(
+            ctypes.byref(self.handle), nranks, raw, rank, ctypes.byref(config)
+        )
         if result not in (SUCCESS, IN_PROGRESS):
             if self.handle.value:
                 self.abort()

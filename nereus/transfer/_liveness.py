@@ -44,8 +44,9 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def dead_peers(kv: Any, rank: int, peers: list[int], local_pids: dict[int, int],
-               grace_s: float = GRACE_S) -> tuple[list[int], list[int]]:
+def dead_peers(
+    kv: Any, rank: int, peers: list[int], local_pids: dict[int, int], grace_s: float = GRACE_S
+) -> tuple[list[int], list[int]]:
     """``(dead, silent)`` among ``peers``: same-host peers whose process is gone (a
     process that is exiting gets ``grace_s`` to finish), remote peers that did not
     record themselves alive in ``kv`` within ``grace_s``. Records this rank alive."""

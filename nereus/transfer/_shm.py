@@ -189,7 +189,11 @@ class _Channel:
             self.adopted[seg] = mm
         view = memoryview(mm)[:nbytes]
         weakref.finalize(view, self.send_back, _RELEASE, seg)
-        return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(view, dtype=torch.uint8)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
 
     def unlink(self, peer_alive: bool) -> None:
         """Remove this channel's names. A hand-off segment the receiver has not mapped
@@ -427,12 +431,15 @@ class ShmP2P:
             if total != expected or s.offset + n > total:
                 raise TransferError(
                     f"rank {self.rank} expected {expected} bytes from rank {s.peer} "
-                    f"but the sender's tensor has {total} bytes")
+                    f"but the sender's tensor has {total} bytes"
+                )
             moved = True
             if seg >= 0:
                 if not isinstance(item, RecvNew):
-                    raise TransferError(f"rank {self.rank}: rank {s.peer} handed off a "
-                                        "segment for a receive into a tensor")
+                    raise TransferError(
+                        f"rank {self.rank}: rank {s.peer} handed off a "
+                        "segment for a receive into a tensor"
+                    )
                 item.result = ch.adopt(seg, cap, total)
                 s.offset = total
             else:

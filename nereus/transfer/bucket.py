@@ -34,8 +34,14 @@ from nereus.errors import ConfigError
 from nereus.transfer import _tap
 from nereus.transfer.communicator import Communicator, P2POp
 
-__all__ = ["exchange", "TransferStats", "bucket_layout", "pack_buckets", "DEFAULT_BUCKET_BYTES_CPU",
-           "DEFAULT_BUCKET_BYTES_GPU"]
+__all__ = [
+    "exchange",
+    "TransferStats",
+    "bucket_layout",
+    "pack_buckets",
+    "DEFAULT_BUCKET_BYTES_CPU",
+    "DEFAULT_BUCKET_BYTES_GPU",
+]
 
 DEFAULT_BUCKET_BYTES_CPU = 64 * 2**20
 DEFAULT_BUCKET_BYTES_GPU = 256 * 2**20
@@ -76,13 +82,24 @@ def check_peers(comm: Communicator, *peer_maps: dict[int, list[torch.Tensor]]) -
                 raise ConfigError(f"exchange peer={peer} must be another rank in [0, {comm.size})")
 
 
-def emit_transfer(comm: Communicator, src: int, dst: int, nbytes: int, seconds: float, bucket_round: int) -> None:
+def emit_transfer(
+    comm: Communicator, src: int, dst: int, nbytes: int, seconds: float, bucket_round: int
+) -> None:
     """One ``transfer_bucket`` event on the tap (ranks of ``comm``; devices when known)."""
     devices = comm.devices
-    _tap.emit("transfer_bucket", bytes=nbytes, seconds=seconds,
-              gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-              src=devices[src] if devices else src, dst=devices[dst] if devices else dst,
-              src_rank=src, dst_rank=dst, group=comm.group_id, epoch=comm.epoch, round=bucket_round)
+    _tap.emit(
+        "transfer_bucket",
+        bytes=nbytes,
+        seconds=seconds,
+        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        src=devices[src] if devices else src,
+        dst=devices[dst] if devices else dst,
+        src_rank=src,
+        dst_rank=dst,
+        group=comm.group_id,
+        epoch=comm.epoch,
+        round=bucket_round,
+    )
 
 
 @dataclass(frozen=True)
@@ -137,7 +154,11 @@ class _Side:
         self.flat: dict[int, torch.Tensor] = {}
         for i in cut:
             v = views[i]
-            self.flat[i] = v if v.is_contiguous() else torch.empty_like(v, memory_format=torch.contiguous_format)
+            self.flat[i] = (
+                v
+                if v.is_contiguous()
+                else torch.empty_like(v, memory_format=torch.contiguous_format)
+            )
         self.by_bucket: dict[int, list[_Piece]] = {}
         for p in self.pieces:
             self.by_bucket.setdefault(p.bucket, []).append(p)
@@ -156,8 +177,13 @@ class _Side:
         """Whether received view ``i`` may take a bucket's memory as its storage: a
         whole tensor (no view of another) that owns all of its storage, in one piece."""
         v = self.views[i]
-        return (v._base is None and v.is_contiguous() and v.storage_offset() == 0
-                and v.untyped_storage().nbytes() == _nbytes(v) and i not in self.flat)
+        return (
+            v._base is None
+            and v.is_contiguous()
+            and v.storage_offset() == 0
+            and v.untyped_storage().nbytes() == _nbytes(v)
+            and i not in self.flat
+        )
 
     def pack(self, k: int, buf: torch.Tensor) -> None:
         if k in self.direct:
@@ -176,12 +202,20 @@ class _Side:
     def unpack(self, k: int, buf: torch.Tensor, adopt: bool = False) -> None:
         for p in self.by_bucket.get(k, []):
             v = self.views[p.index]
-            if adopt and self.adoptable(p.index) and (buf.storage_offset() + p.offset) % v.element_size() == 0:
+            if (
+                adopt
+                and self.adoptable(p.index)
+                and (buf.storage_offset() + p.offset) % v.element_size() == 0
+            ):
                 # The received bucket becomes the tensor's storage: no copy, and the
                 # bucket (a hand-off segment within a host) lives while the tensor does.
                 with torch.no_grad():
-                    v.set_(buf.untyped_storage(), (buf.storage_offset() + p.offset) // v.element_size(),
-                           v.shape, v.stride())
+                    v.set_(
+                        buf.untyped_storage(),
+                        (buf.storage_offset() + p.offset) // v.element_size(),
+                        v.shape,
+                        v.stride(),
+                    )
             elif p.index in self.flat:
                 dst = self.flat[p.index].reshape(-1).view(torch.uint8)[p.start : p.stop]
                 dst.copy_(buf[p.offset : p.offset + p.stop - p.start])
@@ -196,8 +230,12 @@ def pack_buckets(views: Sequence[torch.Tensor], bucket_bytes: int) -> list[torch
     ``exchange`` sends them to one peer (``bucket_layout``), copied on the current stream
     of their device. A bucket that is one piece of a contiguous view is that view's own
     memory (``exchange`` sends it without a copy), so it is returned as a view of it."""
-    require(isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN, "bucket_bytes",
-            bucket_bytes, f"must be an int >= {_ALIGN}")
+    require(
+        isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN,
+        "bucket_bytes",
+        bucket_bytes,
+        f"must be an int >= {_ALIGN}",
+    )
     devices = {v.device for v in views}
     require(len(devices) <= 1, "views", sorted(map(str, devices)), "must be on one device")
     device = devices.pop() if devices else torch.device("cpu")
@@ -234,9 +272,15 @@ def exchange(
         raise ConfigError(f"exchange views are on several devices {sorted(map(str, devices))}")
     device = devices.pop() if devices else torch.device("cpu")
     if bucket_bytes is None:
-        bucket_bytes = DEFAULT_BUCKET_BYTES_GPU if device.type == "cuda" else DEFAULT_BUCKET_BYTES_CPU
-    require(isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN, "bucket_bytes",
-            bucket_bytes, f"must be an int >= {_ALIGN}")
+        bucket_bytes = (
+            DEFAULT_BUCKET_BYTES_GPU if device.type == "cuda" else DEFAULT_BUCKET_BYTES_CPU
+        )
+    require(
+        isinstance(bucket_bytes, int) and bucket_bytes >= _ALIGN,
+        "bucket_bytes",
+        bucket_bytes,
+        f"must be an int >= {_ALIGN}",
+    )
     check_peers(comm, sends, recvs)
     out = {p: _Side(list(vs), bucket_bytes) for p, vs in sends.items() if vs}
     inn = {p: _Side(list(vs), bucket_bytes) for p, vs in recvs.items() if vs}
@@ -274,6 +318,7 @@ def exchange(
         helper = None
         error: list[BaseException] = []
         if k + 1 < rounds or k > 0:
+
             def work(k: int = k, error: list[BaseException] = error) -> None:
                 try:
                     if k > 0:
@@ -290,7 +335,9 @@ def exchange(
         for p, side in out.items():
             if k < len(side.used):
                 n = side.used[k]
-                ops.append(P2POp("send", side.direct[k] if k in side.direct else send_bufs[p][:n], p))
+                ops.append(
+                    P2POp("send", side.direct[k] if k in side.direct else send_bufs[p][:n], p)
+                )
                 events.append((comm.rank, p, n))
                 stats.bytes_sent += n
         for p, side in inn.items():
@@ -320,9 +367,14 @@ def exchange(
     return stats
 
 
-def _round_ops(comm: Communicator, k: int, out: dict[int, _Side], inn: dict[int, _Side],
-               send_bufs: dict[int, torch.Tensor], stats: TransferStats
-               ) -> tuple[list[P2POp], list[tuple[int, int]], list[tuple[int, int, int]]]:
+def _round_ops(
+    comm: Communicator,
+    k: int,
+    out: dict[int, _Side],
+    inn: dict[int, _Side],
+    send_bufs: dict[int, torch.Tensor],
+    stats: TransferStats,
+) -> tuple[list[P2POp], list[tuple[int, int]], list[tuple[int, int, int]]]:
     """Round ``k``'s sends, fresh receives and (src, dst, bytes) records."""
     ops, new, records = [], [], []
     for p, side in out.items():
@@ -340,9 +392,17 @@ def _round_ops(comm: Communicator, k: int, out: dict[int, _Side], inn: dict[int,
     return ops, new, records
 
 
-def _exchange_on_streams(comm: Communicator, out: dict[int, _Side], inn: dict[int, _Side],
-                         rounds: int, bucket_bytes: int, device: torch.device,
-                         timeout_s: float | None, adopt: bool, stats: TransferStats) -> None:
+def _exchange_on_streams(
+    comm: Communicator,
+    out: dict[int, _Side],
+    inn: dict[int, _Side],
+    rounds: int,
+    bucket_bytes: int,
+    device: torch.device,
+    timeout_s: float | None,
+    adopt: bool,
+    stats: TransferStats,
+) -> None:
     """The CUDA path: packing and unpacking on a side stream, NCCL on the
     communicator's stream, ordered by events only, so packing round k+1 and unpacking
     round k-1 run while round k is on the wire. The host enqueues everything, then
@@ -352,8 +412,10 @@ def _exchange_on_streams(comm: Communicator, out: dict[int, _Side], inn: dict[in
     start = torch.cuda.Event(enable_timing=True)
     start.record(caller)
     side.wait_event(start)  # the views' producers on the caller's stream come first
-    sets = [{p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in out}
-            for _ in range(min(rounds, 2))]
+    sets = [
+        {p: torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for p in out}
+        for _ in range(min(rounds, 2))
+    ]
     packed: list[Any] = []
     done: list[Any] = []
     fresh: dict[int, dict[int, torch.Tensor]] = {}

@@ -68,15 +68,17 @@ class Communicator(abc.ABC):
     def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
         """Run all sends and receives of this rank as one group (no deadlock)."""
 
-    def batch_p2p_new(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]],
-                      timeout_s: float | None = None) -> list[torch.Tensor]:
+    def batch_p2p_new(
+        self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], timeout_s: float | None = None
+    ) -> list[torch.Tensor]:
         """``batch_p2p(ops)`` plus, in the same group, receives into fresh uint8 tensors:
         ``new`` lists (peer, bytes); returns those tensors in that order. Backends that
         can hand memory over return the sender's copy itself (see ``recv_new``)."""
         device = getattr(self, "device", torch.device("cpu"))
         fresh = [torch.empty(n, dtype=torch.uint8, device=device) for _, n in new]
-        self.batch_p2p([*ops, *(P2POp("recv", t, p) for (p, _), t in zip(new, fresh, strict=True))],
-                       timeout_s)
+        self.batch_p2p(
+            [*ops, *(P2POp("recv", t, p) for (p, _), t in zip(new, fresh, strict=True))], timeout_s
+        )
         return fresh
 
     def send(self, tensor: torch.Tensor, dst: int, timeout_s: float | None = None) -> None:
@@ -85,8 +87,9 @@ class Communicator(abc.ABC):
     def recv(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
         self.batch_p2p([P2POp("recv", tensor, src)], timeout_s)
 
-    def recv_new(self, shape: Sequence[int], dtype: torch.dtype, src: int,
-                 timeout_s: float | None = None) -> torch.Tensor:
+    def recv_new(
+        self, shape: Sequence[int], dtype: torch.dtype, src: int, timeout_s: float | None = None
+    ) -> torch.Tensor:
         """Receive from ``src`` into a fresh tensor of ``shape`` and ``dtype``.
 
         Backends that can hand memory over (shared memory within a host) return a
@@ -128,13 +131,15 @@ class Communicator(abc.ABC):
         if output.dtype != input.dtype or output.numel() != self.size * input.numel():
             raise TransferError(
                 f"all_gather output ({output.dtype}, {output.numel()} elements) must be "
-                f"{input.dtype} with size*input.numel() = {self.size * input.numel()} elements")
+                f"{input.dtype} with size*input.numel() = {self.size * input.numel()} elements"
+            )
 
     def _check_reduce_scatter_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if output.dtype != input.dtype or input.numel() != self.size * output.numel():
             raise TransferError(
                 f"reduce_scatter input ({input.dtype}, {input.numel()} elements) must be "
-                f"{output.dtype} with size*output.numel() = {self.size * output.numel()} elements")
+                f"{output.dtype} with size*output.numel() = {self.size * output.numel()} elements"
+            )
 
     @abc.abstractmethod
     def barrier(self, timeout_s: float | None = None) -> None:

@@ -56,8 +56,12 @@ DEFAULT_SLOTS = 4
 # Extra time granted to gloo to report its own timeout before the watchdog fires.
 _GRACE_S = 1.0
 
-_REDUCE = {"sum": c10d.ReduceOp.SUM, "max": c10d.ReduceOp.MAX, "min": c10d.ReduceOp.MIN,
-           "avg": c10d.ReduceOp.SUM}
+_REDUCE = {
+    "sum": c10d.ReduceOp.SUM,
+    "max": c10d.ReduceOp.MAX,
+    "min": c10d.ReduceOp.MIN,
+    "avg": c10d.ReduceOp.SUM,
+}
 
 
 def host_key() -> str:
@@ -96,25 +100,45 @@ class CpuCommunicator(Communicator):
         devices: tuple[int, ...] | list[int] | None = None,
         store_token: str = "",
     ) -> None:
-        require(isinstance(group_id, str) and group_id != "" and "/" not in group_id,
-                "group_id", group_id, "must be a non-empty string without '/'")
+        require(
+            isinstance(group_id, str) and group_id != "" and "/" not in group_id,
+            "group_id",
+            group_id,
+            "must be a non-empty string without '/'",
+        )
         require(isinstance(size, int) and size >= 1, "size", size, "must be an int >= 1")
         require(isinstance(rank, int) and 0 <= rank < size, "rank", rank, f"must be in [0, {size})")
-        require(isinstance(store_port, int) and 0 < store_port < 65536, "store_port", store_port,
-                "must be a TCP port in 1..65535")
+        require(
+            isinstance(store_port, int) and 0 < store_port < 65536,
+            "store_port",
+            store_port,
+            "must be a TCP port in 1..65535",
+        )
         require(isinstance(epoch, int) and epoch >= 0, "epoch", epoch, "must be an int >= 0")
         require(timeout_s > 0, "timeout_s", timeout_s, "must be > 0 seconds")
-        require(isinstance(store_token, str) and "/" not in store_token, "store_token",
-                store_token, "must be a string without '/'")
-        require(isinstance(slot_bytes, int) and slot_bytes >= 4096, "slot_bytes", slot_bytes,
-                "must be an int >= 4096")
+        require(
+            isinstance(store_token, str) and "/" not in store_token,
+            "store_token",
+            store_token,
+            "must be a string without '/'",
+        )
+        require(
+            isinstance(slot_bytes, int) and slot_bytes >= 4096,
+            "slot_bytes",
+            slot_bytes,
+            "must be an int >= 4096",
+        )
         require(isinstance(slots, int) and slots >= 2, "slots", slots, "must be an int >= 2")
         self.group_id = group_id
         self.rank = rank
         self.size = size
         self.epoch = epoch
-        require(devices is None or len(devices) == size, "devices", devices,
-                f"must list one device per rank ({size})")
+        require(
+            devices is None or len(devices) == size,
+            "devices",
+            devices,
+            f"must list one device per rank ({size})",
+        )
         self.devices = tuple(devices) if devices is not None else None
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
@@ -132,12 +156,14 @@ class CpuCommunicator(Communicator):
         self.eager_bytes = 0
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            self._store = TCPStore(store_host, store_port, is_master=False, timeout=timeout,
-                                   wait_for_workers=False)
+            self._store = TCPStore(
+                store_host, store_port, is_master=False, timeout=timeout, wait_for_workers=False
+            )
         except (RuntimeError, OSError) as e:
             raise TransferError(
                 f"group {group_id!r} rank {rank}: cannot reach the store at "
-                f"{store_host}:{store_port}: {e}") from e
+                f"{store_host}:{store_port}: {e}"
+            ) from e
         self._kv = PrefixStore(f"nereus/{store_token}/{group_id}/{epoch}", self._store)
         try:
             self._rendezvous(store_host, store_port, use_shm, slot_bytes, slots, timeout)
@@ -147,13 +173,21 @@ class CpuCommunicator(Communicator):
 
     # ---------------------------------------------------------------- set-up
 
-    def _rendezvous(self, store_host: str, store_port: int, use_shm: bool, slot_bytes: int,
-                    slots: int, timeout: datetime.timedelta) -> None:
+    def _rendezvous(
+        self,
+        store_host: str,
+        store_port: int,
+        use_shm: bool,
+        slot_bytes: int,
+        slots: int,
+        timeout: datetime.timedelta,
+    ) -> None:
         me = f"{host_key()}|{os.getpid()}"
         # Watchdog entries start at 0 so a stuck caller can always read them.
         others = [p for p in range(self.size) if p != self.rank]
-        self._kv.multi_set([f"c/{self.rank}"] + [f"p/{self.rank}/{p}" for p in others],
-                           ["0"] * (1 + len(others)))
+        self._kv.multi_set(
+            [f"c/{self.rank}"] + [f"p/{self.rank}/{p}" for p in others], ["0"] * (1 + len(others))
+        )
         self._kv.set(f"host/{self.rank}", me)
         keys = [f"host/{r}" for r in range(self.size)]
         try:
@@ -172,11 +206,13 @@ class CpuCommunicator(Communicator):
             self.local_pids = peers
             self.eager_bytes = slot_bytes
         try:
-            self._pg = ProcessGroupGloo(PrefixStore("gloo", self._kv), self.rank, self.size,
-                                        timeout)
+            self._pg = ProcessGroupGloo(
+                PrefixStore("gloo", self._kv), self.rank, self.size, timeout
+            )
         except RuntimeError as e:
             raise TransferError(
-                f"group {self.group_id!r} rank {self.rank}: gloo rendezvous failed: {e}") from e
+                f"group {self.group_id!r} rank {self.rank}: gloo rendezvous failed: {e}"
+            ) from e
         finally:
             # Every rank opened its channels before joining gloo's mesh, so once the mesh
             # is up (or has failed) the names are no longer needed.
@@ -195,16 +231,22 @@ class CpuCommunicator(Communicator):
                 raise TransferError(f"expected a torch.Tensor, got {type(t).__name__}")
             if t.device.type != "cpu":
                 raise TransferError(
-                    f"group {self.group_id!r} is a CPU group; tensor is on {t.device}")
+                    f"group {self.group_id!r} is a CPU group; tensor is on {t.device}"
+                )
 
     def _deadline(self, timeout_s: float | None) -> float:
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         require(t > 0, "timeout_s", timeout_s, "must be > 0 seconds")
         return t
 
-    def _wait_work(self, work: Any, op: str, timeout: float,
-                   missing: Callable[[], list[int] | None],
-                   peers: list[int] | None = None) -> None:
+    def _wait_work(
+        self,
+        work: Any,
+        op: str,
+        timeout: float,
+        missing: Callable[[], list[int] | None],
+        peers: list[int] | None = None,
+    ) -> None:
         """Wait for gloo ``work`` until ``timeout`` (+grace); classify any failure
         (``peers``: the ranks the work involves, None for all)."""
         t0 = time.monotonic()
@@ -242,34 +284,66 @@ class CpuCommunicator(Communicator):
                 raise TransferError(f"group {self.group_id!r}: {op} aborted") from e
             self._fail(op, time.monotonic() - t0, missing(), str(e).splitlines()[0], peers)
 
-    def _fail(self, op: str, seconds: float, missing: list[int] | None, cause: str,
-              peers: list[int] | None = None) -> None:
+    def _fail(
+        self,
+        op: str,
+        seconds: float,
+        missing: list[int] | None,
+        cause: str,
+        peers: list[int] | None = None,
+    ) -> None:
         """Abort the group and raise StuckCollective (ranks missing), PeerDied (ranks
         that died in it; ``peers``: the ranks it involved, None for all) or
         TransferError."""
         self.abort()
         if missing:
-            log.error("group %s rank %d: %s stuck %.2f s; missing ranks %s (%s)",
-                      self.group_id, self.rank, op, seconds, missing, cause)
-            _tap.emit("stuck_collective", group=self.group_id, op=op, missing_ranks=missing,
-                      seconds=seconds, rank=self.rank, epoch=self.epoch)
+            log.error(
+                "group %s rank %d: %s stuck %.2f s; missing ranks %s (%s)",
+                self.group_id,
+                self.rank,
+                op,
+                seconds,
+                missing,
+                cause,
+            )
+            _tap.emit(
+                "stuck_collective",
+                group=self.group_id,
+                op=op,
+                missing_ranks=missing,
+                seconds=seconds,
+                rank=self.rank,
+                epoch=self.epoch,
+            )
             raise StuckCollective(self.group_id, op, missing, seconds)
         self._raise_dead(op, seconds, peers, cause)
 
     def _raise_dead(self, op: str, seconds: float, peers: list[int] | None, cause: str) -> None:
         """Every rank entered ``op`` and it failed: name the peers that died in it."""
         candidates = [p for p in range(self.size) if p != self.rank] if peers is None else peers
-        dead, silent = ([], []) if self._kv is None else dead_peers(
-            self._kv, self.rank, candidates, self._host_pids)
+        dead, silent = (
+            ([], [])
+            if self._kv is None
+            else dead_peers(self._kv, self.rank, candidates, self._host_pids)
+        )
         if dead or silent:
             err = PeerDied(self.group_id, op, dead, silent, self.devices, seconds)
             log.error("group %s rank %d: %s", self.group_id, self.rank, err)
-            _tap.emit("peer_died", group=self.group_id, op=op, dead_ranks=dead,
-                      silent_ranks=silent, rank=self.rank, epoch=self.epoch, seconds=seconds)
+            _tap.emit(
+                "peer_died",
+                group=self.group_id,
+                op=op,
+                dead_ranks=dead,
+                silent_ranks=silent,
+                rank=self.rank,
+                epoch=self.epoch,
+                seconds=seconds,
+            )
             raise err
         raise TransferError(
             f"group {self.group_id!r} rank {self.rank}: {op} failed after {seconds:.2f} s "
-            f"with every rank entered and alive (a peer aborted mid-operation): {cause}")
+            f"with every rank entered and alive (a peer aborted mid-operation): {cause}"
+        )
 
     def _missing_collective(self, seq: int) -> list[int] | None:
         try:
@@ -279,8 +353,9 @@ class CpuCommunicator(Communicator):
             return None
         return [r for r, v in enumerate(vals) if int(v) < seq]
 
-    def _collective(self, op: str, timeout_s: float | None,
-                    issue: Callable[[datetime.timedelta], Any]) -> None:
+    def _collective(
+        self, op: str, timeout_s: float | None, issue: Callable[[datetime.timedelta], Any]
+    ) -> None:
         timeout = self._deadline(timeout_s)
         self._seq += 1
         seq = self._seq
@@ -290,15 +365,21 @@ class CpuCommunicator(Communicator):
             work = issue(datetime.timedelta(seconds=timeout))
         except RuntimeError as e:  # gloo refused the arguments: the peers would wait on us
             self.abort()
-            raise TransferError(f"group {self.group_id!r} rank {self.rank}: {op} refused by "
-                                f"gloo: {str(e).splitlines()[0]}") from e
+            raise TransferError(
+                f"group {self.group_id!r} rank {self.rank}: {op} refused by "
+                f"gloo: {str(e).splitlines()[0]}"
+            ) from e
         self._wait_work(work, op, timeout, lambda: self._missing_collective(seq))
 
     # ---------------------------------------------------------------- collectives
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
-        require(isinstance(src, int) and 0 <= src < self.size, "src", src,
-                f"must be a rank in [0, {self.size})")
+        require(
+            isinstance(src, int) and 0 <= src < self.size,
+            "src",
+            src,
+            f"must be a rank in [0, {self.size})",
+        )
         with self._lock:
             self._check(tensor)
             buf = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -312,8 +393,9 @@ class CpuCommunicator(Communicator):
             if buf is not tensor and self.rank != src:
                 tensor.copy_(buf)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum",
-                   timeout_s: float | None = None) -> None:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "sum", timeout_s: float | None = None
+    ) -> None:
         self._check_op(op, tensor.dtype)
         with self._lock:
             self._check(tensor)
@@ -330,8 +412,9 @@ class CpuCommunicator(Communicator):
             if buf is not tensor:
                 tensor.copy_(buf)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                   timeout_s: float | None = None) -> None:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
         with self._lock:
             self._check(output, input)
             self._check_all_gather_sizes(output, input)
@@ -347,8 +430,13 @@ class CpuCommunicator(Communicator):
             if out is not output:
                 output.copy_(out)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = "sum",
-                       timeout_s: float | None = None) -> None:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = "sum",
+        timeout_s: float | None = None,
+    ) -> None:
         self._check_op(op, input.dtype)
         with self._lock:
             self._check(output, input)
@@ -405,11 +493,11 @@ class CpuCommunicator(Communicator):
             if o.kind not in ("send", "recv"):
                 raise ConfigError(f"P2POp.kind={o.kind!r} must be 'send' or 'recv'")
             if not (isinstance(o.peer, int) and 0 <= o.peer < self.size and o.peer != self.rank):
-                raise ConfigError(
-                    f"P2POp.peer={o.peer!r} must be another rank in [0, {self.size})")
+                raise ConfigError(f"P2POp.peer={o.peer!r} must be another rank in [0, {self.size})")
 
-    def recv_new(self, shape: Sequence[int], dtype: torch.dtype, src: int,
-                 timeout_s: float | None = None) -> torch.Tensor:
+    def recv_new(
+        self, shape: Sequence[int], dtype: torch.dtype, src: int, timeout_s: float | None = None
+    ) -> torch.Tensor:
         """Receive from ``src`` into a fresh tensor. From a same-host peer, a transfer
         larger than one slot is handed off: the tensor IS the sender's copy in shared
         memory (no copy here); its segment returns to the sender's pool once the
@@ -418,8 +506,12 @@ class CpuCommunicator(Communicator):
         if self._shm is None or src not in self._shm.peers:
             return super().recv_new(shape, dtype, src, timeout_s)
         timeout = self._deadline(timeout_s)
-        require(isinstance(src, int) and 0 <= src < self.size and src != self.rank, "src", src,
-                f"must be another rank in [0, {self.size})")
+        require(
+            isinstance(src, int) and 0 <= src < self.size and src != self.rank,
+            "src",
+            src,
+            f"must be another rank in [0, {self.size})",
+        )
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         with self._lock:
             self._check()
@@ -428,8 +520,9 @@ class CpuCommunicator(Communicator):
             assert want.result is not None
             return want.result.view(dtype).view(shape)
 
-    def batch_p2p_new(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]],
-                      timeout_s: float | None = None) -> list[torch.Tensor]:
+    def batch_p2p_new(
+        self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], timeout_s: float | None = None
+    ) -> list[torch.Tensor]:
         """``batch_p2p`` plus receives into fresh tensors; from same-host peers, those
         larger than one slot are hand-offs (see ``recv_new``)."""
         shm_peers = set(self._shm.peers) if self._shm is not None else set()
@@ -441,20 +534,26 @@ class CpuCommunicator(Communicator):
             self._validate_ops(ops)
             for p, n in new:
                 require(isinstance(n, int) and n >= 0, "bytes", n, "must be an int >= 0")
-                require(isinstance(p, int) and 0 <= p < self.size and p != self.rank, "peer", p,
-                        f"must be another rank in [0, {self.size})")
+                require(
+                    isinstance(p, int) and 0 <= p < self.size and p != self.rank,
+                    "peer",
+                    p,
+                    f"must be another rank in [0, {self.size})",
+                )
             wants = [(p, RecvNew(n)) for p, n in new]
             if ops or wants:
                 self._run_p2p(list(ops), timeout, new=wants)
             return [w.result for _, w in wants]
 
-    def _run_p2p(self, ops: list[P2POp], timeout: float,
-                 new: list[tuple[int, RecvNew]] = ()) -> None:
+    def _run_p2p(
+        self, ops: list[P2POp], timeout: float, new: list[tuple[int, RecvNew]] = ()
+    ) -> None:
         peers = sorted({o.peer for o in ops} | {p for p, _ in new})
         for p in peers:
             self._p2p_seq[p] = self._p2p_seq.get(p, 0) + 1
-        self._kv.multi_set([f"p/{self.rank}/{p}" for p in peers],
-                           [str(self._p2p_seq[p]) for p in peers])
+        self._kv.multi_set(
+            [f"p/{self.rank}/{p}" for p in peers], [str(self._p2p_seq[p]) for p in peers]
+        )
         shm_peers = set(self._shm.peers) if self._shm is not None else set()
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (user tensor, contiguous buf)
         shm_sends, shm_recvs, gloo = [], list(new), []
@@ -476,13 +575,19 @@ class CpuCommunicator(Communicator):
                 self._shm.run(shm_sends, shm_recvs, deadline)
             except ShmTimeout as e:
                 self._orphans.extend(w for _, w in works)
-                self._fail("batch_p2p", time.monotonic() - t0, self._missing_p2p(e.peers),
-                           f"transfers with ranks {e.peers} still pending", list(e.peers))
+                self._fail(
+                    "batch_p2p",
+                    time.monotonic() - t0,
+                    self._missing_p2p(e.peers),
+                    f"transfers with ranks {e.peers} still pending",
+                    list(e.peers),
+                )
             except ShmPeerExited as e:
                 self._orphans.extend(w for _, w in works)
                 self.abort()
-                raise PeerDied(self.group_id, "batch_p2p", [e.peer], [], self.devices,
-                               time.monotonic() - t0) from None
+                raise PeerDied(
+                    self.group_id, "batch_p2p", [e.peer], [], self.devices, time.monotonic() - t0
+                ) from None
             except TransferError:
                 self._orphans.extend(w for _, w in works)
                 self.abort()
@@ -490,16 +595,18 @@ class CpuCommunicator(Communicator):
         for i, (peer, work) in enumerate(works):
             left = max(deadline - time.monotonic(), 0.0)
             try:
-                self._wait_work(work, "batch_p2p", left, lambda p=peer: self._missing_p2p([p]),
-                                [peer])
+                self._wait_work(
+                    work, "batch_p2p", left, lambda p=peer: self._missing_p2p([p]), [peer]
+                )
             except BaseException:
                 self._orphans.extend(w for _, w in works[i + 1 :])
                 raise
         for tensor, buf in staged:
             tensor.copy_(buf)
 
-    def _post_gloo_p2p(self, ops: list[tuple[str, int, torch.Tensor]],
-                       deadline: float) -> list[tuple[int, Any]]:
+    def _post_gloo_p2p(
+        self, ops: list[tuple[str, int, torch.Tensor]], deadline: float
+    ) -> list[tuple[int, Any]]:
         """Post gloo sends and receives; returns the work still to wait for.
 
         gloo lets a short message land in a longer buffer without a word, so every
@@ -517,12 +624,16 @@ class CpuCommunicator(Communicator):
                     works.append((peer, self._pg.send([data], peer, 2 * i + 1)))
             else:
                 header = torch.tensor([-1], dtype=torch.int64)
-                pending_recvs.append((peer, data, header, i,
-                                      self._pg.recv([header], peer, 2 * i)))
+                pending_recvs.append((peer, data, header, i, self._pg.recv([header], peer, 2 * i)))
         for n, (peer, data, header, i, work) in enumerate(pending_recvs):
             try:
-                self._wait_work(work, "batch_p2p", max(deadline - time.monotonic(), 0.0),
-                                lambda p=peer: self._missing_p2p([p]), [peer])
+                self._wait_work(
+                    work,
+                    "batch_p2p",
+                    max(deadline - time.monotonic(), 0.0),
+                    lambda p=peer: self._missing_p2p([p]),
+                    [peer],
+                )
             except BaseException:
                 self._orphans.extend([w for _, w in works] + [r[4] for r in pending_recvs[n:]])
                 raise
@@ -531,7 +642,8 @@ class CpuCommunicator(Communicator):
                 self.abort()
                 raise TransferError(
                     f"rank {self.rank} expected {data.numel()} bytes from rank {peer} "
-                    f"but the sender's tensor has {int(header[0])} bytes")
+                    f"but the sender's tensor has {int(header[0])} bytes"
+                )
             if data.numel():
                 works.append((peer, self._pg.recv([data], peer, 2 * i + 1)))
         return works
@@ -573,5 +685,7 @@ class CpuCommunicator(Communicator):
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else "aborted" if self._aborted else "ready"
-        return (f"CpuCommunicator(group={self.group_id!r}, rank={self.rank}/{self.size}, "
-                f"epoch={self.epoch}, shm_peers={self.local_peers if self._shm else []}, {state})")
+        return (
+            f"CpuCommunicator(group={self.group_id!r}, rank={self.rank}/{self.size}, "
+            f"epoch={self.epoch}, shm_peers={self.local_peers if self._shm else []}, {state})"
+        )

@@ -59,7 +59,15 @@ def _record(view: torch.Tensor) -> list[int]:
     if ref is None or view.dim() > _MAX_DIM:
         row[1] = _OFF_ARENA
         return row
-    row[:7] = [ref.token, ref.serial, ref.fd, ref.nbytes, ref.offset, view.element_size(), view.dim()]
+    row[:7] = [
+        ref.token,
+        ref.serial,
+        ref.fd,
+        ref.nbytes,
+        ref.offset,
+        view.element_size(),
+        view.dim(),
+    ]
     row[7 : 7 + view.dim()] = list(view.shape)
     row[7 + _MAX_DIM : 7 + _MAX_DIM + view.dim()] = list(view.stride())
     row[-1] = view.numel()
@@ -90,14 +98,20 @@ class _Writer:
         shape = row[7 : 7 + ndim]
         stride = row[7 + _MAX_DIM : 7 + _MAX_DIM + ndim]
         if row[-1] * itemsize != _nbytes(src):
-            raise TransferError(f"rank {self.peer} receives {row[-1] * itemsize} bytes where this "
-                                f"rank sends {_nbytes(src)}")
+            raise TransferError(
+                f"rank {self.peer} receives {row[-1] * itemsize} bytes where this "
+                f"rank sends {_nbytes(src)}"
+            )
         if itemsize != src.element_size() or not self.can_map:
             return None
-        extent = offset + (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * itemsize
+        extent = (
+            offset + (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * itemsize
+        )
         if offset < 0 or offset % itemsize or min(stride, default=0) < 0 or extent > nbytes:
-            raise TransferError(f"rank {self.peer}'s view record points outside its arena "
-                                f"(offset {offset}, extent {extent}, arena {nbytes} bytes)")
+            raise TransferError(
+                f"rank {self.peer}'s view record points outside its arena "
+                f"(offset {offset}, extent {extent}, arena {nbytes} bytes)"
+            )
         if list(src.shape) != shape and not (src.is_contiguous() and _is_contiguous(shape, stride)):
             return None
         key = (serial, src.dtype)
@@ -106,7 +120,9 @@ class _Writer:
             try:
                 mapped = _arena.map_peer(_arena.ArenaRef(self.pid, token, serial, fd, nbytes, 0))
             except OSError as e:
-                log.warning("cannot map rank %d's arena (pid %d): %s; using buckets", self.peer, self.pid, e)
+                log.warning(
+                    "cannot map rank %d's arena (pid %d): %s; using buckets", self.peer, self.pid, e
+                )
                 self.can_map = False
                 return None
             base = self.typed[key] = mapped[: nbytes - nbytes % itemsize].view(src.dtype)
@@ -134,15 +150,21 @@ def exchange_direct(
     # 1. where each receive view lives, to each sender; the local copies run while
     # the senders' records are on their way when posting ours does not wait for the
     # peers (each fits a ring slot), else records go both ways first
-    mine = [P2POp("send", torch.tensor([_record(v) for v in vs], dtype=torch.int64), p)
-            for p, vs in inn.items()]
+    mine = [
+        P2POp("send", torch.tensor([_record(v) for v in vs], dtype=torch.int64), p)
+        for p, vs in inn.items()
+    ]
     records = {p: torch.empty((len(vs), _FIELDS), dtype=torch.int64) for p, vs in out.items()}
     theirs = [P2POp("recv", r, p) for p, r in records.items()]
     eager = all(_nbytes(op.tensor) <= getattr(comm, "eager_bytes", 0) for op in mine)
     first, after = (mine, theirs) if eager else (mine + theirs, [])
     # a local pair that reads the same source rows as a view going out waits for the
     # writes, so that one pass over those rows serves both (copy_pairs)
-    shared = ({source_rows(v) for vs in out.values() for v in vs} - {None}) if row_blocks_available() else set()
+    shared = (
+        ({source_rows(v) for vs in out.values() for v in vs} - {None})
+        if row_blocks_available()
+        else set()
+    )
     now: list[tuple[torch.Tensor, torch.Tensor]] = []
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     for pair in local:
@@ -175,10 +197,18 @@ def exchange_direct(
         done = sum(_nbytes(v) for v, f in zip(vs, flags_in[p].tolist(), strict=True) if f)
         _count(stats, comm, p, comm.rank, done, time.perf_counter() - t_start)
     # 3. the rest through buckets, pairs and order the same on both sides
-    rest_out = {p: [v for v, f in zip(vs, flags_out[p].tolist(), strict=True) if not f] if p in out else list(vs)
-                for p, vs in sends.items()}
-    rest_in = {p: [v for v, f in zip(vs, flags_in[p].tolist(), strict=True) if not f] if p in inn else list(vs)
-               for p, vs in recvs.items()}
+    rest_out = {
+        p: [v for v, f in zip(vs, flags_out[p].tolist(), strict=True) if not f]
+        if p in out
+        else list(vs)
+        for p, vs in sends.items()
+    }
+    rest_in = {
+        p: [v for v, f in zip(vs, flags_in[p].tolist(), strict=True) if not f]
+        if p in inn
+        else list(vs)
+        for p, vs in recvs.items()
+    }
     rest_out = {p: vs for p, vs in rest_out.items() if vs}
     rest_in = {p: vs for p, vs in rest_in.items() if vs}
     if rest_out or rest_in:
@@ -187,8 +217,14 @@ def exchange_direct(
     return stats
 
 
-def _targets(comm: Communicator, peer: int, pid: int, views: list[torch.Tensor], rows: list[list[int]],
-             writes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+def _targets(
+    comm: Communicator,
+    peer: int,
+    pid: int,
+    views: list[torch.Tensor],
+    rows: list[list[int]],
+    writes: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, int]:
     """Add to ``writes`` the (view, receiver memory) pairs that can go directly into
     ``peer``'s memory; returns one flag per view (set: copied by ``writes``) and their bytes."""
     writer = _Writer(peer, pid)
@@ -197,7 +233,9 @@ def _targets(comm: Communicator, peer: int, pid: int, views: list[torch.Tensor],
     for i, (src, row) in enumerate(zip(views, rows, strict=True)):
         if row[1] == _EMPTY:
             if src.numel():
-                raise TransferError(f"rank {peer} receives 0 bytes where rank {comm.rank} sends {_nbytes(src)}")
+                raise TransferError(
+                    f"rank {peer} receives 0 bytes where rank {comm.rank} sends {_nbytes(src)}"
+                )
             flags[i] = 1
             continue
         if row[1] == _OFF_ARENA:
@@ -210,7 +248,9 @@ def _targets(comm: Communicator, peer: int, pid: int, views: list[torch.Tensor],
     return flags, moved
 
 
-def _count(stats: TransferStats, comm: Communicator, src: int, dst: int, nbytes: int, seconds: float) -> None:
+def _count(
+    stats: TransferStats, comm: Communicator, src: int, dst: int, nbytes: int, seconds: float
+) -> None:
     if not nbytes:
         return
     mine = src == comm.rank

@@ -49,8 +49,15 @@ from nereus.actors import (
 from nereus.errors import ActorDied, ConfigError, TransferError
 from nereus.transfer.communicator import Communicator
 
-__all__ = ["make_group", "release_groups", "GroupHandle", "GroupAgent", "get_communicator",
-           "release_epoch", "local_groups"]
+__all__ = [
+    "make_group",
+    "release_groups",
+    "GroupHandle",
+    "GroupAgent",
+    "get_communicator",
+    "release_epoch",
+    "local_groups",
+]
 
 log = logging.getLogger("nereus.transfer")
 
@@ -70,8 +77,10 @@ def get_communicator(group_id: str) -> Communicator:
     with _registry_lock:
         comm = _registry.get(group_id)
     if comm is None:
-        raise TransferError(f"group {group_id!r} is not live in this process (pid {os.getpid()}); "
-                            f"live groups: {sorted(_registry)}")
+        raise TransferError(
+            f"group {group_id!r} is not live in this process (pid {os.getpid()}); "
+            f"live groups: {sorted(_registry)}"
+        )
     return comm
 
 
@@ -100,20 +109,38 @@ def release_epoch(epoch: int) -> int:
 def _build(spec: dict[str, Any], loop: asyncio.AbstractEventLoop | None = None) -> Communicator:
     """A communicator from the one message ``make_group`` sends (runs in a thread;
     ``loop``: the worker's event loop, which watches an NCCL group's deadlines)."""
-    common = dict(epoch=spec["epoch"], timeout_s=spec["timeout_s"], devices=spec["devices"],
-                  store_token=spec.get("store_token", ""), **spec.get("options", {}))
+    common = dict(
+        epoch=spec["epoch"],
+        timeout_s=spec["timeout_s"],
+        devices=spec["devices"],
+        store_token=spec.get("store_token", ""),
+        **spec.get("options", {}),
+    )
     if spec["backend"] == "nccl":
         from nereus.transfer.nccl import NcclCommunicator  # libnccl only where it is used
 
         # No device index: a worker sees exactly one GPU, cuda:0, whatever the device's
         # index on its node (the engines' tensors live there too).
-        return NcclCommunicator(spec["group_id"], spec["rank"], spec["size"],
-                                bytes(spec["nccl_id"]), store_host=spec["store_host"],
-                                store_port=spec["store_port"], loop=loop, **common)
+        return NcclCommunicator(
+            spec["group_id"],
+            spec["rank"],
+            spec["size"],
+            bytes(spec["nccl_id"]),
+            store_host=spec["store_host"],
+            store_port=spec["store_port"],
+            loop=loop,
+            **common,
+        )
     from nereus.transfer.cpu import CpuCommunicator
 
-    return CpuCommunicator(spec["group_id"], spec["rank"], spec["size"], spec["store_host"],
-                           spec["store_port"], **common)
+    return CpuCommunicator(
+        spec["group_id"],
+        spec["rank"],
+        spec["size"],
+        spec["store_host"],
+        spec["store_port"],
+        **common,
+    )
 
 
 class GroupAgent(Actor):
@@ -177,8 +204,9 @@ class GroupHandle:
         self.destroyed = True
         if self._owner is not None:
             self._owner.forget(self)
-        results = await asyncio.gather(*(a.leave.call_one(self.group_id) for a in self._agents),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(a.leave.call_one(self.group_id) for a in self._agents), return_exceptions=True
+        )
         self._store = None
         errors = [r for r in results if isinstance(r, BaseException)]
         for e in errors:
@@ -206,8 +234,9 @@ class _Groups:
         missing = [d for d in devices if d not in self.agents]
         if missing:
             self.spawned += 1
-            mesh = await cluster.spawn(f"nereus-transfer-{uuid.uuid4().hex[:8]}", GroupAgent,
-                                       devices=missing)
+            mesh = await cluster.spawn(
+                f"nereus-transfer-{uuid.uuid4().hex[:8]}", GroupAgent, devices=missing
+            )
             for d, ref in zip(missing, mesh.refs, strict=True):
                 self.agents[d] = ref
         return [self.agents[d] for d in devices]
@@ -226,8 +255,9 @@ def _device_list(cluster: Cluster, devices: Any) -> list[DeviceInfo]:
     for d in devices:
         i = d.index if isinstance(d, DeviceInfo) else d
         if isinstance(i, bool) or not isinstance(i, int) or i not in by_index:
-            raise ConfigError(f"devices contains {d!r}, which is not a device of the cluster "
-                              f"{sorted(by_index)}")
+            raise ConfigError(
+                f"devices contains {d!r}, which is not a device of the cluster {sorted(by_index)}"
+            )
         out.append(by_index[i])
     if not out:
         raise ConfigError("devices=[] must name at least one device")
@@ -251,8 +281,9 @@ def _store_host(devices: list[DeviceInfo]) -> str:
             probe.connect((peer, 9))
             return probe.getsockname()[0]
     except OSError as e:
-        log.warning("no route to member host %r (%s); the store listens on %s's address",
-                    remote[0], e, me)
+        log.warning(
+            "no route to member host %r (%s); the store listens on %s's address", remote[0], e, me
+        )
         return socket.gethostbyname(me)
 
 
@@ -274,9 +305,14 @@ class _Rendezvous:
             listener.listen(128)
             self.host = host
             self.port = listener.getsockname()[1]
-            self.store = TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s),
-                                  master_listen_fd=listener.fileno())
+            self.store = TCPStore(
+                host,
+                self.port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                master_listen_fd=listener.fileno(),
+            )
         except BaseException:
             listener.close()
             raise
@@ -304,9 +340,16 @@ class _Rendezvous:
             blank.close()
 
 
-async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "auto",
-                     epoch: int = 0, timeout_s: float = 60.0,
-                     options: dict[str, Any] | None = None, tag: str = "") -> GroupHandle:
+async def make_group(
+    cluster: Cluster,
+    devices: Any = None,
+    *,
+    backend: str = "auto",
+    epoch: int = 0,
+    timeout_s: float = 60.0,
+    options: dict[str, Any] | None = None,
+    tag: str = "",
+) -> GroupHandle:
     """A live group over ``devices`` (indices, DeviceInfo or an ActorMesh, in rank
     order); see the module docstring. ``options`` go to the backend's constructor (e.g.
     ``{"use_shm": False}`` for CpuCommunicator); ``tag`` sets groups of one epoch apart
@@ -323,36 +366,59 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
     if backend == "auto":
         backend = "nccl" if kinds == {"cuda"} else "gloo"
     if backend == "nccl" and kinds != {"cuda"}:
-        raise ConfigError(f"backend='nccl' needs CUDA devices; devices are of kinds {sorted(kinds)}")
+        raise ConfigError(
+            f"backend='nccl' needs CUDA devices; devices are of kinds {sorted(kinds)}"
+        )
     state = _state.setdefault(cluster, _Groups())
-    key = (tuple(d.index for d in infos), backend, epoch, repr(sorted((options or {}).items())), tag)
+    key = (
+        tuple(d.index for d in infos),
+        backend,
+        epoch,
+        repr(sorted((options or {}).items())),
+        tag,
+    )
     async with state.lock:
         cached = state.cache.get(key)
         if cached is not None and not cached.destroyed:
             return cached
         agents = await state.agents_for(cluster, [d.index for d in infos])
     group_id = f"e{epoch}-{uuid.uuid4().hex[:12]}"
-    spec: dict[str, Any] = {"group_id": group_id, "size": len(infos), "epoch": epoch,
-                            "backend": backend, "timeout_s": float(timeout_s),
-                            "devices": [d.index for d in infos]}
+    spec: dict[str, Any] = {
+        "group_id": group_id,
+        "size": len(infos),
+        "epoch": epoch,
+        "backend": backend,
+        "timeout_s": float(timeout_s),
+        "devices": [d.index for d in infos],
+    }
     # The store is gloo's rendezvous, and for both backends the watchdog's record of
     # which ranks entered each operation. It lives as long as the handle.
     store = _Rendezvous(_store_host(infos), timeout_s)
-    spec.update(store_host=store.host, store_port=store.port, options=dict(options or {}),
-                store_token=store_token(cluster.key, group_id))
+    spec.update(
+        store_host=store.host,
+        store_port=store.port,
+        options=dict(options or {}),
+        store_token=store_token(cluster.key, group_id),
+    )
     if backend == "nccl":
         spec["nccl_id"] = await agents[0].nccl_unique_id.call_one()
-    handle = GroupHandle(group_id, tuple(d.index for d in infos), backend, epoch, agents, state,
-                         store, tag=tag)
+    handle = GroupHandle(
+        group_id, tuple(d.index for d in infos), backend, epoch, agents, state, store, tag=tag
+    )
     # set-ups over a shared device go one after another (locks taken in device order,
     # so two set-ups never wait on each other)
-    locks = [state.device_locks.setdefault(d.index, asyncio.Lock()) for d in sorted(infos, key=lambda d: d.index)]
+    locks = [
+        state.device_locks.setdefault(d.index, asyncio.Lock())
+        for d in sorted(infos, key=lambda d: d.index)
+    ]
     for lock in locks:
         await lock.acquire()
     try:
         t_setup = time.monotonic()
-        calls = [a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
-                 for r, a in enumerate(agents)]
+        calls = [
+            a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
+            for r, a in enumerate(agents)
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         handle.setup_span = (t_setup, time.monotonic())
     finally:
@@ -366,15 +432,20 @@ async def make_group(cluster: Cluster, devices: Any = None, *, backend: str = "a
         handle.destroyed = False
         await handle.destroy()
         device, err = failed[0]
-        raise TransferError(f"make_group over devices {list(handle.devices)}: device {device} "
-                            f"could not join: {err}") from err
+        raise TransferError(
+            f"make_group over devices {list(handle.devices)}: device {device} could not join: {err}"
+        ) from err
     store.seal()  # every member holds its connection: nobody else may connect now
     took = handle.setup_span[1] - handle.setup_span[0]
     if took > SLOW_SETUP_S:
-        log.warning("group %s over devices %s took %.1f s to set up (at 5 s: a member's resolver dropped "
-                    "the reverse lookup of the store's address; docs/clusters.md, 'Group set-ups "
-                    "that take 5 s')",
-                    group_id, list(handle.devices), took)
+        log.warning(
+            "group %s over devices %s took %.1f s to set up (at 5 s: a member's resolver dropped "
+            "the reverse lookup of the store's address; docs/clusters.md, 'Group set-ups "
+            "that take 5 s')",
+            group_id,
+            list(handle.devices),
+            took,
+        )
     state.cache[key] = handle
     return handle
 
@@ -385,7 +456,9 @@ async def release_groups(cluster: Cluster, epoch: int, tag: str | None = None) -
     state = _state.get(cluster)
     if state is None:
         return 0
-    handles = [h for h in list(state.cache.values()) if h.epoch == epoch and (tag is None or h.tag == tag)]
+    handles = [
+        h for h in list(state.cache.values()) if h.epoch == epoch and (tag is None or h.tag == tag)
+    ]
     for h in handles:
         await h.destroy()
     return len(handles)

@@ -130,16 +130,30 @@ class NcclCommunicator(Communicator):
     backend = "nccl"
     streamed = True
 
-    def __init__(self, group_id: str, rank: int, size: int, nccl_id: bytes, *,
-                 epoch: int = 0, timeout_s: float = 60.0, device: int | None = None,
-                 store_host: str | None = None, store_port: int | None = None,
-                 devices: tuple[int, ...] | list[int] | None = None,
-                 store_token: str = "", loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        group_id: str,
+        rank: int,
+        size: int,
+        nccl_id: bytes,
+        *,
+        epoch: int = 0,
+        timeout_s: float = 60.0,
+        device: int | None = None,
+        store_host: str | None = None,
+        store_port: int | None = None,
+        devices: tuple[int, ...] | list[int] | None = None,
+        store_token: str = "",
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         require(isinstance(size, int) and size >= 1, "size", size, "must be an int >= 1")
         require(isinstance(rank, int) and 0 <= rank < size, "rank", rank, f"must be in [0, {size})")
-        require(isinstance(nccl_id, (bytes, bytearray)) and len(nccl_id) == 128, "nccl_id",
-                f"<{len(nccl_id)} bytes>" if isinstance(nccl_id, (bytes, bytearray)) else nccl_id,
-                "must be the 128 bytes of an NCCL unique id")
+        require(
+            isinstance(nccl_id, (bytes, bytearray)) and len(nccl_id) == 128,
+            "nccl_id",
+            f"<{len(nccl_id)} bytes>" if isinstance(nccl_id, (bytes, bytearray)) else nccl_id,
+            "must be the 128 bytes of an NCCL unique id",
+        )
         require(timeout_s > 0, "timeout_s", timeout_s, "must be > 0 seconds")
         if not torch.cuda.is_available():
             raise TransferError("the nccl backend needs a CUDA device; torch sees none")
@@ -148,8 +162,12 @@ class NcclCommunicator(Communicator):
         self.rank = rank
         self.size = size
         self.epoch = epoch
-        require(devices is None or len(devices) == size, "devices", devices,
-                f"must list one device per rank ({size})")
+        require(
+            devices is None or len(devices) == size,
+            "devices",
+            devices,
+            f"must list one device per rank ({size})",
+        )
         self.devices = tuple(devices) if devices is not None else None
         self.timeout_s = float(timeout_s)
         # A worker sees one GPU: cuda:0 (module docstring).
@@ -167,8 +185,13 @@ class NcclCommunicator(Communicator):
         if store_host is not None and store_port is not None:
             from torch.distributed import PrefixStore, TCPStore
 
-            store = TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=self.timeout_s))
+            store = TCPStore(
+                store_host,
+                store_port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
             self._kv = PrefixStore(f"nereus/{store_token}/{group_id}/{epoch}", store)
             self._kv.multi_set([f"c/{rank}", f"joined/{rank}"], ["0", "1"])
         t0 = time.monotonic()
@@ -180,11 +203,20 @@ class NcclCommunicator(Communicator):
             missing = self._never_joined()
             seconds = time.monotonic() - t0
             if missing:
-                _tap.emit("stuck_collective", group=group_id, op="create",
-                          missing_ranks=missing, seconds=seconds, rank=rank, epoch=epoch)
+                _tap.emit(
+                    "stuck_collective",
+                    group=group_id,
+                    op="create",
+                    missing_ranks=missing,
+                    seconds=seconds,
+                    rank=rank,
+                    epoch=epoch,
+                )
                 raise StuckCollective(group_id, "create", missing, seconds) from None
-            raise TransferError(f"group {group_id!r} rank {rank}: NCCL could not form the "
-                                f"group within {self.timeout_s} s") from None
+            raise TransferError(
+                f"group {group_id!r} rank {rank}: NCCL could not form the "
+                f"group within {self.timeout_s} s"
+            ) from None
         # The communication stream: NCCL's kernels never queue behind the caller's work
         # (nor the caller's behind them) except where an event orders them.
         self.stream = torch.cuda.Stream(device=self.device)
@@ -234,8 +266,10 @@ class NcclCommunicator(Communicator):
                     self._pending.popleft()
             except RuntimeError as e:  # a CUDA error: the next call raises it
                 if self._failure is None:
-                    self._failure = TransferError(f"group {self.group_id!r}: CUDA error while "
-                                                  f"NCCL operations were pending: {e}")
+                    self._failure = TransferError(
+                        f"group {self.group_id!r}: CUDA error while "
+                        f"NCCL operations were pending: {e}"
+                    )
                 self._pending.clear()
                 return
             if not self._pending or self._failure is not None or self._aborted:
@@ -244,8 +278,14 @@ class NcclCommunicator(Communicator):
             head = self._pending[0]
         code = self._comm.async_error()
         if code not in (_libnccl.SUCCESS, _libnccl.IN_PROGRESS):
-            self._fail(_Failure(head.op, head.seq, now - head.t0,
-                                f"NCCL error {code} ({self._comm.error_text(code)})"))
+            self._fail(
+                _Failure(
+                    head.op,
+                    head.seq,
+                    now - head.t0,
+                    f"NCCL error {code} ({self._comm.error_text(code)})",
+                )
+            )
         elif late is not None:
             self._fail(_Failure(late.op, late.seq, now - late.t0))
 
@@ -254,8 +294,14 @@ class NcclCommunicator(Communicator):
             if self._failure is not None:
                 return
             self._failure = failure
-        log.error("group %s rank %d: %s %s after %.2f s; aborting", self.group_id, self.rank,
-                  failure.op, failure.nccl_error or "not done by its deadline", failure.seconds)
+        log.error(
+            "group %s rank %d: %s %s after %.2f s; aborting",
+            self.group_id,
+            self.rank,
+            failure.op,
+            failure.nccl_error or "not done by its deadline",
+            failure.seconds,
+        )
         # A caller inside an NCCL call holds the lock and aborts itself when it sees the
         # failure (right after that call); never free the handle under it.
         if self._lock.acquire(blocking=False):
@@ -274,18 +320,28 @@ class NcclCommunicator(Communicator):
         missing = self._missing(failure.seq) if not failure.nccl_error else []
         error: BaseException
         if missing:
-            _tap.emit("stuck_collective", group=self.group_id, op=failure.op,
-                      missing_ranks=missing, seconds=failure.seconds, rank=self.rank,
-                      epoch=self.epoch)
+            _tap.emit(
+                "stuck_collective",
+                group=self.group_id,
+                op=failure.op,
+                missing_ranks=missing,
+                seconds=failure.seconds,
+                rank=self.rank,
+                epoch=self.epoch,
+            )
             error = StuckCollective(self.group_id, failure.op, missing, failure.seconds)
         else:
-            why = failure.nccl_error or ("did not complete (no store records: ranks unknown, "
-                                         "or a peer died)")
-            error = TransferError(f"group {self.group_id!r} rank {self.rank}: {failure.op} "
-                                  f"{why} in {failure.seconds:.2f} s")
+            why = failure.nccl_error or (
+                "did not complete (no store records: ranks unknown, or a peer died)"
+            )
+            error = TransferError(
+                f"group {self.group_id!r} rank {self.rank}: {failure.op} "
+                f"{why} in {failure.seconds:.2f} s"
+            )
         # Raised once; later calls find the group aborted (the Communicator contract).
-        self._failure = TransferError(f"group {self.group_id!r}: the group was aborted "
-                                      f"after {failure.op} failed")
+        self._failure = TransferError(
+            f"group {self.group_id!r}: the group was aborted after {failure.op} failed"
+        )
         raise error
 
     def _missing(self, seq: int) -> list[int]:
@@ -309,8 +365,9 @@ class NcclCommunicator(Communicator):
                     return
                 head = self._pending[0]
             if self._aborted:  # aborted from outside: what is pending may never end
-                raise TransferError(f"group {self.group_id!r}: the group was aborted with "
-                                    f"{head.op} pending")
+                raise TransferError(
+                    f"group {self.group_id!r}: the group was aborted with {head.op} pending"
+                )
             if cap is not None and now >= cap:
                 self._fail(_Failure(head.op, head.seq, now - head.t0))
                 continue
@@ -331,9 +388,17 @@ class NcclCommunicator(Communicator):
                 where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
                 raise TransferError(f"group {self.group_id!r} works on {self.device}; got {where}")
 
-    def _launch(self, op: str, timeout_s: float | None, enqueue: Callable[[int, float], None],
-                touched: Sequence[torch.Tensor], *, group: bool = False, after: Any = None,
-                join_caller: bool = True) -> Any:
+    def _launch(
+        self,
+        op: str,
+        timeout_s: float | None,
+        enqueue: Callable[[int, float], None],
+        touched: Sequence[torch.Tensor],
+        *,
+        group: bool = False,
+        after: Any = None,
+        join_caller: bool = True,
+    ) -> Any:
         """Enqueue ``op`` (``enqueue(stream, deadline)``) on the communication stream
         after ``after`` (default: the caller's current stream as it is now); returns the
         event recorded after it. ``join_caller``: the caller's stream waits for that."""
@@ -393,9 +458,14 @@ class NcclCommunicator(Communicator):
 
     # ---------------------------------------------------------------- operations
 
-    def _p2p(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], timeout_s: float | None,
-             after: Any, join_caller: bool) -> tuple[list[torch.Tensor], Any,
-                                                    list[tuple[P2POp, torch.Tensor]]]:
+    def _p2p(
+        self,
+        ops: Sequence[P2POp],
+        new: Sequence[tuple[int, int]],
+        timeout_s: float | None,
+        after: Any,
+        join_caller: bool,
+    ) -> tuple[list[torch.Tensor], Any, list[tuple[P2POp, torch.Tensor]]]:
         for o in ops:
             if o.kind not in ("send", "recv"):
                 raise ConfigError(f"P2POp.kind={o.kind!r} must be 'send' or 'recv'")
@@ -417,11 +487,26 @@ class NcclCommunicator(Communicator):
                 for o, buf in staged:
                     data = _as_bytes(buf)
                     name = "ncclSend" if o.kind == "send" else "ncclRecv"
-                    comm.call(name, data.data_ptr(), data.numel(), u8, o.peer, comm.handle,
-                              stream, deadline=deadline)
+                    comm.call(
+                        name,
+                        data.data_ptr(),
+                        data.numel(),
+                        u8,
+                        o.peer,
+                        comm.handle,
+                        stream,
+                        deadline=deadline,
+                    )
 
-            done = self._launch("batch_p2p", timeout_s, enqueue, [b for _, b in staged],
-                                group=True, after=after, join_caller=join_caller)
+            done = self._launch(
+                "batch_p2p",
+                timeout_s,
+                enqueue,
+                [b for _, b in staged],
+                group=True,
+                after=after,
+                join_caller=join_caller,
+            )
         return fresh, done, staged
 
     def batch_p2p(self, ops: Sequence[P2POp], timeout_s: float | None = None) -> None:
@@ -430,16 +515,22 @@ class NcclCommunicator(Communicator):
             if o.kind == "recv" and buf is not o.tensor:
                 o.tensor.copy_(buf)  # on the caller's stream, after it waited for NCCL
 
-    def batch_p2p_new(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]],
-                      timeout_s: float | None = None) -> list[torch.Tensor]:
+    def batch_p2p_new(
+        self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], timeout_s: float | None = None
+    ) -> list[torch.Tensor]:
         fresh, _, staged = self._p2p(ops, new, timeout_s, None, True)
         for o, buf in staged:
             if o.kind == "recv" and buf is not o.tensor:
                 o.tensor.copy_(buf)
         return fresh
 
-    def enqueue_p2p(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], after: Any,
-                    timeout_s: float | None = None) -> tuple[list[torch.Tensor], Any]:
+    def enqueue_p2p(
+        self,
+        ops: Sequence[P2POp],
+        new: Sequence[tuple[int, int]],
+        after: Any,
+        timeout_s: float | None = None,
+    ) -> tuple[list[torch.Tensor], Any]:
         """``batch_p2p_new`` on the communication stream after event ``after`` (None: the
         caller's current stream as it is now), without making the caller's stream wait:
         returns the fresh receive buffers and the event marking the end (None when there
@@ -450,21 +541,39 @@ class NcclCommunicator(Communicator):
         return fresh, done
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
-        require(isinstance(src, int) and 0 <= src < self.size, "src", src,
-                f"must be a rank in [0, {self.size})")
+        require(
+            isinstance(src, int) and 0 <= src < self.size,
+            "src",
+            src,
+            f"must be a rank in [0, {self.size})",
+        )
         with self._lock:
             self._check(tensor)
             buf = self._contig(tensor)
             data, count, code = _elements(buf)
             comm = self._comm
-            self._launch("broadcast", timeout_s, lambda s, d: comm.call(
-                "ncclBroadcast", data.data_ptr(), data.data_ptr(), count, code, src,
-                comm.handle, s, deadline=d), [buf])
+            self._launch(
+                "broadcast",
+                timeout_s,
+                lambda s, d: comm.call(
+                    "ncclBroadcast",
+                    data.data_ptr(),
+                    data.data_ptr(),
+                    count,
+                    code,
+                    src,
+                    comm.handle,
+                    s,
+                    deadline=d,
+                ),
+                [buf],
+            )
             if buf is not tensor and self.rank != src:
                 tensor.copy_(buf)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum",
-                   timeout_s: float | None = None) -> None:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "sum", timeout_s: float | None = None
+    ) -> None:
         code = self._reduce(op, tensor.dtype)
         with self._lock:
             self._check(tensor)
@@ -472,16 +581,30 @@ class NcclCommunicator(Communicator):
             flat = buf.reshape(-1).view(torch.uint8) if buf.dtype == torch.bool else buf.reshape(-1)
             dt = _dtype_code(buf.dtype)
             comm = self._comm
-            self._launch("all_reduce", timeout_s, lambda s, d: comm.call(
-                "ncclAllReduce", flat.data_ptr(), flat.data_ptr(), flat.numel(), dt, code,
-                comm.handle, s, deadline=d), [buf])
+            self._launch(
+                "all_reduce",
+                timeout_s,
+                lambda s, d: comm.call(
+                    "ncclAllReduce",
+                    flat.data_ptr(),
+                    flat.data_ptr(),
+                    flat.numel(),
+                    dt,
+                    code,
+                    comm.handle,
+                    s,
+                    deadline=d,
+                ),
+                [buf],
+            )
             if op == "avg":
                 buf.div_(self.size)
             if buf is not tensor:
                 tensor.copy_(buf)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                   timeout_s: float | None = None) -> None:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
         with self._lock:
             self._check(output, input)
             self._check_all_gather_sizes(output, input)
@@ -489,27 +612,60 @@ class NcclCommunicator(Communicator):
             out = self._contig(output)
             dst = _elements(out)[0]
             comm = self._comm
-            self._launch("all_gather", timeout_s, lambda s, d: comm.call(
-                "ncclAllGather", src.data_ptr(), dst.data_ptr(), count, code, comm.handle, s,
-                deadline=d), [src, out])
+            self._launch(
+                "all_gather",
+                timeout_s,
+                lambda s, d: comm.call(
+                    "ncclAllGather",
+                    src.data_ptr(),
+                    dst.data_ptr(),
+                    count,
+                    code,
+                    comm.handle,
+                    s,
+                    deadline=d,
+                ),
+                [src, out],
+            )
             if out is not output:
                 output.copy_(out)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = "sum",
-                       timeout_s: float | None = None) -> None:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = "sum",
+        timeout_s: float | None = None,
+    ) -> None:
         code = self._reduce(op, input.dtype)
         with self._lock:
             self._check(output, input)
             self._check_reduce_scatter_sizes(output, input)
             src = self._contig(input)
             out = self._contig(output)
-            fsrc, fout = ((src.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8))
-                          if src.dtype == torch.bool else (src.reshape(-1), out.reshape(-1)))
+            fsrc, fout = (
+                (src.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8))
+                if src.dtype == torch.bool
+                else (src.reshape(-1), out.reshape(-1))
+            )
             dt = _dtype_code(src.dtype)
             comm = self._comm
-            self._launch("reduce_scatter", timeout_s, lambda s, d: comm.call(
-                "ncclReduceScatter", fsrc.data_ptr(), fout.data_ptr(), fout.numel(), dt, code,
-                comm.handle, s, deadline=d), [src, out])
+            self._launch(
+                "reduce_scatter",
+                timeout_s,
+                lambda s, d: comm.call(
+                    "ncclReduceScatter",
+                    fsrc.data_ptr(),
+                    fout.data_ptr(),
+                    fout.numel(),
+                    dt,
+                    code,
+                    comm.handle,
+                    s,
+                    deadline=d,
+                ),
+                [src, out],
+            )
             if op == "avg":
                 out.div_(self.size)
             if out is not output:
@@ -522,9 +678,22 @@ class NcclCommunicator(Communicator):
             self._check()
             one = torch.zeros(1, dtype=torch.float32, device=self.device)
             comm = self._comm
-            self._launch("barrier", timeout_s, lambda s, d: comm.call(
-                "ncclAllReduce", one.data_ptr(), one.data_ptr(), 1, _libnccl.FLOAT32,
-                _libnccl.OPS["sum"], comm.handle, s, deadline=d), [one])
+            self._launch(
+                "barrier",
+                timeout_s,
+                lambda s, d: comm.call(
+                    "ncclAllReduce",
+                    one.data_ptr(),
+                    one.data_ptr(),
+                    1,
+                    _libnccl.FLOAT32,
+                    _libnccl.OPS["sum"],
+                    comm.handle,
+                    s,
+                    deadline=d,
+                ),
+                [one],
+            )
         self.synchronize()
 
     # ---------------------------------------------------------------- teardown
@@ -542,8 +711,12 @@ class NcclCommunicator(Communicator):
             try:
                 self.synchronize()  # what is in flight finishes (or fails) first
             except (TransferError, StuckCollective) as e:  # aborted: nothing to flush
-                log.warning("group %s rank %d: destroyed after a failed operation: %s",
-                            self.group_id, self.rank, e)
+                log.warning(
+                    "group %s rank %d: destroyed after a failed operation: %s",
+                    self.group_id,
+                    self.rank,
+                    e,
+                )
         with self._lock:
             if not self._aborted:
                 try:

@@ -38,7 +38,9 @@ def joint(columns: Sequence[Runs]) -> list[tuple[list[tuple], int]]:
     lengths), so the work grows with the number of runs and their patterns, not with
     the devices."""
     # per column its runs as (pattern, pattern length, devices covered), empty ones dropped
-    cols = [[(pat, len(pat), len(pat) * reps) for pat, reps in col if pat and reps] for col in columns]
+    cols = [
+        [(pat, len(pat), len(pat) * reps) for pat, reps in col if pat and reps] for col in columns
+    ]
     ncols = len(cols)
     run = [0] * ncols  # per column: its current run
     used = [0] * ncols  # per column: devices of that run already taken
@@ -97,13 +99,22 @@ class DeviceClasses:
     receives something, or has resident bytes), whether it is at risk; per node: its
     ``ClassEffect``."""
 
-    def __init__(self, caps: list[int | None], initial: list[int], counted: list[bool] | None, worst: list[int],
-                 effects: list[ClassEffect]) -> None:
+    def __init__(
+        self,
+        caps: list[int | None],
+        initial: list[int],
+        counted: list[bool] | None,
+        worst: list[int],
+        effects: list[ClassEffect],
+    ) -> None:
         self.caps, self.initial, self.effects = caps, initial, effects
         self._counted = counted
         # at risk: what it holds plus every allocation could pass its cap
-        self.risky = (list(map(gt, worst, caps)) if None not in caps
-                      else [cap is not None and w > cap for cap, w in zip(caps, worst, strict=True)])
+        self.risky = (
+            list(map(gt, worst, caps))
+            if None not in caps
+            else [cap is not None and w > cap for cap, w in zip(caps, worst, strict=True)]
+        )
         self._members: list[list[int]] | None = None
         self._full: dict[int, tuple[list, list, list]] = {}
         self._chunks: list[tuple[list[tuple], int]] = []
@@ -117,7 +128,10 @@ class DeviceClasses:
         """Per class, whether it is counted (see the class docstring)."""
         if self._counted is None:
             n = len(self._parts)
-            self._counted = [any(s[:n]) or r is not None for s, r in zip(self._distinct, self._resident_of, strict=True)]
+            self._counted = [
+                any(s[:n]) or r is not None
+                for s, r in zip(self._distinct, self._resident_of, strict=True)
+            ]
         return self._counted
 
     @classmethod
@@ -132,7 +146,9 @@ class DeviceClasses:
         chunks = joint([p.codes for p in parts] + extra or [caps])
         distinct = list(dict.fromkeys(chain.from_iterable([sigs for sigs, _ in chunks])))
         ncls = len(distinct)
-        columns = list(zip(*distinct, strict=True))  # per part each class's role code, then the extra columns
+        columns = list(
+            zip(*distinct, strict=True)
+        )  # per part each class's role code, then the extra columns
         cap_of = _constant(caps)
         cap_of = list(columns[nparts]) if cap_of is _VARIES else [cap_of] * ncls
         resident_of = _constant(resident)
@@ -151,7 +167,9 @@ class DeviceClasses:
             node_at += zip(repeat(k), range(len(mine)))
             roles = part.roles
             held, grows = roles.held, roles.grows
-            members: list[list[int]] = [[] for _ in held]  # the classes of each role code, ascending
+            members: list[list[int]] = [
+                [] for _ in held
+            ]  # the classes of each role code, ascending
             for c, code in enumerate(columns[k]):
                 if code:
                     members[code].append(c)
@@ -187,7 +205,9 @@ class DeviceClasses:
         return out
 
     @classmethod
-    def of_nodes(cls, nodes: Sequence, caps: Mapping[int, int | None], initial: Mapping[int, int]) -> DeviceClasses:
+    def of_nodes(
+        cls, nodes: Sequence, caps: Mapping[int, int | None], initial: Mapping[int, int]
+    ) -> DeviceClasses:
         """A class per device, from nodes that list ``devices``, ``alloc``, ``release``
         and ``moved_in`` per device (a DAG put together by hand)."""
         devices = sorted(set(caps) | set(initial) | {d for n in nodes for d in n.devices})
@@ -202,8 +222,13 @@ class DeviceClasses:
             for c, v in alloc:
                 worst[c] += max(v, 0)
         effects = []
-        out = cls([caps.get(d) for d in devices], [initial.get(d, 0) for d in devices],
-                  [d in caps or d in initial for d in devices], worst, effects)
+        out = cls(
+            [caps.get(d) for d in devices],
+            [initial.get(d, 0) for d in devices],
+            [d in caps or d in initial for d in devices],
+            worst,
+            effects,
+        )
         for n in nodes:
             alloc, release, moved = full[n.id]
             e = ClassEffect()
@@ -236,7 +261,9 @@ class DeviceClasses:
         """The lowest device of class ``c`` (what an error names)."""
         return self.members[c][0]
 
-    def full(self, nid: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    def full(
+        self, nid: int
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """Node ``nid``'s allocation, release and receipt on every class: ``(class, bytes)``."""
         got = self._full.get(nid)
         if got is None:
@@ -267,7 +294,7 @@ class DeviceClasses:
                     if used[c] > peak[c]:
                         peak[c] = used[c]
             else:
-                for c, v in (release if what == 0 else alloc):
+                for c, v in release if what == 0 else alloc:
                     used[c] -= v
         return used, peak
 
@@ -279,7 +306,9 @@ class DeviceClasses:
     def counted_map(self, values: Sequence[Any]) -> dict[int, Any]:
         """``{device: values[class]}`` over the counted classes' devices."""
         members, counted = self.members, self.counted
-        return dict(sorted((d, values[c]) for c in range(len(values)) if counted[c] for d in members[c]))
+        return dict(
+            sorted((d, values[c]) for c in range(len(values)) if counted[c] for d in members[c])
+        )
 
 
 class DeviceMap(Mapping):

@@ -45,7 +45,9 @@ class Hosts:
     """Which host each device is on, and whether hosts repeat along a range of devices:
     every host holds ``per_host`` consecutive devices (or one host holds them all)."""
 
-    def __init__(self, host_of: Callable[[int], int], hosts: Sequence[int] | None, size: int) -> None:
+    def __init__(
+        self, host_of: Callable[[int], int], hosts: Sequence[int] | None, size: int
+    ) -> None:
         self.of = host_of
         self.per_host: int | None = None
         self.single = False
@@ -56,7 +58,9 @@ class Hosts:
         if not hosts:
             return
         first = hosts[0]
-        m = next((i for i, h in enumerate(hosts) if h != first), None)  # the first device of another host
+        m = next(
+            (i for i, h in enumerate(hosts) if h != first), None
+        )  # the first device of another host
         if m is None:
             self.single = True
             return
@@ -64,7 +68,8 @@ class Hosts:
         # up by one, and the devices at each place in a host say the same
         heads = hosts[::m]
         if heads == list(range(first, first + len(heads))) and all(
-                hosts[j::m] == heads[:len(hosts[j::m])] for j in range(1, m)):
+            hosts[j::m] == heads[: len(hosts[j::m])] for j in range(1, m)
+        ):
             self.per_host = m
 
     def periodic(self, start: int, period: int) -> bool:
@@ -72,7 +77,9 @@ class Hosts:
         if self.single:
             return True
         m = self.per_host
-        return m is not None and ((period % m == 0 and start % m == 0) or (m % period == 0 and start % period == 0))
+        return m is not None and (
+            (period % m == 0 and start % m == 0) or (m % period == 0 and start % period == 0)
+        )
 
     def link_across(self, start: int, boundary: int, end: int) -> str | None:
         """``intra`` when ``[start, end)`` is on one host, ``inter`` when no host holds
@@ -87,8 +94,17 @@ class Hosts:
         return "inter" if boundary % m == 0 else None
 
 
-def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts: Hosts, bucket: int,
-                 size: int, names: Sequence[str] | None, layout: Callable[[int, int], Layout] = Layout) -> StagePart | None:
+def regular_part(
+    stage: str,
+    a: StagePlan,
+    b: StagePlan,
+    table: SpecBytes,
+    hosts: Hosts,
+    bucket: int,
+    size: int,
+    names: Sequence[str] | None,
+    layout: Callable[[int, int], Layout] = Layout,
+) -> StagePart | None:
     """The part of a model-stage whose plans repeat (see the module docstring), or None.
     ``layout(tp, pp)`` makes (or reuses) a ``Layout``."""
     x = a.start
@@ -120,21 +136,31 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
             nodes.append(NodeSpec("destroy", shrink, 0, {"intra": 0, "inter": 0}, 0))
     else:  # both layouts cut evenly: tp and pp say which
         cur = [Rep(f"c{i}", la, tuple(range(i * sa, (i + 1) * sa))) for i in range(period // sa)]
-        planned = stage_ops(cur, [Rep(f"t{j}", lb, tuple(range(j * sb, (j + 1) * sb))) for j in range(period // sb)])
+        planned = stage_ops(
+            cur, [Rep(f"t{j}", lb, tuple(range(j * sb, (j + 1) * sb))) for j in range(period // sb)]
+        )
         if planned.sub != sub_layout(la, lb):
             return None
         ops = planned.ops
         kinds = {op.kind for op in ops}
         if "extend" in kinds or (grow and "destroy" in kinds):
             return None
-        rel = hosts.hosts[x:x + period] if hosts.hosts is not None else [hosts.of(x + o) for o in range(period)]
+        rel = (
+            hosts.hosts[x : x + period]
+            if hosts.hosts is not None
+            else [hosts.of(x + o) for o in range(period)]
+        )
         effects = Effects(table, rel.__getitem__, bucket)
         # local nodes: split, destroy, the Extends' groups, merge (those that exist)
         for kind in ("split", "destroy", "merge"):
             mine = [op for op in ops if op.kind == kind]
             if mine or (kind == "destroy" and shrink):
                 index[kind] = len(nodes)
-                nodes.append(NodeSpec(kind, shrink if kind == "destroy" else 0, 0, {"intra": 0, "inter": 0}, 0))
+                nodes.append(
+                    NodeSpec(
+                        kind, shrink if kind == "destroy" else 0, 0, {"intra": 0, "inter": 0}, 0
+                    )
+                )
             for op in mine:
                 _add_period_op(nodes[index[kind]], index[kind], op, effects, periods, per_offset)
                 if kind == "split":
@@ -172,7 +198,11 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
         freed = {e.name for op in ops if op.kind == "merge" for e in op.freed}
         merge.deps = {index["split"]} if freed & made_by_split else set()
         freed_at = sorted(j for j, e in enumerate(pool) if e.name in freed)
-        merge.deps.update(first + g for g, (_, read) in enumerate(extend_groups) if _reads_any(read, freed_at, per_period))
+        merge.deps.update(
+            first + g
+            for g, (_, read) in enumerate(extend_groups)
+            if _reads_any(read, freed_at, per_period)
+        )
         for entries in per_offset:  # its local index moved past the Extends'
             entries[:] = [(m if li == index["merge"] else li, *rest) for li, *rest in entries]
 
@@ -182,8 +212,12 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
     codes: Runs = [([0], x)]
     if grow:
         bkt = bucket if total else 0
-        reading = [(lo, hi, first + g) for g, (_, read) in enumerate(extend_groups) for lo, hi in read]
-        codes += _overlap_codes(roles, initial, per_offset, member_at, per_period, periods, reading, bkt)
+        reading = [
+            (lo, hi, first + g) for g, (_, read) in enumerate(extend_groups) for lo, hi in read
+        ]
+        codes += _overlap_codes(
+            roles, initial, per_offset, member_at, per_period, periods, reading, bkt
+        )
         pattern = []
         alike = set(held)
         for g in range(first, first + len(extend_groups)):
@@ -195,7 +229,7 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
             pool_size, w = periods * per_period, min(DONORS, periods * per_period)
             for r in range(-(-grow // pool_size)):
                 count = min(pool_size, grow - r * pool_size)
-                block = list(chain.from_iterable(pattern[r * w:r * w + min(w, count)]))
+                block = list(chain.from_iterable(pattern[r * w : r * w + min(w, count)]))
                 reps, rest = divmod(count, w)
                 codes += [(block, reps), (block[: rest * sb], 1)]
     else:
@@ -208,15 +242,25 @@ def regular_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts
     def materialize():
         part = general_part(stage, a, b, table, hosts.of, bucket, size, names)
         if [(n.kind, n.count) for n in part.nodes] != [(n.kind, n.count) for n in nodes]:
-            raise AssertionError(f"{stage}: the listed ops group as {[(n.kind, n.count) for n in part.nodes]}, "
-                                 f"the regular part as {[(n.kind, n.count) for n in nodes]}")
+            raise AssertionError(
+                f"{stage}: the listed ops group as {[(n.kind, n.count) for n in part.nodes]}, "
+                f"the regular part as {[(n.kind, n.count) for n in nodes]}"
+            )
         return [n.ops for n in part.nodes], part.results
 
     return StagePart(stage, nodes, codes, roles, materialize)
 
 
-def _moved_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts: Hosts, bucket: int,
-                size: int, names: Sequence[str] | None) -> StagePart | None:
+def _moved_part(
+    stage: str,
+    a: StagePlan,
+    b: StagePlan,
+    table: SpecBytes,
+    hosts: Hosts,
+    bucket: int,
+    size: int,
+    names: Sequence[str] | None,
+) -> StagePart | None:
     """The part of a model-stage that keeps its layout and moves to devices disjoint from
     the ones it is on, with at least as many EMUs (else None): no target has a replica
     inside it, so every target is Extended from ``DONORS`` current EMUs taken round robin
@@ -237,11 +281,13 @@ def _moved_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts:
     total = sum(held)
     bkt = bucket if total else 0  # an Extend that moves nothing takes no bucket
     at = hosts.hosts if hosts.hosts is not None else [hosts.of(d) for d in range(size)]
-    src_hosts = [set(at[xa + i * s:xa + (i + 1) * s]) for i in range(pool)]
+    src_hosts = [set(at[xa + i * s : xa + (i + 1) * s]) for i in range(pool)]
     # which group each target is in: listed, or by rounds of ``pool`` targets (W groups each)
     of = group_of or [(k // pool) * w + (k % pool) % w for k in range(grow)]
-    nodes = [NodeSpec("extend", count, count * total, {"intra": 0, "inter": 0},
-                      count if total else 0) for count, _ in groups]
+    nodes = [
+        NodeSpec("extend", count, count * total, {"intra": 0, "inter": 0}, count if total else 0)
+        for count, _ in groups
+    ]
     for k in range(grow):
         links = nodes[of[k]].links
         sources = src_hosts[k % pool].union(*(src_hosts[(k + i) % pool] for i in range(1, w)))
@@ -274,20 +320,28 @@ def _moved_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts:
             reads = tuple((g, bkt, bkt, 0) for g in key)
             got = by_readers[key] = [roles.code(h, (*reads, (last, 0, h, 0))) for h in held]
         source_codes += got
-    made = [[roles.code(0, ((g, h + bkt, bkt, h),) if h else ((g, 0, 0, 0),)) for h in held]
-            for g in range(last)]
+    made = [
+        [roles.code(0, ((g, h + bkt, bkt, h),) if h else ((g, 0, 0, 0),)) for h in held]
+        for g in range(last)
+    ]
     target_codes = list(chain.from_iterable(map(made.__getitem__, of)))
     first, second = (source_codes, target_codes) if xa < xb else (target_codes, source_codes)
     lo, hi = min(xa, xb), max(xa, xb)
-    codes: Runs = [([0], lo), (first, 1), ([0], hi - lo - len(first)), (second, 1),
-                   ([0], size - hi - len(second))]
+    codes: Runs = [
+        ([0], lo),
+        (first, 1),
+        ([0], hi - lo - len(first)),
+        (second, 1),
+        ([0], size - hi - len(second)),
+    ]
 
     def materialize():
         part = general_part(stage, a, b, table, hosts.of, bucket, size, names)
         listed, moved = [(n.kind, n.count) for n in part.nodes], [(n.kind, n.count) for n in nodes]
         if listed != moved:
-            raise AssertionError(f"{stage}: the listed ops group as {listed}, "
-                                 f"the moved part as {moved}")
+            raise AssertionError(
+                f"{stage}: the listed ops group as {listed}, the moved part as {moved}"
+            )
         return [n.ops for n in part.nodes], part.results
 
     return StagePart(stage, nodes, codes, roles, materialize)
@@ -296,11 +350,19 @@ def _moved_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, hosts:
 def _per_device(table: SpecBytes, layout: Layout) -> list[int]:
     """Bytes each device of one ``layout`` EMU holds, in device order (pp-major)."""
     tp = layout.tp
-    return list(chain.from_iterable(repeat(h, tp) for h in table.held_ranks(tp, layout.pp, layout.cuts)))
+    return list(
+        chain.from_iterable(repeat(h, tp) for h in table.held_ranks(tp, layout.pp, layout.cuts))
+    )
 
 
-def _add_period_op(node: NodeSpec, li: int, op, effects: Effects, periods: int,
-                   per_offset: list[list[tuple[int, int, int, int]]]) -> None:
+def _add_period_op(
+    node: NodeSpec,
+    li: int,
+    op,
+    effects: Effects,
+    periods: int,
+    per_offset: list[list[tuple[int, int, int, int]]],
+) -> None:
     alloc, release, moved, links, copied = effects.of(op)
     node.count += periods
     node.bytes += periods * sum(moved.values())
@@ -315,7 +377,9 @@ def _add_period_op(node: NodeSpec, li: int, op, effects: Effects, periods: int,
         per_offset[d].append((li, alloc.get(d, 0), release.get(d, 0), moved.get(d, 0)))
 
 
-def _extend_groups(count: int, pool: int) -> tuple[list[tuple[int, list[tuple[int, int]]]], list[int]]:
+def _extend_groups(
+    count: int, pool: int
+) -> tuple[list[tuple[int, list[tuple[int, int]]]], list[int]]:
     """The first-fit grouping of ``count`` Extends, the k-th reading pool replicas
     ``k .. k+W-1`` (mod ``pool``): per group, how many and the pool intervals it reads;
     and each Extend's group when no closed form applies (else [])."""
@@ -327,7 +391,13 @@ def _extend_groups(count: int, pool: int) -> tuple[list[tuple[int, list[tuple[in
             for q in range(min(w, n)):
                 k = len(range(q, n, w))
                 hi = q + w * k
-                read = [(0, pool)] if hi - q >= pool else [(q, hi)] if hi <= pool else [(q, pool), (0, hi - pool)]
+                read = (
+                    [(0, pool)]
+                    if hi - q >= pool
+                    else [(q, hi)]
+                    if hi <= pool
+                    else [(q, pool), (0, hi - pool)]
+                )
                 out.append((k, read))
         return out, []
     used: list[set[int]] = []
@@ -364,16 +434,25 @@ def _reads_any(read: list[tuple[int, int]], freed_at: list[int], per_period: int
     return False
 
 
-def _overlap_codes(roles: Roles, initial: list[int], per_offset: list[list[tuple[int, int, int, int]]],
-                   member_at: list[int], per_period: int, periods: int,
-                   reading: list[tuple[int, int, int]], bkt: int) -> Runs:
+def _overlap_codes(
+    roles: Roles,
+    initial: list[int],
+    per_offset: list[list[tuple[int, int, int, int]]],
+    member_at: list[int],
+    per_period: int,
+    periods: int,
+    reading: list[tuple[int, int, int]],
+    bkt: int,
+) -> Runs:
     """Role codes of the overlap's devices: the period's own ops, plus the Extend nodes
     that read each device's replica (``reading``: pool interval -> node)."""
     pool = periods * per_period
     cuts = sorted({0, pool} | {lo for lo, _, _ in reading} | {hi for _, hi, _ in reading})
     # ``reading`` lists the nodes in ascending order: so do the segments' readers
-    segments = [(lo, hi, tuple([n for rlo, rhi, n in reading if rlo <= lo < rhi]))
-                for lo, hi in zip(cuts, cuts[1:], strict=False)]
+    segments = [
+        (lo, hi, tuple([n for rlo, rhi, n in reading if rlo <= lo < rhi]))
+        for lo, hi in zip(cuts, cuts[1:], strict=False)
+    ]
     keys = list(zip(initial, map(tuple, per_offset), strict=True))
     bases = list(dict.fromkeys(keys))  # offsets alike share a role
     base_of = list(map({k: i for i, k in enumerate(bases)}.__getitem__, keys))
@@ -383,7 +462,9 @@ def _overlap_codes(roles: Roles, initial: list[int], per_offset: list[list[tuple
         got = memo.get((base, readers))
         if got is None:
             held, entries = bases[base]
-            got = memo[(base, readers)] = roles.code(held, entries + tuple((n, bkt, bkt, 0) for n in readers))
+            got = memo[(base, readers)] = roles.code(
+                held, entries + tuple((n, bkt, bkt, 0) for n in readers)
+            )
         return got
 
     starts = [lo for lo, _, _ in segments]

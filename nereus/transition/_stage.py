@@ -49,16 +49,52 @@ class NodeSpec:
     """One node of a model-stage before it joins the DAG (deps: local indices). The
     general path also sets its ops, devices and per-device effects."""
 
-    __slots__ = ("kind", "count", "bytes", "links", "groups", "deps", "ops", "devices", "alloc", "release", "moved",
-                 "max_moved", "max_copied", "acquires")
+    __slots__ = (
+        "kind",
+        "count",
+        "bytes",
+        "links",
+        "groups",
+        "deps",
+        "ops",
+        "devices",
+        "alloc",
+        "release",
+        "moved",
+        "max_moved",
+        "max_copied",
+        "acquires",
+    )
 
-    def __init__(self, kind: str, count: int, bytes: int, links: dict[str, int], groups: int,
-                 deps: set[int] | None = None, ops: tuple[Op, ...] | None = None, devices: set[int] | None = None,
-                 alloc: dict[int, int] | None = None, release: dict[int, int] | None = None,
-                 moved: dict[int, int] | None = None) -> None:
-        self.kind, self.count, self.bytes, self.links, self.groups = kind, count, bytes, links, groups
+    def __init__(
+        self,
+        kind: str,
+        count: int,
+        bytes: int,
+        links: dict[str, int],
+        groups: int,
+        deps: set[int] | None = None,
+        ops: tuple[Op, ...] | None = None,
+        devices: set[int] | None = None,
+        alloc: dict[int, int] | None = None,
+        release: dict[int, int] | None = None,
+        moved: dict[int, int] | None = None,
+    ) -> None:
+        self.kind, self.count, self.bytes, self.links, self.groups = (
+            kind,
+            count,
+            bytes,
+            links,
+            groups,
+        )
         self.deps = set() if deps is None else deps
-        self.ops, self.devices, self.alloc, self.release, self.moved = ops, devices, alloc, release, moved
+        self.ops, self.devices, self.alloc, self.release, self.moved = (
+            ops,
+            devices,
+            alloc,
+            release,
+            moved,
+        )
         # the most one device receives, and whether it allocates anything anywhere
         self.max_moved = max(moved.values(), default=0) if moved is not None else 0
         self.max_copied = 0  # the most one device copies from a source it holds
@@ -120,16 +156,25 @@ class Effects:
     def __init__(self, table: SpecBytes, host_of: Callable[[int], int], bucket_bytes: int) -> None:
         self.table, self.host_of, self.bucket = table, host_of, bucket_bytes
 
-    def of(self, op: Op) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[str, int], int]:
+    def of(
+        self, op: Op
+    ) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[str, int], int]:
         t, host_of = self.table, self.host_of
         alloc: dict[int, int] = {}
         release: dict[int, int] = {}
         moved: dict[int, int] = {}
         links = {"intra": 0, "inter": 0}
         copied = 0
-        at = {d: (e.layout, divmod(i, e.layout.tp)) for e in op.inputs for i, d in enumerate(e.devices)}
+        at = {
+            d: (e.layout, divmod(i, e.layout.tp))
+            for e in op.inputs
+            for i, d in enumerate(e.devices)
+        }
         sources = {host_of(d) for d in at}
-        reuse = op.kind in ("split", "merge")  # their sources are freed: unchanged shards are adopted
+        reuse = op.kind in (
+            "split",
+            "merge",
+        )  # their sources are freed: unchanged shards are adopted
         for made in op.created:
             layout = made.layout
             tp = layout.tp
@@ -145,7 +190,9 @@ class Effects:
                     copied = local - kept
                 alloc[d] = alloc.get(d, 0) + held - kept
                 if kept:
-                    release[d] = release.get(d, 0) - kept  # the adopted shard stays; its source does not give it back
+                    release[d] = (
+                        release.get(d, 0) - kept
+                    )  # the adopted shard stays; its source does not give it back
                 if held - local:
                     moved[d] = moved.get(d, 0) + held - local
                     # intra when every other source device is on this device's host
@@ -185,11 +232,30 @@ def group_ops(ops: Sequence[Op], effects: Effects) -> list[NodeSpec]:
         deps = {made_by[e.name] for e in op.inputs if e.name in made_by}
         for e in op.freed:
             deps |= readers.get(e.name, set())
-        at = next((i for i, (nid, used) in enumerate(groups) if used.isdisjoint(devs) and nid not in deps), None)
+        at = next(
+            (
+                i
+                for i, (nid, used) in enumerate(groups)
+                if used.isdisjoint(devs) and nid not in deps
+            ),
+            None,
+        )
         alloc, release, moved, links, copied = effects.of(op)
         moves = 1 if moved else 0
         if at is None:
-            node = NodeSpec(op.kind, 1, sum(moved.values()), links, moves, deps, (op,), set(devs), alloc, release, moved)
+            node = NodeSpec(
+                op.kind,
+                1,
+                sum(moved.values()),
+                links,
+                moves,
+                deps,
+                (op,),
+                set(devs),
+                alloc,
+                release,
+                moved,
+            )
             node.max_copied = copied
             groups.append((len(nodes), set(devs)))
             nodes.append(node)
@@ -220,8 +286,16 @@ def group_ops(ops: Sequence[Op], effects: Effects) -> list[NodeSpec]:
     return nodes
 
 
-def general_part(stage: str, a: StagePlan, b: StagePlan, table: SpecBytes, host_of: Callable[[int], int],
-                 bucket: int, size: int, names: Sequence[str] | None) -> StagePart:
+def general_part(
+    stage: str,
+    a: StagePlan,
+    b: StagePlan,
+    table: SpecBytes,
+    host_of: Callable[[int], int],
+    bucket: int,
+    size: int,
+    names: Sequence[str] | None,
+) -> StagePart:
     """The part of a model-stage that moves, op by op from ``stage_ops`` (``size``: how
     many devices the DAG numbers)."""
     cur = reps_of(stage, a, names)

@@ -49,7 +49,11 @@ class _Class:
         else:
             self.other = numel // shape[dim]
             # ParamSpec.effective_components: a plain split parameter's units are its rows
-            self.comps = tuple((c.size, c.units) for c in p.components) if p.components else ((shape[dim], shape[dim]),)
+            self.comps = (
+                tuple((c.size, c.units) for c in p.components)
+                if p.components
+                else ((shape[dim], shape[dim]),)
+            )
 
     def intervals(self, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
         """The interval of each component that rank ``rank`` of ``tp`` holds."""
@@ -73,7 +77,9 @@ class _Group:
 
     __slots__ = ("stage", "tied_head", "layers", "every_layer", "classes", "units")
 
-    def __init__(self, stage: str, tied_head: bool, layers: tuple[int, ...], num_layers: int) -> None:
+    def __init__(
+        self, stage: str, tied_head: bool, layers: tuple[int, ...], num_layers: int
+    ) -> None:
         self.stage, self.tied_head, self.layers = stage, tied_head, layers
         self.every_layer = layers == tuple(range(num_layers))
         self.classes: list[_Class] = []
@@ -122,7 +128,9 @@ class _Shape:
 class SpecBytes:
     """Bytes per layout position of one model's EMUs with ``slots`` (see module doc)."""
 
-    def __init__(self, spec: ModelSpec, slots: Sequence[str] = ("param",), *, _shape: _Shape | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, slots: Sequence[str] = ("param",), *, _shape: _Shape | None = None
+    ) -> None:
         self.spec = spec
         self.slots = tuple(slots)
         self.shape = _shape if _shape is not None else _Shape(spec)
@@ -138,7 +146,9 @@ class SpecBytes:
     def itemsize(self, dtype: str) -> int:
         got = self._itemsize.get(dtype)
         if got is None:
-            got = self._itemsize[dtype] = sum(DTYPE_BYTES[dtype if s == "param" else SLOT_DTYPE[s]] for s in self.slots)
+            got = self._itemsize[dtype] = sum(
+                DTYPE_BYTES[dtype if s == "param" else SLOT_DTYPE[s]] for s in self.slots
+            )
         return got
 
     def _group_bytes(self, g: _Group, tp: int, whole_only: bool = False) -> int:
@@ -146,11 +156,21 @@ class SpecBytes:
         key = (id(g), tp, whole_only)
         got = self._gbytes.get(key)
         if got is None:
-            got = self._gbytes[key] = sum(n * self.itemsize(d) for d, n in
-                                          self.shape.group_numel(g, tp, whole_only).items())
+            got = self._gbytes[key] = sum(
+                n * self.itemsize(d) for d, n in self.shape.group_numel(g, tp, whole_only).items()
+            )
         return got
 
-    def _count(self, g: _Group, pa: int, ppa: int, cutsa: tuple, pb: int = -1, ppb: int = 0, cutsb: tuple = ()) -> int:
+    def _count(
+        self,
+        g: _Group,
+        pa: int,
+        ppa: int,
+        cutsa: tuple,
+        pb: int = -1,
+        ppb: int = 0,
+        cutsb: tuple = (),
+    ) -> int:
         """How many of ``g``'s positions stage ``pa`` of a layout with ``ppa`` stages (and
         stage ``pb`` of one with ``ppb``) hold."""
         if g.stage != "layer":
@@ -195,7 +215,9 @@ class SpecBytes:
                     got += c.shard_numel(tb) * size
             else:  # local: the intersection of the two shards
                 common = 0
-                for (alo, ahi), (blo, bhi) in zip(c.intervals(ta, ra), c.intervals(tb, rb), strict=True):
+                for (alo, ahi), (blo, bhi) in zip(
+                    c.intervals(ta, ra), c.intervals(tb, rb), strict=True
+                ):
                     lo, hi = (alo if alo > blo else blo), (ahi if ahi < bhi else bhi)
                     if hi > lo:
                         common += hi - lo
@@ -213,8 +235,10 @@ class SpecBytes:
         got = self._memo.get(key)
         if got is None:
             per_group = [(g, self._group_bytes(g, tp)) for g in self.groups]
-            got = self._memo[key] = tuple(sum(n * b for g, b in per_group if (n := self._count(g, r, pp, cuts)))
-                                          for r in range(pp))
+            got = self._memo[key] = tuple(
+                sum(n * b for g, b in per_group if (n := self._count(g, r, pp, cuts)))
+                for r in range(pp)
+            )
         return got
 
     def local_kept(self, a: Layout, pos_a: Pos, b: Layout, pos_b: Pos) -> tuple[int, int]:
@@ -276,7 +300,9 @@ def _group(spec: ModelSpec) -> list[_Group]:
             if stage == "layer":
                 at = tuple(sorted(layers))  # type: ignore[type-var]
                 n = spec.num_layers
-                if len(at) % n == 0 and at == tuple(x for x in range(n) for _ in range(len(at) // n)):
+                if len(at) % n == 0 and at == tuple(
+                    x for x in range(n) for _ in range(len(at) // n)
+                ):
                     at, times = tuple(range(n)), len(at) // n  # k alike parameters in every layer
                 else:
                     times = 1
@@ -310,7 +336,9 @@ def _repeating(spec: ModelSpec) -> list[_Group] | None:
         return None
     q = count // n
     block, every = layers[first:end], list(range(n))
-    if any(block[j::q] != every for j in range(q)):  # the j-th parameter of every layer, in layer order
+    if any(
+        block[j::q] != every for j in range(q)
+    ):  # the j-th parameter of every layer, in layer order
         return None
     rows = list(map(_KEY, fields[first:end]))
     if rows[q:] != rows[:-q]:
@@ -319,16 +347,20 @@ def _repeating(spec: ModelSpec) -> list[_Group] | None:
     # every layer): keyed so, not by the layers as _group_of does
     groups: dict[tuple, _Group] = {}
     every_layer = tuple(every)
-    for p in (*params[:first], *params[first:first + q], *params[first + count:]):
+    for p in (*params[:first], *params[first : first + q], *params[first + count :]):
         stage, tied = p.stage, p.tied_head
         g = groups.get((stage, tied))
         if g is None:
-            g = groups[(stage, tied)] = _Group(stage, tied, every_layer if stage == "layer" else (), n)
+            g = groups[(stage, tied)] = _Group(
+                stage, tied, every_layer if stage == "layer" else (), n
+            )
         g.add(_Class(p), 1)
     return list(groups.values())
 
 
-def _group_of(groups: dict[tuple, _Group], stage: str, tied: bool, layers: tuple[int, ...], num_layers: int) -> _Group:
+def _group_of(
+    groups: dict[tuple, _Group], stage: str, tied: bool, layers: tuple[int, ...], num_layers: int
+) -> _Group:
     key = (stage, tied, layers)
     g = groups.get(key)
     if g is None:

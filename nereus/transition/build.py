@@ -26,7 +26,9 @@ __all__ = ["build_dag"]
 
 
 def _extent(sp: StagePlan) -> int:
-    return sp.start + sp.num_devices if sp.start is not None else 1 + max(max(e) for e in sp.devices)
+    return (
+        sp.start + sp.num_devices if sp.start is not None else 1 + max(max(e) for e in sp.devices)
+    )
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -79,18 +81,30 @@ def build_dag(
     the rate busy devices get when they share cores (``LinkModel.sharing``); ``rules``:
     the global rules it is built and scheduled under (``nereus.transition.rules``; all by
     default: without ``resource_edges`` no resource edge is added)."""
-    require(set(current.names) == set(target.names), "target plan", target.names,
-            f"must place the same model-stages as the current plan {current.names}")
+    require(
+        set(current.names) == set(target.names),
+        "target plan",
+        target.names,
+        f"must place the same model-stages as the current plan {current.names}",
+    )
     missing = sorted(s for s in current.names if s not in specs)
     require(not missing, "specs", sorted(specs), f"must give a ModelSpec for {missing}")
     # plans with no model-stage (every one lost, to be rebuilt after the DAG) move nothing
-    size = max(max((_extent(sp) for _, sp in current), default=0), max((_extent(sp) for _, sp in target), default=0),
-               1 + max(resident or (), default=-1), 1)
+    size = max(
+        max((_extent(sp) for _, sp in current), default=0),
+        max((_extent(sp) for _, sp in target), default=0),
+        1 + max(resident or (), default=-1),
+        1,
+    )
     ds = devices if isinstance(devices, DeviceSet) else None
     caps: Runs = [([None], size)]
     if ds is not None:
-        require(size <= len(ds), "devices", f"DeviceSet of {len(ds)} devices",
-                f"must hold every device the plans use (up to {size - 1})")
+        require(
+            size <= len(ds),
+            "devices",
+            f"DeviceSet of {len(ds)} devices",
+            f"must hold every device the plans use (up to {size - 1})",
+        )
         if ds.memory_bytes:
             mem = ds.memory_bytes[:size]
             caps = [([mem[0]], size)] if mem == (mem[0],) * size else [(list(mem), 1)]
@@ -127,28 +141,60 @@ def build_dag(
         table = base if base.slots == want else base.with_slots(want)
         given = (names or {}).get(stage)
         if given is not None:
-            require(len(given) == a.dp, f"names of {stage}", list(given), f"must name its {a.dp} EMUs")
+            require(
+                len(given) == a.dp, f"names of {stage}", list(given), f"must name its {a.dp} EMUs"
+            )
         if not stage_moves(a, b):
             parts.append(unchanged_part(stage, a, table, size))
             continue
         part = regular_part(stage, a, b, table, hosts, bucket_bytes, size, given, layout)
-        parts.append(part if part is not None else general_part(stage, a, b, table, hosts.of, bucket_bytes, size, given))
+        parts.append(
+            part
+            if part is not None
+            else general_part(stage, a, b, table, hosts.of, bucket_bytes, size, given)
+        )
     classes = DeviceClasses.of_parts(parts, caps, resident_at)
     nodes: list[Node] = []
     for p, part in enumerate(parts):
         base_id, rank = len(nodes), stage_rank(part.stage)
         for li, ns in enumerate(part.nodes):
             devs = tuple(sorted(ns.devices)) if ns.devices is not None else None
-            n = Node(len(nodes), ns.kind, part.stage, ns.ops, devs, ns.alloc, ns.release, ns.moved,
-                     ns.bytes, dict(ns.links), ns.groups, {base_id + d for d in ns.deps}, rank=rank)
+            n = Node(
+                len(nodes),
+                ns.kind,
+                part.stage,
+                ns.ops,
+                devs,
+                ns.alloc,
+                ns.release,
+                ns.moved,
+                ns.bytes,
+                dict(ns.links),
+                ns.groups,
+                {base_id + d for d in ns.deps},
+                rank=rank,
+            )
             n._count, n._local = ns.count, (p, li)
             nodes.append(n)
-    dag = TransitionDAG(nodes, DeviceMap(lambda: classes.counted_map(classes.caps)),
-                        DeviceMap(lambda: classes.counted_map(classes.initial)), current, target,
-                        _Results(parts), hosts.of, classes=classes, parts=parts, duration=duration,
-                        share=share, rules=rules)
-    last = (_add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
-            if rules.resource_edges else None)
+    dag = TransitionDAG(
+        nodes,
+        DeviceMap(lambda: classes.counted_map(classes.caps)),
+        DeviceMap(lambda: classes.counted_map(classes.initial)),
+        current,
+        target,
+        _Results(parts),
+        hosts.of,
+        classes=classes,
+        parts=parts,
+        duration=duration,
+        share=share,
+        rules=rules,
+    )
+    last = (
+        _add_resource_edges(dag, duration or (lambda n: float(n.bytes) + 1.0))
+        if rules.resource_edges
+        else None
+    )
     if duration is not None:  # the list schedule under duration
         dag._schedule = last if last is not None else simulate(dag, duration, share=share)
     return dag
@@ -170,8 +216,14 @@ def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -
 
     def blocked(b: Blocked) -> bool:
         node = dag.nodes[b.node]
-        cands = [n for n in dag.nodes if n.kind == "destroy" and n.id not in b.finished and n.id not in node.deps
-                 and effects[n.id].release.get(b.cls, 0) > 0]
+        cands = [
+            n
+            for n in dag.nodes
+            if n.kind == "destroy"
+            and n.id not in b.finished
+            and n.id not in node.deps
+            and effects[n.id].release.get(b.cls, 0) > 0
+        ]
         if not cands:  # most blocked acquisitions wait for nothing but what is running
             return False
         below = dag.reachable_from(node.id)
@@ -189,4 +241,6 @@ def _add_resource_edges(dag: TransitionDAG, duration: Callable[[Node], float]) -
             return simulate(dag, duration, on_blocked=blocked, share=dag.share)
         except _EdgeAdded:
             continue
-    raise AssertionError("resource edges did not converge")  # each round adds an edge of a finite DAG
+    raise AssertionError(
+        "resource edges did not converge"
+    )  # each round adds an edge of a finite DAG

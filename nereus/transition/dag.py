@@ -57,16 +57,43 @@ class Node:
     back when it ends. ``moved_in``: bytes each device receives. A node that ``build_dag``
     made lists its ops and per-device effects on first use."""
 
-    def __init__(self, id: int, kind: str, stage: str, ops: tuple[Op, ...] | None, devices: tuple[int, ...] | None,
-                 alloc: dict[int, int] | None, release: dict[int, int] | None, moved_in: dict[int, int] | None,
-                 bytes: int, bytes_by_link: dict[str, int], groups: int, deps: set[int] | None = None,
-                 resource_deps: set[int] | None = None, rank: int | None = None) -> None:
+    def __init__(
+        self,
+        id: int,
+        kind: str,
+        stage: str,
+        ops: tuple[Op, ...] | None,
+        devices: tuple[int, ...] | None,
+        alloc: dict[int, int] | None,
+        release: dict[int, int] | None,
+        moved_in: dict[int, int] | None,
+        bytes: int,
+        bytes_by_link: dict[str, int],
+        groups: int,
+        deps: set[int] | None = None,
+        resource_deps: set[int] | None = None,
+        rank: int | None = None,
+    ) -> None:
         self.id, self.kind, self.stage, self.bytes, self.bytes_by_link, self.groups = (
-            id, kind, stage, bytes, bytes_by_link, groups)
-        self._ops, self._devices, self._alloc, self._release, self._moved_in = ops, devices, alloc, release, moved_in
+            id,
+            kind,
+            stage,
+            bytes,
+            bytes_by_link,
+            groups,
+        )
+        self._ops, self._devices, self._alloc, self._release, self._moved_in = (
+            ops,
+            devices,
+            alloc,
+            release,
+            moved_in,
+        )
         self.deps: set[int] = set() if deps is None else deps
         self.resource_deps: set[int] = set() if resource_deps is None else resource_deps
-        self.rank = stage_rank(stage) if rank is None else rank  # given: the stage's, worked out once
+        self.rank = (
+            stage_rank(stage) if rank is None else rank
+        )  # given: the stage's, worked out once
         # made by build_dag: how many primitives, the DAG it is made from on first use, and
         # (part, node of the part) for its ops
         self._count: int | None = None
@@ -85,10 +112,16 @@ class Node:
         return got
 
     ops = property(lambda self: self._lazy("ops"), lambda self, v: setattr(self, "_ops", v))
-    devices = property(lambda self: self._lazy("devices"), lambda self, v: setattr(self, "_devices", v))
+    devices = property(
+        lambda self: self._lazy("devices"), lambda self, v: setattr(self, "_devices", v)
+    )
     alloc = property(lambda self: self._lazy("alloc"), lambda self, v: setattr(self, "_alloc", v))
-    release = property(lambda self: self._lazy("release"), lambda self, v: setattr(self, "_release", v))
-    moved_in = property(lambda self: self._lazy("moved_in"), lambda self, v: setattr(self, "_moved_in", v))
+    release = property(
+        lambda self: self._lazy("release"), lambda self, v: setattr(self, "_release", v)
+    )
+    moved_in = property(
+        lambda self: self._lazy("moved_in"), lambda self, v: setattr(self, "_moved_in", v)
+    )
 
     @property
     def effect(self) -> ClassEffect:
@@ -146,8 +179,13 @@ class Schedule:
     """A simulated run: start and end of every node, the start order, the makespan and
     every device's peak bytes (``peak``, made on first use)."""
 
-    def __init__(self, start: dict[int, float] | None = None, end: dict[int, float] | None = None,
-                 order: list[int] | None = None, peak: Mapping[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        start: dict[int, float] | None = None,
+        end: dict[int, float] | None = None,
+        order: list[int] | None = None,
+        peak: Mapping[int, int] | None = None,
+    ) -> None:
         self.start = start if start is not None else {}
         self.end = end if end is not None else {}
         self.order = order if order is not None else []
@@ -165,11 +203,22 @@ class TransitionDAG:
     (made from the nodes' per-device effects when not given). ``schedule``: the list
     schedule of the DAG as built, under the ``duration`` ``build_dag`` was given."""
 
-    def __init__(self, nodes: list[Node], caps: Mapping[int, int | None], initial: Mapping[int, int], current: Plan,
-                 target: Plan, results: Mapping[str, tuple[Rep, ...]], host_of: Callable[[int], int], *,
-                 classes: DeviceClasses | None = None, parts: Sequence[StagePart] = (),
-                 duration: Callable[[Node], float] | None = None,
-                 share: Callable[[int], float] | None = None, rules: Rules = ALL_RULES) -> None:
+    def __init__(
+        self,
+        nodes: list[Node],
+        caps: Mapping[int, int | None],
+        initial: Mapping[int, int],
+        current: Plan,
+        target: Plan,
+        results: Mapping[str, tuple[Rep, ...]],
+        host_of: Callable[[int], int],
+        *,
+        classes: DeviceClasses | None = None,
+        parts: Sequence[StagePart] = (),
+        duration: Callable[[Node], float] | None = None,
+        share: Callable[[int], float] | None = None,
+        rules: Rules = ALL_RULES,
+    ) -> None:
         self.nodes, self.caps, self.initial = nodes, caps, initial
         self.rules = rules
         self.current, self.target, self.results, self.host_of = current, target, results, host_of
@@ -197,7 +246,9 @@ class TransitionDAG:
         else the one ``build_dag`` simulated when it was done. Raises ``ValueError`` when
         ``build_dag`` was given no duration."""
         if self._schedule is None:
-            raise ValueError("TransitionDAG.schedule needs build_dag(duration=...): a node's modelled seconds")
+            raise ValueError(
+                "TransitionDAG.schedule needs build_dag(duration=...): a node's modelled seconds"
+            )
         return self._schedule
 
     @property
@@ -243,7 +294,9 @@ class _Lister:
 
     __slots__ = ("_classes", "_dag", "parts", "made")
 
-    def __init__(self, classes: DeviceClasses | None, parts: Sequence[StagePart], dag: TransitionDAG | None) -> None:
+    def __init__(
+        self, classes: DeviceClasses | None, parts: Sequence[StagePart], dag: TransitionDAG | None
+    ) -> None:
         self._classes, self._dag = classes, dag
         self.parts = list(parts)
         self.made: dict[int, list[tuple[Op, ...]]] = {}

@@ -45,36 +45,69 @@ def cluster_devices(cluster: ClusterSpec) -> DeviceSet:
     return DeviceSet(tuple(d // per for d in range(n)), (budget,) * n)
 
 
-def scheduled(current: Plan, target: Plan, specs: Mapping[str, ModelSpec], devices: DeviceSet,
-              link: LinkModel, **kw) -> tuple[TransitionDAG, Schedule]:
+def scheduled(
+    current: Plan,
+    target: Plan,
+    specs: Mapping[str, ModelSpec],
+    devices: DeviceSet,
+    link: LinkModel,
+    **kw,
+) -> tuple[TransitionDAG, Schedule]:
     """The DAG from ``current`` to ``target`` and its list schedule under ``link``
     (``kw``: ``build_dag``'s keywords). Raises what ``build_dag`` raises."""
-    dag = build_dag(current, target, specs, devices, duration=link.seconds, share=link.sharing, **kw)
+    dag = build_dag(
+        current, target, specs, devices, duration=link.seconds, share=link.sharing, **kw
+    )
     return dag, dag.schedule
 
 
-def transition_seconds(current: Plan, target: Plan, specs: Mapping[str, ModelSpec], devices: DeviceSet,
-                       link: LinkModel, *, slots: Mapping[str, Sequence[str]] | None = None,
-                       names: Mapping[str, Sequence[str]] | None = None, resident: Mapping[int, int] | None = None,
-                       bucket_bytes: int = 0) -> float:
+def transition_seconds(
+    current: Plan,
+    target: Plan,
+    specs: Mapping[str, ModelSpec],
+    devices: DeviceSet,
+    link: LinkModel,
+    *,
+    slots: Mapping[str, Sequence[str]] | None = None,
+    names: Mapping[str, Sequence[str]] | None = None,
+    resident: Mapping[int, int] | None = None,
+    bucket_bytes: int = 0,
+) -> float:
     """Seconds the transition from ``current`` to ``target`` takes (its makespan plus
     its fixed cost), or ``inf`` when the DAG cannot reach it (see the module docstring)."""
     if current == target:
         return 0.0
     try:
-        dag, schedule = scheduled(current, target, specs, devices, link, slots=slots, names=names, resident=resident,
-                                bucket_bytes=bucket_bytes)
+        dag, schedule = scheduled(
+            current,
+            target,
+            specs,
+            devices,
+            link,
+            slots=slots,
+            names=names,
+            resident=resident,
+            bucket_bytes=bucket_bytes,
+        )
     except InfeasiblePlan:  # InfeasibleTransition too
         return math.inf
     return link.total(dag, schedule.makespan)
 
 
-def estimator(specs: Mapping[str, ModelSpec], devices: DeviceSet, link: LinkModel, *,
-              slots: Mapping[str, Sequence[str]] | None = None, bucket_bytes: int = 0) -> Callable[[Plan, Plan], float]:
+def estimator(
+    specs: Mapping[str, ModelSpec],
+    devices: DeviceSet,
+    link: LinkModel,
+    *,
+    slots: Mapping[str, Sequence[str]] | None = None,
+    bucket_bytes: int = 0,
+) -> Callable[[Plan, Plan], float]:
     """``transition_seconds`` with everything but the two plans fixed: the ``Replanner``'s
     ``transition_seconds`` callback (it relabels targets before it calls this)."""
 
     def seconds(current: Plan, target: Plan) -> float:
-        return transition_seconds(current, target, specs, devices, link, slots=slots, bucket_bytes=bucket_bytes)
+        return transition_seconds(
+            current, target, specs, devices, link, slots=slots, bucket_bytes=bucket_bytes
+        )
 
     return seconds

@@ -141,7 +141,9 @@ class SimulatedRuntime:
     """A clock with injected durations and failures: ``duration(node)`` seconds each,
     and ``fail(node)`` (optional) saying which nodes fail."""
 
-    def __init__(self, duration: Callable[[Node], float], fail: Callable[[Node], bool] | None = None) -> None:
+    def __init__(
+        self, duration: Callable[[Node], float], fail: Callable[[Node], bool] | None = None
+    ) -> None:
         self.duration = duration
         self.fail = fail
         self.now = 0.0
@@ -149,11 +151,15 @@ class SimulatedRuntime:
 
     def start(self, node: Node) -> None:
         ok = not (self.fail is not None and self.fail(node))
-        heapq.heappush(self._events, (self.now + max(0.0, float(self.duration(node))), node.id, self.now, ok))
+        heapq.heappush(
+            self._events, (self.now + max(0.0, float(self.duration(node))), node.id, self.now, ok)
+        )
 
     async def next_done(self) -> NodeResult:
         if not self._events:
             raise InfeasibleTransition("(nothing running)", -1, 0, 0)
         end, nid, start, ok = heapq.heappop(self._events)
         self.now = end
-        return NodeResult(nid, ok, start, end, 0, None if ok else RuntimeError(f"node {nid} failed (injected)"))
+        return NodeResult(
+            nid, ok, start, end, 0, None if ok else RuntimeError(f"node {nid} failed (injected)")
+        )

@@ -49,9 +49,24 @@ class Blocked:
 
     __slots__ = ("node", "cls", "need", "cap", "finished", "running", "_classes")
 
-    def __init__(self, node: int, cls: int, need: int, cap: int, finished: frozenset[int], running: bool,
-                 classes: DeviceClasses) -> None:
-        self.node, self.cls, self.need, self.cap, self.finished, self.running = node, cls, need, cap, finished, running
+    def __init__(
+        self,
+        node: int,
+        cls: int,
+        need: int,
+        cap: int,
+        finished: frozenset[int],
+        running: bool,
+        classes: DeviceClasses,
+    ) -> None:
+        self.node, self.cls, self.need, self.cap, self.finished, self.running = (
+            node,
+            cls,
+            need,
+            cap,
+            finished,
+            running,
+        )
         self._classes = classes
 
     @property
@@ -64,9 +79,15 @@ class Dispatcher:
     exclusivity are counted per class of alike devices (``dag.classes``); ``used``,
     ``peak`` and ``busy`` are the per-device views."""
 
-    def __init__(self, dag: TransitionDAG, rng: random.Random | None = None,
-                 on_blocked: Callable[[Blocked], bool] | None = None, *, rules: Rules | None = None,
-                 check_caps: bool = True) -> None:
+    def __init__(
+        self,
+        dag: TransitionDAG,
+        rng: random.Random | None = None,
+        on_blocked: Callable[[Blocked], bool] | None = None,
+        *,
+        rules: Rules | None = None,
+        check_caps: bool = True,
+    ) -> None:
         self.dag = dag
         self.rng = rng
         self.on_blocked = on_blocked
@@ -90,10 +111,22 @@ class Dispatcher:
         # queue entries: (priority, node, the classes it touches); a rule that is off ranks all
         # alike
         first, order = rules.release_first, rules.stage_order
-        self._item = {n.id: ((1 if (e := effects[n.id]).acquires and first else 0, n.rank if order else 0,
-                              rng.random() if rng is not None else n.id), n.id, e.touches) for n in nodes}
+        self._item = {
+            n.id: (
+                (
+                    1 if (e := effects[n.id]).acquires and first else 0,
+                    n.rank if order else 0,
+                    rng.random() if rng is not None else n.id,
+                ),
+                n.id,
+                e.touches,
+            )
+            for n in nodes
+        }
         self.ready = {n.id for n in nodes if not n.deps}
-        self._queue = sorted(self._item[i] for i in self.ready)  # the ready nodes, in priority order
+        self._queue = sorted(
+            self._item[i] for i in self.ready
+        )  # the ready nodes, in priority order
         self.running: set[int] = set()
         self.finished: set[int] = set()
         self.failed: set[int] = set()
@@ -134,7 +167,11 @@ class Dispatcher:
         self.blocked = None
         busy, queue = self._busy, self._queue
         # the others wait for a device (filtered without a Python loop: this runs at every event)
-        free = list(compress(queue, map(busy.isdisjoint, map(_TOUCHES, queue)))) if busy else list(queue)
+        free = (
+            list(compress(queue, map(busy.isdisjoint, map(_TOUCHES, queue))))
+            if busy
+            else list(queue)
+        )
         while free:
             item = free[0]
             nid = item[1]
@@ -142,7 +179,9 @@ class Dispatcher:
             over = self._over(nid) if e.alloc and self.check_caps else None
             if over is not None:
                 c, need, cap = over
-                info = Blocked(nid, c, need, cap, frozenset(self.finished), bool(self.running), self._classes)
+                info = Blocked(
+                    nid, c, need, cap, frozenset(self.finished), bool(self.running), self._classes
+                )
                 if self.blocked is None:
                     self.blocked = info
                 if self.on_blocked is not None and self.on_blocked(info):
@@ -203,9 +242,14 @@ class Dispatcher:
         return InfeasibleTransition(self.dag.nodes[b.node].label, b.device, b.need, b.cap)
 
 
-def simulate(dag: TransitionDAG, duration: Callable[[Node], float], *, rng: random.Random | None = None,
-             on_blocked: Callable[[Blocked], bool] | None = None,
-             share: Callable[[int], float] | None = None) -> Schedule:
+def simulate(
+    dag: TransitionDAG,
+    duration: Callable[[Node], float],
+    *,
+    rng: random.Random | None = None,
+    on_blocked: Callable[[Blocked], bool] | None = None,
+    share: Callable[[int], float] | None = None,
+) -> Schedule:
     """Run ``dag``'s list schedule against a clock (see the module docstring). With
     ``share`` (devices that share cores: ``LinkModel.sharing``), ``duration`` is a node's
     seconds at a device's full rate and every running node progresses at
@@ -233,8 +277,13 @@ def simulate(dag: TransitionDAG, duration: Callable[[Node], float], *, rng: rand
     return out
 
 
-def _simulate_shared(dag: TransitionDAG, duration: Callable[[Node], float], share: Callable[[int], float],
-                     rng: random.Random | None, on_blocked: Callable[[Blocked], bool] | None) -> Schedule:
+def _simulate_shared(
+    dag: TransitionDAG,
+    duration: Callable[[Node], float],
+    share: Callable[[int], float],
+    rng: random.Random | None,
+    on_blocked: Callable[[Blocked], bool] | None,
+) -> Schedule:
     """``simulate`` where running nodes share cores: between two events every running
     node does ``share(busy devices)`` seconds of its full-rate work per second."""
     disp = Dispatcher(dag, rng, on_blocked)
@@ -266,8 +315,9 @@ def _simulate_shared(dag: TransitionDAG, duration: Callable[[Node], float], shar
     return out
 
 
-def full_rate_seconds(spans: Mapping[int, tuple[float, float, int]],
-                      share: Callable[[int], float] | None) -> dict[int, float]:
+def full_rate_seconds(
+    spans: Mapping[int, tuple[float, float, int]], share: Callable[[int], float] | None
+) -> dict[int, float]:
     """What each measured node would have taken at a device's full rate (what
     ``LinkModel.seconds`` models and calibration learns from): ``spans`` maps a node to
     its measured start, end and device count; over its span it ran at ``share`` of the
@@ -276,10 +326,17 @@ def full_rate_seconds(spans: Mapping[int, tuple[float, float, int]],
         return {n: end - start for n, (start, end, _) in spans.items()}
     times = sorted({t for start, end, _ in spans.values() for t in (start, end)})
     # the rate in each stretch between two consecutive starts or ends
-    rates = [share(sum(w for s, e, w in spans.values() if s <= lo and e >= hi)) for lo, hi in zip(times, times[1:], strict=False)]
+    rates = [
+        share(sum(w for s, e, w in spans.values() if s <= lo and e >= hi))
+        for lo, hi in zip(times, times[1:], strict=False)
+    ]
     out = {}
     for n, (start, end, _) in spans.items():
-        out[n] = sum(r * (hi - lo) for lo, hi, r in zip(times, times[1:], rates, strict=False) if lo >= start and hi <= end)
+        out[n] = sum(
+            r * (hi - lo)
+            for lo, hi, r in zip(times, times[1:], rates, strict=False)
+            if lo >= start and hi <= end
+        )
     return out
 
 
@@ -320,10 +377,14 @@ class LinkModel:
         worst, links = node.max_moved_in, node.bytes_by_link
         total = links.get("intra", 0) + links.get("inter", 0)
         intra = links.get("intra", 0) / total if total else 0.0
-        return {"p2p_intra": worst * intra / self.intra_bandwidth,
-                "p2p_inter": worst * (1.0 - intra) / self.inter_bandwidth if total else 0.0,
-                "groups": 1.0 if node.groups else 0.0, "calls": 1.0, "copy_gb": node.max_copied / 1e9,
-                "host_gb": self._host_gb(node)}
+        return {
+            "p2p_intra": worst * intra / self.intra_bandwidth,
+            "p2p_inter": worst * (1.0 - intra) / self.inter_bandwidth if total else 0.0,
+            "groups": 1.0 if node.groups else 0.0,
+            "calls": 1.0,
+            "copy_gb": node.max_copied / 1e9,
+            "host_gb": self._host_gb(node),
+        }
 
     def seconds(self, node: Node) -> float:
         """A node's seconds at a device's full rate (alone on its cores)."""
@@ -331,11 +392,18 @@ class LinkModel:
         within = links.get("intra", 0)
         total = within + links.get("inter", 0)
         intra = within / total if total else 0.0
-        return (worst * intra / self.intra_bandwidth / self.intra_efficiency
-                + (worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency if total else 0.0)
-                + (self.group_setup_s if node.groups else 0.0) + self.call_s
-                + node.max_copied / 1e9 * self.copy_s_per_gb
-                + (self._host_gb(node) * self.host_s_per_gb if self.host_s_per_gb else 0.0))
+        return (
+            worst * intra / self.intra_bandwidth / self.intra_efficiency
+            + (
+                worst * (1.0 - intra) / self.inter_bandwidth / self.inter_efficiency
+                if total
+                else 0.0
+            )
+            + (self.group_setup_s if node.groups else 0.0)
+            + self.call_s
+            + node.max_copied / 1e9 * self.copy_s_per_gb
+            + (self._host_gb(node) * self.host_s_per_gb if self.host_s_per_gb else 0.0)
+        )
 
     @property
     def sharing(self) -> Callable[[int], float] | None:
@@ -353,7 +421,11 @@ class LinkModel:
         """A transition's seconds: its DAG's makespan plus what it costs outside the
         nodes (a fixed cost, and releasing the groups they made)."""
         out = self.outside(dag)
-        return makespan + self.transition_s * out["transitions"] + self.group_release_s * out["groups_released"]
+        return (
+            makespan
+            + self.transition_s * out["transitions"]
+            + self.group_release_s * out["groups_released"]
+        )
 
     @classmethod
     def of(cls, cluster, eff=None) -> LinkModel:
@@ -366,6 +438,17 @@ class LinkModel:
         if eff is None:
             from nereus.planner.cost import CONSERVATIVE as eff
         q = cluster.capacity() if getattr(cluster, "device_cores", None) is not None else 1.0
-        return cls(cluster.intra_node_bandwidth * q, cluster.device_share_of_inter_node() * q, eff.p2p_intra,
-                   eff.p2p_inter, eff.group_setup_s, eff.transition_call_s, eff.transition_s, cluster.cores,
-                   eff.copy_s_per_gb, eff.group_release_s, eff.host_s_per_gb, cluster.devices_per_node)
+        return cls(
+            cluster.intra_node_bandwidth * q,
+            cluster.device_share_of_inter_node() * q,
+            eff.p2p_intra,
+            eff.p2p_inter,
+            eff.group_setup_s,
+            eff.transition_call_s,
+            eff.transition_s,
+            cluster.cores,
+            eff.copy_s_per_gb,
+            eff.group_release_s,
+            eff.host_s_per_gb,
+            cluster.devices_per_node,
+        )

@@ -35,8 +35,16 @@ class WorkerRuntime:
     """Runs nodes on shard stores (see the module docstring). ``emus``: every EMU the
     DAG's ops name as inputs, by name (with spec, slots and logical state)."""
 
-    def __init__(self, emus: Mapping[str, EMU], holders: Mapping[int, Any], cluster: Any, *, epoch: int = 0,
-                 group_tag: str = "transition", clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        emus: Mapping[str, EMU],
+        holders: Mapping[int, Any],
+        cluster: Any,
+        *,
+        epoch: int = 0,
+        group_tag: str = "transition",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.live: dict[str, EMU] = dict(emus)
         self.holders = holders
         self.cluster = cluster
@@ -51,7 +59,9 @@ class WorkerRuntime:
 
     async def next_done(self) -> NodeResult:
         done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-        task = min(done, key=lambda t: t.result().end)  # the earliest first, as the dispatcher counts
+        task = min(
+            done, key=lambda t: t.result().end
+        )  # the earliest first, as the dispatcher counts
         self._tasks.discard(task)
         return task.result()
 
@@ -59,8 +69,14 @@ class WorkerRuntime:
         t0 = self.clock()
         try:
             steps = [op_step(op, self.live) for op in node.ops]
-            stats = await asyncio.gather(*(execute_step(step, self.holders, self.cluster, epoch=self.epoch,
-                                                        group_tag=self.group_tag) for step in steps))
+            stats = await asyncio.gather(
+                *(
+                    execute_step(
+                        step, self.holders, self.cluster, epoch=self.epoch, group_tag=self.group_tag
+                    )
+                    for step in steps
+                )
+            )
         except Exception as e:  # reported to the dispatcher: nothing more starts
             return NodeResult(node.id, False, t0, self.clock(), 0, e)
         for step in steps:
@@ -68,4 +84,6 @@ class WorkerRuntime:
                 self.live.pop(e.name, None)
             for e in step.created:
                 self.live[e.name] = e
-        return NodeResult(node.id, True, t0, self.clock(), sum(s.bytes_sent_measured for s in stats))
+        return NodeResult(
+            node.id, True, t0, self.clock(), sum(s.bytes_sent_measured for s in stats)
+        )

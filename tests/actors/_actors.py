@@ -29,10 +29,18 @@ class Echo(Actor):
     @endpoint
     async def where(self) -> dict:
         d = current_device()
-        return {"index": d.index, "kind": d.kind, "memory_bytes": d.memory_bytes,
-                "same": d == self.device, "rank": self.rank, "coords": self.coords,
-                "tag": self.tag, "pid": os.getpid(), "name": self.name,
-                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+        return {
+            "index": d.index,
+            "kind": d.kind,
+            "memory_bytes": d.memory_bytes,
+            "same": d == self.device,
+            "rank": self.rank,
+            "coords": self.coords,
+            "tag": self.tag,
+            "pid": os.getpid(),
+            "name": self.name,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        }
 
     @endpoint
     async def fail(self, message: str):
@@ -117,8 +125,14 @@ class Echo(Actor):
         return list(self.failures)
 
     def __supervise__(self, failure) -> None:
-        self.failures.append({"device": failure.device, "actor": failure.actor,
-                              "reason": failure.reason, "rank": failure.rank})
+        self.failures.append(
+            {
+                "device": failure.device,
+                "actor": failure.actor,
+                "reason": failure.reason,
+                "rank": failure.rank,
+            }
+        )
 
 
 class Tensors(Actor):
@@ -157,8 +171,9 @@ class BadInit(Actor):
         raise RuntimeError("constructor refused")
 
 
-_TRACE: contextvars.ContextVar[str | None] = contextvars.ContextVar("nereus_test_trace",
-                                                                   default=None)
+_TRACE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "nereus_test_trace", default=None
+)
 
 
 class Sequential(Actor):

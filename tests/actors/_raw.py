@@ -38,8 +38,9 @@ class RawSession:
         return self._frames(header, list(buffers), self.session.outgoing(None))
 
     def call(self, name: str, inc: int, cid: int, method: str, *args: Any) -> list[bytes]:
-        header, buffers = _wire.encode([P.CALL, cid, name, inc, method, None, list(args), {},
-                                        P.REPLY])
+        header, buffers = _wire.encode(
+            [P.CALL, cid, name, inc, method, None, list(args), {}, P.REPLY]
+        )
         return self.seal(header, [bytes(b) for b in buffers])
 
     def open(self, frames: list[Any]) -> list[Any]:
@@ -84,9 +85,9 @@ def zmtp_declare(address: str, size: int, payload: int, timeout_s: float = 10.0)
     if address.startswith("ipc://"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
-        sock.connect(address[len("ipc://"):])
+        sock.connect(address[len("ipc://") :])
     else:
-        host, port = address[len("tcp://"):].rsplit(":", 1)
+        host, port = address[len("tcp://") :].rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     try:
         return _declare_on(sock, size, payload)
@@ -96,15 +97,19 @@ def zmtp_declare(address: str, size: int, payload: int, timeout_s: float = 10.0)
 
 
 def _declare_on(sock: socket.socket, size: int, payload: int) -> socket.socket:
-    greeting = (b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0")
-                + b"\0" + bytes(31))
+    greeting = (
+        b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" + bytes(31)
+    )
     sock.sendall(greeting)
     _recv_exactly(sock, 64)
     ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
     sock.sendall(bytes([0x04, len(ready)]) + ready)
     flags = _recv_exactly(sock, 1)[0]  # the peer's READY command
-    length = (struct.unpack(">Q", _recv_exactly(sock, 8))[0] if flags & 0x02
-              else _recv_exactly(sock, 1)[0])
+    length = (
+        struct.unpack(">Q", _recv_exactly(sock, 8))[0]
+        if flags & 0x02
+        else _recv_exactly(sock, 1)[0]
+    )
     _recv_exactly(sock, length)
     sock.sendall(bytes([0x02]) + struct.pack(">Q", size) + bytes(payload))
     return sock

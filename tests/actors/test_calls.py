@@ -14,7 +14,11 @@ from nereus.errors import ConfigError, ProtocolError, RemoteError
 from nereus.monitor import Subscriber
 from tests.actors._actors import BadInit, Echo, Tensors
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(60),
+]
 
 
 async def test_devices_and_current_device(cluster: Cluster):
@@ -26,11 +30,12 @@ async def test_devices_and_current_device(cluster: Cluster):
         got = await mesh.where.call()
         assert [g["index"] for g in got] == [2, 0]
         assert [g["rank"] for g in got] == [0, 1]
-        assert all(g["same"] and g["tag"] == "t" and g["memory_bytes"] == 256 * 2**20
-                   for g in got)
+        assert all(g["same"] and g["tag"] == "t" and g["memory_bytes"] == 256 * 2**20 for g in got)
         assert got[0]["pid"] != got[1]["pid"]
         # CPU workers copy large pieces with stores that bypass the cache (nereus.node)
-        assert all("glibc.cpu.x86_non_temporal_threshold=0x40000" in g["glibc_tunables"] for g in got)
+        assert all(
+            "glibc.cpu.x86_non_temporal_threshold=0x40000" in g["glibc_tunables"] for g in got
+        )
     finally:
         await cluster.stop_mesh(mesh)
 
@@ -65,8 +70,7 @@ async def test_call_styles(cluster: Cluster):
 
 
 async def test_axes_and_slices(cluster: Cluster):
-    mesh = await cluster.spawn("grid", Echo, devices=[0, 1, 2, 0, 1, 2],
-                               axes={"dp": 3, "tp": 2})
+    mesh = await cluster.spawn("grid", Echo, devices=[0, 1, 2, 0, 1, 2], axes={"dp": 3, "tp": 2})
     try:
         coords = [r["coords"] for r in await mesh.where.call()]
         assert coords == [{"dp": d, "tp": t} for d in range(3) for t in range(2)]
@@ -94,7 +98,7 @@ async def test_remote_error_carries_type_message_traceback(cluster: Cluster):
         err = info.value
         assert err.remote_type == "KeyError"
         assert "the reason" in err.remote_message
-        assert 'raise KeyError(message)' in err.traceback_text
+        assert "raise KeyError(message)" in err.traceback_text
         assert err.actor == "errs/0" and err.device == 1
         # the actor survives its endpoint's error
         assert await mesh.add.call_one(1, 1) == 2
@@ -192,8 +196,11 @@ async def test_refs_cross_the_wire(cluster: Cluster):
 
 async def test_emit_reaches_the_tap(cluster: Cluster):
     mesh = await cluster.spawn("emitter", Echo, devices=[0, 1])
-    sub = Subscriber(cluster.tap_address, cluster.key,
-                     {"test_event", "driver_event", "thread_event", "call_span", "error"})
+    sub = Subscriber(
+        cluster.tap_address,
+        cluster.key,
+        {"test_event", "driver_event", "thread_event", "call_span", "error"},
+    )
     try:
         # PUB/SUB joins asynchronously: emit until both kinds of events came through
         from nereus.actors import emit

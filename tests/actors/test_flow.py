@@ -12,7 +12,11 @@ from nereus.actors._protocol import OK
 from nereus.errors import ActorDied, Backpressure, ConfigError, DeadlineExceeded
 from tests.actors._actors import Echo
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(60),
+]
 
 
 async def _stats(ref) -> dict:

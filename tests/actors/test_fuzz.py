@@ -38,8 +38,11 @@ def _messages(raw: RawSession, key: bytes, name: str, inc: int, rng: random.Rand
         yield [os.urandom(32) + head, *good[1:]], "rejected_signature", False
         sig_len = rng.choice([1, 16, 31, 33, 64])
         first = os.urandom(sig_len) + head
-        yield [first, *good[1:]], ("rejected_signature" if len(first) > 32
-                                   else "rejected_short"), False
+        yield (
+            [first, *good[1:]],
+            ("rejected_signature" if len(first) > 32 else "rejected_short"),
+            False,
+        )
         yield [good[0][: rng.randrange(0, 33)]], "rejected_short", False
         # 4. a byte flipped anywhere (signature, envelope, header or a buffer) after signing
         frames = [bytearray(f) for f in good]
@@ -104,8 +107,9 @@ async def test_fuzzed_frames_never_crash_a_worker(no_leaks):
                 await big.send_multipart(raw.seal(b"\x90", [os.urandom(2 << 20)]))
             finally:
                 big.close(linger=0)
-            for frames, counter, replied in _messages(raw, cluster.key, ref.name,
-                                                      ref.incarnation, rng):
+            for frames, counter, replied in _messages(
+                raw, cluster.key, ref.name, ref.incarnation, rng
+            ):
                 await sock.send_multipart(frames)
                 expected[counter] = expected.get(counter, 0) + 1
                 replies_expected += replied
@@ -162,8 +166,9 @@ async def test_replayed_extended_and_truncated_messages_are_never_accepted(no_le
             raw = await _handshake(sock, cluster.key)
             hello = RawSession(cluster.key)
             hello.session = raw.session  # the HELLO as it went out, to replay it
-            captured = [raw.call(ref.name, ref.incarnation, i, "record", i)
-                        for i in range(CAPTURED)]
+            captured = [
+                raw.call(ref.name, ref.incarnation, i, "record", i) for i in range(CAPTURED)
+            ]
             for frames in captured:
                 await sock.send_multipart(frames)
             replies = 0
@@ -212,11 +217,20 @@ async def test_replayed_extended_and_truncated_messages_are_never_accepted(no_le
 
             extended = 0
             for i in range(100):
-                frames = raw.call(ref.name, ref.incarnation, 10_000 + i, "record",
-                                  torch.arange(i + 1, dtype=torch.int64))
+                frames = raw.call(
+                    ref.name,
+                    ref.incarnation,
+                    10_000 + i,
+                    "record",
+                    torch.arange(i + 1, dtype=torch.int64),
+                )
                 assert len(frames) == 2
-                for bad in (frames + [b""], frames + [b"x"], frames[:1],
-                            [frames[0], frames[1][:3], frames[1][3:]]):
+                for bad in (
+                    frames + [b""],
+                    frames + [b"x"],
+                    frames[:1],
+                    [frames[0], frames[1][:3], frames[1][3:]],
+                ):
                     await sock.send_multipart(bad)
                     extended += 1
             assert await ref.ping.call_one(1) == 1
@@ -225,18 +239,24 @@ async def test_replayed_extended_and_truncated_messages_are_never_accepted(no_le
             # every one of them was counted (refused or, wrongly, run)
             deadline = time.monotonic() + 30
             while True:
-                after = [(await client.request(r.address, "stats", {}))["counters"]
-                         for r in mesh.refs]
+                after = [
+                    (await client.request(r.address, "stats", {}))["counters"] for r in mesh.refs
+                ]
                 delta = {k: after[0].get(k, 0) - before[0].get(k, 0) for k in after[0]}
-                if delta.get("rejected", 0) >= 4 * CAPTURED + extended or time.monotonic() > deadline:
+                if (
+                    delta.get("rejected", 0) >= 4 * CAPTURED + extended
+                    or time.monotonic() > deadline
+                ):
                     break
                 await asyncio.sleep(0.05)
             assert delta["rejected_replay"] == 3 * CAPTURED, delta
             assert delta["rejected_receiver"] == CAPTURED, delta
             assert delta["rejected_signature"] == extended, delta
             assert delta["rejected"] == 4 * CAPTURED + extended, delta
-            assert after[1].get("rejected_receiver", 0) - before[1].get(
-                "rejected_receiver", 0) == CAPTURED
+            assert (
+                after[1].get("rejected_receiver", 0) - before[1].get("rejected_receiver", 0)
+                == CAPTURED
+            )
             # not one of them ran again
             assert await ref.seen_list.call_one() == list(range(CAPTURED))
         finally:
@@ -265,9 +285,18 @@ async def test_the_controller_refuses_replayed_requests_and_heartbeats(no_leaks)
 
             # a node that registered and beat, then stopped: replayed beats keep it from
             # nothing, it is declared lost
-            header, _ = _wire.encode([P.CTRL, 8, "node_register", {
-                "node_id": "ghost", "host": "h",
-                "devices": [{"local_index": 0, "kind": "cpu", "memory_bytes": 1}]}])
+            header, _ = _wire.encode(
+                [
+                    P.CTRL,
+                    8,
+                    "node_register",
+                    {
+                        "node_id": "ghost",
+                        "host": "h",
+                        "devices": [{"local_index": 0, "kind": "cpu", "memory_bytes": 1}],
+                    },
+                ]
+            )
             await sock.send_multipart(raw.seal(header))
             raw.open(await asyncio.wait_for(sock.recv_multipart(), 30))
             beat, _ = _wire.encode([P.CTRL, 0, "heartbeat", {"node_id": "ghost"}])
@@ -301,8 +330,10 @@ async def test_a_4gib_declared_frame_costs_no_memory_on_any_socket(no_leaks):
         ref = mesh.refs[0]
         pid = (await mesh.where.call_one())["pid"]
         size = 4 << 30
-        targets = [("worker, zeromq", pid, ref.address),
-                   ("controller, zeromq", os.getpid(), cluster.address)]
+        targets = [
+            ("worker, zeromq", pid, ref.address),
+            ("controller, zeromq", os.getpid(), cluster.address),
+        ]
         for what, owner, address in targets:
             rss = _rss(owner)
             try:

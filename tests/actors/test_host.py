@@ -32,8 +32,9 @@ class _Local:
         self.slot = host.actors["seq"]
 
     def call(self, method: str, *args, timeout_s: float | None = None) -> asyncio.Future:
-        return self.client.call(self.address, "seq", self.inc, method, list(args), {},
-                                timeout_s, P.REPLY, 0)
+        return self.client.call(
+            self.address, "seq", self.inc, method, list(args), {}, timeout_s, P.REPLY, 0
+        )
 
 
 @pytest_asyncio.fixture
@@ -54,20 +55,34 @@ async def local(no_leaks):
 
 
 async def test_calls_keep_arrival_order_across_suspensions(local):
-    futs = [local.call("slow", 1, 0.05), local.call("quick", 2), local.call("sync_quick", 3),
-            local.call("slow", 4, 0.0), local.call("quick", 5)]
+    futs = [
+        local.call("slow", 1, 0.05),
+        local.call("quick", 2),
+        local.call("sync_quick", 3),
+        local.call("slow", 4, 0.0),
+        local.call("quick", 5),
+    ]
     assert await asyncio.gather(*futs) == [1, 2, 3, 4, 5]
-    assert await local.call("order") == [("start", 1), ("end", 1), 2, 3, ("start", 4),
-                                         ("end", 4), 5]
+    assert await local.call("order") == [
+        ("start", 1),
+        ("end", 1),
+        2,
+        3,
+        ("start", 4),
+        ("end", 4),
+        5,
+    ]
     assert local.slot.pending == 0 and not local.slot.mailbox and local.slot.resume is None
 
 
 async def test_idle_calls_start_in_the_message_callback(local, monkeypatch):
     started = []
     start_now = local.host._start_now
-    monkeypatch.setattr(local.host, "_start_now",
-                        lambda slot, item: (started.append(item[1].qualname),
-                                            start_now(slot, item)))
+    monkeypatch.setattr(
+        local.host,
+        "_start_now",
+        lambda slot, item: (started.append(item[1].qualname), start_now(slot, item)),
+    )
     for i in range(5):
         assert await local.call("quick", i) == i
     assert await local.call("slow", 9, 0.0) == 9
@@ -119,8 +134,9 @@ async def test_stop_cancels_a_started_call_before_the_consumer_takes_it_over(loc
     # both in one loop iteration, as from message callbacks: the call suspends in
     # asyncio.sleep and is stopped before the consumer task takes it over
     loop.call_soon(local.host._start_now, slot, item)
-    loop.call_soon(lambda: (seen.append(slot.resume is not None),
-                            local.host._stop({"name": "seq"})))
+    loop.call_soon(
+        lambda: (seen.append(slot.resume is not None), local.host._stop({"name": "seq"}))
+    )
     deadline = time.monotonic() + 5
     while slot.pending and time.monotonic() < deadline:
         await asyncio.sleep(0.001)
@@ -138,9 +154,11 @@ async def test_each_call_fails_at_its_own_deadline(local):
         done[label] = time.monotonic() - t0
 
     # the later deadlines are earlier than the one the timer is armed for first
-    await asyncio.gather(timed("1.5 s", local.call("slow", 1, 3.0, timeout_s=1.5)),
-                         timed("0.1 s", local.call("quick", 2, timeout_s=0.1)),
-                         timed("0.2 s", local.call("quick", 3, timeout_s=0.2)))
+    await asyncio.gather(
+        timed("1.5 s", local.call("slow", 1, 3.0, timeout_s=1.5)),
+        timed("0.1 s", local.call("quick", 2, timeout_s=0.1)),
+        timed("0.2 s", local.call("quick", 3, timeout_s=0.2)),
+    )
     assert sorted(done, key=done.get) == ["0.1 s", "0.2 s", "1.5 s"]
     assert 0.1 - 0.002 <= done["0.1 s"] < 1.0 and done["1.5 s"] >= 1.5 - 0.002
     assert not local.client.pending and local.client._timed == 0

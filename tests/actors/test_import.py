@@ -11,12 +11,12 @@ import pytest
 from nereus.actors._host import import_actor_class
 from nereus.errors import ProtocolError
 
-_SCRIPT = '''
+_SCRIPT = """
 import nereus
 
 class Worker(nereus.Actor):
     VALUE = {value!r}
-'''
+"""
 
 
 def _write(path, value: str, mtime_ns: int) -> str:

@@ -23,7 +23,8 @@ KEY = "multinode-test-key-0123456789abcdef"
 
 async def _start(*args: str, ready: str | None, env: dict | None = None):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *args, stdout=asyncio.subprocess.PIPE, env=env or os.environ.copy())
+        sys.executable, *args, stdout=asyncio.subprocess.PIPE, env=env or os.environ.copy()
+    )
     if ready is None:
         return proc, ""
     while True:
@@ -32,7 +33,7 @@ async def _start(*args: str, ready: str | None, env: dict | None = None):
             raise AssertionError(f"{args[:2]} exited before it was ready: {await proc.wait()}")
         text = line.decode().strip()
         if text.startswith(ready):
-            return proc, text[len(ready):]
+            return proc, text[len(ready) :]
 
 
 async def _stop(proc) -> int:
@@ -51,12 +52,31 @@ async def test_two_nodes_on_loopback(tmp_path, no_leaks):
     procs = []
     try:
         controller, ready = await _start(
-            "-m", "nereus.cli", "controller", "--bind", "tcp://127.0.0.1:0", "--key-file",
-            str(key_file), "--heartbeat-timeout-s", "2", ready=CONTROLLER_READY)
+            "-m",
+            "nereus.cli",
+            "controller",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--key-file",
+            str(key_file),
+            "--heartbeat-timeout-s",
+            "2",
+            ready=CONTROLLER_READY,
+        )
         procs.append(controller)
         address, tap_address = ready.split()
-        tap, _ = await _start("-m", "nereus.cli", "tap", tap_address, "--jsonl", str(jsonl), "--quiet",
-                              "--key-file", str(key_file), ready=None)
+        tap, _ = await _start(
+            "-m",
+            "nereus.cli",
+            "tap",
+            tap_address,
+            "--jsonl",
+            str(jsonl),
+            "--quiet",
+            "--key-file",
+            str(key_file),
+            ready=None,
+        )
         procs.append(tap)
 
         # PUB/SUB joins asynchronously: probe until the tap records, so it sees every join
@@ -69,12 +89,33 @@ async def test_two_nodes_on_loopback(tmp_path, no_leaks):
         await asyncio.wait_for(tap_is_live(), 30)
         env = os.environ | {"NEREUS_CLUSTER_KEY": KEY}  # the other way to give the key
         node_a, ready_a = await _start(
-            "-m", "nereus.node", "--controller", address, "--devices", "2",
-            "--memory-per-device", "64MiB", "--node-id", "a", ready=NODE_READY, env=env)
+            "-m",
+            "nereus.node",
+            "--controller",
+            address,
+            "--devices",
+            "2",
+            "--memory-per-device",
+            "64MiB",
+            "--node-id",
+            "a",
+            ready=NODE_READY,
+            env=env,
+        )
         procs.append(node_a)
         node_b, ready_b = await _start(
-            "-m", "nereus.node", "--controller", address, "--devices", "3", "--node-id", "b",
-            "--key-file", str(key_file), ready=NODE_READY)
+            "-m",
+            "nereus.node",
+            "--controller",
+            address,
+            "--devices",
+            "3",
+            "--node-id",
+            "b",
+            "--key-file",
+            str(key_file),
+            ready=NODE_READY,
+        )
         procs.append(node_b)
         assert ready_a.split()[0] == "a" and ready_b.split()[0] == "b"
 
@@ -98,8 +139,9 @@ async def test_two_nodes_on_loopback(tmp_path, no_leaks):
             ref = mesh.refs[0]
             try:
                 with pytest.raises(DeadlineExceeded):
-                    await impostor.call(ref.address, ref.name, ref.incarnation, "add", [1], {},
-                                        0.5, 1, ref.device)
+                    await impostor.call(
+                        ref.address, ref.name, ref.incarnation, "add", [1], {}, 0.5, 1, ref.device
+                    )
             finally:
                 impostor.close()
             stats = await real.request(ref.address, "stats", {})
@@ -134,17 +176,36 @@ async def test_node_refuses_bad_arguments(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("short")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "nereus.node", "--controller", "tcp://127.0.0.1:1", "--devices",
-        "2", "--key-file", str(key_file), stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "nereus.node",
+        "--controller",
+        "tcp://127.0.0.1:1",
+        "--devices",
+        "2",
+        "--key-file",
+        str(key_file),
+        stderr=asyncio.subprocess.PIPE,
+    )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"at least 16" in err
     # a controller that never answers (nothing listens there)
     key_file.write_text(KEY)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "nereus.node", "--controller", "tcp://127.0.0.1:9", "--devices",
-        "1", "--key-file", str(key_file), "--start-timeout-s", "0.5",
-        stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "nereus.node",
+        "--controller",
+        "tcp://127.0.0.1:9",
+        "--devices",
+        "1",
+        "--key-file",
+        str(key_file),
+        "--start-timeout-s",
+        "0.5",
+        stderr=asyncio.subprocess.PIPE,
+    )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2 and b"did not answer" in err
 

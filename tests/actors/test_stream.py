@@ -17,7 +17,11 @@ from nereus.actors._stream import StreamChannel, stream_path
 from tests.actors._actors import Echo, Tensors
 from tests.actors._raw import RawSession, framed, read_frames
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(60),
+]
 
 
 async def _handshake(key: bytes, reader, writer) -> RawSession:
@@ -85,8 +89,9 @@ async def test_tensors_and_large_messages_round_trip(cluster: Cluster):
         assert all(torch.equal(a, b) for a, b in zip(outs, xs, strict=True))
         # received tensors are writable, small (copied) and large (own buffer) alike
         for n in (10, 100_000):
-            assert torch.equal(await ref.add_one_inplace.call_one(torch.ones(n)),
-                               torch.full((n,), 2.0))
+            assert torch.equal(
+                await ref.add_one_inplace.call_one(torch.ones(n)), torch.full((n,), 2.0)
+            )
         assert await ref.checksum.call_one(torch.ones(100_000)) == 100_000.0
     finally:
         await cluster.stop_mesh(mesh)
@@ -100,7 +105,7 @@ async def test_bytes_split_anywhere_still_make_messages(cluster: Cluster):
             raw = await _handshake(cluster.key, reader, writer)
             data = framed(raw.call(ref.name, ref.incarnation, 7, "add", 20, 22))
             for i in range(len(data)):  # one byte per write
-                writer.write(data[i:i + 1])
+                writer.write(data[i : i + 1])
                 await writer.drain()
                 await asyncio.sleep(0)
             reply = await asyncio.wait_for(_read_reply(raw, reader), 10)
@@ -115,8 +120,11 @@ async def test_oversized_declared_length_is_dropped_before_allocation(cluster: C
     before = await _counters(ref.address)
     # 2**62 bytes could never be allocated: the worker must not try; then a message of
     # no frames. Each connection is dropped.
-    for bad in (struct.pack("<IQQ", 2, 100, 2**62), struct.pack("<I", 0),
-                struct.pack("<IQ", 1, 100_000)):  # > 64 KiB before the handshake
+    for bad in (
+        struct.pack("<IQQ", 2, 100, 2**62),
+        struct.pack("<I", 0),
+        struct.pack("<IQ", 1, 100_000),
+    ):  # > 64 KiB before the handshake
         async with _connection(ref.address) as (reader, writer):
             writer.write(bad)
             await writer.drain()
@@ -140,8 +148,7 @@ async def test_bad_signature_is_counted_and_the_connection_goes_on(cluster: Clus
         writer.write(framed(good))
         await writer.drain()
         # only the good call is answered, on the same connection
-        assert await asyncio.wait_for(_read_reply(raw, reader), 10) == [
-            P.OK, 2, ref.incarnation, 3]
+        assert await asyncio.wait_for(_read_reply(raw, reader), 10) == [P.OK, 2, ref.incarnation, 3]
     after = await _counters(ref.address)
     assert _delta(before, after, "rejected_signature") == 1
     assert _delta(before, after, "rejected_short") == 1

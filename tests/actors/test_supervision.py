@@ -47,8 +47,13 @@ async def test_sigkilled_worker_is_reported_and_calls_fail(no_leaks):
             actors = sorted(f.actor for f in failures)
             assert actors == ["bystander/0", "sup/1"]
             f = next(f for f in failures if f.actor == "sup/1")
-            assert (f.device, f.reason, f.mesh, f.rank, f.pid) == (1, "SIGKILL", "sup", 1,
-                                                                   victim["pid"])
+            assert (f.device, f.reason, f.mesh, f.rank, f.pid) == (
+                1,
+                "SIGKILL",
+                "sup",
+                1,
+                victim["pid"],
+            )
             assert f.incarnation >= 1
             # the surviving ranks' __supervise__ ran with the failure
             for rank in (0, 2):
@@ -82,7 +87,9 @@ async def test_what_workers_leave_in_the_temporary_folder_goes_with_their_node(n
         host_tmp = tempfile.gettempdir()
         for got in left:
             assert os.path.dirname(os.path.dirname(got["tmpdir"])) == host_tmp
-            assert os.path.basename(os.path.dirname(got["tmpdir"])).startswith(f"nereus-{os.getpid()}-")
+            assert os.path.basename(os.path.dirname(got["tmpdir"])).startswith(
+                f"nereus-{os.getpid()}-"
+            )
             assert os.path.exists(got["file"]) and os.path.exists(got["socket"])
         os.kill(left[1]["pid"], signal.SIGKILL)  # a killed worker closes nothing
         await asyncio.wait_for(died.wait(), 5.0)

@@ -20,10 +20,17 @@ from nereus.errors import AuthenticationError, ProtocolError
 KEY = b"k" * 32
 
 plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False)
-    | st.text(max_size=20) | st.binary(max_size=6000),
-    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=5) | st.integers(0, 9), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=6000),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=5) | st.integers(0, 9), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -41,9 +48,19 @@ def test_plain_values_round_trip(value):
     assert round_trip(value) == value
 
 
-TORCH_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-                torch.complex64]
+TORCH_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,8 +76,10 @@ def test_tensors_round_trip(dtype, shape, transpose):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from(["<f4", "<f8", "<i2", "|u1", "|b1", "<c8"]),
-       st.lists(st.integers(0, 4), max_size=3))
+@given(
+    st.sampled_from(["<f4", "<f8", "<i2", "|u1", "|b1", "<c8"]),
+    st.lists(st.integers(0, 4), max_size=3),
+)
 def test_arrays_round_trip(dtype, shape):
     a = np.asarray(np.random.random_sample(shape) * 10).astype(dtype)
     back = round_trip(a)
@@ -122,11 +141,15 @@ def test_signature_covers_every_frame():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.binary(min_size=16, max_size=150), st.binary(max_size=300),
-       st.lists(st.binary(max_size=200), max_size=3))
+@given(
+    st.binary(min_size=16, max_size=150),
+    st.binary(max_size=300),
+    st.lists(st.binary(max_size=200), max_size=3),
+)
 def test_signer_is_standard_hmac_sha256(key, header, buffers):
-    lengths = struct.pack(f"<I{len(buffers) + 1}Q", len(buffers) + 1, len(header),
-                          *map(len, buffers))
+    lengths = struct.pack(
+        f"<I{len(buffers) + 1}Q", len(buffers) + 1, len(header), *map(len, buffers)
+    )
     expected = hmac.new(key, lengths + header + b"".join(buffers), hashlib.sha256).digest()
     signer = _wire.Signer(key)
     assert signer.sign(header, buffers) == expected
@@ -164,20 +187,35 @@ def test_encode_is_reentrant_through_a_registered_type():
     assert _wire.decode(back[1]) == ("inner", 1)
 
 
-@pytest.mark.parametrize("header, buffers, match", [
-    (b"\xc1", [], "malformed"),
-    (msgpack.packb([1, 2])[:-1], [], "malformed"),
-    (msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "<f4", [2**40], 0, 4]))), [b"1234"],
-     "does not match|declares"),
-    (msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "<f4", [1], 3, 4]))), [b"1234"],
-     "out of range"),
-    (msgpack.packb(msgpack.ExtType(1, msgpack.packb([2, "nonsense", [1], 0, 4]))), [b"1234"],
-     "unknown torch dtype"),
-    (msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "O", [1], 0, 8]))), [b"12345678"],
-     "does not match|object|dtype"),
-    (msgpack.packb(msgpack.ExtType(99, b"")), [], "unknown ext"),
-    (msgpack.packb(msgpack.ExtType(1, b"\x93\x01")), [], "malformed|descriptor"),
-])
+@pytest.mark.parametrize(
+    "header, buffers, match",
+    [
+        (b"\xc1", [], "malformed"),
+        (msgpack.packb([1, 2])[:-1], [], "malformed"),
+        (
+            msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "<f4", [2**40], 0, 4]))),
+            [b"1234"],
+            "does not match|declares",
+        ),
+        (
+            msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "<f4", [1], 3, 4]))),
+            [b"1234"],
+            "out of range",
+        ),
+        (
+            msgpack.packb(msgpack.ExtType(1, msgpack.packb([2, "nonsense", [1], 0, 4]))),
+            [b"1234"],
+            "unknown torch dtype",
+        ),
+        (
+            msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "O", [1], 0, 8]))),
+            [b"12345678"],
+            "does not match|object|dtype",
+        ),
+        (msgpack.packb(msgpack.ExtType(99, b"")), [], "unknown ext"),
+        (msgpack.packb(msgpack.ExtType(1, b"\x93\x01")), [], "malformed|descriptor"),
+    ],
+)
 def test_malformed_headers_raise_protocol_error(header, buffers, match):
     with pytest.raises(ProtocolError, match=match):
         _wire.decode(header, buffers)

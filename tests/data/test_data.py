@@ -40,7 +40,9 @@ def test_dp_ranks_partition_the_global_batch(n, dp, position):
     ds = PromptDataset(ReverseTask(), size=11, seed=0)
     whole = ds.global_batch(n, position)
     parts = [ds.global_batch(n, position, r, dp) for r in range(dp)]
-    assert sorted((s.index, s.prompt) for p in parts for s in p) == sorted((s.index, s.prompt) for s in whole)
+    assert sorted((s.index, s.prompt) for p in parts for s in p) == sorted(
+        (s.index, s.prompt) for s in whole
+    )
     assert ds.position == 0
 
 

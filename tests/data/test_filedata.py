@@ -35,7 +35,11 @@ def test_rows_read_in_verl_columns(tmp_path, fmt):
     assert task.rows[5].ground_truth == "11"
     assert task.rows[0].data_source == "openai/gsm8k" and task.rows[0].extra_info["index"] == 0
     s = task.sample(2, seed=0)
-    assert (s.index, s.prompt, s.answer) == (2, rows[2]["prompt"][0]["content"], str(rows[2]["reward_model"]["ground_truth"]))
+    assert (s.index, s.prompt, s.answer) == (
+        2,
+        rows[2]["prompt"][0]["content"],
+        str(rows[2]["reward_model"]["ground_truth"]),
+    )
     assert task.reward(s, f"So the answer is {s.answer}.") == 1.0
     assert task.reward(s, "I think 1000.") == 0.0
 
@@ -49,7 +53,11 @@ def test_chat_template_is_applied_like_transformers(tmp_path):
     rows = gsm8k_rows(4) + gsm8k_rows(2, text_prompts=True)
     task = _task(write_jsonl(tmp_path / "t.jsonl", rows))
     for i, row in enumerate(rows):
-        messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        messages = (
+            row["prompt"]
+            if isinstance(row["prompt"], list)
+            else [{"role": "user", "content": row["prompt"]}]
+        )
         # The text transformers renders, tokenized by the folder's tokenizer.json (transformers 5
         # rebuilds this tiny BPE's pre-tokenizer with its own digit rule; SmolLM2's ids agree).
         text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -57,8 +65,13 @@ def test_chat_template_is_applied_like_transformers(tmp_path):
         want = codec.tokenizer.encode(text, add_special_tokens=False).ids
         assert task.prompt_ids(task.sample(i, 0), codec) == want
     # A base model's text prompts go in as they are.
-    raw = _task(write_jsonl(tmp_path / "raw.jsonl", gsm8k_rows(2, text_prompts=True)), apply_chat_template=False)
-    assert raw.prompt_ids(raw.sample(0, 0), codec) == codec.encode(gsm8k_rows(2, text_prompts=True)[0]["prompt"], raw=True)
+    raw = _task(
+        write_jsonl(tmp_path / "raw.jsonl", gsm8k_rows(2, text_prompts=True)),
+        apply_chat_template=False,
+    )
+    assert raw.prompt_ids(raw.sample(0, 0), codec) == codec.encode(
+        gsm8k_rows(2, text_prompts=True)[0]["prompt"], raw=True
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,10 +79,19 @@ def test_chat_template_is_applied_like_transformers(tmp_path):
     [
         (lambda r: r.pop("prompt"), "row 3 column 'prompt': expected a prompt"),
         (lambda r: r.update(prompt=""), "row 3 column 'prompt': expected a non-empty string"),
-        (lambda r: r.update(prompt=[{"role": "user"}]), "row 3 column 'prompt': expected chat messages with string 'role' and 'content'"),
+        (
+            lambda r: r.update(prompt=[{"role": "user"}]),
+            "row 3 column 'prompt': expected chat messages with string 'role' and 'content'",
+        ),
         (lambda r: r.update(prompt=7), "row 3 column 'prompt': expected chat messages or a string"),
-        (lambda r: r.update(reward_model={"style": "rule"}), "row 3 column 'reward_model.ground_truth': expected a ground truth"),
-        (lambda r: r.update(reward_model={"ground_truth": ["1", "2"]}), "row 3 column 'reward_model.ground_truth': expected a string or a number"),
+        (
+            lambda r: r.update(reward_model={"style": "rule"}),
+            "row 3 column 'reward_model.ground_truth': expected a ground truth",
+        ),
+        (
+            lambda r: r.update(reward_model={"ground_truth": ["1", "2"]}),
+            "row 3 column 'reward_model.ground_truth': expected a string or a number",
+        ),
         (lambda r: r.update(data_source=5), "row 3 column 'data_source': expected a string"),
         (lambda r: r.update(extra_info="x"), "row 3 column 'extra_info': expected a map"),
     ],
@@ -111,7 +133,9 @@ def test_global_order_dp_split_and_resume_like_the_tasks(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(10))
     task = _task(path)
     a = PromptDataset(task, size=len(task), seed=3, fingerprint=task.fingerprint)
-    first = [s.index for s in a.take(4)] + [s.index for s in a.take(4)] + [s.index for s in a.take(4)]
+    first = (
+        [s.index for s in a.take(4)] + [s.index for s in a.take(4)] + [s.index for s in a.take(4)]
+    )
     assert sorted(first[:10]) == list(range(10))  # one epoch visits every row once
     assert first[:10] != list(range(10))  # shuffled by the seed
     # DP ranks take every d-th sample of the same global batch, whatever d is.
@@ -140,23 +164,44 @@ def test_global_order_dp_split_and_resume_like_the_tasks(tmp_path):
 
 
 def test_max_samples_and_custom_columns(tmp_path):
-    rows = [{"question": {"text": r["prompt"][0]["content"]}, "answer": r["reward_model"]["ground_truth"]} for r in gsm8k_rows(8)]
+    rows = [
+        {
+            "question": {"text": r["prompt"][0]["content"]},
+            "answer": r["reward_model"]["ground_truth"],
+        }
+        for r in gsm8k_rows(8)
+    ]
     path = write_jsonl(tmp_path / "custom.jsonl", rows)
-    rows_read, _ = read_rows(DataConfig(path=str(path), prompt_key="question.text", answer_key="answer", max_samples=5))
-    assert len(rows_read) == 5 and rows_read[4].text == rows[4]["question"]["text"] and rows_read[4].ground_truth == rows[4]["answer"]
+    rows_read, _ = read_rows(
+        DataConfig(path=str(path), prompt_key="question.text", answer_key="answer", max_samples=5)
+    )
+    assert (
+        len(rows_read) == 5
+        and rows_read[4].text == rows[4]["question"]["text"]
+        and rows_read[4].ground_truth == rows[4]["answer"]
+    )
 
 
 def test_job_config_with_data(tmp_path):
-    base = {"model": {"kind": "hf", "path": str(tmp_path)}, "data": {"path": "train.jsonl"}, "reward": {"rule": "math"},
-            "cluster": {"mode": "in_process"},
-            "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}}}
+    base = {
+        "model": {"kind": "hf", "path": str(tmp_path)},
+        "data": {"path": "train.jsonl"},
+        "reward": {"rule": "math"},
+        "cluster": {"mode": "in_process"},
+        "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
+    }
     cfg = from_dict(JobConfig, base)
     assert cfg.data.path == "train.jsonl" and cfg.data.answer_key == "reward_model.ground_truth"
-    with pytest.raises(ConfigError, match="reward.rule='task' must be 'math', 'exact' or 'module:function' with \\[data\\]"):
+    with pytest.raises(
+        ConfigError,
+        match="reward.rule='task' must be 'math', 'exact' or 'module:function' with \\[data\\]",
+    ):
         from_dict(JobConfig, {**base, "reward": {}})
     with pytest.raises(ConfigError, match="task=.* must be left out when \\[data\\] is given"):
         from_dict(JobConfig, {**base, "task": {"name": "arithmetic"}})
-    with pytest.raises(ConfigError, match="model.kind='tiny' must be 'hf' or 'smollm2' with \\[data\\]"):
+    with pytest.raises(
+        ConfigError, match="model.kind='tiny' must be 'hf' or 'smollm2' with \\[data\\]"
+    ):
         from_dict(JobConfig, {**base, "model": {"kind": "tiny"}})
     with pytest.raises(ConfigError, match="data: unknown key\\(s\\) \\['file'\\]"):
         from_dict(JobConfig, {**base, "data": {"file": "x"}})

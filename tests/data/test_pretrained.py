@@ -34,20 +34,32 @@ def test_convert_load_and_generate_like_transformers(tmp_path):
     folder = convert_smollm2(tmp_path / "smollm2")
     assert convert_smollm2(folder) == folder  # converted once
     config = ModelConfig.from_hf(folder)
-    assert (config.num_hidden_layers, config.hidden_size, config.tie_word_embeddings) == (30, 576, True)
+    assert (config.num_hidden_layers, config.hidden_size, config.tie_word_embeddings) == (
+        30,
+        576,
+        True,
+    )
     codec = Codec.from_dir(folder)
     assert codec.chat and codec.eos_id == 2
     task = ArithmeticTask(style="natural", max_operand=9)
     sample = task.sample(0, seed=0)
     prompt = codec.encode(sample.prompt)
     engine = GenerationEngine(config, options=EngineOptions(model_dir=folder))
-    ours = engine.generate([prompt], {"max_tokens": 8, "temperature": 0.0, "stop_token_ids": [codec.eos_id]}).token_ids[0]
+    ours = engine.generate(
+        [prompt], {"max_tokens": 8, "temperature": 0.0, "stop_token_ids": [codec.eos_id]}
+    ).token_ids[0]
     engine.close()
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        theirs = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, eos_token_id=codec.eos_id, pad_token_id=codec.pad_id)[0, len(prompt):].tolist()
+        theirs = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=codec.eos_id,
+            pad_token_id=codec.pad_id,
+        )[0, len(prompt) :].tolist()
     assert ours == theirs[: len(ours)] and len(ours) >= 1
     text = codec.decode(ours)
     assert any(ch.isalnum() for ch in text), text
-

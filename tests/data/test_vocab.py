@@ -16,7 +16,12 @@ def test_char_codec_roundtrip_and_eos(tmp_path):
     ids = codec.encode(s.prompt)
     assert ids[0] == codec.bos_id and len(ids) == len(s.prompt) + 1
     assert codec.decode(ids[1:]) == s.prompt
-    assert codec.decode(codec.encode("12", add_bos=False) + [codec.eos_id] + codec.encode("9", add_bos=False)) == "12"
+    assert (
+        codec.decode(
+            codec.encode("12", add_bos=False) + [codec.eos_id] + codec.encode("9", add_bos=False)
+        )
+        == "12"
+    )
     codec.save(tmp_path)
     again = Codec.from_dir(tmp_path)
     assert again.encode(s.prompt) == ids and again.eos_id == codec.eos_id

@@ -60,11 +60,19 @@ def main(argv: list[str]) -> int:
     dp_rank, rest = divmod(args.rank, tp * pp)
     pp_rank, tp_rank = divmod(rest, tp)
     host = "127.0.0.1"
-    tp_comm = make_comm(f"tp-d{dp_rank}-p{pp_rank}", tp_rank, tp, host, args.port) if tp > 1 else None
-    pp_comm = make_comm(f"pp-d{dp_rank}-t{tp_rank}", pp_rank, pp, host, args.port) if pp > 1 else None
-    dp_comm = make_comm(f"dp-p{pp_rank}-t{tp_rank}", dp_rank, dp, host, args.port) if dp > 1 else None
+    tp_comm = (
+        make_comm(f"tp-d{dp_rank}-p{pp_rank}", tp_rank, tp, host, args.port) if tp > 1 else None
+    )
+    pp_comm = (
+        make_comm(f"pp-d{dp_rank}-t{tp_rank}", pp_rank, pp, host, args.port) if pp > 1 else None
+    )
+    dp_comm = (
+        make_comm(f"dp-p{pp_rank}-t{tp_rank}", dp_rank, dp, host, args.port) if dp > 1 else None
+    )
     pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, tp_comm=tp_comm)
-    ctx = EmuContext(pc, pp_comm=pp_comm, dp_rank=dp_rank, dp_size=dp, dp_comm=dp_comm, timeout_s=60.0)
+    ctx = EmuContext(
+        pc, pp_comm=pp_comm, dp_rank=dp_rank, dp_size=dp, dp_comm=dp_comm, timeout_s=60.0
+    )
     config = ModelConfig.from_hf(args.model_dir)
     inputs = load_file(args.inputs)
     prompts = [row[row >= 0].tolist() for row in inputs["prompts"]]
@@ -89,12 +97,17 @@ def main(argv: list[str]) -> int:
             options=EngineOptions(model_dir=args.model_dir, ledger=ledger),
             micro_batch_size=3,
         )
-        out["inference.logprobs"] = inf.logprobs({"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]})
+        out["inference.logprobs"] = inf.logprobs(
+            {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        )
         inf.close()
 
     rows = inputs["input_ids"].shape[0]
     share = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
-    batch = {"input_ids": inputs["input_ids"][share], "attention_mask": inputs["attention_mask"][share]}
+    batch = {
+        "input_ids": inputs["input_ids"][share],
+        "attention_mask": inputs["attention_mask"][share],
+    }
     train = TrainingEngine(
         config,
         ctx,
@@ -118,7 +131,10 @@ def main(argv: list[str]) -> int:
     out["train.grad_norm"] = torch.tensor([metrics["grad_norm"]], dtype=torch.float64)
     if "loss" in metrics:
         out["train.loss"] = torch.tensor([metrics["loss"]], dtype=torch.float64)
-    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(args.out, f"rank{args.rank}.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in out.items()},
+        os.path.join(args.out, f"rank{args.rank}.safetensors"),
+    )
     for comm in (tp_comm, pp_comm, dp_comm):
         if comm is not None:
             comm.destroy()

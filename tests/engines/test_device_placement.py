@@ -49,8 +49,12 @@ def test_loaded_shards_and_plan_targets_are_made_on_the_workers_device():
     part = plan_part(plan, 0)
     assert part["tensors"] and part["recvs"]
     seen: list[torch.Tensor] = []
-    out = run_part(part, {"t": shards}, lambda sends, recvs: seen.extend(v for vs in recvs.values() for v in vs),
-                   tensor_device="meta")
+    out = run_part(
+        part,
+        {"t": shards},
+        lambda sends, recvs: seen.extend(v for vs in recvs.values() for v in vs),
+        tensor_device="meta",
+    )
     assert set(out) == set(gen.shards_on(0))
     assert {t.device.type for t in [*out.values(), *seen]} == {"meta"}
 
@@ -93,8 +97,10 @@ class CopyingHost(EngineHost):
     async def placement(self, emu: str) -> dict:
         """The device of the store's tensors of ``emu`` and of its engine's context."""
         engine = self.engines.get(emu)
-        return {"shards": sorted({str(t.device) for t in self.shards[emu].values()}),
-                "engine": None if engine is None or not hasattr(engine, "ctx") else engine.ctx.device}
+        return {
+            "shards": sorted({str(t.device) for t in self.shards[emu].values()}),
+            "engine": None if engine is None or not hasattr(engine, "ctx") else engine.ctx.device,
+        }
 
 
 @pytest.mark.timeout(120)
@@ -129,9 +135,11 @@ async def test_cpu_workers_place_everything_on_the_cpu_and_a_sync_reloads_copyin
         await group.destroy()
 
         # the generation engine a host runs is refused by name when it is not one it knows
-        for kind, options, field in (("generation", {"engine": "tgi"}, "options.engine"),
-                                     ("inference", {"engine": "vllm"}, "options.engine"),
-                                     ("generation", {"engine": "vllm"}, "options.model_dir")):
+        for kind, options, field in (
+            ("generation", {"engine": "tgi"}, "options.engine"),
+            ("inference", {"engine": "vllm"}, "options.engine"),
+            ("generation", {"engine": "vllm"}, "options.model_dir"),
+        ):
             with pytest.raises(RemoteError) as info:
                 await hosts[0].build_engine.call_one(emu_to_plain(train), kind, plain, options, {})
             assert info.value.remote_type == "ConfigError" and field in info.value.remote_message

@@ -69,7 +69,10 @@ def setup(tmp_path_factory):
         options=EngineOptions(model_dir=model_dir, ledger=ledger, name="ref-train"),
         optim=SETTINGS["optim"],
     )
-    metrics = ref_train.train_step({"input_ids": input_ids, "attention_mask": attention_mask}, micro_batch_size=SETTINGS["micro_batch_size"])
+    metrics = ref_train.train_step(
+        {"input_ids": input_ids, "attention_mask": attention_mask},
+        micro_batch_size=SETTINGS["micro_batch_size"],
+    )
     ref = {
         "greedy": greedy,
         "sampled": sampled,
@@ -80,25 +83,56 @@ def setup(tmp_path_factory):
     return base, config, model_dir, ref
 
 
-def _run_layout(base: Path, model_dir: Path, tp: int, pp: int, dp: int = 1) -> list[dict[str, torch.Tensor]]:
+def _run_layout(
+    base: Path, model_dir: Path, tp: int, pp: int, dp: int = 1
+) -> list[dict[str, torch.Tensor]]:
     import torch.distributed as dist
 
     out = base / f"tp{tp}pp{pp}dp{dp}"
     out.mkdir(exist_ok=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     world = tp * pp * dp
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     procs = []
     try:
         for rank in range(world):
-            cmd = [sys.executable, "-m", "tests.engines._worker", "--model-dir", str(model_dir),
-                   "--inputs", str(base / "inputs.safetensors"), "--out", str(out), "--tp", str(tp),
-                   "--pp", str(pp), "--dp", str(dp), "--rank", str(rank), "--port", str(store.port),
-                   "--params", json.dumps(SETTINGS)]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.engines._worker",
+                "--model-dir",
+                str(model_dir),
+                "--inputs",
+                str(base / "inputs.safetensors"),
+                "--out",
+                str(out),
+                "--tp",
+                str(tp),
+                "--pp",
+                str(pp),
+                "--dp",
+                str(dp),
+                "--rank",
+                str(rank),
+                "--port",
+                str(store.port),
+                "--params",
+                json.dumps(SETTINGS),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+            )
         for rank, p in enumerate(procs):
             text, _ = p.communicate(timeout=150)
-            assert p.returncode == 0, f"rank {rank} of tp={tp} pp={pp} dp={dp} failed:\n{text.decode()[-4000:]}"
+            assert p.returncode == 0, (
+                f"rank {rank} of tp={tp} pp={pp} dp={dp} failed:\n{text.decode()[-4000:]}"
+            )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -117,7 +151,7 @@ def _check_state(config, ref_state, results, tp, pp, dp, prefix="state."):
         for key, got in res.items():
             if not key.startswith(prefix):
                 continue
-            name = key[len(prefix):]
+            name = key[len(prefix) :]
             base = name.split(":", 1)[0]  # "<param>:<slot>" for an optimizer slot
             expect = shard_tensor(spec[base], ref_state[name], tp_rank, tp)
             # Moments hold the gradient itself: tight. A parameter moved by Adam's first
@@ -125,7 +159,9 @@ def _check_state(config, ref_state, results, tp, pp, dp, prefix="state."):
             # into up to lr: allow a fifth of lr there (a wrong gradient moves whole
             # tensors by about lr).
             atol = 1e-6 if name != base else 0.2 * SETTINGS["optim"]["lr"]
-            torch.testing.assert_close(got, expect, atol=atol, rtol=1e-3, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+            torch.testing.assert_close(
+                got, expect, atol=atol, rtol=1e-3, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}"
+            )
             seen.add(name)
     assert seen == set(ref_state), f"missing state: {sorted(set(ref_state) - seen)[:5]}"
 
@@ -136,16 +172,26 @@ def test_layout_matches_tp1_pp1(setup, tp, pp):
     base, config, model_dir, ref = setup
     results = _run_layout(base, model_dir, tp, pp)
     for rank, res in enumerate(results):
-        for i, (toks, lps) in enumerate(zip(ref["greedy"].token_ids, ref["greedy"].logprobs, strict=True)):
+        for i, (toks, lps) in enumerate(
+            zip(ref["greedy"].token_ids, ref["greedy"].logprobs, strict=True)
+        ):
             assert res[f"greedy.tokens.{i}"].tolist() == toks, f"rank {rank} prompt {i}"
-            torch.testing.assert_close(res[f"greedy.logprobs.{i}"], torch.tensor(lps), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                res[f"greedy.logprobs.{i}"], torch.tensor(lps), atol=1e-4, rtol=1e-4
+            )
         for i, toks in enumerate(ref["sampled"].token_ids):
             assert res[f"sampled.tokens.{i}"].tolist() == toks, f"rank {rank} sampled prompt {i}"
         mask = torch.ones_like(ref["logprobs"])
-        torch.testing.assert_close(res["inference.logprobs"] * mask, ref["logprobs"], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(float(res["train.grad_norm"]), ref["metrics"]["grad_norm"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            res["inference.logprobs"] * mask, ref["logprobs"], atol=1e-4, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            float(res["train.grad_norm"]), ref["metrics"]["grad_norm"], atol=1e-4, rtol=1e-4
+        )
     last = results[-1]
-    torch.testing.assert_close(float(last["train.loss"]), ref["metrics"]["loss"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        float(last["train.loss"]), ref["metrics"]["loss"], atol=1e-5, rtol=1e-5
+    )
     _check_state(config, ref["state"], results, tp, pp, 1)
     if pp > 1:
         _check_state(config, ref["state"], results, tp, pp, 1, prefix="gpipe.")
@@ -156,6 +202,10 @@ def test_data_parallel_step_matches_one_replica(setup):
     base, config, model_dir, ref = setup
     results = _run_layout(base, model_dir, tp=1, pp=1, dp=2)
     for res in results:
-        torch.testing.assert_close(float(res["train.loss"]), ref["metrics"]["loss"], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(float(res["train.grad_norm"]), ref["metrics"]["grad_norm"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            float(res["train.loss"]), ref["metrics"]["loss"], atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            float(res["train.grad_norm"]), ref["metrics"]["grad_norm"], atol=1e-4, rtol=1e-4
+        )
     _check_state(config, ref["state"], results, tp=1, pp=1, dp=2)

@@ -67,7 +67,9 @@ def test_seed_makes_sampling_deterministic(model):
     p = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=123)
     a = eng.generate(PROMPTS * 4, p)
     b = eng.generate(PROMPTS * 4, p)
-    c = eng.generate(PROMPTS * 4, SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=124))
+    c = eng.generate(
+        PROMPTS * 4, SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=124)
+    )
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     assert a.token_ids != c.token_ids
     # chunks of max_batch draw from one generator in order: deterministic too
@@ -79,12 +81,19 @@ def test_stop_tokens_end_rows_and_are_kept_or_dropped(model):
     eng = _engine(model)
     free = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
     stop = free.token_ids[1][2]  # the third token of row 1 becomes a stop token
-    out = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
+    out = eng.generate(
+        PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop,))
+    )
     row = out.token_ids[1]
     first = free.token_ids[1].index(stop)
     assert row == free.token_ids[1][: first + 1] and out.finish_reasons[1] == "stop"
     assert len(out.logprobs[1]) == len(row)
-    dropped = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop,), include_stop_token=False))
+    dropped = eng.generate(
+        PROMPTS,
+        SamplingParams(
+            max_tokens=6, temperature=0.0, stop_token_ids=(stop,), include_stop_token=False
+        ),
+    )
     assert dropped.token_ids[1] == free.token_ids[1][:first]
     for i in (0, 2):  # rows that never produce the stop token are unaffected
         if stop not in free.token_ids[i]:
@@ -129,7 +138,11 @@ def test_out_of_memory_fires_exactly_at_the_budget(model):
     with pytest.raises(OutOfMemory) as info:
         tight.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     err = info.value
-    assert (err.device, err.need_bytes, err.budget_bytes) == (7, weights + cache, weights + cache - 1)
+    assert (err.device, err.need_bytes, err.budget_bytes) == (
+        7,
+        weights + cache,
+        weights + cache - 1,
+    )
     assert "kv_cache" in str(err) and "device 7" in str(err)
     assert tight.ledger.used_bytes == weights  # nothing of the cache was kept
     # Weights alone that do not fit fail at construction, before anything is built.
@@ -167,8 +180,10 @@ def test_matches_transformers_greedy_generate(model):
     out = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
     for prompt, toks in zip(PROMPTS, out.token_ids, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert ref[0, len(prompt):].tolist() == toks
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+            )
+        assert ref[0, len(prompt) :].tolist() == toks
 
 
 def test_model_config_is_what_the_engine_uses(model):
@@ -199,7 +214,9 @@ def test_sleep_frees_weights_and_cache_and_wake_up_restores_them(model):
     assert eng.generate(PROMPTS, params).token_ids == other.generate(PROMPTS, params).token_ids
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
     max_tokens=st.integers(1, 5),
@@ -214,5 +231,7 @@ def test_ragged_batches_match_rows_alone(model, lengths, max_tokens, seed):
     for prompt, toks, lps in zip(prompts, together.token_ids, together.logprobs, strict=True):
         alone = eng.generate([prompt], params)
         assert alone.token_ids[0] == toks
-        torch.testing.assert_close(torch.tensor(alone.logprobs[0]), torch.tensor(lps), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(alone.logprobs[0]), torch.tensor(lps), atol=1e-4, rtol=1e-4
+        )
     eng.close()

@@ -27,7 +27,9 @@ def test_a_gpu_budget_leaves_out_the_cuda_context_and_nccl():
     assert gpu_budget_bytes(H100) == H100 - CUDA_CONTEXT_BYTES - NCCL_BYTES
     reserve = GpuReserve(cuda_context_bytes=512 << 20, nccl_bytes=256 << 20)
     assert gpu_budget_bytes(16 * GIB, reserve) == 16 * GIB - (768 << 20)
-    assert GpuReserve(0, 0).total_bytes == 0 and gpu_budget_bytes(8 * GIB, GpuReserve(0, 0)) == 8 * GIB
+    assert (
+        GpuReserve(0, 0).total_bytes == 0 and gpu_budget_bytes(8 * GIB, GpuReserve(0, 0)) == 8 * GIB
+    )
 
 
 def test_a_reserve_that_leaves_too_little_is_refused():
@@ -63,9 +65,17 @@ def test_vllm_is_asked_for_what_the_ledger_reserved():
 
 
 def _args(tp: int, on_cpu: bool) -> dict:
-    return vllm_engine_args(model_dir="/m", dtype="bfloat16", tp_size=tp, max_model_len=64,
-                            seed=0, kv_cache_bytes=1 << 28, gpu_memory_utilization=0.05,
-                            enable_sleep_mode=False, on_cpu=on_cpu)
+    return vllm_engine_args(
+        model_dir="/m",
+        dtype="bfloat16",
+        tp_size=tp,
+        max_model_len=64,
+        seed=0,
+        kv_cache_bytes=1 << 28,
+        gpu_memory_utilization=0.05,
+        enable_sleep_mode=False,
+        on_cpu=on_cpu,
+    )
 
 
 def test_custom_all_reduce_is_off_where_each_rank_sees_one_gpu():

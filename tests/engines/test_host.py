@@ -37,7 +37,10 @@ class ProbeHost(EngineHost):
     async def adopted(self, emu: str) -> bool:
         """Whether every parameter of ``emu``'s engine is the store's tensor itself."""
         held = self.shards[emu]
-        return all(p.data_ptr() == held[k].data_ptr() for k, p in self.engines[emu].named_parameters().items())
+        return all(
+            p.data_ptr() == held[k].data_ptr()
+            for k, p in self.engines[emu].named_parameters().items()
+        )
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +87,25 @@ async def test_emus_at_tp_pp_and_dp_over_shard_stores_match_one_process(model_di
     async with Cluster.local(devices=4, memory_per_device="256MiB") as cluster:
         mesh = await cluster.spawn("hosts", ProbeHost, devices=[0, 1, 2, 3])
         hosts = {r.device: r for r in mesh.refs}
-        gen = await spawn_model_stage(cluster, hosts, "policy_generation", "generation",
-                                      [_emu("gen.0", "policy_generation", Layout(2, 2), [0, 1, 2, 3])],
-                                      model_config=CONFIG, model_dir=model_dir, options={"wavefront": True})
-        inf = await spawn_model_stage(cluster, hosts, "reference_inference", "inference",
-                                      [_emu("ref.0", "reference_inference", Layout(2, 1), [3, 2])],
-                                      model_config=CONFIG, model_dir=model_dir)
+        gen = await spawn_model_stage(
+            cluster,
+            hosts,
+            "policy_generation",
+            "generation",
+            [_emu("gen.0", "policy_generation", Layout(2, 2), [0, 1, 2, 3])],
+            model_config=CONFIG,
+            model_dir=model_dir,
+            options={"wavefront": True},
+        )
+        inf = await spawn_model_stage(
+            cluster,
+            hosts,
+            "reference_inference",
+            "inference",
+            [_emu("ref.0", "reference_inference", Layout(2, 1), [3, 2])],
+            model_config=CONFIG,
+            model_dir=model_dir,
+        )
         out = await gen.generate(PROMPTS, params)
         assert out.token_ids == ref_tokens
         # the wavefront path: groups of rows finish at different steps
@@ -101,38 +117,67 @@ async def test_emus_at_tp_pp_and_dp_over_shard_stores_match_one_process(model_di
         # the engines compute with the store's tensors: no second copy, no weights of their own
         assert all(await gen.emus[0].mesh.adopted.call("gen.0"))
         report = await hosts[0].memory.call_one()
-        assert report["breakdown"]["shards/gen.0"] > 0 and "gen.0/weights" not in report["breakdown"]
-        assert report["breakdown"]["gen.0/kv_cache"] > 0 and report["engines"] == {"gen.0": "generation"}
+        assert (
+            report["breakdown"]["shards/gen.0"] > 0 and "gen.0/weights" not in report["breakdown"]
+        )
+        assert report["breakdown"]["gen.0/kv_cache"] > 0 and report["engines"] == {
+            "gen.0": "generation"
+        }
         assert report["peak_bytes"] >= report["used_bytes"] > 0
 
         # a second EMU of the same model-stage on the same devices: engines are keyed by EMU
-        gen_b = await spawn_model_stage(cluster, hosts, "policy_generation", "generation",
-                                        [_emu("gen.1", "policy_generation", Layout(2, 1), [0, 1])],
-                                        model_config=CONFIG, model_dir=model_dir)
+        gen_b = await spawn_model_stage(
+            cluster,
+            hosts,
+            "policy_generation",
+            "generation",
+            [_emu("gen.1", "policy_generation", Layout(2, 1), [0, 1])],
+            model_config=CONFIG,
+            model_dir=model_dir,
+        )
         assert (await gen_b.generate(PROMPTS, params)).token_ids == ref_tokens
         assert (await gen.generate(PROMPTS, params)).token_ids == ref_tokens
         # stopping an engine keeps the store's tensors; starting it again needs no weights
         await gen_b.stop()
         assert "gen.1" in await hosts[0].held.call_one()
-        gen_b = await start_model_stage(cluster, hosts, "policy_generation", "generation", [gen_b.emus[0].emu],
-                                        model_config=CONFIG)
+        gen_b = await start_model_stage(
+            cluster,
+            hosts,
+            "policy_generation",
+            "generation",
+            [gen_b.emus[0].emu],
+            model_config=CONFIG,
+        )
         assert (await gen_b.generate(PROMPTS, params)).token_ids == ref_tokens
         for stage in (gen, gen_b, inf):
             await stage.stop()
 
         slots = training_slots("float32")
         train = await spawn_model_stage(
-            cluster, hosts, "policy_training", "training",
-            [_emu(f"train.{i}", "policy_training", Layout(1, 2), devs, slots=slots) for i, devs in enumerate([[0, 1], [2, 3]])],
-            model_config=CONFIG, model_dir=model_dir, options={"optim": {"lr": 1e-3}})
+            cluster,
+            hosts,
+            "policy_training",
+            "training",
+            [
+                _emu(f"train.{i}", "policy_training", Layout(1, 2), devs, slots=slots)
+                for i, devs in enumerate([[0, 1], [2, 3]])
+            ],
+            model_config=CONFIG,
+            model_dir=model_dir,
+            options={"optim": {"lr": 1e-3}},
+        )
         metrics = await train.train_step(_batch(), micro_batch_size=1)
         assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
         assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
         ref_state = ref_train.named_state()
-        for rank_state in await train.emus[1].shards():  # the store holds what the optimizer stepped
+        for rank_state in await train.emus[
+            1
+        ].shards():  # the store holds what the optimizer stepped
             for key, tensor in rank_state.items():
                 torch.testing.assert_close(tensor, ref_state[key], atol=2e-4, rtol=1e-3)
-        assert all(s["update_count"] == 1 for s in await train.emus[1].mesh.get_state.call("train.1"))
+        assert all(
+            s["update_count"] == 1 for s in await train.emus[1].mesh.get_state.call("train.1")
+        )
         await train.stop()
         await cluster.stop_mesh(mesh)
     assert not wait_gone(children() - before, timeout_s=10), "leaked worker processes"
@@ -144,8 +189,15 @@ async def test_out_of_memory_in_a_worker_names_device_need_and_budget(model_dir)
     budget = emu.bytes_on(0) + 4096  # the weights fit, a KV cache for the request does not
     async with Cluster.local(devices=1, memory_per_device=budget) as cluster:
         hosts = {r.device: r for r in (await spawn_hosts(cluster)).refs}
-        gen = await spawn_model_stage(cluster, hosts, "policy_generation", "generation", [emu],
-                                      model_config=CONFIG, model_dir=model_dir)
+        gen = await spawn_model_stage(
+            cluster,
+            hosts,
+            "policy_generation",
+            "generation",
+            [emu],
+            model_config=CONFIG,
+            model_dir=model_dir,
+        )
         with pytest.raises(RemoteError) as info:
             await gen.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
         err = info.value
@@ -155,9 +207,19 @@ async def test_out_of_memory_in_a_worker_names_device_need_and_budget(model_dir)
         await gen.stop()
         # a training EMU's shards (weights and moments) are refused before they are read
         with pytest.raises(RemoteError, match="OutOfMemory") as info:
-            await spawn_model_stage(cluster, hosts, "policy_training", "training",
-                                    [_emu("train.0", "policy_training", Layout(), [0], slots=training_slots("float32"))],
-                                    model_config=CONFIG, model_dir=model_dir)
+            await spawn_model_stage(
+                cluster,
+                hosts,
+                "policy_training",
+                "training",
+                [
+                    _emu(
+                        "train.0", "policy_training", Layout(), [0], slots=training_slots("float32")
+                    )
+                ],
+                model_config=CONFIG,
+                model_dir=model_dir,
+            )
         assert "shards/train.0" in info.value.remote_message
         assert "train.0" not in await hosts[0].held.call_one()
 
@@ -166,16 +228,35 @@ async def test_bad_model_stages_are_refused_before_anything_starts(model_dir):
     async with Cluster.local(devices=2, memory_per_device="64MiB") as cluster:
         hosts = {r.device: r for r in (await spawn_hosts(cluster)).refs}
         with pytest.raises(ConfigError, match="kind"):
-            await spawn_model_stage(cluster, hosts, "g", "decoding", [_emu("g", "g", Layout(), [0])],
-                                    model_config=CONFIG, model_dir=model_dir)
+            await spawn_model_stage(
+                cluster,
+                hosts,
+                "g",
+                "decoding",
+                [_emu("g", "g", Layout(), [0])],
+                model_config=CONFIG,
+                model_dir=model_dir,
+            )
         with pytest.raises(ConfigError, match="disjoint"):
-            await spawn_model_stage(cluster, hosts, "g", "generation",
-                                    [_emu("g0", "g", Layout(), [0]), _emu("g1", "g", Layout(), [0])],
-                                    model_config=CONFIG, model_dir=model_dir)
+            await spawn_model_stage(
+                cluster,
+                hosts,
+                "g",
+                "generation",
+                [_emu("g0", "g", Layout(), [0]), _emu("g1", "g", Layout(), [0])],
+                model_config=CONFIG,
+                model_dir=model_dir,
+            )
         with pytest.raises(ConfigError, match="one layout"):
-            await spawn_model_stage(cluster, hosts, "g", "generation",
-                                    [_emu("g0", "g", Layout(2), [0, 1]), _emu("g1", "g", Layout(), [0])],
-                                    model_config=CONFIG, model_dir=model_dir)
+            await spawn_model_stage(
+                cluster,
+                hosts,
+                "g",
+                "generation",
+                [_emu("g0", "g", Layout(2), [0, 1]), _emu("g1", "g", Layout(), [0])],
+                model_config=CONFIG,
+                model_dir=model_dir,
+            )
         assert await hosts[0].held.call_one() == {}
 
 
@@ -192,19 +273,34 @@ async def test_a_dp_critic_stage_splits_rows_and_concatenates_values(model_dir):
         hosts = {r.device: r for r in (await spawn_hosts(cluster)).refs}
         emus = [_emu(f"critic.{i}", "critic_inference", Layout(), [i], spec=spec) for i in range(2)]
         # a non-zero head (a fresh one is zero), written into the stores before the engines start
-        head = {"value_head.weight": torch.randn(1, CONFIG.hidden_size, generator=torch.Generator().manual_seed(3)),
-                "value_head.bias": torch.tensor([0.25])}
+        head = {
+            "value_head.weight": torch.randn(
+                1, CONFIG.hidden_size, generator=torch.Generator().manual_seed(3)
+            ),
+            "value_head.bias": torch.tensor([0.25]),
+        }
         ref.load_named(head)
-        stage = await spawn_model_stage(cluster, hosts, "critic_inference", "inference", emus,
-                                        model_config=CONFIG, model_dir=model_dir)
+        stage = await spawn_model_stage(
+            cluster,
+            hosts,
+            "critic_inference",
+            "inference",
+            emus,
+            model_config=CONFIG,
+            model_dir=model_dir,
+        )
         await stage.stop()
         for e in emus:
-            held = (await hosts[e.devices[0]].get_shards.call_one(e.name))
+            held = await hosts[e.devices[0]].get_shards.call_one(e.name)
             await hosts[e.devices[0]].put_shards.call_one(e.name, {**held, **head})
-        stage = await start_model_stage(cluster, hosts, "critic_inference", "inference", emus, model_config=CONFIG)
+        stage = await start_model_stage(
+            cluster, hosts, "critic_inference", "inference", emus, model_config=CONFIG
+        )
         values = await stage.values(batch)
         assert float(values.abs().sum()) > 0
         torch.testing.assert_close(values, ref.values(batch))
         torch.testing.assert_close(await stage.rewards(batch), ref.rewards(batch))
-        torch.testing.assert_close(await stage.logprobs(batch), ref.logprobs(batch), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            await stage.logprobs(batch), ref.logprobs(batch), atol=1e-5, rtol=1e-5
+        )
         await stage.stop()

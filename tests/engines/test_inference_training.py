@@ -37,8 +37,15 @@ def _hf(path):
 
 
 def _hf_logprobs(hf, batch, temperature=1.0):
-    logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / temperature
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    logits = (
+        hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        / temperature
+    )
+    lp = (
+        torch.log_softmax(logits[:, :-1], -1)
+        .gather(-1, batch["input_ids"][:, 1:, None])
+        .squeeze(-1)
+    )
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
 
 
@@ -93,7 +100,9 @@ def test_train_step_matches_torch_adamw_with_clipping_and_accumulation(model):
         else:
             parts = [ref[name]]
         expect = torch.cat([p.detach() for p in parts], 0)
-        torch.testing.assert_close(tensor, expect, atol=2e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            tensor, expect, atol=2e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_micro_batches_accumulate_to_one_batch(model):
@@ -133,7 +142,11 @@ def test_loss_by_import_path_and_state_roundtrip(model):
         last = critic.train_step(batch, loss="nereus.engines.losses:value_mse_loss")
     assert last["value_mse"] < first["value_mse"]
     state = critic.named_state()
-    assert {"value_head.weight", "value_head.weight:exp_avg", "value_head.weight:exp_avg_sq"} <= set(state)
+    assert {
+        "value_head.weight",
+        "value_head.weight:exp_avg",
+        "value_head.weight:exp_avg_sq",
+    } <= set(state)
     # the state moves into a fresh engine in place, and both continue identically
     twin = TrainingEngine(
         config,
@@ -193,9 +206,16 @@ def test_bad_batches_are_refused(model):
     with pytest.raises(ConfigError, match="input_ids"):
         eng.logprobs({"tokens": torch.zeros(2, 3, dtype=torch.long)})
     with pytest.raises(ConfigError, match="right padding"):
-        eng.logprobs({"input_ids": torch.zeros(1, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1]])})
+        eng.logprobs(
+            {
+                "input_ids": torch.zeros(1, 3, dtype=torch.long),
+                "attention_mask": torch.tensor([[0, 1, 1]]),
+            }
+        )
     with pytest.raises(ConfigError, match="first dim"):
-        eng.logprobs({"input_ids": torch.zeros(2, 3, dtype=torch.long), "advantages": torch.zeros(3, 3)})
+        eng.logprobs(
+            {"input_ids": torch.zeros(2, 3, dtype=torch.long), "advantages": torch.zeros(3, 3)}
+        )
 
 
 def test_training_memory_is_accounted_and_refused_past_the_budget(model):
@@ -229,7 +249,9 @@ def test_the_value_head_is_part_of_the_critics_model_spec(model):
     assert {p.name for p in spec} == set(params)
     for p in spec:
         assert tuple(params[p.name].shape) == p.shape
-    assert spec["value_head.weight"].rule == "replicated" and spec["value_head.weight"].stage == "head"
+    assert (
+        spec["value_head.weight"].rule == "replicated" and spec["value_head.weight"].stage == "head"
+    )
 
 
 def test_bfloat16_training_steps_float32_master_copies_with_the_state_layers_slots(model):
@@ -249,11 +271,20 @@ def test_bfloat16_training_steps_float32_master_copies_with_the_state_layers_slo
     assert last["loss"] < first["loss"]
     state = eng.named_state()
     # the keys and dtypes of the state layer's training EMU, exactly
-    emu = EMU("bf", "policy_training", model_spec(config, "bfloat16"), Layout(), (0,), training_slots("bfloat16"))
+    emu = EMU(
+        "bf",
+        "policy_training",
+        model_spec(config, "bfloat16"),
+        Layout(),
+        (0,),
+        training_slots("bfloat16"),
+    )
     want = emu.shards_on(0)
     assert set(state) == set(want)
     for key, (shard, dtype) in want.items():
-        assert tuple(state[key].shape) == shard.shape and str(state[key].dtype) == f"torch.{dtype}", key
+        assert (
+            tuple(state[key].shape) == shard.shape and str(state[key].dtype) == f"torch.{dtype}"
+        ), key
     # the parameter is the master copy rounded to bfloat16
     name = "model.norm.weight"
     assert torch.equal(state[name], state[f"{name}:master"].to(torch.bfloat16))

@@ -88,7 +88,9 @@ def test_bad_params_name_the_field(kwargs, field):
 
 
 def test_params_roundtrip_through_plain_data():
-    p = SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=4, stop_token_ids=(1, 2), seed=3)
+    p = SamplingParams(
+        max_tokens=5, temperature=0.5, top_p=0.9, top_k=4, stop_token_ids=(1, 2), seed=3
+    )
     assert SamplingParams.from_any(p.to_dict()) == p
     assert SamplingParams.from_any(None) == SamplingParams()
     with pytest.raises(ConfigError, match="unknown"):
@@ -131,7 +133,9 @@ def test_extreme_uniforms_never_draw_a_filtered_token():
     tokens, lp = sample_next(logits, p, uniform=uniform)
     assert tokens.tolist()[0] == 1 and tokens.tolist()[2] == 3
     assert set(tokens.tolist()) <= {1, 3}
-    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+    torch.testing.assert_close(
+        lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    )
 
 
 def test_step_noise_from_a_reused_generator_equals_a_fresh_one():

@@ -72,11 +72,21 @@ def test_stop_and_max_tokens_and_seeds(setup):
     free = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
     stop = free.token_ids[1][2]
     first = free.token_ids[1].index(stop)
-    out = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
+    out = engine.generate(
+        PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop,))
+    )
     assert out.token_ids[1] == free.token_ids[1][: first + 1] and out.finish_reasons[1] == "stop"
-    dropped = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop,), include_stop_token=False))
+    dropped = engine.generate(
+        PROMPTS,
+        SamplingParams(
+            max_tokens=6, temperature=0.0, stop_token_ids=(stop,), include_stop_token=False
+        ),
+    )
     assert dropped.token_ids[1] == free.token_ids[1][:first]
-    assert [len(t) for t in engine.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0)).token_ids] == [2, 2, 2]
+    assert [
+        len(t)
+        for t in engine.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0)).token_ids
+    ] == [2, 2, 2]
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
     a = engine.generate([PROMPTS[0]] * 4, p)
     assert a.token_ids == engine.generate([PROMPTS[0]] * 4, p).token_ids

@@ -24,6 +24,10 @@ def test_unknown_command_is_an_error(capsys):
 
 @pytest.mark.integration
 def test_help_does_not_import_torch():
-    code = "import sys; from nereus.cli import main; main(['--help']); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys; from nereus.cli import main; main(['--help']); print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip().splitlines()[-1] == "False"

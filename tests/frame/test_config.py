@@ -31,7 +31,9 @@ class Job:
 
 
 def test_builds_nested_dataclasses_and_round_trips():
-    job = from_dict(Job, {"name": "a", "steps": 3, "devices": [0, 1], "sampling": {"temperature": 1}})
+    job = from_dict(
+        Job, {"name": "a", "steps": 3, "devices": [0, 1], "sampling": {"temperature": 1}}
+    )
     assert job == Job(name="a", steps=3, devices=[0, 1], sampling=Sampling(temperature=1.0))
     assert isinstance(job.sampling.temperature, float)
     assert from_dict(Job, to_dict(job)) == job
@@ -71,7 +73,14 @@ def test_load_toml(tmp_path):
 
 @pytest.mark.parametrize(
     "text, value",
-    [("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("4GB", 4 * 10**9), ("1.5 GiB", 3 * 2**29), ("100", 100), (7, 7)],
+    [
+        ("512MiB", 512 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("4GB", 4 * 10**9),
+        ("1.5 GiB", 3 * 2**29),
+        ("100", 100),
+        (7, 7),
+    ],
 )
 def test_parse_size(text, value):
     assert parse_size(text) == value

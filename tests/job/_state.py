@@ -26,14 +26,23 @@ async def logical_state(stages: Any, position: int) -> dict[str, Any]:
                 for key, (shard, _) in desc.shards_on(device).items():
                     local = shards[key]
                     if key not in full:
-                        full[key] = torch.full(shapes[key.split(":")[0]], float("nan"), dtype=local.dtype)
+                        full[key] = torch.full(
+                            shapes[key.split(":")[0]], float("nan"), dtype=local.dtype
+                        )
                     for piece in shard.pieces:
                         g = tuple(slice(lo, hi) for lo, hi in piece.box)
                         loc = tuple(slice(lo, hi) for lo, hi in piece.local)
                         full[key][g] = local[loc]
             state = await emu.mesh.get_state.call(desc.name)
-            replicas.append((full, [{k: s[k] for k in ("update_count", "policy_version", "sample_position")}
-                                    for s in state]))
+            replicas.append(
+                (
+                    full,
+                    [
+                        {k: s[k] for k in ("update_count", "policy_version", "sample_position")}
+                        for s in state
+                    ],
+                )
+            )
         out[stage] = replicas
     return out
 
@@ -51,11 +60,16 @@ def assert_same_state(before: dict[str, Any], after: dict[str, Any]) -> None:
             _assert_tensors_equal(ref, full, f"{stage} replicas before")
         for full, states in after[stage]:
             _assert_tensors_equal(ref, full, f"{stage} after the change")
-            assert {(s["update_count"], s["policy_version"], s["sample_position"]) for s in states} == \
-                {(s["update_count"], s["policy_version"], s["sample_position"]) for s in ref_states}, stage
+            assert {
+                (s["update_count"], s["policy_version"], s["sample_position"]) for s in states
+            } == {
+                (s["update_count"], s["policy_version"], s["sample_position"]) for s in ref_states
+            }, stage
 
 
-def _assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+def _assert_tensors_equal(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str
+) -> None:
     assert a.keys() == b.keys(), what
     for key, t in a.items():
         assert not torch.isnan(t).any(), f"{what}: {key} was not fully gathered"

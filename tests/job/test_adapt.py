@@ -22,8 +22,15 @@ from tests.job._state import assert_same_state, logical_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-MODEL = {"kind": "tiny", "hidden_size": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
-         "intermediate_size": 128, "max_seq_len": 96}
+MODEL = {
+    "kind": "tiny",
+    "hidden_size": 64,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "intermediate_size": 128,
+    "max_seq_len": 96,
+}
 # the generation KV cache of the starting layout fits 11.5 MiB at a cap of 16, not at 64
 GROWING = dict(
     model=MODEL,
@@ -31,7 +38,10 @@ GROWING = dict(
     sampling={"max_new_tokens": [[0, 16], [4, 64]]},
     optim={"lr": 3e-3, "micro_batch_size": 2},
     cluster={"mode": "local", "devices": 4, "memory_per_device": "11.5MiB"},
-    plan={"policy_generation": {"devices": [0, 1], "dp": 2}, "policy_training": {"devices": [0, 1], "dp": 2}},
+    plan={
+        "policy_generation": {"devices": [0, 1], "dp": 2},
+        "policy_training": {"devices": [0, 1], "dp": 2},
+    },
 )
 
 
@@ -66,18 +76,28 @@ def assert_replays(events: list[dict]) -> None:
     _, outcomes = replay(boundaries)
     for recorded, again in zip(boundaries, outcomes, strict=True):
         d = again.decision
-        assert ([t.kind for t in again.triggers], d.action, d.admitted,
-                d.target.plan.to_dict() if d.target is not None else None) == (
-            recorded["triggers"], recorded["action"], recorded["admitted"], recorded["target"]), recorded["step"]
+        assert (
+            [t.kind for t in again.triggers],
+            d.action,
+            d.admitted,
+            d.target.plan.to_dict() if d.target is not None else None,
+        ) == (recorded["triggers"], recorded["action"], recorded["admitted"], recorded["target"]), (
+            recorded["step"]
+        )
 
 
 async def test_a_growing_cap_moves_the_job_before_the_step_that_would_break_memory(tmp_path):
     rl = RLJob(job(str(tmp_path), 7, adapt={"enabled": True}, **GROWING))
     await rl.start()
     try:
-        predicted = predict_memory_failure(rl.cfg, rl.model_config, rl.cfg.job_plan(),
-                                           prompt_length=rl.max_prompt_tokens(), budget_bytes=rl.cfg.cluster.memory_bytes,
-                                           devices=4)
+        predicted = predict_memory_failure(
+            rl.cfg,
+            rl.model_config,
+            rl.cfg.job_plan(),
+            prompt_length=rl.max_prompt_tokens(),
+            budget_bytes=rl.cfg.cluster.memory_bytes,
+            devices=4,
+        )
         assert predicted is not None and predicted.step == 4
         changes = checked_changes(rl)
         records = await rl._loop()
@@ -89,10 +109,15 @@ async def test_a_growing_cap_moves_the_job_before_the_step_that_would_break_memo
     # the memory trigger fired on its own, at the boundary before the cap's step, and moved bytes
     assert memory and memory[0]["transition"]["step"] <= 4 and memory[0]["transition"]["bytes"] > 0
     assert changes and all(c["ok"] for c in changes)
-    assert max(int(p) for r in records[4:] for p in r["device_peak_bytes"].values()) <= rl.cfg.cluster.memory_bytes
+    assert (
+        max(int(p) for r in records[4:] for p in r["device_peak_bytes"].values())
+        <= rl.cfg.cluster.memory_bytes
+    )
     events = tap_events(tmp_path)
     decisions = [e for e in events if e["type"] == "decision"]
-    assert decisions and all({"triggers", "current_plan", "admitted", "reason"} <= e.keys() for e in decisions)
+    assert decisions and all(
+        {"triggers", "current_plan", "admitted", "reason"} <= e.keys() for e in decisions
+    )
     trig = next(t for e in decisions for t in e["triggers"] if t["kind"] == "memory")
     assert trig["detail"] == "over-budget" and trig["need_bytes"] > trig["budget_bytes"]
     kinds = {e["type"] for e in events}
@@ -104,9 +129,14 @@ async def test_without_adaptation_the_job_dies_at_the_predicted_step(tmp_path):
     rl = RLJob(job(str(tmp_path), 7, adapt={"enabled": False}, **GROWING))
     await rl.start()
     try:
-        predicted = predict_memory_failure(rl.cfg, rl.model_config, rl.cfg.job_plan(),
-                                           prompt_length=rl.max_prompt_tokens(), budget_bytes=rl.cfg.cluster.memory_bytes,
-                                           devices=4)
+        predicted = predict_memory_failure(
+            rl.cfg,
+            rl.model_config,
+            rl.cfg.job_plan(),
+            prompt_length=rl.max_prompt_tokens(),
+            budget_bytes=rl.cfg.cluster.memory_bytes,
+            devices=4,
+        )
         with pytest.raises((OutOfMemory, RemoteError)) as info:
             await rl._loop()
     finally:
@@ -126,9 +156,14 @@ PPO_PLAN = {
 
 
 async def test_a_ppo_job_gives_up_a_drained_device_and_takes_a_new_one_back(tmp_path):
-    cfg = job(str(tmp_path), 6, algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01, "kl_mode": "penalty"},
-              cluster={"mode": "local", "devices": 4, "memory_per_device": "512MiB"}, plan=PPO_PLAN,
-              adapt={"enabled": True, "join_horizon_steps": 1000})
+    cfg = job(
+        str(tmp_path),
+        6,
+        algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01, "kl_mode": "penalty"},
+        cluster={"mode": "local", "devices": 4, "memory_per_device": "512MiB"},
+        plan=PPO_PLAN,
+        adapt={"enabled": True, "join_horizon_steps": 1000},
+    )
     rl = RLJob(cfg)
     added: list[int] = []
 
@@ -187,7 +222,10 @@ async def test_a_job_with_no_usable_device_waits_for_one_to_join():
 
 async def test_a_job_whose_pool_stays_empty_stops_naming_what_is_live_and_draining():
     pool = _Pool([3], {3, 5}, [])
-    with pytest.raises(StateError, match=r"no usable device: live \[3\], draining \[3\]; none joined within "
-                                         r"adapt.pool_wait_s=0.3 s"):
+    with pytest.raises(
+        StateError,
+        match=r"no usable device: live \[3\], draining \[3\]; none joined within "
+        r"adapt.pool_wait_s=0.3 s",
+    ):
         await usable_devices(pool, 0.3)
     assert pool.refreshes >= 2

@@ -21,7 +21,9 @@ from tests.job._jobs import job
 from tests.job._state import logical_state
 
 pytestmark = [
-    pytest.mark.integration,pytest.mark.timeout(420)]  # ~30 s alone; once past 240 s at load 18
+    pytest.mark.integration,
+    pytest.mark.timeout(420),
+]  # ~30 s alone; once past 240 s at load 18
 
 STEPS = 14
 PROMPTS = 8
@@ -33,17 +35,31 @@ def _pid(cluster, device: int) -> int:
 
 async def test_grpo_survives_killed_workers_a_drain_and_returning_devices(tmp_path):
     rng = random.Random(7)
-    cfg = job(str(tmp_path), STEPS, algorithm={"prompts_per_step": PROMPTS, "samples_per_prompt": 8},
-              sampling={"max_new_tokens": 8},
-              cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
-              plan={"policy_generation": {"devices": [0, 1, 2, 3], "dp": 4},
-                    "policy_training": {"devices": [0, 1], "dp": 2}},
-              adapt={"enabled": True, "join_horizon_steps": 1000},
-              run={"steps": STEPS, "out_dir": str(tmp_path), "progress": False, "seed": 0, "checkpoint_every": 4})
+    cfg = job(
+        str(tmp_path),
+        STEPS,
+        algorithm={"prompts_per_step": PROMPTS, "samples_per_prompt": 8},
+        sampling={"max_new_tokens": 8},
+        cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
+        plan={
+            "policy_generation": {"devices": [0, 1, 2, 3], "dp": 4},
+            "policy_training": {"devices": [0, 1], "dp": 2},
+        },
+        adapt={"enabled": True, "join_horizon_steps": 1000},
+        run={
+            "steps": STEPS,
+            "out_dir": str(tmp_path),
+            "progress": False,
+            "seed": 0,
+            "checkpoint_every": 4,
+        },
+    )
     rl = RLJob(cfg)
     injected: list[tuple[str, int, int]] = []  # (when, step, device)
     kill_in_transition = asyncio.Event()
-    last_kill_done = asyncio.Event()  # the job waits for it before its last steps, so it lands inside the run
+    last_kill_done = (
+        asyncio.Event()
+    )  # the job waits for it before its last steps, so it lands inside the run
 
     async def kill(device: int, when: str) -> None:
         injected.append((when, rl.step, device))
@@ -109,12 +125,19 @@ async def test_grpo_survives_killed_workers_a_drain_and_returning_devices(tmp_pa
 
     assert len(injected) == 3 and {w for w, _, _ in injected} == {"step", "transition"}
     assert len(rl.faults) >= 3 - 1  # two kills may land in one recovery
-    report = {"faults_injected": len(injected), "recovered": len(rl.faults),
-              "checkpoint_restores": sum(bool(f.restored_from) for f in rl.faults),
-              "recover_seconds": [round(f.recover_seconds, 2) for f in rl.faults], "wall_seconds": round(wall, 1)}
+    report = {
+        "faults_injected": len(injected),
+        "recovered": len(rl.faults),
+        "checkpoint_restores": sum(bool(f.restored_from) for f in rl.faults),
+        "recover_seconds": [round(f.recover_seconds, 2) for f in rl.faults],
+        "wall_seconds": round(wall, 1),
+    }
     print("chaos report:", json.dumps(report))
     # every step finished, in order, once (a redone step is recorded once, when it commits)
-    done = sorted({r["step"] for r in records} | {f.step for f in rl.faults if f.committed and f.during == "step"})
+    done = sorted(
+        {r["step"] for r in records}
+        | {f.step for f in rl.faults if f.committed and f.during == "step"}
+    )
     assert done == list(range(STEPS))
     # one committed update per step and every sample once: the counters and the position agree
     (full, states), *others = final["policy_training"]
@@ -132,12 +155,22 @@ async def test_grpo_survives_killed_workers_a_drain_and_returning_devices(tmp_pa
 async def test_a_job_whose_every_worker_died_waits_for_a_node_and_restores_its_checkpoint(tmp_path):
     # one device: a kill mid-step leaves the job no device at all until a node joins
     steps = 4
-    cfg = job(str(tmp_path), steps, algorithm={"prompts_per_step": PROMPTS, "samples_per_prompt": 8},
-              sampling={"max_new_tokens": 8},
-              cluster={"mode": "local", "devices": 1, "memory_per_device": "256MiB"},
-              plan={"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
-              adapt={"enabled": True, "pool_wait_s": 60},
-              run={"steps": steps, "out_dir": str(tmp_path), "progress": False, "seed": 0, "checkpoint_every": 1})
+    cfg = job(
+        str(tmp_path),
+        steps,
+        algorithm={"prompts_per_step": PROMPTS, "samples_per_prompt": 8},
+        sampling={"max_new_tokens": 8},
+        cluster={"mode": "local", "devices": 1, "memory_per_device": "256MiB"},
+        plan={"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
+        adapt={"enabled": True, "pool_wait_s": 60},
+        run={
+            "steps": steps,
+            "out_dir": str(tmp_path),
+            "progress": False,
+            "seed": 0,
+            "checkpoint_every": 1,
+        },
+    )
     rl = RLJob(cfg)
 
     async def join_later() -> None:
@@ -160,9 +193,14 @@ async def test_a_job_whose_every_worker_died_waits_for_a_node_and_restores_its_c
         devices = sorted(rl.stages.plan.devices)
     finally:
         await rl.close()
-    assert len(rl.faults) == 1 and rl.faults[0].restored_from  # the last copy died: from the checkpoint
+    assert (
+        len(rl.faults) == 1 and rl.faults[0].restored_from
+    )  # the last copy died: from the checkpoint
     assert devices == [1]  # on the node that joined
-    done = sorted({r["step"] for r in records} | {f.step for f in rl.faults if f.committed and f.during == "step"})
+    done = sorted(
+        {r["step"] for r in records}
+        | {f.step for f in rl.faults if f.committed and f.during == "step"}
+    )
     assert done == list(range(steps))
     (_, states), *_ = final["policy_training"]
     assert {s["update_count"] for s in states} == {steps}

@@ -26,15 +26,46 @@ def test_bad_field_is_reported_by_name(tmp_path, capsys):
 
 
 def test_overrides_and_in_process(tmp_path):
-    cfg = parse_job([str(DEMO), "--steps", "3", "--out", str(tmp_path), "--in-process", "--no-progress", "--seed", "5"])
-    assert cfg.run.steps == 3 and cfg.run.out_dir == str(tmp_path) and cfg.run.seed == 5 and not cfg.run.progress
+    cfg = parse_job(
+        [
+            str(DEMO),
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--in-process",
+            "--no-progress",
+            "--seed",
+            "5",
+        ]
+    )
+    assert (
+        cfg.run.steps == 3
+        and cfg.run.out_dir == str(tmp_path)
+        and cfg.run.seed == 5
+        and not cfg.run.progress
+    )
     assert cfg.cluster.mode == "in_process"
     assert all(p.dp == 1 and len(p.devices) == 1 for p in cfg.plan.values())
 
 
 @pytest.mark.timeout(120)
 def test_run_in_process_end_to_end(tmp_path, capsys):
-    assert nereus_main(["run", str(DEMO), "--steps", "4", "--out", str(tmp_path), "--in-process", "--no-progress"]) == 0
+    assert (
+        nereus_main(
+            [
+                "run",
+                str(DEMO),
+                "--steps",
+                "4",
+                "--out",
+                str(tmp_path),
+                "--in-process",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "done: 4 steps" in capsys.readouterr().out
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 4
 
@@ -46,15 +77,24 @@ def test_smollm2_example_config_is_valid():
 
 
 def test_connect_overrides_the_files_cluster(tmp_path):
-    cfg = parse_job([str(DEMO), "--connect", "tcp://10.0.0.1:5555", "--key-file", "k", "--cluster-devices", "8"])
-    assert (cfg.cluster.mode, cfg.cluster.address, cfg.cluster.key_file, cfg.cluster.devices) == ("connect", "tcp://10.0.0.1:5555", "k", 8)
+    cfg = parse_job(
+        [str(DEMO), "--connect", "tcp://10.0.0.1:5555", "--key-file", "k", "--cluster-devices", "8"]
+    )
+    assert (cfg.cluster.mode, cfg.cluster.address, cfg.cluster.key_file, cfg.cluster.devices) == (
+        "connect",
+        "tcp://10.0.0.1:5555",
+        "k",
+        8,
+    )
     assert cfg.cluster.memory_per_device == "256MiB"  # the rest of [cluster] is kept
     assert parse_job([str(DEMO)]).cluster.mode == "local"
 
 
 def test_connect_overrides_are_checked(tmp_path, capsys):
     assert nereus_main(["run", str(DEMO), "--connect", "head-0:5555"]) == 2
-    assert "cluster.address='head-0:5555' must be the controller's address" in capsys.readouterr().err
+    assert (
+        "cluster.address='head-0:5555' must be the controller's address" in capsys.readouterr().err
+    )
     assert nereus_main(["run", str(DEMO), "--connect", "tcp://h:1", "--cluster-devices", "0"]) == 2
     assert "cluster.devices=0 must be >= 1" in capsys.readouterr().err
     assert nereus_main(["run", str(DEMO), "--connect", "tcp://h:1", "--in-process"]) == 2

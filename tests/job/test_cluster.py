@@ -36,7 +36,9 @@ def _children() -> set[int]:
 @pytest.mark.timeout(240)
 async def test_demo_config_learns_on_a_local_cluster(tmp_path):
     cfg = load_toml(JobConfig, DEMO)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(tmp_path), progress=False))
+    cfg = dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, out_dir=str(tmp_path), progress=False)
+    )
     before = _children()
     job = RLJob(cfg)
     await job.start()
@@ -53,16 +55,28 @@ async def test_demo_config_learns_on_a_local_cluster(tmp_path):
         await job.close()
     # Generation EMUs co-resident with training gave their KV cache back; the others keep it.
     assert f"{gen0}/kv_cache" not in after[0] and f"{gen3}/kv_cache" in after[3]
-    early, late = window_mean(records, "reward_mean", 0, 10), window_mean(records, "reward_mean", 100, 120)
+    early, late = (
+        window_mean(records, "reward_mean", 0, 10),
+        window_mean(records, "reward_mean", 100, 120),
+    )
     assert late > early + 0.2, (early, late)
     assert [r["policy_version"] for r in records] == list(range(120))
     assert all(r["sync_bytes"] > 0 for r in records)
     # what the planner needs, measured every step
-    assert all(set(r["model_stage_seconds"]) == {"policy_generation", "policy_training"} for r in records)
-    assert all(r["max_new_tokens"] == 6 and set(r["device_peak_bytes"]) == {"0", "1", "2", "3"} for r in records)
+    assert all(
+        set(r["model_stage_seconds"]) == {"policy_generation", "policy_training"} for r in records
+    )
+    assert all(
+        r["max_new_tokens"] == 6 and set(r["device_peak_bytes"]) == {"0", "1", "2", "3"}
+        for r in records
+    )
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 120
     assert (tmp_path / "plot.png").is_file()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_120", "step_40", "step_80"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_120",
+        "step_40",
+        "step_80",
+    ]
     assert _children() <= before, "worker processes outlived the job"
 
 
@@ -77,7 +91,12 @@ async def test_weight_sync_reshards_pp_training_into_tp_generation(tmp_path):
         "policy_generation": {"devices": [0, 1, 2, 3], "tp": 2, "dp": 2},
         "policy_training": {"devices": [2, 3], "pp": 2},
     }
-    cfg = job(str(tmp_path), 2, cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"}, plan=plan)
+    cfg = job(
+        str(tmp_path),
+        2,
+        cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
+        plan=plan,
+    )
     rl = RLJob(cfg)
     await rl.start()
     try:
@@ -91,7 +110,9 @@ async def test_weight_sync_reshards_pp_training_into_tp_generation(tmp_path):
         for emu in rl.stages.handles["policy_generation"].emus:
             for tp_rank, st in enumerate(await emu.shards()):
                 for p in spec:
-                    assert torch.equal(st[p.name], shard_tensor(p, full[p.name], tp_rank, 2)), p.name
+                    assert torch.equal(st[p.name], shard_tensor(p, full[p.name], tp_rank, 2)), (
+                        p.name
+                    )
     finally:
         await rl.close()
 
@@ -107,8 +128,13 @@ async def test_ppo_with_tp_critic_resumes_exactly_on_a_cluster(tmp_path):
         "critic_inference": {"devices": [3]},  # synced from a TP 2 critic through the state layer
         "critic_training": {"devices": [2, 3], "tp": 2},
     }
-    cfg = job(str(tmp_path), 4, algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01, "kl_mode": "penalty"},
-              cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"}, plan=plan)
+    cfg = job(
+        str(tmp_path),
+        4,
+        algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01, "kl_mode": "penalty"},
+        cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
+        plan=plan,
+    )
     rl = RLJob(cfg)
     await rl.start()
     try:
@@ -120,5 +146,13 @@ async def test_ppo_with_tp_critic_resumes_exactly_on_a_cluster(tmp_path):
     finally:
         await rl.close()
     assert all("value_loss" in r and "kl_ref" not in r for r in first)  # KL as a reward penalty
-    keys = ("step", "reward_mean", "response_len_mean", "policy_loss", "value_loss", "policy_version", "dataset_position")
+    keys = (
+        "step",
+        "reward_mean",
+        "response_len_mean",
+        "policy_loss",
+        "value_loss",
+        "policy_version",
+        "dataset_position",
+    )
     assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in after]

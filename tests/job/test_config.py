@@ -20,31 +20,89 @@ def test_defaults_are_a_valid_grpo_job():
 @pytest.mark.parametrize(
     "data, match",
     [
-        ({"algorithm": {"samples_per_prompt": 1}}, "algorithm.samples_per_prompt=1 must be >= 2 for grpo"),
+        (
+            {"algorithm": {"samples_per_prompt": 1}},
+            "algorithm.samples_per_prompt=1 must be >= 2 for grpo",
+        ),
         ({"algorithm": {"name": "a2c"}}, "algorithm.name='a2c' must be one of"),
         ({"sampling": {"temperature": 0}}, "sampling.temperature=0.0 must be > 0"),
-        ({"sampling": {"max_new_tokens": "8"}}, "sampling.max_new_tokens='8' must be int | list[list[int]]"),
-        ({"sampling": {"max_new_tokens": [[4, 16]]}}, "must start at step 0 with steps strictly increasing"),
-        ({"sampling": {"max_new_tokens": [[0, 16], [5]]}}, "must be a number or a list of [step, cap] pairs"),
+        (
+            {"sampling": {"max_new_tokens": "8"}},
+            "sampling.max_new_tokens='8' must be int | list[list[int]]",
+        ),
+        (
+            {"sampling": {"max_new_tokens": [[4, 16]]}},
+            "must start at step 0 with steps strictly increasing",
+        ),
+        (
+            {"sampling": {"max_new_tokens": [[0, 16], [5]]}},
+            "must be a number or a list of [step, cap] pairs",
+        ),
         ({"optim": {"lr": -1}}, "optim.lr=-1.0 must be > 0"),
         ({"cluster": {"memory_per_device": "lots"}}, "cluster.memory_per_device='lots'"),
         ({"run": {"stepz": 3}}, "unknown key"),
         ({"task": {"name": "chess"}}, "task.name='chess'"),
-        ({"plan": {"policy_generation": {"devices": [0, 1], "tp": 1}}}, "plan.devices=[0, 1] must list tp*pp*dp=1 devices"),
-        ({"plan": {"policy_generation": {"devices": [9]}, "policy_training": {"devices": [0]}}}, "plan.policy_generation.devices=[9] must be in [0, cluster.devices=4)"),
-        ({"plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}, "critic_training": {"devices": [1]}}}, "does not use"),
-        ({"plan": {"policy_generation": {"devices": [0]}}}, "must place model-stage 'policy_training'"),
-        ({"plan": {"policy_generation": {"devices": [0, 1, 2], "tp": 3}, "policy_training": {"devices": [0]}}}, "plan.tp=3 must be a power of two"),
-        ({"plan": {"policy_generation": {"devices": list(range(8)), "tp": 8}, "policy_training": {"devices": [0]}},
-          "cluster": {"devices": 8}}, "plan.policy_generation.tp=8 must divide model.num_heads=4"),
-        ({"algorithm": {"prompts_per_step": 6}}, "plan.policy_generation.dp=4 must divide algorithm.prompts_per_step=6"),
+        (
+            {"plan": {"policy_generation": {"devices": [0, 1], "tp": 1}}},
+            "plan.devices=[0, 1] must list tp*pp*dp=1 devices",
+        ),
+        (
+            {"plan": {"policy_generation": {"devices": [9]}, "policy_training": {"devices": [0]}}},
+            "plan.policy_generation.devices=[9] must be in [0, cluster.devices=4)",
+        ),
+        (
+            {
+                "plan": {
+                    "policy_generation": {"devices": [0]},
+                    "policy_training": {"devices": [0]},
+                    "critic_training": {"devices": [1]},
+                }
+            },
+            "does not use",
+        ),
+        (
+            {"plan": {"policy_generation": {"devices": [0]}}},
+            "must place model-stage 'policy_training'",
+        ),
+        (
+            {
+                "plan": {
+                    "policy_generation": {"devices": [0, 1, 2], "tp": 3},
+                    "policy_training": {"devices": [0]},
+                }
+            },
+            "plan.tp=3 must be a power of two",
+        ),
+        (
+            {
+                "plan": {
+                    "policy_generation": {"devices": list(range(8)), "tp": 8},
+                    "policy_training": {"devices": [0]},
+                },
+                "cluster": {"devices": 8},
+            },
+            "plan.policy_generation.tp=8 must divide model.num_heads=4",
+        ),
+        (
+            {"algorithm": {"prompts_per_step": 6}},
+            "plan.policy_generation.dp=4 must divide algorithm.prompts_per_step=6",
+        ),
         ({"sampling": {"engine": "tgi"}}, "sampling.engine='tgi' must be one of"),
         ({"adapt": {"pool_wait_s": -1}}, "adapt.pool_wait_s=-1.0 must be >= 0 seconds"),
-        ({"sampling": {"engine": "vllm"}, "cluster": {"mode": "in_process"}},
-         "sampling.engine='vllm' needs cluster.mode 'local' or 'connect'"),
-        ({"sampling": {"engine": "vllm"}, "plan": {"policy_generation": {"devices": [0, 1], "pp": 2},
-                                                   "policy_training": {"devices": [0]}}},
-         "plan.policy_generation.pp=2 must be 1 with sampling.engine='vllm'"),
+        (
+            {"sampling": {"engine": "vllm"}, "cluster": {"mode": "in_process"}},
+            "sampling.engine='vllm' needs cluster.mode 'local' or 'connect'",
+        ),
+        (
+            {
+                "sampling": {"engine": "vllm"},
+                "plan": {
+                    "policy_generation": {"devices": [0, 1], "pp": 2},
+                    "policy_training": {"devices": [0]},
+                },
+            },
+            "plan.policy_generation.pp=2 must be 1 with sampling.engine='vllm'",
+        ),
     ],
 )
 def test_bad_fields_are_named(data, match):
@@ -54,7 +112,16 @@ def test_bad_fields_are_named(data, match):
 
 def test_ppo_needs_the_critic_stages_and_reference_only_with_kl(tmp_path):
     with pytest.raises(ConfigError, match="critic_inference"):
-        from_dict(JobConfig, {"algorithm": {"name": "ppo"}, "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}}})
+        from_dict(
+            JobConfig,
+            {
+                "algorithm": {"name": "ppo"},
+                "plan": {
+                    "policy_generation": {"devices": [0]},
+                    "policy_training": {"devices": [0]},
+                },
+            },
+        )
     plan = {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}}
     assert "reference_inference" not in from_dict(JobConfig, {"plan": plan}).plan
     with pytest.raises(ConfigError, match="reference_inference"):
@@ -62,10 +129,10 @@ def test_ppo_needs_the_critic_stages_and_reference_only_with_kl(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text(
         '[algorithm]\nname = "ppo"\nsamples_per_prompt = 2\n'
-        '[plan.policy_generation]\ndevices = [0, 1]\ndp = 2\n'
-        '[plan.policy_training]\ndevices = [0]\n'
-        '[plan.critic_inference]\ndevices = [1]\n'
-        '[plan.critic_training]\ndevices = [1]\n'
+        "[plan.policy_generation]\ndevices = [0, 1]\ndp = 2\n"
+        "[plan.policy_training]\ndevices = [0]\n"
+        "[plan.critic_inference]\ndevices = [1]\n"
+        "[plan.critic_training]\ndevices = [1]\n"
     )
     cfg = load_toml(JobConfig, toml)
     assert cfg.plan["policy_generation"] == Placement(devices=[0, 1], dp=2)
@@ -80,7 +147,15 @@ def test_a_length_cap_schedule_and_the_plan_as_the_planners():
     from nereus.planner import Plan
 
     plan = cfg.job_plan()
-    assert isinstance(plan, Plan) and plan.names == ["policy_generation", "reference_inference", "policy_training"]
+    assert isinstance(plan, Plan) and plan.names == [
+        "policy_generation",
+        "reference_inference",
+        "policy_training",
+    ]
     assert plan["policy_generation"].devices == ((0,), (1,), (2,), (3,))
-    assert to_planner_plan(plan).names == ["policy-generation", "reference-inference", "policy-training"]
+    assert to_planner_plan(plan).names == [
+        "policy-generation",
+        "reference-inference",
+        "policy-training",
+    ]
     assert from_planner_plan(to_planner_plan(plan)) == plan

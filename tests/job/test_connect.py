@@ -29,13 +29,26 @@ async def test_grpo_on_a_running_cluster(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
     controller = await Controller(KEY).start()
-    node = NodeDaemon(controller.address, KEY, devices=2, memory_per_device="512MiB", node_id="hostA")
+    node = NodeDaemon(
+        controller.address, KEY, devices=2, memory_per_device="512MiB", node_id="hostA"
+    )
     try:
         await node.start()
         pids = [w.proc.pid for w in node.workers]
-        cfg = job(str(tmp_path / "run"), 2,
-                  cluster={"mode": "connect", "address": controller.address, "key_file": str(key_file), "devices": 2},
-                  plan={"policy_generation": {"devices": [0, 1], "dp": 2}, "policy_training": {"devices": [1]}})
+        cfg = job(
+            str(tmp_path / "run"),
+            2,
+            cluster={
+                "mode": "connect",
+                "address": controller.address,
+                "key_file": str(key_file),
+                "devices": 2,
+            },
+            plan={
+                "policy_generation": {"devices": [0, 1], "dp": 2},
+                "policy_training": {"devices": [1]},
+            },
+        )
         rl = RLJob(cfg)
         await rl.start()
         try:

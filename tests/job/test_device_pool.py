@@ -20,8 +20,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def _plan(gen: list[list[int]], train: list[list[int]]) -> Plan:
-    return Plan((("policy_generation", StagePlan(1, 1, len(gen), tuple(tuple(d) for d in gen))),
-                 ("policy_training", StagePlan(1, 1, len(train), tuple(tuple(d) for d in train)))))
+    return Plan(
+        (
+            ("policy_generation", StagePlan(1, 1, len(gen), tuple(tuple(d) for d in gen))),
+            ("policy_training", StagePlan(1, 1, len(train), tuple(tuple(d) for d in train))),
+        )
+    )
 
 
 def _pid(cluster, device: int) -> int:
@@ -30,6 +34,7 @@ def _pid(cluster, device: int) -> int:
 
 async def _failure(stages, device: int, timeout_s: float = 30.0):
     """The first failure reported for ``device``, waited for on the event with a deadline."""
+
     async def wait() -> object:
         while True:
             hit = next((f for f in stages.failures if f.device == device), None)
@@ -43,9 +48,18 @@ async def _failure(stages, device: int, timeout_s: float = 30.0):
 
 async def test_drain_join_leave_and_a_killed_worker_in_a_running_job(tmp_path):
     before = children()
-    plan = {"policy_generation": {"devices": [0, 1, 2, 3], "dp": 4}, "policy_training": {"devices": [0]}}
-    rl = RLJob(job(str(tmp_path), 4, cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
-                   plan=plan))
+    plan = {
+        "policy_generation": {"devices": [0, 1, 2, 3], "dp": 4},
+        "policy_training": {"devices": [0]},
+    }
+    rl = RLJob(
+        job(
+            str(tmp_path),
+            4,
+            cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
+            plan=plan,
+        )
+    )
     await rl.start()
     try:
         records = [await rl.run_step()]

@@ -29,13 +29,19 @@ CONFIG = tiny_config("qwen3", tie_word_embeddings=True)
 
 
 def _job(model_dir, out_dir) -> JobConfig:
-    return from_dict(JobConfig, {
-        "model": {"kind": "hf", "path": str(model_dir)},
-        "task": {"name": "arithmetic"},
-        "cluster": {"mode": "local", "devices": 4},
-        "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0, 1, 2, 3], "tp": 2, "pp": 2}},
-        "run": {"out_dir": str(out_dir)},
-    })
+    return from_dict(
+        JobConfig,
+        {
+            "model": {"kind": "hf", "path": str(model_dir)},
+            "task": {"name": "arithmetic"},
+            "cluster": {"mode": "local", "devices": 4},
+            "plan": {
+                "policy_generation": {"devices": [0]},
+                "policy_training": {"devices": [0, 1, 2, 3], "tp": 2, "pp": 2},
+            },
+            "run": {"out_dir": str(out_dir)},
+        },
+    )
 
 
 def _cluster_checkpoint(folder, model_dir, layout: Layout) -> dict[str, torch.Tensor]:
@@ -45,7 +51,14 @@ def _cluster_checkpoint(folder, model_dir, layout: Layout) -> dict[str, torch.Te
     load_stage_weights(whole, model_dir)
     params = {n: p.detach() for n, p in whole.named_parameters()}
     spec = model_spec(CONFIG)
-    emu = EMU("policy_training/0", "policy_training", spec, layout, tuple(range(layout.size)), ("param", *OPTIMIZER_SLOTS))
+    emu = EMU(
+        "policy_training/0",
+        "policy_training",
+        spec,
+        layout,
+        tuple(range(layout.size)),
+        ("param", *OPTIMIZER_SLOTS),
+    )
     full = {k: params.get(k, torch.randn(spec[k.split(":")[0]].shape)) for k in emu.keys()}
     save_checkpoint(folder / "policy_training", emu, shard_store(emu, full))
     return params
@@ -60,7 +73,9 @@ def test_policy_tensors_from_a_cluster_checkpoint(tmp_path, layout):
     assert got.keys() == want.keys()  # AdamW moments left behind
     assert all(torch.equal(got[k], want[k]) for k in want)
     (ckpt / "policy_training" / "manifest.json").unlink()
-    with pytest.raises(StateError, match="neither policy_training.safetensors nor a complete policy_training/"):
+    with pytest.raises(
+        StateError, match="neither policy_training.safetensors nor a complete policy_training/"
+    ):
         policy_tensors(ckpt, _job(model_dir, tmp_path / "run"), CONFIG)
 
 
@@ -81,6 +96,8 @@ def test_nereus_export_command(tmp_path, capsys):
     stage.load_state_dict(want)
     ids = torch.randint(0, CONFIG.vocab_size, (2, 9))
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, stage(ids, torch.arange(9).expand(2, 9)), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            hf(ids).logits, stage(ids, torch.arange(9).expand(2, 9)), rtol=1e-4, atol=1e-5
+        )
     assert nereus_main(["export", str(tmp_path / "nowhere")]) == 2
     assert "has no config.json" in capsys.readouterr().err

@@ -24,8 +24,14 @@ from tests.job._jobs import job
 pytestmark = [pytest.mark.integration, pytest.mark.gpu, pytest.mark.timeout(300)]
 
 # head_dim 32: a size every vLLM attention backend takes
-MODEL = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "num_layers": 2,
-         "max_seq_len": 64}
+MODEL = {
+    "hidden_size": 128,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 256,
+    "num_layers": 2,
+    "max_seq_len": 64,
+}
 
 
 @contextlib.asynccontextmanager
@@ -60,10 +66,20 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 async def test_grpo_steps_on_gpu_workers(tmp_path, engine):
     async with gpu_node(tmp_path) as (address, key_file, gpus):
         last = min(gpus, 2) - 1  # generation on a second GPU where there is one
-        cfg = job(str(tmp_path / "run"), 3, model=MODEL, algorithm={"prompts_per_step": 4, "samples_per_prompt": 4},
-                  sampling={"engine": engine, "max_new_tokens": 6},
-                  cluster={"mode": "connect", "address": address, "key_file": str(key_file), "devices": last + 1},
-                  plan={"policy_generation": {"devices": [last]}, "policy_training": {"devices": [0]}})
+        cfg = job(
+            str(tmp_path / "run"),
+            3,
+            model=MODEL,
+            algorithm={"prompts_per_step": 4, "samples_per_prompt": 4},
+            sampling={"engine": engine, "max_new_tokens": 6},
+            cluster={
+                "mode": "connect",
+                "address": address,
+                "key_file": str(key_file),
+                "devices": last + 1,
+            },
+            plan={"policy_generation": {"devices": [last]}, "policy_training": {"devices": [0]}},
+        )
         rl = RLJob(cfg)
         await rl.start()
         try:
@@ -78,7 +94,10 @@ async def test_grpo_steps_on_gpu_workers(tmp_path, engine):
             assert [r["policy_version"] for r in records] == [0, 1, 2]
             assert all(r["sync_bytes"] > 0 and r["tokens_generated"] > 0 for r in records)
 
-            gen, train = stages.emus["policy_generation"][0].name, stages.emus["policy_training"][0].name
+            gen, train = (
+                stages.emus["policy_generation"][0].name,
+                stages.emus["policy_training"][0].name,
+            )
             batch = _batch(rl.model_config.vocab_size)
             mask = batch["attention_mask"].float()
             on_gen = await stages.hosts[last].logprobs.call_one(gen, batch) * mask
@@ -91,7 +110,8 @@ async def test_grpo_steps_on_gpu_workers(tmp_path, engine):
             assert memory["engines"][gen] == "generation"
             # the GPU's memory less the CUDA context's and NCCL's reserve
             assert memory["budget_bytes"] == gpu_budget_bytes(
-                torch.cuda.get_device_properties(last).total_memory)
+                torch.cuda.get_device_properties(last).total_memory
+            )
             if engine == "vllm":
                 assert memory["breakdown"][f"{gen}/weights"] == memory["breakdown"][f"shards/{gen}"]
                 assert memory["breakdown"][f"{gen}/kv_cache"] > 0

@@ -40,17 +40,20 @@ def workload(tmp_path_factory):
 
 
 def _cfg(model, data, out, steps, rule="job_rewards:digits", **run):
-    return from_dict(JobConfig, {
-        "model": {"kind": "hf", "path": str(model)},
-        "data": {"path": str(data)},
-        "reward": {"rule": rule},
-        "algorithm": {"prompts_per_step": 4, "samples_per_prompt": 8},
-        "sampling": {"max_new_tokens": 6},
-        "optim": {"lr": 3e-3},
-        "cluster": {"mode": "in_process"},
-        "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
-        "run": {"steps": steps, "out_dir": str(out), "progress": False, "seed": 0, **run},
-    })
+    return from_dict(
+        JobConfig,
+        {
+            "model": {"kind": "hf", "path": str(model)},
+            "data": {"path": str(data)},
+            "reward": {"rule": rule},
+            "algorithm": {"prompts_per_step": 4, "samples_per_prompt": 8},
+            "sampling": {"max_new_tokens": 6},
+            "optim": {"lr": 3e-3},
+            "cluster": {"mode": "in_process"},
+            "plan": {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
+            "run": {"steps": steps, "out_dir": str(out), "progress": False, "seed": 0, **run},
+        },
+    )
 
 
 @pytest.mark.timeout(150)
@@ -60,7 +63,10 @@ async def test_file_job_learns_logs_and_exports(workload, tmp_path):
     model, data = workload
     cfg = _cfg(model, data, tmp_path, 30, loggers=["jsonl", "tensorboard"], export_hf=True)
     records = await run_job(cfg)
-    early, late = window_mean(records, "reward_mean", 0, 5), window_mean(records, "reward_mean", 25, 30)
+    early, late = (
+        window_mean(records, "reward_mean", 0, 5),
+        window_mean(records, "reward_mean", 25, 30),
+    )
     assert late > early + 0.15, (early, late)
     # 4 prompts per step over 48 rows: epochs wrap and every row is visited once per epoch.
     assert [r["dataset_position"] for r in records] == [4 * (s + 1) for s in range(30)]
@@ -71,8 +77,14 @@ async def test_file_job_learns_logs_and_exports(workload, tmp_path):
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     trained = load_file(str(tmp_path / "checkpoints" / "step_30" / "policy_training.safetensors"))
     hf_params = dict(hf.named_parameters())
-    torch.testing.assert_close(hf_params["model.layers.1.self_attn.q_norm.weight"], trained["model.layers.1.self_attn.q_norm.weight"])
-    assert not torch.equal(trained["model.norm.weight"], load_file(str(model / "model.safetensors"))["model.norm.weight"])
+    torch.testing.assert_close(
+        hf_params["model.layers.1.self_attn.q_norm.weight"],
+        trained["model.layers.1.self_attn.q_norm.weight"],
+    )
+    assert not torch.equal(
+        trained["model.norm.weight"],
+        load_file(str(model / "model.safetensors"))["model.norm.weight"],
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "hf" / name).read_bytes() == (model / name).read_bytes()
 
@@ -84,7 +96,14 @@ async def test_file_job_resume_takes_the_same_steps(workload, tmp_path):
     await run_job(_cfg(model, data, tmp_path / "cut", 2, rule="math"))
     resumed = await RLJob(_cfg(model, data, tmp_path / "cut", 5, rule="math", resume=True)).run()
     assert [r["step"] for r in resumed] == [2, 3, 4]
-    keys = ("reward_mean", "response_len_mean", "policy_loss", "grad_norm", "policy_version", "dataset_position")
+    keys = (
+        "reward_mean",
+        "response_len_mean",
+        "policy_loss",
+        "grad_norm",
+        "policy_version",
+        "dataset_position",
+    )
     for a, b in zip(full[2:], resumed, strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     job = json.loads((tmp_path / "cut" / "checkpoints" / "step_5" / "job.json").read_text())

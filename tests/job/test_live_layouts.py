@@ -20,8 +20,12 @@ TRAINED = ("policy_training", "critic_training")
 
 
 def _plan(**stages: tuple[int, int, list[list[int]]]) -> Plan:
-    return Plan(tuple((name, StagePlan(tp, pp, len(devs), tuple(tuple(d) for d in devs)))
-                      for name, (tp, pp, devs) in stages.items()))
+    return Plan(
+        tuple(
+            (name, StagePlan(tp, pp, len(devs), tuple(tuple(d) for d in devs)))
+            for name, (tp, pp, devs) in stages.items()
+        )
+    )
 
 
 async def _state(rl: RLJob) -> dict:
@@ -39,7 +43,11 @@ async def _state(rl: RLJob) -> dict:
 def _assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        if isinstance(a[key], dict) and a[key] and isinstance(next(iter(a[key].values())), torch.Tensor):
+        if (
+            isinstance(a[key], dict)
+            and a[key]
+            and isinstance(next(iter(a[key].values())), torch.Tensor)
+        ):
             assert a[key].keys() == b[key].keys(), key
             for name, t in a[key].items():
                 assert t.dtype == b[key][name].dtype and torch.equal(t, b[key][name]), (key, name)
@@ -67,8 +75,13 @@ PPO_B = _plan(
 
 async def test_a_to_b_to_a_in_a_running_ppo_job_is_bitwise_and_the_next_step_is_unchanged(tmp_path):
     def config(out: str):
-        return job(out, 4, algorithm=PPO, cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
-                   plan=PPO_A)
+        return job(
+            out,
+            4,
+            algorithm=PPO,
+            cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
+            plan=PPO_A,
+        )
 
     steady = RLJob(config(str(tmp_path / "steady")))
     await steady.start()
@@ -87,7 +100,9 @@ async def test_a_to_b_to_a_in_a_running_ppo_job_is_bitwise_and_the_next_step_is_
         before = await _state(rl)
         report = await rl.apply_plan(PPO_B)
         assert sorted(report["changed"]) == sorted(PPO_A) and report["bytes"] > 0
-        assert report["bytes_measured"] == report["bytes"]  # the workers' counters, not the plan's figure
+        assert (
+            report["bytes_measured"] == report["bytes"]
+        )  # the workers' counters, not the plan's figure
         assert rl.stages.plan == PPO_B and report["epoch"] == 2
         # the logical state travelled with the tensors
         for stage in TRAINED:
@@ -101,14 +116,28 @@ async def test_a_to_b_to_a_in_a_running_ppo_job_is_bitwise_and_the_next_step_is_
         _assert_same(want_state, await _state(rl))
     finally:
         await rl.close()
-    keys = ("reward_mean", "response_len_mean", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm",
-            "policy_version", "dataset_position")
+    keys = (
+        "reward_mean",
+        "response_len_mean",
+        "policy_loss",
+        "value_loss",
+        "grad_norm",
+        "critic_grad_norm",
+        "policy_version",
+        "dataset_position",
+    )
     assert {k: got_record[k] for k in keys} == {k: want_record[k] for k in keys}
     assert got_record["epoch"] == 3
 
 
 GRPO = {"prompts_per_step": 8, "samples_per_prompt": 4, "kl_coef": 0.01}
-MODEL = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
+MODEL = {
+    "hidden_size": 256,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 512,
+}
 GRPO_0 = {
     "policy_generation": {"devices": [0, 1, 2, 3], "dp": 4},
     "reference_inference": {"devices": [3]},
@@ -117,14 +146,23 @@ GRPO_0 = {
 CHANGES = [
     # TP down and a move (training), TP up and DP down (generation), PP up onto disjoint devices
     # (reference)
-    _plan(policy_generation=(2, 1, [[0, 1], [2, 3]]), reference_inference=(1, 2, [[0, 1]]),
-          policy_training=(1, 1, [[2]])),
+    _plan(
+        policy_generation=(2, 1, [[0, 1], [2, 3]]),
+        reference_inference=(1, 2, [[0, 1]]),
+        policy_training=(1, 1, [[2]]),
+    ),
     # PP up (training), TP down and DP up (generation), PP down (reference)
-    _plan(policy_generation=(1, 1, [[0], [1], [2], [3]]), reference_inference=(1, 1, [[1]]),
-          policy_training=(1, 2, [[2, 3]])),
+    _plan(
+        policy_generation=(1, 1, [[0], [1], [2], [3]]),
+        reference_inference=(1, 1, [[1]]),
+        policy_training=(1, 2, [[2, 3]]),
+    ),
     # back to the start: PP down and TP up onto disjoint devices (training), a move (reference)
-    _plan(policy_generation=(1, 1, [[0], [1], [2], [3]]), reference_inference=(1, 1, [[3]]),
-          policy_training=(2, 1, [[0, 1]])),
+    _plan(
+        policy_generation=(1, 1, [[0], [1], [2], [3]]),
+        reference_inference=(1, 1, [[3]]),
+        policy_training=(2, 1, [[0, 1]]),
+    ),
 ]
 
 
@@ -134,22 +172,37 @@ def _layouts(plan: Plan) -> dict[str, tuple[int, int]]:
 
 async def _logprobs(rl: RLJob, batch: dict) -> dict[str, list[torch.Tensor]]:
     """Each model-stage's per-token log-probabilities of ``batch``, every EMU on all of it."""
-    return {stage: [await emu.logprobs(batch) for emu in handle.emus] for stage, handle in rl.stages.handles.items()}
+    return {
+        stage: [await emu.logprobs(batch) for emu in handle.emus]
+        for stage, handle in rl.stages.handles.items()
+    }
 
 
 async def test_a_grpo_run_changes_every_few_steps_and_each_model_stage_computes_the_same(tmp_path):
     from nereus.job.local_stages import prepare_model
     from nereus.models import model_spec
 
-    optim = {"lr": 3e-3, "micro_batch_size": 8}  # a step's activations stay small beside the weights
+    optim = {
+        "lr": 3e-3,
+        "micro_batch_size": 8,
+    }  # a step's activations stay small beside the weights
     probe = RLJob(job(str(tmp_path), 8, algorithm=GRPO, model=MODEL, plan=GRPO_0, optim=optim))
     config, _, _ = prepare_model(probe.cfg, probe.codec, tmp_path / "probe")
     weights = model_spec(config).nbytes  # P: one copy of the policy's weights
     # training at TP 1 needs 3P (weights and moments) + P of gradients on one device; the
     # budget takes every plan below with room for a step's activations, not 6P on device 3
     budget = int(5.5 * weights)
-    rl = RLJob(job(str(tmp_path), 8, algorithm=GRPO, model=MODEL, plan=GRPO_0, optim=optim,
-                   cluster={"mode": "local", "devices": 4, "memory_per_device": str(budget)}))
+    rl = RLJob(
+        job(
+            str(tmp_path),
+            8,
+            algorithm=GRPO,
+            model=MODEL,
+            plan=GRPO_0,
+            optim=optim,
+            cluster={"mode": "local", "devices": 4, "memory_per_device": str(budget)},
+        )
+    )
     await rl.start()
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, rl.model_config.vocab_size, (6, 10), generator=g)
@@ -177,12 +230,18 @@ async def test_a_grpo_run_changes_every_few_steps_and_each_model_stage_computes_
         # a change that would break a budget is refused before anything moves
         held = {d: await h.held.call_one() for d, h in rl.stages.hosts.items()}
         plan = rl.stages.plan
-        too_big = _plan(policy_generation=(1, 1, [[0], [1], [2], [3]]), reference_inference=(1, 1, [[3]]),
-                        policy_training=(1, 1, [[2], [3]]))
+        too_big = _plan(
+            policy_generation=(1, 1, [[0], [1], [2], [3]]),
+            reference_inference=(1, 1, [[3]]),
+            policy_training=(1, 1, [[2], [3]]),
+        )
         with pytest.raises((OutOfMemory, InfeasibleTransition)) as info:
             await rl.apply_plan(too_big)
         err = info.value
-        assert err.device == 3 and getattr(err, "budget_bytes", getattr(err, "cap_bytes", None)) == budget
+        assert (
+            err.device == 3
+            and getattr(err, "budget_bytes", getattr(err, "cap_bytes", None)) == budget
+        )
         assert rl.stages.plan == plan
         assert {d: await h.held.call_one() for d, h in rl.stages.hosts.items()} == held
         records.append(await rl.run_step())

@@ -68,7 +68,10 @@ def read_wandb(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], dict]:
                 record = b""
                 which = r.WhichOneof("record_type")
                 if which == "history":
-                    items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+                    items = {
+                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                        for i in r.history.item
+                    }
                     step = int(items.pop("_step", r.history.step.num))
                     for k, v in items.items():
                         if not k.startswith("_"):
@@ -86,7 +89,10 @@ def read_mlflow(db: Path, experiment: str) -> tuple[dict[str, list[tuple[int, fl
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     exp = client.get_experiment_by_name(experiment)
     (run,) = client.search_runs([exp.experiment_id])
-    metrics = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
+    metrics = {
+        k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+        for k in run.data.metrics
+    }
     return metrics, run.data.params, run.info.status
 
 
@@ -100,16 +106,23 @@ def test_numeric_leaves_flatten_nested_maps():
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_every_logger_writes_the_same_record(tmp_path):
-    run = RunConfig(out_dir=str(tmp_path), loggers=ALL, experiment="nereus-test", run_name="grpo-file")
+    run = RunConfig(
+        out_dir=str(tmp_path), loggers=ALL, experiment="nereus-test", run_name="grpo-file"
+    )
     config = {"algorithm": {"name": "grpo", "lr": 1e-5}, "run": {"steps": 3}}
     with make_loggers(run, tmp_path, config) as loggers:
         for step in range(3):
             loggers.log(_record(step))
         loggers.commit(3)  # the job's last checkpoint: W&B and MLflow get what it covers
-    expected = {k: [(s, v) for s in range(3) for k2, v in numeric_leaves(_record(s)) if k2 == k]
-                for k, _ in numeric_leaves(_record(0)) if k != "step"}
+    expected = {
+        k: [(s, v) for s in range(3) for k2, v in numeric_leaves(_record(s)) if k2 == k]
+        for k, _ in numeric_leaves(_record(0))
+        if k != "step"
+    }
 
-    assert read_metrics(tmp_path / "metrics.jsonl") == [json.loads(json.dumps(_record(s))) for s in range(3)]
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        json.loads(json.dumps(_record(s))) for s in range(3)
+    ]
     tb = read_tensorboard(tmp_path / "tensorboard")
     assert {k: [(s, pytest.approx(v)) for s, v in vals] for k, vals in expected.items()} == tb
     wb, wb_config = read_wandb(tmp_path / "wandb")
@@ -123,7 +136,9 @@ def test_every_logger_writes_the_same_record(tmp_path):
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_resume_keeps_one_history(tmp_path):
-    run = RunConfig(out_dir=str(tmp_path), loggers=["jsonl", "tensorboard", "mlflow"], experiment="resume")
+    run = RunConfig(
+        out_dir=str(tmp_path), loggers=["jsonl", "tensorboard", "mlflow"], experiment="resume"
+    )
     with make_loggers(run, tmp_path, {}) as loggers:
         for step in range(4):
             loggers.log(_record(step))
@@ -138,7 +153,9 @@ def test_resume_keeps_one_history(tmp_path):
     assert [(r["step"], r["reward_mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == want
     tb = read_tensorboard(tmp_path / "tensorboard")
     assert tb["reward_mean"] == want
-    mf, _, _ = read_mlflow(tmp_path / "mlflow.db", "resume")  # the same MLflow run goes on, each step once
+    mf, _, _ = read_mlflow(
+        tmp_path / "mlflow.db", "resume"
+    )  # the same MLflow run goes on, each step once
     assert mf["reward_mean"] == want
 
 
@@ -165,13 +182,21 @@ def test_a_rewind_to_a_checkpoint_leaves_each_step_once_in_every_logger(tmp_path
 
 
 def test_logger_config_errors(monkeypatch):
-    for bad, words in [(["jsonl", "csv"], "must name loggers from"), (["tensorboard"], "must include 'jsonl'"),
-                       (["jsonl", "jsonl"], "must not repeat")]:
+    for bad, words in [
+        (["jsonl", "csv"], "must name loggers from"),
+        (["tensorboard"], "must include 'jsonl'"),
+        (["jsonl", "jsonl"], "must not repeat"),
+    ]:
         with pytest.raises(ConfigError, match=rf"run.loggers=.* {words}"):
             RunConfig(loggers=bad)
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"run.loggers includes 'wandb' but the wandb package is not installed: pip install"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"run.loggers includes 'wandb' but the wandb package is not installed: pip install",
+    ):
         check_loggers(["jsonl", "wandb"])

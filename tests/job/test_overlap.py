@@ -14,15 +14,33 @@ from tests.job._jobs import job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-PLAN = {"policy_generation": {"devices": [0, 1], "dp": 2}, "policy_training": {"devices": [2, 3], "tp": 2}}
-TARGET = Plan((("policy_generation", StagePlan(1, 1, 2, ((0,), (1,)))),
-               ("policy_training", StagePlan(1, 2, 1, ((2, 3),)))))
-KEYS = ("reward_mean", "response_len_mean", "tokens_generated", "policy_version", "dataset_position")
+PLAN = {
+    "policy_generation": {"devices": [0, 1], "dp": 2},
+    "policy_training": {"devices": [2, 3], "tp": 2},
+}
+TARGET = Plan(
+    (
+        ("policy_generation", StagePlan(1, 1, 2, ((0,), (1,)))),
+        ("policy_training", StagePlan(1, 2, 1, ((2, 3),))),
+    )
+)
+KEYS = (
+    "reward_mean",
+    "response_len_mean",
+    "tokens_generated",
+    "policy_version",
+    "dataset_position",
+)
 
 
 def _config(out: str):
-    return job(out, 4, model={"hidden_size": 128, "intermediate_size": 256},
-               cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"}, plan=PLAN)
+    return job(
+        out,
+        4,
+        model={"hidden_size": 128, "intermediate_size": 256},
+        cluster={"mode": "local", "devices": 4, "memory_per_device": "256MiB"},
+        plan=PLAN,
+    )
 
 
 async def test_generation_of_the_next_step_runs_while_training_reshards(tmp_path):
@@ -47,7 +65,9 @@ async def test_generation_of_the_next_step_runs_while_training_reshards(tmp_path
 
         gen.generate = timed
         started = await rl.apply_plan(TARGET, overlap=True)
-        assert started["changed"] == ["policy_training"] and rl.stages.plan != TARGET  # still running
+        assert (
+            started["changed"] == ["policy_training"] and rl.stages.plan != TARGET
+        )  # still running
         got.append(await rl.run_step())
         report = rl.stages.last_transition
         got.append(await rl.run_step())

@@ -18,7 +18,14 @@ from tests.job.test_adapt import PPO_PLAN, assert_replays, checked_changes, tap_
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-SPOT = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "spot-availability" / "us-west-2a_v100_1.json"
+SPOT = (
+    Path(__file__).resolve().parents[2]
+    / ".."
+    / "shared"
+    / "traces"
+    / "spot-availability"
+    / "us-west-2a_v100_1.json"
+)
 # from this tick on, one tick a step and counts mapped onto 2..4 devices: 4, 4, 3, 3, 4
 OFFSET = 35
 
@@ -38,12 +45,18 @@ def _layouts(plan: dict) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_a_ppo_job_runs_a_pool_trace_under_each_policy(tmp_path, policy):
     if not SPOT.is_file():
-        pytest.fail(f"the spot trace {SPOT} is missing (../shared/traces must resolve from the repository)")
-    cfg = job(str(tmp_path), 5, algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01,
-                                           "kl_mode": "penalty"},
-              cluster={"mode": "local", "devices": 4, "memory_per_device": "512MiB"}, plan=PPO_PLAN,
-              adapt={"enabled": True, "policy": policy, "every_k": 3, "join_horizon_steps": 1000},
-              trace={"pool": str(SPOT), "pool_offset": OFFSET})
+        pytest.fail(
+            f"the spot trace {SPOT} is missing (../shared/traces must resolve from the repository)"
+        )
+    cfg = job(
+        str(tmp_path),
+        5,
+        algorithm={"name": "ppo", "samples_per_prompt": 4, "kl_coef": 0.01, "kl_mode": "penalty"},
+        cluster={"mode": "local", "devices": 4, "memory_per_device": "512MiB"},
+        plan=PPO_PLAN,
+        adapt={"enabled": True, "policy": policy, "every_k": 3, "join_horizon_steps": 1000},
+        trace={"pool": str(SPOT), "pool_offset": OFFSET},
+    )
     rl = RLJob(cfg)
     await rl.start()
     try:
@@ -57,7 +70,9 @@ async def test_a_ppo_job_runs_a_pool_trace_under_each_policy(tmp_path, policy):
     assert [r["step"] for r in records] == list(range(5))
     assert [(s, kind) for s, kind, _ in events_of_trace] == [(2, "drain"), (4, "join")]
     drained = events_of_trace[0][2]
-    assert changes and all(c["ok"] for c in changes)  # the logical state after each change is the one before
+    assert changes and all(
+        c["ok"] for c in changes
+    )  # the logical state after each change is the one before
     moved = [r["transition"] for r in records if r.get("transition")]
     assert any("device-pool:drained" in t["triggers"] for t in moved)
     after_drain = next(t for t in moved if "device-pool:drained" in t["triggers"])

@@ -28,9 +28,17 @@ def make_reward_model(folder: Path, codec: Codec, seed: int = 3) -> torch.nn.Mod
     as transformers saves it; returns the transformers model."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=codec.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
-        pad_token_id=codec.pad_id, bos_token_id=codec.bos_id, eos_token_id=codec.eos_id,
+        vocab_size=codec.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=codec.pad_id,
+        bos_token_id=codec.bos_id,
+        eos_token_id=codec.eos_id,
     )
     model = transformers.LlamaForSequenceClassification(config).float().eval()
     with torch.no_grad():  # a visible head: HF initialises it small
@@ -48,12 +56,25 @@ def _rollouts(codec: Codec) -> Rollouts:
 
 def _hf_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].float()
+        return (
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            .logits[:, 0]
+            .float()
+        )
 
 
 def _rm_job(tmp_path: Path, rm: Path, **sections):
-    plan = sections.pop("plan", {"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}, "reward_inference": {"devices": [0]}})
-    return job(str(tmp_path / "run"), 2, reward={"kind": "model", "path": str(rm)}, plan=plan, **sections)
+    plan = sections.pop(
+        "plan",
+        {
+            "policy_generation": {"devices": [0]},
+            "policy_training": {"devices": [0]},
+            "reward_inference": {"devices": [0]},
+        },
+    )
+    return job(
+        str(tmp_path / "run"), 2, reward={"kind": "model", "path": str(rm)}, plan=plan, **sections
+    )
 
 
 async def test_in_process_scores_match_transformers_and_a_step_runs(tmp_path):
@@ -84,7 +105,12 @@ async def test_tp2_reward_emus_on_a_local_cluster_match_transformers(tmp_path):
         "policy_training": {"devices": [0]},
         "reward_inference": {"devices": [0, 1], "tp": 2},
     }
-    cfg = _rm_job(tmp_path, tmp_path / "rm", plan=plan, cluster={"mode": "local", "devices": 2, "memory_per_device": "512MiB"})
+    cfg = _rm_job(
+        tmp_path,
+        tmp_path / "rm",
+        plan=plan,
+        cluster={"mode": "local", "devices": 2, "memory_per_device": "512MiB"},
+    )
     rl = RLJob(cfg)
     await rl.start()
     try:
@@ -104,14 +130,28 @@ def test_config_refusals(tmp_path):
     with pytest.raises(ConfigError, match="reward_inference"):
         job(str(tmp_path), 1, reward={"kind": "model", "path": str(tmp_path)})  # not placed
     with pytest.raises(ConfigError, match="reward_inference"):  # placed but rule reward
-        job(str(tmp_path), 1, plan={"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}, "reward_inference": {"devices": [0]}})
+        job(
+            str(tmp_path),
+            1,
+            plan={
+                "policy_generation": {"devices": [0]},
+                "policy_training": {"devices": [0]},
+                "reward_inference": {"devices": [0]},
+            },
+        )
     other = Codec.for_alphabet("abcdefghij")
     assert other.vocab_size != codec.vocab_size
     make_reward_model(tmp_path / "rm", other)
     from nereus.job.local_stages import reward_model
     from nereus.models import ModelConfig
 
-    policy = ModelConfig(vocab_size=codec.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
+    policy = ModelConfig(
+        vocab_size=codec.vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     with pytest.raises(ConfigError, match=r"reward\.path.*vocab_size"):
         reward_model(_rm_job(tmp_path, tmp_path / "rm"), policy)

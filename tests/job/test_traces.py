@@ -20,7 +20,9 @@ SPOT = TRACES / "spot-availability" / "us-west-2a_v100_1.json"
 
 
 def test_a_length_log_becomes_the_caps_schedule_scaled_to_the_cap(tmp_path):
-    cfg = with_lengths(job(str(tmp_path), 12, sampling={"max_new_tokens": 48}, trace={"lengths": str(LOG)}))
+    cfg = with_lengths(
+        job(str(tmp_path), 12, sampling={"max_new_tokens": 48}, trace={"lengths": str(LOG)})
+    )
     sched = cfg.sampling.max_new_tokens
     assert cfg.sampling.ignore_eos and cfg.trace.lengths is None
     caps = [cfg.sampling.cap_at(s) for s in range(12)]
@@ -32,7 +34,12 @@ def test_a_length_log_becomes_the_caps_schedule_scaled_to_the_cap(tmp_path):
 
 def test_a_length_trace_needs_one_cap_and_a_real_spec(tmp_path):
     with pytest.raises(ConfigError, match="trace.lengths"):
-        job(str(tmp_path), 4, sampling={"max_new_tokens": [[0, 8], [2, 16]]}, trace={"lengths": str(LOG)})
+        job(
+            str(tmp_path),
+            4,
+            sampling={"max_new_tokens": [[0, 8], [2, 16]]},
+            trace={"lengths": str(LOG)},
+        )
     with pytest.raises(ConfigError, match="length-trace"):
         with_lengths(job(str(tmp_path), 4, trace={"lengths": str(tmp_path / "none.json")}))
 
@@ -41,9 +48,13 @@ def test_a_spot_trace_is_a_device_count_per_step_on_the_cluster(tmp_path):
     assert pool_at_steps(str(SPOT), 4, 6, offset_ticks=35) == [4, 4, 3, 3, 4, 4]
     assert pool_at_steps(str(SPOT), 4, 8) == [2] * 8  # the trace starts with no instance: the floor
     assert pool_at_steps("growth:2:4", 4, 3) == [2, 3, 4]
-    cfg = job(str(tmp_path), 5, cluster={"mode": "local", "devices": 4},
-              plan={"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
-              trace={"pool": str(SPOT), "pool_offset": 35})
+    cfg = job(
+        str(tmp_path),
+        5,
+        cluster={"mode": "local", "devices": 4},
+        plan={"policy_generation": {"devices": [0]}, "policy_training": {"devices": [0]}},
+        trace={"pool": str(SPOT), "pool_offset": 35},
+    )
     trace = PoolTrace.of(cfg)
     assert trace is not None and trace.counts == [4, 4, 3, 3, 4] and trace.live_at(9) == 4
     with pytest.raises(ConfigError, match="trace.pool"):

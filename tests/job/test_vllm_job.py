@@ -24,8 +24,14 @@ from tests.job._jobs import job
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 # vLLM's CPU attention needs head_dim >= 32
-MODEL = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "num_layers": 2,
-         "max_seq_len": 64}
+MODEL = {
+    "hidden_size": 128,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 256,
+    "num_layers": 2,
+    "max_seq_len": 64,
+}
 GREEDY = {"max_tokens": 6, "temperature": 0.0}
 
 
@@ -39,16 +45,24 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 
 
 async def test_a_grpo_job_generates_on_vllm_whose_weights_follow_every_sync(tmp_path):
-    cfg = job(str(tmp_path), 3, model=MODEL, algorithm={"prompts_per_step": 4, "samples_per_prompt": 4},
-              sampling={"engine": "vllm", "max_new_tokens": 6},
-              cluster={"mode": "local", "devices": 2, "memory_per_device": "512MiB"},
-              plan={"policy_generation": {"devices": [1]}, "policy_training": {"devices": [0]}})
+    cfg = job(
+        str(tmp_path),
+        3,
+        model=MODEL,
+        algorithm={"prompts_per_step": 4, "samples_per_prompt": 4},
+        sampling={"engine": "vllm", "max_new_tokens": 6},
+        cluster={"mode": "local", "devices": 2, "memory_per_device": "512MiB"},
+        plan={"policy_generation": {"devices": [1]}, "policy_training": {"devices": [0]}},
+    )
     rl = RLJob(cfg)
     await rl.start()
     try:
         stages = rl.stages
         gen_host, train_host = stages.hosts[1], stages.hosts[0]
-        gen, train = stages.emus["policy_generation"][0].name, stages.emus["policy_training"][0].name
+        gen, train = (
+            stages.emus["policy_generation"][0].name,
+            stages.emus["policy_training"][0].name,
+        )
         batch = _batch(rl.model_config.vocab_size)
         mask = batch["attention_mask"].float()
         prompts = [row[:5] for row in batch["input_ids"].tolist()]
@@ -71,7 +85,9 @@ async def test_a_grpo_job_generates_on_vllm_whose_weights_follow_every_sync(tmp_
         torch.testing.assert_close(vllm1, policy1, atol=1e-3, rtol=1e-3)  # and vLLM with it
         greedy1 = (await gen_host.generate.call_one(gen, prompts, GREEDY))["token_ids"]
         assert greedy1 != greedy0
-        synced = {k: t for k, t in (await train_host.get_shards.call_one(train)).items() if ":" not in k}
+        synced = {
+            k: t for k, t in (await train_host.get_shards.call_one(train)).items() if ":" not in k
+        }
         builtin = GenerationEngine(
             rl.model_config,
             options=EngineOptions(
@@ -85,12 +101,21 @@ async def test_a_grpo_job_generates_on_vllm_whose_weights_follow_every_sync(tmp_
         assert memory["engines"] == {gen: "generation"} and memory["tensor_device"] == "cpu"
         assert held[f"{gen}/weights"] == held[f"shards/{gen}"] > 0  # vLLM's copy beside the store's
         assert held[f"{gen}/kv_cache"] == stages._vllm_cache_bytes(stages.plan["policy_generation"])
-        assert memory["used_bytes"] == sum(held.values()) <= memory["peak_bytes"] <= memory["budget_bytes"]
+        assert (
+            memory["used_bytes"]
+            == sum(held.values())
+            <= memory["peak_bytes"]
+            <= memory["budget_bytes"]
+        )
 
         # a plan change moves generation beside training: a new vLLM engine over the moved
         # shards, and the next step's sync reaches it
-        target = Plan(tuple((name, StagePlan(1, 1, 1, ((0,),)) if name == "policy_generation" else sp)
-                            for name, sp in stages.plan))
+        target = Plan(
+            tuple(
+                (name, StagePlan(1, 1, 1, ((0,),)) if name == "policy_generation" else sp)
+                for name, sp in stages.plan
+            )
+        )
         report = await rl.apply_plan(target)
         assert report["changed"] == ["policy_generation"]
         gen_host, gen = stages.hosts[0], stages.emus["policy_generation"][0].name

@@ -46,10 +46,18 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
     assert not os.path.exists(stale), f"{stale} is left over from an earlier run: remove it"
     with open(stale, "wb") as f:
         f.write(b"\0" * 4096)
-    cfg = job(str(tmp_path), 2, model=MODEL, algorithm={"prompts_per_step": 4, "samples_per_prompt": 4},
-              sampling={"engine": "vllm", "max_new_tokens": 6},
-              cluster={"mode": "local", "devices": 3, "memory_per_device": "512MiB"},
-              plan={"policy_generation": {"devices": [1, 2], "tp": 2}, "policy_training": {"devices": [0]}})
+    cfg = job(
+        str(tmp_path),
+        2,
+        model=MODEL,
+        algorithm={"prompts_per_step": 4, "samples_per_prompt": 4},
+        sampling={"engine": "vllm", "max_new_tokens": 6},
+        cluster={"mode": "local", "devices": 3, "memory_per_device": "512MiB"},
+        plan={
+            "policy_generation": {"devices": [1, 2], "tp": 2},
+            "policy_training": {"devices": [0]},
+        },
+    )
     rl = RLJob(cfg)
     try:
         await rl.start()
@@ -57,7 +65,9 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
         assert _cpu_shm() == {stale}
         stages = rl.stages
         vocab = rl.model_config.vocab_size
-        assert vocab % 64, "the vocabulary must need vLLM's padding for this test to cut it vLLM's way"
+        assert vocab % 64, (
+            "the vocabulary must need vLLM's padding for this test to cut it vLLM's way"
+        )
         assert stages.plan["policy_generation"].tp == 2
         gen = stages.emus["policy_generation"][0].name
         train = stages.emus["policy_training"][0].name
@@ -86,10 +96,16 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
 
         vllm1, policy1 = await scores()
         assert float((policy1 - policy0).abs().max()) > 1e-2  # the policy moved
-        torch.testing.assert_close(vllm1, policy1, atol=1e-3, rtol=1e-3)  # and vLLM's two ranks with it
+        torch.testing.assert_close(
+            vllm1, policy1, atol=1e-3, rtol=1e-3
+        )  # and vLLM's two ranks with it
         greedy, other = await on_vllm("generate", prompts, GREEDY)
         assert greedy["token_ids"] == other["token_ids"]
-        synced = {k: t for k, t in (await stages.hosts[0].get_shards.call_one(train)).items() if ":" not in k}
+        synced = {
+            k: t
+            for k, t in (await stages.hosts[0].get_shards.call_one(train)).items()
+            if ":" not in k
+        }
         builtin = GenerationEngine(
             rl.model_config,
             options=EngineOptions(
@@ -105,8 +121,12 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
         # a plan change from TP 2 to two TP 1 replicas on the same devices: the shards are
         # resharded in the workers, each replica gets a vLLM engine of its own, and the
         # next step's sync reaches both
-        target = Plan(tuple((name, StagePlan(1, 1, 2, ((1,), (2,))) if name == "policy_generation" else sp)
-                            for name, sp in stages.plan))
+        target = Plan(
+            tuple(
+                (name, StagePlan(1, 1, 2, ((1,), (2,))) if name == "policy_generation" else sp)
+                for name, sp in stages.plan
+            )
+        )
         report = await rl.apply_plan(target)
         assert report["changed"] == ["policy_generation"]
         record = await rl.run_step()
@@ -125,11 +145,18 @@ async def test_a_grpo_job_generates_on_vllm_at_tp2_across_two_workers(tmp_path):
 async def test_two_tp2_vllm_engines_share_a_host(tmp_path):
     # two DP replicas of a TP 2 generation EMU on one host: two vLLM engines whose CPU
     # all-reduce groups would take one name under vLLM's own naming
-    cfg = job(str(tmp_path), 1, model=MODEL, algorithm={"prompts_per_step": 4, "samples_per_prompt": 2},
-              sampling={"engine": "vllm", "max_new_tokens": 4},
-              cluster={"mode": "local", "devices": 5, "memory_per_device": "512MiB"},
-              plan={"policy_generation": {"devices": [1, 2, 3, 4], "tp": 2, "dp": 2},
-                    "policy_training": {"devices": [0]}})
+    cfg = job(
+        str(tmp_path),
+        1,
+        model=MODEL,
+        algorithm={"prompts_per_step": 4, "samples_per_prompt": 2},
+        sampling={"engine": "vllm", "max_new_tokens": 4},
+        cluster={"mode": "local", "devices": 5, "memory_per_device": "512MiB"},
+        plan={
+            "policy_generation": {"devices": [1, 2, 3, 4], "tp": 2, "dp": 2},
+            "policy_training": {"devices": [0]},
+        },
+    )
     rl = RLJob(cfg)
     try:
         await rl.start()
@@ -143,8 +170,9 @@ async def test_two_tp2_vllm_engines_share_a_host(tmp_path):
         train = stages.emus["policy_training"][0].name
         policy = await stages.hosts[0].logprobs.call_one(train, batch) * mask
         for emu in stages.emus["policy_generation"]:  # each engine scores with the synced weights
-            first, second = await asyncio.gather(*(stages.hosts[d].logprobs.call_one(emu.name, batch)
-                                                   for d in emu.devices))
+            first, second = await asyncio.gather(
+                *(stages.hosts[d].logprobs.call_one(emu.name, batch) for d in emu.devices)
+            )
             torch.testing.assert_close(first, second)
             torch.testing.assert_close(first * mask, policy, atol=1e-3, rtol=1e-3)
     finally:

@@ -13,6 +13,12 @@ class Where(Actor):
     @endpoint
     async def where(self) -> dict:
         d = current_device()
-        return {"index": d.index, "kind": d.kind, "node_id": d.node_id,
-                "local_index": d.local_index, "pid": os.getpid(), "ppid": os.getppid(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {
+            "index": d.index,
+            "kind": d.kind,
+            "node_id": d.node_id,
+            "local_index": d.local_index,
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }

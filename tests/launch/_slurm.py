@@ -73,61 +73,84 @@ class OneHostSlurm:
         for i in range(self.gpus):
             os.mknod(d / "dev" / f"nvidia{i}", 0o600 | 0o020000, null)  # S_IFCHR
         (d / "gres.conf").write_text(
-            f"NodeName={self.host} Name=gpu File={d}/dev/nvidia[0-{self.gpus - 1}]\n")
-        self.conf.write_text("\n".join([
-            "ClusterName=nereus-test",
-            f"SlurmctldHost={self.host}",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "AuthType=auth/munge",
-            f"AuthInfo=socket={d}/munge.sock",
-            "CredType=cred/munge",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            "KillWait=10",
-            "GresTypes=gpu",
-            f"StateSaveLocation={d}/state",
-            f"SlurmdSpoolDir={d}/spool",
-            f"SlurmctldPidFile={d}/slurmctld.pid",
-            f"SlurmdPidFile={d}/slurmd.pid",
-            f"SlurmctldLogFile={d}/slurmctld.log",
-            f"SlurmdLogFile={d}/slurmd.log",
-            f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory=1024 "
-            f"Gres=gpu:{self.gpus} State=UNKNOWN",
-            f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
-            "",
-        ]))
+            f"NodeName={self.host} Name=gpu File={d}/dev/nvidia[0-{self.gpus - 1}]\n"
+        )
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=nereus-test",
+                    f"SlurmctldHost={self.host}",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={d}/munge.sock",
+                    "CredType=cred/munge",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "KillWait=10",
+                    "GresTypes=gpu",
+                    f"StateSaveLocation={d}/state",
+                    f"SlurmdSpoolDir={d}/spool",
+                    f"SlurmctldPidFile={d}/slurmctld.pid",
+                    f"SlurmdPidFile={d}/slurmd.pid",
+                    f"SlurmctldLogFile={d}/slurmctld.log",
+                    f"SlurmdLogFile={d}/slurmd.log",
+                    f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory=1024 "
+                    f"Gres=gpu:{self.gpus} State=UNKNOWN",
+                    f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
 
     def _daemon(self, argv: list[str], pid_file: Path, log: Path) -> None:
         self._pid_files.append(pid_file)
         done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             tail = log.read_text()[-2000:] if log.exists() else ""
-            raise RuntimeError(f"{' '.join(argv)} failed with exit code {done.returncode}: "
-                               f"{done.stderr.strip()}\n{tail}")
+            raise RuntimeError(
+                f"{' '.join(argv)} failed with exit code {done.returncode}: "
+                f"{done.stderr.strip()}\n{tail}"
+            )
 
     def start(self) -> OneHostSlurm:
         for tool in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol"):
             if shutil.which(tool) is None:
-                raise RuntimeError(f"{tool} is not installed: `make test-slurm` installs "
-                                   "Debian's slurm-wlm and munge")
+                raise RuntimeError(
+                    f"{tool} is not installed: `make test-slurm` installs "
+                    "Debian's slurm-wlm and munge"
+                )
         self._write_files()
         d = self.folder
         try:
-            self._daemon(["munged", "--key-file", str(d / "munge.key"), "--socket",
-                          str(d / "munge.sock"), "--pid-file", str(d / "munged.pid"),
-                          "--log-file", str(d / "munged.log"), "--seed-file", str(d / "munge.seed")],
-                         d / "munged.pid", d / "munged.log")
-            self._daemon(["slurmctld", "-f", str(self.conf)], d / "slurmctld.pid",
-                         d / "slurmctld.log")
+            self._daemon(
+                [
+                    "munged",
+                    "--key-file",
+                    str(d / "munge.key"),
+                    "--socket",
+                    str(d / "munge.sock"),
+                    "--pid-file",
+                    str(d / "munged.pid"),
+                    "--log-file",
+                    str(d / "munged.log"),
+                    "--seed-file",
+                    str(d / "munge.seed"),
+                ],
+                d / "munged.pid",
+                d / "munged.log",
+            )
+            self._daemon(
+                ["slurmctld", "-f", str(self.conf)], d / "slurmctld.pid", d / "slurmctld.log"
+            )
             self._daemon(["slurmd", "-f", str(self.conf)], d / "slurmd.pid", d / "slurmd.log")
             self._wait_idle()
         except BaseException:
@@ -139,22 +162,26 @@ class OneHostSlurm:
         deadline = time.monotonic() + START_TIMEOUT_S
         state = ""
         while time.monotonic() < deadline:
-            done = self.run(["sinfo", "--noheader", "--format=%T", "--nodes", self.host],
-                            check=False)
+            done = self.run(
+                ["sinfo", "--noheader", "--format=%T", "--nodes", self.host], check=False
+            )
             state = done.stdout.strip()
             if state == "idle":
                 return
             time.sleep(0.2)  # sinfo has no wait-for-state; poll it up to the deadline
         log = (self.folder / "slurmd.log").read_text()[-2000:]
-        raise RuntimeError(f"node {self.host} is {state!r}, not idle, after "
-                           f"{START_TIMEOUT_S} s; slurmd.log ends:\n{log}")
+        raise RuntimeError(
+            f"node {self.host} is {state!r}, not idle, after "
+            f"{START_TIMEOUT_S} s; slurmd.log ends:\n{log}"
+        )
 
     def run(self, argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster."""
         done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60, **kw)
         if check and done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed with exit code {done.returncode}: "
-                               f"{done.stderr.strip()}")
+            raise RuntimeError(
+                f"{' '.join(argv)} failed with exit code {done.returncode}: {done.stderr.strip()}"
+            )
         return done
 
     def job_state(self, job_id: str) -> dict[str, str]:

@@ -27,11 +27,22 @@ JOB = REPO / "examples" / "grpo_tiny.toml"
 VERSIONS = ("1.28", kubernetes_validate.latest_version())
 KEY = "k" * 64
 
-GPU = KubernetesCluster(image="registry.example/nereus:0.1.0", nodes=4, gpus_per_node=8,
-                        cpu_per_node="32", memory_per_node="256Gi")
-CPU_JOB = KubernetesCluster(image="nereus:0.1.0", name="rl-a", namespace="team-x",
-                            devices_per_node=2, memory_per_device="256MiB", job=str(JOB),
-                            shared_claim="nereus-shared")
+GPU = KubernetesCluster(
+    image="registry.example/nereus:0.1.0",
+    nodes=4,
+    gpus_per_node=8,
+    cpu_per_node="32",
+    memory_per_node="256Gi",
+)
+CPU_JOB = KubernetesCluster(
+    image="nereus:0.1.0",
+    name="rl-a",
+    namespace="team-x",
+    devices_per_node=2,
+    memory_per_device="256MiB",
+    job=str(JOB),
+    shared_claim="nereus-shared",
+)
 
 
 def _validate(objects: list[dict]) -> None:
@@ -57,8 +68,11 @@ def test_the_validator_refuses_what_kubernetes_would():
 
 
 def _by(objects: list[dict], kind: str, component: str) -> dict:
-    return next(o for o in objects if o["kind"] == kind
-                and o["metadata"]["labels"]["app.kubernetes.io/component"] == component)
+    return next(
+        o
+        for o in objects
+        if o["kind"] == kind and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    )
 
 
 def _containers(obj: dict) -> list[dict]:
@@ -71,7 +85,10 @@ def test_the_objects_fit_together():
     assert all(o["metadata"]["namespace"] == "team-x" for o in objects)
     secret = _by(objects, "Secret", "key")
     assert secret["stringData"] == {"key": KEY}
-    controller_svc, controller = _by(objects, "Service", "controller"), _by(objects, "Deployment", "controller")
+    controller_svc, controller = (
+        _by(objects, "Service", "controller"),
+        _by(objects, "Deployment", "controller"),
+    )
     node_svc, nodes = _by(objects, "Service", "node"), _by(objects, "StatefulSet", "node")
     config, job = _by(objects, "ConfigMap", "job"), _by(objects, "Job", "job")
     # Services select the pods of their workload; the StatefulSet names its headless Service.
@@ -79,7 +96,9 @@ def test_the_objects_fit_together():
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert svc["spec"]["selector"] == labels == workload["spec"]["selector"]["matchLabels"]
     assert node_svc["spec"]["clusterIP"] == "None" and nodes["spec"]["serviceName"] == "rl-a-node"
-    assert controller["spec"]["replicas"] == 1 and controller["spec"]["strategy"]["type"] == "Recreate"
+    assert (
+        controller["spec"]["replicas"] == 1 and controller["spec"]["strategy"]["type"] == "Recreate"
+    )
     assert nodes["spec"]["replicas"] == 2
     # Every pod reaches the controller through its Service, with the key of the Secret.
     address = "tcp://rl-a-controller.team-x.svc:5555"
@@ -110,22 +129,33 @@ def test_the_objects_fit_together():
 def test_gpus_are_requested_per_pod():
     nodes = _by(render_manifests(GPU, None), "StatefulSet", "node")
     node = _containers(nodes)[0]
-    assert node["resources"] == {"requests": {"cpu": "32", "memory": "256Gi"},
-                                 "limits": {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": 8}}
+    assert node["resources"] == {
+        "requests": {"cpu": "32", "memory": "256Gi"},
+        "limits": {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": 8},
+    }
     assert node["command"][-2:] == ["--gpus", "all"]
     assert GPU.devices == 32
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"image": ""}, "image='' must name a container image"),
-    ({"gpus_per_node": 1, "devices_per_node": 1}, "gpus_per_node=1 and devices_per_node=1 must be exactly one"),
-    ({"devices_per_node": 0}, "gpus_per_node=0 and devices_per_node=0"),
-    ({"name": "Nereus_1"}, "name='Nereus_1' must be a DNS label"),
-    ({"cpu_per_node": "eight"}, "cpu_per_node='eight' must be a Kubernetes quantity"),
-    ({"tap_port": 5555}, "tap_port=5555 must differ from controller_port"),
-    ({"run_as_user": 0}, "run_as_user=0 must be a user id >= 1"),
-    ({"job": str(JOB)}, "shared_claim='' must name a ReadWriteMany PersistentVolumeClaim when job is given"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"image": ""}, "image='' must name a container image"),
+        (
+            {"gpus_per_node": 1, "devices_per_node": 1},
+            "gpus_per_node=1 and devices_per_node=1 must be exactly one",
+        ),
+        ({"devices_per_node": 0}, "gpus_per_node=0 and devices_per_node=0"),
+        ({"name": "Nereus_1"}, "name='Nereus_1' must be a DNS label"),
+        ({"cpu_per_node": "eight"}, "cpu_per_node='eight' must be a Kubernetes quantity"),
+        ({"tap_port": 5555}, "tap_port=5555 must differ from controller_port"),
+        ({"run_as_user": 0}, "run_as_user=0 must be a user id >= 1"),
+        (
+            {"job": str(JOB)},
+            "shared_claim='' must name a ReadWriteMany PersistentVolumeClaim when job is given",
+        ),
+    ],
+)
 def test_bad_clusters_are_refused_by_field(kwargs, message):
     base = {"image": "nereus:1", "devices_per_node": 1}
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -152,8 +182,23 @@ def test_the_render_command(tmp_path, capsys):
     out = tmp_path / "c.yaml"
     out.write_text("")
     out.chmod(0o644)
-    assert nereus_main(["k8s", "render", "--image", "i:1", "--devices-per-node", "1",
-                        "--key-file", str(key_file), "-o", str(out)]) == 0
+    assert (
+        nereus_main(
+            [
+                "k8s",
+                "render",
+                "--image",
+                "i:1",
+                "--devices-per-node",
+                "1",
+                "--key-file",
+                str(key_file),
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert stat.S_IMODE(out.stat().st_mode) == 0o600  # it holds the key now
     secret = next(yaml.safe_load_all(out.read_text()))
     assert secret["kind"] == "Secret" and secret["stringData"]["key"] == KEY
@@ -172,12 +217,22 @@ async def test_wait_returns_once_the_devices_are_ready(tmp_path, capsys):
     key_file.write_bytes(key)
     controller = await Controller(key).start()
     node = NodeDaemon(controller.address, key, devices=1, memory_per_device="64MiB")
-    argv = ["k8s", "wait", "--controller", controller.address, "--key-file", str(key_file),
-            "--devices", "1"]
+    argv = [
+        "k8s",
+        "wait",
+        "--controller",
+        controller.address,
+        "--key-file",
+        str(key_file),
+        "--devices",
+        "1",
+    ]
     try:
         assert await asyncio.to_thread(nereus_main, [*argv, "--timeout-s", "1"]) == 1
         assert "has 0 ready devices; waited 1.0 s for 1" in capsys.readouterr().err
-        waiting = asyncio.ensure_future(asyncio.to_thread(nereus_main, [*argv, "--timeout-s", "60"]))
+        waiting = asyncio.ensure_future(
+            asyncio.to_thread(nereus_main, [*argv, "--timeout-s", "60"])
+        )
         await node.start()
         assert await waiting == 0
         assert f"1 devices ready at {controller.address}" in capsys.readouterr().out

@@ -47,9 +47,24 @@ def slurm():
 
 def _script(tmp_path: Path, *flags: str) -> Path:
     script = tmp_path / "job.sbatch"
-    subprocess.run([sys.executable, "-m", "nereus.cli", "slurm", "script", "--key-dir",
-                    str(tmp_path / "keys"), "--output", str(tmp_path / "out-%j.txt"),
-                    "-o", str(script), *flags], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nereus.cli",
+            "slurm",
+            "script",
+            "--key-dir",
+            str(tmp_path / "keys"),
+            "--output",
+            str(tmp_path / "out-%j.txt"),
+            "-o",
+            str(script),
+            *flags,
+        ],
+        check=True,
+        cwd=REPO,
+    )
     return script
 
 
@@ -58,8 +73,13 @@ class _Submitted:
 
     def __init__(self, slurm: OneHostSlurm, script: Path) -> None:
         # From the repository's root: the job's processes import the tests' actors.
-        self.proc = subprocess.Popen(["sbatch", "--parsable", "--wait", str(script)],
-                                     env=slurm.env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            ["sbatch", "--parsable", "--wait", str(script)],
+            env=slurm.env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.job_id = self.proc.stdout.readline().strip().split(";")[0]
         assert self.job_id.isdigit(), f"sbatch printed {self.job_id!r}"
 
@@ -79,7 +99,9 @@ def _wait_for_file(path: Path, submitted: _Submitted, timeout_s: float) -> dict:
     """The JSON in ``path`` once the driver wrote it (it appears when the cluster is ready)."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        assert submitted.proc.poll() is None, f"the job ended (sbatch {submitted.proc.returncode}) first"
+        assert submitted.proc.poll() is None, (
+            f"the job ended (sbatch {submitted.proc.returncode}) first"
+        )
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
         time.sleep(0.1)  # the driver's output file is the only sign from inside the job
     return json.loads(path.read_text())
@@ -102,12 +124,23 @@ def _private(path: Path, mode: int) -> None:
 @pytest.mark.timeout(240)
 def test_grpo_on_a_cluster_that_slurm_started(slurm, tmp_path):
     job = tmp_path / "job.toml"
-    job.write_text(DEMO.read_text()
-                   .replace("steps = 120", f"steps = {STEPS}")
-                   .replace('out_dir = "runs/grpo_tiny"', f'out_dir = "{tmp_path / "run"}"')
-                   .replace("checkpoint_every = 40", "checkpoint_every = 0"))
-    script = _script(tmp_path, "--tasks-per-node", "2", "--devices-per-task", "2",
-                     "--memory-per-device", "256MiB", "--job", str(job))
+    job.write_text(
+        DEMO.read_text()
+        .replace("steps = 120", f"steps = {STEPS}")
+        .replace('out_dir = "runs/grpo_tiny"', f'out_dir = "{tmp_path / "run"}"')
+        .replace("checkpoint_every = 40", "checkpoint_every = 0")
+    )
+    script = _script(
+        tmp_path,
+        "--tasks-per-node",
+        "2",
+        "--devices-per-task",
+        "2",
+        "--memory-per-device",
+        "256MiB",
+        "--job",
+        str(job),
+    )
     text = script.read_text()
     assert "#SBATCH --ntasks-per-node=2" in text and "#SBATCH --nodes=1" in text
     submitted = _Submitted(slurm, script)
@@ -129,7 +162,9 @@ def test_grpo_on_a_cluster_that_slurm_started(slurm, tmp_path):
     assert info["devices"] == 4 and info["key_file"] == str(keys / "key")
     assert "nereus cluster ready: 4 devices on 2 node daemons" in out
     # The job ran its GRPO steps on that cluster (its plan spans devices 0-3: both daemons).
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(math.isfinite(r["reward_mean"]) and 0 <= r["reward_mean"] <= 1 for r in records)
     assert [r["policy_version"] for r in records] == list(range(STEPS))
@@ -142,15 +177,25 @@ def test_grpo_on_a_cluster_that_slurm_started(slurm, tmp_path):
 
 @pytest.mark.timeout(240)
 async def test_gpu_sets_a_lost_node_and_cancel(slurm, tmp_path):
-    script = _script(tmp_path, "--tasks-per-node", "2", "--gpus-per-task", "2",
-                     "--memory-per-device", "64MiB", "--heartbeat-timeout-s", "4")
+    script = _script(
+        tmp_path,
+        "--tasks-per-node",
+        "2",
+        "--gpus-per-task",
+        "2",
+        "--memory-per-device",
+        "64MiB",
+        "--heartbeat-timeout-s",
+        "4",
+    )
     assert "#SBATCH --gpus-per-node=4" in script.read_text()
     submitted = _Submitted(slurm, script)
     keys = tmp_path / "keys"
     try:
         info = await asyncio.to_thread(_wait_for_file, keys / "cluster.json", submitted, 120)
-        async with Cluster.connect(info["address"], key_file=info["key_file"],
-                                   min_devices=4) as cluster:
+        async with Cluster.connect(
+            info["address"], key_file=info["key_file"], min_devices=4
+        ) as cluster:
             failures, lost = [], asyncio.Event()
 
             def on_failure(failure) -> None:

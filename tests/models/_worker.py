@@ -89,7 +89,9 @@ def run_model(model_dir, inputs, pc, world, rank, tp, out):
         steps = [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]
         pieces = []
         for a, b in steps:
-            x = _stage_input(stage, ids[:, a:b], positions[:, a:b], world, prev, hidden, requires_grad=False)
+            x = _stage_input(
+                stage, ids[:, a:b], positions[:, a:b], world, prev, hidden, requires_grad=False
+            )
             y = stage(x, positions[:, a:b], kv_cache=cache)
             if pc.is_last_stage:
                 pieces.append(gather_vocab(y, pc))
@@ -120,16 +122,25 @@ def main(argv=None) -> int:
     pp_rank, tp_rank = divmod(args.rank, args.tp)
     # Hidden states between stages travel over the world group (shared memory between
     # these same-host processes); TP collectives over one gloo group per pipeline stage.
-    world = CpuCommunicator("world", args.rank, world_size, "127.0.0.1", args.port,
-                            slot_bytes=1 << 20, slots=2)
-    tp_comm = (CpuCommunicator(f"tp{pp_rank}", tp_rank, args.tp, "127.0.0.1", args.port, use_shm=False)
-               if args.tp > 1 else None)
-    pc = ParallelContext(tp_rank=tp_rank, tp_size=args.tp, pp_rank=pp_rank, pp_size=args.pp, tp_comm=tp_comm)
+    world = CpuCommunicator(
+        "world", args.rank, world_size, "127.0.0.1", args.port, slot_bytes=1 << 20, slots=2
+    )
+    tp_comm = (
+        CpuCommunicator(f"tp{pp_rank}", tp_rank, args.tp, "127.0.0.1", args.port, use_shm=False)
+        if args.tp > 1
+        else None
+    )
+    pc = ParallelContext(
+        tp_rank=tp_rank, tp_size=args.tp, pp_rank=pp_rank, pp_size=args.pp, tp_comm=tp_comm
+    )
     inputs = load_file(args.inputs)
     out: dict[str, torch.Tensor] = {}
     for model_dir in args.models:
         run_model(model_dir, inputs, pc, world, args.rank, args.tp, out)
-    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(args.out, f"rank{args.rank}.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in out.items()},
+        os.path.join(args.out, f"rank{args.rank}.safetensors"),
+    )
     world.barrier()
     for comm in (tp_comm, world):
         if comm is not None:

@@ -20,9 +20,15 @@ SMOLLM2_LIKE = (
     "'\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-MESSAGES = [[{"role": "user", "content": "What is 2+3?"}],
-            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tom has 4 apples."},
-             {"role": "assistant", "content": "OK."}, {"role": "user", "content": "How many now?"}]]
+MESSAGES = [
+    [{"role": "user", "content": "What is 2+3?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tom has 4 apples."},
+        {"role": "assistant", "content": "OK."},
+        {"role": "user", "content": "How many now?"},
+    ],
+]
 
 
 @pytest.mark.parametrize("template", [CHATML_TEMPLATE, SMOLLM2_LIKE], ids=["chatml", "smollm2"])
@@ -30,8 +36,12 @@ MESSAGES = [[{"role": "user", "content": "What is 2+3?"}],
 def test_render_matches_transformers(tmp_path, template, where):
     from transformers import AutoTokenizer
 
-    train_tiny_tokenizer(tmp_path, ["What is 2+3? Tom has 4 apples."] * 4, vocab_size=270,
-                         chat_template=template if where == "tokenizer_config" else None)
+    train_tiny_tokenizer(
+        tmp_path,
+        ["What is 2+3? Tom has 4 apples."] * 4,
+        vocab_size=270,
+        chat_template=template if where == "tokenizer_config" else None,
+    )
     if where == "jinja_file":
         (tmp_path / "chat_template.jinja").write_text(template)
     assert load_chat_template(tmp_path) == template
@@ -39,14 +49,19 @@ def test_render_matches_transformers(tmp_path, template, where):
     for messages in MESSAGES:
         want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert render_chat(template, messages, {"eos_token": "<|endoftext|>"}) == want
-        assert render_chat(template, messages, add_generation_prompt=False) == hf.apply_chat_template(messages, tokenize=False)
+        assert render_chat(
+            template, messages, add_generation_prompt=False
+        ) == hf.apply_chat_template(messages, tokenize=False)
 
 
 def test_folder_without_a_template_and_named_templates(tmp_path):
     train_tiny_tokenizer(tmp_path, ["a b c"] * 4, vocab_size=270)
     assert load_chat_template(tmp_path) is None
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "T"},
+        {"name": "default", "template": "D"},
+    ]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert load_chat_template(tmp_path) == "D"
 
@@ -62,4 +77,7 @@ def test_errors_name_where_the_messages_came_from():
         render_chat("{% for x in %}", [{"role": "user", "content": "x"}])
     # The sandbox refuses to reach into Python internals.
     with pytest.raises(ConfigError, match="rendering failed"):
-        render_chat("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}", [{"role": "user", "content": "x"}])
+        render_chat(
+            "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
+            [{"role": "user", "content": "x"}],
+        )

@@ -20,7 +20,9 @@ from nereus.models.decoder import (
 )
 
 
-def _reference_rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+def _reference_rope(
+    x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float
+) -> torch.Tensor:
     """Hugging Face's formula, computed per call: x * cos + rotate_half(x) * sin."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     freqs = positions.float().unsqueeze(-1) * inv
@@ -52,7 +54,12 @@ def test_rope_table_matches_the_formula_across_growth_and_both_lookups():
 
 
 @settings(max_examples=25, deadline=None)
-@given(batch=st.integers(1, 5), kv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2, 3]), slots=st.integers(1, 40))
+@given(
+    batch=st.integers(1, 5),
+    kv=st.sampled_from([1, 2]),
+    rep=st.sampled_from([1, 2, 3]),
+    slots=st.integers(1, 40),
+)
 def test_single_query_attention_matches_sdpa(batch, kv, rep, slots):
     g = torch.Generator().manual_seed(batch * 1000 + kv * 100 + rep * 10 + slots)
     heads, d = kv * rep, 8
@@ -61,9 +68,13 @@ def test_single_query_attention_matches_sdpa(batch, kv, rep, slots):
     cache_v = torch.randn(batch, kv, slots + 3, d, generator=g)
     k, v = cache_k.narrow(2, 0, slots), cache_v.narrow(2, 0, slots)  # strided, as from a cache
     got = _decode_attention(q, k, v)
-    expect = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    ).transpose(1, 2).reshape(batch, 1, heads * d)
+    expect = (
+        F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        )
+        .transpose(1, 2)
+        .reshape(batch, 1, heads * d)
+    )
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
 
 
@@ -82,7 +93,12 @@ def test_long_cached_decode_matches_full_forward():
 
 
 @settings(max_examples=25, deadline=None)
-@given(batch=st.integers(1, 5), kv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2, 3]), slots=st.integers(2, 40))
+@given(
+    batch=st.integers(1, 5),
+    kv=st.sampled_from([1, 2]),
+    rep=st.sampled_from([1, 2, 3]),
+    slots=st.integers(2, 40),
+)
 def test_masked_single_query_attention_matches_sdpa(batch, kv, rep, slots):
     g = torch.Generator().manual_seed(batch * 1000 + kv * 100 + rep * 10 + slots)
     heads, d = kv * rep, 8
@@ -92,10 +108,16 @@ def test_masked_single_query_attention_matches_sdpa(batch, kv, rep, slots):
     last = torch.randint(0, slots, (batch,), generator=g)  # each row sees slots 0..last
     visible = torch.arange(slots) <= last.view(batch, 1)
     bias = torch.where(visible, 0.0, float("-inf")).repeat_interleave(kv, dim=0).unsqueeze(1)
-    got = attend_one((q * d**-0.5).reshape(batch * kv, rep, d), k.reshape(batch * kv, slots, d).transpose(1, 2),
-                     v.reshape(batch * kv, slots, d), bias).view(batch, heads, d)
+    got = attend_one(
+        (q * d**-0.5).reshape(batch * kv, rep, d),
+        k.reshape(batch * kv, slots, d).transpose(1, 2),
+        v.reshape(batch * kv, slots, d),
+        bias,
+    ).view(batch, heads, d)
     expect = F.scaled_dot_product_attention(
-        q.reshape(batch, heads, 1, d), k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+        q.reshape(batch, heads, 1, d),
+        k.repeat_interleave(rep, dim=1),
+        v.repeat_interleave(rep, dim=1),
         attn_mask=visible.view(batch, 1, 1, slots),
     ).view(batch, heads, d)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
@@ -132,7 +154,10 @@ def test_ragged_decode_steps_match_full_forward(arch, strided, monkeypatch):
         # Every other row of a larger cache: each half of a pair buffer is strided.
         cache = cache.rows(slice(0, 8, 2)) if strided else cache.rows(slice(0, 4))
         stage(ids[:, :width], positions[:, :width], kv_cache=cache)
-        steps = [stage(ids[:, t : t + 1], positions[:, t : t + 1], kv_cache=cache) for t in range(width, width + 9)]
+        steps = [
+            stage(ids[:, t : t + 1], positions[:, t : t + 1], kv_cache=cache)
+            for t in range(width, width + 9)
+        ]
     assert len(fast) == 9
     assert cache.pairs is not None and cache.pairs[0][0].is_contiguous() is not strided
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, width:], rtol=1e-5, atol=1e-5)
@@ -150,13 +175,20 @@ def test_padding_or_a_cache_without_pairs_takes_the_general_path(monkeypatch):
     ids, positions, _ = _ragged(batch=3, steps=2, seed=4)
     width = ids.shape[1] - 2
     positions[2, width:] = -1  # row 2 finished: padding in both decode steps
-    monkeypatch.setattr(DecoderStage, "_decode", lambda *a: pytest.fail("the decode path took padding"))
+    monkeypatch.setattr(
+        DecoderStage, "_decode", lambda *a: pytest.fail("the decode path took padding")
+    )
     with torch.inference_mode():
         full = stage(ids, positions)
         cache = stage.new_kv_cache(3, max_len=16)
         stage(ids[:, :width], positions[:, :width], kv_cache=cache)
-        steps = [stage(ids[:, t : t + 1], positions[:, t : t + 1], kv_cache=cache) for t in range(width, width + 2)]
-        torch.testing.assert_close(torch.cat(steps, dim=1)[:2], full[:2, width:], rtol=1e-5, atol=1e-5)
+        steps = [
+            stage(ids[:, t : t + 1], positions[:, t : t + 1], kv_cache=cache)
+            for t in range(width, width + 2)
+        ]
+        torch.testing.assert_close(
+            torch.cat(steps, dim=1)[:2], full[:2, width:], rtol=1e-5, atol=1e-5
+        )
         plain = KVCache(dict(cache.keys), dict(cache.values), cache.max_len)  # no pair buffers
         stage(ids[:2, :1], positions[:2, width - 1 : width], kv_cache=plain.rows(slice(0, 2)))
 
@@ -174,7 +206,10 @@ def test_decode_path_sees_weights_written_repointed_or_replaced_after_its_first_
 
     def step_both() -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
-            fast_cache, plain_cache = stage.new_kv_cache(3, max_len=8), stage.new_kv_cache(3, max_len=8)
+            fast_cache, plain_cache = (
+                stage.new_kv_cache(3, max_len=8),
+                stage.new_kv_cache(3, max_len=8),
+            )
             plain = KVCache(plain_cache.keys, plain_cache.values, plain_cache.max_len)
             outs = []
             for cache in (fast_cache, plain):
@@ -188,7 +223,9 @@ def test_decode_path_sees_weights_written_repointed_or_replaced_after_its_first_
         qkv = layer.self_attn.qkv_proj.weight
         qkv.set_(qkv.detach().clone().mul_(-1.0))  # re-pointed, as an adopted transfer bucket
         stage.model.norm.weight.set_(torch.full_like(stage.model.norm.weight, 2.0))
-        layer.self_attn.qkv_proj.bias = torch.nn.Parameter(torch.randn_like(layer.self_attn.qkv_proj.bias))
+        layer.self_attn.qkv_proj.bias = torch.nn.Parameter(
+            torch.randn_like(layer.self_attn.qkv_proj.bias)
+        )
     fast, general = step_both()
     assert not torch.allclose(fast, before)
     torch.testing.assert_close(fast, general, rtol=1e-5, atol=1e-5)

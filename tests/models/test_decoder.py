@@ -17,7 +17,13 @@ class ShapeOnlyComm(Communicator):
     collective call is a test failure."""
 
     def __init__(self, rank: int, size: int) -> None:
-        self.group_id, self.rank, self.size, self.epoch, self.backend = "shape-only", rank, size, 0, "none"
+        self.group_id, self.rank, self.size, self.epoch, self.backend = (
+            "shape-only",
+            rank,
+            size,
+            0,
+            "none",
+        )
 
     def _refuse(self, *args, **kwargs):
         raise AssertionError("a shape-only communicator was asked to communicate")
@@ -46,7 +52,13 @@ def _model(arch="llama", **kw):
 def test_ragged_rows_match_unpadded_rows(arch):
     stage = _model(arch, attention_bias=True)
     ids = torch.randint(0, 256, (3, 8))
-    positions = torch.stack([torch.arange(8), torch.tensor([-1, -1, -1, 0, 1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4, -1, -1, -1])])
+    positions = torch.stack(
+        [
+            torch.arange(8),
+            torch.tensor([-1, -1, -1, 0, 1, 2, 3, 4]),
+            torch.tensor([0, 1, 2, 3, 4, -1, -1, -1]),
+        ]
+    )
     with torch.no_grad():
         batch = stage(ids, positions)
         assert torch.isfinite(batch).all(), "padding must not produce NaN anywhere"
@@ -117,7 +129,9 @@ def test_logits_index_and_hidden_output():
 def test_pipeline_stages_compose_to_the_whole_model():
     c = tiny_config("qwen2", tie_word_embeddings=True, num_hidden_layers=5)
     whole = build_stage(c)
-    stages = [build_stage(c, ParallelContext(pp_rank=r, pp_size=3, layer_cuts=(1, 4))) for r in range(3)]
+    stages = [
+        build_stage(c, ParallelContext(pp_rank=r, pp_size=3, layer_cuts=(1, 4))) for r in range(3)
+    ]
     assert [s.layer_ids for s in stages] == [[0], [1, 2, 3], [4]]
     params = dict(whole.named_parameters())
     with torch.no_grad():
@@ -153,7 +167,11 @@ def test_bad_inputs_are_refused():
     [
         ({}, 3, "num_attention_heads=4"),
         ({"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 8, None),
-        ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}, 2, "num_key_value_heads=3"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48},
+            2,
+            "num_key_value_heads=3",
+        ),
         ({"vocab_size": 250}, 4, "vocab_size=250"),
         ({"intermediate_size": 130}, 4, "intermediate_size=130"),
     ],
@@ -190,7 +208,9 @@ def test_stage_layer_ranges_partition_the_layers(layers, data):
     sizes = [len(r) for r in ranges]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     if pp > 1:
-        cuts = sorted(data.draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1)))
+        cuts = sorted(
+            data.draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1))
+        )
         custom = [stage_layer_range(layers, pp, r, cuts) for r in range(pp)]
         assert [i for r in custom for i in r] == list(range(layers))
         assert [r.start for r in custom[1:]] == cuts
@@ -208,8 +228,14 @@ def test_bfloat16_stage_tracks_float32():
         ref = stage(ids, pos)
         out = half(ids, pos)
         cache = half.new_kv_cache(2, 8)
-        cached = torch.cat([half(ids[:, :4], pos[:, :4], kv_cache=cache), half(ids[:, 4:5], pos[:, 4:5], kv_cache=cache),
-                            half(ids[:, 5:], pos[:, 5:], kv_cache=cache)], dim=1)
+        cached = torch.cat(
+            [
+                half(ids[:, :4], pos[:, :4], kv_cache=cache),
+                half(ids[:, 4:5], pos[:, 4:5], kv_cache=cache),
+                half(ids[:, 5:], pos[:, 5:], kv_cache=cache),
+            ],
+            dim=1,
+        )
     assert out.dtype == torch.bfloat16 and cache.keys[0].dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.02)
     torch.testing.assert_close(cached.float(), out.float(), rtol=0.05, atol=0.02)

@@ -19,9 +19,18 @@ CLOSE = dict(rtol=1e-4, atol=1e-5)
 def _hf_model(arch: str, tied: bool, bias: bool, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
-                  rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=bias, **common))
@@ -40,10 +49,17 @@ def _nereus(model_dir):
     return stage.eval(), report
 
 
-CASES = [("llama", False, False), ("llama", True, True), ("qwen2", False, True), ("qwen2", True, True)]
+CASES = [
+    ("llama", False, False),
+    ("llama", True, True),
+    ("qwen2", False, True),
+    ("qwen2", True, True),
+]
 
 
-@pytest.mark.parametrize(("arch", "tied", "bias"), CASES, ids=[f"{a}-tied{t}-bias{b}" for a, t, b in CASES])
+@pytest.mark.parametrize(
+    ("arch", "tied", "bias"), CASES, ids=[f"{a}-tied{t}-bias{b}" for a, t, b in CASES]
+)
 @pytest.mark.parametrize("shard", [None, "20KB"], ids=["single", "sharded"])
 def test_transformers_checkpoint_loads_and_matches(tmp_path, arch, tied, bias, shard):
     hf = _hf_model(arch, tied, bias, seed=len(arch) + tied)
@@ -102,7 +118,9 @@ def test_nereus_checkpoint_loads_in_transformers(tmp_path, arch, shard_bytes):
     stage, _ = _nereus(tmp_path)
     ids = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
-        torch.testing.assert_close(stage(ids, torch.arange(8).expand(2, 8)), hf(ids).logits, **CLOSE)
+        torch.testing.assert_close(
+            stage(ids, torch.arange(8).expand(2, 8)), hf(ids).logits, **CLOSE
+        )
 
 
 def test_save_tiny_model_is_deterministic(tmp_path):

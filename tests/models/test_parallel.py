@@ -15,8 +15,13 @@ from nereus.models import (
 
 
 @settings(max_examples=20, deadline=None)
-@given(batch=st.integers(1, 3), seq=st.integers(1, 5), vocab=st.integers(2, 50),
-       temperature=st.sampled_from([1.0, 0.7, 2.0]), scale=st.sampled_from([1.0, 30.0]))
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 5),
+    vocab=st.integers(2, 50),
+    temperature=st.sampled_from([1.0, 0.7, 2.0]),
+    scale=st.sampled_from([1.0, 30.0]),
+)
 def test_logprobs_and_entropy_match_torch(batch, seq, vocab, temperature, scale):
     pc = ParallelContext()
     gen = torch.Generator().manual_seed(batch * 100 + seq * 10 + vocab)
@@ -27,7 +32,12 @@ def test_logprobs_and_entropy_match_torch(batch, seq, vocab, temperature, scale)
     torch.testing.assert_close(lp.detach(), ref_all.gather(-1, targets[..., None])[..., 0])
     ent = vocab_parallel_entropy(logits, pc)
     ref_p = torch.softmax(logits.detach(), -1)
-    torch.testing.assert_close(ent.detach(), -(ref_p * torch.log_softmax(logits.detach(), -1)).sum(-1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        ent.detach(),
+        -(ref_p * torch.log_softmax(logits.detach(), -1)).sum(-1),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
     (lp.sum() + 0.5 * ent.sum()).backward()
     ref_logits = logits.detach().clone().requires_grad_(True)

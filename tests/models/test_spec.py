@@ -31,11 +31,17 @@ def test_spec_lists_every_parameter_with_its_rule():
     assert spec.nbytes == sum(p.numel() * 2 for p in whole.parameters())
     qkv = spec["model.layers.1.self_attn.qkv_proj.weight"]
     assert (qkv.rule, qkv.stage, qkv.layer) == ("column", "layer", 1)
-    assert [(c.name, c.size, c.units) for c in qkv.components] == [("q", 64, 4), ("k", 32, 2), ("v", 32, 2)]
+    assert [(c.name, c.size, c.units) for c in qkv.components] == [
+        ("q", 64, 4),
+        ("k", 32, 2),
+        ("v", 32, 2),
+    ]
     gate_up = spec["model.layers.0.mlp.gate_up_proj.weight"]
     assert [(c.name, c.units) for c in gate_up.components] == [("gate", 128), ("up", 128)]
     assert spec["model.layers.0.self_attn.o_proj.weight"].rule == "row"
-    assert spec["model.layers.0.self_attn.o_proj.bias"].rule == "replicated"  # Llama with attention_bias
+    assert (
+        spec["model.layers.0.self_attn.o_proj.bias"].rule == "replicated"
+    )  # Llama with attention_bias
     assert spec["model.layers.0.mlp.down_proj.weight"].rule == "row"
     assert spec["model.norm.weight"].stage == "head"
     assert (spec["lm_head.weight"].rule, spec["lm_head.weight"].stage) == ("vocab", "head")
@@ -45,7 +51,11 @@ def test_spec_lists_every_parameter_with_its_rule():
 def test_tied_embedding_is_listed_once():
     spec = model_spec(tiny_config("qwen2", tie_word_embeddings=True))
     names = [p.name for p in spec]
-    assert "lm_head.weight" not in names and spec["model.embed_tokens.weight"].tied_head and spec.is_tied
+    assert (
+        "lm_head.weight" not in names
+        and spec["model.embed_tokens.weight"].tied_head
+        and spec.is_tied
+    )
     assert "model.layers.0.self_attn.o_proj.bias" not in names  # Qwen2: q/k/v biases only
     assert spec["model.layers.0.self_attn.qkv_proj.bias"].components
 
@@ -57,8 +67,13 @@ def test_qwen3_per_head_norms_are_replicated_layer_parameters():
         for norm in ("q_norm", "k_norm"):
             p = spec[f"model.layers.{i}.self_attn.{norm}.weight"]
             assert (p.rule, p.stage, p.layer, p.shape) == ("replicated", "layer", i, (24,))
-    assert spec["model.layers.0.self_attn.qkv_proj.weight"].shape == (4 * 24 + 2 * 2 * 24, config.hidden_size)
-    assert "model.layers.0.self_attn.q_norm.weight" not in {p.name for p in model_spec(tiny_config("llama"))}
+    assert spec["model.layers.0.self_attn.qkv_proj.weight"].shape == (
+        4 * 24 + 2 * 2 * 24,
+        config.hidden_size,
+    )
+    assert "model.layers.0.self_attn.q_norm.weight" not in {
+        p.name for p in model_spec(tiny_config("llama"))
+    }
 
 
 @pytest.mark.parametrize(("src", "dst"), [((1, 1), (2, 2)), ((2, 2), (4, 1)), ((4, 1), (1, 2))])
@@ -116,16 +131,29 @@ def test_a_parameter_without_a_shard_rule_is_refused(monkeypatch):
 def test_built_shards_agree_with_the_state_layer(heads, kv, tp, pp, tied, arch):
     if kv > heads or heads % tp or (kv % tp and tp % kv):
         return
-    config = ModelConfig(vocab_size=64, hidden_size=heads * 4, intermediate_size=16, num_hidden_layers=3,
-                         num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
-                         attention_bias=arch == "qwen2", architecture=arch)
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=heads * 4,
+        intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        tie_word_embeddings=tied,
+        attention_bias=arch == "qwen2",
+        architecture=arch,
+    )
     spec = model_spec(config)
     layout = Layout(tp=tp, pp=pp)
     full = {p.name: torch.arange(p.numel, dtype=torch.float32).reshape(p.shape) for p in spec}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            pc = ParallelContext(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp,
-                                 tp_comm=ShapeOnlyComm(tp_rank, tp) if tp > 1 else None)
+            pc = ParallelContext(
+                tp_rank=tp_rank,
+                tp_size=tp,
+                pp_rank=pp_rank,
+                pp_size=pp,
+                tp_comm=ShapeOnlyComm(tp_rank, tp) if tp > 1 else None,
+            )
             params = dict(build_stage(config, pc, device="meta").named_parameters())
             assert set(params) == {p.name for p in spec if holds_param(spec, layout, p, pp_rank)}
             for name, p in params.items():

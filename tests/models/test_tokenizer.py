@@ -54,6 +54,8 @@ def test_eos_falls_back_when_config_is_absent(tmp_path):
     train_tiny_tokenizer(tmp_path, TEXTS, vocab_size=300)
     (tmp_path / "tokenizer_config.json").unlink()
     assert load_tokenizer(tmp_path).eos_token_id is not None
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "<|im_end|>"}})
+    )
     tok = load_tokenizer(tmp_path)
     assert tok.eos_token_id == tok.tokenizer.token_to_id("<|im_end|>")

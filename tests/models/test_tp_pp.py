@@ -54,11 +54,13 @@ def inputs(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(7)
     b, t = 3, 10
     ids = torch.randint(0, 256, (b, t), generator=gen)
-    positions = torch.stack([
-        torch.arange(t),                                     # full row
-        torch.tensor([-1, -1, *range(t - 2)]),                # left padding
-        torch.tensor([*range(t - 2), -1, -1]),                # finished early
-    ])
+    positions = torch.stack(
+        [
+            torch.arange(t),  # full row
+            torch.tensor([-1, -1, *range(t - 2)]),  # left padding
+            torch.tensor([*range(t - 2), -1, -1]),  # finished early
+        ]
+    )
     targets = torch.randint(0, 256, (b, t), generator=gen)
     data = {"ids": ids, "positions": positions, "targets": targets, "prefill": torch.tensor([6])}
     path = tmp_path_factory.mktemp("tp_pp_inputs") / "inputs.safetensors"
@@ -72,20 +74,50 @@ def _reference(model_dir: Path, data: dict[str, torch.Tensor]) -> dict[str, torc
     logits = stage(data["ids"], data["positions"])
     loss, lp, ent = loss_of(logits, data["targets"], data["positions"], stage.pc)
     loss.backward()
-    ref = {"logits": logits.detach(), "logprobs": lp.detach(), "entropy": ent.detach(), "loss": loss.detach().reshape(1)}
+    ref = {
+        "logits": logits.detach(),
+        "logprobs": lp.detach(),
+        "entropy": ent.detach(),
+        "loss": loss.detach().reshape(1),
+    }
     ref.update({f"grad.{n}": p.grad for n, p in stage.named_parameters()})
     return ref
 
 
 def _run_workers(tp: int, pp: int, models: list[Path], inputs_path: Path, out: Path) -> None:
     world = tp * pp
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.models._worker", "--rank", str(r), "--tp", str(tp), "--pp", str(pp),
-             "--port", str(store.port), "--inputs", str(inputs_path), "--out", str(out), *map(str, models)],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "tests.models._worker",
+                "--rank",
+                str(r),
+                "--tp",
+                str(tp),
+                "--pp",
+                str(pp),
+                "--port",
+                str(store.port),
+                "--inputs",
+                str(inputs_path),
+                "--out",
+                str(out),
+                *map(str, models),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         for r in range(world)
     ]
@@ -98,7 +130,9 @@ def _run_workers(tp: int, pp: int, models: list[Path], inputs_path: Path, out: P
                 pytest.fail(f"worker rank {r} (tp={tp} pp={pp}) did not finish in {DEADLINE_S} s")
             if p.returncode != 0:
                 text = p.stdout.read().decode(errors="replace")
-                pytest.fail(f"worker rank {r} (tp={tp} pp={pp}) exited {p.returncode}:\n{text[-4000:]}")
+                pytest.fail(
+                    f"worker rank {r} (tp={tp} pp={pp}) exited {p.returncode}:\n{text[-4000:]}"
+                )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -128,22 +162,30 @@ def test_layout_matches_tp1_pp1(tp, pp, models, inputs, tmp_path):
         last = [results[(pp - 1) * tp + t] for t in range(tp)]
         for res in last:  # every TP rank of the last stage holds the replicated results
             torch.testing.assert_close(res[f"{tag}.logits"][valid], ref["logits"][valid], **close)
-            torch.testing.assert_close(res[f"{tag}.logprobs"][valid], ref["logprobs"][valid], **close)
+            torch.testing.assert_close(
+                res[f"{tag}.logprobs"][valid], ref["logprobs"][valid], **close
+            )
             torch.testing.assert_close(res[f"{tag}.entropy"][valid], ref["entropy"][valid], **close)
             torch.testing.assert_close(res[f"{tag}.loss"], ref["loss"], **close)
-            torch.testing.assert_close(res[f"{tag}.cached_logits"][valid], ref["logits"][valid], **close)
+            torch.testing.assert_close(
+                res[f"{tag}.cached_logits"][valid], ref["logits"][valid], **close
+            )
         seen = set()
         for rank, res in enumerate(results):
             pp_rank, tp_rank = divmod(rank, tp)
             for key, grad in res.items():
                 if not key.startswith(f"{tag}.grad."):
                     continue
-                name = key[len(f"{tag}.grad."):]
+                name = key[len(f"{tag}.grad.") :]
                 seen.add(name)
                 expected = shard_tensor(spec[name], ref[f"grad.{name}"], tp_rank, tp)
                 if spec[name].tied_head and pp > 1:
                     # Each stage's copy holds part of the gradient; engines sum the two.
                     other = (pp - 1) * tp + tp_rank if pp_rank == 0 else tp_rank
                     grad = grad + results[other][key]
-                torch.testing.assert_close(grad, expected, **close, msg=lambda m, n=name, r=rank: f"{n} rank {r}: {m}")
-        assert seen == {p.name for p in spec}, f"{tag}: parameters without a gradient check: {sorted({p.name for p in spec} - seen)}"
+                torch.testing.assert_close(
+                    grad, expected, **close, msg=lambda m, n=name, r=rank: f"{n} rank {r}: {m}"
+                )
+        assert seen == {p.name for p in spec}, (
+            f"{tag}: parameters without a gradient check: {sorted({p.name for p in spec} - seen)}"
+        )

@@ -28,10 +28,22 @@ from typing import Any
 import aiohttp
 
 BINARY = "/usr/bin/chromium"
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-extensions", "--disable-default-apps", "--hide-scrollbars", "--mute-audio",
-         "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--disable-default-apps",
+    "--hide-scrollbars",
+    "--mute-audio",
+    "--remote-debugging-port=0",
+    "--remote-debugging-address=127.0.0.1",
+)
 
 
 class BrowserError(AssertionError):
@@ -54,13 +66,21 @@ class Chromium:
     @classmethod
     async def start(cls, binary: str = BINARY, timeout_s: float = 60.0) -> Chromium:
         if not os.access(binary, os.X_OK):
-            raise BrowserError(f"{binary} is missing: the dashboard tests drive Debian's chromium; `make test` "
-                               "installs it (`make browser`: apt-get install chromium)")
+            raise BrowserError(
+                f"{binary} is missing: the dashboard tests drive Debian's chromium; `make test` "
+                "installs it (`make browser`: apt-get install chromium)"
+            )
         profile = tempfile.mkdtemp(prefix="nereus-chromium-")
         proc = await asyncio.create_subprocess_exec(
-            binary, *FLAGS, f"--user-data-dir={profile}", "about:blank",
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)
+            binary,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            "about:blank",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
         self = cls(proc, profile)
         try:
             url = await asyncio.wait_for(self._devtools_url(), timeout_s)
@@ -71,8 +91,10 @@ class Chromium:
         except BaseException as e:
             await self.close()
             if isinstance(e, asyncio.TimeoutError):
-                raise BrowserError(f"chromium printed no DevTools address within {timeout_s} s:\n"
-                                   + "".join(self.stderr[-30:])) from None
+                raise BrowserError(
+                    f"chromium printed no DevTools address within {timeout_s} s:\n"
+                    + "".join(self.stderr[-30:])
+                ) from None
             raise
         return self
 
@@ -81,7 +103,9 @@ class Chromium:
             line = (await self.proc.stderr.readline()).decode(errors="replace")
             if not line:
                 rc = await self.proc.wait()
-                raise BrowserError(f"chromium exited ({rc}) before it was ready:\n" + "".join(self.stderr[-30:]))
+                raise BrowserError(
+                    f"chromium exited ({rc}) before it was ready:\n" + "".join(self.stderr[-30:])
+                )
             self.stderr.append(line)
             if line.startswith("DevTools listening on "):
                 return line.split(" on ", 1)[1].strip()
@@ -103,10 +127,17 @@ class Chromium:
                 self._pages[data["sessionId"]].on_event(data["method"], data.get("params", {}))
         for fut in self._waiting.values():
             if not fut.done():
-                fut.set_exception(BrowserError("the DevTools connection closed:\n" + "".join(self.stderr[-30:])))
+                fut.set_exception(
+                    BrowserError("the DevTools connection closed:\n" + "".join(self.stderr[-30:]))
+                )
 
-    async def send(self, method: str, params: dict[str, Any] | None = None, session: str | None = None,
-                   timeout_s: float = 30.0) -> dict[str, Any]:
+    async def send(
+        self,
+        method: str,
+        params: dict[str, Any] | None = None,
+        session: str | None = None,
+        timeout_s: float = 30.0,
+    ) -> dict[str, Any]:
         if self._ws is None or self._ws.closed:
             raise BrowserError(f"{method}: the DevTools connection is closed")
         msg_id = next(self._ids)
@@ -123,13 +154,17 @@ class Chromium:
 
     async def new_page(self, width: int = 1400, height: int = 1000) -> Page:
         target = await self.send("Target.createTarget", {"url": "about:blank"})
-        attached = await self.send("Target.attachToTarget", {"targetId": target["targetId"], "flatten": True})
+        attached = await self.send(
+            "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
+        )
         page = Page(self, attached["sessionId"])
         self._pages[page.session] = page
         for method in ("Page.enable", "Runtime.enable", "Log.enable"):
             await page.send(method)
-        await page.send("Emulation.setDeviceMetricsOverride",
-                        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        await page.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
         return page
 
     async def close(self) -> None:
@@ -169,14 +204,20 @@ class Page:
         if method == "Page.loadEventFired":
             self._loaded.set()
         elif method == "Runtime.exceptionThrown":
-            self.errors.append(params["exceptionDetails"].get("exception", {}).get("description")
-                               or params["exceptionDetails"].get("text", "?"))
+            self.errors.append(
+                params["exceptionDetails"].get("exception", {}).get("description")
+                or params["exceptionDetails"].get("text", "?")
+            )
         elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-            self.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params["args"]))
+            self.errors.append(
+                " ".join(str(a.get("value", a.get("description", ""))) for a in params["args"])
+            )
         elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
             self.errors.append(params["entry"].get("text", "?"))
 
-    async def send(self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
+    async def send(
+        self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 30.0
+    ) -> dict[str, Any]:
         return await self.browser.send(method, params, self.session, timeout_s)
 
     async def goto(self, url: str, timeout_s: float = 30.0) -> None:
@@ -187,11 +228,16 @@ class Page:
         await asyncio.wait_for(self._loaded.wait(), timeout_s)
 
     async def evaluate(self, expression: str, timeout_s: float = 30.0) -> Any:
-        result = await self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                                      "awaitPromise": True}, timeout_s=timeout_s + 5)
+        result = await self.send(
+            "Runtime.evaluate",
+            {"expression": expression, "returnByValue": True, "awaitPromise": True},
+            timeout_s=timeout_s + 5,
+        )
         if "exceptionDetails" in result:
             details = result["exceptionDetails"]
-            raise BrowserError(f"{expression[:200]}: {details.get('exception', {}).get('description') or details}")
+            raise BrowserError(
+                f"{expression[:200]}: {details.get('exception', {}).get('description') or details}"
+            )
         return result["result"].get("value")
 
     async def wait_for(self, condition: str, timeout_s: float = 30.0) -> Any:
@@ -205,15 +251,21 @@ class Page:
         try:
             return await asyncio.wait_for(self.evaluate(expression, timeout_s), timeout_s)
         except asyncio.TimeoutError:
-            raise BrowserError(f"within {timeout_s} s the page never showed: {condition}\n"
-                               f"page errors: {self.errors}") from None
+            raise BrowserError(
+                f"within {timeout_s} s the page never showed: {condition}\n"
+                f"page errors: {self.errors}"
+            ) from None
 
     async def screenshot(self, path: str | Path) -> bytes:
         """A PNG of the whole page (the viewport grows to the document's height)."""
         height = await self.evaluate("Math.ceil(document.documentElement.scrollHeight)")
         width = await self.evaluate("Math.ceil(document.documentElement.clientWidth)")
-        await self.send("Emulation.setDeviceMetricsOverride",
-                        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
-        data = base64.b64decode((await self.send("Page.captureScreenshot", {"format": "png"}))["data"])
+        await self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
+        data = base64.b64decode(
+            (await self.send("Page.captureScreenshot", {"format": "png"}))["data"]
+        )
         Path(path).write_bytes(data)
         return data

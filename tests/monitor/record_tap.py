@@ -51,27 +51,49 @@ START = {
 
 
 def _plan(**stages: tuple[int, int, list[list[int]]]) -> Plan:
-    return Plan(tuple((name, StagePlan(tp, pp, len(devs), tuple(tuple(d) for d in devs)))
-                      for name, (tp, pp, devs) in stages.items()))
+    return Plan(
+        tuple(
+            (name, StagePlan(tp, pp, len(devs), tuple(tuple(d) for d in devs)))
+            for name, (tp, pp, devs) in stages.items()
+        )
+    )
 
 
 # after the length drift: generation TP 2 x 2 replicas, the reference PP 2, training moves to device
 # 2
-WIDER = _plan(policy_generation=(2, 1, [[0, 1], [2, 3]]), reference_inference=(1, 2, [[0, 1]]),
-              policy_training=(1, 1, [[2]]))
+WIDER = _plan(
+    policy_generation=(2, 1, [[0, 1], [2, 3]]),
+    reference_inference=(1, 2, [[0, 1]]),
+    policy_training=(1, 1, [[2]]),
+)
 # proposed at step 3 and rejected (payback too long)
-REJECTED = _plan(policy_generation=(1, 1, [[0], [1], [2], [3]]), reference_inference=(1, 2, [[0, 1]]),
-                 policy_training=(1, 1, [[2]]))
+REJECTED = _plan(
+    policy_generation=(1, 1, [[0], [1], [2], [3]]),
+    reference_inference=(1, 2, [[0, 1]]),
+    policy_training=(1, 1, [[2]]),
+)
 # device 3 drained: generation back to TP 1 on devices 0 and 1, training stays on device 2
-DRAINED = _plan(policy_generation=(1, 1, [[0], [1]]), reference_inference=(1, 1, [[0]]),
-                policy_training=(1, 1, [[2]]))
+DRAINED = _plan(
+    policy_generation=(1, 1, [[0], [1]]),
+    reference_inference=(1, 1, [[0]]),
+    policy_training=(1, 1, [[2]]),
+)
 
 GAMMA, HORIZON_STEPS = 0.5, 20.0
 
 
-def _decision(step: int, rl: RLJob, records: list[dict[str, Any]], target: Plan, triggers: list[dict[str, Any]],
-              *, speedup: float, payback_steps: float | None = None, transition_seconds: float | None = None,
-              urgent: str = "") -> bool:
+def _decision(
+    step: int,
+    rl: RLJob,
+    records: list[dict[str, Any]],
+    target: Plan,
+    triggers: list[dict[str, Any]],
+    *,
+    speedup: float,
+    payback_steps: float | None = None,
+    transition_seconds: float | None = None,
+    urgent: str = "",
+) -> bool:
     """Emit a ``decision`` for ``target`` priced from the last two steps (the target's
     step time is ``1 / speedup`` of it; the change costs ``payback_steps`` steps of
     saving, or ``transition_seconds``); returns whether it was admitted."""
@@ -82,12 +104,26 @@ def _decision(step: int, rl: RLJob, records: list[dict[str, Any]], target: Plan,
     transition = transition_seconds if transition_seconds is not None else payback_steps * saving
     payback = transition / saving if saving > 0 else None
     admitted = bool(urgent) or (payback is not None and payback <= limit)
-    reason = (f"urgent: {urgent}; payback not tested" if urgent else
-              f"payback {payback:.1f} steps {'<=' if admitted else '>'} limit {limit:.1f} steps")
-    emit("decision", step=step, triggers=triggers, current_plan=rl.stages.plan.to_dict(),
-         target_plan=target.to_dict(), current_step_seconds=now, target_step_seconds=then,
-         saving_seconds=saving, transition_seconds=transition, payback_steps=payback, limit_steps=limit,
-         admitted=admitted, reason=reason)
+    reason = (
+        f"urgent: {urgent}; payback not tested"
+        if urgent
+        else f"payback {payback:.1f} steps {'<=' if admitted else '>'} limit {limit:.1f} steps"
+    )
+    emit(
+        "decision",
+        step=step,
+        triggers=triggers,
+        current_plan=rl.stages.plan.to_dict(),
+        target_plan=target.to_dict(),
+        current_step_seconds=now,
+        target_step_seconds=then,
+        saving_seconds=saving,
+        transition_seconds=transition,
+        payback_steps=payback,
+        limit_steps=limit,
+        admitted=admitted,
+        reason=reason,
+    )
     return admitted
 
 
@@ -106,24 +142,48 @@ async def _story(rl: RLJob, cluster: Cluster) -> None:
 
     await steps(2)
     length = records[-1]["response_len_mean"]
-    drift = [{"kind": "drift", "detail": "length", "value": length, "reference": length / 1.4,
-              "threshold": 0.3}]
+    drift = [
+        {
+            "kind": "drift",
+            "detail": "length",
+            "value": length,
+            "reference": length / 1.4,
+            "threshold": 0.3,
+        }
+    ]
     if _decision(1, rl, records, WIDER, drift, speedup=1.35, payback_steps=2.5):
         await rl.apply_plan(WIDER)
     await steps(2)
-    drift = [{"kind": "drift", "detail": "length", "value": records[-1]["response_len_mean"],
-              "reference": length, "threshold": 0.3}]
+    drift = [
+        {
+            "kind": "drift",
+            "detail": "length",
+            "value": records[-1]["response_len_mean"],
+            "reference": length,
+            "threshold": 0.3,
+        }
+    ]
     _decision(3, rl, records, REJECTED, drift, speedup=1.04, payback_steps=26.0)
     await steps(1)
     cluster.drain(3)
     pool = [{"kind": "device-pool", "detail": "drained", "device": 3}]
-    if _decision(4, rl, records, DRAINED, pool, speedup=0.9, transition_seconds=0.05, urgent="device 3 is draining"):
+    if _decision(
+        4,
+        rl,
+        records,
+        DRAINED,
+        pool,
+        speedup=0.9,
+        transition_seconds=0.05,
+        urgent="device 3 is draining",
+    ):
         await rl.apply_plan(DRAINED)
     await steps(STEPS - 5)
 
 
-async def record(out: str | Path, work_dir: str | Path,
-                 job_out: str | Path | None = None) -> list[dict[str, Any]]:
+async def record(
+    out: str | Path, work_dir: str | Path, job_out: str | Path | None = None
+) -> list[dict[str, Any]]:
     """Run the story and write its tap to ``out`` (and the job's own recording of it to
     ``job_out``); returns the events written to ``out``."""
     key = b"record-tap-key-0123456789abcdef"
@@ -152,15 +212,29 @@ async def record(out: str | Path, work_dir: str | Path,
 
         listener = asyncio.get_running_loop().create_task(listen())
         for name in ("a", "b"):
-            node = NodeDaemon(controller.address, key, devices=2, memory_per_device=MEMORY, transport="ipc",
-                              node_id=name, heartbeat_s=0.5)
+            node = NodeDaemon(
+                controller.address,
+                key,
+                devices=2,
+                memory_per_device=MEMORY,
+                transport="ipc",
+                node_id=name,
+                heartbeat_s=0.5,
+            )
             nodes.append(node)
             await node.register()
         await asyncio.gather(*(node.start() for node in nodes))
-        cfg = job(str(Path(work_dir) / "job"), STEPS, algorithm={"prompts_per_step": 8, "samples_per_prompt": 4, "kl_coef": 0.01},
-                  sampling={"max_new_tokens": [[0, 4], [2, 6], [5, 8]]}, plan=START,
-                  cluster={"mode": "connect", "address": controller.address, "devices": 4})
-        async with Cluster.connect(controller.address, key=key, min_devices=4, timeout_s=60.0) as cluster:
+        cfg = job(
+            str(Path(work_dir) / "job"),
+            STEPS,
+            algorithm={"prompts_per_step": 8, "samples_per_prompt": 4, "kl_coef": 0.01},
+            sampling={"max_new_tokens": [[0, 4], [2, 6], [5, 8]]},
+            plan=START,
+            cluster={"mode": "connect", "address": controller.address, "devices": 4},
+        )
+        async with Cluster.connect(
+            controller.address, key=key, min_devices=4, timeout_s=60.0
+        ) as cluster:
             rl = RLJob(cfg)
             await rl.start(cluster=cluster)
             try:
@@ -194,15 +268,19 @@ def main(argv: list[str]) -> int:
     import tempfile
 
     if len(argv) not in (1, 2):
-        print("usage: python -m tests.monitor.record_tap OUT.jsonl [JOB_OUT.jsonl]",
-              file=sys.stderr)
+        print(
+            "usage: python -m tests.monitor.record_tap OUT.jsonl [JOB_OUT.jsonl]", file=sys.stderr
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="nereus-record-") as work:
         events = asyncio.run(record(argv[0], work, argv[1] if len(argv) == 2 else None))
     kinds: dict[str, int] = {}
     for e in events:
         kinds[e["type"]] = kinds.get(e["type"], 0) + 1
-    print(f"{len(events)} events -> {argv[0]}: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+    print(
+        f"{len(events)} events -> {argv[0]}: "
+        + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+    )
     return 0
 
 

@@ -37,13 +37,21 @@ def _frame(key: bytes, body: bytes, seq: int | None = None, sender: bytes = _SEN
 
 
 def _event(**fields):
-    base = {"type": "worker_death", "v": SCHEMA_VERSION, "seq": 3,
-            "time_monotonic_seconds": 12.5, "epoch": 2, "source": "controller"}
+    base = {
+        "type": "worker_death",
+        "v": SCHEMA_VERSION,
+        "seq": 3,
+        "time_monotonic_seconds": 12.5,
+        "epoch": 2,
+        "source": "controller",
+    }
     return base | fields
 
 
 def test_schema_lists_types_with_si_fields():
-    assert {"worker_death", "call_span", "counters", "failure", "transfer_bucket"} <= set(EVENT_TYPES)
+    assert {"worker_death", "call_span", "counters", "failure", "transfer_bucket"} <= set(
+        EVENT_TYPES
+    )
     assert "latency_seconds" in EVENT_TYPES["call_span"]
     assert check_event(_event(device=1)) == []
     assert check_event({"type": 3}) and check_event([1])
@@ -140,7 +148,9 @@ async def test_subscriber_refuses_a_replay_after_65_other_senders():
 
         assert (await asyncio.wait_for(joined(), 10))["device"] == 1
         for i in range(65):  # 65 other controllers, each with its own fresh id
-            pub.send(_frame(KEY, msgpack.packb(_event(device=100 + i)), seq=1, sender=bytes([2, i]) * 8))
+            pub.send(
+                _frame(KEY, msgpack.packb(_event(device=100 + i)), seq=1, sender=bytes([2, i]) * 8)
+            )
             assert (await sub.next(10))["device"] == 100 + i
         rejected = sub.rejected
         pub.send(captured)  # the first sender's captured event, replayed
@@ -154,11 +164,16 @@ async def test_subscriber_refuses_a_replay_after_65_other_senders():
 
 @pytest.mark.integration
 def test_cli_schema_and_usage():
-    out = subprocess.run([sys.executable, "-m", "nereus.cli", "tap", "--schema"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "tap", "--schema"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "worker_death" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "nereus.cli", "tap"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "nereus.cli", "tap"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "tap address" in out.stderr
 
 
@@ -172,9 +187,23 @@ def test_cli_prints_live_events(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
     jsonl = tmp_path / "events.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "nereus.cli", "tap", f"tcp://127.0.0.1:{port}",
-                             "--key-file", str(key_file), "--count", "3", "--jsonl", str(jsonl)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nereus.cli",
+            "tap",
+            f"tcp://127.0.0.1:{port}",
+            "--key-file",
+            str(key_file),
+            "--count",
+            "3",
+            "--jsonl",
+            str(jsonl),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         body = msgpack.packb(_event(device=4, reason="SIGKILL"))
         while proc.poll() is None:  # until the tap has seen 3 events and exited

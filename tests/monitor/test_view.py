@@ -49,12 +49,16 @@ def test_the_recorded_job_folds_into_steps_placements_transitions_and_decisions(
     assert [p["why"] for p in placements] == ["plan", "transition", "transition"]
     plans = [raw["plan"][0]["plan"]] + [t["to_plan"] for t in raw["transition"]]
     for placement, plan in zip(placements, plans, strict=True):
-        got = {d: [(h["model_stage"], h["layout"], h["emu"]) for h in hs] for d, hs in placement["holders"].items()}
+        got = {
+            d: [(h["model_stage"], h["layout"], h["emu"]) for h in hs]
+            for d, hs in placement["holders"].items()
+        }
         assert got == holders_of(plan)
     # device 3 holds generation's fourth replica and the reference at first, nothing at the end
     assert placements[0]["holders"]["3"] == [
         {"model_stage": "policy_generation", "layout": "tp1·pp1", "emu": 3},
-        {"model_stage": "reference_inference", "layout": "tp1·pp1", "emu": 0}]
+        {"model_stage": "reference_inference", "layout": "tp1·pp1", "emu": 0},
+    ]
     assert "3" not in placements[-1]["holders"]
 
     # each transition carries the DAG nodes emitted before it, and ends where its placement starts
@@ -70,22 +74,34 @@ def test_the_recorded_job_folds_into_steps_placements_transitions_and_decisions(
     assert [d["admitted"] for d in decisions] == [True, False, True]
     assert [d["step"] for d in decisions] == [1, 3, 4]
     assert decisions[2]["triggers"] == [{"kind": "device-pool", "detail": "drained", "device": 3}]
-    assert decisions[2]["payback_steps"] is None and decisions[1]["payback_steps"] == pytest.approx(26.0)
-    assert decisions[0]["changed"] == ["policy_generation", "policy_training", "reference_inference"]
+    assert decisions[2]["payback_steps"] is None and decisions[1]["payback_steps"] == pytest.approx(
+        26.0
+    )
+    assert decisions[0]["changed"] == [
+        "policy_generation",
+        "policy_training",
+        "reference_inference",
+    ]
     # each change written with tp, pp, dp and devices (nereus.planner.plan_text)
-    assert decisions[1]["changes"] == [["policy_generation", "tp2·pp1·dp2 [0-3] → tp1·pp1·dp4 [0-3]"]]
+    assert decisions[1]["changes"] == [
+        ["policy_generation", "tp2·pp1·dp2 [0-3] → tp1·pp1·dp4 [0-3]"]
+    ]
     assert transitions[0]["changes"] == [
         ["policy_generation", "tp1·pp1·dp4 [0-3] → tp2·pp1·dp2 [0-3]"],
         ["reference_inference", "tp1·pp1·dp1 [3] → tp1·pp2·dp1 [0,1]"],
-        ["policy_training", "tp2·pp1·dp1 [0,1] → tp1·pp1·dp1 [2]"]]
+        ["policy_training", "tp2·pp1·dp1 [0,1] → tp1·pp1·dp1 [2]"],
+    ]
     assert transitions[1]["changes"] == [
         ["policy_generation", "tp2·pp1·dp2 [0-3] → tp1·pp1·dp2 [0,1]"],
-        ["reference_inference", "tp1·pp2·dp1 [0,1] → tp1·pp1·dp1 [0]"]]
+        ["reference_inference", "tp1·pp2·dp1 [0,1] → tp1·pp1·dp1 [0]"],
+    ]
 
     # every step carries the weight sync that ran inside it, and each device's ledger peak
     steps = by_kind["step"]
     assert all(s["weight_sync_seconds"] > 0 for s in steps)
-    assert steps[-1]["device_peak_bytes"] == {k: v for k, v in raw["step"][-1]["device_peak_bytes"].items()}
+    assert steps[-1]["device_peak_bytes"] == {
+        k: v for k, v in raw["step"][-1]["device_peak_bytes"].items()
+    }
     assert steps[0]["step_seconds"] == raw["step"][0]["stage_seconds"]["step"]
     assert "step" not in steps[0]["stage_seconds"]
 
@@ -106,8 +122,10 @@ def test_without_a_plan_event_the_first_change_gives_the_placement_before_it():
     placements = [u for u in view.updates if u["kind"] == "placement"]
     first = next(e for e in events if e["type"] == "transition")
     assert placements[0]["why"] == "inferred" and placements[0]["t"] == 0.0
-    assert {d: [(h["model_stage"], h["layout"], h["emu"]) for h in hs]
-            for d, hs in placements[0]["holders"].items()} == holders_of(first["from_plan"])
+    assert {
+        d: [(h["model_stage"], h["layout"], h["emu"]) for h in hs]
+        for d, hs in placements[0]["holders"].items()
+    } == holders_of(first["from_plan"])
 
 
 def page_budgets(updates: list[dict]) -> dict[str, int | None]:
@@ -156,22 +174,57 @@ def test_a_recording_begun_after_the_devices_joined_still_shows_every_budget():
 
 
 def _event(type_: str, t: float, **fields) -> dict:
-    return {"type": type_, "v": 1, "seq": 1, "time_monotonic_seconds": t, "epoch": 1, "source": "driver"} | fields
+    return {
+        "type": type_,
+        "v": 1,
+        "seq": 1,
+        "time_monotonic_seconds": t,
+        "epoch": 1,
+        "source": "driver",
+    } | fields
 
 
-PLAN = {"policy_generation": {"tp": 2, "pp": 1, "dp": 1, "devices": [[0, 1]]},
-        "policy_training": {"tp": 1, "pp": 1, "dp": 1, "devices": [[1]]}}
-MOVED = {"policy_generation": {"tp": 1, "pp": 1, "dp": 2, "devices": [[0], [1]]},
-         "policy_training": {"tp": 1, "pp": 1, "dp": 1, "devices": [[2]]}}
+PLAN = {
+    "policy_generation": {"tp": 2, "pp": 1, "dp": 1, "devices": [[0, 1]]},
+    "policy_training": {"tp": 1, "pp": 1, "dp": 1, "devices": [[1]]},
+}
+MOVED = {
+    "policy_generation": {"tp": 1, "pp": 1, "dp": 2, "devices": [[0], [1]]},
+    "policy_training": {"tp": 1, "pp": 1, "dp": 1, "devices": [[2]]},
+}
 
 
 def test_a_change_that_stopped_part_way_leaves_the_placement_as_it_was():
     view = DashboardView()
     view.add(_event("plan", 10.0, plan=PLAN, predicted_step_seconds=1.5))
-    view.add(_event("transition_node", 11.0, node=0, kind="split", model_stage="policy_generation",
-                    devices=[0, 1], bytes=10, start_seconds=0.0, end_seconds=0.4, ok=False))
-    out = view.add(_event("transition", 11.5, from_plan=PLAN, to_plan=MOVED, changed=["policy_generation"],
-                          bytes=10, measured_seconds=1.0, predicted_seconds=0.5, epoch_from=1, ok=False))
+    view.add(
+        _event(
+            "transition_node",
+            11.0,
+            node=0,
+            kind="split",
+            model_stage="policy_generation",
+            devices=[0, 1],
+            bytes=10,
+            start_seconds=0.0,
+            end_seconds=0.4,
+            ok=False,
+        )
+    )
+    out = view.add(
+        _event(
+            "transition",
+            11.5,
+            from_plan=PLAN,
+            to_plan=MOVED,
+            changed=["policy_generation"],
+            bytes=10,
+            measured_seconds=1.0,
+            predicted_seconds=0.5,
+            epoch_from=1,
+            ok=False,
+        )
+    )
     assert [u["kind"] for u in out] == ["transition"]
     assert out[0]["epoch_to"] == 1 and not out[0]["ok"] and len(out[0]["nodes"]) == 1
     assert out[0]["t_start"] == pytest.approx(0.5) and out[0]["t_end"] == pytest.approx(1.5)
@@ -183,30 +236,78 @@ def test_a_change_that_stopped_part_way_leaves_the_placement_as_it_was():
 def test_dp_and_placement_changes_read_as_changes_in_decisions_and_transitions():
     view = DashboardView()
     view.add(_event("plan", 10.0, plan=PLAN, predicted_step_seconds=1.5))
-    decision = view.add(_event("decision", 10.5, step=4, triggers=[{"kind": "drift", "detail": "length"}],
-                               current_plan=PLAN, target_plan=MOVED, admitted=True, reason="payback"))[0]
-    transition = view.add(_event("transition", 11.5, from_plan=PLAN, to_plan=MOVED, bytes=10, measured_seconds=1.0,
-                                 changed=["policy_generation", "policy_training"], epoch_from=1, ok=True))[0]
-    expected = [["policy_generation", "tp2·pp1·dp1 [0,1] → tp1·pp1·dp2 [0,1]"],
-                ["policy_training", "tp1·pp1·dp1 [1] → tp1·pp1·dp1 [2]"]]
+    decision = view.add(
+        _event(
+            "decision",
+            10.5,
+            step=4,
+            triggers=[{"kind": "drift", "detail": "length"}],
+            current_plan=PLAN,
+            target_plan=MOVED,
+            admitted=True,
+            reason="payback",
+        )
+    )[0]
+    transition = view.add(
+        _event(
+            "transition",
+            11.5,
+            from_plan=PLAN,
+            to_plan=MOVED,
+            bytes=10,
+            measured_seconds=1.0,
+            changed=["policy_generation", "policy_training"],
+            epoch_from=1,
+            ok=True,
+        )
+    )[0]
+    expected = [
+        ["policy_generation", "tp2·pp1·dp1 [0,1] → tp1·pp1·dp2 [0,1]"],
+        ["policy_training", "tp1·pp1·dp1 [1] → tp1·pp1·dp1 [2]"],
+    ]
     assert decision["changes"] == expected and transition["changes"] == expected
 
 
-@pytest.mark.parametrize("event, problem", [
-    (_event("step", 1.0, step="three"), "step=\'three\' must be an integer"),
-    (_event("step", 1.0, step=3, reward=float("nan")), "reward=nan must be a finite number"),
-    (_event("step", 1.0, step=3, model_stage_seconds=[1, 2]), "model_stage_seconds=[1, 2] must be a map"),
-    (_event("plan", 1.0, plan={"policy_generation": {"tp": 0, "pp": 1, "devices": [[0]]}}),
-     "plan.policy_generation.tp=0 must be an integer >= 1"),
-    (_event("plan", 1.0, plan={"policy_generation": {"tp": 1, "pp": 1, "devices": [0]}}),
-     "plan.policy_generation.devices=[0] must be a list of EMUs"),
-    (_event("memory", 1.0, device=0, used_bytes="lots"), "used_bytes='lots' must be an integer"),
-    (_event("plan", 1.0, plan=PLAN, device_memory_bytes={"gpu0": 1}), "key 'gpu0'; it must be a device index"),
-    (_event("plan", 1.0, plan={"policy_generation": {"tp": 1, "pp": 1, "devices": [[0]], "waves": 0}}),
-     "plan.policy_generation.waves=0 must be an integer >= 1"),
-    (_event("transition", 1.0, from_plan=PLAN, to_plan=MOVED), "measured_seconds=None must be a finite number"),
-    ({"no": "type"}, "must be a map with a string 'type'"),
-])
+@pytest.mark.parametrize(
+    "event, problem",
+    [
+        (_event("step", 1.0, step="three"), "step='three' must be an integer"),
+        (_event("step", 1.0, step=3, reward=float("nan")), "reward=nan must be a finite number"),
+        (
+            _event("step", 1.0, step=3, model_stage_seconds=[1, 2]),
+            "model_stage_seconds=[1, 2] must be a map",
+        ),
+        (
+            _event("plan", 1.0, plan={"policy_generation": {"tp": 0, "pp": 1, "devices": [[0]]}}),
+            "plan.policy_generation.tp=0 must be an integer >= 1",
+        ),
+        (
+            _event("plan", 1.0, plan={"policy_generation": {"tp": 1, "pp": 1, "devices": [0]}}),
+            "plan.policy_generation.devices=[0] must be a list of EMUs",
+        ),
+        (
+            _event("memory", 1.0, device=0, used_bytes="lots"),
+            "used_bytes='lots' must be an integer",
+        ),
+        (
+            _event("plan", 1.0, plan=PLAN, device_memory_bytes={"gpu0": 1}),
+            "key 'gpu0'; it must be a device index",
+        ),
+        (
+            _event(
+                "plan",
+                1.0,
+                plan={"policy_generation": {"tp": 1, "pp": 1, "devices": [[0]], "waves": 0}},
+            ),
+            "plan.policy_generation.waves=0 must be an integer >= 1",
+        ),
+        (
+            _event("transition", 1.0, from_plan=PLAN, to_plan=MOVED),
+            "measured_seconds=None must be a finite number",
+        ),
+        ({"no": "type"}, "must be a map with a string 'type'"),
+    ],
+)
 def test_a_bad_event_is_counted_and_named_and_the_stream_goes_on(event, problem):
     view = DashboardView()
     assert view.add(event) == []
@@ -219,8 +320,19 @@ def test_failures_and_deaths_reach_the_log():
     view = DashboardView()
     view.add(_event("worker_join", 0.0, device=2, node_id="a", memory_bytes=1 << 30))
     out = view.add(_event("worker_death", 3.0, device=2, node_id="a", reason="SIGKILL"))
-    assert out[0] == {"kind": "device", "t": 3.0, "device": 2, "state": "died", "node_id": "a",
-                      "budget_bytes": 1 << 30, "reason": "SIGKILL"}
+    assert out[0] == {
+        "kind": "device",
+        "t": 3.0,
+        "device": 2,
+        "state": "died",
+        "node_id": "a",
+        "budget_bytes": 1 << 30,
+        "reason": "SIGKILL",
+    }
     assert out[1]["kind"] == "note" and out[1]["level"] == "error" and "SIGKILL" in out[1]["text"]
-    note = view.add(_event("stuck_collective", 4.0, group="g1", op="all_reduce", missing_ranks=[1], seconds=30.0))
+    note = view.add(
+        _event(
+            "stuck_collective", 4.0, group="g1", op="all_reduce", missing_ranks=[1], seconds=30.0
+        )
+    )
     assert "all_reduce" in note[0]["text"] and "[1]" in note[0]["text"]

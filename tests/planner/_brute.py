@@ -21,6 +21,7 @@ from nereus.planner.workload import Workload, phases
 
 def set_partitions(n: int):
     """Every partition of range(n), as lists of blocks (restricted growth strings)."""
+
     def grow(i: int, labels: list[int], top: int):
         if i == n:
             blocks: dict[int, list[int]] = {}
@@ -40,7 +41,9 @@ def _sizes(cluster: ClusterSpec, budget: int) -> list[int]:
     return out + list(range(per, budget + 1, per))
 
 
-def _layouts(work: Workload, cluster: ClusterSpec, stage_index: int, n: int) -> list[tuple[int, int, int]]:
+def _layouts(
+    work: Workload, cluster: ClusterSpec, stage_index: int, n: int
+) -> list[tuple[int, int, int]]:
     model = work.models[work.stages[stage_index].model]
     per = cluster.devices_per_node
     out = []
@@ -84,10 +87,32 @@ def brute_force(work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: i
         if key not in cost_cache:
             st = stages[i]
             m = work.models[st.model]
-            c = stage_cost(st, m, work, cluster, eff, tp, pp, dp, pp_inter=pp_inter, dp_inter=dp_inter,
-                           recompute=recompute, waves=waves)
-            mem = stage_memory(st, m, work, tp, pp, dp, recompute=recompute, waves=waves, scale=eff.memory_scale,
-                               fixed=eff.memory_fixed_bytes)
+            c = stage_cost(
+                st,
+                m,
+                work,
+                cluster,
+                eff,
+                tp,
+                pp,
+                dp,
+                pp_inter=pp_inter,
+                dp_inter=dp_inter,
+                recompute=recompute,
+                waves=waves,
+            )
+            mem = stage_memory(
+                st,
+                m,
+                work,
+                tp,
+                pp,
+                dp,
+                recompute=recompute,
+                waves=waves,
+                scale=eff.memory_scale,
+                fixed=eff.memory_fixed_bytes,
+            )
             cost_cache[key] = (c.seconds, mem.resident, mem.transient)
         return cost_cache[key]
 
@@ -102,7 +127,9 @@ def brute_force(work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: i
                 for i in blocks[b]:
                     span[i] = (at, at + sizes[b])
                 at += sizes[b]
-            options = [_layouts(work, cluster, i, span[i][1] - span[i][0]) for i in range(len(stages))]
+            options = [
+                _layouts(work, cluster, i, span[i][1] - span[i][0]) for i in range(len(stages))
+            ]
             # Components: model-stages connected by sharing any device, found from the
             # spans. Memory and the serialized groups of a phase never cross components,
             # so each component's layouts are enumerated on their own, then every
@@ -126,11 +153,18 @@ def brute_force(work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: i
                 feasible = []
                 for choice in itertools.product(*(options[i] for i in mem)):
                     count += 1
-                    rows = {i: cost(i, *lay, span[i][0]) for i, lay in zip(mem, choice, strict=True)}
+                    rows = {
+                        i: cost(i, *lay, span[i][0]) for i, lay in zip(mem, choice, strict=True)
+                    }
                     ok = True
                     for d in devices:
                         here = [rows[i] for i in mem if span[i][0] <= d < span[i][1]]
-                        if cluster.workspace_bytes + sum(r[1] for r in here) + max(r[2] for r in here) > usable:
+                        if (
+                            cluster.workspace_bytes
+                            + sum(r[1] for r in here)
+                            + max(r[2] for r in here)
+                            > usable
+                        ):
                             ok = False
                             break
                     if not ok:
@@ -160,9 +194,18 @@ def brute_force(work: Workload, cluster: ClusterSpec, eff: Efficiency, budget: i
                 if step < best:
                     best = step
                     layout = {i: lay for _, ch in picks for i, lay in ch.items()}
-                    best_plan = Plan(tuple(
-                        (stages[i].name, StagePlan.on_range(*layout[i][:3], span[i][0], recompute=layout[i][3],
-                                                            waves=layout[i][4]))
-                        for i in range(len(stages))
-                    ))
+                    best_plan = Plan(
+                        tuple(
+                            (
+                                stages[i].name,
+                                StagePlan.on_range(
+                                    *layout[i][:3],
+                                    span[i][0],
+                                    recompute=layout[i][3],
+                                    waves=layout[i][4],
+                                ),
+                            )
+                            for i in range(len(stages))
+                        )
+                    )
     return best, best_plan, count

@@ -13,7 +13,9 @@ from nereus.planner import DriftSignal, Target, TriggerMonitor, admit, choose
 def test_admit_iff_saving_positive_and_payback_within_gamma_h():
     # saving 2 s/step; transition 20 s -> payback 10 steps; H = 30 -> limit 15 steps
     d = admit(10.0, 8.0, 20.0, horizon_steps=30, gamma=0.5)
-    assert d.admitted and d.payback_steps == pytest.approx(10) and d.limit_steps == pytest.approx(15)
+    assert (
+        d.admitted and d.payback_steps == pytest.approx(10) and d.limit_steps == pytest.approx(15)
+    )
     # exactly on the limit is admitted; just past it is not
     assert admit(10.0, 8.0, 30.0, 30, 0.5).admitted
     assert not admit(10.0, 8.0, 30.0001, 30, 0.5).admitted
@@ -43,12 +45,16 @@ def test_choose_tries_slightly_slower_cheaper_targets_before_keeping():
 
 def test_an_unreachable_faster_target_does_not_hide_a_reachable_one():
     best = Target("best", 6.0, transition_seconds=math.inf, label="best")
-    reachable = Target("rescaled", 8.0, transition_seconds=4.0, label="rescaled")  # 33% slower than best
+    reachable = Target(
+        "rescaled", 8.0, transition_seconds=4.0, label="rescaled"
+    )  # 33% slower than best
     d = choose(10.0, [best, reachable], horizon_steps=20)
     assert d.action == "transition" and d.target is reachable
     # slack is taken from the fastest reachable target
     cheap = Target("cheap", 8.3, transition_seconds=1.0, label="cheap")
-    d = choose(10.0, [best, reachable, cheap], horizon_steps=2)  # reachable pays back in 2 steps > 1
+    d = choose(
+        10.0, [best, reachable, cheap], horizon_steps=2
+    )  # reachable pays back in 2 steps > 1
     assert d.action == "transition" and d.target is cheap
     d = choose(10.0, [best], horizon_steps=20)
     assert d.action == "keep" and "best: transition impossible" in d.reason

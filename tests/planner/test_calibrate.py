@@ -20,8 +20,15 @@ from nereus.planner import (
     stage_memory,
 )
 
-HIDDEN = Efficiency(gemm=0.62, attention=0.41, decode=0.78, allreduce_intra=0.71, allreduce_inter=0.33,
-                    p2p_intra=0.66, p2p_inter=0.52)
+HIDDEN = Efficiency(
+    gemm=0.62,
+    attention=0.41,
+    decode=0.78,
+    allreduce_intra=0.71,
+    allreduce_inter=0.33,
+    p2p_intra=0.66,
+    p2p_inter=0.52,
+)
 
 
 def _stage_costs(rng: random.Random, n: int = 60):
@@ -30,14 +37,31 @@ def _stage_costs(rng: random.Random, n: int = 60):
     out = []
     for _ in range(n):
         length = rng.choice([512, 1024, 2048, 4096])
-        work = Workload.for_models("ppo", model_preset(rng.choice(["llama-1b", "llama-8b"])), prompts_per_step=64,
-                                   samples_per_prompt=4, prompt_length=rng.choice([256, 1024]),
-                                   lengths=LengthStats(length / 2, length * 0.9, length))
+        work = Workload.for_models(
+            "ppo",
+            model_preset(rng.choice(["llama-1b", "llama-8b"])),
+            prompts_per_step=64,
+            samples_per_prompt=4,
+            prompt_length=rng.choice([256, 1024]),
+            lengths=LengthStats(length / 2, length * 0.9, length),
+        )
         stage = rng.choice(work.stages)
         tp, pp = rng.choice([1, 2, 4]), rng.choice([1, 2, 4])
         dp = rng.choice([1, 2, 4, 8, 16])
-        out.append(stage_cost(stage, work.models[stage.model], work, cluster, CONSERVATIVE, tp, pp, dp,
-                              pp_inter=rng.random() < 0.5, dp_inter=rng.random() < 0.5))
+        out.append(
+            stage_cost(
+                stage,
+                work.models[stage.model],
+                work,
+                cluster,
+                CONSERVATIVE,
+                tp,
+                pp,
+                dp,
+                pp_inter=rng.random() < 0.5,
+                dp_inter=rng.random() < 0.5,
+            )
+        )
     return out
 
 
@@ -85,8 +109,15 @@ def test_unseen_classes_keep_the_conservative_prior():
 
 
 def test_memory_scale_from_measured_peaks_is_conservative():
-    work = Workload.for_models("grpo", model_preset("llama-1b"), prompts_per_step=8, samples_per_prompt=4,
-                               prompt_length=256, lengths=LengthStats(512, 900, 1024), reward_model=False)
+    work = Workload.for_models(
+        "grpo",
+        model_preset("llama-1b"),
+        prompts_per_step=8,
+        samples_per_prompt=4,
+        prompt_length=256,
+        lengths=LengthStats(512, 900, 1024),
+        reward_model=False,
+    )
     gen = work.stages[0]
     modelled = stage_memory(gen, work.models["policy"], work, 1, 1, 2)
     cal = Calibrator()
@@ -118,17 +149,35 @@ def test_memory_fit_separates_a_fixed_term_from_a_proportional_one():
     scale, fixed = cal.memory_fit()
     assert scale == pytest.approx(1.15, rel=1e-6) and fixed == pytest.approx(GiB, rel=1e-6)
     fitted = cal.fit()
-    assert (fitted.memory_scale, fitted.memory_fixed_bytes) == (cal.memory_scale(), cal.memory_fixed_bytes())
+    assert (fitted.memory_scale, fitted.memory_fixed_bytes) == (
+        cal.memory_scale(),
+        cal.memory_fixed_bytes(),
+    )
     # at 40 GiB of transient bytes the fit is exact, the largest ratio (3.15) far off
     assert fixed + scale * 40 * GiB == pytest.approx(GiB + 1.15 * 40 * GiB, rel=1e-6)
     assert max(y / t for t, y in zip(small, [GiB + 1.15 * t for t in small], strict=True)) > 3
     # the model applies both terms to every model-stage's transient bytes
-    work = Workload.for_models("grpo", model_preset("llama-1b"), prompts_per_step=8, samples_per_prompt=4,
-                               prompt_length=256, lengths=LengthStats(512, 900, 1024), reward_model=False)
+    work = Workload.for_models(
+        "grpo",
+        model_preset("llama-1b"),
+        prompts_per_step=8,
+        samples_per_prompt=4,
+        prompt_length=256,
+        lengths=LengthStats(512, 900, 1024),
+        reward_model=False,
+    )
     gen = work.stages[0]
     plain = stage_memory(gen, work.models["policy"], work, 1, 1, 2)
-    both = stage_memory(gen, work.models["policy"], work, 1, 1, 2, scale=fitted.memory_scale,
-                        fixed=fitted.memory_fixed_bytes)
+    both = stage_memory(
+        gen,
+        work.models["policy"],
+        work,
+        1,
+        1,
+        2,
+        scale=fitted.memory_scale,
+        fixed=fitted.memory_fixed_bytes,
+    )
     assert both.resident == plain.resident
     assert both.transient == pytest.approx(GiB + 1.15 * plain.transient, rel=1e-6)
 
@@ -157,7 +206,10 @@ def test_memory_fit_without_spread_is_one_conservative_ratio():
     assert cal.memory_fit() == (pytest.approx(1.4, rel=1e-6), 0.0)
     with pytest.raises(ConfigError, match="memory_fixed_bytes"):
         Efficiency(memory_fixed_bytes=-1.0)
-    assert CONSERVATIVE.replace(memory_scale=2.0, memory_fixed_bytes=GiB).uncalibrated_memory() == CONSERVATIVE
+    assert (
+        CONSERVATIVE.replace(memory_scale=2.0, memory_fixed_bytes=GiB).uncalibrated_memory()
+        == CONSERVATIVE
+    )
 
 
 def test_window_forgets_old_timings():
@@ -211,9 +263,13 @@ def test_a_class_that_is_a_small_share_of_its_timings_does_not_swing_between_bou
     cal = Calibrator(prior=CONSERVATIVE)
     fits = []
     for i in range(24):
-        cal.observe({"gemm": 1.0, "attention": 0.02 * (1 + 0.1 * (i % 3))}, 3.0 * (1 + 0.03 * (-1) ** i))
+        cal.observe(
+            {"gemm": 1.0, "attention": 0.02 * (1 + 0.1 * (i % 3))}, 3.0 * (1 + 0.03 * (-1) ** i)
+        )
         fits.append(cal.fit())
     attention = [f["attention"] for f in fits]
     assert max(attention) < 1.5 * CONSERVATIVE["attention"]
     assert min(attention) > CONSERVATIVE["attention"] / 1.5
-    assert fits[-1]["gemm"] == pytest.approx(1.0 / (3.0 - 0.02 * 1.1 / CONSERVATIVE["attention"]), rel=0.03)
+    assert fits[-1]["gemm"] == pytest.approx(
+        1.0 / (3.0 - 0.02 * 1.1 / CONSERVATIVE["attention"]), rel=0.03
+    )

@@ -14,17 +14,57 @@ from nereus.planner.cli import main
 
 
 def test_plan_prints_tables_a_systems_engineer_can_check(capsys):
-    assert nereus_main(["plan", "--cluster", "a100-256", "--model", "llama-8b", "--algo", "ppo", "--length", "4096"]) == 0
+    assert (
+        nereus_main(
+            [
+                "plan",
+                "--cluster",
+                "a100-256",
+                "--model",
+                "llama-8b",
+                "--algo",
+                "ppo",
+                "--length",
+                "4096",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for text in ("plan:", "policy-generation", "critic-training", "phase 0: max(", "step =", "terms:",
-                 "ideal_c / efficiency_c", "memory per device", "usable", "next-best placements", "why it lost",
-                 "tp collectives", "dp sync", "other layouts on the same devices", "slower by", "does not fit"):
+    for text in (
+        "plan:",
+        "policy-generation",
+        "critic-training",
+        "phase 0: max(",
+        "step =",
+        "terms:",
+        "ideal_c / efficiency_c",
+        "memory per device",
+        "usable",
+        "next-best placements",
+        "why it lost",
+        "tp collectives",
+        "dp sync",
+        "other layouts on the same devices",
+        "slower by",
+        "does not fit",
+    ):
         assert text in out, text
 
 
 def test_plan_json_matches_explain():
-    args = ["--cluster", "h200-64", "--model", "llama-8b", "--algo", "grpo", "--length", "2048", "--json",
-            "--no-reward-model"]
+    args = [
+        "--cluster",
+        "h200-64",
+        "--model",
+        "llama-8b",
+        "--algo",
+        "grpo",
+        "--length",
+        "2048",
+        "--json",
+        "--no-reward-model",
+    ]
     import contextlib
     import io
 
@@ -33,8 +73,15 @@ def test_plan_json_matches_explain():
         assert main(args) == 0
     got = json.loads(buf.getvalue())
     plan = Plan.from_dict(got["plan"])
-    work = Workload.for_models("grpo", model_preset("llama-8b"), prompts_per_step=256, samples_per_prompt=4,
-                               prompt_length=512, lengths=LengthStats(1024, 0.9 * 2048, 2048), reward_model=False)
+    work = Workload.for_models(
+        "grpo",
+        model_preset("llama-8b"),
+        prompts_per_step=256,
+        samples_per_prompt=4,
+        prompt_length=512,
+        lengths=LengthStats(1024, 0.9 * 2048, 2048),
+        reward_model=False,
+    )
     ex = explain(plan, work, cluster_preset("h200-64"))
     assert ex.fits
     assert ex.step_seconds == pytest.approx(got["step_seconds"], rel=1e-9)
@@ -63,6 +110,8 @@ def test_the_planner_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, nereus.planner as p; p.search; "
-            "assert 'torch' not in sys.modules, 'torch'; assert 'numpy' not in sys.modules, 'numpy'")
+    code = (
+        "import sys, nereus.planner as p; p.search; "
+        "assert 'torch' not in sys.modules, 'torch'; assert 'numpy' not in sys.modules, 'numpy'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -17,16 +17,42 @@ MiB = 2**20
 
 def _training_layer_passes(recompute: bool, recompute_passes: float, ends: float = 0.0) -> float:
     model = ModelShape("tiny", 64, 4, 4, 4, 128, 32)
-    work = Workload.for_models("grpo", model, prompts_per_step=8, samples_per_prompt=8,
-                               prompt_length=5, lengths=LengthStats(16, 16, 16),
-                               reward_model=False, micro_batch=2)
-    cluster = local_cpu_cluster(2, 64 * MiB, flops_per_device=1e11, memory_bandwidth=1e10,
-                                exchange_bandwidth=8e9, cores=2, device_cores=[0.45, 0.45])
-    eff = CONSERVATIVE.replace(layer_pass_s=1e-3, recompute_passes=recompute_passes,
-                               micro_batch_passes=ends)
+    work = Workload.for_models(
+        "grpo",
+        model,
+        prompts_per_step=8,
+        samples_per_prompt=8,
+        prompt_length=5,
+        lengths=LengthStats(16, 16, 16),
+        reward_model=False,
+        micro_batch=2,
+    )
+    cluster = local_cpu_cluster(
+        2,
+        64 * MiB,
+        flops_per_device=1e11,
+        memory_bandwidth=1e10,
+        exchange_bandwidth=8e9,
+        cores=2,
+        device_cores=[0.45, 0.45],
+    )
+    eff = CONSERVATIVE.replace(
+        layer_pass_s=1e-3, recompute_passes=recompute_passes, micro_batch_passes=ends
+    )
     training = next(s for s in work.stages if s.kind == "training")
-    cost = stage_cost(training, model, work, cluster, eff, 1, 1, 2, pp_inter=False,
-                      dp_inter=False, recompute=recompute)
+    cost = stage_cost(
+        training,
+        model,
+        work,
+        cluster,
+        eff,
+        1,
+        1,
+        2,
+        pp_inter=False,
+        dp_inter=False,
+        recompute=recompute,
+    )
     return cost.term_seconds(eff)["layer passes"]
 
 
@@ -65,8 +91,14 @@ def test_the_probe_times_the_projects_decoder():
 def test_the_efficiency_prior_carries_the_probed_figures(tmp_path, monkeypatch):
     cache = tmp_path / "nereus" / "cpu_probe.json"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    figures = {"flops_per_device": 1e10, "memory_bandwidth": 1e10, "exchange_bandwidth": 8e9,
-               "layer_pass_s": 7e-4, "recompute_passes": 4.5, "micro_batch_passes": 2.5}
+    figures = {
+        "flops_per_device": 1e10,
+        "memory_bandwidth": 1e10,
+        "exchange_bandwidth": 8e9,
+        "layer_pass_s": 7e-4,
+        "recompute_passes": 4.5,
+        "micro_batch_passes": 2.5,
+    }
     key = f"{_probe.platform.node()}/{_probe.os.cpu_count()}/{_probe._PROBE_VERSION}"
     cache.parent.mkdir()
     cache.write_text(json.dumps({key: figures}))

@@ -36,7 +36,10 @@ def test_a_placement_only_change_shows_the_devices_moving():
 
 
 def test_a_tp_change_on_the_same_devices():
-    assert stage_change_text(_sp(1, 1, [[0], [1]]), _sp(2, 1, [[0, 1]])) == "tp1·pp1·dp2 [0,1] → tp2·pp1·dp1 [0,1]"
+    assert (
+        stage_change_text(_sp(1, 1, [[0], [1]]), _sp(2, 1, [[0, 1]]))
+        == "tp1·pp1·dp2 [0,1] → tp2·pp1·dp1 [0,1]"
+    )
 
 
 def test_the_same_devices_in_other_emus_show_each_emu():
@@ -46,24 +49,45 @@ def test_the_same_devices_in_other_emus_show_each_emu():
 
 def test_recompute_and_waves_are_written_where_set():
     assert stage_plan_text(_sp(1, 2, [[4, 5]], recompute=True)) == "tp1·pp2·dp1·recompute [4,5]"
-    assert stage_change_text(_sp(1, 1, [[2]]), _sp(1, 1, [[2]], waves=2)) == "tp1·pp1·dp1 [2] → tp1·pp1·dp1·2 waves [2]"
+    assert (
+        stage_change_text(_sp(1, 1, [[2]]), _sp(1, 1, [[2]], waves=2))
+        == "tp1·pp1·dp1 [2] → tp1·pp1·dp1·2 waves [2]"
+    )
 
 
 def test_the_plain_data_form_reads_as_the_plan_itself():
-    plan = Plan((("policy_generation", _sp(1, 1, [[0], [1]], waves=2)), ("policy_training", _sp(2, 1, [[2, 3]]))))
+    plan = Plan(
+        (
+            ("policy_generation", _sp(1, 1, [[0], [1]], waves=2)),
+            ("policy_training", _sp(2, 1, [[2, 3]])),
+        )
+    )
     data = plan.to_dict()
-    assert plan_text(data) == plan_text(plan) == (
-        "policy_generation tp1·pp1·dp2·2 waves [0,1]; policy_training tp2·pp1·dp1 [2,3]")
+    assert (
+        plan_text(data)
+        == plan_text(plan)
+        == ("policy_generation tp1·pp1·dp2·2 waves [0,1]; policy_training tp2·pp1·dp1 [2,3]")
+    )
     # a tap event's plan may leave out dp, recompute and waves
     assert stage_plan_text({"tp": 1, "pp": 1, "devices": [[0], [1]]}) == "tp1·pp1·dp2 [0,1]"
     assert plan_text(None) == "-"
 
 
 def test_plan_changes_lists_only_the_model_stages_that_moved():
-    before = Plan((("policy_generation", _sp(1, 1, [[0], [1]])), ("policy_training", _sp(1, 1, [[0], [1]])),
-                   ("reference_inference", _sp(1, 1, [[0]]))))
-    after = Plan((("policy_generation", _sp(1, 1, [[0], [1]])), ("policy_training", _sp(1, 1, [[2], [3]])),
-                  ("critic_inference", _sp(1, 1, [[1]]))))
+    before = Plan(
+        (
+            ("policy_generation", _sp(1, 1, [[0], [1]])),
+            ("policy_training", _sp(1, 1, [[0], [1]])),
+            ("reference_inference", _sp(1, 1, [[0]])),
+        )
+    )
+    after = Plan(
+        (
+            ("policy_generation", _sp(1, 1, [[0], [1]])),
+            ("policy_training", _sp(1, 1, [[2], [3]])),
+            ("critic_inference", _sp(1, 1, [[1]])),
+        )
+    )
     assert plan_changes(before, after) == [
         ("policy_training", "tp1·pp1·dp2 [0,1] → tp1·pp1·dp2 [2,3]"),
         ("critic_inference", "– → tp1·pp1·dp1 [1]"),

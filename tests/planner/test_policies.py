@@ -26,8 +26,12 @@ RUN_AS = {"payback": "adaptive", "always": "dynarl", "every-k": "every-k", "stat
 
 def _decided(outcome) -> tuple:
     d = outcome.decision
-    return ([t.kind for t in outcome.triggers], d.action, d.admitted,
-            d.target.plan.to_dict() if d.target is not None else None)
+    return (
+        [t.kind for t in outcome.triggers],
+        d.action,
+        d.admitted,
+        d.target.plan.to_dict() if d.target is not None else None,
+    )
 
 
 def _recorded(r: dict) -> tuple:
@@ -38,7 +42,9 @@ def _recorded(r: dict) -> tuple:
 def simulated():
     """Each policy on a scenario whose pool changes and whose lengths grow, with its
     boundary reports (since its last fresh start) kept as they were written."""
-    scn = small_scenario(memory_gib=32, steps=12, counts=[16, 16, 12, 12, 16, 16, 8, 8, 16] * 40, gap_s=400.0)
+    scn = small_scenario(
+        memory_gib=32, steps=12, counts=[16, 16, 12, 12, 16, 16, 8, 8, 16] * 40, gap_s=400.0
+    )
     kept: dict[str, list[list[dict]]] = {}
     real = AdaptivePolicy._fresh
 
@@ -61,7 +67,10 @@ def test_every_name_maps_onto_the_planners_four():
         PolicySpec("sometimes")
     with pytest.raises(ConfigError, match="adapt.every_k"):
         PolicySpec("every-k", every_k=0)
-    assert PolicySpec("always").admission_gamma == math.inf and PolicySpec("payback", gamma=0.7).admission_gamma == 0.7
+    assert (
+        PolicySpec("always").admission_gamma == math.inf
+        and PolicySpec("payback", gamma=0.7).admission_gamma == 0.7
+    )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -79,7 +88,10 @@ def test_the_simulators_decisions_replay_identically(simulated, policy):
 
 def test_the_policies_decide_differently_on_the_same_run(simulated):
     _, _, kept = simulated
-    actions = {p: [(r["step"], r["action"], r["admitted"]) for s in kept[RUN_AS[p]] for r in s] for p in POLICIES}
+    actions = {
+        p: [(r["step"], r["action"], r["admitted"]) for s in kept[RUN_AS[p]] for r in s]
+        for p in POLICIES
+    }
     assert len({tuple(a) for a in actions.values()}) >= 2
 
 
@@ -87,10 +99,17 @@ def test_every_k_acts_on_soft_triggers_only_every_k_steps(simulated):
     _, _, kept = simulated
     for records in kept["every-k"]:
         for r in records:
-            soft_only = r["triggers"] and not r["lost"] and not r["drained"] and "memory" not in r["triggers"]
+            soft_only = (
+                r["triggers"]
+                and not r["lost"]
+                and not r["drained"]
+                and "memory" not in r["triggers"]
+            )
             if soft_only:
                 assert r["step"] % 3 == 0, r["step"]
-        assert any("periodic" in r["triggers"] for r in records if r["step"] % 3 == 0) or not records
+        assert (
+            any("periodic" in r["triggers"] for r in records if r["step"] % 3 == 0) or not records
+        )
 
 
 def test_static_never_changes_tp_or_pp(simulated):
@@ -112,10 +131,14 @@ def test_static_relieves_a_measured_failure_without_touching_tp_or_pp(simulated)
     before = rp.plan
     spec = PolicySpec("static")
     again = make_replanner(spec, rp.work, rp.cluster, plan=before, eff=rp.eff)
-    out = again.on_boundary(records[0]["step"] + 1, failed=True, transition_seconds=lambda a, b: 0.0)
+    out = again.on_boundary(
+        records[0]["step"] + 1, failed=True, transition_seconds=lambda a, b: 0.0
+    )
     assert out.decision.admitted and "memory" in [t.kind for t in out.triggers]
     after = out.plan
     assert [(n, sp.tp, sp.pp) for n, sp in after] == [(n, sp.tp, sp.pp) for n, sp in before]
-    assert after != before and all(a.waves >= b.waves and a.recompute >= b.recompute
-                                   for (_, a), (_, b) in zip(after, before, strict=True))
+    assert after != before and all(
+        a.waves >= b.waves and a.recompute >= b.recompute
+        for (_, a), (_, b) in zip(after, before, strict=True)
+    )
     assert relieved(before, rp.work, rp.cluster, rp.eff, must_fit=False)

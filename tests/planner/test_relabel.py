@@ -29,7 +29,13 @@ def _check_moved(target: Plan, got: Plan, per: int, devices: int) -> None:
     assert got.names == target.names
     onto: dict[int, int] = {}
     for (name, want), (_, sp) in zip(target, got, strict=True):
-        assert (sp.tp, sp.pp, sp.dp, sp.recompute, sp.waves) == (want.tp, want.pp, want.dp, want.recompute, want.waves)
+        assert (sp.tp, sp.pp, sp.dp, sp.recompute, sp.waves) == (
+            want.tp,
+            want.pp,
+            want.dp,
+            want.recompute,
+            want.waves,
+        )
         for a, b in zip(want.devices, sp.devices, strict=True):
             for x, y in zip(a, b, strict=True):
                 assert x % per == y % per, (name, x, y)  # the same place in the node
@@ -39,8 +45,14 @@ def _check_moved(target: Plan, got: Plan, per: int, devices: int) -> None:
 
 
 def test_a_plan_that_already_fits_the_current_devices_comes_back_unchanged():
-    work = Workload.for_models("ppo", model_preset("llama-8b"), prompts_per_step=256, samples_per_prompt=4,
-                               prompt_length=512, lengths=LengthStats(2048, 3686, 4096))
+    work = Workload.for_models(
+        "ppo",
+        model_preset("llama-8b"),
+        prompts_per_step=256,
+        samples_per_prompt=4,
+        prompt_length=512,
+        lengths=LengthStats(2048, 3686, 4096),
+    )
     cluster = cluster_preset("mi250x-1024")
     small = search(work, cluster, budget=512, alternatives=False).plan
     big = search(work, cluster, budget=1024, alternatives=False).plan
@@ -49,10 +61,18 @@ def test_a_plan_that_already_fits_the_current_devices_comes_back_unchanged():
 
 
 def test_a_target_laid_out_from_zero_moves_onto_the_nodes_the_job_uses():
-    current = Plan((("policy-generation", StagePlan.on_range(2, 1, 2, 8)),
-                    ("policy-training", StagePlan.on_range(4, 1, 1, 12))))
-    target = Plan((("policy-generation", StagePlan.on_range(2, 1, 4, 0)),
-                   ("policy-training", StagePlan.on_range(4, 1, 1, 8))))
+    current = Plan(
+        (
+            ("policy-generation", StagePlan.on_range(2, 1, 2, 8)),
+            ("policy-training", StagePlan.on_range(4, 1, 1, 12)),
+        )
+    )
+    target = Plan(
+        (
+            ("policy-generation", StagePlan.on_range(2, 1, 4, 0)),
+            ("policy-training", StagePlan.on_range(4, 1, 1, 8)),
+        )
+    )
     got = relabel(current, target, devices_per_node=4, devices=16)
     _check_moved(target, got, 4, 16)
     # generation keeps nodes 2 and 3's... its current node (2), training its node (3)
@@ -68,7 +88,12 @@ def test_lost_nodes_are_not_used_and_a_target_too_big_is_refused():
     _check_moved(target, got, 2, 6)
     assert got["policy-generation"].device_set <= {4, 5}
     with pytest.raises(ConfigError, match="must fit the 2 nodes available"):
-        relabel(current, Plan((("policy-generation", StagePlan.on_range(1, 1, 6, 0)),)), devices_per_node=2, devices=4)
+        relabel(
+            current,
+            Plan((("policy-generation", StagePlan.on_range(1, 1, 6, 0)),)),
+            devices_per_node=2,
+            devices=4,
+        )
     with pytest.raises(ConfigError, match="devices_per_node"):
         relabel(current, target, devices_per_node=0)
 
@@ -113,11 +138,21 @@ def test_a_pipeline_over_nodes_keeps_its_nodes_stage_for_stage_when_dp_doubles()
     # layout from zero, whose second replica overlaps the EMU (no disjoint source to
     # Extend from: the transition DAG fell back to a 1 x 1 T_sub that no device can hold)
     emu = (*range(12), *range(16, 20))
-    current = Plan((("policy-generation", StagePlan(4, 1, 4, ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11),
-                                                               (16, 17, 18, 19)))),
-                    ("policy-training", StagePlan(4, 4, 1, (emu,)))))
-    target = Plan((("policy-generation", StagePlan.on_range(4, 1, 8, 0)),
-                   ("policy-training", StagePlan.on_range(4, 4, 2, 0))))
+    current = Plan(
+        (
+            (
+                "policy-generation",
+                StagePlan(4, 1, 4, ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (16, 17, 18, 19))),
+            ),
+            ("policy-training", StagePlan(4, 4, 1, (emu,))),
+        )
+    )
+    target = Plan(
+        (
+            ("policy-generation", StagePlan.on_range(4, 1, 8, 0)),
+            ("policy-training", StagePlan.on_range(4, 4, 2, 0)),
+        )
+    )
     got = relabel(current, target, devices_per_node=4, devices=32)
     _check_moved(target, got, 4, 32)
     assert got["policy-training"].devices[0] == emu

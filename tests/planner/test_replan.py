@@ -13,12 +13,30 @@ from nereus.planner import ClusterSpec, LengthStats, ModelShape, Replanner, Work
 GiB = 2**30
 
 
-def _setup(nodes: int = 2, memory_gib: float = 16, mean: float = 1000) -> tuple[Workload, ClusterSpec]:
+def _setup(
+    nodes: int = 2, memory_gib: float = 16, mean: float = 1000
+) -> tuple[Workload, ClusterSpec]:
     model = ModelShape("m", 2048, 4, 16, 4, 32000, 6144)
-    work = Workload.for_models("grpo", model, prompts_per_step=8, samples_per_prompt=4, prompt_length=256,
-                               lengths=_lengths(mean), reward_model=False)
-    cluster = ClusterSpec("test", nodes, 4, int(memory_gib * GiB), 100e12, 1.5e12, 300e9, 25e9,
-                          workspace_bytes=GiB // 2)
+    work = Workload.for_models(
+        "grpo",
+        model,
+        prompts_per_step=8,
+        samples_per_prompt=4,
+        prompt_length=256,
+        lengths=_lengths(mean),
+        reward_model=False,
+    )
+    cluster = ClusterSpec(
+        "test",
+        nodes,
+        4,
+        int(memory_gib * GiB),
+        100e12,
+        1.5e12,
+        300e9,
+        25e9,
+        workspace_bytes=GiB // 2,
+    )
     return work, cluster
 
 
@@ -45,7 +63,9 @@ def test_shrinking_lengths_free_memory_rejected_then_reset_then_admitted():
     first = r.plan
     out = r.on_boundary(10, lengths=_lengths(1500), transition_seconds=never)
     assert [t.kind for t in out.triggers] == ["drift"]
-    assert out.decision.action == "keep" and "payback" in out.decision.reason  # saving > 0, too slow to repay
+    assert (
+        out.decision.action == "keep" and "payback" in out.decision.reason
+    )  # saving > 0, too slow to repay
     assert out.decision.saving_seconds > 0 and out.decision.limit_steps == pytest.approx(0.5 * 10)
     assert r.plan == first
     # the reference moved to 1500 although the replan was rejected: 1600 is no drift
@@ -80,7 +100,9 @@ def test_losing_a_node_is_urgent_and_restarts_when_no_transition_is_possible():
     # the node is back: a join is soft, taken up when the move pays back within gamma * H,
     # H the mean interval between pool changes, the first from the start (3 and 37 steps)
     out = r.on_boundary(40, cluster=cluster, transition_seconds=lambda c, t: 1.0)
-    assert [(t.kind, t.hard, t.info["detail"]) for t in out.triggers] == [("device-pool", False, "joined")]
+    assert [(t.kind, t.hard, t.info["detail"]) for t in out.triggers] == [
+        ("device-pool", False, "joined")
+    ]
     assert out.decision.action == "transition" and max(r.plan.devices) >= 4
     assert out.decision.limit_steps == pytest.approx(0.5 * (3 + 37) / 2)
 
@@ -89,10 +111,17 @@ def test_a_join_that_does_not_pay_back_soon_enough_is_kept_out():
     work, cluster = _setup(nodes=2)
     r = Replanner(work, cluster.with_nodes(1), join_horizon_steps=4)
     first = r.plan
-    out = r.on_boundary(2, cluster=cluster, joined=[4, 5, 6, 7], transition_seconds=lambda c, t: 1e6)
-    assert out.triggers[0].info == {"detail": "joined", "devices": [4, 5, 6, 7]} and not out.triggers[0].hard
+    out = r.on_boundary(
+        2, cluster=cluster, joined=[4, 5, 6, 7], transition_seconds=lambda c, t: 1e6
+    )
+    assert (
+        out.triggers[0].info == {"detail": "joined", "devices": [4, 5, 6, 7]}
+        and not out.triggers[0].hard
+    )
     assert out.decision.action == "keep" and r.plan == first
-    assert out.decision.limit_steps == pytest.approx(0.5 * 4)  # the initial horizon: one change seen
+    assert out.decision.limit_steps == pytest.approx(
+        0.5 * 4
+    )  # the initial horizon: one change seen
 
 
 def test_the_replanner_starts_from_the_jobs_plan_and_drained_devices_are_urgent():
@@ -104,16 +133,35 @@ def test_the_replanner_starts_from_the_jobs_plan_and_drained_devices_are_urgent(
     assert r.plan == mine
     # device 2 is drained: the caller renumbers the plan onto the 3 devices left, the
     # drained one beyond them
-    shrunk = Plan(tuple((n, StagePlan(1, 1, 1, ((3,),) if sp.devices == ((2,),) else sp.devices))
-                        for n, sp in mine))
-    small = ClusterSpec("three", 1, 3, cluster.device_memory_bytes, 100e12, 1.5e12, 300e9, 25e9,
-                        workspace_bytes=GiB // 2)
+    shrunk = Plan(
+        tuple(
+            (n, StagePlan(1, 1, 1, ((3,),) if sp.devices == ((2,),) else sp.devices))
+            for n, sp in mine
+        )
+    )
+    small = ClusterSpec(
+        "three",
+        1,
+        3,
+        cluster.device_memory_bytes,
+        100e12,
+        1.5e12,
+        300e9,
+        25e9,
+        workspace_bytes=GiB // 2,
+    )
     out = r.on_boundary(1, cluster=small, plan=shrunk, drained=[2], transition_seconds=free)
-    assert [(t.kind, t.hard, t.info["detail"]) for t in out.triggers][0] == ("device-pool", True, "drained")
+    assert [(t.kind, t.hard, t.info["detail"]) for t in out.triggers][0] == (
+        "device-pool",
+        True,
+        "drained",
+    )
     assert out.decision.action == "transition" and max(r.plan.devices) < 3
     # a soft trigger right after is left alone: min_steps_between
     out = r.on_boundary(2, lengths=_lengths(2000), transition_seconds=free)
-    assert [t.kind for t in out.triggers] == ["drift"] and "min_steps_between" in out.decision.reason
+    assert [t.kind for t in out.triggers] == [
+        "drift"
+    ] and "min_steps_between" in out.decision.reason
 
 
 def test_no_plan_left_raises():
@@ -128,7 +176,9 @@ def test_measured_stage_times_recalibrate_the_prediction():
     work, cluster = _setup()
     r = Replanner(work, cluster)
     ex = r.explain_current()
-    slower = {s.name: 2.0 * s.cost.seconds for s in ex.stages}  # everything runs at half the assumed efficiency
+    slower = {
+        s.name: 2.0 * s.cost.seconds for s in ex.stages
+    }  # everything runs at half the assumed efficiency
     for _ in range(3):
         r.observe_stage_seconds(slower)
     assert r.explain_current().step_seconds == pytest.approx(2.0 * ex.step_seconds, rel=0.02)

@@ -29,8 +29,12 @@ def recorded() -> list[dict]:
 
 def decided(outcome) -> tuple:
     d = outcome.decision
-    return ([t.kind for t in outcome.triggers], d.action, d.admitted,
-            d.target.plan.to_dict() if d.target is not None else None)
+    return (
+        [t.kind for t in outcome.triggers],
+        d.action,
+        d.admitted,
+        d.target.plan.to_dict() if d.target is not None else None,
+    )
 
 
 def test_the_recorded_run_replays_decision_for_decision():
@@ -44,7 +48,10 @@ def test_the_recorded_run_replays_decision_for_decision():
     assert {"memory", "drift", "device-pool"} <= kinds
     # the urgent ones were taken; a memory trigger came before the cap that needed it
     memory = next(r for r in records if "memory" in r["triggers"])
-    assert memory["admitted"] and memory["work"]["memory_lengths"]["max"] > memory["work"]["lengths"]["max"]
+    assert (
+        memory["admitted"]
+        and memory["work"]["memory_lengths"]["max"] > memory["work"]["lengths"]["max"]
+    )
     drained = next(r for r in records if r["drained"])
     assert drained["admitted"]
 
@@ -59,7 +66,7 @@ def test_a_rejected_drift_resets_the_reference_and_does_not_fire_again_until_len
     mean = records[i]["work"]["lengths"]["mean"]
     assert signal.reference == pytest.approx(mean) and signal.reference_step == records[i]["step"]
     # until the next drift trigger, lengths stay within the threshold of the new reference
-    for r in records[i + 1:]:
+    for r in records[i + 1 :]:
         moved = abs(r["work"]["lengths"]["mean"] - mean) / mean
         if "drift" in r["triggers"]:
             assert moved > signal.threshold
@@ -102,9 +109,19 @@ def test_records_round_trip_as_plain_data():
     assert workload_to_dict(work) == records[0]["work"]
     rp, outcomes = replay(records[:1])
     init = records[0]["replanner"]
-    again = boundary_record(rp, outcomes[0], eff=rp.eff, priced={Plan.from_dict(p): s for p, s in records[0]["priced"]},
-                            first=True, initial=(workload_from_dict(init["work"]), rp.cluster, Plan.from_dict(init["plan"]),
-                                                 rp.eff))
+    again = boundary_record(
+        rp,
+        outcomes[0],
+        eff=rp.eff,
+        priced={Plan.from_dict(p): s for p, s in records[0]["priced"]},
+        first=True,
+        initial=(
+            workload_from_dict(init["work"]),
+            rp.cluster,
+            Plan.from_dict(init["plan"]),
+            rp.eff,
+        ),
+    )
     json.dumps(again)  # JSON safe
     for key in ("step", "triggers", "action", "admitted", "target", "work", "plan"):
         assert again[key] == records[0][key], key

@@ -21,9 +21,18 @@ GiB = 2**30
 
 def _setup() -> tuple[Workload, ClusterSpec]:
     model = ModelShape("m", 2048, 4, 16, 4, 32000, 6144)
-    work = Workload.for_models("grpo", model, prompts_per_step=8, samples_per_prompt=4, prompt_length=256,
-                               lengths=LengthStats(1000, 1800, 2000), reward_model=False)
-    cluster = ClusterSpec("test", 4, 4, 16 * GiB, 100e12, 1.5e12, 300e9, 25e9, workspace_bytes=GiB // 2)
+    work = Workload.for_models(
+        "grpo",
+        model,
+        prompts_per_step=8,
+        samples_per_prompt=4,
+        prompt_length=256,
+        lengths=LengthStats(1000, 1800, 2000),
+        reward_model=False,
+    )
+    cluster = ClusterSpec(
+        "test", 4, 4, 16 * GiB, 100e12, 1.5e12, 300e9, 25e9, workspace_bytes=GiB // 2
+    )
     return work, cluster
 
 
@@ -31,8 +40,14 @@ def _plan(work: Workload) -> Plan:
     # generation alone on devices 0-3 (tp 2, 2 replicas), the rest together on 4-7
     out = []
     for s in work.stages:
-        out.append((s.name, StagePlan.on_range(2, 1, 2, 0, waves=2) if s.kind == "generation"
-                    else StagePlan.on_range(2, 2, 1, 4, recompute=s.kind == "training")))
+        out.append(
+            (
+                s.name,
+                StagePlan.on_range(2, 1, 2, 0, waves=2)
+                if s.kind == "generation"
+                else StagePlan.on_range(2, 2, 1, 4, recompute=s.kind == "training"),
+            )
+        )
     return Plan(tuple(out))
 
 
@@ -45,7 +60,11 @@ def test_rescaling_keeps_tp_pp_recompute_pools_and_concurrency():
     assert grown is not None and len(grown.devices) == 16
     for name, sp in grown:
         old = plan[name]
-        assert (sp.tp, sp.pp, sp.recompute) == (old.tp, old.pp, old.recompute) and sp.dp == 2 * old.dp
+        assert (sp.tp, sp.pp, sp.recompute) == (
+            old.tp,
+            old.pp,
+            old.recompute,
+        ) and sp.dp == 2 * old.dp
     gen = next(s.name for s in work.stages if s.kind == "generation")
     # the engine's concurrency is kept: twice the replicas decode their sequences in one wave
     assert grown[gen].waves == 1
@@ -53,7 +72,9 @@ def test_rescaling_keeps_tp_pp_recompute_pools_and_concurrency():
     others = [n for n, _ in grown if n != gen]
     assert len({grown[n].device_set for n in others}) == 1
     assert not grown[gen].device_set & grown[others[0]].device_set
-    assert rescaled(plan, work, cluster.with_nodes(1)) is None  # 2 devices a pool cannot hold tp 2 x pp 2 and tp 2 x 2
+    assert (
+        rescaled(plan, work, cluster.with_nodes(1)) is None
+    )  # 2 devices a pool cannot hold tp 2 x pp 2 and tp 2 x 2
 
 
 def test_a_join_takes_the_rescaled_layout_when_the_best_plan_cannot_be_reached():
@@ -64,14 +85,20 @@ def test_a_join_takes_the_rescaled_layout_when_the_best_plan_cannot_be_reached()
 
     def only_dp_moves(cur: Plan, tgt: Plan) -> float:
         # a move that changes some model-stage's TP, PP or recompute is impossible here
-        same = all((cur[n].tp, cur[n].pp, cur[n].recompute) == (sp.tp, sp.pp, sp.recompute) for n, sp in tgt)
+        same = all(
+            (cur[n].tp, cur[n].pp, cur[n].recompute) == (sp.tp, sp.pp, sp.recompute)
+            for n, sp in tgt
+        )
         return 1.0 if same else math.inf
 
-    out = r.on_boundary(3, cluster=cluster, joined=list(range(8, 16)), transition_seconds=only_dp_moves)
+    out = r.on_boundary(
+        3, cluster=cluster, joined=list(range(8, 16)), transition_seconds=only_dp_moves
+    )
     assert out.decision.action == "transition", out.decision.reason
     assert out.decision.target.label == "rescaled"
     assert len(r.plan.devices) > 8 and all(
-        (r.plan[n].tp, r.plan[n].pp) == (plan[n].tp, plan[n].pp) for n, _ in plan)
+        (r.plan[n].tp, r.plan[n].pp) == (plan[n].tp, plan[n].pp) for n, _ in plan
+    )
     assert explain(r.plan, work, cluster).step_seconds < explain(plan, work, small).step_seconds
 
 
@@ -81,10 +108,15 @@ def test_a_compromise_move_is_followed_up_at_the_next_boundary():
     r = Replanner(work, small, plan=_plan(work), join_horizon_steps=20)
 
     def only_dp_moves(cur: Plan, tgt: Plan) -> float:
-        same = all((cur[n].tp, cur[n].pp, cur[n].recompute) == (sp.tp, sp.pp, sp.recompute) for n, sp in tgt)
+        same = all(
+            (cur[n].tp, cur[n].pp, cur[n].recompute) == (sp.tp, sp.pp, sp.recompute)
+            for n, sp in tgt
+        )
         return 1.0 if same else math.inf
 
-    out = r.on_boundary(3, cluster=cluster, joined=list(range(8, 16)), transition_seconds=only_dp_moves)
+    out = r.on_boundary(
+        3, cluster=cluster, joined=list(range(8, 16)), transition_seconds=only_dp_moves
+    )
     assert out.decision.target.label == "rescaled" and r.pending is not None
     # nothing else fires at the next boundary; the Replanner searches again from the new plan
     out = r.on_boundary(4, transition_seconds=only_dp_moves)
@@ -104,9 +136,20 @@ def test_devices_that_rounding_leaves_idle_go_to_the_pool_it_served_worst():
     gen = next(s.name for s in work.stages if s.kind == "generation")
     # generation alone on 1 device, the rest together on 2: 3 devices rescaled to 4 give
     # shares of 1.33 and 2.67, rounded to 1 and 2; the idle device goes to generation
-    plan = Plan(tuple((s.name, StagePlan.on_range(1, 1, 1, 2) if s.kind == "generation"
-                       else StagePlan.on_range(1, 1, 2, 0)) for s in work.stages))
-    four = ClusterSpec("test", 1, 4, 16 * GiB, 100e12, 1.5e12, 300e9, 25e9, workspace_bytes=GiB // 2)
+    plan = Plan(
+        tuple(
+            (
+                s.name,
+                StagePlan.on_range(1, 1, 1, 2)
+                if s.kind == "generation"
+                else StagePlan.on_range(1, 1, 2, 0),
+            )
+            for s in work.stages
+        )
+    )
+    four = ClusterSpec(
+        "test", 1, 4, 16 * GiB, 100e12, 1.5e12, 300e9, 25e9, workspace_bytes=GiB // 2
+    )
     grown = rescaled(plan, work, four)
     assert grown is not None and len(grown.devices) == 4
     assert grown[gen].dp == 2 and all(sp.dp == 2 for n, sp in grown if n != gen)

@@ -27,9 +27,15 @@ GiB = 2**30
 
 def _cluster(nodes: int, per_node: int, memory_gib: float, inter: float = 25e9) -> ClusterSpec:
     return ClusterSpec(
-        name=f"test-{nodes}x{per_node}", nodes=nodes, devices_per_node=per_node,
-        device_memory_bytes=int(memory_gib * GiB), peak_flops=100e12, memory_bandwidth=1.5e12,
-        intra_node_bandwidth=300e9, inter_node_bandwidth=inter, workspace_bytes=GiB // 4,
+        name=f"test-{nodes}x{per_node}",
+        nodes=nodes,
+        devices_per_node=per_node,
+        device_memory_bytes=int(memory_gib * GiB),
+        peak_flops=100e12,
+        memory_bandwidth=1.5e12,
+        intra_node_bandwidth=300e9,
+        inter_node_bandwidth=inter,
+        workspace_bytes=GiB // 4,
     )
 
 
@@ -37,11 +43,26 @@ def _model(layers: int, hidden: int = 2048, heads: int = 16) -> ModelShape:
     return ModelShape(f"m{layers}x{hidden}", hidden, layers, heads, 4, 32000, hidden * 3)
 
 
-def _work(algo: str, model: ModelShape, *, prompts: int = 8, samples: int = 4, length: int = 2048,
-          reward: bool = True, micro: int = 1) -> Workload:
-    return Workload.for_models(algo, model, prompts_per_step=prompts, samples_per_prompt=samples, prompt_length=256,
-                               lengths=LengthStats(length * 0.5, length * 0.9, length), reward_model=reward,
-                               micro_batch=micro)
+def _work(
+    algo: str,
+    model: ModelShape,
+    *,
+    prompts: int = 8,
+    samples: int = 4,
+    length: int = 2048,
+    reward: bool = True,
+    micro: int = 1,
+) -> Workload:
+    return Workload.for_models(
+        algo,
+        model,
+        prompts_per_step=prompts,
+        samples_per_prompt=samples,
+        prompt_length=256,
+        lengths=LengthStats(length * 0.5, length * 0.9, length),
+        reward_model=reward,
+        micro_batch=micro,
+    )
 
 
 def _check_optimal(work: Workload, cluster: ClusterSpec, eff=CONSERVATIVE) -> None:
@@ -52,7 +73,10 @@ def _check_optimal(work: Workload, cluster: ClusterSpec, eff=CONSERVATIVE) -> No
             search(work, cluster, eff)
         return
     got = search(work, cluster, eff)
-    assert got.step_seconds == pytest.approx(want, rel=1e-9), (got.plan.describe(), want_plan.describe())
+    assert got.step_seconds == pytest.approx(want, rel=1e-9), (
+        got.plan.describe(),
+        want_plan.describe(),
+    )
     ex = explain(got.plan, work, cluster, eff)
     assert ex.fits, [m.device for m in ex.violations]
     assert ex.step_seconds == pytest.approx(got.step_seconds, rel=1e-9)
@@ -78,7 +102,9 @@ def test_ppo_six_model_stages_on_eight_devices_matches_brute_force():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("memory_gib", [2, 8])
 def test_grpo_on_thirty_two_devices_matches_brute_force(memory_gib):
-    _check_optimal(_work("grpo", _big(2), prompts=8, samples=4, reward=False), _cluster(4, 8, memory_gib))
+    _check_optimal(
+        _work("grpo", _big(2), prompts=8, samples=4, reward=False), _cluster(4, 8, memory_gib)
+    )
 
 
 @pytest.mark.timeout(120)
@@ -87,7 +113,10 @@ def test_calibrated_memory_scale_is_part_of_the_same_optimum():
     eff = CONSERVATIVE.replace(memory_scale=3.0)
     work = _work("grpo", _big(2), prompts=8, samples=4, reward=False)
     _check_optimal(work, _cluster(4, 8, 2), eff)
-    assert search(work, _cluster(4, 8, 2), eff).step_seconds > search(work, _cluster(4, 8, 2)).step_seconds
+    assert (
+        search(work, _cluster(4, 8, 2), eff).step_seconds
+        > search(work, _cluster(4, 8, 2)).step_seconds
+    )
 
 
 @pytest.mark.timeout(120)
@@ -109,16 +138,27 @@ def test_remax_with_pipeline_layouts_matches_brute_force(memory_gib):
     inter=st.sampled_from([5e9, 50e9]),
 )
 @pytest.mark.timeout(300)
-def test_random_small_clusters_match_brute_force(algo, reward, layers, nodes, per_node, memory_gib, length, inter):
+def test_random_small_clusters_match_brute_force(
+    algo, reward, layers, nodes, per_node, memory_gib, length, inter
+):
     work = _work(algo, _big(layers), prompts=4, samples=2, length=length, reward=reward)
     _check_optimal(work, _cluster(nodes, per_node, memory_gib, inter))
 
 
 def test_no_returned_plan_breaks_memory_at_scale():
-    for cluster, model in [(cluster_preset("a100-256"), "llama-8b"), (cluster_preset("h200-64"), "llama-70b"),
-                           (cluster_preset("mi250x-1024"), "llama-70b")]:
-        work = Workload.for_models("ppo", model_preset(model), prompts_per_step=256, samples_per_prompt=4,
-                                   prompt_length=512, lengths=LengthStats(2048, 3600, 4096))
+    for cluster, model in [
+        (cluster_preset("a100-256"), "llama-8b"),
+        (cluster_preset("h200-64"), "llama-70b"),
+        (cluster_preset("mi250x-1024"), "llama-70b"),
+    ]:
+        work = Workload.for_models(
+            "ppo",
+            model_preset(model),
+            prompts_per_step=256,
+            samples_per_prompt=4,
+            prompt_length=512,
+            lengths=LengthStats(2048, 3600, 4096),
+        )
         got = search(work, cluster)
         ex = explain(got.plan, work, cluster)
         assert ex.fits
@@ -130,8 +170,14 @@ def test_no_returned_plan_breaks_memory_at_scale():
 
 
 def test_infeasible_when_nothing_fits_names_the_budget():
-    work = Workload.for_models("ppo", model_preset("llama-70b"), prompts_per_step=8, samples_per_prompt=1,
-                               prompt_length=512, lengths=LengthStats(512, 900, 1024))
+    work = Workload.for_models(
+        "ppo",
+        model_preset("llama-70b"),
+        prompts_per_step=8,
+        samples_per_prompt=1,
+        prompt_length=512,
+        lengths=LengthStats(512, 900, 1024),
+    )
     with pytest.raises(InfeasiblePlan, match="8 devices"):
         search(work, cluster_preset("h100-8"))
 

@@ -36,7 +36,11 @@ def _gae_reference(rewards, values, mask, gamma, lam):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.integers(1, 4), st.integers(1, 7), st.floats(0.5, 1.0), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1)
+    st.integers(1, 4),
+    st.integers(1, 7),
+    st.floats(0.5, 1.0),
+    st.floats(0.0, 1.0),
+    st.integers(0, 2**31 - 1),
 )
 def test_gae_matches_reference(B, T, gamma, lam, seed):
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +48,10 @@ def test_gae_matches_reference(B, T, gamma, lam, seed):
     values = torch.randn(B, T, generator=g, dtype=torch.float64)
     mask = (torch.rand(B, T, generator=g) > 0.3).double()
     adv, ret = gae(rewards, values, mask, gamma, lam)
-    ref = torch.tensor(_gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam), dtype=torch.float64)
+    ref = torch.tensor(
+        _gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam),
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(adv, ref)
     torch.testing.assert_close(ret, (ref + values) * mask)
 
@@ -61,7 +68,9 @@ def test_token_rewards_put_the_score_on_the_last_response_token():
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     kl = torch.full((3, 4), 0.5)
     r = token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask, kl, kl_coef=0.1)
-    expected = torch.tensor([[0.0, -0.05, 0.95, 0.0], [-0.05, -0.05, -0.05, 1.95], [0.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor(
+        [[0.0, -0.05, 0.95, 0.0], [-0.05, -0.05, -0.05, 1.95], [0.0, 0.0, 0.0, 0.0]]
+    )
     torch.testing.assert_close(r, expected)
 
 
@@ -87,13 +96,18 @@ def test_grpo_advantages_are_normalised_per_group():
     adv = grpo_advantages(scores, group_size=4)
     assert adv[:4].mean().abs() < 1e-6 and adv[:4].std() == pytest.approx(1.0, rel=1e-4)
     assert torch.all(adv[4:] == 0)
-    torch.testing.assert_close(grpo_advantages(scores, 4, scale_by_std=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    torch.testing.assert_close(
+        grpo_advantages(scores, 4, scale_by_std=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5])
+    )
     with pytest.raises(ConfigError, match="group_size=3"):
         grpo_advantages(scores, 3)
 
 
 def test_remax_and_whiten():
-    torch.testing.assert_close(remax_advantages(torch.tensor([1.0, 0.2]), torch.tensor([0.5, 0.5])), torch.tensor([0.5, -0.3]))
+    torch.testing.assert_close(
+        remax_advantages(torch.tensor([1.0, 0.2]), torch.tensor([0.5, 0.5])),
+        torch.tensor([0.5, -0.3]),
+    )
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     w = masked_whiten(x, m)

@@ -51,7 +51,9 @@ def test_kl_loss_term_and_masking():
     loss.backward()
     assert lp.grad[0, 0] == 0  # prompt token carries no loss
     with pytest.raises(ConfigError, match="must contain 'ref_logprobs'"):
-        policy_loss({"logprobs": lp}, {k: v for k, v in batch.items() if k != "ref_logprobs"}, kl_coef=0.1)
+        policy_loss(
+            {"logprobs": lp}, {k: v for k, v in batch.items() if k != "ref_logprobs"}, kl_coef=0.1
+        )
 
 
 def test_value_clipping_takes_the_pessimistic_error():
@@ -63,7 +65,11 @@ def test_value_clipping_takes_the_pessimistic_error():
     assert loss.item() == pytest.approx(0.5 * (0.64 + 1.0) / 2)
     loss.backward()
     torch.testing.assert_close(v.grad, torch.tensor([[0.0, 0.5]]))  # clipped branch has no grad
-    unclipped, _ = value_loss({"values": v.detach()}, {"old_values": old, "returns": ret, "response_mask": torch.ones(1, 2)}, value_clip=None)
+    unclipped, _ = value_loss(
+        {"values": v.detach()},
+        {"old_values": old, "returns": ret, "response_mask": torch.ones(1, 2)},
+        value_clip=None,
+    )
     assert float(unclipped) == pytest.approx(0.5 * (0.25 + 1.0) / 2)
 
 

@@ -31,8 +31,14 @@ def small_cluster(memory_gib: float = 14.0, nodes: int = 4) -> ClusterSpec:
 
 
 def small_work() -> Workload:
-    return Workload.for_models("ppo", model_preset("llama-1b"), prompts_per_step=32, samples_per_prompt=4,
-                               prompt_length=256, lengths=LengthStats(200, 200, 200))
+    return Workload.for_models(
+        "ppo",
+        model_preset("llama-1b"),
+        prompts_per_step=32,
+        samples_per_prompt=4,
+        prompt_length=256,
+        lengths=LengthStats(200, 200, 200),
+    )
 
 
 def small_params() -> TruthParams:
@@ -43,8 +49,16 @@ def small_params() -> TruthParams:
     return TruthParams(tables, params.sources)
 
 
-def small_scenario(*, memory_gib: float = 14.0, steps: int = 24, seed: int = 3, counts: list[int] | None = None,
-                   gap_s: float = 60.0, lengths: str = "growth:200:3000", caps: str | None = None) -> Scenario:
+def small_scenario(
+    *,
+    memory_gib: float = 14.0,
+    steps: int = 24,
+    seed: int = 3,
+    counts: list[int] | None = None,
+    gap_s: float = 60.0,
+    lengths: str = "growth:200:3000",
+    caps: str | None = None,
+) -> Scenario:
     """``caps``: a cap schedule of the length trace (``stepped``, ``fixed``); None: one
     cap of 8,192 tokens."""
     cluster = small_cluster(memory_gib)
@@ -52,6 +66,12 @@ def small_scenario(*, memory_gib: float = 14.0, steps: int = 24, seed: int = 3, 
     devices = SpotTrace(counts if counts is not None else COUNTS, gap_s, cluster, 1.0, seed=seed)
     trace = length_trace(lengths, steps)
     schedule = cap_schedule(caps, trace) if caps else None
-    truth = GroundTruth(small_params(), cluster, work, max_length=None if schedule else 8192, caps=schedule,
-                        seed=seed)
+    truth = GroundTruth(
+        small_params(),
+        cluster,
+        work,
+        max_length=None if schedule else 8192,
+        caps=schedule,
+        seed=seed,
+    )
     return Scenario(cluster, work, devices, trace, steps, truth)

@@ -19,9 +19,28 @@ def spot(tmp_path_factory):
 
 
 def _args(spot: str, *extra: str) -> list[str]:
-    return ["simulate", "--cluster", "h100-8", "--model", "llama-1b", "--algo", "grpo", "--gpus-trace", spot,
-            "--pool-scale", "0.5", "--length-trace", "growth:300:2000", "--steps", "5", "--prompts", "16",
-            "--policies", "adaptive,static,colocated", *extra]
+    return [
+        "simulate",
+        "--cluster",
+        "h100-8",
+        "--model",
+        "llama-1b",
+        "--algo",
+        "grpo",
+        "--gpus-trace",
+        spot,
+        "--pool-scale",
+        "0.5",
+        "--length-trace",
+        "growth:300:2000",
+        "--steps",
+        "5",
+        "--prompts",
+        "16",
+        "--policies",
+        "adaptive,static,colocated",
+        *extra,
+    ]
 
 
 def test_simulate_prints_the_table_and_writes_json_and_png(spot, tmp_path, capsys):
@@ -32,7 +51,13 @@ def test_simulate_prints_the_table_and_writes_json_and_png(spot, tmp_path, capsy
     data = json.loads(out_json.read_text())
     assert [d["policy"] for d in data] == ["adaptive", "static", "colocated"]
     for d in data:
-        assert {"policy", "mean_step_s", "transitions", "transition_overhead_pct", "memory_failures"} <= set(d)
+        assert {
+            "policy",
+            "mean_step_s",
+            "transitions",
+            "transition_overhead_pct",
+            "memory_failures",
+        } <= set(d)
         assert d["simulated"] is True and d["steps"] == 5
     assert {"reduction_vs_static", "reduction_vs_best_baseline"} <= set(data[0])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -49,7 +74,9 @@ def test_the_oracle_is_printed_and_written_as_a_reference(spot, tmp_path, capsys
     assert data["adaptive"]["best_baseline"] == "static"
 
 
-def test_plot_without_matplotlib_is_a_clear_error_after_the_json(spot, tmp_path, capsys, monkeypatch):
+def test_plot_without_matplotlib_is_a_clear_error_after_the_json(
+    spot, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     out_json = tmp_path / "r.json"
     code = nereus_main(_args(spot, "--json", str(out_json), "--plot", str(tmp_path / "r.png")))
@@ -64,7 +91,10 @@ def test_bad_arguments_name_the_flag(spot, capsys):
     assert "policies" in capsys.readouterr().err
     assert nereus_main(_args(spot, "--cap-schedule", "doubling")) == 2
     assert "cap_schedule='doubling'" in capsys.readouterr().err
-    assert nereus_main(["simulate", "--gpus-trace", "growth:8:8", "--length-trace", "nothing.json"]) == 2
+    assert (
+        nereus_main(["simulate", "--gpus-trace", "growth:8:8", "--length-trace", "nothing.json"])
+        == 2
+    )
     assert "--length-trace='nothing.json'" in capsys.readouterr().err
 
 

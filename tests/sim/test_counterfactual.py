@@ -39,11 +39,19 @@ class _AdmitOnce(AdaptivePolicy):
 
 def _run(policy_of) -> dict[int, float]:
     scn = small_scenario(memory_gib=24, steps=24)
-    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds), scn.caps)
+    ctx = _Ctx(
+        scn.work,
+        scn.cluster,
+        Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds),
+        scn.caps,
+    )
     seen: dict[int, tuple[float, float]] = {}
 
     def on_step(record, result):
-        seen[record.step] = (record.start_s + record.seconds - result.paused_s, result.wasted_s + result.restart_s)
+        seen[record.step] = (
+            record.start_s + record.seconds - result.paused_s,
+            result.wasted_s + result.restart_s,
+        )
 
     result = run_policy(scn, policy_of(ctx), on_step=on_step)
     return seen, result
@@ -76,7 +84,9 @@ def test_each_delta_is_the_run_that_admitted_at_that_boundary(report):
     assert rep.failed_branches == 0
     adaptive, _ = _run(AdaptivePolicy)
     for row in rep.rows:
-        assert row.action == "keep" and row.payback_steps > row.limit_steps  # what adaptive turned down
+        assert (
+            row.action == "keep" and row.payback_steps > row.limit_steps
+        )  # what adaptive turned down
         admitted, _ = _run(lambda ctx, at=row.step: _AdmitOnce(ctx, at))
         end = row.step + HORIZON
         assert row.delta_s == pytest.approx(admitted[end][0] - adaptive[end][0])

@@ -16,7 +16,9 @@ from tests.sim.helpers import small_scenario
 @pytest.fixture(scope="module")
 def runs():
     scn = small_scenario(memory_gib=24, steps=20)
-    return scn, {r.policy: r for r in run_policies(scn, ("adaptive", "static", "every-k", "oracle"))}
+    return scn, {
+        r.policy: r for r in run_policies(scn, ("adaptive", "static", "every-k", "oracle"))
+    }
 
 
 def test_the_oracle_runs_every_step_and_pays_only_for_steps(runs):
@@ -64,12 +66,17 @@ def test_each_step_takes_the_fastest_candidate_of_the_real_search_told_the_truth
         truth_lengths = scn.truth.lengths(step, scn.lengths.mean_at(step))
         assert work.lengths == truth_lengths  # the step's sampled lengths, not the previous step's
         assert work.memory_lengths is not None and work.memory_lengths.max == truth_lengths.max
-        devices = tuple(d for n in sorted(scn.devices.nodes_at(record.start_s, step))
-                        for d in range(n * per, (n + 1) * per))
+        devices = tuple(
+            d
+            for n in sorted(scn.devices.nodes_at(record.start_s, step))
+            for d in range(n * per, (n + 1) * per)
+        )
         assert cluster.num_devices == len(devices)  # the pool at the step's boundary
         pool = DevicePool.of(devices)
-        times = [scn.truth.step(pool.to_devices(p), step, scn.lengths.mean_at(step))
-                 for p in [found.plan] + [a.plan for a in found.alternatives]]
+        times = [
+            scn.truth.step(pool.to_devices(p), step, scn.lengths.mean_at(step))
+            for p in [found.plan] + [a.plan for a in found.alternatives]
+        ]
         assert record.seconds == min(t.seconds for t in times if not t.failed)
 
 
@@ -78,12 +85,16 @@ def test_each_run_is_matched_with_the_oracle_on_its_own_steps_pools_and_draws(ru
     fresh = Oracle(scn)
     for name in ("adaptive", "static", "every-k"):
         r = by[name]
-        assert {rec.pool for rec in r.records} and all(len(rec.pool) == rec.devices for rec in r.records)
+        assert {rec.pool for rec in r.records} and all(
+            len(rec.pool) == rec.devices for rec in r.records
+        )
         expected = sum(fresh.best(rec.step, rec.pool, rec.attempt)[1].seconds for rec in r.records)
         assert r.oracle_compute_s == pytest.approx(expected)
         assert r.to_dict()["plan_gap"] == pytest.approx(r.compute_s / expected - 1)
     # some step of the scenario was redone (a loss inside it), so the draw matters
-    assert any(rec.attempt > 0 for name in ("adaptive", "static", "every-k") for rec in by[name].records)
+    assert any(
+        rec.attempt > 0 for name in ("adaptive", "static", "every-k") for rec in by[name].records
+    )
     # matched with itself, the oracle is its own compute
     assert matched_compute(fresh, by["oracle"]) == pytest.approx(by["oracle"].compute_s)
     assert by["oracle"].oracle_compute_s is None
@@ -93,8 +104,12 @@ def test_the_oracle_row_is_a_reference_never_a_baseline(runs):
     scn, by = runs
     data = {d["policy"]: d for d in rows(list(by.values()))}
     assert data["oracle"]["reference"] is True
-    assert data["oracle"]["reduction_vs_static"] == pytest.approx(1 - by["oracle"].mean_step_s / by["static"].mean_step_s)
+    assert data["oracle"]["reduction_vs_static"] == pytest.approx(
+        1 - by["oracle"].mean_step_s / by["static"].mean_step_s
+    )
     assert data["adaptive"]["best_baseline"] != "oracle"
     static, oracle, adaptive = (by[p].mean_step_s for p in ("static", "oracle", "adaptive"))
-    assert data["adaptive"]["share_of_oracle_headroom"] == pytest.approx((static - adaptive) / (static - oracle))
+    assert data["adaptive"]["share_of_oracle_headroom"] == pytest.approx(
+        (static - adaptive) / (static - oracle)
+    )
     assert "reference" not in data["adaptive"]

@@ -28,8 +28,14 @@ def test_the_cluster_job_and_pool_are_the_papers(scenario):
     assert (c.num_devices, c.devices_per_node, c.device_memory_bytes) == (32, 4, 64 * 2**30)
     assert c.inter_node_bandwidth == pytest.approx(4 * 12.5e9)  # 4 x HDR100 a node
     assert scn.steps == 26 and scn.work.algorithm == "ppo"
-    shapes = {name: (m.hidden_size, m.num_layers, m.intermediate_size) for name, m in scn.work.models.items()}
-    assert set(shapes) == {"policy", "reference", "critic", "reward"} and len(set(shapes.values())) == 1
+    shapes = {
+        name: (m.hidden_size, m.num_layers, m.intermediate_size)
+        for name, m in scn.work.models.items()
+    }
+    assert (
+        set(shapes) == {"policy", "reference", "critic", "reward"}
+        and len(set(shapes.values())) == 1
+    )
     sizes = {len(scn.devices.nodes_at(300.0 * tick, 0)) * 4 for tick in range(2000)}
     assert min(sizes) >= 8 and max(sizes) <= 32 and len(sizes) >= 3
 
@@ -37,7 +43,10 @@ def test_the_cluster_job_and_pool_are_the_papers(scenario):
 def test_the_traces_mean_and_p95_at_start_and_end_are_within_5pct_of_the_papers(scenario):
     _, scn = scenario
     # the trace as rescaled
-    for got, want in ((edge_stats(scn.lengths.means), PAPER_MEAN), (edge_stats(scn.lengths.p95s), PAPER_P95)):
+    for got, want in (
+        (edge_stats(scn.lengths.means), PAPER_MEAN),
+        (edge_stats(scn.lengths.p95s), PAPER_P95),
+    ):
         assert got == pytest.approx(want, rel=0.05)
     # the lengths the ground truth generates from it (1,024 responses a step)
     sampled = [scn.truth.lengths(s, scn.lengths.mean_at(s)) for s in range(scn.steps)]
@@ -60,8 +69,13 @@ def test_the_pairs_were_fixed_in_the_preset():
     assert [(t.lengths, t.spot, t.offset_ticks) for t in p.pairs] == [
         ("softgrpo-llama3.2-3b-grpo", "us-east-2b_v100_1", 0),
         ("rasbt-qwen3-0.6b-base-grpo-clip", "us-west-2a_v100_1", 0),
-        ("areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning", "us-east-2b_v100_1", 1600)]
-    assert p.policies == ("adaptive", "every-k", "dynarl", "static", "oracle") and p.k == 3 and p.gamma == 0.5
+        ("areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning", "us-east-2b_v100_1", 1600),
+    ]
+    assert (
+        p.policies == ("adaptive", "every-k", "dynarl", "static", "oracle")
+        and p.k == 3
+        and p.gamma == 0.5
+    )
 
 
 def test_an_unknown_preset_or_pair_is_refused():

@@ -47,4 +47,7 @@ def test_policies_call_the_real_search_and_build_dag(monkeypatch):
     assert all(r.steps == 8 for r in results)
     assert len(searches) >= 3 and all(f is real_search for f in searches)
     assert len(dags) >= 1 and all(f is real_build for f in dags)
-    assert real_search.__module__ == "nereus.planner.search" and real_build.__module__ == "nereus.transition.build"
+    assert (
+        real_search.__module__ == "nereus.planner.search"
+        and real_build.__module__ == "nereus.transition.build"
+    )

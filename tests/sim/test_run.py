@@ -37,18 +37,32 @@ def test_every_policy_finishes_every_step_once_in_order(volatile):
     assert [r.policy for r in results] == list(POLICIES)
     for r in results:
         assert r.steps == 24 and [s.step for s in r.records] == list(range(24))
-        assert r.total_s == pytest.approx(r.paused_s + r.waiting_s + r.compute_s + r.transition_s + r.restart_s
-                                          + r.wasted_s)
+        assert r.total_s == pytest.approx(
+            r.paused_s + r.waiting_s + r.compute_s + r.transition_s + r.restart_s + r.wasted_s
+        )
 
 
 def test_a_run_is_deterministic_under_its_seed(volatile):
     scn, results = volatile
-    again = run_policies(small_scenario(memory_gib=24, steps=24, gap_s=15.0), ("adaptive", "static"))
+    again = run_policies(
+        small_scenario(memory_gib=24, steps=24, gap_s=15.0), ("adaptive", "static")
+    )
     for a, b in zip(results[:2], again, strict=True):
-        assert a.to_dict() | {"planner_ms_per_decision": 0, "dag_ms_per_decision": 0, "planner_s": 0, "dag_s": 0} == \
-            b.to_dict() | {"planner_ms_per_decision": 0, "dag_ms_per_decision": 0, "planner_s": 0, "dag_s": 0}
+        assert a.to_dict() | {
+            "planner_ms_per_decision": 0,
+            "dag_ms_per_decision": 0,
+            "planner_s": 0,
+            "dag_s": 0,
+        } == b.to_dict() | {
+            "planner_ms_per_decision": 0,
+            "dag_ms_per_decision": 0,
+            "planner_s": 0,
+            "dag_s": 0,
+        }
         assert a.records == b.records
-    other = run_policies(small_scenario(memory_gib=24, steps=24, seed=4, gap_s=15.0), ("adaptive",))[0]
+    other = run_policies(
+        small_scenario(memory_gib=24, steps=24, seed=4, gap_s=15.0), ("adaptive",)
+    )[0]
     assert other.records != results[0].records
 
 
@@ -71,7 +85,9 @@ def test_admitted_plans_never_overflow_the_ground_truth(pressured):
 def raised_cap():
     """A steady pool of 16 GiB devices and a cap raised in stages (1,024 to 8,192 tokens)
     as responses grow: a plan sized for the first cap stops fitting."""
-    scn = small_scenario(memory_gib=16, steps=14, lengths="growth:400:3000", counts=[16] * 100, caps="stepped")
+    scn = small_scenario(
+        memory_gib=16, steps=14, lengths="growth:400:3000", counts=[16] * 100, caps="stepped"
+    )
     return scn, run_policies(scn, ("adaptive", "dynarl", "every-k", "static", "static-max-cap"))
 
 
@@ -122,25 +138,41 @@ def test_json_rows_hold_the_issue_keys_and_adaptive_reductions(volatile):
     data = rows(results, {"cluster": "sim-test"})
     by = {d["policy"]: d for d in data}
     for d in data:
-        assert {"policy", "mean_step_s", "transitions", "transition_overhead_pct", "memory_failures"} <= set(d)
+        assert {
+            "policy",
+            "mean_step_s",
+            "transitions",
+            "transition_overhead_pct",
+            "memory_failures",
+        } <= set(d)
         assert d["simulated"] is True and d["scenario"] == {"cluster": "sim-test"}
     adaptive = by["adaptive"]
-    assert adaptive["reduction_vs_static"] == pytest.approx(1 - adaptive["mean_step_s"] / by["static"]["mean_step_s"])
+    assert adaptive["reduction_vs_static"] == pytest.approx(
+        1 - adaptive["mean_step_s"] / by["static"]["mean_step_s"]
+    )
     best = min((d for d in data if d["policy"] != "adaptive"), key=lambda d: d["mean_step_s"])
-    assert adaptive["reduction_vs_best_baseline"] == pytest.approx(1 - adaptive["mean_step_s"] / best["mean_step_s"])
+    assert adaptive["reduction_vs_best_baseline"] == pytest.approx(
+        1 - adaptive["mean_step_s"] / best["mean_step_s"]
+    )
 
 
 def test_a_fixed_layout_keeps_tp_and_pp_and_scales_dp_with_the_pool():
     from nereus.sim import Boundary
 
     scn = small_scenario(memory_gib=24)
-    ctx = _Ctx(scn.work, scn.cluster, Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds), scn.caps)
+    ctx = _Ctx(
+        scn.work,
+        scn.cluster,
+        Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds),
+        scn.caps,
+    )
     policy = FixedLayoutPolicy(ctx, name="static")
     lengths = scn.truth.lengths(-1, 200)
     first = policy.start(Boundary(0, tuple(range(16)), (), (), lengths))
     assert first == search(ctx.work_at(lengths, 0), scn.cluster).plan
     assert policy.scaled(16, scn.cluster) == first
     doubled = policy.scaled(32, scn.cluster.with_nodes(8))
+
     def concurrency(sp):
         return math.ceil(math.ceil(scn.work.sequences / sp.dp) / sp.waves)
 
@@ -152,7 +184,9 @@ def test_a_fixed_layout_keeps_tp_and_pp_and_scales_dp_with_the_pool():
     # at half the pool each pool of the layout gets half its devices: a model-stage whose
     # replica (tp x pp) is larger than that has no DP left, and the layout cannot run
     halved = policy.scaled(8, scn.cluster.with_nodes(2))
-    too_big = any(first[n].tp * first[n].pp > size // 2 for names, size in policy.layout.pools for n in names)
+    too_big = any(
+        first[n].tp * first[n].pp > size // 2 for names, size in policy.layout.pools for n in names
+    )
     assert (halved is None) == too_big
     if halved is not None:
         assert all((halved[n].tp, halved[n].pp) == (sp.tp, sp.pp) for n, sp in first)
@@ -166,13 +200,17 @@ def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="gamma=0"):
         SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, gamma=0)
     with pytest.raises(ConfigError, match="cap_schedule='doubling'"):
-        SimConfig("a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, cap_schedule="doubling")
+        SimConfig(
+            "a100-256", "llama-8b", "ppo", "growth:1:2", "growth:1:2", 10, cap_schedule="doubling"
+        )
 
 
 def test_on_step_sees_every_completed_step_and_the_counters_so_far(volatile):
     scn, results = volatile
     seen = []
-    transitions = Transitions(scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds)
+    transitions = Transitions(
+        scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds
+    )
     policy = make_policy("adaptive", _Ctx(scn.work, scn.cluster, transitions, scn.caps))
 
     def on_step(record, result):

@@ -28,7 +28,9 @@ def test_spot_counts_become_whole_nodes_and_losses_pick_seeded_nodes():
     sizes = [len(t.nodes_at(300 * i + 1, 0)) for i in range(5)]
     assert sizes == [64, 40, 64, 0, 12]
     again = SpotTrace([16, 10, 16, 0, 3], 300, cluster, 16, seed=5)
-    assert [t.nodes_at(300 * i, 0) for i in range(5)] == [again.nodes_at(300 * i, 0) for i in range(5)]
+    assert [t.nodes_at(300 * i, 0) for i in range(5)] == [
+        again.nodes_at(300 * i, 0) for i in range(5)
+    ]
     other = SpotTrace([16, 10, 16, 0, 3], 300, cluster, 16, seed=6)
     assert t.nodes_at(300, 0) != other.nodes_at(300, 0)  # which nodes leave is drawn from the seed
     assert t.nodes_at(600, 0) == frozenset(range(64))  # a rise takes the lowest free nodes
@@ -73,7 +75,9 @@ def test_length_trace_resamples_and_rescales(tmp_path):
     scaled = length_trace(str(path), 9, length_range=(500, 8000))
     assert min(scaled.means) == pytest.approx(500) and max(scaled.means) == pytest.approx(8000)
     growth = length_trace("growth:500:8000", 1000)
-    assert growth.means[0] == 500 and growth.means[-1] == 8000 and growth.default_max_length() == 16384
+    assert (
+        growth.means[0] == 500 and growth.means[-1] == 8000 and growth.default_max_length() == 16384
+    )
 
 
 def test_bad_specs_name_the_flag():
@@ -92,7 +96,11 @@ def test_the_stepped_cap_schedule_doubles_as_responses_grow_and_never_falls():
     caps = cap_schedule("stepped", growth)
     assert caps.changes() == [(0, 1024), (2, 2048), (70, 4096), (207, 8192), (479, 16384)]
     assert all(caps.cap_at(s) >= 2 * m for s, m in enumerate(growth.means))
-    assert caps.largest == growth.default_max_length() and caps.cap_at(-1) == 1024 and caps.cap_at(5000) == 16384
+    assert (
+        caps.largest == growth.default_max_length()
+        and caps.cap_at(-1) == 1024
+        and caps.cap_at(5000) == 16384
+    )
     falling = LengthTrace("falling", (100.0, 900.0, 300.0))
     assert cap_schedule("stepped", falling).caps == (256, 2048, 2048)
     assert cap_schedule("stepped", growth, max_length=4096).largest == 4096

@@ -25,10 +25,25 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-FORBIDDEN_MODULES = {"nereus.planner.cost", "nereus.planner.explain", "nereus.planner.search",
-                     "nereus.planner.calibrate", "nereus.planner.admission", "nereus.planner.replan"}
-FORBIDDEN_NAMES = {"stage_cost", "stage_memory", "explain", "links_of", "usable_bytes", "Efficiency",
-                   "CONSERVATIVE", "search", "phases"}
+FORBIDDEN_MODULES = {
+    "nereus.planner.cost",
+    "nereus.planner.explain",
+    "nereus.planner.search",
+    "nereus.planner.calibrate",
+    "nereus.planner.admission",
+    "nereus.planner.replan",
+}
+FORBIDDEN_NAMES = {
+    "stage_cost",
+    "stage_memory",
+    "explain",
+    "links_of",
+    "usable_bytes",
+    "Efficiency",
+    "CONSERVATIVE",
+    "search",
+    "phases",
+}
 # the modules themselves (``nereus.planner.explain`` the attribute is the function)
 cost_module = importlib.import_module("nereus.planner.cost")
 explain_module = importlib.import_module("nereus.planner.explain")
@@ -59,9 +74,15 @@ def test_a_step_never_calls_the_planners_formulas(monkeypatch):
 
     cluster, work = small_cluster(24), small_work()
     plan = search(work, cluster).plan  # the plan may come from the planner; its time may not
-    for module, name in ((cost_module, "stage_cost"), (cost_module, "stage_memory"), (explain_module, "explain")):
+    for module, name in (
+        (cost_module, "stage_cost"),
+        (cost_module, "stage_memory"),
+        (explain_module, "explain"),
+    ):
         monkeypatch.setattr(module, name, refuse)
-    got = GroundTruth(load_truth_params(), cluster, work, max_length=8192, seed=0).step(plan, 3, 900)
+    got = GroundTruth(load_truth_params(), cluster, work, max_length=8192, seed=0).step(
+        plan, 3, 900
+    )
     assert got.seconds > 0 and got.device_peak > 0
 
 
@@ -98,8 +119,14 @@ def test_a_table_without_its_source_or_an_unknown_key_is_refused():
 
 def _paper_job() -> tuple:
     cluster = cluster_preset("a100-256").with_nodes(8)
-    work = Workload.for_models("ppo", model_preset("llama-8b"), prompts_per_step=256, samples_per_prompt=4,
-                               prompt_length=512, lengths=LengthStats(1150, 1340, 1600))
+    work = Workload.for_models(
+        "ppo",
+        model_preset("llama-8b"),
+        prompts_per_step=256,
+        samples_per_prompt=4,
+        prompt_length=512,
+        lengths=LengthStats(1150, 1340, 1600),
+    )
     return cluster, work, GroundTruth(load_truth_params(), cluster, work, max_length=8192, seed=0)
 
 
@@ -109,17 +136,21 @@ def _plan(work: Workload, devices: int, tp: int = 1) -> Plan:
     return Plan(tuple((s.name, StagePlan(tp, 1, len(emus), emus)) for s in work.stages))
 
 
-@pytest.mark.parametrize(("gpus", "restart", "extend", "reshard"),
-                         [(8, 695.94, 2.45, 15.7), (32, 981.21, 8.48, 16.1)])
-def test_restart_extend_and_reshard_equal_the_papers_figures_at_the_papers_gpu_counts(gpus, restart, extend,
-                                                                                      reshard):
+@pytest.mark.parametrize(
+    ("gpus", "restart", "extend", "reshard"), [(8, 695.94, 2.45, 15.7), (32, 981.21, 8.48, 16.1)]
+)
+def test_restart_extend_and_reshard_equal_the_papers_figures_at_the_papers_gpu_counts(
+    gpus, restart, extend, reshard
+):
     _, work, truth = _paper_job()
     assert truth.restart_seconds(_plan(work, gpus)) == pytest.approx(restart, abs=1e-9)
     grown = truth.transition_seconds(_plan(work, gpus // 2), _plan(work, gpus))  # DP only: Extend
     assert grown == pytest.approx(extend, abs=1e-9)
     resharded = truth.transition_seconds(_plan(work, gpus), _plan(work, gpus, tp=2))  # TP changes
     params = work.models["policy"].num_params
-    assert resharded == pytest.approx(reshard * max(params, work.models["critic"].num_params) / 8.03e9, rel=1e-9)
+    assert resharded == pytest.approx(
+        reshard * max(params, work.models["critic"].num_params) / 8.03e9, rel=1e-9
+    )
     assert truth.transition_seconds(_plan(work, gpus), _plan(work, gpus)) == 0.0
 
 
@@ -127,20 +158,32 @@ def test_between_the_papers_gpu_counts_costs_grow_log_linearly():
     _, work, truth = _paper_job()
     sixteen = truth.restart_seconds(_plan(work, 16))
     assert sixteen == pytest.approx((695.94 + 981.21) / 2, rel=1e-9)
-    assert truth.restart_seconds(_plan(work, 64)) == pytest.approx(981.21 + (981.21 - 695.94) / 2, rel=1e-9)
+    assert truth.restart_seconds(_plan(work, 64)) == pytest.approx(
+        981.21 + (981.21 - 695.94) / 2, rel=1e-9
+    )
 
 
 def test_the_decode_curve_reproduces_its_measured_points():
     params = load_truth_params()
-    a100_40 = dataclasses.replace(cluster_preset("a100-256"), memory_bandwidth=params["device.hbm_bytes_per_s"])
-    work = Workload.for_models("ppo", model_preset("llama-8b"), prompts_per_step=8, samples_per_prompt=1,
-                               prompt_length=1024, lengths=LengthStats(64, 64, 64))
+    a100_40 = dataclasses.replace(
+        cluster_preset("a100-256"), memory_bandwidth=params["device.hbm_bytes_per_s"]
+    )
+    work = Workload.for_models(
+        "ppo",
+        model_preset("llama-8b"),
+        prompts_per_step=8,
+        samples_per_prompt=1,
+        prompt_length=1024,
+        lengths=LengthStats(64, 64, 64),
+    )
     truth = GroundTruth(params, a100_40, work, max_length=8192, seed=0)
     sp = StagePlan(1, 1, 1, ((0,),))
     model = work.models["policy"]
     for batch, context, seconds in params["decode.points"]:
         got = truth._decode_step_s(model, sp, batch, context)
-        assert got == pytest.approx(seconds * 2 * model.num_params / params["decode.weight_bytes"], rel=0.02)
+        assert got == pytest.approx(
+            seconds * 2 * model.num_params / params["decode.weight_bytes"], rel=0.02
+        )
 
 
 def test_the_same_seed_gives_the_same_step_and_another_seed_another():
@@ -151,7 +194,9 @@ def test_the_same_seed_gives_the_same_step_and_another_seed_another():
     c = GroundTruth(load_truth_params(), cluster, work, max_length=8192, seed=8)
     assert a.step(plan, 3, 900) == b.step(plan, 3, 900)
     assert a.step(plan, 3, 900).seconds != c.step(plan, 3, 900).seconds
-    assert a.step(plan, 3, 900, attempt=1).seconds != a.step(plan, 3, 900).seconds  # a redo meets new jitter
+    assert (
+        a.step(plan, 3, 900, attempt=1).seconds != a.step(plan, 3, 900).seconds
+    )  # a redo meets new jitter
 
 
 def test_longer_responses_take_longer_and_overflow_memory():
@@ -166,8 +211,14 @@ def test_longer_responses_take_longer_and_overflow_memory():
 
 def test_a_steps_lengths_follow_the_trace_and_never_exceed_the_cap():
     cluster, work = small_cluster(24), small_work()
-    truth = GroundTruth(load_truth_params(), cluster, work, caps=CapSchedule("t", (512, 512, 4096)), seed=0,
-                        p95_ratio=(1.2, 1.2, 1.2))
+    truth = GroundTruth(
+        load_truth_params(),
+        cluster,
+        work,
+        caps=CapSchedule("t", (512, 512, 4096)),
+        seed=0,
+        p95_ratio=(1.2, 1.2, 1.2),
+    )
     assert truth.lengths(-1, 480).max == 512 and truth.lengths(1, 480).max == 512
     free = truth.lengths(2, 1000)
     assert free.mean == pytest.approx(1000, rel=0.05) and free.p95 == pytest.approx(1200, rel=0.05)

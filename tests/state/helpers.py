@@ -17,13 +17,27 @@ from nereus.state.layout import Layout
 
 
 @lru_cache(maxsize=64)
-def spec_for(kv_heads: int = 2, tied: bool = False, dtype: str = "float32", layers: int = 8,
-             heads: int = 8, head_dim: int = 2, intermediate: int = 32, vocab: int = 64) -> ModelSpec:
+def spec_for(
+    kv_heads: int = 2,
+    tied: bool = False,
+    dtype: str = "float32",
+    layers: int = 8,
+    heads: int = 8,
+    head_dim: int = 2,
+    intermediate: int = 32,
+    vocab: int = 64,
+) -> ModelSpec:
     """A small Qwen2-style decoder spec read off the model itself (nereus.models)."""
     config = ModelConfig(
-        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        tie_word_embeddings=tied, architecture="qwen2", attention_bias=True,
+        vocab_size=vocab,
+        hidden_size=heads * head_dim,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        architecture="qwen2",
+        attention_bias=True,
     )
     return model_spec(config, dtype=dtype)
 
@@ -78,5 +92,7 @@ def layouts(draw, layers: int = 8) -> Layout:
     tp, pp = draw(POW2), draw(POW2)
     cuts = ()
     if pp > 1 and draw(st.booleans()):
-        cuts = tuple(sorted(draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1))))
+        cuts = tuple(
+            sorted(draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1)))
+        )
     return Layout(tp, pp, cuts)

@@ -35,23 +35,31 @@ class ProbeHolder(ShardHolder):
     @endpoint
     async def adopted(self, emu: str) -> int:
         """Tensors of ``emu`` living in a larger storage: a received bucket they took."""
-        return sum(1 for t in self.shards[emu].values()
-                   if t.untyped_storage().nbytes() > t.numel() * t.element_size())
+        return sum(
+            1
+            for t in self.shards[emu].values()
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size()
+        )
 
     @endpoint
     async def storages(self, emu: str) -> list[int]:
-        return [t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-                for t in self.shards[emu].values() if t.numel()]
-
+        return [
+            t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+            for t in self.shards[emu].values()
+            if t.numel()
+        ]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def holders():
     before, segments = children(), shm_segments()
-    async with Cluster.local(devices=2, memory_per_device="1GiB", heartbeat_timeout_s=30.0) as cluster:
+    async with Cluster.local(
+        devices=2, memory_per_device="1GiB", heartbeat_timeout_s=30.0
+    ) as cluster:
         # buckets even between these same-host processes: adoption is what is tested
-        mesh = await cluster.spawn("adopt", ProbeHolder, devices=[0, 1],
-                                   kwargs={"bucket_bytes": BUCKET, "direct": False})
+        mesh = await cluster.spawn(
+            "adopt", ProbeHolder, devices=[0, 1], kwargs={"bucket_bytes": BUCKET, "direct": False}
+        )
         yield cluster, {ref.device: ref for ref in mesh.refs}
         await cluster.stop_mesh(mesh)
     assert not wait_gone(children() - before, timeout_s=10), "leaked worker processes"
@@ -105,9 +113,13 @@ async def test_adopted_targets_survive_segment_reuse_and_do_not_alias(holders):
 def _check_handover(part, sources) -> int:
     """Run ``part`` with a recording exchange; returns how many receives were whole."""
     seen = []
-    out = run_part(part, sources, lambda sends, recvs: seen.extend(t for ts in recvs.values() for t in ts))
+    out = run_part(
+        part, sources, lambda sends, recvs: seen.extend(t for ts in recvs.values() for t in ts)
+    )
     assert len(seen) == len(part["recvs"])
-    pieces = Counter(key for _, key, _ in part["recvs"]) + Counter(key for _, key, _, _ in part["copies"])
+    pieces = Counter(key for _, key, _ in part["recvs"]) + Counter(
+        key for _, key, _, _ in part["copies"]
+    )
     whole = 0
     for t, (_, key, box) in zip(seen, part["recvs"], strict=True):
         fills = pieces[key] == 1 and [hi - lo for lo, hi in box] == list(out[key].shape)

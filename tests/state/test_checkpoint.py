@@ -26,17 +26,39 @@ SLOTS = ("param", *OPTIMIZER_SLOTS)
 POW2 = st.sampled_from([1, 2, 4])
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(tp_a=POW2, pp_a=POW2, tp_b=POW2, pp_b=POW2, kv=POW2, tied=st.booleans(),
-       dtype=st.sampled_from(["float32", "bfloat16"]))
-def test_save_in_one_layout_load_in_another(tmp_path_factory, tp_a, pp_a, tp_b, pp_b, kv, tied, dtype):
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    tp_a=POW2,
+    pp_a=POW2,
+    tp_b=POW2,
+    pp_b=POW2,
+    kv=POW2,
+    tied=st.booleans(),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+def test_save_in_one_layout_load_in_another(
+    tmp_path_factory, tp_a, pp_a, tp_b, pp_b, kv, tied, dtype
+):
     spec = spec_for(kv_heads=kv, tied=tied, dtype=dtype)
-    a = EMU("a", "policy-training", spec, Layout(tp_a, pp_a), tuple(range(tp_a * pp_a)), SLOTS,
-            LogicalState(11, 5, 4096))
+    a = EMU(
+        "a",
+        "policy-training",
+        spec,
+        Layout(tp_a, pp_a),
+        tuple(range(tp_a * pp_a)),
+        SLOTS,
+        LogicalState(11, 5, 4096),
+    )
     full = global_tensors(a, seed=2)
     directory = tmp_path_factory.mktemp("ckpt")
     save_checkpoint(directory, a, shard_store(a, full))
-    b = EMU("b", "policy-training", spec, Layout(tp_b, pp_b), tuple(range(10, 10 + tp_b * pp_b)), SLOTS)
+    b = EMU(
+        "b", "policy-training", spec, Layout(tp_b, pp_b), tuple(range(10, 10 + tp_b * pp_b)), SLOTS
+    )
     stores, loaded = load_checkpoint(directory, b)
     assert loaded.state == LogicalState(11, 5, 4096)
     want = shard_store(b, full)
@@ -60,8 +82,11 @@ def test_replicated_tensors_are_written_once(tmp_path):
         with safe_open(str(tmp_path / f["file"]), framework="pt") as fh:
             payload += sum(fh.get_tensor(k).numel() * 4 for k in fh.keys())
     # every element once, except kv heads, which 2 TP ranks of 4 hold (and write) each
-    kv_extra = sum((p.shape[0] - p.components[0].size) * (p.numel // p.shape[0]) * 4
-                   for p in spec.params if "qkv" in p.name)
+    kv_extra = sum(
+        (p.shape[0] - p.components[0].size) * (p.numel // p.shape[0]) * 4
+        for p in spec.params
+        if "qkv" in p.name
+    )
     assert payload == spec.nbytes + kv_extra < a.nbytes
 
 
@@ -84,5 +109,7 @@ def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path):
         load_shards(tmp_path, a.with_(slots=SLOTS), 0)
     bad = dict(stores[0])
     bad["model.norm.weight"] = torch.zeros(3)
-    with pytest.raises(StateError, match="model.norm.weight is \\(3,\\) torch.float32, expected \\(16,\\) float32"):
+    with pytest.raises(
+        StateError, match="model.norm.weight is \\(3,\\) torch.float32, expected \\(16,\\) float32"
+    ):
         save_shards(tmp_path / "x", a, 0, bad)

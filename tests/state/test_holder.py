@@ -25,20 +25,26 @@ from nereus.state.holder import ShardHolder, execute, execute_step, load_from_di
 from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store, spec_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(120),
+]
 
 SLOTS = ("param", *OPTIMIZER_SLOTS)
 BUDGET = 64 * 2**20
-
-
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def holders():
     before, segments = children(), shm_segments()
     # the node daemon shares this event loop with the test's own tensor work: be patient
-    async with Cluster.local(devices=4, memory_per_device=BUDGET, heartbeat_timeout_s=30.0) as cluster:
-        mesh = await cluster.spawn("shards", ShardHolder, devices=[0, 1, 2, 3], kwargs={"bucket_bytes": 1 << 20})
+    async with Cluster.local(
+        devices=4, memory_per_device=BUDGET, heartbeat_timeout_s=30.0
+    ) as cluster:
+        mesh = await cluster.spawn(
+            "shards", ShardHolder, devices=[0, 1, 2, 3], kwargs={"bucket_bytes": 1 << 20}
+        )
         yield cluster, {ref.device: ref for ref in mesh.refs}
         await cluster.stop_mesh(mesh)
     assert not wait_gone(children() - before, timeout_s=10), "leaked worker processes"
@@ -109,8 +115,12 @@ async def test_a_to_b_to_a_on_workers_is_bitwise(holders, case):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: f"{c[0]}->{c[2]}")
 async def test_holders_without_direct_transfers_move_through_buckets_alike(holders, case):
     cluster, _ = holders
-    mesh = await cluster.spawn("buckets", ShardHolder, devices=[0, 1, 2, 3],
-                               kwargs={"bucket_bytes": 1 << 20, "direct": False})
+    mesh = await cluster.spawn(
+        "buckets",
+        ShardHolder,
+        devices=[0, 1, 2, 3],
+        kwargs={"bucket_bytes": 1 << 20, "direct": False},
+    )
     refs = {ref.device: ref for ref in mesh.refs}
     try:
         la, da, lb, db, kv, tied, dtype = case
@@ -140,13 +150,21 @@ async def test_a_target_over_budget_is_refused_and_nothing_is_freed(holders):
         with pytest.raises(RemoteError) as info:
             await execute(plan_reshard([a], whole), refs, cluster, free=[a])
         assert info.value.remote_type == "OutOfMemory"
-        assert "out of memory on device 0" in str(info.value) and "budget is 67108864 bytes" in str(info.value)
+        assert "out of memory on device 0" in str(info.value) and "budget is 67108864 bytes" in str(
+            info.value
+        )
         await _assert_holds(refs, a, full)  # the sources are all still there
         assert "whole" not in await refs[0].held.call_one()
         # the same refusal on the driver, before any message, from the memory model
         with pytest.raises(OutOfMemory) as oom:
-            await execute(plan_reshard([a], whole), refs, cluster, free=[a],
-                          devices=DeviceSet.single_host(4, BUDGET), used={0: pad.bytes_on(0)})
+            await execute(
+                plan_reshard([a], whole),
+                refs,
+                cluster,
+                free=[a],
+                devices=DeviceSet.single_host(4, BUDGET),
+                used={0: pad.bytes_on(0)},
+            )
         assert oom.value.device == 0 and oom.value.budget_bytes == BUDGET
         assert oom.value.need_bytes > BUDGET
         await _assert_holds(refs, a, full)
@@ -165,7 +183,9 @@ async def test_execute_needs_a_holder_on_every_device(holders):
 async def test_checkpoint_written_and_read_by_the_workers(holders, tmp_path):
     cluster, refs = holders
     spec = spec_for(kv_heads=2, tied=True)
-    a = EMU("a", "policy-training", spec, Layout(2, 2), (0, 1, 2, 3), SLOTS, LogicalState(3, 2, 1000))
+    a = EMU(
+        "a", "policy-training", spec, Layout(2, 2), (0, 1, 2, 3), SLOTS, LogicalState(3, 2, 1000)
+    )
     full = global_tensors(a, seed=7)
     try:
         await _put(refs, a, full)
@@ -179,17 +199,29 @@ async def test_checkpoint_written_and_read_by_the_workers(holders, tmp_path):
         await _drop_all(refs)
 
 
-@pytest.mark.parametrize("current,target", [
-    ([(Layout(4, 1), (0, 1, 2, 3))], [(Layout(2, 1), (0, 1)), (Layout(2, 1), (2, 3))]),  # Split
-    ([(Layout(2, 1), (0, 1))], [(Layout(2, 2), (0, 1, 2, 3))]),  # Extend + Merge
-    ([(Layout(1, 2), (0, 1)), (Layout(1, 2), (2, 3))], [(Layout(2, 1), (3, 1))]),  # Destroy + Merge
-], ids=["split", "extend-merge", "destroy-merge"])
+@pytest.mark.parametrize(
+    "current,target",
+    [
+        ([(Layout(4, 1), (0, 1, 2, 3))], [(Layout(2, 1), (0, 1)), (Layout(2, 1), (2, 3))]),  # Split
+        ([(Layout(2, 1), (0, 1))], [(Layout(2, 2), (0, 1, 2, 3))]),  # Extend + Merge
+        (
+            [(Layout(1, 2), (0, 1)), (Layout(1, 2), (2, 3))],
+            [(Layout(2, 1), (3, 1))],
+        ),  # Destroy + Merge
+    ],
+    ids=["split", "extend-merge", "destroy-merge"],
+)
 async def test_stage_transition_steps_on_workers(holders, current, target):
     cluster, refs = holders
     spec = spec_for(kv_heads=2, tied=True)
-    cur = [EMU(f"c{i}", "policy-training", spec, lay, devs, SLOTS, LogicalState(1, 1, 64))
-           for i, (lay, devs) in enumerate(current)]
-    tgt = [EMU(f"t{i}", "policy-training", spec, lay, devs, SLOTS) for i, (lay, devs) in enumerate(target)]
+    cur = [
+        EMU(f"c{i}", "policy-training", spec, lay, devs, SLOTS, LogicalState(1, 1, 64))
+        for i, (lay, devs) in enumerate(current)
+    ]
+    tgt = [
+        EMU(f"t{i}", "policy-training", spec, lay, devs, SLOTS)
+        for i, (lay, devs) in enumerate(target)
+    ]
     full = global_tensors(cur[0], seed=8)
     try:
         for e in cur:

@@ -31,7 +31,9 @@ def test_shards_tile_every_tensor_and_match_the_model_placement(tp, kv, tied):
             local = np.zeros(shard.shape, dtype=np.float32)
             for piece in shard.pieces:
                 count[tuple(slice(*b) for b in piece.box)] += 1
-                local[tuple(slice(*b) for b in piece.local)] = full[tuple(slice(*b) for b in piece.box)]
+                local[tuple(slice(*b) for b in piece.local)] = full[
+                    tuple(slice(*b) for b in piece.box)
+                ]
             # the state layer's boxes reproduce the model layer's own slicing
             assert np.array_equal(local, shard_tensor(p, full_t, r, tp).numpy()), (p.name, tp, r)
         if p.split_dim is None:
@@ -71,7 +73,9 @@ def test_default_cuts_follow_the_model_layer():
 
     for pp in (1, 2, 3, 4, 8):
         b = layer_bounds(Layout(1, pp), 8)
-        assert [range(b[s], b[s + 1]) for s in range(pp)] == [stage_layer_range(8, pp, s) for s in range(pp)]
+        assert [range(b[s], b[s + 1]) for s in range(pp)] == [
+            stage_layer_range(8, pp, s) for s in range(pp)
+        ]
 
 
 @pytest.mark.parametrize(
@@ -120,8 +124,10 @@ def test_emu_device_list_must_match_layout():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6)), min_size=2, max_size=2),
-       st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6)), min_size=2, max_size=2))
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6)), min_size=2, max_size=2),
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6)), min_size=2, max_size=2),
+)
 def test_box_subtract_partitions_the_difference(a, b):
     a = tuple((lo, lo + n) for lo, n in a)
     b = tuple((lo, lo + n) for lo, n in b)
@@ -130,5 +136,5 @@ def test_box_subtract_partitions_the_difference(a, b):
     assert sum(box_numel(p) for p in parts) + (box_numel(inter) if inter else 0) == box_numel(a)
     for i, p in enumerate(parts):
         assert box_intersect(p, b) is None
-        for q in parts[i + 1:]:
+        for q in parts[i + 1 :]:
             assert box_intersect(p, q) is None

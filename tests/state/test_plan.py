@@ -35,14 +35,27 @@ SLOTS = ("param", *OPTIMIZER_SLOTS)
 
 @st.composite
 def reshard_cases(draw):
-    spec = spec_for(kv_heads=draw(POW2), tied=draw(st.booleans()),
-                    dtype=draw(st.sampled_from(["float32", "bfloat16"])))
+    spec = spec_for(
+        kv_heads=draw(POW2),
+        tied=draw(st.booleans()),
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+    )
     a, b = draw(layouts()), draw(layouts())
     dp = draw(st.sampled_from([1, 2]))
     pool = max(a.size * dp, b.size) * 2
     perm = draw(st.permutations(range(pool)))
-    sources = [EMU(f"a{i}", "policy-training", spec, a, tuple(perm[i * a.size:(i + 1) * a.size]), SLOTS,
-                   LogicalState(7, 3, 1234)) for i in range(dp)]
+    sources = [
+        EMU(
+            f"a{i}",
+            "policy-training",
+            spec,
+            a,
+            tuple(perm[i * a.size : (i + 1) * a.size]),
+            SLOTS,
+            LogicalState(7, 3, 1234),
+        )
+        for i in range(dp)
+    ]
     # the target lands partly on the sources' devices, partly elsewhere
     shift = draw(st.integers(0, pool - b.size))
     target = EMU("b", "policy-training", spec, b, tuple(range(shift, shift + b.size)), SLOTS)
@@ -58,7 +71,9 @@ def _stores(emus: list[EMU], full) -> dict[int, dict[str, dict[str, torch.Tensor
     return stores
 
 
-def _assert_equal_stores(got: dict[int, dict[str, torch.Tensor]], want: dict[int, dict[str, torch.Tensor]]):
+def _assert_equal_stores(
+    got: dict[int, dict[str, torch.Tensor]], want: dict[int, dict[str, torch.Tensor]]
+):
     assert set(got) == set(want)
     for d in want:
         assert set(got[d]) == set(want[d]), d

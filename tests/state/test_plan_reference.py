@@ -16,7 +16,9 @@ from nereus.state.spec import DTYPE_BYTES
 from tests.state.helpers import POW2, layouts, spec_for
 
 
-def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tuple[list[Move], list[Keep]]:
+def reference_plan(
+    sources: list[EMU], target: EMU, devices, reuse: bool
+) -> tuple[list[Move], list[Keep]]:
     """Every target piece: first what its device holds, then each remaining box from the
     source ranked best by (same host, rank-aligned, load so far, device); on a full tie
     the first source piece wins, pieces taken in order of their box's first holder."""
@@ -25,7 +27,10 @@ def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tup
     for emu in sources:
         for i, device in enumerate(emu.devices):
             for key, (shard, dtype) in emu.shards_on(device).items():
-                cands[key] += [(emu, device, piece, dtype, shard, emu.layout.position(i)) for piece in shard.pieces]
+                cands[key] += [
+                    (emu, device, piece, dtype, shard, emu.layout.position(i))
+                    for piece in shard.pieces
+                ]
     load: dict[int, int] = defaultdict(int)
     moves, keeps = [], []
     for t_index, device in enumerate(target.devices):
@@ -46,8 +51,18 @@ def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tup
                         if inter is None:
                             still.append(box)
                             continue
-                        moves.append(Move(emu.name, device, device, key, inter, sp.to_local(inter),
-                                          piece.to_local(inter), box_numel(inter) * itemsize))
+                        moves.append(
+                            Move(
+                                emu.name,
+                                device,
+                                device,
+                                key,
+                                inter,
+                                sp.to_local(inter),
+                                piece.to_local(inter),
+                                box_numel(inter) * itemsize,
+                            )
+                        )
                         still += box_subtract(box, inter)
                     need = still
                 while need:
@@ -56,7 +71,9 @@ def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tup
                     first = {}
                     for c in cands[key]:
                         first.setdefault(c[2].box, len(first))
-                    for emu, src_dev, sp, _, _, s_pos in sorted(cands[key], key=lambda c: first[c[2].box]):
+                    for emu, src_dev, sp, _, _, s_pos in sorted(
+                        cands[key], key=lambda c: first[c[2].box]
+                    ):
                         inter = box_intersect(box, sp.box)
                         if inter is None or src_dev == device:
                             continue
@@ -68,8 +85,18 @@ def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tup
                     _, emu, src_dev, sp, inter = best
                     nbytes = box_numel(inter) * itemsize
                     load[src_dev] += nbytes
-                    moves.append(Move(emu.name, src_dev, device, key, inter, sp.to_local(inter),
-                                      piece.to_local(inter), nbytes))
+                    moves.append(
+                        Move(
+                            emu.name,
+                            src_dev,
+                            device,
+                            key,
+                            inter,
+                            sp.to_local(inter),
+                            piece.to_local(inter),
+                            nbytes,
+                        )
+                    )
                     need += box_subtract(box, inter)
     return moves, keeps
 
@@ -78,19 +105,38 @@ def reference_plan(sources: list[EMU], target: EMU, devices, reuse: bool) -> tup
 def replica_cases(draw):
     """Up to three source replicas (so load decides between tied sources), sometimes on
     one host, sometimes spread; the target partly on their devices."""
-    spec = spec_for(kv_heads=draw(POW2), tied=draw(st.booleans()),
-                    dtype=draw(st.sampled_from(["float32", "bfloat16"])))
+    spec = spec_for(
+        kv_heads=draw(POW2),
+        tied=draw(st.booleans()),
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+    )
     a, b = draw(layouts()), draw(layouts())
     dp = draw(st.integers(1, 3))
     pool = max(a.size * dp, b.size) * 2
     perm = draw(st.permutations(range(pool)))
     slots = draw(st.sampled_from([("param",), ("param", *OPTIMIZER_SLOTS)]))
-    sources = [EMU(f"a{i}", "policy-training", spec, a, tuple(perm[i * a.size:(i + 1) * a.size]), slots,
-                   LogicalState(1, 1, 1)) for i in range(dp)]
+    sources = [
+        EMU(
+            f"a{i}",
+            "policy-training",
+            spec,
+            a,
+            tuple(perm[i * a.size : (i + 1) * a.size]),
+            slots,
+            LogicalState(1, 1, 1),
+        )
+        for i in range(dp)
+    ]
     shift = draw(st.integers(0, pool - b.size))
     target = EMU("b", "policy-training", spec, b, tuple(range(shift, shift + b.size)), slots)
-    hosts = draw(st.one_of(st.none(), st.lists(st.integers(0, 2), min_size=pool, max_size=pool).map(
-        lambda h: DeviceSet(tuple(h)))))
+    hosts = draw(
+        st.one_of(
+            st.none(),
+            st.lists(st.integers(0, 2), min_size=pool, max_size=pool).map(
+                lambda h: DeviceSet(tuple(h))
+            ),
+        )
+    )
     return sources, target, hosts, draw(st.booleans())
 
 

@@ -97,15 +97,22 @@ def test_extend_is_rank_aligned_and_sends_each_shard_once():
     a = _emu("a", Layout(2, 2), (0, 1, 2, 3), spec, state=LogicalState(5, 2, 77))
     step = extend(a, (4, 5, 6, 7))
     plan = step.plans[0]
-    assert all(a.position(m.src_device) == step.created[0].position(m.dst_device) for m in plan.moves)
+    assert all(
+        a.position(m.src_device) == step.created[0].position(m.dst_device) for m in plan.moves
+    )
     assert step.bytes_moved == a.nbytes and step.freed == ()
     assert step.created[0].state == LogicalState(5, 2, 77)
-    assert all(step.memory.after[d] == step.memory.before.get(d, 0) + a.bytes_on(d - 4) for d in range(4, 8))
+    assert all(
+        step.memory.after[d] == step.memory.before.get(d, 0) + a.bytes_on(d - 4)
+        for d in range(4, 8)
+    )
 
 
 def test_extend_onto_devices_that_are_not_disjoint_is_refused():
     a = _emu("a", Layout(2, 1), (0, 1))
-    with pytest.raises(StateError, match=r"devices \[1\] already hold a; Extend needs disjoint devices"):
+    with pytest.raises(
+        StateError, match=r"devices \[1\] already hold a; Extend needs disjoint devices"
+    ):
         extend(a, (1, 2))
 
 
@@ -135,7 +142,11 @@ def test_a_target_that_cannot_fit_a_device_is_refused():
     devices = DeviceSet((0, 0), (need * 2, need // 2))
     with pytest.raises(OutOfMemory) as info:
         extend(a, (1,), devices, bucket_bytes=0)
-    assert info.value.device == 1 and info.value.need_bytes == need and info.value.budget_bytes == need // 2
+    assert (
+        info.value.device == 1
+        and info.value.need_bytes == need
+        and info.value.budget_bytes == need // 2
+    )
     # a split whose peak (old + new shards) exceeds the budget, counting what else is there
     b = _emu("b", Layout(2, 1), (0, 1), spec)
     tight = DeviceSet((0, 0), (b.bytes_on(0) * 3, b.bytes_on(1) * 3))
@@ -153,7 +164,12 @@ def test_without_a_disjoint_source_the_transition_retries_with_a_smaller_t_sub()
     # every byte moved once, where it is needed
     assert [s.kind for s in plan.steps] == ["split", "merge"]
     assert plan.bytes_moved == bytes_minimum([a], t)
-    assert [(x.tp, x.pp) for x in smaller_subs(Layout(4, 2, (3,)))] == [(4, 2), (2, 2), (1, 2), (1, 1)]
+    assert [(x.tp, x.pp) for x in smaller_subs(Layout(4, 2, (3,)))] == [
+        (4, 2),
+        (2, 2),
+        (1, 2),
+        (1, 1),
+    ]
     assert smaller_subs(Layout(1, 4, (1, 2, 3)))[-2:] == [Layout(1, 2, (2,)), Layout(1, 1)]
 
 
@@ -167,9 +183,14 @@ def transition_cases(draw):
     dp_a, dp_b = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
     pool = max(a.size * dp_a, b.size * dp_b)
     offset = draw(st.sampled_from([0, pool]))  # same devices, or all new ones
-    cur = [_emu(f"c{i}", a, range(i * a.size, (i + 1) * a.size), spec, state=LogicalState(3, 4, 99))
-           for i in range(dp_a)]
-    tgt = [_emu(f"t{i}", b, range(offset + i * b.size, offset + (i + 1) * b.size), spec) for i in range(dp_b)]
+    cur = [
+        _emu(f"c{i}", a, range(i * a.size, (i + 1) * a.size), spec, state=LogicalState(3, 4, 99))
+        for i in range(dp_a)
+    ]
+    tgt = [
+        _emu(f"t{i}", b, range(offset + i * b.size, offset + (i + 1) * b.size), spec)
+        for i in range(dp_b)
+    ]
     return cur, tgt
 
 
@@ -184,10 +205,11 @@ def test_stage_transition_runs_split_destroy_extend_merge_and_keeps_everything(c
     kinds = [order[s.kind] for s in plan.steps]
     # Split, Destroy, Extend, (Destroy of extend sources), Merge
     assert all(k in (0,) for k in kinds[: kinds.count(0)])
-    assert all(k == 3 for k in kinds[len(kinds) - kinds.count(3):])
+    assert all(k == 3 for k in kinds[len(kinds) - kinds.count(3) :])
     # no target box crosses devices twice, and none that was already in place
     assert plan.bytes_moved <= sum(bytes_minimum(cur, t) for t in tgt) + sum(
-        s.bytes_moved for s in plan.steps if s.kind == "split"), plan.steps
+        s.bytes_moved for s in plan.steps if s.kind == "split"
+    ), plan.steps
     live = {e.name for e in cur}
     for step in plan.steps:
         if step.kind == "destroy":

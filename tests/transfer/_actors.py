@@ -27,6 +27,7 @@ class Member(Actor):
     @endpoint
     async def ring(self, group_id: str) -> list:
         """Send this device's index to the next rank, receive from the previous."""
+
         def run() -> list:
             comm = get_communicator(group_id)
             got = torch.empty(3, dtype=torch.int64)
@@ -41,6 +42,7 @@ class Member(Actor):
     async def swap_weights(self, group_id: str) -> list:
         """Exchange a few views with rank 0 <-> 1 through the bucketed path; returns the
         received values and the (src, dst) device labels of the bucket tap events."""
+
         def run() -> list:
             comm = get_communicator(group_id)
             peer = 1 - comm.rank

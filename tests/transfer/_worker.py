@@ -22,8 +22,13 @@ from nereus.transfer._shm import _RECORD
 from nereus.transfer.communicator import P2POp
 from nereus.transfer.cpu import CpuCommunicator
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int64": torch.int64, "bool": torch.bool}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
 
 
 def make(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -63,9 +68,16 @@ def comm_from(a: dict, group: str, **kw):
         from nereus.transfer.nccl import NcclCommunicator
 
         torch.cuda.set_device(a["rank"])
-        return NcclCommunicator(group, a["rank"], a["size"], bytes.fromhex(a["nccl_id"]),
-                                device=a["rank"], timeout_s=kw["timeout_s"],
-                                store_host="127.0.0.1", store_port=a["port"])
+        return NcclCommunicator(
+            group,
+            a["rank"],
+            a["size"],
+            bytes.fromhex(a["nccl_id"]),
+            device=a["rank"],
+            timeout_s=kw["timeout_s"],
+            store_host="127.0.0.1",
+            store_port=a["port"],
+        )
     return CpuCommunicator(group, a["rank"], a["size"], "127.0.0.1", a["port"], **kw)
 
 
@@ -74,8 +86,12 @@ def reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
         stack = torch.stack(xs)
         return {"sum": stack.any(0), "max": stack.any(0), "min": stack.all(0)}[op]
     stack = torch.stack([x.double() if x.dtype.is_floating_point else x for x in xs])
-    out = {"sum": stack.sum(0), "max": stack.amax(0), "min": stack.amin(0),
-           "avg": stack.mean(0) if stack.dtype.is_floating_point else None}[op]
+    out = {
+        "sum": stack.sum(0),
+        "max": stack.amax(0),
+        "min": stack.amin(0),
+        "avg": stack.mean(0) if stack.dtype.is_floating_point else None,
+    }[op]
     return out.to(xs[0].dtype)
 
 
@@ -87,6 +103,7 @@ def scenario_collectives(a: dict) -> dict:
     for name, dtype in DTYPES.items():
         for shape in [(6, 5), (0, 3), (3, 1)]:
             for noncontig in (False, True):
+
                 def wrap(t: torch.Tensor, noncontig: bool = noncontig) -> torch.Tensor:
                     t = t.to(dev)
                     return strided(t) if noncontig else t.clone()
@@ -110,8 +127,11 @@ def scenario_collectives(a: dict) -> dict:
                 out = wrap(torch.zeros((2, 3), dtype=dtype))
                 rs_op = "max" if dtype == torch.bool else "sum"
                 comm.reduce_scatter(out, wrap(rows[r]), rs_op)
-                close(out.reshape(2, 3), reference(rs_op, rows)[2 * r : 2 * r + 2],
-                      f"reduce_scatter {name}")
+                close(
+                    out.reshape(2, 3),
+                    reference(rs_op, rows)[2 * r : 2 * r + 2],
+                    f"reduce_scatter {name}",
+                )
                 checked += 2
     comm.barrier()
     comm.destroy()
@@ -126,8 +146,13 @@ def scenario_p2p(a: dict) -> dict:
         comm = comm_from(a, a["group"])
         dev = torch.device(f"cuda:{r}")
     else:
-        comm = comm_from(a, a["group"], use_shm=a["shm"],
-                         slot_bytes=a.get("slot_bytes", 1 << 16), slots=a.get("slots", 2))
+        comm = comm_from(
+            a,
+            a["group"],
+            use_shm=a["shm"],
+            slot_bytes=a.get("slot_bytes", 1 << 16),
+            slots=a.get("slots", 2),
+        )
         dev = torch.device("cpu")
     checked = 0
     for rnd in range(a.get("rounds", 2)):
@@ -240,8 +265,13 @@ def scenario_stuck(a: dict) -> dict:
                 after = type(e2).__name__
             comm._kv.set(f"reported/{r}", "1")
             comm.destroy()
-            out[op] = {"role": "waiter", "missing_ranks": e.missing_ranks, "seconds": took,
-                       "op": e.op, "after": after}
+            out[op] = {
+                "role": "waiter",
+                "missing_ranks": e.missing_ranks,
+                "seconds": took,
+                "op": e.op,
+                "after": after,
+            }
     return out
 
 
@@ -269,8 +299,15 @@ def scenario_big(a: dict) -> dict:
 def scenario_die(a: dict) -> dict:
     """Rank ``victim`` exits abruptly inside the operation; survivors must fail fast."""
     r = a["rank"]
-    comm = comm_from(a, a["group"], timeout_s=a["deadline_s"], use_shm=a.get("shm", True),
-                     slot_bytes=1 << 16, slots=2, devices=tuple(range(100, 100 + a["size"])))
+    comm = comm_from(
+        a,
+        a["group"],
+        timeout_s=a["deadline_s"],
+        use_shm=a.get("shm", True),
+        slot_bytes=1 << 16,
+        slots=2,
+        devices=tuple(range(100, 100 + a["size"])),
+    )
     comm.barrier()
     big = torch.ones(4 << 20)
     if r == a["victim"]:
@@ -294,9 +331,13 @@ def scenario_die(a: dict) -> dict:
     except NereusError as e:
         took = time.monotonic() - t0
         comm.destroy()
-        return {"raised": type(e).__name__, "seconds": took, "message": str(e)[:300],
-                "dead_ranks": getattr(e, "dead_ranks", None),
-                "missing_ranks": getattr(e, "missing_ranks", None)}
+        return {
+            "raised": type(e).__name__,
+            "seconds": took,
+            "message": str(e)[:300],
+            "dead_ranks": getattr(e, "dead_ranks", None),
+            "missing_ranks": getattr(e, "missing_ranks", None),
+        }
     raise AssertionError("survivor did not fail")
 
 
@@ -334,8 +375,11 @@ def scenario_exchange(a: dict) -> dict:
         assert len(buckets) == stats.buckets, (len(buckets), stats.buckets)
         assert sum(e["bytes"] for e in buckets) == stats.bytes_sent + stats.bytes_received
         assert all(e["gbps"] >= 0 and e["seconds"] > 0 for e in buckets)
-        out[str(bucket_bytes)] = {"checked": checked, "rounds": stats.rounds,
-                                  "buckets": stats.buckets}
+        out[str(bucket_bytes)] = {
+            "checked": checked,
+            "rounds": stats.rounds,
+            "buckets": stats.buckets,
+        }
     segments = sum(len(ch.own_segments) for ch in comm._shm._out.values())
     comm.destroy()
     return {"by_bucket": out, "handoff_segments": segments}
@@ -355,8 +399,10 @@ def scenario_direct(a: dict) -> dict:
     if "eager_bytes" in a:  # records larger than this go both ways in one batch
         comm.eager_bytes = a["eager_bytes"]
     if r == a.get("deny_map", -1):
+
         def deny(ref):
             raise PermissionError(f"no access to pid {ref.pid}")
+
         _arena.map_peer = deny
     shapes = [(0, 4), (33, 17), (5000,), (64, 48), (7,)]
 
@@ -405,10 +451,15 @@ def scenario_direct(a: dict) -> dict:
         direct = [e for e in events if e["type"] == "transfer_bucket" and e["round"] == -1]
         buckets = [e for e in events if e["type"] == "transfer_bucket" and e["round"] >= 0]
         assert sum(e["bytes"] for e in events if e["type"] == "transfer_bucket") >= (
-            stats.bytes_sent + stats.bytes_received)
-        return {"checked": checked, "direct_sent": sum(e["bytes"] for e in direct if e["src_rank"] == r),
-                "direct_received": sum(e["bytes"] for e in direct if e["dst_rank"] == r),
-                "bucket_events": len(buckets), "bytes_received": stats.bytes_received}
+            stats.bytes_sent + stats.bytes_received
+        )
+        return {
+            "checked": checked,
+            "direct_sent": sum(e["bytes"] for e in direct if e["src_rank"] == r),
+            "direct_received": sum(e["bytes"] for e in direct if e["dst_rank"] == r),
+            "bucket_events": len(buckets),
+            "bytes_received": stats.bytes_received,
+        }
 
     runs = [one_run(), one_run()]  # the views die with each run: their arenas go back to the pool
     pool = {**_arena.pool_stats(), "made": _arena._pool.serial}
@@ -454,8 +505,16 @@ def scenario_churn(a: dict) -> dict:
             if r not in members:
                 continue
             me = members.index(r)
-            comm = CpuCommunicator(f"churn-{it}-{si}", me, len(members), "127.0.0.1", a["port"],
-                                   epoch=it, timeout_s=30.0, slot_bytes=1 << 16)
+            comm = CpuCommunicator(
+                f"churn-{it}-{si}",
+                me,
+                len(members),
+                "127.0.0.1",
+                a["port"],
+                epoch=it,
+                timeout_s=30.0,
+                slot_bytes=1 << 16,
+            )
             t = torch.full((5,), float(r))
             comm.all_reduce(t)
             assert t[0].item() == float(sum(members)), (t, members)
@@ -463,8 +522,12 @@ def scenario_churn(a: dict) -> dict:
                 peer = members[(me + 1) % len(members)]
                 src = members[(me - 1) % len(members)]
                 got = torch.empty(3)
-                comm.batch_p2p([P2POp("send", torch.full((3,), float(r)), members.index(peer)),
-                                P2POp("recv", got, members.index(src))])
+                comm.batch_p2p(
+                    [
+                        P2POp("send", torch.full((3,), float(r)), members.index(peer)),
+                        P2POp("recv", got, members.index(src)),
+                    ]
+                )
                 assert got[0].item() == float(src)
             comm.destroy()
         counts.append((_fd_count(), _thread_count()))

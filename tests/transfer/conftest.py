@@ -28,12 +28,18 @@ class Workers:
     """Starts ``size`` workers for one scenario and collects their JSON lines."""
 
     def __init__(self) -> None:
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=60))
+        self.store = TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
         self.procs: list[subprocess.Popen] = []
 
-    def run(self, scenario: str, size: int, timeout_s: float = 90.0, expect_rc=None,
-            **args) -> list[dict]:
+    def run(
+        self, scenario: str, size: int, timeout_s: float = 90.0, expect_rc=None, **args
+    ) -> list[dict]:
         group = args.pop("group", f"t-{uuid.uuid4().hex[:8]}")
         # the checkout first, then whatever else this process was given (make test-gpu
         # puts the packages it installed there)
@@ -42,16 +48,24 @@ class Workers:
         procs = []
         for rank in range(size):
             a = {"rank": rank, "size": size, "port": self.store.port, "group": group, **args}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.transfer._worker", scenario, json.dumps(a)],
-                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.transfer._worker", scenario, json.dumps(a)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         self.procs.extend(procs)
         results = []
         for rank, p in enumerate(procs):
             out, err = p.communicate(timeout=timeout_s)
             want = 0 if expect_rc is None else expect_rc.get(rank, 0)
             assert p.returncode == want, (
-                f"rank {rank} exited {p.returncode} (wanted {want})\n{err[-4000:]}")
+                f"rank {rank} exited {p.returncode} (wanted {want})\n{err[-4000:]}"
+            )
             lines = [ln for ln in out.splitlines() if ln.startswith("{")]
             results.append(json.loads(lines[-1]) if lines else {"rank": rank, "rc": p.returncode})
         return results

@@ -62,8 +62,13 @@ class Loopback(Communicator):
         self.sent: Counter = Counter()
         self.got: Counter = Counter()
 
-    def enqueue_p2p(self, ops: Sequence[P2POp], new: Sequence[tuple[int, int]], after: Any,
-                    timeout_s: float | None = None) -> tuple[list[torch.Tensor], Any]:
+    def enqueue_p2p(
+        self,
+        ops: Sequence[P2POp],
+        new: Sequence[tuple[int, int]],
+        after: Any,
+        timeout_s: float | None = None,
+    ) -> tuple[list[torch.Tensor], Any]:
         assert all(o.kind == "send" and o.tensor.is_contiguous() for o in ops)
         caller = torch.cuda.current_stream(self.device)
         if after is None:
@@ -132,12 +137,21 @@ def _views(rank: int, peer: int, fill: bool, device: torch.device) -> list[torch
     """What ``rank`` sends ``peer`` (``fill``) or the empty views it receives into: small
     views packed together, a strided view, one cut across several buckets, bfloat16."""
     g = torch.Generator().manual_seed(100 * rank + peer)
-    shapes = [((3000,), torch.float32), ((517, 129), torch.bfloat16), ((40000, 64), torch.float32),
-              ((0,), torch.int64), ((777,), torch.int64), ((128, 256), torch.float32)]
+    shapes = [
+        ((3000,), torch.float32),
+        ((517, 129), torch.bfloat16),
+        ((40000, 64), torch.float32),
+        ((0,), torch.int64),
+        ((777,), torch.int64),
+        ((128, 256), torch.float32),
+    ]
     out = []
     for i, (shape, dtype) in enumerate(shapes):
-        base = torch.randn(shape, generator=g).to(dtype) if dtype.is_floating_point else \
-            torch.randint(0, 1 << 40, shape, generator=g)
+        base = (
+            torch.randn(shape, generator=g).to(dtype)
+            if dtype.is_floating_point
+            else torch.randint(0, 1 << 40, shape, generator=g)
+        )
         t = base.to(device) if fill else torch.zeros(shape, dtype=dtype, device=device)
         out.append(t[:, ::2] if i == 5 else t)  # a strided view
     return out
@@ -161,8 +175,9 @@ def test_streamed_exchange_between_two_ranks_on_one_gpu(adopt):
             for dst, src in zip(sends, fill, strict=True):
                 dst.copy_(src)
             recvs = _views(1 - r, r, False, device)
-            stats[r] = exchange(comms[r], {1 - r: sends}, {1 - r: recvs}, bucket_bytes=1 << 20,
-                                adopt=adopt)
+            stats[r] = exchange(
+                comms[r], {1 - r: sends}, {1 - r: recvs}, bucket_bytes=1 << 20, adopt=adopt
+            )
             got[r] = recvs
             for s in sends:
                 s.fill_(0)  # after exchange returns, the sources are the caller's again

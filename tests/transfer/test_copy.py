@@ -20,8 +20,10 @@ def _reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("case", ["contiguous", "rows of a larger tensor", "strided dst", "strided src",
-                                  "small", "other dtype"])
+@pytest.mark.parametrize(
+    "case",
+    ["contiguous", "rows of a larger tensor", "strided dst", "strided src", "small", "other dtype"],
+)
 def test_matches_copy_and_writes_nothing_else(case):
     g = torch.Generator().manual_seed(0)
     outer = torch.randn(4, 2 * BIG // 64, 64, generator=g)  # the memory around dst
@@ -50,7 +52,9 @@ def test_matches_copy_and_writes_nothing_else(case):
 def _index_of(outer: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """A boolean mask over contiguous ``outer``: True where ``view`` (of the same storage) lies."""
     mask = torch.zeros(outer.numel(), dtype=torch.bool)
-    mask.as_strided(view.shape, view.stride(), view.storage_offset() - outer.storage_offset()).fill_(True)
+    mask.as_strided(
+        view.shape, view.stride(), view.storage_offset() - outer.storage_offset()
+    ).fill_(True)
     return mask.view(outer.shape)
 
 
@@ -63,7 +67,11 @@ def test_shapes_that_differ_are_refused_like_copy():
 
 def test_the_row_block_copy_was_built_where_a_compiler_is():
     # make setup builds nereus/transfer/_rows.c when a C compiler is present
-    assert row_blocks_available() or shutil.which("cc") is None or os.environ.get("NEREUS_ROW_BLOCKS") == "0"
+    assert (
+        row_blocks_available()
+        or shutil.which("cc") is None
+        or os.environ.get("NEREUS_ROW_BLOCKS") == "0"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
@@ -73,8 +81,14 @@ def test_copy_pairs_matches_copy_and_writes_nothing_else(dtype, dst_kind):
     src = (torch.rand(300, 97, generator=g) * 1000).to(dtype)
     # column blocks of one source's rows (overlapping ones too: a box sent to two
     # peers), another row range, a whole contiguous tensor, and a 1-D view
-    blocks = [(slice(0, 300), slice(0, 40)), (slice(0, 300), slice(40, 97)), (slice(0, 300), slice(13, 29)),
-              (slice(7, 200), slice(3, 50)), (slice(7, 200), slice(50, 96)), (slice(0, 300), slice(0, 97))]
+    blocks = [
+        (slice(0, 300), slice(0, 40)),
+        (slice(0, 300), slice(40, 97)),
+        (slice(0, 300), slice(13, 29)),
+        (slice(7, 200), slice(3, 50)),
+        (slice(7, 200), slice(50, 96)),
+        (slice(0, 300), slice(0, 97)),
+    ]
     other = (torch.rand(64, 33, generator=g) * 1000).to(dtype)
     pairs_src = [src[r, c] for r, c in blocks] + [other, other[:, 1:], src.view(-1)[5:1005]]
     outers, pairs = [], []

@@ -16,7 +16,11 @@ from nereus.errors import ConfigError, NereusError, RemoteError
 from nereus.transfer import make_group, release_groups
 from tests.transfer._actors import Member
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(120),
+]
 
 _PORTS: set[int] = set()
 
@@ -67,8 +71,10 @@ async def test_create_and_destroy_repeatedly(cluster, members):
         g = await _make(cluster, devices=[1, 2], epoch=10 + epoch)
         pair = members.slice(dp=slice(1, 3))
         # bucket events name cluster devices, not ranks
-        assert await pair.swap_weights.call(g.group_id) == [[1.0 + 1.0, [[1, 2], [2, 1]]],
-                                                            [0.0 + 0.0, [[1, 2], [2, 1]]]]
+        assert await pair.swap_weights.call(g.group_id) == [
+            [1.0 + 1.0, [[1, 2], [2, 1]]],
+            [0.0 + 0.0, [[1, 2], [2, 1]]],
+        ]
         await g.destroy()
         await g.destroy()  # idempotent
     assert await members.groups.call() == [[], [], []]
@@ -93,9 +99,16 @@ async def test_a_slow_set_up_is_named_in_the_log(cluster, members, monkeypatch, 
     monkeypatch.setattr(group_module, "SLOW_SETUP_S", 0.0)  # any set-up now counts as slow
     with caplog.at_level("WARNING", logger="nereus.transfer"):
         h = await _make(cluster, devices=[1, 2], epoch=30)
-        assert await _make(cluster, devices=[1, 2], epoch=30) is h  # the cached group: no set-up, nothing said
+        assert (
+            await _make(cluster, devices=[1, 2], epoch=30) is h
+        )  # the cached group: no set-up, nothing said
     said = [r.getMessage() for r in caplog.records if "to set up" in r.getMessage()]
-    assert len(said) == 1 and h.group_id in said[0] and "[1, 2]" in said[0] and "reverse lookup" in said[0]
+    assert (
+        len(said) == 1
+        and h.group_id in said[0]
+        and "[1, 2]" in said[0]
+        and "reverse lookup" in said[0]
+    )
     await h.destroy()
 
 
@@ -147,14 +160,21 @@ async def test_the_store_takes_no_new_connections_once_the_group_formed(cluster,
     assert store.host == "127.0.0.1" and store.sealed  # one host: loopback only
     # the members' own connections still carry the watchdog's records
     assert await members.slice(dp=slice(0, 2)).all_reduce.call(group.group_id, 1.0) == [
-        [0, 2, 2.0], [1, 2, 2.0]]
+        [0, 2, 2.0],
+        [1, 2, 2.0],
+    ]
     token = store_token(cluster.key, group.group_id)
     assert store.store.check([f"nereus/{token}/{group.group_id}/7/c/0"])
     assert token != store_token(b"another-key-0123456789", group.group_id)
     with pytest.raises(Exception, match="timed out|refused|connect"):
-        await asyncio.to_thread(TCPStore, store.host, store.port, is_master=False,
-                                wait_for_workers=False,
-                                timeout=datetime.timedelta(seconds=1))
+        await asyncio.to_thread(
+            TCPStore,
+            store.host,
+            store.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=1),
+        )
     # sealed, the store's server waits for its members' requests and burns no CPU: a
     # listener left in its poll set would keep one of its threads spinning on accept
     before = _store_thread_cpu_s()
@@ -191,13 +211,16 @@ async def test_a_multi_host_store_listens_on_the_route_to_the_members():
     there = DeviceInfo(1, "127.0.0.2", "cpu", 1, "n1", 0)
     assert _store_host([here, there]) == "127.0.0.1"
 
+
 async def test_concurrent_groups_over_shared_devices_set_up_one_after_another(cluster, members):
     """Groups made at once over overlapping devices: every one forms and works, and no two
     set-ups that share a device overlap in time (the per-device lock)."""
     for trial in range(5):
         devsets = [[0, 1], [1, 2], [0, 2], [2, 1, 0]]
-        handles = await asyncio.gather(*(_make(cluster, devices=d, epoch=100 + trial) for d in devsets))
-        for a, b in ((a, b) for i, a in enumerate(handles) for b in handles[i + 1:]):
+        handles = await asyncio.gather(
+            *(_make(cluster, devices=d, epoch=100 + trial) for d in devsets)
+        )
+        for a, b in ((a, b) for i, a in enumerate(handles) for b in handles[i + 1 :]):
             if set(a.devices) & set(b.devices):
                 (a0, a1), (b0, b1) = a.setup_span, b.setup_span
                 assert a1 <= b0 or b1 <= a0, (a.devices, a.setup_span, b.devices, b.setup_span)

@@ -27,8 +27,9 @@ def _libnccl_missing() -> str:
     return ""
 
 
-needs_libnccl = pytest.mark.skipif(bool(_libnccl_missing()),
-                                   reason=f"libnccl is not installed: {_libnccl_missing()}")
+needs_libnccl = pytest.mark.skipif(
+    bool(_libnccl_missing()), reason=f"libnccl is not installed: {_libnccl_missing()}"
+)
 
 
 def _gpus() -> int:
@@ -36,7 +37,9 @@ def _gpus() -> int:
 
 
 def _needs_gpus(n: int) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(_gpus() < n, reason=f"GPU tier: needs {n} GPUs (one per rank), this machine has {_gpus()}")
+    return pytest.mark.skipif(
+        _gpus() < n, reason=f"GPU tier: needs {n} GPUs (one per rank), this machine has {_gpus()}"
+    )
 
 
 def test_importing_nereus_never_imports_cupy():
@@ -95,8 +98,15 @@ def test_multi_rank_scenarios_over_nccl(workers, scenario):
 def test_stuck_nccl_collective_names_missing_rank(workers):
     from nereus.transfer.nccl import unique_id
 
-    results = workers.run("stuck", 3, missing=2, ops=["all_reduce"], deadline_s=3.0,
-                          backend="nccl", nccl_id=unique_id().hex())
+    results = workers.run(
+        "stuck",
+        3,
+        missing=2,
+        ops=["all_reduce"],
+        deadline_s=3.0,
+        backend="nccl",
+        nccl_id=unique_id().hex(),
+    )
     for r in results[:2]:
         assert r["all_reduce"]["missing_ranks"] == [2], r
 
@@ -126,12 +136,24 @@ def test_a_rank_that_never_joins_is_named_by_the_deadline():
 
     from nereus.transfer.nccl import NcclCommunicator, unique_id
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=30))
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
     t0 = time.monotonic()
     with pytest.raises(StuckCollective) as info:
-        NcclCommunicator("lonely", 0, 2, unique_id(), timeout_s=3.0, store_host="127.0.0.1",
-                         store_port=store.port)
+        NcclCommunicator(
+            "lonely",
+            0,
+            2,
+            unique_id(),
+            timeout_s=3.0,
+            store_host="127.0.0.1",
+            store_port=store.port,
+        )
     assert info.value.op == "create" and info.value.missing_ranks == [1]
     assert time.monotonic() - t0 < 30
 

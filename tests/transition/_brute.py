@@ -66,8 +66,13 @@ def serial_order(dag, caps: Mapping[int, int | None]) -> list[int] | None:
     return walk([], dict(dag.initial))
 
 
-def _list_schedule(dag, deps: dict[int, set[int]], order: tuple[int, ...], caps: Mapping[int, int | None],
-                   seconds: dict[int, float]) -> float:
+def _list_schedule(
+    dag,
+    deps: dict[int, set[int]],
+    order: tuple[int, ...],
+    caps: Mapping[int, int | None],
+    seconds: dict[int, float],
+) -> float:
     nodes = {n.id: n for n in dag.nodes}
     used = dict(dag.initial)
     done: set[int] = set()
@@ -78,7 +83,12 @@ def _list_schedule(dag, deps: dict[int, set[int]], order: tuple[int, ...], caps:
     while len(done) < len(nodes):
         for nid in order:
             node = nodes[nid]
-            if nid in done or nid in running or not deps[nid] <= done or not busy.isdisjoint(node.devices):
+            if (
+                nid in done
+                or nid in running
+                or not deps[nid] <= done
+                or not busy.isdisjoint(node.devices)
+            ):
                 continue
             if not _fits(node, used, caps):
                 continue

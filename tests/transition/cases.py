@@ -21,7 +21,12 @@ VALUE = SPEC  # a critic's trunk; the value head does not change what the cases 
 
 
 def plan(**stages: tuple[int, int, list[list[int]]]) -> Plan:
-    return Plan(tuple((n, StagePlan(tp, pp, len(d), tuple(tuple(x) for x in d))) for n, (tp, pp, d) in stages.items()))
+    return Plan(
+        tuple(
+            (n, StagePlan(tp, pp, len(d), tuple(tuple(x) for x in d)))
+            for n, (tp, pp, d) in stages.items()
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -40,42 +45,73 @@ class Case:
         return int(self.cap_factor * SPEC.nbytes)
 
     def dag(self, **kw) -> TransitionDAG:
-        return build_dag(self.current, self.target, self.specs, lambda d: self.cap(), slots=self.slots, **kw)
+        return build_dag(
+            self.current, self.target, self.specs, lambda d: self.cap(), slots=self.slots, **kw
+        )
 
     def emus(self, p: Plan, tag: str = "") -> dict[str, list[EMU]]:
-        return {s: [EMU(f"{s}.{tag}{i}", s, SPEC, Layout(sp.tp, sp.pp), d, self.slots.get(s, ("param",)))
-                    for i, d in enumerate(sp.devices)] for s, sp in p}
+        return {
+            s: [
+                EMU(
+                    f"{s}.{tag}{i}", s, SPEC, Layout(sp.tp, sp.pp), d, self.slots.get(s, ("param",))
+                )
+                for i, d in enumerate(sp.devices)
+            ]
+            for s, sp in p
+        }
 
 
 TRAIN = training_slots("float32")
 CASES = [
     # the same model across stages: policy-generation and policy-training trade devices
-    Case("same model across stages",
-         plan(policy_generation=(2, 1, [[0, 1]]), policy_training=(1, 2, [[2, 3]])),
-         plan(policy_generation=(1, 1, [[2], [3]]), policy_training=(2, 1, [[0, 1]])),
-         {"policy_training": TRAIN}, 2.4),
+    Case(
+        "same model across stages",
+        plan(policy_generation=(2, 1, [[0, 1]]), policy_training=(1, 2, [[2, 3]])),
+        plan(policy_generation=(1, 1, [[2], [3]]), policy_training=(2, 1, [[0, 1]])),
+        {"policy_training": TRAIN},
+        2.4,
+    ),
     # different models in one stage: reference- and critic-inference swap and reshape
-    Case("different models in one stage",
-         plan(reference_inference=(2, 1, [[0, 1]]), critic_inference=(1, 1, [[2], [3]])),
-         plan(reference_inference=(1, 1, [[2], [3]]), critic_inference=(2, 1, [[0, 1]])),
-         {}, 1.6),
+    Case(
+        "different models in one stage",
+        plan(reference_inference=(2, 1, [[0, 1]]), critic_inference=(1, 1, [[2], [3]])),
+        plan(reference_inference=(1, 1, [[2], [3]]), critic_inference=(2, 1, [[0, 1]])),
+        {},
+        1.6,
+    ),
     # different models across stages, PPO with a critic
-    Case("different models across stages (PPO)",
-         plan(policy_generation=(1, 1, [[0], [1], [2], [3]]), reference_inference=(1, 1, [[2]]),
-              critic_inference=(1, 1, [[3]]), policy_training=(2, 1, [[0, 1]]), critic_training=(2, 1, [[2, 3]])),
-         plan(policy_generation=(2, 1, [[0, 1], [2, 3]]), reference_inference=(1, 1, [[0]]),
-              critic_inference=(1, 1, [[1]]), policy_training=(2, 1, [[2, 3]]), critic_training=(2, 1, [[0, 1]])),
-         {"policy_training": TRAIN, "critic_training": TRAIN}, 4.4),
+    Case(
+        "different models across stages (PPO)",
+        plan(
+            policy_generation=(1, 1, [[0], [1], [2], [3]]),
+            reference_inference=(1, 1, [[2]]),
+            critic_inference=(1, 1, [[3]]),
+            policy_training=(2, 1, [[0, 1]]),
+            critic_training=(2, 1, [[2, 3]]),
+        ),
+        plan(
+            policy_generation=(2, 1, [[0, 1], [2, 3]]),
+            reference_inference=(1, 1, [[0]]),
+            critic_inference=(1, 1, [[1]]),
+            policy_training=(2, 1, [[2, 3]]),
+            critic_training=(2, 1, [[0, 1]]),
+        ),
+        {"policy_training": TRAIN, "critic_training": TRAIN},
+        4.4,
+    ),
 ]
 
 
 # a generation Merge frees more than it takes on devices 0-1; the training Extend onto
 # them fits only after it. The training model-stage is listed first (lower node ids), so
 # only the generation -> inference -> training tie order starts the Merge first.
-STAGE_ORDER = Case("generation before training on shared devices",
-                   plan(policy_training=(2, 1, [[2, 3]]), policy_generation=(1, 1, [[0], [1]])),
-                   plan(policy_training=(2, 1, [[0, 1]]), policy_generation=(2, 1, [[0, 1]])),
-                   {"policy_training": TRAIN}, 2.2)
+STAGE_ORDER = Case(
+    "generation before training on shared devices",
+    plan(policy_training=(2, 1, [[2, 3]]), policy_generation=(1, 1, [[0], [1]])),
+    plan(policy_training=(2, 1, [[0, 1]]), policy_generation=(2, 1, [[0, 1]])),
+    {"policy_training": TRAIN},
+    2.2,
+)
 # the rule (a ``Rules`` field) -> a case that overflows a cap without it
 RULE_CASES = {"release_first": CASES[1], "stage_order": STAGE_ORDER, "resource_edges": CASES[0]}
 

@@ -27,15 +27,21 @@ def _slots(stage: str, dtype: str) -> tuple[str, ...]:
 
 def _emus(plan: Plan, stage: str, spec, dtype: str, tag: str = "") -> list[EMU]:
     sp = plan[stage]
-    return [EMU(f"{stage}.{tag}{i}", stage, spec, Layout(sp.tp, sp.pp), d, _slots(stage, dtype))
-            for i, d in enumerate(sp.devices)]
+    return [
+        EMU(f"{stage}.{tag}{i}", stage, spec, Layout(sp.tp, sp.pp), d, _slots(stage, dtype))
+        for i, d in enumerate(sp.devices)
+    ]
 
 
 @st.composite
 def cases(draw):
     kv = draw(st.sampled_from([1, 2, 4]))
-    spec = spec_for(kv_heads=kv, tied=draw(st.booleans()), layers=draw(st.sampled_from([3, 4])),
-                    dtype=draw(st.sampled_from(["float32", "bfloat16"])))
+    spec = spec_for(
+        kv_heads=kv,
+        tied=draw(st.booleans()),
+        layers=draw(st.sampled_from([3, 4])),
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+    )
     devices = draw(st.sampled_from([4, 8]))
     plans = []
     for _ in range(2):
@@ -49,8 +55,17 @@ def cases(draw):
                 stages.append((stage, StagePlan.on_range(tp, pp, dp, start)))
             else:  # anywhere
                 devs = draw(st.permutations(range(devices)))[: tp * pp * dp]
-                stages.append((stage, StagePlan(tp, pp, dp, tuple(tuple(devs[i * tp * pp:(i + 1) * tp * pp])
-                                                                   for i in range(dp)))))
+                stages.append(
+                    (
+                        stage,
+                        StagePlan(
+                            tp,
+                            pp,
+                            dp,
+                            tuple(tuple(devs[i * tp * pp : (i + 1) * tp * pp]) for i in range(dp)),
+                        ),
+                    )
+                )
         plans.append(Plan(tuple(stages)))
     return spec, plans[0], plans[1], devices
 
@@ -77,13 +92,22 @@ def test_analytic_bytes_and_memory_equal_the_state_layers(case):
         nodes = [n for n in dag.nodes if n.stage == stage]
         if not nodes:
             continue
-        exact = plan_stage_transition(cur, _emus(target, stage, spec, dtype, "next"), bucket_bytes=0)
+        exact = plan_stage_transition(
+            cur, _emus(target, stage, spec, dtype, "next"), bucket_bytes=0
+        )
         assert sum(n.bytes for n in nodes) == exact.bytes_moved, stage
-        step_of = {(s.kind, tuple(e.name for e in s.created), tuple(e.name for e in s.freed)): s for s in exact.steps}
+        step_of = {
+            (s.kind, tuple(e.name for e in s.created), tuple(e.name for e in s.freed)): s
+            for s in exact.steps
+        }
         assert len(step_of) == len(exact.steps) == sum(n.count for n in nodes)
         for n in nodes:
-            steps = [step_of[(op.kind, tuple(e.name for e in op.created), tuple(e.name for e in op.freed))]
-                     for op in n.ops]
+            steps = [
+                step_of[
+                    (op.kind, tuple(e.name for e in op.created), tuple(e.name for e in op.freed))
+                ]
+                for op in n.ops
+            ]
             assert n.bytes == sum(s.bytes_moved for s in steps), n.label
             received: dict[int, int] = defaultdict(int)
             peak: dict[int, int] = defaultdict(int)
@@ -96,15 +120,20 @@ def test_analytic_bytes_and_memory_equal_the_state_layers(case):
                     peak[d] += s.memory.peak_delta(d)
                     net[d] += s.memory.after_delta(d)
             assert {d: v for d, v in n.moved_in.items() if v} == dict(received), n.label
-            assert {d: v for d, v in n.alloc.items() if v} == {d: v for d, v in peak.items() if v}, n.label
-            assert {d: n.alloc.get(d, 0) - n.release.get(d, 0) for d in n.devices} == \
-                {d: net.get(d, 0) for d in n.devices}, n.label
+            assert {d: v for d, v in n.alloc.items() if v} == {
+                d: v for d, v in peak.items() if v
+            }, n.label
+            assert {d: n.alloc.get(d, 0) - n.release.get(d, 0) for d in n.devices} == {
+                d: net.get(d, 0) for d in n.devices
+            }, n.label
         for s in exact.steps:
             for d in s.memory.devices():
                 after[d] += s.memory.after_delta(d)
     assert {d: v for d, v in dag.initial.items() if v} == {d: v for d, v in initial.items() if v}
     for d in set(initial) | set(after):
-        dag_after = dag.initial.get(d, 0) + sum(n.alloc.get(d, 0) - n.release.get(d, 0) for n in dag.nodes)
+        dag_after = dag.initial.get(d, 0) + sum(
+            n.alloc.get(d, 0) - n.release.get(d, 0) for n in dag.nodes
+        )
         assert dag_after == initial[d] + after[d], d
 
 
@@ -114,7 +143,9 @@ def test_spec_bytes_of_a_position_add_up_to_the_model():
     for tp, pp in ((1, 1), (2, 1), (4, 2), (8, 2)):
         layout = Layout(tp, pp)
         total = sum(table.held(layout, (p, r)) for p in range(pp) for r in range(tp))
-        emu = EMU("e", "policy_training", spec, layout, tuple(range(tp * pp)), training_slots("float32"))
+        emu = EMU(
+            "e", "policy_training", spec, layout, tuple(range(tp * pp)), training_slots("float32")
+        )
         assert total == sum(emu.bytes_on(d) for d in emu.devices)
 
 

@@ -25,7 +25,7 @@ def _stage_plan(rng: random.Random, devices: int) -> StagePlan:
     tp = rng.choice([1, 2])
     dp = rng.choice([1, 2]) if 2 * tp <= devices else 1
     devs = rng.sample(range(devices), tp * dp)
-    return StagePlan(tp, 1, dp, tuple(tuple(devs[i * tp:(i + 1) * tp]) for i in range(dp)))
+    return StagePlan(tp, 1, dp, tuple(tuple(devs[i * tp : (i + 1) * tp]) for i in range(dp)))
 
 
 def test_build_dag_never_calls_feasible_what_no_order_fits():
@@ -45,15 +45,24 @@ def test_build_dag_never_calls_feasible_what_no_order_fits():
         if not 2 <= len(shape.nodes) <= 8:
             continue
         # a cap between what the devices hold before and after and the most they could hold
-        peak = max(shape.initial.get(d, 0) + sum(n.alloc.get(d, 0) for n in shape.nodes) for d in shape.caps)
+        peak = max(
+            shape.initial.get(d, 0) + sum(n.alloc.get(d, 0) for n in shape.nodes)
+            for d in shape.caps
+        )
         floor = max(shape.initial.get(d, 0) for d in shape.caps)
         cap = int(floor + rng.uniform(0.3, 1.0) * (peak - floor))
         caps = dict.fromkeys(shape.caps, cap)
         cases += 1
         order = serial_order(shape, caps)
         try:
-            dag = build_dag(current, target, specs, DeviceSet.single_host(devices, cap), slots=SLOTS,
-                            duration=LINK.seconds)
+            dag = build_dag(
+                current,
+                target,
+                specs,
+                DeviceSet.single_host(devices, cap),
+                slots=SLOTS,
+                duration=LINK.seconds,
+            )
         except InfeasibleTransition:
             infeasible += 1
             false_infeasible += order is not None
@@ -64,12 +73,14 @@ def test_build_dag_never_calls_feasible_what_no_order_fits():
             best = best_makespan(shape, caps, LINK.seconds)
             gaps.append(simulate(dag, LINK.seconds).makespan / best - 1.0)
     assert feasible and gaps
-    print(f"\nbrute force over {cases} DAGs of 2-8 nodes: {feasible} feasible, {infeasible} "
+    print(
+        f"\nbrute force over {cases} DAGs of 2-8 nodes: {feasible} feasible, {infeasible} "
         "called infeasible, "
-          f"{false_infeasible} of them ({false_infeasible / max(infeasible, 1):.0%}) fit in "
-          "some serial order "
-          f"(false-infeasible rate {false_infeasible / cases:.1%} of all); makespan gap to the "
-          "best order over "
-          f"{len(gaps)} DAGs: median {statistics.median(gaps):.1%}, mean "
-          f"{statistics.fmean(gaps):.1%}, "
-          f"max {max(gaps):.1%}")
+        f"{false_infeasible} of them ({false_infeasible / max(infeasible, 1):.0%}) fit in "
+        "some serial order "
+        f"(false-infeasible rate {false_infeasible / cases:.1%} of all); makespan gap to the "
+        "best order over "
+        f"{len(gaps)} DAGs: median {statistics.median(gaps):.1%}, mean "
+        f"{statistics.fmean(gaps):.1%}, "
+        f"max {max(gaps):.1%}"
+    )

@@ -17,19 +17,32 @@ SLOTS = {"policy_training": training_slots("float32")}
 
 
 def plan(**stages) -> Plan:
-    return Plan(tuple((n, StagePlan(tp, pp, len(d), tuple(tuple(x) for x in d))) for n, (tp, pp, d) in stages.items()))
+    return Plan(
+        tuple(
+            (n, StagePlan(tp, pp, len(d), tuple(tuple(x) for x in d)))
+            for n, (tp, pp, d) in stages.items()
+        )
+    )
 
 
-A = plan(policy_generation=(1, 1, [[0], [1], [2], [3]]), reference_inference=(1, 1, [[3]]),
-         policy_training=(2, 1, [[0, 1]]))
-B = plan(policy_generation=(2, 1, [[0, 1], [2, 3]]), reference_inference=(1, 2, [[0, 1]]),
-         policy_training=(1, 1, [[2]]))
+A = plan(
+    policy_generation=(1, 1, [[0], [1], [2], [3]]),
+    reference_inference=(1, 1, [[3]]),
+    policy_training=(2, 1, [[0, 1]]),
+)
+B = plan(
+    policy_generation=(2, 1, [[0, 1], [2, 3]]),
+    reference_inference=(1, 2, [[0, 1]]),
+    policy_training=(1, 1, [[2]]),
+)
 
 
 def _emus(p: Plan, stage: str, tag: str = "") -> list[EMU]:
     sp = p[stage]
-    return [EMU(f"{stage}.{tag}{i}", stage, SPEC, Layout(sp.tp, sp.pp), d, SLOTS.get(stage, ("param",)))
-            for i, d in enumerate(sp.devices)]
+    return [
+        EMU(f"{stage}.{tag}{i}", stage, SPEC, Layout(sp.tp, sp.pp), d, SLOTS.get(stage, ("param",)))
+        for i, d in enumerate(sp.devices)
+    ]
 
 
 def test_analytic_bytes_equal_the_state_layers_plans():
@@ -52,15 +65,25 @@ def test_analytic_bytes_equal_the_state_layers_plans():
 
 def test_the_schedule_keeps_caps_and_a_blocked_acquisition_waits_for_a_destroy():
     weights = SPEC.nbytes
-    dag = build_dag(A, B, {n: SPEC for n in A.names}, DeviceSet.single_host(4, int(4.2 * weights)), slots=SLOTS)
+    dag = build_dag(
+        A, B, {n: SPEC for n in A.names}, DeviceSet.single_host(4, int(4.2 * weights)), slots=SLOTS
+    )
     s = simulate(dag, LinkModel(1e9, 1e9).seconds)
     assert set(s.end) == {n.id for n in dag.nodes}
     assert all(s.peak[d] <= int(4.2 * weights) for d in s.peak)
     for n in dag.nodes:  # every dependency ends before its dependant starts
         assert all(s.end[d] <= s.start[n.id] for d in n.deps)
     with pytest.raises(InfeasibleTransition) as info:
-        build_dag(A, B, {n: SPEC for n in A.names}, DeviceSet.single_host(4, int(3.1 * weights)), slots=SLOTS)
-    assert info.value.cap_bytes == int(3.1 * weights) and info.value.need_bytes > info.value.cap_bytes
+        build_dag(
+            A,
+            B,
+            {n: SPEC for n in A.names},
+            DeviceSet.single_host(4, int(3.1 * weights)),
+            slots=SLOTS,
+        )
+    assert (
+        info.value.cap_bytes == int(3.1 * weights) and info.value.need_bytes > info.value.cap_bytes
+    )
 
 
 def test_a_build_leaves_the_cycle_collector_as_it_found_it():
@@ -84,8 +107,14 @@ def test_a_build_leaves_the_cycle_collector_as_it_found_it():
 def test_plans_with_no_model_stage_give_an_empty_dag():
     # a job whose every model-stage lost its last EMU rebuilds them after the DAG: it moves nothing
     empty = Plan(())
-    dag = build_dag(empty, empty, {}, DeviceSet((0, 0), (1 << 30, 1 << 30)), resident={0: 4096},
-                    duration=lambda n: 1.0)
+    dag = build_dag(
+        empty,
+        empty,
+        {},
+        DeviceSet((0, 0), (1 << 30, 1 << 30)),
+        resident={0: 4096},
+        duration=lambda n: 1.0,
+    )
     assert dag.nodes == [] and dag.bytes == 0
     assert dag.schedule.makespan == 0.0
 
@@ -105,14 +134,26 @@ def test_a_dropped_dag_is_freed_without_the_cycle_collector(regular):
         current, target, specs, slots = A, B, {n: SPEC for n in A.names}, SLOTS
     gc.disable()
     try:
-        dag = build_dag(current, target, specs, DeviceSet.single_host(16, 1 << 40), slots=slots,
-                        duration=LinkModel(1e9, 1e9).seconds)
+        dag = build_dag(
+            current,
+            target,
+            specs,
+            DeviceSet.single_host(16, 1 << 40),
+            slots=slots,
+            duration=LinkModel(1e9, 1e9).seconds,
+        )
         kept = dag.nodes[0]
         want = (kept.devices, dict(kept.alloc), kept.ops)
-        kept._devices = kept._alloc = kept._ops = None  # listed again below, from what the node holds
+        kept._devices = kept._alloc = kept._ops = (
+            None  # listed again below, from what the node holds
+        )
         dropped = weakref.ref(dag)
         del dag
         assert dropped() is None, "a reference cycle keeps the DAG until the cycle collector runs"
-        assert (kept.devices, dict(kept.alloc), kept.ops) == want  # a node kept still lists its fields
+        assert (
+            kept.devices,
+            dict(kept.alloc),
+            kept.ops,
+        ) == want  # a node kept still lists its fields
     finally:
         gc.enable()

@@ -86,7 +86,8 @@ def test_the_simulated_runtime_with_modelled_durations_reproduces_the_estimate(c
     report = asyncio.run(execute_dag(dag, SimulatedRuntime(MODEL.seconds), duration=MODEL.seconds))
     assert report.order == estimate.order
     assert {n: (r.start, r.end) for n, r in report.results.items()} == {
-        n: (estimate.start[n], estimate.end[n]) for n in estimate.start}
+        n: (estimate.start[n], estimate.end[n]) for n in estimate.start
+    }
     assert report.peak == estimate.peak
     assert report.predicted == {n.id: MODEL.seconds(n) for n in dag.nodes}
 
@@ -96,10 +97,14 @@ def test_a_failure_part_way_leaves_a_valid_collection(case):
     dag = case.dag(duration=MODEL.seconds)
     movers = [n.id for n in dag.nodes if n.kind != "destroy"]
     for victim in movers:
-        runtime = CheckingRuntime(dag, case, MODEL.seconds, fail=lambda node, v=victim: node.id == v)
+        runtime = CheckingRuntime(
+            dag, case, MODEL.seconds, fail=lambda node, v=victim: node.id == v
+        )
         report = asyncio.run(execute_dag(dag, runtime))
         assert report.failed == [victim] and not report.ok
-        assert set(report.finished) | set(report.failed) | set(report.not_started) == {n.id for n in dag.nodes}
+        assert set(report.finished) | set(report.failed) | set(report.not_started) == {
+            n.id for n in dag.nodes
+        }
         # coverage was checked after every node by the runtime; what never started is named
         assert all(n not in report.results for n in report.not_started)
 
@@ -129,10 +134,15 @@ def test_without_each_rule_and_the_net_the_real_dispatcher_passes_a_cap():
         over[key] = 0
         rng = random.Random(7)
         for _ in range(50):
-            dag = case.dag(duration=MODEL.seconds, rules=off if rule == "resource_edges" else ALL_RULES)
+            dag = case.dag(
+                duration=MODEL.seconds, rules=off if rule == "resource_edges" else ALL_RULES
+            )
             runtime = SimulatedRuntime(random_duration(rng))
-            report = asyncio.run(execute_dag(dag, runtime, rules=None if rule == "resource_edges" else off,
-                                             check_caps=False))
+            report = asyncio.run(
+                execute_dag(
+                    dag, runtime, rules=None if rule == "resource_edges" else off, check_caps=False
+                )
+            )
             assert report.ok, report.error  # without the net nothing is ever blocked
             over[key] += any(report.peak[d] > case.cap() for d in report.peak)
     assert all(v == 0 for k, v in over.items() if k.startswith("all")), over

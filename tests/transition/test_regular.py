@@ -32,28 +32,43 @@ def _listed(*args, **kw):
 
 
 def _ops(node) -> list[tuple]:
-    return [(op.kind, [e.name for e in op.inputs], [(e.name, e.devices) for e in op.created],
-             [e.name for e in op.freed]) for op in node.ops]
+    return [
+        (
+            op.kind,
+            [e.name for e in op.inputs],
+            [(e.name, e.devices) for e in op.created],
+            [e.name for e in op.freed],
+        )
+        for op in node.ops
+    ]
 
 
 def assert_same_dag(got, want) -> None:
     assert [n.label for n in got.nodes] == [n.label for n in want.nodes]
     for g, w in zip(got.nodes, want.nodes, strict=True):
         assert (g.bytes, g.groups, g.deps) == (w.bytes, w.groups, w.deps), g.label
-        assert {k: v for k, v in g.bytes_by_link.items() if v} == {k: v for k, v in w.bytes_by_link.items() if v}
+        assert {k: v for k, v in g.bytes_by_link.items() if v} == {
+            k: v for k, v in w.bytes_by_link.items() if v
+        }
         assert tuple(g.devices) == tuple(w.devices), g.label
         for field in ("alloc", "release", "moved_in"):
-            assert {d: v for d, v in getattr(g, field).items() if v} == \
-                {d: v for d, v in getattr(w, field).items() if v}, (g.label, field)
+            assert {d: v for d, v in getattr(g, field).items() if v} == {
+                d: v for d, v in getattr(w, field).items() if v
+            }, (g.label, field)
         assert g.max_moved_in == w.max_moved_in and g.releases_only == w.releases_only
         assert g.max_copied == w.max_copied, g.label
         assert _ops(g) == _ops(w), g.label
     assert dict(got.initial) == dict(want.initial) and dict(got.caps) == dict(want.caps)
-    assert {s: [(e.name, e.layout, e.devices) for e in got.results[s]] for s in got.results} == \
-        {s: [(e.name, e.layout, e.devices) for e in want.results[s]] for s in want.results}
+    assert {s: [(e.name, e.layout, e.devices) for e in got.results[s]] for s in got.results} == {
+        s: [(e.name, e.layout, e.devices) for e in want.results[s]] for s in want.results
+    }
     link = LinkModel(1e9, 2e8)
     a, b = simulate(got, link.seconds), simulate(want, link.seconds)
-    assert a.order == b.order and a.makespan == pytest.approx(b.makespan) and dict(a.peak) == dict(b.peak)
+    assert (
+        a.order == b.order
+        and a.makespan == pytest.approx(b.makespan)
+        and dict(a.peak) == dict(b.peak)
+    )
 
 
 @st.composite
@@ -73,7 +88,9 @@ def plans(draw):
         tgt.append((stage, StagePlan.on_range(*sizes[1], 0 if moved else start)))
     per_host = draw(st.sampled_from([4, 8, devices]))
     budget = draw(st.sampled_from([None, 10**9]))
-    ds = DeviceSet(tuple(d // per_host for d in range(devices)), (budget,) * devices if budget else ())
+    ds = DeviceSet(
+        tuple(d // per_host for d in range(devices)), (budget,) * devices if budget else ()
+    )
     return Plan(tuple(cur)), Plan(tuple(tgt)), ds, draw(st.sampled_from([0, 0, 1000]))
 
 
@@ -86,17 +103,28 @@ def test_a_repeating_model_stage_is_priced_as_if_its_ops_were_listed(case):
         want = _listed(current, target, specs, devices, slots=SLOTS, bucket_bytes=bucket)
     except (InfeasiblePlan, StateError):
         return
-    assert_same_dag(build_dag(current, target, specs, devices, slots=SLOTS, bucket_bytes=bucket), want)
+    assert_same_dag(
+        build_dag(current, target, specs, devices, slots=SLOTS, bucket_bytes=bucket), want
+    )
 
 
 def test_a_thousand_devices_take_a_few_dozen_classes():
     current = Plan((("policy-generation", StagePlan.on_range(2, 1, 256, 0)),))
     target = Plan((("policy-generation", StagePlan.on_range(1, 1, 1024, 0)),))
-    dag = build_dag(current, target, {"policy-generation": SPEC}, DeviceSet(tuple(d // 8 for d in range(1024))))
+    dag = build_dag(
+        current, target, {"policy-generation": SPEC}, DeviceSet(tuple(d // 8 for d in range(1024)))
+    )
     assert len(dag.classes.caps) < 40 and [n.kind for n in dag.nodes] == ["split"] + ["extend"] * 4
     assert sum(n.count for n in dag.nodes) == 256 + 512
-    assert_same_dag(dag, _listed(current, target, {"policy-generation": SPEC},
-                                 DeviceSet(tuple(d // 8 for d in range(1024)))))
+    assert_same_dag(
+        dag,
+        _listed(
+            current,
+            target,
+            {"policy-generation": SPEC},
+            DeviceSet(tuple(d // 8 for d in range(1024))),
+        ),
+    )
 
 
 def _per_host_by_definition(hosts: list[int]) -> int | None:
@@ -134,12 +162,17 @@ def moves(draw):
     devices = x1 + second * s + draw(st.integers(0, 4))
     per_host = draw(st.sampled_from([1, 2, 4, 8, devices]))
     budget = draw(st.sampled_from([None, 10**9]))
-    ds = DeviceSet(tuple(d // per_host for d in range(devices)),
-                   (budget,) * devices if budget else ())
-    cur = (("policy-training", StagePlan.on_range(tp, pp, dp_a, xa)),
-           ("reference-inference", StagePlan.on_range(1, 1, 1, 0)))
-    tgt = (("policy-training", StagePlan.on_range(tp, pp, dp_b, xb)),
-           ("reference-inference", StagePlan.on_range(1, 1, 1, 0)))
+    ds = DeviceSet(
+        tuple(d // per_host for d in range(devices)), (budget,) * devices if budget else ()
+    )
+    cur = (
+        ("policy-training", StagePlan.on_range(tp, pp, dp_a, xa)),
+        ("reference-inference", StagePlan.on_range(1, 1, 1, 0)),
+    )
+    tgt = (
+        ("policy-training", StagePlan.on_range(tp, pp, dp_b, xb)),
+        ("reference-inference", StagePlan.on_range(1, 1, 1, 0)),
+    )
     return Plan(cur), Plan(tgt), ds, draw(st.sampled_from([0, 1000]))
 
 
@@ -160,11 +193,33 @@ def test_the_moved_path_takes_the_swap_and_leaves_the_rest_listed():
     declines an overlapping move, a change of layout and a shrinking one."""
     table = dag_module.SpecBytes(SPEC, ("param",))
     hosts = Hosts(lambda d: d // 8, [d // 8 for d in range(64)], 64)
-    taken = dag_module.regular_part("policy-generation", StagePlan.on_range(2, 1, 8, 32),
-                                    StagePlan.on_range(2, 1, 8, 0), table, hosts, 0, 64, None)
+    taken = dag_module.regular_part(
+        "policy-generation",
+        StagePlan.on_range(2, 1, 8, 32),
+        StagePlan.on_range(2, 1, 8, 0),
+        table,
+        hosts,
+        0,
+        64,
+        None,
+    )
     assert taken is not None and taken.results is None  # not listed: the ops come on first use
-    declined = (((2, 1, 8, 8), (2, 1, 8, 0)), ((2, 1, 8, 32), (1, 1, 16, 0)),
-                ((2, 1, 8, 32), (2, 1, 4, 0)))
+    declined = (
+        ((2, 1, 8, 8), (2, 1, 8, 0)),
+        ((2, 1, 8, 32), (1, 1, 16, 0)),
+        ((2, 1, 8, 32), (2, 1, 4, 0)),
+    )
     for a, b in declined:
-        assert dag_module.regular_part("policy-generation", StagePlan.on_range(*a),
-                                       StagePlan.on_range(*b), table, hosts, 0, 64, None) is None
+        assert (
+            dag_module.regular_part(
+                "policy-generation",
+                StagePlan.on_range(*a),
+                StagePlan.on_range(*b),
+                table,
+                hosts,
+                0,
+                64,
+                None,
+            )
+            is None
+        )

@@ -29,8 +29,14 @@ def _cap() -> int:
 
 
 def _dag(target: Plan):
-    return build_dag(CURRENT, target, {"policy_training": SPEC}, lambda d: _cap(), slots=SLOTS,
-                     host_of=lambda d: d // 4)
+    return build_dag(
+        CURRENT,
+        target,
+        {"policy_training": SPEC},
+        lambda d: _cap(),
+        slots=SLOTS,
+        host_of=lambda d: d // 4,
+    )
 
 
 def test_the_move_laid_out_from_zero_is_refused_on_memory():

@@ -23,7 +23,11 @@ from tests._leaks import children, shm_segments, wait_gone
 from tests.transition._workers import MODEL, DelayHolder, check_target, drop_all, run_case
 from tests.transition.cases import CASES, RULE_CASES
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(300),
+]
 
 BUDGET = max(c.cap() for c in [*CASES, *RULE_CASES.values()])
 RULES = sorted(RULE_CASES)

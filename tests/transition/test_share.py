@@ -24,8 +24,12 @@ SPEC = spec_for(layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64, voc
 
 
 def _plan(gen: tuple, train: tuple) -> Plan:
-    return Plan((("policy_generation", StagePlan(len(gen[0]), 1, len(gen), gen)),
-                 ("policy_training", StagePlan(len(train[0]), 1, len(train), train))))
+    return Plan(
+        (
+            ("policy_generation", StagePlan(len(gen[0]), 1, len(gen), gen)),
+            ("policy_training", StagePlan(len(train[0]), 1, len(train), train)),
+        )
+    )
 
 
 # two model-stages change layout on disjoint devices: their nodes may run at once
@@ -46,7 +50,9 @@ def test_nodes_at_once_share_the_cores():
     for n in both:  # half the rate while four devices work on two cores
         assert shared.end[n.id] - shared.start[n.id] == pytest.approx(max(1.0, busy / 2))
     # and one core each: no slower than alone
-    assert simulate(dag, lambda n: 1.0, share=lambda k: 1.0).makespan == pytest.approx(alone.makespan)
+    assert simulate(dag, lambda n: 1.0, share=lambda k: 1.0).makespan == pytest.approx(
+        alone.makespan
+    )
 
 
 def test_full_rate_seconds_inverts_the_sharing():
@@ -62,12 +68,15 @@ def test_full_rate_seconds_inverts_the_sharing():
 def test_the_estimate_adds_the_calibrated_costs_outside_the_nodes():
     cal = Calibrator()
     for groups in (0, 1, 2, 3, 1):  # a fixed 0.01 s and 0.03 s per group released
-        cal.observe_transition({"transitions": 1.0, "groups_released": float(groups)}, 0.01 + 0.03 * groups)
+        cal.observe_transition(
+            {"transitions": 1.0, "groups_released": float(groups)}, 0.01 + 0.03 * groups
+        )
     eff = cal.fit()
     assert eff.transition_s == pytest.approx(0.01, abs=1e-3)
     assert eff.group_release_s == pytest.approx(0.03, abs=1e-3)
-    cluster = local_cpu_cluster(4, 1 << 30, flops_per_device=1e10, memory_bandwidth=1e10, exchange_bandwidth=1e9,
-                                cores=2)
+    cluster = local_cpu_cluster(
+        4, 1 << 30, flops_per_device=1e10, memory_bandwidth=1e10, exchange_bandwidth=1e9, cores=2
+    )
     link = LinkModel.of(cluster, eff)
     assert link.transition_s == eff.transition_s and link.cores == cluster.cores == 2
     devices = DeviceSet.single_host(4, 1 << 30)
@@ -75,7 +84,8 @@ def test_the_estimate_adds_the_calibrated_costs_outside_the_nodes():
     groups = sum(n.groups for n in dag.nodes)
     assert groups > 0 and link.outside(dag) == {"transitions": 1.0, "groups_released": groups}
     assert transition_seconds(A, B, SPECS, devices, link) == pytest.approx(
-        dag.schedule.makespan + eff.transition_s + groups * eff.group_release_s)
+        dag.schedule.makespan + eff.transition_s + groups * eff.group_release_s
+    )
     assert transition_seconds(A, A, SPECS, devices, link) == 0.0
 
 
@@ -109,9 +119,23 @@ def test_what_a_hosts_devices_receive_together_is_one_cost_the_calibrator_learns
     # nodes whose host receives more than their busiest device take longer: learned
     cal = Calibrator()
     for worst, host in ((0.1, 0.1), (0.1, 0.2), (0.2, 0.2), (0.05, 0.15), (0.2, 0.4)):
-        cal.observe_transition({"p2p_intra": worst, "calls": 1.0, "host_gb": host}, 2 * worst + 0.5 * host + 0.01)
+        cal.observe_transition(
+            {"p2p_intra": worst, "calls": 1.0, "host_gb": host}, 2 * worst + 0.5 * host + 0.01
+        )
     eff = cal.fit()
     assert eff.host_s_per_gb == pytest.approx(0.5, rel=0.05)
     assert eff.p2p_intra == pytest.approx(0.5, rel=0.05)
-    assert LinkModel.of(local_cpu_cluster(4, 1 << 30, flops_per_device=1e10, memory_bandwidth=1e10,
-                                          exchange_bandwidth=1e9, cores=2), eff).host_s_per_gb == eff.host_s_per_gb
+    assert (
+        LinkModel.of(
+            local_cpu_cluster(
+                4,
+                1 << 30,
+                flops_per_device=1e10,
+                memory_bandwidth=1e10,
+                exchange_bandwidth=1e9,
+                cores=2,
+            ),
+            eff,
+        ).host_s_per_gb
+        == eff.host_s_per_gb
+    )

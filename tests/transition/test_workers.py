@@ -16,7 +16,11 @@ from tests._leaks import children, shm_segments, wait_gone
 from tests.transition._workers import DelayHolder, check_target, drop_all, run_case
 from tests.transition.cases import CASES, RULE_CASES
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(300),
+]
 
 BUDGET = max(c.cap() for c in [*CASES, *RULE_CASES.values()])
 
@@ -24,7 +28,9 @@ BUDGET = max(c.cap() for c in [*CASES, *RULE_CASES.values()])
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def holders():
     before, segments = children(), shm_segments()
-    async with Cluster.local(devices=4, memory_per_device=BUDGET, heartbeat_timeout_s=30.0) as cluster:
+    async with Cluster.local(
+        devices=4, memory_per_device=BUDGET, heartbeat_timeout_s=30.0
+    ) as cluster:
         mesh = await cluster.spawn("delayed", DelayHolder, devices=[0, 1, 2, 3])
         yield cluster, {r.device: r for r in mesh.refs}
         await cluster.stop_mesh(mesh)
@@ -37,12 +43,19 @@ async def test_random_delays_on_workers_finish_within_budgets_and_keep_everythin
     cluster, refs = holders
     case = CASES[trial % len(CASES)]
     try:
-        run = await run_case(case, refs, cluster, seed=trial, epoch=50 + trial, rng=random.Random(trial))
+        run = await run_case(
+            case, refs, cluster, seed=trial, epoch=50 + trial, rng=random.Random(trial)
+        )
         report, dag = run.report, run.dag
         assert report.ok, report.error
         assert all(run.coverage) and len(run.coverage) == len(dag.nodes) * len(case.current.names)
         for d, peak in run.peaks.items():
-            assert peak <= case.cap() and peak <= report.peak.get(d, 0), (d, peak, report.peak.get(d), case.cap())
+            assert peak <= case.cap() and peak <= report.peak.get(d, 0), (
+                d,
+                peak,
+                report.peak.get(d),
+                case.cap(),
+            )
         await check_target(run, refs)
         # in the PPO case two model-stages' nodes on disjoint devices run at the same time
         # (its reference and critic inference move at once): not a serial loop
