@@ -65,7 +65,7 @@ from nereus.actors._cpulimit import CpuLimits, parse_cores
 from nereus.actors._curve import CurveKey, load_curve
 from nereus.actors._keys import CURVE_ENV, KEY_ENV, load_key
 from nereus.actors._loop import run
-from nereus.actors._worker import READY_PREFIX as WORKER_READY
+from nereus.actors._protocol import WORKER_READY
 from nereus.actors.gpu_memory import gpu_budget_bytes
 from nereus.config import parse_size
 from nereus.errors import ConfigError, DeadlineExceeded, exit_status

@@ -25,6 +25,7 @@ backpressure -> Backpressure, deadline -> DeadlineExceeded, died -> ActorDied.
 from __future__ import annotations
 
 __all__ = [
+    "WORKER_READY",
     "CALL",
     "OK",
     "ERR",
@@ -54,3 +55,7 @@ ERR_PROTOCOL = "protocol"
 ERR_BACKPRESSURE = "backpressure"
 ERR_DEADLINE = "deadline"
 ERR_DIED = "died"
+
+# What a worker prints on stdout once it serves (its node daemon reads it); here, not in
+# ``_worker``, so the daemon never imports the module it runs as ``python -m``.
+WORKER_READY = "NEREUS_WORKER_READY "

@@ -28,13 +28,14 @@ from nereus.actors._curve import secure
 from nereus.actors._host import ActorHost
 from nereus.actors._keys import curve_from_env, load_key
 from nereus.actors._loop import run
+from nereus.actors._protocol import WORKER_READY
 from nereus.actors.actor import DeviceInfo, _set_current_device
 
 __all__ = ["main", "READY_PREFIX"]
 
 log = logging.getLogger("nereus.actors")
 
-READY_PREFIX = "NEREUS_WORKER_READY "
+READY_PREFIX = WORKER_READY
 _COUNTER_EVENT_PERIOD_S = 2.0
 
 
