@@ -95,7 +95,7 @@ SIM_NAME = {
     "payback": "adaptive",
     "always": "dynarl",
     "every-k": "every-k",
-    "static": "static-fixed",
+    "static": "static",
 }
 
 

@@ -59,7 +59,6 @@ SIM_NAMES = {
     "adaptive": "payback",
     "dynarl": "always",
     "every-k": "every-k",
-    "static-fixed": "static",
     "static": "static",
 }
 

@@ -3,17 +3,20 @@
 At every step boundary the simulator hands a policy a ``Boundary`` (the live devices,
 what left and joined, the previous step's lengths, whether the last attempt ran out of
 memory) and the job's plan; the policy answers a ``Move``: keep, transition to a target
-plan, restart from a checkpoint on a target plan, or wait (no plan fits the pool).
+plan, restart from a checkpoint on a target plan, wait (no plan fits the pool), or stop
+(``static`` ran out of memory with no relief left: the run ends in ``SimulationError``).
 Plans reach the planner through ``DevicePool`` (the one map between device ids and the
 planner's slots).
 
-``POLICIES``: ``adaptive``, ``dynarl`` and ``every-k`` are the planner's ``payback``,
-``always`` and ``every-k`` (``nereus.planner.policies``: one definition, which the
-running job uses too; each boundary is recorded for ``nereus.planner.replay``);
-``static-fixed`` (run when named) is the planner's ``static``. ``static``,
-``colocated`` and ``separated`` are this simulator's fixed layouts (DP follows the
-pool; a new layout is searched when they no longer fit).
-``EXTRA_POLICIES`` (run only when named): ``static-max-cap`` and the ``oracle``
+``POLICIES``: ``adaptive``, ``dynarl``, ``every-k`` and ``static`` are the planner's ``payback``,
+``always``, ``every-k`` and ``static`` (``nereus.planner.policies``: one definition,
+which the running job uses too; each boundary is recorded for
+``nereus.planner.replay``). ``colocated`` and ``separated`` are this simulator's fixed
+layouts (DP follows the pool; a new layout is searched when they no longer fit).
+``EXTRA_POLICIES`` (run only when named): ``static-restart`` (the same fixed-layout
+rule with the search's placement: it restarts on a searched plan, possibly of another
+TP/PP, when its layout no longer fits; not the paper's static), ``static-max-cap``
+(``static-restart`` checked against the largest cap from the start) and the ``oracle``
 reference. These are documented policies of this simulator, not claims about the
 systems they are named after.
 
@@ -62,15 +65,13 @@ __all__ = [
 ]
 
 POLICIES = ("adaptive", "static", "every-k", "dynarl", "colocated", "separated")
-# run only when named (``--policies``): another reading of ``static``, and the
-# ``oracle`` reference (``nereus.sim.oracle``: not a policy, what the search could reach
-# knowing the truth, with transitions free)
+# run only when named (``--policies``): two fixed-layout policies that restart on a
+# searched plan (a new TP/PP) when the layout no longer fits, so not the paper's
+# ``static``, and the ``oracle`` reference (``nereus.sim.oracle``: not a policy, what the
+# search could reach knowing the truth, with transitions free)
 ORACLE = "oracle"
-# the planner's ``static`` (``nereus.planner.policies``: TP/PP never change, memory
-# failures relieved by waves and recompute), which the running job runs as ``static``;
-# the simulator's ``static`` re-searches its layout when the layout no longer fits
-SHARED_STATIC = "static-fixed"
-EXTRA_POLICIES = ("static-max-cap", SHARED_STATIC, ORACLE)
+STATIC_RESTART = "static-restart"
+EXTRA_POLICIES = (STATIC_RESTART, "static-max-cap", ORACLE)
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,10 @@ class Boundary:
 
 @dataclass
 class Move:
-    """A policy's answer: ``action`` keep | transition | restart | wait, the target plan
-    (device ids) for transition and restart, why, and the wall seconds its planner
-    calls (search, explain, admission) and DAG estimates took."""
+    """A policy's answer: ``action`` keep | transition | restart | wait | stop (the job
+    cannot go on: ``static`` out of memory with its waves and recompute exhausted), the
+    target plan (device ids) for transition and restart, why, and the wall seconds its
+    planner calls (search, explain, admission) and DAG estimates took."""
 
     action: str
     plan: Plan | None = None
@@ -316,6 +318,14 @@ class AdaptivePolicy(Policy):
             return self._timed(Move("wait", None, str(e)), t0, dag0)
         self.eff = self.replanner.eff
         self.outcome = outcome
+        if self.spec.name == "static" and b.failed and outcome.plan == pool.to_slots(current):
+            # the step ran out of memory and no more waves or recompute are left to take;
+            # its TP/PP is fixed, so nothing this policy may do lets the job go on
+            return self._timed(
+                Move("stop", None, f"out of memory with no relief left: {outcome.decision.reason}"),
+                t0,
+                dag0,
+            )
         if self.layout is not None:  # static: a restart keeps the layout it runs now
             self.layout = layout_of(outcome.plan, self.ctx.work)
         d = outcome.decision
@@ -335,7 +345,8 @@ class AdaptivePolicy(Policy):
 
 
 class FixedLayoutPolicy(Policy):
-    """``static``, ``colocated`` and ``separated`` (see the module docstring)."""
+    """``static-restart``, ``static-max-cap``, ``colocated`` and ``separated`` (see the
+    module docstring)."""
 
     def __init__(self, ctx: _Ctx, *, name: str) -> None:
         super().__init__(ctx)
@@ -438,7 +449,7 @@ def make_policy(
     min_steps_between: int = 0,
 ) -> Policy:
     """The policy called ``name`` (one of ``POLICIES`` or ``EXTRA_POLICIES``)."""
-    if name in SIM_NAMES and name != "static" or name == SHARED_STATIC:
+    if name in SIM_NAMES:
         return AdaptivePolicy(
             ctx,
             name=name,
@@ -447,7 +458,7 @@ def make_policy(
             join_horizon_steps=join_horizon_steps,
             min_steps_between=min_steps_between,
         )
-    if name in ("static", "colocated", "separated"):
+    if name in (STATIC_RESTART, "colocated", "separated"):
         return FixedLayoutPolicy(ctx, name=name)
     if name == "static-max-cap":
         return FixedLayoutPolicy(replace(ctx, caps=CapSchedule.fixed(ctx.caps.largest)), name=name)

@@ -395,6 +395,11 @@ def run_policy(
             res.planner_s += move.planner_s
             res.dag_s += move.dag_s
         if move is not None:
+            if move.action == "stop":
+                raise SimulationError(
+                    f"{policy.name}: step {step} cannot go on after {res.memory_failures} "
+                    f"memory failures: {move.reason}"
+                )
             if move.action == "wait":
                 clock = wait_for_change(scn, res, clock, step, move.reason, policy.name)
                 continue

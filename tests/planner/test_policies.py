@@ -21,7 +21,7 @@ from tests.sim.helpers import small_scenario
 pytestmark = pytest.mark.timeout(300)
 
 # the simulator's name of each planner policy
-RUN_AS = {"payback": "adaptive", "always": "dynarl", "every-k": "every-k", "static": "static-fixed"}
+RUN_AS = {"payback": "adaptive", "always": "dynarl", "every-k": "every-k", "static": "static"}
 
 
 def _decided(outcome) -> tuple:
@@ -115,7 +115,7 @@ def test_every_k_acts_on_soft_triggers_only_every_k_steps(simulated):
 def test_static_never_changes_tp_or_pp(simulated):
     _, _, kept = simulated
     layouts = set()
-    for records in kept["static-fixed"]:
+    for records in kept["static"]:
         for r in [records[0]["replanner"]] + [x for x in records if x["target"] is not None]:
             plan = r["plan"] if "replanner" not in r else r["plan"]
             for name, sp in (r.get("target") or plan).items():
@@ -126,7 +126,7 @@ def test_static_never_changes_tp_or_pp(simulated):
 
 def test_static_relieves_a_measured_failure_without_touching_tp_or_pp(simulated):
     scn, _, kept = simulated
-    records = next(s for s in kept["static-fixed"] if s)
+    records = next(s for s in kept["static"] if s)
     rp, _ = replay(records[:1])
     before = rp.plan
     spec = PolicySpec("static")

@@ -43,7 +43,7 @@ def test_policies_call_the_real_search_and_build_dag(monkeypatch):
     _wrap_everywhere(monkeypatch, real_build, dags)
     assert nereus.sim.policies.search is not real_search  # the simulator now holds the wrapper
     scn = small_scenario(memory_gib=24, steps=8)
-    results = run_policies(scn, ("adaptive", "every-k", "static"))
+    results = run_policies(scn, ("adaptive", "every-k", "static-restart"))
     assert all(r.steps == 8 for r in results)
     assert len(searches) >= 3 and all(f is real_search for f in searches)
     assert len(dags) >= 1 and all(f is real_build for f in dags)
