@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -181,33 +182,52 @@ def summary(out: Path, names: list[str]) -> dict[str, object]:
     result: dict[str, object] = {}
     pairs = [load(f"paper733-{p}") for p in range(PAIRS)]
     if all(pairs) and "paper733-0" in names:
-        means = {p: [rows[p]["mean_step_s"] for rows in pairs] for p in FOUR}
+
+        def mean(rows: dict[str, dict], p: str) -> float:
+            # a run that stopped (its job could not go on) is slower than any that finished
+            return math.inf if rows[p].get("stopped") else rows[p]["mean_step_s"]
+
+        def shown(x: float) -> float | None:
+            return round(x, 1) if math.isfinite(x) else None
+
+        means = {p: [mean(rows, p) for rows in pairs] for p in FOUR}
         over = {p: sum(v) / len(v) for p, v in means.items()}
         first = pairs[0]
+
+        def reduction(rows: dict[str, dict]) -> float | None:
+            r = rows["adaptive"].get("reduction_vs_static")
+            return round(r, 4) if r is not None else None
+
         result.update(
-            paper733_mean_step_s={p: [round(x, 1) for x in v] for p, v in means.items()},
-            paper733_mean_over_pairs={p: round(v, 1) for p, v in over.items()},
+            paper733_mean_step_s={p: [shown(x) for x in v] for p, v in means.items()},
+            paper733_mean_over_pairs={p: shown(v) for p, v in over.items()},
             # strictly lowest: a tie (dynarl admitting exactly what adaptive admits) is not best
             adaptive_best_on_every_trace=all(
-                rows["adaptive"]["mean_step_s"] < rows[p]["mean_step_s"]
+                mean(rows, "adaptive") < mean(rows, p)
                 for rows in pairs
                 for p in FOUR
                 if p != "adaptive"
             ),
             ordering_as_paper=over["adaptive"] < over["every-k"] < over["dynarl"] < over["static"],
-            reduction_vs_static=round(first["adaptive"]["reduction_vs_static"], 4),
+            reduction_vs_static=reduction(first),
             paper_reduction_vs_static=0.277,
-            reduction_vs_static_by_pair=[
-                round(rows["adaptive"]["reduction_vs_static"], 4) for rows in pairs
-            ],
+            reduction_vs_static_by_pair=[reduction(rows) for rows in pairs],
             memory_failures=sum(rows[p]["memory_failures"] for rows in pairs for p in FOUR),
             memory_failures_adaptive=sum(rows["adaptive"]["memory_failures"] for rows in pairs),
+            stopped={
+                f"pair{i}": {p: rows[p]["stopped"] for p in FOUR if rows[p].get("stopped")}
+                for i, rows in enumerate(pairs)
+                if any(rows[p].get("stopped") for p in FOUR)
+            },
         )
         if "oracle" in first:
-            result["oracle_reduction_vs_static"] = round(first["oracle"]["reduction_vs_static"], 4)
             result["oracle_reduction_vs_static_by_pair"] = [
-                round(r["oracle"]["reduction_vs_static"], 4) for r in pairs
+                round(r["oracle"]["reduction_vs_static"], 4)
+                if "reduction_vs_static" in r["oracle"]
+                else None
+                for r in pairs
             ]
+            result["oracle_reduction_vs_static"] = result["oracle_reduction_vs_static_by_pair"][0]
     paper = load("paper")
     if paper:
         a = paper["adaptive"]

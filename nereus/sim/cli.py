@@ -14,7 +14,8 @@ best other policy, writes ``--json`` (a list, one object per policy) and ``--plo
 prints its table beside the paper's figures. Everything it prints is a simulation and
 says so.
 
-Exit status: 0 after a simulation, 1 when the simulated job cannot go on
+Exit status: 0 after a simulation (a policy whose job could not go on is reported up to
+there, marked stopped, with the error), 1 when the scenario itself cannot run
 (``SimulationError``), 2 on bad arguments (the message names the flag and the value).
 """
 
@@ -201,6 +202,8 @@ def paper_table(data: list[dict], config: SimConfig) -> Table:
         ref = paper.get(policy)
         rel = f"{mean / by['adaptive'] - 1:+.1%}" if "adaptive" in by else "-"
         prel = f"{ref / paper['adaptive'] - 1:+.1%}" if ref is not None else "-"
+        if any(r.get("stopped") for r in data if r["policy"] == policy):
+            policy += " (stopped)"
         t.add_row(policy, f"{mean:.1f}", rel, f"{ref:.1f}" if ref is not None else "-", prel)
     return t
 
@@ -252,6 +255,9 @@ def _simulate(args: argparse.Namespace) -> int:
         f"gamma {config.gamma}, seed {config.seed}"
     )
     console.print(table(data, title))
+    for r in data:
+        if r.get("stopped"):
+            console.print(f"{r['policy']} stopped after {r['steps']} steps: {r['stopped']}")
     adaptive = next((r for r in data if r["policy"] == "adaptive"), None)
     if adaptive is not None:
         parts = [

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from nereus.sim.oracle import Oracle, matched_compute, run_oracle
 from nereus.sim.policies import ORACLE, POLICIES, _Ctx, make_policy
-from nereus.sim.run import PolicyResult, Scenario, SimConfig, build_scenario, run_policy
+from nereus.sim.run import (
+    PolicyResult,
+    Scenario,
+    SimConfig,
+    SimulationError,
+    build_scenario,
+    run_policy,
+)
 from nereus.sim.transitions import Transitions
 from nereus.sim.truth import TruthParams
 
@@ -22,11 +29,14 @@ def run_policies(
     k: int = 3,
     join_horizon_steps: float = 20.0,
     min_steps_between: int = 0,
+    keep_stopped: bool = False,
 ) -> list[PolicyResult]:
     """Every policy in ``policies`` on ``scn`` (the same traces, ground truth and seed),
     each with its own transition cache. ``oracle`` is run by ``nereus.sim.oracle``; when
     it runs, every other result gets ``oracle_compute_s`` (the oracle on its own steps,
-    pools and straggler draws)."""
+    pools and straggler draws). A run that ends in ``SimulationError`` raises it, or with
+    ``keep_stopped`` is kept up to there with ``stopped`` set to the error and the other
+    policies run on."""
     oracle = Oracle(scn) if ORACLE in policies else None
     results = []
     for name in policies:
@@ -45,7 +55,13 @@ def run_policies(
             join_horizon_steps=join_horizon_steps,
             min_steps_between=min_steps_between,
         )
-        results.append(run_policy(scn, policy))
+        try:
+            results.append(run_policy(scn, policy))
+        except SimulationError as e:
+            if not keep_stopped or e.result is None:
+                raise
+            e.result.stopped = str(e)
+            results.append(e.result)
     if oracle is not None:
         for r in results:
             if r.policy != ORACLE:
@@ -56,7 +72,8 @@ def run_policies(
 def simulate(
     config: SimConfig, *, params: TruthParams | None = None, scenario: Scenario | None = None
 ) -> list[PolicyResult]:
-    """Every policy of ``config`` on its scenario (built from ``config`` unless given)."""
+    """Every policy of ``config`` on its scenario (built from ``config`` unless given); a
+    policy whose run cannot go on is reported up to there (``stopped``), not dropped."""
     scn = scenario or build_scenario(config, params)
     return run_policies(
         scn,
@@ -65,4 +82,5 @@ def simulate(
         k=config.k,
         join_horizon_steps=config.join_horizon_steps,
         min_steps_between=config.min_steps_between,
+        keep_stopped=True,
     )

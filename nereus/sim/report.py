@@ -44,6 +44,8 @@ def rows(
     """The JSON list (see the module docstring)."""
     by = {r.policy: r for r in results}
     static = by.get("static")
+    if static is not None and static.stopped is not None:
+        static = None  # a run that did not finish is no baseline
     out = []
     for r in results:
         row = r.to_dict()
@@ -62,7 +64,9 @@ def rows(
                 row["share_of_oracle_headroom"] = (static.mean_step_s - r.mean_step_s) / (
                     static.mean_step_s - oracle.mean_step_s
                 )
-            others = [o for o in results if o.policy not in ("adaptive", ORACLE)]
+            others = [
+                o for o in results if o.policy not in ("adaptive", ORACLE) and o.stopped is None
+            ]
             if others:
                 best = min(others, key=lambda o: o.mean_step_s)
                 row["reduction_vs_best_baseline"] = 1.0 - r.mean_step_s / best.mean_step_s
@@ -96,7 +100,7 @@ def table(data: Sequence[dict[str, Any]], title: str) -> Table:
         t.add_column(name, justify="left" if name == "policy" else "right")
     for r in data:
         cells = [
-            r["policy"],
+            r["policy"] + (f" (stopped at step {r['steps']})" if r.get("stopped") else ""),
             f"{r['mean_step_s']:.1f}",
             f"{r['throughput_steps_per_hour']:.2f}",
             str(r["transitions"]),

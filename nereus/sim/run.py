@@ -61,7 +61,11 @@ __all__ = [
 
 
 class SimulationError(NereusError):
-    """The simulated job cannot go on (a step that keeps failing, a trace with no device)."""
+    """The simulated job cannot go on (a step that keeps failing, a trace with no device,
+    ``static`` out of memory with no relief left). ``result``: the run up to there (set by
+    ``run_policy``)."""
+
+    result: PolicyResult | None = None
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,9 @@ class PolicyResult:
     # the oracle's step seconds on this run's own steps, pools and straggler draws
     # (``nereus.sim.oracle.matched_compute``; set when the oracle ran beside it)
     oracle_compute_s: float | None = None
+    # why the run ended before its last step (a ``SimulationError``; its counters and
+    # mean step cover the steps it finished): set by ``nereus.sim.compare.simulate``
+    stopped: str | None = None
     records: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -342,6 +349,8 @@ class PolicyResult:
         }
         if self.oracle_compute_s is not None:
             out.update(oracle_compute_s=self.oracle_compute_s, plan_gap=self.plan_gap)
+        if self.stopped is not None:
+            out["stopped"] = self.stopped
         return out
 
 
@@ -358,10 +367,33 @@ def run_policy(
 ) -> PolicyResult:
     """Run ``policy`` over ``scn`` (see the module docstring). ``on_step(record, result)``
     is called after each completed step with its record and the result so far (its
-    counters up to and including that step; ``total_s`` is set only at the end)."""
+    counters up to and including that step; ``total_s`` is set only at the end). A
+    ``SimulationError`` it raises carries the run up to there as ``result``."""
+    res = PolicyResult(policy.name)
+    try:
+        return _run(scn, policy, res, on_step)
+    except SimulationError as e:
+        res.steps = len(res.records)
+        res.total_s = (
+            res.paused_s
+            + res.waiting_s
+            + res.compute_s
+            + res.transition_s
+            + res.restart_s
+            + res.wasted_s
+        )
+        e.result = res
+        raise
+
+
+def _run(
+    scn: Scenario,
+    policy: Policy,
+    res: PolicyResult,
+    on_step: Callable[[StepRecord, PolicyResult], None] | None,
+) -> PolicyResult:
     per = scn.cluster.devices_per_node
     transitions = policy.ctx.transitions
-    res = PolicyResult(policy.name)
     clock, step, attempt = 0.0, 0, 0
     observed = scn.truth.lengths(-1, scn.lengths.mean_at(0))  # one warm-up rollout
     plan = None

@@ -285,3 +285,21 @@ def test_static_never_loops_on_a_layout_the_pool_cannot_hold():
     fixed TP/PP, its model-stages in one pool when the pool shrinks, overflows)."""
     with pytest.raises(SimulationError, match="static: step"):
         run_policies(small_scenario(memory_gib=24, steps=24, gap_s=15.0), ("static",))
+
+
+def test_a_stopped_policy_is_reported_up_to_there_and_is_no_baseline():
+    scn = small_scenario(memory_gib=20, steps=16, lengths="growth:1500:3000", counts=[16] * 100)
+    results = run_policies(scn, ("adaptive", "static"), keep_stopped=True)
+    by = {r.policy: r for r in results}
+    assert by["adaptive"].stopped is None and by["adaptive"].steps == 16
+    st = by["static"]
+    assert st.stopped is not None and "no relief left" in st.stopped
+    assert st.memory_failures >= 1 and st.steps == len(st.records) < 16
+    assert st.total_s == pytest.approx(
+        st.paused_s + st.waiting_s + st.compute_s + st.transition_s + st.restart_s + st.wasted_s
+    )
+    data = {d["policy"]: d for d in rows(results)}
+    assert data["static"]["stopped"] == st.stopped and "stopped" not in data["adaptive"]
+    # a run that did not finish is no baseline
+    assert "reduction_vs_static" not in data["adaptive"]
+    assert "best_baseline" not in data["adaptive"]
