@@ -8,7 +8,8 @@
   carries ``reference: true`` and its own ``reduction_vs_static`` (the headroom of the
   scenario) and is never a baseline, and adaptive's row then has
   ``share_of_oracle_headroom`` (the share of the oracle's gain on static that adaptive
-  gains too); every object carries ``simulated: true`` and the scenario.
+  gains too); a run that ended in ``SimulationError`` carries ``stopped`` (the error)
+  and is never a baseline; every object carries ``simulated: true`` and the scenario.
 - ``table(rows)``: a ``rich`` table titled as a simulation; when the oracle ran, a
   "plan gap %" column: how much longer each run's steps took than the oracle's plans on
   the same steps, pools and straggler draws (``PolicyResult.plan_gap``).
