@@ -460,12 +460,16 @@ class PlanChanges:
             n.id: (result.results[n.id].start, result.results[n.id].end, len(n.devices))
             for n in dag.nodes
         }
-        alone = full_rate_seconds(spans, self.state.link.sharing)
+        alone = {
+            n: max(s, 1e-6) for n, s in full_rate_seconds(spans, self.state.link.sharing).items()
+        }
+        outside_s = max(outside_s, 1e-6)
+        whole = sum(alone.values()) + outside_s  # each equation weighs by its share of this
         for node in dag.nodes:
             self.state.calibrator.observe_transition(
-                self.state.link.ideal(node), max(alone[node.id], 1e-6)
+                self.state.link.ideal(node), alone[node.id], whole
             )
-        self.state.calibrator.observe_transition(self.state.link.outside(dag), max(outside_s, 1e-6))
+        self.state.calibrator.observe_transition(self.state.link.outside(dag), outside_s, whole)
         self._refit_link()
 
     def _refit_link(self) -> None:

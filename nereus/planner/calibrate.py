@@ -2,7 +2,8 @@
 
 ``Calibrator`` keeps the last ``window`` equations and solves them by least squares on
 relative error (each equation divided by its measured time, so a 2 s and a 20 ms
-measurement weigh alike), with a weak pull toward the prior factors so that a class
+measurement weigh alike; a transition node's equation divided by its whole transition's
+time instead, see ``observe_transition``), with a weak pull toward the prior factors so that a class
 the data barely touches stays near its prior (an op class pulled at least as hard as
 the op classes' mean, so one that is a small share of its timings cannot swing between
 its bounds from one window to the next), and every unknown kept in its physical
@@ -114,7 +115,8 @@ class Calibrator:
         require(prior_weight > 0, "Calibrator.prior_weight", prior_weight, "must be > 0")
         self.prior = prior
         self.prior_weight = prior_weight
-        self._rows: deque[tuple[dict[str, float], float]] = deque(maxlen=window)
+        # (ideal per class, measured seconds, the seconds the equation is divided by)
+        self._rows: deque[tuple[dict[str, float], float, float]] = deque(maxlen=window)
         self._memory: deque[tuple[float, float]] = deque(
             maxlen=window
         )  # (t, y): modelled transient, measured
@@ -139,21 +141,38 @@ class Calibrator:
         require(
             bool(row), "ideal_by_class", dict(ideal_by_class), "must have some positive ideal time"
         )
-        self._rows.append((row, float(measured_seconds)))
+        self._rows.append((row, float(measured_seconds), float(measured_seconds)))
 
     def observe_stage(self, cost: StageCost, measured_seconds: float) -> None:
         """A model-stage's measured time against the terms the cost model predicted."""
         self.observe(cost.ideal_by_class(), measured_seconds)
 
-    def observe_transition(self, ideal: Mapping[str, float], measured_seconds: float) -> None:
+    def observe_transition(
+        self, ideal: Mapping[str, float], measured_seconds: float, of_seconds: float | None = None
+    ) -> None:
         """One transition node: ``ideal`` holds its p2p seconds at efficiency 1
         (``p2p_intra``, ``p2p_inter``) and its fixed-cost counts (``groups``: 1 when it
         makes groups, ``calls``: 1, ``copy_gb``: GB copied locally, ``host_gb``: GB its
         busiest host receives), as ``nereus.transition.LinkModel.ideal`` gives them;
         ``measured_seconds``: what it took at a device's full rate
         (``nereus.transition.full_rate_seconds``). Or a transition's time outside its
-        nodes: ``LinkModel.outside``'s counts (``transitions``, ``groups_released``)."""
+        nodes: ``LinkModel.outside``'s counts (``transitions``, ``groups_released``).
+
+        ``of_seconds``: the measured seconds of the whole transition the node belongs to
+        (its nodes at full rate and its time outside them); its equation is divided by
+        that rather than by its own time. What is predicted is a transition's total, a
+        sum over its nodes: divided by its own time, a 1 ms node that only calls would
+        weigh as much as a 200 ms one that moves the bytes, and a class both share would
+        be fitted to the small nodes' overheads, which the model does not describe and
+        the total barely holds. None: its own time (an equation of its own)."""
         require(measured_seconds > 0, "measured_seconds", measured_seconds, "must be > 0")
+        scale = float(measured_seconds if of_seconds is None else of_seconds)
+        require(
+            scale >= measured_seconds,
+            "of_seconds",
+            of_seconds,
+            f"must be >= the node's measured_seconds {measured_seconds}",
+        )
         row: dict[str, float] = {}
         for c, t in ideal.items():
             require(
@@ -166,7 +185,7 @@ class Calibrator:
             if t > 0:
                 row[c] = float(t)
         require(bool(row), "ideal", dict(ideal), "must have some positive term")
-        self._rows.append((row, float(measured_seconds)))
+        self._rows.append((row, float(measured_seconds), scale))
 
     def observe_op(self, op_class: str, ideal_seconds: float, measured_seconds: float) -> None:
         """One operation of one class (a timed GEMM, all-reduce, p2p send, decode step)."""
@@ -220,7 +239,7 @@ class Calibrator:
 
     def seen(self) -> set[str]:
         """The classes some equation in the window touches."""
-        return {c for row, _ in self._rows for c in row}
+        return {c for row, _, _ in self._rows for c in row}
 
     def fit(self) -> Efficiency:
         """The efficiency factors that best explain the window (prior for unseen classes)."""
@@ -233,10 +252,10 @@ class Calibrator:
         n = len(seen)
         ata = [[0.0] * n for _ in range(n)]
         atb = [0.0] * n
-        for row, measured in self._rows:
-            coeffs = [(idx[c], t / measured) for c, t in row.items()]
+        for row, measured, scale in self._rows:
+            coeffs = [(idx[c], t / scale) for c, t in row.items()]
             for i, ai in coeffs:
-                atb[i] += ai  # right-hand side is measured / measured = 1
+                atb[i] += ai * measured / scale  # 1 for an equation divided by its own time
                 for j, aj in coeffs:
                     ata[i][j] += ai * aj
         # Pull toward the prior: w · (x_c - prior_c)^2, scaled to the equations' size

@@ -273,3 +273,29 @@ def test_a_class_that_is_a_small_share_of_its_timings_does_not_swing_between_bou
     assert fits[-1]["gemm"] == pytest.approx(
         1.0 / (3.0 - 0.02 * 1.1 / CONSERVATIVE["attention"]), rel=0.03
     )
+
+
+def _transition_total(eff: Efficiency, nodes: list[dict[str, float]]) -> float:
+    """A transition's predicted seconds: its nodes one after another, at ``eff``."""
+    per = {"calls": eff.transition_call_s, "copy_gb": eff.copy_s_per_gb}
+    return sum(sum(per[c] * t for c, t in node.items()) for node in nodes)
+
+
+def test_a_transition_node_weighs_by_its_share_of_the_transition():
+    # Each transition: one node copies 100 MB in 100 ms (1 s/GB); a small one copies
+    # 20 MB in 4 ms (it stays in cache: 0.2 s/GB) and three only call (1 ms each), what
+    # the model cannot tell apart. Divided by its own time, each small node weighs as
+    # much as the large one and a GB costs what the small copy took, so the transition
+    # comes out 4x too fast; divided by the transition's total, the large node decides.
+    cal = Calibrator()
+    big, small = {"calls": 1.0, "copy_gb": 0.1}, {"calls": 1.0, "copy_gb": 0.02}
+    call = {"calls": 1.0}
+    nodes, times = [big, small, call, call, call], [0.1, 0.004, 0.001, 0.001, 0.001]
+    for _ in range(3):
+        for node, t in zip(nodes, times, strict=True):
+            cal.observe_transition(node, t, sum(times))
+    eff = cal.fit()
+    assert _transition_total(eff, nodes) == pytest.approx(sum(times), rel=0.15)
+    assert eff.copy_s_per_gb > 0.8  # the large node's 1 s/GB, not the small copy's 0.2
+    with pytest.raises(ConfigError, match="of_seconds"):
+        cal.observe_transition(big, 0.2, 0.1)  # a node longer than its transition
