@@ -172,7 +172,13 @@ class AsyncRun:
             async with w.lock:
                 if not w.alive:
                     return {"bytes": 0, "seconds": 0.0}
-                return await self._sync_worker(w)
+                try:
+                    return await self._sync_worker(w)
+                except Exception as e:
+                    if not self._is_own_fault(w, e):
+                        raise
+                    await self._lose_worker(w, e, [])
+                    return {"bytes": 0, "seconds": 0.0}
 
         out = await asyncio.gather(*(one(w) for w in self.workers))
         return {
@@ -218,42 +224,59 @@ class AsyncRun:
     async def _produce(self, w: _Worker) -> None:
         """``w``'s producer loop (see the module docstring)."""
         while True:
-            positions = await self._positions(w)
-            if not positions:
-                return
+            positions: list[int] = []
             try:
+                # the weight sync inside _positions meets a dead EMU as a request does
+                positions = await self._positions(w)
+                if not positions:
+                    return
                 await self._request(w, positions)
             except Exception as e:
-                if not is_fault(e):
+                if not self._is_own_fault(w, e):
                     raise
-                w.alive = False
-                self.lost_workers.append((w.name, list(w.emu.devices)))
-                async with self.changed:
-                    lost = [p for p in positions if p in self.ledger.in_flight]
-                    self.ledger.lose(lost)
-                    self.regenerated_rows += len(lost) * self.K
-                    self.changed.notify_all()
-                log.warning(
-                    "generation EMU %s died (%s): %d unfinished groups issued again",
-                    w.name,
-                    e,
-                    len(lost),
-                )
-                emit(
-                    "fault",
-                    step=self.version,
-                    devices=list(w.emu.devices),
-                    during="generation",
-                    error=f"{type(e).__name__}: {e}"[:400],
-                    committed=False,
-                    restored_from="",
-                    redone=False,
-                    recover_seconds=0.0,
-                    dropped=[w.name],
-                    missing=[],
-                    regenerated_groups=len(lost),
-                )
+                await self._lose_worker(w, e, positions)
                 return
+
+    @staticmethod
+    def _is_own_fault(w: _Worker, e: Exception) -> bool:
+        """Whether ``e`` is a worker's death that takes ``w`` with it: a death on one of
+        its devices, or a peer's death seen from its group (no device named)."""
+        if not is_fault(e):
+            return False
+        device = getattr(e, "device", None)
+        return device is None or device in w.emu.devices
+
+    async def _lose_worker(self, w: _Worker, e: Exception, positions: list[int]) -> None:
+        """``w`` died: its unfinished groups go back to the ledger, issued again."""
+        if not w.alive:
+            return
+        w.alive = False
+        self.lost_workers.append((w.name, list(w.emu.devices)))
+        async with self.changed:
+            lost = [p for p in positions if p in self.ledger.in_flight]
+            self.ledger.lose(lost)
+            self.regenerated_rows += len(lost) * self.K
+            self.changed.notify_all()
+        log.warning(
+            "generation EMU %s died (%s): %d unfinished groups issued again",
+            w.name,
+            e,
+            len(lost),
+        )
+        emit(
+            "fault",
+            step=self.version,
+            devices=list(w.emu.devices),
+            during="generation",
+            error=f"{type(e).__name__}: {e}"[:400],
+            committed=False,
+            restored_from="",
+            redone=False,
+            recover_seconds=0.0,
+            dropped=[w.name],
+            missing=[],
+            regenerated_groups=len(lost),
+        )
 
     async def _request(self, w: _Worker, positions: list[int]) -> None:
         job, K = self.job, self.K
