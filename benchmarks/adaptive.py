@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import itertools
 import json
 import logging
 import shutil
@@ -52,13 +51,19 @@ if sys.version_info >= (3, 11):
 else:  # the project runs on 3.10 too
     import tomli as tomllib
 
+from benchmarks.measure_plans import valid_plans
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError
 from nereus.job.adapt import job_workload
 from nereus.job.config import JobConfig, from_planner_plan
 from nereus.job.loop import RLJob
-from nereus.planner import LengthStats, Plan, StagePlan, explain
-from nereus.planner.search import stage_candidates
+from nereus.planner import (
+    LengthStats,
+    Plan,
+    StagePlan,
+    local_cpu_cluster_probed,
+    local_cpu_efficiency,
+)
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo_adaptive.toml"
 TOP = 5
@@ -95,8 +100,6 @@ def fastest_fixed_plans(
     """The ``top`` plans the planner predicts fastest among those that fit the last cap:
     every split of the 4 devices into a shared pool or two disjoint ones, every layout and
     variant each model-stage admits there, priced by ``explain``."""
-    from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
-
     cap = max(c for _, c in cfg.sampling.max_new_tokens)
     at_cap = LengthStats(float(cap), float(cap), cap)
     work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=at_cap)
@@ -104,39 +107,7 @@ def fastest_fixed_plans(
     cluster = local_cpu_cluster_probed(
         devices, cfg.cluster.memory_bytes, headroom=cfg.adapt.headroom
     )
-    eff = local_cpu_efficiency()
-    names = [s.name for s in work.stages]
-    sizes = [n for n in (1, 2, 4, 8) if n <= devices]
-    # pools: one shared range, or one range per model-stage laid out back to back
-    layouts: list[tuple[tuple[int, ...], ...]] = [
-        tuple(tuple(range(n)) for _ in names) for n in sizes
-    ]
-    for split in itertools.product(sizes, repeat=len(names)):
-        if sum(split) <= devices:
-            starts = [sum(split[:i]) for i in range(len(split))]
-            layouts.append(
-                tuple(tuple(range(s, s + n)) for s, n in zip(starts, split, strict=True))
-            )
-    seen: dict[Plan, float] = {}
-    for ranges in layouts:
-        options = [
-            stage_candidates(work, cluster, eff, i, len(r), prune=False)
-            for i, r in enumerate(ranges)
-        ]
-        for combo in itertools.product(*options):
-            stages = []
-            for name, r, c in zip(names, ranges, combo, strict=True):
-                size = c.tp * c.pp
-                emus = tuple(r[i * size : (i + 1) * size] for i in range(c.dp))
-                stages.append(
-                    (name, StagePlan(c.tp, c.pp, c.dp, emus, recompute=c.recompute, waves=c.waves))
-                )
-            plan = Plan(tuple(stages))
-            ex = explain(plan, work, cluster, eff)
-            if ex.fits:
-                seen[plan] = ex.step_seconds
-    ranked = sorted(((s, p) for p, s in seen.items()), key=lambda sp: (sp[0], str(sp[1])))
-    return ranked[:top]
+    return valid_plans(work, cluster, local_cpu_efficiency())[:top]
 
 
 async def run_job(cfg: JobConfig, after_start: Any = None) -> dict[str, Any]:
