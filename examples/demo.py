@@ -9,12 +9,11 @@ line and in its summary, and runs on shared cores.
 
 Runs examples/demo_adaptive.toml (a tiny model learning to reverse strings) with the
 controller loop on (``[adapt] enabled``). Nothing in this script tells the job what to
-change or when: the job's length cap grows on the config's schedule, and this script
-plays the environment's part for the device pool, as a spot market would:
-
-- at step ``--reclaim-at`` (default 50) one device the job uses is reclaimed
-  (``Cluster.drain``: the job must empty it at the next boundary, then it stops);
-- at step ``--return-at`` (default 60) a fresh device joins (``Cluster.add_node``).
+change or when: the job's length cap grows on the config's schedule, and the device
+pool follows a real spot-availability trace (``[trace] pool``, ``nereus.job.traces``):
+at the trace's ticks the environment drains devices (``Cluster.drain``: the job must
+empty them at the next boundary, then they stop) and adds fresh ones
+(``Cluster.add_node``), as a spot market would.
 
 What the job decides, it decides from its own triggers (memory predicted at the next
 cap, length drift, the pool) and the planner's admission rule. The summary lists every
@@ -49,29 +48,8 @@ from nereus.job.loop import RLJob
 
 CONFIG = Path(__file__).with_name("demo_adaptive.toml")
 ASYNC_CONFIG = Path(__file__).with_name("demo_async.toml")
+REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger("examples.demo")
-
-
-def reclaim_one_device(job: RLJob) -> int:
-    """The device the environment takes back: the last device of the model-stage with
-    the most DP replicas (so the job's DP has to give way)."""
-    plan = job.stages.plan
-    name, sp = max(plan, key=lambda item: (item[1].dp, item[0]))
-    return sp.devices[-1][-1]
-
-
-def pool_events(reclaim_at: int, return_at: int) -> Any:
-    async def hook(job: RLJob, record: dict[str, Any]) -> None:
-        cluster = job.stages.cluster
-        if job.step == reclaim_at:
-            device = reclaim_one_device(job)
-            log.info("environment: device %d is reclaimed before step %d", device, job.step)
-            cluster.drain(device)
-        elif job.step == return_at:
-            added = await cluster.add_node(1)
-            log.info("environment: device(s) %s joined before step %d", added, job.step)
-
-    return hook
 
 
 async def run(job: RLJob, predicted: list[PredictedFailure | None]) -> list[dict[str, Any]]:
@@ -125,6 +103,17 @@ def capacity_line(cfg: Any) -> tuple[Any, str]:
     return cfg, f"each device is capped at {cfg.cluster.cores_per_device} CPU cores ({where})"
 
 
+def with_trace_from_repo(cfg: Any) -> Any:
+    """``cfg`` with a relative ``[trace] pool`` path that does not resolve from here
+    resolved from the repository instead (the config names it as seen from the root)."""
+    pool = cfg.trace.pool
+    if pool is None or pool.startswith("growth:") or Path(pool).is_absolute():
+        return cfg
+    if Path(pool).exists() or not (REPO / pool).exists():
+        return cfg
+    return dataclasses.replace(cfg, trace=dataclasses.replace(cfg.trace, pool=str(REPO / pool)))
+
+
 def _dp(plan: dict[str, Any] | None) -> str:
     return ", ".join(f"{name} DP{sp['dp']}" for name, sp in sorted((plan or {}).items()))
 
@@ -151,23 +140,10 @@ def describe_pool_change(decisions: list[dict[str, Any]], at: int, word: str) ->
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.splitlines()[0])
     p.add_argument(
-        "--reclaim-at",
-        type=int,
-        default=50,
-        help="step before which a device is reclaimed (0: never)",
-    )
-    p.add_argument(
-        "--return-at",
-        type=int,
-        default=60,
-        help="step before which a fresh device joins (0: never)",
-    )
-    p.add_argument(
         "--async",
         dest="is_async",
         action="store_true",
-        help="asynchronous RL (examples/demo_async.toml): generation and training at once; "
-        "no pool events",
+        help="asynchronous RL (examples/demo_async.toml): generation and training at once",
     )
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -184,11 +160,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"demo: config error: {e}", file=sys.stderr)
         return 2
+    cfg = with_trace_from_repo(cfg)
     cfg, capacity = capacity_line(cfg)
     print(f"demo: {capacity}", flush=True)
     job = RLJob(cfg)
-    if not args.is_async:
-        job.boundary_hooks.append(pool_events(args.reclaim_at, args.return_at))
     predicted: list[PredictedFailure | None] = []
     try:
         records = asyncio.run(run(job, predicted))
@@ -224,12 +199,13 @@ def main(argv: list[str]) -> int:
     )
     print(f"devices: {capacity}")
     decisions = job.adapter.decisions if job.adapter is not None else []
-    if args.reclaim_at and not args.is_async:
+    events = job.pool_trace.events if job.pool_trace is not None else []
+    for step, kind, devices in events:
+        word = "drained" if kind == "drain" else "joined"
         print(
-            f"the reclaimed device: {describe_pool_change(decisions, args.reclaim_at, 'drained')}"
+            f"pool trace, step {step}: devices {devices} {word}: "
+            f"{describe_pool_change(decisions, step, word)}"
         )
-    if args.return_at and not args.is_async:
-        print(f"the returning device: {describe_pool_change(decisions, args.return_at, 'joined')}")
     return 0
 
 
