@@ -215,6 +215,9 @@ async def run_one(name: str, data: dict[str, Any], plan: dict[str, Any]) -> dict
         out["importance_weight_mean"] = round(
             statistics.fmean(r.get("importance_weight_mean", 1.0) for r in records), 4
         )
+        out["behaviour_kl"] = round(
+            statistics.fmean(r.get("behaviour_kl", 0.0) for r in records), 5
+        )
     return out
 
 

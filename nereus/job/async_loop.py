@@ -553,6 +553,7 @@ class AsyncRun:
                     staleness_histogram=record["staleness_histogram"],
                     importance_weight_mean=record.get("importance_weight_mean", 1.0),
                     importance_clipped_frac=record.get("importance_clipped_frac", 0.0),
+                    behaviour_kl=record.get("behaviour_kl", 0.0),
                     regenerated_groups=self.ledger.regenerated_groups,
                 )
                 self.records.append(record)

@@ -129,6 +129,10 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
         "importance_clipped_frac": (
             "async mode: share of tokens whose importance weight was truncated"
         ),
+        "behaviour_kl": (
+            "async mode: KL(pi_behav || pi_prox) per response token (k3 estimate): how far "
+            "the weights moved since the trained tokens were generated"
+        ),
         "regenerated_groups": "async mode: groups issued again after their generation worker died",
     },
     "weight_sync": {

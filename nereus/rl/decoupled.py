@@ -19,7 +19,11 @@ importance sampling do.
 The batch holds ``old_logprobs`` (behaviour, from generation), ``prox_logprobs``
 (recomputed), ``advantages``, ``response_mask`` and, for a KL loss, ``ref_logprobs``.
 Metrics: ``importance_weight_mean`` (of the untruncated weight over response tokens),
-``importance_clipped_frac`` (tokens whose weight was truncated), ``clip_frac``.
+``importance_clipped_frac`` (tokens whose weight was truncated), ``behaviour_kl`` (the k3
+estimate of KL(pi_behav || pi_prox) per response token: how far the weights moved since
+the tokens were generated), ``clip_frac``. The weight's mean is 1 in expectation however
+stale the tokens are (E_behav[pi_prox / pi_behav] = 1), so it shows only sampling noise;
+``behaviour_kl`` is 0 on-policy and grows with staleness and step size.
 
 Refuses (``ConfigError``): missing batch keys (named), a cap below 1.
 """
@@ -82,6 +86,7 @@ def decoupled_policy_objective(
             "clip_frac": float(masked_mean((unclipped > clipped).to(logprobs.dtype), mask)),
             "importance_weight_mean": float(masked_mean(raw, mask)),
             "importance_clipped_frac": float(masked_mean(truncated.to(logprobs.dtype), mask)),
+            "behaviour_kl": float(masked_mean(kl_estimate(behav_logprobs, prox_logprobs), mask)),
             "approx_kl_old": float(masked_mean(0.5 * (logprobs - prox_logprobs) ** 2, mask)),
         }
     if ref_logprobs is not None and kl_coef:

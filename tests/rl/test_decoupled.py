@@ -60,3 +60,17 @@ def test_the_batch_must_carry_the_proximal_logprobs():
         decoupled_policy_loss(
             {"logprobs": logp}, {"old_logprobs": logp, "advantages": adv, "response_mask": mask}
         )
+
+
+def test_behaviour_kl_is_zero_on_policy_and_measures_how_far_the_weights_moved():
+    logp, adv, mask = _data()
+    _, on = decoupled_policy_objective(logp, logp, logp, adv, mask)
+    assert on["behaviour_kl"] == 0.0
+    shift = 0.3 * torch.randn(3, 6, generator=torch.Generator().manual_seed(2))
+    behav = logp - shift  # log w = prox - behav = shift
+    _, m = decoupled_policy_objective(logp, logp, behav, adv, mask)
+    w = torch.exp(shift)
+    expected = float(((w - 1 - shift) * mask).sum() / mask.sum())
+    assert m["behaviour_kl"] == pytest.approx(expected, rel=1e-5) and expected > 0
+    _, far = decoupled_policy_objective(logp, logp, logp - 2 * shift, adv, mask)
+    assert far["behaviour_kl"] > m["behaviour_kl"]
