@@ -254,8 +254,63 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def main_async(steps: int, names: list[str], trace: Path, plot_path: Path) -> dict[str, Any]:
+def _mean_curve(curves: list[list[float]]) -> list[float]:
+    n = min(len(c) for c in curves)
+    return [round(statistics.fmean(c[i] for c in curves), 4) for i in range(n)]
+
+
+def combine(name: str, seeded: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration over its seeds: means of the rates and of the reward curves,
+    summed histograms and counts, and each seed's own figures."""
+    out: dict[str, Any] = {
+        "run": name,
+        "plan": seeded[0]["plan"],
+        "seeds": [r["seed"] for r in seeded],
+        "samples_per_s": round(statistics.fmean(r["samples_per_s"] for r in seeded), 3),
+        "samples_per_s_by_seed": [r["samples_per_s"] for r in seeded],
+        "mean_update_s": round(statistics.fmean(r["mean_update_s"] for r in seeded), 4),
+        "reward": _mean_curve([r["reward"] for r in seeded]),
+        "samples": seeded[0]["samples"][: min(len(r["samples"]) for r in seeded)],
+        "wall_at": _mean_curve([r["wall_at"] for r in seeded]),
+        "last_quarter_by_seed": [round(last_quarter(r)[0], 4) for r in seeded],
+        "response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in seeded), 2),
+    }
+    if "staleness_histogram" in seeded[0]:
+        hist: dict[str, int] = {}
+        for r in seeded:
+            for k, v in r["staleness_histogram"].items():
+                hist[k] = hist.get(k, 0) + v
+        out.update(
+            {
+                "staleness_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+                "max_staleness_seen": max(r["max_staleness_seen"] for r in seeded),
+                "max_staleness": seeded[0]["max_staleness"],
+                "samples_discarded": sum(r["samples_discarded"] for r in seeded),
+                "regenerated_groups": sum(r["regenerated_groups"] for r in seeded),
+                "importance_weight_mean": round(
+                    statistics.fmean(r["importance_weight_mean"] for r in seeded), 4
+                ),
+                "behaviour_kl": round(statistics.fmean(r["behaviour_kl"] for r in seeded), 5),
+            }
+        )
+    return out
+
+
+def reward_gap(sync: list[dict[str, Any]], best: list[dict[str, Any]]) -> float:
+    """Sync's last-quarter reward minus the async run's, both averaged over the seeds, in
+    units of sync's per-sample reward standard deviation over its last quarters."""
+    s = [last_quarter(r) for r in sync]
+    a = [last_quarter(r) for r in best]
+    std = math.sqrt(statistics.fmean(sd**2 for _, sd in s))
+    gap = statistics.fmean(m for m, _ in s) - statistics.fmean(m for m, _ in a)
+    return round(gap / max(std, 1e-9), 3)
+
+
+async def main_async(
+    steps: int, names: list[str], trace: Path, plot_path: Path, seeds: list[int]
+) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-async-")
+    by_name: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
         caps = cap_schedule(trace, steps)
         data = base_config(steps, out, caps)
@@ -266,22 +321,29 @@ async def main_async(steps: int, names: list[str], trace: Path, plot_path: Path)
             if has_cores_field()
             else "shared cores (this tree has no cluster.cores_per_device)"
         )
-        print(f"devices: {cores}", flush=True)
+        print(f"devices: {cores}; seeds {seeds}", flush=True)
         print(
             f"planner: best sync plan {sync_plan}; best async plan {async_plan}; {predicted}",
             flush=True,
         )
-        runs = []
-        for name in names:
-            d = {**data, "run": {**data["run"], "out_dir": f"{out}/{name}"}}
-            r = await run_one(name, d, sync_plan if name == "sync" else async_plan)
-            runs.append(r)
-            brief = {
-                k: v
-                for k, v in r.items()
-                if k not in ("reward", "reward_std", "samples", "wall_at", "plan")
-            }
-            print(f"{name}: {json.dumps(brief)}", flush=True)
+        for i, seed in enumerate(seeds):
+            # the order rotates with the seed, so no configuration always runs first
+            order = names[i % len(names) :] + names[: i % len(names)]
+            for name in order:
+                d = {
+                    **data,
+                    "run": {**data["run"], "seed": seed, "out_dir": f"{out}/{name}-{seed}"},
+                }
+                r = await run_one(name, d, sync_plan if name == "sync" else async_plan)
+                r["seed"] = seed
+                by_name[name].append(r)
+                brief = {
+                    k: v
+                    for k, v in r.items()
+                    if k not in ("reward", "reward_std", "samples", "wall_at", "plan")
+                }
+                print(f"{name} seed {seed}: {json.dumps(brief)}", flush=True)
+        runs = [combine(n, by_name[n]) for n in names]
         plot(runs, plot_path)
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -289,6 +351,7 @@ async def main_async(steps: int, names: list[str], trace: Path, plot_path: Path)
     asyncs = [r for r in runs if r["run"] != "sync"]
     result: dict[str, Any] = {
         "steps": steps,
+        "seeds": seeds,
         "trace": str(trace),
         "caps": caps,
         "predicted": predicted,
@@ -306,12 +369,9 @@ async def main_async(steps: int, names: list[str], trace: Path, plot_path: Path)
             }
         )
         if sync is not None:
-            (s_mean, s_std), (a_mean, _) = last_quarter(sync), last_quarter(best)
             result["speedup_vs_sync"] = round(best["samples_per_s"] / sync["samples_per_s"], 3)
-            result["reward_gap"] = round((s_mean - a_mean) / max(s_std, 1e-9), 3)
-    result["runs"] = [
-        {k: v for k, v in r.items() if k not in ("reward_std", "wall_at")} for r in runs
-    ]
+            result["reward_gap"] = reward_gap(by_name["sync"], by_name[best["run"]])
+    result["runs"] = [{k: v for k, v in r.items() if k != "wall_at"} for r in runs]
     return result
 
 
@@ -332,13 +392,25 @@ def main() -> None:
         default=Path("runs/async_rl.png"),
         help="reward plot (default %(default)s)",
     )
+    parser.add_argument(
+        "--seeds",
+        default="0,1,2",
+        help="run seeds, comma-separated; every configuration runs once per seed and its "
+        "figures are the means (default %(default)s)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     names = [n for n in args.runs.split(",") if n]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         parser.error(f"--runs={args.runs!r} names {unknown}; choose from {list(RUNS)}")
-    result = asyncio.run(main_async(args.steps, names, args.trace, args.plot))
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x]
+    except ValueError:
+        parser.error(f"--seeds={args.seeds!r} must be comma-separated integers")
+    if not seeds:
+        parser.error("--seeds must name at least one seed")
+    result = asyncio.run(main_async(args.steps, names, args.trace, args.plot, seeds))
     print(json.dumps(result))
 
 
