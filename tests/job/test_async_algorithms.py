@@ -2,18 +2,21 @@
 token of every update within the staleness bound, no entry (nor, with one sample per
 prompt, sample index) in two updates and none skipped, the training EMUs' logical state
 intact (one update per step); PPO's critic trained (its weights change) beside the
-policy; ReMax's greedy baseline decoded by the generation EMU for the entry's own prompt,
-greedily, and never trained on."""
+policy, and carried through a plan change at a weight sync that moves it; ReMax's greedy
+baseline decoded by the generation EMU for the entry's own prompt, greedily, and never
+trained on."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
 
 from nereus.job.async_loop import AsyncRun
+from nereus.job.config import Placement
 from nereus.job.loop import RLJob
 from nereus.rl.async_buffer import Group
 from tests.job._jobs import job
@@ -25,14 +28,16 @@ CLUSTER = {"mode": "local", "devices": 3, "memory_per_device": "256MiB"}
 GENERATION = {"policy_generation": {"devices": [1, 2], "dp": 2}}
 
 
-async def _run(cfg) -> tuple[AsyncRun, list[list[Group]], dict, dict, list[dict]]:
+async def _run(cfg, hook=None) -> tuple[AsyncRun, list[list[Group]], dict, dict, dict]:
     """The whole run; returns it, each update's entries, the logical state before and after,
-    and each training EMU's logical-state counters at the end."""
+    and, per training model-stage, each EMU's devices and update counter at the end."""
     rl = RLJob(cfg)
     await rl.start()
     try:
         run = AsyncRun(rl)
         rl.async_run = run
+        if hook is not None:
+            rl.boundary_hooks.append(hook)
         batches: list[list[Group]] = []
         update = run._update
 
@@ -44,13 +49,15 @@ async def _run(cfg) -> tuple[AsyncRun, list[list[Group]], dict, dict, list[dict]
         before = await logical_state(rl.stages, 0)
         await run.run()
         after = await logical_state(rl.stages, 0)
-        counts = await asyncio.gather(
-            *(
-                rl.stages.hosts[e.devices[0]].get_state.call_one(e.name)
-                for stage in ("policy_training", "critic_training")
-                for e in rl.stages.emus.get(stage, [])
+        counts: dict[str, list] = {}
+        for stage in ("policy_training", "critic_training"):
+            emus = rl.stages.emus.get(stage, [])
+            states = await asyncio.gather(
+                *(rl.stages.hosts[e.devices[0]].get_state.call_one(e.name) for e in emus)
             )
-        )
+            counts[stage] = [
+                (e.devices, s["update_count"]) for e, s in zip(emus, states, strict=True)
+            ]
     finally:
         await rl.close()
     return run, batches, before, after, counts
@@ -91,10 +98,28 @@ async def test_async_ppo_trains_the_critic_within_the_bound_each_sample_once(tmp
         rl={"mode": "async", "max_staleness": k, "partial_rollout": True},
         run={"steps": steps, "out_dir": str(tmp_path), "progress": False, "seed": 0},
     )
-    run, batches, before, after, counts = await _run(cfg)
+
+    async def move(rl: RLJob, record) -> None:
+        # a plan change at a weight sync, as the async adapter makes one (pause, transition,
+        # resume): generation to device 2 alone, the critic's model-stages to device 1
+        if record["step"] != 4:
+            return
+        placements = {
+            **{n: {"devices": [0]} for n in ("reference_inference", "policy_training")},
+            "policy_generation": {"devices": [2]},
+            "critic_inference": {"devices": [1]},
+            "critic_training": {"devices": [1]},
+        }
+        target = replace(cfg, plan={n: Placement(**p) for n, p in placements.items()}).job_plan()
+        await rl.async_run.pause()
+        await rl.apply_plan(target)
+        await rl.async_run.resume()
+
+    run, batches, before, after, counts = await _run(cfg, move)
     _check_order(run, batches, steps, steps * B)
     _check_tokens(run, k)
     assert run.summary["max_staleness_seen"] <= k
+    assert [w.emu.devices for w in run.workers] == [(2,)]
     # one sample per prompt: an entry is a sample, and no sample index is in two updates
     updates_of = defaultdict(set)
     for version, _, index, _ in run.trained_log:
@@ -106,7 +131,8 @@ async def test_async_ppo_trains_the_critic_within_the_bound_each_sample_once(tmp
     critic_after, _ = after["critic_training"][0]
     assert critic_before.keys() == critic_after.keys()
     assert not all(torch.equal(critic_before[n], critic_after[n]) for n in critic_before)
-    assert [c["update_count"] for c in counts] == [steps, steps]  # policy, critic
+    # ... and the plan change moved it with its state
+    assert counts == {"policy_training": [((0,), steps)], "critic_training": [((1,), steps)]}
     assert all("value_loss" in r and "value_mean" in r for r in run.records)
 
 
@@ -127,7 +153,7 @@ async def test_async_remax_decodes_its_greedy_baseline_beside_its_samples(tmp_pa
     run, batches, _, _, counts = await _run(cfg)
     _check_order(run, batches, steps, steps * B)
     _check_tokens(run, k)  # the baseline row's versions are in the log and within k
-    assert [c["update_count"] for c in counts] == [steps]
+    assert counts == {"policy_training": [((0,), steps)], "critic_training": []}
     groups = [g for b in batches for g in b]
     for g in groups:
         # the baseline: one row of the entry's own prompt, tagged by the generation EMU
