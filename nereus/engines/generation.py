@@ -273,15 +273,19 @@ class GenerationEngine(EngineBase):
         params: SamplingParams,
         noise: _Noise,
         step: int,
+        greedy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample on the last stage's TP rank 0, then hand the tokens to every rank of the
-        EMU (TP broadcast, then pipeline broadcast): (tokens, logprobs) of ``rows``."""
+        EMU (TP broadcast, then pipeline broadcast): (tokens, logprobs) of ``rows``
+        (``greedy``: the whole batch's mask of rows decoded greedily, ``sample_next``)."""
         ctx = self.ctx
+        if greedy is not None:
+            greedy = greedy[rows]
         if ctx.tp_size == 1 and ctx.pp_size == 1:
             # This rank is the whole EMU: nothing to share, no packing.
             assert logits is not None
             uniform = None if params.is_greedy else noise.rows(step, batch, rows)
-            return sample_next(logits, params, uniform=uniform)
+            return sample_next(logits, params, uniform=uniform, greedy=greedy)
         count = rows.stop - rows.start
         # on the device: the TP and pipeline groups move what lives there (NCCL on GPUs)
         packed = torch.empty(2, count, dtype=torch.float64, device=self.device)
@@ -289,7 +293,7 @@ class GenerationEngine(EngineBase):
             if ctx.tp_rank == 0:
                 assert logits is not None
                 uniform = None if params.is_greedy else noise.rows(step, batch, rows)
-                tokens, logprobs = sample_next(logits, params, uniform=uniform)
+                tokens, logprobs = sample_next(logits, params, uniform=uniform, greedy=greedy)
                 packed[0] = tokens.to(torch.float64)
                 packed[1] = logprobs.to(torch.float64)
             ctx.tp_broadcast(packed, src=0)

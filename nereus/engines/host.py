@@ -344,14 +344,18 @@ class EngineHost(ShardHolder):
         steps: int,
         prompts: list[list[int]] | None = None,
         params: dict[str, Any] | None = None,
+        greedy_rows: list[int] | None = None,
     ) -> dict[str, Any]:
         """Decode up to ``steps`` tokens of ``emu``'s open request (``prompts`` given: open
-        a new one first, ``nereus.engines.stepped``; it replaces a request the caller
-        abandoned); a weight sync between two calls is read by the next decode step, the
-        KV cache kept. The request closes when every row is done."""
+        a new one first, ``nereus.engines.stepped``, ``greedy_rows`` decoded greedily; it
+        replaces a request the caller abandoned); a weight sync between two calls is read
+        by the next decode step, the KV cache kept. The request closes when every row is
+        done."""
         engine = self._engine(emu, "generation")
         if prompts is not None:
-            self.rollouts[emu] = SteppedRollout(engine, prompts, params)
+            self.rollouts[emu] = SteppedRollout(
+                engine, prompts, params, greedy_rows=greedy_rows or ()
+            )
         require(
             emu in self.rollouts,
             "advance_rollout.emu",

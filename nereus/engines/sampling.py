@@ -10,6 +10,9 @@ Promises (the same in the built-in engine and the vLLM adapter):
 - the log-probability returned is under the temperature-scaled distribution *before*
   top-k/top-p filtering, the one the training engine recomputes, so PPO/GRPO ratios
   start at 1;
+- rows in ``greedy`` (a per-row mask) are decoded as a temperature-0 request decodes
+  them whatever ``params`` say, beside the sampled rows of the same batch (ReMax's
+  baseline row in an asynchronous run);
 - a step draws ``B`` uniforms, not ``B x V``; filtered tokens are never drawn; one seed
   gives the same tokens on every run whatever the layout (``step_noise``).
 
@@ -149,12 +152,18 @@ def sample_next(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token ``[B]`` (int64) and its log-probability ``[B]`` (float32) for each row of
     ``logits`` ``[B, V]``. The draw uses ``uniform`` (``[B]`` in [0, 1)) when given,
-    else fresh noise from ``generator``. See the module docstring for the semantics."""
+    else fresh noise from ``generator``; rows where ``greedy`` (``[B]`` bool) is set take
+    the argmax. See the module docstring for the semantics."""
     if logits.dtype != torch.float32:
         logits = logits.float()
+    if not params.is_greedy and greedy is not None and bool(greedy.any()):
+        tokens, chosen = sample_next(logits, params, generator, uniform)
+        best, best_logprob = sample_next(logits, SamplingParams(temperature=0.0))
+        return torch.where(greedy, best, tokens), torch.where(greedy, best_logprob, chosen)
     if params.is_greedy:
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = torch.argmax(logits, dim=-1)

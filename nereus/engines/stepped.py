@@ -1,28 +1,30 @@
 """A generation request decoded a few steps at a time, so weights can change between steps.
 
-``SteppedRollout(engine, prompts, params, seed)`` prepares one batch on a built-in
-``GenerationEngine`` (left-padded prompts, the engine's KV cache) exactly as
-``GenerationEngine.generate`` does; ``advance(steps)`` prefills on its first call and
-then decodes at most ``steps`` more tokens for every row, returning only what is new
-since the previous call. Between two ``advance`` calls the engine's weights may be
-rewritten in place (a weight sync into the shard store the engine adopts): the next
-decode step reads the new weights while the KV cache of the tokens already produced is
-kept, which is what a partial rollout is. The caller tags each call's tokens with the
-policy version the weights held during that call.
+``SteppedRollout(engine, prompts, params, seed, greedy_rows)`` prepares one batch on a
+built-in ``GenerationEngine`` (left-padded prompts, the engine's KV cache) exactly as
+``GenerationEngine.generate`` does, rows in ``greedy_rows`` decoded as a temperature-0
+request would beside the sampled ones (ReMax's baseline row in asynchronous RL);
+``advance(steps)`` prefills on its first call and then decodes at most ``steps`` more
+tokens for every row, returning only what is new since the previous call. Between two
+``advance`` calls the engine's weights may be rewritten in place (a weight sync into the
+shard store the engine adopts): the next decode step reads the new weights while the KV
+cache of the tokens already produced is kept, which is what a partial rollout is. The
+caller tags each call's tokens with the policy version the weights held during that call.
 
 Promises: the tokens and log-probabilities of a request decoded in any number of
 ``advance`` calls with unchanged weights equal those of one ``generate`` call with the
 same prompts, params and seed (same noise per step and row); every rank of the EMU must
 call ``advance`` together (the engine's TP/PP collectives run inside).
 
-Refuses: ``steps < 1``; another request on the same engine while one is open (the
-engine has one KV cache). Never runs the wavefront schedule (one batch, stage after
-stage).
+Refuses: ``steps < 1``; a greedy row outside the batch; another request on the same
+engine while one is open (the engine has one KV cache). Never runs the wavefront
+schedule (one batch, stage after stage).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ class SteppedRollout:
         prompts: list[list[int]],
         params: SamplingParams | dict[str, Any] | None,
         seed: int | None = None,
+        greedy_rows: Sequence[int] = (),
     ) -> None:
         self.params = SamplingParams.from_any(params)
         require(
@@ -62,6 +65,12 @@ class SteppedRollout:
             )
         self.engine = engine
         self.rows = len(prompts)
+        bad = [r for r in greedy_rows if not 0 <= r < self.rows]
+        require(not bad, "greedy_rows", bad, f"must be rows in [0, {self.rows})")
+        self.greedy: torch.Tensor | None = None
+        if greedy_rows:
+            self.greedy = torch.zeros(self.rows, dtype=torch.bool, device=engine.device)
+            self.greedy[list(greedy_rows)] = True
         seed = (
             seed
             if seed is not None
@@ -99,7 +108,7 @@ class SteppedRollout:
                     index = torch.zeros(self.rows, dtype=torch.long, device=engine.device)
                     logits = engine._forward(ids, pos, b.cache, index)
                 tokens, logprobs = engine._sample_and_share(
-                    logits, every, self.rows, params, self.noise, self.step
+                    logits, every, self.rows, params, self.noise, self.step, self.greedy
                 )
                 self.finished = engine._record(b, every, self.step, tokens, logprobs, params)
                 self.step += 1

@@ -1,18 +1,22 @@
-"""Asynchronous RL: generation runs continuously while training consumes finished groups.
+"""Asynchronous RL: generation runs continuously while training consumes finished entries.
 
-``AsyncRun(job).run()`` drives a started ``RLJob`` on a cluster (``[rl] mode = "async"``):
+``AsyncRun(job).run()`` drives a started ``RLJob`` on a cluster (``[rl] mode = "async"``),
+for GRPO, ReMax and PPO. A buffer entry is a GRPO group, a ReMax group with its greedy
+baseline row, or one PPO sample (``nereus.job.async_update``); the rules below are in
+entries.
 
 - Generation: one producer task per policy-generation EMU, started with
   ``asyncio.create_task`` and never awaited by the training loop. Each takes the next
-  positions of the global sample order the gate allows (``nereus.rl.async_buffer``),
-  opens a request on its EMU and decodes it ``decode_steps_per_call`` steps per call
-  (``EngineHost.advance_rollout``); every returned token is tagged with the policy
-  version its EMU held during the call. A group whose rows are all done is scored (the
-  task's rule) and enters the buffer at once; its request goes on for the others.
+  entries of the global order the gate allows (``nereus.rl.async_buffer``), opens a
+  request on its EMU (ReMax's baseline rows greedy in it) and decodes it
+  ``decode_steps_per_call`` steps per call (``EngineHost.advance_rollout``); every
+  returned token is tagged with the policy version its EMU held during the call. An entry
+  whose rows are all done is scored (the task's rule) and enters the buffer at once with
+  its prompt's global sample index; its request goes on for the others.
 - Training: for update u it waits only for a batch (``AsyncLedger.batch_for``): B finished
-  groups in sample order, plus any group whose staleness deadline is u. It recomputes the
-  proximal log-probs on policy-training, trains with the decoupled objective
-  (``nereus.rl.decoupled``) and advances the version.
+  entries in order, plus any entry whose staleness deadline is u. It trains them
+  (``nereus.job.async_update``: proximal log-probs, the algorithm's advantages, the
+  decoupled objective, PPO's critic) and advances the version.
 - Weight sync: the same in-place reshard plans as sync mode (``nereus.state.plan_reshard``
   / ``execute_into``, policy-training's EMUs to each generation EMU), one EMU at a time
   under that EMU's lock, each bounded by ``sync_timeout_s`` (``DeadlineExceeded`` names
@@ -26,8 +30,8 @@
   joined device (``nereus.job.async_adapt``: also drains, joins and the memory trigger).
   Checkpoints hold the ledger, so a resumed run trains the same positions.
 
-Refuses (``ConfigError``): algorithms other than GRPO, generation sharing a device with
-training, the in-process backend (checked by the job config).
+Refuses (``ConfigError``, checked by the job config): generation sharing a device with
+another model-stage, a reward model, the in-process backend, the vLLM engine.
 """
 
 from __future__ import annotations
@@ -35,25 +39,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from nereus.actors import emit
 from nereus.errors import DeadlineExceeded, StateError
 from nereus.job.async_adapt import AsyncAdapter
+from nereus.job.async_update import EntryShape, train_entries, update_record
 from nereus.job.export import latest_checkpoint
 from nereus.job.recovery import is_fault
 from nereus.planner.plan import Plan, StagePlan
-from nereus.rl.advantages import broadcast_to_tokens, grpo_advantages
 from nereus.rl.algorithms import sampling_seed
 from nereus.rl.async_buffer import AsyncLedger, Group
-from nereus.rl.decoupled import DECOUPLED_LOSS
-from nereus.rl.rollout import Rollouts, to_batch
 from nereus.state import execute_into, plan_reshard
 from nereus.transfer import make_group
 
@@ -74,7 +73,7 @@ class _Worker:
     alive: bool = True
     busy_s: float = 0.0
     tokens: int = 0
-    current: list[int] = field(default_factory=list)  # positions of the request in flight
+    current: list[int] = field(default_factory=list)  # entries of the request in flight
 
     @property
     def name(self) -> str:
@@ -90,8 +89,10 @@ class AsyncRun:
         self.stages = job.stages
         self.mode = job.cfg.rl
         a = job.cfg.algorithm
-        self.B, self.K = a.prompts_per_step, a.samples_per_prompt
-        start = job.dataset.position
+        self.shape = EntryShape.of(a)
+        # B entries per update; K sampled rows per entry
+        self.B, self.K = a.prompts_per_step * self.shape.per_prompt, self.shape.samples
+        start = job.dataset.position * self.shape.per_prompt
         self.ledger = AsyncLedger(
             self.B,
             self.mode.max_staleness,
@@ -107,7 +108,8 @@ class AsyncRun:
         self.records: list[dict[str, Any]] = []
         self.regenerated_rows = 0
         self.lost_workers: list[tuple[str, list[int]]] = []  # (EMU, devices) of dead producers
-        # per trained group: (update version, position, sample index, per-row token versions)
+        # per trained entry: (update version, entry, sample index, token versions of every row
+        # the update used: the trained rows, then ReMax's baseline row)
         self.trained_log: list[tuple[int, int, int, list[list[int]]]] = []
         self.t0 = time.perf_counter()
         self.pausing = False  # producers stop at their next decode call (a plan change)
@@ -279,15 +281,22 @@ class AsyncRun:
         )
 
     async def _request(self, w: _Worker, positions: list[int]) -> None:
-        job, K = self.job, self.K
-        samples = {p: job.dataset.at(p) for p in positions}
+        job, K, shape = self.job, self.K, self.shape
+        samples = {p: job.dataset.at(shape.prompt(p)) for p in positions}
         prompts = {p: job.task.prompt_ids(samples[p], job.codec) for p in positions}
+        # each entry's K sampled rows, entry after entry, then ReMax's greedy rows
         rows = [prompts[p] for p in positions for _ in range(K)]
+        own = [list(range(g * K, (g + 1) * K)) for g in range(len(positions))]
+        greedy: list[int] = []
+        if shape.baseline:
+            greedy = list(range(len(rows), len(rows) + len(positions)))
+            rows += [prompts[p] for p in positions]
+            own = [o + [r] for o, r in zip(own, greedy, strict=True)]
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
         released: set[int] = set()
-        args: tuple = (rows, self._params(positions))
+        args: tuple = (rows, self._params(positions), greedy)
         whole = None if self.mode.partial_rollout else await w.lock.acquire()
         w.current = list(positions)
         try:
@@ -306,15 +315,15 @@ class AsyncRun:
                     versions[r] += [version] * len(tk)
                     w.tokens += len(tk)
                 for g, p in enumerate(positions):
-                    if p not in released and all(out["done"][g * K : (g + 1) * K]):
+                    if p not in released and all(out["done"][r] for r in own[g]):
                         released.add(p)
                         await self._release(
                             p,
                             samples[p],
                             prompts[p],
-                            tokens[g * K : (g + 1) * K],
-                            logprobs[g * K : (g + 1) * K],
-                            versions[g * K : (g + 1) * K],
+                            [tokens[r] for r in own[g]],
+                            [logprobs[r] for r in own[g]],
+                            [versions[r] for r in own[g]],
                         )
                 if out["finished"]:
                     return
@@ -342,13 +351,26 @@ class AsyncRun:
         logprobs: list[list[float]],
         versions: list[list[int]],
     ) -> None:
-        job = self.job
+        """The entry at ``position`` is done (its rows as ``_request`` laid them out: the
+        sampled ones, then a baseline row): scored and into the buffer."""
+        job, K = self.job, self.K
         scores = [job.task.reward(sample, job.codec.decode(t)) for t in tokens]
         async with self.changed:
             start = self.ledger.in_flight[position]
-            self.ledger.finish(
-                Group(position, sample.index, prompt, tokens, logprobs, versions, start, scores)
+            group = Group(
+                position,
+                sample.index,
+                prompt,
+                tokens[:K],
+                logprobs[:K],
+                versions[:K],
+                start,
+                scores[:K],
             )
+            if self.shape.baseline:
+                group.baseline_ids, group.baseline_versions = tokens[K], versions[K]
+                group.baseline_score = scores[K]
+            self.ledger.finish(group)
             self.changed.notify_all()
 
     # --- training ---------------------------------------------------------------------
@@ -370,43 +392,21 @@ class AsyncRun:
                     pass  # look at the producers again
 
     async def _update(self, groups: list[Group]) -> dict[str, Any]:
-        job, st, a = self.job, self.stages, self.cfg.algorithm
-        rollouts = Rollouts(
-            [g.prompt_ids for g in groups for _ in range(g.rows)],
-            [r for g in groups for r in g.response_ids],
-            [lp for g in groups for lp in g.logprobs],
-            [g.sample_index for g in groups for _ in range(g.rows)],
-            [min(v, default=g.start_version) for g in groups for v in g.versions],
-        )
-        rollouts.scores = [s for g in groups for s in g.scores]
-        batch = to_batch(rollouts, job.codec.pad_id)
-        record: dict[str, Any] = {}
+        st = self.stages
         async with self.train_lock:
-            t0 = time.perf_counter()
-            batch["prox_logprobs"] = await st.proximal_logprobs(batch)
-            if a.kl_coef > 0:
-                batch["ref_logprobs"] = await st.reference_logprobs(batch)
-            adv = grpo_advantages(
-                torch.tensor(rollouts.scores, dtype=torch.float32), self.K, a.scale_by_std
+            rollouts, record = await train_entries(
+                st,
+                self.cfg.algorithm,
+                groups,
+                self.job.codec.pad_id,
+                self.mode.importance_cap,
             )
-            batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
-            kw = {
-                "clip_eps": a.clip_eps,
-                "importance_cap": self.mode.importance_cap,
-                "kl_coef": a.kl_coef if a.kl_mode == "loss" else 0.0,
-                "kl_kind": a.kl_kind,
-                "aggregation": a.aggregation,
-            }
-            metrics: dict[str, Any] = {}
-            for _ in range(a.epochs):
-                metrics = await st.train_policy(batch, DECOUPLED_LOSS, kw)
-            record["train_seconds"] = time.perf_counter() - t0
             async with self.changed:
                 record["staleness_histogram"] = {
                     str(s): n for s, n in self.ledger.commit(groups, self.version).items()
                 }
                 self.trained_log += [
-                    (self.version, g.position, g.sample_index, g.versions) for g in groups
+                    (self.version, g.position, g.sample_index, g.used_versions) for g in groups
                 ]
                 self.version += 1
                 st.policy_version = self.version
@@ -416,37 +416,20 @@ class AsyncRun:
                 sync = await self._sync_all()
                 record["sync_seconds"] = time.perf_counter() - t1
                 record["sync_bytes"] = sync["bytes"]
-        record.update(
-            {
-                ("updates" if k == "step" else k): v
-                for k, v in metrics.items()
-                if isinstance(v, (int, float))
-            }
-        )
-        lengths = rollouts.response_lengths
-        record.update(
-            {
-                "reward_mean": statistics.fmean(rollouts.scores),
-                "reward_std": statistics.pstdev(rollouts.scores),
-                "response_len_mean": statistics.fmean(lengths),
-                "response_len_max": max(lengths),
-                "tokens_generated": sum(lengths),
-                "rollouts": len(rollouts),
-                "positions": [g.position for g in groups],
-                "policy_version": min(rollouts.policy_version),
-                "max_staleness_seen": max(int(s) for s in record["staleness_histogram"]),
-            }
-        )
+        record.update(update_record(rollouts, groups))
+        record["max_staleness_seen"] = max(int(s) for s in record["staleness_histogram"])
         return record
 
     async def _checkpoint(self) -> None:
         job = self.job
         folder = job.out_dir / "checkpoints" / f"step_{job.step}"
-        self.stages.sample_position = self.ledger.next_new
+        # the dataset's position counts prompts; the ledger's, entries
+        position = self.shape.prompts_before(self.ledger.next_new)
+        self.stages.sample_position = position
         await self.stages.save(folder)
         state = {
             "step": job.step,
-            "dataset": {**job.dataset.state_dict(), "position": self.ledger.next_new},
+            "dataset": {**job.dataset.state_dict(), "position": position},
             "policy_version": self.version,
             "async": self.ledger.state_dict(),
         }

@@ -660,12 +660,13 @@ class JobConfig:
         )
 
     def _check_async(self) -> None:
-        """``[rl] mode = "async"``: GRPO on a cluster, generation on devices of its own."""
+        """``[rl] mode = "async"``: GRPO, ReMax or PPO on a cluster, rule rewards, generation
+        on devices of its own (PPO's critic and the reference live on the training side)."""
         require(
-            self.algorithm.name == "grpo",
-            "rl.mode",
-            self.rl.mode,
-            f"supports algorithm.name='grpo' (not {self.algorithm.name!r}) in async mode",
+            self.reward.kind == "rule",
+            "reward.kind",
+            self.reward.kind,
+            "must be 'rule' in async mode (entries are scored by the rule when generated)",
         )
         require(
             self.cluster.mode != "in_process",

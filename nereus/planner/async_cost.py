@@ -1,16 +1,19 @@
 """Pricing an asynchronous plan as a pipeline, and the best split of devices for one.
 
 In asynchronous RL, policy-generation runs on devices of its own while the other
-model-stages (policy-training, and reference-inference if the job has one) share the
-rest, so steady-state seconds per update are
+model-stages (policy-training; reference-inference with a KL term; PPO's critic-inference
+and critic-training) share the rest, so steady-state seconds per update are
 
     step = max(generation, training side) + weight sync
 
 where ``generation`` is policy-generation's cost on its devices (``stage_cost`` through
-``stage_candidates``: the fastest layout that fits), the training side is the sum of its
-model-stages' fastest layouts on the other devices (they share devices, so they
-serialize), and the sync is the policy's bytes over the intra-node (or inter-node, when
-the split crosses nodes) link at the calibrated ``p2p`` efficiency.
+``stage_candidates``: the fastest layout that fits, over the workload's sequences, which
+count ReMax's greedy row per prompt), the training side is the sum of its model-stages'
+fastest layouts on the other devices (they share devices, so they serialize), and the
+sync is the policy's bytes over the intra-node (or inter-node, when the split crosses
+nodes) link at the calibrated ``p2p`` efficiency. PPO's critic sync (critic-training to
+critic-inference) stays on the training side's devices and is not priced, as in sync
+mode.
 
 ``search_async(work, cluster, eff)`` prices every split of the budget (generation gets
 ``g`` devices, the rest ``budget - g``; a split counts when both sides have a valid

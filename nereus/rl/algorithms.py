@@ -58,7 +58,13 @@ __all__ = [
     "remax_step",
     "action_values",
     "critic_loss",
+    "critic_loss_kwargs",
+    "grpo_token_advantages",
+    "policy_loss_kwargs",
+    "ppo_targets",
+    "remax_token_advantages",
     "sampling_seed",
+    "train_epochs",
 ]
 
 
@@ -237,8 +243,8 @@ def _base_record(ctx: StepContext, rollouts: Rollouts) -> dict[str, Any]:
     }
 
 
-def _policy_loss_kwargs(ctx: StepContext) -> dict[str, Any]:
-    a = ctx.algorithm
+def policy_loss_kwargs(a: AlgorithmConfig) -> dict[str, Any]:
+    """The policy loss's coefficients (the KL term only with ``kl_mode = "loss"``)."""
     in_loss = a.kl_mode == "loss" and a.kl_coef > 0
     return {
         "clip_eps": a.clip_eps,
@@ -248,26 +254,99 @@ def _policy_loss_kwargs(ctx: StepContext) -> dict[str, Any]:
     }
 
 
+def critic_loss_kwargs(a: AlgorithmConfig) -> dict[str, Any]:
+    """The critic's value loss coefficients."""
+    return {"value_clip": a.value_clip, "aggregation": a.aggregation}
+
+
+async def train_epochs(
+    stages: ModelStages,
+    a: AlgorithmConfig,
+    batch: dict[str, torch.Tensor],
+    policy_loss: str,
+    policy_kwargs: dict[str, Any],
+    critic: bool = False,
+) -> dict[str, float]:
+    """``a.epochs`` passes over ``batch``: the policy with ``policy_loss``, then (``critic``)
+    the critic with its value loss; the last pass's numeric metrics, the engine's update
+    counter named ``updates`` ("step" is the RL step)."""
+    metrics: dict[str, float] = {}
+    for _ in range(a.epochs):
+        metrics = await stages.train_policy(batch, policy_loss, policy_kwargs)
+        if critic:
+            metrics.update(await stages.train_critic(batch, CRITIC_LOSS, critic_loss_kwargs(a)))
+    return {
+        ("updates" if k == "step" else k): v
+        for k, v in metrics.items()
+        if isinstance(v, (int, float))
+    }
+
+
+def grpo_token_advantages(
+    a: AlgorithmConfig, scores: list[float], batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """GRPO's per-token advantages of ``batch`` (groups of ``a.samples_per_prompt`` rows,
+    group after group): each score, less ``kl_coef`` times its row's summed KL when
+    ``kl_mode = "penalty"`` (``old_logprobs`` against ``ref_logprobs``), normalised within
+    its group."""
+    mask = batch["response_mask"]
+    seq = torch.tensor(scores, dtype=torch.float32)
+    if a.kl_mode == "penalty" and a.kl_coef > 0:
+        # KL as a penalty: in the sequence's reward, before the group normalisation.
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind) * mask
+        seq = seq - a.kl_coef * kl.sum(dim=1)
+    adv = grpo_advantages(seq, a.samples_per_prompt, a.scale_by_std)
+    return broadcast_to_tokens(adv, mask)
+
+
+def remax_token_advantages(
+    scores: list[float], greedy_scores: list[float], batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """ReMax's per-token advantages of ``batch``: each row's score less the greedy score
+    of its prompt (``greedy_scores`` one per prompt, rows laid out prompt after prompt)."""
+    per_prompt = len(scores) // max(1, len(greedy_scores))
+    require(
+        per_prompt * len(greedy_scores) == len(scores),
+        "greedy_scores",
+        len(greedy_scores),
+        f"must divide the {len(scores)} scores (one greedy response per prompt)",
+    )
+    baseline = torch.tensor(greedy_scores, dtype=torch.float32).repeat_interleave(per_prompt)
+    adv = remax_advantages(torch.tensor(scores, dtype=torch.float32), baseline)
+    return broadcast_to_tokens(adv, batch["response_mask"])
+
+
+def ppo_targets(
+    a: AlgorithmConfig,
+    scores: list[float],
+    batch: dict[str, torch.Tensor],
+    values: torch.Tensor,
+) -> float:
+    """PPO's targets into ``batch`` from the critic's ``values`` of it: ``old_values``
+    (action-aligned), ``advantages`` (GAE over per-token rewards: the score on the last
+    token, less the KL penalty with ``kl_mode = "penalty"``; whitened if asked) and
+    ``returns``. Returns the mean value over response tokens."""
+    mask = batch["response_mask"]
+    old_values = action_values(values.float()) * mask
+    kl = None
+    if a.kl_mode == "penalty" and a.kl_coef > 0:
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind)
+    rewards = token_rewards(torch.tensor(scores, dtype=torch.float32), mask, kl, a.kl_coef)
+    adv, returns = gae(rewards, old_values, mask, a.gamma, a.lam)
+    if a.whiten_advantages:
+        adv = masked_whiten(adv, mask)
+    batch.update({"advantages": adv, "returns": returns, "old_values": old_values})
+    return float((old_values * mask).sum() / mask.sum().clamp(min=1))
+
+
 async def _train_and_sync(
     ctx: StepContext, batch: dict[str, torch.Tensor], record: dict[str, Any], critic: bool = False
 ) -> None:
     a = ctx.algorithm
-    metrics: dict[str, float] = {}
-    for _ in range(a.epochs):
-        with _timed(record, "train_seconds"):
-            metrics = await ctx.stages.train_policy(batch, POLICY_LOSS, _policy_loss_kwargs(ctx))
-        if critic:
-            kw = {"value_clip": a.value_clip, "aggregation": a.aggregation}
-            with _timed(record, "train_seconds"):
-                metrics.update(await ctx.stages.train_critic(batch, CRITIC_LOSS, kw))
-    # The engine's own update counter is "updates" here: "step" is the RL step.
-    record.update(
-        {
-            ("updates" if k == "step" else k): v
-            for k, v in metrics.items()
-            if isinstance(v, (int, float))
-        }
-    )
+    with _timed(record, "train_seconds"):
+        record.update(
+            await train_epochs(ctx.stages, a, batch, POLICY_LOSS, policy_loss_kwargs(a), critic)
+        )
     with _timed(record, "sync_seconds"):
         sync = await ctx.stages.sync_policy()
     record["sync_bytes"] = sync.get("bytes", 0)
@@ -290,16 +369,7 @@ async def grpo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     batch = to_batch(rollouts, ctx.codec.pad_id)
     await _score(ctx, record, rollouts, batch)
     await _reference(ctx, record, batch)
-    scores = torch.tensor(rollouts.scores, dtype=torch.float32)
-    if a.kl_mode == "penalty" and a.kl_coef > 0:
-        # KL as a penalty: in the sequence's reward, before the group normalisation.
-        kl = (
-            kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind)
-            * batch["response_mask"]
-        )
-        scores = scores - a.kl_coef * kl.sum(dim=1)
-    adv = grpo_advantages(scores, a.samples_per_prompt, a.scale_by_std)
-    batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
+    batch["advantages"] = grpo_token_advantages(a, rollouts.scores, batch)
     await _train_and_sync(ctx, batch, record)
     return {**_base_record(ctx, rollouts), **record}
 
@@ -315,11 +385,7 @@ async def remax_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
     await _score(ctx, record, rollouts, batch)
     await _score(ctx, record, greedy)
     await _reference(ctx, record, batch)
-    baseline = torch.tensor(greedy.scores, dtype=torch.float32).repeat_interleave(
-        a.samples_per_prompt
-    )
-    adv = remax_advantages(torch.tensor(rollouts.scores, dtype=torch.float32), baseline)
-    batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
+    batch["advantages"] = remax_token_advantages(rollouts.scores, greedy.scores, batch)
     record["greedy_reward_mean"] = statistics.fmean(greedy.scores)
     await _train_and_sync(ctx, batch, record)
     return {**_base_record(ctx, rollouts), **record}
@@ -332,20 +398,10 @@ async def ppo_step(ctx: StepContext, samples: list[Sample]) -> dict[str, Any]:
         rollouts = await _generate(ctx, samples, a.samples_per_prompt)
     batch = to_batch(rollouts, ctx.codec.pad_id)
     await _score(ctx, record, rollouts, batch)
-    mask = batch["response_mask"]
     await _reference(ctx, record, batch)
     with _timed(record, "score_seconds"):
         values = await ctx.stages.critic_values(batch)
-    old_values = action_values(values.float()) * mask
-    kl = None
-    if a.kl_mode == "penalty" and a.kl_coef > 0:
-        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_kind)
-    rewards = token_rewards(torch.tensor(rollouts.scores, dtype=torch.float32), mask, kl, a.kl_coef)
-    adv, returns = gae(rewards, old_values, mask, a.gamma, a.lam)
-    if a.whiten_advantages:
-        adv = masked_whiten(adv, mask)
-    batch.update({"advantages": adv, "returns": returns, "old_values": old_values})
-    record["value_mean"] = float((old_values * mask).sum() / mask.sum().clamp(min=1))
+    record["value_mean"] = ppo_targets(a, rollouts.scores, batch, values)
     await _train_and_sync(ctx, batch, record, critic=True)
     return {**_base_record(ctx, rollouts), **record}
 

@@ -2,8 +2,9 @@
 
 ``mode = "sync"`` (the default) runs generate -> score -> train -> weight sync as one
 step. ``mode = "async"`` runs policy-generation continuously on its own devices while
-policy-training consumes finished groups from a bounded buffer (``nereus.job.async_loop``,
-``nereus.rl.async_buffer``), with the decoupled PPO objective (``nereus.rl.decoupled``).
+policy-training consumes finished entries (groups, or PPO samples) from a bounded buffer
+(``nereus.job.async_loop``, ``nereus.rl.async_buffer``), with the decoupled PPO objective
+(``nereus.rl.decoupled``).
 
 Refuses (``ConfigError``): an unknown mode, a negative ``max_staleness``, a non-positive
 decode chunk, sync deadline or importance-weight cap.

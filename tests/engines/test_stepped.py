@@ -9,6 +9,7 @@ import torch
 from nereus.engines.generation import GenerationEngine
 from nereus.engines.options import EngineOptions
 from nereus.engines.stepped import SteppedRollout
+from nereus.errors import ConfigError
 from nereus.models import ModelConfig, save_tiny_model
 
 CONFIG = ModelConfig(
@@ -148,3 +149,31 @@ def test_logprobs_across_two_swaps_are_those_of_the_distribution_sampled_from(tm
             assert logprobs[i] == pytest.approx(again, abs=1e-5), f"row {i}, stops {stops}"
     for engine in (*models, live):
         engine.close()
+
+
+def test_greedy_rows_decode_as_a_greedy_request_beside_the_sampled_ones(tmp_path):
+    save_tiny_model(tmp_path, CONFIG, seed=0)
+    engine = GenerationEngine(CONFIG, options=EngineOptions(model_dir=tmp_path))
+    greedy = engine.generate(PROMPTS, {**PARAMS, "temperature": 0.0})
+    sampled = engine.generate(PROMPTS, PARAMS)
+    n = len(PROMPTS)
+    r = SteppedRollout(engine, PROMPTS + PROMPTS, PARAMS, greedy_rows=range(n, 2 * n))
+    tokens, logprobs = [[] for _ in range(2 * n)], [[] for _ in range(2 * n)]
+    while True:
+        out = r.advance(2)
+        for i in range(2 * n):
+            tokens[i] += out["tokens"][i]
+            logprobs[i] += out["logprobs"][i]
+        if out["finished"]:
+            break
+    with pytest.raises(ConfigError, match="greedy_rows"):
+        SteppedRollout(engine, PROMPTS, PARAMS, greedy_rows=[n])
+    engine.close()
+    assert tokens[n:] == greedy.token_ids
+    assert torch.allclose(
+        torch.tensor([x for row in logprobs[n:] for x in row]),
+        torch.tensor([x for row in greedy.logprobs for x in row]),
+    )
+    # the sampled rows drew from the distribution (not the argmax), with the request's noise
+    assert tokens[:n] != greedy.token_ids
+    assert tokens[:n] == sampled.token_ids

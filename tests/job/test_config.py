@@ -159,3 +159,40 @@ def test_a_length_cap_schedule_and_the_plan_as_the_planners():
         "policy-training",
     ]
     assert from_planner_plan(to_planner_plan(plan)) == plan
+
+
+def _async_job(algorithm: dict, plan: dict, **more) -> JobConfig:
+    return from_dict(
+        JobConfig,
+        {
+            "algorithm": algorithm,
+            "cluster": {"mode": "local", "devices": 3},
+            "plan": plan,
+            "rl": {"mode": "async"},
+            **more,
+        },
+    )
+
+
+def test_async_mode_takes_ppo_and_remax_with_generation_on_devices_of_its_own():
+    ppo = {"name": "ppo", "samples_per_prompt": 1, "kl_coef": 0.05}
+    plan = {
+        "policy_generation": {"devices": [2]},
+        "reference_inference": {"devices": [0]},
+        "critic_inference": {"devices": [1]},
+        "policy_training": {"devices": [0]},
+        "critic_training": {"devices": [1]},
+    }
+    assert _async_job(ppo, plan).rl.is_async
+    # the critic is a training-side model-stage: it may not sit on generation's devices
+    with pytest.raises(ConfigError, match=re.escape("must not share devices [2]")):
+        _async_job(ppo, {**plan, "critic_inference": {"devices": [2]}})
+    remax = {"name": "remax", "samples_per_prompt": 2}
+    two = {"policy_generation": {"devices": [1, 2], "dp": 2}, "policy_training": {"devices": [0]}}
+    assert _async_job(remax, two).algorithm.name == "remax"
+    with pytest.raises(ConfigError, match=re.escape("reward.kind='model' must be 'rule'")):
+        _async_job(
+            remax,
+            {**two, "reward_inference": {"devices": [0]}},
+            reward={"kind": "model", "path": "rm"},
+        )

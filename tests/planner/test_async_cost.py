@@ -1,5 +1,6 @@
 """Async plans priced as a pipeline: the slower side plus the sync; longer responses move
-devices from training to generation."""
+devices from training to generation; PPO's critic and the reference priced on the training
+side, ReMax's greedy rows on the generation side."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ CLUSTER = ClusterSpec(
 MODEL = ModelShape("m24x2048", 2048, 24, 16, 4, 32000, 2048 * 3)
 
 
-def _work(length: int) -> Workload:
+def _work(length: int, algorithm: str = "grpo") -> Workload:
     return Workload.for_models(
-        "grpo",
+        algorithm,
         MODEL,
         prompts_per_step=24,
         samples_per_prompt=8,
@@ -65,3 +66,31 @@ def test_longer_responses_move_devices_to_generation():
 def test_one_device_cannot_run_generation_apart():
     with pytest.raises(InfeasiblePlan, match="at least 2 devices"):
         search_async(_work(256), CLUSTER, budget=1)
+
+
+def test_ppo_prices_the_critic_and_the_reference_on_the_training_side():
+    work = _work(1024, "ppo")
+    names = [s.name for s in work.stages]
+    assert {"critic-inference", "critic-training", "reference-inference"} <= set(names)
+    got = search_async(work, CLUSTER, budget=8, generation_devices=4)
+    # every model-stage but generation shares the other devices, so their times add
+    assert got.training_seconds == pytest.approx(
+        sum(
+            min(c.seconds for c in stage_candidates(work, CLUSTER, CONSERVATIVE, i, 4))
+            for i, name in enumerate(names)
+            if name != "policy-generation"
+        )
+    )
+    gen = got.plan["policy-generation"].device_set
+    for name in names:
+        if name != "policy-generation":
+            assert got.plan[name].device_set.isdisjoint(gen), name
+    grpo = search_async(_work(1024), CLUSTER, budget=8, generation_devices=4)
+    assert got.training_seconds > grpo.training_seconds
+
+
+def test_remax_prices_its_greedy_rows_on_the_generation_side():
+    remax = search_async(_work(1024, "remax"), CLUSTER, budget=8, generation_devices=4)
+    grpo = search_async(_work(1024), CLUSTER, budget=8, generation_devices=4)
+    assert _work(1024, "remax").sequences == _work(1024).sequences + 24
+    assert remax.generation_seconds > grpo.generation_seconds

@@ -146,3 +146,25 @@ def test_resume_trains_the_positions_the_uninterrupted_run_would():
     after, _ = _simulate(12, 1, updates=20, ledger=again, version=version)
     positions = trained_before + [p for _, ps in after for p in ps]
     assert sorted(positions) == sorted(p for _, ps in full for p in ps) == list(range(80))
+
+
+def test_a_baseline_row_counts_for_the_deadline_and_the_bound_but_not_the_histogram():
+    led = AsyncLedger(2, 1, 0, 4)
+    assert led.take(0, 2) == [0, 1]
+    # ReMax's entry: the trained rows are of version 1, its greedy row began at version 0
+    remax = _group(0, [[1, 1]], 0)
+    remax.baseline_ids, remax.baseline_versions = [5, 6], [0, 1]
+    led.finish(remax)
+    assert remax.oldest_version == 0
+    led.finish(_group(1, [[1]], 0))
+    batch = led.batch_for(1)
+    assert [g.position for g in batch] == [0, 1]
+    assert led.commit(batch, 1) == {0: 3}  # trained tokens only: the baseline's are not
+    # a baseline token beyond the bound is refused like a trained one
+    assert led.take(1, 2) == [2, 3]
+    late = _group(2, [[3]], 1)
+    late.baseline_ids, late.baseline_versions = [5], [1]
+    led.finish(late)
+    led.finish(_group(3, [[3]], 1))
+    with pytest.raises(StateError, match="staleness 2"):
+        led.commit(led.batch_for(3), 3)
