@@ -48,6 +48,7 @@ from nereus.errors import DeadlineExceeded, StateError
 from nereus.job.async_adapt import AsyncAdapter
 from nereus.job.export import latest_checkpoint
 from nereus.job.recovery import is_fault
+from nereus.job.traces import response_lengths
 from nereus.planner.plan import Plan, StagePlan
 from nereus.rl.advantages import broadcast_to_tokens, grpo_advantages
 from nereus.rl.algorithms import sampling_seed
@@ -188,9 +189,13 @@ class AsyncRun:
 
     # --- generation -------------------------------------------------------------------
 
-    def _params(self, positions: list[int]) -> dict[str, Any]:
+    def _params(self, positions: list[int], indices: list[int]) -> dict[str, Any]:
+        """Sampling of a request for the groups at ``positions`` (sample ``indices``). With
+        ``[trace] lengths`` every row gets its drawn length from the step its group belongs
+        to (its position's), as in a synchronous run, and the request's cap is the largest
+        of those steps' caps."""
         s = self.cfg.sampling
-        return {
+        params = {
             "max_tokens": s.cap_at(self.version),
             "temperature": s.temperature,
             "top_p": s.top_p,
@@ -198,6 +203,15 @@ class AsyncRun:
             "stop_token_ids": [] if s.ignore_eos else [self.job.codec.eos_id],
             "seed": sampling_seed(self.cfg.run.seed, positions[0]),
         }
+        if s.lengths is not None:
+            steps = [(p - self.ledger.origin) // self.B for p in positions]
+            params["max_tokens"] = max(s.cap_at(t) for t in steps)
+            params["row_max_tokens"] = [
+                n
+                for t, i in zip(steps, indices, strict=True)
+                for n in response_lengths(self.cfg, t, [i], self.K)
+            ]
+        return params
 
     async def _positions(self, w: _Worker) -> list[int]:
         """The next positions ``w`` may start (waits at the gate); [] when none are left.
@@ -287,7 +301,7 @@ class AsyncRun:
         logprobs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
         released: set[int] = set()
-        args: tuple = (rows, self._params(positions))
+        args: tuple = (rows, self._params(positions, [samples[p].index for p in positions]))
         whole = None if self.mode.partial_rollout else await w.lock.acquire()
         w.current = list(positions)
         try:
