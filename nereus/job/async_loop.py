@@ -189,6 +189,16 @@ class AsyncRun:
 
     # --- generation -------------------------------------------------------------------
 
+    def request_cap(self, version: int) -> int:
+        """The longest cap a request may run at while policy version ``version`` trains
+        next: that version's cap, or with ``[trace] lengths`` (each group at its own
+        step's cap, and the gate lets generation run ``max_staleness`` steps ahead) the
+        largest cap of those steps: what generation's memory must hold."""
+        s = self.cfg.sampling
+        if s.lengths is None:
+            return s.cap_at(version)
+        return max(s.cap_at(t) for t in range(version, version + self.mode.max_staleness + 1))
+
     def _params(self, positions: list[int], indices: list[int]) -> dict[str, Any]:
         """Sampling of a request for the groups at ``positions`` (sample ``indices``). With
         ``[trace] lengths`` every row gets its drawn length from the step its group belongs

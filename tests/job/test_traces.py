@@ -106,6 +106,9 @@ def test_async_requests_draw_the_lengths_a_synchronous_step_draws(tmp_path):
     assert params["row_max_tokens"] == want
     assert params["max_tokens"] == max(sync.cfg.sampling.cap_at(s) for s in (1, 2))
     assert params["stop_token_ids"] == []
+    # generation's memory holds the largest cap a request may run at, max_staleness ahead
+    caps = [sync.cfg.sampling.cap_at(s) for s in range(6)]
+    assert [run.request_cap(v) for v in range(6)] == [max(caps[v : v + 2]) for v in range(6)]
 
 
 @pytest.mark.timeout(180)
