@@ -250,6 +250,13 @@ class GenerationEngine(EngineBase):
         ids = torch.zeros(batch, width, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        # Without stop tokens every row runs to its bound: counted up front, not per step.
+        if params.stop_token_ids:
+            n_out = torch.zeros(batch, dtype=torch.long, device=dev)
+        elif limits is None:
+            n_out = torch.full((batch,), steps, dtype=torch.long, device=dev)
+        else:
+            n_out = torch.tensor(limits, dtype=torch.long, device=dev)
         cols = torch.arange(width).unsqueeze(0)
         positions = torch.where(
             cols >= pad.unsqueeze(1), cols - pad.unsqueeze(1), torch.full_like(cols, -1)
@@ -265,14 +272,7 @@ class GenerationEngine(EngineBase):
             logprobs=torch.zeros(batch, steps, dtype=torch.float32, device=dev),
             done=torch.zeros(batch, dtype=torch.bool, device=dev),
             stopped=torch.zeros(batch, dtype=torch.bool, device=dev),
-            # Without stop tokens every row runs to its bound: counted up front, not per step.
-            n_out=(
-                torch.zeros(batch, dtype=torch.long, device=dev)
-                if params.stop_token_ids
-                else torch.full((batch,), steps, dtype=torch.long, device=dev)
-                if limits is None
-                else torch.tensor(limits, dtype=torch.long, device=dev)
-            ),
+            n_out=n_out,
             steps=steps,
             row_steps=limits,
             limits=None if limits is None else torch.tensor(limits, dtype=torch.long, device=dev),

@@ -70,7 +70,11 @@ def trace_lengths(spec: str, steps: int, cap: int) -> tuple[TraceLengths, list[i
 def length_schedule(spec: str, steps: int, cap: int) -> list[list[int]]:
     """``[[step, tokens], ...]`` (from step 0, where the bound changes): every step's
     length bound of ``spec`` (``trace_lengths``), the longest ``cap`` tokens."""
-    _, bounds = trace_lengths(spec, steps, cap)
+    return _changes(trace_lengths(spec, steps, cap)[1])
+
+
+def _changes(bounds: list[int]) -> list[list[int]]:
+    """``[[step, bound], ...]`` of step 0 and of every step whose bound differs."""
     return [[s, t] for s, t in enumerate(bounds) if s == 0 or t != bounds[s - 1]]
 
 
@@ -81,10 +85,11 @@ def with_lengths(cfg: JobConfig) -> JobConfig:
     cap = cfg.sampling.max_new_tokens
     assert isinstance(cap, int)  # JobConfig refuses a schedule with a length trace
     lengths, bounds = trace_lengths(cfg.trace.lengths, cfg.run.steps, cap)
-    schedule = [[s, t] for s, t in enumerate(bounds) if s == 0 or t != bounds[s - 1]]
     return replace(
         cfg,
-        sampling=replace(cfg.sampling, max_new_tokens=schedule, ignore_eos=True, lengths=lengths),
+        sampling=replace(
+            cfg.sampling, max_new_tokens=_changes(bounds), ignore_eos=True, lengths=lengths
+        ),
         trace=replace(cfg.trace, lengths=None),
     )
 
