@@ -10,6 +10,9 @@ Promises:
   the shared vectorized sampler (``nereus.engines.sampling``);
 - deterministic under ``params.seed``: the tokens do not depend on TP, PP or the
   wavefront's groups, and every rank agrees on them;
+- ``params.row_max_tokens``: each row is done at its own bound (without stop tokens,
+  exactly that long); a batch decodes until its longest row is done, and its KV cache
+  holds the prompts plus that longest row;
 - the KV cache is reserved in the device's ledger before it is allocated; a request
   whose cache does not fit raises ``OutOfMemory`` (device, bytes, budget) with nothing
   allocated; ``free_cache``, ``sleep`` and ``wake_up`` give memory back and rebuild.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -205,13 +208,16 @@ class GenerationEngine(EngineBase):
             )
         # Only the sampling rank uses the seed, so an unseeded request may pick its own.
         seed = params.seed if params.seed is not None else random.getrandbits(62)
+        limits = params.row_limits(len(prompts))
         out = GenerationOutput([], [], [])
         for chunk, start in enumerate(range(0, len(prompts), self.max_batch)):
-            rows = [list(map(int, p)) for p in prompts[start : start + self.max_batch]]
+            stop = start + self.max_batch
+            rows = [list(map(int, p)) for p in prompts[start:stop]]
+            part_limits = None if limits is None else limits[start:stop]
             if self.wavefront and self.ctx.pp_size > 1 and len(rows) >= self.ctx.pp_size:
-                part = self._generate_pipelined(rows, params, seed, chunk)
+                part = self._generate_pipelined(rows, params, seed, chunk, part_limits)
             else:
-                part = self._generate_batch(rows, params, seed, chunk)
+                part = self._generate_batch(rows, params, seed, chunk, part_limits)
             out.token_ids += part.token_ids
             out.logprobs += part.logprobs
             out.finish_reasons += part.finish_reasons
@@ -219,21 +225,24 @@ class GenerationEngine(EngineBase):
 
     # --- shared pieces ------------------------------------------------------------------
 
-    def _prepare(self, prompts: list[list[int]], params: SamplingParams) -> _Batch:
+    def _prepare(
+        self, prompts: list[list[int]], params: SamplingParams, limits: list[int] | None = None
+    ) -> _Batch:
         """Left-padded ids and positions, the KV cache and the output buffers (on the
-        engine's device; ids and positions are built on the CPU and moved in one copy each)."""
+        engine's device; ids and positions are built on the CPU and moved in one copy each).
+        ``limits``: every row's own bound (None: ``max_tokens`` each)."""
         batch = len(prompts)
         dev = self.device
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         width = int(lengths.max())
-        max_len = width + params.max_tokens
         require(
-            max_len <= self.config.max_position_embeddings,
+            width + params.max_tokens <= self.config.max_position_embeddings,
             "prompt length + max_tokens",
-            max_len,
+            width + params.max_tokens,
             f"must be <= max_position_embeddings={self.config.max_position_embeddings}",
         )
-        cache = self._kv_cache(batch, max_len)
+        steps = params.max_tokens if limits is None else max(limits)
+        cache = self._kv_cache(batch, width + steps)
         if self._cache_batch > batch:
             # Rows beyond this batch exist in a reused cache; use only the first ``batch``.
             cache = cache.rows(slice(0, batch))
@@ -241,6 +250,13 @@ class GenerationEngine(EngineBase):
         ids = torch.zeros(batch, width, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        # Without stop tokens every row runs to its bound: counted up front, not per step.
+        if params.stop_token_ids:
+            n_out = torch.zeros(batch, dtype=torch.long, device=dev)
+        elif limits is None:
+            n_out = torch.full((batch,), steps, dtype=torch.long, device=dev)
+        else:
+            n_out = torch.tensor(limits, dtype=torch.long, device=dev)
         cols = torch.arange(width).unsqueeze(0)
         positions = torch.where(
             cols >= pad.unsqueeze(1), cols - pad.unsqueeze(1), torch.full_like(cols, -1)
@@ -252,17 +268,14 @@ class GenerationEngine(EngineBase):
             width=width,
             cache=cache,
             stops=torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev),
-            tokens=torch.zeros(batch, params.max_tokens, dtype=torch.long, device=dev),
-            logprobs=torch.zeros(batch, params.max_tokens, dtype=torch.float32, device=dev),
+            tokens=torch.zeros(batch, steps, dtype=torch.long, device=dev),
+            logprobs=torch.zeros(batch, steps, dtype=torch.float32, device=dev),
             done=torch.zeros(batch, dtype=torch.bool, device=dev),
             stopped=torch.zeros(batch, dtype=torch.bool, device=dev),
-            # Without stop tokens every row runs to max_tokens: counted up front, not per step.
-            n_out=torch.full(
-                (batch,),
-                0 if params.stop_token_ids else params.max_tokens,
-                dtype=torch.long,
-                device=dev,
-            ),
+            n_out=n_out,
+            steps=steps,
+            row_steps=limits,
+            limits=None if limits is None else torch.tensor(limits, dtype=torch.long, device=dev),
         )
 
     def _sample_and_share(
@@ -313,14 +326,17 @@ class GenerationEngine(EngineBase):
         b.tokens[rows, step] = tokens
         b.logprobs[rows, step] = logprobs
         if not b.stops.numel():
-            # Without stop tokens every row is live until max_tokens: no masks, no sync.
-            return step == params.max_tokens - 1
+            # Without stop tokens every row is live until its bound (counted up front, rows
+            # past it decode on and are dropped): no masks, no sync.
+            return step == b.last_step(rows)
         live = ~b.done[rows]
         is_stop = torch.isin(tokens, b.stops) & live
         b.n_out[rows] += (live & (params.include_stop_token | ~is_stop)).long()
         b.stopped[rows] |= is_stop
         b.done[rows] |= is_stop
-        return step == params.max_tokens - 1 or bool(b.done[rows].all())
+        if b.limits is not None:
+            b.done[rows] |= b.limits[rows] <= step + 1
+        return step == b.last_step(rows) or bool(b.done[rows].all())
 
     @staticmethod
     def _output(b: _Batch) -> GenerationOutput:
@@ -357,9 +373,14 @@ class GenerationEngine(EngineBase):
         return self.stage(x, positions, kv_cache=cache, logits_index=index, gather_logits=True)
 
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: int,
+        chunk: int,
+        limits: list[int] | None = None,
     ) -> GenerationOutput:
-        b = self._prepare(prompts, params)
+        b = self._prepare(prompts, params, limits)
         batch = len(prompts)
         every = slice(0, batch)
         noise = _Noise(seed, chunk, self.device)
@@ -367,7 +388,7 @@ class GenerationEngine(EngineBase):
         first_col = torch.zeros(batch, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             logits = self._forward(b.ids, b.positions, b.cache, last_col)
-            for step in range(params.max_tokens):
+            for step in range(b.steps):
                 if step > 0:
                     ids, pos = self._decode_inputs(b, every, step)
                     logits = self._forward(ids, pos, b.cache, first_col)
@@ -379,7 +400,12 @@ class GenerationEngine(EngineBase):
     # --- one batch, pipelined over the stages -----------------------------------------
 
     def _generate_pipelined(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int, chunk: int
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: int,
+        chunk: int,
+        limits: list[int] | None = None,
     ) -> GenerationOutput:
         """The batch cut into ``pp`` groups of rows that move through the pipeline as a
         wavefront: at tick ``t`` stage ``s`` runs the forward of group ``g`` for step ``k``
@@ -390,7 +416,7 @@ class GenerationEngine(EngineBase):
         broadcasts, so no control message travels."""
         ctx = self.ctx
         pp, me = ctx.pp_size, ctx.pp_rank
-        b = self._prepare(prompts, params)
+        b = self._prepare(prompts, params, limits)
         batch = len(prompts)
         groups = even_slices(batch, pp)
         caches = [b.cache.rows(rows) for rows in groups]
@@ -404,7 +430,7 @@ class GenerationEngine(EngineBase):
             if u < 0:
                 return None
             step, g = divmod(u, pp)
-            if step >= params.max_tokens or (final[g] is not None and step > final[g]):
+            if step >= b.steps or (final[g] is not None and step > final[g]):
                 return None
             return g, step
 
@@ -478,6 +504,21 @@ class _Batch:
     done: torch.Tensor
     stopped: torch.Tensor
     n_out: torch.Tensor
+    steps: int  # decode steps the longest row needs
+    row_steps: list[int] | None = None  # every row's bound (None: ``steps`` each)
+    limits: torch.Tensor | None = None  # ``row_steps`` on the device
+    _lasts: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def last_step(self, rows: slice) -> int:
+        """The last decode step any of ``rows`` needs (worked out once per slice: the
+        decode loop asks every step)."""
+        if self.row_steps is None:
+            return self.steps - 1
+        key = (rows.start, rows.stop)
+        last = self._lasts.get(key)
+        if last is None:
+            last = self._lasts[key] = max(self.row_steps[rows]) - 1
+        return last
 
 
 class _Noise:

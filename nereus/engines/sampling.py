@@ -16,8 +16,13 @@ Promises (the same in the built-in engine and the vLLM adapter):
 - a step draws ``B`` uniforms, not ``B x V``; filtered tokens are never drawn; one seed
   gives the same tokens on every run whatever the layout (``step_noise``).
 
+``row_max_tokens`` (optional) gives every row its own length bound, each in
+[1, ``max_tokens``]: a row is done at its own bound (or a stop token), so with no stop
+token every row is exactly that long (length benchmarks, ``[trace] lengths``).
+
 Refuses (``ConfigError``): negative temperature, ``top_p`` outside (0, 1], negative
-``top_k``, ``max_tokens < 1``, negative stop token ids.
+``top_k``, ``max_tokens < 1``, negative stop token ids, a row bound outside
+[1, ``max_tokens``], and (``row_limits``) row bounds that are not one per row.
 
 More (how it works): docs/engines.md.
 """
@@ -46,6 +51,8 @@ class SamplingParams:
     seed: int | None = None
     # Rows that hit a stop token keep it as their last token (as vLLM does for EOS).
     include_stop_token: bool = True
+    # Per row (prompt order): the most tokens that row generates (None: max_tokens each).
+    row_max_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         require(self.max_tokens >= 1, "SamplingParams.max_tokens", self.max_tokens, "must be >= 1")
@@ -65,6 +72,27 @@ class SamplingParams:
             "must be token ids >= 0",
         )
         object.__setattr__(self, "stop_token_ids", stops)
+        if self.row_max_tokens is not None:
+            rows = tuple(self.row_max_tokens)
+            require(
+                all(isinstance(n, int) and 1 <= n <= self.max_tokens for n in rows),
+                "SamplingParams.row_max_tokens",
+                rows[:16],
+                f"must be integers in [1, max_tokens={self.max_tokens}]",
+            )
+            object.__setattr__(self, "row_max_tokens", rows)
+
+    def row_limits(self, rows: int) -> list[int] | None:
+        """Every row's bound for a request of ``rows`` prompts (None: ``max_tokens`` each)."""
+        if self.row_max_tokens is None:
+            return None
+        require(
+            len(self.row_max_tokens) == rows,
+            "SamplingParams.row_max_tokens",
+            len(self.row_max_tokens),
+            f"must give one bound per row ({rows} rows)",
+        )
+        return list(self.row_max_tokens)
 
     @property
     def is_greedy(self) -> bool:
@@ -79,6 +107,7 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "seed": self.seed,
             "include_stop_token": self.include_stop_token,
+            "row_max_tokens": None if self.row_max_tokens is None else list(self.row_max_tokens),
         }
 
     @classmethod
@@ -100,6 +129,8 @@ class SamplingParams:
         data = dict(value)
         if "stop_token_ids" in data:
             data["stop_token_ids"] = tuple(data["stop_token_ids"])
+        if data.get("row_max_tokens") is not None:
+            data["row_max_tokens"] = tuple(data["row_max_tokens"])
         return cls(**data)
 
 

@@ -297,8 +297,10 @@ class ModelStageHandle:
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None
     ) -> GenerationOutput:
-        """Prompts cut across the EMUs; EMU ``i`` samples with ``seed + i``."""
+        """Prompts cut across the EMUs (with their rows' own bounds, if any); EMU ``i``
+        samples with ``seed + i``."""
         p = SamplingParams.from_any(params)
+        limits = p.row_limits(len(prompts))
         calls = []
         for i, (emu, s) in enumerate(
             zip(self.emus, even_slices(len(prompts), len(self.emus)), strict=True)
@@ -306,6 +308,8 @@ class ModelStageHandle:
             d = p.to_dict()
             if p.seed is not None:
                 d["seed"] = p.seed + i
+            if limits is not None:
+                d["row_max_tokens"] = limits[s]
             if s.stop > s.start:
                 calls.append(emu.generate(prompts[s], d))
         merged = GenerationOutput([], [], [])

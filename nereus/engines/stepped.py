@@ -13,8 +13,10 @@ caller tags each call's tokens with the policy version the weights held during t
 
 Promises: the tokens and log-probabilities of a request decoded in any number of
 ``advance`` calls with unchanged weights equal those of one ``generate`` call with the
-same prompts, params and seed (same noise per step and row); every rank of the EMU must
-call ``advance`` together (the engine's TP/PP collectives run inside).
+same prompts, params and seed (same noise per step and row); a row with its own bound
+(``params.row_max_tokens``) is ``done`` once it holds that many tokens (or a stop token),
+and the request is ``finished`` when every row is; every rank of the EMU must call
+``advance`` together (the engine's TP/PP collectives run inside).
 
 Refuses: ``steps < 1``; a greedy row outside the batch; another request on the same
 engine while one is open (the engine has one KV cache). Never runs the wavefront
@@ -76,7 +78,8 @@ class SteppedRollout:
             if seed is not None
             else (self.params.seed if self.params.seed is not None else random.getrandbits(62))
         )
-        self.b = engine._prepare([list(map(int, p)) for p in prompts], self.params)
+        self.limits = self.params.row_limits(self.rows)
+        self.b = engine._prepare([list(map(int, p)) for p in prompts], self.params, self.limits)
         self.noise = _Noise(seed, 0, engine.device)
         self.step = 0  # decode steps done (the first one includes the prefill)
         self.finished = False
@@ -86,7 +89,16 @@ class SteppedRollout:
         """Tokens each row holds now (stop tokens counted as the params say)."""
         if self.b.stops.numel():
             return [int(n) for n in self.b.n_out.tolist()]
-        return [min(self.step, self.params.max_tokens)] * self.rows
+        if self.limits is None:
+            return [min(self.step, self.params.max_tokens)] * self.rows
+        return [min(self.step, n) for n in self.limits]
+
+    def _done(self) -> list[bool]:
+        """Whether each row is done (a stop token, its bound, or the whole request)."""
+        if self.limits is not None and not self.b.stops.numel():
+            # without stop tokens the engine marks no row: a row is done at its bound
+            return [self.finished or self.step >= n for n in self.limits]
+        return [self.finished or bool(d) for d in self.b.done.tolist()]
 
     def advance(self, steps: int) -> dict[str, Any]:
         """Decode up to ``steps`` more tokens per row; returns ``tokens`` and ``logprobs``
@@ -113,7 +125,7 @@ class SteppedRollout:
                 self.finished = engine._record(b, every, self.step, tokens, logprobs, params)
                 self.step += 1
         counts = self._counts()
-        done = [self.finished or bool(d) for d in b.done.tolist()]
+        done = self._done()
         token_rows, logprob_rows = b.tokens.tolist(), b.logprobs.tolist()
         out_tokens, out_logprobs = [], []
         for r, n in enumerate(counts):

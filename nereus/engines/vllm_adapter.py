@@ -453,14 +453,16 @@ class VllmGenerationEngine:
                 list(prompt)[:16],
                 f"token ids must be in [0, vocab_size={vocab})",
             )
+        limits = p.row_limits(len(prompts)) or [p.max_tokens] * len(prompts)
         per_request = []
         for i in range(len(prompts)):
+            # one vLLM SamplingParams per request: a row's own bound is its max_tokens
             per_request.append(
                 VllmSamplingParams(
                     temperature=p.temperature,
                     top_p=p.top_p,
                     top_k=p.top_k,
-                    max_tokens=p.max_tokens,
+                    max_tokens=limits[i],
                     stop_token_ids=list(p.stop_token_ids),
                     ignore_eos=True,
                     logprobs=0,

@@ -7,7 +7,8 @@ those draining) and fires on:
 
 - ``drain`` (hard): a device of the plan is draining; the plan must leave it.
 - ``memory`` (hard): the plan's devices would not hold the next update's length cap
-  (``nereus.planner.explain`` at the cap, the model's headroom).
+  (``nereus.planner.explain`` at the cap, the model's headroom; with ``[trace] lengths``
+  the largest cap of the steps generation may run ahead to, ``AsyncRun.request_cap``).
 - ``join`` / ``fault`` (soft): a device joined the pool, or a generation EMU died since
   the last boundary (the run went on with the EMUs left); the best split over the pool
   may rebuild the lost EMU on a spare or a joined device.
@@ -132,7 +133,7 @@ class AsyncAdapter:
             self.update_s.append(float(record["update_seconds"]))
         length = statistics.fmean(self.lengths[-WINDOW:] or [record["response_len_mean"]])
         self.measured = statistics.fmean(self.update_s[-WINDOW:] or [record["update_seconds"]])
-        cap = self.cfg.sampling.cap_at(step)  # the next update's: what memory must hold
+        cap = self.run.request_cap(step)  # the longest generation may run at: memory holds it
         st = self.stages
         plan = st.plan
         pool, triggers = await self._pool()

@@ -50,6 +50,7 @@ from nereus.job.async_adapt import AsyncAdapter
 from nereus.job.async_update import EntryShape, train_entries, update_record
 from nereus.job.export import latest_checkpoint
 from nereus.job.recovery import is_fault
+from nereus.job.traces import response_lengths
 from nereus.planner.plan import Plan, StagePlan
 from nereus.rl.algorithms import sampling_seed
 from nereus.rl.async_buffer import AsyncLedger, Group
@@ -190,9 +191,25 @@ class AsyncRun:
 
     # --- generation -------------------------------------------------------------------
 
-    def _params(self, positions: list[int]) -> dict[str, Any]:
+    def request_cap(self, version: int) -> int:
+        """The longest cap a request may run at while policy version ``version`` trains
+        next: that version's cap, or with ``[trace] lengths`` (each group at its own
+        step's cap, and the gate lets generation run ``max_staleness`` steps ahead) the
+        largest cap of those steps: what generation's memory must hold."""
         s = self.cfg.sampling
-        return {
+        if s.lengths is None:
+            return s.cap_at(version)
+        return max(s.cap_at(t) for t in range(version, version + self.mode.max_staleness + 1))
+
+    def _params(self, positions: list[int], samples: dict[int, Any], greedy: int) -> dict[str, Any]:
+        """Sampling of a request for the entries at ``positions`` (their ``samples``; then
+        ``greedy`` baseline rows, one per entry). With ``[trace] lengths`` every row gets the
+        length a synchronous step gives the same response: the draw of its sample index
+        and row at the step its entry belongs to (a PPO entry is row ``entry % k`` of its
+        prompt; a baseline row is row 0, as in the synchronous greedy request), and the
+        request's cap is the largest of those steps' caps."""
+        s = self.cfg.sampling
+        params = {
             "max_tokens": s.cap_at(self.version),
             "temperature": s.temperature,
             "top_p": s.top_p,
@@ -200,6 +217,19 @@ class AsyncRun:
             "stop_token_ids": [] if s.ignore_eos else [self.job.codec.eos_id],
             "seed": sampling_seed(self.cfg.run.seed, positions[0]),
         }
+        if s.lengths is not None:
+            steps = [(p - self.ledger.origin) // self.B for p in positions]
+            params["max_tokens"] = max(s.cap_at(t) for t in steps)
+            per = self.shape.per_prompt
+            rows: list[int] = []
+            for t, p in zip(steps, positions, strict=True):
+                drawn = response_lengths(self.cfg, t, [samples[p].index], per * self.K)
+                first = (p % per) * self.K  # a PPO entry's row among its prompt's k
+                rows += drawn[first : first + self.K]
+            for t, p in list(zip(steps, positions, strict=True))[:greedy]:
+                rows += response_lengths(self.cfg, t, [samples[p].index], 1)
+            params["row_max_tokens"] = rows
+        return params
 
     async def _positions(self, w: _Worker) -> list[int]:
         """The next positions ``w`` may start (waits at the gate); [] when none are left.
@@ -296,7 +326,7 @@ class AsyncRun:
         logprobs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
         released: set[int] = set()
-        args: tuple = (rows, self._params(positions), greedy)
+        args: tuple = (rows, self._params(positions, samples, len(greedy)), greedy)
         whole = None if self.mode.partial_rollout else await w.lock.acquire()
         w.current = list(positions)
         try:

@@ -364,9 +364,12 @@ class TraceConfig:
     pool_range: list[int] | None = None
     lengths: str | None = None
     """A response-length log of ``../shared/traces/response-length/`` or ``growth:LO:HI``:
-    each step's responses are as long as the log's mean at that point of its run, rescaled
-    so its longest step is the job's cap (``sampling.max_new_tokens``, a number): the cap
-    follows the trace and generation ignores the end-of-sequence token until it."""
+    each step's responses get lengths drawn around the log's mean at that point of its
+    run, spread so the step's longest comes near the log's longest where the log gives
+    one (else every response is the mean), all rescaled so the longest step bound is the
+    job's cap (``sampling.max_new_tokens``, a number): the cap follows the trace and
+    generation ignores the end-of-sequence token until each response's drawn length
+    (``nereus.job.traces``)."""
 
     def __post_init__(self) -> None:
         require(

@@ -65,7 +65,7 @@ from nereus.job.report import (
     read_metrics,
     summary_table,
 )
-from nereus.job.traces import PoolTrace, with_lengths
+from nereus.job.traces import PoolTrace, response_lengths, with_lengths
 from nereus.monitor.tap import TapRecorder
 from nereus.rl.algorithms import ALGORITHMS, StepContext
 from nereus.rl.stages import ModelStages
@@ -211,6 +211,10 @@ class RLJob:
             self.stages.policy_version,
         )
 
+    def _lengths(self, step: int, indices: list[int], k: int) -> list[int]:
+        """Every response's drawn length under ``[trace] lengths`` (``nereus.job.traces``)."""
+        return response_lengths(self.cfg, step, indices, k)
+
     async def run_step(self) -> dict[str, Any]:
         """One step of the algorithm over the next samples of the global order.
 
@@ -233,6 +237,7 @@ class RLJob:
             self.codec,
             self.stages,
             self.step,
+            lengths=self._lengths if self.cfg.sampling.lengths is not None else None,
         )
         record = await ALGORITHMS[a.name](ctx, samples)
         record["step_seconds"] = time.perf_counter() - t0

@@ -1,10 +1,17 @@
 """Traces played on a running job: response lengths and a device pool (design §6, §9).
 
-``with_lengths(cfg)``: ``[trace] lengths`` as the job's sampling: each step's length is
-the log's mean at that point of its run (``nereus.sim.traces.length_trace``, the reader
-the simulator uses) scaled so the longest step is the job's cap; the cap follows it as
-a schedule and generation ignores the end-of-sequence token (every response of a step
-is that long: the per-step mean, not the log's spread within a step).
+``with_lengths(cfg)``: ``[trace] lengths`` as the job's sampling. The log's per-step mean
+and, where it gives one, per-step longest response (``nereus.sim.traces.length_trace``,
+the reader the simulator uses) are scaled by one factor so the longest step bound is the
+job's cap, and kept in the config (``sampling.lengths``, a ``TraceLengths``). The cap
+follows the trace as a schedule: step ``s``'s cap is its bound, the scaled maximum (the
+scaled mean where the log has none). Generation ignores the end-of-sequence token, and
+``response_lengths`` gives each response of a step its own length, drawn by
+``nereus.sim.lengths`` from the step's mean and maximum over the job's responses per
+step and keyed by (run seed, sample index, row): a long-tailed spread within the step
+whose mean is the log's, so a prompt's responses get the same lengths in synchronous
+and asynchronous mode, under any policy or plan. A log with no maximum gives every
+response of a step the step's mean (no spread is invented).
 
 ``PoolTrace`` is a boundary hook (``RLJob.boundary_hooks``): after each step it reads
 the number of devices the trace leaves live for the next step (``nereus.sim.traces.
@@ -19,7 +26,7 @@ reclaim or return, and its policy decides what to do.
 being the one the change is in force for.
 
 Refuses (``ConfigError``, from the reader): a spec that is neither a spot-availability
-file nor ``growth:LO:HI``.
+file nor ``growth:LO:HI``; ``response_lengths`` on a job without a length trace.
 """
 
 from __future__ import annotations
@@ -28,21 +35,47 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from nereus.config import require
 from nereus.job.config import JobConfig
+from nereus.rl.rollout import TraceLengths
+from nereus.sim.lengths import draw_length
 from nereus.sim.traces import length_trace, pool_at_steps
 
-__all__ = ["PoolTrace", "length_schedule", "with_lengths"]
+__all__ = [
+    "PoolTrace",
+    "length_schedule",
+    "response_lengths",
+    "trace_lengths",
+    "with_lengths",
+]
 
 log = logging.getLogger("nereus.rl")
 
 
+def trace_lengths(spec: str, steps: int, cap: int) -> tuple[TraceLengths, list[int]]:
+    """``spec``'s per-step means and maxima scaled so the longest step bound is ``cap``
+    tokens, and every step's bound (its scaled maximum, else its scaled mean; at least
+    one token, rounded; the mean kept at most the bound)."""
+    trace = length_trace(spec, steps)
+    tops = trace.maxima if trace.maxima is not None else trace.means
+    scale = cap / max(tops)
+    bounds = [max(1, round(t * scale)) for t in tops]
+    means = [min(float(b), max(1.0, m * scale)) for m, b in zip(trace.means, bounds, strict=True)]
+    maxima = None
+    if trace.maxima is not None:
+        maxima = [max(m, x * scale) for m, x in zip(means, trace.maxima, strict=True)]
+    return TraceLengths(trace.name, means, maxima), bounds
+
+
 def length_schedule(spec: str, steps: int, cap: int) -> list[list[int]]:
-    """``[[step, tokens], ...]`` (from step 0, where the length changes): ``spec``'s mean
-    per step scaled so its longest step is ``cap`` tokens, at least one."""
-    means = length_trace(spec, steps).means
-    top = max(means)
-    tokens = [max(1, round(m * cap / top)) for m in means]
-    return [[s, t] for s, t in enumerate(tokens) if s == 0 or t != tokens[s - 1]]
+    """``[[step, tokens], ...]`` (from step 0, where the bound changes): every step's
+    length bound of ``spec`` (``trace_lengths``), the longest ``cap`` tokens."""
+    return _changes(trace_lengths(spec, steps, cap)[1])
+
+
+def _changes(bounds: list[int]) -> list[list[int]]:
+    """``[[step, bound], ...]`` of step 0 and of every step whose bound differs."""
+    return [[s, t] for s, t in enumerate(bounds) if s == 0 or t != bounds[s - 1]]
 
 
 def with_lengths(cfg: JobConfig) -> JobConfig:
@@ -51,12 +84,30 @@ def with_lengths(cfg: JobConfig) -> JobConfig:
         return cfg
     cap = cfg.sampling.max_new_tokens
     assert isinstance(cap, int)  # JobConfig refuses a schedule with a length trace
-    schedule = length_schedule(cfg.trace.lengths, cfg.run.steps, cap)
+    lengths, bounds = trace_lengths(cfg.trace.lengths, cfg.run.steps, cap)
     return replace(
         cfg,
-        sampling=replace(cfg.sampling, max_new_tokens=schedule, ignore_eos=True),
+        sampling=replace(
+            cfg.sampling, max_new_tokens=_changes(bounds), ignore_eos=True, lengths=lengths
+        ),
         trace=replace(cfg.trace, lengths=None),
     )
+
+
+def response_lengths(cfg: JobConfig, step: int, indices: list[int], k: int) -> list[int]:
+    """The length of every response of ``step`` to the samples ``indices``, ``k`` rows
+    each in order (module docstring), each in [1, the step's cap]."""
+    lengths = cfg.sampling.lengths
+    require(
+        lengths is not None,
+        "sampling.lengths",
+        None,
+        "must be set (a job with [trace] lengths, after with_lengths)",
+    )
+    assert lengths is not None
+    mean, top = lengths.mean_at(step), lengths.max_at(step)
+    n, cap, seed = cfg.algorithm.rollouts_per_step, cfg.sampling.cap_at(step), cfg.run.seed
+    return [draw_length(mean, top, n, cap, seed, i, r) for i in indices for r in range(k)]
 
 
 class PoolTrace:

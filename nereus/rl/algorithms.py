@@ -16,7 +16,8 @@ scores into advantages:
 Every step returns a flat record (``nereus.job.report``): stage times, reward and length
 statistics, the policy version of the rollouts, and the losses' metrics. Sampling is
 seeded from ``(run.seed, step)``, so a step's rollouts depend only on the weights and the
-step number: what makes resume exact.
+step number: what makes resume exact. With ``StepContext.lengths`` (a job's ``[trace]
+lengths``) every response is generated to its own drawn length.
 
 More (how it works): docs/rl-jobs.md.
 """
@@ -136,7 +137,9 @@ CRITIC_LOSS = "nereus.rl.algorithms:critic_loss"
 @dataclass
 class StepContext:
     """What a step needs besides its samples: the job's algorithm and sampling settings,
-    its seed and whether a reward model (rather than the task's rule) scores rollouts."""
+    its seed and whether a reward model (rather than the task's rule) scores rollouts.
+    ``lengths(step, sample_indices, k)``: every response's length, ``k`` rows per sample
+    in order (``nereus.job.traces.response_lengths``; None: the cap, or end-of-sequence)."""
 
     algorithm: AlgorithmConfig
     sampling: SamplingConfig
@@ -146,6 +149,7 @@ class StepContext:
     codec: Codec
     stages: ModelStages
     step: int
+    lengths: Callable[[int, list[int], int], list[int]] | None = None
 
 
 def sampling_seed(run_seed: int, step: int) -> int:
@@ -192,6 +196,8 @@ async def _generate(
         "stop_token_ids": [] if sampling.ignore_eos else [ctx.codec.eos_id],
         "seed": sampling_seed(ctx.seed, ctx.step),
     }
+    if ctx.lengths is not None:
+        params["row_max_tokens"] = ctx.lengths(ctx.step, [s.index for s in samples], k)
     out = await ctx.stages.generate(prompts, params)
     rollouts = Rollouts(prompts, out["token_ids"], out["logprobs"], index, out["policy_version"])
     rollouts.texts = [ctx.codec.decode(r) for r in rollouts.response_ids]

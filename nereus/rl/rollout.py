@@ -14,8 +14,13 @@ response positions (``logprobs[b, t]`` is the log-probability of ``input_ids[b, 
 Per-token tensors the algorithms add later (advantages, returns, reference logprobs)
 use the same ``[B, T]`` alignment.
 
+``SamplingConfig.lengths`` (a ``TraceLengths``, set from ``[trace] lengths`` by
+``nereus.job.traces.with_lengths``) holds each step's mean and longest response length of
+a length log, scaled to the job's cap; each response's length is drawn from them.
+
 Refuses (``ConfigError``): responses whose logprobs and token counts disagree, rows
-whose lengths disagree across fields.
+whose lengths disagree across fields, trace lengths below one token or maxima below
+their mean, trace lengths without ``ignore_eos`` or above the step's cap.
 """
 
 from __future__ import annotations
@@ -27,7 +32,44 @@ import torch
 
 from nereus.config import require
 
-__all__ = ["Rollouts", "SamplingConfig", "to_batch"]
+__all__ = ["Rollouts", "SamplingConfig", "TraceLengths", "to_batch"]
+
+
+@dataclass(frozen=True)
+class TraceLengths:
+    """Each step's response lengths from a length log, in tokens scaled to the job's cap:
+    ``means[s]`` and, where the log gives it, ``maxima[s]``, the longest response of
+    step ``s``; steps past the end keep the last. Every response of step ``s`` gets a
+    length drawn from them (``nereus.sim.lengths``), at most the step's cap."""
+
+    trace: str
+    means: list[float]
+    maxima: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            len(self.means) >= 1 and all(m >= 1 for m in self.means),
+            "sampling.lengths.means",
+            self.means[:4],
+            "must give at least one step, each >= 1 token",
+        )
+        if self.maxima is not None:
+            require(
+                len(self.maxima) == len(self.means)
+                and all(x >= m for x, m in zip(self.maxima, self.means, strict=True)),
+                "sampling.lengths.maxima",
+                self.maxima[:4],
+                f"must give each of the {len(self.means)} steps a maximum >= its mean",
+            )
+
+    def mean_at(self, step: int) -> float:
+        return float(self.means[min(max(0, step), len(self.means) - 1)])
+
+    def max_at(self, step: int) -> float | None:
+        """Step ``step``'s longest response (None: the log gives none)."""
+        if self.maxima is None:
+            return None
+        return float(self.maxima[min(max(0, step), len(self.maxima) - 1)])
 
 
 @dataclass(frozen=True)
@@ -41,7 +83,11 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     ignore_eos: bool = False
-    """Generate exactly the cap (benchmarks: a fixed amount of work per step)."""
+    """Generate exactly the cap (benchmarks: a fixed amount of work per step), or with
+    ``lengths``, exactly each response's drawn length."""
+    lengths: TraceLengths | None = None
+    """Set from ``[trace] lengths`` (``nereus.job.traces``): each step's mean and longest
+    response, which each response's length is drawn from (needs ``ignore_eos``)."""
     engine: Literal["builtin", "vllm"] = "builtin"
     """What runs policy-generation's EMUs: ``builtin`` (nereus's batched KV-cache sampler,
     on the worker's device) or ``vllm`` (one vLLM engine per EMU in the worker that holds
@@ -79,6 +125,21 @@ class SamplingConfig:
         require(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")
         require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
         require(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
+        if self.lengths is not None:
+            require(
+                self.ignore_eos,
+                "sampling.ignore_eos",
+                self.ignore_eos,
+                "must be true with sampling.lengths (responses run to their drawn length)",
+            )
+            over = [s for s, m in enumerate(self.lengths.means) if m > self.cap_at(s)]
+            require(
+                not over,
+                "sampling.lengths.means",
+                over[:4],
+                "are steps whose mean exceeds sampling.max_new_tokens there (the cap bounds "
+                "every drawn length)",
+            )
 
     def cap_at(self, step: int) -> int:
         """The length cap of step ``step``."""

@@ -7,7 +7,8 @@ one into the project.
   tick, scaled by ``pool_scale``, or mapped onto ``pool_range`` from ``offset_ticks`` on; every
   policy sees the same nodes leave at the same time for a given seed) or ``growth:LO:HI`` devices;
 - ``length_trace``: a response-length file (resampled onto the run's steps, optionally
-  rescaled to ``length_range``) or ``growth:LO:HI`` tokens;
+  rescaled to ``length_range``) or ``growth:LO:HI`` tokens; with the file's per-step
+  maximum where it gives one (``max``, else ``seq_len_max``: see ``length_trace``);
 - ``pool_at_steps``: the same device specs as a live device count at each step (one
   tick of a spot trace a step, scaled to the cluster's devices, at least one), for a
   running job's environment (``nereus.job.traces``);
@@ -261,6 +262,8 @@ class LengthTrace:
     means: tuple[float, ...]
     # the 95th percentile of every step (None: the trace gives none)
     p95s: tuple[float, ...] | None = None
+    # the longest response of every step (None: the trace gives none)
+    maxima: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -275,6 +278,14 @@ class LengthTrace:
                 "LengthTrace.p95s",
                 self.p95s[:4],
                 "must give every step a 95th percentile >= its mean",
+            )
+        if self.maxima is not None:
+            require(
+                len(self.maxima) == len(self.means)
+                and all(x >= m for x, m in zip(self.maxima, self.means, strict=True)),
+                "LengthTrace.maxima",
+                self.maxima[:4],
+                "must give every step a maximum >= its mean",
             )
 
     def mean_at(self, step: int) -> float:
@@ -367,7 +378,13 @@ def _rescale(values: np.ndarray, length_range: tuple[float, float] | None) -> np
 def length_trace(
     spec: str, steps: int, *, length_range: tuple[float, float] | None = None
 ) -> LengthTrace:
-    """``growth:LO:HI`` or the path of a response-length JSON file (module docstring)."""
+    """``growth:LO:HI`` or the path of a response-length JSON file (module docstring).
+
+    A file's per-step maximum is its ``max`` array, else its ``seq_len_max`` (the longest
+    prompt plus response: an upper bound of the longest response, by at most the longest
+    prompt), resampled onto the run's steps as the means are, rescaled with them (each
+    step keeps its maximum over mean) and never below the mean; None when the file has
+    neither, and for ``growth:LO:HI``."""
     require(isinstance(steps, int) and steps >= 1, "steps", steps, "must be an integer >= 1")
     growth = _parse_growth(spec, "--length-trace")
     if growth is not None:
@@ -385,15 +402,36 @@ def length_trace(
         raise ConfigError(
             f"--length-trace={spec!r} must hold 'steps' and 'mean' arrays of one length"
         )
-    pairs = sorted((float(x), float(y)) for x, y in zip(xs, ys, strict=True) if y is not None)
-    x = np.array([p[0] for p in pairs])
-    y = _rescale(np.array([p[1] for p in pairs]), length_range)
-    if len(x) == 1 or x[-1] == x[0]:
-        means = np.full(steps, y.mean())
-    else:
-        run = x[0] + (x[-1] - x[0]) * (np.arange(steps) / max(1, steps - 1))
-        means = np.interp(run, x, y)
-    return LengthTrace(path.stem, tuple(float(max(1.0, v)) for v in means))
+    tops = data.get("max") if isinstance(data.get("max"), list) else data.get("seq_len_max")
+    if not isinstance(tops, list) or len(tops) != len(xs):
+        tops = [None] * len(xs)
+    rows = sorted(
+        (float(x), float(y), None if t is None else float(t))
+        for x, y, t in zip(xs, ys, tops, strict=True)
+        if y is not None
+    )
+    x = np.array([r[0] for r in rows])
+    raw = np.array([r[1] for r in rows])
+    y = _rescale(raw, length_range)
+    run = x[0] + (x[-1] - x[0]) * (np.arange(steps) / max(1, steps - 1))
+    flat = len(x) == 1 or x[-1] == x[0]
+    means = np.full(steps, y.mean()) if flat else np.interp(run, x, y)
+    means = np.maximum(1.0, means)
+    with_top = [
+        (r[0], r[2] / r[1] * yy)
+        for r, yy in zip(rows, y, strict=True)
+        if r[2] is not None and r[1] > 0
+    ]
+    maxima = None
+    if with_top:
+        tx = np.array([t[0] for t in with_top])
+        ty = np.array([t[1] for t in with_top])
+        if flat or len(tx) == 1 or tx[-1] == tx[0]:
+            tops_at = np.full(steps, ty.mean())
+        else:
+            tops_at = np.interp(run, tx, ty)
+        maxima = tuple(float(v) for v in np.maximum(tops_at, means))
+    return LengthTrace(path.stem, tuple(float(v) for v in means), maxima=maxima)
 
 
 def pool_at_steps(

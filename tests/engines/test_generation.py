@@ -109,6 +109,61 @@ def test_max_tokens_and_top_k_one_is_greedy(model):
     assert [t[:1] for t in greedy.token_ids] == one.token_ids
 
 
+def test_each_row_generates_exactly_its_own_length(model):
+    eng = _engine(model, name="rows")
+    prompts = PROMPTS * 2
+    free = eng.generate(prompts, SamplingParams(max_tokens=7, temperature=1.0, seed=4))
+    limits = (3, 7, 1, 5, 2, 6)
+    out = eng.generate(
+        prompts, SamplingParams(max_tokens=7, temperature=1.0, seed=4, row_max_tokens=limits)
+    )
+    assert [len(t) for t in out.token_ids] == list(limits)
+    assert [len(lp) for lp in out.logprobs] == list(limits)
+    # the same noise per step and row: a bounded row is the prefix of the free one
+    assert out.token_ids == [t[:n] for t, n in zip(free.token_ids, limits, strict=True)]
+    assert out.logprobs == [lp[:n] for lp, n in zip(free.logprobs, limits, strict=True)]
+    assert out.finish_reasons == ["length"] * 6
+    # a fresh cache holds the prompts and the longest row, not max_tokens
+    fresh = _engine(model, name="rows-cache")
+    short = fresh.generate(
+        prompts[:2], SamplingParams(max_tokens=7, temperature=0.0, row_max_tokens=(2, 3))
+    )
+    assert [len(t) for t in short.token_ids] == [2, 3]
+    assert fresh.cache_shape == (2, max(len(p) for p in prompts[:2]) + 3)
+    fresh.close()
+    # chunks of max_batch take their own rows' bounds
+    chunked = _engine(model, max_batch=4, name="rows-chunked")
+    got = chunked.generate(
+        prompts, SamplingParams(max_tokens=7, temperature=1.0, seed=4, row_max_tokens=limits)
+    )
+    assert [len(t) for t in got.token_ids] == list(limits)
+    eng.close()
+    chunked.close()
+
+
+def test_a_row_ends_at_a_stop_token_or_its_own_length(model):
+    eng = _engine(model, name="rows-stop")
+    free = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
+    stop = free.token_ids[1][2]
+    first = free.token_ids[1].index(stop)
+    limits = (2, 6, 4)
+    out = eng.generate(
+        PROMPTS,
+        SamplingParams(
+            max_tokens=6, temperature=0.0, stop_token_ids=(stop,), row_max_tokens=limits
+        ),
+    )
+    for i, n in enumerate(limits):
+        row = free.token_ids[i]
+        end = row.index(stop) + 1 if stop in row[:n] else n
+        assert out.token_ids[i] == row[:end]
+        assert out.finish_reasons[i] == ("stop" if stop in row[:n] else "length")
+    assert out.token_ids[1] == free.token_ids[1][: first + 1]
+    with pytest.raises(ConfigError, match="row_max_tokens"):
+        eng.generate(PROMPTS, SamplingParams(max_tokens=6, row_max_tokens=(2, 3)))
+    eng.close()
+
+
 def test_bad_prompts_are_refused(model):
     eng = _engine(model)
     with pytest.raises(ConfigError, match="prompts"):

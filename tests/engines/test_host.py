@@ -73,6 +73,9 @@ async def test_emus_at_tp_pp_and_dp_over_shard_stores_match_one_process(model_di
     ref_stop = ref_gen.generate(PROMPTS * 2, stop_params)
     sampled_params = SamplingParams(max_tokens=5, temperature=0.9, top_p=0.9, seed=21)
     ref_sampled = ref_gen.generate(PROMPTS * 2, sampled_params)
+    limits = tuple(1 + i % 5 for i in range(len(PROMPTS) * 2))
+    row_params = SamplingParams(max_tokens=5, temperature=0.9, seed=21, row_max_tokens=limits)
+    ref_rows = ref_gen.generate(PROMPTS * 2, row_params)
     ref_lp = InferenceEngine(
         CONFIG, options=EngineOptions(model_dir=model_dir, ledger=ledger, name="i")
     ).logprobs(_batch())
@@ -113,6 +116,10 @@ async def test_emus_at_tp_pp_and_dp_over_shard_stores_match_one_process(model_di
         assert got.token_ids == ref_stop.token_ids and got.finish_reasons == ref_stop.finish_reasons
         assert "stop" in got.finish_reasons and "length" in got.finish_reasons
         assert (await gen.generate(PROMPTS * 2, sampled_params)).token_ids == ref_sampled.token_ids
+        # rows with their own lengths: the wavefront's groups finish at their longest row
+        got = await gen.generate(PROMPTS * 2, row_params)
+        assert got.token_ids == ref_rows.token_ids
+        assert [len(t) for t in got.token_ids] == list(limits)
         torch.testing.assert_close(await inf.logprobs(_batch()), ref_lp, atol=1e-4, rtol=1e-4)
         # the engines compute with the store's tensors: no second copy, no weights of their own
         assert all(await gen.emus[0].mesh.adopted.call("gen.0"))

@@ -80,6 +80,8 @@ def test_logprob_is_temperature_scaled_before_filtering():
         ({"top_k": -2}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop_token_ids": (3, -1)}, "stop_token_ids"),
+        ({"max_tokens": 4, "row_max_tokens": (2, 5)}, "row_max_tokens"),
+        ({"max_tokens": 4, "row_max_tokens": (0,)}, "row_max_tokens"),
     ],
 )
 def test_bad_params_name_the_field(kwargs, field):
@@ -92,6 +94,11 @@ def test_params_roundtrip_through_plain_data():
         max_tokens=5, temperature=0.5, top_p=0.9, top_k=4, stop_token_ids=(1, 2), seed=3
     )
     assert SamplingParams.from_any(p.to_dict()) == p
+    rows = SamplingParams(max_tokens=5, row_max_tokens=[1, 5, 3])
+    assert rows.row_max_tokens == (1, 5, 3) and SamplingParams.from_any(rows.to_dict()) == rows
+    assert rows.row_limits(3) == [1, 5, 3] and p.row_limits(2) is None
+    with pytest.raises(ConfigError, match="one bound per row"):
+        rows.row_limits(2)
     assert SamplingParams.from_any(None) == SamplingParams()
     with pytest.raises(ConfigError, match="unknown"):
         SamplingParams.from_any({"max_tokens": 3, "beam": 2})

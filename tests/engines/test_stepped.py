@@ -53,6 +53,35 @@ def test_stepped_equals_one_generate_call(tmp_path):
     engine.close()
 
 
+def test_rows_with_their_own_lengths_finish_across_calls(tmp_path):
+    save_tiny_model(tmp_path, CONFIG, seed=0)
+    engine = GenerationEngine(CONFIG, options=EngineOptions(model_dir=tmp_path))
+    limits = [2, 9, 5]
+    free = {**PARAMS, "stop_token_ids": []}
+    bounded = {**free, "row_max_tokens": limits}
+    ref = engine.generate(PROMPTS, bounded)
+    assert [len(t) for t in ref.token_ids] == limits
+    for stops in ([], [2]):
+        params = {**bounded, "stop_token_ids": stops}
+        want = engine.generate(PROMPTS, params)
+        r = SteppedRollout(engine, PROMPTS, params)
+        tokens = [[] for _ in PROMPTS]
+        dones = []
+        while True:
+            out = r.advance(3)
+            for i, t in enumerate(out["tokens"]):
+                tokens[i] += t
+            dones.append(out["done"])
+            if out["finished"]:
+                break
+        assert tokens == want.token_ids
+        if not stops:
+            assert [len(t) for t in tokens] == limits
+            # three calls of three steps: row 0 is done after the first, row 2 the second
+            assert dones == [[True, False, False], [True, False, True], [True, True, True]]
+    engine.close()
+
+
 def test_new_weights_are_read_at_the_next_step_with_the_cache_kept(tmp_path):
     save_tiny_model(tmp_path / "a", CONFIG, seed=0)
     save_tiny_model(tmp_path / "b", CONFIG, seed=1)

@@ -93,6 +93,23 @@ def test_stop_and_max_tokens_and_seeds(setup):
     assert len({tuple(t) for t in a.token_ids}) > 1  # repeated prompts get different samples
 
 
+def test_each_row_generates_exactly_its_own_length(setup):
+    engine, first, _, _ = setup
+    free = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
+    limits = (2, 6, 1)
+    out = engine.generate(
+        PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, row_max_tokens=limits)
+    )
+    assert [len(t) for t in out.token_ids] == list(limits)
+    assert [len(lp) for lp in out.logprobs] == list(limits)
+    assert out.token_ids == [t[:n] for t, n in zip(free.token_ids, limits, strict=True)]
+    assert out.finish_reasons == ["length"] * 3
+    ref = _builtin(first, "ref-rows").generate(
+        PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, row_max_tokens=limits)
+    )
+    assert out.token_ids == ref.token_ids
+
+
 def test_memory_is_reserved_and_cpu_sleep_frees_nothing(setup):
     engine, _, _, ledger = setup
     held = engine.memory()

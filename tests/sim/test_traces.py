@@ -80,6 +80,31 @@ def test_length_trace_resamples_and_rescales(tmp_path):
     )
 
 
+def test_length_trace_reads_each_steps_maximum_from_max_or_seq_len_max(tmp_path):
+    path = tmp_path / "len.json"
+    path.write_text(
+        json.dumps(
+            {"steps": [1, 2, 3, 5], "mean": [100, 300, 200, 500], "max": [400, 600, 250, 900]}
+        )
+    )
+    t = length_trace(str(path), 9)
+    assert t.maxima is not None and t.maxima[0] == 400 and t.maxima[-1] == 900
+    assert t.maxima[2] == pytest.approx(600)  # resampled as the means are
+    scaled = length_trace(str(path), 9, length_range=(50, 100))
+    assert scaled.maxima is not None and scaled.maxima[0] == pytest.approx(50 * 4)  # ratio kept
+    both = tmp_path / "seq.json"
+    both.write_text(
+        json.dumps({"steps": [1, 2], "mean": [10, 20], "max": None, "seq_len_max": [30, 15]})
+    )
+    assert length_trace(str(both), 2).maxima == (30.0, 20.0)  # never below the mean
+    assert length_trace("growth:1:2", 3).maxima is None
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"steps": [1, 2], "mean": [10, 20], "max": None}))
+    assert length_trace(str(plain), 4).maxima is None
+    with pytest.raises(ConfigError, match="LengthTrace.maxima"):
+        LengthTrace("bad", (10.0, 20.0), maxima=(30.0, 15.0))
+
+
 def test_bad_specs_name_the_flag():
     with pytest.raises(ConfigError, match="--gpus-trace='nope.json'"):
         device_trace("nope.json", small_cluster(), 10)
