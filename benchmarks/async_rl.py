@@ -3,11 +3,15 @@
 ``python -m benchmarks.async_rl [--steps N] [--runs sync,k1-partial,...] [--trace P] [--plot P]``
 
 The job is pinned here (a tiny model reversing strings, 8 prompts x 8 samples per update,
-the same seeds everywhere) with its length cap following a long-tailed real log: the
-per-step ``seq_len_max`` of ``../shared/traces/response-length/areal-fork-qwen2.5-0.5b-
-grpo-gsm8k-h200.json`` (the tail of each step), resampled onto the run's steps and scaled
-so its largest value is ``CAP_MAX`` tokens (``ignore_eos`` off: each response stops where
-the model stops, at most at the cap). Runs, one after another on a fresh local cluster:
+the same seeds everywhere) with its response lengths following a long-tailed real log,
+``../shared/traces/response-length/areal-fork-qwen2.5-0.5b-grpo-gsm8k-h200.json``
+(per-step mean about 270 tokens, longest about 640): ``[trace] lengths`` with the cap at
+``CAP`` tokens, so every response is generated to its own length drawn from its step's
+mean and maximum (``nereus.sim.lengths``, end-of-sequence ignored until then, as
+throughput benchmarks do; the reward reads the text before the first end-of-sequence).
+A response's length depends on its sample index, row and step only, so every run
+generates the same token counts. Runs, one after another on a fresh local cluster, once
+per seed (``--seeds``, the order rotated with the seed):
 
 - ``sync``: ``[rl] mode = "sync"`` on the planner's best sync plan (``nereus.planner.search``
   for the job at the trace's mean cap, the model-stages' layouts and placement as it
@@ -20,9 +24,10 @@ Devices: ``cluster.cores_per_device = 0.45`` when the job config has that field 
 kernel-enforced CPU quota per device); otherwise the devices share the machine's cores
 and the output says so. Each run's wall time is its step loop's (start-up excluded);
 trained samples per second = rollouts trained / that wall time; mean update seconds =
-wall / updates. ``reward_gap``: mean reward over the last quarter of trained samples,
-sync minus best async, in units of the sync run's per-sample reward standard deviation
-over that quarter (pooled from each step's mean and std). Last line: one JSON object
+wall / updates; a configuration's figures are the means over its seeds. ``reward_gap``:
+mean reward over the last quarter of trained samples, sync minus the best async (each
+averaged over the seeds), in units of the sync runs' per-sample reward standard
+deviation over that quarter (pooled from each step's mean and std). Last line: one JSON object
 with ``speedup_vs_sync`` (best async samples/s over sync), ``max_staleness_seen`` and
 ``max_staleness`` (of that run), ``reward_gap``, ``samples_discarded`` (all async runs),
 and every run's figures.
@@ -53,32 +58,16 @@ from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
 from nereus.planner.async_cost import search_async
 
 TRACE = Path("../shared/traces/response-length/areal-fork-qwen2.5-0.5b-grpo-gsm8k-h200.json")
-CAP_MAX = 48
+CAP = 64
 CORES_PER_DEVICE = 0.45
 RUNS = ("sync", "k1-partial", "k1-whole", "k2-partial", "k2-whole")
-
-
-def cap_schedule(trace: Path, steps: int) -> list[list[int]]:
-    """The trace's per-step maximum length resampled onto ``steps`` and scaled to CAP_MAX."""
-    data = json.loads(trace.read_text())
-    tail = data.get("seq_len_max") or data.get("max") or data["mean"]
-    top = max(tail)
-    caps = []
-    for s in range(steps):
-        x = tail[min(len(tail) - 1, int(s * len(tail) / steps))]
-        caps.append(max(4, round(CAP_MAX * x / top)))
-    sched = [[0, caps[0]]]
-    for s, c in enumerate(caps):
-        if c != sched[-1][1]:
-            sched.append([s, c])
-    return sched
 
 
 def has_cores_field() -> bool:
     return any(f.name == "cores_per_device" for f in dataclasses.fields(ClusterConfig))
 
 
-def base_config(steps: int, out_dir: str, caps: list[list[int]]) -> dict[str, Any]:
+def base_config(steps: int, out_dir: str, trace: Path) -> dict[str, Any]:
     cluster: dict[str, Any] = {"mode": "local", "devices": 4, "memory_per_device": "256MiB"}
     if has_cores_field():
         cluster["cores_per_device"] = CORES_PER_DEVICE
@@ -98,7 +87,8 @@ def base_config(steps: int, out_dir: str, caps: list[list[int]]) -> dict[str, An
             "dataset_size": 8192,
         },
         "algorithm": {"name": "grpo", "prompts_per_step": 8, "samples_per_prompt": 8},
-        "sampling": {"max_new_tokens": caps, "temperature": 1.0},
+        "sampling": {"max_new_tokens": CAP, "temperature": 1.0},
+        "trace": {"lengths": str(trace)},
         "optim": {"lr": 3e-3, "micro_batch_size": 16},
         "cluster": cluster,
         "run": {
@@ -134,14 +124,17 @@ def planned(
         },
     )
     job = RLJob(probe)
-    model_config, _, _ = prepare_model(probe, job.codec, out)
-    caps = [c for _, c in probe.sampling.max_new_tokens]
-    mean_cap = statistics.fmean(caps)
+    model_config, _, _ = prepare_model(job.cfg, job.codec, out)
+    lengths = job.cfg.sampling.lengths
+    assert lengths is not None  # the job has a length trace
+    steps = job.cfg.run.steps
+    mean = statistics.fmean(lengths.mean_at(s) for s in range(steps))
+    longest = max(job.cfg.sampling.cap_at(s) for s in range(steps))
     work = job_workload(
-        probe,
+        job.cfg,
         model_config,
         prompt_length=job.max_prompt_tokens(),
-        lengths=LengthStats(mean_cap, max(caps), max(caps)),
+        lengths=LengthStats(mean, float(longest), longest),
     )
     # priced on the devices the runs use: each one's CPU limit where it has one
     cluster = local_cpu_cluster_probed(
@@ -312,10 +305,9 @@ async def main_async(
     out = tempfile.mkdtemp(prefix="nereus-bench-async-")
     by_name: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
-        caps = cap_schedule(trace, steps)
-        data = base_config(steps, out, caps)
+        data = base_config(steps, out, trace)
         sync_plan, async_plan, predicted = planned(data, f"{out}/probe")
-        print(f"cap schedule from {trace.name}: {caps}", flush=True)
+        print(f"lengths: {trace.name}, cap {CAP} tokens, a length drawn per response", flush=True)
         cores = (
             f"cores_per_device = {CORES_PER_DEVICE:.2f}"
             if has_cores_field()
@@ -353,7 +345,7 @@ async def main_async(
         "steps": steps,
         "seeds": seeds,
         "trace": str(trace),
-        "caps": caps,
+        "cap": CAP,
         "predicted": predicted,
         "cores_per_device": CORES_PER_DEVICE if has_cores_field() else None,
         "plot": str(plot_path),
