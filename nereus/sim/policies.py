@@ -106,10 +106,17 @@ class _Ctx:
     cluster: ClusterSpec  # the whole cluster; plans name its device ids
     transitions: Transitions
     caps: CapSchedule  # the job's generation cap at every step (its config: known ahead)
+    # the job's pinned first plan (device ids; None: each policy starts on its own), and
+    # the calibration's prior and its weight (``Scenario``)
+    initial_plan: Plan | None = None
+    prior: Efficiency = CONSERVATIVE
+    prior_weight: float = 1e-3
 
     def pool_cluster(self, devices: tuple[int, ...]) -> tuple[DevicePool, ClusterSpec]:
-        per = self.cluster.devices_per_node
-        return DevicePool.of(devices), self.cluster.with_nodes(max(1, len(devices) // per))
+        """The pool's slots and the planner's cluster over it: the cluster's hardware with
+        that many devices (``ClusterSpec.with_devices``, as a running job describes its
+        pool)."""
+        return DevicePool.of(devices), self.cluster.with_devices(len(devices))
 
     def cap_lengths(self, step: int) -> LengthStats:
         """Memory's lengths for step ``step``: its cap (any response may reach it)."""
@@ -128,8 +135,8 @@ class Policy:
 
     def __init__(self, ctx: _Ctx) -> None:
         self.ctx = ctx
-        self.calibrator = Calibrator(prior=CONSERVATIVE)
-        self.eff: Efficiency = CONSERVATIVE
+        self.calibrator = Calibrator(prior=ctx.prior, prior_weight=ctx.prior_weight)
+        self.eff: Efficiency = self.calibrator.fit()
         # the planner's state of the job: its plan, workload and pool, and the observers
         # that calibrate ``eff`` (fixed layouts and every-k never call ``on_boundary``)
         self.replanner: Replanner | None = None
@@ -269,7 +276,32 @@ class AdaptivePolicy(Policy):
         return pool.to_devices(self.replanner.plan)
 
     def start(self, b: Boundary) -> Plan:
+        first = self.ctx.initial_plan
+        if first is not None and first.devices <= set(b.devices):
+            return self._pinned(b, first)
         return self._fresh(b)
+
+    def _pinned(self, b: Boundary, first: Plan) -> Plan:
+        """The job starts on its config's plan (device ids), as a running job does: its
+        Replanner holds that plan, and ``static`` keeps its layout."""
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        work = self.ctx.work_at(b.lengths, b.step)
+        slots = pool.to_slots(first)
+        self.replanner = make_replanner(
+            self.spec,
+            work,
+            cluster,
+            plan=slots,
+            eff=self.eff,
+            calibrator=self.calibrator,
+            join_horizon_steps=self.join_horizon_steps,
+            min_steps_between=self.min_steps_between,
+        )
+        if self.spec.name == "static":
+            self.layout = layout_of(slots, self.ctx.work)
+        self._initial = (work, cluster, slots, self.eff)
+        self.boundaries = []
+        return first
 
     def decide(self, b: Boundary, plan: Plan | None) -> Move:
         t0 = time.perf_counter()
