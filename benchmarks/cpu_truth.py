@@ -11,10 +11,12 @@ quota of ``--cores`` (``nereus.actors.CpuLimits``, as a worker of ``cores_per_de
 runs) at one torch thread. For every ``--sequences`` (the sequences one replica
 handles) x ``--lengths`` (new tokens, end-of-sequence ignored, so every response is that
 long), one warm-up step then ``--steps`` measured steps, each model-stage on a device of
-its own (its own memory ledger): the median seconds each model-stage worked, its ledger
-peak during the step and what it holds between steps, and the step's seconds besides
-its model-stages (the controller's own work, in the same capped process); and before the
-first step, what each model-stage's ledger holds (weights, gradients, optimizer moments).
+its own (its own memory ledger): the median CPU seconds each model-stage's work took
+(and its wall seconds under the quota, for the record: a quota lets a short burst run at
+a full core, so wall seconds depend on how the work falls into the kernel's periods,
+which the ground truth models apart), its ledger peak during the step, the CPU seconds
+of the step besides its model-stages (the controller's own work); and before the first
+step, what each model-stage's ledger holds (weights, gradients, optimizer moments).
 
 Then the transfer plane between such workers: ``--ranks`` processes, each under its own
 quota of ``--cores``, make one gloo group (``nereus.transfer.cpu.CpuCommunicator``, the
@@ -40,6 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 STAGES = (
@@ -91,14 +95,17 @@ async def _point(sequences: int, length: int, steps: int) -> dict[str, Any]:
         await rl.start()
         try:
             prompt = rl.max_prompt_tokens()
+            cpu = _count_cpu_seconds(rl.stages)
             # before any step: what each model-stage holds whatever it runs (weights, and
             # for training its gradients and optimizer moments)
             resident = {d: r["used_bytes"] for d, r in (await rl.stages.memory()).items()}
             rows = []
             for _ in range(steps + 1):  # the first is the warm-up
-                t0 = time.perf_counter()
+                cpu.clear()
+                t0, c0 = time.perf_counter(), time.process_time()
                 record = await rl.run_step()
-                rows.append((time.perf_counter() - t0, record))
+                wall, used = time.perf_counter() - t0, time.process_time() - c0
+                rows.append((wall, record, dict(cpu), used))
             starts = _engine_starts(rl)
         finally:
             await rl.close()
@@ -106,6 +113,8 @@ async def _point(sequences: int, length: int, steps: int) -> dict[str, Any]:
     seconds = {
         s: statistics.median(r[1]["model_stage_seconds"].get(s, 0.0) for r in rows) for s in STAGES
     }
+    cpu_seconds = {s: statistics.median(r[2].get(s, 0.0) for r in rows) for s in STAGES}
+    controller_cpu = statistics.median(r[3] - sum(r[2].values()) for r in rows)
     peaks = {
         s: max(int(r[1]["device_peak_bytes"].get(str(i), 0)) for r in rows)
         for i, s in enumerate(STAGES)
@@ -119,12 +128,34 @@ async def _point(sequences: int, length: int, steps: int) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "response_len_mean": statistics.mean(lengths),
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "peak_bytes": peaks,
         "resident_bytes": held,
         "controller_s": controller,
+        "controller_cpu_s": controller_cpu,
         "engine_start_s": starts,
         "step_s": statistics.median(r[0] for r in rows),
     }
+
+
+def _count_cpu_seconds(stages: Any) -> dict[str, float]:
+    """Count the CPU seconds each model-stage's work takes (``ModelStages.timed`` blocks:
+    the process's CPU time, the engines at one thread) into the returned dict, beside
+    the wall seconds the stages count themselves."""
+    counted: dict[str, float] = {}
+    wall_timed = stages.timed
+
+    @contextmanager
+    def timed(stage: str) -> Iterator[None]:
+        c0 = time.process_time()
+        try:
+            with wall_timed(stage):
+                yield
+        finally:
+            counted[stage] = counted.get(stage, 0.0) + time.process_time() - c0
+
+    stages.timed = timed
+    return counted
 
 
 def _engine_starts(rl: Any, reps: int = 3) -> dict[str, float]:
@@ -319,7 +350,7 @@ def _lstsq(rows: list[list[float]], ys: list[float], names: list[str]) -> dict[s
 
 def fit(result: dict[str, Any]) -> dict[str, float]:
     """The ``[cpu]`` table's figures from the measured points (least squares, each
-    coefficient >= 0): per-token and per-pass seconds of each engine kind, the ledger's
+    coefficient >= 0): per-token and per-pass CPU seconds of each engine kind, the ledger's
     bytes per token, bytes per parameter held, the collectives' per-step latency and
     per-byte seconds, the group set-up per rank and the engine start seconds."""
     points = result["points"]
@@ -328,7 +359,13 @@ def fit(result: dict[str, Any]) -> dict[str, float]:
     def kind_mean(p: dict[str, Any], key: str, kind: str) -> float:
         return sum(p[key][s] for s in KINDS[kind]) / len(KINDS[kind])
 
-    out: dict[str, float] = {"cores": result["cores"], "prompt_tokens": prompt}
+    from nereus.actors._cpulimit import PERIOD_US  # the period worker quotas are set on
+
+    out: dict[str, float] = {
+        "cores": result["cores"],
+        "period_s": PERIOD_US / 1e6,
+        "prompt_tokens": prompt,
+    }
     first = points[0]
     out["params"] = first["resident_bytes"]["policy_generation"] / 4  # float32 weights
     out["hidden_size"] = result["model"]["hidden_size"]
@@ -342,7 +379,7 @@ def fit(result: dict[str, Any]) -> dict[str, float]:
     seq_len = [prompt + x for x in new]
     tokens = [a * b for a, b in zip(n, seq_len, strict=True)]
     micro = [-(-a // MICRO_BATCH) for a in n]
-    secs = {k: [kind_mean(p, "seconds", k) for p in points] for k in KINDS}
+    secs = {k: [kind_mean(p, "cpu_seconds", k) for p in points] for k in KINDS}
     out |= _lstsq(
         [[1.0, x, x * a] for x, a in zip(new, n, strict=True)],
         secs["generation"],
@@ -360,7 +397,7 @@ def fit(result: dict[str, Any]) -> dict[str, float]:
     )
     out |= _lstsq(
         [[1.0, t] for t in tokens],
-        [p["controller_s"] for p in points],
+        [p["controller_cpu_s"] for p in points],
         ["controller_step_s", "controller_token_s"],
     )
 
@@ -404,22 +441,25 @@ def toml_block(result: dict[str, Any], command: str, commit: str) -> str:
         f"# measured {when}, commit {commit}, 1-minute load average "
         f"{result['load_average_1m']:.1f} at the end (a shared 2-core machine):",
         f"#   {command}",
-        "# points: [sequences of one replica, new tokens] -> seconds of generation /",
-        "# inference / training (means of the model-stages of a kind), ledger peak over",
-        "# resident bytes of each kind:",
+        "# points: [sequences of one replica, new tokens] -> CPU seconds (and wall seconds",
+        "# under the quota) of generation / inference / training (means of the model-stages",
+        "# of a kind), ledger peak over resident bytes of each kind:",
     ]
     for p in result["points"]:
         sec = {k: sum(p["seconds"][s] for s in v) / len(v) for k, v in KINDS.items()}
+        cpu = {k: sum(p["cpu_seconds"][s] for s in v) / len(v) for k, v in KINDS.items()}
         extra = {
             k: sum(p["peak_bytes"][s] - p["resident_bytes"][s] for s in v) / len(v)
             for k, v in KINDS.items()
         }
         lines.append(
             f"#   [{p['sequences']}, {p['length']}]: "
+            + " / ".join(f"{cpu[k]:.4f}" for k in KINDS)
+            + " cpu s ("
             + " / ".join(f"{sec[k]:.4f}" for k in KINDS)
-            + " s; "
+            + " wall); "
             + " / ".join(f"{extra[k]:.0f}" for k in KINDS)
-            + f" B; controller {p['controller_s']:.4f} s"
+            + f" B; controller {p['controller_cpu_s']:.4f} cpu s"
         )
     lines.append("# collectives [ranks, bytes, seconds] and group set-up:")
     for c in result["collectives"]:
@@ -432,12 +472,14 @@ def toml_block(result: dict[str, Any], command: str, commit: str) -> str:
     lines.append(
         'source = "measurement: python -m benchmarks.cpu_truth (the commands and points '
         "above): the project's engines of the policies benchmark's model on one worker "
-        f"under a kernel quota of {result['cores']:g} cores, its transfer plane between "
-        "such workers; every figure a least-squares fit (coefficients >= 0) of the points, "
-        "at the measured quota and model. Other quotas: rates in proportion; other models: "
-        "seconds by parameters, bytes per token by hidden size x layers (assumptions); TP, "
-        "PP and DP add the measured collectives (assumption: as a ring of gloo steps and "
-        'sends)."'
+        f"under a kernel quota of {result['cores']:g} cores (CPU seconds of their work), "
+        "its transfer plane between such workers (wall seconds); every figure a "
+        "least-squares fit (coefficients >= 0) of the points. A device of q cores runs "
+        "q x period_s of CPU work per period of the kernel's scheduler (nereus.actors."
+        "_cpulimit.PERIOD_US), each model-stage from a full budget (assumption: its "
+        "worker idled while the others worked). Other models: CPU seconds by parameters, "
+        "bytes per token by hidden size x layers (assumptions); TP, PP and DP add the "
+        'measured collectives (assumption: as a ring of gloo steps and sends)."'
     )
     for key, value in f.items():
         lines.append(f"{key} = {value:.6g}")
