@@ -84,6 +84,9 @@ class Boundary:
     joined: tuple[int, ...]
     lengths: LengthStats
     failed: bool = False
+    # devices that left since the last boundary drained, not lost: they still hold their
+    # EMUs, which the next change moves off them (``DeviceTrace.drains``)
+    drained: tuple[int, ...] = ()
 
 
 @dataclass
@@ -306,7 +309,7 @@ class AdaptivePolicy(Policy):
     def decide(self, b: Boundary, plan: Plan | None) -> Move:
         t0 = time.perf_counter()
         dag0 = self.ctx.transitions.dag_seconds
-        current = intact(plan, b.devices) if plan is not None else None
+        current = intact(plan, b.devices + b.drained) if plan is not None else None
         try:
             if current is None or self.replanner is None:
                 target = self._fresh(b)
@@ -322,13 +325,17 @@ class AdaptivePolicy(Policy):
                 priced[target] = estimate(cur, target)
                 return priced[target]
 
+            # a plan on drained devices, as the running job shows it to the planner: those
+            # devices past the pool's last slot (it cannot run there; a change must move)
+            gone = [d for d in sorted(current.devices) if d not in pool.ids]
             outcome = rp.on_boundary(
                 b.step,
                 lengths=b.lengths,
                 memory_lengths=self.ctx.cap_lengths(b.step),
                 cluster=cluster,
-                plan=pool.to_slots(current),
+                plan=pool.to_slots(current, gone=gone),
                 lost=b.lost,
+                drained=b.drained,
                 joined=b.joined,
                 failed=b.failed,
                 transition_seconds=price,
@@ -339,6 +346,7 @@ class AdaptivePolicy(Policy):
                     outcome,
                     eff=eff,
                     lost=b.lost,
+                    drained=b.drained,
                     joined=b.joined,
                     priced=priced,
                     first=not self.boundaries,
@@ -350,7 +358,11 @@ class AdaptivePolicy(Policy):
             return self._timed(Move("wait", None, str(e)), t0, dag0)
         self.eff = self.replanner.eff
         self.outcome = outcome
-        if self.spec.name == "static" and b.failed and outcome.plan == pool.to_slots(current):
+        if (
+            self.spec.name == "static"
+            and b.failed
+            and outcome.plan == pool.to_slots(current, gone=gone)
+        ):
             # the step ran out of memory and no more waves or recompute are left to take;
             # its TP/PP is fixed, so nothing this policy may do lets the job go on
             return self._timed(
@@ -448,7 +460,7 @@ class FixedLayoutPolicy(Policy):
             return Move("restart", self._relayout(b), "no layout yet")
         if b.failed:
             return Move("restart", self._relayout(b), "a step ran out of memory")
-        if current is not None and not b.lost and not b.joined and not raised:
+        if current is not None and not b.lost and not b.drained and not b.joined and not raised:
             return Move("keep", None, "the pool and the cap are unchanged")
         target = self.scaled(len(b.devices), cluster)
         if target is None or not explain(target, work, cluster, self.eff).fits:

@@ -455,13 +455,22 @@ def _run(
         if not devices:
             clock = pause_until_available(scn, res, clock, step)
             continue
+        left = tuple(sorted(set(seen) - set(devices)))
+        # drained devices keep what they hold until a change moves it: the plan's EMUs
+        # there are sources of the next move, never places the next step runs on
+        drained = (
+            tuple(d for d in sorted(plan.devices) if d not in devices)
+            if scn.devices.drains and plan is not None
+            else ()
+        )
         b = Boundary(
             step,
             devices,
-            tuple(sorted(set(seen) - set(devices))),
+            () if scn.devices.drains else left,
             tuple(sorted(set(devices) - set(seen))),
             observed,
             failed,
+            drained,
         )
         seen, failed = devices, False
         if not started:
@@ -485,7 +494,7 @@ def _run(
             if move.action == "wait":
                 clock = wait_for_change(scn, res, clock, step, move.reason, policy.name)
                 continue
-            current = intact(plan, devices) if plan is not None else None
+            current = intact(plan, devices + drained) if plan is not None else None
             if move.action == "transition" and current is not None:
                 seconds = transitions.actual(current, move.plan, step)
                 if math.isfinite(seconds):
@@ -505,10 +514,10 @@ def _run(
                 res.restarts += 1
                 plan, restarted = move.plan, True
             elif move.action == "keep":
-                if current is None:
+                if current is None or not current.devices <= set(devices):
                     raise SimulationError(
-                        f"{policy.name} kept a plan that lost every EMU of a model-stage at "
-                        f"step {step}"
+                        f"{policy.name} kept a plan that lost every EMU of a model-stage, or "
+                        f"that holds drained devices, at step {step}"
                     )
                 plan = current
             if move.action in ("transition", "restart"):

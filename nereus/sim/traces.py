@@ -75,11 +75,14 @@ def _parse_growth(spec: str, field: str) -> tuple[float, float] | None:
 class DeviceTrace:
     """The nodes available over a run (see the module docstring). With ``per_device``
     its "nodes" are the devices of a one-node cluster, each coming and going alone (a
-    host's worker processes, as a running job's pool trace drains and adds them)."""
+    host's worker processes, as a running job's pool trace drains and adds them). With
+    ``drains`` a device that leaves is drained, not lost: it keeps what it holds until
+    the job's next change has moved that off it."""
 
     name: str
     time_based: bool
     per_device: bool = False
+    drains: bool = False
 
     def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
         raise NotImplementedError
@@ -225,10 +228,11 @@ class StepPoolTrace(DeviceTrace):
     """A running job's pool as the simulator replays it: ``counts[s]`` devices of one
     node live for step s (devices 0 .. counts[s] - 1; past the last count, the last),
     changing only at step boundaries, as ``nereus.job.traces.PoolTrace`` drains and adds
-    single devices."""
+    single devices (a device that leaves is drained: ``drains``)."""
 
     time_based = False
     per_device = True
+    drains = True
 
     def __init__(self, counts: Sequence[int], name: str = "steps") -> None:
         require(

@@ -86,3 +86,18 @@ def test_a_device_trace_needs_one_node_and_a_plan_on_the_clusters_devices():
         _scenario(initial=_on((0, 7)))
     with pytest.raises(ConfigError, match="counts"):
         StepPoolTrace([2, 0])
+
+
+def test_a_drained_device_is_moved_off_not_lost():
+    # reference inference only on device 3: the pool's shrink to 2 drains it, and the
+    # job moves its EMU off (a transition), where a lost device would need a restart
+    work = small_work()
+    sps = {s.name: StagePlan(1, 1, 2, ((0,), (1,))) for s in work.stages}
+    sps["reference-inference"] = StagePlan(1, 1, 1, ((3,),))
+    first = Plan(tuple((s.name, sps[s.name]) for s in work.stages))
+    scn = _scenario([4, 2, 2, 2], initial=first)
+    for name in ("adaptive", "dynarl", "every-k", "static"):
+        (res,) = run_policies(scn, (name,))
+        assert res.restarts == 0 and res.transitions >= 1, name
+        assert res.records[1].transition and res.records[1].plan_devices <= 2, name
+        assert res.steps == 4, name
