@@ -47,7 +47,13 @@ from nereus.job.cluster_stages import CALIBRATION_PRIOR_WEIGHT
 from nereus.job.config import JobConfig, to_planner_plan
 from nereus.job.loop import RLJob
 from nereus.models import ModelConfig
-from nereus.planner import LengthStats, local_cpu_cluster_probed, local_cpu_efficiency
+from nereus.planner import (
+    ClusterSpec,
+    Efficiency,
+    LengthStats,
+    local_cpu_cluster_probed,
+    local_cpu_efficiency,
+)
 from nereus.planner.policies import POLICIES
 from nereus.sim.compare import run_policies
 from nereus.sim.run import Scenario, SimulationError
@@ -157,25 +163,38 @@ def live_counts(pair: Pair, devices: int, steps: int) -> list[int]:
 
 
 def sim_scenario(
-    cfg: JobConfig, model_config: ModelConfig, prompt_length: int, pair: Pair, steps: int
+    cfg: JobConfig,
+    model_config: ModelConfig,
+    prompt_length: int,
+    pair: Pair,
+    steps: int,
+    *,
+    cluster: ClusterSpec | None = None,
+    prior: Efficiency | None = None,
 ) -> Scenario:
     """The simulator's view of the live job ``cfg``: its workload, its cluster as the
-    job describes it to its planner (one node of ``cluster.devices`` workers of
-    ``cores_per_device`` cores and ``memory_per_device`` each), its pool trace, lengths
-    and caps, its pinned first plan and its calibration prior (the probed CPU figures),
+    job describes it to its planner (``cluster``, default: probed as the job probes it,
+    one node of ``cluster.devices`` workers of ``cores_per_device`` cores and
+    ``memory_per_device`` each), its pool trace, lengths and caps (every response of a
+    step as long as its cap: end-of-sequence ignored), its pinned first plan and its
+    calibration prior (``prior``, default: the probed CPU figures the job starts from),
     and the ground truth as shipped."""
     caps = [cfg.sampling.cap_at(s) for s in range(steps)]
     first = LengthStats(float(caps[0]), float(caps[0]), caps[0])
     work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=first)
     n = cfg.cluster.devices
     cores = cfg.cluster.device_cores
-    cluster = local_cpu_cluster_probed(
-        n, cfg.cluster.memory_bytes, headroom=cfg.adapt.headroom, device_cores=cores
-    )
-    # the simulator's cap bounds memory and never falls: the largest so far; the lengths
-    # are the live job's (every response of a step as long as its cap there)
+    if cluster is None:
+        cluster = local_cpu_cluster_probed(
+            n, cfg.cluster.memory_bytes, headroom=cfg.adapt.headroom, device_cores=cores
+        )
+    if prior is None:
+        prior = local_cpu_efficiency(cores=min(cores) if cores else None)
+    # the simulator's cap bounds memory and never falls: the largest so far
     schedule = CapSchedule(pair.name, tuple(max(caps[: s + 1]) for s in range(steps)))
-    truth = GroundTruth(load_truth_params(None), cluster, work, caps=schedule, seed=0)
+    truth = GroundTruth(
+        load_truth_params(None), cluster, work, caps=schedule, seed=0, p95_ratio=[1.0] * steps
+    )
     return Scenario(
         cluster,
         work,
@@ -184,7 +203,7 @@ def sim_scenario(
         steps,
         truth,
         initial_plan=to_planner_plan(cfg.job_plan()),
-        prior=local_cpu_efficiency(cores=min(cores) if cores else None),
+        prior=prior,
         prior_weight=CALIBRATION_PRIOR_WEIGHT,
     )
 
