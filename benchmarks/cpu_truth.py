@@ -439,7 +439,8 @@ def toml_block(result: dict[str, Any], command: str, commit: str) -> str:
     lines = [
         "[cpu]",
         f"# measured {when}, commit {commit}, 1-minute load average "
-        f"{result['load_average_1m']:.1f} at the end (a shared 2-core machine):",
+        f"{result['load_average_1m']:.1f} at the end",
+        "# (a shared 2-core machine):",
         f"#   {command}",
         "# points: [sequences of one replica, new tokens] -> CPU seconds (and wall seconds",
         "# under the quota) of generation / inference / training (means of the model-stages",
@@ -457,7 +458,10 @@ def toml_block(result: dict[str, Any], command: str, commit: str) -> str:
             + " / ".join(f"{cpu[k]:.4f}" for k in KINDS)
             + " cpu s ("
             + " / ".join(f"{sec[k]:.4f}" for k in KINDS)
-            + " wall); "
+            + " wall),"
+        )
+        lines.append(
+            "#     "
             + " / ".join(f"{extra[k]:.0f}" for k in KINDS)
             + f" B; controller {p['controller_cpu_s']:.4f} cpu s"
         )
@@ -465,10 +469,9 @@ def toml_block(result: dict[str, Any], command: str, commit: str) -> str:
     for c in result["collectives"]:
         ar = ", ".join(f"[{b}, {t:.5f}]" for _, b, t in c["allreduce"])
         bc = ", ".join(f"[{b}, {t:.5f}]" for _, b, t in c["broadcast"])
-        lines.append(
-            f"#   {c['ranks']} ranks: all-reduce {ar}; broadcast {bc}; "
-            f"set-up {c['group_setup_s']:.4f} s"
-        )
+        lines.append(f"#   {c['ranks']} ranks, set-up {c['group_setup_s']:.4f} s; all-reduce")
+        lines.append(f"#     {ar};")
+        lines.append(f"#     broadcast {bc}")
     lines.append(
         'source = "measurement: python -m benchmarks.cpu_truth (the commands and points '
         "above): the project's engines of the policies benchmark's model on one worker "
