@@ -16,14 +16,18 @@ waits and the trace's joins included), transitions and their measured seconds, r
 (checkpoint restarts: none of these policies restarts a live job; a decision to restart
 stops it and is counted), memory failures (a run that died of OutOfMemory: the steps it
 finished are reported), and the simulator's prediction of the same run (``nereus.sim``
-with the same policies, traces, cluster shape and workload; its ground truth as shipped,
-not fitted to these devices) beside it.
+with the same policies, traces, workload and cluster shape: one node of the job's
+workers, every device at step 0, the pool drained and joined device by device, the
+pinned first plan and the probed calibration prior) beside it. Its ground truth is the
+one shipped: for these workers the ``[cpu]`` table, measured by ``benchmarks.cpu_truth``
+apart from these runs (never fitted on them).
 
 Last line: one JSON object with ``ratio_vs_static``, ``ratio_vs_always``,
 ``ratio_vs_every_k`` (payback's mean step over the other's, averaged over the pairs),
 ``payback_best_on_every_trace``, ``memory_failures`` (per policy), ``sim_vs_live_error``
 (mean absolute relative error of the simulator's mean step against the live one, over
-policies and pairs) and the table.
+the policies and pairs it ran), ``sim_errors`` (why a simulated run could not finish,
+if one could not) and the table.
 """
 
 from __future__ import annotations
