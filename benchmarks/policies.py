@@ -16,14 +16,18 @@ waits and the trace's joins included), transitions and their measured seconds, r
 (checkpoint restarts: none of these policies restarts a live job; a decision to restart
 stops it and is counted), memory failures (a run that died of OutOfMemory: the steps it
 finished are reported), and the simulator's prediction of the same run (``nereus.sim``
-with the same policies, traces, cluster shape and workload; its ground truth as shipped,
-not fitted to these devices) beside it.
+with the same policies, traces, workload and cluster shape: one node of the job's
+workers, every device at step 0, the pool drained and joined device by device, the
+pinned first plan and the probed calibration prior) beside it. Its ground truth is the
+one shipped: for these workers the ``[cpu]`` table, measured by ``benchmarks.cpu_truth``
+apart from these runs (never fitted on them).
 
 Last line: one JSON object with ``ratio_vs_static``, ``ratio_vs_always``,
 ``ratio_vs_every_k`` (payback's mean step over the other's, averaged over the pairs),
 ``payback_best_on_every_trace``, ``memory_failures`` (per policy), ``sim_vs_live_error``
 (mean absolute relative error of the simulator's mean step against the live one, over
-policies and pairs) and the table.
+the policies and pairs it ran), ``sim_errors`` (why a simulated run could not finish,
+if one could not) and the table.
 """
 
 from __future__ import annotations
@@ -43,13 +47,21 @@ from typing import Any
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError, StateError
 from nereus.job.adapt import job_workload
-from nereus.job.config import JobConfig
+from nereus.job.cluster_stages import CALIBRATION_PRIOR_WEIGHT
+from nereus.job.config import JobConfig, to_planner_plan
 from nereus.job.loop import RLJob
-from nereus.planner import LengthStats, local_cpu_cluster_probed
+from nereus.models import ModelConfig
+from nereus.planner import (
+    ClusterSpec,
+    Efficiency,
+    LengthStats,
+    local_cpu_cluster_probed,
+    local_cpu_efficiency,
+)
 from nereus.planner.policies import POLICIES
 from nereus.sim.compare import run_policies
 from nereus.sim.run import Scenario, SimulationError
-from nereus.sim.traces import CapSchedule, DeviceTrace, LengthTrace, pool_at_steps
+from nereus.sim.traces import CapSchedule, LengthTrace, StepPoolTrace, pool_at_steps
 from nereus.sim.truth import GroundTruth, load_truth_params
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
@@ -147,56 +159,66 @@ def job_config(policy: str, pair: Pair, steps: int, cores: float, out_dir: str) 
     return from_dict(JobConfig, data)
 
 
-class StepPool(DeviceTrace):
-    """The live job's pool as the simulator reads it: ``counts[s]`` one-device nodes for step s."""
-
-    time_based = False
-
-    def __init__(self, counts: list[int], name: str) -> None:
-        self.counts, self.name = counts, name
-
-    def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
-        return frozenset(range(self.counts[min(step, len(self.counts) - 1)]))
-
-    def first_loss(self, start: float, end: float, nodes: frozenset[int]) -> float | None:
-        return None
-
-    def next_available(self, seconds: float, step: int) -> float | None:
-        return seconds
-
-    def next_change(self, seconds: float, step: int) -> float | None:
-        return None
+def live_counts(pair: Pair, devices: int, steps: int) -> list[int]:
+    """The devices the live job has at each step: all of them at step 0 (``PoolTrace``
+    acts at the boundary after a step), then the trace's count for the step."""
+    counts = pool_at_steps(pair.pool, devices, steps, offset_ticks=pair.offset)
+    return [devices] + counts[1:]
 
 
-def simulate(
-    rl: RLJob, policy: str, pair: Pair, steps: int, cores: float
-) -> tuple[float | None, str]:
-    """The simulator's mean step seconds for the same job, traces and cluster shape, or
-    None and why when its ground truth cannot run it."""
-    cfg = rl.cfg
+def sim_scenario(
+    cfg: JobConfig,
+    model_config: ModelConfig,
+    prompt_length: int,
+    pair: Pair,
+    steps: int,
+    *,
+    cluster: ClusterSpec | None = None,
+    prior: Efficiency | None = None,
+) -> Scenario:
+    """The simulator's view of the live job ``cfg``: its workload, its cluster as the
+    job describes it to its planner (``cluster``, default: probed as the job probes it,
+    one node of ``cluster.devices`` workers of ``cores_per_device`` cores and
+    ``memory_per_device`` each), its pool trace, lengths and caps (every response of a
+    step as long as its cap: end-of-sequence ignored), its pinned first plan and its
+    calibration prior (``prior``, default: the probed CPU figures the job starts from),
+    and the ground truth as shipped."""
     caps = [cfg.sampling.cap_at(s) for s in range(steps)]
     first = LengthStats(float(caps[0]), float(caps[0]), caps[0])
-    work = job_workload(cfg, rl.model_config, prompt_length=rl.max_prompt_tokens(), lengths=first)
-    budget = cfg.cluster.memory_bytes
-    cluster = local_cpu_cluster_probed(
-        1, budget, headroom=cfg.adapt.headroom, device_cores=[cores]
-    ).with_nodes(4)
-    counts = pool_at_steps(pair.pool, 4, steps, offset_ticks=pair.offset)
-    # the simulator's cap bounds memory and never falls: the largest so far; the lengths
-    # are the live job's (every response of a step as long as its cap there)
+    work = job_workload(cfg, model_config, prompt_length=prompt_length, lengths=first)
+    n = cfg.cluster.devices
+    cores = cfg.cluster.device_cores
+    if cluster is None:
+        cluster = local_cpu_cluster_probed(
+            n, cfg.cluster.memory_bytes, headroom=cfg.adapt.headroom, device_cores=cores
+        )
+    if prior is None:
+        prior = local_cpu_efficiency(cores=min(cores) if cores else None)
+    # the simulator's cap bounds memory and never falls: the largest so far
     schedule = CapSchedule(pair.name, tuple(max(caps[: s + 1]) for s in range(steps)))
-    truth = GroundTruth(load_truth_params(None), cluster, work, caps=schedule, seed=0)
-    scn = Scenario(
+    truth = GroundTruth(
+        load_truth_params(None), cluster, work, caps=schedule, seed=0, p95_ratio=[1.0] * steps
+    )
+    return Scenario(
         cluster,
         work,
-        StepPool(counts, pair.name),
+        StepPoolTrace(live_counts(pair, n, steps), pair.name),
         LengthTrace(pair.name, tuple(map(float, caps))),
         steps,
         truth,
+        initial_plan=to_planner_plan(cfg.job_plan()),
+        prior=prior,
+        prior_weight=CALIBRATION_PRIOR_WEIGHT,
     )
+
+
+def simulate(rl: RLJob, policy: str, pair: Pair, steps: int) -> tuple[float | None, str]:
+    """The simulator's mean step seconds for the same job, traces and cluster shape, or
+    None and why when it cannot run it."""
+    scn = sim_scenario(rl.cfg, rl.model_config, rl.max_prompt_tokens(), pair, steps)
     try:
         return run_policies(scn, (SIM_NAME[policy],), gamma=0.5, k=3)[0].mean_step_s, ""
-    except SimulationError as e:  # the shipped truth cannot run this job: said, not hidden
+    except SimulationError as e:  # a run the simulator cannot finish: said, not hidden
         return None, str(e)
 
 
@@ -221,7 +243,7 @@ async def run_one(
                     raise
                 restarts, records = 1, list(rl.records)
             wall = time.perf_counter() - t0
-            sim, sim_error = simulate(rl, policy, pair, steps, cores) if with_sim else (None, "")
+            sim, sim_error = simulate(rl, policy, pair, steps) if with_sim else (None, "")
         finally:
             await rl.close()
     moved = [r["transition"] for r in records if r.get("transition")]

@@ -63,11 +63,14 @@ from nereus.state.spec import DTYPE_BYTES, ModelSpec, grad_bytes_per_param
 from nereus.transfer import make_group, release_groups
 from nereus.transition import LinkModel, TransitionDAG
 
-__all__ = ["ClusterStages", "STAGE_KINDS"]
+__all__ = ["ClusterStages", "STAGE_KINDS", "CALIBRATION_PRIOR_WEIGHT"]
 
 log = logging.getLogger("nereus.rl")
 
 _VALUE_HEAD = ("critic_inference", "critic_training", "reward_inference")
+# the pull of the calibration toward its probed prior: firm, since one plan's timings
+# cannot tell apart op classes that scale together (the simulator replays a job with it)
+CALIBRATION_PRIOR_WEIGHT = 0.05
 
 
 def _shared(name: str) -> Any:
@@ -289,9 +292,9 @@ class ClusterStages(ModelStages):
         self.cluster_spec = local_cpu_cluster_probed(
             max(1, len(self.cluster.devices)), max(budget, 2), device_cores=cores
         )
-        # firm priors: one plan's timings cannot tell apart classes that scale together
         self.calibrator = Calibrator(
-            prior=local_cpu_efficiency(cores=min(cores) if cores else None), prior_weight=0.05
+            prior=local_cpu_efficiency(cores=min(cores) if cores else None),
+            prior_weight=CALIBRATION_PRIOR_WEIGHT,
         )
         self.link = LinkModel.of(self.cluster_spec, self.calibrator.fit())
 

@@ -12,7 +12,8 @@ Promises:
   processes from probe figures (``nereus.planner._probe`` measures and caches them; this
   module never measures anything).
 - ``with_nodes(n)`` is the same hardware with another node count (a device-pool change
-  of whole nodes).
+  of whole nodes); ``with_devices(n)`` with another device count (whole nodes, or any
+  count on a one-node cluster: a host whose worker processes come and go one by one).
 - Devices of a fixed CPU capacity (``device_cores``: a kernel-enforced quota per worker,
   one number per device, possibly unlike): rates are one full core's, a device gets its
   cores' worth (``rate_share``), and a replica runs at its slowest device's.
@@ -189,6 +190,35 @@ class ClusterSpec:
             )
             cores = (cores[0],) * (nodes * self.devices_per_node)
         return dataclasses.replace(self, nodes=nodes, device_cores=cores)
+
+    def with_devices(self, devices: int) -> ClusterSpec:
+        """The same hardware with ``devices`` devices: on a one-node cluster that node with
+        ``devices`` devices (one host's worker processes come and go one at a time, as a
+        running job's pool does: ``local_cpu_cluster`` of that many); on several nodes
+        ``devices`` must be whole nodes (``with_nodes``). Devices of one capacity keep it,
+        as in ``with_nodes``."""
+        require(
+            isinstance(devices, int) and devices >= 1, "devices", devices, "must be an integer >= 1"
+        )
+        per = self.devices_per_node
+        if self.nodes > 1 or devices % per == 0:
+            require(
+                devices % per == 0,
+                "devices",
+                devices,
+                f"must be whole nodes of {per} devices on a cluster of {self.nodes} nodes",
+            )
+            return self.with_nodes(devices // per)
+        cores = self.device_cores
+        if cores is not None:
+            require(
+                len(set(cores)) == 1,
+                "ClusterSpec.device_cores",
+                cores,
+                "must be one capacity for every device to change the device count",
+            )
+            cores = (cores[0],) * devices
+        return dataclasses.replace(self, devices_per_node=devices, device_cores=cores)
 
 
 def _preset_table() -> dict[str, ClusterSpec]:

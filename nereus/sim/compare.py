@@ -6,16 +6,16 @@ the oracle's compute on its own steps, pools and straggler draws."""
 from __future__ import annotations
 
 from nereus.sim.oracle import Oracle, matched_compute, run_oracle
-from nereus.sim.policies import ORACLE, POLICIES, _Ctx, make_policy
+from nereus.sim.policies import ORACLE, POLICIES, make_policy
 from nereus.sim.run import (
     PolicyResult,
     Scenario,
     SimConfig,
     SimulationError,
     build_scenario,
+    policy_context,
     run_policy,
 )
-from nereus.sim.transitions import Transitions
 from nereus.sim.truth import TruthParams
 
 __all__ = ["run_policies", "simulate"]
@@ -43,13 +43,9 @@ def run_policies(
         if oracle is not None and name == ORACLE:
             results.append(run_oracle(scn, oracle))
             continue
-        transitions = Transitions(
-            scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds
-        )
-        ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
         policy = make_policy(
             name,
-            ctx,
+            policy_context(scn),
             gamma=gamma,
             k=k,
             join_horizon_steps=join_horizon_steps,

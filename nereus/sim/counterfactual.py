@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 
 from nereus.config import require
 from nereus.sim.policies import AdaptivePolicy, Boundary, Move, _Ctx
-from nereus.sim.run import PolicyResult, Scenario, StepRecord, run_policy
-from nereus.sim.transitions import Transitions
+from nereus.sim.run import PolicyResult, Scenario, StepRecord, policy_context, run_policy
 
 __all__ = ["Counterfactual", "CounterfactualReport", "admission_counterfactuals", "tally"]
 
@@ -238,10 +237,7 @@ def admission_counterfactuals(
         horizon,
         "must be an integer >= 1 (steps)",
     )
-    transitions = Transitions(
-        scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds
-    )
-    ctx = _Ctx(scn.work, scn.cluster, transitions, scn.caps)
+    ctx = policy_context(scn)
     report = CounterfactualReport(PolicyResult("adaptive"), horizon)
     policy = _ForkingAdaptive(ctx, report, scn.steps, gamma)
     try:

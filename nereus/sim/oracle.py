@@ -68,7 +68,7 @@ class Oracle:
             scn = self.scn
             lengths = scn.truth.lengths(step, scn.lengths.mean_at(step))
             longest = LengthStats(float(lengths.max), float(lengths.max), lengths.max)
-            cluster = scn.cluster.with_nodes(max(1, len(devices) // scn.cluster.devices_per_node))
+            cluster = scn.cluster.with_devices(len(devices))
             try:
                 result = search(
                     scn.work.with_lengths(lengths, longest), cluster, told_the_truth(scn, step)
@@ -128,7 +128,7 @@ def run_oracle(scn: Scenario, oracle: Oracle | None = None) -> PolicyResult:
     """The ``oracle`` reference over ``scn`` (see the module docstring); ``oracle``: a
     kept one to share its choices with ``matched_compute``."""
     oracle = oracle or Oracle(scn)
-    per = scn.cluster.devices_per_node
+    per = scn.unit
     res = PolicyResult(ORACLE)
     clock, step = 0.0, 0
     previous = None

@@ -84,6 +84,9 @@ class Boundary:
     joined: tuple[int, ...]
     lengths: LengthStats
     failed: bool = False
+    # devices that left since the last boundary drained, not lost: they still hold their
+    # EMUs, which the next change moves off them (``DeviceTrace.drains``)
+    drained: tuple[int, ...] = ()
 
 
 @dataclass
@@ -106,10 +109,17 @@ class _Ctx:
     cluster: ClusterSpec  # the whole cluster; plans name its device ids
     transitions: Transitions
     caps: CapSchedule  # the job's generation cap at every step (its config: known ahead)
+    # the job's pinned first plan (device ids; None: each policy starts on its own), and
+    # the calibration's prior and its weight (``Scenario``)
+    initial_plan: Plan | None = None
+    prior: Efficiency = CONSERVATIVE
+    prior_weight: float = 1e-3
 
     def pool_cluster(self, devices: tuple[int, ...]) -> tuple[DevicePool, ClusterSpec]:
-        per = self.cluster.devices_per_node
-        return DevicePool.of(devices), self.cluster.with_nodes(max(1, len(devices) // per))
+        """The pool's slots and the planner's cluster over it: the cluster's hardware with
+        that many devices (``ClusterSpec.with_devices``, as a running job describes its
+        pool)."""
+        return DevicePool.of(devices), self.cluster.with_devices(len(devices))
 
     def cap_lengths(self, step: int) -> LengthStats:
         """Memory's lengths for step ``step``: its cap (any response may reach it)."""
@@ -128,8 +138,8 @@ class Policy:
 
     def __init__(self, ctx: _Ctx) -> None:
         self.ctx = ctx
-        self.calibrator = Calibrator(prior=CONSERVATIVE)
-        self.eff: Efficiency = CONSERVATIVE
+        self.calibrator = Calibrator(prior=ctx.prior, prior_weight=ctx.prior_weight)
+        self.eff: Efficiency = self.calibrator.fit()
         # the planner's state of the job: its plan, workload and pool, and the observers
         # that calibrate ``eff`` (fixed layouts and every-k never call ``on_boundary``)
         self.replanner: Replanner | None = None
@@ -269,12 +279,37 @@ class AdaptivePolicy(Policy):
         return pool.to_devices(self.replanner.plan)
 
     def start(self, b: Boundary) -> Plan:
+        first = self.ctx.initial_plan
+        if first is not None and first.devices <= set(b.devices):
+            return self._pinned(b, first)
         return self._fresh(b)
+
+    def _pinned(self, b: Boundary, first: Plan) -> Plan:
+        """The job starts on its config's plan (device ids), as a running job does: its
+        Replanner holds that plan, and ``static`` keeps its layout."""
+        pool, cluster = self.ctx.pool_cluster(b.devices)
+        work = self.ctx.work_at(b.lengths, b.step)
+        slots = pool.to_slots(first)
+        self.replanner = make_replanner(
+            self.spec,
+            work,
+            cluster,
+            plan=slots,
+            eff=self.eff,
+            calibrator=self.calibrator,
+            join_horizon_steps=self.join_horizon_steps,
+            min_steps_between=self.min_steps_between,
+        )
+        if self.spec.name == "static":
+            self.layout = layout_of(slots, self.ctx.work)
+        self._initial = (work, cluster, slots, self.eff)
+        self.boundaries = []
+        return first
 
     def decide(self, b: Boundary, plan: Plan | None) -> Move:
         t0 = time.perf_counter()
         dag0 = self.ctx.transitions.dag_seconds
-        current = intact(plan, b.devices) if plan is not None else None
+        current = intact(plan, b.devices + b.drained) if plan is not None else None
         try:
             if current is None or self.replanner is None:
                 target = self._fresh(b)
@@ -290,13 +325,17 @@ class AdaptivePolicy(Policy):
                 priced[target] = estimate(cur, target)
                 return priced[target]
 
+            # a plan on drained devices, as the running job shows it to the planner: those
+            # devices past the pool's last slot (it cannot run there; a change must move)
+            gone = [d for d in sorted(current.devices) if d not in pool.ids]
             outcome = rp.on_boundary(
                 b.step,
                 lengths=b.lengths,
                 memory_lengths=self.ctx.cap_lengths(b.step),
                 cluster=cluster,
-                plan=pool.to_slots(current),
+                plan=pool.to_slots(current, gone=gone),
                 lost=b.lost,
+                drained=b.drained,
                 joined=b.joined,
                 failed=b.failed,
                 transition_seconds=price,
@@ -307,6 +346,7 @@ class AdaptivePolicy(Policy):
                     outcome,
                     eff=eff,
                     lost=b.lost,
+                    drained=b.drained,
                     joined=b.joined,
                     priced=priced,
                     first=not self.boundaries,
@@ -318,7 +358,11 @@ class AdaptivePolicy(Policy):
             return self._timed(Move("wait", None, str(e)), t0, dag0)
         self.eff = self.replanner.eff
         self.outcome = outcome
-        if self.spec.name == "static" and b.failed and outcome.plan == pool.to_slots(current):
+        if (
+            self.spec.name == "static"
+            and b.failed
+            and outcome.plan == pool.to_slots(current, gone=gone)
+        ):
             # the step ran out of memory and no more waves or recompute are left to take;
             # its TP/PP is fixed, so nothing this policy may do lets the job go on
             return self._timed(
@@ -416,7 +460,7 @@ class FixedLayoutPolicy(Policy):
             return Move("restart", self._relayout(b), "no layout yet")
         if b.failed:
             return Move("restart", self._relayout(b), "a step ran out of memory")
-        if current is not None and not b.lost and not b.joined and not raised:
+        if current is not None and not b.lost and not b.drained and not b.joined and not raised:
             return Move("keep", None, "the pool and the cap are unchanged")
         target = self.scaled(len(b.devices), cluster)
         if target is None or not explain(target, work, cluster, self.eff).fits:

@@ -25,12 +25,15 @@ from typing import Any
 from nereus.config import require
 from nereus.errors import InfeasiblePlan, NereusError
 from nereus.planner.cluster import ClusterSpec, cluster_preset
+from nereus.planner.cost import CONSERVATIVE, Efficiency
+from nereus.planner.plan import Plan
 from nereus.planner.workload import ALGORITHMS, LengthStats, Workload, model_preset
 from nereus.sim.policies import (
     EXTRA_POLICIES,
     POLICIES,
     Boundary,
     Policy,
+    _Ctx,
 )
 from nereus.sim.presets import cap_for, pair_paths, paper_lengths, preset
 from nereus.sim.traces import (
@@ -42,7 +45,7 @@ from nereus.sim.traces import (
     device_trace,
     length_trace,
 )
-from nereus.sim.transitions import intact
+from nereus.sim.transitions import Transitions, intact
 from nereus.sim.truth import GroundTruth, TruthParams, load_truth_params
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "PolicyResult",
     "SimulationError",
     "run_policy",
+    "policy_context",
     "devices_of",
     "pause_until_available",
     "wait_for_change",
@@ -157,6 +161,34 @@ class Scenario:
     steps: int
     truth: GroundTruth
     max_attempts: int = 50
+    # the job's first plan (device ids) where its config pins one, as a running job's
+    # does; None: each policy starts on its own (the search's, or static's start)
+    initial_plan: Plan | None = None
+    # what every policy's calibration starts from (a running job on CPU workers starts
+    # from the probed ``local_cpu_efficiency``) and the weight of its pull
+    prior: Efficiency = CONSERVATIVE
+    prior_weight: float = 1e-3
+
+    def __post_init__(self) -> None:
+        require(
+            not self.devices.per_device or self.cluster.nodes == 1,
+            "Scenario.devices",
+            self.devices.name,
+            f"must count nodes: a trace of single devices needs a one-node cluster, "
+            f"not {self.cluster.nodes} nodes",
+        )
+        if self.initial_plan is not None:
+            require(
+                self.initial_plan.devices <= set(range(self.cluster.num_devices)),
+                "Scenario.initial_plan",
+                sorted(self.initial_plan.devices),
+                f"must name devices of the cluster (0..{self.cluster.num_devices - 1})",
+            )
+
+    @property
+    def unit(self) -> int:
+        """Devices per unit of the device trace: a node's, or 1 for a trace of devices."""
+        return 1 if self.devices.per_device else self.cluster.devices_per_node
 
     @property
     def caps(self) -> CapSchedule:
@@ -354,6 +386,24 @@ class PolicyResult:
         return out
 
 
+def policy_context(scn: Scenario) -> _Ctx:
+    """What one policy's run on ``scn`` plans with: the job, the cluster, its own
+    transition cache (the truth's link model and move times), the cap schedule, the
+    pinned first plan and the calibration's prior."""
+    transitions = Transitions(
+        scn.work, scn.cluster, scn.truth.link_model, scn.truth.transition_seconds
+    )
+    return _Ctx(
+        scn.work,
+        scn.cluster,
+        transitions,
+        scn.caps,
+        initial_plan=scn.initial_plan,
+        prior=scn.prior,
+        prior_weight=scn.prior_weight,
+    )
+
+
 def devices_of(nodes: frozenset[int], per_node: int) -> tuple[int, ...]:
     """The device ids of ``nodes``, ascending."""
     return tuple(d for n in sorted(nodes) for d in range(n * per_node, (n + 1) * per_node))
@@ -392,7 +442,7 @@ def _run(
     res: PolicyResult,
     on_step: Callable[[StepRecord, PolicyResult], None] | None,
 ) -> PolicyResult:
-    per = scn.cluster.devices_per_node
+    per = scn.unit
     transitions = policy.ctx.transitions
     clock, step, attempt = 0.0, 0, 0
     observed = scn.truth.lengths(-1, scn.lengths.mean_at(0))  # one warm-up rollout
@@ -405,13 +455,22 @@ def _run(
         if not devices:
             clock = pause_until_available(scn, res, clock, step)
             continue
+        left = tuple(sorted(set(seen) - set(devices)))
+        # drained devices keep what they hold until a change moves it: the plan's EMUs
+        # there are sources of the next move, never places the next step runs on
+        drained = (
+            tuple(d for d in sorted(plan.devices) if d not in devices)
+            if scn.devices.drains and plan is not None
+            else ()
+        )
         b = Boundary(
             step,
             devices,
-            tuple(sorted(set(seen) - set(devices))),
+            () if scn.devices.drains else left,
             tuple(sorted(set(devices) - set(seen))),
             observed,
             failed,
+            drained,
         )
         seen, failed = devices, False
         if not started:
@@ -435,7 +494,7 @@ def _run(
             if move.action == "wait":
                 clock = wait_for_change(scn, res, clock, step, move.reason, policy.name)
                 continue
-            current = intact(plan, devices) if plan is not None else None
+            current = intact(plan, devices + drained) if plan is not None else None
             if move.action == "transition" and current is not None:
                 seconds = transitions.actual(current, move.plan, step)
                 if math.isfinite(seconds):
@@ -455,10 +514,10 @@ def _run(
                 res.restarts += 1
                 plan, restarted = move.plan, True
             elif move.action == "keep":
-                if current is None:
+                if current is None or not current.devices <= set(devices):
                     raise SimulationError(
-                        f"{policy.name} kept a plan that lost every EMU of a model-stage at "
-                        f"step {step}"
+                        f"{policy.name} kept a plan that lost every EMU of a model-stage, or "
+                        f"that holds drained devices, at step {step}"
                     )
                 plan = current
             if move.action in ("transition", "restart"):

@@ -6,6 +6,8 @@ one into the project.
 - ``device_trace``: a spot-availability file (the count of single-GPU instances at each
   tick, scaled by ``pool_scale``, or mapped onto ``pool_range`` from ``offset_ticks`` on; every
   policy sees the same nodes leave at the same time for a given seed) or ``growth:LO:HI`` devices;
+  ``StepPoolTrace``: a running job's device count at each step, single devices of one node
+  (a host's worker processes drained and added one by one);
 - ``length_trace``: a response-length file (resampled onto the run's steps, optionally
   rescaled to ``length_range``) or ``growth:LO:HI`` tokens; with the file's per-step
   maximum where it gives one (``max``, else ``seq_len_max``: see ``length_trace``);
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,7 @@ __all__ = [
     "DeviceTrace",
     "SpotTrace",
     "GrowthTrace",
+    "StepPoolTrace",
     "LengthTrace",
     "CapSchedule",
     "device_trace",
@@ -70,10 +74,16 @@ def _parse_growth(spec: str, field: str) -> tuple[float, float] | None:
 
 
 class DeviceTrace:
-    """The nodes available over a run (see the module docstring)."""
+    """The nodes available over a run (see the module docstring). With ``per_device``
+    its "nodes" are the devices of a one-node cluster, each coming and going alone (a
+    host's worker processes, as a running job's pool trace drains and adds them). With
+    ``drains`` a device that leaves is drained, not lost: it keeps what it holds until
+    the job's next change has moved that off it."""
 
     name: str
     time_based: bool
+    per_device: bool = False
+    drains: bool = False
 
     def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
         raise NotImplementedError
@@ -204,6 +214,38 @@ class GrowthTrace(DeviceTrace):
 
     def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
         return frozenset(range(self.devices_at_step(step) // self.cluster.devices_per_node))
+
+    def first_loss(self, start: float, end: float, nodes: frozenset[int]) -> float | None:
+        return None
+
+    def next_available(self, seconds: float, step: int) -> float | None:
+        return seconds
+
+    def next_change(self, seconds: float, step: int) -> float | None:
+        return None
+
+
+class StepPoolTrace(DeviceTrace):
+    """A running job's pool as the simulator replays it: ``counts[s]`` devices of one
+    node live for step s (devices 0 .. counts[s] - 1; past the last count, the last),
+    changing only at step boundaries, as ``nereus.job.traces.PoolTrace`` drains and adds
+    single devices (a device that leaves is drained: ``drains``)."""
+
+    time_based = False
+    per_device = True
+    drains = True
+
+    def __init__(self, counts: Sequence[int], name: str = "steps") -> None:
+        require(
+            len(counts) >= 1 and all(isinstance(c, int) and c >= 1 for c in counts),
+            "counts",
+            list(counts)[:8],
+            "must be one integer >= 1 (devices) per step",
+        )
+        self.counts, self.name = tuple(counts), name
+
+    def nodes_at(self, seconds: float, step: int) -> frozenset[int]:
+        return frozenset(range(self.counts[min(step, len(self.counts) - 1)]))
 
     def first_loss(self, start: float, end: float, nodes: frozenset[int]) -> float | None:
         return None

@@ -21,7 +21,10 @@ Written apart from the planner: it imports no cost, memory or explain function o
   the allocator's fragmentation against sequence length, a fixed workspace; a device
   over its full memory is a memory failure (``StepTruth.overflow``);
 - moves: Extend (DP only) and TP/PP resharding, checkpoint restarts, by GPU count, from
-  the paper's figures.
+  the paper's figures;
+- devices with a CPU quota (``ClusterSpec.device_cores``: a host's worker processes) are
+  no GPUs: their steps, memory, moves and restarts come from the measured ``[cpu]``
+  table instead (``nereus.sim.cpu_truth``).
 
 Deterministic: every draw comes from the seed, the step and the attempt, so every policy
 meets the same lengths and jitter at a step.
@@ -43,6 +46,7 @@ from nereus.errors import ConfigError
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.workload import LengthStats, ModelShape, ModelStage, Workload
+from nereus.sim.cpu_truth import CPU_KEYS, CpuTruth, uses_cpu_truth
 from nereus.sim.traces import CapSchedule
 from nereus.transition.schedule import LinkModel
 
@@ -91,6 +95,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "restart": {"points": "pts"},
     "extend": {"points": "pts"},
     "reshard": {"points": "pts", "reference_params": "n"},
+    "cpu": dict.fromkeys(CPU_KEYS, "n"),
 }
 
 
@@ -298,6 +303,8 @@ class GroundTruth:
             / t["decode"]["weight_bytes"]
             * (t["device"]["hbm_bytes_per_s"] / cluster.memory_bandwidth)
         )
+        # devices with a CPU quota are CPU workers: the measured [cpu] table describes them
+        self.cpu = CpuTruth(t["cpu"], cluster, work) if uses_cpu_truth(cluster) else None
 
     # --- draws -------------------------------------------------------------------------
 
@@ -573,13 +580,19 @@ class GroundTruth:
         seconds: dict[str, float] = {}
         resident: dict[str, int] = {}
         transient: dict[str, int] = {}
+        cpu, stats = self.cpu, sample.stats
         for stage in self.work.stages:
             sp = plan[stage.name]
             devs = np.fromiter(sp.device_set, dtype=np.int64)
-            seconds[stage.name] = (
-                self._stage_seconds(stage, sp, sample) * slow * float(jitter[devs].max())
-            )
-            resident[stage.name], transient[stage.name] = self._stage_bytes(stage, sp, sample)
+            if cpu is not None:
+                base_s = cpu.stage_seconds(stage, sp, stats.mean, stats.max)
+                resident[stage.name], transient[stage.name] = cpu.stage_bytes(stage, sp, stats.max)
+            else:
+                base_s = self._stage_seconds(stage, sp, sample)
+                resident[stage.name], transient[stage.name] = self._stage_bytes(stage, sp, sample)
+            seconds[stage.name] = base_s * slow * float(jitter[devs].max())
+        if cpu is not None:
+            return self._cpu_step(plan, sample, seconds, resident, transient, slow)
         total = 0.0
         for members in self._levels():
             # model-stages of one level that share a device run one after the other
@@ -612,13 +625,38 @@ class GroundTruth:
             total, seconds, sample.stats, peaks, device_peaks, peak, tuple(sorted(over))
         )
 
+    def _cpu_step(
+        self,
+        plan: Plan,
+        sample: _Sample,
+        seconds: dict[str, float],
+        resident: dict[str, int],
+        transient: dict[str, int],
+        slow: float,
+    ) -> StepTruth:
+        """A step on CPU workers (``nereus.sim.cpu_truth``): its model-stages one after the
+        other, then the weight broadcasts and the controller's work; memory as the
+        workers' ledgers hold it."""
+        assert self.cpu is not None
+        total = sum(seconds.values()) + self.cpu.step_seconds(plan, sample.stats.mean) * slow
+        device_peaks = self.cpu.device_bytes(plan, resident, transient)
+        memory = self.cluster.device_memory_bytes
+        over = tuple((d, need, memory) for d, need in device_peaks.items() if need > memory)
+        peaks = {n: resident[n] + transient[n] for n in seconds}
+        return StepTruth(
+            total, seconds, sample.stats, peaks, device_peaks, max(device_peaks.values()), over
+        )
+
     # --- moves ----------------------------------------------------------------------------
 
     def _by_gpus(self, table: str, gpus: int) -> float:
         return log_interp(self.params.tables[table]["points"], max(1, gpus), extrapolate=True)
 
     def restart_seconds(self, plan: Plan) -> float:
-        """A checkpoint restart onto ``plan`` (the paper's Table 4, by its GPU count)."""
+        """A checkpoint restart onto ``plan`` (the paper's Table 4, by its GPU count; on
+        CPU workers every engine started again, ``nereus.sim.cpu_truth``)."""
+        if self.cpu is not None:
+            return self.cpu.restart_seconds(plan)
         return self._by_gpus("restart", len(plan.devices))
 
     def transition_seconds(self, current: Plan, target: Plan, step: int = 0) -> float:
@@ -627,6 +665,8 @@ class GroundTruth:
         when any model-stage's EMUs change; by the target's GPU count."""
         if current == target:
             return 0.0
+        if self.cpu is not None:
+            return self.cpu.move_seconds(current, target) / self.drift(step)
         gpus = len(target.devices)
         seconds = 0.0
         ref = self.params.tables["reshard"]["reference_params"]
@@ -642,6 +682,9 @@ class GroundTruth:
     def link_model(self, step: int, nodes: int) -> LinkModel:
         """The truth's links for a transition over ``nodes`` nodes: what shares its nodes'
         seconds out of the move's total (``transition_seconds``)."""
+        if self.cpu is not None:  # one host: every worker pair at the measured broadcast rate
+            bw = self.cpu.bandwidth()
+            return LinkModel(bw, bw, 1.0, 1.0, 0.0, 0.0)
         c = self.params.tables["collectives"]
         big = 2.0**28
         per_device = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nereus.errors import ConfigError
@@ -16,7 +18,7 @@ from nereus.planner import (
     search,
 )
 from nereus.planner.cluster import local_cpu_cluster
-from nereus.planner.search import place_by_capacity
+from nereus.planner.search import place_by_capacity, stage_candidates
 
 MiB = 2**20
 
@@ -100,3 +102,30 @@ def test_capped_collectives_are_a_ring_of_wake_ups():
     capped, shared = _cluster([0.5] * 4), _cluster(None)
     assert [capped.collective_latency_steps(n) for n in (1, 2, 4)] == [0, 2, 6]
     assert [shared.collective_latency_steps(n) for n in (1, 2, 4)] == [0, 2, 4]
+
+
+def test_a_one_node_pool_shrinks_by_single_devices_as_a_running_job_describes_it():
+    # a running job on 4 worker processes that loses 2 plans for local_cpu_cluster(2, ...)
+    two = _cluster([0.45] * 4).with_devices(2)
+    want = _cluster([0.45] * 2, devices=2)
+    assert dataclasses.replace(two, name=want.name) == want
+    assert (two.nodes, two.devices_per_node, two.device_cores) == (1, 2, (0.45, 0.45))
+    assert _cluster([0.45] * 4).with_devices(4) == _cluster([0.45] * 4)
+    # one node of 2 still holds a TP 2 replica; two nodes of 1 (the whole-node view of
+    # the same pool) cannot, so the two shapes search different spaces
+    work = _work()
+    tps = {c.tp for c in stage_candidates(work, two, CONSERVATIVE, 0, 2, prune=False)}
+    nodes = _cluster([0.45], devices=1).with_nodes(2)
+    split = {c.tp for c in stage_candidates(work, nodes, CONSERVATIVE, 0, 2, prune=False)}
+    assert tps == {1, 2} and split == {1}
+
+
+def test_several_nodes_change_by_whole_nodes_and_unlike_devices_are_named():
+    nodes = _cluster([0.45] * 2, devices=2).with_nodes(3)
+    assert nodes.with_devices(4).nodes == 2
+    with pytest.raises(ConfigError, match="whole nodes of 2 devices"):
+        nodes.with_devices(3)
+    with pytest.raises(ConfigError, match="one capacity for every device"):
+        _cluster([0.45, 0.45, 0.45, 0.9]).with_devices(3)
+    with pytest.raises(ConfigError, match="devices"):
+        _cluster(None).with_devices(0)

@@ -12,9 +12,11 @@ import sys
 
 import pytest
 
+import nereus.sim.cpu_truth as cpu_truth_module
 import nereus.sim.truth as truth_module
 from nereus.errors import ConfigError
 from nereus.planner import LengthStats, Workload, cluster_preset, model_preset, search
+from nereus.planner.cluster import local_cpu_cluster
 from nereus.planner.plan import Plan, StagePlan
 from nereus.sim import CapSchedule, GroundTruth, load_truth_params
 from nereus.sim.truth import PARAMS_PATH, SCHEMA, truth_params_from
@@ -50,8 +52,11 @@ explain_module = importlib.import_module("nereus.planner.explain")
 SOURCE_KINDS = ("published", "public benchmark", "vendor", "measurement", "derived", "assumption")
 
 
-def test_the_truth_imports_no_planner_cost_or_memory_function():
-    tree = ast.parse(PARAMS_PATH.with_name("truth.py").read_text())
+@pytest.mark.parametrize(
+    ("source", "module"), [("truth.py", truth_module), ("cpu_truth.py", cpu_truth_module)]
+)
+def test_the_truth_imports_no_planner_cost_or_memory_function(source, module):
+    tree = ast.parse(PARAMS_PATH.with_name(source).read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -65,7 +70,7 @@ def test_the_truth_imports_no_planner_cost_or_memory_function():
     assert "<package>" not in imported  # names come from their own modules, checked above
     assert not imported & FORBIDDEN_NAMES, imported & FORBIDDEN_NAMES
     for name in FORBIDDEN_NAMES:
-        assert not hasattr(truth_module, name), name
+        assert not hasattr(module, name), name
 
 
 def test_a_step_never_calls_the_planners_formulas(monkeypatch):
@@ -84,6 +89,29 @@ def test_a_step_never_calls_the_planners_formulas(monkeypatch):
         plan, 3, 900
     )
     assert got.seconds > 0 and got.device_peak > 0
+    # and on CPU workers under a quota (the [cpu] table), with a move and a restart
+    cpu = local_cpu_cluster(
+        4,
+        2**30,
+        flops_per_device=3e10,
+        memory_bandwidth=5e9,
+        exchange_bandwidth=4e9,
+        device_cores=[0.45] * 4,
+    )
+    tiny = Workload.for_models(
+        "ppo",
+        model_preset("tiny"),
+        prompts_per_step=8,
+        samples_per_prompt=4,
+        prompt_length=8,
+        lengths=LengthStats(32, 32, 32),
+        micro_batch=2,
+    )
+    on_cpu = GroundTruth(load_truth_params(), cpu, tiny, max_length=64, seed=0)
+    assert on_cpu.cpu is not None
+    both, one = _plan(tiny, 4), _plan(tiny, 2)
+    assert on_cpu.step(both, 3, 32).seconds > 0
+    assert on_cpu.transition_seconds(both, one) > 0 and on_cpu.restart_seconds(one) > 0
 
 
 def test_every_table_names_its_source():
