@@ -15,6 +15,9 @@ those draining) and fires on:
 - ``drift`` (soft): the mean response length (last few updates whose batches were
   generated wholly at the current cap) or that cap drifted past ``adapt.length_drift``
   (relative) from its value at the last decision.
+- ``lost`` (hard, ``after_fault``): a worker died on the training side or every
+  generation EMU did; called by ``nereus.job.async_recovery`` with the producers stopped,
+  it adopts the best split over the devices left and builds what has no intact EMU.
 
 Each prices the current split and the best split over the pool (``search_async``: the
 slower side plus the sync, on the devices' CPU cores where they have a limit; the
@@ -37,11 +40,12 @@ import time
 from typing import Any
 
 from nereus.actors import emit
-from nereus.errors import StateError
+from nereus.errors import InfeasiblePlan, StateError
 from nereus.job.adapt import job_workload, usable_devices
 from nereus.job.config import from_planner_plan, to_planner_plan
 from nereus.planner import LengthStats, explain, local_cpu_cluster_probed
 from nereus.planner.async_cost import search_async
+from nereus.planner.plan import Plan
 from nereus.planner.pool import DevicePool
 from nereus.planner.relabel import relabel
 
@@ -50,7 +54,7 @@ __all__ = ["AsyncAdapter"]
 log = logging.getLogger("nereus.rl")
 
 WINDOW = 4  # updates the length signal is averaged over
-HARD = ("drain", "memory")
+HARD = ("drain", "memory", "lost")
 
 
 class AsyncAdapter:
@@ -71,6 +75,7 @@ class AsyncAdapter:
         self.decisions: list[dict[str, Any]] = []
         self.pool_ids: set[int] = set(self.stages.plan.devices)  # the pool at the last boundary
         self.lost_seen = 0  # generation EMUs that died, as counted at the last boundary
+        self.priced: LengthStats | None = None  # the lengths the last boundary priced
 
     def _drifted(self, length: float, cap: int) -> bool:
         if self.reference is None:
@@ -142,6 +147,7 @@ class AsyncAdapter:
         # ran at it, with the lengths it gave
         longest = float(max(record["response_len_max"], length))
         lengths = LengthStats(length, longest, max(ran_cap, int(longest)))
+        self.priced = lengths
         work = job_workload(
             self.cfg,
             st.model_config,
@@ -164,6 +170,39 @@ class AsyncAdapter:
         self.reference = (length, ran_cap)
         return await self._decide(step, triggers, work, cluster, pool, slots)
 
+    async def after_fault(self, step: int, dead: list[int], plan: Plan) -> dict[str, Any]:
+        """Replan at once after workers died (``nereus.job.recovery.forget_dead`` left the
+        intact EMUs; the producers are stopped, ``nereus.job.async_recovery``): ``plan``
+        is the job's plan before the fault, the dead devices a hard ``lost`` trigger. The
+        best split over the pool left is adopted; model-stages without an intact EMU are
+        built there. Returns the change; ``StateError`` when the pool left cannot hold
+        generation apart from training."""
+        st = self.stages
+        pool, triggers = await self._pool()
+        triggers.insert(0, {"kind": "lost", "detail": "devices", "devices": sorted(dead)})
+        cap = self.cfg.sampling.cap_at(step)
+        at_cap = LengthStats(float(cap), float(cap), cap)
+        work = job_workload(
+            self.cfg,
+            st.model_config,
+            prompt_length=self.prompt_length,
+            lengths=self.priced or at_cap,
+            memory_lengths=at_cap,
+        )
+        gone = [d for d in sorted(plan.devices) if d not in pool.ids]
+        slots = pool.to_slots(to_planner_plan(plan), gone=gone)
+        try:
+            change = await self._decide(
+                step, triggers, work, self._cluster(pool), pool, slots, plan=plan, paused=True
+            )
+        except InfeasiblePlan as e:
+            raise StateError(
+                f"update {step}: devices {sorted(dead)} died and the devices left "
+                f"{list(pool.ids)} cannot hold policy-generation apart from training: {e}"
+            ) from e
+        assert change is not None  # a hard trigger: adopted or raised
+        return change
+
     async def _decide(
         self,
         step: int,
@@ -172,9 +211,14 @@ class AsyncAdapter:
         cluster: Any,
         pool: DevicePool,
         slots: Any,
+        *,
+        plan: Plan | None = None,
+        paused: bool = False,
     ) -> dict[str, Any] | None:
+        """Price, admit and run a change from ``plan`` (default: the job's); ``paused``:
+        the producers are stopped already and are resumed by the caller."""
         st = self.stages
-        plan = st.plan
+        plan = st.plan if plan is None else plan
         eff = st.calibrator.fit()
         now_g = len(plan["policy_generation"].devices)
         now_n = len(plan.devices)
@@ -232,9 +276,11 @@ class AsyncAdapter:
                 f"trigger(s) {hard} need the plan to change"
             )
         t0 = time.perf_counter()
-        await self.run.pause()
+        if not paused:
+            await self.run.pause()
         report = await self.job.apply_plan(target)
-        await self.run.resume()
+        if not paused:
+            await self.run.resume()
         change = {
             "step": step,
             "triggers": [f"{t['kind']}:{t['detail']}" for t in triggers],

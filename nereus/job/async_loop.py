@@ -29,6 +29,10 @@ entries.
   EMUs left, and with ``[adapt]`` the next weight sync prices rebuilding it on a spare or
   joined device (``nereus.job.async_adapt``: also drains, joins and the memory trigger).
   Checkpoints hold the ledger, so a resumed run trains the same positions.
+- With ``[adapt]``, a death on the training side (an update, its proximal log-probs, a
+  weight sync, a checkpoint) or of every generation EMU is recovered from as in sync mode
+  (``nereus.job.async_recovery``); without it the run stops (``GenerationLost`` when
+  generation is gone).
 
 Refuses (``ConfigError``, checked by the job config): generation sharing a device with
 another model-stage, a reward model, the in-process backend, the vLLM engine.
@@ -40,13 +44,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nereus.actors import emit
-from nereus.errors import DeadlineExceeded, StateError
+from nereus.errors import DeadlineExceeded
 from nereus.job.async_adapt import AsyncAdapter
+from nereus.job.async_recovery import AsyncRecovery, GenerationLost, is_own_death, ledger_state
 from nereus.job.async_update import EntryShape, train_entries, update_record
 from nereus.job.export import latest_checkpoint
 from nereus.job.recovery import is_fault
@@ -115,6 +120,8 @@ class AsyncRun:
         self.t0 = time.perf_counter()
         self.pausing = False  # producers stop at their next decode call (a plan change)
         self.adapter: Any = None  # nereus.job.async_adapt.AsyncAdapter with [adapt] enabled
+        self.recovery: AsyncRecovery | None = None  # with [adapt] enabled, as in sync mode
+        self.training: list[Group] = []  # the batch of the update in flight
         self._resume_ledger()
 
     def _resume_ledger(self) -> None:
@@ -123,11 +130,12 @@ class AsyncRun:
         ckpt = latest_checkpoint(self.job.out_dir)
         if ckpt is None:
             return
-        state = json.loads((ckpt / "job.json").read_text()).get("async")
-        if state is None:
-            raise StateError(
-                f"checkpoint {str(ckpt)!r} was saved by a synchronous run; it has no async ledger"
-            )
+        state = ledger_state(
+            json.loads((ckpt / "job.json").read_text()),
+            self.B,
+            self.cfg.run.steps,
+            self.shape.per_prompt,
+        )
         self.ledger.end = int(state["end"])
         self.ledger.load_state_dict(state)
 
@@ -178,12 +186,16 @@ class AsyncRun:
                 try:
                     return await self._sync_worker(w)
                 except Exception as e:
-                    if not self._is_own_fault(w, e):
+                    if not await self._is_own_fault(w, e):
                         raise
                     await self._lose_worker(w, e, [])
                     return {"bytes": 0, "seconds": 0.0}
 
-        out = await asyncio.gather(*(one(w) for w in self.workers))
+        # every sync ends before a failure is raised: a recovery starts with no sync running
+        out = await asyncio.gather(*(one(w) for w in self.workers), return_exceptions=True)
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
         return {
             "bytes": sum(o["bytes"] for o in out),
             "seconds": max((o["seconds"] for o in out), default=0.0),
@@ -264,19 +276,17 @@ class AsyncRun:
                     return
                 await self._request(w, positions)
             except Exception as e:
-                if not self._is_own_fault(w, e):
+                if not await self._is_own_fault(w, e):
                     raise
                 await self._lose_worker(w, e, positions)
                 return
 
-    @staticmethod
-    def _is_own_fault(w: _Worker, e: Exception) -> bool:
-        """Whether ``e`` is a worker's death that takes ``w`` with it: a death on one of
-        its devices, or a peer's death seen from its group (no device named)."""
-        if not is_fault(e):
-            return False
-        device = getattr(e, "device", None)
-        return device is None or device in w.emu.devices
+    async def _is_own_fault(self, w: _Worker, e: Exception) -> bool:
+        """Whether ``e`` is a worker's death that takes ``w`` with it: one of its devices
+        died (a death elsewhere, say policy-training's during a weight sync, is raised to
+        the training loop)."""
+        lost = {d for _, devices in self.lost_workers for d in devices}
+        return is_fault(e) and await is_own_death(self.stages, w.emu.devices, e, lost)
 
     async def _lose_worker(self, w: _Worker, e: Exception, positions: list[int]) -> None:
         """``w`` died: its unfinished groups go back to the ledger, issued again."""
@@ -415,7 +425,10 @@ class AsyncRun:
                 if batch is not None:
                     return batch
                 if not any(w.alive for w in self.workers):
-                    raise StateError("every policy-generation EMU died; the async run cannot go on")
+                    raise GenerationLost(
+                        "every policy-generation EMU died; the async run cannot go on "
+                        "(with [adapt] enabled it rebuilds generation on the devices left)"
+                    )
                 try:
                     await asyncio.wait_for(self.changed.wait(), 5.0)
                 except asyncio.TimeoutError:
@@ -431,16 +444,7 @@ class AsyncRun:
                 self.job.codec.pad_id,
                 self.mode.importance_cap,
             )
-            async with self.changed:
-                record["staleness_histogram"] = {
-                    str(s): n for s, n in self.ledger.commit(groups, self.version).items()
-                }
-                self.trained_log += [
-                    (self.version, g.position, g.sample_index, g.used_versions) for g in groups
-                ]
-                self.version += 1
-                st.policy_version = self.version
-                self.changed.notify_all()
+            record["staleness_histogram"] = await self.commit(groups)
             if self.mode.partial_rollout:
                 t1 = time.perf_counter()
                 sync = await self._sync_all()
@@ -449,6 +453,19 @@ class AsyncRun:
         record.update(update_record(rollouts, groups))
         record["max_staleness_seen"] = max(int(s) for s in record["staleness_histogram"])
         return record
+
+    async def commit(self, groups: list[Group]) -> dict[str, int]:
+        """``groups`` were trained by update ``self.version``: the ledger says so and the
+        version advances. Returns their staleness histogram (tokens per staleness)."""
+        async with self.changed:
+            hist = self.ledger.commit(groups, self.version)
+            self.trained_log += [
+                (self.version, g.position, g.sample_index, g.used_versions) for g in groups
+            ]
+            self.version += 1
+            self.stages.policy_version = self.version
+            self.changed.notify_all()
+        return {str(s): n for s, n in hist.items()}
 
     async def _checkpoint(self) -> None:
         job = self.job
@@ -471,8 +488,8 @@ class AsyncRun:
         stages' own calls (checkpoints, close) skip them."""
         st = self.stages
         dead = [w for w in self.workers if not w.alive]
-        if not dead:
-            return
+        if not dead or len(dead) == len(self.workers):
+            return  # every one died: the model-stage is rebuilt (GenerationLost) or the run ends
         names = {w.name for w in dead}
         st.emus["policy_generation"] = [
             e for e in st.emus["policy_generation"] if e.name not in names
@@ -489,16 +506,25 @@ class AsyncRun:
         st._plan = Plan(tuple((n, sp if n == "policy_generation" else p) for n, p in st.plan))
         self.workers = [w for w in self.workers if w.alive]
 
-    async def pause(self) -> None:
+    async def pause(self, *, after_fault: bool = False) -> None:
         """Stop every producer at its next decode call (unfinished groups go back to the
-        ledger, finished ones stay in the buffer); ``resume`` starts them again."""
+        ledger, finished ones stay in the buffer); ``resume`` starts them again.
+        ``after_fault``: a producer that a worker's death stopped is not an error, and
+        what it had in flight is issued again (``regenerated_groups``)."""
         self.pausing = True
         async with self.changed:
             self.changed.notify_all()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for t in self.tasks:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+            e = None if t.cancelled() else t.exception()
+            if e is not None and not (after_fault and is_fault(e)):
+                raise e
+            if e is not None:
+                log.warning("producer %s stopped by a worker's death: %s", t.get_name(), e)
+        if after_fault:
+            async with self.changed:
+                self.regenerated_rows += len(self.ledger.in_flight) * self.K
+                self.ledger.lose(sorted(self.ledger.in_flight))
         for w in self.workers:
             if w.group is not None:
                 await w.group.destroy()
@@ -517,11 +543,58 @@ class AsyncRun:
             asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers
         ]
 
+    async def _next_update(self) -> dict[str, Any]:
+        """Wait for the next batch and train it (its weight sync too); the update's record."""
+        job = self.job
+        t0 = time.perf_counter()
+        self.training = []
+        groups = await self._batch()
+        waited = time.perf_counter() - t0
+        self.training = groups
+        record = await self._update(groups)
+        self.training = []
+        record.update(
+            {
+                "step": job.step,
+                "wait_seconds": waited,
+                "update_seconds": time.perf_counter() - t0,
+                "wall_seconds": time.perf_counter() - self.t0,
+                "regenerated_groups": self.ledger.regenerated_groups,
+                "generation_busy_seconds": {w.name: round(w.busy_s, 4) for w in self.workers},
+            }
+        )
+        job.step += 1
+        self._drop_dead()
+        return record
+
+    async def _adapt(self, record: dict[str, Any]) -> None:
+        """The adapter at this weight sync. With every generation EMU dead, first
+        ``GenerationLost``: the recovery rebuilds them, or (without ``[adapt]``) the run
+        ends here."""
+        if not any(w.alive for w in self.workers):
+            raise GenerationLost(
+                f"every policy-generation EMU died by update {record['step']}; the async run "
+                "cannot go on (with [adapt] enabled it rebuilds generation on the devices left)"
+            )
+        if self.job.step < self.cfg.run.steps:
+            change = await self.adapter.after_update(record)
+            if change is not None:
+                record["transition"] = change
+
+    async def _after(self, record: dict[str, Any]) -> None:
+        """The job's boundary hooks, then a checkpoint when one is due."""
+        job, every = self.job, self.cfg.run.checkpoint_every
+        for hook in job.boundary_hooks:
+            await hook(job, record)
+        if (every and job.step % every == 0) or job.step == self.cfg.run.steps:
+            await self._checkpoint()
+
     async def run(
         self, on_record: Callable[[dict[str, Any]], Any] = lambda r: None
     ) -> list[dict[str, Any]]:
         """The remaining updates (each record also to ``on_record`` and the job's
-        records); returns their records."""
+        records); returns their records. With ``[adapt]`` a worker's death is recovered
+        from (``nereus.job.async_recovery``): an update it stopped is redone or kept."""
         job, cfg = self.job, self.cfg
         await self._make_workers()
         self.tasks = [
@@ -529,35 +602,24 @@ class AsyncRun:
         ]
         if cfg.adapt.enabled:
             self.adapter = AsyncAdapter(self)
-        every = cfg.run.checkpoint_every
+            self.recovery = AsyncRecovery(self)
+        guarded = self.recovery.guarded if self.recovery is not None else _unguarded
         try:
             while job.step < cfg.run.steps:
-                t0 = time.perf_counter()
-                groups = await self._batch()
-                waited = time.perf_counter() - t0
-                record = await self._update(groups)
-                record.update(
-                    {
-                        "step": job.step,
-                        "wait_seconds": waited,
-                        "update_seconds": time.perf_counter() - t0,
-                        "wall_seconds": time.perf_counter() - self.t0,
-                        "regenerated_groups": self.ledger.regenerated_groups,
-                        "generation_busy_seconds": {
-                            w.name: round(w.busy_s, 4) for w in self.workers
-                        },
-                    }
-                )
-                job.step += 1
-                self._drop_dead()
-                if self.adapter is not None and job.step < cfg.run.steps:
-                    change = await self.adapter.after_update(record)
-                    if change is not None:
-                        record["transition"] = change
+                record = await guarded(self._next_update, "update")
+                if record is None:
+                    continue  # a worker died: the update was redone or kept, or the run rewound
+                if self.adapter is not None or not any(w.alive for w in self.workers):
+                    await guarded(lambda r=record: self._adapt(r), "boundary")
+                    if record["step"] >= job.step:
+                        continue  # a checkpoint before this update was restored: it is redone
                 emit(
                     "step",
                     step=record["step"],
-                    stage_seconds={"train": record["train_seconds"], "wait": waited},
+                    stage_seconds={
+                        "train": record["train_seconds"],
+                        "wait": record["wait_seconds"],
+                    },
                     tokens=record["tokens_generated"],
                     reward=record["reward_mean"],
                     response_length_tokens=record["response_len_mean"],
@@ -572,10 +634,7 @@ class AsyncRun:
                 self.records.append(record)
                 job.records.append(record)
                 on_record(record)
-                for hook in job.boundary_hooks:
-                    await hook(job, record)
-                if (every and job.step % every == 0) or job.step == cfg.run.steps:
-                    await self._checkpoint()
+                await guarded(lambda r=record: self._after(r), "boundary")
         finally:
             for t in self.tasks:
                 t.cancel()
@@ -597,5 +656,11 @@ class AsyncRun:
             "regenerated_groups": self.ledger.regenerated_groups,
             "regenerated_samples": self.regenerated_rows,
             "restarted_groups": self.ledger.restarted_groups,
+            "rewound_groups": self.recovery.rewound_groups if self.recovery is not None else 0,
             "plan_changes": len(self.adapter.changes) if self.adapter is not None else 0,
         }
+
+
+async def _unguarded(work: Callable[[], Awaitable[Any]], during: str) -> Any:
+    """``work`` as it is: without ``[adapt]`` a worker's death ends the run."""
+    return await work()

@@ -368,7 +368,7 @@ class RLJob:
 
     async def _guarded(self, work: Callable[[], Awaitable[Any]], during: str) -> Any:
         """``await work()``; with ``[adapt]`` on, a worker's death inside it is recovered
-        from (``_recover``) and None returned; anything else is raised."""
+        from (``recover``) and None returned; anything else is raised."""
         if self.adapter is None:
             return await work()
 
@@ -385,18 +385,39 @@ class RLJob:
         except Exception as e:
             if not is_fault(e):
                 raise
-            await self._recover(e, during, start)
+            await self.recover(e, during, start)
             return None
 
-    async def _recover(self, error: BaseException, during: str, start: tuple) -> None:
+    async def recover(
+        self,
+        error: BaseException,
+        during: str,
+        start: tuple[int, dict[str, Any], int, dict[str, list[int]]],
+        *,
+        replan: Callable[[int, list[int]], Awaitable[Any]] | None = None,
+        restored: Callable[[Path], Awaitable[None]] | None = None,
+        settle: Callable[[Fault], Awaitable[dict[str, Any]]] | None = None,
+    ) -> Fault:
         """Back to a runnable plan after workers died (``nereus.job.recovery``): drop what
         died, keep the intact EMUs, replan on the devices left, build what was lost;
         restore the newest checkpoint if a training state lost its last copy; otherwise
-        redo the step if its update was not committed, or go on from the committed one."""
+        redo the step if its update was not committed, or go on from the committed one.
+
+        ``start`` is (step, dataset state, policy version, update counters) when the work
+        began; ``during`` is "step" or "boundary" (a boundary's update stands), or the
+        asynchronous run's "update". The asynchronous run (``nereus.job.async_recovery``)
+        passes its own ``replan`` (``await replan(step, dead)``: the async adapter's split
+        instead of the controller loop's), ``restored`` (called with the checkpoint
+        loaded: its ledger rewinds with it) and ``settle`` (its update kept or redone, its
+        producers resumed; returns extra fields for the ``fault`` event); all three run
+        again if another worker dies before the job is runnable. Returns the fault, also
+        appended to ``faults`` and put on the tap."""
         assert self.stages is not None and self.adapter is not None
         step0, dataset0, version0, counts0 = start
+        replan = replan if replan is not None else self.adapter.after_fault
         t0 = time.perf_counter()
         fault = Fault(step0, [], during, f"{type(error).__name__}: {error}"[:400])
+        extra: dict[str, Any] = {}
         for attempt in range(4):
             try:
                 dead = await dead_devices(self.stages)
@@ -407,11 +428,11 @@ class RLJob:
                 fault.dropped += lost.dropped
                 fault.missing = sorted(set(fault.missing) | set(lost.missing))
                 counts = await settle_updates(self.stages, lost)
-                if during == "step":
-                    fault.committed = any(c > max(counts0.get(s, [c])) for s, c in counts.items())
-                else:
+                if during == "boundary":
                     fault.committed = True
-                await self.adapter.after_fault(self.step, lost.dead)
+                else:
+                    fault.committed = any(c > max(counts0.get(s, [c])) for s, c in counts.items())
+                await replan(self.step, lost.dead)
                 if any(s in fault.missing for s in ("policy_training", "critic_training")):
                     done = [c for c in self._checkpoints if (c / "job.json").is_file()]
                     if not done:
@@ -424,6 +445,8 @@ class RLJob:
                     await self.load_checkpoint(ckpt)
                     fault.restored_from = ckpt.name
                     self._rewind_record(ckpt.name, reached)
+                    if restored is not None:
+                        await restored(ckpt)
                 elif during == "step" and not fault.committed:
                     self.dataset.load_state_dict(dataset0)
                     self.step = step0
@@ -434,6 +457,8 @@ class RLJob:
                     if self.stages.policy_version == version0:
                         self.stages.sample_position = self.dataset.position
                         await self.stages.sync_policy()
+                if settle is not None:
+                    extra = await settle(fault)
                 break
             except Exception as e:
                 if attempt == 3 or not is_fault(e):
@@ -442,7 +467,7 @@ class RLJob:
                 fault.during = "recovery"
         fault.recover_seconds = time.perf_counter() - t0
         self.faults.append(fault)
-        emit("fault", **fault.as_record())
+        emit("fault", **fault.as_record(), **extra)
         log.warning(
             "recovered from the death of devices %s in %.2f s (%s)",
             fault.devices,
@@ -451,8 +476,11 @@ class RLJob:
             if fault.restored_from
             else "step redone"
             if fault.redone
-            else "update kept",
+            else "update kept"
+            if fault.committed
+            else "no update in flight",
         )
+        return fault
 
     def _rewind_record(self, checkpoint: str, reached: int) -> None:
         """The job went back from step ``reached`` to ``checkpoint`` (now at ``self.step``):

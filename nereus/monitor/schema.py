@@ -215,7 +215,8 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
     "fault": {
         "step": "the step it hit",
         "devices": "devices that died",
-        "during": "step, boundary or recovery",
+        "during": "step, boundary or recovery (async mode: update, boundary, recovery, or "
+        "generation for a generation EMU's own death)",
         "error": "what the driver saw",
         "committed": "bool: the step's update had been committed",
         "restored_from": "checkpoint loaded (a training state lost its last copy), else empty",
@@ -224,6 +225,8 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
         "dropped": "EMUs lost with the devices",
         "missing": "model-stages rebuilt from scratch",
         "regenerated_groups": "async mode: unfinished groups issued again from the same positions",
+        "rewound_groups": "async mode: groups trained or finished after a restored checkpoint, "
+        "issued again",
     },
     "rewind": {
         "step": "the step the job goes on from (a restored checkpoint's)",
