@@ -209,6 +209,7 @@ class Change:
             "bytes": self.bytes,
             "reason": self.reason,
             "overlapped": self.overlapped,
+            "held_back": list(self.report.get("held_back", [])),
             "ok": self.ok,
         }
 
