@@ -3,7 +3,10 @@
 The Replanner of ``[adapt] policy`` (``nereus.planner.policies``, the definition the
 simulator runs too) triggers, searches and admits (the payback rule, or the urgent path for a
 lost or drained device or a predicted memory overflow); an admitted target goes to
-``ClusterStages.apply_plan`` at this boundary. Every boundary where a trigger fired puts
+``ClusterStages.apply_plan`` at this boundary, with ``[adapt] overlap``: a change that
+runs beside the next step is waited for by ``settle`` (the step calls it before it
+ends), which completes its record (``Change``, and the decision's ``transition``). Every
+boundary where a trigger fired puts
 a ``decision`` event on the tap (each trigger with its detail, the current and target
 plans as device ids, predicted seconds per step of each, the saving, the transition
 estimate and bytes, payback against its limit, ``admitted`` and why); each executed

@@ -19,6 +19,10 @@ uninterrupted job would have taken (same samples, same rollouts, same updates). 
 running job that restores a checkpoint after a fault rewinds its record with it: every
 step is recorded once (the redone one), and a ``rewind`` tap event names the dropped steps.
 
+Every record carries ``boundary_seconds`` (the wall time of the boundary after its
+step). A change of plan that runs beside the next step (``[adapt] overlap``) ends
+within that step; the record of the boundary that started it is logged once it ended.
+
 With ``[rl] mode = "async"`` the steps are updates of ``nereus.job.async_loop.AsyncRun``
 (generation and training at once; its records carry the staleness histogram).
 
@@ -329,9 +333,11 @@ class RLJob:
                 self.records.append(record)
                 every = cfg.run.checkpoint_every
                 due = (every and self.step % every == 0) or self.step == cfg.run.steps
-                if due and self.adapter is not None:
-                    # a checkpoint waits for a change running beside the step anyway
+                if due and self.adapter is not None and self.adapter.overlapping:
+                    # a checkpoint waits for a change started here: it runs in the boundary
+                    t0 = time.perf_counter()
                     await self._guarded(self.adapter.settle, "boundary")
+                    record["boundary_seconds"] += time.perf_counter() - t0
                 held = record
                 release_held()
                 if due:
