@@ -2,6 +2,7 @@
 
 ``python -m benchmarks.policies [--steps 40] [--rounds 3] [--cores 0.45]``
 ``[--lengths PATH --pool PATH [--pool-offset N]]... [--policies payback,always,every-k,static]``
+``[--overlap auto|true|false|both]``
 
 One pinned PPO job (critic and reference included; a tiny decoder of ``MODEL``), four
 local devices of ``--cores`` cores each (a kernel quota) and ``MEMORY`` each, the same
@@ -22,12 +23,27 @@ pinned first plan and the probed calibration prior) beside it. Its ground truth 
 one shipped: for these workers the ``[cpu]`` table, measured by ``benchmarks.cpu_truth``
 apart from these runs (never fitted on them).
 
+``--overlap`` sets ``[adapt] overlap`` for every run (default ``auto``, the job's
+default: a change runs beside the next step's generation where generation's devices are
+untouched; these devices are capped, so "auto" may overlap). ``both`` runs every policy
+and pair twice, with ``false`` and ``auto``, on the same seeds and traces, and adds per
+pair and policy: the step time at each transition boundary both ways (a boundary's
+wall time, the change included, plus the next step's: what a change costs the loop,
+whether it ran inside the boundary or beside the next step), over the boundaries where
+both runs changed the plan before the same step, and ``overlap_saving_s``, the sum over
+them of (without overlap - with overlap), and ``overlapped_saving_s``, the same over
+the boundaries whose change did run beside the next step (at the others both runs did
+the same, and the difference is the machine's noise; each boundary names the
+model-stages its change held back); medians over rounds. The ratios and the main table
+are the ``auto`` runs'.
+
 Last line: one JSON object with ``ratio_vs_static``, ``ratio_vs_always``,
 ``ratio_vs_every_k`` (payback's mean step over the other's, averaged over the pairs),
 ``payback_best_on_every_trace``, ``memory_failures`` (per policy), ``sim_vs_live_error``
 (mean absolute relative error of the simulator's mean step against the live one, over
 the policies and pairs it ran), ``sim_errors`` (why a simulated run could not finish,
-if one could not) and the table.
+if one could not), ``overlap_mode``, the table and, with ``--overlap both``, ``overlap``
+(its table and ``overlap_saving_s`` summed over it).
 """
 
 from __future__ import annotations
@@ -122,7 +138,12 @@ class Pair:
         return f"{Path(self.lengths).stem}|{Path(self.pool).stem}+{self.offset}"
 
 
-def job_config(policy: str, pair: Pair, steps: int, cores: float, out_dir: str) -> JobConfig:
+OVERLAP_MODES = {"auto": "auto", "true": True, "false": False}
+
+
+def job_config(
+    policy: str, pair: Pair, steps: int, cores: float, out_dir: str, overlap: str = "auto"
+) -> JobConfig:
     data = {
         "model": MODEL,
         "task": {
@@ -146,7 +167,13 @@ def job_config(policy: str, pair: Pair, steps: int, cores: float, out_dir: str) 
             "cores_per_device": cores,
         },
         "plan": PLAN,
-        "adapt": {"enabled": True, "policy": policy, "every_k": 3, "gamma": 0.5},
+        "adapt": {
+            "enabled": True,
+            "policy": policy,
+            "every_k": 3,
+            "gamma": 0.5,
+            "overlap": OVERLAP_MODES[overlap],
+        },
         "trace": {"lengths": pair.lengths, "pool": pair.pool, "pool_offset": pair.offset},
         "run": {
             "steps": steps,
@@ -222,11 +249,31 @@ def simulate(rl: RLJob, policy: str, pair: Pair, steps: int) -> tuple[float | No
         return None, str(e)
 
 
+def boundaries(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each transition boundary of a run, by the step the change ran before (or beside):
+    its ``seconds`` (the boundary's wall time plus the next step's) and whether the
+    change ``overlapped`` that step, and the model-stages it ``held_back`` (with overlap,
+    those that waited for it). Changes that failed are left out."""
+    by_step = {r["step"]: r for r in records}
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        t = r.get("transition")
+        nxt = by_step.get(r["step"] + 1)
+        if not t or not t.get("ok", True) or nxt is None:
+            continue
+        out[str(t["step"])] = {
+            "seconds": r["boundary_seconds"] + nxt["step_seconds"],
+            "overlapped": bool(t.get("overlapped", False)),
+            "held_back": t.get("held_back", []),
+        }
+    return out
+
+
 async def run_one(
-    policy: str, pair: Pair, steps: int, cores: float, with_sim: bool
+    policy: str, pair: Pair, steps: int, cores: float, with_sim: bool, overlap: str = "auto"
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="nereus-policies-") as out:
-        rl = RLJob(job_config(policy, pair, steps, cores, out))
+        rl = RLJob(job_config(policy, pair, steps, cores, out, overlap))
         await rl.start()
         failed = 0
         restarts = 0
@@ -246,11 +293,13 @@ async def run_one(
             sim, sim_error = simulate(rl, policy, pair, steps) if with_sim else (None, "")
         finally:
             await rl.close()
-    moved = [r["transition"] for r in records if r.get("transition")]
+    moved = [r["transition"] for r in records if r.get("transition") and r["transition"]["ok"]]
     done = max(1, len(records))
     return {
         "policy": policy,
         "pair": pair.name,
+        "overlap": overlap,
+        "boundaries": boundaries(records),
         "steps": len(records),
         "mean_step_s": wall / done,
         "transitions": len(moved),
@@ -276,15 +325,22 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         pairs = [Pair(a, b, o) for a, b, o in zip(args.lengths, args.pool, offsets, strict=True)]
     pairs = pairs[: args.pairs] if args.pairs else pairs
     policies = args.policies.split(",")
+    modes = ["false", "auto"] if args.overlap == "both" else [args.overlap]
+    primary = modes[-1]
     runs: list[dict[str, Any]] = []
+    every: list[dict[str, Any]] = []  # every mode's runs; ``runs`` holds the primary's
     for rnd in range(args.rounds):
         order = policies[rnd % len(policies) :] + policies[: rnd % len(policies)]
         for pair in pairs:
             for policy in order:
-                row = await run_one(policy, pair, args.steps, args.cores, with_sim=rnd == 0)
-                row["round"] = rnd
-                runs.append(row)
-                print(json.dumps(row), flush=True)
+                for mode in modes:
+                    sim = rnd == 0 and mode == primary
+                    row = await run_one(policy, pair, args.steps, args.cores, sim, mode)
+                    row["round"] = rnd
+                    every.append(row)
+                    if mode == primary:
+                        runs.append(row)
+                    print(json.dumps(row), flush=True)
     table = []
     for pair in pairs:
         for policy in policies:
@@ -338,10 +394,88 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         steps=args.steps,
         rounds=args.rounds,
         cores=args.cores,
+        overlap_mode=args.overlap,
         pairs=[p.name for p in pairs],
         table=table,
     )
+    if args.overlap == "both":
+        rows = overlap_table(every, pairs, policies, args.rounds)
+        out["overlap"] = {
+            "overlap_saving_s": sum(r["overlap_saving_s"] for r in rows),
+            "table": rows,
+        }
     return out
+
+
+def overlap_row(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """One policy on one pair, one round, without and with overlap: the boundaries where
+    both runs changed the plan before the same step, each one's step time both ways, and
+    the saving summed over them."""
+    common = sorted(set(off["boundaries"]) & set(on["boundaries"]), key=int)
+    both = [
+        {
+            "step": int(s),
+            "off_s": off["boundaries"][s]["seconds"],
+            "on_s": on["boundaries"][s]["seconds"],
+            "overlapped": on["boundaries"][s]["overlapped"],
+            "held_back": on["boundaries"][s]["held_back"],
+        }
+        for s in common
+    ]
+    return {
+        "boundaries": both,
+        "boundary_step_s_off": sum(b["off_s"] for b in both),
+        "boundary_step_s_on": sum(b["on_s"] for b in both),
+        "overlap_saving_s": sum(b["off_s"] - b["on_s"] for b in both),
+        # the part of it at boundaries whose change did overlap (the rest is run-to-run noise)
+        "overlapped_saving_s": sum(b["off_s"] - b["on_s"] for b in both if b["overlapped"]),
+        "overlapped": sum(b["overlapped"] for b in both),
+        "unmatched_off": len(off["boundaries"]) - len(both),
+        "unmatched_on": len(on["boundaries"]) - len(both),
+    }
+
+
+def overlap_table(
+    runs: list[dict[str, Any]], pairs: list[Pair], policies: list[str], rounds: int
+) -> list[dict[str, Any]]:
+    """Per pair and policy, ``overlap_row`` of every round; the sums are medians over
+    rounds, the boundaries the first round's."""
+
+    def run(pair: Pair, policy: str, rnd: int, mode: str) -> dict[str, Any]:
+        return next(
+            r
+            for r in runs
+            if (r["pair"], r["policy"], r["round"], r["overlap"]) == (pair.name, policy, rnd, mode)
+        )
+
+    table = []
+    for pair in pairs:
+        for policy in policies:
+            per_round = [
+                overlap_row(run(pair, policy, k, "false"), run(pair, policy, k, "auto"))
+                for k in range(rounds)
+            ]
+            table.append(
+                {
+                    "pair": pair.name,
+                    "policy": policy,
+                    **{
+                        k: statistics.median(r[k] for r in per_round)
+                        for k in (
+                            "overlap_saving_s",
+                            "overlapped_saving_s",
+                            "boundary_step_s_off",
+                            "boundary_step_s_on",
+                            "overlapped",
+                            "unmatched_off",
+                            "unmatched_on",
+                        )
+                    },
+                    "rounds_saving_s": [r["overlap_saving_s"] for r in per_round],
+                    "boundaries": per_round[0]["boundaries"],
+                }
+            )
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -356,6 +490,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-offset", action="append", type=int, default=[])
     ap.add_argument("--pairs", type=int, default=0, help="only the first N pairs (smoke runs)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--overlap",
+        choices=[*OVERLAP_MODES, "both"],
+        default="auto",
+        help="[adapt] overlap of every run; both: each run without and with it (false, auto)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     print(json.dumps(asyncio.run(_main(args))))

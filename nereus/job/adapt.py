@@ -3,7 +3,10 @@
 The Replanner of ``[adapt] policy`` (``nereus.planner.policies``, the definition the
 simulator runs too) triggers, searches and admits (the payback rule, or the urgent path for a
 lost or drained device or a predicted memory overflow); an admitted target goes to
-``ClusterStages.apply_plan`` at this boundary. Every boundary where a trigger fired puts
+``ClusterStages.apply_plan`` at this boundary, with ``[adapt] overlap``: a change that
+runs beside the next step is waited for by ``settle`` (the step calls it before it
+ends), which completes its record (``Change``, and the decision's ``transition``). Every
+boundary where a trigger fired puts
 a ``decision`` event on the tap (each trigger with its detail, the current and target
 plans as device ids, predicted seconds per step of each, the saving, the transition
 estimate and bytes, payback against its limit, ``admitted`` and why); each executed
@@ -195,6 +198,8 @@ class Change:
     bytes: int
     reason: str
     report: dict[str, Any] = field(default_factory=dict, repr=False)
+    overlapped: bool = False  # it ran beside step ``step`` (``[adapt] overlap``)
+    ok: bool = True
 
     def as_record(self) -> dict[str, Any]:
         return {
@@ -206,6 +211,9 @@ class Change:
             "measured_seconds": self.measured_seconds,
             "bytes": self.bytes,
             "reason": self.reason,
+            "overlapped": self.overlapped,
+            "held_back": list(self.report.get("held_back", [])),
+            "ok": self.ok,
         }
 
 
@@ -274,6 +282,8 @@ class Adapter:
         self._counts: dict[str, list[int]] | None = (
             None  # the training EMUs' update counters at the last boundary
         )
+        # a change running beside the next step, and the record its boundary carries
+        self._overlapped: tuple[Change, dict[str, Any]] | None = None
 
     # --- the pool and the planner's view ------------------------------------------------
 
@@ -368,7 +378,7 @@ class Adapter:
         step = int(record["step"])
         nxt = step + 1
         self._counts = None
-        await stages.transition_done()
+        await self.settle()
         self.prompt_length = max(self.prompt_length, int(record.get("prompt_len_max", 1)))
         mean = float(record["response_len_mean"])
         longest = int(record["response_len_max"])
@@ -433,6 +443,8 @@ class Adapter:
         without an intact EMU are built at their target placement. Returns the decision."""
         stages = self.stages
         self._counts = None
+        # a change that ran beside the step: ended before this (``forget_dead`` waited)
+        await self.settle()
         await stages.cluster.refresh_devices()
         live, draining = await usable_devices(stages.cluster, self.cfg.adapt.pool_wait_s)
         self.pool = DevicePool.of(sorted(live - draining))
@@ -499,9 +511,7 @@ class Adapter:
         if d.admitted and d.target is not None:
             target = from_planner_plan(self.pool.to_devices(d.target.plan))
             report = await stages.apply_plan(target, overlap=self.cfg.adapt.overlap)
-            if self.cfg.adapt.overlap:
-                report = await stages.transition_done() or report
-            self._calibrate_next = False
+            self._calibrate_next = False  # the next step ran beside it or after it: not settled
             predicted = priced.get(d.target.plan, (float(report.get("predicted_seconds", 0.0)), 0))[
                 0
             ]
@@ -515,19 +525,55 @@ class Adapter:
                 int(report.get("bytes", 0)),
                 d.reason,
                 report,
+                overlapped=bool(report.get("overlapped", False)),
             )
-            self.changes.append(change)
             decision["transition"] = change.as_record()
-            log.info(
-                "step %d: %s -> changed the plan (%d bytes, %.3f s; predicted %.3f s)",
-                nxt,
-                change.triggers,
-                change.bytes,
-                change.measured_seconds,
-                change.predicted_seconds,
-            )
-            self._full_plan = stages.plan
+            if change.overlapped:
+                # it runs beside step nxt; ``settle`` completes the record once it ended
+                self._overlapped = (change, decision["transition"])
+            else:
+                self._changed(change)
         return decision
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether a change started at a boundary runs beside the next step (its record,
+        ``decision["transition"]``, is complete once ``settle`` returned)."""
+        return self._overlapped is not None
+
+    async def settle(self) -> None:
+        """Wait for a change that runs beside the step (none: return at once) and complete
+        its record: measured seconds, ``ok``. Raises what the change raised (its record
+        says ``ok: false``); a change already waited for elsewhere (``forget_dead``
+        after a fault) is completed from its report."""
+        if self._overlapped is None:
+            return
+        change, record = self._overlapped
+        try:
+            await self.stages.transition_done()
+        finally:
+            self._overlapped = None
+            report = change.report
+            change.ok = bool(report.get("ok", False))
+            change.measured_seconds = float(report.get("seconds", 0.0))
+            record.update(change.as_record())
+            if change.ok:
+                self._changed(change)
+            else:
+                log.warning("step %d: the change that ran beside it failed", change.step)
+
+    def _changed(self, change: Change) -> None:
+        self.changes.append(change)
+        log.info(
+            "step %d: %s -> changed the plan (%d bytes, %.3f s%s; predicted %.3f s)",
+            change.step,
+            change.triggers,
+            change.bytes,
+            change.measured_seconds,
+            ", beside the step" if change.overlapped else "",
+            change.predicted_seconds,
+        )
+        self._full_plan = self.stages.plan
 
     def _calibrate(self, record: dict[str, Any], ran: LengthStats, pool: DevicePool) -> None:
         """What the step measured, against the model of the plan it ran on."""

@@ -136,7 +136,7 @@ class ClusterStages(ModelStages):
     def estimate_change(self, target: Plan, inputs: dict[str, Any]) -> tuple[float, int]:
         return self.changes.estimate_change(target, inputs)
 
-    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+    async def apply_plan(self, target: Any, *, overlap: bool | str = False) -> dict[str, Any]:
         return await self.changes.apply_plan(target, overlap=overlap)
 
     async def transition_done(self) -> dict[str, Any] | None:
@@ -277,6 +277,17 @@ class ClusterStages(ModelStages):
             idle = [d for d in sorted(devices) if d in self.hosts and d not in training]
             await asyncio.gather(*(self.hosts[d].warm_up.call_one() for d in idle))
 
+    def fixed_compute(self, devices: list[int]) -> bool:
+        """Whether each of ``devices`` is a fixed unit of compute: a GPU, or a CPU worker
+        under a core quota (``Cluster.cores_of``). Shared cores, and the devices of nodes
+        started elsewhere (whose limits this job does not know), are not."""
+        kinds = {d.index: d.kind for d in self.cluster.devices}
+        cores_of = getattr(self.cluster, "cores_of", None)
+        return all(
+            kinds.get(d) == "cuda" or (cores_of is not None and cores_of(d) is not None)
+            for d in devices
+        )
+
     def device_cores(self, devices: list[int]) -> list[float] | None:
         """The CPU cores of each of ``devices`` (cluster ids) where every one has a limit
         (``Cluster.cores_of``), else None: shared cores."""
@@ -380,8 +391,9 @@ class ClusterStages(ModelStages):
         }
 
     async def sync_policy(self) -> dict[str, Any]:
-        await self._ready("policy_training")
-        await self._ready("policy_generation")
+        # a change running beside the step rebuilds every sync plan and touches the
+        # training EMUs the stamp below writes: the sync waits for all of it
+        await self.transition_done()
         event = await self._run_sync("policy_generation")
         self.policy_version += 1
         event["policy_version"] = self.policy_version
@@ -497,6 +509,7 @@ class ClusterStages(ModelStages):
         self._check_rows("critic_training", batch)
         with self.timed("critic_training"):
             out = await handle.train_step(batch, loss, loss_kwargs, self.cfg.optim.micro_batch_size)
+            await self.transition_done()  # the sync plans are rebuilt by a change beside the step
             await self._run_sync("critic_inference")
         return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in out.items()}
 

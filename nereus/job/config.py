@@ -30,6 +30,7 @@ from nereus.data.filedata import DataConfig
 from nereus.data.rewards import RULES, is_function_spec
 from nereus.data.tasks import TASKS
 from nereus.engines.training import OptimConfig
+from nereus.job.overlap import check_mode
 from nereus.planner.plan import Plan, StagePlan, is_power_of_two
 from nereus.planner.policies import PolicySpec
 from nereus.rl.algorithms import AlgorithmConfig
@@ -312,8 +313,11 @@ class AdaptConfig:
     """Soft triggers are not acted on within this many steps of the last change."""
     join_horizon_steps: float = 20.0
     """H for a device that joins, until two pool changes give a measured interval."""
-    overlap: bool = False
-    """Run a change beside the next step's work on the devices it does not touch."""
+    overlap: bool | str = "auto"
+    """Run a change beside the next step's work on the devices it does not touch:
+    ``true``, ``false`` or ``"auto"`` (where it pays: every device a fixed unit of
+    compute, a GPU or a CPU worker under ``cores_per_device``, and generation, the
+    step's first work, on devices the change leaves alone; ``nereus.job.overlap``)."""
     pool_wait_s: float = 60.0
     """How long a job left with no usable device (every live one draining, the rest
     dead) waits for one to join before it stops with an error."""
@@ -325,6 +329,7 @@ class AdaptConfig:
 
     def __post_init__(self) -> None:
         PolicySpec(self.policy, self.gamma, self.every_k)  # names the bad field
+        check_mode(self.overlap, "adapt.overlap")
         require(self.gamma > 0, "adapt.gamma", self.gamma, "must be > 0")
         require(
             0 < self.length_drift < 10,

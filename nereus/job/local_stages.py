@@ -201,7 +201,7 @@ class InProcessStages(ModelStages):
     def plan(self) -> Any:
         return self.cfg.job_plan()
 
-    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+    async def apply_plan(self, target: Any, *, overlap: bool | str = False) -> dict[str, Any]:
         raise ConfigError(
             "cluster.mode='in_process' runs every model-stage in the driver at one fixed "
             "layout; its plan cannot change (use cluster.mode='local')"

@@ -19,6 +19,10 @@ uninterrupted job would have taken (same samples, same rollouts, same updates). 
 running job that restores a checkpoint after a fault rewinds its record with it: every
 step is recorded once (the redone one), and a ``rewind`` tap event names the dropped steps.
 
+Every record carries ``boundary_seconds`` (the wall time of the boundary after its
+step). A change of plan that runs beside the next step (``[adapt] overlap``) ends
+within that step; the record of the boundary that started it is logged once it ended.
+
 With ``[rl] mode = "async"`` the steps are updates of ``nereus.job.async_loop.AsyncRun``
 (generation and training at once; its records carry the staleness histogram).
 
@@ -221,7 +225,8 @@ class RLJob:
         The record carries, besides the algorithm's figures, what the planner needs:
         ``model_stage_seconds`` (seconds each model-stage worked), ``max_new_tokens`` (the
         length cap this step used), ``device_peak_bytes`` (each device's ledger
-        high-water mark during the step) and the layout ``epoch``."""
+        high-water mark during the step) and the layout ``epoch``. A change of plan
+        started with overlap at the boundary before ends within the step."""
         assert self.stages is not None and self.codec is not None
         a = self.cfg.algorithm
         t0 = time.perf_counter()
@@ -240,6 +245,12 @@ class RLJob:
             lengths=self._lengths if self.cfg.sampling.lengths is not None else None,
         )
         record = await ALGORITHMS[a.name](ctx, samples)
+        # a change that ran beside this step ends within it (the step's ledger peaks,
+        # read below, see all it did; its failure is the step's)
+        if self.adapter is not None:
+            await self.adapter.settle()
+        else:
+            await self.stages.transition_done()
         record["step_seconds"] = time.perf_counter() - t0
         record["dataset_position"] = self.dataset.position
         record["max_new_tokens"] = self.cfg.sampling.cap_at(self.step)
@@ -267,13 +278,15 @@ class RLJob:
             )
         return record
 
-    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+    async def apply_plan(self, target: Any, *, overlap: bool | str = False) -> dict[str, Any]:
         """Change the job's plan at this step boundary (``ModelStages.apply_plan``; with
-        ``overlap`` the next step's work on untouched devices starts while it runs)."""
+        ``overlap``, ``True`` or ``"auto"`` (``nereus.job.overlap``), the next step's work
+        on devices the change leaves alone may start while it runs: the step waits for
+        it before it ends)."""
         assert self.stages is not None
         self.stages.sample_position = self.dataset.position
-        if overlap:
-            return await self.stages.apply_plan(target, overlap=True)
+        if overlap is not False:
+            return await self.stages.apply_plan(target, overlap=overlap)
         return await self.stages.apply_plan(target)
 
     async def run(self) -> list[dict[str, Any]]:
@@ -297,12 +310,25 @@ class RLJob:
             enabled=cfg.run.progress,
             title=cfg.algorithm.name.upper(),
         )
+        # the record of a step whose boundary started a change beside the next step: it is
+        # logged once that change ended (within the next step) and its record is complete
+        held: dict[str, Any] | None = None
+
+        def release_held() -> None:
+            nonlocal held
+            if held is not None and not (self.adapter and self.adapter.overlapping):
+                if held["step"] < self.step:  # not rewound past by a restored checkpoint
+                    loggers.log(held)
+                    progress.update(held)
+                held = None
+
         try:
             if cfg.rl.is_async:
                 self.async_run = AsyncRun(self)
                 await self.async_run.run(lambda r: (loggers.log(r), progress.update(r)))
             while self.step < cfg.run.steps:
                 record = await self._guarded(self.run_step, "step")
+                release_held()
                 if record is None:
                     continue  # a fault: the step was redone or its committed update kept
                 await self._guarded(lambda record=record: self._boundary(record), "boundary")
@@ -310,10 +336,16 @@ class RLJob:
                     # the boundary's fault restored a checkpoint before this step: it is redone
                     continue
                 self.records.append(record)
-                loggers.log(record)
-                progress.update(record)
                 every = cfg.run.checkpoint_every
-                if (every and self.step % every == 0) or self.step == cfg.run.steps:
+                due = (every and self.step % every == 0) or self.step == cfg.run.steps
+                if due and self.adapter is not None and self.adapter.overlapping:
+                    # a checkpoint waits for a change started here: it runs in the boundary
+                    t0 = time.perf_counter()
+                    await self._guarded(self.adapter.settle, "boundary")
+                    record["boundary_seconds"] += time.perf_counter() - t0
+                held = record
+                release_held()
+                if due:
                     saved_at = self.step
                     await self._guarded(self.save_checkpoint, "boundary")
                     if (self.out_dir / "checkpoints" / f"step_{saved_at}" / "job.json").is_file():
@@ -353,7 +385,16 @@ class RLJob:
         return self.records
 
     async def _boundary(self, record: dict[str, Any]) -> None:
-        """After a step: the environment's hooks, then the controller loop."""
+        """After a step: the environment's hooks, then the controller loop.
+        ``record["boundary_seconds"]``: the wall time spent here (a change run here, or
+        the part of one started here before it runs beside the next step, included)."""
+        t0 = time.perf_counter()
+        try:
+            await self._boundary_work(record)
+        finally:
+            record["boundary_seconds"] = time.perf_counter() - t0
+
+    async def _boundary_work(self, record: dict[str, Any]) -> None:
         for hook in self.boundary_hooks:
             await hook(self, record)
         if self.adapter is not None and self.step < self.cfg.run.steps:

@@ -31,6 +31,7 @@ from nereus.engines import spawn_model_stage, start_model_stage
 from nereus.engines.stage import stage_groups
 from nereus.errors import InfeasiblePlan, OutOfMemory
 from nereus.job.change import STAGE_KINDS, check_after, emu_name, stage_changed, stage_emus
+from nereus.job.overlap import held_back, overlaps
 from nereus.job.recovery import is_fault, salvage
 from nereus.job.stages_state import StagesState
 from nereus.planner.plan import Plan, StagePlan
@@ -65,6 +66,7 @@ class StageWork(Protocol):
     async def _plan_syncs(self) -> None: ...
     async def _run_sync(self, target: str) -> dict[str, Any]: ...
     async def memory(self) -> dict[int, dict[str, Any]]: ...
+    def fixed_compute(self, devices: list[int]) -> bool: ...
 
 
 class PlanChanges:
@@ -76,6 +78,7 @@ class PlanChanges:
         self.stages = stages
         self._transition: asyncio.Future | None = None  # a change running in the background
         self._waiting: set[str] = set()  # model-stages that wait for it
+        self._report: dict[str, Any] = {}  # its report, filled in as it runs
         # seconds a change spends per model-stage it restarts beyond the DAG's moves
         # (engines stopped and started, their groups, the sync plans): measured
         self._restart_s: deque[float] = deque(maxlen=4)
@@ -171,22 +174,28 @@ class PlanChanges:
         restarted = [s for s in self.state.plan.names if self.state.plan[s] != target[s]]
         return seconds + len(restarted) * self.restart_seconds, dag.bytes
 
-    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
+    async def apply_plan(self, target: Any, *, overlap: bool | str = False) -> dict[str, Any]:
         """Change the job's plan to ``target`` at a step boundary through one transition
         DAG over every model-stage that moves (see the module docstring).
 
         Refused before anything moves: a target with other model-stages or devices that
         are not live or are draining (``ConfigError``), one whose DAG cannot keep every
         device under its cap (``InfeasibleTransition``) or whose engines would not fit
-        after it (``OutOfMemory``). With ``overlap``, the DAG runs in the background and
-        this returns once it started: model-stages on devices it does not touch go on
-        with the next step's work, the others wait for it (``transition_done()`` waits
-        too). Returns (or, with ``overlap``, ``transition_done()`` returns) a report:
+        after it (``OutOfMemory``). ``overlap`` (``True``, ``False`` or ``"auto"``:
+        ``nereus.job.overlap.overlaps`` decides from what the change holds back): when
+        it resolves true, the change runs in the background and this returns once it
+        started: the model-stages it holds back (``nereus.job.overlap.held_back``) wait
+        for it at their next call (``ready``), the others go on with the next step's
+        work beside it; ``transition_done()`` waits for it and raises what it raised.
+        Returns (with overlap, at once, filled in as the change runs; ``transition_done()``
+        returns it complete) a report: ``overlapped``, ``held_back`` model-stages,
         ``changed`` model-stages, ``bytes`` the plans move between devices,
         ``bytes_measured`` (the workers' counters), ``predicted_seconds`` (the DAG's
         makespan), ``seconds`` and its parts (``plan_s``, ``engines_stop_s``, ``moves_s``,
         ``groups_s``, ``engines_s``, ``sync_plans_s``), ``nodes``, ``resource_edges``,
-        the new ``epoch``."""
+        the new ``epoch``, ``ok``; ``started_at``, ``moves_started_at`` and
+        ``moves_ended_at`` (``time.perf_counter()``) and ``ran_beside``: for each
+        model-stage that began work while the change ran, when it began (same clock)."""
         await self.transition_done()
         t0 = time.perf_counter()
         require(
@@ -216,6 +225,7 @@ class PlanChanges:
             "from": self.state.plan.to_dict(),
             "to": target.to_dict(),
             "epoch_from": self.state.epoch,
+            "started_at": t0,
         }
         moving = [
             s
@@ -258,15 +268,18 @@ class PlanChanges:
         t_stop = time.perf_counter()
         report.update(plan_s=t_plan - t0, engines_stop_s=t_stop - t_plan)
         await self.stages._ensure_hosts(set(target.devices))
-        touched = dag.devices()
-        self._waiting = {
-            s
-            for s in self.state.plan.names
-            if s in moving
-            or s in retuned
-            or not touched.isdisjoint(self.stages._current_plan(s).device_set)
-        }
-        self._waiting |= set(missing)
+        held = held_back(
+            {s: self.stages._current_plan(s) for s in self.state.plan.names},
+            dict(target),
+            [*moving, *retuned, *missing],
+            dag.devices(),
+        )
+        overlap = overlaps(
+            overlap,
+            held,
+            self.stages.fixed_compute(sorted(self.state.plan.devices | target.devices)),
+        )
+        report.update(overlapped=overlap, held_back=sorted(held))
         runtime = WorkerRuntime(
             {e.name: e for es in self.state.emus.values() for e in es},
             self.state.hosts,
@@ -279,26 +292,37 @@ class PlanChanges:
         if not overlap:
             self.state.last_transition = await work
             return self.state.last_transition
+        self._waiting, self._report = held, report
         self._transition = asyncio.ensure_future(work)
         return report
 
     async def transition_done(self) -> dict[str, Any] | None:
-        """Wait for a change started with ``overlap``; its report (None when none runs).
-        Raises what the change raised."""
-        task, self._transition = self._transition, None
+        """Wait for a change started with overlap; its report (None when none runs).
+        Raises what the change raised, to every caller waiting for it when it ended (any
+        number may wait at once); once it ended, the change is forgotten."""
+        task = self._transition
         if task is None:
             return None
         try:
-            self.state.last_transition = await task
-            return self.state.last_transition
+            # shielded: a caller cancelled while waiting does not cancel the change
+            report = await asyncio.shield(task)
         finally:
-            self._waiting = set()
+            if self._transition is task and task.done():
+                self._transition, self._waiting, self._report = None, set(), {}
+        self.state.last_transition = report
+        return report
 
     async def ready(self, stage: str) -> None:
-        """Return once ``stage`` may work: at once, unless an overlapped change is moving
-        it or runs on its devices."""
-        if self._transition is not None and stage in self._waiting:
+        """Return once ``stage`` may work: at once, unless a change started with overlap
+        holds it back (then once the change is done; raises what the change raised). A
+        model-stage that works beside the change is noted in its report (``ran_beside``)."""
+        task = self._transition
+        if task is None:
+            return
+        if stage in self._waiting:
             await self.transition_done()
+        elif not task.done():
+            self._report.setdefault("ran_beside", {}).setdefault(stage, time.perf_counter())
 
     async def _finish_change(
         self,
@@ -565,6 +589,7 @@ def _emit_transition(report: dict[str, Any], dag: Any) -> None:
         resource_edges=dag.resource_edges,
         epoch_from=report["epoch_from"],
         ok=report.get("ok", False),
+        overlapped=bool(report.get("overlapped", False)),
         moves_seconds=report.get("measured_seconds", 0.0),
         parts_seconds={k.removesuffix("_s"): report[k] for k in _PARTS if k in report},
     )

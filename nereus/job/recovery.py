@@ -135,7 +135,10 @@ async def forget_dead(stages: Any, dead: set[int]) -> Lost:
     lost = Lost(sorted(dead))
     try:
         await stages.transition_done()
-    except Exception as e:  # noqa: BLE001 - a change that died with the worker: salvaged there
+    except Exception as e:
+        if not is_fault(e):  # not a death: the job has no way back from it
+            raise
+        # a change that died with the worker: salvaged there
         log.info("the change in flight ended with the fault: %s", e)
     for d in dead:
         stages.hosts.pop(d, None)

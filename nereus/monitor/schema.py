@@ -159,6 +159,7 @@ EVENT_TYPES: dict[str, dict[str, str]] = {
         "resource_edges": "memory-ordering edges the DAG needed",
         "epoch_from": "layout epoch before",
         "ok": "bool: every node finished",
+        "overlapped": "bool: it ran beside the next step's work ([adapt] overlap)",
         "moves_seconds": "wall time of the DAG's moves (what predicted_seconds predicts)",
         "parts_seconds": (
             "map part -> seconds: plan, engines_stop, moves, groups, engines, sync_plans"

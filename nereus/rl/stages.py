@@ -3,9 +3,9 @@
 ``ModelStages`` is the async interface every algorithm step calls: ``generate``,
 ``reference_logprobs``, ``critic_values``, ``reward_scores``, ``train_policy``, ``train_critic``,
 ``sync_policy``, ``save``/``load`` (the job checkpoint), ``close``; plus the job's plan
-(``plan``, ``apply_plan``), each device's memory (``memory``) and the seconds each
-model-stage worked (``take_stage_seconds``). Two backends implement it, both in
-``nereus.job``: ``InProcessStages`` (``nereus.job.local_stages``: one engine per
+(``plan``, ``apply_plan``, ``transition_done``), each device's memory (``memory``) and
+the seconds each model-stage worked (``take_stage_seconds``). Two backends implement it,
+both in ``nereus.job``: ``InProcessStages`` (``nereus.job.local_stages``: one engine per
 model-stage inside the driver process) and ``ClusterStages``
 (``nereus.job.cluster_stages``: each model-stage's EMUs as actor meshes placed by the
 job's plan).
@@ -78,8 +78,15 @@ class ModelStages(abc.ABC):
         """The job's placement now: a ``nereus.planner.Plan`` under the job's names."""
 
     @abc.abstractmethod
-    async def apply_plan(self, target: Any, *, overlap: bool = False) -> dict[str, Any]:
-        """Change the placement to ``target`` at a step boundary; returns a report."""
+    async def apply_plan(self, target: Any, *, overlap: bool | str = False) -> dict[str, Any]:
+        """Change the placement to ``target`` at a step boundary; returns a report. With
+        ``overlap`` (``True`` or ``"auto"``, where the backend supports it) the change
+        may run beside the next step's work; ``transition_done`` waits for it."""
+
+    async def transition_done(self) -> dict[str, Any] | None:
+        """Wait for a change running beside the step's work; its report, or None when
+        none runs (a backend without such changes: always None). Raises what it raised."""
+        return None
 
     @abc.abstractmethod
     async def memory(self) -> dict[int, dict[str, Any]]:

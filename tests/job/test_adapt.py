@@ -54,7 +54,7 @@ def checked_changes(rl: RLJob) -> list[dict]:
     async def apply_plan(target, *, overlap=False):
         before = await logical_state(stages, rl.dataset.position)
         report = await original(target, overlap=overlap)
-        if overlap:
+        if report.get("overlapped"):
             report = await stages.transition_done()
         assert_same_state(before, await logical_state(stages, rl.dataset.position))
         seen.append(report)
