@@ -153,7 +153,9 @@ def planned(
     return sync_plan, async_plan, predicted
 
 
-async def run_one(name: str, data: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+async def run_one(
+    name: str, data: dict[str, Any], plan: dict[str, Any], decode_steps: int | None = None
+) -> dict[str, Any]:
     rl_mode: dict[str, Any] = {"mode": "sync"}
     if name != "sync":
         k, how = name.split("-")
@@ -161,6 +163,7 @@ async def run_one(name: str, data: dict[str, Any], plan: dict[str, Any]) -> dict
             "mode": "async",
             "max_staleness": int(k[1:]),
             "partial_rollout": how == "partial",
+            **({} if decode_steps is None else {"decode_steps_per_call": decode_steps}),
         }
     cfg = from_dict(JobConfig, {**data, "plan": plan, "rl": rl_mode})
     job = RLJob(cfg)
@@ -300,7 +303,12 @@ def reward_gap(sync: list[dict[str, Any]], best: list[dict[str, Any]]) -> float:
 
 
 async def main_async(
-    steps: int, names: list[str], trace: Path, plot_path: Path, seeds: list[int]
+    steps: int,
+    names: list[str],
+    trace: Path,
+    plot_path: Path,
+    seeds: list[int],
+    decode_steps: int | None = None,
 ) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-async-")
     by_name: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -326,7 +334,8 @@ async def main_async(
                     **data,
                     "run": {**data["run"], "seed": seed, "out_dir": f"{out}/{name}-{seed}"},
                 }
-                r = await run_one(name, d, sync_plan if name == "sync" else async_plan)
+                plan = sync_plan if name == "sync" else async_plan
+                r = await run_one(name, d, plan, decode_steps)
                 r["seed"] = seed
                 by_name[name].append(r)
                 brief = {
@@ -344,6 +353,7 @@ async def main_async(
     result: dict[str, Any] = {
         "steps": steps,
         "seeds": seeds,
+        "decode_steps_per_call": decode_steps,
         "trace": str(trace),
         "cap": CAP,
         "predicted": predicted,
@@ -385,6 +395,12 @@ def main() -> None:
         help="reward plot (default %(default)s)",
     )
     parser.add_argument(
+        "--decode-steps-per-call",
+        type=int,
+        default=None,
+        help="rl.decode_steps_per_call of the async runs (default: the job's default)",
+    )
+    parser.add_argument(
         "--seeds",
         default="0,1,2",
         help="run seeds, comma-separated; every configuration runs once per seed and its "
@@ -402,7 +418,9 @@ def main() -> None:
         parser.error(f"--seeds={args.seeds!r} must be comma-separated integers")
     if not seeds:
         parser.error("--seeds must name at least one seed")
-    result = asyncio.run(main_async(args.steps, names, args.trace, args.plot, seeds))
+    result = asyncio.run(
+        main_async(args.steps, names, args.trace, args.plot, seeds, args.decode_steps_per_call)
+    )
     print(json.dumps(result))
 
 
