@@ -23,7 +23,9 @@ the GRPO rules unchanged.
 ``train_entries`` runs one update over a batch of entries (their trained rows in entry
 order), with the synchronous steps' math (``nereus.rl.algorithms``, not a copy):
 
-1. the proximal log-probs (policy-training's weights now) and, with ``kl_coef > 0``, the
+1. the proximal log-probs (policy-training's weights now: with one epoch, the training
+   forward's own, detached, since the update is one optimizer step on the weights that
+   forward runs with; with more, a separate forward first) and, with ``kl_coef > 0``, the
    reference's (reference-inference);
 2. advantages: GRPO, each score normalised in its group; ReMax, each score less its
    prompt's greedy score; PPO, the critic's values of the batch now (critic-inference,
@@ -111,7 +113,12 @@ async def train_entries(
     rollouts = entry_rollouts(groups)
     batch = to_batch(rollouts, pad_id)
     record: dict[str, Any] = {}
-    batch["prox_logprobs"] = await stages.proximal_logprobs(batch)
+    # One epoch is one optimizer step on the weights every micro-batch's forward runs
+    # with: that forward's log-probs are the proximal policy's, exactly; a separate pass
+    # is needed only when later epochs run on updated weights.
+    proximal = "forward" if a.epochs == 1 else "batch"
+    if proximal == "batch":
+        batch["prox_logprobs"] = await stages.proximal_logprobs(batch)
     if a.kl_coef > 0:
         batch["ref_logprobs"] = await stages.reference_logprobs(batch)
     if a.name == "grpo":
@@ -123,7 +130,7 @@ async def train_entries(
     else:
         values = await stages.critic_values(batch)
         record["value_mean"] = ppo_targets(a, rollouts.scores, batch, values)
-    kw = {**policy_loss_kwargs(a), "importance_cap": importance_cap}
+    kw = {**policy_loss_kwargs(a), "importance_cap": importance_cap, "proximal": proximal}
     record.update(await train_epochs(stages, a, batch, DECOUPLED_LOSS, kw, critic=a.name == "ppo"))
     record["train_seconds"] = time.perf_counter() - t0
     return rollouts, record

@@ -30,7 +30,7 @@ Refuses (``ConfigError``): missing batch keys (named), a cap below 1.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -109,14 +109,21 @@ def decoupled_policy_loss(
     kl_coef: float = 0.0,
     kl_kind: KLKind = "k3",
     aggregation: Aggregation = "token-mean",
+    proximal: Literal["batch", "forward"] = "batch",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The training engine's entry point (``DECOUPLED_LOSS``), reading the batch."""
+    """The training engine's entry point (``DECOUPLED_LOSS``), reading the batch.
+    ``proximal = "forward"``: pi_prox is this forward's own log-probabilities (detached),
+    exact when the update is one optimizer step on the weights the forward ran with (one
+    epoch: every micro-batch's forward sees the weights before the step), so the batch
+    needs no ``prox_logprobs`` and no separate forward computes them."""
+    require(proximal in ("batch", "forward"), "proximal", proximal, "must be 'batch' or 'forward'")
     logprobs = _need(outputs, "logprobs")
     dt = logprobs.dtype
     ref = _need(batch, "ref_logprobs").to(dt) if kl_coef else None
+    prox = logprobs.detach() if proximal == "forward" else _need(batch, "prox_logprobs").to(dt)
     return decoupled_policy_objective(
         logprobs,
-        _need(batch, "prox_logprobs").to(dt),
+        prox,
         _need(batch, "old_logprobs").to(dt),
         _need(batch, "advantages").to(dt),
         _need(batch, "response_mask").to(dt),

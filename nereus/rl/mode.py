@@ -34,9 +34,11 @@ class RLModeConfig:
     """True: a weight sync reaches sequences in flight at their next decode call (KV cache
     kept, each token tagged with its version). False: a request finishes on the weights
     it started with; its EMU takes the new weights before its next request."""
-    decode_steps_per_call: int = 1
+    decode_steps_per_call: int = 8
     """Decode steps per call to a generation EMU: the granularity at which a sync lands
-    in a partial rollout and a finished group leaves its request (1: the next step)."""
+    in a partial rollout and a finished group leaves its request (1: the next step).
+    Each call is a round trip to the EMU's workers; 8 keeps that small against the
+    decode work (on 0.45-core CPU devices, 10% more samples a second than 1)."""
     sync_timeout_s: float = 60.0
     """A weight sync to one generation EMU that has not completed in this many seconds
     fails with ``DeadlineExceeded`` naming the EMU and its devices."""

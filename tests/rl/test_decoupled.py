@@ -74,3 +74,28 @@ def test_behaviour_kl_is_zero_on_policy_and_measures_how_far_the_weights_moved()
     assert m["behaviour_kl"] == pytest.approx(expected, rel=1e-5) and expected > 0
     _, far = decoupled_policy_objective(logp, logp, logp - 2 * shift, adv, mask)
     assert far["behaviour_kl"] > m["behaviour_kl"]
+
+
+def test_the_forward_as_proximal_policy_gives_the_recomputed_loss_and_gradient():
+    """One optimizer step on the weights the forward ran with: pi_prox recomputed by a
+    separate pass equals the forward's own log-probs, so both ways give one loss and one
+    gradient; a batch without prox_logprobs is refused unless the forward is the proximal."""
+    logp, adv, mask = _data(3)
+    behav = logp - 0.3 * torch.randn(3, 6, generator=torch.Generator().manual_seed(4))
+    batch = {"old_logprobs": behav, "advantages": adv, "response_mask": mask}
+    grads = []
+    for proximal in ("batch", "forward"):
+        theta = logp.clone().requires_grad_(True)
+        b = dict(batch, prox_logprobs=logp.clone()) if proximal == "batch" else dict(batch)
+        loss, metrics = decoupled_policy_loss(
+            {"logprobs": theta}, b, importance_cap=2.0, proximal=proximal
+        )
+        loss.backward()
+        grads.append((loss.item(), theta.grad.clone(), metrics["importance_weight_mean"]))
+    assert grads[0][0] == pytest.approx(grads[1][0])
+    assert torch.allclose(grads[0][1], grads[1][1]) and grads[0][1].abs().sum() > 0
+    assert grads[0][2] == pytest.approx(grads[1][2])
+    with pytest.raises(ConfigError, match="prox_logprobs"):
+        decoupled_policy_loss({"logprobs": logp}, batch)
+    with pytest.raises(ConfigError, match="proximal"):
+        decoupled_policy_loss({"logprobs": logp}, batch, proximal="later")
