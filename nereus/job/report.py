@@ -232,16 +232,32 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _staleness_panel(ax: Any, steps: list[int], records: Sequence[dict[str, Any]]) -> None:
+    """Stacked tokens per staleness (versions behind the update) of every update."""
+    hists = [r.get("staleness_histogram") or {} for r in records]
+    lags = sorted({int(k) for h in hists for k in h})
+    bottom = [0] * len(steps)
+    for lag in lags:
+        counts = [int(h.get(str(lag), 0)) for h in hists]
+        ax.bar(steps, counts, bottom=bottom, width=1.0, label=f"{lag} behind")
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    ax.set_ylabel("trained tokens")
+    ax.legend(loc="upper right", fontsize="small", title="staleness", title_fontsize="small")
+
+
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """PNG with three panels over steps: reward (mean and spread), response length,
-    stage times. Returns the path written."""
+    stage times; an asynchronous run's records (``staleness_histogram``) add a fourth,
+    each update's trained tokens by how many versions behind they were generated.
+    Returns the path written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    stale = any("staleness_histogram" in r for r in records)
+    fig, axes = plt.subplots(4 if stale else 3, 1, figsize=(7, 10.5 if stale else 8), sharex=True)
     mean = [r.get("reward_mean", float("nan")) for r in records]
     std = [r.get("reward_std", 0.0) for r in records]
     axes[0].plot(steps, mean, color="tab:blue", label="reward mean")
@@ -265,7 +281,9 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
                 label=key.removesuffix("_seconds"),
             )
     axes[2].set_ylabel("stage time (s)")
-    axes[2].set_xlabel("step")
+    if stale:
+        _staleness_panel(axes[3], steps, records)
+    axes[-1].set_xlabel("step")
     changes = [r["transition"] for r in records if r.get("transition")]
     for i, t in enumerate(changes):
         # a change runs between step t["step"] - 1 and t["step"]
