@@ -59,26 +59,13 @@ PROMPTS_PER_SAMPLE = 4  # samples per prompt, as the policies benchmark's job
 
 
 def _job(sequences: int, length: int, out_dir: str) -> Any:
-    from benchmarks.policies import MODEL
+    from benchmarks.policies import workload_data
     from nereus.config import from_dict
     from nereus.job.config import JobConfig
 
     data = {
-        "model": MODEL,
-        "task": {
-            "name": "reverse",
-            "options": {"letters": "abc", "min_len": 2, "max_len": 3},
-            "dataset_size": 4096,
-        },
-        "algorithm": {
-            "name": "ppo",
-            "prompts_per_step": sequences // PROMPTS_PER_SAMPLE,
-            "samples_per_prompt": PROMPTS_PER_SAMPLE,
-            "kl_coef": 0.01,
-            "kl_mode": "penalty",
-        },
+        **workload_data(sequences // PROMPTS_PER_SAMPLE, PROMPTS_PER_SAMPLE),
         "sampling": {"max_new_tokens": length, "ignore_eos": True},
-        "optim": {"lr": 3e-3, "micro_batch_size": 2},
         "cluster": {"mode": "in_process", "devices": len(STAGES), "memory_per_device": "4GiB"},
         "plan": PLAN,
         "run": {"steps": 1000, "out_dir": out_dir, "progress": False, "seed": 0},

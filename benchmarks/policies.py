@@ -141,10 +141,10 @@ class Pair:
 OVERLAP_MODES = {"auto": "auto", "true": True, "false": False}
 
 
-def job_config(
-    policy: str, pair: Pair, steps: int, cores: float, out_dir: str, overlap: str = "auto"
-) -> JobConfig:
-    data = {
+def workload_data(prompts_per_step: int = 8, samples_per_prompt: int = 4) -> dict[str, Any]:
+    """The pinned job's model, task, algorithm and optimizer (the live runs use the
+    defaults; ``benchmarks.cpu_truth`` measures the same job at other batch sizes)."""
+    return {
         "model": MODEL,
         "task": {
             "name": "reverse",
@@ -153,13 +153,21 @@ def job_config(
         },
         "algorithm": {
             "name": "ppo",
-            "prompts_per_step": 8,
-            "samples_per_prompt": 4,
+            "prompts_per_step": prompts_per_step,
+            "samples_per_prompt": samples_per_prompt,
             "kl_coef": 0.01,
             "kl_mode": "penalty",
         },
-        "sampling": {"max_new_tokens": CAP},
         "optim": {"lr": 3e-3, "micro_batch_size": 2},
+    }
+
+
+def job_config(
+    policy: str, pair: Pair, steps: int, cores: float, out_dir: str, overlap: str = "auto"
+) -> JobConfig:
+    data = {
+        **workload_data(),
+        "sampling": {"max_new_tokens": CAP},
         "cluster": {
             "mode": "local",
             "devices": 4,
