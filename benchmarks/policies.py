@@ -13,7 +13,11 @@ through the cluster API). Every policy runs on every pair, ``--rounds`` rounds w
 order rotated; figures are medians over rounds.
 
 Per policy and pair: mean step seconds (the loop's wall time over its steps: transitions,
-waits and the trace's joins included), transitions and their measured seconds, restarts
+waits and the trace's joins included), split into ``boundary_s`` (the summed step time at
+the boundaries where the plan changed: each boundary's wall time, the change and a
+joined device's worker start included, plus the next step's) and ``steady_step_s`` (the
+mean of every other step: the speed of the layouts the policy held), transitions and
+their measured seconds, restarts
 (checkpoint restarts: none of these policies restarts a live job; a decision to restart
 stops it and is counted), memory failures (a run that died of OutOfMemory: the steps it
 finished are reported), and the simulator's prediction of the same run (``nereus.sim``
@@ -303,13 +307,19 @@ async def run_one(
             await rl.close()
     moved = [r["transition"] for r in records if r.get("transition") and r["transition"]["ok"]]
     done = max(1, len(records))
+    at = boundaries(records)
+    boundary_s = sum(b["seconds"] for b in at.values())
     return {
         "policy": policy,
         "pair": pair.name,
         "overlap": overlap,
-        "boundaries": boundaries(records),
+        "boundaries": at,
         "steps": len(records),
         "mean_step_s": wall / done,
+        # where the time went: the boundaries where the plan changed (each one's wall time
+        # and the next step's) and the mean of every other step (the layouts' own speed)
+        "boundary_s": boundary_s,
+        "steady_step_s": (wall - boundary_s) / max(1, done - len(at)),
         "transitions": len(moved),
         "transition_s": sum(t["measured_seconds"] for t in moved),
         "restarts": restarts,
@@ -361,6 +371,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                         k: _median(rows, k)
                         for k in (
                             "mean_step_s",
+                            "boundary_s",
+                            "steady_step_s",
                             "transitions",
                             "transition_s",
                             "restarts",
