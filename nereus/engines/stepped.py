@@ -12,17 +12,17 @@ puts new rows into done slots: each prompt is prefilled into its own cache row a
 decodes in lockstep with the others at its own positions. More: docs/engines.md.
 
 Promises: without refills, the same tokens and log-probabilities as one ``generate`` call
-with the same prompts, params and seed, in any number of calls (the same code path as
-before refills existed); a row is ``done`` at its bound (``row_max_tokens``) or a stop
+with the same prompts, params and seed, in any number of calls (a request never refilled
+runs ``generate``'s loop); a row is ``done`` at its bound (``row_max_tokens``) or a stop
 token, the request ``finished`` when every row is; every rank of the EMU calls ``advance``
 together with the same arguments (TP/PP collectives and a refill's prefill run inside).
 A token's noise is that of (request seed, global step, slot): a refilled row's draws
 depend on the step it started at; the other rows draw what they would without refills.
 
 Refuses (``ConfigError``): ``steps < 1``; a greedy row outside the batch; a refill of a
-slot not done (or named twice), a bound above the request's ``max_tokens`` (without
-``prompt_width``: its longest first row), a prompt plus bound beyond the request's room
-(widest prompt or ``prompt_width``, plus that). One request per engine; no wavefront.
+slot not done (or named twice), a bound above the request's cap (``max_tokens``; without
+``prompt_width``, its longest first row), a prompt plus bound beyond its room (the wider of
+its widest prompt and ``prompt_width``, plus the cap). One request per engine; no wavefront.
 """
 
 from __future__ import annotations
