@@ -1,6 +1,7 @@
 """Asynchronous against synchronous RL: one pinned GRPO job on this machine's 4 CPU devices.
 
-``python -m benchmarks.async_rl [--steps N] [--runs sync,k1-partial,...] [--trace P] [--plot P]``
+``python -m benchmarks.async_rl [--steps N] [--runs sync,k1-partial,...] [--refill on|off]
+[--trace P] [--plot P]``
 
 The job is pinned here (a tiny model reversing strings, 8 prompts x 8 samples per update,
 the same seeds everywhere) with its response lengths following a long-tailed real log,
@@ -18,7 +19,9 @@ per seed (``--seeds``, the order rotated with the seed):
   chose them);
 - ``k1-partial``, ``k1-whole``, ``k2-partial``, ``k2-whole``: ``mode = "async"`` with
   ``max_staleness`` 1 or 2 and ``partial_rollout`` on or off, on the planner's best async
-  split (``nereus.planner.async_cost.search_async``).
+  split (``nereus.planner.async_cost.search_async``), with ``[rl] refill`` as ``--refill``
+  says (``on``, the default: continuous batching; ``off``: a request runs until its
+  longest row ends).
 
 Devices: ``cluster.cores_per_device = 0.45`` when the job config has that field (a
 kernel-enforced CPU quota per device); otherwise the devices share the machine's cores
@@ -27,8 +30,10 @@ trained samples per second = rollouts trained / that wall time; mean update seco
 wall / updates; a configuration's figures are the means over its seeds. ``reward_gap``:
 mean reward over the last quarter of trained samples, sync minus the best async (each
 averaged over the seeds), in units of the sync runs' per-sample reward standard
-deviation over that quarter (pooled from each step's mean and std). Last line: one JSON object
-with ``speedup_vs_sync`` (best async samples/s over sync), ``max_staleness_seen`` and
+deviation over that quarter (pooled from each step's mean and std). Each async run also
+reports ``decode_calls_per_entry``, ``refilled_entries`` and ``generation_busy_s`` (the
+generation EMUs' seconds in decode calls, summed). Last line: one JSON object with
+``speedup_vs_sync`` (best async samples/s over sync), ``max_staleness_seen`` and
 ``max_staleness`` (of that run), ``reward_gap``, ``samples_discarded`` (all async runs),
 and every run's figures.
 """
@@ -154,7 +159,11 @@ def planned(
 
 
 async def run_one(
-    name: str, data: dict[str, Any], plan: dict[str, Any], decode_steps: int | None = None
+    name: str,
+    data: dict[str, Any],
+    plan: dict[str, Any],
+    decode_steps: int | None = None,
+    refill: bool = True,
 ) -> dict[str, Any]:
     rl_mode: dict[str, Any] = {"mode": "sync"}
     if name != "sync":
@@ -163,6 +172,7 @@ async def run_one(
             "mode": "async",
             "max_staleness": int(k[1:]),
             "partial_rollout": how == "partial",
+            "refill": refill,
             **({} if decode_steps is None else {"decode_steps_per_call": decode_steps}),
         }
     cfg = from_dict(JobConfig, {**data, "plan": plan, "rl": rl_mode})
@@ -179,6 +189,7 @@ async def run_one(
         records = await job._loop()
         wall = time.perf_counter() - t0
         summary = job.async_run.summary if job.async_run is not None else {}
+        entries = len(job.async_run.ledger.trained) if job.async_run is not None else 0
     finally:
         await job.close()
     samples = [r["rollouts"] for r in records]
@@ -204,8 +215,15 @@ async def run_one(
                     "max_staleness_seen",
                     "samples_discarded",
                     "regenerated_groups",
+                    "decode_calls",
+                    "refilled_entries",
                 )
             }
+        )
+        out["decode_calls_per_entry"] = round(summary["decode_calls"] / max(1, entries), 3)
+        # seconds the generation EMUs spent in decode calls (each EMU's, summed)
+        out["generation_busy_s"] = round(
+            sum(records[-1].get("generation_busy_seconds", {}).values()), 3
         )
         out["max_staleness"] = cfg.rl.max_staleness
         out["importance_weight_mean"] = round(
@@ -283,6 +301,13 @@ def combine(name: str, seeded: list[dict[str, Any]]) -> dict[str, Any]:
                 "max_staleness": seeded[0]["max_staleness"],
                 "samples_discarded": sum(r["samples_discarded"] for r in seeded),
                 "regenerated_groups": sum(r["regenerated_groups"] for r in seeded),
+                "refilled_entries": sum(r["refilled_entries"] for r in seeded),
+                "decode_calls_per_entry": round(
+                    statistics.fmean(r["decode_calls_per_entry"] for r in seeded), 3
+                ),
+                "generation_busy_s": round(
+                    statistics.fmean(r["generation_busy_s"] for r in seeded), 3
+                ),
                 "importance_weight_mean": round(
                     statistics.fmean(r["importance_weight_mean"] for r in seeded), 4
                 ),
@@ -309,6 +334,7 @@ async def main_async(
     plot_path: Path,
     seeds: list[int],
     decode_steps: int | None = None,
+    refill: bool = True,
 ) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-async-")
     by_name: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -335,7 +361,7 @@ async def main_async(
                     "run": {**data["run"], "seed": seed, "out_dir": f"{out}/{name}-{seed}"},
                 }
                 plan = sync_plan if name == "sync" else async_plan
-                r = await run_one(name, d, plan, decode_steps)
+                r = await run_one(name, d, plan, decode_steps, refill)
                 r["seed"] = seed
                 by_name[name].append(r)
                 brief = {
@@ -354,6 +380,7 @@ async def main_async(
         "steps": steps,
         "seeds": seeds,
         "decode_steps_per_call": decode_steps,
+        "refill": refill,
         "trace": str(trace),
         "cap": CAP,
         "predicted": predicted,
@@ -401,6 +428,12 @@ def main() -> None:
         help="rl.decode_steps_per_call of the async runs (default: the job's default)",
     )
     parser.add_argument(
+        "--refill",
+        choices=("on", "off"),
+        default="on",
+        help="rl.refill of the async runs: continuous batching on or off (default on)",
+    )
+    parser.add_argument(
         "--seeds",
         default="0,1,2",
         help="run seeds, comma-separated; every configuration runs once per seed and its "
@@ -419,7 +452,15 @@ def main() -> None:
     if not seeds:
         parser.error("--seeds must name at least one seed")
     result = asyncio.run(
-        main_async(args.steps, names, args.trace, args.plot, seeds, args.decode_steps_per_call)
+        main_async(
+            args.steps,
+            names,
+            args.trace,
+            args.plot,
+            seeds,
+            args.decode_steps_per_call,
+            args.refill == "on",
+        )
     )
     print(json.dumps(result))
 

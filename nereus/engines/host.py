@@ -7,7 +7,8 @@ device's memory ledger) and, beside it, the engines of the EMUs on this device, 
 EMU name (so two EMUs of one model-stage may share a device during a transition):
 
 - ``advance_rollout`` decodes an open request a few steps at a time
-  (``nereus.engines.stepped``), so a weight sync lands between decode steps.
+  (``nereus.engines.stepped``), so a weight sync lands between decode steps and new rows
+  can take the slots of finished ones (refills).
 
 Device: shards and engines live on the worker's device (``tensor_device``: ``cuda:0``
 on a GPU worker, else the CPU); the engines' ``EmuContext.device`` is that device, so
@@ -345,16 +346,20 @@ class EngineHost(ShardHolder):
         prompts: list[list[int]] | None = None,
         params: dict[str, Any] | None = None,
         greedy_rows: list[int] | None = None,
+        refill: list[dict[str, Any]] | None = None,
+        prompt_width: int | None = None,
     ) -> dict[str, Any]:
         """Decode up to ``steps`` tokens of ``emu``'s open request (``prompts`` given: open
-        a new one first, ``nereus.engines.stepped``, ``greedy_rows`` decoded greedily; it
-        replaces a request the caller abandoned); a weight sync between two calls is read
-        by the next decode step, the KV cache kept. The request closes when every row is
-        done."""
+        a new one first, ``nereus.engines.stepped``, ``greedy_rows`` decoded greedily, room
+        for refills of prompts up to ``prompt_width``; it replaces a request the caller
+        abandoned); a weight sync between two calls is read by the next decode step, the
+        KV cache kept. ``refill`` (``Refill`` fields as maps: ``slot``, ``prompt``,
+        ``max_tokens``, ``greedy``) first puts new rows into done slots. The request closes
+        when every row is done."""
         engine = self._engine(emu, "generation")
         if prompts is not None:
             self.rollouts[emu] = SteppedRollout(
-                engine, prompts, params, greedy_rows=greedy_rows or ()
+                engine, prompts, params, greedy_rows=greedy_rows or (), prompt_width=prompt_width
             )
         require(
             emu in self.rollouts,
@@ -362,7 +367,7 @@ class EngineHost(ShardHolder):
             emu,
             "must have an open request (give prompts)",
         )
-        out = await run_engine_work(self.rollouts[emu].advance, steps)
+        out = await run_engine_work(self.rollouts[emu].advance, steps, refill or ())
         if out["finished"]:
             del self.rollouts[emu]
         return out

@@ -12,7 +12,12 @@ entries.
   ``decode_steps_per_call`` steps per call (``EngineHost.advance_rollout``); every
   returned token is tagged with the policy version its EMU held during the call. An entry
   whose rows are all done is scored (the task's rule) and enters the buffer at once with
-  its prompt's global sample index; its request goes on for the others.
+  its prompt's global sample index; its request goes on for the others. With ``[rl]
+  refill`` (the default) the request stays open: after each call the slots of done rows
+  take the rows of the next entries the gate allows (all of an entry's rows at once,
+  ``nereus.job.async_refill``), and it closes when every row is done and none is
+  allowed; without partial rollouts an EMU that needs newer weights stops refilling and
+  lets its request drain first.
 - Training: for update u it waits only for a batch (``AsyncLedger.batch_for``): B finished
   entries in order, plus any entry whose staleness deadline is u. It trains them
   (``nereus.job.async_update``: proximal log-probs, the algorithm's advantages, the
@@ -52,6 +57,7 @@ from nereus.actors import emit
 from nereus.errors import DeadlineExceeded
 from nereus.job.async_adapt import AsyncAdapter
 from nereus.job.async_recovery import AsyncRecovery, GenerationLost, is_own_death, ledger_state
+from nereus.job.async_refill import OpenRequest
 from nereus.job.async_update import EntryShape, train_entries, update_record
 from nereus.job.export import latest_checkpoint
 from nereus.job.recovery import is_fault
@@ -113,6 +119,9 @@ class AsyncRun:
         self.tasks: list[asyncio.Task] = []
         self.records: list[dict[str, Any]] = []
         self.regenerated_rows = 0
+        self.decode_calls = 0  # advance_rollout calls of every producer
+        self.refilled_entries = 0  # entries placed into an open request's done slots
+        self._prompt_width: int | None = None  # room a refilling request keeps for prompts
         self.lost_workers: list[tuple[str, list[int]]] = []  # (EMU, devices) of dead producers
         # per trained entry: (update version, entry, sample index, token versions of every row
         # the update used: the trained rows, then ReMax's baseline row)
@@ -243,11 +252,15 @@ class AsyncRun:
             params["row_max_tokens"] = rows
         return params
 
+    def _share(self) -> int:
+        """Entries one generation EMU takes at most into a request: its share of a batch."""
+        return max(1, -(-self.B // max(1, sum(x.alive for x in self.workers))))
+
     async def _positions(self, w: _Worker) -> list[int]:
         """The next positions ``w`` may start (waits at the gate); [] when none are left.
         Without partial rollouts this is where an EMU takes newer weights: at once when no
         update is running, else when the gate needs them (after that update)."""
-        most = max(1, -(-self.B // max(1, sum(x.alive for x in self.workers))))
+        most = self._share()
         while True:
             async with self.changed:
                 while True:
@@ -267,14 +280,19 @@ class AsyncRun:
 
     async def _produce(self, w: _Worker) -> None:
         """``w``'s producer loop (see the module docstring)."""
+        carry: list[int] = []  # positions taken for a refill that did not fit its request
         while True:
             positions: list[int] = []
             try:
                 # the weight sync inside _positions meets a dead EMU as a request does
-                positions = await self._positions(w)
+                positions = carry or await self._positions(w)
+                carry = []
                 if not positions:
                     return
-                await self._request(w, positions)
+                if self.mode.refill:
+                    carry = await self._refilling_request(w, positions)
+                else:
+                    await self._request(w, positions)
             except Exception as e:
                 if not await self._is_own_fault(w, e):
                     raise
@@ -376,7 +394,117 @@ class AsyncRun:
             if whole is not None:
                 w.lock.release()
 
+    @property
+    def prompt_width(self) -> int:
+        """The prompt room a refilling request keeps (the longest of the first prompts of
+        the global order; a wider one waits for a request of its own)."""
+        if self._prompt_width is None:
+            self._prompt_width = self.job.max_prompt_tokens()
+        return self._prompt_width
+
+    async def _refilling_request(self, w: _Worker, positions: list[int]) -> list[int]:
+        """``[rl] refill``: a request for ``positions`` kept open while the gate gives more;
+        after each call the entries of done rows are released and free slots take the
+        next entries (``_refills``). ``positions`` grows with them, so a fault loses what
+        is in flight of it. Returns positions taken that did not fit this request (a wider
+        prompt or a longer bound: the next request starts with them)."""
+        job, shape = self.job, self.shape
+        req = OpenRequest(self.K, shape.baseline)
+        samples = {p: job.dataset.at(shape.prompt(p)) for p in positions}
+        prompts = {p: job.task.prompt_ids(samples[p], job.codec) for p in positions}
+        params = self._params(positions, samples, len(positions) if shape.baseline else 0)
+        # room for the entries the gate lets in while this request is open
+        params["max_tokens"] = max(params["max_tokens"], self.request_cap(self.version))
+        width = max(self.prompt_width, *(len(prompts[p]) for p in positions))
+        # the EMU's whole share of slots: those no entry takes yet are idle (one token,
+        # dropped) until a refill
+        idle = max(0, self._share() - len(positions)) * req.per_entry
+        rows, greedy = req.first([(p, samples[p], prompts[p]) for p in positions], idle)
+        if idle:
+            limits = params.get("row_max_tokens") or [params["max_tokens"]] * (len(rows) - idle)
+            params["row_max_tokens"] = [*limits, *[1] * idle]
+        args: tuple = (rows, params, greedy, None, width)
+        room = (width, params["max_tokens"])
+        carry: list[int] = []
+        draining = False  # no more refills: the request ends, then the EMU syncs
+        whole = None if self.mode.partial_rollout else await w.lock.acquire()
+        w.current = list(positions)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if self.mode.partial_rollout:
+                    async with w.lock:
+                        out, version = await self._advance(w, args), w.version
+                else:
+                    out, version = await self._advance(w, args), w.version
+                w.busy_s += time.perf_counter() - t0
+                w.tokens += sum(len(t) for t in out["tokens"])
+                for e in req.record(out, version):
+                    await self._release(
+                        e.position, e.sample, e.prompt, e.tokens, e.logprobs, e.versions
+                    )
+                if self.pausing:  # a plan change: what is unfinished starts again after it
+                    async with self.changed:
+                        self.ledger.lose([*req.positions, *carry], fault=False)
+                    return []
+                if out["finished"]:  # every row done: the EMU closed the request
+                    return carry
+                refill: list[dict[str, Any]] = []
+                if not draining and not carry:
+                    refill, draining = await self._refills(w, req, room, carry, positions)
+                w.current = req.positions + carry
+                args = (None, None, None, refill or None)
+        finally:
+            w.current = []
+            if whole is not None:
+                w.lock.release()
+
+    async def _refills(
+        self,
+        w: _Worker,
+        req: OpenRequest,
+        room: tuple[int, int],
+        carry: list[int],
+        taken: list[int],
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """The next entries the gate allows into ``req``'s free slots, as ``_positions``
+        takes them (each appended to ``taken``; one that does not fit ``room``, the
+        request's prompt width and cap, to ``carry`` too); returns the refills and whether
+        the request must drain instead: when it has fewer slots than the EMU's share now
+        (an EMU died), or without partial rollouts when the EMU needs newer weights
+        (behind, and no update running or the gate closed to its version)."""
+        n = len(req.free) // req.per_entry
+        if n == 0:
+            return [], False
+        async with self.changed:
+            if self.pausing or not self.ledger.has_work():
+                return [], False
+            if len(req.owner) < self._share() * req.per_entry:
+                return [], True  # an EMU died: the next request takes the larger share
+            behind = not self.mode.partial_rollout and w.version < self.version
+            if behind and not self.train_lock.locked():
+                return [], True
+            got = self.ledger.take(w.version, n)
+        taken += got
+        if not got:
+            return [], behind
+        job, shape = self.job, self.shape
+        width, cap = room
+        refill: list[dict[str, Any]] = []
+        for p in got:
+            sample = job.dataset.at(shape.prompt(p))
+            prompt = job.task.prompt_ids(sample, job.codec)
+            params = self._params([p], {p: sample}, 1 if shape.baseline else 0)
+            limits = params.get("row_max_tokens") or [params["max_tokens"]] * req.per_entry
+            if max(limits) > cap or len(prompt) > width + cap - max(limits):
+                carry.append(p)
+                continue
+            refill += req.place(p, sample, prompt, limits)
+            self.refilled_entries += 1
+        return refill, False
+
     async def _advance(self, w: _Worker, args: tuple) -> dict[str, Any]:
+        self.decode_calls += 1
         results = await w.emu.mesh.advance_rollout.call(
             w.name, self.mode.decode_steps_per_call, *args
         )
@@ -646,7 +774,8 @@ class AsyncRun:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """What the run did as a whole: staleness histogram, discarded and regenerated work."""
+        """What the run did as a whole: staleness histogram, discarded and regenerated work,
+        generation's decode calls and the entries refilled into open requests."""
         trained = len(self.ledger.trained)
         return {
             "staleness_histogram": {str(k): v for k, v in sorted(self.ledger.staleness.items())},
@@ -658,6 +787,8 @@ class AsyncRun:
             "restarted_groups": self.ledger.restarted_groups,
             "rewound_groups": self.recovery.rewound_groups if self.recovery is not None else 0,
             "plan_changes": len(self.adapter.changes) if self.adapter is not None else 0,
+            "decode_calls": self.decode_calls,
+            "refilled_entries": self.refilled_entries,
         }
 
 

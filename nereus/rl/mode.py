@@ -6,8 +6,8 @@ policy-training consumes finished entries (groups, or PPO samples) from a bounde
 (``nereus.job.async_loop``, ``nereus.rl.async_buffer``), with the decoupled PPO objective
 (``nereus.rl.decoupled``).
 
-Refuses (``ConfigError``): an unknown mode, a negative ``max_staleness``, a non-positive
-decode chunk, sync deadline or importance-weight cap.
+Refuses (``ConfigError``): an unknown mode, a negative ``max_staleness``, a non-boolean
+``refill``, a non-positive decode chunk, sync deadline or importance-weight cap.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ class RLModeConfig:
     """True: a weight sync reaches sequences in flight at their next decode call (KV cache
     kept, each token tagged with its version). False: a request finishes on the weights
     it started with; its EMU takes the new weights before its next request."""
+    refill: bool = True
+    """True (continuous batching): a generation EMU keeps its request open and the rows of
+    new entries the gate allows take the slots of done rows between decode calls, so the
+    batch stays full while responses of different lengths end. False: a request runs its
+    entries until its longest row ends, finished rows idle meanwhile. Async mode only."""
     decode_steps_per_call: int = 8
     """Decode steps per call to a generation EMU: the granularity at which a sync lands
     in a partial rollout and a finished group leaves its request (1: the next step).
@@ -53,6 +58,7 @@ class RLModeConfig:
             self.max_staleness,
             "must be an integer >= 0",
         )
+        require(isinstance(self.refill, bool), "rl.refill", self.refill, "must be true or false")
         require(
             isinstance(self.decode_steps_per_call, int) and self.decode_steps_per_call >= 1,
             "rl.decode_steps_per_call",

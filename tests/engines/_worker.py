@@ -8,6 +8,7 @@ the same requests as the in-process TP=1/PP=1 reference in the test, and writes 
 got to ``OUT/rank{R}.safetensors`` (no pickle):
 
 - greedy generation (tokens, logprobs) and seeded sampled generation (tokens);
+- a stepped request whose done slots are refilled (``tests.engines._refill``);
 - inference log-probabilities of a fixed batch;
 - its parameter shards after one training step (micro-batches + accumulation; with PP
   under both the 1F1B and the GPipe schedule), or, with DP, after a step on its half of
@@ -34,6 +35,7 @@ from nereus.engines import (
 from nereus.engines.memory import MemoryLedger
 from nereus.engines.options import EngineOptions
 from nereus.models import ModelConfig, ParallelContext
+from tests.engines._refill import refilled_run
 
 
 def make_comm(group_id: str, rank: int, size: int, host: str, port: int):
@@ -90,6 +92,9 @@ def main(argv: list[str]) -> int:
             out[f"greedy.logprobs.{i}"] = torch.tensor(lps, dtype=torch.float32)
         for i, toks in enumerate(sampled.token_ids):
             out[f"sampled.tokens.{i}"] = torch.tensor(toks, dtype=torch.long)
+        for i, (toks, lps) in enumerate(refilled_run(gen, prompts, seed=11)):
+            out[f"refill.tokens.{i}"] = torch.tensor(toks, dtype=torch.long)
+            out[f"refill.logprobs.{i}"] = torch.tensor(lps, dtype=torch.float32)
         gen.close()
         inf = InferenceEngine(
             config,

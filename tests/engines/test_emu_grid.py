@@ -2,7 +2,8 @@
 
 For each layout the test starts one process per rank (``python -m tests.engines._worker``)
 and compares what the EMU computed with the in-process TP=1/PP=1 engines on the same
-checkpoint: greedy tokens and their logprobs, seeded sampled tokens, inference logprobs,
+checkpoint: greedy tokens and their logprobs, seeded sampled tokens, the rows of a stepped
+request whose done slots are refilled (tokens and logprobs), inference logprobs,
 and every parameter shard and AdamW moment after one training step (with micro-batches,
 under both pipeline schedules at PP 2).
 The grid covers TP in {1, 2, 4} and PP in {1, 2} (TP 4 replicates GQA kv heads; the model
@@ -25,6 +26,7 @@ from nereus.engines import GenerationEngine, InferenceEngine, SamplingParams, Tr
 from nereus.engines.memory import MemoryLedger
 from nereus.engines.options import EngineOptions
 from nereus.models import model_spec, save_tiny_model, shard_tensor, tiny_config
+from tests.engines._refill import refilled_run
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +62,7 @@ def setup(tmp_path_factory):
     )
     greedy = ref_gen.generate(plist, SamplingParams(**SETTINGS["greedy"]))
     sampled = ref_gen.generate(plist, SamplingParams(**SETTINGS["sampled"]))
+    refilled = refilled_run(ref_gen, plist, seed=11)
     ref_inf = InferenceEngine(
         config, options=EngineOptions(model_dir=model_dir, ledger=ledger, name="ref-inf")
     )
@@ -76,6 +79,7 @@ def setup(tmp_path_factory):
     ref = {
         "greedy": greedy,
         "sampled": sampled,
+        "refill": refilled,
         "logprobs": logprobs,
         "state": {k: v.clone() for k, v in ref_train.named_state().items()},
         "metrics": metrics,
@@ -181,6 +185,11 @@ def test_layout_matches_tp1_pp1(setup, tp, pp):
             )
         for i, toks in enumerate(ref["sampled"].token_ids):
             assert res[f"sampled.tokens.{i}"].tolist() == toks, f"rank {rank} sampled prompt {i}"
+        for i, (toks, lps) in enumerate(ref["refill"]):
+            assert res[f"refill.tokens.{i}"].tolist() == toks, f"rank {rank} refilled row {i}"
+            torch.testing.assert_close(
+                res[f"refill.logprobs.{i}"], torch.tensor(lps), atol=1e-4, rtol=1e-4
+            )
         mask = torch.ones_like(ref["logprobs"])
         torch.testing.assert_close(
             res["inference.logprobs"] * mask, ref["logprobs"], atol=1e-4, rtol=1e-4

@@ -1,16 +1,18 @@
-"""A request decoded a few steps at a time: equal to one generate call, and weights that
-change between calls are read by the next step with the KV cache kept."""
+"""A request decoded a few steps at a time: equal to one generate call, weights that change
+between calls read by the next step with the KV cache kept, and done slots refilled with
+new rows that decode as requests of their own while the other rows are untouched."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nereus.engines.generation import GenerationEngine
+from nereus.engines.generation import GenerationEngine, _Noise
 from nereus.engines.options import EngineOptions
-from nereus.engines.stepped import SteppedRollout
+from nereus.engines.stepped import Refill, SteppedRollout
 from nereus.errors import ConfigError
 from nereus.models import ModelConfig, save_tiny_model
+from tests.engines._refill import QUEUE, refilled_run
 
 CONFIG = ModelConfig(
     vocab_size=16,
@@ -206,3 +208,124 @@ def test_greedy_rows_decode_as_a_greedy_request_beside_the_sampled_ones(tmp_path
     # the sampled rows drew from the distribution (not the argmax), with the request's noise
     assert tokens[:n] != greedy.token_ids
     assert tokens[:n] == sampled.token_ids
+
+
+class _Shifted:
+    """The noise a refilled row drew: the request's at ``shift`` steps later, its slot."""
+
+    def __init__(self, seed: int, shift: int, slot: int, batch: int) -> None:
+        self.noise, self.shift, self.slot, self.batch = _Noise(seed, 0), shift, slot, batch
+
+    def rows(self, step: int, batch: int, rows: slice) -> torch.Tensor:
+        return self.noise.rows(step + self.shift, self.batch, slice(self.slot, self.slot + 1))
+
+
+def _alone(engine, prompt, params, shift, slot, rows, greedy=False):
+    """A fresh one-row request for ``prompt`` drawing what slot ``slot`` drew from step
+    ``shift`` on."""
+    r = SteppedRollout(engine, [prompt], params, greedy_rows=[0] if greedy else ())
+    r.noise = _Shifted(params["seed"], shift, slot, rows)
+    tokens, logprobs = [], []
+    while True:
+        out = r.advance(5)
+        tokens += out["tokens"][0]
+        logprobs += out["logprobs"][0]
+        if out["finished"]:
+            return tokens, logprobs
+
+
+@pytest.fixture
+def engine(tmp_path):
+    save_tiny_model(tmp_path / "model", CONFIG, seed=0)
+    engine = GenerationEngine(CONFIG, options=EngineOptions(model_dir=tmp_path / "model"))
+    yield engine
+    engine.close()  # also after a failure: the engine's name is free for the next test
+
+
+@pytest.mark.parametrize("stops", [[], [2]])
+def test_a_refilled_row_is_a_fresh_request_and_the_others_are_untouched(engine, stops):
+    params = {**PARAMS, "stop_token_ids": stops, "row_max_tokens": [2, 12, 5]}
+    without = _run(SteppedRollout(engine, PROMPTS, params), 3)
+    r = SteppedRollout(engine, PROMPTS, params, prompt_width=5)
+    first = r.advance(3)
+    assert first["done"][0] and not first["done"][1]
+    new = [12, 13, 14, 15, 3]  # wider than any first prompt: prompt_width makes room
+    tokens = [t for t in first["tokens"]]
+    logprobs = [lp for lp in first["logprobs"]]
+    refilled, refilled_lp = [], []
+    out = r.advance(3, [Refill(0, new, 7)])
+    while True:
+        refilled += out["tokens"][0]
+        refilled_lp += out["logprobs"][0]
+        for i in (1, 2):
+            tokens[i] += out["tokens"][i]
+            logprobs[i] += out["logprobs"][i]
+        if out["finished"]:
+            break
+        out = r.advance(3)
+    # the rows not refilled drew exactly what they draw without the refill
+    assert tokens[1:] == without[0][1:]
+    assert [x for row in logprobs[1:] for x in row] == pytest.approx(
+        [x for row in without[1][1:] for x in row], abs=1e-5
+    )
+    assert tokens[0] == without[0][0]
+    # the new row: its own bound, and what a request of its own with its noise draws
+    want = _alone(engine, new, {**params, "max_tokens": 7, "row_max_tokens": None}, 3, 0, 3)
+    assert refilled == want[0]
+    assert refilled_lp == pytest.approx(want[1], abs=1e-5)
+    if not stops:
+        assert len(refilled) == 7
+    assert refilled_lp == pytest.approx(
+        _recompute([engine.stage], new, refilled, [0] * len(refilled)), abs=1e-5
+    )
+
+
+def test_every_slot_refilled_at_once_and_a_greedy_refill(engine):
+    """A finished request whose every slot is refilled (no decode forward at that step),
+    one of them greedy; and the rows of the shared script each equal a request alone."""
+    params = {**PARAMS, "stop_token_ids": [], "max_tokens": 6}
+    r = SteppedRollout(engine, PROMPTS, params)
+    while not r.advance(4)["finished"]:
+        pass
+    assert r.step == 6
+    news = [[5, 4], [11, 10, 9], [3]]
+    out = r.advance(2, [Refill(s, p, 4, greedy=s == 1) for s, p in enumerate(news)])
+    got = [out["tokens"][s] for s in range(3)]
+    assert not out["finished"]
+    out = r.advance(2)
+    got = [g + t for g, t in zip(got, out["tokens"], strict=True)]
+    assert out["finished"] and [len(g) for g in got] == [4, 4, 4]
+    for s, p in enumerate(news):
+        one = {**params, "max_tokens": 4}
+        if s == 1:
+            want = engine.generate([p], {**one, "temperature": 0.0}).token_ids[0]
+        else:
+            want = _alone(engine, p, one, 6, s, 3)[0]
+        assert got[s] == want, s
+    prompts = PROMPTS + [[PROMPTS[0][0], *suffix] for suffix, _, _ in QUEUE]
+    bounds = [2, 6, 4] + [bound for _, bound, _ in QUEUE]
+    occupants = refilled_run(engine, PROMPTS, seed=5)
+    assert [len(tokens) for tokens, _ in occupants] == bounds
+    for i, (prompt, (tokens, logprobs)) in enumerate(zip(prompts, occupants, strict=True)):
+        assert logprobs == pytest.approx(
+            _recompute([engine.stage], prompt, tokens, [0] * len(tokens)), abs=1e-5
+        ), i
+
+
+def test_refills_that_do_not_fit_are_refused(engine):
+    params = {**PARAMS, "stop_token_ids": [], "row_max_tokens": [2, 9, 5]}
+    r = SteppedRollout(engine, PROMPTS, params)
+    r.advance(3)  # row 0 done; the room is the widest prompt (4) + the longest row (9)
+    for refill, field in [
+        (Refill(1, [3, 4]), r"refill\[0\]\.slot"),  # not done
+        (Refill(3, [3, 4]), r"refill\[0\]\.slot"),  # no such slot
+        (Refill(0, [3, 4], 10), r"refill\[0\]\.max_tokens"),
+        (Refill(0, [3, 4, 5, 6, 7], 9), r"refill\[0\]\.prompt"),
+        (Refill(0, [3, 99], 2), r"refill\[0\]\.prompt"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            r.advance(1, [refill])
+    with pytest.raises(ConfigError, match=r"refill\[1\]\.slot"):
+        r.advance(1, [Refill(0, [3], 2), Refill(0, [4], 2)])
+    assert r.step == 3  # nothing ran
+    r.advance(1, [Refill(0, [3, 4, 5, 6], 9)])  # fits exactly

@@ -1,7 +1,8 @@
 """Asynchronous RL on a real local cluster: generation and training at once, the staleness
 bound on every token, each position trained once, a straggler carried not dropped, resume
 trains the same positions, a killed generation worker's groups regenerated, and the reward
-rises over that run (first vs last quarter).
+rises over that run (first vs last quarter); with refill (continuous batching, the
+default) and without.
 
 These start worker processes (no ``integration`` marker exists in this tree)."""
 
@@ -11,15 +12,25 @@ import asyncio
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
 from nereus.job.async_loop import AsyncRun
 from nereus.job.loop import RLJob
+from nereus.job.traces import response_lengths
 from tests._leaks import children, shm_segments, wait_gone
 from tests.job._jobs import job
 
 B = 8  # prompts per step
+TOPS = (
+    Path(__file__).resolve().parents[2]
+    / ".."
+    / "shared"
+    / "traces"
+    / "response-length"
+    / "areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning.json"
+)
 PLAN = {"policy_generation": {"devices": [1, 2], "dp": 2}, "policy_training": {"devices": [0]}}
 CLUSTER = {"mode": "local", "devices": 3, "memory_per_device": "256MiB"}
 
@@ -58,12 +69,12 @@ async def _run(
     await rl.start()
     try:
         run = AsyncRun(rl)
-        if straggler is not None:
+        if delay_s > 0:
             advance = run._advance
 
             async def slowed(w, args):
-                # the EMU holding the straggler decodes it slowly: a group that lags the rest
-                if straggler in w.current:
+                # the EMU holding the straggler (without one, every EMU) decodes slowly
+                if straggler is None or straggler in w.current:
                     await asyncio.sleep(delay_s)
                 return await advance(w, args)
 
@@ -220,3 +231,83 @@ async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_r
     early = sum(r["reward_mean"] for r in run.records[:quarter]) / quarter
     late = sum(r["reward_mean"] for r in run.records[-quarter:]) / quarter
     assert late > early + 0.1, (early, late)
+
+
+def _refill_config(out: str, steps: int, k: int, **rl):
+    """Responses of drawn lengths (a long tail) up to 24 tokens, two decode steps a call."""
+    return job(
+        out,
+        steps,
+        sampling={"max_new_tokens": 24},
+        trace={"lengths": str(TOPS)},
+        cluster=CLUSTER,
+        plan=PLAN,
+        rl={"mode": "async", "max_staleness": k, "decode_steps_per_call": 2, **rl},
+        run={"steps": steps, "out_dir": out, "progress": False, "seed": 0},
+    )
+
+
+def _check_refill_run(rl: RLJob, run: AsyncRun, steps: int, k: int) -> None:
+    """Each position trained once, every token within the bound, nothing discarded, and
+    every trained response exactly its drawn length (a refilled row's own bound)."""
+    positions = [p for r in run.records for p in r["positions"]]
+    assert sorted(positions) == list(range(steps * B)), "a position trained twice or skipped"
+    _check_tokens(run, k)
+    summary = run.summary
+    assert summary["max_staleness_seen"] <= k and summary["samples_discarded"] == 0
+    for _, position, index, rows in run.trained_log:
+        drawn = response_lengths(rl.cfg, position // B, [index], run.K)
+        assert [len(r) for r in rows] == drawn, position
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+async def test_refill_keeps_every_invariant_through_a_killed_generation_worker(
+    tmp_path, no_leaked_processes
+):
+    """Continuous batching (the default) without partial rollouts: done slots take new
+    entries, an EMU that needs newer weights drains its request first, and a killed
+    generation worker's entries, first or refilled, are issued again."""
+    steps, k = 12, 1
+    cfg = _refill_config(str(tmp_path), steps, k, partial_rollout=False)
+    assert cfg.rl.refill
+    killed: dict[str, list[int]] = {}
+
+    async def kill(rl: RLJob, record) -> None:
+        if record["step"] != 3 or killed:
+            return
+        victim = next(w for w in rl.async_run.workers if 2 in w.emu.devices)
+        for _ in range(2000):  # until the victim has a request in flight
+            if victim.current:
+                break
+            await asyncio.sleep(0.005)
+        killed["in_flight"] = list(victim.current)
+        os.kill(_pid(rl.stages.cluster, 2), signal.SIGKILL)
+
+    rl, run = await _run(cfg, hook=kill)
+    assert killed["in_flight"], "the victim had nothing in flight"
+    _check_refill_run(rl, run, steps, k)
+    assert run.summary["regenerated_groups"] >= 1
+    assert [w.emu.devices for w in run.workers] == [(1,)]
+    assert run.summary["refilled_entries"] > 0
+    # without partial rollouts every row of an entry is of one version
+    assert all(len({v for row in rows for v in row}) <= 1 for _, _, _, rows in run.trained_log)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+async def test_refill_costs_fewer_decode_calls_per_entry(tmp_path, no_leaks):
+    """The same run with refill on and off, generation the bottleneck (each decode call
+    slowed): with refill an entry costs fewer calls, since done slots do not idle until a
+    request's longest row ends."""
+    steps, k = 12, 2
+    calls_per_entry = {}
+    for refill in (True, False):
+        out = str(tmp_path / f"refill-{refill}")
+        cfg = _refill_config(out, steps, k, partial_rollout=True, refill=refill)
+        rl, run = await _run(cfg, delay_s=0.02)
+        _check_refill_run(rl, run, steps, k)
+        summary = run.summary
+        assert (summary["refilled_entries"] > 0) == refill, summary
+        calls_per_entry[refill] = summary["decode_calls"] / (steps * B)
+    assert calls_per_entry[True] < 0.9 * calls_per_entry[False], calls_per_entry
