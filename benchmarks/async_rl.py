@@ -20,8 +20,8 @@ per seed (``--seeds``, the order rotated with the seed):
 - ``k1-partial``, ``k1-whole``, ``k2-partial``, ``k2-whole``: ``mode = "async"`` with
   ``max_staleness`` 1 or 2 and ``partial_rollout`` on or off, on the planner's best async
   split (``nereus.planner.async_cost.search_async``), with ``[rl] refill`` as ``--refill``
-  says (``on``, the default: continuous batching; ``off``: a request runs until its
-  longest row ends).
+  says (``on``: continuous batching; ``off``, the job's default: a request runs until
+  its longest row ends).
 
 Devices: ``cluster.cores_per_device = 0.45`` when the job config has that field (a
 kernel-enforced CPU quota per device); otherwise the devices share the machine's cores
@@ -163,7 +163,7 @@ async def run_one(
     data: dict[str, Any],
     plan: dict[str, Any],
     decode_steps: int | None = None,
-    refill: bool = True,
+    refill: bool = False,
 ) -> dict[str, Any]:
     rl_mode: dict[str, Any] = {"mode": "sync"}
     if name != "sync":
@@ -334,7 +334,7 @@ async def main_async(
     plot_path: Path,
     seeds: list[int],
     decode_steps: int | None = None,
-    refill: bool = True,
+    refill: bool = False,
 ) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="nereus-bench-async-")
     by_name: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -430,8 +430,9 @@ def main() -> None:
     parser.add_argument(
         "--refill",
         choices=("on", "off"),
-        default="on",
-        help="rl.refill of the async runs: continuous batching on or off (default on)",
+        default="off",
+        help="rl.refill of the async runs: continuous batching on or off (default off, "
+        "the job's default)",
     )
     parser.add_argument(
         "--seeds",

@@ -34,11 +34,14 @@ class RLModeConfig:
     """True: a weight sync reaches sequences in flight at their next decode call (KV cache
     kept, each token tagged with its version). False: a request finishes on the weights
     it started with; its EMU takes the new weights before its next request."""
-    refill: bool = True
+    refill: bool = False
     """True (continuous batching): a generation EMU keeps its request open and the rows of
     new entries the gate allows take the slots of done rows between decode calls, so the
-    batch stays full while responses of different lengths end. False: a request runs its
-    entries until its longest row ends, finished rows idle meanwhile. Async mode only."""
+    batch stays full while responses of different lengths end; it pays where generation
+    is the bottleneck (fewer decode calls an entry) and not where training is (the async
+    benchmark on 0.45-core CPU devices: no measurable change), so it is asked for. False:
+    a request runs its entries until its longest row ends, finished rows idle meanwhile.
+    Async mode only."""
     decode_steps_per_call: int = 8
     """Decode steps per call to a generation EMU: the granularity at which a sync lands
     in a partial rollout and a finished group leaves its request (1: the next step).

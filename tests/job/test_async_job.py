@@ -242,7 +242,7 @@ def _refill_config(out: str, steps: int, k: int, **rl):
         trace={"lengths": str(TOPS)},
         cluster=CLUSTER,
         plan=PLAN,
-        rl={"mode": "async", "max_staleness": k, "decode_steps_per_call": 2, **rl},
+        rl={"mode": "async", "max_staleness": k, "decode_steps_per_call": 2, "refill": True, **rl},
         run={"steps": steps, "out_dir": out, "progress": False, "seed": 0},
     )
 
