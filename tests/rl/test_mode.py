@@ -1,5 +1,5 @@
-"""The ``[rl]`` table: refill (continuous batching) asked for, off by default, and a value that is not
-a boolean refused with the field named."""
+"""The ``[rl]`` table: refill (continuous batching) off by default, and a value that is
+not a boolean refused with the field named."""
 
 from __future__ import annotations
 
