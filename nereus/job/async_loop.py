@@ -359,13 +359,7 @@ class AsyncRun:
         w.current = list(positions)
         try:
             while True:
-                t0 = time.perf_counter()
-                if self.mode.partial_rollout:
-                    async with w.lock:
-                        out, version = await self._advance(w, args), w.version
-                else:
-                    out, version = await self._advance(w, args), w.version
-                w.busy_s += time.perf_counter() - t0
+                out, version = await self._call(w, args)
                 args = ()
                 for r, (tk, lp) in enumerate(zip(out["tokens"], out["logprobs"], strict=True)):
                     tokens[r] += tk
@@ -431,13 +425,7 @@ class AsyncRun:
         w.current = list(positions)
         try:
             while True:
-                t0 = time.perf_counter()
-                if self.mode.partial_rollout:
-                    async with w.lock:
-                        out, version = await self._advance(w, args), w.version
-                else:
-                    out, version = await self._advance(w, args), w.version
-                w.busy_s += time.perf_counter() - t0
+                out, version = await self._call(w, args)
                 w.tokens += sum(len(t) for t in out["tokens"])
                 for e in req.record(out, version):
                     await self._release(
@@ -502,6 +490,19 @@ class AsyncRun:
             refill += req.place(p, sample, prompt, limits)
             self.refilled_entries += 1
         return refill, False
+
+    async def _call(self, w: _Worker, args: tuple) -> tuple[dict[str, Any], int]:
+        """One decode call on ``w`` and the policy version its weights held during it
+        (``w``'s lock taken per call with partial rollouts; the request holds it
+        otherwise), its seconds added to ``w.busy_s``."""
+        t0 = time.perf_counter()
+        if self.mode.partial_rollout:
+            async with w.lock:
+                out, version = await self._advance(w, args), w.version
+        else:
+            out, version = await self._advance(w, args), w.version
+        w.busy_s += time.perf_counter() - t0
+        return out, version
 
     async def _advance(self, w: _Worker, args: tuple) -> dict[str, Any]:
         self.decode_calls += 1
