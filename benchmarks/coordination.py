@@ -51,6 +51,7 @@ from nereus.transfer import release_groups
 from nereus.transition import TransitionDAG, build_dag
 from nereus.transition.execute import TransitionReport, execute_dag
 from nereus.transition.workers import WorkerRuntime
+from tests.transition.cases import CASES
 
 SPEC = model_spec(
     ModelConfig(
@@ -68,15 +69,6 @@ SPEC = model_spec(
 TRAIN = training_slots("float32")
 LAUNCH_S = 0.2  # model-stages' launch times are drawn from 0 .. this
 DELAY_S = 0.04  # each worker waits 0 .. this before each plan part
-
-
-def _plan(**stages: tuple[int, int, list[list[int]]]) -> Plan:
-    return Plan(
-        tuple(
-            (n, StagePlan(tp, pp, len(d), tuple(tuple(x) for x in d)))
-            for n, (tp, pp, d) in stages.items()
-        )
-    )
 
 
 @dataclass(frozen=True)
@@ -116,40 +108,16 @@ class Overlap:
         return moved(self.current), moved(self.target)
 
 
+# The paper's three overlap types are the cases the DAG's tests run (tests/transition/
+# cases.py), named here as Table 5 names them.
+TYPE_NAMES = (
+    "same model, across stages",
+    "different models, one stage",
+    "different models, across stages",
+)
 TYPES = [
-    Overlap(
-        "same model, across stages",
-        _plan(policy_generation=(2, 1, [[0, 1]]), policy_training=(1, 2, [[2, 3]])),
-        _plan(policy_generation=(1, 1, [[2], [3]]), policy_training=(2, 1, [[0, 1]])),
-        {"policy_training": TRAIN},
-        2.4,
-    ),
-    Overlap(
-        "different models, one stage",
-        _plan(reference_inference=(2, 1, [[0, 1]]), critic_inference=(1, 1, [[2], [3]])),
-        _plan(reference_inference=(1, 1, [[2], [3]]), critic_inference=(2, 1, [[0, 1]])),
-        {},
-        1.6,
-    ),
-    Overlap(
-        "different models, across stages",
-        _plan(
-            policy_generation=(1, 1, [[0], [1], [2], [3]]),
-            reference_inference=(1, 1, [[2]]),
-            critic_inference=(1, 1, [[3]]),
-            policy_training=(2, 1, [[0, 1]]),
-            critic_training=(2, 1, [[2, 3]]),
-        ),
-        _plan(
-            policy_generation=(2, 1, [[0, 1], [2, 3]]),
-            reference_inference=(1, 1, [[0]]),
-            critic_inference=(1, 1, [[1]]),
-            policy_training=(2, 1, [[2, 3]]),
-            critic_training=(2, 1, [[0, 1]]),
-        ),
-        {"policy_training": TRAIN, "critic_training": TRAIN},
-        4.4,
-    ),
+    Overlap(name, c.current, c.target, c.slots, c.cap_factor)
+    for name, c in zip(TYPE_NAMES, CASES, strict=True)
 ]
 
 
