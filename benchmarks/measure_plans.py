@@ -168,18 +168,7 @@ async def run_plan(cfg: JobConfig, warmup: int, on_start: Any = None) -> dict[st
             return {"completed": False, "failed_at_step": job.step}
     finally:
         await job.close()
-    measured = records[warmup:]
-    stages: dict[str, list[float]] = {}
-    for r in measured:
-        for name, secs in r["model_stage_seconds"].items():
-            stages.setdefault(name, []).append(secs)
-    return {
-        "completed": True,
-        "step_s": statistics.median(r["step_seconds"] for r in measured),
-        "steps_s": [round(r["step_seconds"], 4) for r in measured],
-        "stage_s": {n: statistics.median(v) for n, v in stages.items()},
-        "response_len_mean": statistics.mean(r["response_len_mean"] for r in measured),
-    }
+    return _figures(records[warmup:])
 
 
 async def run_plans(
