@@ -48,7 +48,6 @@ from nereus.job.loop import RLJob
 
 CONFIG = Path(__file__).with_name("demo_adaptive.toml")
 ASYNC_CONFIG = Path(__file__).with_name("demo_async.toml")
-REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger("examples.demo")
 
 
@@ -103,17 +102,6 @@ def capacity_line(cfg: Any) -> tuple[Any, str]:
     return cfg, f"each device is capped at {cfg.cluster.cores_per_device} CPU cores ({where})"
 
 
-def with_trace_from_repo(cfg: Any) -> Any:
-    """``cfg`` with a relative ``[trace] pool`` path that does not resolve from here
-    resolved from the repository instead (the config names it as seen from the root)."""
-    pool = cfg.trace.pool
-    if pool is None or pool.startswith("growth:") or Path(pool).is_absolute():
-        return cfg
-    if Path(pool).exists() or not (REPO / pool).exists():
-        return cfg
-    return dataclasses.replace(cfg, trace=dataclasses.replace(cfg.trace, pool=str(REPO / pool)))
-
-
 def _dp(plan: dict[str, Any] | None) -> str:
     return ", ".join(f"{name} DP{sp['dp']}" for name, sp in sorted((plan or {}).items()))
 
@@ -160,7 +148,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"demo: config error: {e}", file=sys.stderr)
         return 2
-    cfg = with_trace_from_repo(cfg)
     cfg, capacity = capacity_line(cfg)
     print(f"demo: {capacity}", flush=True)
     job = RLJob(cfg)
