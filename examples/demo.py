@@ -102,6 +102,20 @@ def capacity_line(cfg: Any) -> tuple[Any, str]:
     return cfg, f"each device is capped at {cfg.cluster.cores_per_device} CPU cores ({where})"
 
 
+def pool_trace_line(cfg: Any) -> tuple[Any, str | None]:
+    """The config to run and what the demo says when its pool trace is not on this
+    machine (the traces lie in ../shared beside the repository; never copied into it):
+    the job then runs without pool events, and the first lines say so."""
+    pool = cfg.trace.pool
+    if pool is None or pool.startswith("growth:") or Path(pool).is_file():
+        return cfg, None
+    bare = dataclasses.replace(cfg, trace=dataclasses.replace(cfg.trace, pool=None))
+    return bare, (
+        f"THE POOL TRACE {pool!r} IS NOT ON THIS MACHINE (run from the repository root with "
+        "../shared/traces beside it): running without device-pool events"
+    )
+
+
 def _dp(plan: dict[str, Any] | None) -> str:
     return ", ".join(f"{name} DP{sp['dp']}" for name, sp in sorted((plan or {}).items()))
 
@@ -150,6 +164,9 @@ def main(argv: list[str]) -> int:
         return 2
     cfg, capacity = capacity_line(cfg)
     print(f"demo: {capacity}", flush=True)
+    cfg, missing = pool_trace_line(cfg)
+    if missing is not None:
+        print(f"demo: {missing}", flush=True)
     job = RLJob(cfg)
     predicted: list[PredictedFailure | None] = []
     try:
@@ -185,6 +202,8 @@ def main(argv: list[str]) -> int:
         f"{len(changes)} plan changes; {cfg.run.out_dir}/metrics.jsonl, tap.jsonl, plot.png"
     )
     print(f"devices: {capacity}")
+    if missing is not None:
+        print(f"pool: {missing}")
     decisions = job.adapter.decisions if job.adapter is not None else []
     events = job.pool_trace.events if job.pool_trace is not None else []
     for step, kind, devices in events:
