@@ -16,8 +16,8 @@ recompute passes and micro-batch passes.
 Devices with a CPU limit (``device_cores``): the figures are measured in a child process
 under that limit (a cgroup quota, as a worker runs), sustained over about a second of
 wall time (many quota periods: a best-of time would catch the quota's unthrottled
-bursts), and divided by the limit (the recompute and micro-batch passes, ratios, as
-measured), so the cluster spec holds one full core's rates and each device gets its
+bursts), and divided by the limit (the recompute and micro-batch passes, ratios, timed
+best-of, as on an unlimited core), so the cluster spec holds one full core's rates and each device gets its
 cores' worth. Cached per limit. This is the only planner module that
 reads a clock, touches a file or starts a process.
 """
@@ -57,8 +57,10 @@ _FIGURES = (
 # 3: the figures under a CPU limit copy 64 MiB as the unlimited ones do, not 8 MiB;
 # 4: the layer pass timed on the project's decoder in training, not a one-token imitation
 # of a layer's forward, which put it at a fifth of what the engines pay, and the layer
-# passes recompute adds and a micro-batch's ends cost)
-_PROBE_VERSION = 4
+# passes recompute adds and a micro-batch's ends cost; 5: under a limit, those passes
+# timed best-of and the layer pass stretched by the quota's sustained ratio, not
+# differences of quarter-second windows)
+_PROBE_VERSION = 5
 
 
 def _cache_path() -> Path:
@@ -159,7 +161,7 @@ def _seconds_per_call(
     return best
 
 
-def _layer_costs(sustain_s: float | None = None) -> dict[str, float]:
+def _layer_costs(sustain_s: float | None = None, rounds: int = 3) -> dict[str, float]:
     """The fixed cost of one layer pass, what recomputing a layer adds, and what a
     micro-batch costs beyond its layers, timed on the project's decoder: a 1-layer and a
     3-layer stage's micro-batch step differ by two layers' forward and backward (the
@@ -172,8 +174,8 @@ def _layer_costs(sustain_s: float | None = None) -> dict[str, float]:
     (``micro_batch_passes``)."""
     step = {}
     for rec in (False, True):
-        step[rec, 1] = _seconds_per_call(_stage_step(1, rec), sustain_s)
-        step[rec, 3] = _seconds_per_call(_stage_step(3, rec), sustain_s)
+        step[rec, 1] = _seconds_per_call(_stage_step(1, rec), sustain_s, calls=4, rounds=rounds)
+        step[rec, 3] = _seconds_per_call(_stage_step(3, rec), sustain_s, calls=4, rounds=rounds)
     per_layer = {rec: max(step[rec, 3] - step[rec, 1], 1e-7) / 2 for rec in (False, True)}
     layer_pass = per_layer[False] / 3
     extra = (per_layer[True] - per_layer[False]) / layer_pass
@@ -185,6 +187,9 @@ def _layer_costs(sustain_s: float | None = None) -> dict[str, float]:
     }
 
 
+# rounds of a best-of under a quota: a round that straddles a throttled stretch is slow,
+# so enough rounds that some fall inside the bursts
+_BURST_ROUNDS = 12
 _SUSTAIN_S = 1.0  # wall seconds each sustained figure spans (ten quota periods)
 
 
@@ -213,8 +218,23 @@ def _sustained() -> dict[str, float]:
         "flops_per_device": flops,
         "memory_bandwidth": memcpy,
         "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
-        **_layer_costs(_SUSTAIN_S / 4),
+        **_sustained_layer_costs(),
     }
+
+
+def _sustained_layer_costs() -> dict[str, float]:
+    """``_layer_costs`` under a quota: the recompute and micro-batch passes are ratios of
+    differences of step times, so they are timed best-of (inside the quota's bursts, as
+    an unlimited core runs: stable to a few percent); the layer pass is that best-of
+    cost times what the quota stretches one whole step to over ``_SUSTAIN_S`` (a ratio of
+    two long timings, not a difference of short ones: differences of quarter-second
+    windows that caught two or three bursts each moved the passes by 3-7x)."""
+    layers = _layer_costs(rounds=_BURST_ROUNDS)
+    step = _stage_step(3, False)
+    burst = _seconds_per_call(step, None)
+    held = _seconds_per_call(step, _SUSTAIN_S)
+    layers["layer_pass_s"] *= max(1.0, held / burst)
+    return layers
 
 
 def capped_probe(
