@@ -66,6 +66,7 @@ def job_config(
     if prompts is not None:
         data["algorithm"]["prompts_per_step"] = prompts
     data["adapt"]["enabled"] = False
+    data.pop("trace", None)  # no pool events: each run holds one plan on its devices
     data["cluster"].update(devices=devices, cores_per_device=cores)
     data["run"].update(steps=steps, out_dir=out_dir, progress=False, checkpoint_every=steps + 1)
     if plan is not None:
