@@ -22,13 +22,20 @@ entries.
   entries in order, plus any entry whose staleness deadline is u. It trains them
   (``nereus.job.async_update``: proximal log-probs, the algorithm's advantages, the
   decoupled objective, PPO's critic) and advances the version.
-- Weight sync: the same in-place reshard plans as sync mode (``nereus.state.plan_reshard``
-  / ``execute_into``, policy-training's EMUs to each generation EMU), one EMU at a time
-  under that EMU's lock, each bounded by ``sync_timeout_s`` (``DeadlineExceeded`` names
-  the EMU and its devices). With ``partial_rollout`` the trainer syncs every EMU after each
-  update; the lock is held per decode call, so a request in flight reads the new weights
-  at its next call with its KV cache kept. Without it an EMU holds its lock for a whole
-  request and takes the newest weights itself between requests (while no update runs).
+- Weight sync: after each update the trainer publishes the new weights: every
+  policy-training device copies its parameters into a snapshot (``nereus.state.snapshot``,
+  a copy on the device, reserved in its ledger), which takes one short call and is the
+  only pause training makes for generation. Each generation EMU then takes that version
+  itself, under its own lock, with the same in-place reshard plans as sync mode
+  (``nereus.state.plan_reshard`` / ``execute_into``, the snapshots as sources), while the
+  next update already runs: the training workers send from the snapshot in a concurrent
+  endpoint. Each sync is bounded by ``sync_timeout_s`` (``DeadlineExceeded`` names the EMU
+  and its devices) and tags what follows with the version the snapshot held; a publish
+  waits for syncs reading the previous one, and holds new ones off, so a sync reads one
+  version on every device. With ``partial_rollout`` the lock is held per decode call and
+  the EMU syncs before its next call, so a request in flight reads the new weights with
+  its KV cache kept. Without it an EMU holds its lock for a whole request and takes the
+  newest weights between requests.
 - A generation worker that dies loses only its unfinished groups: they are issued again
   from the same positions (``regenerated_groups`` on the tap); the run goes on with the
   EMUs left, and with ``[adapt]`` the next weight sync prices rebuilding it on a spare or
@@ -49,7 +56,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +74,7 @@ from nereus.planner.plan import Plan, StagePlan
 from nereus.rl.algorithms import sampling_seed
 from nereus.rl.async_buffer import AsyncLedger, Group
 from nereus.state import execute_into, plan_reshard
+from nereus.state.snapshot import snapshot_name
 from nereus.transfer import make_group
 
 __all__ = ["AsyncRun"]
@@ -84,12 +93,48 @@ class _Worker:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     alive: bool = True
     busy_s: float = 0.0
+    sync_s: float = 0.0  # seconds in weight syncs
+    syncs: int = 0
     tokens: int = 0
     current: list[int] = field(default_factory=list)  # entries of the request in flight
 
     @property
     def name(self) -> str:
         return self.emu.name
+
+
+class _PublishGate:
+    """Weight syncs read the snapshots together; a publish waits until none reads and
+    holds new ones off until it is done (there is one publisher, the trainer)."""
+
+    def __init__(self) -> None:
+        self.cond = asyncio.Condition()
+        self.readers = 0
+        self.writing = False
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[None]:
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.writing)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self.readers -= 1
+                self.cond.notify_all()
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[None]:
+        async with self.cond:
+            self.writing = True
+            await self.cond.wait_for(lambda: self.readers == 0)
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self.writing = False
+                self.cond.notify_all()
 
 
 class AsyncRun:
@@ -113,6 +158,9 @@ class AsyncRun:
             origin=start - job.step * self.B,
         )
         self.version = job.step
+        self.published = -1  # the version the training devices' snapshots hold
+        self.gate = _PublishGate()
+        self.snapshots: dict[int, list[str]] = {}  # device -> snapshot stores on it
         self.changed = asyncio.Condition()
         self.train_lock = asyncio.Lock()
         self.workers: list[_Worker] = []
@@ -152,7 +200,10 @@ class AsyncRun:
 
     async def _make_workers(self) -> None:
         st = self.stages
-        sources = st.emus["policy_training"]
+        sources = [
+            e.with_(name=snapshot_name(e.name), slots=("param",))
+            for e in st.emus["policy_training"]
+        ]
         for emu_handle, emu in zip(
             st.handles["policy_generation"].emus, st.emus["policy_generation"], strict=True
         ):
@@ -164,51 +215,67 @@ class AsyncRun:
                 )
             self.workers.append(_Worker(emu_handle, plan, group, self.version))
 
+    async def _publish(self) -> dict[str, Any]:
+        """policy-training's weights now become the snapshot every sync reads (version
+        ``self.version``); producers waiting for them are woken."""
+        st = self.stages
+        t0 = time.perf_counter()
+        calls = [
+            (d, emu.name, snapshot_name(emu.name))
+            for emu in st.emus["policy_training"]
+            for d in emu.devices
+        ]
+        async with self.gate.write():
+            out = await asyncio.gather(
+                *(st.hosts[d].snapshot.call_one(src, name, self.version) for d, src, name in calls)
+            )
+            self.published = self.version
+        self.snapshots = {}
+        for d, _, name in calls:
+            self.snapshots.setdefault(d, []).append(name)
+        async with self.changed:
+            self.changed.notify_all()
+        return {"bytes": sum(o["bytes"] for o in out), "seconds": time.perf_counter() - t0}
+
+    async def _drop_snapshots(self, *, after_fault: bool) -> None:
+        """Free the snapshots (a plan change or the run's end); ``after_fault``: a device
+        whose worker died has nothing left to free."""
+        st, held, self.snapshots = self.stages, self.snapshots, {}
+        devices = [d for d in held if d in st.hosts]
+        out = await asyncio.gather(
+            *(st.hosts[d].drop_shards.call_one(held[d]) for d in devices), return_exceptions=True
+        )
+        for d, e in zip(devices, out, strict=True):
+            if isinstance(e, BaseException):
+                if not (after_fault and is_fault(e)):
+                    raise e
+                log.warning("snapshots on device %d not freed: its worker died (%s)", d, e)
+
     async def _sync_worker(self, w: _Worker) -> dict[str, Any]:
-        """The newest weights into ``w`` (its lock held by the caller)."""
+        """The published weights into ``w`` (its lock held by the caller), beside the
+        update running; ``w`` is tagged with the version the snapshots held."""
         t0 = time.perf_counter()
         try:
-            stats = await asyncio.wait_for(
-                execute_into([w.plan], self.stages.hosts, w.group), self.mode.sync_timeout_s
-            )
+            async with self.gate.read():
+                stats = await asyncio.wait_for(
+                    execute_into([w.plan], self.stages.hosts, w.group, from_snapshots=True),
+                    self.mode.sync_timeout_s,
+                )
+                version = self.published
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"weight sync to policy_generation EMU {w.name!r} on devices "
                 f"{list(w.emu.devices)} did not "
                 f"complete within rl.sync_timeout_s={self.mode.sync_timeout_s} s"
             ) from None
-        w.version = self.version
+        w.version = version if stats.snapshot_version is None else stats.snapshot_version
         async with self.changed:  # a producer waiting at the gate for these weights goes on
             self.changed.notify_all()
         seconds = time.perf_counter() - t0
+        w.sync_s += seconds
+        w.syncs += 1
         nbytes = stats.bytes_moved + stats.bytes_local
         return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9}
-
-    async def _sync_all(self) -> dict[str, Any]:
-        """After an update (partial rollouts): every live EMU takes the new weights at its
-        next decode call."""
-
-        async def one(w: _Worker) -> dict[str, Any]:
-            async with w.lock:
-                if not w.alive:
-                    return {"bytes": 0, "seconds": 0.0}
-                try:
-                    return await self._sync_worker(w)
-                except Exception as e:
-                    if not await self._is_own_fault(w, e):
-                        raise
-                    await self._lose_worker(w, e, [])
-                    return {"bytes": 0, "seconds": 0.0}
-
-        # every sync ends before a failure is raised: a recovery starts with no sync running
-        out = await asyncio.gather(*(one(w) for w in self.workers), return_exceptions=True)
-        for o in out:
-            if isinstance(o, BaseException):
-                raise o
-        return {
-            "bytes": sum(o["bytes"] for o in out),
-            "seconds": max((o["seconds"] for o in out), default=0.0),
-        }
 
     # --- generation -------------------------------------------------------------------
 
@@ -258,24 +325,20 @@ class AsyncRun:
 
     async def _positions(self, w: _Worker) -> list[int]:
         """The next positions ``w`` may start (waits at the gate); [] when none are left.
-        Without partial rollouts this is where an EMU takes newer weights: at once when no
-        update is running, else when the gate needs them (after that update)."""
+        An EMU behind the published weights takes them first."""
         most = self._share()
         while True:
             async with self.changed:
                 while True:
                     if not self.ledger.has_work() or self.pausing:
                         return []
-                    behind = not self.mode.partial_rollout and w.version < self.version
-                    if behind and not self.train_lock.locked():
+                    if w.version < self.published:
                         break
                     got = self.ledger.take(w.version, most)
                     if got:
                         return got
-                    if behind:
-                        break
                     await self.changed.wait()
-            async with w.lock, self.train_lock:
+            async with w.lock:
                 await self._sync_worker(w)
 
     async def _produce(self, w: _Worker) -> None:
@@ -459,8 +522,7 @@ class AsyncRun:
         takes them (each appended to ``taken``; one that does not fit ``room``, the
         request's prompt width and cap, to ``carry`` too); returns the refills and whether
         the request must drain instead: when it has fewer slots than the EMU's share now
-        (an EMU died), or without partial rollouts when the EMU needs newer weights
-        (behind, and no update running or the gate closed to its version)."""
+        (an EMU died), or without partial rollouts when newer weights are published."""
         n = len(req.free) // req.per_entry
         if n == 0:
             return [], False
@@ -469,13 +531,12 @@ class AsyncRun:
                 return [], False
             if len(req.owner) < self._share() * req.per_entry:
                 return [], True  # an EMU died: the next request takes the larger share
-            behind = not self.mode.partial_rollout and w.version < self.version
-            if behind and not self.train_lock.locked():
+            if not self.mode.partial_rollout and w.version < self.published:
                 return [], True
             got = self.ledger.take(w.version, n)
         taken += got
         if not got:
-            return [], behind
+            return [], False
         job, shape = self.job, self.shape
         width, cap = room
         refill: list[dict[str, Any]] = []
@@ -493,13 +554,16 @@ class AsyncRun:
 
     async def _call(self, w: _Worker, args: tuple) -> tuple[dict[str, Any], int]:
         """One decode call on ``w`` and the policy version its weights held during it
-        (``w``'s lock taken per call with partial rollouts; the request holds it
-        otherwise), its seconds added to ``w.busy_s``."""
-        t0 = time.perf_counter()
+        (``w``'s lock taken per call with partial rollouts, and newer published weights
+        taken first; the request holds it otherwise), its seconds added to ``w.busy_s``."""
         if self.mode.partial_rollout:
             async with w.lock:
+                if w.version < self.published:
+                    await self._sync_worker(w)
+                t0 = time.perf_counter()
                 out, version = await self._advance(w, args), w.version
         else:
+            t0 = time.perf_counter()
             out, version = await self._advance(w, args), w.version
         w.busy_s += time.perf_counter() - t0
         return out, version
@@ -574,11 +638,8 @@ class AsyncRun:
                 self.mode.importance_cap,
             )
             record["staleness_histogram"] = await self.commit(groups)
-            if self.mode.partial_rollout:
-                t1 = time.perf_counter()
-                sync = await self._sync_all()
-                record["sync_seconds"] = time.perf_counter() - t1
-                record["sync_bytes"] = sync["bytes"]
+            publish = await self._publish()
+            record["publish_seconds"], record["publish_bytes"] = publish["seconds"], publish["bytes"]
         record.update(update_record(rollouts, groups))
         record["max_staleness_seen"] = max(int(s) for s in record["staleness_histogram"])
         return record
@@ -658,11 +719,13 @@ class AsyncRun:
             if w.group is not None:
                 await w.group.destroy()
         self.workers, self.tasks = [], []
+        await self._drop_snapshots(after_fault=after_fault)
 
     async def resume(self) -> None:
         """Producers over the generation EMUs the job has now, each first given the
-        newest weights."""
+        newest weights (published again: policy-training may have moved)."""
         self.pausing = False
+        await self._publish()
         await self._make_workers()
         async with self.train_lock:
             for w in self.workers:
@@ -725,6 +788,7 @@ class AsyncRun:
         records); returns their records. With ``[adapt]`` a worker's death is recovered
         from (``nereus.job.async_recovery``): an update it stopped is redone or kept."""
         job, cfg = self.job, self.cfg
+        await self._publish()
         await self._make_workers()
         self.tasks = [
             asyncio.create_task(self._produce(w), name=f"generate-{w.name}") for w in self.workers
@@ -771,6 +835,7 @@ class AsyncRun:
             for w in self.workers:
                 if w.group is not None:
                     await w.group.destroy()
+            await self._drop_snapshots(after_fault=True)
         return self.records
 
     @property
@@ -789,6 +854,8 @@ class AsyncRun:
             "rewound_groups": self.recovery.rewound_groups if self.recovery is not None else 0,
             "plan_changes": len(self.adapter.changes) if self.adapter is not None else 0,
             "decode_calls": self.decode_calls,
+            "weight_syncs": sum(w.syncs for w in self.workers),
+            "weight_sync_seconds": round(sum(w.sync_s for w in self.workers), 4),
             "refilled_entries": self.refilled_entries,
         }
 

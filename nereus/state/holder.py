@@ -44,6 +44,7 @@ from nereus.state.ledger import device_ledger
 from nereus.state.memory import DEFAULT_BUCKET_BYTES, check_fits, memory_effect
 from nereus.state.primitives import Step
 from nereus.state.reshard import ReshardPlan
+from nereus.state.snapshot import SnapshotHolder
 from nereus.transfer import (
     arena_empty,
     arena_pool_stats,
@@ -86,7 +87,7 @@ def _part_traffic(
     return total
 
 
-class ShardHolder(Actor):
+class ShardHolder(SnapshotHolder, Actor):
     """This worker's shard store: every EMU's tensors on its device (see module docstring)."""
 
     shards: dict[str, dict[str, torch.Tensor]]
@@ -348,6 +349,16 @@ class ShardHolder(Actor):
         those tensors see the new values). Every send and receive of every part moves in
         ONE bucketed exchange over ``group``, part after part in the order given (every
         device must list the plans in the same order). Returns bytes and seconds."""
+        return await self._run_into(parts, group, group_devices, bucket_bytes)
+
+    async def _run_into(
+        self,
+        parts: list[dict],
+        group: str | None,
+        group_devices: Sequence[int],
+        bucket_bytes: int | None,
+    ) -> dict:
+        """``run_into``'s work (``send_snapshot`` runs it too, concurrently)."""
         t0 = time.perf_counter()
         rank_of = {d: r for r, d in enumerate(group_devices)}
         sends: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -441,6 +452,7 @@ class ExecuteStats:
     bytes_local: int
     devices: tuple[int, ...]
     bytes_sent_measured: int = 0
+    snapshot_version: int | None = None  # the version the snapshots read held (from_snapshots)
 
 
 async def execute(
@@ -570,12 +582,18 @@ async def execute_into(
     plans: Sequence[ReshardPlan],
     holders: Mapping[int, ActorRef],
     group: Any = None,
+    *,
+    from_snapshots: bool = False,
 ) -> ExecuteStats:
     """Run ``plans`` whose targets already exist on their devices, in place (weight
     and critic syncs): every device gets its parts of every plan in ONE message
     (``ShardHolder.run_into``) and moves all its bytes in one exchange over ``group``
     (a ``GroupHandle`` over every device of the plans, or None when nothing crosses
-    devices). Returns the plans' bytes and the bytes the workers measured sending."""
+    devices). Returns the plans' bytes and the bytes the workers measured sending.
+
+    ``from_snapshots``: the plans' sources are published snapshots
+    (``nereus.state.snapshot``): devices that only send run ``send_snapshot``, beside
+    whatever their workers are doing, and the stats carry the version they held."""
     parts: dict[int, list[dict]] = {}
     for plan in plans:
         for d in plan.devices():
@@ -586,19 +604,29 @@ async def execute_into(
         raise StateError(
             f"no ShardHolder on devices {missing} for {[p.target.name for p in plans]}"
         )
+    targets = {d for plan in plans for d in plan.target.devices}
+    gid = group.group_id if group is not None else None
+    senders = [d for d in parts if from_snapshots and d not in targets]
     results = await asyncio.gather(
         *(
-            holders[d].run_into.call_one(
-                ps, group.group_id if group is not None else None, group_devices
+            (holders[d].send_snapshot if d in senders else holders[d].run_into).call_one(
+                ps, gid, group_devices
             )
             for d, ps in parts.items()
         )
     )
+    versions = {int(r["version"]) for d, r in zip(parts, results, strict=True) if d in senders}
+    if len(versions) > 1:
+        raise StateError(
+            f"a sync into {[p.target.name for p in plans]} read snapshots of versions "
+            f"{sorted(versions)}; they must hold one"
+        )
     return ExecuteStats(
         sum(p.bytes_moved for p in plans),
         sum(p.bytes_local for p in plans),
         tuple(sorted(parts)),
         sum(int(r["bytes_sent"]) for r in results),
+        versions.pop() if versions else None,
     )
 
 

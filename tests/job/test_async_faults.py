@@ -183,18 +183,18 @@ async def test_a_killed_policy_training_replica_redoes_or_keeps_the_update(
 
             rl.stages.train_policy = killed
         else:
-            sync = run._sync_all
+            publish = run._publish
 
             async def killed():
                 if rl.step == kill_at and not seen:
-                    # a replica the weight sync reads from
+                    # a replica the weight sync reads from, as it publishes the new weights
                     seen["victim"] = victim = min(
                         d for w in run.workers for d in w.plan.devices() if d not in w.emu.devices
                     )
                     _kill(rl, [victim])
-                return await sync()
+                return await publish()
 
-            run._sync_all = killed
+            run._publish = killed
 
     rl, run, states, final = await _run(cfg, arm)
     assert seen, "the kill never happened"
@@ -204,7 +204,9 @@ async def test_a_killed_policy_training_replica_redoes_or_keeps_the_update(
         assert fault.redone and not fault.committed
         # the redone update was recorded once
         assert [r["step"] for r in run.records] == list(range(steps))
-        assert len(states) == 1
+        # the replan may give policy-training a second replica on a device left (the
+        # planner's pick at the probe's prices); every replica's state is checked below
+        assert 1 <= len(states) <= 2
     else:
         assert fault.devices == [seen.get("victim", 0)] and not fault.restored_from
         assert fault.committed and not fault.redone

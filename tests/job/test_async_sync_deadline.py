@@ -15,14 +15,15 @@ from nereus.rl.mode import RLModeConfig
 
 @pytest.mark.timeout(30)
 async def test_a_sync_that_hangs_fails_naming_the_peer(monkeypatch):
-    async def never(plans, hosts, group):
+    async def never(plans, hosts, group, **kw):
         await asyncio.Event().wait()
 
     monkeypatch.setattr(async_loop, "execute_into", never)
     run = async_loop.AsyncRun.__new__(async_loop.AsyncRun)
     run.mode = RLModeConfig(mode="async", sync_timeout_s=0.2)
     run.stages = types.SimpleNamespace(hosts={})
-    run.version = 3
+    run.version = run.published = 3
+    run.gate = async_loop._PublishGate()
     run.changed = asyncio.Condition()
     emu = types.SimpleNamespace(name="policy_generation.1", devices=(2, 3))
     worker = async_loop._Worker(emu, plan=None, group=None, version=2)
