@@ -2,16 +2,21 @@
 
 In asynchronous RL, policy-generation runs on devices of its own while the other
 model-stages (policy-training; reference-inference with a KL term; PPO's critic-inference
-and critic-training) share the rest, so steady-state seconds per update are
+and critic-training) share the rest. After each update the trainer publishes the new
+weights into a snapshot on its own devices and goes on; each generation EMU then syncs
+from the snapshot between its decode calls (``nereus.job.async_loop``). So the sync
+costs generation time, the publish costs training time, and steady-state seconds per
+update are
 
-    step = max(generation, training side) + weight sync
+    step = max(generation + weight sync, training side + publish)
 
 where ``generation`` is policy-generation's cost on its devices (``stage_cost`` through
 ``stage_candidates``: the fastest layout that fits, over the workload's sequences, which
 count ReMax's greedy row per prompt), the training side is the sum of its model-stages'
 fastest layouts on the other devices (they share devices, so they serialize), and the
 sync is the policy's bytes over the intra-node (or inter-node, when the split crosses
-nodes) link at the calibrated ``p2p`` efficiency. PPO's critic sync (critic-training to
+nodes) link at the calibrated ``p2p`` efficiency, and the publish one copy of a training
+device's share of the policy at its memory bandwidth. PPO's critic sync (critic-training to
 critic-inference) stays on the training side's devices and is not priced, as in sync
 mode.
 
@@ -36,7 +41,7 @@ from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.search import stage_candidates
 from nereus.planner.workload import Workload
 
-__all__ = ["AsyncPlan", "async_step_seconds", "search_async", "sync_seconds"]
+__all__ = ["AsyncPlan", "async_step_seconds", "publish_seconds", "search_async", "sync_seconds"]
 
 GENERATION = "policy-generation"
 
@@ -51,11 +56,27 @@ class AsyncPlan:
     training_seconds: float
     sync_seconds: float
     generation_devices: int
+    publish_seconds: float = 0.0
 
 
-def async_step_seconds(generation_seconds: float, training_seconds: float, sync: float) -> float:
-    """Steady-state seconds per update of a generation/training pipeline."""
-    return max(generation_seconds, training_seconds) + sync
+def async_step_seconds(
+    generation_seconds: float, training_seconds: float, sync: float, publish: float = 0.0
+) -> float:
+    """Steady-state seconds per update of a generation/training pipeline: generation
+    takes each version's weights (``sync``), training publishes them (``publish``)."""
+    return max(generation_seconds + sync, training_seconds + publish)
+
+
+def publish_seconds(
+    work: Workload, cluster: ClusterSpec, tp: int, pp: int, devices: list[int]
+) -> float:
+    """One publish: a training device copies its share (``1 / (tp * pp)``) of the policy
+    into its snapshot, at the memory bandwidth it gets while every one of ``devices``
+    does the same."""
+    policy = work.models["policy"]
+    nbytes = policy.num_params * policy.bytes_per_param / (tp * pp)
+    share = cluster.rate_share(len(devices), cluster.capacity(devices))
+    return nbytes / (cluster.memory_bandwidth * share)
 
 
 def sync_seconds(
@@ -119,14 +140,17 @@ def search_async(
         train_s = sum(c.seconds for c in others.values())  # co-located: they serialize
         crosses = cluster.devices_per_node < budget and g % cluster.devices_per_node != 0
         sync = sync_seconds(work, cluster, eff, crosses)
-        step = async_step_seconds(gen_c.seconds, train_s, sync)
+        rest_devices = list(range(g, budget))
+        trainer = others[names.index("policy-training")]
+        publish = publish_seconds(work, cluster, trainer.tp, trainer.pp, rest_devices)
+        step = async_step_seconds(gen_c.seconds, train_s, sync, publish)
         if best is None or step < best.step_seconds:
-            gen_devices, rest_devices = list(range(g)), list(range(g, budget))
+            gen_devices = list(range(g))
             stages = [(names[gen], _stage_plan(gen_c, gen_devices))]
             stages += [(names[i], _stage_plan(c, rest_devices)) for i, c in others.items()]
             order = {n: i for i, n in enumerate(names)}
             plan = Plan(tuple(sorted(stages, key=lambda s: order[s[0]])))
-            best = AsyncPlan(plan, step, gen_c.seconds, train_s, sync, g)
+            best = AsyncPlan(plan, step, gen_c.seconds, train_s, sync, g, publish)
     if best is None:
         raise InfeasiblePlan(
             f"no split of {budget} devices of {cluster.name} fits generation apart from training"

@@ -41,13 +41,18 @@ def _work(length: int, algorithm: str = "grpo") -> Workload:
     )
 
 
-def test_the_price_is_the_slower_side_plus_the_sync():
+def test_the_price_is_the_slower_side_generation_with_its_sync_training_with_its_publish():
     assert async_step_seconds(3.0, 2.0, 0.5) == 3.5
-    assert async_step_seconds(1.0, 2.0, 0.5) == 2.5
+    assert async_step_seconds(1.0, 2.0, 0.5) == 2.0  # the sync overlaps the training side
+    assert async_step_seconds(1.0, 2.0, 0.5, 0.25) == 2.25
     got = search_async(_work(1024), CLUSTER)
     gen = got.plan["policy-generation"]
+    assert 0 < got.publish_seconds < got.sync_seconds  # a local copy of a share, not a send
     assert got.step_seconds == pytest.approx(
-        max(got.generation_seconds, got.training_seconds) + got.sync_seconds
+        max(
+            got.generation_seconds + got.sync_seconds,
+            got.training_seconds + got.publish_seconds,
+        )
     )
     assert gen.device_set.isdisjoint(got.plan["policy-training"].device_set)
     # the generation side's price is the fastest candidate of the same cost model on its devices
