@@ -17,9 +17,9 @@ Devices with a CPU limit (``device_cores``): the figures are measured in a child
 under that limit (a cgroup quota, as a worker runs), sustained over about a second of
 wall time (many quota periods: a best-of time would catch the quota's unthrottled
 bursts), and divided by the limit (the recompute and micro-batch passes, ratios, timed
-best-of, as on an unlimited core), so the cluster spec holds one full core's rates and each device gets its
-cores' worth. Cached per limit. This is the only planner module that
-reads a clock, touches a file or starts a process.
+best-of, as on an unlimited core), so the cluster spec holds one full core's rates and
+each device gets its cores' worth. Cached per limit. This is the only planner module
+that reads a clock, touches a file or starts a process.
 """
 
 from __future__ import annotations
