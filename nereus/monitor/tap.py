@@ -42,6 +42,7 @@ from nereus.actors.events import (
 )
 from nereus.errors import AuthenticationError, ConfigError, ProtocolError, exit_status
 from nereus.monitor.schema import describe
+from nereus.planner.plan_text import plan_text
 
 __all__ = ["Subscriber", "TapRecorder", "format_event", "to_json", "main"]
 
@@ -236,6 +237,15 @@ def to_json(event: dict[str, Any]) -> str:
 _COMMON = ("type", "v", "seq", "time_monotonic_seconds", "epoch", "source", "pid")
 
 
+def _is_plan(value: Any) -> bool:
+    """A plan as tap events carry it: model-stage -> {tp, pp, devices, ...}."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(sp, dict) and "devices" in sp and "tp" in sp for sp in value.values())
+    )
+
+
 def format_event(event: dict[str, Any]) -> str:
     """One readable line: time, epoch, source, type, then the type's fields."""
     t = event.get("time_monotonic_seconds", 0.0)
@@ -245,6 +255,8 @@ def format_event(event: dict[str, Any]) -> str:
             continue
         if k == "traceback":
             v = str(v).strip().splitlines()[-1:] if v else ""
+        elif _is_plan(v):
+            v = f"[{plan_text(v)}]"
         if isinstance(v, float):
             v = f"{v:.6g}"
         fields.append(f"{k}={v}")

@@ -65,6 +65,14 @@ def test_format_and_json():
     assert "e2" in line and "controller" in line
     back = json.loads(to_json(ev))
     assert back["blob"] == "0102" and back["device"] == 1
+    # a plan reads as the job's summary writes it, not as a nested dict
+    plan = {
+        "policy_generation": {"tp": 1, "pp": 1, "dp": 2, "devices": [[0], [1]]},
+        "policy_training": {"tp": 2, "pp": 1, "dp": 1, "devices": [[2, 3]], "recompute": True},
+    }
+    line = format_event(_event(to_plan=plan, step=4))
+    assert "to_plan=[policy_generation tp1·pp1·dp2 [0,1]; policy_training tp2·pp1·dp1" in line
+    assert "{" not in line and "step=4" in line
 
 
 async def test_subscriber_drops_forged_events():
