@@ -16,7 +16,8 @@ count ReMax's greedy row per prompt), the training side is the sum of its model-
 fastest layouts on the other devices (they share devices, so they serialize), and the
 sync is the policy's bytes over the intra-node (or inter-node, when the split crosses
 nodes) link at the calibrated ``p2p`` efficiency, and the publish one copy of a training
-device's share of the policy at its memory bandwidth. PPO's critic sync (critic-training to
+device's share of the policy at its memory bandwidth. That snapshot stays on the training
+devices: policy-training's layout must fit beside it. PPO's critic sync (critic-training to
 critic-inference) stays on the training side's devices and is not priced, as in sync
 mode.
 
@@ -36,12 +37,19 @@ from dataclasses import dataclass
 
 from nereus.errors import InfeasiblePlan
 from nereus.planner.cluster import ClusterSpec
-from nereus.planner.cost import CONSERVATIVE, Efficiency
+from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.search import stage_candidates
 from nereus.planner.workload import Workload
 
-__all__ = ["AsyncPlan", "async_step_seconds", "publish_seconds", "search_async", "sync_seconds"]
+__all__ = [
+    "AsyncPlan",
+    "async_step_seconds",
+    "publish_seconds",
+    "search_async",
+    "snapshot_bytes",
+    "sync_seconds",
+]
 
 GENERATION = "policy-generation"
 
@@ -73,10 +81,8 @@ def publish_seconds(
     """One publish: a training device copies its share (``1 / (tp * pp)``) of the policy
     into its snapshot, at the memory bandwidth it gets while every one of ``devices``
     does the same."""
-    policy = work.models["policy"]
-    nbytes = policy.num_params * policy.bytes_per_param / (tp * pp)
     share = cluster.rate_share(len(devices), cluster.capacity(devices))
-    return nbytes / (cluster.memory_bandwidth * share)
+    return snapshot_bytes(work, tp, pp) / (cluster.memory_bandwidth * share)
 
 
 def sync_seconds(
@@ -93,8 +99,21 @@ def sync_seconds(
     return nbytes / (cluster.intra_node_bandwidth * eff["p2p_intra"]) + cluster.intra_node_latency_s
 
 
+def snapshot_bytes(work: Workload, tp: int, pp: int) -> int:
+    """A policy-training device's snapshot: its share of the policy's parameters."""
+    policy = work.models["policy"]
+    return -(-policy.num_params * policy.bytes_per_param // (tp * pp))
+
+
 def _fastest(work: Workload, cluster: ClusterSpec, eff: Efficiency, index: int, n: int):
+    """The fastest layout of model-stage ``index`` on ``n`` devices that fits; for
+    policy-training, with its snapshot beside it."""
     cands = stage_candidates(work, cluster, eff, index, n)
+    if work.stages[index].name == "policy-training":
+        cap = usable_bytes(cluster) - cluster.workspace_bytes
+        cands = [
+            c for c in cands if c.resident + c.transient + snapshot_bytes(work, c.tp, c.pp) <= cap
+        ]
     return min(cands, key=lambda c: c.seconds) if cands else None
 
 

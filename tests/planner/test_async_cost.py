@@ -4,12 +4,14 @@ side, ReMax's greedy rows on the generation side."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nereus.errors import InfeasiblePlan
 from nereus.planner import ClusterSpec
-from nereus.planner.async_cost import async_step_seconds, search_async
-from nereus.planner.cost import CONSERVATIVE
+from nereus.planner.async_cost import async_step_seconds, search_async, snapshot_bytes
+from nereus.planner.cost import CONSERVATIVE, usable_bytes
 from nereus.planner.search import stage_candidates
 from nereus.planner.workload import LengthStats, ModelShape, Workload
 
@@ -99,3 +101,25 @@ def test_remax_prices_its_greedy_rows_on_the_generation_side():
     grpo = search_async(_work(1024), CLUSTER, budget=8, generation_devices=4)
     assert _work(1024, "remax").sequences == _work(1024).sequences + 24
     assert remax.generation_seconds > grpo.generation_seconds
+
+
+def test_policy_training_fits_beside_its_snapshot():
+    """The training layout picked leaves room for the snapshot on its devices; on some
+    device sizes that rules out the layout that would be fastest without it."""
+    work, training = _work(512), 1
+    ruled_out = 0
+    for gib in (16, 20, 24, 28, 32, 40, 48, 64, 80):
+        cluster = replace(CLUSTER, device_memory_bytes=gib * 2**30)
+        try:
+            got = search_async(work, cluster)
+        except InfeasiblePlan:
+            continue
+        t = got.plan["policy-training"]
+        cap = usable_bytes(cluster) - cluster.workspace_bytes
+        cands = stage_candidates(work, cluster, CONSERVATIVE, training, 8 - got.generation_devices)
+        [chosen] = [
+            c for c in cands if (c.tp, c.pp, c.dp, c.recompute) == (t.tp, t.pp, t.dp, t.recompute)
+        ]
+        assert chosen.resident + chosen.transient + snapshot_bytes(work, t.tp, t.pp) <= cap
+        ruled_out += min(cands, key=lambda c: c.seconds) != chosen
+    assert ruled_out > 0
