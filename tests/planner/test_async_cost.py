@@ -106,9 +106,10 @@ def test_remax_prices_its_greedy_rows_on_the_generation_side():
 def test_policy_training_fits_beside_its_snapshot():
     """The training layout picked leaves room for the snapshot on its devices; on some
     device sizes that rules out the layout that would be fastest without it."""
-    work, training = _work(512), 1
+    work = _work(512)
+    training = [s.name for s in work.stages].index("policy-training")
     ruled_out = 0
-    for gib in (16, 20, 24, 28, 32, 40, 48, 64, 80):
+    for gib in (8, 9, 10, 12, 16, 24):
         cluster = replace(CLUSTER, device_memory_bytes=gib * 2**30)
         try:
             got = search_async(work, cluster)
