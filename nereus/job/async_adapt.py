@@ -20,7 +20,8 @@ those draining) and fires on:
   it adopts the best split over the devices left and builds what has no intact EMU.
 
 Each prices the current split and the best split over the pool (``search_async``: the
-slower side plus the sync, on the devices' CPU cores where they have a limit; the
+slower of generation plus the sync and training plus the publish, on the devices' CPU
+cores where they have a limit; the
 saving scaled by measured over predicted seconds per update at the current split) and
 the change (``ClusterStages.estimate_change``). A hard trigger adopts the best split on
 the usable pool; a soft one is admitted by the sync mode's rule: saving > 0 and
