@@ -59,8 +59,8 @@ _FIGURES = (
 # of a layer's forward, which put it at a fifth of what the engines pay, and the layer
 # passes recompute adds and a micro-batch's ends cost; 5: under a limit, those passes
 # timed best-of and the layer pass stretched by the quota's sustained ratio, not
-# differences of quarter-second windows)
-_PROBE_VERSION = 5
+# differences of quarter-second windows; 6: under the 10 ms quota period)
+_PROBE_VERSION = 6
 
 
 def _cache_path() -> Path:

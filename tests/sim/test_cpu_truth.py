@@ -82,9 +82,10 @@ def test_the_table_is_a_measurement_with_its_command_and_every_key():
 def test_a_quota_runs_short_work_at_a_full_core_and_long_work_at_its_share():
     cpu = _cpu()
     period = cpu.t["period_s"]
-    assert cpu.elapsed(0.01, 0.45) == pytest.approx(0.01)  # inside one period's budget
-    assert cpu.elapsed(0.045, 0.45) == pytest.approx(0.045)
-    assert cpu.elapsed(0.05, 0.45) == pytest.approx(period + 0.005)
+    budget = 0.45 * period
+    assert cpu.elapsed(budget / 2, 0.45) == pytest.approx(budget / 2)  # inside one budget
+    assert cpu.elapsed(budget, 0.45) == pytest.approx(budget)
+    assert cpu.elapsed(budget + 0.001, 0.45) == pytest.approx(period + 0.001)
     long = cpu.elapsed(10.0, 0.45)
     assert long == pytest.approx(10.0 / 0.45, rel=0.01)
     assert cpu.elapsed(1.0, 2.0) == 1.0  # one thread never runs faster than a core
