@@ -13,13 +13,14 @@ the memcpy rate, the ratio measured on the project's machines (PLATFORM.md).
 ``local_cpu_efficiency()`` is the prior ``Efficiency`` with the measured layer-pass cost,
 recompute passes and micro-batch passes.
 
-Devices with a CPU limit (``device_cores``): the figures are measured in a child process
-under that limit (a cgroup quota, as a worker runs), sustained over about a second of
-wall time (many quota periods: a best-of time would catch the quota's unthrottled
-bursts), and divided by the limit (the recompute and micro-batch passes, ratios, timed
-best-of, as on an unlimited core), so the cluster spec holds one full core's rates and
-each device gets its cores' worth. Cached per limit. This is the only planner module
-that reads a clock, touches a file or starts a process.
+Devices with a CPU limit (``device_cores``): the matmul and memcpy rates are measured in
+a child process under that limit (a cgroup quota, as a worker runs), sustained over
+about a second of wall time (many quota periods: a best-of time would catch the quota's
+unthrottled bursts), and divided by the limit; the layer costs are one full core's,
+timed without a limit (best-of timings of 1-3 ms steps: under a quota each met a
+throttle or not), since a quota runs any work at its cores' rate. So the cluster spec
+holds one full core's rates and each device gets its cores' worth. Cached per limit.
+This is the only planner module that reads a clock, touches a file or starts a process.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ _FIGURES = (
 # of a layer's forward, which put it at a fifth of what the engines pay, and the layer
 # passes recompute adds and a micro-batch's ends cost; 5: under a limit, those passes
 # timed best-of and the layer pass stretched by the quota's sustained ratio, not
-# differences of quarter-second windows; 6: under the 10 ms quota period)
+# differences of quarter-second windows; 6: under the 10 ms quota period, the layer
+# costs timed without a limit)
 _PROBE_VERSION = 6
 
 
@@ -187,9 +189,6 @@ def _layer_costs(sustain_s: float | None = None, rounds: int = 3) -> dict[str, f
     }
 
 
-# rounds of a best-of under a quota: a round that straddles a throttled stretch is slow,
-# so enough rounds that some fall inside the bursts
-_BURST_ROUNDS = 12
 _SUSTAIN_S = 1.0  # wall seconds each sustained figure spans (ten quota periods)
 
 
@@ -218,23 +217,7 @@ def _sustained() -> dict[str, float]:
         "flops_per_device": flops,
         "memory_bandwidth": memcpy,
         "exchange_bandwidth": memcpy * _EXCHANGE_OVER_MEMCPY,
-        **_sustained_layer_costs(),
     }
-
-
-def _sustained_layer_costs() -> dict[str, float]:
-    """``_layer_costs`` under a quota: the recompute and micro-batch passes are ratios of
-    differences of step times, so they are timed best-of (inside the quota's bursts, as
-    an unlimited core runs: stable to a few percent); the layer pass is that best-of
-    cost times what the quota stretches one whole step to over ``_SUSTAIN_S`` (a ratio of
-    two long timings, not a difference of short ones: differences of quarter-second
-    windows that caught two or three bursts each moved the passes by 3-7x)."""
-    layers = _layer_costs(rounds=_BURST_ROUNDS)
-    step = _stage_step(3, False)
-    burst = _seconds_per_call(step, None)
-    held = _seconds_per_call(step, _SUSTAIN_S)
-    layers["layer_pass_s"] *= max(1.0, held / burst)
-    return layers
 
 
 def capped_probe(
@@ -267,13 +250,24 @@ def capped_probe(
     if out.returncode != 0:
         raise ConfigError(f"the probe under cores_per_device={cores} failed: {out.stderr[-400:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    # the layer costs are one full core's, timed without a limit in a fresh process: under
+    # a quota a step of 1-3 ms meets a throttle or not, and the passes (differences of
+    # step times) moved by 3-7x between probes; a quota runs them at its cores' rate
+    free = subprocess.run(
+        [sys.executable, "-m", "nereus.planner._probe", "--layers"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    if free.returncode != 0:
+        raise ConfigError(f"the probe's layer costs failed: {free.stderr[-400:]}")
+    core = json.loads(free.stdout.strip().splitlines()[-1])
     figures = {
         "flops_per_device": got["flops_per_device"] / cores,
         "memory_bandwidth": got["memory_bandwidth"] / cores,
         "exchange_bandwidth": got["exchange_bandwidth"] / cores,
-        "layer_pass_s": got["layer_pass_s"] * cores,
-        "recompute_passes": got["recompute_passes"],
-        "micro_batch_passes": got["micro_batch_passes"],
+        **{k: core[k] for k in ("layer_pass_s", "recompute_passes", "micro_batch_passes")},
     }
     table[key] = figures
     _write_cache(path, table)
@@ -354,5 +348,16 @@ def local_cpu_cluster_probed(
     )
 
 
+def _free_layer_costs() -> dict[str, float]:
+    """``_layer_costs`` at one torch thread, best of enough rounds (the passes are
+    differences of step times), in the process that runs ``--layers``."""
+    import torch
+
+    torch.set_num_threads(1)
+    return _layer_costs(rounds=9)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--sustained"]:
     print(json.dumps(_sustained()), flush=True)
+if __name__ == "__main__" and sys.argv[1:] == ["--layers"]:
+    print(json.dumps(_free_layer_costs()), flush=True)
