@@ -606,7 +606,7 @@ async def execute_into(
         )
     targets = {d for plan in plans for d in plan.target.devices}
     gid = group.group_id if group is not None else None
-    senders = [d for d in parts if from_snapshots and d not in targets]
+    senders = {d for d in parts if from_snapshots and d not in targets}
     results = await asyncio.gather(
         *(
             (holders[d].send_snapshot if d in senders else holders[d].run_into).call_one(

@@ -13,8 +13,9 @@ training would wait for every sync. Instead the trainer publishes each version o
   endpoint: it runs while a sequential call, the next training step, is in flight.
 
 Promises: on one device a send and a snapshot never overlap (one lock), so a send reads
-one version whole; both return the version the snapshot holds (the caller tags what the
-receiver computes with it). The copy is this device's parameter bytes, on the device.
+one version whole; both return the version the snapshot holds (its logical state's
+``policy_version``, dropped with it; the caller tags what the receiver computes with it).
+The copy is this device's parameter bytes, on the device.
 
 Refuses (``StateError``): a snapshot of an EMU this device does not hold; a send whose
 parts write, keep or receive on this device, or read anything but a snapshot.
@@ -30,27 +31,30 @@ import torch
 
 from nereus.actors import endpoint
 from nereus.errors import StateError
-from nereus.state.emu import split_key
+from nereus.state.emu import LogicalState, split_key
 
 __all__ = ["SnapshotHolder", "snapshot_name"]
 
 
+_SUFFIX = "@published"
+
+
 def snapshot_name(emu: str) -> str:
     """The store name of ``emu``'s published snapshot."""
-    return f"{emu}@published"
+    return f"{emu}{_SUFFIX}"
 
 
 class SnapshotHolder:
     """The snapshot endpoints of ``ShardHolder`` (see the module docstring)."""
 
     shards: dict[str, dict[str, torch.Tensor]]
+    states: dict[str, LogicalState]
 
-    def _snapshots(self) -> tuple[asyncio.Lock, dict[str, int]]:
-        """The lock a snapshot and a send hold, and the version each snapshot holds."""
-        if not hasattr(self, "_snapshot_lock"):
-            self._snapshot_lock = asyncio.Lock()
-            self._snapshot_versions: dict[str, int] = {}
-        return self._snapshot_lock, self._snapshot_versions
+    def _snapshot_lock(self) -> asyncio.Lock:
+        """The lock a snapshot and a send hold (made on first use, in the worker's loop)."""
+        if not hasattr(self, "_snapshot_lock_"):
+            self._snapshot_lock_ = asyncio.Lock()
+        return self._snapshot_lock_
 
     @endpoint
     async def snapshot(self, emu: str, name: str, version: int) -> dict[str, int]:
@@ -58,8 +62,7 @@ class SnapshotHolder:
         holds ``version``. Returns the bytes copied and the version."""
         held = self._held_of(emu)  # type: ignore[attr-defined]
         params = {k: t for k, t in held.items() if split_key(k)[0] == "param"}
-        lock, versions = self._snapshots()
-        async with lock:
+        async with self._snapshot_lock():
             dst = self.shards.get(name)
             if dst is None or not _same_shapes(dst, params):
                 if dst is not None:
@@ -74,7 +77,7 @@ class SnapshotHolder:
                     dst[k].copy_(t)
             if any(t.is_cuda for t in dst.values()):
                 torch.cuda.current_stream().synchronize()  # the send reads it from another call
-            versions[name] = int(version)
+            self.states[name] = LogicalState(policy_version=int(version))
         return {"bytes": sum(t.nbytes for t in dst.values()), "version": int(version)}
 
     @endpoint(concurrent=True)
@@ -88,7 +91,6 @@ class SnapshotHolder:
         """This device's sends of a weight sync that reads only snapshots, concurrently
         with whatever sequential call runs (``run_into``'s exchange). Returns its stats
         with the version the snapshots held."""
-        lock, versions = self._snapshots()
         device = self.device.index  # type: ignore[attr-defined]
         read: set[str] = set()
         for part in parts:
@@ -99,14 +101,15 @@ class SnapshotHolder:
                         f"{field} here; it may only send"
                     )
             read |= {src for _, src, _, _ in part["sends"]}
-        unknown = sorted(read - set(versions))
+        held_here = sorted(n for n in self.shards if n.endswith(_SUFFIX))
+        unknown = sorted(read - set(held_here))
         if unknown:
             raise StateError(
                 f"device {device}: a snapshot send reads {unknown}, which are not snapshots "
-                f"here (snapshots: {sorted(versions)})"
+                f"here (snapshots: {held_here})"
             )
-        async with lock:
-            held = {versions[s] for s in read}
+        async with self._snapshot_lock():
+            held = {self.states[s].policy_version for s in read}
             if len(held) > 1:
                 raise StateError(
                     f"device {device}: the snapshots {sorted(read)} hold versions "
