@@ -142,18 +142,11 @@ def _stage_step(layers: int, recompute: bool) -> Callable[[], None]:
 
 
 def _seconds_per_call(
-    fn: Callable[[], None], sustain_s: float | None, warm: int = 3, calls: int = 8, rounds: int = 3
+    fn: Callable[[], None], warm: int = 3, calls: int = 8, rounds: int = 3
 ) -> float:
-    """``fn``'s time per call: the best of ``rounds`` x ``calls`` (one unthrottled core),
-    or, with ``sustain_s``, the mean over that much wall time (what a quota sustains)."""
+    """``fn``'s time per call: the best of ``rounds`` x ``calls`` (one unthrottled core)."""
     for _ in range(warm):
         fn()
-    if sustain_s is not None:
-        t, end, count = time.perf_counter(), time.perf_counter() + sustain_s, 0
-        while time.perf_counter() < end:
-            fn()
-            count += 1
-        return (time.perf_counter() - t) / count
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()
@@ -163,7 +156,7 @@ def _seconds_per_call(
     return best
 
 
-def _layer_costs(sustain_s: float | None = None, rounds: int = 3) -> dict[str, float]:
+def _layer_costs(rounds: int = 3) -> dict[str, float]:
     """The fixed cost of one layer pass, what recomputing a layer adds, and what a
     micro-batch costs beyond its layers, timed on the project's decoder: a 1-layer and a
     3-layer stage's micro-batch step differ by two layers' forward and backward (the
@@ -176,8 +169,8 @@ def _layer_costs(sustain_s: float | None = None, rounds: int = 3) -> dict[str, f
     (``micro_batch_passes``)."""
     step = {}
     for rec in (False, True):
-        step[rec, 1] = _seconds_per_call(_stage_step(1, rec), sustain_s, calls=4, rounds=rounds)
-        step[rec, 3] = _seconds_per_call(_stage_step(3, rec), sustain_s, calls=4, rounds=rounds)
+        step[rec, 1] = _seconds_per_call(_stage_step(1, rec), calls=4, rounds=rounds)
+        step[rec, 3] = _seconds_per_call(_stage_step(3, rec), calls=4, rounds=rounds)
     per_layer = {rec: max(step[rec, 3] - step[rec, 1], 1e-7) / 2 for rec in (False, True)}
     layer_pass = per_layer[False] / 3
     extra = (per_layer[True] - per_layer[False]) / layer_pass
