@@ -182,14 +182,9 @@ def _pid(cluster, device: int) -> int:
     return next(w.proc.pid for node in cluster.nodes for w in node.workers if w.index == device)
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(240)
-async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_reward_rises(
-    tmp_path, no_leaked_processes
-):
-    steps, k = 100, 1
-    cfg = _config(str(tmp_path), steps, max_staleness=k, partial_rollout=False)
-    killed: dict[str, list[int]] = {}
+def _kill_device_2_after_update_3(killed: dict[str, list[int]]):
+    """A boundary hook that SIGKILLs the generation worker of device 2 once, after update
+    3, while it has a request in flight (what it held goes to ``killed["in_flight"]``)."""
 
     async def kill(rl: RLJob, record) -> None:
         if record["step"] != 3 or killed:
@@ -201,6 +196,19 @@ async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_r
             await asyncio.sleep(0.005)
         killed["in_flight"] = list(victim.current)
         os.kill(_pid(rl.stages.cluster, 2), signal.SIGKILL)
+
+    return kill
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+async def test_a_killed_generation_worker_loses_only_its_unfinished_groups_and_reward_rises(
+    tmp_path, no_leaked_processes
+):
+    steps, k = 100, 1
+    cfg = _config(str(tmp_path), steps, max_staleness=k, partial_rollout=False)
+    killed: dict[str, list[int]] = {}
+    kill = _kill_device_2_after_update_3(killed)
 
     rl = RLJob(cfg)
     await rl.start()
@@ -265,24 +273,15 @@ def _check_refill_run(rl: RLJob, run: AsyncRun, steps: int, k: int) -> None:
 async def test_refill_keeps_every_invariant_through_a_killed_generation_worker(
     tmp_path, no_leaked_processes
 ):
-    """Continuous batching (the default) without partial rollouts: done slots take new
-    entries, an EMU that needs newer weights drains its request first, and a killed
-    generation worker's entries, first or refilled, are issued again."""
+    """Continuous batching (asked for: it is off by default) without partial rollouts:
+    done slots take new entries, an EMU that needs newer weights drains its request
+    first, and a killed generation worker's entries, first or refilled, are issued
+    again."""
     steps, k = 12, 1
     cfg = _refill_config(str(tmp_path), steps, k, partial_rollout=False)
     assert cfg.rl.refill
     killed: dict[str, list[int]] = {}
-
-    async def kill(rl: RLJob, record) -> None:
-        if record["step"] != 3 or killed:
-            return
-        victim = next(w for w in rl.async_run.workers if 2 in w.emu.devices)
-        for _ in range(2000):  # until the victim has a request in flight
-            if victim.current:
-                break
-            await asyncio.sleep(0.005)
-        killed["in_flight"] = list(victim.current)
-        os.kill(_pid(rl.stages.cluster, 2), signal.SIGKILL)
+    kill = _kill_device_2_after_update_3(killed)
 
     rl, run = await _run(cfg, hook=kill)
     assert killed["in_flight"], "the victim had nothing in flight"
