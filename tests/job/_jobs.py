@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from nereus.config import from_dict
 from nereus.job.config import JobConfig
 
+# the real traces the workplace keeps beside the repository (never copied into it)
+TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 REVERSE = {"name": "reverse", "options": {"letters": "abc", "min_len": 2, "max_len": 3}}
 
 

@@ -12,7 +12,6 @@ import asyncio
 import os
 import shutil
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -20,17 +19,10 @@ from nereus.job.async_loop import AsyncRun
 from nereus.job.loop import RLJob
 from nereus.job.traces import response_lengths
 from tests._leaks import children, shm_segments, wait_gone
-from tests.job._jobs import job
+from tests.job._jobs import TRACES, job
 
 B = 8  # prompts per step
-TOPS = (
-    Path(__file__).resolve().parents[2]
-    / ".."
-    / "shared"
-    / "traces"
-    / "response-length"
-    / "areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning.json"
-)
+TOPS = TRACES / "response-length" / "areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning.json"
 PLAN = {"policy_generation": {"devices": [1, 2], "dp": 2}, "policy_training": {"devices": [0]}}
 CLUSTER = {"mode": "local", "devices": 3, "memory_per_device": "256MiB"}
 

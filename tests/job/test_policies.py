@@ -7,25 +7,16 @@ simulator runs)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from nereus.job.loop import RLJob
 from nereus.planner.policies import POLICIES
-from tests.job._jobs import job
+from tests.job._jobs import TRACES, job
 from tests.job.test_adapt import PPO_PLAN, assert_replays, checked_changes, tap_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-SPOT = (
-    Path(__file__).resolve().parents[2]
-    / ".."
-    / "shared"
-    / "traces"
-    / "spot-availability"
-    / "us-west-2a_v100_1.json"
-)
+SPOT = TRACES / "spot-availability" / "us-west-2a_v100_1.json"
 # from this tick on, one tick a step and counts mapped onto 2..4 devices: 4, 4, 3, 3, 4
 OFFSET = 35
 

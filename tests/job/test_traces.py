@@ -9,7 +9,6 @@ the field."""
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +20,8 @@ from nereus.job.loop import RLJob
 from nereus.job.traces import PoolTrace, length_schedule, response_lengths, with_lengths
 from nereus.sim.traces import length_trace, pool_at_steps
 from tests._leaks import children, wait_gone
-from tests.job._jobs import job
+from tests.job._jobs import TRACES, job
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 LOG = TRACES / "response-length" / "rasbt-qwen3-0.6b-base-grpo-clip.json"
 # a log with each step's longest response (seq_len_max)
 TOPS = TRACES / "response-length" / "areal-fork-qwen2.5-0.5b-grpo-gsm8k-a40-reasoning.json"
