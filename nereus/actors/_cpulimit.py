@@ -7,7 +7,8 @@ quota of that device's cores (``quota = cores x period``) and the scheduling wei
 that many nice-0 tasks (contended devices keep their capacities' ratio), and hands out
 ``preexec(i)``: what the worker's child process runs before it executes Python, so the
 worker is inside its group before it imports torch or starts a thread. ``remove(i)``
-deletes a group once its worker exited; ``close()`` deletes all of them.
+deletes a group once its worker exited; ``close()`` deletes all of them;
+``cpu_seconds(i)`` is the CPU time the kernel accounted to a device's processes.
 
 Promises:
 - a node that starts first removes groups whose owner pid is dead (a node that was
@@ -289,6 +290,32 @@ class CpuLimits:
     def close(self) -> None:
         for i in list(self.groups):
             self.remove(i)
+
+    def cpu_seconds(self, i: int) -> float:
+        """CPU seconds the processes now in device ``i``'s group have used, by the kernel's
+        accounting: v2 ``cpu.stat`` ``usage_usec`` (the group's, exited processes too);
+        v1, whose ``cpu`` controller keeps no usage, the ``utime + stime`` of every process
+        in ``cgroup.procs`` (``/proc/<pid>/stat``; a process that exited is not counted).
+        0.0 for a device without a group."""
+        path = self.groups.get(i)
+        if path is None:
+            return 0.0
+        if self.kind == "v2":
+            for line in (path / "cpu.stat").read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "usage_usec":
+                    return int(value) / 1e6
+            return 0.0
+        ticks = 0
+        for pid in (path / "cgroup.procs").read_text().split():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited between the two reads
+            # fields after the command name (which may hold spaces) start at state (3rd)
+            fields = stat.rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (14th, 15th)
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def throttled(self, i: int) -> dict[str, int]:
         """The group's ``cpu.stat`` counters (nr_periods, nr_throttled, throttled time)."""

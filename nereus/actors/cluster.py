@@ -275,6 +275,17 @@ class Cluster:
             return None
         return node.cores[info.local_index]
 
+    def cpu_seconds(self, device: int) -> float | None:
+        """CPU seconds the kernel accounted to capped device ``device``'s worker processes
+        (``CpuLimits.cpu_seconds``), or None where ``cores_of`` is None."""
+        info = next((d for d in self.devices if d.index == device), None)
+        if info is None:
+            return None
+        node = next((n for n in self.nodes if n.node_id == info.node_id), None)
+        if node is None or node.limits is None:
+            return None
+        return node.limits.cpu_seconds(info.local_index)
+
     def _set_view(self, view: dict) -> None:
         self.tap_address = view["tap_address"]
         self.epoch = int(view.get("epoch", 0))

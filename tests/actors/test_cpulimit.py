@@ -69,7 +69,10 @@ async def test_quarter_core_does_less_work_than_a_full_core_and_groups_go_on_clo
         assert len(groups) == 2
         mesh = await cluster.spawn("spin", Spinner, axes={"dp": 2})
         await mesh.spin.call(0.2)  # warm-up: imports, first calls
+        limits = cluster.nodes[0].limits
+        before = [limits.cpu_seconds(i) for i in range(2)]
         slow, fast = await mesh.spin.call(2.0)
+        used = [limits.cpu_seconds(i) - b for i, b in zip(range(2), before, strict=True)]
         # each worker sits in its own group, named after this driver's nodes
         assert f"nereus-{os.getpid()}-" in slow["cgroup"] and slow["cgroup"] != fast["cgroup"]
         assert slow["threads"] == fast["threads"] == 1
@@ -82,6 +85,12 @@ async def test_quarter_core_does_less_work_than_a_full_core_and_groups_go_on_clo
         # 4x by the quotas on an idle machine and by the groups' weights on a busy one;
         # a wide margin, as other processes may leave the full-core worker less than a core
         assert fast["count"] >= 2 * slow["count"], (slow, fast)
+        # the cluster's view of a device reads the same accounting
+        assert cluster.cpu_seconds(cluster.devices[0].index) >= before[0] + used[0]
+        # the kernel's accounting of each group sees what each worker measured itself
+        # (its loop's CPU time; the group's also holds the call's own handling)
+        assert slow["cpu_s"] * 0.8 <= used[0] <= 0.25 * 2.0 + 0.3, (used, slow)
+        assert fast["cpu_s"] * 0.8 <= used[1] <= fast["cpu_s"] + 0.3, (used, fast)
         # the quota is live: the kernel counts the group's periods (it throttles the group
         # when it reaches its quota; on a busy host its weight may hold it below that)
         stat = cluster.nodes[0].limits.throttled(0)
