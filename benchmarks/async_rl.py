@@ -158,6 +158,43 @@ def planned(
     return sync_plan, async_plan, predicted
 
 
+def device_cpu(job: RLJob) -> dict[int, tuple[float, float]]:
+    """Each capped device's (cores, CPU seconds the kernel accounted to its worker so far);
+    empty on shared cores."""
+    cluster = getattr(job.stages, "cluster", None)
+    out: dict[int, tuple[float, float]] = {}
+    for d in getattr(cluster, "devices", []):
+        cores, used = cluster.cores_of(d.index), cluster.cpu_seconds(d.index)
+        if cores is not None and used is not None:
+            out[d.index] = (cores, used)
+    return out
+
+
+def capacity_figures(
+    before: dict[int, tuple[float, float]],
+    after: dict[int, tuple[float, float]],
+    wall: float,
+    samples: int,
+) -> dict[str, Any]:
+    """What the devices' quotas allowed against what the run used (kernel accounting):
+    ``capacity_used`` = CPU seconds used / (cores x wall) over the devices;
+    ``cpu_s_per_sample``; ``capacity_bound_samples_per_s`` = the devices' cores / the
+    run's CPU seconds per sample, the rate this run's work per sample reaches with every
+    device busy for its whole quota (no layout or overlap does that work faster)."""
+    both = [d for d in after if d in before]
+    if not both or samples <= 0 or wall <= 0:
+        return {}
+    used = {d: after[d][1] - before[d][1] for d in both}
+    cores = sum(after[d][0] for d in both)
+    per_sample = sum(used.values()) / samples
+    return {
+        "device_cpu_s": {str(d): round(u, 3) for d, u in sorted(used.items())},
+        "capacity_used": round(sum(used.values()) / (cores * wall), 4),
+        "cpu_s_per_sample": round(per_sample, 6),
+        "capacity_bound_samples_per_s": round(cores / per_sample, 3) if per_sample > 0 else None,
+    }
+
+
 async def run_one(
     name: str,
     data: dict[str, Any],
@@ -184,10 +221,14 @@ async def run_one(
         stamps.append(time.perf_counter())
 
     job.boundary_hooks.append(stamp)
+    cpu0 = device_cpu(job)
+    driver0 = time.process_time()
     t0 = time.perf_counter()
     try:
         records = await job._loop()
         wall = time.perf_counter() - t0
+        cpu1 = device_cpu(job)
+        driver_cpu = time.process_time() - driver0
         summary = job.async_run.summary if job.async_run is not None else {}
         entries = len(job.async_run.ledger.trained) if job.async_run is not None else 0
     finally:
@@ -205,6 +246,8 @@ async def run_one(
         "samples": samples,
         "wall_at": [round(t - t0, 3) for t in stamps],
         "response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in records), 2),
+        "driver_cpu_s": round(driver_cpu, 3),
+        **capacity_figures(cpu0, cpu1, wall, sum(samples)),
     }
     if summary:
         out.update(
@@ -288,7 +331,11 @@ def combine(name: str, seeded: list[dict[str, Any]]) -> dict[str, Any]:
         "wall_at": _mean_curve([r["wall_at"] for r in seeded]),
         "last_quarter_by_seed": [round(last_quarter(r)[0], 4) for r in seeded],
         "response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in seeded), 2),
+        "driver_cpu_s": round(statistics.fmean(r["driver_cpu_s"] for r in seeded), 3),
     }
+    for key in ("capacity_used", "cpu_s_per_sample", "capacity_bound_samples_per_s"):
+        if all(r.get(key) is not None for r in seeded):
+            out[key] = round(statistics.fmean(r[key] for r in seeded), 6)
     if "staleness_histogram" in seeded[0]:
         hist: dict[str, int] = {}
         for r in seeded:
@@ -400,6 +447,16 @@ async def main_async(
         if sync is not None:
             result["speedup_vs_sync"] = round(best["samples_per_s"] / sync["samples_per_s"], 3)
             result["reward_gap"] = reward_gap(by_name["sync"], by_name[best["run"]])
+            bounds = [
+                r["capacity_bound_samples_per_s"]
+                for r in asyncs
+                if r.get("capacity_bound_samples_per_s")
+            ]
+            if bounds and sync.get("capacity_used") is not None:
+                # the most any async run's work per sample allows on these quotas, over
+                # what sync measured: what no split or overlap of that work can pass
+                result["capacity_bound_speedup"] = round(max(bounds) / sync["samples_per_s"], 3)
+                result["sync_capacity_used"] = sync["capacity_used"]
     result["runs"] = [{k: v for k, v in r.items() if k != "wall_at"} for r in runs]
     return result
 
