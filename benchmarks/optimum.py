@@ -32,7 +32,12 @@ Per setting: the measured best, the pick, the gap (pick over best, minus 1). Las
 one JSON object with ``settings``, ``plans_measured``, ``exact_share``,
 ``within_5pct_share``, ``median_gap``, ``p95_gap``, ``prediction_mape`` (over every
 measured plan, with the factors fitted in step 1 only) and the details (each row has
-every model-stage's predicted and measured seconds).
+every model-stage's predicted and measured seconds). Two diagnostics beside them, not
+targets: ``in_sample_mape``, the same error with the factors fitted to the measured
+plans' own model-stage seconds (what no calibration of this cost model can beat on these
+devices: the error left is the model's form), and ``repeat_spread``, a run's mean
+distance from its plan's median (the measurement's own noise); ``host_gauge_s``, a
+fixed loop timed in this process before each job, shows the host's speed drift.
 """
 
 from __future__ import annotations
@@ -77,6 +82,17 @@ class Context:
         self.prompt_length = 0
         self.jobs = 0
         self.jobs_started = 0
+        self.gauge: list[float] = []  # host_gauge() before each job's runs
+
+    def host_gauge(self) -> None:
+        """Seconds of a fixed pure-Python loop here (best of 3): the host's speed now."""
+        best = float("inf")
+        for _ in range(3):
+            t, x = time.perf_counter(), 0
+            for i in range(200_000):
+                x += i * i
+            best = min(best, time.perf_counter() - t)
+        self.gauge.append(round(best, 4))
 
     def config(self, cap: int, devices: int, plan: Plan | None) -> JobConfig:
         self.jobs += 1
@@ -90,6 +106,7 @@ class Context:
     async def run(self, cap: int, devices: int, plans: list[Plan | None]) -> list[dict[str, Any]]:
         """Each of ``plans`` (None: the demo's starting plan) in turn on one started job
         (``run_plans``: the job's own ``apply_plan`` between them)."""
+        self.host_gauge()
         start = self.config(cap, devices, None)
         named = [p or to_planner_plan(start.job_plan()) for p in plans]
         cfg = self.config(cap, devices, named[0])
@@ -227,6 +244,7 @@ async def measure_setting(
         "gap": round(gap, 4) if gap is not None else None,
         "exact": best is not None and best["plan"] == mine["plan"],
         "rows": rows,
+        "_view": (work, cluster),
     }
 
 
@@ -240,6 +258,44 @@ def _stage_rows(
         measured = round(statistics.median(seen), 4) if seen else None
         out[st.name] = [round(st.cost.seconds, 4), measured]
     return out
+
+
+def in_sample_mape(
+    results: list[dict[str, Any]], prior: Efficiency, overhead: float
+) -> float | None:
+    """The prediction error with the factors fitted to the measured plans themselves
+    (every model-stage's median seconds, as step 1 fits its runs): a floor, not a
+    prediction."""
+    cal = Calibrator(prior=prior, prior_weight=0.05, window=4096)
+    for r in results:
+        work, cluster = r["_view"]
+        for row in r["rows"]:
+            if row["measured_s"] is None:
+                continue
+            for st in explain(Plan.from_dict(row["plan"]), work, cluster, prior).stages:
+                seconds = row["stages"][st.name][1]
+                if seconds:
+                    cal.observe_stage(st.cost, seconds)
+    eff = cal.fit()
+    errors = []
+    for r in results:
+        work, cluster = r["_view"]
+        for row in r["rows"]:
+            if row["measured_s"]:
+                predicted = explain(Plan.from_dict(row["plan"]), work, cluster, eff).step_seconds
+                errors.append(abs(predicted + overhead - row["measured_s"]) / row["measured_s"])
+    return round(statistics.mean(errors), 4) if errors else None
+
+
+def repeat_spread(results: list[dict[str, Any]]) -> float | None:
+    """A run's mean distance from the median of its plan's runs, relative to it."""
+    spread = []
+    for r in results:
+        for row in r["rows"]:
+            runs = [x for x in row["runs_s"] if x is not None]
+            if row["measured_s"] and len(runs) > 1:
+                spread += [abs(x - row["measured_s"]) / row["measured_s"] for x in runs]
+    return round(statistics.mean(spread), 4) if spread else None
 
 
 def _p95(values: list[float]) -> float:
@@ -295,6 +351,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "median_gap": round(statistics.median(gaps), 4) if gaps else None,
         "p95_gap": round(_p95(gaps), 4) if gaps else None,
         "prediction_mape": round(statistics.mean(errors), 4) if errors else None,
+        "in_sample_mape": in_sample_mape(results, prior_efficiency(cal_runs[0]["cfg"]), overhead),
+        "repeat_spread": repeat_spread(results),
         "cores_per_device": cores,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -310,9 +368,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "recompute_passes": eff.recompute_passes,
             "micro_batch_passes": eff.micro_batch_passes,
         },
+        # the host's own speed over the run (a fixed loop in this process, no limit):
+        # a drift here moves every measured step, calibration's and the settings' alike
+        "host_gauge_s": ctx.gauge,
         "plan_runs": len(cal_runs) + sum(len(row["runs_s"]) for r in results for row in r["rows"]),
         "wall_s": round(time.perf_counter() - t0, 1),
-        "per_setting": [{k: v for k, v in r.items() if k != "rows"} for r in results],
+        "per_setting": [
+            {k: v for k, v in r.items() if k not in ("rows", "_view")} for r in results
+        ],
         "rows": {r["setting"]: r["rows"] for r in results},
     }
 
