@@ -264,27 +264,30 @@ class Cluster:
             return list(self._cores[first : first + count])
         return self._cores
 
-    def cores_of(self, device: int) -> float | None:
-        """The CPU cores device ``device`` is capped at (a device of a node this cluster
-        started), or None: shared cores, a GPU, or a device of a node started elsewhere."""
+    def _started_node(self, device: int) -> tuple[Any, int] | None:
+        """(the node daemon this cluster started that holds ``device``, its local index),
+        or None for an unknown device or one of a node started elsewhere."""
         info = next((d for d in self.devices if d.index == device), None)
         if info is None:
             return None
         node = next((n for n in self.nodes if n.node_id == info.node_id), None)
-        if node is None or node.cores is None:
+        return None if node is None else (node, info.local_index)
+
+    def cores_of(self, device: int) -> float | None:
+        """The CPU cores device ``device`` is capped at (a device of a node this cluster
+        started), or None: shared cores, a GPU, or a device of a node started elsewhere."""
+        found = self._started_node(device)
+        if found is None or found[0].cores is None:
             return None
-        return node.cores[info.local_index]
+        return found[0].cores[found[1]]
 
     def cpu_seconds(self, device: int) -> float | None:
         """CPU seconds the kernel accounted to capped device ``device``'s worker processes
         (``CpuLimits.cpu_seconds``), or None where ``cores_of`` is None."""
-        info = next((d for d in self.devices if d.index == device), None)
-        if info is None:
+        found = self._started_node(device)
+        if found is None or found[0].limits is None:
             return None
-        node = next((n for n in self.nodes if n.node_id == info.node_id), None)
-        if node is None or node.limits is None:
-            return None
-        return node.limits.cpu_seconds(info.local_index)
+        return found[0].limits.cpu_seconds(found[1])
 
     def _set_view(self, view: dict) -> None:
         self.tap_address = view["tap_address"]
