@@ -301,11 +301,7 @@ class CpuLimits:
         if path is None:
             return 0.0
         if self.kind == "v2":
-            for line in (path / "cpu.stat").read_text().splitlines():
-                name, _, value = line.partition(" ")
-                if name == "usage_usec":
-                    return int(value) / 1e6
-            return 0.0
+            return self.throttled(i).get("usage_usec", 0) / 1e6
         ticks = 0
         for pid in (path / "cgroup.procs").read_text().split():
             try:
@@ -318,7 +314,8 @@ class CpuLimits:
         return ticks / os.sysconf("SC_CLK_TCK")
 
     def throttled(self, i: int) -> dict[str, int]:
-        """The group's ``cpu.stat`` counters (nr_periods, nr_throttled, throttled time)."""
+        """The group's ``cpu.stat`` counters (nr_periods, nr_throttled, throttled time;
+        v2 also usage_usec)."""
         path = self.groups.get(i)
         if path is None:
             return {}
