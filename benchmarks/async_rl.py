@@ -161,9 +161,9 @@ def planned(
 def device_cpu(job: RLJob) -> dict[int, tuple[float, float]]:
     """Each capped device's (cores, CPU seconds the kernel accounted to its worker so far);
     empty on shared cores."""
-    cluster = getattr(job.stages, "cluster", None)
+    cluster = job.stages.cluster
     out: dict[int, tuple[float, float]] = {}
-    for d in getattr(cluster, "devices", []):
+    for d in cluster.devices:
         cores, used = cluster.cores_of(d.index), cluster.cpu_seconds(d.index)
         if cores is not None and used is not None:
             out[d.index] = (cores, used)

@@ -182,7 +182,7 @@ def _layer_costs(rounds: int = 3) -> dict[str, float]:
     }
 
 
-_SUSTAIN_S = 1.0  # wall seconds each sustained figure spans (ten quota periods)
+_SUSTAIN_S = 1.0  # wall seconds each sustained figure spans (a hundred 10 ms quota periods)
 
 
 def _sustained() -> dict[str, float]:
