@@ -27,6 +27,7 @@ from tests.job.test_async_job import (  # noqa: F401 (fixtures)
     B,
     _check_tokens,
     _pid,
+    kill_at_next_call,
     no_leaked_processes,
 )
 
@@ -231,17 +232,13 @@ async def test_every_generation_worker_killed_is_rebuilt_on_the_devices_left(
     def arm(rl: RLJob, run: AsyncRun) -> None:
         async def kill(job_: RLJob, record) -> None:
             if record["step"] == kill_at and not seen:
-                for _ in range(2000):  # until a request is in flight
-                    if any(w.current for w in run.workers):
-                        break
-                    await asyncio.sleep(0.005)
-                seen["in_flight"] = [list(w.current) for w in run.workers]
-                _kill(job_, [2, 3])
+                seen["armed"] = True
+                kill_at_next_call(job_, list(run.workers), [2, 3], seen)
 
         rl.boundary_hooks.append(kill)
 
     rl, run, states, final = await _run(cfg, arm)
-    assert seen, "the kill never happened"
+    assert "in_flight" in seen, "the kill never happened"
     [fault] = rl.faults
     assert fault.devices == [2, 3] and fault.missing == ["policy_generation"]
     assert not fault.restored_from
@@ -254,7 +251,7 @@ async def test_every_generation_worker_killed_is_rebuilt_on_the_devices_left(
     assert [r["step"] for r in run.records] == list(range(steps))
     _check_run(rl, run, states, steps)
     # the unfinished groups of the requests in flight were issued again
-    assert any(seen["in_flight"]) and run.ledger.regenerated_groups >= 1
+    assert seen["in_flight"] and run.ledger.regenerated_groups >= 1
     events = [e for e in _tap(tmp_path) if e["type"] == "fault"]
     assert {e["during"] for e in events if e["devices"] != [2, 3]} == {"generation"}
     [tap_fault] = [e for e in events if e["devices"] == [2, 3]]

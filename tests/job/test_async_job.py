@@ -174,22 +174,37 @@ def _pid(cluster, device: int) -> int:
     return next(w.proc.pid for node in cluster.nodes for w in node.workers if w.index == device)
 
 
+def kill_at_next_call(rl: RLJob, victims: list, devices: list[int], seen: dict) -> None:
+    """SIGKILL the workers of ``devices`` once, as the driver sends one of ``victims``
+    (generation workers) its next decode call: that worker's request is then open with
+    rows not done, which go to ``seen["in_flight"]``. Killing at the call, not at a moment
+    the test picks, keeps the death from landing after the request's last reply is already
+    on its way (nothing would be left to lose)."""
+    run = rl.async_run
+    advance = run._advance
+
+    async def advance_or_kill(w, args):
+        if w in victims and "in_flight" not in seen:
+            seen["in_flight"] = list(w.current)
+            for d in devices:
+                os.kill(_pid(rl.stages.cluster, d), signal.SIGKILL)
+        return await advance(w, args)
+
+    run._advance = advance_or_kill
+
+
 def _kill_device_2_after_update_3(killed: dict[str, list[int]]):
-    """A boundary hook that SIGKILLs the generation worker of device 2 once, after update
-    3, while it has a request in flight (what it held goes to ``killed["in_flight"]``)."""
+    """A boundary hook that, after update 3, kills the generation worker of device 2 at
+    its next decode call (``kill_at_next_call``)."""
 
-    async def kill(rl: RLJob, record) -> None:
-        if record["step"] != 3 or killed:
+    async def arm(rl: RLJob, record) -> None:
+        if record["step"] != 3 or "armed" in killed:
             return
+        killed["armed"] = []
         victim = next(w for w in rl.async_run.workers if 2 in w.emu.devices)
-        for _ in range(2000):  # until the victim has a request in flight
-            if victim.current:
-                break
-            await asyncio.sleep(0.005)
-        killed["in_flight"] = list(victim.current)
-        os.kill(_pid(rl.stages.cluster, 2), signal.SIGKILL)
+        kill_at_next_call(rl, [victim], [2], killed)
 
-    return kill
+    return arm
 
 
 @pytest.mark.integration

@@ -8,8 +8,6 @@ loses only its unfinished groups, and its capacity is rebuilt on a device that j
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import pytest
 
@@ -19,7 +17,7 @@ from tests.job._jobs import job
 from tests.job.test_async_job import (  # noqa: F401 (fixtures)
     B,
     _check_tokens,
-    _pid,
+    kill_at_next_call,
     no_leaked_processes,
     no_leaks,
 )
@@ -130,13 +128,8 @@ async def test_a_lost_generation_emu_is_rebuilt_on_a_replacement_device(
         victim = workers[-1]
         seen["device"] = device = victim.emu.devices[0]
         seen["before"] = len(rl.stages.plan.devices)
-        for _ in range(2000):  # until the victim has a request in flight
-            if victim.current:
-                break
-            await asyncio.sleep(0.005)
-        seen["in_flight"] = list(victim.current)
-        os.kill(_pid(rl.stages.cluster, device), signal.SIGKILL)
-        for _ in range(2000):  # the producer saw it die
+        kill_at_next_call(rl, [victim], [device], seen)
+        for _ in range(4000):  # the victim was killed at a call and its producer saw it die
             if rl.async_run.lost_workers:
                 break
             await asyncio.sleep(0.005)
