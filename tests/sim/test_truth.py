@@ -14,6 +14,7 @@ import pytest
 
 import nereus.sim.cpu_truth as cpu_truth_module
 import nereus.sim.truth as truth_module
+import nereus.sim.truth_params as truth_params_module
 from nereus.errors import ConfigError
 from nereus.planner import LengthStats, Workload, cluster_preset, model_preset, search
 from nereus.planner.cluster import local_cpu_cluster
@@ -53,7 +54,12 @@ SOURCE_KINDS = ("published", "public benchmark", "vendor", "measurement", "deriv
 
 
 @pytest.mark.parametrize(
-    ("source", "module"), [("truth.py", truth_module), ("cpu_truth.py", cpu_truth_module)]
+    ("source", "module"),
+    [
+        ("truth.py", truth_module),
+        ("truth_params.py", truth_params_module),
+        ("cpu_truth.py", cpu_truth_module),
+    ],
 )
 def test_the_truth_imports_no_planner_cost_or_memory_function(source, module):
     tree = ast.parse(PARAMS_PATH.with_name(source).read_text())
