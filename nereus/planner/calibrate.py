@@ -24,14 +24,13 @@ from collections import deque
 from collections.abc import Mapping
 
 from nereus.config import require
-from nereus.planner.cost import (
+from nereus.planner.cost import StageCost, StageMemory
+from nereus.planner.efficiency import (
     CONSERVATIVE,
     FIXED_COSTS,
     MAX_MEMORY_FIXED_BYTES,
     OP_CLASSES,
     Efficiency,
-    StageCost,
-    StageMemory,
 )
 
 __all__ = ["Calibrator"]
