@@ -11,13 +11,8 @@ from hypothesis import strategies as st
 
 from nereus.models import build_stage, tiny_config
 from nereus.models._decode import attend_one
-from nereus.models.decoder import (
-    DecoderStage,
-    KVCache,
-    RotaryEmbedding,
-    _apply_rope,
-    _decode_attention,
-)
+from nereus.models.attention import RotaryEmbedding, apply_rope, decode_attention
+from nereus.models.decoder import DecoderStage, KVCache
 
 
 def _reference_rope(
@@ -39,15 +34,15 @@ def test_rope_table_matches_the_formula_across_growth_and_both_lookups():
     # Short positions first (a small table), then far ones (the table grows).
     for start in (0, 7, 300):
         pos = torch.arange(start, start + 5).expand(3, 5)
-        gathered = _apply_rope(x, *rope(pos, torch.float32))
-        sliced = _apply_rope(x, *rope(pos, torch.float32, start + 5, start))
+        gathered = apply_rope(x, *rope(pos, torch.float32))
+        sliced = apply_rope(x, *rope(pos, torch.float32, start + 5, start))
         expect = _reference_rope(x, pos, 16, 10000.0)
         torch.testing.assert_close(gathered, expect, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sliced, expect, rtol=1e-5, atol=1e-5)
     assert rope._tables[(torch.float32, torch.device("cpu"))].shape[0] >= 305
     # Padding (negative positions) reads position 0 and stays finite.
     pos = torch.tensor([[-1, 0, 1, 2, 3]]).expand(3, 5)
-    assert torch.isfinite(_apply_rope(x, *rope(pos, torch.float32))).all()
+    assert torch.isfinite(apply_rope(x, *rope(pos, torch.float32))).all()
     # Another dtype gets its own table, rounded from the float32 values.
     cos16, _ = rope(torch.arange(4)[None], torch.bfloat16)
     assert cos16.dtype == torch.bfloat16
@@ -67,7 +62,7 @@ def test_single_query_attention_matches_sdpa(batch, kv, rep, slots):
     cache_k = torch.randn(batch, kv, slots + 3, d, generator=g)
     cache_v = torch.randn(batch, kv, slots + 3, d, generator=g)
     k, v = cache_k.narrow(2, 0, slots), cache_v.narrow(2, 0, slots)  # strided, as from a cache
-    got = _decode_attention(q, k, v)
+    got = decode_attention(q, k, v)
     expect = (
         F.scaled_dot_product_attention(
             q.transpose(1, 2), k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
