@@ -3,8 +3,8 @@ state, the per-device memory ledger and checkpoints (docs/design.md §4).
 
 The planning modules (spec, layout, emu, reshard, memory, primitives, transition) are pure:
 descriptions in, plans out. ``apply`` runs a plan over tensors in one process or in one
-worker's part; ``holder`` runs plans and steps on worker processes (``ShardHolder``,
-``execute``); ``ledger`` is each device's memory account; ``checkpoint`` is the
+worker's part; ``holder`` is the workers' shard store (``ShardHolder``) and ``execute`` runs plans and
+steps on it from the controller; ``ledger`` is each device's memory account; ``checkpoint`` is the
 save/load fallback.
 
 Names are resolved on first use, so the pure modules (``nereus.state.spec`` and the
@@ -37,9 +37,9 @@ for _module, _names in {
         "split_key",
         "tensor_key",
     ],
-    "holder": [
+    "holder": ["ShardHolder"],
+    "execute": [
         "ExecuteStats",
-        "ShardHolder",
         "execute",
         "execute_into",
         "execute_step",
