@@ -64,7 +64,7 @@ from nereus.models.config import ModelConfig
 from nereus.models.spec import model_spec
 from nereus.state import EMU, Layout, bytes_minimum, emu_from_plain, emu_to_plain, plan_reshard
 from nereus.state.apply import box_slices
-from nereus.state.execute import ExecuteStats, execute, load_from_disk, save_to_disk
+from nereus.state.executor import ExecuteStats, execute, load_from_disk, save_to_disk
 from nereus.state.holder import ShardHolder
 from nereus.transfer import P2POp, copy_into, get_communicator, make_group
 

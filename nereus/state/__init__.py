@@ -3,9 +3,9 @@ state, the per-device memory ledger and checkpoints (docs/design.md §4).
 
 The planning modules (spec, layout, emu, reshard, memory, primitives, transition) are pure:
 descriptions in, plans out. ``apply`` runs a plan over tensors in one process or in one
-worker's part; ``holder`` is the workers' shard store (``ShardHolder``) and ``execute`` runs plans and
-steps on it from the controller; ``ledger`` is each device's memory account; ``checkpoint`` is the
-save/load fallback.
+worker's part; ``holder`` is the workers' shard store (``ShardHolder``) and ``executor``
+runs plans and steps on it from the controller (``execute``); ``ledger`` is each
+device's memory account; ``checkpoint`` is the save/load fallback.
 
 Names are resolved on first use, so the pure modules (``nereus.state.spec`` and the
 planners) import without torch: the planner shares their rules.
@@ -38,7 +38,7 @@ for _module, _names in {
         "tensor_key",
     ],
     "holder": ["ShardHolder"],
-    "execute": [
+    "executor": [
         "ExecuteStats",
         "execute",
         "execute_into",

@@ -1,5 +1,5 @@
 """Executing plans on worker processes, the workers' side: the shard store (``ShardHolder``).
-The controller's side (``execute`` and its kin) is ``nereus.state.execute``.
+The controller's side (``execute`` and its kin) is ``nereus.state.executor``.
 
 ``ShardHolder`` is the actor that owns a worker's EMU state: ``self.shards[emu][key]``
 (every EMU's parameters and optimizer slots on this device) and ``self.states[emu]``

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nereus.state.emu import EMU
-from nereus.state.execute import execute_step
+from nereus.state.executor import execute_step
 from nereus.state.transition import op_step
 from nereus.transition.dag import Node
 from nereus.transition.execute import NodeResult

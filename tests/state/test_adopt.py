@@ -15,7 +15,7 @@ import torch
 from nereus.actors import Cluster, endpoint
 from nereus.state import EMU, Layout, plan_reshard
 from nereus.state.apply import plan_part, run_part
-from nereus.state.execute import execute
+from nereus.state.executor import execute
 from nereus.state.holder import ShardHolder
 from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store, spec_for

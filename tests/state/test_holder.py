@@ -21,7 +21,7 @@ from nereus.state import (
     plan_reshard,
     plan_stage_transition,
 )
-from nereus.state.execute import execute, execute_step, load_from_disk, save_to_disk
+from nereus.state.executor import execute, execute_step, load_from_disk, save_to_disk
 from nereus.state.holder import ShardHolder
 from tests._leaks import children, shm_segments, wait_gone
 from tests.state.helpers import global_tensors, shard_store, spec_for
