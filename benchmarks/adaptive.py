@@ -54,9 +54,9 @@ else:  # the project runs on 3.10 too
 from benchmarks.measure_plans import valid_plans
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError
-from nereus.job.adapt import job_workload
 from nereus.job.config import JobConfig, from_planner_plan
 from nereus.job.loop import RLJob
+from nereus.job.workload import job_workload
 from nereus.planner import (
     LengthStats,
     Plan,

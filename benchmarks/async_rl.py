@@ -54,10 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from nereus.config import from_dict
-from nereus.job.adapt import job_workload
 from nereus.job.config import ClusterConfig, JobConfig, from_planner_plan
 from nereus.job.local_stages import prepare_model
 from nereus.job.loop import RLJob
+from nereus.job.workload import job_workload
 from nereus.planner import LengthStats, search
 from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
 from nereus.planner.async_cost import search_async

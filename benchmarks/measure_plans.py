@@ -40,9 +40,9 @@ else:  # the project claims Python 3.10
 
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError
-from nereus.job.adapt import job_workload
 from nereus.job.config import JobConfig, from_planner_plan
 from nereus.job.loop import RLJob
+from nereus.job.workload import job_workload
 from nereus.planner import ClusterSpec, Efficiency, LengthStats, Plan, StagePlan, Workload, explain
 from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
 from nereus.planner.search import stage_candidates

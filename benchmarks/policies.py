@@ -66,10 +66,10 @@ from typing import Any
 
 from nereus.config import from_dict
 from nereus.errors import OutOfMemory, RemoteError, StateError
-from nereus.job.adapt import job_workload
 from nereus.job.cluster_stages import CALIBRATION_PRIOR_WEIGHT
 from nereus.job.config import JobConfig, to_planner_plan
 from nereus.job.loop import RLJob
+from nereus.job.workload import job_workload
 from nereus.models import ModelConfig
 from nereus.planner import (
     ClusterSpec,

@@ -42,9 +42,9 @@ from typing import Any
 
 from nereus.actors import check_cpu_limits
 from nereus.errors import ConfigError, OutOfMemory, RemoteError
-from nereus.job.adapt import PredictedFailure, predict_memory_failure
 from nereus.job.cli import parse_job
 from nereus.job.loop import RLJob
+from nereus.job.workload import PredictedFailure, predict_memory_failure
 
 CONFIG = Path(__file__).with_name("demo_adaptive.toml")
 ASYNC_CONFIG = Path(__file__).with_name("demo_async.toml")

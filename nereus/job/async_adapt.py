@@ -42,8 +42,9 @@ from typing import Any
 
 from nereus.actors import emit
 from nereus.errors import InfeasiblePlan, StateError
-from nereus.job.adapt import job_workload, usable_devices
+from nereus.job.adapt import usable_devices
 from nereus.job.config import from_planner_plan, to_planner_plan
+from nereus.job.workload import job_workload
 from nereus.planner import LengthStats, explain, local_cpu_cluster_probed
 from nereus.planner.async_cost import search_async
 from nereus.planner.plan import Plan

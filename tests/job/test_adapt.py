@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from nereus.errors import OutOfMemory, RemoteError, StateError
-from nereus.job.adapt import predict_memory_failure, usable_devices
+from nereus.job.adapt import usable_devices
 from nereus.job.loop import RLJob
+from nereus.job.workload import predict_memory_failure
 from nereus.planner import replay
 from tests.job._jobs import job
 from tests.job._state import assert_same_state, logical_state
