@@ -2,12 +2,12 @@
 
 ``ActorHost`` owns a ROUTER channel (and, in a worker bound to ipc, a same-host
 stream channel, ``_stream``; replies leave on the channel their call came in on) and
-a table of actors. For every verified
-message it checks, in order: the message shape, the actor name, the incarnation,
-the method, the arguments against the endpoint's signature (and simple
-annotations: int, float, str, bytes, bool, list, dict, tuple), and the actor's cap
-on pending calls. Any failure is answered to the (authenticated) sender with an ERR
-naming what was wrong, and counted; nothing a caller sends can raise out of it.
+a table of actors. For every verified message it checks, in order: the message shape,
+the actor name, the incarnation, the method, the arguments against the endpoint's
+signature (and simple annotations: int, float, str, bytes, bool, list, dict, tuple;
+``nereus.actors._endpoint``), and the actor's cap on pending calls. Any failure is
+answered to the (authenticated) sender with an ERR naming what was wrong, and counted;
+nothing a caller sends can raise out of it.
 
 Ordering: sequential endpoints of one actor run one at a time in arrival order
 (one mailbox consumer task per actor, no task per call); concurrent endpoints start
@@ -25,16 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
-import hashlib
-import importlib
-import importlib.util
-import inspect
 import logging
-import os
 import sys
 import traceback
 import types
-import typing
 from collections import deque
 from collections.abc import Coroutine, Generator
 from typing import Any
@@ -44,26 +38,16 @@ import zmq
 from nereus.actors import _protocol as P
 from nereus.actors._channel import DEFAULT_MAX_MESSAGE_BYTES, Channel, Counters
 from nereus.actors._cpulimit import device_threads
+from nereus.actors._endpoint import EP_AGEN, EP_CORO, Endpoint, import_actor_class
 from nereus.actors._stream import IDENT_PREFIX, StreamChannel
 from nereus.actors.actor import Actor, DeviceInfo, Failure, endpoint_spec, endpoints_of
 from nereus.errors import ProtocolError
 
-__all__ = ["ActorHost", "import_actor_class", "DEFAULT_MAX_PENDING"]
+__all__ = ["ActorHost", "DEFAULT_MAX_PENDING"]
 
 log = logging.getLogger("nereus.actors")
 
 DEFAULT_MAX_PENDING = 10_000
-_SIMPLE_TYPES: dict[Any, tuple[type, ...]] = {
-    int: (int,),
-    float: (int, float),
-    str: (str,),
-    bytes: (bytes,),
-    bool: (bool,),
-    list: (list,),
-    dict: (dict,),
-    tuple: (tuple,),
-}
-_EP_CORO, _EP_AGEN, _EP_SYNC = 0, 1, 2
 # The idle fast path needs create_task(context=...) to give the consumer a context
 # that a call started outside it can run in.
 _START_IDLE_CALLS_AT_ONCE = sys.version_info >= (3, 11)
@@ -71,118 +55,6 @@ _START_IDLE_CALLS_AT_ONCE = sys.version_info >= (3, 11)
 # make a task current while its coroutine is stepped outside the task's own callback.
 _enter_task = asyncio.tasks._enter_task
 _leave_task = asyncio.tasks._leave_task
-
-
-def import_actor_class(path: str) -> type:
-    """The Actor subclass named by ``"module:QualName"`` (or ``"file:/x.py:QualName"``)."""
-    module_name, sep, qual = path.rpartition(":")
-    if not sep or not module_name or not qual:
-        raise ProtocolError(f"actor class path {path!r} must look like 'module:QualName'")
-    if module_name.startswith("file:"):
-        module = _import_file(module_name[len("file:") :])
-    else:
-        module = importlib.import_module(module_name)
-    obj: Any = module
-    for part in qual.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ProtocolError(f"module {module_name!r} has no attribute {qual!r}")
-    if not (isinstance(obj, type) and issubclass(obj, Actor)):
-        raise ProtocolError(f"{path!r} is not a subclass of nereus.actors.Actor")
-    return obj
-
-
-def _import_file(file: str) -> types.ModuleType:
-    """The module of a driver script, imported once per path and modification time: a
-    second script, or the same one edited, gets a module of its own (in ``sys.modules``
-    under a name made from both) instead of the first one's."""
-    try:
-        stat = os.stat(file)
-    except OSError as e:
-        raise ProtocolError(
-            f"cannot import actor module from file {file!r}: {e.strerror}"
-        ) from None
-    digest = hashlib.sha256(f"{os.path.abspath(file)}\0{stat.st_mtime_ns}".encode())
-    name = f"__nereus_main_{digest.hexdigest()[:16]}__"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, file)
-        if spec is None or spec.loader is None:
-            raise ProtocolError(f"cannot import actor module from file {file!r}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return module
-
-
-class _Endpoint:
-    __slots__ = ("fn", "concurrent", "kind", "sig", "nmin", "nmax", "checks", "qualname")
-
-    def __init__(self, fn: Any, concurrent: bool, qualname: str) -> None:
-        self.fn = fn
-        self.concurrent = concurrent
-        self.qualname = qualname
-        if inspect.isasyncgenfunction(fn):
-            self.kind = _EP_AGEN
-        elif inspect.iscoroutinefunction(fn):
-            self.kind = _EP_CORO
-        else:
-            self.kind = _EP_SYNC
-        self.sig = inspect.signature(fn)
-        params = list(self.sig.parameters.values())
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.nmin = sum(1 for p in positional if p.default is p.empty)
-        has_var = any(p.kind == p.VAR_POSITIONAL for p in params)
-        self.nmax = None if has_var else len(positional)
-        try:
-            hints = typing.get_type_hints(fn)
-        except (NameError, TypeError, AttributeError):
-            hints = {}  # unresolvable annotations are documentation only
-        self.checks: list[tuple[int, str, tuple[type, ...]]] = []
-        for i, p in enumerate(positional):
-            tp = hints.get(p.name)
-            types = _SIMPLE_TYPES.get(typing.get_origin(tp) or tp)
-            if types is not None:
-                self.checks.append((i, p.name, types))
-
-    def check(self, args: list, kwargs: dict) -> str | None:
-        """None if ``args``/``kwargs`` fit; else what is wrong, for the caller."""
-        if kwargs or len(args) < self.nmin or (self.nmax is not None and len(args) > self.nmax):
-            try:
-                bound = self.sig.bind(*args, **kwargs)
-            except TypeError as e:
-                return f"wrong arguments for {self.qualname}{self.sig}: {e}"
-            values = bound.arguments
-            for _, name, types in self.checks:
-                if name in values and not _fits(values[name], types):
-                    return self._type_msg(name, values[name], types)
-            return None
-        for i, name, types in self.checks:
-            if i < len(args) and not _fits(args[i], types):
-                return self._type_msg(name, args[i], types)
-        return None
-
-    def _type_msg(self, name: str, value: Any, types: tuple[type, ...]) -> str:
-        want = " or ".join(t.__name__ for t in types)
-        return (
-            f"wrong argument type for {self.qualname}: {name}={_short(value)} is a "
-            f"{type(value).__name__}, expected {want}"
-        )
-
-
-def _fits(value: Any, types: tuple[type, ...]) -> bool:
-    if isinstance(value, bool) and bool not in types and int in types and float not in types:
-        return False  # True is not an int argument here
-    return isinstance(value, types)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _Slot:
@@ -208,10 +80,10 @@ class _Slot:
         self.instance = instance
         self.cls = type(instance)
         self.incarnation = incarnation
-        self.endpoints: dict[str, _Endpoint] = {}
+        self.endpoints: dict[str, Endpoint] = {}
         for ep_name, fn in endpoints_of(type(instance)).items():
             spec = endpoint_spec(fn)
-            self.endpoints[ep_name] = _Endpoint(
+            self.endpoints[ep_name] = Endpoint(
                 getattr(instance, ep_name),
                 spec.concurrent,
                 f"{type(instance).__qualname__}.{ep_name}",
@@ -379,10 +251,10 @@ class ActorHost:
             self.counters.reject("arguments", problem)
             self._reply_err(ident, cid, inc, P.ERR_PROTOCOL, "ProtocolError", problem, "")
             return
-        if (mode == P.STREAM) != (ep.kind == _EP_AGEN):
+        if (mode == P.STREAM) != (ep.kind == EP_AGEN):
             what = (
                 "is not a stream: use call"
-                if ep.kind != _EP_AGEN
+                if ep.kind != EP_AGEN
                 else "is a stream (async generator): use .stream(...)"
             )
             self.counters.reject("arguments", f"{ep.qualname} {what}")
@@ -497,7 +369,7 @@ class ActorHost:
     async def _run(
         self,
         slot: _Slot,
-        ep: _Endpoint,
+        ep: Endpoint,
         ident: bytes,
         cid: int,
         args: list,
@@ -520,9 +392,9 @@ class ActorHost:
                         "",
                     )
                 return
-            if ep.kind == _EP_CORO:
+            if ep.kind == EP_CORO:
                 value = await ep.fn(*args, **kwargs)
-            elif ep.kind == _EP_AGEN:
+            elif ep.kind == EP_AGEN:
                 gen = ep.fn(*args, **kwargs)
                 try:
                     async for item in gen:
@@ -549,7 +421,7 @@ class ActorHost:
             self._send(ident, [P.OK, cid, inc, value], ep)
 
     def _remote_error(
-        self, slot: _Slot, ep: _Endpoint, ident: bytes, cid: int, inc: int, mode: int, e: Exception
+        self, slot: _Slot, ep: Endpoint, ident: bytes, cid: int, inc: int, mode: int, e: Exception
     ) -> None:
         tb = traceback.format_exc()
         rtype = type(e).__qualname__
@@ -569,7 +441,7 @@ class ActorHost:
             return
         self._reply_err(ident, cid, inc, P.ERR_REMOTE, rtype, str(e), tb)
 
-    def _send(self, ident: bytes, msg: list, ep: _Endpoint) -> bool:
+    def _send(self, ident: bytes, msg: list, ep: Endpoint) -> bool:
         """Send a reply; False if it could not go (the caller was told why, if possible)."""
         try:
             self._out(ident).send(msg, ident)

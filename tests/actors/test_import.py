@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from nereus.actors._host import import_actor_class
+from nereus.actors._endpoint import import_actor_class
 from nereus.errors import ProtocolError
 
 _SCRIPT = """
