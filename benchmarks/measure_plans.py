@@ -45,7 +45,7 @@ from nereus.job.loop import RLJob
 from nereus.job.workload import job_workload
 from nereus.planner import ClusterSpec, Efficiency, LengthStats, Plan, StagePlan, Workload, explain
 from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
-from nereus.planner.search import stage_candidates
+from nereus.planner.candidates import stage_candidates
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo_adaptive.toml"
 

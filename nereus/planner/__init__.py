@@ -9,6 +9,7 @@ simulator at 1,024 devices.
 from nereus.planner._probe import local_cpu_cluster_probed, local_cpu_efficiency
 from nereus.planner.admission import DEFAULT_GAMMA, Decision, Target, admit, choose
 from nereus.planner.calibrate import Calibrator
+from nereus.planner.candidates import Candidate, pool_sizes, stage_candidates
 from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset, local_cpu_cluster
 from nereus.planner.cost import (
     CONSERVATIVE,
@@ -29,14 +30,7 @@ from nereus.planner.pool import DevicePool
 from nereus.planner.relabel import relabel
 from nereus.planner.replan import BoundaryOutcome, Replanner
 from nereus.planner.replay import boundary_record, replay
-from nereus.planner.search import (
-    Alternative,
-    Candidate,
-    SearchResult,
-    pool_sizes,
-    search,
-    stage_candidates,
-)
+from nereus.planner.search import Alternative, SearchResult, search
 from nereus.planner.triggers import DriftSignal, Trigger, TriggerMonitor
 from nereus.planner.workload import (
     ALGORITHMS,

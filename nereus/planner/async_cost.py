@@ -36,10 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nereus.errors import InfeasiblePlan
+from nereus.planner.candidates import stage_candidates
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.plan import Plan, StagePlan
-from nereus.planner.search import stage_candidates
 from nereus.planner.workload import Workload
 
 __all__ = [

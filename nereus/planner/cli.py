@@ -23,11 +23,12 @@ from rich.table import Table
 
 from nereus.config import parse_size
 from nereus.errors import ConfigError, InfeasiblePlan, exit_status
+from nereus.planner.candidates import stage_candidates
 from nereus.planner.cluster import PRESETS, ClusterSpec, cluster_preset
 from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.explain import Explanation, explain
 from nereus.planner.plan_text import plan_text, stage_plan_text
-from nereus.planner.search import SearchResult, search, stage_candidates
+from nereus.planner.search import SearchResult, search
 from nereus.planner.workload import ALGORITHMS, MODEL_PRESETS, LengthStats, Workload, model_preset
 
 __all__ = ["main"]

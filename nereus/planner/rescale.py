@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from nereus.planner.candidates import pool_sizes
 from nereus.planner.cluster import ClusterSpec
 from nereus.planner.plan import Plan, StagePlan
-from nereus.planner.search import pool_sizes
 from nereus.planner.workload import Workload
 
 __all__ = ["Layout", "layout_of", "rescaled", "rescaled_layout"]

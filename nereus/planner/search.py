@@ -1,10 +1,11 @@
 """Plan search: the fastest feasible plan of a workload on a device budget (docs/design.md §6).
 
-The search: per (model-stage, size) candidates, dropping the infeasible and the
-dominated (slower and no smaller); per (pool, size) the Pareto set of per-phase time
-vectors over candidate combinations that fit; then dynamic programming over subsets of
-model-stages: F(S) = Pareto over (devices, per-phase vector) of pool(G) ⊕ F(S \\ G),
-G the pool holding S's first model-stage, ⊕ adding devices and taking per-phase maxima.
+The search: per (model-stage, size) candidates (``nereus.planner.candidates``),
+dropping the infeasible and the dominated (slower and no smaller); per (pool, size) the
+Pareto set of per-phase time vectors over candidate combinations that fit; then dynamic
+programming over subsets of model-stages: F(S) = Pareto over (devices, per-phase
+vector) of pool(G) ⊕ F(S \\ G), G the pool holding S's first model-stage, ⊕ adding
+devices and taking per-phase maxima.
 Every step keeps exactly the non-dominated entries of a monotone objective, so the
 result is the optimum of the space. To keep it fast, a quick search (each model-stage's
 fastest and smallest layout) first finds a valid plan; every partial choice whose
@@ -32,41 +33,30 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from operator import le
-from typing import NamedTuple
 
 from nereus.config import require
 from nereus.errors import InfeasiblePlan
+from nereus.planner.candidates import (
+    Candidate,
+    admits_layout,
+    pool_sizes,
+    stage_candidates,
+)
 from nereus.planner.cluster import ClusterSpec
-from nereus.planner.cost import CONSERVATIVE, Efficiency, stage_cost, stage_memory, usable_bytes
+from nereus.planner.cost import CONSERVATIVE, Efficiency, usable_bytes
 from nereus.planner.explain import explain
 from nereus.planner.plan import Plan, StagePlan
 from nereus.planner.workload import Workload, phases
 
 __all__ = [
-    "Candidate",
     "SearchResult",
     "Alternative",
-    "pool_sizes",
-    "stage_candidates",
     "search",
     "place_by_capacity",
     "NAMED_PLACEMENTS",
 ]
 
 log = logging.getLogger("nereus.planner")
-
-
-class Candidate(NamedTuple):
-    """One valid layout of one model-stage at one pool size, with its time and bytes."""
-
-    tp: int
-    pp: int
-    dp: int
-    seconds: float
-    resident: int
-    transient: int
-    recompute: bool = False
-    waves: int = 1
 
 
 @dataclass(frozen=True)
@@ -86,143 +76,9 @@ class SearchResult:
     alternatives: tuple[Alternative, ...]
 
 
-def _powers_of_two(limit: int) -> list[int]:
-    out, v = [], 1
-    while v <= limit:
-        out.append(v)
-        v *= 2
-    return out
-
-
-def pool_sizes(cluster: ClusterSpec, budget: int) -> list[int]:
-    """Every pool size of the space up to ``budget`` devices, ascending: powers of two
-    below a node (dividing it, so pools pack into nodes; on a single node any power of
-    two fits, e.g. 2 of 3 devices left after one died), then whole nodes."""
-    per = cluster.devices_per_node
-    small = [
-        s
-        for s in _powers_of_two(per)
-        if (per % s == 0 or cluster.nodes == 1) and s < per and s <= budget
-    ]
-    return small + [k * per for k in range(1, budget // per + 1)]
-
-
-def _is_valid_layout(
-    work: Workload, model_heads: int, layers: int, per_node: int, tp: int, pp: int, n: int
-) -> bool:
-    if n % (tp * pp):
-        return False
-    dp = n // (tp * pp)
-    emu = tp * pp
-    return (
-        tp <= per_node
-        and model_heads % tp == 0
-        and pp <= layers
-        and work.batch % dp == 0
-        and (per_node % emu == 0 or emu % per_node == 0)
-    )
-
-
-def _admits_layout(n: int, batch: int) -> bool:
-    """Whether n = (power of two) x dp with dp dividing the batch, for some split."""
-    e = 1
-    while e <= n:
-        if n % e == 0 and batch % (n // e) == 0:
-            return True
-        e *= 2
-    return False
-
-
-MAX_WAVES = 8
 QUICK_KEEP = 2
 # Guessed bounds, as fractions of the way from the lower bound to the incumbent.
 GUESS: tuple[float, ...] = (0.5, 0.8)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _variants(kind: str, sequences_per_replica: int) -> list[tuple[bool, int]]:
-    """(recompute, waves) options of a model-stage kind: training may recompute its
-    activations; generation may decode in 1, 2, 4 ... MAX_WAVES successive batches."""
-    if kind == "training":
-        return [(False, 1), (True, 1)]
-    if kind == "generation":
-        return [(False, w) for w in _powers_of_two(min(MAX_WAVES, sequences_per_replica))]
-    return [(False, 1)]
-
-
-def stage_candidates(
-    work: Workload,
-    cluster: ClusterSpec,
-    eff: Efficiency,
-    stage_index: int,
-    n: int,
-    *,
-    prune: bool = True,
-) -> list[Candidate]:
-    """Valid layouts of model-stage ``stage_index`` on a pool of ``n`` devices.
-
-    With ``prune``, drops layouts that do not fit alone and those dominated in
-    (seconds, resident, transient)."""
-    stage = work.stages[stage_index]
-    model = work.models[stage.model]
-    per = cluster.devices_per_node
-    cap = usable_bytes(cluster) - cluster.workspace_bytes
-    out: list[Candidate] = []
-    for tp in _powers_of_two(min(per, n)):
-        for pp in _powers_of_two(n // tp):
-            if not _is_valid_layout(work, model.num_heads, model.num_layers, per, tp, pp, n):
-                continue
-            dp = n // (tp * pp)
-            for recompute, waves in _variants(stage.kind, _ceil_div(work.sequences, dp)):
-                mem = stage_memory(
-                    stage,
-                    model,
-                    work,
-                    tp,
-                    pp,
-                    dp,
-                    recompute=recompute,
-                    waves=waves,
-                    scale=eff.memory_scale,
-                    fixed=eff.memory_fixed_bytes,
-                    flash_attention=cluster.flash_attention,
-                )
-                if prune and mem.resident + mem.transient > cap:
-                    continue
-                cost = stage_cost(
-                    stage,
-                    model,
-                    work,
-                    cluster,
-                    eff,
-                    tp,
-                    pp,
-                    dp,
-                    pp_inter=tp * pp > per,
-                    dp_inter=n > per,
-                    recompute=recompute,
-                    waves=waves,
-                    keep_terms=False,
-                )
-                out.append(
-                    Candidate(
-                        tp, pp, dp, cost.seconds, mem.resident, mem.transient, recompute, waves
-                    )
-                )
-    if not prune:
-        return out
-    out.sort(key=lambda c: (c.seconds, c.resident, c.transient))
-    kept: list[Candidate] = []
-    for c in out:
-        if not any(
-            k.seconds <= c.seconds and k.resident <= c.resident and k.transient <= c.transient
-            for k in kept
-        ):
-            kept.append(c)
-    return kept
 
 
 def _pareto(entries: list[tuple]) -> list[tuple]:
@@ -275,7 +131,7 @@ class _Searcher:
             sum(1 << i for i, p in enumerate(self.phase) if p == q) for q in range(self.num_phases)
         ]
         self.cap = usable_bytes(cluster) - cluster.workspace_bytes
-        self.sizes = [n for n in pool_sizes(cluster, budget) if _admits_layout(n, work.batch)]
+        self.sizes = [n for n in pool_sizes(cluster, budget) if admits_layout(n, work.batch)]
         self.cands = cands if cands is not None else {}
         self._mine: dict[tuple[int, int], list[Candidate]] = {}
         self._least: dict[tuple[int, int], tuple[int, int]] = {}  # (min resident, min transient)

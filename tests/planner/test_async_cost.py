@@ -11,8 +11,8 @@ import pytest
 from nereus.errors import InfeasiblePlan
 from nereus.planner import ClusterSpec
 from nereus.planner.async_cost import async_step_seconds, search_async, snapshot_bytes
+from nereus.planner.candidates import stage_candidates
 from nereus.planner.cost import CONSERVATIVE, usable_bytes
-from nereus.planner.search import stage_candidates
 from nereus.planner.workload import LengthStats, ModelShape, Workload
 
 GiB = 2**30

@@ -17,8 +17,9 @@ from nereus.planner import (
     explain,
     search,
 )
+from nereus.planner.candidates import stage_candidates
 from nereus.planner.cluster import local_cpu_cluster
-from nereus.planner.search import place_by_capacity, stage_candidates
+from nereus.planner.search import place_by_capacity
 
 MiB = 2**20
 
