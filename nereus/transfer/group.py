@@ -17,7 +17,8 @@ loop). Ranks follow the order of ``devices``.
 
 Refuses: repeated devices, unknown devices, ``backend="nccl"`` on non-CUDA devices
 (``ConfigError``). A member that cannot join (dead, rendezvous timeout) makes
-``make_group`` raise after telling the others to drop the group.
+``make_group`` raise after telling the others to drop the group; when it fails while the
+others still wait for it, the store is closed so that they stop waiting at once.
 
 More (how it works): docs/transfer.md.
 """
@@ -319,6 +320,12 @@ class _Rendezvous:
         self._fd = listener.detach()  # the store's server owns (and closes) it now
         self.sealed = False
 
+    def close(self) -> None:
+        """Stop serving: the server goes with its connections, so every member waiting on
+        the store (the rendezvous) fails at once with an error naming the ranks it
+        missed, instead of at its deadline."""
+        self.store = None
+
     def seal(self) -> None:
         """Accept no more connections (existing ones are served as before).
 
@@ -416,15 +423,32 @@ async def make_group(
     try:
         t_setup = time.monotonic()
         calls = [
-            a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
+            asyncio.ensure_future(
+                a.join.options(timeout_s=timeout_s + 30).call_one({**spec, "rank": r})
+            )
             for r, a in enumerate(agents)
         ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        try:
+            done, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+            first = {calls.index(t) for t in done if t.exception() is not None}
+            if pending:
+                # a member failed (died, or refused) while the others wait for it in the
+                # rendezvous: without the store their waits fail now, not at timeout_s
+                store.close()
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        except BaseException:
+            for c in calls:
+                c.cancel()
+            raise
         handle.setup_span = (t_setup, time.monotonic())
     finally:
         for lock in locks:
             lock.release()
     failed = [(infos[r].index, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
+    # the members that failed first are the cause (named in the error); the others failed
+    # for want of them
+    causes = {infos[r].index for r in first}
+    failed.sort(key=lambda f: f[0] not in causes)
     for device, err in failed:
         if isinstance(err, ActorDied):  # a later make_group spawns a fresh agent there
             state.agents.pop(device, None)

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from nereus.actors import Cluster
-from nereus.errors import ConfigError, NereusError, RemoteError
+from nereus.errors import ConfigError, NereusError, RemoteError, TransferError
 from nereus.transfer import make_group, release_groups
 from tests.transfer._actors import Member
 
@@ -145,6 +145,35 @@ async def test_a_killed_member_fails_survivors_fast_and_groups_go_on():
         assert await survivors.all_reduce.call(g2.group_id, 1.0) == [[0, 2, 2.0], [1, 2, 2.0]]
         await g.destroy()  # the dead member is skipped
         await g2.destroy()
+    assert not [p for port in _PORTS for p in glob.glob(f"/dev/shm/nereus-{port}-*")]
+
+
+async def test_a_member_that_dies_during_set_up_stops_the_others_waiting():
+    """Device 2's worker is stopped before the set-up (its join never runs) and killed
+    while the others wait for it in the rendezvous: make_group names device 2 at once,
+    not at the 60 s deadline, and a group over the survivors forms after it."""
+    async with Cluster.local(devices=3, memory_per_device="128MiB") as c:
+        mesh = await c.spawn("m", Member, devices=[0, 1, 2])
+        first = await _make(c, devices=[0, 1, 2], epoch=1)  # every device has its agent
+        await first.destroy()
+        pids = await mesh.pid.call()
+        os.kill(pids[2], signal.SIGSTOP)
+        try:
+            setup = asyncio.ensure_future(make_group(c, devices=[0, 1, 2], epoch=2, timeout_s=60))
+            await asyncio.sleep(1.0)  # devices 0 and 1 are in the rendezvous now
+            assert not setup.done()
+            t0 = time.monotonic()
+            os.kill(pids[2], signal.SIGKILL)
+        except BaseException:
+            os.kill(pids[2], signal.SIGKILL)
+            raise
+        with pytest.raises(TransferError, match="device 2 could not join"):
+            await asyncio.wait_for(setup, 30)
+        assert time.monotonic() - t0 < 20  # well inside the 60 s deadline
+        survivors = mesh.slice(dp=slice(0, 2))
+        g = await _make(c, devices=[0, 1], epoch=3)
+        assert await survivors.all_reduce.call(g.group_id, 1.0) == [[0, 2, 2.0], [1, 2, 2.0]]
+        await g.destroy()
     assert not [p for port in _PORTS for p in glob.glob(f"/dev/shm/nereus-{port}-*")]
 
 
