@@ -14,7 +14,8 @@ Promises:
 - waiting is ``select`` on FIFOs, an abort pipe and the peers' pidfds: no polling, and a
   peer that exits or an abort wakes the waiter at once;
 - ring names are unlinked after the rendezvous; only two ends killed mid-hand-off
-  leak a segment.
+  leave a segment's name, and the group's owner removes it when it destroys the group
+  (``nereus.transfer.group``: the names of one group incarnation share a prefix).
 
 Refuses: a record whose total size differs from the receiver's tensor
 (``TransferError``); use after ``close``. Sizes that disagree about being larger

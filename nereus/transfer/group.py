@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import glob
 import hashlib
 import hmac
 import logging
@@ -48,6 +49,7 @@ from nereus.actors import (
     endpoint,
 )
 from nereus.errors import ActorDied, ConfigError, TransferError
+from nereus.transfer._shm import SHM_DIR, shm_name_prefix
 from nereus.transfer.communicator import Communicator
 
 __all__ = [
@@ -208,10 +210,31 @@ class GroupHandle:
         results = await asyncio.gather(
             *(a.leave.call_one(self.group_id) for a in self._agents), return_exceptions=True
         )
+        if self._store is not None:
+            _sweep_names(self._store, self.group_id, self.epoch)
         self._store = None
         errors = [r for r in results if isinstance(r, BaseException)]
         for e in errors:
             log.warning("group %s: a member could not drop it: %s", self.group_id, e)
+
+
+def _sweep_names(store: _Rendezvous, group_id: str, epoch: int) -> int:
+    """Unlink what a destroyed group's members on this host left in ``/dev/shm`` (only
+    two ends killed in the middle of a hand-off leave a name); returns how many. The
+    names of one group incarnation share a prefix no other group has."""
+    prefix = shm_name_prefix(store.port, store.host, group_id, epoch)
+    swept = 0
+    for path in glob.glob(f"{SHM_DIR}/{glob.escape(prefix)}-*"):
+        try:
+            os.unlink(path)
+            swept += 1
+        except FileNotFoundError:
+            pass  # a member that was still closing took it
+    if swept:
+        log.warning(
+            "group %s: removed %d name(s) its killed members left in %s", group_id, swept, SHM_DIR
+        )
+    return swept
 
 
 class _Groups:

@@ -177,6 +177,27 @@ async def test_a_member_that_dies_during_set_up_stops_the_others_waiting():
     assert not [p for port in _PORTS for p in glob.glob(f"/dev/shm/nereus-{port}-*")]
 
 
+async def test_destroy_removes_the_names_killed_members_left_and_no_others(cluster, members):
+    """A hand-off segment's name left by two killed ends (planted here: killing both ends
+    at that instant is not reproducible) goes with the group; another group's stays."""
+    from nereus.transfer._shm import SHM_DIR, shm_name_prefix
+
+    group = await _make(cluster, devices=[0, 1], epoch=8)
+    other = await _make(cluster, devices=[0, 1], epoch=9)
+    mine = shm_name_prefix(group._store.port, group._store.host, group.group_id, 8)
+    theirs = shm_name_prefix(other._store.port, other._store.host, other.group_id, 9)
+    left = [f"{SHM_DIR}/{mine}-0-1.h0", f"{SHM_DIR}/{theirs}-0-1.h0"]
+    for path in left:
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        await group.destroy()
+        assert [os.path.exists(p) for p in left] == [False, True]
+    finally:
+        await other.destroy()
+    assert not os.path.exists(left[1])
+
+
 async def test_the_store_takes_no_new_connections_once_the_group_formed(cluster, members):
     import datetime
 
