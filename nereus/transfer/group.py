@@ -19,6 +19,8 @@ Refuses: repeated devices, unknown devices, ``backend="nccl"`` on non-CUDA devic
 (``ConfigError``). A member that cannot join (dead, rendezvous timeout) makes
 ``make_group`` raise after telling the others to drop the group; when it fails while the
 others still wait for it, the store is closed so that they stop waiting at once.
+``GroupHandle.destroy`` removes any ``/dev/shm`` name its killed members left on this
+host.
 
 More (how it works): docs/transfer.md.
 """
