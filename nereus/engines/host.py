@@ -8,7 +8,8 @@ EMU name (so two EMUs of one model-stage may share a device during a transition)
 
 - ``advance_rollout`` decodes an open request a few steps at a time
   (``nereus.engines.stepped``), so a weight sync lands between decode steps and new rows
-  can take the slots of finished ones (refills).
+  can take the slots of finished ones (refills); on vLLM, which runs a request whole,
+  one call decodes every row to its end.
 
 Device: shards and engines live on the worker's device (``tensor_device``: ``cuda:0``
 on a GPU worker, else the CPU); the engines' ``EmuContext.device`` is that device, so
@@ -357,6 +358,8 @@ class EngineHost(ShardHolder):
         ``max_tokens``, ``greedy``) first puts new rows into done slots. The request closes
         when every row is done."""
         engine = self._engine(emu, "generation")
+        if not getattr(engine, "stepped", True):
+            return await self._whole_request(engine, prompts, params, greedy_rows, refill)
         if prompts is not None:
             self.rollouts[emu] = SteppedRollout(
                 engine, prompts, params, greedy_rows=greedy_rows or (), prompt_width=prompt_width
@@ -371,6 +374,32 @@ class EngineHost(ShardHolder):
         if out["finished"]:
             del self.rollouts[emu]
         return out
+
+    async def _whole_request(
+        self,
+        engine: Any,
+        prompts: list[list[int]] | None,
+        params: dict[str, Any] | None,
+        greedy_rows: list[int] | None,
+        refill: list[dict[str, Any]] | None,
+    ) -> dict[str, Any]:
+        """``advance_rollout`` on an engine that runs a request whole (vLLM): one call
+        opens the request and decodes every row to its end."""
+        require(
+            prompts is not None and not refill,
+            "advance_rollout",
+            "no prompts" if prompts is None else "a refill",
+            "must open a request with prompts and no refill on an engine that runs a "
+            "request whole (vLLM: async mode without partial rollouts or refill)",
+        )
+        out = await run_engine_work(engine.generate, prompts, params, greedy_rows or ())
+        rows = len(out.token_ids)
+        return {
+            "tokens": out.token_ids,
+            "logprobs": out.logprobs,
+            "done": [True] * rows,
+            "finished": True,
+        }
 
     @endpoint
     async def logprobs(

@@ -35,6 +35,7 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -318,6 +319,9 @@ class VllmGenerationEngine:
 
     # vLLM holds its own copy of the weights: a host reloads it after writing the EMU's shards
     adopts_store = False
+    # vLLM runs a request whole (no decode steps between weight syncs, no refills): a
+    # host's advance_rollout runs it in one call
+    stepped = False
 
     def __init__(
         self,
@@ -435,9 +439,13 @@ class VllmGenerationEngine:
     # --- generation -----------------------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | dict[str, Any] | None = None,
+        greedy_rows: Sequence[int] = (),
     ) -> GenerationOutput:
-        """Sample a continuation of every prompt (same contract as ``GenerationEngine``)."""
+        """Sample a continuation of every prompt (same contract as ``GenerationEngine``);
+        the rows in ``greedy_rows`` are decoded greedily (ReMax's baseline rows)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -454,12 +462,19 @@ class VllmGenerationEngine:
                 f"token ids must be in [0, vocab_size={vocab})",
             )
         limits = p.row_limits(len(prompts)) or [p.max_tokens] * len(prompts)
+        greedy = set(greedy_rows)
+        require(
+            greedy <= set(range(len(prompts))),
+            "greedy_rows",
+            sorted(greedy),
+            f"must be rows of the {len(prompts)} prompts",
+        )
         per_request = []
         for i in range(len(prompts)):
             # one vLLM SamplingParams per request: a row's own bound is its max_tokens
             per_request.append(
                 VllmSamplingParams(
-                    temperature=p.temperature,
+                    temperature=0.0 if i in greedy else p.temperature,
                     top_p=p.top_p,
                     top_k=p.top_k,
                     max_tokens=limits[i],

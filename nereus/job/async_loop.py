@@ -23,8 +23,13 @@ entries.
   (``nereus.job.async_recovery``); without it the run stops (``GenerationLost`` when
   generation is gone).
 
+Generation runs on the built-in engine or on vLLM (``sampling.engine = "vllm"``), which
+runs a request whole: its weights change only between requests, so it takes
+``partial_rollout = false`` and no refill.
+
 Refuses (``ConfigError``, checked by the job config): generation sharing a device with
-another model-stage, a reward model, the in-process backend, the vLLM engine.
+another model-stage, a reward model, the in-process backend, vLLM with partial rollouts
+or refill.
 """
 
 from __future__ import annotations

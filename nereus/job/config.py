@@ -232,7 +232,8 @@ class JobConfig:
 
     def _check_async(self) -> None:
         """``[rl] mode = "async"``: GRPO, ReMax or PPO on a cluster, rule rewards, generation
-        on devices of its own (PPO's critic and the reference live on the training side)."""
+        on devices of its own (PPO's critic and the reference live on the training side);
+        on vLLM, whole requests (no partial rollouts, no refill)."""
         require(
             self.reward.kind == "rule",
             "reward.kind",
@@ -245,12 +246,21 @@ class JobConfig:
             self.rl.mode,
             "needs cluster.mode 'local' or 'connect' (generation runs on devices of its own)",
         )
-        require(
-            self.sampling.engine == "builtin",
-            "sampling.engine",
-            self.sampling.engine,
-            "must be 'builtin' in async mode (it decodes between weight syncs)",
-        )
+        if self.sampling.engine == "vllm":
+            # vLLM runs a request whole: weights change only between requests, and no done
+            # slot takes a new row
+            require(
+                not self.rl.partial_rollout,
+                "rl.partial_rollout",
+                self.rl.partial_rollout,
+                "must be false with sampling.engine='vllm' (vLLM runs a request whole)",
+            )
+            require(
+                not self.rl.refill,
+                "rl.refill",
+                self.rl.refill,
+                "must be false with sampling.engine='vllm' (vLLM runs a request whole)",
+            )
         gen = set(self.plan["policy_generation"].devices)
         shared = sorted(
             gen & {d for n, p in self.plan.items() if n != "policy_generation" for d in p.devices}

@@ -10,6 +10,7 @@ import torch
 from nereus.engines import GenerationEngine, SamplingParams
 from nereus.engines.memory import MemoryLedger
 from nereus.engines.options import EngineOptions
+from nereus.errors import ConfigError
 from nereus.models import save_tiny_model, tiny_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -116,3 +117,16 @@ def test_memory_is_reserved_and_cpu_sleep_frees_nothing(setup):
     assert held["vllm-generation/kv_cache"] == 32 << 20 and held["vllm-generation/weights"] > 0
     assert engine.sleep() == 0 and not engine.is_sleeping
     assert engine.memory() == held
+
+
+def test_greedy_rows_decode_greedily_among_sampled_ones(setup):
+    """ReMax's baseline rows in one request with the sampled ones (async mode on vLLM)."""
+    engine = setup[0]
+    greedy = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0)).token_ids
+    hot = SamplingParams(max_tokens=6, temperature=2.0, seed=3)
+    out = engine.generate(PROMPTS * 4, hot, greedy_rows=[1, 5])
+    assert out.token_ids[1] == greedy[1] and out.token_ids[5] == greedy[2]
+    sampled = [i for i in range(12) if i not in (1, 5)]
+    assert any(out.token_ids[i] != greedy[i % 3] for i in sampled)
+    with pytest.raises(ConfigError, match="greedy_rows"):
+        engine.generate(PROMPTS, hot, greedy_rows=[3])

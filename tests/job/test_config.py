@@ -196,3 +196,20 @@ def test_async_mode_takes_ppo_and_remax_with_generation_on_devices_of_its_own():
             {**two, "reward_inference": {"devices": [0]}},
             reward={"kind": "model", "path": "rm"},
         )
+
+
+def test_async_mode_on_vllm_takes_whole_requests_only():
+    grpo = {"name": "grpo", "samples_per_prompt": 2}
+    two = {"policy_generation": {"devices": [1, 2], "dp": 2}, "policy_training": {"devices": [0]}}
+    vllm = {"engine": "vllm"}
+    whole = _async_job(grpo, two, sampling=vllm, rl={"mode": "async", "partial_rollout": False})
+    assert whole.sampling.engine == "vllm" and not whole.rl.partial_rollout
+    with pytest.raises(ConfigError, match=re.escape("rl.partial_rollout=True must be false")):
+        _async_job(grpo, two, sampling=vllm)  # partial rollouts are the default
+    with pytest.raises(ConfigError, match=re.escape("rl.refill=True must be false")):
+        _async_job(
+            grpo,
+            two,
+            sampling=vllm,
+            rl={"mode": "async", "partial_rollout": False, "refill": True},
+        )
