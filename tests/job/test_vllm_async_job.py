@@ -18,7 +18,7 @@ import torch
 from nereus.job.async_loop import AsyncRun
 from nereus.job.loop import RLJob
 from tests.job._jobs import job
-from tests.job.test_async_job import _check_tokens
+from tests.job.test_async_job import _check_tokens, _run
 from tests.job.test_vllm_job import MODEL, _batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -86,15 +86,7 @@ async def test_async_grpo_on_vllm_trains_every_position_with_synced_weights(tmp_
 
 async def test_async_remax_on_vllm_decodes_its_baseline_rows_greedily(tmp_path):
     steps = 3
-    cfg = _config(str(tmp_path), steps, name="remax", samples_per_prompt=2)
-    rl = RLJob(cfg)
-    await rl.start()
-    try:
-        run = AsyncRun(rl)
-        rl.async_run = run
-        await run.run()
-    finally:
-        await rl.close()
+    _, run = await _run(_config(str(tmp_path), steps, name="remax", samples_per_prompt=2))
     positions = sorted(p for r in run.records for p in r["positions"])
     assert positions == list(range(steps * 4))
     _check_tokens(run, K)
