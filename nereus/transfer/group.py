@@ -455,7 +455,7 @@ async def make_group(
         ]
         try:
             done, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
-            first = {calls.index(t) for t in done if t.exception() is not None}
+            first = {calls.index(t) for t in done if t.cancelled() or t.exception() is not None}
             if pending:
                 # a member failed (died, or refused) while the others wait for it in the
                 # rendezvous: without the store their waits fail now, not at timeout_s
