@@ -44,7 +44,15 @@ import torch
 
 from nereus.errors import TransferError
 
-__all__ = ["ShmP2P", "ShmTimeout", "ShmPeerExited", "RecvNew", "shm_name_prefix"]
+__all__ = [
+    "ShmP2P",
+    "ShmTimeout",
+    "ShmPeerExited",
+    "RecvNew",
+    "shm_name_prefix",
+    "unlink_group_names",
+    "unlink_paths",
+]
 
 log = logging.getLogger("nereus.transfer")
 
@@ -61,6 +69,25 @@ def shm_name_prefix(store_port: int, *parts: object) -> str:
     the store's port so the owner of a store can find (and count) its groups' names."""
     digest = hashlib.sha1("\0".join(str(p) for p in parts).encode()).hexdigest()[:16]
     return f"nereus-{store_port}-{digest}"
+
+
+def unlink_paths(paths: list[str]) -> int:
+    """Remove these names from ``/dev/shm`` (one already gone is skipped: its other end
+    took it); returns how many this call removed."""
+    removed = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def unlink_group_names(prefix: str) -> int:
+    """Remove every name left under one group incarnation's ``prefix`` (what only ends
+    killed mid-hand-off leave behind); returns how many."""
+    return unlink_paths(glob.glob(f"{SHM_DIR}/{glob.escape(prefix)}-*"))
 
 
 class ShmTimeout(Exception):
@@ -204,19 +231,11 @@ class _Channel:
         for i, (_, _, path) in self.own_segments.items():
             if i not in self.in_flight or not peer_alive:
                 paths.append(path)
-        for path in paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        unlink_paths(paths)
 
     def unlink_unclaimed(self) -> None:
         """Receiver side: remove names of hand-off segments this rank never mapped."""
-        for path in glob.glob(glob.escape(self.base) + ".h*"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        unlink_paths(glob.glob(glob.escape(self.base) + ".h*"))
 
     def close(self, peer_alive: bool, receiver: bool) -> None:
         with self.lock:
@@ -302,12 +321,7 @@ class ShmP2P:
 
     def unlink_names(self) -> None:
         """Remove the ring names of this rank's channels (mappings and fds stay valid)."""
-        for ch in [*self._out.values(), *self._in.values()]:
-            for path in ch.paths:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+        unlink_paths([p for ch in [*self._out.values(), *self._in.values()] for p in ch.paths])
 
     def abort(self) -> None:
         """Wake any ``run`` in progress; it raises ``TransferError``."""

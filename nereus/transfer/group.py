@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import glob
 import hashlib
 import hmac
 import logging
@@ -51,7 +50,7 @@ from nereus.actors import (
     endpoint,
 )
 from nereus.errors import ActorDied, ConfigError, TransferError
-from nereus.transfer._shm import SHM_DIR, shm_name_prefix
+from nereus.transfer._shm import SHM_DIR, shm_name_prefix, unlink_group_names
 from nereus.transfer.communicator import Communicator
 
 __all__ = [
@@ -221,17 +220,9 @@ class GroupHandle:
 
 
 def _sweep_names(store: _Rendezvous, group_id: str, epoch: int) -> int:
-    """Unlink what a destroyed group's members on this host left in ``/dev/shm`` (only
-    two ends killed in the middle of a hand-off leave a name); returns how many. The
-    names of one group incarnation share a prefix no other group has."""
-    prefix = shm_name_prefix(store.port, store.host, group_id, epoch)
-    swept = 0
-    for path in glob.glob(f"{SHM_DIR}/{glob.escape(prefix)}-*"):
-        try:
-            os.unlink(path)
-            swept += 1
-        except FileNotFoundError:
-            pass  # a member that was still closing took it
+    """Unlink what a destroyed group's members on this host left in ``/dev/shm``; returns
+    how many. The names of one group incarnation share a prefix no other group has."""
+    swept = unlink_group_names(shm_name_prefix(store.port, store.host, group_id, epoch))
     if swept:
         log.warning(
             "group %s: removed %d name(s) its killed members left in %s", group_id, swept, SHM_DIR
