@@ -51,6 +51,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.measure_plans import (
@@ -128,13 +129,26 @@ class Context:
         return got
 
 
-def _observe(cal: Calibrator, r: dict[str, Any], ctx: Context, prior: Efficiency) -> None:
-    work, cluster = ctx.view(r["cfg"])
-    ex = explain(Plan.from_dict(r["plan"]), work, cluster, prior)
-    for st in ex.stages:
-        seconds = r["stage_s"].get(st.name.replace("-", "_"), 0.0)  # the job's names
-        if seconds > 0:
+def _observe_plan(
+    cal: Calibrator,
+    plan: dict[str, Any],
+    view: tuple[Any, Any],
+    prior: Efficiency,
+    seconds_of: Callable[[str], float | None],
+) -> None:
+    """Every model-stage of ``plan`` (on ``view``: workload, cluster) with its measured
+    seconds (``seconds_of`` its planner name) into ``cal``."""
+    for st in explain(Plan.from_dict(plan), *view, prior).stages:
+        seconds = seconds_of(st.name)
+        if seconds:
             cal.observe_stage(st.cost, seconds)
+
+
+def _observe(cal: Calibrator, r: dict[str, Any], ctx: Context, prior: Efficiency) -> None:
+    stage_s = r["stage_s"]  # under the job's names
+    _observe_plan(
+        cal, r["plan"], ctx.view(r["cfg"]), prior, lambda n: stage_s.get(n.replace("-", "_"))
+    )
 
 
 async def calibrate(
@@ -268,14 +282,10 @@ def in_sample_mape(
     prediction."""
     cal = Calibrator(prior=prior, prior_weight=0.05, window=4096)
     for r in results:
-        work, cluster = r["_view"]
         for row in r["rows"]:
-            if row["measured_s"] is None:
-                continue
-            for st in explain(Plan.from_dict(row["plan"]), work, cluster, prior).stages:
-                seconds = row["stages"][st.name][1]
-                if seconds:
-                    cal.observe_stage(st.cost, seconds)
+            if row["measured_s"] is not None:
+                stages = row["stages"]
+                _observe_plan(cal, row["plan"], r["_view"], prior, lambda n, st=stages: st[n][1])
     eff = cal.fit()
     errors = []
     for r in results:
